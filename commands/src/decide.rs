@@ -1,0 +1,505 @@
+//! `decide`: authorise, validate, choose, and say what happened as events.
+
+use crate::inflight::InFlight;
+use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
+use crate::validate::{self, LIMITS};
+use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K};
+use opendsec_projections::pb;
+use opendsec_projections::schema::{Batch, Denial, Principal};
+use opendsec_projections::state::{limits_to_pb, usage_to_pb};
+use opendsec_projections::{Event, Right, Sandbox, State, Usage};
+use std::collections::BTreeSet;
+
+/// A command's accepted outcome: its events and what the audit view records it against.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decided {
+    pub events: Vec<Event>,
+    pub project: String,
+    pub target: String,
+}
+
+/// The resolved caller: its scope (a project subtree), rights and expiry.
+struct Who {
+    token: Option<String>,
+    project: String,
+    rights: BTreeSet<Right>,
+    expires_at_ms: Option<u64>,
+}
+
+impl Who {
+    fn require(&self, right: Right) -> Result<(), Rejection> {
+        if self.rights.contains(&right) {
+            Ok(())
+        } else {
+            Err(Rejection::new(K::Forbidden, format!("the caller lacks the right {}", right.as_str())))
+        }
+    }
+    fn is_system(&self) -> bool {
+        self.token.is_none()
+    }
+}
+
+fn resolve(state: &State, inflight: &InFlight, ctx: &Ctx) -> Result<Who, Rejection> {
+    match &ctx.caller {
+        Caller::System => Ok(Who {
+            token: None,
+            project: state.root_project().map(|p| p.id.clone()).unwrap_or_default(),
+            rights: Right::ALL.into_iter().collect(),
+            expires_at_ms: None,
+        }),
+        Caller::Token(id) => {
+            let unauth = |why: &str| Rejection::new(K::Unauthenticated, format!("token {id} {why}"));
+            let t = state.iam.tokens.get(id).ok_or_else(|| unauth("is unknown"))?;
+            if t.revoked.is_some() || inflight.token_being_revoked(id) {
+                return Err(unauth("is revoked"));
+            }
+            if t.expires_at_ms.is_some_and(|e| ctx.time_ms >= e) {
+                return Err(unauth("has expired"));
+            }
+            Ok(Who { token: Some(id.clone()), project: t.project.clone(), rights: t.rights.clone(), expires_at_ms: t.expires_at_ms })
+        }
+    }
+}
+
+fn not_found(field: &str, what: &str, id: &str) -> Rejection {
+    Rejection::field(K::NotFound, field, format!("{what} {id} does not exist"))
+}
+
+fn project_in_scope(state: &State, who: &Who, field: &str, project: &str) -> Result<(), Rejection> {
+    validate::id(field, project)?;
+    if !state.iam.projects.contains_key(project) {
+        return Err(not_found(field, "project", project));
+    }
+    if !state.within(project, &who.project) {
+        return Err(Rejection::field(K::Forbidden, field, format!("project {project} is outside the caller's project {}", who.project)));
+    }
+    Ok(())
+}
+
+fn live_sandbox<'a>(state: &'a State, who: &Who, id: &str, right: Right) -> Result<&'a Sandbox, Rejection> {
+    validate::id("sandbox", id)?;
+    let s = state.sandboxes.sandboxes.get(id).ok_or_else(|| not_found("sandbox", "sandbox", id))?;
+    who.require(right)?;
+    if !state.within(&s.project, &who.project) {
+        return Err(Rejection::field(K::Forbidden, "sandbox", format!("sandbox {id} is outside the caller's project")));
+    }
+    if !s.is_live() {
+        return Err(Rejection::field(K::Conflict, "sandbox", format!("sandbox {id} has ended")));
+    }
+    Ok(s)
+}
+
+fn hex32(field: &str, v: &str) -> Result<Vec<u8>, Rejection> {
+    match hex::decode(v) {
+        Ok(b) if b.len() == 32 => Ok(b),
+        _ => Err(Rejection::field(K::Invalid, field, format!("{field} must be 64 hex digits (a SHA-256)"))),
+    }
+}
+
+fn expiry(ctx: &Ctx, seconds: Option<u64>) -> u64 {
+    match seconds {
+        Some(s) if s > 0 => ctx.time_ms.saturating_add(s.saturating_mul(1000)),
+        _ => 0,
+    }
+}
+
+/// Places `n` sandboxes of `usage` in `project`, checking quota against state + in-flight.
+fn place(
+    state: &State,
+    inflight: &InFlight,
+    rng: &mut Rng,
+    project: &str,
+    usage: Usage,
+    n: u32,
+) -> Result<Vec<(String, String, pb::Placement)>, Rejection> {
+    let total = Usage { sandboxes: n as u64, cpu_millis: usage.cpu_millis * n as u64, memory_mb: usage.memory_mb * n as u64 };
+    state
+        .check_quota(project, &total, &|p| inflight.project_usage(p))
+        .map_err(|m| Rejection::new(K::QuotaExceeded, m))?;
+    let mut taken: std::collections::BTreeMap<String, Usage> = Default::default();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let cands: Vec<Candidate> = state
+            .placement
+            .edges
+            .values()
+            .filter(|e| !e.deregistered)
+            .filter_map(|e| {
+                let mut free = e.free();
+                free.sub(&inflight.edge_usage(&e.id));
+                free.sub(&taken.get(&e.id).copied().unwrap_or_default());
+                let fits = free.sandboxes >= 1 && free.cpu_millis >= usage.cpu_millis && free.memory_mb >= usage.memory_mb;
+                fits.then(|| Candidate { edge: e.id.clone(), ordinal: e.ordinal, free })
+            })
+            .collect();
+        let (sampled, best) = place_power_of_k(&cands, DEFAULT_K, rng)
+            .ok_or_else(|| Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"))?;
+        let chosen = &sampled[best];
+        let mut id = sandbox_id(rng, chosen.ordinal);
+        while state.sandboxes.sandboxes.contains_key(&id) || inflight.sandbox_id_taken(&id) || out.iter().any(|(x, _, _)| x == &id) {
+            id = sandbox_id(rng, chosen.ordinal);
+        }
+        taken.entry(chosen.edge.clone()).or_default().add(&Usage { sandboxes: 1, ..usage });
+        let placement = pb::Placement { candidates: sampled.iter().map(|c| c.edge.clone()).collect(), chosen: chosen.edge.clone() };
+        out.push((id, chosen.edge.clone(), placement));
+    }
+    Ok(out)
+}
+
+/// Decides a command against the applied `state` plus the `inflight` overlay.
+pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> Result<Decided, Rejection> {
+    if let Command::Bootstrap { project_name, token_name, secret_sha256 } = cmd {
+        if ctx.caller != Caller::System {
+            return Err(Rejection::new(K::Forbidden, "only the system can bootstrap a cluster"));
+        }
+        validate::name("project_name", project_name)?;
+        validate::name("token_name", token_name)?;
+        let hash = hex32("secret_sha256", secret_sha256)?;
+        if state.root_project().is_some() || inflight.project_name_taken("", project_name) {
+            return Err(Rejection::new(K::Conflict, "the cluster is already initialised"));
+        }
+        let mut rng = Rng::new(ctx.seed);
+        let project = format!("p{:012x}", rng.next_u64() >> 16);
+        let token = format!("{:016x}", rng.next_u64());
+        return Ok(Decided {
+            events: vec![
+                Event::ProjectCreated(pb::ProjectCreated { id: project.clone(), name: project_name.clone(), parent: String::new() }),
+                Event::TokenIssued(pb::TokenIssued {
+                    id: token.clone(),
+                    project: project.clone(),
+                    name: token_name.clone(),
+                    rights: Right::ALL.iter().map(|r| r.as_str().to_string()).collect(),
+                    secret_sha256: hash,
+                    expires_at_ms: 0,
+                    issued_by: String::new(),
+                }),
+            ],
+            project,
+            target: token,
+        });
+    }
+
+    let who = resolve(state, inflight, ctx)?;
+    let mut rng = Rng::new(ctx.seed);
+    let one = |project: &str, target: &str, ev: Event| Decided { events: vec![ev], project: project.to_string(), target: target.to_string() };
+
+    match cmd {
+        Command::Bootstrap { .. } => unreachable!("handled above"),
+        Command::CreateProject { name, parent } => {
+            validate::name("name", name)?;
+            project_in_scope(state, &who, "parent", parent)?;
+            who.require(Right::ProjectWrite)?;
+            let p = &state.iam.projects[parent];
+            let taken = p.children.iter().any(|c| state.iam.projects.get(c).is_some_and(|x| &x.name == name));
+            if taken || inflight.project_name_taken(parent, name) {
+                return Err(Rejection::field(K::Conflict, "name", format!("project {parent} already has a child named {name}")));
+            }
+            let id = format!("p{:012x}", rng.next_u64() >> 16);
+            Ok(one(parent, &id, Event::ProjectCreated(pb::ProjectCreated { id: id.clone(), name: name.clone(), parent: parent.clone() })))
+        }
+        Command::DeleteProject { project } => {
+            project_in_scope(state, &who, "project", project)?;
+            who.require(Right::ProjectWrite)?;
+            if *project == who.project {
+                return Err(Rejection::field(K::Forbidden, "project", "a caller cannot delete its own project"));
+            }
+            let p = &state.iam.projects[project];
+            if !p.children.is_empty() {
+                return Err(Rejection::field(K::Conflict, "project", format!("project {project} still has child projects")));
+            }
+            let live = state.quota.usage.get(project).is_some_and(|u| u.sandboxes > 0) || inflight.project_usage(project).sandboxes > 0;
+            if live {
+                return Err(Rejection::field(K::Conflict, "project", format!("project {project} still has live sandboxes")));
+            }
+            Ok(one(project, project, Event::ProjectDeleted(pb::ProjectDeleted { id: project.clone() })))
+        }
+        Command::SetQuota { project, limits } => {
+            for (f, v, max) in [
+                ("limits.sandboxes", limits.sandboxes, LIMITS.sandboxes),
+                ("limits.cpu_millis", limits.cpu_millis, LIMITS.cpu_millis),
+                ("limits.memory_mb", limits.memory_mb, LIMITS.memory_mb),
+            ] {
+                if let Some(v) = v {
+                    validate::amount(f, v, max)?;
+                }
+            }
+            project_in_scope(state, &who, "project", project)?;
+            who.require(Right::QuotaWrite)?;
+            let p = &state.iam.projects[project];
+            let is_root = p.parent.is_none();
+            // Only the root project's admins may set the root's own limits.
+            if *project == who.project && !is_root && !who.is_system() {
+                return Err(Rejection::field(K::Forbidden, "project", "a caller cannot raise its own project's quota; ask a parent project's admin"));
+            }
+            let bound = state.bound_for_child_of(p.parent.as_deref());
+            if let Some((res, mine, theirs)) = limits.exceeds(&bound) {
+                let mine = if mine == u64::MAX { "unlimited".into() } else { mine.to_string() };
+                return Err(Rejection::field(K::Invalid, &format!("limits.{res}"), format!("{res} limit {mine} exceeds the parent project's limit {theirs}")));
+            }
+            for c in &p.children {
+                if let Some((res, m, _)) = state.effective_limits(c).exceeds(limits).filter(|(_, m, _)| *m != u64::MAX) {
+                    return Err(Rejection::field(K::Conflict, &format!("limits.{res}"), format!("child project {c} has a {res} limit of {m}, above the new limit")));
+                }
+            }
+            let used = state.quota.usage.get(project).copied().unwrap_or_default().plus(&inflight.project_usage(project));
+            if let Some((res, limit)) = limits.exceeded_by(&used) {
+                return Err(Rejection::field(K::Conflict, &format!("limits.{res}"), format!("{res} limit {limit} is below the project's current usage")));
+            }
+            Ok(one(project, project, Event::QuotaSet(pb::QuotaSet { project: project.clone(), limits: Some(limits_to_pb(limits)) })))
+        }
+        Command::IssueToken { project, name, rights, ttl_seconds, secret_sha256 } => {
+            validate::name("name", name)?;
+            let hash = hex32("secret_sha256", secret_sha256)?;
+            if let Some(t) = ttl_seconds {
+                validate::amount("ttl_seconds", *t, LIMITS.timeout_seconds)?;
+            }
+            project_in_scope(state, &who, "project", project)?;
+            who.require(Right::TokenWrite)?;
+            if let Some(r) = rights.iter().find(|r| !who.rights.contains(r)) {
+                return Err(Rejection::field(K::Forbidden, "rights", format!("the caller cannot grant {}: it does not hold it", r.as_str())));
+            }
+            let mut expires = expiry(ctx, *ttl_seconds);
+            if let Some(mine) = who.expires_at_ms {
+                if expires == 0 || expires > mine {
+                    // A delegated token never outlives its issuer.
+                    expires = mine;
+                }
+            }
+            let id = format!("{:016x}", rng.next_u64());
+            let rights: BTreeSet<Right> = rights.iter().copied().collect();
+            Ok(one(
+                project,
+                &id,
+                Event::TokenIssued(pb::TokenIssued {
+                    id: id.clone(),
+                    project: project.clone(),
+                    name: name.clone(),
+                    rights: rights.iter().map(|r| r.as_str().to_string()).collect(),
+                    secret_sha256: hash,
+                    expires_at_ms: expires,
+                    issued_by: who.token.clone().unwrap_or_default(),
+                }),
+            ))
+        }
+        Command::RevokeToken { token, reason } => {
+            validate::id("token", token)?;
+            validate::text("reason", reason, LIMITS.reason_len)?;
+            let t = state.iam.tokens.get(token).ok_or_else(|| not_found("token", "token", token))?;
+            who.require(Right::TokenWrite)?;
+            if !state.within(&t.project, &who.project) {
+                return Err(Rejection::field(K::Forbidden, "token", format!("token {token} is outside the caller's project")));
+            }
+            if t.revoked.is_some() || inflight.token_being_revoked(token) {
+                return Err(Rejection::field(K::Conflict, "token", format!("token {token} is already revoked")));
+            }
+            Ok(one(&t.project, token, Event::TokenRevoked(pb::TokenRevoked { id: token.clone(), reason: reason.clone() })))
+        }
+        Command::RegisterEdge { edge, address, capacity, labels } => {
+            validate::name("edge", edge)?;
+            validate::text("address", address, 255)?;
+            if address.is_empty() {
+                return Err(Rejection::field(K::Invalid, "address", "address must be host:port"));
+            }
+            validate::labels("labels", labels)?;
+            validate::amount("capacity.sandboxes", capacity.sandboxes, LIMITS.sandboxes)?;
+            validate::amount("capacity.cpu_millis", capacity.cpu_millis, LIMITS.cpu_millis)?;
+            validate::amount("capacity.memory_mb", capacity.memory_mb, LIMITS.memory_mb)?;
+            who.require(Right::EdgeWrite)?;
+            let ordinal = match state.placement.edges.get(edge) {
+                Some(e) => e.ordinal,
+                None if inflight.is_new_edge(edge) => {
+                    return Err(Rejection::field(K::Conflict, "edge", format!("edge {edge} is being registered")));
+                }
+                None => state.placement.next_ordinal + inflight.new_edge_count(),
+            };
+            if ordinal > 0xffff {
+                return Err(Rejection::new(K::NoCapacity, "the cluster has used all 65,536 edge ordinals"));
+            }
+            Ok(one(
+                "",
+                edge,
+                Event::EdgeRegistered(pb::EdgeRegistered {
+                    id: edge.clone(),
+                    ordinal,
+                    address: address.clone(),
+                    capacity: Some(usage_to_pb(capacity)),
+                    labels: labels.clone(),
+                }),
+            ))
+        }
+        Command::DeregisterEdge { edge } => {
+            validate::id("edge", edge)?;
+            if !state.placement.edges.contains_key(edge) {
+                return Err(not_found("edge", "edge", edge));
+            }
+            who.require(Right::EdgeWrite)?;
+            Ok(one("", edge, Event::EdgeDeregistered(pb::EdgeDeregistered { id: edge.clone() })))
+        }
+        Command::CreateSandbox { project, image, cpu_millis, memory_mb, labels, timeout_seconds } => {
+            if image.is_empty() {
+                return Err(Rejection::field(K::Invalid, "image", "image must name an image"));
+            }
+            validate::text("image", image, LIMITS.image_len)?;
+            validate::amount("cpu_millis", *cpu_millis, LIMITS.cpu_millis)?;
+            validate::amount("memory_mb", *memory_mb, LIMITS.memory_mb)?;
+            if *cpu_millis == 0 || *memory_mb == 0 {
+                return Err(Rejection::field(K::Invalid, if *cpu_millis == 0 { "cpu_millis" } else { "memory_mb" }, "a sandbox needs some CPU and memory"));
+            }
+            validate::labels("labels", labels)?;
+            if let Some(t) = timeout_seconds {
+                validate::amount("timeout_seconds", *t, LIMITS.timeout_seconds)?;
+            }
+            project_in_scope(state, &who, "project", project)?;
+            who.require(Right::SandboxWrite)?;
+            let usage = Usage { sandboxes: 1, cpu_millis: *cpu_millis, memory_mb: *memory_mb };
+            let placed = place(state, inflight, &mut rng, project, usage, 1)?;
+            let (id, edge, placement) = placed.into_iter().next().expect("place returns one per request");
+            Ok(one(
+                project,
+                &id,
+                Event::SandboxCreated(pb::SandboxCreated {
+                    id: id.clone(),
+                    project: project.clone(),
+                    edge,
+                    image: image.clone(),
+                    cpu_millis: *cpu_millis,
+                    memory_mb: *memory_mb,
+                    labels: labels.clone(),
+                    expires_at_ms: expiry(ctx, *timeout_seconds),
+                    fork_of: String::new(),
+                    placement: Some(placement),
+                }),
+            ))
+        }
+        Command::ForkSandbox { sandbox, count } => {
+            if *count == 0 || *count > LIMITS.fork_count {
+                return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
+            }
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count)?;
+            let mut events = vec![Event::SandboxForkRequested(pb::SandboxForkRequested {
+                id: sandbox.clone(),
+                children: placed.iter().map(|(id, _, _)| id.clone()).collect(),
+            })];
+            for (id, edge, placement) in placed {
+                events.push(Event::SandboxCreated(pb::SandboxCreated {
+                    id,
+                    project: s.project.clone(),
+                    edge,
+                    image: s.image.clone(),
+                    cpu_millis: s.cpu_millis,
+                    memory_mb: s.memory_mb,
+                    labels: s.labels.clone(),
+                    expires_at_ms: s.expires_at_ms.unwrap_or(0),
+                    fork_of: sandbox.clone(),
+                    placement: Some(placement),
+                }));
+            }
+            Ok(Decided { events, project: s.project.clone(), target: sandbox.clone() })
+        }
+        Command::PauseSandbox { sandbox } => {
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            Ok(one(&s.project, sandbox, Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: sandbox.clone() })))
+        }
+        Command::ResumeSandbox { sandbox } => {
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            Ok(one(&s.project, sandbox, Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: sandbox.clone() })))
+        }
+        Command::KillSandbox { sandbox } => {
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            let reason = if who.is_system() { "timeout" } else { "user" };
+            Ok(one(&s.project, sandbox, Event::SandboxKillRequested(pb::SandboxKillRequested { id: sandbox.clone(), reason: reason.into() })))
+        }
+        Command::SetSandboxTimeout { sandbox, timeout_seconds } => {
+            validate::amount("timeout_seconds", *timeout_seconds, LIMITS.timeout_seconds)?;
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            let at = expiry(ctx, Some(*timeout_seconds));
+            Ok(one(&s.project, sandbox, Event::SandboxTimeoutSet(pb::SandboxTimeoutSet { id: sandbox.clone(), expires_at_ms: at })))
+        }
+        Command::SetSandboxLabels { sandbox, labels } => {
+            validate::labels("labels", labels)?;
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            Ok(one(&s.project, sandbox, Event::SandboxLabelsSet(pb::SandboxLabelsSet { id: sandbox.clone(), labels: labels.clone() })))
+        }
+        Command::ReportSandbox { sandbox, observation } => {
+            validate::id("sandbox", sandbox)?;
+            let s = state.sandboxes.sandboxes.get(sandbox).ok_or_else(|| not_found("sandbox", "sandbox", sandbox))?;
+            who.require(Right::EdgeWrite)?;
+            let id = sandbox.clone();
+            let ev = match observation {
+                Observation::Ready => Event::SandboxReady(pb::SandboxReady { id }),
+                Observation::Paused => Event::SandboxPaused(pb::SandboxPaused { id }),
+                Observation::Resumed => Event::SandboxResumed(pb::SandboxResumed { id }),
+                Observation::Failed { reason } => {
+                    validate::text("observation.reason", reason, LIMITS.reason_len)?;
+                    Event::SandboxFailed(pb::SandboxFailed { id, reason: reason.clone() })
+                }
+                Observation::Exited { exit_code, oom_killed, reason } => {
+                    validate::text("observation.reason", reason, LIMITS.reason_len)?;
+                    Event::SandboxExited(pb::SandboxExited { id, exit_code: *exit_code, oom_killed: *oom_killed, reason: reason.clone() })
+                }
+            };
+            Ok(one(&s.project, sandbox, ev))
+        }
+    }
+}
+
+/// The log entry for a decision, or `None` when the refusal is not to be logged
+/// (bad input, unknown ids, failed authentication leave the log unchanged).
+pub fn batch_for(cmd: &Command, ctx: &Ctx, state: &State, decided: &Result<Decided, Rejection>) -> Option<Batch> {
+    let principal = match &ctx.caller {
+        Caller::System => Principal { kind: "system".into(), id: String::new(), project: String::new() },
+        Caller::Token(id) => Principal {
+            kind: "token".into(),
+            id: id.clone(),
+            project: state.iam.tokens.get(id).map(|t| t.project.clone()).unwrap_or_default(),
+        },
+    };
+    let mut batch = Batch {
+        time_ms: ctx.time_ms,
+        request_id: ctx.request_id.clone(),
+        principal: Some(principal),
+        action: cmd.action().to_string(),
+        project: String::new(),
+        target: String::new(),
+        events: vec![],
+        denial: None,
+        seed: ctx.seed,
+    };
+    match decided {
+        Ok(d) => {
+            batch.project = d.project.clone();
+            batch.target = d.target.clone();
+            batch.events = d.events.iter().map(Event::to_envelope).collect();
+        }
+        Err(r) if r.kind.is_logged() => {
+            let (project, target) = audit_subject(cmd, state);
+            batch.project = project;
+            batch.target = target;
+            batch.denial = Some(Denial { code: r.kind.code().into(), message: r.message.clone(), field: r.field.clone().unwrap_or_default() });
+        }
+        Err(_) => return None,
+    }
+    Some(batch)
+}
+
+/// What a refused command was aimed at, for the audit view.
+fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
+    let sandbox_project = |id: &str| state.sandboxes.sandboxes.get(id).map(|s| s.project.clone()).unwrap_or_default();
+    match cmd {
+        Command::Bootstrap { project_name, .. } => (String::new(), project_name.clone()),
+        Command::CreateProject { name, parent } => (parent.clone(), name.clone()),
+        Command::DeleteProject { project } | Command::SetQuota { project, .. } => (project.clone(), project.clone()),
+        Command::IssueToken { project, name, .. } => (project.clone(), name.clone()),
+        Command::RevokeToken { token, .. } => (state.iam.tokens.get(token).map(|t| t.project.clone()).unwrap_or_default(), token.clone()),
+        Command::RegisterEdge { edge, .. } | Command::DeregisterEdge { edge } => (String::new(), edge.clone()),
+        Command::CreateSandbox { project, image, .. } => (project.clone(), image.clone()),
+        Command::ForkSandbox { sandbox, .. }
+        | Command::PauseSandbox { sandbox }
+        | Command::ResumeSandbox { sandbox }
+        | Command::KillSandbox { sandbox }
+        | Command::SetSandboxTimeout { sandbox, .. }
+        | Command::SetSandboxLabels { sandbox, .. }
+        | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
+    }
+}

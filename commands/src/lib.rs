@@ -1,0 +1,183 @@
+//! OpenDsec's commands: what can be asked of the control plane, and the one pure
+//! function that turns a request into events.
+//!
+//! `decide(state, in_flight, cmd, ctx)` authorises the principal, validates the
+//! input and chooses (placement, ids) using only its arguments: the time, the random
+//! seed and the principal arrive in `ctx` and the choices are recorded in the events.
+//! Architecture invariant: no IO, no clock, no randomness of its own.
+
+mod decide;
+mod inflight;
+mod placement;
+mod validate;
+
+pub use decide::{batch_for, decide, Decided};
+pub use inflight::InFlight;
+pub use placement::{edge_ordinal_of, place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
+pub use validate::LIMITS;
+
+use opendsec_projections::{Limits, Right, Usage};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Every write the control plane accepts. Each variant says when it is legal in `decide`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Command {
+    /// Creates the root project and its first admin token. Legal once, by the system principal.
+    Bootstrap { project_name: String, token_name: String, secret_sha256: String },
+    /// Creates a project under `parent`. Needs project:write on the parent.
+    CreateProject { name: String, parent: String },
+    /// Deletes an empty project strictly below the principal's own. Needs project:write.
+    DeleteProject { project: String },
+    /// Sets a project's limits; a child's can never exceed its parent's. Needs quota:write
+    /// on a strict ancestor (or on the root project, for the root itself).
+    SetQuota { project: String, limits: Limits },
+    /// Issues a token with rights the issuer holds, in its subtree, expiring no later than it.
+    IssueToken {
+        project: String,
+        name: String,
+        rights: Vec<Right>,
+        ttl_seconds: Option<u64>,
+        /// Hex SHA-256 of the secret the caller generated; the secret never reaches the log.
+        secret_sha256: String,
+    },
+    /// Revokes a token in the principal's subtree. Needs token:write.
+    RevokeToken { token: String, reason: String },
+    /// Registers or updates an edge. Needs edge:write.
+    RegisterEdge { edge: String, address: String, capacity: Usage, labels: BTreeMap<String, String> },
+    /// Stops placing on an edge. Needs edge:write.
+    DeregisterEdge { edge: String },
+    /// Places a sandbox on an edge (power-of-k over free capacity). Needs sandbox:write.
+    CreateSandbox {
+        project: String,
+        image: String,
+        cpu_millis: u64,
+        memory_mb: u64,
+        labels: BTreeMap<String, String>,
+        timeout_seconds: Option<u64>,
+    },
+    /// Creates `count` copies of a live sandbox. Needs sandbox:write.
+    ForkSandbox { sandbox: String, count: u32 },
+    PauseSandbox { sandbox: String },
+    ResumeSandbox { sandbox: String },
+    KillSandbox { sandbox: String },
+    /// Sets the sandbox's lifetime from now (0 = none).
+    SetSandboxTimeout { sandbox: String, timeout_seconds: u64 },
+    SetSandboxLabels { sandbox: String, labels: BTreeMap<String, String> },
+    /// What an edge observed about one of its sandboxes. Needs edge:write.
+    ReportSandbox { sandbox: String, observation: Observation },
+}
+
+/// An edge's observation of a sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Observation {
+    Ready,
+    Paused,
+    Resumed,
+    Failed { reason: String },
+    Exited { exit_code: i32, oom_killed: bool, reason: String },
+}
+
+impl Command {
+    /// The audit view's action name.
+    pub fn action(&self) -> &'static str {
+        match self {
+            Command::Bootstrap { .. } => "cluster.bootstrap",
+            Command::CreateProject { .. } => "project.create",
+            Command::DeleteProject { .. } => "project.delete",
+            Command::SetQuota { .. } => "quota.set",
+            Command::IssueToken { .. } => "token.issue",
+            Command::RevokeToken { .. } => "token.revoke",
+            Command::RegisterEdge { .. } => "edge.register",
+            Command::DeregisterEdge { .. } => "edge.deregister",
+            Command::CreateSandbox { .. } => "sandbox.create",
+            Command::ForkSandbox { .. } => "sandbox.fork",
+            Command::PauseSandbox { .. } => "sandbox.pause",
+            Command::ResumeSandbox { .. } => "sandbox.resume",
+            Command::KillSandbox { .. } => "sandbox.kill",
+            Command::SetSandboxTimeout { .. } => "sandbox.set_timeout",
+            Command::SetSandboxLabels { .. } => "sandbox.set_labels",
+            Command::ReportSandbox { .. } => "sandbox.report",
+        }
+    }
+}
+
+/// Who is asking. Authentication (checking a secret) happens before `decide`; `decide`
+/// still checks that the token exists, is not revoked and has not expired.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "id", rename_all = "snake_case")]
+pub enum Caller {
+    /// A token, by id.
+    Token(String),
+    /// The control plane itself (bootstrap, TTL enforcement).
+    System,
+}
+
+/// Everything `decide` may not find out for itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ctx {
+    pub time_ms: u64,
+    pub seed: u64,
+    pub request_id: String,
+    pub caller: Caller,
+}
+
+/// Why a command was refused. `kind` decides the HTTP status and whether the refusal
+/// is logged: bad input is not (the log stays unchanged), a denial is (the audit view
+/// shows every write, accepted or denied).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct Rejection {
+    pub kind: RejectionKind,
+    pub message: String,
+    pub field: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectionKind {
+    /// The request is malformed (400); not logged.
+    Invalid,
+    /// It names something that does not exist (404); not logged.
+    NotFound,
+    /// The caller's token is unknown, revoked or expired (401); not logged.
+    Unauthenticated,
+    /// The caller lacks the right (403); logged.
+    Forbidden,
+    /// It conflicts with existing state (409); logged.
+    Conflict,
+    /// A quota would be exceeded (429); logged.
+    QuotaExceeded,
+    /// No edge can take it (503); logged.
+    NoCapacity,
+}
+
+impl RejectionKind {
+    pub fn code(self) -> &'static str {
+        match self {
+            RejectionKind::Invalid => "invalid",
+            RejectionKind::NotFound => "not_found",
+            RejectionKind::Unauthenticated => "unauthenticated",
+            RejectionKind::Forbidden => "forbidden",
+            RejectionKind::Conflict => "conflict",
+            RejectionKind::QuotaExceeded => "quota_exceeded",
+            RejectionKind::NoCapacity => "no_capacity",
+        }
+    }
+
+    /// Whether a refusal of this kind is written to the log (and so to the audit view).
+    pub fn is_logged(self) -> bool {
+        !matches!(self, RejectionKind::Invalid | RejectionKind::NotFound | RejectionKind::Unauthenticated)
+    }
+}
+
+impl Rejection {
+    pub fn new(kind: RejectionKind, message: impl Into<String>) -> Rejection {
+        Rejection { kind, message: message.into(), field: None }
+    }
+    pub fn field(kind: RejectionKind, field: &str, message: impl Into<String>) -> Rejection {
+        Rejection { kind, message: message.into(), field: Some(field.to_string()) }
+    }
+}

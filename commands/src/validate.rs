@@ -1,0 +1,88 @@
+//! Input rules shared by every command: names, labels, amounts. A breach is a
+//! `RejectionKind::Invalid` naming the offending field, and nothing is logged.
+
+use crate::{Rejection, RejectionKind};
+use std::collections::BTreeMap;
+
+/// The largest values the API accepts; anything above is a typo or an attack.
+pub struct InputLimits {
+    pub name_len: usize,
+    pub label_count: usize,
+    pub label_key_len: usize,
+    pub label_value_len: usize,
+    pub image_len: usize,
+    pub sandboxes: u64,
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub fork_count: u32,
+    pub timeout_seconds: u64,
+    pub reason_len: usize,
+}
+
+pub const LIMITS: InputLimits = InputLimits {
+    name_len: 63,
+    label_count: 64,
+    label_key_len: 63,
+    label_value_len: 255,
+    image_len: 255,
+    sandboxes: 10_000_000,
+    cpu_millis: 1_000_000_000,
+    memory_mb: 1_000_000_000,
+    fork_count: 1024,
+    timeout_seconds: 366 * 24 * 3600,
+    reason_len: 1024,
+};
+
+fn invalid(field: &str, msg: String) -> Rejection {
+    Rejection::field(RejectionKind::Invalid, field, msg)
+}
+
+/// A name: 1-63 characters of a-z, 0-9, '-', '_' or '.', starting with a letter or digit.
+pub fn name(field: &str, v: &str) -> Result<(), Rejection> {
+    if v.is_empty() || v.len() > LIMITS.name_len {
+        return Err(invalid(field, format!("{field} must be 1 to {} characters long", LIMITS.name_len)));
+    }
+    let ok_first = v.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let ok_rest = v.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'));
+    if !ok_first || !ok_rest {
+        return Err(invalid(field, format!("{field} may hold only a-z, 0-9, '-', '_' and '.', and must start with a letter or digit")));
+    }
+    Ok(())
+}
+
+/// An id that must be non-empty and short (its existence is checked separately).
+pub fn id(field: &str, v: &str) -> Result<(), Rejection> {
+    if v.is_empty() || v.len() > 128 || v.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(invalid(field, format!("{field} must be a non-empty id without spaces, at most 128 characters")));
+    }
+    Ok(())
+}
+
+pub fn labels(field: &str, l: &BTreeMap<String, String>) -> Result<(), Rejection> {
+    if l.len() > LIMITS.label_count {
+        return Err(invalid(field, format!("at most {} labels", LIMITS.label_count)));
+    }
+    for (k, v) in l {
+        if k.is_empty() || k.len() > LIMITS.label_key_len || k.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return Err(invalid(field, format!("label key {k:?} must be 1 to {} characters without spaces", LIMITS.label_key_len)));
+        }
+        if v.len() > LIMITS.label_value_len || v.chars().any(|c| c.is_control()) {
+            return Err(invalid(field, format!("label {k:?} has a value over {} characters or with control characters", LIMITS.label_value_len)));
+        }
+    }
+    Ok(())
+}
+
+pub fn amount(field: &str, v: u64, max: u64) -> Result<(), Rejection> {
+    if v > max {
+        return Err(invalid(field, format!("{field} = {v} is over the maximum {max}")));
+    }
+    Ok(())
+}
+
+pub fn text(field: &str, v: &str, max: usize) -> Result<(), Rejection> {
+    if v.len() > max || v.chars().any(|c| c.is_control() && c != '\n') {
+        return Err(invalid(field, format!("{field} must be at most {max} characters, without control characters")));
+    }
+    Ok(())
+}

@@ -1,0 +1,109 @@
+//! # opendsec-log: a generic replicated, durable log
+//!
+//! This crate turns an application's deterministic [`StateMachine`] into a replicated one:
+//! payloads proposed on the leader ([`LogNode::propose`]) are appended to a Raft log
+//! (openraft), made durable in a [redb](redb) file, replicated to the peers over tonic gRPC,
+//! and applied in index order on every node.
+//!
+//! What is on disk (one redb file, `<data_dir>/log.redb`):
+//! - the Raft vote, the committed log id and the last purged log id;
+//! - the live Raft log (every append is one durable commit before openraft is told it is
+//!   flushed; concurrent appends share one fsync: see [`store`](crate::store));
+//! - the latest snapshot (the application's [`StateMachine::snapshot`] bytes plus Raft
+//!   metadata). The application state itself is kept only in memory: after a restart it
+//!   is restored from the latest snapshot, then the committed entries after it are re-applied;
+//! - the **archive**: when openraft purges log entries after a snapshot, the purged
+//!   application entries are first copied into the archive table in the same write
+//!   transaction, so history is never lost unless a retention is configured
+//!   ([`LogConfig::archive_retention`]). [`LogNode::read_entries`] reads archive + live log.
+//!
+//! The Raft peer transport is a tonic service ([`LogNode::raft_service`]) that the caller adds
+//! to its own tonic router (the peer port can host other services too):
+//!
+//! ```no_run
+//! # async fn demo<S: opendsec_log::StateMachine>(node: opendsec_log::LogNode<S>) -> Result<(), Box<dyn std::error::Error>> {
+//! let router = tonic::transport::Server::builder().add_service(node.raft_service());
+//! // .add_service(other_service) ...
+//! router.serve("127.0.0.1:7410".parse()?).await?;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod error;
+mod network;
+mod node;
+mod service;
+mod sm;
+pub mod store;
+
+/// Generated gRPC code for `proto/raft.proto` (package `opendsec.raft.v1`).
+pub mod pb {
+    #![allow(missing_docs, clippy::all)]
+    tonic::include_proto!("opendsec.raft.v1");
+}
+
+pub use config::LogConfig;
+pub use error::{LogError, MembershipError, ProposeError};
+pub use node::{Applied, AppliedEntry, LogNode, Status};
+pub use service::{RaftGrpc, serve_peer};
+pub use sm::SmStore;
+
+/// The `RaftServiceServer` type to add to a tonic router, for a node running state machine `S`.
+pub type RaftServer<S> = pb::raft_service_server::RaftServiceServer<RaftGrpc<S>>;
+
+/// The application's deterministic state machine. The log applies committed payloads to it in index order.
+pub trait StateMachine: Send + Sync + 'static {
+    /// Apply one committed entry's payload; the returned bytes are handed to the proposer.
+    fn apply(&mut self, index: u64, payload: &[u8]) -> Vec<u8>;
+    /// Serialize the whole state (Raft snapshots).
+    fn snapshot(&self) -> Vec<u8>;
+    /// Replace the whole state with a snapshot's content.
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String>;
+}
+
+/// An application payload as carried in the Raft log (opaque bytes).
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Payload(pub Vec<u8>);
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Payload({} bytes)", self.0.len())
+    }
+}
+
+impl std::fmt::Display for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes", self.0.len())
+    }
+}
+
+openraft::declare_raft_types!(
+    /// The openraft type configuration of this log: u64 node ids, `BasicNode { addr }` node
+    /// info (the peer's gRPC `host:port`), opaque byte payloads and responses.
+    pub TypeConfig:
+        D = Payload,
+        R = Vec<u8>,
+        NodeId = u64,
+        Node = openraft::BasicNode,
+);
+
+/// openraft type aliases used throughout the crate.
+pub(crate) mod typ {
+    use super::TypeConfig;
+    pub type LogId = openraft::alias::LogIdOf<TypeConfig>;
+    pub type Vote = openraft::alias::VoteOf<TypeConfig>;
+    pub type Entry = openraft::alias::EntryOf<TypeConfig>;
+    pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
+    pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
+    pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, Vec<u8>>;
+}
+
+/// Encode with postcard (the crate's single binary encoding, on disk and on the wire).
+pub(crate) fn encode<T: serde::Serialize>(v: &T) -> Result<Vec<u8>, std::io::Error> {
+    postcard::to_stdvec(v).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Decode postcard bytes written by [`encode`].
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, std::io::Error> {
+    postcard::from_bytes(b).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}

@@ -1,0 +1,195 @@
+//! Raft client side: openraft's network factory over tonic gRPC.
+//!
+//! One lazily-connected tonic `Channel` per peer is kept and shared by every openraft
+//! connection to that peer. A tonic channel re-establishes its HTTP/2 connection by itself
+//! after a failure, so a killed peer that comes back on the same address is reached again
+//! without any action here; a changed address replaces the channel.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use openraft::errors::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
+use openraft::network::{RPCOption, RaftNetworkFactory, v2::RaftNetworkV2};
+use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse};
+use openraft::{BasicNode, OptionalSend};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::pb;
+use crate::pb::raft_service_client::RaftServiceClient;
+use crate::typ::{Snapshot, Vote};
+use crate::{TypeConfig, decode, encode};
+
+/// Snapshot bytes per gRPC stream message.
+const SNAPSHOT_CHUNK: usize = 1024 * 1024;
+
+type Rpc<T> = Result<T, RPCError<TypeConfig>>;
+
+/// The openraft network factory: hands out connections sharing one channel per peer.
+#[derive(Clone)]
+pub(crate) struct Network {
+    channels: Arc<Mutex<HashMap<u64, (String, Channel)>>>,
+    rpc_timeout: Duration,
+}
+
+impl Network {
+    pub(crate) fn new(rpc_timeout: Duration) -> Self {
+        Network {
+            channels: Arc::new(Mutex::new(HashMap::new())),
+            rpc_timeout,
+        }
+    }
+
+    fn channel(&self, target: u64, addr: &str) -> Result<Channel, String> {
+        let mut map = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((a, ch)) = map.get(&target)
+            && a == addr
+        {
+            return Ok(ch.clone());
+        }
+        let url = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let ch = Endpoint::from_shared(url)
+            .map_err(|e| format!("invalid peer address {addr:?}: {e}"))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .connect_lazy();
+        map.insert(target, (addr.to_string(), ch.clone()));
+        Ok(ch)
+    }
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = Conn;
+
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> Conn {
+        Conn {
+            target,
+            channel: self.channel(target, &node.addr),
+            rpc_timeout: self.rpc_timeout,
+        }
+    }
+}
+
+/// One openraft connection to a peer.
+pub(crate) struct Conn {
+    target: u64,
+    channel: Result<Channel, String>,
+    rpc_timeout: Duration,
+}
+
+fn status_err(s: tonic::Status) -> RPCError<TypeConfig> {
+    match s.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+            RPCError::Unreachable(Unreachable::new(&s))
+        }
+        _ => RPCError::Network(NetworkError::new(&s)),
+    }
+}
+
+fn net_err(e: impl std::fmt::Display) -> RPCError<TypeConfig> {
+    RPCError::Network(NetworkError::from_string(e.to_string()))
+}
+
+fn to_streaming(e: RPCError<TypeConfig>) -> StreamingError<TypeConfig> {
+    match e {
+        RPCError::Timeout(t) => StreamingError::Timeout(t),
+        RPCError::Unreachable(u) => StreamingError::Unreachable(u),
+        RPCError::Network(n) => StreamingError::Network(n),
+        RPCError::RemoteError(r) => StreamingError::Network(NetworkError::from_string(r.to_string())),
+    }
+}
+
+impl Conn {
+    fn client(&self) -> Rpc<RaftServiceClient<Channel>> {
+        match &self.channel {
+            Ok(ch) => Ok(RaftServiceClient::new(ch.clone())
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(usize::MAX)),
+            Err(e) => Err(RPCError::Unreachable(Unreachable::from_string(e.clone()))),
+        }
+    }
+
+    async fn unary<Req, Resp, F, Fut>(&self, req: &Req, ttl: Duration, call: F) -> Rpc<Resp>
+    where
+        Req: serde::Serialize,
+        Resp: serde::de::DeserializeOwned,
+        F: FnOnce(RaftServiceClient<Channel>, pb::RaftMessage) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<pb::RaftMessage>, tonic::Status>>,
+    {
+        let msg = pb::RaftMessage {
+            payload: encode(req).map_err(net_err)?,
+        };
+        let client = self.client()?;
+        let resp = match tokio::time::timeout(ttl, call(client, msg)).await {
+            Ok(r) => r.map_err(status_err)?,
+            Err(_) => {
+                return Err(RPCError::Unreachable(Unreachable::from_string(format!(
+                    "rpc to node {} timed out after {ttl:?}",
+                    self.target
+                ))));
+            }
+        };
+        decode(&resp.into_inner().payload).map_err(net_err)
+    }
+}
+
+impl RaftNetworkV2<TypeConfig> for Conn {
+    type SnapshotData = Vec<u8>;
+
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Rpc<AppendEntriesResponse<TypeConfig>> {
+        let ttl = option.hard_ttl().max(self.rpc_timeout);
+        self.unary(&rpc, ttl, |mut c, m| async move { c.append_entries(m).await })
+            .await
+    }
+
+    async fn vote(&mut self, rpc: VoteRequest<TypeConfig>, option: RPCOption) -> Rpc<VoteResponse<TypeConfig>> {
+        let ttl = option.hard_ttl().min(self.rpc_timeout);
+        self.unary(&rpc, ttl, |mut c, m| async move { c.vote(m).await }).await
+    }
+
+    async fn pre_vote(&mut self, rpc: VoteRequest<TypeConfig>, option: RPCOption) -> Rpc<VoteResponse<TypeConfig>> {
+        let ttl = option.hard_ttl().min(self.rpc_timeout);
+        self.unary(&rpc, ttl, |mut c, m| async move { c.pre_vote(m).await }).await
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: Vote,
+        snapshot: Snapshot,
+        cancel: impl Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        _option: RPCOption,
+    ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
+        let meta = encode(&(vote, snapshot.meta)).map_err(|e| to_streaming(net_err(e)))?;
+        let mut chunks = vec![pb::SnapshotChunk { meta, data: Vec::new() }];
+        for c in snapshot.snapshot.chunks(SNAPSHOT_CHUNK) {
+            chunks.push(pb::SnapshotChunk {
+                meta: Vec::new(),
+                data: c.to_vec(),
+            });
+        }
+        let mut client = self.client().map_err(to_streaming)?;
+        let ttl = self.rpc_timeout * 20;
+        let call = async move {
+            match tokio::time::timeout(ttl, client.install_snapshot(tokio_stream::iter(chunks))).await {
+                Ok(r) => r.map_err(status_err),
+                Err(_) => Err(RPCError::Unreachable(Unreachable::from_string("snapshot transfer timed out"))),
+            }
+        };
+        let resp = tokio::select! {
+            r = call => r.map_err(to_streaming)?,
+            closed = cancel => return Err(StreamingError::Closed(closed)),
+        };
+        decode(&resp.into_inner().payload).map_err(|e| to_streaming(net_err(e)))
+    }
+}

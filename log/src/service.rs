@@ -1,0 +1,102 @@
+//! Raft server side: the tonic service peers call, to be added to the caller's router.
+
+use std::future::Future;
+
+use openraft::Raft;
+use openraft::raft::{AppendEntriesRequest, VoteRequest};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::pb::raft_service_server::{RaftService, RaftServiceServer};
+use crate::pb::{RaftMessage, SnapshotChunk};
+use crate::sm::SmStore;
+use crate::typ::{Snapshot, SnapshotMeta, Vote};
+use crate::{LogNode, RaftServer, StateMachine, TypeConfig, decode, encode};
+
+/// The gRPC handler of the Raft peer protocol for one node. Build the tonic service with
+/// [`LogNode::raft_service`].
+pub struct RaftGrpc<S: StateMachine> {
+    raft: Raft<TypeConfig, SmStore<S>>,
+}
+
+impl<S: StateMachine> RaftGrpc<S> {
+    pub(crate) fn server(raft: Raft<TypeConfig, SmStore<S>>) -> RaftServer<S> {
+        RaftServiceServer::new(RaftGrpc { raft })
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX)
+    }
+}
+
+fn bad_request(e: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("undecodable raft message: {e}"))
+}
+
+/// The local node stopped: peers see it as unreachable.
+fn stopped(e: impl std::fmt::Display) -> Status {
+    Status::unavailable(format!("raft node stopped: {e}"))
+}
+
+fn reply<T: serde::Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
+    let payload = encode(v).map_err(|e| Status::internal(e.to_string()))?;
+    Ok(Response::new(RaftMessage { payload }))
+}
+
+#[tonic::async_trait]
+impl<S: StateMachine> RaftService for RaftGrpc<S> {
+    async fn append_entries(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let rpc: AppendEntriesRequest<TypeConfig> = decode(&req.into_inner().payload).map_err(bad_request)?;
+        let resp = self.raft.append_entries(rpc).await.map_err(stopped)?;
+        reply(&resp)
+    }
+
+    async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let rpc: VoteRequest<TypeConfig> = decode(&req.into_inner().payload).map_err(bad_request)?;
+        let resp = self.raft.vote(rpc).await.map_err(stopped)?;
+        reply(&resp)
+    }
+
+    async fn pre_vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let rpc: VoteRequest<TypeConfig> = decode(&req.into_inner().payload).map_err(bad_request)?;
+        let resp = self.raft.pre_vote(rpc).await.map_err(stopped)?;
+        reply(&resp)
+    }
+
+    async fn install_snapshot(
+        &self,
+        req: Request<Streaming<SnapshotChunk>>,
+    ) -> Result<Response<RaftMessage>, Status> {
+        let mut stream = req.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("empty snapshot stream"))?;
+        let (vote, meta): (Vote, SnapshotMeta) = decode(&first.meta).map_err(bad_request)?;
+        let mut data = first.data;
+        while let Some(chunk) = stream.message().await? {
+            data.extend_from_slice(&chunk.data);
+        }
+        let resp = self
+            .raft
+            .install_full_snapshot(vote, Snapshot { meta, snapshot: data })
+            .await
+            .map_err(stopped)?;
+        reply(&resp)
+    }
+}
+
+/// Serve the Raft peer service (plus whatever `extra` already routes) on `listener` until
+/// `shutdown` completes. `extra` is a router made with `tonic::transport::Server::builder()`
+/// carrying the node's other peer-port services; `None` serves the Raft service alone.
+pub async fn serve_peer<S: StateMachine>(
+    listener: tokio::net::TcpListener,
+    node: &LogNode<S>,
+    extra: Option<tonic::transport::server::Router>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let router = match extra {
+        Some(r) => r.add_service(node.raft_service()),
+        None => tonic::transport::Server::builder().add_service(node.raft_service()),
+    };
+    router
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .await
+}

@@ -1,0 +1,18 @@
+//! OpenDsec benchmark harness.
+//!
+//! * [`load`]: the [`WriteTarget`] trait and the closed-loop load generator [`run_load`].
+//! * [`targets`]: [`TargetSpec`] (how a target is set up and torn down) and the list
+//!   of targets the `log` benchmark runs ([`targets::log_targets`]); adding a target is
+//!   one entry in that list.
+//! * [`redb_raw`]: baseline (a): one durable redb write transaction per op.
+//! * [`etcd`]: baseline (b): an etcd cluster on loopback driven through its v3 HTTP/JSON gateway.
+//! * [`report`]: the result table and the goals section.
+
+pub mod etcd;
+pub mod load;
+pub mod redb_raw;
+pub mod report;
+pub mod targets;
+
+pub use load::{BoxFuture, LoadReport, WriteTarget, run_load};
+pub use targets::{Session, SetupCtx, TargetSpec};

@@ -1,0 +1,155 @@
+//! `opendsec-bench log`: append commit latency and throughput of the replicated log
+//! beside a raw durable redb commit and etcd. See `opendsec_bench::targets::log_targets`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use opendsec_bench::report::{self, ReplayRow, Row};
+use opendsec_bench::targets::{SetupCtx, log_targets};
+use opendsec_bench::run_load;
+
+#[derive(Parser)]
+#[command(name = "opendsec-bench", about = "OpenDsec benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Append commit latency/throughput: every target at every concurrency.
+    Log(LogArgs),
+}
+
+#[derive(clap::Args)]
+struct LogArgs {
+    /// Measured ops per (target, concurrency) [default: 2000 at concurrency 1, else 10000].
+    #[arg(long)]
+    ops: Option<usize>,
+    /// Payload bytes per append.
+    #[arg(long, default_value_t = 256)]
+    payload: usize,
+    /// Comma-separated concurrency levels.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    concurrency: Vec<usize>,
+    /// Where targets keep their data (same disk as the system under test)
+    /// [default: ./target/bench-data].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Skip the etcd baselines.
+    #[arg(long)]
+    skip_etcd: bool,
+    /// Run only targets whose name contains this (repeatable).
+    #[arg(long)]
+    only: Vec<String>,
+    /// etcd executable.
+    #[arg(long, default_value = "etcd")]
+    etcd_bin: String,
+    /// Target options, key=value (repeatable).
+    #[arg(long = "opt", value_parser = parse_kv)]
+    opts: Vec<(String, String)>,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let Cmd::Log(a) = cli.cmd;
+    let code = run_log(a).await;
+    std::process::exit(code);
+}
+
+async fn run_log(a: LogArgs) -> i32 {
+    let data_dir = a.data_dir.clone().unwrap_or_else(|| {
+        std::env::current_dir().expect("cwd").join("target").join("bench-data")
+    });
+    if let Err(e) = std::fs::create_dir_all(&data_dir) {
+        eprintln!("cannot create {data_dir:?}: {e}");
+        return 2;
+    }
+    let ctx = SetupCtx {
+        data_dir: data_dir.clone(),
+        payload_len: a.payload,
+        etcd_bin: a.etcd_bin.clone(),
+        opts: a.opts.iter().cloned().collect::<BTreeMap<_, _>>(),
+    };
+    let specs: Vec<_> = log_targets()
+        .into_iter()
+        .filter(|s| !(a.skip_etcd && s.family == "etcd"))
+        .filter(|s| a.only.is_empty() || a.only.iter().any(|o| s.name.contains(o.as_str())))
+        .collect();
+    eprintln!(
+        "opendsec-bench log: payload {} B, concurrency {:?}, data dir {}",
+        a.payload,
+        a.concurrency,
+        data_dir.display()
+    );
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    let mut replays = Vec::new();
+    let mut failed = Vec::new();
+    for spec in &specs {
+        eprintln!("== {} ({} member{}): setting up", spec.name, spec.members, if spec.members == 1 { "" } else { "s" });
+        let session = match (spec.setup)(ctx.clone()).await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("   setup failed: {e}");
+                failed.push(format!("{} ({} members): setup failed: {e}", spec.name, spec.members));
+                continue;
+            }
+        };
+        for &c in &a.concurrency {
+            let ops = a.ops.unwrap_or(if c <= 1 { 2_000 } else { 10_000 });
+            let r = run_load(session.target.clone(), c, ops, a.payload).await;
+            eprintln!(
+                "   c={c}: {} ops/s, p50 {}, p99 {}, errors {}{}",
+                report::fmt_rate(r.ops_per_sec),
+                report::fmt_dur(r.p50),
+                report::fmt_dur(r.p99),
+                r.errors,
+                r.first_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+            );
+            rows.push(Row { target: spec.name.clone(), members: spec.members, family: spec.family.to_string(), report: r });
+        }
+        if let Some(rp) = &session.replay {
+            let t0 = Instant::now();
+            match rp.replay().await {
+                Ok(n) => {
+                    let el = t0.elapsed();
+                    replays.push(ReplayRow {
+                        name: rp.name(),
+                        events: n,
+                        elapsed: el,
+                        events_per_sec: n as f64 / el.as_secs_f64().max(1e-9),
+                    });
+                }
+                Err(e) => failed.push(format!("{}: replay failed: {e}", rp.name())),
+            }
+        }
+        drop(session); // tears the target down (stops processes, deletes data)
+    }
+    println!();
+    println!("payload {} B; latency = issue to durable acknowledgement; warm-up excluded", a.payload);
+    print!("{}", report::table(&rows));
+    println!();
+    println!("goals (measured here, {:.0} s total):", started.elapsed().as_secs_f64());
+    print!("{}", report::goals(&rows, &replays));
+    for f in &failed {
+        println!("FAILED: {f}");
+    }
+    if let Some(p) = &a.json {
+        let v = serde_json::json!({ "payload": a.payload, "rows": rows, "replay": replays, "failed": failed });
+        if let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&v).unwrap()) {
+            eprintln!("cannot write {p:?}: {e}");
+        }
+    }
+    if failed.is_empty() && rows.iter().all(|r| r.report.errors == 0) { 0 } else { 1 }
+}

@@ -1,0 +1,576 @@
+//! `State` holds every view and folds log batches into them.
+//!
+//! Applying re-validates the batch against the applied state (invariant 2): a batch
+//! decided against a stale view that now conflicts (it lost a race for the last quota
+//! unit, a name, an edge's capacity) changes nothing but the audit view, where it is
+//! recorded as rejected. Every check is a pure function of (state, batch), so every
+//! node reaches the same verdict.
+
+use crate::schema::{self, pb, Batch, Event};
+use crate::views::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// All projections at one log index.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// Index of the last batch folded in.
+    pub index: u64,
+    /// Leader time of the last batch folded in.
+    pub time_ms: u64,
+    pub iam: IamView,
+    pub quota: QuotaView,
+    pub placement: PlacementView,
+    pub sandboxes: SandboxView,
+    pub audit: AuditView,
+}
+
+/// The names of the views, as the API and the CLI call them.
+pub const VIEW_NAMES: [&str; 5] = ["sandboxes", "placement", "quota", "iam", "audit"];
+
+/// What applying one batch did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    Applied { index: u64 },
+    Denied { index: u64, code: String, message: String, field: String },
+    Rejected { index: u64, message: String },
+}
+
+/// Changes earlier events of the same batch make, seen by the checks of later ones.
+#[derive(Default)]
+struct Pending {
+    usage: BTreeMap<String, Usage>,
+    edge_usage: BTreeMap<String, Usage>,
+    sandbox_ids: BTreeSet<String>,
+}
+
+impl State {
+    pub fn new() -> State {
+        State::default()
+    }
+
+    /// Folds one batch at `index` into every view.
+    pub fn apply_batch(&mut self, index: u64, batch: &Batch) -> Outcome {
+        self.index = index;
+        self.time_ms = self.time_ms.max(batch.time_ms);
+        let outcome = match (&batch.denial, schema::batch_events(batch)) {
+            (Some(d), _) => Outcome::Denied {
+                index,
+                code: d.code.clone(),
+                message: d.message.clone(),
+                field: d.field.clone(),
+            },
+            (None, Err(e)) => Outcome::Rejected { index, message: e.to_string() },
+            (None, Ok(events)) => match self.check_all(&events) {
+                Err(message) => Outcome::Rejected { index, message },
+                Ok(()) => {
+                    for ev in &events {
+                        self.apply_event(index, batch.time_ms, ev);
+                    }
+                    Outcome::Applied { index }
+                }
+            },
+        };
+        self.audit.records.push(audit_record(index, batch, &outcome));
+        outcome
+    }
+
+    /// Decodes and applies a batch in its log encoding.
+    pub fn apply_encoded(&mut self, index: u64, bytes: &[u8]) -> Outcome {
+        match schema::decode_batch(bytes) {
+            Ok(b) => self.apply_batch(index, &b),
+            Err(e) => {
+                self.index = index;
+                let message = e.to_string();
+                self.audit.records.push(AuditRecord {
+                    index,
+                    time_ms: self.time_ms,
+                    principal: String::new(),
+                    project: String::new(),
+                    action: "undecodable".into(),
+                    target: String::new(),
+                    result: AuditResult::Rejected { message: message.clone() },
+                    request_id: String::new(),
+                });
+                Outcome::Rejected { index, message }
+            }
+        }
+    }
+
+    // ---- queries shared by decide() and the checks below ----
+
+    /// The project and all its ancestors, nearest first.
+    pub fn ancestry(&self, project: &str) -> Vec<&Project> {
+        let mut out = Vec::new();
+        let mut cur = self.iam.projects.get(project);
+        while let Some(p) = cur {
+            out.push(p);
+            cur = p.parent.as_deref().and_then(|id| self.iam.projects.get(id));
+            if out.len() > 64 {
+                break; // a cycle cannot be built through decide(); belt and braces
+            }
+        }
+        out
+    }
+
+    /// Whether `project` is `scope` or lies beneath it.
+    pub fn within(&self, project: &str, scope: &str) -> bool {
+        self.ancestry(project).iter().any(|p| p.id == scope)
+    }
+
+    /// The limits in force for a project: its own, tightened by every ancestor's.
+    pub fn effective_limits(&self, project: &str) -> Limits {
+        self.ancestry(project)
+            .iter()
+            .filter_map(|p| self.quota.limits.get(&p.id))
+            .fold(Limits::default(), |acc, l| acc.tightest(l))
+    }
+
+    /// The limits a child of `parent` may be given at most.
+    pub fn bound_for_child_of(&self, parent: Option<&str>) -> Limits {
+        parent.map(|p| self.effective_limits(p)).unwrap_or_default()
+    }
+
+    pub fn root_project(&self) -> Option<&Project> {
+        self.iam.projects.values().find(|p| p.parent.is_none())
+    }
+
+    /// Checks that adding `extra` usage to `project` keeps every ancestor within its limits.
+    /// `overlay` returns usage already reserved (in-flight or earlier in the batch) for a project.
+    pub fn check_quota(
+        &self,
+        project: &str,
+        extra: &Usage,
+        overlay: &dyn Fn(&str) -> Usage,
+    ) -> Result<(), String> {
+        for p in self.ancestry(project) {
+            if let Some(limits) = self.quota.limits.get(&p.id) {
+                let used = self.quota.usage.get(&p.id).copied().unwrap_or_default();
+                let total = used.plus(&overlay(&p.id)).plus(extra);
+                if let Some((res, limit)) = limits.exceeded_by(&total) {
+                    return Err(format!("quota of project {} exceeded: {res} would be {} of {limit}", p.id, match res {
+                        "sandboxes" => total.sandboxes,
+                        "cpu_millis" => total.cpu_millis,
+                        _ => total.memory_mb,
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that an edge is registered and has room for `extra`.
+    pub fn check_edge(&self, edge: &str, extra: &Usage, reserved: &Usage) -> Result<(), String> {
+        let e = self.placement.edges.get(edge).filter(|e| !e.deregistered).ok_or_else(|| format!("edge {edge} is not registered"))?;
+        let need = e.assigned.plus(reserved).plus(extra);
+        let cap = Limits {
+            sandboxes: Some(e.capacity.sandboxes),
+            cpu_millis: Some(e.capacity.cpu_millis),
+            memory_mb: Some(e.capacity.memory_mb),
+        };
+        match cap.exceeded_by(&need) {
+            Some((res, limit)) => Err(format!("edge {edge} has no room: {res} capacity is {limit}")),
+            None => Ok(()),
+        }
+    }
+
+    // ---- apply-time validation ----
+
+    fn check_all(&self, events: &[Event]) -> Result<(), String> {
+        let mut pending = Pending::default();
+        for ev in events {
+            self.check(ev, &mut pending)?;
+        }
+        Ok(())
+    }
+
+    fn sandbox(&self, id: &str) -> Result<&Sandbox, String> {
+        self.sandboxes.sandboxes.get(id).ok_or_else(|| format!("sandbox {id} does not exist"))
+    }
+
+    fn check(&self, ev: &Event, pending: &mut Pending) -> Result<(), String> {
+        match ev {
+            Event::ProjectCreated(e) => {
+                if self.iam.projects.contains_key(&e.id) {
+                    return Err(format!("project {} already exists", e.id));
+                }
+                if e.parent.is_empty() {
+                    if self.root_project().is_some() {
+                        return Err("a root project already exists".into());
+                    }
+                } else {
+                    let parent = self.iam.projects.get(&e.parent).ok_or_else(|| format!("parent project {} does not exist", e.parent))?;
+                    let taken = parent.children.iter().any(|c| self.iam.projects.get(c).is_some_and(|p| p.name == e.name));
+                    if taken {
+                        return Err(format!("project {} already has a child named {}", e.parent, e.name));
+                    }
+                }
+            }
+            Event::ProjectDeleted(e) => {
+                let p = self.iam.projects.get(&e.id).ok_or_else(|| format!("project {} does not exist", e.id))?;
+                if p.parent.is_none() {
+                    return Err("the root project cannot be deleted".into());
+                }
+                if !p.children.is_empty() {
+                    return Err(format!("project {} still has child projects", e.id));
+                }
+                if self.quota.usage.get(&e.id).is_some_and(|u| u.sandboxes > 0) {
+                    return Err(format!("project {} still has live sandboxes", e.id));
+                }
+            }
+            Event::QuotaSet(e) => {
+                let p = self.iam.projects.get(&e.project).ok_or_else(|| format!("project {} does not exist", e.project))?;
+                let limits = limits_from_pb(e.limits.as_ref());
+                let bound = self.bound_for_child_of(p.parent.as_deref());
+                if let Some((res, mine, theirs)) = limits.exceeds(&bound) {
+                    let mine = if mine == u64::MAX { "unlimited".to_string() } else { mine.to_string() };
+                    return Err(format!("{res} limit {mine} exceeds the parent's limit {theirs}"));
+                }
+                for c in &p.children {
+                    let child = self.effective_limits(c);
+                    if let Some((res, _, _)) = child.exceeds(&limits).filter(|(_, m, _)| *m != u64::MAX) {
+                        return Err(format!("{res} limit is below that of child project {c}"));
+                    }
+                }
+                let used = self.quota.usage.get(&e.project).copied().unwrap_or_default();
+                if let Some((res, limit)) = limits.exceeded_by(&used) {
+                    return Err(format!("{res} limit {limit} is below current usage"));
+                }
+            }
+            Event::TokenIssued(e) => {
+                if self.iam.tokens.contains_key(&e.id) {
+                    return Err(format!("token {} already exists", e.id));
+                }
+                if !self.iam.projects.contains_key(&e.project) {
+                    return Err(format!("project {} does not exist", e.project));
+                }
+            }
+            Event::TokenRevoked(e) => {
+                if !self.iam.tokens.contains_key(&e.id) {
+                    return Err(format!("token {} does not exist", e.id));
+                }
+            }
+            Event::EdgeRegistered(e) => match self.placement.edges.get(&e.id) {
+                Some(old) if old.ordinal != e.ordinal => return Err(format!("edge {} keeps ordinal {}", e.id, old.ordinal)),
+                None if e.ordinal != self.placement.next_ordinal => {
+                    return Err(format!("edge ordinal {} was taken; next is {}", e.ordinal, self.placement.next_ordinal))
+                }
+                _ => {}
+            },
+            Event::EdgeDeregistered(e) => {
+                if !self.placement.edges.contains_key(&e.id) {
+                    return Err(format!("edge {} is not registered", e.id));
+                }
+            }
+            Event::SandboxCreated(e) => {
+                if self.sandboxes.sandboxes.contains_key(&e.id) || !pending.sandbox_ids.insert(e.id.clone()) {
+                    return Err(format!("sandbox id {} is taken", e.id));
+                }
+                if !self.iam.projects.contains_key(&e.project) {
+                    return Err(format!("project {} does not exist", e.project));
+                }
+                let u = Usage { sandboxes: 1, cpu_millis: e.cpu_millis, memory_mb: e.memory_mb };
+                let reserved = pending.edge_usage.get(&e.edge).copied().unwrap_or_default();
+                self.check_edge(&e.edge, &u, &reserved)?;
+                let overlay = |p: &str| pending.usage.get(p).copied().unwrap_or_default();
+                self.check_quota(&e.project, &u, &overlay)?;
+                pending.edge_usage.entry(e.edge.clone()).or_default().add(&u);
+                for p in self.ancestry(&e.project) {
+                    pending.usage.entry(p.id.clone()).or_default().add(&u);
+                }
+            }
+            Event::SandboxForkRequested(e) => {
+                let s = self.sandbox(&e.id)?;
+                if !s.is_live() {
+                    return Err(format!("sandbox {} is no longer running", e.id));
+                }
+            }
+            other => {
+                if let Some(id) = other.sandbox_id() {
+                    self.sandbox(id)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // ---- the folds ----
+
+    fn apply_event(&mut self, index: u64, t: u64, ev: &Event) {
+        match ev {
+            Event::ProjectCreated(e) => {
+                let parent = (!e.parent.is_empty()).then(|| e.parent.clone());
+                if let Some(p) = parent.as_ref().and_then(|p| self.iam.projects.get_mut(p)) {
+                    p.children.insert(e.id.clone());
+                }
+                self.iam.projects.insert(
+                    e.id.clone(),
+                    Project { id: e.id.clone(), name: e.name.clone(), parent, children: BTreeSet::new(), created_at_ms: t },
+                );
+            }
+            Event::ProjectDeleted(e) => {
+                if let Some(p) = self.iam.projects.remove(&e.id) {
+                    if let Some(parent) = p.parent.as_ref().and_then(|id| self.iam.projects.get_mut(id)) {
+                        parent.children.remove(&e.id);
+                    }
+                }
+                self.quota.limits.remove(&e.id);
+                self.quota.usage.remove(&e.id);
+            }
+            Event::QuotaSet(e) => {
+                self.quota.limits.insert(e.project.clone(), limits_from_pb(e.limits.as_ref()));
+            }
+            Event::TokenIssued(e) => {
+                let rights = e.rights.iter().filter_map(|r| Right::parse(r)).collect();
+                self.iam.tokens.insert(
+                    e.id.clone(),
+                    Token {
+                        id: e.id.clone(),
+                        project: e.project.clone(),
+                        name: e.name.clone(),
+                        rights,
+                        secret_sha256: hex::encode(&e.secret_sha256),
+                        expires_at_ms: (e.expires_at_ms != 0).then_some(e.expires_at_ms),
+                        issued_by: (!e.issued_by.is_empty()).then(|| e.issued_by.clone()),
+                        issued_at_ms: t,
+                        revoked: None,
+                    },
+                );
+            }
+            Event::TokenRevoked(e) => {
+                if let Some(tok) = self.iam.tokens.get_mut(&e.id) {
+                    if tok.revoked.is_none() {
+                        tok.revoked = Some(Revocation { at_ms: t, reason: e.reason.clone() });
+                    }
+                }
+            }
+            Event::EdgeRegistered(e) => {
+                let capacity = usage_from_pb(e.capacity.as_ref());
+                let labels = e.labels.clone();
+                match self.placement.edges.get_mut(&e.id) {
+                    Some(edge) => {
+                        edge.address = e.address.clone();
+                        edge.capacity = capacity;
+                        edge.labels = labels;
+                        edge.deregistered = false;
+                    }
+                    None => {
+                        self.placement.next_ordinal = e.ordinal + 1;
+                        self.placement.edges.insert(
+                            e.id.clone(),
+                            Edge {
+                                id: e.id.clone(),
+                                ordinal: e.ordinal,
+                                address: e.address.clone(),
+                                capacity,
+                                assigned: Usage::default(),
+                                labels,
+                                registered_at_ms: t,
+                                deregistered: false,
+                            },
+                        );
+                    }
+                }
+            }
+            Event::EdgeDeregistered(e) => {
+                if let Some(edge) = self.placement.edges.get_mut(&e.id) {
+                    edge.deregistered = true;
+                }
+            }
+            Event::SandboxCreated(e) => {
+                let s = Sandbox {
+                    id: e.id.clone(),
+                    project: e.project.clone(),
+                    edge: e.edge.clone(),
+                    image: e.image.clone(),
+                    cpu_millis: e.cpu_millis,
+                    memory_mb: e.memory_mb,
+                    labels: e.labels.clone(),
+                    expires_at_ms: (e.expires_at_ms != 0).then_some(e.expires_at_ms),
+                    fork_of: (!e.fork_of.is_empty()).then(|| e.fork_of.clone()),
+                    created_at_ms: t,
+                    updated_at_ms: t,
+                    desired: Desired::Running,
+                    observed: Observed::Pending,
+                    exit_code: None,
+                    oom_killed: false,
+                    reason: None,
+                    released: false,
+                    index,
+                };
+                let u = s.usage();
+                if let Some(edge) = self.placement.edges.get_mut(&e.edge) {
+                    edge.assigned.add(&u);
+                }
+                let ancestors: Vec<String> = self.ancestry(&e.project).iter().map(|p| p.id.clone()).collect();
+                for p in ancestors {
+                    self.quota.usage.entry(p).or_default().add(&u);
+                }
+                self.sandboxes.sandboxes.insert(e.id.clone(), s);
+            }
+            Event::SandboxPauseRequested(e) => self.touch(&e.id, index, t, |s| {
+                if s.desired == Desired::Running {
+                    s.desired = Desired::Paused
+                }
+            }),
+            Event::SandboxResumeRequested(e) => self.touch(&e.id, index, t, |s| {
+                if s.desired == Desired::Paused {
+                    s.desired = Desired::Running
+                }
+            }),
+            Event::SandboxKillRequested(e) => {
+                self.touch(&e.id, index, t, |s| {
+                    s.desired = Desired::Killed;
+                    if s.reason.is_none() {
+                        s.reason = Some(e.reason.clone());
+                    }
+                });
+                self.release(&e.id);
+            }
+            Event::SandboxTimeoutSet(e) => self.touch(&e.id, index, t, |s| {
+                s.expires_at_ms = (e.expires_at_ms != 0).then_some(e.expires_at_ms)
+            }),
+            Event::SandboxLabelsSet(e) => self.touch(&e.id, index, t, |s| s.labels = e.labels.clone()),
+            Event::SandboxForkRequested(e) => self.touch(&e.id, index, t, |_| {}),
+            Event::SandboxReady(e) => self.touch(&e.id, index, t, |s| {
+                if !s.released {
+                    s.observed = Observed::Ready
+                }
+            }),
+            Event::SandboxPaused(e) => self.touch(&e.id, index, t, |s| {
+                if !s.released {
+                    s.observed = Observed::Paused
+                }
+            }),
+            Event::SandboxResumed(e) => self.touch(&e.id, index, t, |s| {
+                if !s.released {
+                    s.observed = Observed::Ready
+                }
+            }),
+            Event::SandboxFailed(e) => {
+                self.touch(&e.id, index, t, |s| {
+                    s.observed = Observed::Failed;
+                    s.reason = Some(e.reason.clone());
+                });
+                self.release(&e.id);
+            }
+            Event::SandboxExited(e) => {
+                self.touch(&e.id, index, t, |s| {
+                    s.observed = Observed::Exited;
+                    s.exit_code = Some(e.exit_code);
+                    s.oom_killed = e.oom_killed;
+                    if !e.reason.is_empty() {
+                        s.reason = Some(e.reason.clone());
+                    }
+                });
+                self.release(&e.id);
+            }
+        }
+    }
+
+    fn touch(&mut self, id: &str, index: u64, t: u64, f: impl FnOnce(&mut Sandbox)) {
+        if let Some(s) = self.sandboxes.sandboxes.get_mut(id) {
+            f(s);
+            s.index = index;
+            s.updated_at_ms = t;
+        }
+    }
+
+    /// Gives a sandbox's quota and edge capacity back, once.
+    fn release(&mut self, id: &str) {
+        let Some(s) = self.sandboxes.sandboxes.get_mut(id) else { return };
+        if s.released {
+            return;
+        }
+        s.released = true;
+        let (u, edge, project) = (s.usage(), s.edge.clone(), s.project.clone());
+        if let Some(e) = self.placement.edges.get_mut(&edge) {
+            e.assigned.sub(&u);
+        }
+        let ancestors: Vec<String> = self.ancestry(&project).iter().map(|p| p.id.clone()).collect();
+        for p in ancestors {
+            self.quota.usage.entry(p).or_default().sub(&u);
+        }
+    }
+
+    // ---- serialisation ----
+
+    /// The whole state, deterministically encoded (Raft snapshots and checkpoints).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("state serialises: it holds only maps, strings and numbers")
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<State, String> {
+        serde_json::from_slice(bytes).map_err(|e| format!("state snapshot does not decode: {e}"))
+    }
+
+    /// SHA-256 of the deterministic encoding: equal on every node that applied the same log.
+    pub fn hash(&self) -> String {
+        hex::encode(Sha256::digest(self.to_bytes()))
+    }
+
+    /// One view as JSON, as users see it (token secret hashes left out).
+    pub fn view_json(&self, name: &str) -> Option<serde_json::Value> {
+        let mut v = match name {
+            "sandboxes" => serde_json::to_value(&self.sandboxes),
+            "placement" => serde_json::to_value(&self.placement),
+            "quota" => serde_json::to_value(&self.quota),
+            "iam" => serde_json::to_value(&self.iam),
+            "audit" => serde_json::to_value(&self.audit),
+            _ => return None,
+        }
+        .ok()?;
+        if name == "iam" {
+            if let Some(tokens) = v.get_mut("tokens").and_then(|t| t.as_object_mut()) {
+                for t in tokens.values_mut() {
+                    if let Some(o) = t.as_object_mut() {
+                        o.remove("secret_sha256");
+                    }
+                }
+            }
+        }
+        Some(v)
+    }
+}
+
+fn audit_record(index: u64, batch: &Batch, outcome: &Outcome) -> AuditRecord {
+    let principal = batch.principal.as_ref().map(|p| format!("{}:{}", p.kind, p.id)).unwrap_or_default();
+    AuditRecord {
+        index,
+        time_ms: batch.time_ms,
+        principal,
+        project: batch.project.clone(),
+        action: batch.action.clone(),
+        target: batch.target.clone(),
+        result: match outcome {
+            Outcome::Applied { .. } => AuditResult::Ok,
+            Outcome::Denied { code, message, .. } => AuditResult::Denied { code: code.clone(), message: message.clone() },
+            Outcome::Rejected { message, .. } => AuditResult::Rejected { message: message.clone() },
+        },
+        request_id: batch.request_id.clone(),
+    }
+}
+
+pub fn limits_from_pb(r: Option<&pb::Resources>) -> Limits {
+    let r = r.cloned().unwrap_or_default();
+    Limits { sandboxes: r.sandboxes, cpu_millis: r.cpu_millis, memory_mb: r.memory_mb }
+}
+
+pub fn limits_to_pb(l: &Limits) -> pb::Resources {
+    pb::Resources { sandboxes: l.sandboxes, cpu_millis: l.cpu_millis, memory_mb: l.memory_mb }
+}
+
+pub fn usage_from_pb(r: Option<&pb::Resources>) -> Usage {
+    let r = r.cloned().unwrap_or_default();
+    Usage {
+        sandboxes: r.sandboxes.unwrap_or(0),
+        cpu_millis: r.cpu_millis.unwrap_or(0),
+        memory_mb: r.memory_mb.unwrap_or(0),
+    }
+}
+
+pub fn usage_to_pb(u: &Usage) -> pb::Resources {
+    pb::Resources { sandboxes: Some(u.sandboxes), cpu_millis: Some(u.cpu_millis), memory_mb: Some(u.memory_mb) }
+}

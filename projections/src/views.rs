@@ -1,0 +1,335 @@
+//! The view types: what each projection holds. Plain data, ordered maps only, so
+//! that serialising a view is deterministic byte for byte.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A right a token can hold. Rights apply within the token's project subtree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Right {
+    #[serde(rename = "project:write")]
+    ProjectWrite,
+    #[serde(rename = "quota:write")]
+    QuotaWrite,
+    #[serde(rename = "token:write")]
+    TokenWrite,
+    #[serde(rename = "sandbox:write")]
+    SandboxWrite,
+    #[serde(rename = "sandbox:read")]
+    SandboxRead,
+    #[serde(rename = "edge:write")]
+    EdgeWrite,
+    #[serde(rename = "audit:read")]
+    AuditRead,
+    #[serde(rename = "cluster:admin")]
+    ClusterAdmin,
+}
+
+impl Right {
+    pub const ALL: [Right; 8] = [
+        Right::ProjectWrite,
+        Right::QuotaWrite,
+        Right::TokenWrite,
+        Right::SandboxWrite,
+        Right::SandboxRead,
+        Right::EdgeWrite,
+        Right::AuditRead,
+        Right::ClusterAdmin,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Right::ProjectWrite => "project:write",
+            Right::QuotaWrite => "quota:write",
+            Right::TokenWrite => "token:write",
+            Right::SandboxWrite => "sandbox:write",
+            Right::SandboxRead => "sandbox:read",
+            Right::EdgeWrite => "edge:write",
+            Right::AuditRead => "audit:read",
+            Right::ClusterAdmin => "cluster:admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Right> {
+        Right::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+/// Resource amounts in use or reserved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub sandboxes: u64,
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+}
+
+impl Usage {
+    pub fn add(&mut self, o: &Usage) {
+        self.sandboxes += o.sandboxes;
+        self.cpu_millis += o.cpu_millis;
+        self.memory_mb += o.memory_mb;
+    }
+    pub fn sub(&mut self, o: &Usage) {
+        self.sandboxes = self.sandboxes.saturating_sub(o.sandboxes);
+        self.cpu_millis = self.cpu_millis.saturating_sub(o.cpu_millis);
+        self.memory_mb = self.memory_mb.saturating_sub(o.memory_mb);
+    }
+    pub fn plus(mut self, o: &Usage) -> Usage {
+        self.add(o);
+        self
+    }
+}
+
+/// Quota limits; `None` means "no limit of its own" (the ancestors' still apply).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    pub sandboxes: Option<u64>,
+    pub cpu_millis: Option<u64>,
+    pub memory_mb: Option<u64>,
+}
+
+impl Limits {
+    /// The first resource of `usage` over these limits, with its limit.
+    pub fn exceeded_by(&self, usage: &Usage) -> Option<(&'static str, u64)> {
+        let pairs = [
+            ("sandboxes", self.sandboxes, usage.sandboxes),
+            ("cpu_millis", self.cpu_millis, usage.cpu_millis),
+            ("memory_mb", self.memory_mb, usage.memory_mb),
+        ];
+        pairs.into_iter().find_map(|(name, limit, used)| match limit {
+            Some(l) if used > l => Some((name, l)),
+            _ => None,
+        })
+    }
+
+    /// Resources set here that exceed the corresponding resource of `bound`.
+    pub fn exceeds(&self, bound: &Limits) -> Option<(&'static str, u64, u64)> {
+        let pairs = [
+            ("sandboxes", self.sandboxes, bound.sandboxes),
+            ("cpu_millis", self.cpu_millis, bound.cpu_millis),
+            ("memory_mb", self.memory_mb, bound.memory_mb),
+        ];
+        pairs.into_iter().find_map(|(name, mine, theirs)| match (mine, theirs) {
+            (Some(m), Some(t)) if m > t => Some((name, m, t)),
+            (None, Some(t)) => Some((name, u64::MAX, t)),
+            _ => None,
+        })
+    }
+
+    /// The tighter of two limits, resource by resource.
+    pub fn tightest(&self, o: &Limits) -> Limits {
+        fn min(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+            match (a, b) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, None) => a,
+                (None, b) => b,
+            }
+        }
+        Limits {
+            sandboxes: min(self.sandboxes, o.sandboxes),
+            cpu_millis: min(self.cpu_millis, o.cpu_millis),
+            memory_mb: min(self.memory_mb, o.memory_mb),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Project {
+    pub id: String,
+    pub name: String,
+    pub parent: Option<String>,
+    pub children: BTreeSet<String>,
+    pub created_at_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Token {
+    pub id: String,
+    pub project: String,
+    pub name: String,
+    pub rights: BTreeSet<Right>,
+    /// Hex SHA-256 of the secret. Never shown by the API.
+    pub secret_sha256: String,
+    pub expires_at_ms: Option<u64>,
+    pub issued_by: Option<String>,
+    pub issued_at_ms: u64,
+    pub revoked: Option<Revocation>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Revocation {
+    pub at_ms: u64,
+    pub reason: String,
+}
+
+/// Projects and principals.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct IamView {
+    pub projects: BTreeMap<String, Project>,
+    pub tokens: BTreeMap<String, Token>,
+}
+
+/// Hierarchical quota: each project's own limits and its subtree's usage.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct QuotaView {
+    pub limits: BTreeMap<String, Limits>,
+    /// Usage of the project's whole subtree (a sandbox counts against every ancestor).
+    pub usage: BTreeMap<String, Usage>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Edge {
+    pub id: String,
+    pub ordinal: u32,
+    pub address: String,
+    pub capacity: Usage,
+    pub assigned: Usage,
+    pub labels: BTreeMap<String, String>,
+    pub registered_at_ms: u64,
+    pub deregistered: bool,
+}
+
+impl Edge {
+    pub fn free(&self) -> Usage {
+        let mut f = self.capacity;
+        f.sub(&self.assigned);
+        f
+    }
+}
+
+/// Edges, their capacity and what is assigned to them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlacementView {
+    pub edges: BTreeMap<String, Edge>,
+    pub next_ordinal: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Desired {
+    Running,
+    Paused,
+    Killed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Observed {
+    Pending,
+    Ready,
+    Paused,
+    Failed,
+    Exited,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sandbox {
+    pub id: String,
+    pub project: String,
+    pub edge: String,
+    pub image: String,
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub labels: BTreeMap<String, String>,
+    pub expires_at_ms: Option<u64>,
+    pub fork_of: Option<String>,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    pub desired: Desired,
+    pub observed: Observed,
+    pub exit_code: Option<i32>,
+    pub oom_killed: bool,
+    pub reason: Option<String>,
+    /// Its quota and edge capacity have been given back.
+    pub released: bool,
+    /// Log index of the last event that changed it.
+    pub index: u64,
+}
+
+impl Sandbox {
+    pub fn usage(&self) -> Usage {
+        Usage { sandboxes: 1, cpu_millis: self.cpu_millis, memory_mb: self.memory_mb }
+    }
+    pub fn is_live(&self) -> bool {
+        !self.released
+    }
+}
+
+/// Every sandbox, with its desired and observed state.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SandboxView {
+    pub sandboxes: BTreeMap<String, Sandbox>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum AuditResult {
+    /// Decided and applied.
+    Ok,
+    /// Refused when decided (rights, quota, conflict).
+    Denied { code: String, message: String },
+    /// Decided, but found conflicting when applied (it lost a race).
+    Rejected { message: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    pub index: u64,
+    pub time_ms: u64,
+    pub principal: String,
+    pub project: String,
+    pub action: String,
+    pub target: String,
+    #[serde(flatten)]
+    pub result: AuditResult,
+    pub request_id: String,
+}
+
+/// Who did what, when, to what, with what result: one record per logged command.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AuditView {
+    pub records: Vec<AuditRecord>,
+}
+
+/// A filter over the audit view. Every field narrows; `None` matches all.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AuditQuery {
+    pub principal: Option<String>,
+    pub project: Option<String>,
+    pub action: Option<String>,
+    pub target: Option<String>,
+    pub since_ms: Option<u64>,
+    pub until_ms: Option<u64>,
+    /// Only records with an index greater than this (pagination cursor).
+    pub after_index: Option<u64>,
+    pub limit: usize,
+}
+
+impl AuditView {
+    /// Records matching `q` in log order, at most `q.limit`, and the cursor for the next page.
+    pub fn query(&self, q: &AuditQuery) -> (Vec<&AuditRecord>, Option<u64>) {
+        let start = match q.after_index {
+            Some(after) => self.records.partition_point(|r| r.index <= after),
+            None => 0,
+        };
+        let limit = q.limit.max(1);
+        let mut out = Vec::new();
+        let mut next = None;
+        for r in &self.records[start..] {
+            let keep = q.principal.as_deref().is_none_or(|p| r.principal == p)
+                && q.project.as_deref().is_none_or(|p| r.project == p)
+                && q.action.as_deref().is_none_or(|a| r.action == a)
+                && q.target.as_deref().is_none_or(|t| r.target == t)
+                && q.since_ms.is_none_or(|s| r.time_ms >= s)
+                && q.until_ms.is_none_or(|u| r.time_ms <= u);
+            if keep {
+                if out.len() == limit {
+                    next = out.last().map(|l: &&AuditRecord| l.index);
+                    break;
+                }
+                out.push(r);
+            }
+        }
+        (out, next)
+    }
+}

@@ -1,0 +1,1 @@
+//! placeholder while the crate is written
