@@ -1,0 +1,101 @@
+//! The control node: the write path (decide on the leader against applied state plus
+//! the in-flight overlay, append to the Raft log, answer once applied), follower
+//! forwarding, replay from checkpoints, and the peer-port gRPC services (`Control`
+//! between nodes, `EdgeSlice` for edges). This is the IO shell around the pure
+//! `commands` and `projections` crates.
+
+pub mod fsm;
+pub mod node;
+pub mod peer;
+pub mod slice;
+pub mod testing;
+
+pub use node::{ClusterStatus, ControlConfig, ControlNode, EdgeHeartbeat, SubmitError, Submitted};
+
+use opendsec_projections::Right;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
+
+/// Generated peer-port types and services.
+pub mod pb {
+    tonic::include_proto!("opendsec.control.v1");
+}
+
+/// What a write is made with.
+#[derive(Clone)]
+pub enum Credential {
+    /// A bearer token (`odsec_<id>.<secret>`); authenticated on whichever node decides.
+    Bearer(String),
+    /// The control plane itself (bootstrap, timeouts). Never accepted from outside.
+    System,
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credential::Bearer(_) => f.write_str("Bearer(<redacted>)"),
+            Credential::System => f.write_str("System"),
+        }
+    }
+}
+
+/// An authenticated token.
+#[derive(Clone)]
+pub struct Principal {
+    pub token_id: String,
+    pub project: String,
+    pub rights: BTreeSet<Right>,
+    pub expires_at_ms: Option<u64>,
+    /// The bearer it was authenticated from, to make writes with.
+    pub bearer: String,
+}
+
+impl Principal {
+    pub fn credential(&self) -> Credential {
+        Credential::Bearer(self.bearer.clone())
+    }
+    pub fn has(&self, r: Right) -> bool {
+        self.rights.contains(&r)
+    }
+}
+
+impl std::fmt::Debug for Principal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Principal").field("token_id", &self.token_id).field("project", &self.project).finish_non_exhaustive()
+    }
+}
+
+/// Wall-clock milliseconds since the Unix epoch (the IO shell's clock; `decide` gets it in `Ctx`).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// A fresh token secret and its SHA-256 (hex). Only the hash is ever logged.
+pub fn new_token_secret() -> (String, String) {
+    let bytes: [u8; 24] = rand::random();
+    let secret = hex::encode(bytes);
+    let hash = hex::encode(Sha256::digest(secret.as_bytes()));
+    (secret, hash)
+}
+
+/// The bearer string users hold.
+pub fn format_token(id: &str, secret: &str) -> String {
+    format!("odsec_{id}.{secret}")
+}
+
+/// A fresh cluster key.
+pub fn new_cluster_key() -> String {
+    hex::encode(rand::random::<[u8; 32]>())
+}
+
+/// Serves the node's peer port: Raft, `Control` and `EdgeSlice`, until `shutdown`.
+pub async fn serve_peer(
+    node: ControlNode,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let extra = tonic::transport::Server::builder()
+        .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(node.clone())))
+        .add_service(pb::edge_slice_server::EdgeSliceServer::new(slice::EdgeSliceService::new(node.clone())));
+    opendsec_log::serve_peer(listener, node.log(), Some(extra), shutdown).await
+}

@@ -1,0 +1,411 @@
+//! `ControlNode`: one member of the control plane. Writes are decided on the leader
+//! against the applied state plus the in-flight overlay, proposed to the Raft log and
+//! answered once applied; a follower forwards them to the leader. Reads are served
+//! from the locally applied state.
+
+use crate::fsm::{Checkpoints, Fsm};
+use crate::pb::control_client::ControlClient;
+use crate::pb::SubmitRequest;
+use crate::{now_ms, Credential, Principal};
+use opendsec_commands::{batch_for, decide, Caller, Command, Ctx, Decided, InFlight, Rejection, RejectionKind};
+use opendsec_log::{LogConfig, LogNode, ProposeError};
+use opendsec_projections::replay::{fold, Until};
+use opendsec_projections::schema::{self, Batch};
+use opendsec_projections::{Outcome, State};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::transport::Channel;
+
+/// How a control node is set up.
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    pub node_id: u64,
+    pub data_dir: PathBuf,
+    /// This node's peer (gRPC) address as other nodes reach it.
+    pub peer_addr: String,
+    /// Shared by the nodes of one cluster; needed to bootstrap it.
+    pub cluster_key: String,
+    /// A replay checkpoint every this many log entries.
+    pub checkpoint_every: u64,
+    /// Raft snapshot (and log compaction into the archive) every this many entries.
+    pub snapshot_every: u64,
+    /// How many archived entries to keep (`None`: all of them).
+    pub archive_retention: Option<u64>,
+}
+
+impl ControlConfig {
+    pub fn new(node_id: u64, data_dir: impl Into<PathBuf>, peer_addr: impl Into<String>, cluster_key: impl Into<String>) -> Self {
+        ControlConfig {
+            node_id,
+            data_dir: data_dir.into(),
+            peer_addr: peer_addr.into(),
+            cluster_key: cluster_key.into(),
+            checkpoint_every: 10_000,
+            snapshot_every: 10_000,
+            archive_retention: None,
+        }
+    }
+}
+
+/// A write's accepted result.
+#[derive(Clone, Debug)]
+pub struct Submitted {
+    pub index: u64,
+    pub decided: Decided,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The command was refused; `index` is set when the refusal was logged.
+    #[error("{rejection}")]
+    Rejected { rejection: Rejection, index: Option<u64> },
+    /// No leader could be reached, or the outcome is unknown because leadership changed.
+    #[error("control plane unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<Rejection> for SubmitError {
+    fn from(rejection: Rejection) -> Self {
+        SubmitError::Rejected { rejection, index: None }
+    }
+}
+
+/// What `GET /v1/cluster` shows.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClusterStatus {
+    pub node_id: u64,
+    pub leader_id: Option<u64>,
+    pub is_leader: bool,
+    pub term: u64,
+    pub last_log_index: u64,
+    pub applied_index: u64,
+    pub first_available_index: u64,
+    pub members: BTreeMap<u64, String>,
+    pub voters: BTreeSet<u64>,
+    pub state_hash: String,
+}
+
+/// An edge's soft state: held in memory by the node it reports to, never logged (invariant 3).
+#[derive(Clone, Debug, Serialize)]
+pub struct EdgeHeartbeat {
+    pub edge: String,
+    pub at_ms: u64,
+    pub running_sandboxes: u64,
+    pub cpu_millis_used: u64,
+    pub memory_mb_used: u64,
+}
+
+struct Inner {
+    log: LogNode<Fsm>,
+    cfg: ControlConfig,
+    inflight: Mutex<InFlight>,
+    checkpoints: Checkpoints,
+    leaders: Mutex<BTreeMap<String, ControlClient<Channel>>>,
+    heartbeats: Mutex<BTreeMap<String, EdgeHeartbeat>>,
+}
+
+#[derive(Clone)]
+pub struct ControlNode {
+    inner: Arc<Inner>,
+}
+
+fn internal(e: impl std::fmt::Display) -> SubmitError {
+    SubmitError::Internal(e.to_string())
+}
+
+impl ControlNode {
+    /// Opens (or creates) the node's data directory and starts its Raft member.
+    pub async fn open(cfg: ControlConfig) -> Result<ControlNode, SubmitError> {
+        std::fs::create_dir_all(&cfg.data_dir).map_err(internal)?;
+        let checkpoints = Checkpoints::open(&cfg.data_dir.join("checkpoints.redb")).map_err(internal)?;
+        let fsm = Fsm::new(cfg.checkpoint_every, Some(&checkpoints));
+        let mut log_cfg = LogConfig::new(cfg.node_id, cfg.data_dir.join("log"), cfg.peer_addr.clone());
+        log_cfg.snapshot_every = cfg.snapshot_every;
+        log_cfg.archive_retention = cfg.archive_retention;
+        let log = LogNode::open(log_cfg, fsm).await.map_err(internal)?;
+        Ok(ControlNode {
+            inner: Arc::new(Inner {
+                log,
+                cfg,
+                inflight: Mutex::new(InFlight::new()),
+                checkpoints,
+                leaders: Mutex::new(BTreeMap::new()),
+                heartbeats: Mutex::new(BTreeMap::new()),
+            }),
+        })
+    }
+
+    pub fn log(&self) -> &LogNode<Fsm> {
+        &self.inner.log
+    }
+
+    pub fn config(&self) -> &ControlConfig {
+        &self.inner.cfg
+    }
+
+    /// Makes this node (with `members`) a cluster. Harmless if it already is one.
+    pub async fn initialize(&self, members: BTreeMap<u64, String>) -> Result<(), SubmitError> {
+        self.inner.log.initialize(members).await.map_err(internal)
+    }
+
+    /// Reads the locally applied state.
+    pub fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        self.inner.log.with_state(|fsm| f(&fsm.state))
+    }
+
+    pub fn applied_index(&self) -> u64 {
+        self.read(|s| s.index)
+    }
+
+    /// Waits until this node has applied `index` (read-your-writes on any node).
+    pub async fn wait_applied(&self, index: u64, timeout: Duration) -> Result<(), SubmitError> {
+        self.inner.log.wait_applied(index, timeout).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
+    }
+
+    /// Checks a bearer token (`odsec_<id>.<secret>`) against the IAM view.
+    pub fn authenticate(&self, bearer: &str) -> Result<Principal, Rejection> {
+        let unauth = |m: &str| Rejection::new(RejectionKind::Unauthenticated, m);
+        let rest = bearer.strip_prefix("odsec_").ok_or_else(|| unauth("the token is not an OpenDsec token (odsec_...)"))?;
+        let (id, secret) = rest.split_once('.').ok_or_else(|| unauth("the token is malformed"))?;
+        let hash = hex::encode(Sha256::digest(secret.as_bytes()));
+        let now = now_ms();
+        self.read(|s| {
+            let t = s.iam.tokens.get(id).ok_or_else(|| unauth("the token is unknown"))?;
+            if !constant_time_eq(t.secret_sha256.as_bytes(), hash.as_bytes()) {
+                return Err(unauth("the token is unknown"));
+            }
+            if t.revoked.is_some() {
+                return Err(unauth("the token was revoked"));
+            }
+            if t.expires_at_ms.is_some_and(|e| now >= e) {
+                return Err(unauth("the token has expired"));
+            }
+            Ok(Principal {
+                token_id: t.id.clone(),
+                project: t.project.clone(),
+                rights: t.rights.clone(),
+                expires_at_ms: t.expires_at_ms,
+                bearer: bearer.to_string(),
+            })
+        })
+    }
+
+    /// Decides `cmd` on the leader (forwarding there if needed), logs it and returns
+    /// once it was applied on the node that decided.
+    pub async fn submit(&self, cred: Credential, request_id: String, cmd: Command) -> Result<Submitted, SubmitError> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let leader = match self.submit_here(&cred, &request_id, &cmd).await {
+                Err(NotHere::Leader(addr)) => addr,
+                Err(NotHere::Failed(e)) => return Err(e),
+                Ok(s) => return Ok(s),
+            };
+            match (leader, &cred) {
+                (Some(addr), Credential::Bearer(bearer)) => {
+                    match self.forward(&addr, bearer, &request_id, &cmd).await {
+                        Err(SubmitError::Unavailable(m)) if tokio::time::Instant::now() < deadline => {
+                            tracing::debug!(leader = %addr, error = %m, "forwarding failed; retrying");
+                        }
+                        other => return other,
+                    }
+                }
+                (Some(_), Credential::System) => {
+                    return Err(SubmitError::Unavailable("system commands run on the leader only".into()))
+                }
+                (None, _) if tokio::time::Instant::now() < deadline => {}
+                (None, _) => return Err(SubmitError::Unavailable("no leader is elected; check that a majority of the nodes run".into())),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn submit_here(&self, cred: &Credential, request_id: &str, cmd: &Command) -> Result<Submitted, NotHere> {
+        let status = self.inner.log.status();
+        if !status.is_leader {
+            let addr = status.leader_id.and_then(|id| status.membership.get(&id).cloned());
+            return Err(NotHere::Leader(addr));
+        }
+        let caller = match cred {
+            Credential::System => Caller::System,
+            Credential::Bearer(b) => Caller::Token(self.authenticate(b).map_err(|r| NotHere::Failed(r.into()))?.token_id),
+        };
+        let ctx = Ctx { time_ms: now_ms(), seed: rand::random(), request_id: request_id.to_string(), caller };
+        let (batch, decided, ticket) = {
+            let mut inflight = self.inner.inflight.lock().expect("inflight lock");
+            self.inner.log.with_state(|fsm| {
+                let decided = decide(&fsm.state, &inflight, cmd, &ctx);
+                let batch = batch_for(cmd, &ctx, &fsm.state, &decided);
+                let ticket = match (&batch, &decided) {
+                    (Some(_), Ok(d)) => Some(inflight.reserve(&fsm.state, &d.events)),
+                    _ => None,
+                };
+                (batch, decided, ticket)
+            })
+        };
+        let Some(batch) = batch else {
+            // Bad input: refused without touching the log.
+            return Err(NotHere::Failed(decided.expect_err("only refusals go unlogged").into()));
+        };
+        let result = self.inner.log.propose(schema::encode_batch(&batch)).await;
+        if let Some(t) = ticket {
+            self.inner.inflight.lock().expect("inflight lock").release(t);
+        }
+        let applied = match result {
+            Ok(a) => a,
+            Err(ProposeError::ForwardToLeader { leader_addr, .. }) => return Err(NotHere::Leader(leader_addr)),
+            Err(e @ ProposeError::Unknown { .. }) => {
+                return Err(NotHere::Failed(SubmitError::Unavailable(format!("{e}; look for request id {request_id} in the audit view before retrying"))))
+            }
+            Err(e) => return Err(NotHere::Failed(SubmitError::Unavailable(e.to_string()))),
+        };
+        let outcome: Outcome = serde_json::from_slice(&applied.response).map_err(|e| NotHere::Failed(internal(e)))?;
+        match (outcome, decided) {
+            (Outcome::Applied { index }, Ok(decided)) => Ok(Submitted { index, decided }),
+            (Outcome::Denied { index, .. }, Err(rejection)) => Err(NotHere::Failed(SubmitError::Rejected { rejection, index: Some(index) })),
+            (Outcome::Rejected { index, message }, _) => Err(NotHere::Failed(SubmitError::Rejected {
+                rejection: Rejection::new(RejectionKind::Conflict, format!("lost a race when applied: {message}")),
+                index: Some(index),
+            })),
+            (o, _) => Err(NotHere::Failed(internal(format!("the log applied an unexpected outcome {o:?}")))),
+        }
+    }
+
+    async fn forward(&self, leader: &str, bearer: &str, request_id: &str, cmd: &Command) -> Result<Submitted, SubmitError> {
+        let mut client = self.leader_client(leader).await?;
+        let req = SubmitRequest {
+            bearer: bearer.to_string(),
+            request_id: request_id.to_string(),
+            command_json: serde_json::to_string(cmd).map_err(internal)?,
+        };
+        let reply = client.submit(req).await.map_err(|s| {
+            self.inner.leaders.lock().expect("leaders lock").remove(leader);
+            SubmitError::Unavailable(format!("leader {leader}: {}", s.message()))
+        })?;
+        crate::peer::reply_to_result(reply.into_inner())
+    }
+
+    async fn leader_client(&self, addr: &str) -> Result<ControlClient<Channel>, SubmitError> {
+        if let Some(c) = self.inner.leaders.lock().expect("leaders lock").get(addr) {
+            return Ok(c.clone());
+        }
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(internal)?
+            .connect_timeout(Duration::from_secs(1))
+            .connect_lazy();
+        let c = ControlClient::new(ch);
+        self.inner.leaders.lock().expect("leaders lock").insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Rebuilds the state as it was at `until`, from the newest checkpoint before it.
+    pub async fn replay(&self, until: Until) -> Result<State, SubmitError> {
+        let applied = self.applied_index();
+        let (from, last) = match until {
+            Until::Index(i) => (self.inner.checkpoints.at_or_before_index(i).map_err(internal)?, i.min(applied)),
+            Until::Time(t) => (self.inner.checkpoints.at_or_before_time(t).map_err(internal)?, applied),
+        };
+        let from = from.unwrap_or_default();
+        let start = from.index + 1;
+        if start > last {
+            return Ok(from);
+        }
+        let log = self.inner.log.clone();
+        tokio::task::spawn_blocking(move || {
+            let first = log.first_available_index().map_err(internal)?;
+            if start < first {
+                return Err(SubmitError::Rejected {
+                    rejection: Rejection::field(
+                        RejectionKind::NotFound,
+                        "to",
+                        format!("history before index {first} is no longer retained and no checkpoint covers it"),
+                    ),
+                    index: None,
+                });
+            }
+            let mut state = from;
+            let mut next = start;
+            while next <= last {
+                let chunk_end = (next + 9_999).min(last);
+                let entries = log.read_entries(next, chunk_end).map_err(internal)?;
+                let before = state.index;
+                state = fold(state, entries.iter().map(|(i, b)| (*i, b.as_slice())), until).0;
+                if matches!(until, Until::Time(_)) && state.index == before && !entries.is_empty() {
+                    break; // passed the target time
+                }
+                next = chunk_end + 1;
+            }
+            Ok(state)
+        })
+        .await
+        .map_err(internal)?
+    }
+
+    pub fn cluster_status(&self) -> ClusterStatus {
+        let s = self.inner.log.status();
+        ClusterStatus {
+            node_id: s.node_id,
+            leader_id: s.leader_id,
+            is_leader: s.is_leader,
+            term: s.current_term,
+            last_log_index: s.last_log_index.unwrap_or(0),
+            applied_index: s.last_applied.unwrap_or(0),
+            first_available_index: s.first_available_index,
+            members: s.membership,
+            voters: s.voters,
+            state_hash: self.read(|st| st.hash()),
+        }
+    }
+
+    /// Adds a node as a voter (it first catches up as a learner). Leader only.
+    pub async fn add_member(&self, id: u64, addr: String) -> Result<(), SubmitError> {
+        let log = &self.inner.log;
+        log.add_learner(id, addr).await.map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+        let mut voters = log.status().voters;
+        voters.insert(id);
+        log.change_membership(voters).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
+    }
+
+    /// Removes a node from the cluster. Leader only.
+    pub async fn remove_member(&self, id: u64) -> Result<(), SubmitError> {
+        self.inner.log.remove_node(id).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
+    }
+
+    pub fn record_heartbeat(&self, hb: EdgeHeartbeat) {
+        self.inner.heartbeats.lock().expect("heartbeats lock").insert(hb.edge.clone(), hb);
+    }
+
+    pub fn edge_heartbeats(&self) -> Vec<EdgeHeartbeat> {
+        self.inner.heartbeats.lock().expect("heartbeats lock").values().cloned().collect()
+    }
+
+    /// Whether `key` is this cluster's key (compared in constant time).
+    pub fn cluster_key_matches(&self, key: &str) -> bool {
+        constant_time_eq(key.as_bytes(), self.inner.cfg.cluster_key.as_bytes())
+    }
+
+    /// Encoded batches of `from..=to` (history for replays and edge watches).
+    pub fn read_batches(&self, from: u64, to: u64) -> Result<Vec<(u64, Batch)>, SubmitError> {
+        let entries = self.inner.log.read_entries(from, to).map_err(internal)?;
+        entries.into_iter().map(|(i, b)| schema::decode_batch(&b).map(|b| (i, b)).map_err(internal)).collect()
+    }
+
+    pub async fn shutdown(&self) {
+        let _ = self.inner.log.shutdown().await;
+    }
+}
+
+enum NotHere {
+    /// Not the leader; here is the leader's peer address if known.
+    Leader(Option<String>),
+    Failed(SubmitError),
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

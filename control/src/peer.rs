@@ -1,0 +1,85 @@
+//! The `Control` service: how a follower hands a write to the leader, and how
+//! `opendsec init` bootstraps a cluster with the cluster key.
+
+use crate::node::{ControlNode, SubmitError, Submitted};
+use crate::pb::{control_server::Control, BootstrapRequest, SubmitReply, SubmitRequest};
+use crate::Credential;
+use opendsec_commands::{Command, Decided, Rejection, RejectionKind};
+use opendsec_projections::schema::{self, Batch};
+use prost::Message;
+use tonic::{Request, Response, Status};
+
+pub struct ControlService {
+    node: ControlNode,
+}
+
+impl ControlService {
+    pub fn new(node: ControlNode) -> Self {
+        ControlService { node }
+    }
+}
+
+/// Encodes a submit result for the wire.
+pub fn result_to_reply(r: Result<Submitted, SubmitError>, batch: Option<Batch>) -> SubmitReply {
+    match r {
+        Ok(s) => SubmitReply { index: s.index, batch: batch.map(|b| b.encode_to_vec()).unwrap_or_default(), logged: true, ..Default::default() },
+        Err(SubmitError::Rejected { rejection, index }) => SubmitReply {
+            index: index.unwrap_or(0),
+            logged: index.is_some(),
+            rejection_json: serde_json::to_string(&rejection).unwrap_or_default(),
+            ..Default::default()
+        },
+        Err(e) => SubmitReply { error: e.to_string(), ..Default::default() },
+    }
+}
+
+/// Decodes a submit result from the wire.
+pub fn reply_to_result(r: SubmitReply) -> Result<Submitted, SubmitError> {
+    if !r.error.is_empty() {
+        return Err(SubmitError::Unavailable(r.error));
+    }
+    if !r.rejection_json.is_empty() {
+        let rejection: Rejection = serde_json::from_str(&r.rejection_json).map_err(|e| SubmitError::Internal(e.to_string()))?;
+        return Err(SubmitError::Rejected { rejection, index: r.logged.then_some(r.index) });
+    }
+    let batch = schema::decode_batch(&r.batch).map_err(|e| SubmitError::Internal(e.to_string()))?;
+    let events = schema::batch_events(&batch).map_err(|e| SubmitError::Internal(e.to_string()))?;
+    Ok(Submitted { index: r.index, decided: Decided { events, project: batch.project, target: batch.target } })
+}
+
+fn batch_of(s: &Submitted) -> Batch {
+    Batch {
+        project: s.decided.project.clone(),
+        target: s.decided.target.clone(),
+        events: s.decided.events.iter().map(|e| e.to_envelope()).collect(),
+        ..Default::default()
+    }
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn submit(&self, req: Request<SubmitRequest>) -> Result<Response<SubmitReply>, Status> {
+        let req = req.into_inner();
+        let cmd: Command = match serde_json::from_str(&req.command_json) {
+            Ok(c) => c,
+            Err(e) => {
+                let r = Rejection::new(RejectionKind::Invalid, format!("command does not decode: {e}"));
+                return Ok(Response::new(result_to_reply(Err(r.into()), None)));
+            }
+        };
+        let result = self.node.submit(Credential::Bearer(req.bearer), req.request_id, cmd).await;
+        let batch = result.as_ref().ok().map(batch_of);
+        Ok(Response::new(result_to_reply(result, batch)))
+    }
+
+    async fn bootstrap(&self, req: Request<BootstrapRequest>) -> Result<Response<SubmitReply>, Status> {
+        let req = req.into_inner();
+        if !self.node.cluster_key_matches(&req.cluster_key) {
+            return Err(Status::permission_denied("wrong cluster key"));
+        }
+        let cmd = Command::Bootstrap { project_name: req.project_name, token_name: req.token_name, secret_sha256: req.secret_sha256 };
+        let result = self.node.submit(Credential::System, req.request_id, cmd).await;
+        let batch = result.as_ref().ok().map(batch_of);
+        Ok(Response::new(result_to_reply(result, batch)))
+    }
+}

@@ -1,0 +1,227 @@
+//! The `EdgeSlice` service: an edge registers, follows its slice of the log from any
+//! index (history first, then live entries, resuming after disconnects), reports what
+//! it observes as commands, and sends heartbeats that stay in memory.
+//!
+//! An edge's slice is every event about a sandbox placed on it, plus the edge
+//! registrations. If the history it asks for is no longer retained, it first gets a
+//! snapshot of its sandboxes, then the entries after that snapshot.
+
+use crate::node::{ControlNode, EdgeHeartbeat, SubmitError};
+use crate::pb::edge_slice_server::EdgeSlice;
+use crate::pb::{
+    slice_message::Body, HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest,
+    SliceEntry, SliceMessage, SliceSandbox, SliceSnapshot, WatchRequest,
+};
+use crate::{now_ms, Principal};
+use opendsec_commands::{Command, Observation};
+use opendsec_projections::schema::{self, Batch};
+use opendsec_projections::{Event, Right, State, Usage};
+use std::pin::Pin;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// Entries skipped (none for this edge) before a `Progress` message is sent.
+const PROGRESS_EVERY: u64 = 256;
+
+pub struct EdgeSliceService {
+    node: ControlNode,
+}
+
+impl EdgeSliceService {
+    pub fn new(node: ControlNode) -> Self {
+        EdgeSliceService { node }
+    }
+
+    fn edge_principal<T>(&self, req: &Request<T>) -> Result<Principal, Status> {
+        let bearer = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| Status::unauthenticated("send `authorization: Bearer <edge token>`"))?;
+        let p = self.node.authenticate(bearer).map_err(|r| Status::unauthenticated(r.message))?;
+        if !p.has(Right::EdgeWrite) {
+            return Err(Status::permission_denied("the token lacks the right edge:write"));
+        }
+        Ok(p)
+    }
+}
+
+fn to_status(e: SubmitError) -> Status {
+    match e {
+        SubmitError::Rejected { rejection, .. } => match rejection.kind.code() {
+            "invalid" => Status::invalid_argument(rejection.message),
+            "not_found" => Status::not_found(rejection.message),
+            "unauthenticated" => Status::unauthenticated(rejection.message),
+            "forbidden" => Status::permission_denied(rejection.message),
+            _ => Status::failed_precondition(rejection.message),
+        },
+        SubmitError::Unavailable(m) => Status::unavailable(m),
+        SubmitError::Internal(m) => Status::internal(m),
+    }
+}
+
+/// The events of `batch` that belong to `edge`'s slice.
+pub fn slice_events(state: &State, edge: &str, batch: &Batch) -> Vec<opendsec_projections::schema::Envelope> {
+    let Ok(events) = schema::batch_events(batch) else { return vec![] };
+    let mut out = Vec::new();
+    for (ev, env) in events.iter().zip(&batch.events) {
+        let mine = match ev {
+            Event::SandboxCreated(e) => e.edge == edge,
+            Event::EdgeRegistered(_) | Event::EdgeDeregistered(_) => true,
+            other => other.sandbox_id().is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
+        };
+        if mine {
+            out.push(env.clone());
+        }
+    }
+    out
+}
+
+fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
+    let sandboxes = state
+        .sandboxes
+        .sandboxes
+        .values()
+        .filter(|s| s.edge == edge && s.is_live())
+        .map(|s| SliceSandbox {
+            id: s.id.clone(),
+            project: s.project.clone(),
+            image: s.image.clone(),
+            cpu_millis: s.cpu_millis,
+            memory_mb: s.memory_mb,
+            labels: s.labels.clone(),
+            expires_at_ms: s.expires_at_ms.unwrap_or(0),
+            desired: serde_json::to_value(s.desired).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            observed: serde_json::to_value(s.observed).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            fork_of: s.fork_of.clone().unwrap_or_default(),
+        })
+        .collect();
+    SliceSnapshot { index: state.index, sandboxes }
+}
+
+type SliceStream = Pin<Box<dyn Stream<Item = Result<SliceMessage, Status>> + Send>>;
+
+/// Streams one edge's slice from `next` on into `tx` until the receiver goes away.
+async fn follow(node: ControlNode, edge: String, mut next: u64, mut live: broadcast::Receiver<opendsec_log::AppliedEntry>, tx: mpsc::Sender<Result<SliceMessage, Status>>) {
+    let send = |m: Body| {
+        let tx = tx.clone();
+        async move { tx.send(Ok(SliceMessage { body: Some(m) })).await.is_ok() }
+    };
+    let first = node.log().first_available_index().unwrap_or(1);
+    if next < first {
+        let snap = node.read(|s| slice_snapshot(s, &edge));
+        next = snap.index + 1;
+        if !send(Body::Snapshot(snap)).await {
+            return;
+        }
+    }
+    let mut skipped = 0u64;
+    loop {
+        // Catch up from storage to what is applied now.
+        let applied = node.applied_index();
+        while next <= applied {
+            let to = (next + 999).min(applied);
+            let batches = match node.read_batches(next, to) {
+                Ok(b) => b,
+                Err(e) => {
+                    let _ = tx.send(Err(Status::internal(e.to_string()))).await;
+                    return;
+                }
+            };
+            for (index, batch) in batches {
+                let events = node.read(|s| slice_events(s, &edge, &batch));
+                if events.is_empty() {
+                    skipped += 1;
+                    if skipped >= PROGRESS_EVERY {
+                        skipped = 0;
+                        if !send(Body::Progress(Progress { index })).await {
+                            return;
+                        }
+                    }
+                } else {
+                    skipped = 0;
+                    if !send(Body::Entry(SliceEntry { index, time_ms: batch.time_ms, events })).await {
+                        return;
+                    }
+                }
+            }
+            next = to + 1;
+        }
+        if skipped > 0 {
+            skipped = 0;
+            if !send(Body::Progress(Progress { index: next - 1 })).await {
+                return;
+            }
+        }
+        // Then wait for the next applied entry; anything missed is read from storage above.
+        tokio::select! {
+            r = live.recv() => match r {
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+            _ = tx.closed() => return,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl EdgeSlice for EdgeSliceService {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+        let p = self.edge_principal(&req)?;
+        let r = req.into_inner();
+        let cap = r.capacity.unwrap_or_default();
+        let cmd = Command::RegisterEdge {
+            edge: r.edge.clone(),
+            address: r.address,
+            capacity: Usage { sandboxes: cap.sandboxes, cpu_millis: cap.cpu_millis, memory_mb: cap.memory_mb },
+            labels: r.labels,
+        };
+        let s = self.node.submit(p.credential(), uuid::Uuid::new_v4().to_string(), cmd).await.map_err(to_status)?;
+        let ordinal = self.node.read(|st| st.placement.edges.get(&r.edge).map(|e| e.ordinal)).unwrap_or_default();
+        Ok(Response::new(RegisterReply { ordinal, index: s.index }))
+    }
+
+    type WatchStream = SliceStream;
+
+    async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<SliceStream>, Status> {
+        self.edge_principal(&req)?;
+        let r = req.into_inner();
+        if r.edge.is_empty() {
+            return Err(Status::invalid_argument("edge must name the watching edge"));
+        }
+        // Subscribe before reading history so no entry falls between the two.
+        let live = self.node.log().subscribe();
+        let (tx, rx) = mpsc::channel(256);
+        tokio::spawn(follow(self.node.clone(), r.edge, r.from_index.max(1), live, tx));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn report(&self, req: Request<ReportRequest>) -> Result<Response<ReportReply>, Status> {
+        let p = self.edge_principal(&req)?;
+        let r = req.into_inner();
+        let observation: Observation =
+            serde_json::from_str(&r.observation_json).map_err(|e| Status::invalid_argument(format!("observation_json: {e}")))?;
+        let request_id = if r.request_id.is_empty() { uuid::Uuid::new_v4().to_string() } else { r.request_id };
+        let s = self
+            .node
+            .submit(p.credential(), request_id, Command::ReportSandbox { sandbox: r.sandbox, observation })
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(ReportReply { index: s.index }))
+    }
+
+    async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {
+        self.edge_principal(&req)?;
+        let r = req.into_inner();
+        self.node.record_heartbeat(EdgeHeartbeat {
+            edge: r.edge,
+            at_ms: now_ms(),
+            running_sandboxes: r.running_sandboxes,
+            cpu_millis_used: r.cpu_millis_used,
+            memory_mb_used: r.memory_mb_used,
+        });
+        Ok(Response::new(HeartbeatReply {}))
+    }
+}
