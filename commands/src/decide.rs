@@ -89,6 +89,15 @@ fn live_sandbox<'a>(state: &'a State, who: &Who, id: &str, right: Right) -> Resu
     Ok(s)
 }
 
+/// Edges serve the whole cluster: only the root project's principals manage them.
+fn require_root(state: &State, who: &Who) -> Result<(), Rejection> {
+    if who.is_system() || state.root_project().is_some_and(|r| r.id == who.project) {
+        Ok(())
+    } else {
+        Err(Rejection::new(K::Forbidden, "edges are managed by the root project's principals only"))
+    }
+}
+
 fn hex32(field: &str, v: &str) -> Result<Vec<u8>, Rejection> {
     match hex::decode(v) {
         Ok(b) if b.len() == 32 => Ok(b),
@@ -236,10 +245,8 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
                 let mine = if mine == u64::MAX { "unlimited".into() } else { mine.to_string() };
                 return Err(Rejection::field(K::Invalid, &format!("limits.{res}"), format!("{res} limit {mine} exceeds the parent project's limit {theirs}")));
             }
-            for c in &p.children {
-                if let Some((res, m, _)) = state.effective_limits(c).exceeds(limits).filter(|(_, m, _)| *m != u64::MAX) {
-                    return Err(Rejection::field(K::Conflict, &format!("limits.{res}"), format!("child project {c} has a {res} limit of {m}, above the new limit")));
-                }
+            if let Some((c, res, m)) = state.descendant_limit_above(project, limits) {
+                return Err(Rejection::field(K::Conflict, &format!("limits.{res}"), format!("child project {c} has a {res} limit of {m}, above the new limit")));
             }
             let used = state.quota.usage.get(project).copied().unwrap_or_default().plus(&inflight.project_usage(project));
             if let Some((res, limit)) = limits.exceeded_by(&used) {
@@ -305,6 +312,7 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
             validate::amount("capacity.cpu_millis", capacity.cpu_millis, LIMITS.cpu_millis)?;
             validate::amount("capacity.memory_mb", capacity.memory_mb, LIMITS.memory_mb)?;
             who.require(Right::EdgeWrite)?;
+            require_root(state, &who)?;
             let ordinal = match state.placement.edges.get(edge) {
                 Some(e) => e.ordinal,
                 None if inflight.is_new_edge(edge) => {
@@ -333,6 +341,7 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
                 return Err(not_found("edge", "edge", edge));
             }
             who.require(Right::EdgeWrite)?;
+            require_root(state, &who)?;
             Ok(one("", edge, Event::EdgeDeregistered(pb::EdgeDeregistered { id: edge.clone() })))
         }
         Command::CreateSandbox { project, image, cpu_millis, memory_mb, labels, timeout_seconds } => {
@@ -425,6 +434,9 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
             validate::id("sandbox", sandbox)?;
             let s = state.sandboxes.sandboxes.get(sandbox).ok_or_else(|| not_found("sandbox", "sandbox", sandbox))?;
             who.require(Right::EdgeWrite)?;
+            if !state.within(&s.project, &who.project) {
+                return Err(Rejection::field(K::Forbidden, "sandbox", format!("sandbox {sandbox} is outside the caller's project")));
+            }
             let id = sandbox.clone();
             let ev = match observation {
                 Observation::Ready => Event::SandboxReady(pb::SandboxReady { id }),

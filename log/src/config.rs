@@ -59,7 +59,6 @@ impl LogConfig {
             // leadership without an election.
             enable_leader_restore: Some(false),
             install_snapshot_timeout: self.rpc_timeout_ms * 20,
-            send_snapshot_timeout: self.rpc_timeout_ms * 20,
             ..Default::default()
         };
         cfg.validate()

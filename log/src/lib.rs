@@ -2,13 +2,13 @@
 //!
 //! This crate turns an application's deterministic [`StateMachine`] into a replicated one:
 //! payloads proposed on the leader ([`LogNode::propose`]) are appended to a Raft log
-//! (openraft), made durable in a [redb](redb) file, replicated to the peers over tonic gRPC,
+//! (openraft), made durable in a [redb] file, replicated to the peers over tonic gRPC,
 //! and applied in index order on every node.
 //!
 //! What is on disk (one redb file, `<data_dir>/log.redb`):
 //! - the Raft vote, the committed log id and the last purged log id;
 //! - the live Raft log (every append is one durable commit before openraft is told it is
-//!   flushed; concurrent appends share one fsync: see [`store`](crate::store));
+//!   flushed; concurrent appends share one fsync: see [`store`]);
 //! - the latest snapshot (the application's [`StateMachine::snapshot`] bytes plus Raft
 //!   metadata). The application state itself is kept only in memory: after a restart it
 //!   is restored from the latest snapshot, then the committed entries after it are re-applied;

@@ -299,9 +299,12 @@ impl<S: StateMachine> LogNode<S> {
     /// the index returned by the leader's `propose`).
     pub async fn wait_applied(&self, index: u64, timeout: Duration) -> Result<(), LogError> {
         let mut rx = self.inner.sm.shared.applied_tx.subscribe();
-        let r = tokio::time::timeout(timeout, rx.wait_for(|a| a.is_some_and(|a| a >= index))).await;
+        let r = tokio::time::timeout(timeout, async {
+            rx.wait_for(|a| a.is_some_and(|a| a >= index)).await.map(|_| ())
+        })
+        .await;
         match r {
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(LogError::Fatal("state machine dropped".into())),
             Err(_) => Err(LogError::Timeout {
                 index,

@@ -12,7 +12,7 @@
 //!   durable commit (losing them in a crash is allowed by openraft).
 //!
 //! Purge moves entries into the `archive` table (application payloads only) in the same write
-//! transaction that removes them from the live log; see [`Store::read_entries`].
+//! transaction that removes them from the live log; see `LogNode::read_entries`.
 
 use std::fmt::Debug;
 use std::io;
@@ -20,7 +20,6 @@ use std::ops::{Bound, RangeBounds};
 use std::path::Path;
 use std::sync::{Arc, RwLock, mpsc};
 
-use openraft::entry::RaftEntry;
 use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
 use openraft::{EntryPayload, OptionalSend, RaftLogReader};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
@@ -93,6 +92,10 @@ impl Store {
     pub(crate) fn close(&self) {
         if let Ok(mut g) = self.inner.flush_tx.lock() {
             g.take();
+        }
+        // Make the last non-durable commits (committed id, truncation) durable.
+        if let Err(e) = self.write(Durability::Immediate, |_| Ok(())) {
+            tracing::debug!("final flush on close: {e}");
         }
         if let Ok(mut g) = self.inner.db.write() {
             g.take();

@@ -44,6 +44,8 @@ struct Pending {
     usage: BTreeMap<String, Usage>,
     edge_usage: BTreeMap<String, Usage>,
     sandbox_ids: BTreeSet<String>,
+    /// Projects created earlier in the batch (bootstrap issues a token in its new root).
+    projects: BTreeSet<String>,
 }
 
 impl State {
@@ -133,6 +135,35 @@ impl State {
         parent.map(|p| self.effective_limits(p)).unwrap_or_default()
     }
 
+    /// Every project strictly below `project`.
+    pub fn descendants(&self, project: &str) -> Vec<&Project> {
+        let mut out = Vec::new();
+        let mut todo: Vec<&str> = self.iam.projects.get(project).map(|p| p.children.iter().map(String::as_str).collect()).unwrap_or_default();
+        while let Some(id) = todo.pop() {
+            if let Some(p) = self.iam.projects.get(id) {
+                todo.extend(p.children.iter().map(String::as_str));
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// The first project below `project` whose own limit on a resource is above `limits`:
+    /// (that project, the resource, its limit). Limits a descendant merely inherits do not count.
+    pub fn descendant_limit_above(&self, project: &str, limits: &Limits) -> Option<(String, &'static str, u64)> {
+        self.descendants(project).into_iter().find_map(|d| {
+            let own = self.quota.limits.get(&d.id)?;
+            let own = Usage { sandboxes: own.sandboxes.unwrap_or(0), cpu_millis: own.cpu_millis.unwrap_or(0), memory_mb: own.memory_mb.unwrap_or(0) };
+            let (res, _) = limits.exceeded_by(&own)?;
+            let value = match res {
+                "sandboxes" => own.sandboxes,
+                "cpu_millis" => own.cpu_millis,
+                _ => own.memory_mb,
+            };
+            Some((d.id.clone(), res, value))
+        })
+    }
+
     pub fn root_project(&self) -> Option<&Project> {
         self.iam.projects.values().find(|p| p.parent.is_none())
     }
@@ -193,7 +224,7 @@ impl State {
     fn check(&self, ev: &Event, pending: &mut Pending) -> Result<(), String> {
         match ev {
             Event::ProjectCreated(e) => {
-                if self.iam.projects.contains_key(&e.id) {
+                if self.iam.projects.contains_key(&e.id) || !pending.projects.insert(e.id.clone()) {
                     return Err(format!("project {} already exists", e.id));
                 }
                 if e.parent.is_empty() {
@@ -228,11 +259,8 @@ impl State {
                     let mine = if mine == u64::MAX { "unlimited".to_string() } else { mine.to_string() };
                     return Err(format!("{res} limit {mine} exceeds the parent's limit {theirs}"));
                 }
-                for c in &p.children {
-                    let child = self.effective_limits(c);
-                    if let Some((res, _, _)) = child.exceeds(&limits).filter(|(_, m, _)| *m != u64::MAX) {
-                        return Err(format!("{res} limit is below that of child project {c}"));
-                    }
+                if let Some((c, res, _)) = self.descendant_limit_above(&e.project, &limits) {
+                    return Err(format!("{res} limit is below that of child project {c}"));
                 }
                 let used = self.quota.usage.get(&e.project).copied().unwrap_or_default();
                 if let Some((res, limit)) = limits.exceeded_by(&used) {
@@ -243,7 +271,7 @@ impl State {
                 if self.iam.tokens.contains_key(&e.id) {
                     return Err(format!("token {} already exists", e.id));
                 }
-                if !self.iam.projects.contains_key(&e.project) {
+                if !self.iam.projects.contains_key(&e.project) && !pending.projects.contains(&e.project) {
                     return Err(format!("project {} does not exist", e.project));
                 }
             }

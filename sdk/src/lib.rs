@@ -1,1 +1,329 @@
-//! placeholder while the crate is written
+//! OpenDsec's Rust client: typed calls to every `/v1` endpoint, and the
+//! `opendsecctl` CLI (src/bin) built on them.
+//!
+//! Read-your-writes: the client remembers the highest log index any response
+//! carried (`X-Opendsec-Index`) and sends it as `X-Opendsec-Min-Index`, so a read
+//! served by any control node reflects this client's earlier writes.
+
+pub mod types;
+
+use reqwest::{Method, Url};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use types::*;
+
+pub const INDEX_HEADER: &str = "x-opendsec-index";
+pub const MIN_INDEX_HEADER: &str = "x-opendsec-min-index";
+pub const DEFAULT_URL: &str = "http://127.0.0.1:7400";
+
+/// Every failure of a call: an error answered by the API (`status` is its HTTP
+/// status), or no usable answer at all (`status` 0, `code` "unreachable" or "decode").
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+    pub field: Option<String>,
+}
+
+impl ApiError {
+    fn local(code: &str, message: String) -> ApiError {
+        ApiError { status: 0, code: code.into(), message, field: None }
+    }
+}
+
+/// Which sandboxes `list_sandboxes` returns.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxFilter {
+    pub project: Option<String>,
+    /// Every label must match.
+    pub labels: BTreeMap<String, String>,
+    /// pending, running, pausing, paused, resuming, killed, failed or exited; live ones when absent.
+    pub state: Option<String>,
+}
+
+/// Which audit records `audit` returns; times are RFC 3339 or ms since the epoch.
+#[derive(Clone, Debug, Default)]
+pub struct AuditFilter {
+    pub principal: Option<String>,
+    pub project: Option<String>,
+    pub action: Option<String>,
+    pub target: Option<String>,
+    pub since: Option<String>,
+    pub until: Option<String>,
+    /// The `next` cursor of the previous page.
+    pub after: Option<u64>,
+    pub limit: Option<u64>,
+}
+
+/// A replay: `to` and `diff_from` are log indexes or RFC 3339 times.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayRequest {
+    pub to: Option<String>,
+    pub view: Option<String>,
+    pub diff_from: Option<String>,
+}
+
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: Url,
+    token: Option<String>,
+    seen_index: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client").field("base", &self.base.as_str()).field("token", &self.token.as_ref().map(|_| "<redacted>")).finish()
+    }
+}
+
+impl Client {
+    /// A client of the API at `base_url` (e.g. `http://127.0.0.1:7400`), authenticating with `token`.
+    pub fn new(base_url: &str, token: impl Into<Option<String>>) -> Result<Client, ApiError> {
+        let base = Url::parse(base_url).map_err(|e| ApiError::local("invalid_url", format!("{base_url:?} is not a URL: {e}")))?;
+        if base.cannot_be_a_base() {
+            return Err(ApiError::local("invalid_url", format!("{base_url:?} cannot be a base URL")));
+        }
+        let http = reqwest::Client::builder()
+            .user_agent(concat!("opendsec-sdk/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| ApiError::local("unreachable", e.to_string()))?;
+        Ok(Client { http, base, token: token.into(), seen_index: Arc::new(AtomicU64::new(0)) })
+    }
+
+    pub fn base_url(&self) -> &str {
+        self.base.as_str()
+    }
+
+    /// The highest log index this client has seen; reads wait for it.
+    pub fn seen_index(&self) -> u64 {
+        self.seen_index.load(Ordering::Relaxed)
+    }
+
+    /// Makes later reads wait for `index` (e.g. one learned by another client).
+    pub fn observe_index(&self, index: u64) {
+        self.seen_index.fetch_max(index, Ordering::Relaxed);
+    }
+
+    fn url(&self, segments: &[&str], query: &[(&str, String)]) -> Url {
+        let mut url = self.base.clone();
+        url.path_segments_mut().expect("checked in new").pop_if_empty().extend(segments);
+        if !query.is_empty() {
+            let mut q = url.query_pairs_mut();
+            for (k, v) in query {
+                q.append_pair(k, v);
+            }
+        }
+        url
+    }
+
+    async fn call<B: Serialize, T: DeserializeOwned>(&self, method: Method, segments: &[&str], query: &[(&str, String)], body: Option<&B>) -> Result<T, ApiError> {
+        let url = self.url(segments, query);
+        let mut req = self.http.request(method, url);
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        let seen = self.seen_index();
+        if seen > 0 {
+            req = req.header(MIN_INDEX_HEADER, seen);
+        }
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.map_err(|e| ApiError::local("unreachable", format!("cannot reach {}: {e}", self.base)))?;
+        if let Some(i) = resp.headers().get(INDEX_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()) {
+            self.observe_index(i);
+        }
+        let status = resp.status();
+        let bytes = resp.bytes().await.map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
+        if !status.is_success() {
+            return Err(match serde_json::from_slice::<ErrorBody>(&bytes) {
+                Ok(e) => ApiError { status: status.as_u16(), code: e.code, message: e.message, field: e.field },
+                Err(_) => ApiError {
+                    status: status.as_u16(),
+                    code: "http".into(),
+                    message: format!("HTTP {status}: {}", String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()),
+                    field: None,
+                },
+            });
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
+    }
+
+    async fn get<T: DeserializeOwned>(&self, segments: &[&str], query: &[(&str, String)]) -> Result<T, ApiError> {
+        self.call::<(), T>(Method::GET, segments, query, None).await
+    }
+
+    // ---- meta ----
+
+    pub async fn health(&self) -> Result<Health, ApiError> {
+        self.get(&["health"], &[]).await
+    }
+
+    /// The OpenAPI document.
+    pub async fn openapi(&self) -> Result<serde_json::Value, ApiError> {
+        self.get(&["v1", "openapi.json"], &[]).await
+    }
+
+    // ---- projects and quotas ----
+
+    pub async fn create_project(&self, name: &str, parent: Option<&str>) -> Result<ProjectWritten, ApiError> {
+        let body = CreateProject { name: name.into(), parent: parent.map(Into::into) };
+        self.call(Method::POST, &["v1", "projects"], &[], Some(&body)).await
+    }
+
+    pub async fn list_projects(&self) -> Result<ProjectList, ApiError> {
+        self.get(&["v1", "projects"], &[]).await
+    }
+
+    pub async fn get_project(&self, id: &str) -> Result<Project, ApiError> {
+        self.get(&["v1", "projects", id], &[]).await
+    }
+
+    pub async fn delete_project(&self, id: &str) -> Result<Done, ApiError> {
+        self.call::<(), _>(Method::DELETE, &["v1", "projects", id], &[], None).await
+    }
+
+    pub async fn set_quota(&self, project: &str, limits: &Limits) -> Result<Quota, ApiError> {
+        self.call(Method::PUT, &["v1", "projects", project, "quota"], &[], Some(limits)).await
+    }
+
+    pub async fn get_quota(&self, project: &str) -> Result<Quota, ApiError> {
+        self.get(&["v1", "projects", project, "quota"], &[]).await
+    }
+
+    // ---- tokens ----
+
+    pub async fn issue_token(&self, req: &IssueToken) -> Result<TokenIssued, ApiError> {
+        self.call(Method::POST, &["v1", "tokens"], &[], Some(req)).await
+    }
+
+    pub async fn list_tokens(&self, project: Option<&str>) -> Result<TokenList, ApiError> {
+        let q: Vec<(&str, String)> = project.map(|p| ("project", p.to_string())).into_iter().collect();
+        self.get(&["v1", "tokens"], &q).await
+    }
+
+    pub async fn revoke_token(&self, id: &str, reason: Option<&str>) -> Result<Done, ApiError> {
+        let q: Vec<(&str, String)> = reason.map(|r| ("reason", r.to_string())).into_iter().collect();
+        self.call::<(), _>(Method::DELETE, &["v1", "tokens", id], &q, None).await
+    }
+
+    pub async fn whoami(&self) -> Result<Whoami, ApiError> {
+        self.get(&["v1", "whoami"], &[]).await
+    }
+
+    // ---- sandboxes ----
+
+    pub async fn create_sandbox(&self, req: &CreateSandbox) -> Result<SandboxWritten, ApiError> {
+        self.call(Method::POST, &["v1", "sandboxes"], &[], Some(req)).await
+    }
+
+    pub async fn list_sandboxes(&self, f: &SandboxFilter) -> Result<SandboxList, ApiError> {
+        let mut q: Vec<(&str, String)> = Vec::new();
+        if let Some(p) = &f.project {
+            q.push(("project", p.clone()));
+        }
+        for (k, v) in &f.labels {
+            q.push(("label", format!("{k}={v}")));
+        }
+        if let Some(s) = &f.state {
+            q.push(("state", s.clone()));
+        }
+        self.get(&["v1", "sandboxes"], &q).await
+    }
+
+    pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox, ApiError> {
+        self.get(&["v1", "sandboxes", id], &[]).await
+    }
+
+    pub async fn kill_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
+        self.call::<(), _>(Method::DELETE, &["v1", "sandboxes", id], &[], None).await
+    }
+
+    pub async fn pause_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
+        self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "pause"], &[], None).await
+    }
+
+    pub async fn resume_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
+        self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "resume"], &[], None).await
+    }
+
+    pub async fn fork_sandbox(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
+        self.call(Method::POST, &["v1", "sandboxes", id, "fork"], &[], Some(&ForkSandbox { count })).await
+    }
+
+    pub async fn set_sandbox_timeout(&self, id: &str, timeout_seconds: u64) -> Result<SandboxWritten, ApiError> {
+        self.call(Method::PUT, &["v1", "sandboxes", id, "timeout"], &[], Some(&SetTimeout { timeout_seconds })).await
+    }
+
+    pub async fn set_sandbox_labels(&self, id: &str, labels: BTreeMap<String, String>) -> Result<SandboxWritten, ApiError> {
+        self.call(Method::PUT, &["v1", "sandboxes", id, "labels"], &[], Some(&SetLabels { labels })).await
+    }
+
+    // ---- edges ----
+
+    pub async fn list_edges(&self) -> Result<EdgeList, ApiError> {
+        self.get(&["v1", "edges"], &[]).await
+    }
+
+    pub async fn register_edge(&self, req: &RegisterEdge) -> Result<EdgeWritten, ApiError> {
+        self.call(Method::POST, &["v1", "edges"], &[], Some(req)).await
+    }
+
+    pub async fn deregister_edge(&self, id: &str) -> Result<EdgeWritten, ApiError> {
+        self.call::<(), _>(Method::DELETE, &["v1", "edges", id], &[], None).await
+    }
+
+    // ---- audit and replay ----
+
+    /// One page of audit records; pass `next` back as `after` for the following page.
+    pub async fn audit(&self, f: &AuditFilter) -> Result<AuditPage, ApiError> {
+        let mut q: Vec<(&str, String)> = Vec::new();
+        for (k, v) in [
+            ("principal", &f.principal),
+            ("project", &f.project),
+            ("action", &f.action),
+            ("target", &f.target),
+            ("since", &f.since),
+            ("until", &f.until),
+        ] {
+            if let Some(v) = v {
+                q.push((k, v.clone()));
+            }
+        }
+        if let Some(a) = f.after {
+            q.push(("after", a.to_string()));
+        }
+        if let Some(l) = f.limit {
+            q.push(("limit", l.to_string()));
+        }
+        self.get(&["v1", "audit"], &q).await
+    }
+
+    pub async fn replay(&self, r: &ReplayRequest) -> Result<Replay, ApiError> {
+        let q: Vec<(&str, String)> = [("to", &r.to), ("view", &r.view), ("diff_from", &r.diff_from)]
+            .into_iter()
+            .filter_map(|(k, v)| v.clone().map(|v| (k, v)))
+            .collect();
+        self.get(&["v1", "replay"], &q).await
+    }
+
+    // ---- cluster ----
+
+    pub async fn cluster_status(&self) -> Result<ClusterStatus, ApiError> {
+        self.get(&["v1", "cluster"], &[]).await
+    }
+
+    pub async fn add_member(&self, id: u64, addr: &str) -> Result<ClusterStatus, ApiError> {
+        self.call(Method::POST, &["v1", "cluster", "members"], &[], Some(&AddMember { id, addr: addr.into() })).await
+    }
+
+    pub async fn remove_member(&self, id: u64) -> Result<ClusterStatus, ApiError> {
+        self.call::<(), _>(Method::DELETE, &["v1", "cluster", "members", &id.to_string()], &[], None).await
+    }
+}

@@ -121,13 +121,11 @@ impl EtcdCluster {
                 if let Ok(Some(st)) = cluster.children[k].try_wait() {
                     return Err(format!("etcd member {url} exited ({st}): {}", log_tail(&logs[k])));
                 }
-                if let Ok(r) = http.get(format!("{url}/health")).send().await {
-                    if let Ok(body) = r.text().await {
-                        if body.contains("\"health\":\"true\"") {
+                if let Ok(r) = http.get(format!("{url}/health")).send().await
+                    && let Ok(body) = r.text().await
+                        && body.contains("\"health\":\"true\"") {
                             break;
                         }
-                    }
-                }
                 if Instant::now() > deadline {
                     return Err(format!("etcd member {url} not healthy after 60 s: {}", log_tail(&logs[k])));
                 }
@@ -141,12 +139,11 @@ impl EtcdCluster {
                 .body(put_body(b"opendsec-bench/probe", b"x"))
                 .send()
                 .await;
-            if let Ok(r) = r {
-                if r.status().is_success() {
+            if let Ok(r) = r
+                && r.status().is_success() {
                     cluster.prefix = prefix.to_string();
                     return Ok(cluster);
                 }
-            }
         }
         Err("etcd answered neither /v3/kv/put nor /v3beta/kv/put".into())
     }

@@ -6,10 +6,15 @@
 //!   one entry in that list.
 //! * [`redb_raw`]: baseline (a): one durable redb write transaction per op.
 //! * [`etcd`]: baseline (b): an etcd cluster on loopback driven through its v3 HTTP/JSON gateway.
+//! * [`opendsec`]: the system under test: 1 or 3 `opendsec control` processes driven
+//!   through the REST API (one label write = one replicated log append).
+//! * [`fold`]: replay speed in process: `replay::fold` over encoded batches, no IO.
 //! * [`report`]: the result table and the goals section.
 
 pub mod etcd;
+pub mod fold;
 pub mod load;
+pub mod opendsec;
 pub mod redb_raw;
 pub mod report;
 pub mod targets;

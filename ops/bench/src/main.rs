@@ -50,6 +50,9 @@ struct LogArgs {
     /// Target options, key=value (repeatable).
     #[arg(long = "opt", value_parser = parse_kv)]
     opts: Vec<(String, String)>,
+    /// Encoded batches the in-process replay folds (0: skip it).
+    #[arg(long, default_value_t = 200_000)]
+    replay_batches: usize,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -92,10 +95,45 @@ async fn run_log(a: LogArgs) -> i32 {
         a.concurrency,
         data_dir.display()
     );
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load1 = load.split_whitespace().next().unwrap_or("?").to_string();
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    eprintln!("host: {cores} cores, 1-min load average {load1} at start");
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut replays = Vec::new();
     let mut failed = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    if a.replay_batches > 0 {
+        let n = a.replay_batches;
+        eprintln!("== replay, in process: building {n} encoded batches, then one fold from an empty state");
+        match tokio::task::spawn_blocking(move || opendsec_bench::fold::run(n)).await {
+            Ok(Ok(f)) => {
+                let eps = f.batches as f64 / f.fold_time.as_secs_f64().max(1e-9);
+                eprintln!(
+                    "   folded {} batches ({:.1} MB) in {} ({} events/s); building them took {}",
+                    f.batches,
+                    f.bytes as f64 / 1e6,
+                    report::fmt_dur(f.fold_time),
+                    report::fmt_rate(eps),
+                    report::fmt_dur(f.build_time)
+                );
+                replays.push(ReplayRow {
+                    name: format!(
+                        "opendsec replay::fold in process (decode+check+apply, 1 event per batch, {:.0} B/batch avg, no IO)",
+                        f.bytes as f64 / f.batches.max(1) as f64
+                    ),
+                    events: f.batches,
+                    elapsed: f.fold_time,
+                    events_per_sec: eps,
+                    pure_fold: true,
+                    note: None,
+                });
+            }
+            Ok(Err(e)) => failed.push(format!("in-process replay: {e}")),
+            Err(e) => failed.push(format!("in-process replay panicked: {e}")),
+        }
+    }
     for spec in &specs {
         eprintln!("== {} ({} member{}): setting up", spec.name, spec.members, if spec.members == 1 { "" } else { "s" });
         let session = match (spec.setup)(ctx.clone()).await {
@@ -106,6 +144,11 @@ async fn run_log(a: LogArgs) -> i32 {
                 continue;
             }
         };
+        if let Some(n) = &session.note
+            && !notes.contains(n)
+        {
+            notes.push(n.clone());
+        }
         for &c in &a.concurrency {
             let ops = a.ops.unwrap_or(if c <= 1 { 2_000 } else { 10_000 });
             let r = run_load(session.target.clone(), c, ops, a.payload).await;
@@ -124,11 +167,14 @@ async fn run_log(a: LogArgs) -> i32 {
             match rp.replay().await {
                 Ok(n) => {
                     let el = t0.elapsed();
+                    eprintln!("   replay {}: {n} in {}", rp.name(), report::fmt_dur(el));
                     replays.push(ReplayRow {
                         name: rp.name(),
                         events: n,
                         elapsed: el,
                         events_per_sec: n as f64 / el.as_secs_f64().max(1e-9),
+                        pure_fold: false,
+                        note: rp.note(n),
                     });
                 }
                 Err(e) => failed.push(format!("{}: replay failed: {e}", rp.name())),
@@ -137,8 +183,15 @@ async fn run_log(a: LogArgs) -> i32 {
         drop(session); // tears the target down (stops processes, deletes data)
     }
     println!();
-    println!("payload {} B; latency = issue to durable acknowledgement; warm-up excluded", a.payload);
+    println!(
+        "payload {} B; latency = issue to durable acknowledgement; warm-up excluded; \
+         {cores} cores, load average {load1} at start",
+        a.payload
+    );
     print!("{}", report::table(&rows));
+    for n in &notes {
+        println!("note: {n}");
+    }
     println!();
     println!("goals (measured here, {:.0} s total):", started.elapsed().as_secs_f64());
     print!("{}", report::goals(&rows, &replays));

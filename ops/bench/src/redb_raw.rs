@@ -5,6 +5,7 @@
 //! commit costs at that concurrency (no batching).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use tempfile::TempDir;
@@ -16,6 +17,8 @@ const TABLE: TableDefinition<u64, &[u8]> = TableDefinition::new("bench");
 
 pub struct RedbRaw {
     db: Arc<Database>,
+    /// Next key: increasing across all runs on this database (never overwrites).
+    next_key: AtomicU64,
     // Dropped after `db`: removes the database file.
     _dir: TempDir,
 }
@@ -28,7 +31,7 @@ impl RedbRaw {
             .tempdir_in(&ctx.data_dir)
             .map_err(|e| format!("tempdir in {:?}: {e}", ctx.data_dir))?;
         let db = Database::create(dir.path().join("bench.redb")).map_err(|e| e.to_string())?;
-        Ok(RedbRaw { db: Arc::new(db), _dir: dir })
+        Ok(RedbRaw { db: Arc::new(db), next_key: AtomicU64::new(0), _dir: dir })
     }
 }
 
@@ -52,10 +55,11 @@ impl WriteTarget for RedbRaw {
     fn name(&self) -> String {
         "redb raw".into()
     }
-    fn write(&self, _worker: usize, seq: u64, payload: Vec<u8>) -> BoxFuture<'_, Result<(), String>> {
+    fn write(&self, _worker: usize, _seq: u64, payload: Vec<u8>) -> BoxFuture<'_, Result<(), String>> {
         let db = self.db.clone();
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || put(&db, seq, &payload).map_err(|e| e.to_string()))
+            tokio::task::spawn_blocking(move || put(&db, key, &payload).map_err(|e| e.to_string()))
                 .await
                 .map_err(|e| e.to_string())?
         })

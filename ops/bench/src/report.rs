@@ -21,6 +21,10 @@ pub struct ReplayRow {
     pub events: u64,
     pub elapsed: Duration,
     pub events_per_sec: f64,
+    /// The in-process, pure fold (the figure the replay goal is about).
+    pub pure_fold: bool,
+    /// What the figure means, if it is not a plain "events in time".
+    pub note: Option<String>,
 }
 
 pub fn fmt_dur(d: Duration) -> String {
@@ -33,7 +37,7 @@ pub fn fmt_rate(r: f64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -67,7 +71,7 @@ pub fn table(rows: &[Row]) -> String {
         let mut s = String::from("|");
         for i in 0..7 {
             let pad = w[i] - c[i].chars().count();
-            if i <= 0 {
+            if i == 0 {
                 let _ = write!(s, " {}{} |", c[i], " ".repeat(pad));
             } else {
                 let _ = write!(s, " {}{} |", " ".repeat(pad), c[i]);
@@ -104,20 +108,18 @@ pub fn goals(rows: &[Row], replays: &[ReplayRow]) -> String {
         let redb = at.iter().find(|r| r.family == "redb");
         for r in &at {
             let mut rel = Vec::new();
-            if r.family != "redb" {
-                if let Some(b) = redb {
+            if r.family != "redb"
+                && let Some(b) = redb {
                     rel.push(format!("{:.2}x redb raw", r.report.ops_per_sec / b.report.ops_per_sec.max(1e-9)));
                 }
-            }
-            if r.family != "etcd" {
-                if let Some(e) = at.iter().find(|e| e.family == "etcd" && e.members == r.members) {
+            if r.family != "etcd"
+                && let Some(e) = at.iter().find(|e| e.family == "etcd" && e.members == r.members) {
                     rel.push(format!(
                         "{:.2}x etcd {}-member",
                         r.report.ops_per_sec / e.report.ops_per_sec.max(1e-9),
                         e.members
                     ));
                 }
-            }
             let rel = if rel.is_empty() { String::new() } else { format!(" ({})", rel.join(", ")) };
             let err = if r.report.errors > 0 { format!(", {} errors", r.report.errors) } else { String::new() };
             let _ = writeln!(
@@ -137,15 +139,95 @@ pub fn goals(rows: &[Row], replays: &[ReplayRow]) -> String {
     if !replays.is_empty() {
         let _ = writeln!(out, "replay:");
         for r in replays {
-            let _ = writeln!(
-                out,
-                "  {}: {} events/s ({} events in {})",
-                r.name,
-                fmt_rate(r.events_per_sec),
-                r.events,
-                fmt_dur(r.elapsed)
-            );
+            match &r.note {
+                None => {
+                    let _ = writeln!(
+                        out,
+                        "  {}: {} events/s ({} events in {})",
+                        r.name,
+                        fmt_rate(r.events_per_sec),
+                        r.events,
+                        fmt_dur(r.elapsed)
+                    );
+                }
+                Some(n) => {
+                    let _ = writeln!(out, "  {}: index {} in {} ({n})", r.name, r.events, fmt_dur(r.elapsed));
+                }
+            }
         }
     }
+    out.push_str(&targets(rows, replays));
+    out
+}
+
+/// Throughput ratio a goal asks of opendsec 3-node over etcd 3-member.
+pub const THROUGHPUT_VS_ETCD: f64 = 1.5;
+/// Latency ratio a goal allows opendsec 1-node over the raw redb commit.
+pub const LATENCY_VS_REDB: f64 = 2.0;
+/// Events/s the in-process replay must reach.
+pub const REPLAY_EVENTS_PER_SEC: f64 = 200_000.0;
+
+fn find<'a>(rows: &'a [Row], family: &str, members: usize, c: usize) -> Option<&'a Row> {
+    rows.iter().find(|r| r.family == family && r.members == members && r.report.concurrency == c && r.report.ok > 0)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "PASS" } else { "MISS" }
+}
+
+/// The PASS/MISS lines: one per goal, `n/a` when a side was not measured.
+pub fn targets(rows: &[Row], replays: &[ReplayRow]) -> String {
+    let mut out = String::from("targets:\n");
+    for c in [16, 256] {
+        let line = match (find(rows, "opendsec", 3, c), find(rows, "etcd", 3, c)) {
+            (Some(o), Some(e)) => {
+                let want = THROUGHPUT_VS_ETCD * e.report.ops_per_sec;
+                format!(
+                    "{}  c={c}: opendsec 3-node {} ops/s vs {THROUGHPUT_VS_ETCD}x etcd 3-member = {} ops/s ({:.2}x etcd)",
+                    verdict(o.report.ops_per_sec >= want && o.report.errors == 0),
+                    fmt_rate(o.report.ops_per_sec),
+                    fmt_rate(want),
+                    o.report.ops_per_sec / e.report.ops_per_sec.max(1e-9)
+                )
+            }
+            _ => format!("n/a   c={c}: opendsec 3-node ops/s vs {THROUGHPUT_VS_ETCD}x etcd 3-member (not both measured)"),
+        };
+        let _ = writeln!(out, "  {line}");
+    }
+    let line = match (find(rows, "opendsec", 3, 1), find(rows, "etcd", 3, 1)) {
+        (Some(o), Some(e)) => format!(
+            "{}  c=1: opendsec 3-node p50 {} vs etcd 3-member p50 {} (must be <=)",
+            verdict(o.report.p50 <= e.report.p50 && o.report.errors == 0),
+            fmt_dur(o.report.p50),
+            fmt_dur(e.report.p50)
+        ),
+        _ => "n/a   c=1: opendsec 3-node p50 vs etcd 3-member p50 (not both measured)".into(),
+    };
+    let _ = writeln!(out, "  {line}");
+    let line = match (find(rows, "opendsec", 1, 1), find(rows, "redb", 1, 1)) {
+        (Some(o), Some(b)) => {
+            let want = b.report.p50.mul_f64(LATENCY_VS_REDB);
+            format!(
+                "{}  c=1: opendsec 1-node p50 {} vs {LATENCY_VS_REDB}x redb raw p50 = {} (redb raw p50 {})",
+                verdict(o.report.p50 <= want && o.report.errors == 0),
+                fmt_dur(o.report.p50),
+                fmt_dur(want),
+                fmt_dur(b.report.p50)
+            )
+        }
+        _ => "n/a   c=1: opendsec 1-node p50 vs 2x redb raw p50 (not both measured)".into(),
+    };
+    let _ = writeln!(out, "  {line}");
+    let line = match replays.iter().find(|r| r.pure_fold) {
+        Some(r) => format!(
+            "{}  replay (in-process fold of {} batches): {} events/s vs {} events/s",
+            verdict(r.events_per_sec >= REPLAY_EVENTS_PER_SEC),
+            r.events,
+            fmt_rate(r.events_per_sec),
+            fmt_rate(REPLAY_EVENTS_PER_SEC)
+        ),
+        None => "n/a   replay events/s vs 200,000 (not measured)".into(),
+    };
+    let _ = writeln!(out, "  {line}");
     out
 }

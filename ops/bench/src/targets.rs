@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::load::{BoxFuture, WriteTarget};
-use crate::{etcd, redb_raw};
+use crate::{etcd, opendsec, redb_raw};
 
 /// What a target's setup gets from the command line.
 #[derive(Debug, Clone)]
@@ -25,6 +25,10 @@ pub struct SetupCtx {
 pub trait ReplaySource: Send + Sync + 'static {
     fn name(&self) -> String;
     fn replay(&self) -> BoxFuture<'_, Result<u64, String>>;
+    /// What the figure means, given what `replay` returned (printed beside it).
+    fn note(&self, _events: u64) -> Option<String> {
+        None
+    }
 }
 
 /// A set-up target. Dropping it tears the target down (stops processes, deletes data).
@@ -34,14 +38,20 @@ pub struct Session {
     pub replay: Option<Arc<dyn ReplaySource>>,
     /// Anything whose `Drop` tears the target down; dropped after `target`.
     pub guard: Option<Box<dyn Any + Send>>,
+    /// How a write is made, printed under the table.
+    pub note: Option<String>,
 }
 
 impl Session {
     pub fn new(target: Arc<dyn WriteTarget>) -> Self {
-        Session { target, replay: None, guard: None }
+        Session { target, replay: None, guard: None, note: None }
     }
     pub fn with_replay(mut self, r: Arc<dyn ReplaySource>) -> Self {
         self.replay = Some(r);
+        self
+    }
+    pub fn with_note(mut self, n: impl Into<String>) -> Self {
+        self.note = Some(n.into());
         self
     }
     pub fn with_guard(mut self, g: impl Any + Send) -> Self {
@@ -79,5 +89,7 @@ pub fn log_targets() -> Vec<TargetSpec> {
         TargetSpec::new("redb raw", 1, "redb", |ctx| Box::pin(redb_raw::setup(ctx))),
         TargetSpec::new("etcd", 1, "etcd", |ctx| Box::pin(etcd::setup(ctx, 1))),
         TargetSpec::new("etcd", 3, "etcd", |ctx| Box::pin(etcd::setup(ctx, 3))),
+        TargetSpec::new("opendsec 1-node", 1, "opendsec", |ctx| Box::pin(opendsec::setup(ctx, 1))),
+        TargetSpec::new("opendsec 3-node", 3, "opendsec", |ctx| Box::pin(opendsec::setup(ctx, 3))),
     ]
 }

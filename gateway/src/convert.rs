@@ -1,0 +1,125 @@
+//! From the projections' views to the API's wire types. The views are internal
+//! and may change; these mappings keep the API stable (and never carry a secret hash).
+
+use opendsec_projections::{views, Desired, Observed};
+use opendsec_sdk::types as api;
+use serde::Serialize;
+
+/// A unit enum's serde name (`running`, `pending`).
+fn word<T: Serialize>(t: &T) -> String {
+    serde_json::to_value(t).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+}
+
+pub fn project(p: &views::Project) -> api::Project {
+    api::Project {
+        id: p.id.clone(),
+        name: p.name.clone(),
+        parent: p.parent.clone(),
+        children: p.children.iter().cloned().collect(),
+        created_at_ms: p.created_at_ms,
+    }
+}
+
+pub fn limits(l: &views::Limits) -> api::Limits {
+    api::Limits { sandboxes: l.sandboxes, cpu_millis: l.cpu_millis, memory_mb: l.memory_mb }
+}
+
+pub fn resources(u: &views::Usage) -> api::Resources {
+    api::Resources { sandboxes: u.sandboxes, cpu_millis: u.cpu_millis, memory_mb: u.memory_mb }
+}
+
+pub fn usage(r: &api::Resources) -> views::Usage {
+    views::Usage { sandboxes: r.sandboxes, cpu_millis: r.cpu_millis, memory_mb: r.memory_mb }
+}
+
+pub fn token(t: &views::Token) -> api::Token {
+    api::Token {
+        id: t.id.clone(),
+        project: t.project.clone(),
+        name: t.name.clone(),
+        rights: t.rights.iter().map(|r| r.as_str().to_string()).collect(),
+        expires_at_ms: t.expires_at_ms,
+        issued_by: t.issued_by.clone(),
+        issued_at_ms: t.issued_at_ms,
+        revoked: t.revoked.as_ref().map(|r| api::Revocation { at_ms: r.at_ms, reason: r.reason.clone() }),
+    }
+}
+
+/// One word for where a sandbox is, from what was asked and what was observed.
+pub fn sandbox_state(s: &views::Sandbox) -> &'static str {
+    match (s.released, s.desired, s.observed) {
+        (_, _, Observed::Failed) => "failed",
+        (_, _, Observed::Exited) => "exited",
+        (true, _, _) | (_, Desired::Killed, _) => "killed",
+        (false, Desired::Paused, Observed::Paused) => "paused",
+        (false, Desired::Paused, _) => "pausing",
+        (false, Desired::Running, Observed::Paused) => "resuming",
+        (false, Desired::Running, Observed::Pending) => "pending",
+        (false, Desired::Running, Observed::Ready) => "running",
+    }
+}
+
+pub const SANDBOX_STATES: [&str; 8] = ["pending", "running", "pausing", "paused", "resuming", "killed", "failed", "exited"];
+
+pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
+    api::Sandbox {
+        id: s.id.clone(),
+        project: s.project.clone(),
+        edge: s.edge.clone(),
+        image: s.image.clone(),
+        cpu_millis: s.cpu_millis,
+        memory_mb: s.memory_mb,
+        labels: s.labels.clone(),
+        expires_at_ms: s.expires_at_ms,
+        fork_of: s.fork_of.clone(),
+        created_at_ms: s.created_at_ms,
+        updated_at_ms: s.updated_at_ms,
+        state: sandbox_state(s).into(),
+        desired: word(&s.desired),
+        observed: word(&s.observed),
+        exit_code: s.exit_code,
+        oom_killed: s.oom_killed,
+        reason: s.reason.clone(),
+        live: s.is_live(),
+        index: s.index,
+    }
+}
+
+pub fn edge(e: &views::Edge, heartbeat: Option<&opendsec_control::EdgeHeartbeat>) -> api::Edge {
+    api::Edge {
+        id: e.id.clone(),
+        ordinal: e.ordinal,
+        address: e.address.clone(),
+        capacity: resources(&e.capacity),
+        assigned: resources(&e.assigned),
+        labels: e.labels.clone(),
+        registered_at_ms: e.registered_at_ms,
+        deregistered: e.deregistered,
+        heartbeat: heartbeat.map(|h| api::Heartbeat {
+            at_ms: h.at_ms,
+            running_sandboxes: h.running_sandboxes,
+            cpu_millis_used: h.cpu_millis_used,
+            memory_mb_used: h.memory_mb_used,
+        }),
+    }
+}
+
+pub fn audit_record(r: &views::AuditRecord) -> api::AuditRecord {
+    let (result, code, message) = match &r.result {
+        views::AuditResult::Ok => ("ok", None, None),
+        views::AuditResult::Denied { code, message } => ("denied", Some(code.clone()), Some(message.clone())),
+        views::AuditResult::Rejected { message } => ("rejected", None, Some(message.clone())),
+    };
+    api::AuditRecord {
+        index: r.index,
+        time_ms: r.time_ms,
+        principal: r.principal.clone(),
+        project: r.project.clone(),
+        action: r.action.clone(),
+        target: r.target.clone(),
+        result: result.into(),
+        code,
+        message,
+        request_id: r.request_id.clone(),
+    }
+}

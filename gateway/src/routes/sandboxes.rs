@@ -1,0 +1,153 @@
+//! Sandboxes: create (placed by `decide`), list with filters, and lifecycle requests.
+
+use axum::extract::{RawQuery, State};
+use axum::http::StatusCode;
+use axum::Json;
+use opendsec_commands::Command;
+use opendsec_projections::{Event, Right};
+use opendsec_sdk::types::{self as api, CreateSandbox, ForkSandbox, Forked, SandboxList, SandboxWritten, SetLabels, SetTimeout};
+use std::collections::BTreeMap;
+
+use super::visible_project;
+use crate::convert::{self, SANDBOX_STATES};
+use crate::error::ApiError;
+use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
+use crate::{submit, AppState, Written};
+
+pub const DEFAULT_CPU_MILLIS: u64 = 1000;
+pub const DEFAULT_MEMORY_MB: u64 = 512;
+
+/// Creates a sandbox (placed on an edge by power-of-k choices). Needs sandbox:write.
+#[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
+    responses((status = 201, body = SandboxWritten), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
+pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateSandbox>) -> Result<Written<SandboxWritten>, ApiError> {
+    let cmd = Command::CreateSandbox {
+        project: req.project.unwrap_or_else(|| who.0.project.clone()),
+        image: req.image,
+        cpu_millis: req.cpu_millis.unwrap_or(DEFAULT_CPU_MILLIS),
+        memory_mb: req.memory_mb.unwrap_or(DEFAULT_MEMORY_MB),
+        labels: req.labels.unwrap_or_default(),
+        timeout_seconds: req.timeout_seconds.filter(|t| *t > 0),
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let sandbox = read_sandbox(&st, &s.decided.target)?;
+    Ok(Written { index: s.index, status: StatusCode::CREATED, body: SandboxWritten { index: s.index, sandbox } })
+}
+
+/// Sandboxes in the caller's subtree. Without `state`, only live ones. Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes",
+    params(
+        ("project" = Option<String>, Query, description = "Only this project's subtree"),
+        ("label" = Option<String>, Query, description = "`key=value`; repeat to require several"),
+        ("state" = Option<String>, Query, description = "pending, running, pausing, paused, resuming, killed, failed or exited"),
+    ),
+    responses((status = 200, body = SandboxList), (status = "4XX", body = api::ErrorBody)))]
+pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery) -> Result<Json<SandboxList>, ApiError> {
+    let params = Params::parse(q.as_deref(), &["project", "label", "state"])?;
+    who.require(Right::SandboxRead)?;
+    let mut labels = BTreeMap::new();
+    for l in params.all("label") {
+        let (k, v) = l.split_once('=').ok_or_else(|| ApiError::invalid("label", format!("label filter {l:?} must be key=value")))?;
+        labels.insert(k.to_string(), v.to_string());
+    }
+    let state = params.one("state")?;
+    if let Some(w) = state.filter(|w| !SANDBOX_STATES.contains(w)) {
+        return Err(ApiError::invalid("state", format!("unknown state {w:?}; states are: {}", SANDBOX_STATES.join(", "))));
+    }
+    let project = params.one("project")?;
+    st.node.read(|s| {
+        let scope = match project {
+            Some(p) => visible_project(s, &who, "project", p)?.id.clone(),
+            None => who.0.project.clone(),
+        };
+        let sandboxes = s
+            .sandboxes
+            .sandboxes
+            .values()
+            .filter(|x| s.within(&x.project, &scope))
+            .filter(|x| match state {
+                Some(w) => convert::sandbox_state(x) == w,
+                None => x.is_live(),
+            })
+            .filter(|x| labels.iter().all(|(k, v)| x.labels.get(k) == Some(v)))
+            .map(convert::sandbox)
+            .collect();
+        Ok(Json(SandboxList { sandboxes }))
+    })
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = api::Sandbox), (status = "4XX", body = api::ErrorBody)))]
+pub async fn get(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>) -> Result<Json<api::Sandbox>, ApiError> {
+    who.require(Right::SandboxRead)?;
+    st.node.read(|s| {
+        let x = s.sandboxes.sandboxes.get(&id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
+        if !who.sees(s, &x.project) {
+            return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
+        }
+        Ok(Json(convert::sandbox(x)))
+    })
+}
+
+/// Kills the sandbox; its quota is given back at once. Needs sandbox:write.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn kill(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(st, who, rid, id.clone(), Command::KillSandbox { sandbox: id }).await
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn pause(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(st, who, rid, id.clone(), Command::PauseSandbox { sandbox: id }).await
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn resume(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(st, who, rid, id.clone(), Command::ResumeSandbox { sandbox: id }).await
+}
+
+/// Sets the sandbox's lifetime from now; 0 removes it.
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/timeout", tag = "sandboxes", params(("id" = String, Path)), request_body = SetTimeout,
+    responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn set_timeout(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<SetTimeout>) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(st, who, rid, id.clone(), Command::SetSandboxTimeout { sandbox: id, timeout_seconds: req.timeout_seconds }).await
+}
+
+/// Replaces the sandbox's labels.
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/labels", tag = "sandboxes", params(("id" = String, Path)), request_body = SetLabels,
+    responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn set_labels(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<SetLabels>) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(st, who, rid, id.clone(), Command::SetSandboxLabels { sandbox: id, labels: req.labels }).await
+}
+
+/// Creates `count` copies of a live sandbox, with its memory. Needs sandbox:write.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", tag = "sandboxes", params(("id" = String, Path)), request_body = ForkSandbox,
+    responses((status = 201, body = Forked), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
+pub async fn fork(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<ForkSandbox>) -> Result<Written<Forked>, ApiError> {
+    let s = submit(&st, &who, &rid, Command::ForkSandbox { sandbox: id, count: req.count }).await?;
+    let children: Vec<String> = s
+        .decided
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::SandboxCreated(c) => Some(c.id.clone()),
+            _ => None,
+        })
+        .collect();
+    let sandboxes = children.iter().map(|c| read_sandbox(&st, c)).collect::<Result<_, _>>()?;
+    Ok(Written { index: s.index, status: StatusCode::CREATED, body: Forked { index: s.index, sandboxes } })
+}
+
+async fn lifecycle(State(st): State<AppState>, who: Authed, rid: RequestId, id: String, cmd: Command) -> Result<Written<SandboxWritten>, ApiError> {
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let sandbox = read_sandbox(&st, &id)?;
+    Ok(Written { index: s.index, status: StatusCode::OK, body: SandboxWritten { index: s.index, sandbox } })
+}
+
+fn read_sandbox(st: &AppState, id: &str) -> Result<api::Sandbox, ApiError> {
+    st.node
+        .read(|s| s.sandboxes.sandboxes.get(id).map(convert::sandbox))
+        .ok_or_else(|| ApiError::internal(format!("sandbox {id} was written but is not in the applied state")))
+}

@@ -1,0 +1,26 @@
+# Shared helpers for the ops scripts. Sourced, not run.
+
+# Installs the Debian packages given that are not installed yet.
+ensure_packages() {
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "==> installing ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
+
+ensure_rust() {
+  if ! command -v cargo >/dev/null 2>&1; then
+    echo "error: cargo is not installed. Install Rust (rustup) and run this again." >&2
+    exit 1
+  fi
+}
+
+# The packages building and testing OpenDsec needs.
+BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)

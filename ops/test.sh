@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what the tests need, builds, and runs every test of the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ops/lib.sh
+
+ensure_rust
+ensure_packages "${BUILD_PACKAGES[@]}"
+
+echo "==> building"
+cargo build --workspace --all-targets --locked
+
+echo "==> testing"
+# One test at a time within a binary: the cluster tests start real Raft nodes and
+# processes whose election timers must not starve on a 2-core machine.
+cargo test --workspace --locked -- --test-threads=1

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs missing system packages, builds, and starts the embedded single-node
+# OpenDsec (control node + gateway) on 127.0.0.1:7400, then prints how to use it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ops/lib.sh
+
+ensure_rust
+ensure_packages "${BUILD_PACKAGES[@]}"
+
+echo "==> building (release)"
+cargo build --release --locked -p opendsec -p opendsec-sdk
+
+BIN="$PWD/target/release"
+DATA="${OPENDSEC_DATA_DIR:-$PWD/.data/opendsec}"
+LOG="$DATA.log"
+PIDFILE="$DATA.pid"
+TOKEN_FILE="${OPENDSEC_TOKEN_FILE:-$HOME/.config/opendsec/token}"
+mkdir -p "$DATA"
+
+if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+  echo "==> OpenDsec already runs (pid $(cat "$PIDFILE")); stop it with: kill $(cat "$PIDFILE")"
+else
+  echo "==> starting opendsec up (log: $LOG)"
+  nohup "$BIN/opendsec" up --data-dir "$DATA" >"$LOG" 2>&1 &
+  echo $! >"$PIDFILE"
+fi
+
+for _ in $(seq 1 100); do
+  curl -fsS http://127.0.0.1:7400/health >/dev/null 2>&1 && break
+  sleep 0.1
+done
+if ! curl -fsS http://127.0.0.1:7400/health >/dev/null 2>&1; then
+  echo "error: OpenDsec did not come up on 127.0.0.1:7400; see $LOG" >&2
+  exit 1
+fi
+
+if [ ! -s "$TOKEN_FILE" ]; then
+  "$BIN/opendsec" init --data-dir "$DATA" --token-file "$TOKEN_FILE"
+else
+  echo "==> already initialised; the admin token is in $TOKEN_FILE"
+fi
+
+cat <<INFO
+
+OpenDsec runs on http://127.0.0.1:7400 (REST under /v1, OpenAPI at /v1/openapi.json).
+  export PATH="$BIN:\$PATH"
+  export OPENDSEC_URL=http://127.0.0.1:7400
+  export OPENDSEC_TOKEN_FILE=$TOKEN_FILE
+  opendsecctl whoami
+  opendsecctl cluster status
+INFO

@@ -1,0 +1,418 @@
+//! The wire types of the REST API `/v1`: the one definition of every request and
+//! response body, used by the gateway (which documents them in its OpenAPI
+//! document, feature `openapi`) and by this crate's client.
+//!
+//! Every request type refuses unknown fields, so a typo is a 400 naming the field
+//! rather than a silently ignored option.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[cfg(feature = "openapi")]
+use utoipa::ToSchema;
+
+/// The body of every error response.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ErrorBody {
+    /// Machine-readable: invalid, not_found, unauthenticated, forbidden, conflict,
+    /// quota_exceeded, no_capacity, payload_too_large, unavailable, internal.
+    pub code: String,
+    pub message: String,
+    /// The request field at fault, as a path (`limits.cpu_millis`, `labels`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+/// The answer to a write that has nothing else to say: the log index it was applied at.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Done {
+    pub index: u64,
+}
+
+// ---- projects ----
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateProject {
+    /// 1-63 characters of a-z, 0-9, '-', '_', '.'; unique among its siblings.
+    pub name: String,
+    /// The parent project's id; the caller's own project when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Project {
+    pub id: String,
+    pub name: String,
+    pub parent: Option<String>,
+    pub children: Vec<String>,
+    pub created_at_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ProjectList {
+    pub projects: Vec<Project>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ProjectWritten {
+    pub index: u64,
+    pub project: Project,
+}
+
+// ---- quotas ----
+
+/// Limits; an absent resource is unlimited here, which a project may have only
+/// where its parent is unlimited in that resource too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    #[serde(default)]
+    pub sandboxes: Option<u64>,
+    #[serde(default)]
+    pub cpu_millis: Option<u64>,
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+}
+
+/// Amounts of resources (capacity, usage).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    pub sandboxes: u64,
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Quota {
+    pub project: String,
+    /// The project's own limits.
+    pub limits: Limits,
+    /// Its own limits tightened by every ancestor's: what is enforced.
+    pub effective: Limits,
+    /// What the project's whole subtree uses now.
+    pub usage: Resources,
+}
+
+// ---- tokens ----
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct IssueToken {
+    /// The token's project; the caller's own when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+    pub name: String,
+    /// Rights such as `sandbox:write`; only rights the caller holds can be granted.
+    pub rights: Vec<String>,
+    /// Lifetime; never past the issuer's own expiry. Absent or 0: no expiry of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+}
+
+/// A freshly issued token. `token` is the bearer secret and is shown only here, once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct TokenIssued {
+    pub index: u64,
+    pub id: String,
+    pub token: String,
+    pub project: String,
+    pub rights: Vec<String>,
+    pub expires_at_ms: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Revocation {
+    pub at_ms: u64,
+    pub reason: String,
+}
+
+/// A token as listed: never its secret or the secret's hash.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Token {
+    pub id: String,
+    pub project: String,
+    pub name: String,
+    pub rights: Vec<String>,
+    pub expires_at_ms: Option<u64>,
+    pub issued_by: Option<String>,
+    pub issued_at_ms: u64,
+    pub revoked: Option<Revocation>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct TokenList {
+    pub tokens: Vec<Token>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Whoami {
+    pub token_id: String,
+    pub project: String,
+    pub project_name: String,
+    pub rights: Vec<String>,
+    pub expires_at_ms: Option<u64>,
+}
+
+// ---- sandboxes ----
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    /// The caller's own project when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+    pub image: String,
+    /// Default 1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u64>,
+    /// Default 512.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Lifetime from creation; absent or 0: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Sandbox {
+    pub id: String,
+    pub project: String,
+    pub edge: String,
+    pub image: String,
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub labels: BTreeMap<String, String>,
+    pub expires_at_ms: Option<u64>,
+    pub fork_of: Option<String>,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// One word for desired and observed together: pending, running, pausing, paused,
+    /// resuming, killed, failed or exited.
+    pub state: String,
+    /// What was asked: running, paused or killed.
+    pub desired: String,
+    /// What the edge last reported: pending, ready, paused, failed or exited.
+    pub observed: String,
+    pub exit_code: Option<i32>,
+    pub oom_killed: bool,
+    pub reason: Option<String>,
+    /// False once it has ended and given its quota back.
+    pub live: bool,
+    /// Log index of the last change.
+    pub index: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxWritten {
+    pub index: u64,
+    pub sandbox: Sandbox,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ForkSandbox {
+    /// 1 to 1024 copies.
+    pub count: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Forked {
+    pub index: u64,
+    pub sandboxes: Vec<Sandbox>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeout {
+    /// From now; 0 removes the timeout.
+    pub timeout_seconds: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetLabels {
+    /// Replaces every label.
+    pub labels: BTreeMap<String, String>,
+}
+
+// ---- edges ----
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RegisterEdge {
+    /// The edge's name (a-z, 0-9, '-', '_', '.').
+    pub edge: String,
+    /// host:port of its API.
+    pub address: String,
+    pub capacity: Resources,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Edge {
+    pub id: String,
+    pub ordinal: u32,
+    pub address: String,
+    pub capacity: Resources,
+    pub assigned: Resources,
+    pub labels: BTreeMap<String, String>,
+    pub registered_at_ms: u64,
+    pub deregistered: bool,
+    /// The last heartbeat this node holds (soft state, not logged), if any.
+    pub heartbeat: Option<Heartbeat>,
+}
+
+/// What an edge last reported about itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Heartbeat {
+    pub at_ms: u64,
+    pub running_sandboxes: u64,
+    pub cpu_millis_used: u64,
+    pub memory_mb_used: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct EdgeList {
+    pub edges: Vec<Edge>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct EdgeWritten {
+    pub index: u64,
+    pub edge: Edge,
+}
+
+// ---- audit ----
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct AuditRecord {
+    pub index: u64,
+    pub time_ms: u64,
+    /// `token:<id>` or `system:`.
+    pub principal: String,
+    pub project: String,
+    pub action: String,
+    pub target: String,
+    /// ok, denied (refused when decided) or rejected (lost a race when applied).
+    pub result: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    pub request_id: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct AuditPage {
+    pub records: Vec<AuditRecord>,
+    /// Pass as `after` to get the next page; absent on the last page.
+    pub next: Option<u64>,
+}
+
+// ---- replay ----
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Change {
+    /// JSON pointer into the view(s), e.g. `/sandboxes/sandboxes/<id>/desired`.
+    pub path: String,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub before: Option<serde_json::Value>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub after: Option<serde_json::Value>,
+}
+
+/// The views as they were at `index`, or (with `diff_from`) what changed since then.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Replay {
+    /// The log index the replay reached.
+    pub index: u64,
+    /// The leader time of the last batch folded in.
+    pub time_ms: u64,
+    /// With `diff_from`: the index the diff starts from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_index: Option<u64>,
+    /// Without `diff_from`: view name -> its JSON.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub views: Option<BTreeMap<String, serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes: Option<Vec<Change>>,
+}
+
+// ---- cluster ----
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ClusterStatus {
+    pub node_id: u64,
+    pub leader_id: Option<u64>,
+    pub is_leader: bool,
+    pub term: u64,
+    pub last_log_index: u64,
+    pub applied_index: u64,
+    pub first_available_index: u64,
+    /// Node id -> Raft address.
+    pub members: BTreeMap<u64, String>,
+    /// The members that vote (the others are learners catching up).
+    pub voters: Vec<u64>,
+    /// SHA-256 of the applied state: equal on nodes at the same index.
+    pub state_hash: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct AddMember {
+    pub id: u64,
+    /// host:port of the node's Raft service.
+    pub addr: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Health {
+    pub status: String,
+}

@@ -1,0 +1,164 @@
+//! The client and `opendsecctl` against a real node and the real gateway on a
+//! loopback port.
+
+use opendsec_control::testing::{single_node, TestNode};
+use opendsec_sdk::types::*;
+use opendsec_sdk::{AuditFilter, Client, ReplayRequest, SandboxFilter};
+use std::collections::BTreeMap;
+
+struct Server {
+    url: String,
+    t: TestNode,
+}
+
+async fn serve() -> Server {
+    let t = single_node().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = opendsec_gateway::router(t.node.clone());
+    tokio::spawn(async move { axum_serve(listener, app).await });
+    Server { url, t }
+}
+
+async fn axum_serve(listener: tokio::net::TcpListener, app: axum::Router) {
+    axum::serve(listener, app).await.unwrap();
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+async fn ctl(args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_opendsecctl"));
+    cmd.args(args).env_remove("OPENDSEC_URL").env_remove("OPENDSEC_TOKEN").env_remove("OPENDSEC_TOKEN_FILE").env("HOME", "/nonexistent");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().await.unwrap();
+    Run { code: out.status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&out.stdout).into(), stderr: String::from_utf8_lossy(&out.stderr).into() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_covers_the_api_and_reads_its_writes() {
+    let s = serve().await;
+    let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
+    assert_eq!(c.health().await.unwrap().status, "ok");
+    assert!(c.openapi().await.unwrap()["paths"]["/v1/sandboxes"].is_object());
+    let me = c.whoami().await.unwrap();
+    assert_eq!(me.project, s.t.root_project);
+
+    let p = c.create_project("team", None).await.unwrap();
+    assert_eq!(c.seen_index(), p.index, "the client remembers the index of its write");
+    assert_eq!(c.get_project(&p.project.id).await.unwrap().name, "team");
+    assert_eq!(c.list_projects().await.unwrap().projects.len(), 2);
+    let q = c.set_quota(&p.project.id, &Limits { sandboxes: Some(5), cpu_millis: None, memory_mb: None }).await.unwrap();
+    assert_eq!(q.limits.sandboxes, Some(5));
+    assert_eq!(c.get_quota(&p.project.id).await.unwrap().effective.sandboxes, Some(5));
+
+    let edge = RegisterEdge { edge: "edge-a".into(), address: "127.0.0.1:7500".into(), capacity: Resources { sandboxes: 10, cpu_millis: 10000, memory_mb: 10000 }, labels: BTreeMap::new() };
+    c.register_edge(&edge).await.unwrap();
+    assert_eq!(c.list_edges().await.unwrap().edges.len(), 1);
+
+    let t = c.issue_token(&IssueToken { project: Some(p.project.id.clone()), name: "worker".into(), rights: vec!["sandbox:read".into(), "sandbox:write".into()], ttl_seconds: None }).await.unwrap();
+    let worker = Client::new(&s.url, t.token.clone()).unwrap();
+    worker.observe_index(c.seen_index());
+    let sb = worker.create_sandbox(&CreateSandbox { image: "debian".into(), labels: Some([("job".into(), "x".into())].into()), ..Default::default() }).await.unwrap();
+    assert_eq!(sb.sandbox.project, p.project.id, "defaults to the token's project");
+    let listed = worker.list_sandboxes(&SandboxFilter { labels: [("job".into(), "x".into())].into(), ..Default::default() }).await.unwrap();
+    assert_eq!(listed.sandboxes.len(), 1);
+    worker.pause_sandbox(&sb.sandbox.id).await.unwrap();
+    worker.resume_sandbox(&sb.sandbox.id).await.unwrap();
+    worker.set_sandbox_timeout(&sb.sandbox.id, 60).await.unwrap();
+    worker.set_sandbox_labels(&sb.sandbox.id, BTreeMap::new()).await.unwrap();
+    let forked = worker.fork_sandbox(&sb.sandbox.id, 2).await.unwrap();
+    assert_eq!(forked.sandboxes.len(), 2);
+    let killed = worker.kill_sandbox(&sb.sandbox.id).await.unwrap();
+    assert_eq!(killed.sandbox.state, "killed");
+    assert!(!worker.get_sandbox(&sb.sandbox.id).await.unwrap().live);
+
+    // errors carry status, code, message and field
+    let e = worker.create_project("nope", None).await.unwrap_err();
+    assert_eq!((e.status, e.code.as_str()), (403, "forbidden"));
+    let e = c.create_project("Bad Name", None).await.unwrap_err();
+    assert_eq!((e.status, e.code.as_str(), e.field.as_deref()), (400, "invalid", Some("name")));
+    let e = c.get_sandbox("missing").await.unwrap_err();
+    assert_eq!(e.status, 404);
+
+    // audit shows the worker's denied write; replay rebuilds the past
+    let page = c.audit(&AuditFilter { principal: Some(t.id.clone()), action: Some("project.create".into()), ..Default::default() }).await.unwrap();
+    assert_eq!(page.records.len(), 1);
+    assert_eq!(page.records[0].result, "denied");
+    let r = c.replay(&ReplayRequest { to: Some(p.index.to_string()), view: Some("iam".into()), diff_from: None }).await.unwrap();
+    assert_eq!(r.index, p.index);
+    assert!(c.cluster_status().await.unwrap().members.contains_key(&1));
+
+    c.revoke_token(&t.id, Some("done")).await.unwrap();
+    assert_eq!(worker.whoami().await.unwrap_err().status, 401);
+    assert!(c.list_tokens(None).await.unwrap().tokens.iter().any(|x| x.id == t.id && x.revoked.is_some()));
+    let gone = c.deregister_edge("edge-a").await.unwrap();
+    assert!(gone.edge.deregistered);
+
+    let unreachable = Client::new("http://127.0.0.1:1", None).unwrap().whoami().await.unwrap_err();
+    assert_eq!((unreachable.status, unreachable.code.as_str()), (0, "unreachable"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opendsecctl_prints_tables_json_and_helpful_errors() {
+    let s = serve().await;
+    let env = [("OPENDSEC_URL", s.url.as_str()), ("OPENDSEC_TOKEN", s.t.admin_token.as_str())];
+
+    let r = ctl(&["whoami"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.starts_with("FIELD") && r.stdout.contains(&s.t.root_project), "{}", r.stdout);
+
+    let r = ctl(&["edge", "register", "--edge", "edge-a", "--address", "127.0.0.1:7500", "--sandboxes", "4", "--cpu-millis", "8000", "--memory-mb", "8192"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ctl(&["--output", "json", "sandbox", "create", "--image", "debian", "--label", "job=a"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let created: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
+    let r = ctl(&["sandbox", "list", "--label", "job=a"], &env).await;
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{}", r.stdout);
+    assert!(lines[0].starts_with("ID") && lines[1].starts_with(&created.sandbox.id));
+    // columns line up: STATE starts at the same offset in header and row
+    assert_eq!(lines[0].find("STATE"), lines[1].find("pending"));
+
+    let r = ctl(&["token", "issue", "--name", "ci", "--rights", "sandbox:read,sandbox:write"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("odsec_") && r.stdout.contains("shown only now"));
+
+    let r = ctl(&["audit", "--action", "sandbox.create", "--all"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains(&created.sandbox.id));
+    let r = ctl(&["replay", "--to", "1", "--diff-from", "1", "--view", "sandboxes"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ctl(&["cluster", "status"], &env).await;
+    assert!(r.code == 0 && r.stdout.contains("state hash"), "{}", r.stderr);
+
+    // the token can come from a file
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("token");
+    std::fs::write(&file, format!("{}\n", s.t.admin_token)).unwrap();
+    let r = ctl(&["whoami"], &[("OPENDSEC_URL", &s.url), ("OPENDSEC_TOKEN_FILE", file.to_str().unwrap())]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+
+    // failures: exit 1 with a message and a hint
+    let r = ctl(&["whoami"], &[("OPENDSEC_URL", &s.url)]).await;
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.starts_with("error: missing bearer token"), "{}", r.stderr);
+    assert!(r.stderr.contains("hint: check OPENDSEC_TOKEN") && r.stderr.contains("opendsec init"), "{}", r.stderr);
+    let r = ctl(&["quota", "set", &s.t.root_project, "--cpu-millis", "99999999999999"], &env).await;
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("field: limits.cpu_millis") && r.stderr.contains("hint: fix `limits.cpu_millis`"), "{}", r.stderr);
+    let r = ctl(&["sandbox", "get", "nope"], &env).await;
+    assert!(r.code == 1 && r.stderr.contains("does not exist"), "{}", r.stderr);
+    let r = ctl(&["whoami"], &[("OPENDSEC_URL", "http://127.0.0.1:1"), ("OPENDSEC_TOKEN", "x")]).await;
+    assert!(r.code == 1 && r.stderr.contains("is the server running"), "{}", r.stderr);
+    // usage errors: exit 2
+    let r = ctl(&["sandbox", "create"], &env).await;
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    let r = ctl(&["sandbox", "create", "--image", "x", "--label", "novalue"], &env).await;
+    assert_eq!(r.code, 2, "{}", r.stderr);
+}
