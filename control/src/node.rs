@@ -33,6 +33,8 @@ pub struct ControlConfig {
     pub checkpoint_every: u64,
     /// Raft snapshot (and log compaction into the archive) every this many entries.
     pub snapshot_every: u64,
+    /// Entries kept in the live log after a snapshot (older ones move to the archive).
+    pub keep_after_snapshot: u64,
     /// How many archived entries to keep (`None`: all of them).
     pub archive_retention: Option<u64>,
 }
@@ -46,6 +48,7 @@ impl ControlConfig {
             cluster_key: cluster_key.into(),
             checkpoint_every: 10_000,
             snapshot_every: 10_000,
+            keep_after_snapshot: 1_000,
             archive_retention: None,
         }
     }
@@ -128,6 +131,7 @@ impl ControlNode {
         let mut log_cfg = LogConfig::new(cfg.node_id, cfg.data_dir.join("log"), cfg.peer_addr.clone());
         log_cfg.snapshot_every = cfg.snapshot_every;
         log_cfg.archive_retention = cfg.archive_retention;
+        log_cfg.keep_after_snapshot = cfg.keep_after_snapshot;
         let log = LogNode::open(log_cfg, fsm).await.map_err(internal)?;
         Ok(ControlNode {
             inner: Arc::new(Inner {

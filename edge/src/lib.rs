@@ -1,1 +1,5 @@
-//! placeholder while the crate is written
+//! The edge. For now: the client of the control plane's edge slice API, with which an
+//! edge registers, follows its slice of the log (resuming after disconnects) and
+//! reports what it observes. Sandbox runtimes and reconciliation build on it.
+
+pub mod slice;

@@ -1,0 +1,179 @@
+//! Specification of the edge slice API, driven by the edge's own client against a
+//! real control node (Raft + redb + gRPC on loopback): register, watch from any index,
+//! resume after a disconnect, get a snapshot first when history was compacted away,
+//! report observations, and send heartbeats that are never logged.
+
+use opendsec_commands::{Command, Observation};
+use opendsec_control::pb::{slice_message::Body, Capacity, HeartbeatRequest, SliceEntry};
+use opendsec_control::testing::{single_node, single_node_with, TestNode};
+use opendsec_control::Credential;
+use opendsec_edge::slice::{SliceClient, SliceFollower};
+use opendsec_projections::{Event, Observed};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+fn capacity() -> Capacity {
+    Capacity { sandboxes: 100, cpu_millis: 100_000, memory_mb: 100_000 }
+}
+
+async fn create_sandbox(t: &TestNode) -> String {
+    let cmd = Command::CreateSandbox {
+        project: t.root_project.clone(),
+        image: "busybox".into(),
+        cpu_millis: 100,
+        memory_mb: 64,
+        labels: BTreeMap::new(),
+        timeout_seconds: None,
+    };
+    let s = t.node.submit(Credential::Bearer(t.admin_token.clone()), "create".into(), cmd).await.expect("create sandbox");
+    s.decided.target
+}
+
+async fn next_entry(f: &mut SliceFollower) -> SliceEntry {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), f.next()).await.expect("a slice message within 10 s");
+        if let Some(Body::Entry(e)) = m.body {
+            return e;
+        }
+    }
+}
+
+fn created_id(e: &SliceEntry) -> Option<(String, String)> {
+    e.events.iter().find_map(|env| match Event::from_envelope(env) {
+        Ok(Event::SandboxCreated(c)) => Some((c.id, c.edge)),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_registers_watches_its_slice_and_reports() {
+    let t = single_node().await;
+    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    let (ordinal, _) = client.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.unwrap();
+    assert_eq!(ordinal, 0);
+
+    let id = create_sandbox(&t).await;
+    assert!(id.ends_with("0000"), "sandbox id {id} names edge ordinal 0");
+
+    let mut follower = SliceFollower::new(client.clone(), "edge-1", 1);
+    let first = next_entry(&mut follower).await;
+    assert_eq!(first.events[0].r#type, "EdgeRegistered");
+    let created = next_entry(&mut follower).await;
+    assert_eq!(created_id(&created), Some((id.clone(), "edge-1".to_string())));
+
+    // The edge's observation becomes an event in its own slice and changes the view.
+    client.report(&id, &Observation::Ready, "ready-1").await.unwrap();
+    let ready = next_entry(&mut follower).await;
+    assert_eq!(ready.events[0].r#type, "SandboxReady");
+    assert_eq!(t.node.read(|s| s.sandboxes.sandboxes[&id].observed), Observed::Ready);
+
+    // Heartbeats are soft state: held in memory, never logged.
+    let before = t.node.applied_index();
+    client
+        .heartbeat(HeartbeatRequest { edge: "edge-1".into(), running_sandboxes: 1, cpu_millis_used: 5, memory_mb_used: 7 })
+        .await
+        .unwrap();
+    assert_eq!(t.node.applied_index(), before);
+    let hb = t.node.edge_heartbeats();
+    assert_eq!((hb.len(), hb[0].memory_mb_used), (1, 7));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_resumes_after_a_disconnect_without_loss_or_repeat() {
+    let t = single_node().await;
+    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    client.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.unwrap();
+    let mut follower = SliceFollower::new(client.clone(), "edge-1", 1);
+    let a = create_sandbox(&t).await;
+    next_entry(&mut follower).await; // EdgeRegistered
+    let first = next_entry(&mut follower).await;
+    assert_eq!(created_id(&first).map(|c| c.0), Some(a));
+
+    follower.disconnect();
+    let b = create_sandbox(&t).await;
+    let c = create_sandbox(&t).await;
+    let mut ids = vec![];
+    let mut indexes = vec![first.index];
+    for _ in 0..2 {
+        let e = next_entry(&mut follower).await;
+        indexes.push(e.index);
+        ids.extend(created_id(&e).map(|c| c.0));
+    }
+    assert_eq!(ids, vec![b, c], "after resuming, exactly the entries written meanwhile arrive, once");
+    assert!(indexes.windows(2).all(|w| w[0] < w[1]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_of_other_edges_are_not_in_the_slice() {
+    let t = single_node().await;
+    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    let one = Capacity { sandboxes: 1, cpu_millis: 1000, memory_mb: 1000 };
+    client.register("edge-1", "127.0.0.1:9", one, BTreeMap::new()).await.unwrap();
+    client.register("edge-2", "127.0.0.1:10", one, BTreeMap::new()).await.unwrap();
+    let x = create_sandbox(&t).await;
+    let y = create_sandbox(&t).await;
+    let edge_of = |id: &str| t.node.read(|s| s.sandboxes.sandboxes[id].edge.clone());
+    assert_ne!(edge_of(&x), edge_of(&y), "each edge had room for one");
+
+    let mut f = SliceFollower::new(client.clone(), "edge-1", 1);
+    let mut created = vec![];
+    // Read until the follower has caught up with everything applied so far.
+    while f.next_index() <= t.node.applied_index() {
+        let m = tokio::time::timeout(Duration::from_secs(10), f.next()).await.unwrap();
+        if let Some(Body::Entry(e)) = m.body {
+            created.extend(created_id(&e));
+        }
+    }
+    assert_eq!(created.len(), 1, "only edge-1's sandbox: {created:?}");
+    assert_eq!(created[0].1, "edge-1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_behind_compaction_gets_a_snapshot_of_its_slice_first() {
+    let t = single_node_with(|c| {
+        c.snapshot_every = 20;
+        c.keep_after_snapshot = 0;
+        c.archive_retention = Some(0);
+    })
+    .await;
+    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    client.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.unwrap();
+    let mut ids = vec![];
+    for _ in 0..30 {
+        ids.push(create_sandbox(&t).await);
+    }
+    let kill = Command::KillSandbox { sandbox: ids[0].clone() };
+    t.node.submit(Credential::Bearer(t.admin_token.clone()), "kill".into(), kill).await.unwrap();
+    t.node.log().trigger_snapshot().await.unwrap();
+    let first = t.node.log().first_available_index().unwrap();
+    assert!(first > 1, "history was compacted away (first available {first})");
+
+    let mut stream = client.watch("edge-1", 1).await.unwrap();
+    let m = stream.message().await.unwrap().unwrap();
+    let Some(Body::Snapshot(snap)) = m.body else { panic!("expected a snapshot first, got {m:?}") };
+    assert_eq!(snap.sandboxes.len(), 29, "the live sandboxes of the slice (one was killed)");
+    assert!(snap.index + 1 >= first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slice_api_needs_an_edge_token() {
+    let t = single_node().await;
+    let mut nobody = SliceClient::connect(&t.peer_addr, "odsec_0000000000000000.nope").unwrap();
+    let err = nobody.watch("edge-1", 1).await.err().expect("refused");
+    assert!(err.to_string().contains("unknown"), "{err}");
+
+    // A token without edge:write cannot register, watch or report.
+    let (secret, hash) = opendsec_control::new_token_secret();
+    let cmd = Command::IssueToken {
+        project: t.root_project.clone(),
+        name: "reader".into(),
+        rights: vec![opendsec_projections::Right::SandboxRead],
+        ttl_seconds: None,
+        secret_sha256: hash,
+    };
+    let s = t.node.submit(Credential::Bearer(t.admin_token.clone()), "issue".into(), cmd).await.unwrap();
+    let reader = opendsec_control::format_token(&s.decided.target, &secret);
+    let mut c = SliceClient::connect(&t.peer_addr, &reader).unwrap();
+    let err = c.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.err().expect("refused");
+    assert!(err.to_string().contains("edge:write"), "{err}");
+}
