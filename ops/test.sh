@@ -13,4 +13,4 @@ cargo build --workspace --all-targets --locked
 echo "==> testing"
 # One test at a time within a binary: the cluster tests start real Raft nodes and
 # processes whose election timers must not starve on a 2-core machine.
-cargo test --workspace --locked -- --test-threads=1
+cargo test --workspace --locked --no-fail-fast -- --test-threads=1

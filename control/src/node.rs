@@ -309,7 +309,8 @@ impl ControlNode {
 
     /// Rebuilds the state as it was at `until`, from the newest checkpoint before it.
     pub async fn replay(&self, until: Until) -> Result<State, SubmitError> {
-        let applied = self.applied_index();
+        // The log's applied index bounds what `read_entries` returns.
+        let applied = self.inner.log.applied_index().borrow().unwrap_or(0);
         let (from, last) = match until {
             Until::Index(i) => (self.inner.checkpoints.at_or_before_index(i).map_err(internal)?, i.min(applied)),
             Until::Time(t) => (self.inner.checkpoints.at_or_before_time(t).map_err(internal)?, applied),

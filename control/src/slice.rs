@@ -17,7 +17,7 @@ use opendsec_commands::{Command, Observation};
 use opendsec_projections::schema::{self, Batch};
 use opendsec_projections::{Event, Right, State, Usage};
 use std::pin::Pin;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -104,7 +104,7 @@ fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
 type SliceStream = Pin<Box<dyn Stream<Item = Result<SliceMessage, Status>> + Send>>;
 
 /// Streams one edge's slice from `next` on into `tx` until the receiver goes away.
-async fn follow(node: ControlNode, edge: String, mut next: u64, mut live: broadcast::Receiver<opendsec_log::AppliedEntry>, tx: mpsc::Sender<Result<SliceMessage, Status>>) {
+async fn follow(node: ControlNode, edge: String, mut next: u64, mut applied_rx: watch::Receiver<Option<u64>>, tx: mpsc::Sender<Result<SliceMessage, Status>>) {
     let send = |m: Body| {
         let tx = tx.clone();
         async move { tx.send(Ok(SliceMessage { body: Some(m) })).await.is_ok() }
@@ -119,8 +119,8 @@ async fn follow(node: ControlNode, edge: String, mut next: u64, mut live: broadc
     }
     let mut skipped = 0u64;
     loop {
-        // Catch up from storage to what is applied now.
-        let applied = node.applied_index();
+        // Catch up from storage to what the log has applied now (the bound `read_entries` uses).
+        let applied = applied_rx.borrow_and_update().unwrap_or(0);
         while next <= applied {
             let to = (next + 999).min(applied);
             let batches = match node.read_batches(next, to) {
@@ -155,12 +155,10 @@ async fn follow(node: ControlNode, edge: String, mut next: u64, mut live: broadc
                 return;
             }
         }
-        // Then wait for the next applied entry; anything missed is read from storage above.
+        // Then wait until more is applied; everything is read from storage above, so a
+        // slow watcher never loses entries.
         tokio::select! {
-            r = live.recv() => match r {
-                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => return,
-            },
+            r = applied_rx.changed() => if r.is_err() { return },
             _ = tx.closed() => return,
         }
     }
@@ -191,8 +189,8 @@ impl EdgeSlice for EdgeSliceService {
         if r.edge.is_empty() {
             return Err(Status::invalid_argument("edge must name the watching edge"));
         }
-        // Subscribe before reading history so no entry falls between the two.
-        let live = self.node.log().subscribe();
+        // Watch the applied index before reading history so no entry falls between the two.
+        let live = self.node.log().applied_index();
         let (tx, rx) = mpsc::channel(256);
         tokio::spawn(follow(self.node.clone(), r.edge, r.from_index.max(1), live, tx));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))

@@ -10,6 +10,9 @@ use opendsec_projections::{State, VIEW_NAMES};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
+/// Log entries as (log index, encoded `Batch`), in log order.
+pub type Entries = Vec<(u64, Vec<u8>)>;
+
 /// Bytes of one frame's header: u64 LE index, u32 LE payload length.
 const HEADER: usize = 12;
 
@@ -98,10 +101,10 @@ pub fn decode_golden_log(mut data: &[u8]) -> io::Result<Vec<(u64, Vec<u8>)>> {
         if body.len() < len {
             return Err(invalid(format!("entry {index}: frame says {len} bytes, {} remain", body.len())));
         }
-        if let Some((prev, _)) = out.last() {
-            if index <= *prev {
-                return Err(invalid(format!("entry {index} follows entry {prev}: indices must grow")));
-            }
+        if let Some((prev, _)) = out.last()
+            && index <= *prev
+        {
+            return Err(invalid(format!("entry {index} follows entry {prev}: indices must grow")));
         }
         out.push((index, body[..len].to_vec()));
         data = &body[len..];

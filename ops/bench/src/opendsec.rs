@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
-use crate::fold::label_value;
 use crate::load::{BoxFuture, WriteTarget};
 use crate::targets::{ReplaySource, Session, SetupCtx};
 
@@ -305,11 +304,15 @@ impl ReplaySource for ApiReplay {
         })
     }
     fn note(&self, events: u64) -> Option<String> {
-        Some(format!(
-            "replayed to index {events}: newest checkpoint (every 10,000 entries) + fold of the {} entries after it + view JSON; \
-             not a fold of all {events}",
-            events % 10_000
-        ))
+        Some(if events >= 10_000 {
+            format!(
+                "= load the newest checkpoint (one every 10,000 entries) + fold the ~{} entries after it + render the view; \
+                 not a fold of all {events} entries",
+                events % 10_000
+            )
+        } else {
+            format!("= no checkpoint yet: fold of all {events} entries + render the view")
+        })
     }
 }
 
@@ -380,6 +383,7 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fold::label_value;
 
     #[test]
     fn payload_maps_to_key_plus_255() {

@@ -112,6 +112,22 @@ impl Cluster {
         c
     }
 
+    /// Starts one more node (not yet a member); returns its index in `nodes`.
+    pub async fn spawn_extra(&mut self, id: u64) -> usize {
+        let mut node = Node {
+            id,
+            http: format!("127.0.0.1:{}", free_port()),
+            peer: format!("127.0.0.1:{}", free_port()),
+            data_dir: self.dir.path().join(format!("node{id}")),
+            child: None,
+        };
+        node.spawn(&self.key_file, None);
+        self.nodes.push(node);
+        let i = self.nodes.len() - 1;
+        self.wait_http(i).await;
+        i
+    }
+
     pub fn restart(&mut self, i: usize) {
         let key = self.key_file.clone();
         self.nodes[i].spawn(&key, None);
