@@ -132,6 +132,7 @@ impl ControlNode {
         log_cfg.snapshot_every = cfg.snapshot_every;
         log_cfg.archive_retention = cfg.archive_retention;
         log_cfg.keep_after_snapshot = cfg.keep_after_snapshot;
+        log_cfg.cluster_key = cfg.cluster_key.clone();
         let log = LogNode::open(log_cfg, fsm).await.map_err(internal)?;
         Ok(ControlNode {
             inner: Arc::new(Inner {

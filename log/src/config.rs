@@ -26,6 +26,9 @@ pub struct LogConfig {
     pub subscribe_capacity: usize,
     /// Timeout of one Raft RPC to a peer, in milliseconds (snapshots get 20x). Default 1_000.
     pub rpc_timeout_ms: u64,
+    /// Shared secret every Raft RPC carries; a peer without it is refused. Empty = no check
+    /// (tests only: a real cluster always sets one).
+    pub cluster_key: String,
 }
 
 impl LogConfig {
@@ -42,6 +45,7 @@ impl LogConfig {
             heartbeat_ms: 100,
             subscribe_capacity: 8192,
             rpc_timeout_ms: 1_000,
+            cluster_key: String::new(),
         }
     }
 

@@ -31,13 +31,15 @@ type Rpc<T> = Result<T, RPCError<TypeConfig>>;
 pub(crate) struct Network {
     channels: Arc<Mutex<HashMap<u64, (String, Channel)>>>,
     rpc_timeout: Duration,
+    cluster_key: Arc<str>,
 }
 
 impl Network {
-    pub(crate) fn new(rpc_timeout: Duration) -> Self {
+    pub(crate) fn new(rpc_timeout: Duration, cluster_key: &str) -> Self {
         Network {
             channels: Arc::new(Mutex::new(HashMap::new())),
             rpc_timeout,
+            cluster_key: Arc::from(cluster_key),
         }
     }
 
@@ -73,6 +75,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             target,
             channel: self.channel(target, &node.addr),
             rpc_timeout: self.rpc_timeout,
+            cluster_key: self.cluster_key.clone(),
         }
     }
 }
@@ -82,6 +85,7 @@ pub(crate) struct Conn {
     target: u64,
     channel: Result<Channel, String>,
     rpc_timeout: Duration,
+    cluster_key: Arc<str>,
 }
 
 fn status_err(s: tonic::Status) -> RPCError<TypeConfig> {
@@ -125,6 +129,7 @@ impl Conn {
     {
         let msg = pb::RaftMessage {
             payload: encode(req).map_err(net_err)?,
+            cluster_key: self.cluster_key.to_string(),
         };
         let client = self.client()?;
         let resp = match tokio::time::timeout(ttl, call(client, msg)).await {
@@ -171,11 +176,12 @@ impl RaftNetworkV2<TypeConfig> for Conn {
         _option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let meta = encode(&(vote, snapshot.meta)).map_err(|e| to_streaming(net_err(e)))?;
-        let mut chunks = vec![pb::SnapshotChunk { meta, data: Vec::new() }];
+        let mut chunks = vec![pb::SnapshotChunk { meta, data: Vec::new(), cluster_key: self.cluster_key.to_string() }];
         for c in snapshot.snapshot.chunks(SNAPSHOT_CHUNK) {
             chunks.push(pb::SnapshotChunk {
                 meta: Vec::new(),
                 data: c.to_vec(),
+                cluster_key: String::new(),
             });
         }
         let mut client = self.client().map_err(to_streaming)?;

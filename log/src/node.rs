@@ -66,6 +66,7 @@ struct Inner<S: StateMachine> {
     store: Store,
     node_id: u64,
     advertise_addr: String,
+    cluster_key: String,
 }
 
 /// A handle on a running log node (cheap to clone; all clones share the node).
@@ -93,7 +94,7 @@ impl<S: StateMachine> LogNode<S> {
         let raft_cfg = cfg.raft_config().map_err(|e| LogError::Config(e.to_string()))?;
         let store = Store::open(&cfg.data_dir, cfg.archive_retention)?;
         let sm = SmStore::new(sm, store.clone(), cfg.subscribe_capacity);
-        let network = Network::new(Duration::from_millis(cfg.rpc_timeout_ms.max(1)));
+        let network = Network::new(Duration::from_millis(cfg.rpc_timeout_ms.max(1)), &cfg.cluster_key);
         let raft = match Raft::new(cfg.node_id, Arc::new(raft_cfg), network, store.clone(), sm.clone()).await {
             Ok(r) => r,
             Err(e) => {
@@ -108,6 +109,7 @@ impl<S: StateMachine> LogNode<S> {
                 store,
                 node_id: cfg.node_id,
                 advertise_addr: cfg.advertise_addr,
+                cluster_key: cfg.cluster_key,
             }),
         })
     }
@@ -115,7 +117,7 @@ impl<S: StateMachine> LogNode<S> {
     /// The tonic service of the Raft peer protocol; add it to the router serving this node's
     /// peer port (`Server::builder().add_service(node.raft_service())`).
     pub fn raft_service(&self) -> RaftServer<S> {
-        RaftGrpc::server(self.inner.raft.clone())
+        RaftGrpc::server(self.inner.raft.clone(), self.inner.cluster_key.clone())
     }
 
     /// This node's id.

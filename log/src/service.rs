@@ -16,13 +16,25 @@ use crate::{LogNode, RaftServer, StateMachine, TypeConfig, decode, encode};
 /// [`LogNode::raft_service`].
 pub struct RaftGrpc<S: StateMachine> {
     raft: Raft<TypeConfig, SmStore<S>>,
+    cluster_key: String,
 }
 
 impl<S: StateMachine> RaftGrpc<S> {
-    pub(crate) fn server(raft: Raft<TypeConfig, SmStore<S>>) -> RaftServer<S> {
-        RaftServiceServer::new(RaftGrpc { raft })
+    pub(crate) fn server(raft: Raft<TypeConfig, SmStore<S>>, cluster_key: String) -> RaftServer<S> {
+        RaftServiceServer::new(RaftGrpc { raft, cluster_key })
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX)
+    }
+}
+
+/// Refuses a peer that does not present this cluster's key (compared in constant time).
+fn check_key(expected: &str, got: &str) -> Result<(), Status> {
+    let same = expected.len() == got.len()
+        && expected.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(Status::permission_denied("wrong or missing cluster key"))
     }
 }
 
@@ -37,25 +49,31 @@ fn stopped(e: impl std::fmt::Display) -> Status {
 
 fn reply<T: serde::Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
     let payload = encode(v).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(Response::new(RaftMessage { payload }))
+    Ok(Response::new(RaftMessage { payload, cluster_key: String::new() }))
 }
 
 #[tonic::async_trait]
 impl<S: StateMachine> RaftService for RaftGrpc<S> {
     async fn append_entries(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let rpc: AppendEntriesRequest<TypeConfig> = decode(&req.into_inner().payload).map_err(bad_request)?;
+        let msg = req.into_inner();
+        check_key(&self.cluster_key, &msg.cluster_key)?;
+        let rpc: AppendEntriesRequest<TypeConfig> = decode(&msg.payload).map_err(bad_request)?;
         let resp = self.raft.append_entries(rpc).await.map_err(stopped)?;
         reply(&resp)
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let rpc: VoteRequest<TypeConfig> = decode(&req.into_inner().payload).map_err(bad_request)?;
+        let msg = req.into_inner();
+        check_key(&self.cluster_key, &msg.cluster_key)?;
+        let rpc: VoteRequest<TypeConfig> = decode(&msg.payload).map_err(bad_request)?;
         let resp = self.raft.vote(rpc).await.map_err(stopped)?;
         reply(&resp)
     }
 
     async fn pre_vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let rpc: VoteRequest<TypeConfig> = decode(&req.into_inner().payload).map_err(bad_request)?;
+        let msg = req.into_inner();
+        check_key(&self.cluster_key, &msg.cluster_key)?;
+        let rpc: VoteRequest<TypeConfig> = decode(&msg.payload).map_err(bad_request)?;
         let resp = self.raft.pre_vote(rpc).await.map_err(stopped)?;
         reply(&resp)
     }
@@ -69,6 +87,7 @@ impl<S: StateMachine> RaftService for RaftGrpc<S> {
             .message()
             .await?
             .ok_or_else(|| Status::invalid_argument("empty snapshot stream"))?;
+        check_key(&self.cluster_key, &first.cluster_key)?;
         let (vote, meta): (Vote, SnapshotMeta) = decode(&first.meta).map_err(bad_request)?;
         let mut data = first.data;
         while let Some(chunk) = stream.message().await? {

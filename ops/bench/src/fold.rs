@@ -36,7 +36,10 @@ pub struct FoldResult {
 /// 255 (or `len`) characters of `[a-z0-9]` derived from `seq`: what a label value accepts.
 pub fn label_value(seq: u64, len: usize) -> String {
     const ALPHABET: &[u8; 36] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    make_payload(seq, len).into_iter().map(|b| ALPHABET[(b % 36) as usize] as char).collect()
+    make_payload(seq, len)
+        .into_iter()
+        .map(|b| ALPHABET[(b % 36) as usize] as char)
+        .collect()
 }
 
 struct Builder {
@@ -58,7 +61,8 @@ impl Builder {
             caller,
         };
         let decided = decide(&self.state, &self.inflight, &cmd, &ctx);
-        let batch = batch_for(&cmd, &ctx, &self.state, &decided).ok_or_else(|| format!("{:?} was not logged: {decided:?}", cmd.action()))?;
+        let batch = batch_for(&cmd, &ctx, &self.state, &decided)
+            .ok_or_else(|| format!("{:?} was not logged: {decided:?}", cmd.action()))?;
         let decided = decided.map_err(|r| format!("{} refused: {r}", cmd.action()))?;
         let index = self.state.index + 1;
         let bytes = encode_batch(&batch);
@@ -75,19 +79,37 @@ impl Builder {
 /// sets) and times one `fold` over all of them from an empty state.
 pub fn run(n: usize) -> Result<FoldResult, String> {
     let t0 = Instant::now();
-    let mut b = Builder { state: State::new(), inflight: InFlight::new(), log: Vec::with_capacity(n), seed: 0, now_ms: 1_700_000_000_000 };
+    let mut b = Builder {
+        state: State::new(),
+        inflight: InFlight::new(),
+        log: Vec::with_capacity(n),
+        seed: 0,
+        now_ms: 1_700_000_000_000,
+    };
     let admin = b.run(
         Caller::System,
-        Command::Bootstrap { project_name: "root".into(), token_name: "admin".into(), secret_sha256: "ab".repeat(32) },
+        Command::Bootstrap {
+            project_name: "root".into(),
+            token_name: "admin".into(),
+            secret_sha256: "ab".repeat(32),
+        },
     )?;
-    let root = b.state.root_project().map(|p| p.id.clone()).ok_or("no root project after bootstrap")?;
+    let root = b
+        .state
+        .root_project()
+        .map(|p| p.id.clone())
+        .ok_or("no root project after bootstrap")?;
     let tok = || Caller::Token(admin.clone());
     b.run(
         tok(),
         Command::RegisterEdge {
             edge: "bench-edge".into(),
             address: "127.0.0.1:1".into(),
-            capacity: Usage { sandboxes: 1_000_000, cpu_millis: 1_000_000_000, memory_mb: 1_000_000_000 },
+            capacity: Usage {
+                sandboxes: 1_000_000,
+                cpu_millis: 1_000_000_000,
+                memory_mb: 1_000_000_000,
+            },
             labels: BTreeMap::new(),
         },
     )?;
@@ -120,10 +142,19 @@ pub fn run(n: usize) -> Result<FoldResult, String> {
     let last = log.last().map(|(i, _)| *i).unwrap_or(0);
 
     let t1 = Instant::now();
-    let (state, folded) = fold(State::new(), log.iter().map(|(i, v)| (*i, v.as_slice())), Until::Index(last));
+    let (state, folded) = fold(
+        State::new(),
+        log.iter().map(|(i, v)| (*i, v.as_slice())),
+        Until::Index(last),
+    );
     let fold_time = t1.elapsed();
     if state.hash() != expected {
         return Err("the fold did not reproduce the state the batches were decided on".into());
     }
-    Ok(FoldResult { batches: folded, bytes, build_time, fold_time })
+    Ok(FoldResult {
+        batches: folded,
+        bytes,
+        build_time,
+        fold_time,
+    })
 }

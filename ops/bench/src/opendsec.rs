@@ -43,7 +43,9 @@ pub const MAX_LABEL_VALUE: usize = 255;
 /// The label value length used for a payload of `payload_len` bytes (key + value = payload,
 /// capped at the 255-character value limit).
 pub fn value_len(payload_len: usize) -> usize {
-    payload_len.saturating_sub(LABEL_KEY.len()).clamp(1, MAX_LABEL_VALUE)
+    payload_len
+        .saturating_sub(LABEL_KEY.len())
+        .clamp(1, MAX_LABEL_VALUE)
 }
 
 /// What the output says about how an opendsec write is made.
@@ -68,7 +70,11 @@ fn free_port() -> Result<u16, String> {
 pub fn find_bin(ctx: &SetupCtx) -> Result<PathBuf, String> {
     if let Some(p) = ctx.opts.get("opendsec_bin") {
         let p = PathBuf::from(p);
-        return if p.is_file() { Ok(p) } else { Err(format!("--opt opendsec_bin={}: no such file", p.display())) };
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("--opt opendsec_bin={}: no such file", p.display()))
+        };
     }
     let mut tried = Vec::new();
     if let Ok(t) = std::env::var("CARGO_TARGET_DIR") {
@@ -128,9 +134,17 @@ async fn call(req: reqwest::RequestBuilder) -> Result<Value, String> {
     let st = r.status();
     let body = r.text().await.map_err(|e| e.to_string())?;
     if !st.is_success() {
-        return Err(format!("{st}: {}", body.chars().take(300).collect::<String>()));
+        return Err(format!(
+            "{st}: {}",
+            body.chars().take(300).collect::<String>()
+        ));
     }
-    serde_json::from_str(&body).map_err(|e| format!("bad JSON ({e}): {}", body.chars().take(200).collect::<String>()))
+    serde_json::from_str(&body).map_err(|e| {
+        format!(
+            "bad JSON ({e}): {}",
+            body.chars().take(200).collect::<String>()
+        )
+    })
 }
 
 impl OpendsecCluster {
@@ -143,7 +157,10 @@ impl OpendsecCluster {
             .map_err(|e| format!("tempdir in {data_root:?}: {e}"))?;
         let key_file = dir.path().join("cluster.key");
         // Any secret string works; the nodes only compare it.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
         let key = format!("{:032x}{:08x}", nanos, std::process::id());
         std::fs::write(&key_file, key).map_err(|e| e.to_string())?;
         let mut nodes = Vec::new();
@@ -155,8 +172,12 @@ impl OpendsecCluster {
                 child: None,
             });
         }
-        let init_members =
-            nodes.iter().enumerate().map(|(i, n)| format!("{}={}", i + 1, n.peer)).collect::<Vec<_>>().join(",");
+        let init_members = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| format!("{}={}", i + 1, n.peer))
+            .collect::<Vec<_>>()
+            .join(",");
         let mut cluster = OpendsecCluster {
             urls: nodes.iter().map(|n| format!("http://{}", n.http)).collect(),
             nodes,
@@ -186,10 +207,18 @@ impl OpendsecCluster {
                     Ok(())
                 });
             }
-            n.child = Some(cmd.spawn().map_err(|e| format!("spawn {}: {e}", bin.display()))?);
+            n.child = Some(
+                cmd.spawn()
+                    .map_err(|e| format!("spawn {}: {e}", bin.display()))?,
+            );
         }
         let token_file = dir.path().join("admin.token");
-        let peers = cluster.nodes.iter().map(|n| n.peer.clone()).collect::<Vec<_>>().join(",");
+        let peers = cluster
+            .nodes
+            .iter()
+            .map(|n| n.peer.clone())
+            .collect::<Vec<_>>()
+            .join(",");
         cluster.dir = Some(dir);
         let out = tokio::process::Command::new(bin)
             .args(["init", "--peer", &peers])
@@ -203,26 +232,47 @@ impl OpendsecCluster {
             .map_err(|e| format!("run {} init: {e}", bin.display()))?;
         if !out.status.success() {
             let logs: Vec<String> = cluster.nodes.iter().map(|n| log_tail(&n.log)).collect();
-            return Err(format!("opendsec init failed: {}; node logs: {logs:?}", String::from_utf8_lossy(&out.stderr).trim()));
+            return Err(format!(
+                "opendsec init failed: {}; node logs: {logs:?}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
         }
-        cluster.token = std::fs::read_to_string(&token_file).map_err(|e| e.to_string())?.trim().to_string();
+        cluster.token = std::fs::read_to_string(&token_file)
+            .map_err(|e| e.to_string())?
+            .trim()
+            .to_string();
 
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().map_err(|e| e.to_string())?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| e.to_string())?;
         let deadline = Instant::now() + Duration::from_secs(60);
         for k in 0..cluster.nodes.len() {
             loop {
                 if let Some(Ok(Some(st))) = cluster.nodes[k].child.as_mut().map(|c| c.try_wait()) {
-                    return Err(format!("opendsec node {} exited ({st}): {}", k + 1, log_tail(&cluster.nodes[k].log)));
+                    return Err(format!(
+                        "opendsec node {} exited ({st}): {}",
+                        k + 1,
+                        log_tail(&cluster.nodes[k].log)
+                    ));
                 }
                 // Ready = it answers /v1/cluster and knows a leader.
-                let r = call(http.get(format!("{}/v1/cluster", cluster.urls[k])).bearer_auth(&cluster.token)).await;
+                let r = call(
+                    http.get(format!("{}/v1/cluster", cluster.urls[k]))
+                        .bearer_auth(&cluster.token),
+                )
+                .await;
                 if let Ok(v) = r
                     && v["leader_id"].as_u64().is_some()
                 {
                     break;
                 }
                 if Instant::now() > deadline {
-                    return Err(format!("opendsec node {} not ready after 60 s: {}", k + 1, log_tail(&cluster.nodes[k].log)));
+                    return Err(format!(
+                        "opendsec node {} not ready after 60 s: {}",
+                        k + 1,
+                        log_tail(&cluster.nodes[k].log)
+                    ));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -244,14 +294,23 @@ impl WriteTarget for OpendsecTarget {
     fn name(&self) -> String {
         format!("opendsec {}-node", self.urls.len())
     }
-    fn write(&self, worker: usize, _seq: u64, payload: Vec<u8>) -> BoxFuture<'_, Result<(), String>> {
+    fn write(
+        &self,
+        worker: usize,
+        _seq: u64,
+        payload: Vec<u8>,
+    ) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
             let node = &self.urls[worker % self.urls.len()];
             let url = &node[worker % node.len()];
             // The payload's bytes, mapped onto what a label value accepts.
             const ALPHABET: &[u8; 36] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-            let value: String =
-                payload.iter().cycle().take(self.value_len).map(|b| ALPHABET[(*b % 36) as usize] as char).collect();
+            let value: String = payload
+                .iter()
+                .cycle()
+                .take(self.value_len)
+                .map(|b| ALPHABET[(*b % 36) as usize] as char)
+                .collect();
             let body = format!("{{\"labels\":{{\"{LABEL_KEY}\":\"{value}\"}}}}");
             let r = self
                 .http
@@ -267,7 +326,15 @@ impl WriteTarget for OpendsecTarget {
                 Ok(())
             } else {
                 let st = r.status();
-                Err(format!("{st}: {}", r.text().await.unwrap_or_default().chars().take(300).collect::<String>()))
+                Err(format!(
+                    "{st}: {}",
+                    r.text()
+                        .await
+                        .unwrap_or_default()
+                        .chars()
+                        .take(300)
+                        .collect::<String>()
+                ))
             }
         })
     }
@@ -286,14 +353,26 @@ pub struct ApiReplay {
 
 impl ReplaySource for ApiReplay {
     fn name(&self) -> String {
-        format!("opendsec {}-node GET /v1/replay?to=<last index>&view=sandboxes", self.members)
+        format!(
+            "opendsec {}-node GET /v1/replay?to=<last index>&view=sandboxes",
+            self.members
+        )
     }
     fn replay(&self) -> BoxFuture<'_, Result<u64, String>> {
         Box::pin(async move {
-            let st = call(self.http.get(format!("{}/v1/cluster", self.url)).bearer_auth(&self.token)).await?;
-            let to = st["applied_index"].as_u64().ok_or("no applied_index in /v1/cluster")?;
+            let st = call(
+                self.http
+                    .get(format!("{}/v1/cluster", self.url))
+                    .bearer_auth(&self.token),
+            )
+            .await?;
+            let to = st["applied_index"]
+                .as_u64()
+                .ok_or("no applied_index in /v1/cluster")?;
             let v = call(
-                self.http.get(format!("{}/v1/replay?to={to}&view=sandboxes", self.url)).bearer_auth(&self.token),
+                self.http
+                    .get(format!("{}/v1/replay?to={to}&view=sandboxes", self.url))
+                    .bearer_auth(&self.token),
             )
             .await?;
             let got = v["index"].as_u64().ok_or("no index in the replay answer")?;
@@ -319,7 +398,10 @@ impl ReplaySource for ApiReplay {
 pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
     let bin = find_bin(&ctx)?;
     let cluster = OpendsecCluster::start(&bin, &ctx.data_dir, members).await?;
-    let admin = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().map_err(|e| e.to_string())?;
+    let admin = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| e.to_string())?;
     let base = &cluster.urls[0];
     call(
         admin.post(format!("{base}/v1/edges")).bearer_auth(&cluster.token).json(&json!({
@@ -341,17 +423,30 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
         )
         .await
         .map_err(|e| format!("create sandbox {i}: {e}"))?;
-        let id = v["sandbox"]["id"].as_str().ok_or_else(|| format!("no sandbox id in {v}"))?.to_string();
+        let id = v["sandbox"]["id"]
+            .as_str()
+            .ok_or_else(|| format!("no sandbox id in {v}"))?
+            .to_string();
         ids.push(id);
     }
     // Wait until every node has applied the setup, so the load starts from a quiet cluster.
-    let want = call(admin.get(format!("{base}/v1/cluster")).bearer_auth(&cluster.token)).await?["applied_index"]
+    let want = call(
+        admin
+            .get(format!("{base}/v1/cluster"))
+            .bearer_auth(&cluster.token),
+    )
+    .await?["applied_index"]
         .as_u64()
         .unwrap_or(0);
     for u in &cluster.urls {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let v = call(admin.get(format!("{u}/v1/cluster")).bearer_auth(&cluster.token)).await?;
+            let v = call(
+                admin
+                    .get(format!("{u}/v1/cluster"))
+                    .bearer_auth(&cluster.token),
+            )
+            .await?;
             if v["applied_index"].as_u64().unwrap_or(0) >= want {
                 break;
             }
@@ -370,12 +465,25 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
     let target = Arc::new(OpendsecTarget {
         http: http.clone(),
         token: cluster.token.clone(),
-        urls: cluster.urls.iter().map(|u| ids.iter().map(|id| format!("{u}/v1/sandboxes/{id}/labels")).collect()).collect(),
+        urls: cluster
+            .urls
+            .iter()
+            .map(|u| {
+                ids.iter()
+                    .map(|id| format!("{u}/v1/sandboxes/{id}/labels"))
+                    .collect()
+            })
+            .collect(),
         value_len: value_len(ctx.payload_len),
     });
     let mut s = Session::new(target).with_note(describe(ctx.payload_len));
     if members == 1 {
-        s = s.with_replay(Arc::new(ApiReplay { http, token: cluster.token.clone(), url: base.clone(), members }));
+        s = s.with_replay(Arc::new(ApiReplay {
+            http,
+            token: cluster.token.clone(),
+            url: base.clone(),
+            members,
+        }));
     }
     Ok(s.with_guard(cluster))
 }
@@ -391,6 +499,10 @@ mod tests {
         assert_eq!(value_len(1000), 255);
         assert_eq!(value_len(64), 63);
         assert_eq!(label_value(7, 255).len(), 255);
-        assert!(label_value(7, 255).bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()));
+        assert!(
+            label_value(7, 255)
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        );
     }
 }

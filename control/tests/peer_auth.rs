@@ -1,0 +1,52 @@
+//! Specification: the peer port refuses whoever lacks the cluster's credentials.
+//! Raft RPCs need the cluster key, bootstrapping needs the cluster key, forwarded
+//! writes are authenticated again with the caller's own bearer token.
+
+use opendsec_control::pb::control_client::ControlClient;
+use opendsec_control::pb::{BootstrapRequest, SubmitRequest};
+use opendsec_control::testing::single_node;
+use opendsec_log::pb::raft_service_client::RaftServiceClient;
+use opendsec_log::pb::RaftMessage;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_rpcs_without_the_cluster_key_are_refused() {
+    let t = single_node().await;
+    let mut raft = RaftServiceClient::connect(format!("http://{}", t.peer_addr)).await.unwrap();
+    for key in ["", "not-the-key"] {
+        let err = raft
+            .vote(RaftMessage { payload: vec![1, 2, 3], cluster_key: key.into() })
+            .await
+            .expect_err("a vote without the key is refused");
+        assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+        let err = raft
+            .append_entries(RaftMessage { payload: vec![], cluster_key: key.into() })
+            .await
+            .expect_err("appends without the key are refused");
+        assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    }
+    assert_eq!(t.node.cluster_status().term, 1, "nothing disturbed the node's term");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_needs_the_cluster_key_and_forwarded_writes_need_a_valid_token() {
+    let t = single_node().await;
+    let mut control = ControlClient::connect(format!("http://{}", t.peer_addr)).await.unwrap();
+    let err = control
+        .bootstrap(BootstrapRequest { cluster_key: "guess".into(), project_name: "x".into(), token_name: "y".into(), secret_sha256: "0".repeat(64), request_id: "r".into() })
+        .await
+        .expect_err("wrong key");
+    assert_eq!(err.code(), tonic::Code::PermissionDenied);
+
+    let before = t.node.applied_index();
+    let reply = control
+        .submit(SubmitRequest {
+            bearer: "odsec_0123456789abcdef.forged".into(),
+            request_id: "r".into(),
+            command_json: r#"{"command":"kill_sandbox","sandbox":"00000000000000000000"}"#.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.rejection_json.contains("unauthenticated"), "{reply:?}");
+    assert_eq!(t.node.applied_index(), before, "nothing was logged");
+}
