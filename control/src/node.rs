@@ -302,6 +302,7 @@ impl ControlNode {
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .map_err(internal)?
             .connect_timeout(Duration::from_secs(1))
+            .tcp_nodelay(true)
             .connect_lazy();
         let c = ControlClient::new(ch);
         self.inner.leaders.lock().expect("leaders lock").insert(addr.to_string(), c.clone());

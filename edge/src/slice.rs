@@ -35,6 +35,7 @@ impl SliceClient {
         let ch = Endpoint::from_shared(format!("http://{peer_addr}"))
             .map_err(|e| SliceError::Connect(peer_addr.to_string(), e.to_string()))?
             .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
             .connect_lazy();
         let auth = format!("Bearer {bearer}").parse().map_err(|_| SliceError::BadToken)?;
         Ok(SliceClient { client: EdgeSliceClient::new(ch), auth })

@@ -116,6 +116,14 @@ pub async fn serve_peer<S: StateMachine>(
         None => tonic::transport::Server::builder().add_service(node.raft_service()),
     };
     router
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            // Small RPCs must not wait for Nagle's algorithm (40 ms stalls with delayed ACKs).
+            tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |conn| {
+                conn.inspect(|s| {
+                    let _ = s.set_nodelay(true);
+                })
+            }),
+            shutdown,
+        )
         .await
 }

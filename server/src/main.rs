@@ -150,6 +150,10 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>) 
     let app = opendsec_gateway::router(node.clone());
     let mut rx = stop_rx.clone();
     let http_task = tokio::spawn(async move {
+        // Answer small requests without Nagle's delay.
+        let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(http, app)
             .with_graceful_shutdown(async move {
                 let _ = rx.changed().await;
