@@ -89,7 +89,7 @@ fn live_sandbox<'a>(state: &'a State, who: &Who, id: &str, right: Right) -> Resu
     Ok(s)
 }
 
-/// Edges serve the whole cluster: only the root project's principals manage them.
+/// Edges and the control plane serve the whole cluster: only the root project's principals manage them.
 fn require_root(state: &State, who: &Who) -> Result<(), Rejection> {
     if who.is_system() || state.root_project().is_some_and(|r| r.id == who.project) {
         Ok(())
@@ -430,6 +430,25 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
             Ok(one(&s.project, sandbox, Event::SandboxLabelsSet(pb::SandboxLabelsSet { id: sandbox.clone(), labels: labels.clone() })))
         }
+        Command::AddClusterMember { node_id, address } => {
+            if *node_id == 0 {
+                return Err(Rejection::field(K::Invalid, "node_id", "node ids start at 1"));
+            }
+            validate::text("address", address, 255)?;
+            if address.is_empty() || !address.contains(':') || address.chars().any(char::is_whitespace) {
+                return Err(Rejection::field(K::Invalid, "address", "address must be host:port"));
+            }
+            who.require(Right::ClusterAdmin)?;
+            require_root(state, &who)?;
+            let ev = pb::ClusterMembershipChangeRequested { node_id: *node_id, address: address.clone(), change: "add".into() };
+            Ok(one("", &format!("node:{node_id}"), Event::ClusterMembershipChangeRequested(ev)))
+        }
+        Command::RemoveClusterMember { node_id } => {
+            who.require(Right::ClusterAdmin)?;
+            require_root(state, &who)?;
+            let ev = pb::ClusterMembershipChangeRequested { node_id: *node_id, address: String::new(), change: "remove".into() };
+            Ok(one("", &format!("node:{node_id}"), Event::ClusterMembershipChangeRequested(ev)))
+        }
         Command::ReportSandbox { sandbox, observation } => {
             validate::id("sandbox", sandbox)?;
             let s = state.sandboxes.sandboxes.get(sandbox).ok_or_else(|| not_found("sandbox", "sandbox", sandbox))?;
@@ -505,6 +524,7 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         Command::IssueToken { project, name, .. } => (project.clone(), name.clone()),
         Command::RevokeToken { token, .. } => (state.iam.tokens.get(token).map(|t| t.project.clone()).unwrap_or_default(), token.clone()),
         Command::RegisterEdge { edge, .. } | Command::DeregisterEdge { edge } => (String::new(), edge.clone()),
+        Command::AddClusterMember { node_id, .. } | Command::RemoveClusterMember { node_id } => (String::new(), format!("node:{node_id}")),
         Command::CreateSandbox { project, image, .. } => (project.clone(), image.clone()),
         Command::ForkSandbox { sandbox, .. }
         | Command::PauseSandbox { sandbox }

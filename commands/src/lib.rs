@@ -65,6 +65,10 @@ pub enum Command {
     /// Sets the sandbox's lifetime from now (0 = none).
     SetSandboxTimeout { sandbox: String, timeout_seconds: u64 },
     SetSandboxLabels { sandbox: String, labels: BTreeMap<String, String> },
+    /// Adds a control node to the Raft cluster. Needs cluster:admin in the root project.
+    AddClusterMember { node_id: u64, address: String },
+    /// Removes a control node from the Raft cluster. Needs cluster:admin in the root project.
+    RemoveClusterMember { node_id: u64 },
     /// What an edge observed about one of its sandboxes. Needs edge:write.
     ReportSandbox { sandbox: String, observation: Observation },
 }
@@ -100,6 +104,8 @@ impl Command {
             Command::SetSandboxTimeout { .. } => "sandbox.set_timeout",
             Command::SetSandboxLabels { .. } => "sandbox.set_labels",
             Command::ReportSandbox { .. } => "sandbox.report",
+            Command::AddClusterMember { .. } => "cluster.add_member",
+            Command::RemoveClusterMember { .. } => "cluster.remove_member",
         }
     }
 }

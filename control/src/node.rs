@@ -369,8 +369,10 @@ impl ControlNode {
         }
     }
 
-    /// Adds a node as a voter (it first catches up as a learner). Leader only.
-    pub async fn add_member(&self, id: u64, addr: String) -> Result<(), SubmitError> {
+    /// Adds a node as a voter (it first catches up as a learner). The change is authorised
+    /// and audited through the log first, then carried out by this node (the leader).
+    pub async fn add_member(&self, cred: Credential, request_id: String, id: u64, addr: String) -> Result<(), SubmitError> {
+        self.submit(cred, request_id, Command::AddClusterMember { node_id: id, address: addr.clone() }).await?;
         let log = &self.inner.log;
         log.add_learner(id, addr).await.map_err(|e| SubmitError::Unavailable(e.to_string()))?;
         let mut voters = log.status().voters;
@@ -378,8 +380,9 @@ impl ControlNode {
         log.change_membership(voters).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
     }
 
-    /// Removes a node from the cluster. Leader only.
-    pub async fn remove_member(&self, id: u64) -> Result<(), SubmitError> {
+    /// Removes a node from the cluster, audited through the log first. Leader only.
+    pub async fn remove_member(&self, cred: Credential, request_id: String, id: u64) -> Result<(), SubmitError> {
+        self.submit(cred, request_id, Command::RemoveClusterMember { node_id: id }).await?;
         self.inner.log.remove_node(id).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
     }
 

@@ -86,6 +86,7 @@ events!(
     SandboxResumed,
     SandboxFailed,
     SandboxExited,
+    ClusterMembershipChangeRequested,
 );
 
 impl Event {

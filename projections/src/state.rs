@@ -328,6 +328,8 @@ impl State {
 
     fn apply_event(&mut self, index: u64, t: u64, ev: &Event) {
         match ev {
+            // Recorded for the audit view; Raft's configuration entries carry the change.
+            Event::ClusterMembershipChangeRequested(_) => {}
             Event::ProjectCreated(e) => {
                 let parent = (!e.parent.is_empty()).then(|| e.parent.clone());
                 if let Some(p) = parent.as_ref().and_then(|p| self.iam.projects.get_mut(p)) {

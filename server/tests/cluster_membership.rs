@@ -34,6 +34,17 @@ async fn a_node_is_added_catches_up_and_another_is_removed() {
     let voters: Vec<u64> = status["voters"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert!(!voters.contains(&id) && voters.contains(&4), "voters after removal: {voters:?}");
 
+    // Both changes are in the audit view, with who asked and the result.
+    for (action, node) in [("cluster.add_member", 4), ("cluster.remove_member", id)] {
+        let (s, page) = cluster.get(leader, &format!("/v1/audit?action={action}"), &cluster.token).await.unwrap();
+        assert_eq!(s, 200, "{page}");
+        let records = page["records"].as_array().unwrap();
+        assert_eq!(records.len(), 1, "{page}");
+        assert_eq!(records[0]["target"], format!("node:{node}"));
+        assert_eq!(records[0]["result"], "ok");
+        assert!(records[0]["principal"].as_str().unwrap().starts_with("token:"));
+    }
+
     // Writes still commit with the new membership.
     let (s, v) = cluster.post(leader, "/v1/sandboxes", &cluster.token, json!({"image": "busybox"})).await.unwrap();
     assert_eq!(s, 201, "{v}");
