@@ -11,7 +11,7 @@ ensure_packages "${BUILD_PACKAGES[@]}"
 echo "==> building (release)"
 cargo build --release --locked -p opendsec -p opendsec-sdk
 
-BIN="$PWD/target/release"
+BIN="${CARGO_TARGET_DIR:-$PWD/target}/release"
 DATA="${OPENDSEC_DATA_DIR:-$PWD/.data/opendsec}"
 LOG="$DATA.log"
 PIDFILE="$DATA.pid"
