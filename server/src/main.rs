@@ -225,7 +225,7 @@ async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, pr
                 println!("export OPENDSEC_URL={url}");
                 println!("export OPENDSEC_TOKEN={token}");
                 println!();
-                println!("Then try: opendsecctl whoami; opendsecctl project create --name team-a");
+                println!("Then try: opendsecctl whoami; opendsecctl project create team-a");
                 return Ok(());
             }
             Err(opendsec_control::SubmitError::Rejected { rejection, .. }) if rejection.kind == opendsec_commands::RejectionKind::Conflict => {
