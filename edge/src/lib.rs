@@ -2,4 +2,6 @@
 //! edge registers, follows its slice of the log (resuming after disconnects) and
 //! reports what it observes. Sandbox runtimes and reconciliation build on it.
 
+pub mod desired;
+pub mod reconcile;
 pub mod slice;

@@ -1,0 +1,274 @@
+//! opendsec-agent: the in-sandbox agent. PID 1 in every sandbox; serves the
+//! E2B envd protocol (Connect JSON over HTTP/1.1: `process.Process`,
+//! `filesystem.Filesystem`, `/files`, `/health`) on one listening socket
+//! handed to it by the edge.
+//!
+//! Usage:
+//!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
+//!                        [--access-token-file F] [--default-user NAME]
+
+mod connect;
+mod fdio;
+mod files;
+mod fs;
+mod json;
+mod process;
+mod server;
+mod users;
+
+use std::net::SocketAddr;
+use std::os::fd::{FromRawFd, RawFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::{TokioIo, TokioTimer};
+
+enum Listen {
+    Fd(RawFd),
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+struct Args {
+    listen: Listen,
+    token_file: Option<PathBuf>,
+    default_user: String,
+}
+
+const USAGE: &str = "usage: opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:ADDR:PORT) \
+[--access-token-file FILE] [--default-user NAME]";
+
+fn die(msg: &str) -> ! {
+    eprintln!("opendsec-agent: {msg}");
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut it = std::env::args().skip(1);
+    match it.next().as_deref() {
+        Some("serve") => {}
+        Some("--version") => {
+            println!("opendsec-agent {}", env!("CARGO_PKG_VERSION"));
+            std::process::exit(0)
+        }
+        _ => die(USAGE),
+    }
+    let mut listen = None;
+    let mut token_file = None;
+    let mut default_user = "user".to_string();
+    while let Some(a) = it.next() {
+        let (flag, inline) = match a.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (a.clone(), None),
+        };
+        let mut val = || {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .unwrap_or_else(|| die(&format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--listen-fd" => {
+                listen = Some(Listen::Fd(
+                    val()
+                        .parse()
+                        .unwrap_or_else(|_| die("--listen-fd needs a number")),
+                ))
+            }
+            "--listen" => {
+                let v = val();
+                listen = Some(if let Some(p) = v.strip_prefix("unix:") {
+                    Listen::Unix(PathBuf::from(p))
+                } else if let Some(a) = v.strip_prefix("tcp:") {
+                    Listen::Tcp(
+                        a.parse()
+                            .unwrap_or_else(|_| die("--listen tcp: needs IP:PORT")),
+                    )
+                } else {
+                    die("--listen takes unix:/path or tcp:IP:PORT")
+                });
+            }
+            "--access-token-file" => token_file = Some(PathBuf::from(val())),
+            "--default-user" => default_user = val(),
+            _ => die(USAGE),
+        }
+    }
+    Args {
+        listen: listen.unwrap_or_else(|| die(USAGE)),
+        token_file,
+        default_user,
+    }
+}
+
+fn main() {
+    let args = parse_args();
+    // SAFETY: prctl with integer arguments.
+    unsafe {
+        // Same-uid sandbox processes may not ptrace the agent or open its
+        // /proc/<pid>/fd, mem, environ.
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+        // When not PID 1 (tests, some VMs), orphans still come to us to reap.
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    }
+    cloexec_inherited_fds();
+    users::init();
+    let token = args.token_file.as_ref().map(|f| {
+        let t = std::fs::read_to_string(f)
+            .unwrap_or_else(|e| die(&format!("reading {}: {e}", f.display())));
+        let t = t.trim().to_string();
+        if t.is_empty() {
+            die("the access token file is empty");
+        }
+        t
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(64)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| die(&format!("runtime: {e}")));
+    rt.block_on(run(args, token));
+}
+
+/// Nothing the agent inherited (the listening socket included) may reach
+/// the processes it starts: mark every fd above stdio close-on-exec.
+fn cloexec_inherited_fds() {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: close_range only changes fd flags here.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r == 0 {
+        return;
+    }
+    // Kernels before 5.11: walk /proc/self/fd.
+    if let Ok(rd) = std::fs::read_dir("/proc/self/fd") {
+        let fds: Vec<RawFd> = rd
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect();
+        for fd in fds.into_iter().filter(|fd| *fd > 2) {
+            let _ = fdio::set_cloexec(fd);
+        }
+    }
+}
+
+enum Listener {
+    Unix(tokio::net::UnixListener),
+    Tcp(tokio::net::TcpListener),
+}
+
+fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
+    fdio::set_cloexec(fd)?;
+    let mut domain: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: out-pointers are valid for their sizes.
+    if unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            (&mut domain as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    } < 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    fdio::set_nonblocking(fd)?;
+    // SAFETY: the fd was handed to us to own.
+    Ok(if domain == libc::AF_UNIX {
+        Listener::Unix(tokio::net::UnixListener::from_std(unsafe {
+            std::os::unix::net::UnixListener::from_raw_fd(fd)
+        })?)
+    } else {
+        Listener::Tcp(tokio::net::TcpListener::from_std(unsafe {
+            std::net::TcpListener::from_raw_fd(fd)
+        })?)
+    })
+}
+
+async fn run(args: Args, token: Option<String>) {
+    let listener = match &args.listen {
+        Listen::Fd(fd) => from_fd(*fd),
+        Listen::Unix(p) => {
+            let _ = std::fs::remove_file(p);
+            tokio::net::UnixListener::bind(p).map(Listener::Unix)
+        }
+        Listen::Tcp(a) => tokio::net::TcpListener::bind(a).await.map(Listener::Tcp),
+    }
+    .unwrap_or_else(|e| die(&format!("listen: {e}")));
+
+    let procs = Arc::new(process::Manager::new());
+    tokio::spawn(procs.clone().reap_loop());
+    let state = Arc::new(server::State {
+        procs: procs.clone(),
+        watchers: fs::Watchers::default(),
+        token,
+        default_user: args.default_user,
+    });
+
+    // SIGTERM (and SIGINT): forward to the processes, give them a moment, exit.
+    let p2 = procs.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return;
+        };
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        p2.signal_all(libc::SIGTERM);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !p2.pids().is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Let the end events reach attached clients.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::process::exit(0);
+    });
+
+    loop {
+        match &listener {
+            Listener::Unix(l) => match l.accept().await {
+                Ok((s, _)) => serve(state.clone(), s),
+                Err(e) => accept_error(e).await,
+            },
+            Listener::Tcp(l) => match l.accept().await {
+                Ok((s, _)) => {
+                    let _ = s.set_nodelay(true);
+                    serve(state.clone(), s)
+                }
+                Err(e) => accept_error(e).await,
+            },
+        }
+    }
+}
+
+async fn accept_error(e: std::io::Error) {
+    eprintln!("opendsec-agent: accept: {e}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+fn serve<S>(state: Arc<server::State>, s: S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + std::os::fd::AsFd + Unpin + Send + 'static,
+{
+    let conn = Arc::new(server::ConnFd(s.as_fd().try_clone_to_owned().ok()));
+    tokio::spawn(async move {
+        let svc =
+            hyper::service::service_fn(move |req| server::handle(state.clone(), conn.clone(), req));
+        let _ = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .keep_alive(true)
+            .serve_connection(TokioIo::new(s), svc)
+            .await;
+    });
+}

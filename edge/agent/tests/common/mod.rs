@@ -1,0 +1,376 @@
+//! Test harness: starts the real agent binary on a Unix socket in a temp dir
+//! and talks Connect JSON to it with a small hyper client.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use bytes::{Buf, Bytes, BytesMut};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+
+pub type ReqBody = BoxBody<Bytes, std::convert::Infallible>;
+
+pub const TEST_USER: &str = "odagent-test";
+
+pub fn is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Creates the test user once, if running as root and `useradd` exists.
+pub fn test_user() -> Option<&'static str> {
+    static ONCE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *ONCE.get_or_init(|| {
+        if !is_root() {
+            return false;
+        }
+        let exists = std::fs::read_to_string("/etc/passwd")
+            .map(|p| p.lines().any(|l| l.starts_with(&format!("{TEST_USER}:"))))
+            .unwrap_or(false);
+        if !exists {
+            let st = Command::new("useradd")
+                .args([
+                    "-m",
+                    "-d",
+                    &format!("/home/{TEST_USER}"),
+                    "-s",
+                    "/bin/sh",
+                    TEST_USER,
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            if !st.map(|s| s.success()).unwrap_or(false) {
+                return false;
+            }
+        }
+        let home = format!("/home/{TEST_USER}");
+        let _ = std::fs::create_dir_all(&home);
+        let _ = Command::new("chown")
+            .args([&format!("{TEST_USER}:"), &home])
+            .status();
+        true
+    });
+    ok.then_some(TEST_USER)
+}
+
+pub fn basic(user: &str) -> String {
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:"))
+    )
+}
+
+pub fn b64(s: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
+pub fn unb64(s: &str) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
+}
+
+pub struct Agent {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub sock: PathBuf,
+    pub token: Option<String>,
+    /// Headers added to every request (the access token, a user).
+    pub user: Option<String>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // SIGTERM first: the agent forwards it to its processes and exits.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Agent {
+    pub async fn start() -> Agent {
+        Self::start_with(None).await
+    }
+
+    pub async fn start_with(token: Option<&str>) -> Agent {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("agent.sock");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec-agent"));
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()));
+        // The host has no `user`: root is the default user in these tests.
+        cmd.args(["--default-user", "root"]);
+        if let Some(t) = token {
+            let f = dir.path().join("token");
+            std::fs::write(&f, t).unwrap();
+            cmd.arg("--access-token-file").arg(&f);
+        }
+        let child = cmd.spawn().expect("agent binary starts");
+        let agent = Agent {
+            child,
+            dir,
+            sock,
+            token: token.map(String::from),
+            user: None,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if agent.sock.exists()
+                && let Ok(r) = agent.raw("GET", "/health", &[], Bytes::new()).await
+            {
+                assert_eq!(r.0, 204);
+                break;
+            }
+            assert!(Instant::now() < deadline, "agent did not come up");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        agent
+    }
+
+    pub fn path(&self, p: &str) -> String {
+        self.dir.path().join(p).display().to_string()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub async fn send(
+        &self,
+        method: &str,
+        uri: &str,
+        headers: &[(&str, String)],
+        body: ReqBody,
+    ) -> hyper::Result<Response<Incoming>> {
+        let stream = tokio::net::UnixStream::connect(&self.sock)
+            .await
+            .expect("connect to agent socket");
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut b = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("host", "localhost");
+        if let Some(t) = &self.token {
+            b = b.header("x-access-token", t);
+        }
+        if let Some(u) = &self.user {
+            b = b.header("authorization", basic(u));
+        }
+        for (k, v) in headers {
+            b = b.header(*k, v);
+        }
+        sender.send_request(b.body(body).unwrap()).await
+    }
+
+    pub async fn raw(
+        &self,
+        method: &str,
+        uri: &str,
+        headers: &[(&str, String)],
+        body: Bytes,
+    ) -> hyper::Result<(u16, hyper::HeaderMap, Bytes)> {
+        let r = self
+            .send(method, uri, headers, Full::new(body).boxed())
+            .await?;
+        let status = r.status().as_u16();
+        let h = r.headers().clone();
+        let b = r.into_body().collect().await?.to_bytes();
+        Ok((status, h, b))
+    }
+
+    /// A unary Connect call: (HTTP status, JSON body).
+    pub async fn unary(&self, path: &str, msg: Value) -> (u16, Value) {
+        let (s, _, b) = self
+            .raw(
+                "POST",
+                path,
+                &[
+                    ("content-type", "application/json".into()),
+                    ("connect-protocol-version", "1".into()),
+                ],
+                Bytes::from(msg.to_string()),
+            )
+            .await
+            .unwrap();
+        let v = if b.is_empty() {
+            json!({})
+        } else {
+            serde_json::from_slice(&b)
+                .unwrap_or_else(|_| json!({"raw": String::from_utf8_lossy(&b)}))
+        };
+        (s, v)
+    }
+
+    /// A server-streaming Connect call.
+    pub async fn stream(&self, path: &str, msg: Value, headers: &[(&str, String)]) -> Stream {
+        let mut h = vec![
+            ("content-type", "application/connect+json".to_string()),
+            ("connect-protocol-version", "1".into()),
+        ];
+        h.extend(headers.iter().cloned());
+        let r = self
+            .send("POST", path, &h, Full::new(envelope(0, &msg)).boxed())
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "stream status");
+        Stream::new(r.into_body())
+    }
+
+    pub async fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+}
+
+pub fn envelope(flags: u8, msg: &Value) -> Bytes {
+    let j = msg.to_string().into_bytes();
+    let mut b = Vec::with_capacity(5 + j.len());
+    b.push(flags);
+    b.extend_from_slice(&(j.len() as u32).to_be_bytes());
+    b.extend_from_slice(&j);
+    Bytes::from(b)
+}
+
+pub struct Stream {
+    body: Incoming,
+    buf: BytesMut,
+}
+
+pub enum Frame {
+    Msg(Value),
+    End(Value),
+}
+
+impl Stream {
+    pub fn new(body: Incoming) -> Stream {
+        Stream {
+            body,
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// Next envelope, within 10 s.
+    pub async fn next(&mut self) -> Option<Frame> {
+        tokio::time::timeout(Duration::from_secs(10), self.next_inner())
+            .await
+            .expect("stream frame within 10 s")
+    }
+
+    async fn next_inner(&mut self) -> Option<Frame> {
+        loop {
+            if self.buf.len() >= 5 {
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
+                if self.buf.len() >= 5 + len {
+                    let flags = self.buf[0];
+                    self.buf.advance(5);
+                    let m = self.buf.split_to(len);
+                    let v: Value = serde_json::from_slice(&m).unwrap();
+                    return Some(if flags & 2 != 0 {
+                        Frame::End(v)
+                    } else {
+                        Frame::Msg(v)
+                    });
+                }
+            }
+            match self.body.frame().await {
+                None => return None,
+                Some(Err(e)) => panic!("stream error: {e}"),
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.extend_from_slice(&d);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Next process event (skipping keepalives unless `keep`), or the end frame.
+    pub async fn event(&mut self) -> Value {
+        loop {
+            match self.next().await {
+                Some(Frame::Msg(v)) => {
+                    if v["event"].get("keepalive").is_some() {
+                        continue;
+                    }
+                    return v["event"].clone();
+                }
+                Some(Frame::End(v)) => return json!({"_endStream": v}),
+                None => return json!({"_eof": true}),
+            }
+        }
+    }
+
+    /// Reads a process's events to its end: (stdout, stderr, pty, end event).
+    pub async fn collect(&mut self) -> (String, String, String, Value) {
+        let (mut out, mut err, mut pty) = (Vec::new(), Vec::new(), Vec::new());
+        loop {
+            let e = self.event().await;
+            if let Some(d) = e.get("data") {
+                if let Some(s) = d["stdout"].as_str() {
+                    out.extend(unb64(s));
+                }
+                if let Some(s) = d["stderr"].as_str() {
+                    err.extend(unb64(s));
+                }
+                if let Some(s) = d["pty"].as_str() {
+                    pty.extend(unb64(s));
+                }
+            } else if let Some(end) = e.get("end") {
+                let end = end.clone();
+                match self.next().await {
+                    Some(Frame::End(v)) => assert_eq!(v, json!({}), "clean end of stream"),
+                    other => panic!(
+                        "expected end of stream, got {:?}",
+                        other.map(|f| match f {
+                            Frame::Msg(v) | Frame::End(v) => v,
+                        })
+                    ),
+                }
+                return (
+                    String::from_utf8_lossy(&out).into(),
+                    String::from_utf8_lossy(&err).into(),
+                    String::from_utf8_lossy(&pty).into(),
+                    end,
+                );
+            } else if e.get("_endStream").is_some() || e.get("_eof").is_some() {
+                panic!("stream ended without an end event: {e}");
+            }
+        }
+    }
+}
+
+pub fn start_msg(cmd: &str, args: &[&str]) -> Value {
+    json!({"process": {"cmd": cmd, "args": args}, "stdin": false})
+}
+
+pub fn sh(script: &str) -> Value {
+    start_msg("/bin/sh", &["-c", script])
+}
+
+pub fn exists(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok()
+}

@@ -1,0 +1,151 @@
+//! The edge's slice of the log, folded into what should run on this machine.
+//!
+//! `SliceState` is the edge's intent: every sandbox placed here, its desired state, and
+//! the observed state the control plane has recorded (from this edge's own reports).
+//! It is rebuilt from slice messages alone (entries, or a snapshot when history is gone)
+//! and carries the index to resume the watch from, so it can be persisted and reloaded.
+
+use opendsec_control::pb::{slice_message::Body, SliceMessage};
+use opendsec_projections::{Desired, Event, Observed};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DesiredSandbox {
+    pub id: String,
+    pub project: String,
+    pub image: String,
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub labels: BTreeMap<String, String>,
+    pub expires_at_ms: Option<u64>,
+    pub fork_of: Option<String>,
+    pub desired: Desired,
+    /// What the log says this edge last reported.
+    pub observed: Observed,
+    /// Why it was killed ("user", "timeout"), once it was.
+    pub kill_reason: Option<String>,
+}
+
+impl DesiredSandbox {
+    /// The log already records an end for it: nothing more to report.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.observed, Observed::Exited | Observed::Failed)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SliceState {
+    pub edge: String,
+    /// The first log index not folded in yet: where the watch resumes.
+    pub next_index: u64,
+    pub sandboxes: BTreeMap<String, DesiredSandbox>,
+}
+
+fn parse_desired(s: &str) -> Desired {
+    match s {
+        "paused" => Desired::Paused,
+        "killed" => Desired::Killed,
+        _ => Desired::Running,
+    }
+}
+
+fn parse_observed(s: &str) -> Observed {
+    match s {
+        "ready" => Observed::Ready,
+        "paused" => Observed::Paused,
+        "failed" => Observed::Failed,
+        "exited" => Observed::Exited,
+        _ => Observed::Pending,
+    }
+}
+
+impl SliceState {
+    pub fn new(edge: &str) -> SliceState {
+        SliceState { edge: edge.to_string(), next_index: 1, sandboxes: BTreeMap::new() }
+    }
+
+    /// Folds one message of the watch stream.
+    pub fn apply(&mut self, msg: &SliceMessage) {
+        match &msg.body {
+            Some(Body::Snapshot(snap)) => {
+                // History before the snapshot is gone: the snapshot is the whole truth.
+                self.sandboxes = snap
+                    .sandboxes
+                    .iter()
+                    .map(|s| {
+                        let d = DesiredSandbox {
+                            id: s.id.clone(),
+                            project: s.project.clone(),
+                            image: s.image.clone(),
+                            cpu_millis: s.cpu_millis,
+                            memory_mb: s.memory_mb,
+                            labels: s.labels.clone(),
+                            expires_at_ms: (s.expires_at_ms != 0).then_some(s.expires_at_ms),
+                            fork_of: (!s.fork_of.is_empty()).then(|| s.fork_of.clone()),
+                            desired: parse_desired(&s.desired),
+                            observed: parse_observed(&s.observed),
+                            kill_reason: None,
+                        };
+                        (s.id.clone(), d)
+                    })
+                    .collect();
+                self.next_index = self.next_index.max(snap.index + 1);
+            }
+            Some(Body::Entry(entry)) => {
+                for env in &entry.events {
+                    // An event this binary cannot decode belongs to a newer schema; the
+                    // edge must be upgraded, and skipping it is safer than guessing.
+                    if let Ok(ev) = Event::from_envelope(env) {
+                        self.apply_event(&ev);
+                    } else {
+                        tracing::warn!(event = %env.r#type, index = entry.index, "undecodable event in the slice; upgrade this edge");
+                    }
+                }
+                self.next_index = self.next_index.max(entry.index + 1);
+            }
+            Some(Body::Progress(p)) => self.next_index = self.next_index.max(p.index + 1),
+            None => {}
+        }
+    }
+
+    fn apply_event(&mut self, ev: &Event) {
+        if let Event::SandboxCreated(c) = ev {
+            if c.edge == self.edge {
+                self.sandboxes.insert(
+                    c.id.clone(),
+                    DesiredSandbox {
+                        id: c.id.clone(),
+                        project: c.project.clone(),
+                        image: c.image.clone(),
+                        cpu_millis: c.cpu_millis,
+                        memory_mb: c.memory_mb,
+                        labels: c.labels.clone(),
+                        expires_at_ms: (c.expires_at_ms != 0).then_some(c.expires_at_ms),
+                        fork_of: (!c.fork_of.is_empty()).then(|| c.fork_of.clone()),
+                        desired: Desired::Running,
+                        observed: Observed::Pending,
+                        kill_reason: None,
+                    },
+                );
+            }
+            return;
+        }
+        let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else { return };
+        match ev {
+            Event::SandboxPauseRequested(_) if s.desired == Desired::Running => s.desired = Desired::Paused,
+            Event::SandboxResumeRequested(_) if s.desired == Desired::Paused => s.desired = Desired::Running,
+            Event::SandboxKillRequested(k) => {
+                s.desired = Desired::Killed;
+                s.kill_reason.get_or_insert_with(|| k.reason.clone());
+            }
+            Event::SandboxTimeoutSet(t) => s.expires_at_ms = (t.expires_at_ms != 0).then_some(t.expires_at_ms),
+            Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
+            Event::SandboxReady(_) | Event::SandboxResumed(_) if !s.is_terminal() => s.observed = Observed::Ready,
+            Event::SandboxPaused(_) if !s.is_terminal() => s.observed = Observed::Paused,
+            Event::SandboxFailed(_) => s.observed = Observed::Failed,
+            Event::SandboxExited(_) => s.observed = Observed::Exited,
+            _ => {}
+        }
+    }
+}
