@@ -24,3 +24,10 @@ ensure_rust() {
 
 # The packages building and testing OpenDsec needs.
 BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
+# What edges need to run container sandboxes and build their images.
+EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2)
+
+# Builds the static in-sandbox agent into $1 (it runs inside any image, so no shared libraries).
+build_static_agent() {
+  bash edge/agent/build-static.sh "$1"
+}

@@ -5,10 +5,12 @@ cd "$(dirname "$0")/.."
 source ops/lib.sh
 
 ensure_rust
-ensure_packages "${BUILD_PACKAGES[@]}"
+ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}"
 
 echo "==> building"
 cargo build --workspace --all-targets --locked
+echo "==> building the static agent"
+build_static_agent target/agent-static/opendsec-agent
 
 echo "==> testing"
 # One test at a time within a binary: the cluster tests start real Raft nodes and

@@ -6,12 +6,21 @@ cd "$(dirname "$0")/.."
 source ops/lib.sh
 
 ensure_rust
-ensure_packages "${BUILD_PACKAGES[@]}"
+ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}"
 
 echo "==> building (release)"
-cargo build --release --locked -p opendsec -p opendsec-sdk
+cargo build --release --locked -p opendsec -p opendsec-sdk -p opendsec-edge --bins
+# The agent runs inside sandboxes of any image: built static, next to `opendsec`.
+bash edge/agent/build-static.sh >/dev/null
 
 BIN="${CARGO_TARGET_DIR:-$PWD/target}/release"
+IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
+
+# The default images, built once per machine and cached (base takes a minute or two).
+for image in busybox base; do
+  echo "==> image $image"
+  "$BIN/opendsec-image" build "$image" --store "$IMAGES"
+done
 DATA="${OPENDSEC_DATA_DIR:-$PWD/.data/opendsec}"
 LOG="$DATA.log"
 PIDFILE="$DATA.pid"
@@ -22,7 +31,7 @@ if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
   echo "==> OpenDsec already runs (pid $(cat "$PIDFILE")); stop it with: kill $(cat "$PIDFILE")"
 else
   echo "==> starting opendsec up (log: $LOG)"
-  nohup "$BIN/opendsec" up --data-dir "$DATA" >"$LOG" 2>&1 &
+  OPENDSEC_IMAGE_DIR="$IMAGES" nohup "$BIN/opendsec" up --data-dir "$DATA" >"$LOG" 2>&1 &
   echo $! >"$PIDFILE"
 fi
 
@@ -47,6 +56,6 @@ OpenDsec runs on http://127.0.0.1:7400 (REST under /v1, OpenAPI at /v1/openapi.j
   export PATH="$BIN:\$PATH"
   export OPENDSEC_URL=http://127.0.0.1:7400
   export OPENDSEC_TOKEN_FILE=$TOKEN_FILE
-  opendsecctl whoami
-  opendsecctl cluster status
+  opendsecctl sandbox create --image base
+  opendsecctl sandbox exec <id> -- python3 -c 'print(6*7)'
 INFO

@@ -231,10 +231,9 @@ impl ControlNode {
     }
 
     async fn submit_here(&self, cred: &Credential, request_id: &str, cmd: &Command) -> Result<Submitted, NotHere> {
-        let status = self.inner.log.status();
-        if !status.is_leader {
-            let addr = status.leader_id.and_then(|id| status.membership.get(&id).cloned());
-            return Err(NotHere::Leader(addr));
+        let leadership = self.inner.log.leadership();
+        if !leadership.is_leader {
+            return Err(NotHere::Leader(leadership.leader_addr));
         }
         let caller = match cred {
             Credential::System => Caller::System,

@@ -3,5 +3,9 @@
 //! reports what it observes. Sandbox runtimes and reconciliation build on it.
 
 pub mod desired;
+pub mod node;
+pub mod proxy;
 pub mod reconcile;
 pub mod slice;
+pub mod images;
+pub mod container;

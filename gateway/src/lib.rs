@@ -20,7 +20,7 @@ pub use openapi::ApiDoc;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
+use axum::routing::{any, delete, get, post, put};
 use axum::{Json, Router};
 use opendsec_commands::Command;
 use opendsec_control::{ControlNode, Submitted};
@@ -64,6 +64,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/fork"),
     ("put", "/v1/sandboxes/{id}/timeout"),
     ("put", "/v1/sandboxes/{id}/labels"),
+    ("get", "/v1/sandboxes/{id}/agent/{path}"),
+    ("post", "/v1/sandboxes/{id}/agent/{path}"),
     ("get", "/v1/edges"),
     ("post", "/v1/edges"),
     ("delete", "/v1/edges/{id}"),
@@ -93,6 +95,8 @@ pub fn router(node: ControlNode) -> Router {
         .route("/v1/sandboxes/{id}/fork", post(sandboxes::fork))
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
+        // Any method; bodies stream through unbuffered, so no body limit applies.
+        .route("/v1/sandboxes/{id}/agent/{*path}", any(agent::proxy).layer(DefaultBodyLimit::disable()))
         .route("/v1/edges", get(edges::list).post(edges::register))
         .route("/v1/edges/{id}", delete(edges::deregister))
         .route("/v1/audit", get(audit::query))

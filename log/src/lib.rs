@@ -44,7 +44,7 @@ pub mod pb {
 
 pub use config::LogConfig;
 pub use error::{LogError, MembershipError, ProposeError};
-pub use node::{Applied, AppliedEntry, LogNode, Status};
+pub use node::{Applied, AppliedEntry, Leadership, LogNode, Status};
 pub use service::{RaftGrpc, serve_peer};
 pub use sm::SmStore;
 

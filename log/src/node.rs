@@ -35,6 +35,15 @@ pub struct AppliedEntry {
     pub payload: Arc<[u8]>,
 }
 
+/// Who leads (see [`LogNode::leadership`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leadership {
+    pub is_leader: bool,
+    pub leader_id: Option<u64>,
+    /// The leader's peer address, if known.
+    pub leader_addr: Option<String>,
+}
+
 /// A point-in-time view of this node (see [`LogNode::status`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {
@@ -233,6 +242,15 @@ impl<S: StateMachine> LogNode<S> {
     }
 
     /// A snapshot of this node's Raft view.
+    /// Whether this node leads, and who does: cheap enough for every write (no
+    /// storage read, no copy of the metrics).
+    pub fn leadership(&self) -> Leadership {
+        let metrics = self.inner.raft.metrics();
+        let m = metrics.borrow_watched();
+        let leader_addr = m.current_leader.and_then(|id| m.membership_config.nodes().find(|(n, _)| **n == id).map(|(_, node)| node.addr.clone()));
+        Leadership { is_leader: m.state == ServerState::Leader, leader_id: m.current_leader, leader_addr }
+    }
+
     pub fn status(&self) -> Status {
         let m = self.inner.raft.metrics().borrow_watched().clone();
         let membership = m

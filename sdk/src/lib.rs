@@ -5,7 +5,10 @@
 //! carried (`X-Opendsec-Index`) and sends it as `X-Opendsec-Min-Index`, so a read
 //! served by any control node reflects this client's earlier writes.
 
+pub mod agent;
 pub mod types;
+
+pub use agent::{ExecOutput, ExecRequest, PtyControl, PtyEvent, PtyRequest, PtySession};
 
 use reqwest::{Method, Url};
 use serde::de::DeserializeOwned;

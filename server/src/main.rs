@@ -1,6 +1,7 @@
 //! `opendsec`: the server binary. It only wires the crates together, so that the
 //! embedded single-node `opendsec up` and a three-node cluster run the same code.
 
+mod edge;
 mod telemetry;
 
 use clap::{Parser, Subcommand};
@@ -48,10 +49,32 @@ struct NodeArgs {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the embedded single-node OpenDsec (one control node and the gateway).
+    /// Run the embedded single-node OpenDsec: one control node, the gateway and a local edge.
     Up {
         #[command(flatten)]
         node: NodeArgs,
+        #[command(flatten)]
+        edge: edge::EdgeArgs,
+        /// Run no local edge (control plane and gateway only).
+        #[arg(long)]
+        no_edge: bool,
+    },
+    /// Run an edge: it follows its slice of the log and runs this machine's sandboxes.
+    Edge {
+        /// A control node's peer address.
+        #[arg(long, default_value = "127.0.0.1:7401")]
+        control: String,
+        /// File holding the edge's token (edge:write, root project).
+        #[arg(long)]
+        token_file: PathBuf,
+        /// The cluster key file (the gateway authenticates to the edge with it).
+        #[arg(long)]
+        cluster_key_file: PathBuf,
+        /// Where the edge keeps its state, sandboxes and agent sockets.
+        #[arg(long, default_value = ".data/edge")]
+        data_dir: PathBuf,
+        #[command(flatten)]
+        edge: edge::EdgeArgs,
     },
     /// Run one member of a control-plane cluster.
     Control {
@@ -100,7 +123,7 @@ fn read_or_create_key(path: &Path) -> Result<String, String> {
     Ok(key)
 }
 
-fn write_private(path: &Path, content: &str) -> Result<(), String> {
+pub(crate) fn write_private(path: &Path, content: &str) -> Result<(), String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
@@ -124,10 +147,10 @@ fn parse_members(s: &str) -> Result<BTreeMap<u64, String>, String> {
         .collect()
 }
 
-async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>) -> Result<(), String> {
+async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, embedded_edge: Option<edge::EdgeArgs>) -> Result<(), String> {
     let key = read_or_create_key(&key_file(&args.data_dir, &args.cluster_key_file))?;
     let advertise = args.advertise_peer.clone().unwrap_or_else(|| args.peer_listen.clone());
-    let mut cfg = ControlConfig::new(id, &args.data_dir, advertise, key);
+    let mut cfg = ControlConfig::new(id, &args.data_dir, advertise.clone(), key.clone());
     cfg.snapshot_every = args.snapshot_every;
     cfg.checkpoint_every = args.checkpoint_every;
     cfg.archive_retention = args.archive_retention;
@@ -160,13 +183,46 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>) 
             })
             .await
     });
+    let edge_task = embedded_edge.map(|edge_args| {
+        let (node, mut rx) = (node.clone(), stop_rx.clone());
+        let edge_dir = args.data_dir.join("edge");
+        tokio::spawn(async move {
+            let token = match edge::embedded_edge_token(&node, &edge_dir).await {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::error!(error = %e, "the embedded edge has no token; it does not start");
+                    return;
+                }
+            };
+            let cfg = edge_args.config(&edge_dir, advertise, token, key);
+            if let Err(e) = opendsec_edge::node::run(cfg, async move {
+                let _ = rx.changed().await;
+            })
+            .await
+            {
+                tracing::error!(error = %e, "the embedded edge stopped");
+            }
+        })
+    });
     shutdown_signal().await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), http_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), peer_task).await;
+    if let Some(t) = edge_task {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
     node.shutdown().await;
     Ok(())
+}
+
+async fn run_edge(control: String, token_file: PathBuf, key_file: PathBuf, data_dir: PathBuf, args: edge::EdgeArgs) -> Result<(), String> {
+    let token = std::fs::read_to_string(&token_file).map_err(|e| format!("cannot read the edge token at {}: {e}; issue one with `opendsecctl token issue --rights edge:write`", token_file.display()))?;
+    let key = std::fs::read_to_string(&key_file).map_err(|e| format!("cannot read the cluster key at {}: {e}", key_file.display()))?;
+    std::fs::create_dir_all(&data_dir).map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
+    let cfg = args.config(&data_dir, control, token.trim().to_string(), key.trim().to_string());
+    tracing::info!(edge = %cfg.name, proxy = %cfg.proxy_listen, "opendsec edge running");
+    opendsec_edge::node::run(cfg, shutdown_signal()).await.map_err(|e| e.to_string())
 }
 
 async fn shutdown_signal() {
@@ -179,8 +235,16 @@ async fn shutdown_signal() {
 
 async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, project_name: String, url: String, token_file: Option<PathBuf>) -> Result<(), String> {
     let path = key_file(&data_dir, &key_file_arg);
-    let key = std::fs::read_to_string(&path)
-        .map_err(|e| format!("cannot read the cluster key at {}: {e}; start the node first (`opendsec up`) or pass --cluster-key-file", path.display()))?;
+    // A node that was just started writes its key first thing: give it a moment.
+    let mut key = std::fs::read_to_string(&path);
+    for _ in 0..100 {
+        if key.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        key = std::fs::read_to_string(&path);
+    }
+    let key = key.map_err(|e| format!("cannot read the cluster key at {}: {e}; start the node first (`opendsec up`) or pass --cluster-key-file", path.display()))?;
     let (secret, hash) = new_token_secret();
     let req = BootstrapRequest {
         cluster_key: key.trim().to_string(),
@@ -245,12 +309,13 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let _telemetry = telemetry::init();
     let result = match cli.cmd {
-        Cmd::Up { node } => {
+        Cmd::Up { node, edge, no_edge } => {
             let peer = node.advertise_peer.clone().unwrap_or_else(|| node.peer_listen.clone());
-            run_node(1, node, Some(BTreeMap::from([(1, peer)]))).await
+            run_node(1, node, Some(BTreeMap::from([(1, peer)])), (!no_edge).then_some(edge)).await
         }
+        Cmd::Edge { control, token_file, cluster_key_file, data_dir, edge } => run_edge(control, token_file, cluster_key_file, data_dir, edge).await,
         Cmd::Control { id, node, init_members } => match init_members.as_deref().map(parse_members).transpose() {
-            Ok(init) => run_node(id, node, init).await,
+            Ok(init) => run_node(id, node, init, None).await,
             Err(e) => Err(e),
         },
         Cmd::Init { peer, data_dir, cluster_key_file, project_name, url, token_file } => {
@@ -263,5 +328,14 @@ async fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
     }
 }

@@ -1,6 +1,7 @@
 //! The handlers, one module per resource. Each write builds a `Command` and goes
 //! through `crate::submit`; each read checks a right and the caller's scope.
 
+pub mod agent;
 pub mod audit;
 pub mod cluster;
 pub mod edges;

@@ -1,14 +1,18 @@
 //! `opendsecctl`: the command line over `opendsec_sdk::Client`. Tables for people
 //! by default, `--output json` for scripts; errors say what to do next.
-//! Exit codes: 0 done, 1 the call failed, 2 usage error (clap).
+//! Exit codes: 0 done, 1 the call failed, 2 usage error (clap); `sandbox exec` and
+//! `sandbox shell` exit with the remote process's exit code.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use opendsec_sdk::types::*;
-use opendsec_sdk::{ApiError, AuditFilter, Client, ReplayRequest, SandboxFilter, DEFAULT_URL};
+use opendsec_sdk::{ApiError, AuditFilter, Client, ExecRequest, ReplayRequest, SandboxFilter, DEFAULT_URL};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+#[path = "opendsecctl/remote.rs"]
+mod remote;
 
 #[derive(Parser)]
 #[command(name = "opendsecctl", version, about = "Manage an OpenDsec cluster: projects, quotas, tokens, sandboxes, edges, audit and time travel")]
@@ -188,6 +192,42 @@ enum SandboxCmd {
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
     },
+    /// Runs a command in the sandbox, streaming its output; exits with its exit code.
+    ///
+    /// The first word is the program, the rest its arguments; there is no shell
+    /// unless you ask for one: `opendsecctl sandbox exec ID -- sh -c 'ls | wc -l'`.
+    Exec {
+        id: String,
+        /// The user in the sandbox (default: the sandbox's default user).
+        #[arg(long)]
+        user: Option<String>,
+        /// KEY=VALUE; repeat for several.
+        #[arg(long = "env", value_parser = parse_label)]
+        envs: Vec<(String, String)>,
+        /// Working directory (default: the user's home).
+        #[arg(long)]
+        cwd: Option<String>,
+        /// The program and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// An interactive shell on a terminal in the sandbox (exits with the shell's code).
+    Shell {
+        id: String,
+        #[arg(long)]
+        user: Option<String>,
+        /// The program to run.
+        #[arg(long, default_value = "/bin/bash")]
+        cmd: String,
+    },
+    /// Copies a file into or out of a sandbox: one side is ID:PATH, the other a local
+    /// path (`-` for stdin/stdout).
+    Cp {
+        src: String,
+        dst: String,
+        #[arg(long)]
+        user: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -275,7 +315,7 @@ fn main() -> ExitCode {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime");
     let url = cli.url.clone();
     match rt.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("error: {}", e.message);
             if let Some(f) = &e.field {
@@ -309,7 +349,7 @@ fn hint(e: &ApiError, url: &str) -> String {
     }
 }
 
-async fn run(cli: Cli) -> Result<(), ApiError> {
+async fn run(cli: Cli) -> Result<u8, ApiError> {
     let client = Client::new(&cli.url, find_token(cli.token))?;
     let out = Printer(cli.output);
     match cli.command {
@@ -420,7 +460,7 @@ async fn run(cli: Cli) -> Result<(), ApiError> {
                 )
             });
         }
-        Cmd::Sandbox(c) => sandbox(&client, out, c).await?,
+        Cmd::Sandbox(c) => return sandbox(&client, out, c).await,
         Cmd::Edge(c) => match c {
             EdgeCmd::List => {
                 let l = client.list_edges().await?;
@@ -499,10 +539,10 @@ async fn run(cli: Cli) -> Result<(), ApiError> {
             });
         }
     }
-    Ok(())
+    Ok(0)
 }
 
-async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<(), ApiError> {
+async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, ApiError> {
     let written = match c {
         SandboxCmd::Create { image, project, cpu_millis, memory_mb, labels, timeout_seconds } => {
             let req = CreateSandbox {
@@ -518,26 +558,34 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<(), Api
         SandboxCmd::List { project, labels, state } => {
             let l = client.list_sandboxes(&SandboxFilter { project, labels: labels.into_iter().collect(), state }).await?;
             out.show(&l, |l| table(&SANDBOX_HEADERS, l.sandboxes.iter().map(sandbox_row).collect()));
-            return Ok(());
+            return Ok(0);
         }
         SandboxCmd::Get { id } => {
             let s = client.get_sandbox(&id).await?;
             out.show(&s, |s| table(&SANDBOX_HEADERS, vec![sandbox_row(s)]));
-            return Ok(());
+            return Ok(0);
         }
         SandboxCmd::Fork { id, count } => {
             let f = client.fork_sandbox(&id, count).await?;
             out.show(&f, |f| format!("forked {id} at index {}:\n{}", f.index, table(&SANDBOX_HEADERS, f.sandboxes.iter().map(sandbox_row).collect())));
-            return Ok(());
+            return Ok(0);
         }
         SandboxCmd::Kill { id } => client.kill_sandbox(&id).await?,
         SandboxCmd::Pause { id } => client.pause_sandbox(&id).await?,
         SandboxCmd::Resume { id } => client.resume_sandbox(&id).await?,
         SandboxCmd::SetTimeout { id, seconds } => client.set_sandbox_timeout(&id, seconds).await?,
+        SandboxCmd::Exec { id, user, envs, cwd, command } => {
+            let mut words = command.into_iter();
+            let cmd = words.next().expect("clap requires a command");
+            let req = ExecRequest { cmd, args: words.collect(), envs: envs.into_iter().collect(), cwd, user };
+            return remote::exec(client, &id, &req).await;
+        }
+        SandboxCmd::Shell { id, user, cmd } => return remote::shell(client, &id, user, cmd).await,
+        SandboxCmd::Cp { src, dst, user } => return remote::copy(client, out, &src, &dst, user.as_deref()).await,
         SandboxCmd::SetLabels { id, labels } => client.set_sandbox_labels(&id, labels.into_iter().collect::<BTreeMap<_, _>>()).await?,
     };
     out.show(&written, |w| table(&SANDBOX_HEADERS, vec![sandbox_row(&w.sandbox)]));
-    Ok(())
+    Ok(0)
 }
 
 const SANDBOX_HEADERS: [&str; 8] = ["ID", "STATE", "PROJECT", "EDGE", "IMAGE", "CPU/MEM", "LABELS", "EXPIRES"];

@@ -1,0 +1,65 @@
+//! What the host's cgroups offer (v1, v2 or hybrid) and where a sandbox's counters live.
+//! The runtime writes the limits; we only read OOM counters and decide which optional
+//! limits the host can take (a limit the kernel lacks would make the runtime fail).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+const ROOT: &str = "/sys/fs/cgroup";
+
+/// `/sys/fs/cgroup` is a pure cgroup v2 mount.
+pub fn is_unified() -> bool {
+    nix::sys::statfs::statfs(ROOT)
+        .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+        .unwrap_or(false)
+}
+
+/// Whether the host can set an IO weight (v1 blkio needs CFQ/BFQ; v2 needs the io
+/// controller with a weight file).
+pub fn io_weight_supported() -> bool {
+    if is_unified() {
+        let controllers =
+            fs::read_to_string(Path::new(ROOT).join("cgroup.controllers")).unwrap_or_default();
+        // runc writes io.weight (or io.bfq.weight); both live in child groups only, so
+        // the controller being available is the best we can check here.
+        controllers.split_whitespace().any(|c| c == "io")
+    } else {
+        let blkio = Path::new(ROOT).join("blkio");
+        blkio.join("blkio.weight").exists() || blkio.join("blkio.bfq.weight").exists()
+    }
+}
+
+/// Whether memory+swap can be limited (v1 needs swap accounting; v2 always can).
+pub fn swap_limit_supported() -> bool {
+    is_unified()
+        || Path::new(ROOT)
+            .join("memory/memory.memsw.limit_in_bytes")
+            .exists()
+}
+
+/// The number of OOM kills in the sandbox's memory cgroup, if it can be read.
+/// `cgroups_path` is the absolute path given to the runtime (e.g. `/opendsec/<id>`).
+pub fn oom_kills(cgroups_path: &str) -> Option<u64> {
+    let rel = cgroups_path.trim_start_matches('/');
+    let candidates: [(PathBuf, &str); 2] = [
+        (
+            Path::new(ROOT)
+                .join("memory")
+                .join(rel)
+                .join("memory.oom_control"),
+            "oom_kill",
+        ),
+        (Path::new(ROOT).join(rel).join("memory.events"), "oom_kill"),
+    ];
+    for (path, key) in candidates {
+        if let Ok(text) = fs::read_to_string(&path) {
+            for line in text.lines() {
+                let mut parts = line.split_whitespace();
+                if parts.next() == Some(key) {
+                    return parts.next().and_then(|v| v.parse().ok());
+                }
+            }
+        }
+    }
+    None
+}

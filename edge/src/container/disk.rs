@@ -1,0 +1,368 @@
+//! A sandbox's storage: a sparse ext4 image of fixed size, loop-mounted, holds the
+//! overlay upper and work dirs, so whatever a sandbox writes is bounded by that size
+//! (never by the host's free space); the root file system is overlayfs of the image
+//! layers (read-only lower dirs, shared by all sandboxes, never copied) + that upper.
+
+use std::fs::{self, File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+
+use super::ContainerError;
+
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+
+#[repr(C)]
+struct LoopInfo64 {
+    lo_device: u64,
+    lo_inode: u64,
+    lo_rdevice: u64,
+    lo_offset: u64,
+    lo_sizelimit: u64,
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    lo_file_name: [u8; 64],
+    lo_crypt_name: [u8; 64],
+    lo_encrypt_key: [u8; 32],
+    lo_init: [u64; 2],
+}
+
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+/// Paths of a sandbox's storage inside its directory.
+pub struct Storage {
+    pub image: PathBuf,
+    pub disk_mount: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+impl Storage {
+    pub fn in_dir(dir: &Path) -> Self {
+        Self {
+            image: dir.join("disk.img"),
+            disk_mount: dir.join("disk"),
+            rootfs: dir.join("rootfs"),
+        }
+    }
+
+    /// Creates the disk, mounts it and the overlay. On error, undoes what it did.
+    pub fn setup(
+        &self,
+        size_bytes: u64,
+        lower_bottom_first: &[PathBuf],
+    ) -> Result<(), ContainerError> {
+        let result = self.try_setup(size_bytes, lower_bottom_first);
+        if result.is_err() {
+            let _ = self.teardown();
+        }
+        result
+    }
+
+    fn try_setup(&self, size_bytes: u64, lower: &[PathBuf]) -> Result<(), ContainerError> {
+        copy_sparse(
+            &template(size_bytes, self.image.parent().and_then(Path::parent))?,
+            &self.image,
+        )?;
+        for dir in [&self.disk_mount, &self.rootfs] {
+            fs::create_dir_all(dir)
+                .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+        }
+        let (loop_dev, loop_fd) = attach_loop(&self.image)?;
+        let mounted = mount(
+            Some(loop_dev.as_path()),
+            &self.disk_mount,
+            Some("ext4"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("noinit_itable"),
+        );
+        // The mount holds the device now; closing our fd lets autoclear detach it at umount.
+        drop(loop_fd);
+        mounted.map_err(|e| {
+            ContainerError::Storage(format!(
+                "mounting {} on {}: {e}",
+                loop_dev.display(),
+                self.disk_mount.display()
+            ))
+        })?;
+        let upper = self.disk_mount.join("upper");
+        let work = self.disk_mount.join("work");
+        for dir in [&upper, &work] {
+            fs::create_dir(dir)
+                .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+        }
+        // The overlay root takes the upper dir's mode: the usual 0755.
+        use std::os::unix::fs::PermissionsExt;
+        let _ = fs::set_permissions(&upper, fs::Permissions::from_mode(0o755));
+        if lower.is_empty() {
+            return Err(ContainerError::Invalid(
+                "an image needs at least one layer".into(),
+            ));
+        }
+        // overlayfs lists lower dirs top first.
+        let lowerdir = lower
+            .iter()
+            .rev()
+            .map(|p| {
+                let s = p.to_string_lossy();
+                if s.contains([':', ',']) {
+                    Err(ContainerError::Invalid(format!(
+                        "layer path {s} contains ':' or ','"
+                    )))
+                } else {
+                    Ok(s.into_owned())
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .join(":");
+        let options = format!(
+            "lowerdir={lowerdir},upperdir={},workdir={}",
+            upper.display(),
+            work.display()
+        );
+        mount(
+            Some("overlay"),
+            &self.rootfs,
+            Some("overlay"),
+            MsFlags::MS_NODEV,
+            Some(options.as_str()),
+        )
+        .map_err(|e| {
+            ContainerError::Storage(format!(
+                "mounting overlay on {}: {e}",
+                self.rootfs.display()
+            ))
+        })?;
+        Ok(())
+    }
+
+    /// Unmounts the overlay and the disk (the loop device detaches itself). Idempotent.
+    pub fn teardown(&self) -> Result<(), ContainerError> {
+        unmount(&self.rootfs)?;
+        unmount(&self.disk_mount)?;
+        Ok(())
+    }
+}
+
+/// An empty ext4 image of `size` bytes, made once per size under
+/// `<sandboxes root>/.templates/` and copied (sparsely) for each sandbox: copying ~1 MB
+/// of metadata is faster than running mkfs each time. Copies share the file system
+/// UUID, which ext4 does not mind.
+fn template(size: u64, sandboxes_root: Option<&Path>) -> Result<PathBuf, ContainerError> {
+    let dir = sandboxes_root
+        .unwrap_or(Path::new("/var/tmp"))
+        .join(".templates");
+    let path = dir.join(format!("ext4-{size}.img"));
+    if path.exists() {
+        return Ok(path);
+    }
+    fs::create_dir_all(&dir)
+        .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("ext4-{size}.img.tmp{}-{seq}", std::process::id()));
+    let file = File::create(&tmp).map_err(|e| ContainerError::io("creating a disk template", e))?;
+    file.set_len(size)
+        .map_err(|e| ContainerError::io("sizing a disk template", e))?;
+    drop(file);
+    // No journal: the disk is scratch space that dies with the sandbox. Lazy inode
+    // tables plus `noinit_itable` at mount keep the sparse file small (no zeroing).
+    let out = Command::new("mkfs.ext4")
+        .args([
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-O",
+            "^has_journal",
+            "-E",
+            "nodiscard,lazy_itable_init=1",
+        ])
+        .arg(&tmp)
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .output()
+        .map_err(|e| {
+            ContainerError::Prerequisite(format!(
+                "cannot run mkfs.ext4 (install the e2fsprogs package): {e}"
+            ))
+        })?;
+    if !out.status.success() {
+        let _ = fs::remove_file(&tmp);
+        return Err(ContainerError::Storage(format!(
+            "mkfs.ext4 failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    fs::rename(&tmp, &path).map_err(|e| ContainerError::io("publishing a disk template", e))?;
+    Ok(path)
+}
+
+/// Copies `from` to a new file `to`, only the data extents (holes stay holes).
+fn copy_sparse(from: &Path, to: &Path) -> Result<(), ContainerError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let src = File::open(from).map_err(|e| ContainerError::io("opening the disk template", e))?;
+    let dst = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(to)
+        .map_err(|e| ContainerError::io("creating disk.img", e))?;
+    let len = src
+        .metadata()
+        .map_err(|e| ContainerError::io("stat template", e))?
+        .len();
+    dst.set_len(len)
+        .map_err(|e| ContainerError::io("sizing disk.img", e))?;
+    let (sfd, dfd) = (src.as_raw_fd(), dst.as_raw_fd());
+    let mut pos: i64 = 0;
+    while (pos as u64) < len {
+        // SAFETY: lseek on our own fds.
+        let data = unsafe { libc::lseek(sfd, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: only a hole remains
+        }
+        let hole = unsafe { libc::lseek(sfd, data, libc::SEEK_HOLE) };
+        let hole = if hole < 0 { len as i64 } else { hole };
+        let (mut off_in, mut off_out) = (data, data);
+        let mut left = (hole - data) as usize;
+        while left > 0 {
+            // SAFETY: copying between our own fds with kernel-maintained offsets.
+            let n = unsafe { libc::copy_file_range(sfd, &mut off_in, dfd, &mut off_out, left, 0) };
+            if n <= 0 {
+                return Err(ContainerError::io(
+                    "copying the disk template",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            left -= n as usize;
+        }
+        pos = hole;
+    }
+    Ok(())
+}
+
+/// Whether `path` is a mount point in this mount namespace.
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(text) = fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.to_string_lossy();
+    text.lines().any(|line| {
+        line.split(' ')
+            .nth(4)
+            .is_some_and(|mp| unescape_mountinfo(mp) == want)
+    })
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+fn unmount(path: &Path) -> Result<(), ContainerError> {
+    for attempt in 0..20 {
+        if !is_mounted(path) {
+            return Ok(());
+        }
+        match umount2(path, MntFlags::empty()) {
+            Ok(()) => continue,
+            Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => return Ok(()),
+            Err(nix::errno::Errno::EBUSY) if attempt < 19 => {
+                std::thread::sleep(Duration::from_millis(25))
+            }
+            Err(nix::errno::Errno::EBUSY) => {
+                // Something (a dying container's namespace) still holds it: detach lazily;
+                // the kernel frees it when the last user goes.
+                umount2(path, MntFlags::MNT_DETACH).map_err(|e| {
+                    ContainerError::Storage(format!("unmounting {}: {e}", path.display()))
+                })?;
+                return Ok(());
+            }
+            Err(e) => {
+                return Err(ContainerError::Storage(format!(
+                    "unmounting {}: {e}",
+                    path.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Attaches `image` to a free loop device with autoclear; returns the device and an
+/// open fd that keeps it attached until the caller mounts it.
+fn attach_loop(image: &Path) -> Result<(PathBuf, File), ContainerError> {
+    let backing = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(image)
+        .map_err(|e| ContainerError::io("opening disk.img", e))?;
+    let control = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/loop-control")
+        .map_err(|e| {
+            ContainerError::Prerequisite(format!("no loop devices (/dev/loop-control): {e}"))
+        })?;
+    for _ in 0..64 {
+        // SAFETY: ioctl without arguments on the loop control device.
+        let n = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE as _) };
+        if n < 0 {
+            return Err(ContainerError::io(
+                "LOOP_CTL_GET_FREE",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let dev = PathBuf::from(format!("/dev/loop{n}"));
+        let dev_file = match OpenOptions::new().read(true).write(true).open(&dev) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(ContainerError::io(format!("opening {}", dev.display()), e)),
+        };
+        // SAFETY: an all-zero loop_config is valid; we set the fields we need.
+        let mut config: LoopConfig = unsafe { std::mem::zeroed() };
+        config.fd = backing.as_raw_fd() as u32;
+        config.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+        let name = image.to_string_lossy();
+        let len = name.len().min(63);
+        config.info.lo_file_name[..len].copy_from_slice(&name.as_bytes()[..len]);
+        // SAFETY: config is a valid loop_config for the duration of the call.
+        let rc = unsafe {
+            libc::ioctl(
+                dev_file.as_raw_fd(),
+                LOOP_CONFIGURE as _,
+                &config as *const LoopConfig,
+            )
+        };
+        if rc == 0 {
+            return Ok((dev, dev_file));
+        }
+        let err = std::io::Error::last_os_error();
+        // Another process took this device between GET_FREE and CONFIGURE: try again.
+        if err.raw_os_error() == Some(libc::EBUSY) {
+            continue;
+        }
+        return Err(ContainerError::io(
+            format!("LOOP_CONFIGURE {}", dev.display()),
+            err,
+        ));
+    }
+    Err(ContainerError::Storage(
+        "no free loop device after 64 attempts".into(),
+    ))
+}

@@ -1,0 +1,646 @@
+//! The container backend: OCI bundles run by crun or runc, each under a detached
+//! shim (`opendsec-shim`) so that sandboxes are never children of the edge and keep
+//! running when the edge dies; a restarted edge re-adopts them from their directories.
+//!
+//! A sandbox directory `<sandboxes root>/<id>/` holds everything about one sandbox:
+//! `sandbox.json` (the record below), `disk.img` + `disk/` (its size-limited scratch
+//! disk with the overlay upper/work dirs), `rootfs/` (the overlay), `config.json` (the
+//! OCI bundle is this directory), `init.pid`, `shim.pid`, `output.log[.1]` (PID 1's
+//! output, size-capped), `runtime.log`, `shim.log` and, once PID 1 has exited,
+//! `exit.json`.
+//!
+//! **Architecture Invariant**: the edge keeps no state about a sandbox that is not in
+//! its directory or in the runtime's state; [`ContainerBackend::list`] rebuilds it all.
+
+pub mod cgroup;
+mod disk;
+pub mod oci;
+pub mod runtime;
+pub mod shim;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Read};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+pub use disk::is_mounted;
+pub use runtime::{Runtime, RuntimeChoice, RuntimeKind};
+
+/// Default directory of sandbox directories on an edge machine.
+pub const DEFAULT_SANDBOXES_ROOT: &str = "/var/lib/opendsec/sandboxes";
+/// Default state directory of the runtimes (tmpfs: runtimes' state dies with a reboot,
+/// as do the containers).
+pub const DEFAULT_RUNTIME_ROOT: &str = "/run/opendsec/runtime";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    #[error("invalid sandbox request: {0}")]
+    Invalid(String),
+    #[error("missing prerequisite: {0}")]
+    Prerequisite(String),
+    #[error("sandbox {0} already exists")]
+    AlreadyExists(String),
+    #[error("no sandbox {0}")]
+    NotFound(String),
+    #[error("{runtime} {command} failed: {message}")]
+    Runtime {
+        runtime: &'static str,
+        command: String,
+        message: String,
+    },
+    #[error("storage: {0}")]
+    Storage(String),
+    #[error("the shim failed to start sandbox {id}: {message}")]
+    Shim { id: String, message: String },
+    #[error("{context}: {source}")]
+    Io { context: String, source: io::Error },
+}
+
+impl ContainerError {
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+        ContainerError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Resource limits of one sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Memory limit; swap is limited to zero beyond it.
+    pub memory_bytes: u64,
+    /// CPU in thousandths of a core (1000 = one core), as a CFS quota per 100 ms period.
+    pub cpu_millis: u32,
+    /// Maximum number of tasks (processes + threads).
+    pub pids: u32,
+    /// Relative IO weight (10-1000); ignored (and recorded as not applied) on hosts
+    /// whose IO scheduler has no weights.
+    pub io_weight: Option<u16>,
+    /// Size of the sandbox's writable disk (all writes to the root file system).
+    pub disk_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            memory_bytes: 512 << 20,
+            cpu_millis: 1000,
+            pids: 512,
+            io_weight: Some(100),
+            disk_bytes: 1 << 30,
+        }
+    }
+}
+
+/// PID 1 of the container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessSpec {
+    pub args: Vec<String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+    /// (uid, gid); the images' unprivileged `user` is (1000, 1000).
+    pub user: (u32, u32),
+}
+
+/// A host file or directory bound read-only into the sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BindMount {
+    pub host_path: PathBuf,
+    pub container_path: String,
+}
+
+/// Everything needed to create a sandbox.
+#[derive(Clone, Debug)]
+pub struct SandboxSpec {
+    /// Also the hostname and the runtime's container id: `[A-Za-z0-9_-]`, at most 63.
+    pub id: String,
+    /// Image layer directories, bottom first (see `ImageStore::layer_dirs`).
+    pub layers: Vec<PathBuf>,
+    pub process: ProcessSpec,
+    pub limits: Limits,
+    pub binds: Vec<BindMount>,
+    /// Open fds handed to PID 1 as fds 3, 4, ... (e.g. a listening Unix socket).
+    /// Borrowed: the backend duplicates them and the caller keeps its own.
+    pub extra_fds: Vec<RawFd>,
+    pub labels: BTreeMap<String, String>,
+}
+
+impl SandboxSpec {
+    /// A spec for `args` in `image`, with the image's environment and working directory,
+    /// running as root (set `process.user` to (1000, 1000) for the image's `user`).
+    pub fn from_image(
+        id: impl Into<String>,
+        store: &crate::images::ImageStore,
+        image: &crate::images::Image,
+        args: Vec<String>,
+    ) -> Result<Self, crate::images::ImageError> {
+        Ok(Self {
+            id: id.into(),
+            layers: store.layer_dirs(image)?,
+            process: ProcessSpec {
+                args,
+                env: image.config.env.clone(),
+                cwd: if image.config.workdir.is_empty() {
+                    "/".into()
+                } else {
+                    image.config.workdir.clone()
+                },
+                user: (0, 0),
+            },
+            limits: Limits::default(),
+            binds: Vec::new(),
+            extra_fds: Vec::new(),
+            labels: BTreeMap::new(),
+        })
+    }
+}
+
+/// How PID 1 ended (the shim's `exit.json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    /// The exit code, or 128 + signal when killed by a signal.
+    pub exit_code: i32,
+    pub signal: Option<i32>,
+    /// The sandbox's memory cgroup recorded an OOM kill.
+    pub oom_killed: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxStatus {
+    /// The runtime has the container but PID 1 has not started the user program.
+    Created,
+    Running,
+    Paused,
+    /// PID 1 has exited (see [`SandboxState::exit`]).
+    Stopped,
+    /// The directory exists but the runtime does not know the container (e.g. after a
+    /// host reboot) and no exit was recorded.
+    Lost,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SandboxState {
+    pub id: String,
+    pub status: SandboxStatus,
+    pub init_pid: Option<i32>,
+    pub exit: Option<ExitInfo>,
+}
+
+/// What is persisted in `sandbox.json`; the shim reads it too.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub runtime: Runtime,
+    pub cgroups_path: String,
+    pub limits: Limits,
+    pub io_weight_applied: bool,
+    pub layers: Vec<PathBuf>,
+    pub labels: BTreeMap<String, String>,
+    pub extra_fds: usize,
+    pub log_cap_bytes: u64,
+    pub created_unix_ms: u64,
+}
+
+/// A sandbox as the backend knows it.
+#[derive(Clone, Debug)]
+pub struct Handle {
+    pub id: String,
+    pub dir: PathBuf,
+    pub record: SandboxRecord,
+}
+
+impl Handle {
+    /// PID 1 of the container (host pid namespace), once started.
+    pub fn init_pid(&self) -> Option<i32> {
+        read_pid(&self.dir.join("init.pid"))
+    }
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("output.log")
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ContainerConfig {
+    pub sandboxes_root: PathBuf,
+    /// Parent of the runtimes' state directories.
+    pub runtime_root: PathBuf,
+    pub runtime: RuntimeChoice,
+    /// Path of the `opendsec-shim` binary.
+    pub shim: PathBuf,
+    /// Cgroup parent of all sandboxes (`/<parent>/<id>`).
+    pub cgroup_parent: String,
+    /// PID 1's output log is rotated at this size (one old file kept).
+    pub log_cap_bytes: u64,
+}
+
+impl Default for ContainerConfig {
+    fn default() -> Self {
+        let shim = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join("opendsec-shim")))
+            .filter(|p| p.is_file())
+            .or_else(|| runtime::find_binary("opendsec-shim"))
+            .unwrap_or_else(|| PathBuf::from("opendsec-shim"));
+        Self {
+            sandboxes_root: DEFAULT_SANDBOXES_ROOT.into(),
+            runtime_root: DEFAULT_RUNTIME_ROOT.into(),
+            runtime: RuntimeChoice::Auto,
+            shim,
+            cgroup_parent: "opendsec".into(),
+            log_cap_bytes: 1 << 20,
+        }
+    }
+}
+
+pub struct ContainerBackend {
+    config: ContainerConfig,
+    runtime: Runtime,
+    host: oci::HostSupport,
+}
+
+impl ContainerBackend {
+    pub fn new(config: ContainerConfig) -> Result<Self, ContainerError> {
+        if !config.shim.is_file() {
+            return Err(ContainerError::Prerequisite(format!(
+                "the shim binary {} does not exist (build the opendsec-shim binary)",
+                config.shim.display()
+            )));
+        }
+        fs::create_dir_all(&config.sandboxes_root).map_err(|e| {
+            ContainerError::io(format!("creating {}", config.sandboxes_root.display()), e)
+        })?;
+        let runtime = Runtime::resolve(config.runtime, &config.runtime_root)?;
+        let host = oci::HostSupport {
+            io_weight: cgroup::io_weight_supported(),
+            swap_limit: cgroup::swap_limit_supported(),
+        };
+        Ok(Self {
+            config,
+            runtime,
+            host,
+        })
+    }
+
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    pub fn config(&self) -> &ContainerConfig {
+        &self.config
+    }
+
+    fn dir(&self, id: &str) -> PathBuf {
+        self.config.sandboxes_root.join(id)
+    }
+
+    /// Creates and starts a sandbox: disk, overlay, bundle, then the shim that runs the
+    /// runtime. Returns once PID 1 runs (or with the runtime's error, leaving nothing).
+    pub fn create(&self, spec: &SandboxSpec) -> Result<Handle, ContainerError> {
+        validate(spec)?;
+        let dir = self.dir(&spec.id);
+        match fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(ContainerError::AlreadyExists(spec.id.clone()));
+            }
+            Err(e) => return Err(ContainerError::io(format!("creating {}", dir.display()), e)),
+        }
+        let result = self.create_in(spec, &dir);
+        if result.is_err() {
+            let _ = self.runtime.run(&["delete", "--force", &spec.id]);
+            let _ = disk::Storage::in_dir(&dir).teardown();
+            let _ = fs::remove_dir_all(&dir);
+        }
+        result
+    }
+
+    fn create_in(&self, spec: &SandboxSpec, dir: &Path) -> Result<Handle, ContainerError> {
+        let cgroups_path = format!("/{}/{}", self.config.cgroup_parent, spec.id);
+        let record = SandboxRecord {
+            id: spec.id.clone(),
+            runtime: self.runtime.clone(),
+            cgroups_path: cgroups_path.clone(),
+            limits: spec.limits.clone(),
+            io_weight_applied: spec.limits.io_weight.is_some() && self.host.io_weight,
+            layers: spec.layers.clone(),
+            labels: spec.labels.clone(),
+            extra_fds: spec.extra_fds.len(),
+            log_cap_bytes: self.config.log_cap_bytes,
+            created_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+        };
+        let t0 = Instant::now();
+        write_json_atomic(&dir.join("sandbox.json"), &record)?;
+        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers)?;
+        let t1 = Instant::now();
+        let oci = oci::build_spec(spec, &cgroups_path, self.host)?;
+        let json = serde_json::to_vec(&oci)
+            .map_err(|e| ContainerError::Invalid(format!("serialising config.json: {e}")))?;
+        fs::write(dir.join("config.json"), json)
+            .map_err(|e| ContainerError::io("writing config.json", e))?;
+        let t2 = Instant::now();
+        shim::spawn(&self.config.shim, dir, &spec.id, &spec.extra_fds)?;
+        tracing::debug!(id = %spec.id, storage = ?(t1 - t0), spec = ?(t2 - t1), shim = ?t2.elapsed(), "sandbox created");
+        Ok(Handle {
+            id: spec.id.clone(),
+            dir: dir.to_path_buf(),
+            record,
+        })
+    }
+
+    /// The sandbox's handle, from its directory.
+    pub fn get(&self, id: &str) -> Result<Handle, ContainerError> {
+        validate_id(id)?;
+        let dir = self.dir(id);
+        let bytes = match fs::read(dir.join("sandbox.json")) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(ContainerError::NotFound(id.into()));
+            }
+            Err(e) => return Err(ContainerError::io("reading sandbox.json", e)),
+        };
+        let record: SandboxRecord = serde_json::from_slice(&bytes).map_err(|e| {
+            ContainerError::Invalid(format!("corrupt {}/sandbox.json: {e}", dir.display()))
+        })?;
+        Ok(Handle {
+            id: id.into(),
+            dir,
+            record,
+        })
+    }
+
+    /// Every sandbox that has a directory, e.g. to re-adopt them after an edge restart.
+    pub fn list(&self) -> Result<Vec<Handle>, ContainerError> {
+        let mut out = Vec::new();
+        let root = &self.config.sandboxes_root;
+        for entry in fs::read_dir(root)
+            .map_err(|e| ContainerError::io(format!("listing {}", root.display()), e))?
+        {
+            let entry = entry.map_err(|e| ContainerError::io("listing sandboxes", e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if validate_id(&name).is_err() || !entry.path().join("sandbox.json").exists() {
+                continue;
+            }
+            out.push(self.get(&name)?);
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// The exit recorded by the shim, if PID 1 has exited.
+    pub fn exit_info(&self, id: &str) -> Result<Option<ExitInfo>, ContainerError> {
+        let path = self.dir(id).join("exit.json");
+        match fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map(Some)
+                .map_err(|e| ContainerError::Invalid(format!("corrupt {}: {e}", path.display()))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ContainerError::io(format!("reading {}", path.display()), e)),
+        }
+    }
+
+    pub fn state(&self, id: &str) -> Result<SandboxState, ContainerError> {
+        let handle = self.get(id)?;
+        let exit = self.exit_info(id)?;
+        let rt = &handle.record.runtime;
+        let (status, pid) = match rt.run(&["state", id]) {
+            Ok(out) => {
+                let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+                let pid = v
+                    .get("pid")
+                    .and_then(|p| p.as_i64())
+                    .filter(|p| *p > 0)
+                    .map(|p| p as i32);
+                let status = match v.get("status").and_then(|s| s.as_str()) {
+                    Some("created") => SandboxStatus::Created,
+                    Some("running") => SandboxStatus::Running,
+                    Some("paused") => SandboxStatus::Paused,
+                    _ => SandboxStatus::Stopped,
+                };
+                (status, pid)
+            }
+            Err(_) => (SandboxStatus::Lost, None),
+        };
+        // The shim's record is the authority on exit (the runtime may lag or be gone).
+        let status = if exit.is_some() {
+            SandboxStatus::Stopped
+        } else {
+            status
+        };
+        Ok(SandboxState {
+            id: id.into(),
+            status,
+            init_pid: pid.or_else(|| handle.init_pid()),
+            exit,
+        })
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGTERM`) to PID 1.
+    pub fn kill(&self, id: &str, signal: i32) -> Result<(), ContainerError> {
+        let handle = self.get(id)?;
+        handle
+            .record
+            .runtime
+            .run(&["kill", id, &signal.to_string()])
+            .map(drop)
+    }
+
+    /// Freezes every process of the sandbox (cgroup freezer, through the runtime).
+    pub fn pause(&self, id: &str) -> Result<(), ContainerError> {
+        self.get(id)?.record.runtime.run(&["pause", id]).map(drop)
+    }
+
+    pub fn resume(&self, id: &str) -> Result<(), ContainerError> {
+        self.get(id)?.record.runtime.run(&["resume", id]).map(drop)
+    }
+
+    /// Waits up to `timeout` for PID 1 to exit.
+    pub fn wait(&self, id: &str, timeout: Duration) -> Result<Option<ExitInfo>, ContainerError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(exit) = self.exit_info(id)? {
+                return Ok(Some(exit));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops (SIGKILL) and removes the sandbox: the runtime's container, its mounts,
+    /// its cgroup and its directory. Idempotent for a sandbox that is already gone.
+    pub fn delete(&self, id: &str) -> Result<(), ContainerError> {
+        let handle = match self.get(id) {
+            Ok(h) => h,
+            Err(ContainerError::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let rt = &handle.record.runtime;
+        if self.exit_info(id)?.is_none() {
+            let state = self.state(id)?;
+            if state.status == SandboxStatus::Paused {
+                // A frozen task cannot die: thaw first.
+                let _ = rt.run(&["resume", id]);
+            }
+            if matches!(
+                state.status,
+                SandboxStatus::Running | SandboxStatus::Paused | SandboxStatus::Created
+            ) {
+                let _ = rt.run(&["kill", id, "KILL"]);
+            }
+            // Let the shim record the exit (and finish with the directory) before removing it.
+            let shim_pid = read_pid(&handle.dir.join("shim.pid"));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline
+                && self.exit_info(id)?.is_none()
+                && shim_pid.is_some_and(process_alive)
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if let Err(e) = rt.run(&["delete", "--force", id]) {
+            let msg = e.to_string();
+            if !(msg.contains("does not exist")
+                || msg.contains("not exist")
+                || msg.contains("not found"))
+            {
+                return Err(e);
+            }
+        }
+        disk::Storage::in_dir(&handle.dir).teardown()?;
+        fs::remove_dir_all(&handle.dir)
+            .map_err(|e| ContainerError::io(format!("removing {}", handle.dir.display()), e))
+    }
+
+    /// The last `max_bytes` of PID 1's output (across the rotated file and the current one).
+    pub fn read_log(&self, id: &str, max_bytes: usize) -> Result<Vec<u8>, ContainerError> {
+        let dir = self.get(id)?.dir;
+        let mut data = Vec::new();
+        for name in ["output.log.1", "output.log"] {
+            if let Ok(mut f) = fs::File::open(dir.join(name)) {
+                f.read_to_end(&mut data)
+                    .map_err(|e| ContainerError::io("reading output log", e))?;
+            }
+        }
+        let start = data.len().saturating_sub(max_bytes);
+        Ok(data.split_off(start))
+    }
+}
+
+fn validate_id(id: &str) -> Result<(), ContainerError> {
+    if id.is_empty()
+        || id.len() > 63
+        || !id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        || id.starts_with('-')
+    {
+        return Err(ContainerError::Invalid(format!(
+            "sandbox id {id:?}: use 1-63 of [A-Za-z0-9_-], not starting with '-'"
+        )));
+    }
+    Ok(())
+}
+
+fn validate(spec: &SandboxSpec) -> Result<(), ContainerError> {
+    validate_id(&spec.id)?;
+    let l = &spec.limits;
+    if l.memory_bytes < (4 << 20) {
+        return Err(ContainerError::Invalid("memory limit below 4 MiB".into()));
+    }
+    if l.cpu_millis < 10 {
+        return Err(ContainerError::Invalid("cpu below 10 millicores".into()));
+    }
+    if l.pids < 1 {
+        return Err(ContainerError::Invalid(
+            "pids limit must be at least 1".into(),
+        ));
+    }
+    if l.io_weight.is_some_and(|w| !(10..=1000).contains(&w)) {
+        return Err(ContainerError::Invalid(
+            "io weight must be within 10..=1000".into(),
+        ));
+    }
+    if l.disk_bytes < (16 << 20) {
+        return Err(ContainerError::Invalid("disk below 16 MiB".into()));
+    }
+    if spec.process.args.is_empty() {
+        return Err(ContainerError::Invalid("no process to run".into()));
+    }
+    if spec.layers.is_empty() {
+        return Err(ContainerError::Invalid("no image layers".into()));
+    }
+    for layer in &spec.layers {
+        if !layer.is_absolute() || !layer.is_dir() {
+            return Err(ContainerError::Invalid(format!(
+                "layer {} is not an existing absolute directory",
+                layer.display()
+            )));
+        }
+    }
+    for bind in &spec.binds {
+        if !bind.host_path.is_absolute() || !bind.host_path.exists() {
+            return Err(ContainerError::Invalid(format!(
+                "bind source {} does not exist",
+                bind.host_path.display()
+            )));
+        }
+        if !bind.container_path.starts_with('/')
+            || bind.container_path.split('/').any(|c| c == "..")
+        {
+            return Err(ContainerError::Invalid(format!(
+                "bind target {:?} must be absolute, without '..'",
+                bind.container_path
+            )));
+        }
+    }
+    for &fd in &spec.extra_fds {
+        // SAFETY: F_GETFD only queries the descriptor.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+            return Err(ContainerError::Invalid(format!(
+                "extra fd {fd} is not open"
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn write_json_atomic<T: Serialize>(
+    path: &Path,
+    value: &T,
+) -> Result<(), ContainerError> {
+    let tmp = path.with_extension("json.tmp");
+    let json = serde_json::to_vec_pretty(value).expect("serialisable");
+    fs::write(&tmp, json)
+        .map_err(|e| ContainerError::io(format!("writing {}", tmp.display()), e))?;
+    fs::rename(&tmp, path).map_err(|e| ContainerError::io(format!("writing {}", path.display()), e))
+}
+
+pub(crate) fn read_pid(path: &Path) -> Option<i32> {
+    fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+fn process_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks existence and permission.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+/// Duplicates a borrowed fd (close-on-exec) to a number at or above `min`.
+pub(crate) fn dup_above(fd: RawFd, min: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor that we then own.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) };
+    if new < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `new` is a fresh descriptor owned by no one else.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}

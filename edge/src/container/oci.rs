@@ -1,0 +1,440 @@
+//! The OCI runtime spec (config.json) of a sandbox: its own namespaces (no host
+//! network: only `lo`), cgroup limits, a reduced capability set, no_new_privileges,
+//! a seccomp deny list, masked and read-only /proc paths and only the default devices.
+
+use std::collections::{HashMap, HashSet};
+
+use oci_spec::runtime::{
+    Arch, Capability, LinuxBlockIoBuilder, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder,
+    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder,
+    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccompAction,
+    LinuxSeccompArgBuilder, LinuxSeccompBuilder, LinuxSeccompOperator, LinuxSyscall,
+    LinuxSyscallBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder,
+    RootBuilder, Spec, SpecBuilder, UserBuilder,
+};
+
+use super::{ContainerError, SandboxSpec};
+
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Masked: replaced by /dev/null (files) or an empty read-only tmpfs (dirs).
+pub const MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/kpagecgroup",
+    "/proc/kpageflags",
+    "/proc/kpagecount",
+    "/proc/sysrq-trigger",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+pub const READONLY_PATHS: &[&str] = &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"];
+
+/// Capabilities kept (bounding = permitted = effective for root; a non-root process
+/// gets none effective). Left out on purpose, among others: SYS_ADMIN, NET_ADMIN,
+/// SYS_PTRACE, SYS_MODULE, SYS_RAWIO, SYS_TIME, SYS_BOOT, MKNOD, NET_RAW, AUDIT_CONTROL,
+/// MAC_*, BPF, PERFMON, SYS_RESOURCE, DAC_READ_SEARCH, LINUX_IMMUTABLE, IPC_LOCK.
+const CAPABILITIES: &[Capability] = &[
+    Capability::AuditWrite,
+    Capability::Chown,
+    Capability::DacOverride,
+    Capability::Fowner,
+    Capability::Fsetid,
+    Capability::Kill,
+    Capability::NetBindService,
+    Capability::Setfcap,
+    Capability::Setgid,
+    Capability::Setpcap,
+    Capability::Setuid,
+    Capability::SysChroot,
+];
+
+/// Syscalls refused with EPERM whatever their arguments.
+const DENIED_SYSCALLS: &[&str] = &[
+    "acct",
+    "add_key",
+    "bpf",
+    "delete_module",
+    "finit_module",
+    "fsconfig",
+    "fsmount",
+    "fsopen",
+    "fspick",
+    "init_module",
+    "ioperm",
+    "iopl",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "mount",
+    "mount_setattr",
+    "move_mount",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "open_tree",
+    "perf_event_open",
+    "pivot_root",
+    "process_vm_readv",
+    "process_vm_writev",
+    "ptrace",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "setns",
+    "swapoff",
+    "swapon",
+    "umount2",
+    "userfaultfd",
+    "uselib",
+    "vhangup",
+];
+
+/// Namespace flags that `unshare` and `clone` may not carry.
+const NAMESPACE_FLAGS: &[u64] = &[
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWCGROUP as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+    0x80, // CLONE_NEWTIME
+];
+
+/// What the host supports, decided once by the backend.
+#[derive(Clone, Copy, Debug)]
+pub struct HostSupport {
+    pub io_weight: bool,
+    pub swap_limit: bool,
+}
+
+fn invalid(e: impl std::fmt::Display) -> ContainerError {
+    ContainerError::Invalid(format!("building the OCI spec: {e}"))
+}
+
+pub fn build_spec(
+    spec: &SandboxSpec,
+    cgroups_path: &str,
+    host: HostSupport,
+) -> Result<Spec, ContainerError> {
+    let caps: HashSet<Capability> = CAPABILITIES.iter().copied().collect();
+    let capabilities = LinuxCapabilitiesBuilder::default()
+        .bounding(caps.clone())
+        .permitted(caps.clone())
+        .effective(caps)
+        .inheritable(HashSet::new())
+        .ambient(HashSet::new())
+        .build()
+        .map_err(invalid)?;
+    let (uid, gid) = spec.process.user;
+    let user = UserBuilder::default()
+        .uid(uid)
+        .gid(gid)
+        .build()
+        .map_err(invalid)?;
+    let nofile = nofile_limit();
+    let process = ProcessBuilder::default()
+        .terminal(false)
+        .user(user)
+        .args(spec.process.args.clone())
+        .env(spec.process.env.clone())
+        .cwd(spec.process.cwd.clone())
+        .capabilities(capabilities)
+        .no_new_privileges(true)
+        .rlimits(vec![
+            PosixRlimitBuilder::default()
+                .typ(PosixRlimitType::RlimitNofile)
+                .hard(nofile)
+                .soft(nofile)
+                .build()
+                .map_err(invalid)?,
+        ])
+        .build()
+        .map_err(invalid)?;
+
+    let namespaces = [
+        LinuxNamespaceType::Pid,
+        LinuxNamespaceType::Mount,
+        LinuxNamespaceType::Ipc,
+        LinuxNamespaceType::Uts,
+        LinuxNamespaceType::Cgroup,
+        // A new, empty network namespace: the runtime brings up `lo`, nothing else exists.
+        LinuxNamespaceType::Network,
+    ]
+    .into_iter()
+    .map(|typ| {
+        LinuxNamespaceBuilder::default()
+            .typ(typ)
+            .build()
+            .map_err(invalid)
+    })
+    .collect::<Result<Vec<_>, _>>()?;
+
+    let limits = &spec.limits;
+    let memory = limits.memory_bytes as i64;
+    let mut memory_builder = LinuxMemoryBuilder::default().limit(memory);
+    if host.swap_limit {
+        // OCI swap = memory + swap: equal to the limit means no swap at all.
+        memory_builder = memory_builder.swap(memory);
+    }
+    let mut resources = LinuxResourcesBuilder::default()
+        .memory(memory_builder.build().map_err(invalid)?)
+        .cpu(
+            LinuxCpuBuilder::default()
+                .quota((limits.cpu_millis as u64 * CPU_PERIOD_US / 1000) as i64)
+                .period(CPU_PERIOD_US)
+                .build()
+                .map_err(invalid)?,
+        )
+        .pids(
+            LinuxPidsBuilder::default()
+                .limit(limits.pids as i64)
+                .build()
+                .map_err(invalid)?,
+        )
+        .devices(device_rules()?);
+    if let (Some(weight), true) = (limits.io_weight, host.io_weight) {
+        resources = resources.block_io(
+            LinuxBlockIoBuilder::default()
+                .weight(weight)
+                .build()
+                .map_err(invalid)?,
+        );
+    }
+
+    let linux = LinuxBuilder::default()
+        .namespaces(namespaces)
+        .cgroups_path(cgroups_path)
+        .resources(resources.build().map_err(invalid)?)
+        .seccomp(seccomp()?)
+        .masked_paths(
+            MASKED_PATHS
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .readonly_paths(
+            READONLY_PATHS
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .rootfs_propagation("private")
+        .devices(vec![])
+        .build()
+        .map_err(invalid)?;
+
+    let mut mounts = default_mounts()?;
+    for bind in &spec.binds {
+        mounts.push(
+            MountBuilder::default()
+                .destination(&bind.container_path)
+                .typ("bind")
+                .source(&bind.host_path)
+                .options(vec![
+                    "rbind".into(),
+                    "ro".into(),
+                    "nosuid".into(),
+                    "nodev".into(),
+                ])
+                .build()
+                .map_err(invalid)?,
+        );
+    }
+
+    let mut annotations = HashMap::new();
+    for (k, v) in &spec.labels {
+        annotations.insert(format!("dev.opendsec.label.{k}"), v.clone());
+    }
+
+    SpecBuilder::default()
+        .version("1.0.2")
+        .root(
+            RootBuilder::default()
+                .path("rootfs")
+                .readonly(false)
+                .build()
+                .map_err(invalid)?,
+        )
+        .hostname(spec.id.clone())
+        .process(process)
+        .mounts(mounts)
+        .linux(linux)
+        .annotations(annotations)
+        .build()
+        .map_err(invalid)
+}
+
+fn nofile_limit() -> u64 {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct we own.
+    let hard = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } == 0 {
+        rl.rlim_max
+    } else {
+        1024
+    };
+    // Never above the edge's own hard limit: raising needs CAP_SYS_RESOURCE.
+    hard.min(65536)
+}
+
+fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<Mount, ContainerError> {
+    MountBuilder::default()
+        .destination(dest)
+        .typ(typ)
+        .source(source)
+        .options(options.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .build()
+        .map_err(invalid)
+}
+
+fn default_mounts() -> Result<Vec<Mount>, ContainerError> {
+    Ok(vec![
+        mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
+        mount(
+            "/dev",
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+        )?,
+        mount(
+            "/dev/pts",
+            "devpts",
+            "devpts",
+            &[
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+                "gid=5",
+            ],
+        )?,
+        mount(
+            "/dev/shm",
+            "tmpfs",
+            "shm",
+            &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        )?,
+        mount(
+            "/dev/mqueue",
+            "mqueue",
+            "mqueue",
+            &["nosuid", "noexec", "nodev"],
+        )?,
+        mount(
+            "/sys",
+            "sysfs",
+            "sysfs",
+            &["nosuid", "noexec", "nodev", "ro"],
+        )?,
+        mount(
+            "/sys/fs/cgroup",
+            "cgroup",
+            "cgroup",
+            &["nosuid", "noexec", "nodev", "relatime", "ro"],
+        )?,
+    ])
+}
+
+/// Deny every device, then allow the default set (null, zero, full, random, urandom,
+/// tty, ptmx, pts). The runtime creates those nodes; no host device is ever bound in.
+fn device_rules() -> Result<Vec<oci_spec::runtime::LinuxDeviceCgroup>, ContainerError> {
+    let mut rules = vec![
+        LinuxDeviceCgroupBuilder::default()
+            .allow(false)
+            .access("rwm")
+            .build()
+            .map_err(invalid)?,
+    ];
+    for (major, minor) in [
+        (1, Some(3)),
+        (1, Some(5)),
+        (1, Some(7)),
+        (1, Some(8)),
+        (1, Some(9)),
+        (5, Some(0)),
+        (5, Some(2)),
+        (136, None),
+    ] {
+        let mut b = LinuxDeviceCgroupBuilder::default()
+            .allow(true)
+            .typ(LinuxDeviceType::C)
+            .major(major)
+            .access("rwm");
+        if let Some(minor) = minor {
+            b = b.minor(minor);
+        }
+        rules.push(b.build().map_err(invalid)?);
+    }
+    Ok(rules)
+}
+
+/// The seccomp profile. Default action is ALLOW (a deny list, not an allow list): the
+/// list below removes the kernel interfaces a sandbox has no business with (keyrings,
+/// BPF, perf, modules, kexec, handle-based opens, userfaultfd, mounts, swap, ptrace,
+/// joining or creating namespaces). A strict allow list is a later hardening step.
+fn seccomp() -> Result<oci_spec::runtime::LinuxSeccomp, ContainerError> {
+    let mut syscalls: Vec<LinuxSyscall> = vec![
+        LinuxSyscallBuilder::default()
+            .names(
+                DENIED_SYSCALLS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .action(LinuxSeccompAction::ScmpActErrno)
+            .errno_ret(libc::EPERM as u32)
+            .build()
+            .map_err(invalid)?,
+        // clone3 passes its flags in memory, which seccomp cannot read: make it look
+        // unimplemented so libc falls back to clone, whose flags are checked below.
+        LinuxSyscallBuilder::default()
+            .names(vec!["clone3".to_string()])
+            .action(LinuxSeccompAction::ScmpActErrno)
+            .errno_ret(libc::ENOSYS as u32)
+            .build()
+            .map_err(invalid)?,
+    ];
+    for (name, index) in [("unshare", 0usize), ("clone", 0usize)] {
+        for &flag in NAMESPACE_FLAGS {
+            syscalls.push(
+                LinuxSyscallBuilder::default()
+                    .names(vec![name.to_string()])
+                    .action(LinuxSeccompAction::ScmpActErrno)
+                    .errno_ret(libc::EPERM as u32)
+                    .args(vec![
+                        LinuxSeccompArgBuilder::default()
+                            .index(index)
+                            .value(flag)
+                            .value_two(flag)
+                            .op(LinuxSeccompOperator::ScmpCmpMaskedEq)
+                            .build()
+                            .map_err(invalid)?,
+                    ])
+                    .build()
+                    .map_err(invalid)?,
+            );
+        }
+    }
+    LinuxSeccompBuilder::default()
+        .default_action(LinuxSeccompAction::ScmpActAllow)
+        .architectures(vec![
+            Arch::ScmpArchX86_64,
+            Arch::ScmpArchX86,
+            Arch::ScmpArchX32,
+        ])
+        .syscalls(syscalls)
+        .build()
+        .map_err(invalid)
+}

@@ -1,0 +1,458 @@
+//! The project's own image builders: `busybox` (one static binary, for fast tests) and
+//! `base` (Debian bookworm via debootstrap). Each builds one layer into a scratch
+//! directory; the store publishes it with a rename. Builders run the host tools under
+//! `env -i` so that host settings (proxies for pip, locales) do not leak into images,
+//! and use the tools' default package sources: no registry host appears here.
+
+use std::fmt;
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{PermissionsExt, symlink};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use sha2::{Digest, Sha256};
+
+use super::{ImageConfig, ImageError, io_err};
+
+/// PATH given to the build tools (nothing else of the caller's environment is passed).
+const BUILD_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Packages that `base` adds to debootstrap's minbase.
+const BASE_PACKAGES: &str = "bash,coreutils,python3,curl,git,ca-certificates,procps";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BuildPhase {
+    Lock,
+    Download,
+    Extract,
+    Bootstrap,
+    Configure,
+    Cleanup,
+    Done,
+}
+
+impl fmt::Display for BuildPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BuildPhase::Lock => "lock",
+            BuildPhase::Download => "download",
+            BuildPhase::Extract => "extract",
+            BuildPhase::Bootstrap => "bootstrap",
+            BuildPhase::Configure => "configure",
+            BuildPhase::Cleanup => "cleanup",
+            BuildPhase::Done => "done",
+        })
+    }
+}
+
+/// One progress report of a build: the phase and a human-readable line.
+#[derive(Clone, Debug)]
+pub struct BuildProgress {
+    pub phase: BuildPhase,
+    pub message: String,
+}
+
+impl BuildProgress {
+    pub fn new(phase: BuildPhase, message: impl Into<String>) -> Self {
+        Self {
+            phase,
+            message: message.into(),
+        }
+    }
+}
+
+pub fn builder_names() -> Vec<&'static str> {
+    vec!["busybox", "base"]
+}
+
+/// What a builder produces; its hash names the layer, so a changed recipe builds a
+/// new layer instead of reusing a stale one.
+pub(super) struct Recipe {
+    name: &'static str,
+    version: u32,
+    inputs: &'static str,
+}
+
+pub(super) fn recipe(name: &str) -> Option<Recipe> {
+    match name {
+        "busybox" => Some(Recipe {
+            name: "busybox",
+            version: 1,
+            inputs: "busybox-static",
+        }),
+        "base" => Some(Recipe {
+            name: "base",
+            version: 1,
+            inputs: BASE_PACKAGES,
+        }),
+        _ => None,
+    }
+}
+
+impl Recipe {
+    pub(super) fn layer_id(&self) -> String {
+        let digest = Sha256::digest(format!("{}\n{}\n{}", self.name, self.version, self.inputs));
+        format!("{}-{}", self.name, &hex::encode(digest)[..16])
+    }
+
+    pub(super) fn config(&self) -> ImageConfig {
+        let shell = if self.name == "base" {
+            "/bin/bash"
+        } else {
+            "/bin/sh"
+        };
+        ImageConfig {
+            env: vec![
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+                "HOME=/home/user".into(),
+                "LANG=C.UTF-8".into(),
+            ],
+            user: "user".into(),
+            workdir: "/home/user".into(),
+            shell: shell.into(),
+        }
+    }
+}
+
+pub(super) fn build_layer(
+    name: &str,
+    dir: &Path,
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    match name {
+        "busybox" => build_busybox(dir, progress),
+        "base" => build_base(dir, progress),
+        other => Err(ImageError::UnknownImage(other.into())),
+    }
+}
+
+fn fail(image: &str, phase: BuildPhase, message: impl Into<String>) -> ImageError {
+    ImageError::Build {
+        image: image.into(),
+        phase,
+        message: message.into(),
+    }
+}
+
+/// Runs a command under `env -i`, streaming its output lines as progress and keeping
+/// the last lines for the error message.
+fn run_tool(
+    image: &str,
+    phase: BuildPhase,
+    cwd: &Path,
+    program: &str,
+    args: &[&str],
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    let mut child = Command::new(program)
+        .args(args)
+        .current_dir(cwd)
+        .env_clear()
+        .env("PATH", BUILD_PATH)
+        .env("LANG", "C.UTF-8")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            let package = match program {
+                "debootstrap" => "debootstrap",
+                "apt-get" => "apt",
+                "dpkg-deb" => "dpkg",
+                _ => program,
+            };
+            fail(
+                image,
+                phase,
+                format!("cannot run {program} (install the {package} package): {e}"),
+            )
+        })?;
+    let stderr = child.stderr.take().expect("piped");
+    let stderr_reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            lines.push(line);
+        }
+        lines
+    });
+    let mut tail: Vec<String> = Vec::new();
+    for line in BufReader::new(child.stdout.take().expect("piped"))
+        .lines()
+        .map_while(Result::ok)
+    {
+        progress(&BuildProgress::new(phase, line.clone()));
+        tail.push(line);
+        if tail.len() > 10 {
+            tail.remove(0);
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(io_err(format!("waiting for {program}")))?;
+    let err_lines = stderr_reader.join().unwrap_or_default();
+    if status.success() {
+        return Ok(());
+    }
+    tail.extend(
+        err_lines
+            .into_iter()
+            .rev()
+            .take(10)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev(),
+    );
+    Err(fail(
+        image,
+        phase,
+        format!(
+            "{program} {} failed ({status}): {}",
+            args.join(" "),
+            tail.join(" | ")
+        ),
+    ))
+}
+
+fn mkdirs(dir: &Path, paths: &[(&str, u32)]) -> Result<(), ImageError> {
+    for (path, mode) in paths {
+        let p = dir.join(path);
+        fs::create_dir_all(&p).map_err(io_err(format!("creating {}", p.display())))?;
+        fs::set_permissions(&p, fs::Permissions::from_mode(*mode))
+            .map_err(io_err(format!("chmod {}", p.display())))?;
+    }
+    Ok(())
+}
+
+fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), ImageError> {
+    std::os::unix::fs::chown(path, Some(uid), Some(gid))
+        .map_err(io_err(format!("chown {}", path.display())))
+}
+
+fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), ImageError> {
+    const IMAGE: &str = "busybox";
+    let work = dir.with_extension("download");
+    let _ = super::remove_tree(&work);
+    fs::create_dir_all(&work).map_err(io_err("creating the download dir"))?;
+    let result = (|| {
+        progress(&BuildProgress::new(
+            BuildPhase::Download,
+            "apt-get download busybox-static",
+        ));
+        run_tool(
+            IMAGE,
+            BuildPhase::Download,
+            &work,
+            "apt-get",
+            // As root apt wants to drop to the `_apt` user, which cannot write here.
+            &[
+                "-q",
+                "-o",
+                "APT::Sandbox::User=root",
+                "download",
+                "busybox-static",
+            ],
+            progress,
+        )
+        .map_err(|e| match e {
+            ImageError::Build {
+                image,
+                phase,
+                message,
+            } => ImageError::Build {
+                image,
+                phase,
+                message: format!("{message} (has `apt-get update` run?)"),
+            },
+            other => other,
+        })?;
+        let deb = fs::read_dir(&work)
+            .map_err(io_err("listing the download dir"))?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "deb"))
+            .ok_or_else(|| {
+                fail(
+                    IMAGE,
+                    BuildPhase::Download,
+                    "apt-get download produced no .deb",
+                )
+            })?;
+        progress(&BuildProgress::new(
+            BuildPhase::Extract,
+            format!("dpkg-deb -x {}", deb.display()),
+        ));
+        let extracted = work.join("x");
+        run_tool(
+            IMAGE,
+            BuildPhase::Extract,
+            &work,
+            "dpkg-deb",
+            &[
+                "-x",
+                deb.to_str().expect("utf-8 path"),
+                extracted.to_str().expect("utf-8 path"),
+            ],
+            progress,
+        )?;
+        let binary = extracted.join("bin/busybox");
+        if !binary.is_file() {
+            return Err(fail(
+                IMAGE,
+                BuildPhase::Extract,
+                "the package has no bin/busybox",
+            ));
+        }
+
+        progress(&BuildProgress::new(
+            BuildPhase::Configure,
+            "applets, users, directories",
+        ));
+        fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
+        mkdirs(
+            dir,
+            &[
+                ("bin", 0o755),
+                ("sbin", 0o755),
+                ("usr/bin", 0o755),
+                ("usr/sbin", 0o755),
+                ("etc", 0o755),
+                ("root", 0o700),
+                ("home/user", 0o755),
+                ("tmp", 0o1777),
+                ("var/tmp", 0o1777),
+                ("proc", 0o555),
+                ("sys", 0o555),
+                ("dev", 0o755),
+                ("run", 0o755),
+            ],
+        )?;
+        fs::copy(&binary, dir.join("bin/busybox")).map_err(io_err("copying busybox"))?;
+        fs::set_permissions(dir.join("bin/busybox"), fs::Permissions::from_mode(0o755))
+            .map_err(io_err("chmod busybox"))?;
+        // The static binary runs on the host and tells where each applet belongs.
+        let out = Command::new(dir.join("bin/busybox"))
+            .arg("--list-full")
+            .env_clear()
+            .output()
+            .map_err(io_err("running busybox --list-full"))?;
+        if !out.status.success() {
+            return Err(fail(
+                IMAGE,
+                BuildPhase::Configure,
+                "busybox --list-full failed",
+            ));
+        }
+        for applet in String::from_utf8_lossy(&out.stdout).lines() {
+            let applet = applet.trim().trim_start_matches('/');
+            if applet.is_empty() || applet == "bin/busybox" || applet.contains("..") {
+                continue;
+            }
+            let link = dir.join(applet);
+            if let Some(parent) = link.parent() {
+                fs::create_dir_all(parent).map_err(io_err("creating applet dir"))?;
+            }
+            if link.symlink_metadata().is_err() {
+                symlink("/bin/busybox", &link).map_err(io_err(format!("linking {applet}")))?;
+            }
+        }
+        write_accounts(dir, "/bin/sh")?;
+        chown(&dir.join("home/user"), 1000, 1000)?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
+            .map_err(io_err("chmod layer"))?;
+        Ok(())
+    })();
+    let _ = super::remove_tree(&work);
+    result
+}
+
+fn write_accounts(dir: &Path, shell: &str) -> Result<(), ImageError> {
+    let files = [
+        (
+            "etc/passwd",
+            format!(
+                "root:x:0:0:root:/root:{shell}\nuser:x:1000:1000:user:/home/user:{shell}\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+            ),
+        ),
+        (
+            "etc/group",
+            "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n".to_string(),
+        ),
+        (
+            "etc/hosts",
+            "127.0.0.1 localhost\n::1 localhost\n".to_string(),
+        ),
+    ];
+    for (path, content) in files {
+        fs::write(dir.join(path), content).map_err(io_err(format!("writing {path}")))?;
+    }
+    Ok(())
+}
+
+fn build_base(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), ImageError> {
+    const IMAGE: &str = "base";
+    fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
+    let target = dir.to_str().expect("utf-8 path");
+    progress(&BuildProgress::new(
+        BuildPhase::Bootstrap,
+        format!("debootstrap --variant=minbase --include={BASE_PACKAGES} bookworm (1-2 minutes)"),
+    ));
+    let include = format!("--include={BASE_PACKAGES}");
+    run_tool(
+        IMAGE,
+        BuildPhase::Bootstrap,
+        dir.parent().unwrap_or(Path::new("/")),
+        "debootstrap",
+        &["--variant=minbase", &include, "bookworm", target],
+        progress,
+    )?;
+    progress(&BuildProgress::new(
+        BuildPhase::Configure,
+        "useradd user (uid 1000, /home/user, bash)",
+    ));
+    run_tool(
+        IMAGE,
+        BuildPhase::Configure,
+        Path::new("/"),
+        "chroot",
+        &[
+            target,
+            "useradd",
+            "--create-home",
+            "--home-dir",
+            "/home/user",
+            "--uid",
+            "1000",
+            "--user-group",
+            "--shell",
+            "/bin/bash",
+            "user",
+        ],
+        progress,
+    )?;
+    progress(&BuildProgress::new(
+        BuildPhase::Cleanup,
+        "dropping apt caches and lists",
+    ));
+    for sub in ["var/cache/apt/archives", "var/lib/apt/lists"] {
+        let path = dir.join(sub);
+        if let Ok(entries) = fs::read_dir(&path) {
+            for entry in entries.filter_map(Result::ok) {
+                let p = entry.path();
+                if p.is_file() && p.file_name().is_some_and(|n| n != "lock") {
+                    let _ = fs::remove_file(&p);
+                }
+            }
+        }
+    }
+    for bin in [
+        "var/cache/apt/pkgcache.bin",
+        "var/cache/apt/srcpkgcache.bin",
+    ] {
+        let _ = fs::remove_file(dir.join(bin));
+    }
+    // Runtimes bind their own files over these; an empty hostname avoids the build host's.
+    let _ = fs::write(dir.join("etc/hostname"), "");
+    Ok(())
+}

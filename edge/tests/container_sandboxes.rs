@@ -1,0 +1,767 @@
+//! Specification tests of the container backend against the real thing: runc/crun,
+//! namespaces, cgroups, overlayfs, loop-mounted ext4. They need root and the packages
+//! runc, crun, busybox-static (downloaded by the image builder), debootstrap and
+//! e2fsprogs; a missing prerequisite fails the test with the package to install.
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use opendsec_edge::container::{
+    BindMount, ContainerBackend, ContainerConfig, ContainerError, Limits, Runtime, RuntimeChoice,
+    SandboxSpec, SandboxStatus,
+};
+use opendsec_edge::images::{Image, ImageStore};
+
+/// Images are built once per machine and shared by the tests (as on an edge).
+const TEST_STORE: &str = "/var/tmp/opendsec-test-images";
+
+fn require_prerequisites() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "the container tests need root"
+    );
+    for (bin, package) in [
+        ("runc", "runc"),
+        ("crun", "crun"),
+        ("mkfs.ext4", "e2fsprogs"),
+        ("apt-get", "apt"),
+        ("dpkg-deb", "dpkg"),
+    ] {
+        let found = ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+            .iter()
+            .any(|d| Path::new(d).join(bin).is_file());
+        assert!(
+            found,
+            "{bin} is missing: install the {package} package (apt-get install {package})"
+        );
+    }
+    assert!(
+        Path::new("/dev/loop-control").exists(),
+        "no /dev/loop-control: the loop module is needed"
+    );
+}
+
+fn store() -> ImageStore {
+    ImageStore::open(TEST_STORE).expect("open the test image store")
+}
+
+fn image(name: &str) -> Image {
+    require_prerequisites();
+    store()
+        .ensure(name, &|p| eprintln!("[{name}] {}: {}", p.phase, p.message))
+        .expect("build image")
+}
+
+fn unique_id(tag: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "t{}-{}-{}",
+        std::process::id(),
+        tag,
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+struct TestBackend {
+    backend: ContainerBackend,
+    _tmp: tempfile::TempDir,
+}
+
+/// A failed assertion must not leave sandboxes (mounts, loop devices, cgroups) behind.
+impl Drop for TestBackend {
+    fn drop(&mut self) {
+        for handle in self.backend.list().unwrap_or_default() {
+            let _ = self.backend.delete(&handle.id);
+        }
+    }
+}
+
+impl std::ops::Deref for TestBackend {
+    type Target = ContainerBackend;
+    fn deref(&self) -> &ContainerBackend {
+        &self.backend
+    }
+}
+
+fn config_in(root: &Path, runtime: RuntimeChoice) -> ContainerConfig {
+    ContainerConfig {
+        sandboxes_root: root.join("sandboxes"),
+        runtime_root: root.join("runtime"),
+        runtime,
+        shim: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-shim")),
+        cgroup_parent: "opendsec-test".into(),
+        log_cap_bytes: 1 << 20,
+    }
+}
+
+/// `Auto` can be overridden with OPENDSEC_TEST_RUNTIME=crun|runc to run the suite on one runtime.
+fn backend(runtime: RuntimeChoice) -> TestBackend {
+    require_prerequisites();
+    let runtime = match (runtime, std::env::var("OPENDSEC_TEST_RUNTIME")) {
+        (RuntimeChoice::Auto, Ok(name)) => name
+            .parse()
+            .expect("OPENDSEC_TEST_RUNTIME is auto, crun or runc"),
+        (choice, _) => choice,
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-ct")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let backend = ContainerBackend::new(config_in(tmp.path(), runtime)).expect("backend");
+    TestBackend { backend, _tmp: tmp }
+}
+
+fn busybox_spec(id: &str, script: &str) -> SandboxSpec {
+    let img = image("busybox");
+    let mut spec = SandboxSpec::from_image(
+        id,
+        &store(),
+        &img,
+        vec!["/bin/sh".into(), "-c".into(), script.into()],
+    )
+    .unwrap();
+    spec.limits = Limits {
+        memory_bytes: 128 << 20,
+        cpu_millis: 1000,
+        pids: 128,
+        io_weight: Some(100),
+        disk_bytes: 64 << 20,
+    };
+    spec
+}
+
+fn run_to_exit(
+    b: &ContainerBackend,
+    spec: &SandboxSpec,
+) -> (opendsec_edge::container::ExitInfo, String) {
+    b.create(spec).expect("create");
+    let exit = b
+        .wait(&spec.id, Duration::from_secs(30))
+        .unwrap()
+        .expect("exits within 30 s");
+    let log = String::from_utf8_lossy(&b.read_log(&spec.id, 1 << 20).unwrap()).into_owned();
+    b.delete(&spec.id).expect("delete");
+    (exit, log)
+}
+
+fn assert_gone(b: &ContainerBackend, id: &str) {
+    let dir = b.config().sandboxes_root.join(id);
+    assert!(!dir.exists(), "{} still exists", dir.display());
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mountinfo.contains(&*dir.to_string_lossy()),
+        "mounts left under {}:\n{mountinfo}",
+        dir.display()
+    );
+    for ctrl in ["memory", "pids", "cpu", "freezer"] {
+        let cg = Path::new("/sys/fs/cgroup")
+            .join(ctrl)
+            .join("opendsec-test")
+            .join(id);
+        assert!(!cg.exists(), "cgroup {} left behind", cg.display());
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn echo_hi_as_pid1_exits_zero_with_own_hostname_and_user_on_crun_and_runc() {
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(runtime);
+        let id = unique_id("echo");
+        let mut spec = busybox_spec(&id, "echo hi; hostname; id -u; echo pid=$$");
+        spec.process.user = (1000, 1000);
+        let (exit, log) = run_to_exit(&b, &spec);
+        assert_eq!(exit.exit_code, 0, "{runtime:?}: {log}");
+        assert!(!exit.oom_killed);
+        assert_eq!(log, format!("hi\n{id}\n1000\npid=1\n"), "{runtime:?}");
+        assert_gone(&b, &id);
+    }
+}
+
+fn cgroup_file(controller: &str, id: &str, file: &str) -> PathBuf {
+    Path::new("/sys/fs/cgroup")
+        .join(controller)
+        .join("opendsec-test")
+        .join(id)
+        .join(file)
+}
+
+fn counter(b: &ContainerBackend, id: &str) -> Option<u64> {
+    let dir = b.get(id).unwrap().dir;
+    std::fs::read_to_string(dir.join("rootfs/tmp/c"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+#[test]
+fn isolation_processes_network_proc_capabilities_seccomp_devices() {
+    let b = backend(RuntimeChoice::Auto);
+    let id = unique_id("iso");
+    let script = "echo ps:; ps -o pid,comm; \
+        echo net: $(ls /sys/class/net); \
+        echo kpagecgroup=$(cat /proc/kpagecgroup 2>/dev/null | wc -c); \
+        echo kcore=$(cat /proc/kcore 2>/dev/null | wc -c); \
+        grep -E '^(CapEff|Seccomp|NoNewPrivs):' /proc/self/status; \
+        unshare -U true 2>/dev/null; echo unshare=$?; \
+        mount -t tmpfs none /mnt 2>/dev/null; echo mount=$?; \
+        echo sysrq > /proc/sysrq-trigger 2>/dev/null; echo sysrq=$?; \
+        echo 1 > /proc/sys/kernel/panic 2>/dev/null; echo procsys=$?; \
+        echo dev: $(ls /dev); \
+        test -e /work; echo hostpath=$?";
+    let (exit, log) = run_to_exit(&b, &busybox_spec(&id, script));
+    assert_eq!(exit.exit_code, 0, "{log}");
+    let ps: Vec<&str> = log
+        .lines()
+        .skip_while(|l| *l != "ps:")
+        .skip(2)
+        .take_while(|l| !l.starts_with("net:"))
+        .collect();
+    assert!(
+        ps.len() <= 2 && ps.iter().all(|l| l.ends_with(" sh") || l.ends_with(" ps")),
+        "foreign processes visible: {ps:?}\n{log}"
+    );
+    assert!(
+        ps.iter().any(|l| l.trim_start().starts_with("1 ")),
+        "sh is not PID 1: {ps:?}"
+    );
+    assert!(
+        log.contains("net: lo\n"),
+        "network interfaces other than lo:\n{log}"
+    );
+    assert!(
+        log.contains("kpagecgroup=0\n") && log.contains("kcore=0\n"),
+        "{log}"
+    );
+    let cap_eff = log
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    for (bit, name) in [
+        (21, "SYS_ADMIN"),
+        (12, "NET_ADMIN"),
+        (19, "SYS_PTRACE"),
+        (16, "SYS_MODULE"),
+        (17, "SYS_RAWIO"),
+        (27, "MKNOD"),
+        (13, "NET_RAW"),
+    ] {
+        assert_eq!(cap_eff & (1 << bit), 0, "{name} is effective: {cap_eff:x}");
+    }
+    for want in ["Seccomp:\t2", "NoNewPrivs:\t1", "unshare=1", "hostpath=1"] {
+        assert!(log.contains(want), "expected {want:?} in:\n{log}");
+    }
+    assert!(
+        !log.contains("sysrq=0") && !log.contains("procsys=0") && !log.contains("mount=0"),
+        "{log}"
+    );
+    let devs: Vec<&str> = log
+        .lines()
+        .find_map(|l| l.strip_prefix("dev: "))
+        .unwrap()
+        .split(' ')
+        .collect();
+    let allowed = [
+        "core", "fd", "full", "mqueue", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin",
+        "stdout", "tty", "urandom", "zero",
+    ];
+    assert!(
+        devs.iter().all(|d| allowed.contains(d)),
+        "unexpected devices: {devs:?}"
+    );
+}
+
+#[test]
+fn fork_bomb_is_stopped_by_the_pids_limit_and_another_sandbox_stays_responsive() {
+    let b = backend(RuntimeChoice::Auto);
+    let bomb = unique_id("bomb");
+    let mut spec = busybox_spec(&bomb, "bomb() { bomb | bomb & }; bomb; sleep 1000");
+    spec.limits.pids = 64;
+    spec.limits.cpu_millis = 500;
+    b.create(&spec).unwrap();
+    // The limit is reached and refusals counted.
+    let events = cgroup_file("pids", &bomb, "pids.events");
+    wait_until(
+        "the pids limit to refuse forks",
+        Duration::from_secs(10),
+        || {
+            std::fs::read_to_string(&events)
+                .unwrap_or_default()
+                .split_whitespace()
+                .nth(1)
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0)
+                > 0
+        },
+    );
+    let current: u64 = std::fs::read_to_string(cgroup_file("pids", &bomb, "pids.current"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(current <= 64, "pids.current = {current}");
+    // Meanwhile another sandbox starts and answers promptly.
+    let start = Instant::now();
+    let other = unique_id("bystander");
+    let (exit, log) = run_to_exit(&b, &busybox_spec(&other, "echo alive"));
+    assert_eq!((exit.exit_code, log.as_str()), (0, "alive\n"));
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "bystander took {:?}",
+        start.elapsed()
+    );
+    b.delete(&bomb).unwrap();
+    assert_gone(&b, &bomb);
+}
+
+#[test]
+fn exceeding_the_memory_limit_kills_only_that_sandbox_and_records_oom() {
+    let b = backend(RuntimeChoice::Auto);
+    let bystander = unique_id("calm");
+    b.create(&busybox_spec(&bystander, "sleep 1000")).unwrap();
+    let hog = unique_id("hog");
+    let mut spec = busybox_spec(&hog, "");
+    spec.process.args = [
+        "/bin/dd",
+        "if=/dev/zero",
+        "of=/dev/null",
+        "bs=256M",
+        "count=1",
+    ]
+    .map(String::from)
+    .to_vec();
+    spec.limits.memory_bytes = 32 << 20;
+    let (exit, log) = run_to_exit(&b, &spec);
+    assert!(exit.oom_killed, "no OOM recorded: {exit:?} {log}");
+    assert_eq!((exit.signal, exit.exit_code), (Some(9), 137), "{log}");
+    assert_eq!(b.state(&bystander).unwrap().status, SandboxStatus::Running);
+    b.delete(&bystander).unwrap();
+    assert_gone(&b, &bystander);
+}
+
+#[test]
+fn writes_stop_at_the_sandbox_disk_limit_and_the_host_is_unaffected() {
+    let b = backend(RuntimeChoice::Auto);
+    let id = unique_id("fill");
+    let mut spec = busybox_spec(
+        &id,
+        "yes > /home/user/fill; echo yes=$?; dd if=/dev/zero of=/tmp/more bs=1M count=100 2>/dev/null; echo dd=$?; ls -l /home/user/fill",
+    );
+    spec.process.user = (1000, 1000);
+    spec.limits.disk_bytes = 64 << 20;
+    b.create(&spec).unwrap();
+    let exit = b
+        .wait(&id, Duration::from_secs(60))
+        .unwrap()
+        .expect("exits");
+    let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
+    let dir = b.get(&id).unwrap().dir;
+    // Everything the sandbox wrote landed in disk.img: the host side of the sandbox (its
+    // directory, without the mounts) holds at most the disk size. (Free space of the
+    // host file system is not compared: other work on the machine moves it.)
+    let allocated: u64 = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| !["disk", "rootfs"].contains(&&*e.file_name().to_string_lossy()))
+        .map(|e| e.metadata().unwrap().blocks() * 512)
+        .sum();
+    assert_eq!(exit.exit_code, 0, "{log}");
+    assert!(
+        log.contains("yes=1") && log.contains("dd=1"),
+        "writes did not fail at the limit:\n{log}"
+    );
+    let size: u64 = log
+        .lines()
+        .last()
+        .unwrap()
+        .split_whitespace()
+        .nth(4)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(size > 40 << 20 && size <= 64 << 20, "file size {size}");
+    assert!(
+        allocated <= 65 << 20,
+        "the sandbox uses {allocated} bytes of the host's disk"
+    );
+    b.delete(&id).unwrap();
+    assert_gone(&b, &id);
+}
+
+#[test]
+fn pause_freezes_and_resume_thaws() {
+    let b = backend(RuntimeChoice::Auto);
+    let id = unique_id("pause");
+    b.create(&busybox_spec(
+        &id,
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; usleep 10000; done",
+    ))
+    .unwrap();
+    wait_until("the counter to start", Duration::from_secs(5), || {
+        counter(&b, &id).is_some_and(|c| c > 2)
+    });
+    b.pause(&id).unwrap();
+    assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Paused);
+    let frozen = counter(&b, &id).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        counter(&b, &id).unwrap(),
+        frozen,
+        "the counter advanced while paused"
+    );
+    b.resume(&id).unwrap();
+    assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
+    wait_until(
+        "the counter to advance after resume",
+        Duration::from_secs(5),
+        || counter(&b, &id).is_some_and(|c| c > frozen + 2),
+    );
+    // Deleting a paused sandbox works too.
+    b.pause(&id).unwrap();
+    b.delete(&id).unwrap();
+    assert_gone(&b, &id);
+}
+
+#[test]
+fn pid1_gets_extra_fds_and_read_only_host_binds() {
+    let b = backend(RuntimeChoice::Auto);
+    let tmp = tempfile::tempdir().unwrap();
+    let agent = tmp.path().join("agent");
+    std::fs::write(&agent, "#!/bin/sh\necho agent-here\n").unwrap();
+    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind(tmp.path().join("agent.sock")).unwrap();
+    let id = unique_id("fds");
+    let mut spec = busybox_spec(
+        &id,
+        "readlink /proc/self/fd/3; /.opendsec/agent; \
+        (echo x > /.opendsec/agent) 2>/dev/null && echo WRITABLE || echo read-only; ls /proc/self/fd | wc -l",
+    );
+    spec.binds.push(BindMount {
+        host_path: agent.clone(),
+        container_path: "/.opendsec/agent".into(),
+    });
+    spec.extra_fds.push(listener.as_raw_fd());
+    let (exit, log) = run_to_exit(&b, &spec);
+    assert_eq!(exit.exit_code, 0, "{log}");
+    let lines: Vec<&str> = log.lines().collect();
+    assert!(
+        lines[0].starts_with("socket:["),
+        "fd 3 is not the socket: {log}"
+    );
+    assert_eq!(&lines[1..3], &["agent-here", "read-only"], "{log}");
+    // 0, 1, 2, 3 and the one `ls` opens for the directory: nothing else leaked in.
+    assert_eq!(lines[3].trim(), "5", "unexpected fds in the sandbox: {log}");
+    assert_eq!(
+        std::fs::read_to_string(&agent).unwrap(),
+        "#!/bin/sh\necho agent-here\n"
+    );
+}
+
+#[test]
+fn pid1_output_is_capped() {
+    require_prerequisites();
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-ct")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let mut config = config_in(tmp.path(), RuntimeChoice::Auto);
+    config.log_cap_bytes = 64 << 10;
+    let b = ContainerBackend::new(config).unwrap();
+    let id = unique_id("log");
+    b.create(&busybox_spec(&id, "yes | head -c 3000000; echo END"))
+        .unwrap();
+    b.wait(&id, Duration::from_secs(30))
+        .unwrap()
+        .expect("exits");
+    let dir = b.get(&id).unwrap().dir;
+    let total: u64 = ["output.log", "output.log.1"]
+        .iter()
+        .map(|f| std::fs::metadata(dir.join(f)).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    assert!(total <= 128 << 10, "output logs hold {total} bytes");
+    assert!(String::from_utf8_lossy(&b.read_log(&id, 16).unwrap()).ends_with("y\nEND\n"));
+    b.delete(&id).unwrap();
+}
+
+#[test]
+fn bad_requests_are_refused_and_leave_nothing() {
+    let b = backend(RuntimeChoice::Auto);
+    let mut spec = busybox_spec("../escape", "true");
+    assert!(matches!(b.create(&spec), Err(ContainerError::Invalid(_))));
+    spec.id = unique_id("bad");
+    spec.limits.memory_bytes = 0;
+    assert!(matches!(b.create(&spec), Err(ContainerError::Invalid(_))));
+    let mut spec = busybox_spec(&unique_id("bad"), "true");
+    spec.layers = vec!["/nonexistent/layer".into()];
+    assert!(matches!(b.create(&spec), Err(ContainerError::Invalid(_))));
+    // A program that does not exist: the runtime's error comes back, nothing is left.
+    let mut spec = busybox_spec(&unique_id("bad"), "true");
+    spec.process.args = vec!["/no/such/program".into()];
+    let err = b.create(&spec).unwrap_err();
+    assert!(matches!(err, ContainerError::Shim { .. }), "{err}");
+    assert_gone(&b, &spec.id);
+    // The same id twice.
+    let spec = busybox_spec(&unique_id("dup"), "sleep 100");
+    b.create(&spec).unwrap();
+    assert!(matches!(
+        b.create(&spec),
+        Err(ContainerError::AlreadyExists(_))
+    ));
+    b.delete(&spec.id).unwrap();
+    assert!(b.list().unwrap().is_empty());
+}
+
+const HELPER_ENV: &str = "OPENDSEC_TEST_CREATOR_ROOT";
+
+/// Not a test on its own: the creator process of
+/// `a_sandbox_survives_the_death_of_its_creator_and_is_readopted`.
+#[test]
+#[ignore]
+fn helper_create_then_hang() {
+    let Some(root) = std::env::var_os(HELPER_ENV) else {
+        return;
+    };
+    let id = std::env::var("OPENDSEC_TEST_CREATOR_ID").unwrap();
+    let b = ContainerBackend::new(config_in(Path::new(&root), RuntimeChoice::Auto)).unwrap();
+    b.create(&busybox_spec(
+        &id,
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; usleep 10000; done",
+    ))
+    .unwrap();
+    println!("CREATED");
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn a_sandbox_survives_the_death_of_its_creator_and_is_readopted() {
+    require_prerequisites();
+    image("busybox");
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-ct")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let id = unique_id("orphan");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "helper_create_then_hang",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(HELPER_ENV, tmp.path())
+        .env("OPENDSEC_TEST_CREATOR_ID", &id)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&seen).contains("CREATED") {
+        let n = out.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "the creator exited early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // kill -9 the creator (the "edge").
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.wait().unwrap();
+
+    // A new backend over the same directories ("the restarted edge") finds it running.
+    let b = ContainerBackend::new(config_in(tmp.path(), RuntimeChoice::Auto)).unwrap();
+    let listed: Vec<String> = b.list().unwrap().into_iter().map(|h| h.id).collect();
+    assert_eq!(listed, vec![id.clone()]);
+    let state = b.state(&id).unwrap();
+    assert_eq!(state.status, SandboxStatus::Running);
+    let before = counter(&b, &id).unwrap_or(0);
+    wait_until(
+        "the orphaned sandbox to keep counting",
+        Duration::from_secs(5),
+        || counter(&b, &id).is_some_and(|c| c > before + 2),
+    );
+    // Its shim is not a child of anyone we know: its parent is init (or a subreaper).
+    let shim_pid: i32 = std::fs::read_to_string(b.get(&id).unwrap().dir.join("shim.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let ppid = std::fs::read_to_string(format!("/proc/{shim_pid}/stat"))
+        .unwrap()
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<i32>()
+        .unwrap();
+    assert_ne!(ppid as u32, std::process::id());
+
+    b.kill(&id, libc::SIGTERM).unwrap();
+    // sh as PID 1 ignores SIGTERM (no handler in a pid namespace): it keeps running.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
+    b.delete(&id).unwrap();
+    assert_gone(&b, &id);
+    assert!(b.list().unwrap().is_empty());
+}
+
+#[test]
+fn base_image_runs_python_as_user() {
+    require_prerequisites();
+    let found = ["/usr/sbin", "/usr/bin"]
+        .iter()
+        .any(|d| Path::new(d).join("debootstrap").is_file());
+    assert!(
+        found,
+        "debootstrap is missing: install the debootstrap package"
+    );
+    let start = Instant::now();
+    let img = image("base");
+    eprintln!("base image ready in {:?}", start.elapsed());
+    let b = backend(RuntimeChoice::Auto);
+    let id = unique_id("base");
+    let mut spec = SandboxSpec::from_image(
+        &id,
+        &store(),
+        &img,
+        vec![
+            "/bin/bash".into(),
+            "-c".into(),
+            "python3 -c 'print(6*7)'; id -un; pwd".into(),
+        ],
+    )
+    .unwrap();
+    spec.process.user = (1000, 1000);
+    let (exit, log) = run_to_exit(&b, &spec);
+    assert_eq!(exit.exit_code, 0, "{log}");
+    assert_eq!(log, "42\nuser\n/home/user\n");
+    assert_gone(&b, &id);
+}
+
+/// `cargo test -p opendsec-edge --test container_sandboxes -- --ignored --nocapture bench_`
+/// Start to first output of a busybox `echo hi`: through the backend (disk, overlay,
+/// bundle, shim, runtime) beside the raw runtime on an already prepared bundle.
+#[test]
+#[ignore]
+fn bench_start_to_first_output() {
+    const RUNS: usize = 20;
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    for choice in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(choice);
+        let mut through_backend = Vec::new();
+        for _ in 0..RUNS {
+            let id = unique_id("bench");
+            let spec = busybox_spec(&id, "echo hi");
+            let start = Instant::now();
+            let h = b.create(&spec).unwrap();
+            let log = h.log_path();
+            while std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0) == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            through_backend.push(start.elapsed());
+            b.wait(&id, Duration::from_secs(10)).unwrap();
+            b.delete(&id).unwrap();
+        }
+        // The raw runtime on the same kind of bundle: same config.json, an overlay rootfs
+        // prepared beforehand (the raw tool does no storage work).
+        let keep = unique_id("bench-bundle");
+        let h = b.create(&busybox_spec(&keep, "sleep 1000")).unwrap();
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(h.dir.join("config.json")).unwrap()).unwrap();
+        let bundle = tempfile::Builder::new()
+            .prefix("opendsec-raw")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        std::fs::create_dir(bundle.path().join("rootfs")).unwrap();
+        let layer = store().layer_dirs(&image("busybox")).unwrap().remove(0);
+        std::fs::create_dir_all(bundle.path().join("upper")).unwrap();
+        std::fs::create_dir_all(bundle.path().join("work")).unwrap();
+        let opts = format!(
+            "lowerdir={},upperdir={}/upper,workdir={}/work",
+            layer.display(),
+            bundle.path().display(),
+            bundle.path().display()
+        );
+        assert!(
+            Command::new("mount")
+                .args(["-t", "overlay", "overlay", "-o", &opts])
+                .arg(bundle.path().join("rootfs"))
+                .status()
+                .unwrap()
+                .success()
+        );
+        let runtime: Runtime = Runtime::resolve(choice, &bundle.path().join("state")).unwrap();
+        let mut raw = Vec::new();
+        for _ in 0..RUNS {
+            let id = unique_id("raw");
+            let mut c = config.clone();
+            c["linux"]["cgroupsPath"] = serde_json::Value::String(format!("/opendsec-test/{id}"));
+            c["process"]["args"] = serde_json::json!(["/bin/sh", "-c", "echo hi"]);
+            std::fs::write(
+                bundle.path().join("config.json"),
+                serde_json::to_vec(&c).unwrap(),
+            )
+            .unwrap();
+            let start = Instant::now();
+            let mut child = runtime
+                .command(["run", "--bundle", bundle.path().to_str().unwrap(), &id])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut byte = [0u8; 1];
+            child
+                .stdout
+                .as_mut()
+                .unwrap()
+                .read_exact(&mut byte)
+                .unwrap();
+            raw.push(start.elapsed());
+            child.wait().unwrap();
+            let _ = runtime.run(&["delete", "--force", &id]);
+        }
+        assert!(
+            Command::new("umount")
+                .arg(bundle.path().join("rootfs"))
+                .status()
+                .unwrap()
+                .success()
+        );
+        b.delete(&keep).unwrap();
+        println!(
+            "{:?}: start to first output, median of {RUNS}: backend {:.1} ms, raw `{} run` {:.1} ms",
+            choice,
+            median(through_backend).as_secs_f64() * 1000.0,
+            runtime.name(),
+            median(raw).as_secs_f64() * 1000.0
+        );
+    }
+}

@@ -1,0 +1,110 @@
+//! `opendsec edge` and the edge embedded in `opendsec up`: configuration from flags and
+//! the host, and (for the embedded one) its own edge token, issued once and kept in the
+//! data directory.
+
+use opendsec_commands::Command;
+use opendsec_control::pb::Capacity;
+use opendsec_control::{format_token, new_token_secret, ControlNode, Credential};
+use opendsec_edge::container::{ContainerConfig, RuntimeChoice};
+use opendsec_edge::node::EdgeConfig;
+use opendsec_projections::Right;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct EdgeArgs {
+    /// This edge's name, unique in the cluster.
+    #[arg(long = "edge-name", default_value = "edge-1")]
+    pub edge_name: String,
+    /// The edge's proxy address (the gateway sends per-sandbox traffic here).
+    #[arg(long = "edge-listen", default_value = "127.0.0.1:7402")]
+    pub proxy_listen: String,
+    /// Where images are built and cached (shared by the edges of this machine).
+    #[arg(long, env = "OPENDSEC_IMAGE_DIR", default_value = "/var/lib/opendsec/images")]
+    pub image_dir: PathBuf,
+    /// Sandboxes this edge takes at most.
+    #[arg(long = "edge-sandboxes", default_value_t = 1000)]
+    pub edge_sandboxes: u64,
+    /// Memory this edge offers, in MB (default: the host's).
+    #[arg(long = "edge-memory-mb")]
+    pub edge_memory_mb: Option<u64>,
+    /// CPU this edge offers, in millicores (default: 1000 per host CPU).
+    #[arg(long = "edge-cpu-millis")]
+    pub edge_cpu_millis: Option<u64>,
+    /// Each sandbox's writable disk, in MB.
+    #[arg(long, default_value_t = 1024)]
+    pub disk_mb: u64,
+    /// Processes and threads per sandbox.
+    #[arg(long, default_value_t = 512)]
+    pub pids: u32,
+    /// OCI runtime: auto, crun or runc.
+    #[arg(long, default_value = "auto")]
+    pub runtime: RuntimeChoice,
+    /// The static agent binary (default: opendsec-agent next to this binary).
+    #[arg(long)]
+    pub agent: Option<PathBuf>,
+}
+
+fn host_memory_mb() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()))
+        .map(|kb| kb / 1024)
+        .unwrap_or(1024)
+}
+
+fn sibling(name: &str) -> PathBuf {
+    std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join(name))).unwrap_or_else(|| PathBuf::from(name))
+}
+
+impl EdgeArgs {
+    pub fn config(&self, data_dir: &Path, control_peer: String, token: String, edge_key: String) -> EdgeConfig {
+        let cpus = std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1);
+        let container = ContainerConfig {
+            sandboxes_root: data_dir.join("sandboxes"),
+            runtime_root: data_dir.join("runtime"),
+            runtime: self.runtime,
+            ..ContainerConfig::default()
+        };
+        EdgeConfig {
+            name: self.edge_name.clone(),
+            control_peer,
+            token,
+            edge_key,
+            data_dir: data_dir.to_path_buf(),
+            proxy_listen: self.proxy_listen.clone(),
+            capacity: Capacity {
+                sandboxes: self.edge_sandboxes,
+                cpu_millis: self.edge_cpu_millis.unwrap_or(cpus * 1000),
+                memory_mb: self.edge_memory_mb.unwrap_or_else(host_memory_mb),
+            },
+            container,
+            images_dir: self.image_dir.clone(),
+            agent_binary: self.agent.clone().unwrap_or_else(|| sibling("opendsec-agent")),
+            disk_bytes: self.disk_mb << 20,
+            pids: self.pids,
+        }
+    }
+}
+
+/// The embedded edge's token: read from `<edge dir>/edge.token`, or issued once the
+/// cluster is initialised (by the system, in the root project, with edge:write only).
+pub async fn embedded_edge_token(node: &ControlNode, edge_dir: &Path) -> Result<String, String> {
+    let path = edge_dir.join("edge.token");
+    if let Ok(t) = std::fs::read_to_string(&path) {
+        return Ok(t.trim().to_string());
+    }
+    let root = loop {
+        if let Some(r) = node.read(|s| s.root_project().map(|p| p.id.clone())) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (secret, hash) = new_token_secret();
+    let cmd = Command::IssueToken { project: root, name: "embedded-edge".into(), rights: vec![Right::EdgeWrite], ttl_seconds: None, secret_sha256: hash };
+    let issued = node.submit(Credential::System, uuid::Uuid::new_v4().to_string(), cmd).await.map_err(|e| e.to_string())?;
+    let token = format_token(&issued.decided.target, &secret);
+    std::fs::create_dir_all(edge_dir).map_err(|e| e.to_string())?;
+    crate::write_private(&path, &token)?;
+    Ok(token)
+}

@@ -1,0 +1,285 @@
+//! Specification: real container sandboxes through the whole path (REST -> log ->
+//! edge -> crun/runc -> agent), with `opendsec up` running as a real process.
+//! Needs root, crun or runc, busybox-static and the static agent (`./ops/test.sh`
+//! installs and builds them).
+
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_TEST_AGENT").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
+    });
+    assert!(p.is_file(), "the static agent {} is missing: run ./ops/test.sh (or edge/agent/build-static.sh {})", p.display(), p.display());
+    p
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Up {
+    dir: tempfile::TempDir,
+    http: String,
+    peer: String,
+    edge: String,
+    child: Option<Child>,
+    token: String,
+    key: String,
+    client: reqwest::Client,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            // Show what the server said: the temp dir goes away with the test.
+            for e in std::fs::read_dir(self.dir.path()).into_iter().flatten().flatten() {
+                if e.file_name().to_string_lossy().starts_with("up-") {
+                    let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                    let tail: Vec<&str> = text.lines().filter(|l| !l.contains(" served ")).collect();
+                    eprintln!("--- {} (last lines) ---\n{}", e.path().display(), tail[tail.len().saturating_sub(40)..].join("\n"));
+                }
+            }
+        }
+        // Leave no container behind: remove every sandbox of this test's edge.
+        let sandboxes = self.dir.path().join("data/edge/sandboxes");
+        if let Ok(entries) = std::fs::read_dir(&sandboxes) {
+            for e in entries.flatten() {
+                let id = e.file_name().to_string_lossy().to_string();
+                for rt in ["crun", "runc"] {
+                    let root = self.dir.path().join("data/edge/runtime").join(rt);
+                    let _ = Command::new(rt).arg("--root").arg(&root).args(["delete", "--force", &id]).output();
+                }
+                let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
+                let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
+            }
+        }
+    }
+}
+
+impl Up {
+    fn spawn(&mut self) {
+        let n = std::fs::read_dir(self.dir.path()).map(|d| d.count()).unwrap_or(0);
+        let log = std::fs::File::create(self.dir.path().join(format!("up-{n}.log"))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(["up", "--data-dir"])
+            .arg(self.dir.path().join("data"))
+            .args(["--listen", &self.http, "--peer-listen", &self.peer, "--edge-listen", &self.edge])
+            .arg("--agent")
+            .arg(static_agent())
+            .args(["--edge-sandboxes", "40", "--disk-mb", "64"])
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start opendsec up");
+        self.child = Some(child);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    async fn start() -> Up {
+        let dir = tempfile::tempdir().unwrap();
+        let mut up = Up {
+            http: format!("127.0.0.1:{}", free_port()),
+            peer: format!("127.0.0.1:{}", free_port()),
+            edge: format!("127.0.0.1:{}", free_port()),
+            dir,
+            child: None,
+            token: String::new(),
+            key: String::new(),
+            client: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap(),
+        };
+        up.spawn();
+        let token_file = up.dir.path().join("token");
+        let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(["init", "--peer", &up.peer, "--data-dir"])
+            .arg(up.dir.path().join("data"))
+            .arg("--token-file")
+            .arg(&token_file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "init: {}", String::from_utf8_lossy(&out.stderr));
+        up.token = std::fs::read_to_string(token_file).unwrap();
+        up.key = std::fs::read_to_string(up.dir.path().join("data/cluster.key")).unwrap().trim().to_string();
+        up.wait_for(|v| v["edges"].as_array().is_some_and(|e| !e.is_empty()), "/v1/edges", Duration::from_secs(30)).await;
+        up
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let r = self.client.get(format!("http://{}{path}", self.http)).bearer_auth(&self.token).send().await.unwrap();
+        r.json().await.unwrap()
+    }
+
+    async fn send(&self, method: reqwest::Method, path: &str, body: Value) -> (u16, Value) {
+        let r = self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token).json(&body).send().await.unwrap();
+        let s = r.status().as_u16();
+        (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn wait_for(&self, ok: impl Fn(&Value) -> bool, path: &str, within: Duration) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(r) = self.client.get(format!("http://{}{path}", self.http)).bearer_auth(&self.token).send().await {
+                if let Ok(v) = r.json::<Value>().await {
+                    if ok(&v) {
+                        return v;
+                    }
+                    if Instant::now() > deadline {
+                        panic!("{path} did not reach the expected state within {within:?}: {v}");
+                    }
+                }
+            }
+            assert!(Instant::now() < deadline, "{path} did not answer within {within:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn create(&self, body: Value) -> String {
+        let (s, v) = self.send(reqwest::Method::POST, "/v1/sandboxes", body).await;
+        assert_eq!(s, 201, "{v}");
+        v["sandbox"]["id"].as_str().unwrap().to_string()
+    }
+
+    async fn wait_state(&self, id: &str, state: &str) -> Value {
+        self.wait_for(|v| v["state"] == state, &format!("/v1/sandboxes/{id}"), Duration::from_secs(60)).await
+    }
+
+    /// Runs `sh -c cmd` in the sandbox through its edge's proxy; returns (stdout, exit code).
+    async fn exec(&self, id: &str, cmd: &str) -> (String, i64) {
+        let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}})).unwrap();
+        let mut frame = vec![0u8];
+        frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&body);
+        // The edge may still be starting (after a restart): retry while it refuses connections.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let r = loop {
+            let sent = self
+                .client
+                .post(format!("http://{}/sandboxes/{id}/process.Process/Start", self.edge))
+                .header("x-opendsec-edge-key", &self.key)
+                .header("content-type", "application/connect+json")
+                .header("connect-protocol-version", "1")
+                .body(frame.clone())
+                .send()
+                .await;
+            match sent {
+                Ok(r) => break r,
+                Err(e) if e.is_connect() && Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(e) => panic!("exec in {id}: {e}"),
+            }
+        };
+        assert_eq!(r.status().as_u16(), 200);
+        let bytes = r.bytes().await.unwrap();
+        let (mut out, mut code, mut i) = (String::new(), -1, 0);
+        while i + 5 <= bytes.len() {
+            let n = u32::from_be_bytes(bytes[i + 1..i + 5].try_into().unwrap()) as usize;
+            let m: Value = serde_json::from_slice(&bytes[i + 5..i + 5 + n]).unwrap();
+            i += 5 + n;
+            if let Some(d) = m["event"]["data"]["stdout"].as_str() {
+                use base64::Engine;
+                out.push_str(&String::from_utf8_lossy(&base64::engine::general_purpose::STANDARD.decode(d).unwrap()));
+            }
+            if let Some(c) = m["event"]["end"]["exitCode"].as_i64() {
+                code = c;
+            }
+        }
+        (out, code)
+    }
+
+    /// Sandbox directories on the edge's disk (named by their 20-hex-digit ids).
+    fn containers_on_disk(&self) -> usize {
+        std::fs::read_dir(self.dir.path().join("data/edge/sandboxes"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| {
+                        let n = e.file_name().to_string_lossy().to_string();
+                        n.len() == 20 && n.bytes().all(|b| b.is_ascii_hexdigit()) && e.path().is_dir()
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
+    let up = Up::start().await;
+    let id = up.create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500})).await;
+    up.wait_state(&id, "running").await;
+
+    let (out, code) = up.exec(&id, "echo $((6*7)); id -un; hostname").await;
+    assert_eq!((out.as_str(), code), (format!("42\nuser\n{id}\n").as_str(), 0));
+    let (_, code) = up.exec(&id, "exit 3").await;
+    assert_eq!(code, 3);
+
+    let (s, _) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/pause"), json!({})).await;
+    assert!(s < 300);
+    up.wait_state(&id, "paused").await;
+    let (s, _) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), json!({})).await;
+    assert!(s < 300);
+    up.wait_state(&id, "running").await;
+    assert_eq!(up.exec(&id, "echo back").await.0, "back\n");
+
+    let (s, _) = up.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), json!({})).await;
+    assert!(s < 300);
+    let v = up.wait_state(&id, "exited").await;
+    assert_eq!(v["reason"], "user", "{v}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while up.containers_on_disk() > 0 {
+        assert!(Instant::now() < deadline, "the killed sandbox's resources were not freed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_past_its_timeout_is_stopped_by_the_edge_and_the_log_says_so() {
+    let up = Up::start().await;
+    let id = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200, "timeout_seconds": 2})).await;
+    up.wait_state(&id, "running").await;
+    let v = up.wait_state(&id, "exited").await;
+    assert_eq!(v["reason"], "timeout", "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_survive_a_kill_9_of_their_edge_and_control_plane_and_are_re_adopted() {
+    const N: usize = 20;
+    let mut up = Up::start().await;
+    let mut ids = Vec::new();
+    for _ in 0..N {
+        ids.push(up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 50})).await);
+    }
+    for id in &ids {
+        up.wait_state(id, "running").await;
+        // A long process with state only in memory: its pid must survive.
+        let (out, code) = up.exec(id, "sleep 100000 >/dev/null 2>&1 & echo $!").await;
+        assert_eq!(code, 0, "{out}");
+    }
+    let pids_before: Vec<String> = {
+        let mut v = Vec::new();
+        for id in &ids {
+            v.push(up.exec(id, "pidof sleep").await.0);
+        }
+        v
+    };
+
+    up.kill9();
+    up.spawn();
+    up.wait_for(|v| v["sandboxes"].as_array().is_some_and(|s| s.len() == N), "/v1/sandboxes", Duration::from_secs(30)).await;
+    for (id, before) in ids.iter().zip(&pids_before) {
+        up.wait_state(id, "running").await;
+        let (after, code) = up.exec(id, "pidof sleep").await;
+        assert_eq!((after.as_str(), code), (before.as_str(), 0), "sandbox {id} lost its process");
+    }
+    assert_eq!(up.containers_on_disk(), N, "nothing duplicated, nothing orphaned");
+    let list = up.get("/v1/sandboxes").await;
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), N);
+}
