@@ -29,5 +29,6 @@ EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount i
 
 # Builds the static in-sandbox agent into $1 (it runs inside any image, so no shared libraries).
 build_static_agent() {
+  mkdir -p "$(dirname "$1")"
   bash edge/agent/build-static.sh "$1"
 }

@@ -10,7 +10,8 @@ ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}"
 echo "==> building"
 cargo build --workspace --all-targets --locked
 echo "==> building the static agent"
-build_static_agent target/agent-static/opendsec-agent
+export OPENDSEC_TEST_AGENT="$PWD/target/agent-static/opendsec-agent"
+build_static_agent "$OPENDSEC_TEST_AGENT"
 
 echo "==> testing"
 # One test at a time within a binary: the cluster tests start real Raft nodes and
