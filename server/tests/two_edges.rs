@@ -1,0 +1,201 @@
+//! Specification: two edges on one machine (two `opendsec edge` processes with their
+//! own data directories and ports) share the sandboxes by power-of-k placement; the
+//! gateway routes each sandbox's traffic to its own edge; a killed edge's sandboxes keep
+//! running and answer again once it is back.
+
+use opendsec_sdk::{Client, ExecRequest};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent"));
+    assert!(p.is_file(), "the static agent {} is missing: run ./ops/test.sh", p.display());
+    p
+}
+
+struct Procs {
+    dir: tempfile::TempDir,
+    children: Vec<(String, Child)>,
+}
+
+impl Procs {
+    fn spawn(&mut self, name: &str, args: &[&str]) {
+        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(args)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.children.push((name.to_string(), child));
+    }
+
+    fn kill9(&mut self, name: &str) {
+        if let Some(i) = self.children.iter().position(|(n, _)| n == name) {
+            let (_, mut c) = self.children.remove(i);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for edge in ["e1", "e2"] {
+            let root = self.dir.path().join(edge);
+            cleanup_edge(&root);
+        }
+    }
+}
+
+/// Removes the containers and mounts an edge data directory holds.
+fn cleanup_edge(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root.join("sandboxes")) else { return };
+    for e in entries.flatten() {
+        let id = e.file_name().to_string_lossy().to_string();
+        for rt in ["crun", "runc"] {
+            let _ = Command::new(rt).arg("--root").arg(root.join("runtime").join(rt)).args(["delete", "--force", &id]).output();
+        }
+        let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
+        let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
+    }
+}
+
+async fn wait<T>(within: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "condition not reached within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn exec_echo(client: &Client, id: &str) -> Result<String, String> {
+    let req = ExecRequest { cmd: "/bin/sh".into(), args: vec!["-c".into(), "echo hi from $(hostname)".into()], envs: Default::default(), cwd: None, user: None };
+    let mut out = Vec::new();
+    let code = client
+        .exec(id, &req, |o| {
+            if let opendsec_sdk::ExecOutput::Stdout(b) = o {
+                out.extend(b)
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    if code != 0 {
+        return Err(format!("exit {code}"));
+    }
+    Ok(String::from_utf8_lossy(&out).to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
+    let mut p = Procs { dir: tempfile::tempdir().unwrap(), children: vec![] };
+    let (http, peer) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let data = p.dir.path().join("control");
+    let data_s = data.to_string_lossy().to_string();
+    p.spawn("control", &["up", "--no-edge", "--data-dir", &data_s, "--listen", &http, "--peer-listen", &peer]);
+    let token_file = p.dir.path().join("admin.token");
+    let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+        .args(["init", "--peer", &peer, "--data-dir", &data_s, "--token-file"])
+        .arg(&token_file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let admin = std::fs::read_to_string(&token_file).unwrap();
+    let client = Client::new(&format!("http://{http}"), Some(admin.clone())).unwrap();
+
+    // An edge token: edge:write in the root project.
+    let http_client = reqwest::Client::new();
+    let me: Value = http_client.get(format!("http://{http}/v1/whoami")).bearer_auth(&admin).send().await.unwrap().json().await.unwrap();
+    let issued: Value = http_client
+        .post(format!("http://{http}/v1/tokens"))
+        .bearer_auth(&admin)
+        .json(&json!({"project": me["project"], "name": "edges", "rights": ["edge:write"]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let edge_token = p.dir.path().join("edge.token");
+    std::fs::write(&edge_token, issued["token"].as_str().unwrap()).unwrap();
+
+    let agent = static_agent().to_string_lossy().to_string();
+    let key = data.join("cluster.key").to_string_lossy().to_string();
+    let tok = edge_token.to_string_lossy().to_string();
+    let mut edge_args = vec![];
+    for name in ["e1", "e2"] {
+        let dir = p.dir.path().join(name).to_string_lossy().to_string();
+        let listen = format!("127.0.0.1:{}", free_port());
+        let args: Vec<String> = [
+            "edge", "--control", &peer, "--token-file", &tok, "--cluster-key-file", &key, "--data-dir", &dir, "--edge-name", name, "--edge-listen",
+            &listen, "--agent", &agent, "--disk-mb", "64", "--edge-sandboxes", "20",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        p.spawn(name, &refs);
+        edge_args.push((name, args));
+    }
+    wait(Duration::from_secs(30), async || {
+        let v: Value = http_client.get(format!("http://{http}/v1/edges")).bearer_auth(&admin).send().await.ok()?.json().await.ok()?;
+        (v["edges"].as_array()?.len() == 2).then_some(())
+    })
+    .await;
+
+    let mut ids = vec![];
+    for _ in 0..10 {
+        let v: Value = http_client
+            .post(format!("http://{http}/v1/sandboxes"))
+            .bearer_auth(&admin)
+            .json(&json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ids.push((v["sandbox"]["id"].as_str().unwrap().to_string(), v["sandbox"]["edge"].as_str().unwrap().to_string()));
+    }
+    let on_e1 = ids.iter().filter(|(_, e)| e == "e1").count();
+    assert!(on_e1 > 0 && on_e1 < 10, "power-of-k used both edges: {on_e1} of 10 on e1");
+    for (id, edge) in &ids {
+        let out = wait(Duration::from_secs(60), async || exec_echo(&client, id).await.ok()).await;
+        assert_eq!(out, format!("hi from {id}\n"), "sandbox {id} on {edge}");
+    }
+
+    // kill -9 of e1: its sandboxes keep running; traffic resumes when it is back.
+    p.kill9("e1");
+    let (victim, _) = ids.iter().find(|(_, e)| e == "e1").unwrap().clone();
+    assert!(exec_echo(&client, &victim).await.is_err(), "the edge is down: no route");
+    let (name, args) = &edge_args[0];
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    p.spawn(name, &refs);
+    for (id, _) in ids.iter().filter(|(_, e)| e == "e1") {
+        let out = wait(Duration::from_secs(60), async || exec_echo(&client, id).await.ok()).await;
+        assert_eq!(out, format!("hi from {id}\n"));
+    }
+    let is_sandbox = |n: &str| n.len() == 20 && n.bytes().all(|b| b.is_ascii_hexdigit());
+    let dirs = std::fs::read_dir(p.dir.path().join("e1/sandboxes"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_dir() && is_sandbox(&e.file_name().to_string_lossy()))
+        .count();
+    assert_eq!(dirs, on_e1, "no duplicate after the restart");
+}
