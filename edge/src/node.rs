@@ -120,7 +120,13 @@ impl Edge {
             let running = match (st.status, st.exit) {
                 (_, Some(exit)) => Running::Exited { exit_code: exit.exit_code, oom_killed: exit.oom_killed },
                 (SandboxStatus::Paused, None) => Running::Paused,
-                (SandboxStatus::Created | SandboxStatus::Running, None) => Running::Running,
+                (SandboxStatus::Created | SandboxStatus::Running, None) => {
+                    if crate::container::cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0) > 0 {
+                        Running::OutOfMemory
+                    } else {
+                        Running::Running
+                    }
+                }
                 (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited { exit_code: 137, oom_killed: false },
             };
             out.insert(h.id, running);

@@ -19,6 +19,9 @@ pub enum Running {
     Paused,
     /// Its main process ended.
     Exited { exit_code: i32, oom_killed: bool },
+    /// Still running, but its memory cgroup has OOM-killed a process: a sandbox that
+    /// exceeded its memory limit is ended as a whole, and the log says why.
+    OutOfMemory,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +65,7 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
         }
         // Must end: stop it; its exit is reported on the next round.
         (Some(_), Some(reason)) => vec![Action::Stop { id, reason }],
+        (Some(Running::OutOfMemory), None) => vec![Action::Stop { id, reason: "oom".into() }],
         // Gone, and must end: say so if the log does not know yet.
         (None, Some(reason)) => {
             if d.is_terminal() {
@@ -101,6 +105,7 @@ pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u6
         if !slice.sandboxes.contains_key(id) {
             match state {
                 Running::Exited { .. } => actions.push(Action::Remove { id: id.clone() }),
+                Running::OutOfMemory => actions.push(Action::Stop { id: id.clone(), reason: "orphan".into() }),
                 _ => actions.push(Action::Stop { id: id.clone(), reason: "orphan".into() }),
             }
         }
@@ -186,6 +191,12 @@ mod tests {
             check(d, Some(Running::Exited { exit_code: 137, oom_killed: true }), 0),
             rep(Observation::Exited { exit_code: 137, oom_killed: true, reason: "oom".into() })
         );
+    }
+
+    #[test]
+    fn a_sandbox_over_its_memory_is_ended_as_a_whole() {
+        let d = sandbox(Desired::Running, Observed::Ready);
+        assert_eq!(check(d, Some(Running::OutOfMemory), 0), vec![Action::Stop { id: "s1".into(), reason: "oom".into() }]);
     }
 
     #[test]

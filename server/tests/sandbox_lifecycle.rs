@@ -155,6 +155,11 @@ impl Up {
 
     /// Runs `sh -c cmd` in the sandbox through its edge's proxy; returns (stdout, exit code).
     async fn exec(&self, id: &str, cmd: &str) -> (String, i64) {
+        self.try_exec(id, cmd).await.unwrap_or_else(|e| panic!("exec in {id}: {e}"))
+    }
+
+    /// Like `exec`, but a stream cut short (the sandbox died under it) is an error.
+    async fn try_exec(&self, id: &str, cmd: &str) -> Result<(String, i64), String> {
         let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}})).unwrap();
         let mut frame = vec![0u8];
         frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
@@ -177,8 +182,10 @@ impl Up {
                 Err(e) => panic!("exec in {id}: {e}"),
             }
         };
-        assert_eq!(r.status().as_u16(), 200);
-        let bytes = r.bytes().await.unwrap();
+        if r.status().as_u16() != 200 {
+            return Err(format!("status {}", r.status()));
+        }
+        let bytes = r.bytes().await.map_err(|e| e.to_string())?;
         let (mut out, mut code, mut i) = (String::new(), -1, 0);
         while i + 5 <= bytes.len() {
             let n = u32::from_be_bytes(bytes[i + 1..i + 5].try_into().unwrap()) as usize;
@@ -192,7 +199,7 @@ impl Up {
                 code = c;
             }
         }
-        (out, code)
+        Ok((out, code))
     }
 
     /// Sandbox directories on the edge's disk (named by their 20-hex-digit ids).
@@ -282,4 +289,22 @@ async fn sandboxes_survive_a_kill_9_of_their_edge_and_control_plane_and_are_re_a
     assert_eq!(up.containers_on_disk(), N, "nothing duplicated, nothing orphaned");
     let list = up.get("/v1/sandboxes").await;
     assert_eq!(list["sandboxes"].as_array().unwrap().len(), N);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_over_its_memory_limit_is_ended_alone_and_the_log_says_oom() {
+    let up = Up::start().await;
+    let hog = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200})).await;
+    let bystander = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200})).await;
+    up.wait_state(&hog, "running").await;
+    up.wait_state(&bystander, "running").await;
+
+    // `tail` keeps the one endless "line" of zeros in memory: far past 64 MB.
+    let _ = up.try_exec(&hog, "head -c 300000000 /dev/zero | tail > /dev/null").await;
+    let v = up.wait_state(&hog, "exited").await;
+    assert_eq!(v["oom_killed"], true, "{v}");
+    assert_eq!(v["reason"], "oom", "{v}");
+
+    let (out, code) = up.exec(&bystander, "echo still here").await;
+    assert_eq!((out.as_str(), code), ("still here\n", 0));
 }
