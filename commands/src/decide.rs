@@ -120,6 +120,7 @@ fn place(
     project: &str,
     usage: Usage,
     n: u32,
+    refused_by: &BTreeSet<String>,
 ) -> Result<Vec<(String, String, pb::Placement)>, Rejection> {
     let total = Usage { sandboxes: n as u64, cpu_millis: usage.cpu_millis * n as u64, memory_mb: usage.memory_mb * n as u64 };
     state
@@ -132,7 +133,7 @@ fn place(
             .placement
             .edges
             .values()
-            .filter(|e| !e.deregistered)
+            .filter(|e| !e.deregistered && !refused_by.contains(&e.id))
             .filter_map(|e| {
                 let mut free = e.free();
                 free.sub(&inflight.edge_usage(&e.id));
@@ -149,7 +150,11 @@ fn place(
             id = sandbox_id(rng, chosen.ordinal);
         }
         taken.entry(chosen.edge.clone()).or_default().add(&Usage { sandboxes: 1, ..usage });
-        let placement = pb::Placement { candidates: sampled.iter().map(|c| c.edge.clone()).collect(), chosen: chosen.edge.clone() };
+        let placement = pb::Placement {
+            candidates: sampled.iter().map(|c| c.edge.clone()).collect(),
+            chosen: chosen.edge.clone(),
+            refused_by: refused_by.iter().cloned().collect(),
+        };
         out.push((id, chosen.edge.clone(), placement));
     }
     Ok(out)
@@ -157,6 +162,12 @@ fn place(
 
 /// Decides a command against the applied `state` plus the `inflight` overlay.
 pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> Result<Decided, Rejection> {
+    decide_excluding(state, inflight, cmd, ctx, &BTreeSet::new())
+}
+
+/// `decide`, placing sandboxes on none of the edges in `refused_by` (edges that refused
+/// them at admission); the refusals are recorded in the placement.
+pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx, refused_by: &BTreeSet<String>) -> Result<Decided, Rejection> {
     if let Command::Bootstrap { project_name, token_name, secret_sha256 } = cmd {
         if ctx.caller != Caller::System {
             return Err(Rejection::new(K::Forbidden, "only the system can bootstrap a cluster"));
@@ -361,7 +372,7 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
             project_in_scope(state, &who, "project", project)?;
             who.require(Right::SandboxWrite)?;
             let usage = Usage { sandboxes: 1, cpu_millis: *cpu_millis, memory_mb: *memory_mb };
-            let placed = place(state, inflight, &mut rng, project, usage, 1)?;
+            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by)?;
             let (id, edge, placement) = placed.into_iter().next().expect("place returns one per request");
             Ok(one(
                 project,
@@ -385,7 +396,7 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count)?;
+            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by)?;
             let mut events = vec![Event::SandboxForkRequested(pb::SandboxForkRequested {
                 id: sandbox.clone(),
                 children: placed.iter().map(|(id, _, _)| id.clone()).collect(),

@@ -11,7 +11,7 @@ mod inflight;
 mod placement;
 mod validate;
 
-pub use decide::{batch_for, decide, Decided};
+pub use decide::{batch_for, decide, decide_excluding, Decided};
 pub use inflight::InFlight;
 pub use placement::{edge_ordinal_of, place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 pub use validate::LIMITS;
@@ -19,6 +19,10 @@ pub use validate::LIMITS;
 use opendsec_projections::{Limits, Right, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+/// The edge label saying the edge answers admission requests (`POST /admit` on its proxy):
+/// a sandbox placed there is admitted by the edge itself before it is logged.
+pub const ADMISSION_LABEL: &str = "opendsec.io/admission";
 
 /// Every write the control plane accepts. Each variant says when it is legal in `decide`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

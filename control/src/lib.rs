@@ -4,6 +4,7 @@
 //! between nodes, `EdgeSlice` for edges). This is the IO shell around the pure
 //! `commands` and `projections` crates.
 
+pub mod admission;
 pub mod fsm;
 pub mod node;
 pub mod peer;

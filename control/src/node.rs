@@ -7,7 +7,9 @@ use crate::fsm::{Checkpoints, Fsm};
 use crate::pb::control_client::ControlClient;
 use crate::pb::SubmitRequest;
 use crate::{now_ms, Credential, Principal};
-use opendsec_commands::{batch_for, decide, Caller, Command, Ctx, Decided, InFlight, Rejection, RejectionKind};
+use crate::admission::AdmitRequest;
+use opendsec_commands::{batch_for, decide_excluding, Caller, Command, Ctx, Decided, InFlight, Rejection, RejectionKind, ADMISSION_LABEL};
+use opendsec_projections::Event;
 use opendsec_log::{LogConfig, LogNode, ProposeError};
 use opendsec_projections::replay::{fold, Until};
 use opendsec_projections::schema::{self, Batch};
@@ -240,17 +242,31 @@ impl ControlNode {
             Credential::Bearer(b) => Caller::Token(self.authenticate(b).map_err(|r| NotHere::Failed(r.into()))?.token_id),
         };
         let ctx = Ctx { time_ms: now_ms(), seed: rand::random(), request_id: request_id.to_string(), caller };
-        let (batch, decided, ticket) = {
-            let mut inflight = self.inner.inflight.lock().expect("inflight lock");
-            self.inner.log.with_state(|fsm| {
-                let decided = decide(&fsm.state, &inflight, cmd, &ctx);
-                let batch = batch_for(cmd, &ctx, &fsm.state, &decided);
-                let ticket = match (&batch, &decided) {
-                    (Some(_), Ok(d)) => Some(inflight.reserve(&fsm.state, &d.events)),
-                    _ => None,
-                };
-                (batch, decided, ticket)
-            })
+        // Decide; if an edge chosen for a new sandbox refuses it at admission, decide
+        // again without that edge (each edge has the final word on what it runs).
+        let mut refused_by = BTreeSet::new();
+        let (batch, decided, ticket) = loop {
+            let (batch, decided, ticket) = {
+                let mut inflight = self.inner.inflight.lock().expect("inflight lock");
+                self.inner.log.with_state(|fsm| {
+                    let decided = decide_excluding(&fsm.state, &inflight, cmd, &ctx, &refused_by);
+                    let batch = batch_for(cmd, &ctx, &fsm.state, &decided);
+                    let ticket = match (&batch, &decided) {
+                        (Some(_), Ok(d)) => Some(inflight.reserve(&fsm.state, &d.events)),
+                        _ => None,
+                    };
+                    (batch, decided, ticket)
+                })
+            };
+            match self.refusing_edge(decided.as_ref().ok()).await {
+                Some(edge) => {
+                    if let Some(t) = ticket {
+                        self.inner.inflight.lock().expect("inflight lock").release(t);
+                    }
+                    refused_by.insert(edge);
+                }
+                None => break (batch, decided, ticket),
+            }
         };
         let Some(batch) = batch else {
             // Bad input: refused without touching the log.
@@ -278,6 +294,34 @@ impl ControlNode {
             })),
             (o, _) => Err(NotHere::Failed(internal(format!("the log applied an unexpected outcome {o:?}")))),
         }
+    }
+
+    /// The first edge that refuses a sandbox `decided` places on it, if any. Only edges
+    /// labelled as answering admission are asked; an edge that does not answer refuses.
+    async fn refusing_edge(&self, decided: Option<&Decided>) -> Option<String> {
+        let decided = decided?;
+        let asks: Vec<(String, String, AdmitRequest)> = self.read(|s| {
+            decided
+                .events
+                .iter()
+                .filter_map(|ev| match ev {
+                    Event::SandboxCreated(c) => {
+                        let edge = s.placement.edges.get(&c.edge)?;
+                        (edge.labels.get(ADMISSION_LABEL).map(String::as_str) == Some("http")).then(|| {
+                            (c.edge.clone(), edge.address.clone(), AdmitRequest { sandbox: c.id.clone(), cpu_millis: c.cpu_millis, memory_mb: c.memory_mb })
+                        })
+                    }
+                    _ => None,
+                })
+                .collect()
+        });
+        for (edge, address, req) in asks {
+            if let Err(why) = crate::admission::ask(&address, &self.inner.cfg.cluster_key, &req).await {
+                tracing::info!(%edge, sandbox = %req.sandbox, %why, "edge refused a sandbox at admission; placing it again");
+                return Some(edge);
+            }
+        }
+        None
     }
 
     async fn forward(&self, leader: &str, bearer: &str, request_id: &str, cmd: &Command) -> Result<Submitted, SubmitError> {

@@ -80,6 +80,10 @@ struct Edge {
     failed: Mutex<BTreeSet<String>>,
     /// One creation at a time touches the host's mounts and loop devices.
     create_lock: Mutex<()>,
+    /// The last observation, for admission requests between two rounds.
+    last_observed: Mutex<BTreeMap<String, Running>>,
+    /// Sandboxes admitted but not yet in the slice, with when: counted by admission.
+    admitted: Mutex<BTreeMap<String, (u64, u64, Instant)>>,
     /// What was last reported per sandbox, and when: a report is repeated only once the
     /// slice has had time to show it, so observations are not logged twice.
     reported: Mutex<BTreeMap<String, (Observation, Instant)>>,
@@ -240,28 +244,43 @@ impl Edge {
     /// backend sees and those being created, against this edge's capacity, and the
     /// memory the host still has.
     fn admit(&self, d: &DesiredSandbox, observed: &BTreeMap<String, Running>) -> Result<(), String> {
+        self.admit_usage(&d.id, d.cpu_millis, d.memory_mb, observed)
+    }
+
+    /// Admission from usage: what this edge runs or has promised to run (live sandboxes
+    /// of its slice, anything the backend still runs or creates, sandboxes admitted in the
+    /// last 30 s that the slice does not show yet), plus the request.
+    fn admit_usage(&self, id: &str, cpu_millis: u64, memory_mb: u64, observed: &BTreeMap<String, Running>) -> Result<(), String> {
         let slice = self.slice.lock().expect("slice lock");
         let creating = self.creating.lock().expect("creating lock");
-        let here: Vec<&DesiredSandbox> = slice
+        let mut admitted = self.admitted.lock().expect("admitted lock");
+        admitted.retain(|k, (_, _, at)| at.elapsed() < Duration::from_secs(30) && !slice.sandboxes.contains_key(k));
+        let here: Vec<(u64, u64)> = slice
             .sandboxes
             .values()
-            .filter(|s| s.id != d.id)
-            .filter(|s| creating.contains(&s.id) || matches!(observed.get(&s.id), Some(Running::Running | Running::Paused)))
+            .filter(|s| s.id != id)
+            .filter(|s| {
+                let committed = !s.is_terminal() && s.desired != opendsec_projections::Desired::Killed;
+                committed || creating.contains(&s.id) || matches!(observed.get(&s.id), Some(Running::Running | Running::Paused | Running::OutOfMemory))
+            })
+            .map(|s| (s.cpu_millis, s.memory_mb))
+            .chain(admitted.iter().filter(|(k, _)| k.as_str() != id).map(|(_, (c, m, _))| (*c, *m)))
             .collect();
         let cap = &self.cfg.capacity;
-        let mem: u64 = here.iter().map(|s| s.memory_mb).sum::<u64>() + d.memory_mb;
-        let cpu: u64 = here.iter().map(|s| s.cpu_millis).sum::<u64>() + d.cpu_millis;
+        let mem: u64 = here.iter().map(|(_, m)| m).sum::<u64>() + memory_mb;
+        let cpu: u64 = here.iter().map(|(c, _)| c).sum::<u64>() + cpu_millis;
+        let d = (memory_mb, cpu_millis);
         if here.len() as u64 + 1 > cap.sandboxes {
             return Err(format!("admission: edge {} already runs its maximum of {} sandboxes", self.cfg.name, cap.sandboxes));
         }
         if mem > cap.memory_mb {
-            return Err(format!("admission: edge {} has no room for {} MB of memory", self.cfg.name, d.memory_mb));
+            return Err(format!("admission: edge {} has no room for {} MB of memory", self.cfg.name, d.0));
         }
         if cpu > cap.cpu_millis {
-            return Err(format!("admission: edge {} has no room for {} millicores", self.cfg.name, d.cpu_millis));
+            return Err(format!("admission: edge {} has no room for {} millicores", self.cfg.name, d.1));
         }
         if let Some(avail) = host_mem_available_mb() {
-            if avail < d.memory_mb / 4 {
+            if avail < d.0 / 4 {
                 return Err(format!("admission: host of edge {} has only {avail} MB of memory available", self.cfg.name));
             }
         }
@@ -302,6 +321,7 @@ impl Edge {
             }
             Err(_) => return,
         };
+        *self.last_observed.lock().expect("observed lock") = observed.clone();
         let actions = {
             let slice = self.slice.lock().expect("slice lock");
             plan(&slice, &observed, opendsec_control::now_ms())
@@ -359,7 +379,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     // Register (retrying until the control plane answers).
     let mut delay = Duration::from_millis(100);
     loop {
-        match client.register(&cfg.name, &cfg.proxy_listen, cfg.capacity, BTreeMap::new()).await {
+        let labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
+        match client.register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels).await {
             Ok((ordinal, _)) => {
                 tracing::info!(edge = %cfg.name, ordinal, "registered");
                 break;
@@ -383,6 +404,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         creating: Mutex::new(BTreeSet::new()),
         failed: Mutex::new(BTreeSet::new()),
         create_lock: Mutex::new(()),
+        last_observed: Mutex::new(BTreeMap::new()),
+        admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
         wake: tokio::sync::Notify::new(),
         cfg,
@@ -393,7 +416,14 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         let p = agents.join(format!("{id}.sock"));
         (valid && p.exists()).then_some(p)
     });
-    let proxy_task = tokio::spawn(proxy::serve(listener, edge.cfg.edge_key.clone(), resolve));
+    let judge = edge.clone();
+    let admitter: proxy::Admitter = Arc::new(move |ask| {
+        let observed = judge.last_observed.lock().expect("observed lock").clone();
+        judge.admit_usage(&ask.sandbox, ask.cpu_millis, ask.memory_mb, &observed)?;
+        judge.admitted.lock().expect("admitted lock").insert(ask.sandbox.clone(), (ask.cpu_millis, ask.memory_mb, Instant::now()));
+        Ok(())
+    });
+    let proxy_task = tokio::spawn(proxy::serve_with_admission(listener, edge.cfg.edge_key.clone(), resolve, Some(admitter)));
 
     let mut follower = SliceFollower::new(client, &edge.cfg.name, next_index);
     let mut tick = tokio::time::interval(Duration::from_millis(500));

@@ -1,7 +1,8 @@
 //! The edge's per-sandbox proxy: `ANY /sandboxes/{id}/{path}` is forwarded, streaming in
 //! both directions, to the agent of sandbox `id` over its Unix socket (which lives
 //! outside the sandbox). Only the control plane's gateway may call it: every request
-//! must carry the edge key in `x-opendsec-edge-key`.
+//! must carry the edge key in `x-opendsec-edge-key`. `POST /admit` answers the
+//! leader's admission requests (the edge's final word on what it runs).
 
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -16,6 +17,9 @@ pub const EDGE_KEY_HEADER: &str = "x-opendsec-edge-key";
 
 /// Finds the agent socket of a sandbox on this edge (None: no such sandbox here).
 pub type Resolver = Arc<dyn Fn(&str) -> Option<PathBuf> + Send + Sync>;
+
+/// Judges an admission request (`POST /admit`): `Err` says why the edge refuses.
+pub type Admitter = Arc<dyn Fn(&opendsec_control::admission::AdmitRequest) -> Result<(), String> + Send + Sync>;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -33,10 +37,31 @@ fn key_matches(expected: &str, got: Option<&str>) -> bool {
     expected.len() == got.len() && expected.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
-async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver) -> Response<Body> {
+async fn admit(req: Request<Incoming>, admitter: Option<Admitter>) -> Response<Body> {
+    let Some(admitter) = admitter else {
+        return json_error(StatusCode::NOT_FOUND, "not_found", "this edge does not answer admission requests");
+    };
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("admission body: {e}")),
+    };
+    let ask: opendsec_control::admission::AdmitRequest = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("admission body: {e}")),
+    };
+    match admitter(&ask) {
+        Ok(()) => Response::new(Full::new(Bytes::from_static(b"{}")).map_err(|never| match never {}).boxed()),
+        Err(why) => json_error(StatusCode::CONFLICT, "refused", &why),
+    }
+}
+
+async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, admitter: Option<Admitter>) -> Response<Body> {
     let got = req.headers().get(EDGE_KEY_HEADER).and_then(|v| v.to_str().ok());
     if !key_matches(&key, got) {
         return json_error(StatusCode::UNAUTHORIZED, "unauthenticated", "the edge proxy needs the edge key");
+    }
+    if req.uri().path() == "/admit" && req.method() == hyper::Method::POST {
+        return admit(req, admitter).await;
     }
     let path = req.uri().path().to_string();
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
@@ -81,6 +106,11 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver) -> Res
 
 /// Serves the proxy on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, key: String, resolve: Resolver) {
+    serve_with_admission(listener, key, resolve, None).await
+}
+
+/// Serves the proxy, answering `POST /admit` with `admitter` when given.
+pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: Resolver, admitter: Option<Admitter>) {
     let key: Arc<str> = Arc::from(key);
     loop {
         let (tcp, _) = match listener.accept().await {
@@ -92,11 +122,11 @@ pub async fn serve(listener: TcpListener, key: String, resolve: Resolver) {
             }
         };
         let _ = tcp.set_nodelay(true);
-        let (key, resolve) = (key.clone(), resolve.clone());
+        let (key, resolve, admitter) = (key.clone(), resolve.clone(), admitter.clone());
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
-                let (key, resolve) = (key.clone(), resolve.clone());
-                async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve).await) }
+                let (key, resolve, admitter) = (key.clone(), resolve.clone(), admitter.clone());
+                async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, admitter).await) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), svc).await {
                 tracing::debug!(error = %e, "edge proxy connection ended");

@@ -102,8 +102,17 @@ async fn exec_echo(client: &Client, id: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out).to_string())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
+struct Setup {
+    p: Procs,
+    http: String,
+    admin: String,
+    client: Client,
+    http_client: reqwest::Client,
+    edge_args: Vec<(&'static str, Vec<String>, String)>,
+}
+
+/// A control node (`up --no-edge`) and two `opendsec edge` processes, e1 and e2.
+async fn setup(e1_sandboxes: &str) -> Setup {
     let mut p = Procs { dir: tempfile::tempdir().unwrap(), children: vec![] };
     let (http, peer) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
     let data = p.dir.path().join("control");
@@ -144,14 +153,14 @@ async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
         let listen = format!("127.0.0.1:{}", free_port());
         let args: Vec<String> = [
             "edge", "--control", &peer, "--token-file", &tok, "--cluster-key-file", &key, "--data-dir", &dir, "--edge-name", name, "--edge-listen",
-            &listen, "--agent", &agent, "--disk-mb", "64", "--edge-sandboxes", "20",
+            &listen, "--agent", &agent, "--disk-mb", "64", "--edge-sandboxes", if name == "e1" { e1_sandboxes } else { "20" },
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         p.spawn(name, &refs);
-        edge_args.push((name, args));
+        edge_args.push((name, args, listen));
     }
     wait(Duration::from_secs(30), async || {
         let v: Value = http_client.get(format!("http://{http}/v1/edges")).bearer_auth(&admin).send().await.ok()?.json().await.ok()?;
@@ -159,43 +168,82 @@ async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
     })
     .await;
 
+    Setup { p, http, admin, client, http_client, edge_args }
+}
+
+async fn create(s: &Setup) -> (String, String) {
+    let v: Value = s
+        .http_client
+        .post(format!("http://{}/v1/sandboxes", s.http))
+        .bearer_auth(&s.admin)
+        .json(&json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (v["sandbox"]["id"].as_str().unwrap().to_string(), v["sandbox"]["edge"].as_str().unwrap().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
+    let mut s = setup("20").await;
     let mut ids = vec![];
     for _ in 0..10 {
-        let v: Value = http_client
-            .post(format!("http://{http}/v1/sandboxes"))
-            .bearer_auth(&admin)
-            .json(&json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        ids.push((v["sandbox"]["id"].as_str().unwrap().to_string(), v["sandbox"]["edge"].as_str().unwrap().to_string()));
+        ids.push(create(&s).await);
     }
     let on_e1 = ids.iter().filter(|(_, e)| e == "e1").count();
     assert!(on_e1 > 0 && on_e1 < 10, "power-of-k used both edges: {on_e1} of 10 on e1");
     for (id, edge) in &ids {
-        let out = wait(Duration::from_secs(60), async || exec_echo(&client, id).await.ok()).await;
+        let out = wait(Duration::from_secs(60), async || exec_echo(&s.client, id).await.ok()).await;
         assert_eq!(out, format!("hi from {id}\n"), "sandbox {id} on {edge}");
     }
 
     // kill -9 of e1: its sandboxes keep running; traffic resumes when it is back.
-    p.kill9("e1");
+    s.p.kill9("e1");
     let (victim, _) = ids.iter().find(|(_, e)| e == "e1").unwrap().clone();
-    assert!(exec_echo(&client, &victim).await.is_err(), "the edge is down: no route");
-    let (name, args) = &edge_args[0];
+    assert!(exec_echo(&s.client, &victim).await.is_err(), "the edge is down: no route");
+    let (name, args, _) = &s.edge_args[0];
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    p.spawn(name, &refs);
+    s.p.spawn(name, &refs);
     for (id, _) in ids.iter().filter(|(_, e)| e == "e1") {
-        let out = wait(Duration::from_secs(60), async || exec_echo(&client, id).await.ok()).await;
+        let out = wait(Duration::from_secs(60), async || exec_echo(&s.client, id).await.ok()).await;
         assert_eq!(out, format!("hi from {id}\n"));
     }
     let is_sandbox = |n: &str| n.len() == 20 && n.bytes().all(|b| b.is_ascii_hexdigit());
-    let dirs = std::fs::read_dir(p.dir.path().join("e1/sandboxes"))
+    let dirs = std::fs::read_dir(s.p.dir.path().join("e1/sandboxes"))
         .unwrap()
         .flatten()
         .filter(|e| e.path().is_dir() && is_sandbox(&e.file_name().to_string_lossy()))
         .count();
     assert_eq!(dirs, on_e1, "no duplicate after the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_that_refuses_a_sandbox_at_admission_sends_it_to_the_other_edge() {
+    // e1 runs at most one sandbox; the control plane is told it has room for 50 (as after
+    // an operator's mistake): the edge's own admission has the final word.
+    let s = setup("1").await;
+    let e1_addr = s.edge_args[0].2.clone();
+    let r = s
+        .http_client
+        .post(format!("http://{}/v1/edges", s.http))
+        .bearer_auth(&s.admin)
+        .json(&json!({"edge": "e1", "address": e1_addr, "capacity": {"sandboxes": 50, "cpu_millis": 50000, "memory_mb": 50000},
+                      "labels": {"opendsec.io/admission": "http"}}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let mut ids = vec![];
+    for _ in 0..8 {
+        ids.push(create(&s).await);
+    }
+    let on_e1 = ids.iter().filter(|(_, e)| e == "e1").count();
+    assert_eq!(on_e1, 1, "e1 admitted exactly one sandbox: {ids:?}");
+    for (id, _) in &ids {
+        let out = wait(Duration::from_secs(60), async || exec_echo(&s.client, id).await.ok()).await;
+        assert_eq!(out, format!("hi from {id}\n"), "every sandbox runs: none failed");
+    }
 }
