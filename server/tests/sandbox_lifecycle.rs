@@ -308,3 +308,40 @@ async fn a_sandbox_over_its_memory_limit_is_ended_alone_and_the_log_says_oom() {
     let (out, code) = up.exec(&bystander, "echo still here").await;
     assert_eq!((out.as_str(), code), ("still here\n", 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
+    let up = Up::start().await;
+    let a = up.create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500})).await;
+    let b = up.create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500})).await;
+    up.wait_state(&a, "running").await;
+    up.wait_state(&b, "running").await;
+    up.exec(&b, "echo secret > /home/user/b-only").await;
+
+    let checks = [
+        // Only its own processes: besides this shell and ps, just the agent (PID 1).
+        ("ps -o pid=,comm= > /tmp/ps; grep -vcE ' (ps|sh)$' /tmp/ps", "1\n"),
+        // No network but loopback.
+        ("ls /sys/class/net", "lo\n"),
+        // Kernel page data stays hidden.
+        ("cat /proc/kpagecgroup 2>/dev/null | wc -c", "0\n"),
+        // Another sandbox's files are not here.
+        ("ls /home/user/b-only 2>&1 >/dev/null | grep -c 'No such file'", "1\n"),
+        // The agent binary is read-only, its socket is nowhere in the sandbox.
+        ("echo x 2>/dev/null > /.opendsec/agent || echo refused", "refused\n"),
+        ("find / -xdev -type s 2>/dev/null | wc -l", "0\n"),
+        // The agent cannot be inspected or ptraced by sandbox code.
+        ("ls /proc/1/fd 2>/dev/null | wc -l", "0\n"),
+    ];
+    for (cmd, want) in checks {
+        let (out, _) = up.exec(&a, cmd).await;
+        assert_eq!(out, want, "`{cmd}` in the sandbox");
+    }
+
+    // Writing past the sandbox's disk (64 MiB here) fails inside the sandbox only.
+    let (out, _) = up.exec(&a, "yes > /home/user/fill 2>/dev/null; echo done; df -m /home/user | tail -1 | awk '{print $4}'").await;
+    assert!(out.starts_with("done\n"), "{out}");
+    assert!(out.trim_end().ends_with('0'), "the sandbox's disk is full: {out}");
+    let (out, code) = up.exec(&b, "echo fine").await;
+    assert_eq!((out.as_str(), code), ("fine\n", 0), "the other sandbox is unaffected");
+}
