@@ -114,7 +114,7 @@ impl Edge {
             if creating.contains(&h.id) {
                 continue;
             }
-            let st = match self.backend.state(&h.id) {
+            let st = match self.backend.quick_state(&h.id) {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(sandbox = %h.id, error = %e, "cannot read sandbox state");
@@ -326,13 +326,20 @@ impl Edge {
             let slice = self.slice.lock().expect("slice lock");
             plan(&slice, &observed, opendsec_control::now_ms())
         };
+        let mut changed = false;
         for a in actions {
             if let Action::Create { id } = &a {
                 if creating.contains(id) {
                     continue;
                 }
             }
+            // Pausing, resuming and stopping change what the next observation sees:
+            // observe again right away rather than at the next tick.
+            changed |= matches!(a, Action::Pause { .. } | Action::Resume { .. } | Action::Stop { .. });
             self.act(a, &observed).await;
+        }
+        if changed {
+            self.wake.notify_one();
         }
     }
 
@@ -425,15 +432,33 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     });
     let proxy_task = tokio::spawn(proxy::serve_with_admission(listener, edge.cfg.edge_key.clone(), resolve, Some(admitter)));
 
-    let mut follower = SliceFollower::new(client, &edge.cfg.name, next_index);
+    // The follower runs on its own task: a burst of slice messages is folded as it comes,
+    // and the loop below persists and reconciles once per burst, not once per message.
+    let (slice_tx, mut slice_rx) = tokio::sync::mpsc::channel(1024);
+    let follower_edge = edge.cfg.name.clone();
+    let follower_task = tokio::spawn(async move {
+        let mut follower = SliceFollower::new(client, &follower_edge, next_index);
+        loop {
+            let msg = follower.next().await;
+            if slice_tx.send(msg).await.is_err() {
+                return;
+            }
+        }
+    });
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let mut heartbeat = tokio::time::interval(Duration::from_secs(2));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            msg = follower.next() => {
-                edge.slice.lock().expect("slice lock").apply(&msg);
+            Some(msg) = slice_rx.recv() => {
+                {
+                    let mut slice = edge.slice.lock().expect("slice lock");
+                    slice.apply(&msg);
+                    while let Ok(more) = slice_rx.try_recv() {
+                        slice.apply(&more);
+                    }
+                }
                 if let Err(e) = edge.persist() {
                     tracing::error!(error = %e, "cannot persist the slice");
                 }
@@ -451,5 +476,6 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         }
     }
     proxy_task.abort();
+    follower_task.abort();
     Ok(())
 }

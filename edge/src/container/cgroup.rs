@@ -63,3 +63,14 @@ pub fn oom_kills(cgroups_path: &str) -> Option<u64> {
     }
     None
 }
+
+/// Whether the sandbox's cgroup is frozen (paused): v1 `freezer.state`, v2 `cgroup.freeze`.
+pub fn is_frozen(cgroups_path: &str) -> bool {
+    let rel = cgroups_path.trim_start_matches('/');
+    let v1 = Path::new(ROOT).join("freezer").join(rel).join("freezer.state");
+    if let Ok(state) = fs::read_to_string(&v1) {
+        return state.trim() != "THAWED";
+    }
+    let v2 = Path::new(ROOT).join(rel).join("cgroup.freeze");
+    fs::read_to_string(v2).map(|v| v.trim() == "1").unwrap_or(false)
+}

@@ -443,6 +443,32 @@ impl ContainerBackend {
         })
     }
 
+    /// The state without asking the runtime (no process spawned): the shim's exit
+    /// record, PID 1's liveness and the cgroup freezer. For frequent polling of many
+    /// sandboxes; `state` asks the runtime itself.
+    pub fn quick_state(&self, id: &str) -> Result<SandboxState, ContainerError> {
+        let handle = self.get(id)?;
+        let exit = self.exit_info(id)?;
+        let pid = handle.init_pid();
+        let status = if exit.is_some() {
+            SandboxStatus::Stopped
+        } else {
+            match pid {
+                Some(p) if Path::new(&format!("/proc/{p}")).exists() => {
+                    if cgroup::is_frozen(&handle.record.cgroups_path) {
+                        SandboxStatus::Paused
+                    } else {
+                        SandboxStatus::Running
+                    }
+                }
+                // Not started yet, or gone without a record (the shim died, a reboot):
+                // the runtime knows which.
+                _ => return self.state(id),
+            }
+        };
+        Ok(SandboxState { id: id.into(), status, init_pid: pid, exit })
+    }
+
     /// Sends `signal` (e.g. `libc::SIGTERM`) to PID 1.
     pub fn kill(&self, id: &str, signal: i32) -> Result<(), ContainerError> {
         let handle = self.get(id)?;

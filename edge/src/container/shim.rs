@@ -277,8 +277,16 @@ fn run(dir: &Path) -> Result<(), ContainerError> {
         unsafe { libc::close(fd) };
     }
 
-    pump_output(out_r, dir, record.log_cap_bytes);
+    // Output is copied on its own thread so that this one reaps the runtime's exited
+    // helper processes (reparented to us, the subreaper) while the container runs.
+    let (log_dir, cap) = (dir.to_path_buf(), record.log_cap_bytes);
+    let pump = std::thread::spawn(move || pump_output(out_r, &log_dir, cap));
     let exit = wait_for(init_pid);
+    // PID 1 is gone; give the pump a moment to copy what is left in the pipe.
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !pump.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let oom = cgroup::oom_kills(&record.cgroups_path).unwrap_or(0) > 0;
     let info = ExitInfo {
         exit_code: exit.0,

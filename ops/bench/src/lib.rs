@@ -10,6 +10,8 @@
 //!   through the REST API (one label write = one replicated log append).
 //! * [`fold`]: replay speed in process: `replay::fold` over encoded batches, no IO.
 //! * [`report`]: the result table and the goals section.
+//! * [`sandboxes`]: `opendsec-bench sandboxes`: container sandboxes through a real
+//!   `opendsec up` beside raw `crun run`, pause/resume, concurrent-create bursts.
 
 pub mod etcd;
 pub mod fold;
@@ -17,6 +19,7 @@ pub mod load;
 pub mod opendsec;
 pub mod redb_raw;
 pub mod report;
+pub mod sandboxes;
 pub mod targets;
 
 pub use load::{BoxFuture, LoadReport, WriteTarget, run_load};

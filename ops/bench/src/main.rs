@@ -1,5 +1,7 @@
 //! `opendsec-bench log`: append commit latency and throughput of the replicated log
 //! beside a raw durable redb commit and etcd. See `opendsec_bench::targets::log_targets`.
+//! `opendsec-bench sandboxes`: container sandboxes through the REST API of a real
+//! `opendsec up`, beside raw `crun run`. See `opendsec_bench::sandboxes`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,6 +23,44 @@ struct Cli {
 enum Cmd {
     /// Append commit latency/throughput: every target at every concurrency.
     Log(LogArgs),
+    /// Container sandboxes through a real `opendsec up` (needs root, crun/runc, the
+    /// release binaries and the static agent): create -> first exec output beside raw
+    /// `crun run`/`runc run`, pause/resume latency, concurrent-create bursts.
+    Sandboxes(SandboxArgs),
+}
+
+#[derive(clap::Args)]
+struct SandboxArgs {
+    /// Measured create -> first output runs (and raw runtime runs).
+    #[arg(long, default_value_t = 50)]
+    runs: usize,
+    /// Pause/resume rounds.
+    #[arg(long, default_value_t = 20)]
+    pause_runs: usize,
+    /// Comma-separated burst sizes (concurrent creates); empty to skip.
+    #[arg(long, value_delimiter = ',', default_value = "200,1000")]
+    bursts: Vec<usize>,
+    /// Image of every sandbox.
+    #[arg(long, default_value = "busybox")]
+    image: String,
+    /// Where `opendsec up` keeps its data (removed afterwards) [default: ./target/bench-data].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The `opendsec` executable [default: $CARGO_TARGET_DIR/release/opendsec or target/release/opendsec].
+    #[arg(long)]
+    opendsec_bin: Option<PathBuf>,
+    /// The static `opendsec-agent` [default: opendsec-agent next to the opendsec binary].
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The image store (`opendsec up --image-dir`).
+    #[arg(long, env = "OPENDSEC_IMAGE_DIR", default_value = "/var/lib/opendsec/images")]
+    image_dir: PathBuf,
+    /// Seconds a burst may take to have every sandbox running or failed.
+    #[arg(long, default_value_t = 240)]
+    burst_timeout: u64,
+    /// Skip the raw `runc run` baseline.
+    #[arg(long)]
+    skip_runc: bool,
 }
 
 #[derive(clap::Args)]
@@ -65,9 +105,92 @@ fn parse_kv(s: &str) -> Result<(String, String), String> {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    let Cmd::Log(a) = cli.cmd;
-    let code = run_log(a).await;
+    let code = match cli.cmd {
+        Cmd::Log(a) => run_log(a).await,
+        Cmd::Sandboxes(a) => run_sandboxes(a).await,
+    };
     std::process::exit(code);
+}
+
+async fn run_sandboxes(a: SandboxArgs) -> i32 {
+    let cwd = std::env::current_dir().expect("cwd");
+    let data_dir = a.data_dir.clone().unwrap_or_else(|| cwd.join("target").join("bench-data"));
+    let data_dir = if data_dir.is_absolute() { data_dir } else { cwd.join(data_dir) };
+    let bin = match a.opendsec_bin.clone() {
+        Some(b) => b,
+        None => {
+            let ctx = SetupCtx { data_dir: data_dir.clone(), payload_len: 0, etcd_bin: String::new(), opts: BTreeMap::new() };
+            match opendsec_bench::opendsec::find_bin(&ctx) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return 2;
+                }
+            }
+        }
+    };
+    let agent = a.agent.clone().unwrap_or_else(|| bin.with_file_name("opendsec-agent"));
+    for (what, p) in [("opendsec", &bin), ("agent", &agent)] {
+        if !p.is_file() {
+            eprintln!("the {what} binary {} does not exist (ops/bench.sh sandboxes builds it)", p.display());
+            return 2;
+        }
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load1 = load.split_whitespace().next().unwrap_or("?").to_string();
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()))
+        .map(|kb| kb / 1048576.0)
+        .unwrap_or(0.0);
+    eprintln!(
+        "opendsec-bench sandboxes: image {}, {} runs, bursts {:?}; {cores} cores, {mem_gib:.1} GiB, load {load1}; data under {}",
+        a.image,
+        a.runs,
+        a.bursts,
+        data_dir.display()
+    );
+    let started = Instant::now();
+    let o = opendsec_bench::sandboxes::Options {
+        runs: a.runs,
+        pause_runs: a.pause_runs,
+        bursts: a.bursts.iter().copied().filter(|n| *n > 0).collect(),
+        image: a.image.clone(),
+        data_dir: data_dir.clone(),
+        opendsec_bin: bin,
+        agent_bin: agent,
+        image_dir: a.image_dir.clone(),
+        burst_timeout: std::time::Duration::from_secs(a.burst_timeout),
+        skip_runc: a.skip_runc,
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    let r = tokio::select! {
+        r = opendsec_bench::sandboxes::run(o) => r,
+        _ = tokio::signal::ctrl_c() => {
+            opendsec_bench::sandboxes::emergency_teardown();
+            return 130;
+        }
+        _ = term.recv() => {
+            opendsec_bench::sandboxes::emergency_teardown();
+            return 143;
+        }
+    };
+    println!();
+    println!(
+        "sandboxes ({}, memory_mb 64, cpu_millis 100, 64 MB disk; {cores} cores, {mem_gib:.1} GiB, load average {load1} at start; {:.0} s total):",
+        a.image,
+        started.elapsed().as_secs_f64()
+    );
+    for l in &r.lines {
+        println!("  {l}");
+    }
+    let left = opendsec_bench::sandboxes::mounts_under(&data_dir);
+    if !left.is_empty() {
+        println!("  WARNING: mounts left under {}: {left:?}", data_dir.display());
+        return 1;
+    }
+    if r.failed { 1 } else { 0 }
 }
 
 async fn run_log(a: LogArgs) -> i32 {
