@@ -44,7 +44,8 @@ pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<()
             Err(why)
         }
     };
-    match tokio::time::timeout(Duration::from_secs(3), call).await {
+    // Generous: an edge busy creating hundreds of sandboxes still answers, just later.
+    match tokio::time::timeout(Duration::from_secs(10), call).await {
         Ok(r) => r,
         Err(_) => Err("edge admission timed out".into()),
     }
