@@ -67,6 +67,21 @@ impl InFlight {
 
     /// Records what `events` will take once applied; returns the ticket to release.
     pub fn reserve(&mut self, state: &State, events: &[Event]) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.reserve_as(ticket, state, events)
+    }
+
+    /// `reserve` under a ticket the caller chooses (the batch's seed, so that applying
+    /// the batch can release it); a ticket in use gets a fresh one instead.
+    pub fn reserve_as(&mut self, ticket: u64, state: &State, events: &[Event]) -> u64 {
+        let ticket = if self.reservations.contains_key(&ticket) {
+            let t = self.next_ticket;
+            self.next_ticket += 1;
+            t
+        } else {
+            ticket
+        };
         let mut r = Reservation::default();
         for ev in events {
             match ev {
@@ -94,8 +109,6 @@ impl InFlight {
         self.project_names.extend(r.project_names.iter().cloned());
         self.new_edges.extend(r.new_edges.iter().cloned());
         self.revoked_tokens.extend(r.revoked_tokens.iter().cloned());
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
         self.reservations.insert(ticket, r);
         ticket
     }

@@ -6,7 +6,8 @@ use opendsec_projections::State;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::Path;
 use std::sync::mpsc;
-use std::sync::Arc;
+use opendsec_commands::InFlight;
+use std::sync::{Arc, Mutex};
 
 /// index -> encoded State as of that index.
 const CHECKPOINTS: TableDefinition<u64, &[u8]> = TableDefinition::new("checkpoints");
@@ -17,17 +18,30 @@ pub struct Fsm {
     pub state: State,
     checkpoint_every: u64,
     checkpoints: Option<mpsc::Sender<(u64, u64, Vec<u8>)>>,
+    /// The leader's in-flight overlay: a batch's reservation (keyed by its seed) ends the
+    /// moment the batch is applied, so nothing is counted twice (state + overlay).
+    inflight: Option<Arc<Mutex<InFlight>>>,
 }
 
 impl Fsm {
-    pub fn new(checkpoint_every: u64, checkpoints: Option<&Checkpoints>) -> Fsm {
-        Fsm { state: State::new(), checkpoint_every: checkpoint_every.max(1), checkpoints: checkpoints.map(|c| c.writer()) }
+    pub fn new(checkpoint_every: u64, checkpoints: Option<&Checkpoints>, inflight: Option<Arc<Mutex<InFlight>>>) -> Fsm {
+        Fsm { state: State::new(), checkpoint_every: checkpoint_every.max(1), checkpoints: checkpoints.map(|c| c.writer()), inflight }
     }
 }
 
 impl StateMachine for Fsm {
     fn apply(&mut self, index: u64, payload: &[u8]) -> Vec<u8> {
-        let outcome = self.state.apply_encoded(index, payload);
+        // Lock order everywhere: the state (held by the log while applying), then the overlay.
+        let outcome = match opendsec_projections::schema::decode_batch(payload) {
+            Ok(batch) => {
+                let outcome = self.state.apply_batch(index, &batch);
+                if let Some(inflight) = &self.inflight {
+                    inflight.lock().expect("inflight lock").release(batch.seed);
+                }
+                outcome
+            }
+            Err(_) => self.state.apply_encoded(index, payload),
+        };
         if index % self.checkpoint_every == 0 {
             if let Some(tx) = &self.checkpoints {
                 // Serialised here (the state must not change under it), written by a

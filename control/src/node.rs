@@ -109,7 +109,7 @@ pub struct EdgeHeartbeat {
 struct Inner {
     log: LogNode<Fsm>,
     cfg: ControlConfig,
-    inflight: Mutex<InFlight>,
+    inflight: Arc<Mutex<InFlight>>,
     checkpoints: Checkpoints,
     leaders: Mutex<BTreeMap<String, ControlClient<Channel>>>,
     heartbeats: Mutex<BTreeMap<String, EdgeHeartbeat>>,
@@ -129,7 +129,8 @@ impl ControlNode {
     pub async fn open(cfg: ControlConfig) -> Result<ControlNode, SubmitError> {
         std::fs::create_dir_all(&cfg.data_dir).map_err(internal)?;
         let checkpoints = Checkpoints::open(&cfg.data_dir.join("checkpoints.redb")).map_err(internal)?;
-        let fsm = Fsm::new(cfg.checkpoint_every, Some(&checkpoints));
+        let inflight = Arc::new(Mutex::new(InFlight::new()));
+        let fsm = Fsm::new(cfg.checkpoint_every, Some(&checkpoints), Some(inflight.clone()));
         let mut log_cfg = LogConfig::new(cfg.node_id, cfg.data_dir.join("log"), cfg.peer_addr.clone());
         log_cfg.snapshot_every = cfg.snapshot_every;
         log_cfg.archive_retention = cfg.archive_retention;
@@ -140,7 +141,7 @@ impl ControlNode {
             inner: Arc::new(Inner {
                 log,
                 cfg,
-                inflight: Mutex::new(InFlight::new()),
+                inflight,
                 checkpoints,
                 leaders: Mutex::new(BTreeMap::new()),
                 heartbeats: Mutex::new(BTreeMap::new()),
@@ -246,18 +247,17 @@ impl ControlNode {
         // again without that edge (each edge has the final word on what it runs).
         let mut refused_by = BTreeSet::new();
         let (batch, decided, ticket) = loop {
-            let (batch, decided, ticket) = {
+            let (batch, decided, ticket) = self.inner.log.with_state(|fsm| {
+                // Same lock order as apply: the state, then the overlay.
                 let mut inflight = self.inner.inflight.lock().expect("inflight lock");
-                self.inner.log.with_state(|fsm| {
-                    let decided = decide_excluding(&fsm.state, &inflight, cmd, &ctx, &refused_by);
-                    let batch = batch_for(cmd, &ctx, &fsm.state, &decided);
-                    let ticket = match (&batch, &decided) {
-                        (Some(_), Ok(d)) => Some(inflight.reserve(&fsm.state, &d.events)),
-                        _ => None,
-                    };
-                    (batch, decided, ticket)
-                })
-            };
+                let decided = decide_excluding(&fsm.state, &inflight, cmd, &ctx, &refused_by);
+                let batch = batch_for(cmd, &ctx, &fsm.state, &decided);
+                let ticket = match (&batch, &decided) {
+                    (Some(_), Ok(d)) => Some(inflight.reserve_as(ctx.seed, &fsm.state, &d.events)),
+                    _ => None,
+                };
+                (batch, decided, ticket)
+            });
             match self.refusing_edge(decided.as_ref().ok()).await {
                 Some(edge) => {
                     if let Some(t) = ticket {
