@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two benchmarks, each one command:
 #
-#   ops/bench.sh [log options]
+#   ops/bench.sh [log] [log options]
 #     Builds the `opendsec` server and the harness in release, then runs
 #     opendsec-bench log "$@": append commit latency/throughput of OpenDsec 1-node and
 #     3-node beside a raw durable redb commit and etcd 1- and 3-member, plus replay
@@ -22,6 +22,10 @@ source ops/lib.sh
 ensure_rust
 TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 
+# `ops/bench.sh log ...` and `ops/bench.sh ...` both run the log benchmark.
+if [ "${1:-}" = "log" ]; then
+  shift
+fi
 if [ "${1:-}" = "sandboxes" ]; then
   shift
   if [ "$(id -u)" -ne 0 ]; then
