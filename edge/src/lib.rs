@@ -7,5 +7,6 @@ pub mod node;
 pub mod proxy;
 pub mod reconcile;
 pub mod slice;
+pub mod testing;
 pub mod images;
 pub mod container;

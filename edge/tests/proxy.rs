@@ -6,18 +6,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use opendsec_edge::proxy::{self, Resolver, EDGE_KEY_HEADER};
-use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
-
-fn agent_binary() -> PathBuf {
-    // target/<profile>/deps/proxy-<hash> -> target/<profile>/opendsec-agent
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("opendsec-agent");
-    assert!(bin.is_file(), "{} is missing: build the workspace first (cargo build --workspace)", bin.display());
-    bin
-}
 
 struct Agent(Child);
 impl Drop for Agent {
@@ -29,7 +20,7 @@ impl Drop for Agent {
 
 async fn start(dir: &std::path::Path) -> (Agent, String) {
     let sock = dir.join("agent.sock");
-    let child = Command::new(agent_binary())
+    let child = Command::new(opendsec_edge::testing::agent_binary())
         .args(["serve", "--listen"])
         .arg(format!("unix:{}", sock.display()))
         .args(["--default-user", "root"])

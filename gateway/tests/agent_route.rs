@@ -13,16 +13,7 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tower::ServiceExt;
-
-/// target/<profile>/opendsec-agent, next to target/<profile>/deps/<this test>.
-fn agent_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let bin = exe.parent().and_then(Path::parent).expect("target/<profile>").join("opendsec-agent");
-    assert!(bin.exists(), "{} is missing: build it first with `cargo build --workspace` (or `cargo build -p opendsec-agent`)", bin.display());
-    bin
-}
 
 struct Env {
     app: Router,
@@ -34,20 +25,7 @@ struct Env {
     _agent: tokio::process::Child,
 }
 
-async fn start_agent(socket: &Path) -> tokio::process::Child {
-    let child = tokio::process::Command::new(agent_binary())
-        .args(["serve", "--listen", &format!("unix:{}", socket.display()), "--default-user", "root"])
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start opendsec-agent");
-    for _ in 0..200 {
-        if tokio::net::UnixStream::connect(socket).await.is_ok() {
-            return child;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("opendsec-agent did not listen on {} within 5 s", socket.display());
-}
+use opendsec_edge::testing::start_agent;
 
 impl Env {
     async fn new() -> Env {

@@ -8,16 +8,9 @@ use opendsec_control::testing::{single_node, TestNode};
 use opendsec_sdk::types::*;
 use opendsec_sdk::{Client, ExecOutput, ExecRequest, PtyEvent, PtyRequest};
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-fn agent_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let bin = exe.parent().and_then(Path::parent).expect("target/<profile>").join("opendsec-agent");
-    assert!(bin.exists(), "{} is missing: build it first with `cargo build --workspace` (or `cargo build -p opendsec-agent`)", bin.display());
-    bin
-}
 
 struct Env {
     url: String,
@@ -32,20 +25,7 @@ impl Env {
         let t = single_node().await;
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
-        let agent = tokio::process::Command::new(agent_binary())
-            .args(["serve", "--listen", &format!("unix:{}", socket.display()), "--default-user", "root"])
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start opendsec-agent");
-        let mut up = false;
-        for _ in 0..200 {
-            if tokio::net::UnixStream::connect(&socket).await.is_ok() {
-                up = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        assert!(up, "opendsec-agent did not listen on {}", socket.display());
+        let agent = opendsec_edge::testing::start_agent(&socket).await;
 
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
         let map = sockets.clone();
