@@ -80,6 +80,8 @@ struct Edge {
     failed: Mutex<BTreeSet<String>>,
     /// One creation at a time touches the host's mounts and loop devices.
     create_lock: Mutex<()>,
+    /// Sandboxes seen out of memory while running (their exit is reported as an OOM).
+    oom_seen: Mutex<BTreeSet<String>>,
     /// The last observation, for admission requests between two rounds.
     last_observed: Mutex<BTreeMap<String, Running>>,
     /// Sandboxes admitted but not yet in the slice, with when: counted by admission.
@@ -121,11 +123,18 @@ impl Edge {
                     continue;
                 }
             };
+            let oom_now = || crate::container::cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0) > 0;
             let running = match (st.status, st.exit) {
-                (_, Some(exit)) => Running::Exited { exit_code: exit.exit_code, oom_killed: exit.oom_killed },
+                // The shim's record, the cgroup's counter (while it exists) and what this
+                // edge saw before the end all count: an OOM is never reported as a plain exit.
+                (_, Some(exit)) => Running::Exited {
+                    exit_code: exit.exit_code,
+                    oom_killed: exit.oom_killed || oom_now() || self.oom_seen.lock().expect("oom lock").contains(&h.id),
+                },
                 (SandboxStatus::Paused, None) => Running::Paused,
                 (SandboxStatus::Created | SandboxStatus::Running, None) => {
-                    if crate::container::cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0) > 0 {
+                    if oom_now() {
+                        self.oom_seen.lock().expect("oom lock").insert(h.id.clone());
                         Running::OutOfMemory
                     } else {
                         Running::Running
@@ -411,6 +420,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         creating: Mutex::new(BTreeSet::new()),
         failed: Mutex::new(BTreeSet::new()),
         create_lock: Mutex::new(()),
+        oom_seen: Mutex::new(BTreeSet::new()),
         last_observed: Mutex::new(BTreeMap::new()),
         admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
