@@ -558,6 +558,14 @@ impl Manager {
         // makes async-signal-safe system calls on pre-allocated data.
         unsafe {
             cmd.pre_exec(move || {
+                // Out of memory, the kernel must pick a sandbox process, never the agent
+                // (PID 1, whose death ends the sandbox): raise the child's OOM score.
+                // Raising needs no privilege; failing to is harmless.
+                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    libc::write(fd, b"500".as_ptr().cast(), 3);
+                    libc::close(fd);
+                }
                 if use_pty {
                     if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                         return Err(std::io::Error::last_os_error());
