@@ -221,7 +221,7 @@ impl Edge {
                 self.blocking(move |e| {
                     // Thaw first: a frozen process cannot die.
                     let _ = e.backend.resume(&id);
-                    e.backend.kill(&id, libc_sigkill()).map_err(EdgeError::from)
+                    e.backend.kill(&id, libc::SIGKILL).map_err(EdgeError::from)
                 })
                 .await
             }
@@ -362,10 +362,6 @@ impl Edge {
             memory_mb_used: live.iter().map(|s| s.memory_mb).sum(),
         }
     }
-}
-
-fn libc_sigkill() -> i32 {
-    9
 }
 
 /// MemAvailable of the host, in MB.

@@ -5,6 +5,7 @@
 //! error or panic); members also get SIGKILL if the benchmark process dies
 //! (PR_SET_PDEATHSIG).
 
+use crate::log_tail;
 use std::fs::File;
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
@@ -45,11 +46,6 @@ impl Drop for EtcdCluster {
     }
 }
 
-fn log_tail(path: &Path) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(5)..].join("\n")
-}
 
 impl EtcdCluster {
     /// Start `members` members and wait until every one is healthy and a put succeeds.
@@ -119,7 +115,7 @@ impl EtcdCluster {
         for (k, url) in cluster.client_urls.clone().iter().enumerate() {
             loop {
                 if let Ok(Some(st)) = cluster.children[k].try_wait() {
-                    return Err(format!("etcd member {url} exited ({st}): {}", log_tail(&logs[k])));
+                    return Err(format!("etcd member {url} exited ({st}): {}", log_tail(&logs[k], 5)));
                 }
                 if let Ok(r) = http.get(format!("{url}/health")).send().await
                     && let Ok(body) = r.text().await
@@ -127,7 +123,7 @@ impl EtcdCluster {
                             break;
                         }
                 if Instant::now() > deadline {
-                    return Err(format!("etcd member {url} not healthy after 60 s: {}", log_tail(&logs[k])));
+                    return Err(format!("etcd member {url} not healthy after 60 s: {}", log_tail(&logs[k], 5)));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

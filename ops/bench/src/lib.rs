@@ -24,3 +24,10 @@ pub mod targets;
 
 pub use load::{BoxFuture, LoadReport, WriteTarget, run_load};
 pub use targets::{Session, SetupCtx, TargetSpec};
+
+/// The last `n` lines of a child process's log file, for error messages.
+pub(crate) fn log_tail(path: &std::path::Path, n: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

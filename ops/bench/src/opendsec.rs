@@ -19,6 +19,7 @@
 //! Dropping the [`OpendsecCluster`] kills every node and deletes the data; nodes also
 //! get SIGKILL if the benchmark process dies (PR_SET_PDEATHSIG).
 
+use crate::log_tail;
 use std::fs::File;
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
@@ -123,11 +124,6 @@ impl Drop for OpendsecCluster {
     }
 }
 
-fn log_tail(path: &Path) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(5)..].join("\n")
-}
 
 async fn call(req: reqwest::RequestBuilder) -> Result<Value, String> {
     let r = req.send().await.map_err(|e| e.to_string())?;
@@ -231,7 +227,7 @@ impl OpendsecCluster {
             .await
             .map_err(|e| format!("run {} init: {e}", bin.display()))?;
         if !out.status.success() {
-            let logs: Vec<String> = cluster.nodes.iter().map(|n| log_tail(&n.log)).collect();
+            let logs: Vec<String> = cluster.nodes.iter().map(|n| log_tail(&n.log, 5)).collect();
             return Err(format!(
                 "opendsec init failed: {}; node logs: {logs:?}",
                 String::from_utf8_lossy(&out.stderr).trim()
@@ -253,7 +249,7 @@ impl OpendsecCluster {
                     return Err(format!(
                         "opendsec node {} exited ({st}): {}",
                         k + 1,
-                        log_tail(&cluster.nodes[k].log)
+                        log_tail(&cluster.nodes[k].log, 5)
                     ));
                 }
                 // Ready = it answers /v1/cluster and knows a leader.
@@ -271,7 +267,7 @@ impl OpendsecCluster {
                     return Err(format!(
                         "opendsec node {} not ready after 60 s: {}",
                         k + 1,
-                        log_tail(&cluster.nodes[k].log)
+                        log_tail(&cluster.nodes[k].log, 5)
                     ));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;

@@ -23,6 +23,7 @@
 //! the edge left is deleted through the runtime, its mounts are detached, and the data
 //! directory is removed.
 
+use crate::log_tail;
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -61,11 +62,6 @@ fn free_port() -> Result<u16, String> {
     Ok(l.local_addr().map_err(|e| e.to_string())?.port())
 }
 
-fn log_tail(path: &Path, n: usize) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
 
 /// Standard base64 (with or without padding).
 pub fn b64decode(s: &str) -> Option<Vec<u8>> {
