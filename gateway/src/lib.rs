@@ -8,10 +8,13 @@
 //! API boundary: [`router`] is the whole surface; everything else is private.
 
 mod convert;
+pub mod e2b;
+mod edge_client;
 mod error;
 mod extract;
 mod openapi;
 mod routes;
+pub mod tls;
 
 pub use error::ApiError;
 pub use extract::decode_json;
@@ -39,6 +42,7 @@ pub const MAX_BODY_BYTES: usize = 1 << 20;
 #[derive(Clone)]
 pub struct AppState {
     pub node: ControlNode,
+    pub e2b: std::sync::Arc<e2b::E2bSettings>,
 }
 
 /// Every route, as (method, path): the router and the OpenAPI test both use it.
@@ -76,9 +80,16 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("delete", "/v1/cluster/members/{id}"),
 ];
 
-/// The REST API over `node`. Serve it with `axum::serve`.
+/// The REST API over `node` with default E2B settings. Serve it with `axum::serve`.
 pub fn router(node: ControlNode) -> Router {
+    router_with(node, e2b::E2bSettings::default())
+}
+
+/// Everything on one port: the native API (`/v1`), the E2B control API, and per-sandbox
+/// traffic (E2B routing headers or `{port}-{id}.{domain}` host names).
+pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
     use routes::*;
+    let state = AppState { node, e2b: std::sync::Arc::new(e2b) };
     Router::new()
         .route("/health", get(health))
         .route("/v1/openapi.json", get(openapi::serve))
@@ -104,11 +115,14 @@ pub fn router(node: ControlNode) -> Router {
         .route("/v1/cluster", get(cluster::status))
         .route("/v1/cluster/members", post(cluster::add_member))
         .route("/v1/cluster/members/{id}", delete(cluster::remove_member))
+        .merge(e2b::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Sandbox traffic is routed before any route matches, and streams without a body limit.
+        .layer(axum::middleware::from_fn_with_state(state.clone(), e2b::route_sandbox_traffic))
         .layer(axum::middleware::from_fn(extract::request_context))
-        .with_state(AppState { node })
+        .with_state(state)
 }
 
 /// Public liveness probe: says only that the process serves.

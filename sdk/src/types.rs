@@ -120,6 +120,10 @@ pub struct IssueToken {
     /// Lifetime; never past the issuer's own expiry. Absent or 0: no expiry of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
+    /// `opendsec` (default: `odsec_<id>.<secret>`) or `e2b` (an E2B API key, `e2b_` +
+    /// 40 hex, for `E2B_API_KEY`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
 }
 
 /// A freshly issued token. `token` is the bearer secret and is shown only here, once.

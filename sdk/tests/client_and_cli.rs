@@ -61,7 +61,7 @@ async fn the_client_covers_the_api_and_reads_its_writes() {
     c.register_edge(&edge).await.unwrap();
     assert_eq!(c.list_edges().await.unwrap().edges.len(), 1);
 
-    let t = c.issue_token(&IssueToken { project: Some(p.project.id.clone()), name: "worker".into(), rights: vec!["sandbox:read".into(), "sandbox:write".into()], ttl_seconds: None }).await.unwrap();
+    let t = c.issue_token(&IssueToken { project: Some(p.project.id.clone()), name: "worker".into(), rights: vec!["sandbox:read".into(), "sandbox:write".into()], ttl_seconds: None, format: None }).await.unwrap();
     let worker = Client::new(&s.url, t.token.clone()).unwrap();
     worker.observe_index(c.seen_index());
     let sb = worker.create_sandbox(&CreateSandbox { image: "debian".into(), labels: Some([("job".into(), "x".into())].into()), ..Default::default() }).await.unwrap();

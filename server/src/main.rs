@@ -45,6 +45,20 @@ struct NodeArgs {
     /// Archived entries to keep (default: all, forever).
     #[arg(long)]
     archive_retention: Option<u64>,
+    /// The domain sandboxes are reached under for E2B host-name routing
+    /// (`{port}-{sandboxId}.{domain}`; the API at `api.{domain}`). Add the TLS port if it
+    /// is not 443, e.g. `e2b.example.internal:7443`.
+    #[arg(long, env = "OPENDSEC_DOMAIN")]
+    domain: Option<String>,
+    /// Also serve everything over TLS here (needs --domain), with a certificate for the
+    /// domain and `*.domain` issued by the cluster's CA (`<data-dir>/tls/ca.crt`).
+    #[arg(long)]
+    tls_listen: Option<String>,
+    /// Use this certificate chain (PEM) on the TLS port instead of the cluster CA's.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -170,7 +184,27 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, 
         node.initialize(members).await.map_err(|e| e.to_string())?;
     }
     tracing::info!(node = id, api = %args.listen, peer = %args.peer_listen, "opendsec control node running");
-    let app = opendsec_gateway::router(node.clone());
+    let e2b = opendsec_gateway::e2b::E2bSettings {
+        domain: args.domain.clone(),
+        disk_size_mb: embedded_edge.as_ref().map(|e| e.disk_mb).unwrap_or(0),
+    };
+    let app = opendsec_gateway::router_with(node.clone(), e2b);
+    let tls_task = match &args.tls_listen {
+        None => None,
+        Some(addr) => {
+            let domain = args.domain.as_deref().ok_or("--tls-listen needs --domain (the name the certificate is for)")?;
+            let host = domain.rsplit_once(':').map(|(h, _)| h).unwrap_or(domain).to_string();
+            let settings = opendsec_gateway::tls::TlsSettings {
+                dir: args.data_dir.join("tls"),
+                domain: host,
+                cert_and_key: args.tls_cert.clone().zip(args.tls_key.clone()),
+            };
+            let config = opendsec_gateway::tls::server_config(&settings)?;
+            let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            tracing::info!(tls = %addr, %domain, ca = %settings.dir.join("ca.crt").display(), "serving TLS");
+            Some(tokio::spawn(opendsec_gateway::tls::serve(l, config, app.clone())))
+        }
+    };
     let mut rx = stop_rx.clone();
     let http_task = tokio::spawn(async move {
         // Answer small requests without Nagle's delay.
@@ -208,6 +242,9 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, 
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), http_task).await;
+    if let Some(t) = tls_task {
+        t.abort();
+    }
     let _ = tokio::time::timeout(Duration::from_secs(5), peer_task).await;
     if let Some(t) = edge_task {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;

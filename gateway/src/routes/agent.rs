@@ -6,25 +6,20 @@
 //! `x-opendsec-edge-key`, and the agent gets the user from `X-Opendsec-User` as
 //! `Authorization: Basic base64("<user>:")`. Bodies stream both ways unbuffered.
 
-use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode, Uri};
 use axum::response::Response;
 use base64::Engine;
 use opendsec_projections::Right;
 use opendsec_sdk::types as api;
-use std::time::Duration;
 
 use crate::error::ApiError;
 use crate::extract::{Authed, PathParam};
 use crate::AppState;
 
-/// The header the edge proxy authenticates the gateway with.
-pub const EDGE_KEY_HEADER: &str = "x-opendsec-edge-key";
+use crate::edge_client::{EDGE_KEY_HEADER, PORT_HEADER};
 /// Names the sandbox user the agent acts as (default: the agent's default user).
 pub const USER_HEADER: &str = "x-opendsec-user";
-/// How long connecting to an edge may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Hop-by-hop headers (RFC 9110 7.6.1) and those the gateway sets itself.
 const DROPPED_REQUEST_HEADERS: &[&str] = &[
@@ -32,6 +27,8 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
     "host",
     USER_HEADER,
     EDGE_KEY_HEADER,
+    PORT_HEADER,
+    "x-access-token",
     crate::MIN_INDEX_HEADER,
     "connection",
     "keep-alive",
@@ -44,7 +41,6 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
     "upgrade",
 ];
 
-const DROPPED_RESPONSE_HEADERS: &[&str] = &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "trailer", "upgrade"];
 
 /// Forwards any request to the sandbox's agent, streaming both ways. Needs sandbox:write
 /// and a live sandbox in the caller's project subtree. `{path}` is the agent's path:
@@ -84,51 +80,26 @@ pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)
             Some(name.ok_or_else(|| ApiError::invalid(USER_HEADER, format!("{USER_HEADER} must be a user name")))?.to_string())
         }
     };
-    let host = address.trim_start_matches("http://").trim_end_matches('/').to_string();
     let tail = match req.uri().query() {
         Some(q) => format!("/sandboxes/{id}/{path}?{q}"),
         None => format!("/sandboxes/{id}/{path}"),
     };
     let uri: Uri = tail.parse().map_err(|_| ApiError::invalid("path", "the agent path is not a valid URI path"))?;
-
     let (mut parts, body) = req.into_parts();
     for h in DROPPED_REQUEST_HEADERS {
         parts.headers.remove(*h);
     }
-    parts.headers.insert(header::HOST, HeaderValue::from_str(&host).map_err(|_| edge_unreachable(format!("the edge address {host:?} is not a host:port")))?);
-    let key = HeaderValue::from_str(&st.node.config().cluster_key).map_err(|_| ApiError::internal("the cluster key is not a valid header value"))?;
-    parts.headers.insert(HeaderName::from_static(EDGE_KEY_HEADER), key);
+    // The caller proved itself with its bearer token; the agent wants the sandbox's own.
+    let token = st.node.sandbox_token(opendsec_control::SandboxTokenKind::Agent, &id);
+    parts.headers.insert(HeaderName::from_static("x-access-token"), HeaderValue::from_str(&token).map_err(|_| ApiError::internal("bad sandbox token"))?);
     if let Some(u) = user {
         let basic = base64::engine::general_purpose::STANDARD.encode(format!("{u}:"));
         let v = HeaderValue::from_str(&format!("Basic {basic}")).map_err(|_| ApiError::invalid(USER_HEADER, "bad user name"))?;
         parts.headers.insert(header::AUTHORIZATION, v);
     }
-    parts.uri = uri;
-    parts.version = axum::http::Version::HTTP_11;
-
-    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&host)).await {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => return Err(edge_unreachable(format!("cannot reach the edge of sandbox {id} at {host}: {e}"))),
-        Err(_) => return Err(edge_unreachable(format!("the edge of sandbox {id} at {host} did not answer within {} s", CONNECT_TIMEOUT.as_secs()))),
-    };
-    let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+    crate::edge_client::forward(&st, &address, uri, axum::http::Request::from_parts(parts, body))
         .await
-        .map_err(|e| edge_unreachable(format!("HTTP handshake with the edge at {host} failed: {e}")))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "edge connection ended");
-        }
-    });
-    let resp = sender
-        .send_request(axum::http::Request::from_parts(parts, body))
-        .await
-        .map_err(|e| edge_unreachable(format!("the edge at {host} failed to answer for sandbox {id}: {e}")))?;
-    let (mut parts, body) = resp.into_parts();
-    for h in DROPPED_RESPONSE_HEADERS {
-        parts.headers.remove(*h);
-    }
-    Ok(Response::from_parts(parts, Body::new(body)))
+        .map_err(|e| edge_unreachable(format!("sandbox {id}: {}", e.0)))
 }
 
 fn edge_unreachable(message: String) -> ApiError {

@@ -4,7 +4,7 @@ use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
 use opendsec_commands::Command;
-use opendsec_control::{format_token, new_token_secret};
+use opendsec_control::{format_e2b_key, format_token, new_e2b_secret, new_token_secret};
 use opendsec_projections::Right;
 use opendsec_sdk::types::{self as api, Done, IssueToken, TokenIssued, TokenList, Whoami};
 
@@ -28,13 +28,19 @@ pub async fn issue(State(st): State<AppState>, who: Authed, rid: RequestId, Json
         rights.push(right);
     }
     let project = req.project.unwrap_or_else(|| who.0.project.clone());
-    let (secret, secret_sha256) = new_token_secret();
+    let e2b = match req.format.as_deref() {
+        None | Some("opendsec") => false,
+        Some("e2b") => true,
+        Some(other) => return Err(ApiError::invalid("format", format!("unknown token format {other:?}; formats are: opendsec, e2b"))),
+    };
+    let (secret, secret_sha256) = if e2b { new_e2b_secret() } else { new_token_secret() };
     let cmd = Command::IssueToken { project: project.clone(), name: req.name, rights, ttl_seconds: req.ttl_seconds, secret_sha256 };
     let s = submit(&st, &who, &rid, cmd).await?;
     let id = s.decided.target.clone();
     let issued = st.node.read(|state| state.iam.tokens.get(&id).map(convert::token));
     let issued = issued.ok_or_else(|| ApiError::internal("the token was issued but is not in the applied state"))?;
-    let body = TokenIssued { index: s.index, token: format_token(&id, &secret), id, project, rights: issued.rights, expires_at_ms: issued.expires_at_ms };
+    let token = if e2b { format_e2b_key(&id, &secret) } else { format_token(&id, &secret) };
+    let body = TokenIssued { index: s.index, token, id, project, rights: issued.rights, expires_at_ms: issued.expires_at_ms };
     Ok(Written { index: s.index, status: StatusCode::CREATED, body })
 }
 

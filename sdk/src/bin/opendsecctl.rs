@@ -62,6 +62,23 @@ enum Cmd {
     Audit(AuditArgs),
     /// Rebuilds views as they were at a past index or time, or diffs two points.
     Replay(ReplayArgs),
+    /// E2B compatibility: run code written for the E2B SDK against this cluster.
+    #[command(subcommand)]
+    E2b(E2bCmd),
+}
+
+#[derive(Subcommand)]
+enum E2bCmd {
+    /// Issues an E2B API key for the current project (sandbox:read, sandbox:write) and
+    /// prints the three `export` lines the E2B SDK needs.
+    Env {
+        /// The key's name.
+        #[arg(long, default_value = "e2b")]
+        name: String,
+        /// Lifetime of the key (default: no expiry of its own).
+        #[arg(long)]
+        ttl_seconds: Option<u64>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -129,6 +146,9 @@ enum TokenCmd {
         rights: Vec<String>,
         #[arg(long)]
         ttl_seconds: Option<u64>,
+        /// `opendsec` (odsec_…) or `e2b` (an E2B API key, e2b_…).
+        #[arg(long, default_value = "opendsec")]
+        format: String,
     },
     /// Tokens of the subtree (never their secrets).
     List {
@@ -353,6 +373,17 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
     let client = Client::new(&cli.url, find_token(cli.token))?;
     let out = Printer(cli.output);
     match cli.command {
+        Cmd::E2b(E2bCmd::Env { name, ttl_seconds }) => {
+            let rights = vec!["sandbox:read".to_string(), "sandbox:write".to_string()];
+            let t = client.issue_token(&IssueToken { project: None, name, rights, ttl_seconds, format: Some("e2b".into()) }).await?;
+            let base = cli.url.trim_end_matches('/');
+            out.show(&t, |t| {
+                format!(
+                    "export E2B_API_KEY={}\nexport E2B_API_URL={base}\nexport E2B_SANDBOX_URL={base}\n# E2B key {} of project {}; its secret is shown only now.",
+                    t.token, t.id, t.project
+                )
+            });
+        }
         Cmd::Cluster(c) => {
             let status = match c {
                 ClusterCmd::Status => client.cluster_status().await?,
@@ -412,8 +443,8 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
             });
         }
         Cmd::Token(c) => match c {
-            TokenCmd::Issue { name, project, rights, ttl_seconds } => {
-                let t = client.issue_token(&IssueToken { project, name, rights, ttl_seconds }).await?;
+            TokenCmd::Issue { name, project, rights, ttl_seconds, format } => {
+                let t = client.issue_token(&IssueToken { project, name, rights, ttl_seconds, format: Some(format) }).await?;
                 out.show(&t, |t| {
                     format!(
                         "issued token {} in project {} (expires {})\n\n  {}\n\nThis secret is shown only now: store it (e.g. in OPENDSEC_TOKEN).",

@@ -1,0 +1,699 @@
+//! The E2B control API: sandboxes (create, connect/resume, get, list, kill, timeout,
+//! refresh, pause, metrics, fork, network) and snapshots, on E2B's v1 and v2 paths.
+//! Each write is an OpenDsec command submitted with the caller's own token, so
+//! `decide` authorises it exactly as on the native API.
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post, put};
+use axum::{Json, Router};
+use opendsec_commands::{Command, SandboxOptions};
+use opendsec_control::{Credential, Principal, SandboxTokenKind};
+use opendsec_projections::{Desired, Event, Observed, Right, Sandbox, SnapshotState};
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::{CLIENT_ID, ENVD_VERSION};
+use crate::error::ApiError;
+use crate::AppState;
+
+/// The default lifetime of an E2B sandbox, in seconds (the SDK's default too).
+pub const DEFAULT_TIMEOUT_SECONDS: u64 = 300;
+/// How long a create, resume or fork waits for its sandboxes to be ready.
+pub const READY_WAIT: Duration = Duration::from_secs(120);
+/// How long a pause or snapshot waits for the edge to carry it out.
+pub const ACTION_WAIT: Duration = Duration::from_secs(60);
+const LIST_LIMIT_DEFAULT: usize = 100;
+const LIST_LIMIT_MAX: usize = 1000;
+
+/// The E2B routes, to merge into the gateway's router.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/sandboxes", post(create).get(list_v1))
+        .route("/v2/sandboxes", post(create).get(list_v2))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/resume", post(connect))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/snapshots", post(snapshot))
+        .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/network", put(network))
+        .route("/snapshots", get(list_snapshots))
+        .route("/templates/{id}", delete(delete_snapshot))
+}
+
+/// An error as the E2B SDK reads it: `{"code": <status>, "message": …}`.
+#[derive(Debug)]
+pub struct E2bError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl E2bError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> E2bError {
+        E2bError { status, message: message.into() }
+    }
+    fn bad(message: impl Into<String>) -> E2bError {
+        E2bError::new(StatusCode::BAD_REQUEST, message)
+    }
+    fn not_found(id: &str) -> E2bError {
+        E2bError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found"))
+    }
+}
+
+impl From<ApiError> for E2bError {
+    fn from(e: ApiError) -> E2bError {
+        let message = match &e.body.field {
+            Some(f) if !e.body.message.contains(f.as_str()) => format!("{f}: {}", e.body.message),
+            _ => e.body.message,
+        };
+        E2bError { status: e.status, message }
+    }
+}
+
+impl From<opendsec_control::SubmitError> for E2bError {
+    fn from(e: opendsec_control::SubmitError) -> E2bError {
+        ApiError::from(e).into()
+    }
+}
+
+impl IntoResponse for E2bError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::warn!(status = %self.status, message = %self.message, "E2B request failed");
+        }
+        (self.status, Json(json!({ "code": self.status.as_u16(), "message": self.message }))).into_response()
+    }
+}
+
+type R<T> = Result<T, E2bError>;
+
+/// The caller: an E2B API key in `X-API-KEY`, or an OpenDsec bearer token.
+fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
+    let key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim).filter(|k| !k.is_empty());
+    let bearer = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim);
+    let token = key.or(bearer).ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "missing API key: send X-API-KEY: e2b_…"))?;
+    st.node.authenticate(token).map_err(|r| E2bError::new(StatusCode::UNAUTHORIZED, format!("invalid API key: {}", r.message)))
+}
+
+fn require(p: &Principal, r: Right) -> R<()> {
+    if p.has(r) {
+        Ok(())
+    } else {
+        Err(E2bError::new(StatusCode::FORBIDDEN, format!("this API key lacks the right {}", r.as_str())))
+    }
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("idempotency-key")
+        .or_else(|| headers.get(crate::REQUEST_ID_HEADER))
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+async fn submit(st: &AppState, who: &Principal, headers: &HeaderMap, cmd: Command) -> R<opendsec_control::Submitted> {
+    submit_as(st, who.credential(), headers, cmd).await
+}
+
+async fn submit_as(st: &AppState, cred: Credential, headers: &HeaderMap, cmd: Command) -> R<opendsec_control::Submitted> {
+    let action = cmd.action();
+    let s = st.node.submit(cred, request_id(headers), cmd).await.inspect_err(|e| tracing::info!(action, error = %e, "E2B write refused"))?;
+    st.node
+        .wait_applied(s.index, crate::extract::MIN_INDEX_WAIT)
+        .await
+        .map_err(|_| E2bError::new(StatusCode::SERVICE_UNAVAILABLE, "the write was committed but this node has not applied it yet"))?;
+    Ok(s)
+}
+
+// ---- request bodies: lenient about unknown fields (SDKs add them), strict about types ----
+
+fn body_object(bytes: &Bytes) -> R<Map<String, Value>> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(Value::Null) => Ok(Map::new()),
+        Ok(_) => Err(E2bError::bad("the body must be a JSON object")),
+        Err(e) => Err(E2bError::bad(format!("the body is not valid JSON: {e}"))),
+    }
+}
+
+fn opt_u64(m: &Map<String, Value>, field: &str) -> R<Option<u64>> {
+    match m.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| E2bError::bad(format!("{field} must be a non-negative integer"))),
+    }
+}
+
+fn opt_bool(m: &Map<String, Value>, field: &str) -> R<Option<bool>> {
+    match m.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(E2bError::bad(format!("{field} must be a boolean"))),
+    }
+}
+
+fn opt_str<'a>(m: &'a Map<String, Value>, field: &str) -> R<Option<&'a str>> {
+    match m.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(E2bError::bad(format!("{field} must be a string"))),
+    }
+}
+
+fn string_map(m: &Map<String, Value>, field: &str) -> R<BTreeMap<String, String>> {
+    match m.get(field) {
+        None | Some(Value::Null) => Ok(BTreeMap::new()),
+        Some(Value::Object(o)) => o
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k.clone(), s.clone())),
+                _ => Err(E2bError::bad(format!("{field}.{k} must be a string"))),
+            })
+            .collect(),
+        Some(_) => Err(E2bError::bad(format!("{field} must be an object of strings"))),
+    }
+}
+
+/// Network settings as asked. OpenDsec has no egress yet (network policy is a later
+/// release): a request that would open any is refused rather than silently ignored.
+fn check_network(n: &Value, field: &str) -> R<()> {
+    let Value::Object(o) = n else { return Err(E2bError::bad(format!("{field} must be an object"))) };
+    let no_egress = |what: &str| {
+        E2bError::bad(format!(
+            "{field}.{what}: this OpenDsec release gives sandboxes no network egress (network policy is not implemented yet), so it cannot allow any"
+        ))
+    };
+    for key in ["allowOut", "rules"] {
+        match o.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(Value::Object(r)) if r.is_empty() => {}
+            Some(_) => return Err(no_egress(key)),
+        }
+    }
+    if o.get("egressProxy").is_some_and(|v| !v.is_null()) {
+        return Err(no_egress("egressProxy"));
+    }
+    if o.get("allow_internet_access") == Some(&Value::Bool(true)) {
+        return Err(no_egress("allow_internet_access"));
+    }
+    Ok(())
+}
+
+fn unsupported(m: &Map<String, Value>, field: &str) -> R<()> {
+    match m.get(field) {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Array(a)) if a.is_empty() => Ok(()),
+        Some(Value::Object(o)) if o.is_empty() => Ok(()),
+        Some(_) => Err(E2bError::bad(format!("{field} is not supported by OpenDsec yet"))),
+    }
+}
+
+// ---- responses ----
+
+fn rfc3339(ms: u64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_default()
+}
+
+fn e2b_state(x: &Sandbox) -> &'static str {
+    if x.desired == Desired::Paused || x.observed == Observed::Paused {
+        "paused"
+    } else {
+        "running"
+    }
+}
+
+fn template_of(x: &Sandbox) -> String {
+    x.template.clone().unwrap_or_else(|| x.image.clone())
+}
+
+/// E2B's `Sandbox`: what create and connect return.
+fn sandbox_json(st: &AppState, x: &Sandbox) -> Value {
+    let mut v = json!({
+        "sandboxID": x.id,
+        "templateID": template_of(x),
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": st.node.sandbox_token(SandboxTokenKind::Agent, &x.id),
+        "trafficAccessToken": st.node.sandbox_token(SandboxTokenKind::Traffic, &x.id),
+    });
+    if let Some(d) = &st.e2b.domain {
+        v["domain"] = json!(d);
+    }
+    v
+}
+
+/// E2B's `SandboxDetail` (also `ListedSandbox`).
+fn detail_json(st: &AppState, x: &Sandbox) -> Value {
+    let end = x.expires_at_ms.unwrap_or(x.created_at_ms + 366 * 24 * 3600 * 1000);
+    let mut v = json!({
+        "sandboxID": x.id,
+        "templateID": template_of(x),
+        "clientID": CLIENT_ID,
+        "startedAt": rfc3339(x.created_at_ms),
+        "endAt": rfc3339(end),
+        "envdVersion": ENVD_VERSION,
+        "cpuCount": x.cpu_millis.div_ceil(1000).max(1),
+        "memoryMB": x.memory_mb,
+        "diskSizeMB": st.e2b.disk_size_mb,
+        "state": e2b_state(x),
+        "metadata": x.labels,
+        "envdAccessToken": st.node.sandbox_token(SandboxTokenKind::Agent, &x.id),
+        "allowInternetAccess": false,
+        "lifecycle": { "autoResume": x.auto_resume, "onTimeout": if x.auto_pause { "pause" } else { "kill" } },
+    });
+    if let Some(d) = &st.e2b.domain {
+        v["domain"] = json!(d);
+    }
+    if let Some(n) = x.network.as_deref().and_then(|n| serde_json::from_str::<Value>(n).ok()) {
+        v["network"] = n;
+    }
+    v
+}
+
+fn created(v: Value) -> Response {
+    (StatusCode::CREATED, Json(v)).into_response()
+}
+
+fn no_content() -> Response {
+    StatusCode::NO_CONTENT.into_response()
+}
+
+// ---- reading and waiting ----
+
+/// A sandbox the caller may see, that has not ended (E2B forgets ended sandboxes).
+fn visible(st: &AppState, who: &Principal, id: &str) -> R<Sandbox> {
+    st.node.read(|s| {
+        let x = s.sandboxes.sandboxes.get(id).ok_or_else(|| E2bError::not_found(id))?;
+        if !s.within(&x.project, &who.project) || !x.is_live() {
+            return Err(E2bError::not_found(id));
+        }
+        Ok(x.clone())
+    })
+}
+
+/// Waits until `done` says the sandbox got where it should (Ok) or cannot (Err).
+async fn wait_for(st: &AppState, id: &str, within: Duration, done: impl Fn(&Sandbox) -> Option<R<()>>) -> R<Sandbox> {
+    let deadline = Instant::now() + within;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        let x = st.node.read(|s| s.sandboxes.sandboxes.get(id).cloned()).ok_or_else(|| E2bError::not_found(id))?;
+        if let Some(r) = done(&x) {
+            return r.map(|_| x);
+        }
+        if Instant::now() >= deadline {
+            return Err(E2bError::new(StatusCode::GATEWAY_TIMEOUT, format!("sandbox {id} did not get there within {} s", within.as_secs())));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+fn ended(x: &Sandbox) -> Option<R<()>> {
+    match x.observed {
+        Observed::Failed | Observed::Exited => {
+            let why = x.reason.clone().unwrap_or_else(|| "it ended".into());
+            Some(Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("sandbox {} failed to start: {why}", x.id))))
+        }
+        _ if x.desired == Desired::Killed => Some(Err(E2bError::not_found(&x.id))),
+        _ => None,
+    }
+}
+
+/// Until the edge reports it running.
+pub(super) async fn wait_ready(st: &AppState, id: &str) -> R<Sandbox> {
+    wait_for(st, id, READY_WAIT, |x| ended(x).or_else(|| (x.observed == Observed::Ready && x.desired == Desired::Running).then_some(Ok(())))).await
+}
+
+// ---- handlers ----
+
+async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let template = opt_str(&m, "templateID")?.filter(|t| !t.is_empty()).ok_or_else(|| E2bError::bad("templateID is required"))?;
+    let timeout = opt_u64(&m, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_SECONDS);
+    let auto_pause = opt_bool(&m, "autoPause")?.unwrap_or(false);
+    let auto_resume = match m.get("autoResume") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Object(o)) => match o.get("enabled") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(E2bError::bad("autoResume.enabled must be a boolean")),
+        },
+        Some(_) => return Err(E2bError::bad("autoResume must be an object {\"enabled\": bool}")),
+    };
+    if opt_bool(&m, "allow_internet_access")? == Some(true) {
+        return Err(E2bError::bad(
+            "allow_internet_access: this OpenDsec release gives sandboxes no network egress (network policy is not implemented yet); omit it or pass false",
+        ));
+    }
+    let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
+    let _ = opt_bool(&m, "autoPauseMemory")?; // containers keep their memory while paused
+    for f in ["mcp", "iam", "volumeMounts"] {
+        unsupported(&m, f)?;
+    }
+    let network = match m.get("network") {
+        None | Some(Value::Null) => None,
+        Some(n) => {
+            check_network(n, "network")?;
+            Some(n.to_string())
+        }
+    };
+    let metadata = string_map(&m, "metadata")?;
+    let env = string_map(&m, "envVars")?;
+    require(&who, Right::SandboxWrite)?;
+    let cmd = Command::CreateSandbox {
+        project: who.project.clone(),
+        image: template.to_string(),
+        cpu_millis: crate::routes::sandboxes::DEFAULT_CPU_MILLIS,
+        memory_mb: crate::routes::sandboxes::DEFAULT_MEMORY_MB,
+        labels: metadata,
+        timeout_seconds: (timeout > 0).then_some(timeout),
+        opts: SandboxOptions { env, auto_pause, auto_resume, network },
+    };
+    let s = submit(&st, &who, &headers, cmd).await?;
+    let x = wait_ready(&st, &s.decided.target).await?;
+    Ok(created(sandbox_json(&st, &x)))
+}
+
+async fn connect(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let timeout = opt_u64(&m, "timeout")?;
+    let x = visible(&st, &who, &id)?;
+    let resumed = x.desired == Desired::Paused || x.observed == Observed::Paused;
+    if resumed {
+        submit(&st, &who, &headers, Command::ResumeSandbox { sandbox: id.clone() }).await?;
+    }
+    if let Some(t) = timeout.filter(|t| *t > 0) {
+        submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id.clone(), timeout_seconds: t }).await?;
+    }
+    let x = wait_ready(&st, &id).await?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(sandbox_json(&st, &x))).into_response())
+}
+
+async fn detail(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Json<Value>> {
+    let who = caller(&st, &headers)?;
+    require(&who, Right::SandboxRead)?;
+    let x = visible(&st, &who, &id)?;
+    Ok(Json(detail_json(&st, &x)))
+}
+
+/// Query parameters as (name, value) pairs, percent-decoded.
+fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
+    form_urlencoded::parse(q.unwrap_or("").as_bytes()).into_owned().collect()
+}
+
+async fn list_v1(st: State<AppState>, headers: HeaderMap, q: RawQuery) -> R<Response> {
+    list(st, headers, q, true).await
+}
+
+async fn list_v2(st: State<AppState>, headers: HeaderMap, q: RawQuery) -> R<Response> {
+    list(st, headers, q, false).await
+}
+
+/// Sandboxes of the caller's project subtree, oldest first, filtered by metadata
+/// (`metadata=k%3Dv%26k2%3Dv2`) and state (`state=running,paused`), paginated with
+/// `limit` and `nextToken` (the next page's token comes in `X-Next-Token`).
+async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQuery, v1: bool) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    require(&who, Right::SandboxRead)?;
+    let mut metadata = BTreeMap::new();
+    let mut states: Vec<String> = Vec::new();
+    let mut limit = LIST_LIMIT_DEFAULT;
+    let mut after: Option<String> = None;
+    for (k, v) in query_pairs(q.as_deref()) {
+        match k.as_str() {
+            "metadata" | "query" => {
+                for (mk, mv) in form_urlencoded::parse(v.as_bytes()) {
+                    metadata.insert(mk.into_owned(), mv.into_owned());
+                }
+            }
+            "state" => {
+                for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                    if s != "running" && s != "paused" {
+                        return Err(E2bError::bad(format!("state {s:?} is not running or paused")));
+                    }
+                    states.push(s.to_string());
+                }
+            }
+            "limit" => {
+                limit = v.parse::<usize>().ok().filter(|l| (1..=LIST_LIMIT_MAX).contains(l)).ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?;
+            }
+            "nextToken" => after = Some(v),
+            _ => {}
+        }
+    }
+    if v1 && states.is_empty() {
+        states.push("running".into());
+    }
+    let (page, next) = st.node.read(|s| {
+        let mut all: Vec<&Sandbox> = s
+            .sandboxes
+            .sandboxes
+            .values()
+            .filter(|x| x.is_live() && s.within(&x.project, &who.project))
+            .filter(|x| states.is_empty() || states.iter().any(|w| w == e2b_state(x)))
+            .filter(|x| metadata.iter().all(|(k, v)| x.labels.get(k) == Some(v)))
+            .collect();
+        all.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        let start = match &after {
+            Some(t) => all.iter().position(|x| token_of(x) == *t).map(|i| i + 1).unwrap_or(all.len()),
+            None => 0,
+        };
+        let rest = &all[start.min(all.len())..];
+        let page: Vec<Value> = rest.iter().take(limit).map(|x| detail_json(&st, x)).collect();
+        let next = (rest.len() > limit).then(|| token_of(rest[limit - 1]));
+        (page, next)
+    });
+    let mut resp = Json(Value::Array(page)).into_response();
+    if let Some(n) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+        resp.headers_mut().insert("x-next-token", n);
+    }
+    Ok(resp)
+}
+
+fn token_of(x: &Sandbox) -> String {
+    format!("{}.{}", x.created_at_ms, x.id)
+}
+
+async fn kill(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    visible(&st, &who, &id)?;
+    submit(&st, &who, &headers, Command::KillSandbox { sandbox: id }).await?;
+    Ok(no_content())
+}
+
+async fn set_timeout(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let t = opt_u64(&m, "timeout")?.ok_or_else(|| E2bError::bad("timeout is required (seconds from now)"))?;
+    visible(&st, &who, &id)?;
+    submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id, timeout_seconds: t }).await?;
+    Ok(no_content())
+}
+
+/// Extends the lifetime to at least `duration` seconds from now (never shortens it).
+async fn refresh(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let d = opt_u64(&m, "duration")?.unwrap_or(60);
+    let x = visible(&st, &who, &id)?;
+    let wanted = opendsec_control::now_ms() + d * 1000;
+    if x.expires_at_ms.is_some_and(|e| e < wanted) {
+        submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id, timeout_seconds: d }).await?;
+    }
+    Ok(no_content())
+}
+
+async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let x = visible(&st, &who, &id)?;
+    if x.desired == Desired::Paused {
+        return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox {id} is already paused")));
+    }
+    submit(&st, &who, &headers, Command::PauseSandbox { sandbox: id.clone() }).await?;
+    wait_for(&st, &id, ACTION_WAIT, |x| ended(x).or_else(|| (x.observed == Observed::Paused).then_some(Ok(())))).await?;
+    Ok(no_content())
+}
+
+async fn snapshot(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let name = opt_str(&m, "name")?.unwrap_or("").to_string();
+    visible(&st, &who, &id)?;
+    let s = submit(&st, &who, &headers, Command::CreateSnapshot { sandbox: id, name: name.clone() }).await?;
+    let snap = s.decided.target.clone();
+    let deadline = Instant::now() + ACTION_WAIT;
+    loop {
+        let state = st.node.read(|s| s.snapshots.snapshots.get(&snap).map(|x| (x.state, x.reason.clone())));
+        match state {
+            Some((SnapshotState::Ready, _)) => break,
+            Some((SnapshotState::Failed, why)) => {
+                return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("snapshot failed: {}", why.unwrap_or_default())));
+            }
+            None => return Err(E2bError::new(StatusCode::NOT_FOUND, format!("snapshot {snap} was deleted"))),
+            Some((SnapshotState::Pending, _)) if Instant::now() >= deadline => {
+                return Err(E2bError::new(StatusCode::GATEWAY_TIMEOUT, format!("snapshot {snap} was not taken within {} s", ACTION_WAIT.as_secs())));
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    let names: Vec<String> = if name.is_empty() { vec![] } else { vec![name] };
+    Ok(created(json!({ "snapshotID": snap, "names": names })))
+}
+
+async fn list_snapshots(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQuery) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    require(&who, Right::SandboxRead)?;
+    let (mut sandbox, mut name, mut limit, mut after) = (None, None, LIST_LIMIT_DEFAULT, None);
+    for (k, v) in query_pairs(q.as_deref()) {
+        match k.as_str() {
+            "sandboxID" => sandbox = Some(v),
+            "name" => name = Some(v),
+            "limit" => {
+                limit = v.parse::<usize>().ok().filter(|l| (1..=LIST_LIMIT_MAX).contains(l)).ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?
+            }
+            "nextToken" => after = Some(v),
+            _ => {}
+        }
+    }
+    let (page, next) = st.node.read(|s| {
+        let all: Vec<_> = s
+            .snapshots
+            .snapshots
+            .values()
+            .filter(|x| x.state == SnapshotState::Ready && s.within(&x.project, &who.project))
+            .filter(|x| sandbox.as_ref().is_none_or(|w| &x.sandbox == w))
+            .filter(|x| name.as_ref().is_none_or(|w| &x.name == w))
+            .collect();
+        let start = after.as_ref().map(|t| all.iter().position(|x| &x.id == t).map(|i| i + 1).unwrap_or(all.len())).unwrap_or(0);
+        let rest = &all[start..];
+        let page: Vec<Value> = rest
+            .iter()
+            .take(limit)
+            .map(|x| json!({ "snapshotID": x.id, "names": if x.name.is_empty() { vec![] } else { vec![x.name.clone()] } }))
+            .collect();
+        let next = (rest.len() > limit).then(|| rest[limit - 1].id.clone());
+        (page, next)
+    });
+    let mut resp = Json(Value::Array(page)).into_response();
+    if let Some(n) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+        resp.headers_mut().insert("x-next-token", n);
+    }
+    Ok(resp)
+}
+
+async fn delete_snapshot(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let known = st.node.read(|s| s.snapshots.snapshots.get(&id).is_some_and(|x| s.within(&x.project, &who.project)));
+    if !known {
+        return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template or snapshot {id} not found (images cannot be deleted through the E2B API)")));
+    }
+    submit(&st, &who, &headers, Command::DeleteSnapshot { snapshot: id }).await?;
+    Ok(no_content())
+}
+
+/// One sample of the sandbox's CPU, memory and disk, taken now by its edge.
+async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    require(&who, Right::SandboxRead)?;
+    let x = visible(&st, &who, &id)?;
+    let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
+    let address = address.ok_or_else(|| E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge of sandbox {id} is not registered")))?;
+    let (status, body) = super::traffic::edge_get(&st, &address, &format!("/metrics/{id}")).await?;
+    if status != 200 {
+        return Err(E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge could not sample sandbox {id}: {}", String::from_utf8_lossy(&body))));
+    }
+    let m: Value = serde_json::from_slice(&body).map_err(|e| E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge's metrics are malformed: {e}")))?;
+    let now = opendsec_control::now_ms();
+    Ok(Json(json!([{
+        "timestamp": rfc3339(now),
+        "timestampUnix": now / 1000,
+        "cpuCount": m["cpu_count"],
+        "cpuUsedPct": m["cpu_used_pct"],
+        "memUsed": m["mem_used"],
+        "memTotal": m["mem_total"],
+        "memCache": m["mem_cache"],
+        "diskUsed": m["disk_used"],
+        "diskTotal": m["disk_total"],
+    }]))
+    .into_response())
+}
+
+/// `count` copies of the sandbox with its file system (containers) as it is now.
+async fn fork(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let count = opt_u64(&m, "count")?.unwrap_or(1);
+    let timeout = opt_u64(&m, "timeout")?;
+    if count == 0 || count > opendsec_commands::LIMITS.fork_count as u64 {
+        return Err(E2bError::bad(format!("count must be 1 to {}", opendsec_commands::LIMITS.fork_count)));
+    }
+    visible(&st, &who, &id)?;
+    let s = submit(&st, &who, &headers, Command::ForkSandbox { sandbox: id, count: count as u32 }).await?;
+    let children: Vec<String> = s
+        .decided
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::SandboxCreated(c) => Some(c.id.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut out = Vec::new();
+    for c in children {
+        let r = async {
+            if let Some(t) = timeout.filter(|t| *t > 0) {
+                submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: c.clone(), timeout_seconds: t }).await?;
+            }
+            wait_ready(&st, &c).await
+        }
+        .await;
+        out.push(match r {
+            Ok(x) => json!({ "sandbox": sandbox_json(&st, &x) }),
+            Err(e) => json!({ "error": { "code": e.status.as_u16(), "message": e.message } }),
+        });
+    }
+    Ok(created(Value::Array(out)))
+}
+
+async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let v = Value::Object(m);
+    check_network(&v, "network")?;
+    visible(&st, &who, &id)?;
+    submit(&st, &who, &headers, Command::SetSandboxNetwork { sandbox: id, network: v.to_string() }).await?;
+    Ok(no_content())
+}
+
+/// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
+/// gateway acts as the control plane here: the request proved it holds the sandbox's
+/// access token.
+pub(super) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
+    let headers = HeaderMap::new();
+    submit_as(st, Credential::System, &headers, Command::ResumeSandbox { sandbox: id.to_string() }).await?;
+    wait_ready(st, id).await
+}

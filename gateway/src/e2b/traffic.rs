@@ -1,0 +1,158 @@
+//! Per-sandbox traffic on the gateway's port: a request is for a sandbox when it carries
+//! `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`, default envd's 49983) or when its host is
+//! `{port}-{sandboxId}.{domain}`. It goes to the sandbox's edge (the id encodes it) and
+//! on to the agent (49983) or, through the agent's tunnel, to that port inside the
+//! sandbox. Bodies stream both ways; upgrades (WebSocket) pass through.
+//!
+//! Who may: envd checks the sandbox's access token itself (`X-Access-Token` or a signed
+//! URL; `/health` is open, as in E2B). The code interpreter (49999) needs the access or
+//! traffic token. Other ports are public unless the sandbox's network settings say
+//! `allowPublicTraffic: false`, when they need `E2B-Traffic-Access-Token` — E2B's rules.
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use opendsec_control::SandboxTokenKind;
+use opendsec_projections::{Desired, Observed};
+use serde_json::json;
+
+use super::api::E2bError;
+use super::{CODE_INTERPRETER_PORT, ENVD_PORT};
+use crate::AppState;
+
+const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
+const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
+const ACCESS_TOKEN_HEADER: &str = "x-access-token";
+const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+enum Target {
+    Control,
+    Sandbox { id: String, port: u16 },
+    Bad(String),
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+fn target_of(st: &AppState, req: &Request) -> Target {
+    let h = |n: &str| req.headers().get(n).and_then(|v| v.to_str().ok()).map(str::trim);
+    match (h(SANDBOX_ID_HEADER), h(SANDBOX_PORT_HEADER)) {
+        (None, None) => {}
+        (Some(id), port) => {
+            if !valid_id(id) {
+                return Target::Bad(format!("{SANDBOX_ID_HEADER} {id:?} is not a sandbox id"));
+            }
+            let port = match port {
+                None => ENVD_PORT,
+                Some(p) => match p.parse::<u16>() {
+                    Ok(p) if p != 0 => p,
+                    _ => return Target::Bad(format!("{SANDBOX_PORT_HEADER} {p:?} is not a port")),
+                },
+            };
+            return Target::Sandbox { id: id.to_string(), port };
+        }
+        (None, Some(_)) => return Target::Bad(format!("{SANDBOX_PORT_HEADER} needs {SANDBOX_ID_HEADER}")),
+    }
+    let Some(domain) = st.e2b.domain_host() else { return Target::Control };
+    let host = req.headers().get(axum::http::header::HOST).and_then(|v| v.to_str().ok()).or_else(|| req.uri().host()).unwrap_or("");
+    let host = host.rsplit_once(':').filter(|(_, p)| p.chars().all(|c| c.is_ascii_digit())).map(|(h, _)| h).unwrap_or(host).to_ascii_lowercase();
+    let Some(label) = host.strip_suffix(&domain).and_then(|l| l.strip_suffix('.')) else { return Target::Control };
+    if label.contains('.') {
+        return Target::Control;
+    }
+    match label.split_once('-') {
+        Some((port, id)) if port.chars().all(|c| c.is_ascii_digit()) && !port.is_empty() => match port.parse::<u16>() {
+            Ok(p) if p != 0 && valid_id(id) => Target::Sandbox { id: id.to_string(), port: p },
+            _ => Target::Bad(format!("{host} is not {{port}}-{{sandboxId}}.{domain}")),
+        },
+        _ => Target::Control,
+    }
+}
+
+/// E2B's answer for a sandbox that does not exist (the SDK's probes look for "was not found").
+fn not_found(id: &str) -> Response {
+    (StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": "The sandbox was not found", "code": 502 }))).into_response()
+}
+
+fn token_is(req: &Request, header: &str, expected: &str) -> Option<bool> {
+    let got = req.headers().get(header)?.to_str().ok()?;
+    Some(got.len() == expected.len() && got.bytes().zip(expected.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0)
+}
+
+/// Middleware in front of every route: sandbox traffic goes to its sandbox, the rest on.
+pub async fn route_sandbox_traffic(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    match target_of(&st, &req) {
+        Target::Control => next.run(req).await,
+        Target::Bad(m) => E2bError::new(StatusCode::BAD_REQUEST, m).into_response(),
+        Target::Sandbox { id, port } => match to_sandbox(&st, id, port, req).await {
+            Ok(r) => r,
+            Err(r) => r,
+        },
+    }
+}
+
+async fn to_sandbox(st: &AppState, id: String, port: u16, mut req: Request) -> Result<Response, Response> {
+    let found = st.node.read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
+    let Some(mut x) = found else { return Err(not_found(&id)) };
+    let agent_token = st.node.sandbox_token(SandboxTokenKind::Agent, &id);
+    let traffic_token = st.node.sandbox_token(SandboxTokenKind::Traffic, &id);
+    match port {
+        ENVD_PORT => {
+            // The agent checks the token (or a signed URL); a wrong one stops here.
+            if token_is(&req, ACCESS_TOKEN_HEADER, &agent_token) == Some(false) {
+                return Err(E2bError::new(StatusCode::UNAUTHORIZED, "invalid access token").into_response());
+            }
+        }
+        _ => {
+            let access = token_is(&req, ACCESS_TOKEN_HEADER, &agent_token) == Some(true);
+            let traffic = token_is(&req, TRAFFIC_TOKEN_HEADER, &traffic_token) == Some(true);
+            let public = x
+                .network
+                .as_deref()
+                .and_then(|n| serde_json::from_str::<serde_json::Value>(n).ok())
+                .and_then(|n| n.get("allowPublicTraffic").and_then(|v| v.as_bool()))
+                .unwrap_or(true);
+            let needs_token = port == CODE_INTERPRETER_PORT || !public;
+            if needs_token && !access && !traffic {
+                return Err(E2bError::new(StatusCode::FORBIDDEN, format!("port {port} of sandbox {id} needs its access or traffic token")).into_response());
+            }
+            // The sandbox's own servers never see the platform's tokens.
+            req.headers_mut().remove(ACCESS_TOKEN_HEADER);
+            req.headers_mut().remove(TRAFFIC_TOKEN_HEADER);
+        }
+    }
+    if x.desired == Desired::Paused || x.observed == Observed::Paused {
+        if !x.auto_resume {
+            return Err((StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 }))).into_response());
+        }
+        x = super::api::auto_resume(st, &id).await.map_err(IntoResponse::into_response)?;
+    }
+    let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
+    let Some(address) = address else {
+        return Err(E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge of sandbox {id} is not registered")).into_response());
+    };
+    let path_and_query = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let uri: Uri = format!("/sandboxes/{id}{path_and_query}")
+        .parse()
+        .map_err(|_| E2bError::new(StatusCode::BAD_REQUEST, "malformed request path").into_response())?;
+    req.headers_mut().remove(SANDBOX_ID_HEADER);
+    req.headers_mut().remove(SANDBOX_PORT_HEADER);
+    req.headers_mut().remove(crate::edge_client::EDGE_KEY_HEADER);
+    req.headers_mut().remove(crate::edge_client::PORT_HEADER);
+    if port != ENVD_PORT {
+        req.headers_mut().insert(crate::edge_client::PORT_HEADER, HeaderValue::from(port));
+    }
+    let req = req.map(Body::new);
+    crate::edge_client::forward(st, &address, uri, req)
+        .await
+        .map_err(|e| E2bError::new(StatusCode::BAD_GATEWAY, e.0).into_response())
+}
+
+/// `GET path` on an edge's proxy, as an E2B result.
+pub(super) async fn edge_get(st: &AppState, address: &str, path: &str) -> Result<(u16, axum::body::Bytes), E2bError> {
+    crate::edge_client::get(st, address, path).await.map_err(|e| E2bError::new(StatusCode::BAD_GATEWAY, e.0))
+}
