@@ -6,7 +6,9 @@
 //! Usage:
 //!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
 //!                        [--access-token-file F] [--default-user NAME]
+//!                        [--env-file F] [--start-file F]
 
+mod config;
 mod connect;
 mod fdio;
 mod files;
@@ -34,10 +36,12 @@ struct Args {
     listen: Listen,
     token_file: Option<PathBuf>,
     default_user: String,
+    env_file: Option<PathBuf>,
+    start_file: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:ADDR:PORT) \
-[--access-token-file FILE] [--default-user NAME]";
+[--access-token-file FILE] [--default-user NAME] [--env-file FILE] [--start-file FILE]";
 
 fn die(msg: &str) -> ! {
     eprintln!("opendsec-agent: {msg}");
@@ -57,6 +61,8 @@ fn parse_args() -> Args {
     let mut listen = None;
     let mut token_file = None;
     let mut default_user = "user".to_string();
+    let mut env_file = None;
+    let mut start_file = None;
     while let Some(a) = it.next() {
         let (flag, inline) = match a.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
@@ -91,6 +97,8 @@ fn parse_args() -> Args {
             }
             "--access-token-file" => token_file = Some(PathBuf::from(val())),
             "--default-user" => default_user = val(),
+            "--env-file" => env_file = Some(PathBuf::from(val())),
+            "--start-file" => start_file = Some(PathBuf::from(val())),
             _ => die(USAGE),
         }
     }
@@ -98,6 +106,8 @@ fn parse_args() -> Args {
         listen: listen.unwrap_or_else(|| die(USAGE)),
         token_file,
         default_user,
+        env_file,
+        start_file,
     }
 }
 
@@ -122,13 +132,17 @@ fn main() {
         }
         t
     });
+    let sandbox_env = match &args.env_file {
+        Some(f) => config::load_env(f).unwrap_or_else(|e| die(&format!("--env-file: {e}"))),
+        None => Default::default(),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(64)
         .enable_all()
         .build()
         .unwrap_or_else(|e| die(&format!("runtime: {e}")));
-    rt.block_on(run(args, token));
+    rt.block_on(run(args, token, sandbox_env));
 }
 
 /// Nothing the agent inherited (the listening socket included) may reach
@@ -194,7 +208,7 @@ fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
     })
 }
 
-async fn run(args: Args, token: Option<String>) {
+async fn run(args: Args, token: Option<String>, sandbox_env: config::SandboxEnv) {
     let listener = match &args.listen {
         Listen::Fd(fd) => from_fd(*fd),
         Listen::Unix(p) => {
@@ -205,7 +219,7 @@ async fn run(args: Args, token: Option<String>) {
     }
     .unwrap_or_else(|e| die(&format!("listen: {e}")));
 
-    let procs = Arc::new(process::Manager::new());
+    let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
     let state = Arc::new(server::State {
         procs: procs.clone(),

@@ -407,22 +407,19 @@ impl Attached {
 
 pub struct Manager {
     table: Mutex<HashMap<u32, Arc<Proc>>>,
+    /// The sandbox's own variables (`--env-file`), given to every process.
+    sandbox_env: crate::config::SandboxEnv,
     /// Exit-status waiters by pid. Its lock is also the spawn lock: a child
     /// is registered before the reaper can collect it, and the reaper never
     /// reaps a child std's spawn() still has to wait for (failed exec).
     waiters: Mutex<HashMap<i32, oneshot::Sender<i32>>>,
 }
 
-impl Default for Manager {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Manager {
-    pub fn new() -> Manager {
+    pub fn new(sandbox_env: crate::config::SandboxEnv) -> Manager {
         Manager {
             table: Mutex::new(HashMap::new()),
+            sandbox_env,
             waiters: Mutex::new(HashMap::new()),
         }
     }
@@ -543,7 +540,7 @@ impl Manager {
         cmd.env("HOME", &user.home);
         cmd.env("USER", &user.name);
         cmd.env("LOGNAME", &user.name);
-        for (k, v) in &cfg.envs {
+        for (k, v) in self.sandbox_env.iter().chain(&cfg.envs) {
             cmd.env(k, v);
         }
 
@@ -561,7 +558,10 @@ impl Manager {
                 // Out of memory, the kernel must pick a sandbox process, never the agent
                 // (PID 1, whose death ends the sandbox): raise the child's OOM score.
                 // Raising needs no privilege; failing to is harmless.
-                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                let fd = libc::open(
+                    c"/proc/self/oom_score_adj".as_ptr(),
+                    libc::O_WRONLY | libc::O_CLOEXEC,
+                );
                 if fd >= 0 {
                     libc::write(fd, b"500".as_ptr().cast(), 3);
                     libc::close(fd);
