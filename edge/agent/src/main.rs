@@ -16,6 +16,7 @@ mod fs;
 mod json;
 mod process;
 mod server;
+mod tunnel;
 mod users;
 
 use std::net::SocketAddr;
@@ -283,6 +284,7 @@ where
             .timer(TokioTimer::new())
             .keep_alive(true)
             .serve_connection(TokioIo::new(s), svc)
+            .with_upgrades()
             .await;
     });
 }

@@ -17,6 +17,7 @@ use crate::connect::{
 use crate::files;
 use crate::fs;
 use crate::process::{self, Manager};
+use crate::tunnel;
 use crate::users::{self, User};
 
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(50);
@@ -32,7 +33,7 @@ fn header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
     req.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
-fn query_param(req: &Request<Incoming>, key: &str) -> Option<String> {
+pub fn query_param<B>(req: &Request<B>, key: &str) -> Option<String> {
     let q = req.uri().query()?;
     for pair in q.split('&') {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -132,12 +133,15 @@ pub async fn handle(
             .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
         if !ok {
             let e = RpcError::new(Code::Unauthenticated, "missing or invalid access token");
-            return Ok(if path == "/files" {
+            return Ok(if path == "/files" || path == tunnel::PATH {
                 files::http_error(&e)
             } else {
                 connect::unary_error(&e)
             });
         }
+    }
+    if path == tunnel::PATH {
+        return Ok(tunnel::open(req).await);
     }
     if path == "/files" {
         return Ok(files_route(state, req)
