@@ -16,6 +16,7 @@ mod fs;
 mod json;
 mod process;
 mod server;
+mod start;
 mod tunnel;
 mod users;
 
@@ -137,13 +138,17 @@ fn main() {
         Some(f) => config::load_env(f).unwrap_or_else(|e| die(&format!("--env-file: {e}"))),
         None => Default::default(),
     };
+    let start_cmd = args
+        .start_file
+        .as_ref()
+        .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(64)
         .enable_all()
         .build()
         .unwrap_or_else(|e| die(&format!("runtime: {e}")));
-    rt.block_on(run(args, token, sandbox_env));
+    rt.block_on(run(args, token, sandbox_env, start_cmd));
 }
 
 /// Nothing the agent inherited (the listening socket included) may reach
@@ -209,7 +214,12 @@ fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
     })
 }
 
-async fn run(args: Args, token: Option<String>, sandbox_env: config::SandboxEnv) {
+async fn run(
+    args: Args,
+    token: Option<String>,
+    sandbox_env: config::SandboxEnv,
+    start_cmd: Option<config::StartCommand>,
+) {
     let listener = match &args.listen {
         Listen::Fd(fd) => from_fd(*fd),
         Listen::Unix(p) => {
@@ -222,11 +232,16 @@ async fn run(args: Args, token: Option<String>, sandbox_env: config::SandboxEnv)
 
     let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
+    let readiness = match start_cmd {
+        Some(c) => start::boot(&procs, c, &args.default_user),
+        None => Arc::new(std::sync::Mutex::new(start::Readiness::Ready)),
+    };
     let state = Arc::new(server::State {
         procs: procs.clone(),
         watchers: fs::Watchers::default(),
         token,
         default_user: args.default_user,
+        readiness,
     });
 
     // SIGTERM (and SIGINT): forward to the processes, give them a moment, exit.

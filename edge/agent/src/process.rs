@@ -250,6 +250,9 @@ pub struct Proc {
     pty: Option<Arc<Fd>>,
     pty_write: tokio::sync::Mutex<()>,
     out: Mutex<Out>,
+    /// How it ended, once it has (for the agent's own watchers, such as the
+    /// start command's readiness; clients get the end event).
+    end: tokio::sync::watch::Sender<Option<End>>,
 }
 
 impl Proc {
@@ -327,6 +330,18 @@ impl Proc {
             ));
         }
         Ok(())
+    }
+
+    /// Resolves when the process has ended (and its output has been drained).
+    pub async fn ended(&self) -> End {
+        let mut rx = self.end.subscribe();
+        loop {
+            if let Some(e) = rx.borrow_and_update().clone() {
+                return e;
+            }
+            // The sender lives in this Proc, so it outlives `rx`'s wait.
+            let _ = rx.changed().await;
+        }
     }
 
     pub fn info_json(&self) -> serde_json::Value {
@@ -665,6 +680,7 @@ impl Manager {
                 backlog_bytes: 0,
                 ended: false,
             }),
+            end: tokio::sync::watch::Sender::new(None),
         });
         self.table.lock().unwrap().insert(pid, proc.clone());
 
@@ -735,6 +751,7 @@ impl Manager {
             std::mem::take(&mut o.subs)
         };
         proc.stdin.lock().await.take();
+        proc.end.send_replace(Some(end.clone()));
         for s in subs {
             let _ =
                 tokio::time::timeout(Duration::from_secs(60), s.send(Ev::End(end.clone()))).await;

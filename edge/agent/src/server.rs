@@ -27,6 +27,8 @@ pub struct State {
     pub watchers: fs::Watchers,
     pub token: Option<String>,
     pub default_user: String,
+    /// The start command's readiness, which `/health` reports.
+    pub readiness: crate::start::Shared,
 }
 
 fn header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
@@ -123,6 +125,13 @@ pub async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
     if path == "/health" && (req.method() == Method::GET || req.method() == Method::HEAD) {
+        let unhealthy = state.readiness.lock().unwrap().unhealthy();
+        if let Some(message) = unhealthy {
+            return Ok(connect::json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"code": 503, "message": message}),
+            ));
+        }
         return Ok(Response::builder()
             .status(StatusCode::NO_CONTENT)
             .body(Body::empty())

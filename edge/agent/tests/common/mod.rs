@@ -94,6 +94,9 @@ pub struct Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- agent stderr ---\n{}", self.stderr());
+        }
         // SIGTERM first: the agent forwards it to its processes and exits.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(3);
@@ -142,6 +145,9 @@ impl Agent {
         }
         let d = dir.path().display().to_string();
         cmd.args(extra.iter().map(|a| a.replace("{dir}", &d)));
+        // The agent's log, for tests that check what it says.
+        let log = std::fs::File::create(dir.path().join("agent.stderr")).unwrap();
+        cmd.stderr(log);
         let child = cmd.spawn().expect("agent binary starts");
         let agent = Agent {
             child,
@@ -163,6 +169,11 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         agent
+    }
+
+    /// What the agent has written to stderr so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.stderr")).unwrap_or_default()
     }
 
     pub fn path(&self, p: &str) -> String {
