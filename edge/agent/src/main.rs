@@ -16,6 +16,7 @@ mod fs;
 mod json;
 mod process;
 mod server;
+mod sha256;
 mod start;
 mod tunnel;
 mod users;
