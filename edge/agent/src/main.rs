@@ -4,6 +4,7 @@
 //! handed to it by the edge.
 //!
 //! Usage:
+//!   opendsec-agent --envd-version      (prints the envd version it implements)
 //!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
 //!                        [--access-token-file F] [--default-user NAME]
 //!                        [--env-file F] [--start-file F]
@@ -14,6 +15,7 @@ mod fdio;
 mod files;
 mod fs;
 mod json;
+mod metadata;
 mod process;
 mod server;
 mod sha256;
@@ -28,6 +30,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
+
+/// The envd version the agent reports (as the sandbox's `envdVersion`). The
+/// E2B SDK switches features on by it (`e2b/envd/versions.py`); 0.6.4 is
+/// the lowest version that turns on every one of them, and the agent
+/// implements each: recursive watch (0.1.4), the stdin flag (0.3.0), the
+/// default user (0.4.0), CloseStdin (0.5.2), octet-stream uploads (0.5.7),
+/// file metadata (0.6.2), entries in watch events (0.6.3) and
+/// `allow_network_mounts` (0.6.4).
+pub const ENVD_VERSION: &str = "0.6.4";
 
 enum Listen {
     Fd(RawFd),
@@ -55,6 +66,10 @@ fn parse_args() -> Args {
     let mut it = std::env::args().skip(1);
     match it.next().as_deref() {
         Some("serve") => {}
+        Some("--envd-version") => {
+            println!("{ENVD_VERSION}");
+            std::process::exit(0)
+        }
         Some("--version") => {
             println!("opendsec-agent {}", env!("CARGO_PKG_VERSION"));
             std::process::exit(0)
