@@ -9,6 +9,7 @@
 //!                        [--access-token-file F] [--default-user NAME]
 //!                        [--env-file F] [--start-file F]
 
+mod chronus;
 mod config;
 mod connect;
 mod fdio;
@@ -46,8 +47,21 @@ enum Listen {
     Tcp(SocketAddr),
 }
 
+/// `serve` runs the supervisor (PID 1), which runs `server` as its child
+/// (see `chronus`); `server` is internal to the agent.
+#[derive(PartialEq)]
+enum Role {
+    Supervisor,
+    Server,
+}
+
 struct Args {
+    role: Role,
     listen: Listen,
+    /// The server's end of the supervisor's socketpair.
+    control_fd: Option<RawFd>,
+    /// The flags the supervisor passes on to each server (all but --listen*).
+    passthrough: Vec<String>,
     token_file: Option<PathBuf>,
     default_user: String,
     env_file: Option<PathBuf>,
@@ -64,8 +78,9 @@ fn die(msg: &str) -> ! {
 
 fn parse_args() -> Args {
     let mut it = std::env::args().skip(1);
-    match it.next().as_deref() {
-        Some("serve") => {}
+    let role = match it.next().as_deref() {
+        Some("serve") => Role::Supervisor,
+        Some("server") => Role::Server,
         Some("--envd-version") => {
             println!("{ENVD_VERSION}");
             std::process::exit(0)
@@ -75,8 +90,10 @@ fn parse_args() -> Args {
             std::process::exit(0)
         }
         _ => die(USAGE),
-    }
+    };
     let mut listen = None;
+    let mut control_fd = None;
+    let mut passthrough = Vec::new();
     let mut token_file = None;
     let mut default_user = "user".to_string();
     let mut env_file = None;
@@ -87,10 +104,15 @@ fn parse_args() -> Args {
             _ => (a.clone(), None),
         };
         let mut val = || {
-            inline
+            let v = inline
                 .clone()
                 .or_else(|| it.next())
-                .unwrap_or_else(|| die(&format!("{flag} needs a value")))
+                .unwrap_or_else(|| die(&format!("{flag} needs a value")));
+            if !flag.starts_with("--listen") && flag != "--control-fd" {
+                passthrough.push(flag.clone());
+                passthrough.push(v.clone());
+            }
+            v
         };
         match flag.as_str() {
             "--listen-fd" => {
@@ -113,6 +135,13 @@ fn parse_args() -> Args {
                     die("--listen takes unix:/path or tcp:IP:PORT")
                 });
             }
+            "--control-fd" if role == Role::Server => {
+                control_fd = Some(
+                    val()
+                        .parse()
+                        .unwrap_or_else(|_| die("--control-fd needs a number")),
+                )
+            }
             "--access-token-file" => token_file = Some(PathBuf::from(val())),
             "--default-user" => default_user = val(),
             "--env-file" => env_file = Some(PathBuf::from(val())),
@@ -121,7 +150,10 @@ fn parse_args() -> Args {
         }
     }
     Args {
+        role,
         listen: listen.unwrap_or_else(|| die(USAGE)),
+        control_fd,
+        passthrough,
         token_file,
         default_user,
         env_file,
@@ -136,11 +168,14 @@ fn main() {
         // Same-uid sandbox processes may not ptrace the agent or open its
         // /proc/<pid>/fd, mem, environ.
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
-        // When not PID 1 (tests, some VMs), orphans still come to us to reap.
+        // When not PID 1 (tests, some VMs), orphans still come to us to
+        // reap: to the server, and when the server dies to the supervisor.
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
     cloexec_inherited_fds();
-    users::init();
+    // Both roles read the files: the supervisor so that a bad file stops
+    // the sandbox at boot with a clear message, each server because it is
+    // the one that uses them (and an upgrade may bring a new reading).
     let token = args.token_file.as_ref().map(|f| {
         let t = std::fs::read_to_string(f)
             .unwrap_or_else(|e| die(&format!("reading {}: {e}", f.display())));
@@ -158,13 +193,47 @@ fn main() {
         .start_file
         .as_ref()
         .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
+    if args.role == Role::Supervisor {
+        let listen = bind(&args.listen).unwrap_or_else(|e| die(&format!("listen: {e}")));
+        let mut server_args = vec![
+            "--listen-fd".to_string(),
+            chronus::SERVER_LISTEN_FD.to_string(),
+        ];
+        server_args.extend([
+            "--control-fd".to_string(),
+            chronus::SERVER_CONTROL_FD.to_string(),
+        ]);
+        server_args.extend(args.passthrough.iter().cloned());
+        chronus::supervise(listen, server_args);
+    }
+    users::init();
+    let handoff = args
+        .control_fd
+        .map(|fd| chronus::connect(fd).unwrap_or_else(|e| die(&format!("supervisor link: {e}"))));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(64)
         .enable_all()
         .build()
         .unwrap_or_else(|e| die(&format!("runtime: {e}")));
-    rt.block_on(run(args, token, sandbox_env, start_cmd));
+    rt.block_on(run(args, token, sandbox_env, start_cmd, handoff));
+}
+
+/// The supervisor's listening socket, which every server inherits.
+fn bind(listen: &Listen) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::OwnedFd;
+    Ok(match listen {
+        Listen::Fd(fd) => {
+            fdio::set_cloexec(*fd)?;
+            // SAFETY: the fd was handed to us to own.
+            unsafe { OwnedFd::from_raw_fd(*fd) }
+        }
+        Listen::Unix(p) => {
+            let _ = std::fs::remove_file(p);
+            std::os::unix::net::UnixListener::bind(p)?.into()
+        }
+        Listen::Tcp(a) => std::net::TcpListener::bind(a)?.into(),
+    })
 }
 
 /// Nothing the agent inherited (the listening socket included) may reach
@@ -235,6 +304,7 @@ async fn run(
     token: Option<String>,
     sandbox_env: config::SandboxEnv,
     start_cmd: Option<config::StartCommand>,
+    handoff: Option<chronus::Handoff>,
 ) {
     let listener = match &args.listen {
         Listen::Fd(fd) => from_fd(*fd),
@@ -248,10 +318,22 @@ async fn run(
 
     let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
-    let readiness = match start_cmd {
-        Some(c) => start::boot(&procs, c, &args.default_user),
-        None => Arc::new(std::sync::Mutex::new(start::Readiness::Ready)),
+    let readiness = match handoff {
+        // A restarted server: take over the sessions and the start
+        // command's readiness; the start command runs already.
+        Some(h) if h.generation > 1 => {
+            procs.adopt(h.sessions);
+            start::resume(&procs, h.state)
+        }
+        _ => match start_cmd {
+            Some(c) => start::boot(&procs, c, &args.default_user),
+            None => start::ready(),
+        },
     };
+    if let Some(link) = chronus::link() {
+        let p = procs.clone();
+        tokio::spawn(link.exits(move |pid, st| p.adopted_exited(pid, st)));
+    }
     let state = Arc::new(server::State {
         procs: procs.clone(),
         watchers: fs::Watchers::default(),

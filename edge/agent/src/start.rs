@@ -50,9 +50,49 @@ fn describe(end: &End) -> String {
     }
 }
 
+/// Changes the readiness, and tells the supervisor, which hands it to the
+/// next server if this one dies.
+fn set(state: &Shared, r: Readiness) {
+    if let Some(link) = crate::chronus::link()
+        && let Ok(v) = serde_json::to_value(&r)
+    {
+        link.save_state(v);
+    }
+    *state.lock().unwrap() = r;
+}
+
 fn fail(state: &Shared, message: String) {
     eprintln!("opendsec-agent: {message}");
-    *state.lock().unwrap() = Readiness::Failed { message };
+    set(state, Readiness::Failed { message });
+}
+
+/// No start command: ready.
+pub fn ready() -> Shared {
+    Arc::new(Mutex::new(Readiness::Ready))
+}
+
+/// A restarted server takes the readiness over from the one before, and
+/// follows the start command again if it was still getting ready.
+pub fn resume(procs: &Arc<Manager>, saved: Option<serde_json::Value>) -> Shared {
+    let r = saved
+        .and_then(|v| serde_json::from_value(v).ok())
+        .unwrap_or(Readiness::Ready);
+    let state = Arc::new(Mutex::new(r.clone()));
+    match r {
+        Readiness::Waiting { pid, .. } => match procs.find_pid(pid) {
+            Some(p) => follow(p, state.clone()),
+            None => fail(
+                &state,
+                format!("start command (pid {pid}) ended while the agent restarted"),
+            ),
+        },
+        Readiness::Ready | Readiness::Failed { .. } => {
+            if let Some(p) = procs.find_tag(START_TAG) {
+                follow(p, state.clone());
+            }
+        }
+    }
+    state
 }
 
 /// Starts the start command (first boot only) and follows it.
@@ -85,7 +125,7 @@ pub fn boot(procs: &Arc<Manager>, cmd: StartCommand, default_user: &str) -> Shar
             // Nobody is attached: its output goes to the bounded backlog.
             attached.detach(None);
             if let Some(port) = cmd.ready_port {
-                *state.lock().unwrap() = Readiness::Waiting { pid, port };
+                set(&state, Readiness::Waiting { pid, port });
             }
             follow(attached_proc, state.clone());
         }
@@ -112,7 +152,7 @@ pub fn follow(proc: Arc<Proc>, state: Shared) {
                 }
             };
             tokio::select! {
-                _ = ready => *state.lock().unwrap() = Readiness::Ready,
+                _ = ready => set(&state, Readiness::Ready),
                 end = proc.ended() => {
                     return fail(&state, format!(
                         "start command (pid {pid}) ended with {} before port {port} was ready",
