@@ -269,8 +269,47 @@ impl Agent {
         Stream::new(r.into_body())
     }
 
+    /// The pid of the agent's current server (the supervisor's child that
+    /// runs `opendsec-agent server`), once there is one.
+    pub async fn server_pid(&self) -> u32 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(pid) = self.try_server_pid() {
+                return pid;
+            }
+            assert!(Instant::now() < deadline, "no server process");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn try_server_pid(&self) -> Option<u32> {
+        let sup = self.pid();
+        for e in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // pid (comm) state ppid ...: comm may hold spaces, so split after ')'.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid != Some(sup) {
+                continue;
+            }
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if cmdline.split(|b| *b == 0).nth(1) == Some(&b"server"[..]) {
+                return Some(pid);
+            }
+        }
+        None
+    }
+
     pub async fn rss_kib(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let server = self.server_pid().await;
+        let s = std::fs::read_to_string(format!("/proc/{server}/status")).unwrap();
         s.lines()
             .find(|l| l.starts_with("VmRSS:"))
             .and_then(|l| l.split_whitespace().nth(1))
