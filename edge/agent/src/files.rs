@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::connect::{Body, Code, RpcError, json_response};
+use crate::metadata::{self, Metadata};
 use crate::users::{self, User};
 
 const READ_CHUNK: usize = 64 * 1024;
@@ -113,8 +114,14 @@ struct Sink {
     done: tokio::task::JoinHandle<Result<(), RpcError>>,
 }
 
-async fn open_sink(user: &User, path: PathBuf, gunzip: bool) -> Result<Sink, RpcError> {
+async fn open_sink(
+    user: &User,
+    path: PathBuf,
+    gunzip: bool,
+    meta: &Metadata,
+) -> Result<Sink, RpcError> {
     let p = path.clone();
+    let meta = meta.clone();
     let file = users::blocking_as(user, move || {
         let s = p.display().to_string();
         if let Some(parent) = p.parent() {
@@ -124,7 +131,9 @@ async fn open_sink(user: &User, path: PathBuf, gunzip: bool) -> Result<Sink, Rpc
         if std::fs::metadata(&p).map(|m| m.is_dir()).unwrap_or(false) {
             return Err(RpcError::invalid(format!("path '{s}' is a directory")));
         }
-        std::fs::File::create(&p).map_err(|e| RpcError::io(e, &s))
+        let f = std::fs::File::create(&p).map_err(|e| RpcError::io(e, &s))?;
+        metadata::write(&f, &meta)?;
+        Ok(f)
     })
     .await?;
     let (tx, mut rx) = mpsc::channel::<Bytes>(4);
@@ -168,12 +177,16 @@ impl Sink {
     }
 }
 
-fn write_info(path: &Path) -> Value {
-    json!({
+fn write_info(path: &Path, meta: &Metadata) -> Value {
+    let mut v = json!({
         "name": path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
         "type": "file",
         "path": path.to_string_lossy(),
-    })
+    });
+    if !meta.is_empty() {
+        v["metadata"] = json!(meta);
+    }
+    v
 }
 
 pub async fn post(
@@ -192,6 +205,7 @@ pub async fn post(
         .and_then(|v| v.to_str().ok())
         .map(|v| v.trim().eq_ignore_ascii_case("gzip"))
         .unwrap_or(false);
+    let meta = metadata::from_headers(headers)?;
     let infos = if ctype.to_ascii_lowercase().starts_with("multipart/") {
         let boundary = ctype
             .split(';')
@@ -199,13 +213,13 @@ pub async fn post(
             .find(|(k, _)| k.trim().eq_ignore_ascii_case("boundary"))
             .map(|(_, v)| v.trim().trim_matches('"').to_string())
             .ok_or_else(|| RpcError::invalid("multipart body without boundary"))?;
-        multipart(&user, path, &boundary, gunzip, body).await?
+        multipart(&user, path, &boundary, gunzip, &meta, body).await?
     } else {
         let path = users::resolve_path(
             &user,
             path.ok_or_else(|| RpcError::invalid("path is required"))?,
         )?;
-        let sink = open_sink(&user, path.clone(), gunzip).await?;
+        let sink = open_sink(&user, path.clone(), gunzip, &meta).await?;
         let mut body = body;
         let mut res = Ok(());
         while let Some(f) = body.frame().await {
@@ -227,7 +241,7 @@ pub async fn post(
         let fin = sink.finish().await;
         res?;
         fin?;
-        vec![write_info(&path)]
+        vec![write_info(&path, &meta)]
     };
     Ok(json_response(StatusCode::OK, &Value::Array(infos)))
 }
@@ -293,6 +307,7 @@ async fn multipart(
     path: Option<&str>,
     boundary: &str,
     gunzip: bool,
+    meta: &Metadata,
     body: Incoming,
 ) -> Result<Vec<Value>, RpcError> {
     let delim = format!("\r\n--{boundary}").into_bytes();
@@ -351,7 +366,7 @@ async fn multipart(
             None
         };
         let sink = match &target {
-            Some(t) => Some(open_sink(user, t.clone(), gunzip).await?),
+            Some(t) => Some(open_sink(user, t.clone(), gunzip, meta).await?),
             None => None,
         };
         // Stream the part's data up to the next delimiter.
@@ -386,7 +401,7 @@ async fn multipart(
             res?;
         }
         if let Some(t) = target {
-            out.push(write_info(&t));
+            out.push(write_info(&t, meta));
         }
     }
     Ok(out)

@@ -38,6 +38,10 @@ pub struct WatchRequest {
     pub recursive: bool,
     #[serde(rename = "includeEntry", alias = "include_entry")]
     pub include_entry: bool,
+    /// Watching a network file system (NFS, SMB, FUSE) must be asked for:
+    /// its events may be late or missing.
+    #[serde(rename = "allowNetworkMounts", alias = "allow_network_mounts")]
+    pub allow_network_mounts: bool,
 }
 
 impl WatchRequest {
@@ -131,6 +135,9 @@ pub fn entry_info(path: &Path, names: &Names) -> std::io::Result<Value> {
         "group": names.group(lm.gid()),
         "modifiedTime": rfc3339(lm.mtime(), lm.mtime_nsec()),
     });
+    if let Some(m) = crate::metadata::read(path) {
+        v["metadata"] = json!(m);
+    }
     if is_link {
         v["isSymlink"] = json!(true);
         let target = std::fs::canonicalize(path)
@@ -285,6 +292,14 @@ impl Watch {
         if !m.is_dir() {
             return Err(RpcError::invalid(format!("path {p} is not a directory")));
         }
+        if !req.allow_network_mounts
+            && let Some(kind) = as_user(user, || network_fs(&root))
+        {
+            return Err(RpcError::invalid(format!(
+                "path {p} is on a network file system ({kind}), where watch events may not \
+                 be delivered; set allow_network_mounts to watch it anyway"
+            )));
+        }
         // SAFETY: plain system call.
         let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
         if raw < 0 {
@@ -406,6 +421,35 @@ impl Watch {
     }
 }
 
+/// The kind of network file system `path` is on, if it is on one.
+fn network_fs(path: &Path) -> Option<&'static str> {
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statfs fills the struct it is given.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } < 0 {
+        return None;
+    }
+    network_fs_kind(st.f_type as i64)
+}
+
+/// Network file systems by their statfs magic number.
+fn network_fs_kind(magic: i64) -> Option<&'static str> {
+    match magic {
+        0x6969 => Some("nfs"),
+        0x517b => Some("smb"),
+        0xff534d42 => Some("cifs"),
+        0xfe534d42 => Some("smb2"),
+        0x65735546 => Some("fuse"),
+        0x564c => Some("ncp"),
+        0x73757245 => Some("coda"),
+        0x6b414653 => Some("afs"),
+        0x01021997 => Some("9p"),
+        0x47504653 => Some("gpfs"),
+        0x00c36400 => Some("ceph"),
+        _ => None,
+    }
+}
+
 /// Watchers polled with GetWatcherEvents (the sync SDK's watch_dir).
 #[derive(Default)]
 pub struct Watchers {
@@ -485,5 +529,21 @@ impl Watchers {
         p.task.abort();
         self.map.lock().unwrap().remove(&req.watcher_id);
         Ok(json!({}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::network_fs_kind;
+
+    #[test]
+    fn network_file_systems_are_told_from_local_ones() {
+        assert_eq!(network_fs_kind(0x6969), Some("nfs"));
+        assert_eq!(network_fs_kind(0xff534d42), Some("cifs"));
+        assert_eq!(network_fs_kind(0x65735546), Some("fuse"));
+        // ext4, tmpfs, overlayfs, xfs, btrfs: local.
+        for local in [0xef53, 0x01021994, 0x794c7630, 0x58465342, 0x9123683e] {
+            assert_eq!(network_fs_kind(local), None, "{local:#x}");
+        }
     }
 }

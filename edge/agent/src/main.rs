@@ -4,16 +4,24 @@
 //! handed to it by the edge.
 //!
 //! Usage:
+//!   opendsec-agent --envd-version      (prints the envd version it implements)
 //!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
 //!                        [--access-token-file F] [--default-user NAME]
+//!                        [--env-file F] [--start-file F]
 
+mod chronus;
+mod config;
 mod connect;
 mod fdio;
 mod files;
 mod fs;
 mod json;
+mod metadata;
 mod process;
 mod server;
+mod sha256;
+mod start;
+mod tunnel;
 mod users;
 
 use std::net::SocketAddr;
@@ -24,20 +32,44 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 
+/// The envd version the agent reports (as the sandbox's `envdVersion`). The
+/// E2B SDK switches features on by it (`e2b/envd/versions.py`); 0.6.4 is
+/// the lowest version that turns on every one of them, and the agent
+/// implements each: recursive watch (0.1.4), the stdin flag (0.3.0), the
+/// default user (0.4.0), CloseStdin (0.5.2), octet-stream uploads (0.5.7),
+/// file metadata (0.6.2), entries in watch events (0.6.3) and
+/// `allow_network_mounts` (0.6.4).
+pub const ENVD_VERSION: &str = "0.6.4";
+
 enum Listen {
     Fd(RawFd),
     Unix(PathBuf),
     Tcp(SocketAddr),
 }
 
+/// `serve` runs the supervisor (PID 1), which runs `server` as its child
+/// (see `chronus`); `server` is internal to the agent.
+#[derive(PartialEq)]
+enum Role {
+    Supervisor,
+    Server,
+}
+
 struct Args {
+    role: Role,
     listen: Listen,
+    /// The server's end of the supervisor's socketpair.
+    control_fd: Option<RawFd>,
+    /// The flags the supervisor passes on to each server (all but --listen*).
+    passthrough: Vec<String>,
     token_file: Option<PathBuf>,
     default_user: String,
+    env_file: Option<PathBuf>,
+    start_file: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:ADDR:PORT) \
-[--access-token-file FILE] [--default-user NAME]";
+[--access-token-file FILE] [--default-user NAME] [--env-file FILE] [--start-file FILE]";
 
 fn die(msg: &str) -> ! {
     eprintln!("opendsec-agent: {msg}");
@@ -46,27 +78,41 @@ fn die(msg: &str) -> ! {
 
 fn parse_args() -> Args {
     let mut it = std::env::args().skip(1);
-    match it.next().as_deref() {
-        Some("serve") => {}
+    let role = match it.next().as_deref() {
+        Some("serve") => Role::Supervisor,
+        Some("server") => Role::Server,
+        Some("--envd-version") => {
+            println!("{ENVD_VERSION}");
+            std::process::exit(0)
+        }
         Some("--version") => {
             println!("opendsec-agent {}", env!("CARGO_PKG_VERSION"));
             std::process::exit(0)
         }
         _ => die(USAGE),
-    }
+    };
     let mut listen = None;
+    let mut control_fd = None;
+    let mut passthrough = Vec::new();
     let mut token_file = None;
     let mut default_user = "user".to_string();
+    let mut env_file = None;
+    let mut start_file = None;
     while let Some(a) = it.next() {
         let (flag, inline) = match a.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
             _ => (a.clone(), None),
         };
         let mut val = || {
-            inline
+            let v = inline
                 .clone()
                 .or_else(|| it.next())
-                .unwrap_or_else(|| die(&format!("{flag} needs a value")))
+                .unwrap_or_else(|| die(&format!("{flag} needs a value")));
+            if !flag.starts_with("--listen") && flag != "--control-fd" {
+                passthrough.push(flag.clone());
+                passthrough.push(v.clone());
+            }
+            v
         };
         match flag.as_str() {
             "--listen-fd" => {
@@ -89,15 +135,29 @@ fn parse_args() -> Args {
                     die("--listen takes unix:/path or tcp:IP:PORT")
                 });
             }
+            "--control-fd" if role == Role::Server => {
+                control_fd = Some(
+                    val()
+                        .parse()
+                        .unwrap_or_else(|_| die("--control-fd needs a number")),
+                )
+            }
             "--access-token-file" => token_file = Some(PathBuf::from(val())),
             "--default-user" => default_user = val(),
+            "--env-file" => env_file = Some(PathBuf::from(val())),
+            "--start-file" => start_file = Some(PathBuf::from(val())),
             _ => die(USAGE),
         }
     }
     Args {
+        role,
         listen: listen.unwrap_or_else(|| die(USAGE)),
+        control_fd,
+        passthrough,
         token_file,
         default_user,
+        env_file,
+        start_file,
     }
 }
 
@@ -108,11 +168,14 @@ fn main() {
         // Same-uid sandbox processes may not ptrace the agent or open its
         // /proc/<pid>/fd, mem, environ.
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
-        // When not PID 1 (tests, some VMs), orphans still come to us to reap.
+        // When not PID 1 (tests, some VMs), orphans still come to us to
+        // reap: to the server, and when the server dies to the supervisor.
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
     cloexec_inherited_fds();
-    users::init();
+    // Both roles read the files: the supervisor so that a bad file stops
+    // the sandbox at boot with a clear message, each server because it is
+    // the one that uses them (and an upgrade may bring a new reading).
     let token = args.token_file.as_ref().map(|f| {
         let t = std::fs::read_to_string(f)
             .unwrap_or_else(|e| die(&format!("reading {}: {e}", f.display())));
@@ -122,13 +185,55 @@ fn main() {
         }
         t
     });
+    let sandbox_env = match &args.env_file {
+        Some(f) => config::load_env(f).unwrap_or_else(|e| die(&format!("--env-file: {e}"))),
+        None => Default::default(),
+    };
+    let start_cmd = args
+        .start_file
+        .as_ref()
+        .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
+    if args.role == Role::Supervisor {
+        let listen = bind(&args.listen).unwrap_or_else(|e| die(&format!("listen: {e}")));
+        let mut server_args = vec![
+            "--listen-fd".to_string(),
+            chronus::SERVER_LISTEN_FD.to_string(),
+        ];
+        server_args.extend([
+            "--control-fd".to_string(),
+            chronus::SERVER_CONTROL_FD.to_string(),
+        ]);
+        server_args.extend(args.passthrough.iter().cloned());
+        chronus::supervise(listen, server_args);
+    }
+    users::init();
+    let handoff = args
+        .control_fd
+        .map(|fd| chronus::connect(fd).unwrap_or_else(|e| die(&format!("supervisor link: {e}"))));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(64)
         .enable_all()
         .build()
         .unwrap_or_else(|e| die(&format!("runtime: {e}")));
-    rt.block_on(run(args, token));
+    rt.block_on(run(args, token, sandbox_env, start_cmd, handoff));
+}
+
+/// The supervisor's listening socket, which every server inherits.
+fn bind(listen: &Listen) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::OwnedFd;
+    Ok(match listen {
+        Listen::Fd(fd) => {
+            fdio::set_cloexec(*fd)?;
+            // SAFETY: the fd was handed to us to own.
+            unsafe { OwnedFd::from_raw_fd(*fd) }
+        }
+        Listen::Unix(p) => {
+            let _ = std::fs::remove_file(p);
+            std::os::unix::net::UnixListener::bind(p)?.into()
+        }
+        Listen::Tcp(a) => std::net::TcpListener::bind(a)?.into(),
+    })
 }
 
 /// Nothing the agent inherited (the listening socket included) may reach
@@ -194,7 +299,13 @@ fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
     })
 }
 
-async fn run(args: Args, token: Option<String>) {
+async fn run(
+    args: Args,
+    token: Option<String>,
+    sandbox_env: config::SandboxEnv,
+    start_cmd: Option<config::StartCommand>,
+    handoff: Option<chronus::Handoff>,
+) {
     let listener = match &args.listen {
         Listen::Fd(fd) => from_fd(*fd),
         Listen::Unix(p) => {
@@ -205,13 +316,30 @@ async fn run(args: Args, token: Option<String>) {
     }
     .unwrap_or_else(|e| die(&format!("listen: {e}")));
 
-    let procs = Arc::new(process::Manager::new());
+    let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
+    let readiness = match handoff {
+        // A restarted server: take over the sessions and the start
+        // command's readiness; the start command runs already.
+        Some(h) if h.generation > 1 => {
+            procs.adopt(h.sessions);
+            start::resume(&procs, h.state)
+        }
+        _ => match start_cmd {
+            Some(c) => start::boot(&procs, c, &args.default_user),
+            None => start::ready(),
+        },
+    };
+    if let Some(link) = chronus::link() {
+        let p = procs.clone();
+        tokio::spawn(link.exits(move |pid, st| p.adopted_exited(pid, st)));
+    }
     let state = Arc::new(server::State {
         procs: procs.clone(),
         watchers: fs::Watchers::default(),
         token,
         default_user: args.default_user,
+        readiness,
     });
 
     // SIGTERM (and SIGINT): forward to the processes, give them a moment, exit.
@@ -269,6 +397,7 @@ where
             .timer(TokioTimer::new())
             .keep_alive(true)
             .serve_connection(TokioIo::new(s), svc)
+            .with_upgrades()
             .await;
     });
 }

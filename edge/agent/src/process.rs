@@ -17,6 +17,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::chronus::{FdRole, SessionMeta};
 use crate::connect::{Code, RpcError};
 use crate::fdio::{self, Fd};
 use crate::json::{null_default, opt_u32, u32_or_zero};
@@ -31,6 +32,14 @@ const SUB_CAPACITY: usize = 16;
 /// After a process exits, how long its output fds may stay silent (held
 /// open by a background grandchild) before the end event is sent anyway.
 const DRAIN_IDLE: Duration = Duration::from_millis(300);
+/// How long the output and end of a process that ended with no client
+/// attached wait for one to connect.
+const UNCLAIMED_FOR: Duration = Duration::from_secs(60);
+/// At most this many such processes are kept (the oldest goes first).
+const UNCLAIMED_MAX: usize = 64;
+/// The wait status reported when the real one was lost (its server died
+/// between reaping the process and telling the supervisor).
+const UNKNOWN_STATUS: i32 = 0xff00;
 
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -250,6 +259,9 @@ pub struct Proc {
     pty: Option<Arc<Fd>>,
     pty_write: tokio::sync::Mutex<()>,
     out: Mutex<Out>,
+    /// How it ended, once it has (for the agent's own watchers, such as the
+    /// start command's readiness; clients get the end event).
+    end: tokio::sync::watch::Sender<Option<End>>,
 }
 
 impl Proc {
@@ -308,7 +320,11 @@ impl Proc {
     }
 
     pub async fn close_stdin(&self) {
-        self.stdin.lock().await.take();
+        if self.stdin.lock().await.take().is_some()
+            && let Some(link) = crate::chronus::link()
+        {
+            link.close_stdin(self.pid);
+        }
     }
 
     pub fn resize(&self, size: &PtySize) -> Result<(), RpcError> {
@@ -327,6 +343,18 @@ impl Proc {
             ));
         }
         Ok(())
+    }
+
+    /// Resolves when the process has ended (and its output has been drained).
+    pub async fn ended(&self) -> End {
+        let mut rx = self.end.subscribe();
+        loop {
+            if let Some(e) = rx.borrow_and_update().clone() {
+                return e;
+            }
+            // The sender lives in this Proc, so it outlives `rx`'s wait.
+            let _ = rx.changed().await;
+        }
     }
 
     pub fn info_json(&self) -> serde_json::Value {
@@ -407,23 +435,24 @@ impl Attached {
 
 pub struct Manager {
     table: Mutex<HashMap<u32, Arc<Proc>>>,
+    /// The sandbox's own variables (`--env-file`), given to every process.
+    sandbox_env: crate::config::SandboxEnv,
     /// Exit-status waiters by pid. Its lock is also the spawn lock: a child
     /// is registered before the reaper can collect it, and the reaper never
     /// reaps a child std's spawn() still has to wait for (failed exec).
     waiters: Mutex<HashMap<i32, oneshot::Sender<i32>>>,
-}
-
-impl Default for Manager {
-    fn default() -> Self {
-        Self::new()
-    }
+    /// Processes that ended while no client was attached, with their end,
+    /// kept for a while for the client that reconnects.
+    unclaimed: Mutex<HashMap<u32, (Arc<Proc>, (End, Instant))>>,
 }
 
 impl Manager {
-    pub fn new() -> Manager {
+    pub fn new(sandbox_env: crate::config::SandboxEnv) -> Manager {
         Manager {
             table: Mutex::new(HashMap::new()),
+            sandbox_env,
             waiters: Mutex::new(HashMap::new()),
+            unclaimed: Mutex::new(HashMap::new()),
         }
     }
 
@@ -438,8 +467,18 @@ impl Manager {
                 break;
             }
             if let Some(tx) = w.remove(&pid) {
+                if let Some(link) = crate::chronus::link() {
+                    link.exited(pid as u32, st);
+                }
                 let _ = tx.send(st);
             }
+        }
+    }
+
+    /// An adopted process (the supervisor's child, not ours) ended.
+    pub fn adopted_exited(&self, pid: u32, status: i32) {
+        if let Some(tx) = self.waiters.lock().unwrap().remove(&(pid as i32)) {
+            let _ = tx.send(status);
         }
     }
 
@@ -479,6 +518,15 @@ impl Manager {
         Err(RpcError::invalid("process selector needs a pid or a tag"))
     }
 
+    pub fn find_pid(&self, pid: u32) -> Option<Arc<Proc>> {
+        self.table.lock().unwrap().get(&pid).cloned()
+    }
+
+    pub fn find_tag(&self, tag: &str) -> Option<Arc<Proc>> {
+        let t = self.table.lock().unwrap();
+        t.values().find(|p| p.tag.as_deref() == Some(tag)).cloned()
+    }
+
     pub fn list(&self) -> Vec<serde_json::Value> {
         let t = self.table.lock().unwrap();
         let mut v: Vec<_> = t.values().collect();
@@ -493,13 +541,16 @@ impl Manager {
     /// Attaches a client to a running process: its start event, the backlog,
     /// then live output and the end event.
     pub fn attach(&self, sel: Option<&Selector>) -> Result<Attached, RpcError> {
-        let p = self.find(sel)?;
+        let p = match self.find(sel) {
+            Ok(p) => p,
+            Err(e) => return self.claim(sel).ok_or(e),
+        };
         let mut o = p.out.lock().unwrap();
         if o.ended {
-            return Err(RpcError::not_found(format!(
-                "process with pid {} not found",
-                p.pid
-            )));
+            drop(o);
+            return self.claim(sel).ok_or_else(|| {
+                RpcError::not_found(format!("process with pid {} not found", p.pid))
+            });
         }
         let (tx, rx) = mpsc::channel(SUB_CAPACITY);
         let mut first = vec![Ev::Start(p.pid)];
@@ -508,6 +559,37 @@ impl Manager {
         o.subs.push(tx);
         drop(o);
         Ok(Attached { proc: p, first, rx })
+    }
+
+    /// A process that ended with nobody attached: its start, the output it
+    /// left and its end, once, for the first client that asks.
+    fn claim(&self, sel: Option<&Selector>) -> Option<Attached> {
+        let sel = sel?;
+        let (p, end) = {
+            let mut u = self.unclaimed.lock().unwrap();
+            let pid = match (sel.pid, &sel.tag) {
+                (Some(pid), _) => pid,
+                (None, Some(tag)) => {
+                    u.values()
+                        .find(|(p, _)| p.tag.as_deref() == Some(tag))?
+                        .0
+                        .pid
+                }
+                (None, None) => return None,
+            };
+            let (p, (end, _)) = u.remove(&pid)?;
+            (p, end)
+        };
+        let mut first = vec![Ev::Start(p.pid)];
+        {
+            let mut o = p.out.lock().unwrap();
+            first.extend(o.backlog.drain(..));
+            o.backlog_bytes = 0;
+        }
+        first.push(Ev::End(end));
+        // No live events follow: the sender is dropped at once.
+        let (_, rx) = mpsc::channel(1);
+        Some(Attached { proc: p, first, rx })
     }
 
     /// Starts a process as `user`; the returned receiver is already attached
@@ -543,7 +625,7 @@ impl Manager {
         cmd.env("HOME", &user.home);
         cmd.env("USER", &user.name);
         cmd.env("LOGNAME", &user.name);
-        for (k, v) in &cfg.envs {
+        for (k, v) in self.sandbox_env.iter().chain(&cfg.envs) {
             cmd.env(k, v);
         }
 
@@ -561,7 +643,10 @@ impl Manager {
                 // Out of memory, the kernel must pick a sandbox process, never the agent
                 // (PID 1, whose death ends the sandbox): raise the child's OOM score.
                 // Raising needs no privilege; failing to is harmless.
-                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                let fd = libc::open(
+                    c"/proc/self/oom_score_adj".as_ptr(),
+                    libc::O_WRONLY | libc::O_CLOEXEC,
+                );
                 if fd >= 0 {
                     libc::write(fd, b"500".as_ptr().cast(), 3);
                     libc::close(fd);
@@ -640,31 +725,127 @@ impl Manager {
         waiters.insert(pid as i32, exit_tx);
         drop(waiters);
 
-        let pty = match master {
-            Some(m) => Some(Arc::new(Fd::new(m).map_err(io_err)?)),
-            None => None,
+        let mut fds: Vec<(FdRole, OwnedFd)> = Vec::new();
+        if let Some(m) = master {
+            fds.push((FdRole::Pty, m));
+        }
+        for (fd, kind) in readers {
+            // Room for output while no server reads it (chronus): 1 MiB if
+            // the kernel allows, else its default.
+            // SAFETY: fcntl on a pipe we own.
+            unsafe {
+                libc::fcntl(
+                    fd.as_raw_fd(),
+                    libc::F_SETPIPE_SZ,
+                    BACKLOG_LIMIT as libc::c_int,
+                )
+            };
+            fds.push((
+                if kind == Kind::Stdout {
+                    FdRole::Stdout
+                } else {
+                    FdRole::Stderr
+                },
+                fd,
+            ));
+        }
+        if let Some(w) = stdin_w {
+            fds.push((FdRole::Stdin, w));
+        }
+        let config = ProcessConfig {
+            cwd: Some(cwd.display().to_string()),
+            ..cfg
         };
-        let stdin = match stdin_w {
-            Some(w) => Some(Arc::new(Fd::new(w).map_err(io_err)?)),
-            None => None,
+        if let Some(link) = crate::chronus::link() {
+            let meta = SessionMeta {
+                tag: req.tag.clone(),
+                config: config.clone(),
+                fds: fds.iter().map(|(r, _)| *r).collect(),
+            };
+            let raw: Vec<_> = fds.iter().map(|(_, f)| f.as_raw_fd()).collect();
+            link.register(pid, &meta, &raw);
+        }
+        let (proc, rx) = self.track(pid, req.tag, config, fds, exit_rx, true)?;
+        Ok(Attached {
+            proc,
+            first: vec![Ev::Start(pid)],
+            rx: rx.expect("tracked with a client attached"),
+        })
+    }
+
+    /// Takes over the sessions a previous server left (chronus): their
+    /// output goes to their backlogs until a client connects.
+    pub fn adopt(self: &Arc<Self>, sessions: Vec<crate::chronus::Adopted>) {
+        for s in sessions {
+            let (exit_tx, exit_rx) = oneshot::channel();
+            match s.status {
+                Some(st) => {
+                    let _ = exit_tx.send(st);
+                }
+                // SAFETY: kill with signal 0 only checks that the pid exists.
+                None if unsafe { libc::kill(s.pid as i32, 0) } < 0 => {
+                    // Ended and reaped by the server that died, before it
+                    // could tell the supervisor: the status is lost.
+                    let _ = exit_tx.send(UNKNOWN_STATUS);
+                }
+                None => {
+                    self.waiters.lock().unwrap().insert(s.pid as i32, exit_tx);
+                }
+            }
+            let pid = s.pid;
+            if let Err(e) = self.track(pid, s.meta.tag, s.meta.config, s.fds, exit_rx, false) {
+                eprintln!("opendsec-agent: taking over process {pid}: {e}");
+            }
+        }
+    }
+
+    /// Follows a started or adopted process: its fds, its output and its end.
+    #[allow(clippy::type_complexity)]
+    fn track(
+        self: &Arc<Self>,
+        pid: u32,
+        tag: Option<String>,
+        config: ProcessConfig,
+        fds: Vec<(FdRole, OwnedFd)>,
+        exit_rx: oneshot::Receiver<i32>,
+        attach: bool,
+    ) -> Result<(Arc<Proc>, Option<mpsc::Receiver<Ev>>), RpcError> {
+        let io_err = |e| RpcError::io(e, "setting up process io");
+        let mut pty = None;
+        let mut stdin = None;
+        let mut readers: Vec<(Arc<Fd>, Kind)> = Vec::new();
+        for (role, fd) in fds {
+            let fd = Arc::new(Fd::new(fd).map_err(io_err)?);
+            match role {
+                FdRole::Pty => {
+                    pty = Some(fd.clone());
+                    readers.push((fd, Kind::Pty));
+                }
+                FdRole::Stdout => readers.push((fd, Kind::Stdout)),
+                FdRole::Stderr => readers.push((fd, Kind::Stderr)),
+                FdRole::Stdin => stdin = Some(fd),
+            }
+        }
+        let (subs, rx) = if attach {
+            let (tx, rx) = mpsc::channel(SUB_CAPACITY);
+            (vec![tx], Some(rx))
+        } else {
+            (Vec::new(), None)
         };
-        let (tx, rx) = mpsc::channel(SUB_CAPACITY);
         let proc = Arc::new(Proc {
             pid,
-            tag: req.tag.clone(),
-            config: ProcessConfig {
-                cwd: Some(cwd.display().to_string()),
-                ..cfg
-            },
+            tag,
+            config,
             stdin: tokio::sync::Mutex::new(stdin),
-            pty: pty.clone(),
+            pty,
             pty_write: tokio::sync::Mutex::new(()),
             out: Mutex::new(Out {
-                subs: vec![tx],
+                subs,
                 backlog: VecDeque::new(),
                 backlog_bytes: 0,
                 ended: false,
             }),
+            end: tokio::sync::watch::Sender::new(None),
         });
         self.table.lock().unwrap().insert(pid, proc.clone());
 
@@ -674,14 +855,7 @@ impl Manager {
             epoch: Instant::now(),
         });
         let mut handles = Vec::new();
-        let mut fds: Vec<(Arc<Fd>, Kind)> = Vec::new();
-        if let Some(p) = pty {
-            fds.push((p, Kind::Pty));
-        }
         for (fd, kind) in readers {
-            fds.push((Arc::new(Fd::new(fd).map_err(io_err)?), kind));
-        }
-        for (fd, kind) in fds {
             let (p, a) = (proc.clone(), act.clone());
             handles.push(tokio::spawn(async move {
                 let mut buf = vec![0u8; CHUNK];
@@ -700,13 +874,9 @@ impl Manager {
             }));
         }
         let mgr = self.clone();
-        let attached = Attached {
-            proc: proc.clone(),
-            first: vec![Ev::Start(pid)],
-            rx,
-        };
+        let p = proc.clone();
         tokio::spawn(async move {
-            let st = exit_rx.await.unwrap_or(0xff00);
+            let st = exit_rx.await.unwrap_or(UNKNOWN_STATUS);
             act.touch();
             loop {
                 if handles.iter().all(|h| h.is_finished()) {
@@ -720,21 +890,47 @@ impl Manager {
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            mgr.finish(&proc, end_from_wait_status(st)).await;
+            mgr.finish(&p, end_from_wait_status(st)).await;
         });
-        Ok(attached)
+        Ok((proc, rx))
     }
 
-    async fn finish(&self, proc: &Arc<Proc>, end: End) {
-        self.table.lock().unwrap().remove(&proc.pid);
+    async fn finish(self: &Arc<Self>, proc: &Arc<Proc>, end: End) {
         let subs = {
             let mut o = proc.out.lock().unwrap();
             o.ended = true;
-            o.backlog.clear();
-            o.backlog_bytes = 0;
+            if o.subs.is_empty() {
+                // Nobody saw it end (its client's connection broke, or the
+                // server restarted): the next Connect gets its output and end.
+                let mut u = self.unclaimed.lock().unwrap();
+                if u.len() >= UNCLAIMED_MAX
+                    && let Some(oldest) = u.iter().min_by_key(|(_, (_, e))| e.1).map(|(k, _)| *k)
+                {
+                    u.remove(&oldest);
+                }
+                u.insert(proc.pid, (proc.clone(), (end.clone(), Instant::now())));
+            } else {
+                o.backlog.clear();
+                o.backlog_bytes = 0;
+            }
             std::mem::take(&mut o.subs)
         };
+        self.table.lock().unwrap().remove(&proc.pid);
         proc.stdin.lock().await.take();
+        proc.end.send_replace(Some(end.clone()));
+        if let Some(link) = crate::chronus::link() {
+            link.forget(proc.pid);
+        }
+        if subs.is_empty() {
+            let (mgr, p) = (self.clone(), proc.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(UNCLAIMED_FOR).await;
+                let mut u = mgr.unclaimed.lock().unwrap();
+                if u.get(&p.pid).is_some_and(|(q, _)| Arc::ptr_eq(q, &p)) {
+                    u.remove(&p.pid);
+                }
+            });
+        }
         for s in subs {
             let _ =
                 tokio::time::timeout(Duration::from_secs(60), s.send(Ev::End(end.clone()))).await;

@@ -17,6 +17,7 @@ use crate::connect::{
 use crate::files;
 use crate::fs;
 use crate::process::{self, Manager};
+use crate::tunnel;
 use crate::users::{self, User};
 
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(50);
@@ -26,13 +27,15 @@ pub struct State {
     pub watchers: fs::Watchers,
     pub token: Option<String>,
     pub default_user: String,
+    /// The start command's readiness, which `/health` reports.
+    pub readiness: crate::start::Shared,
 }
 
 fn header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
     req.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
-fn query_param(req: &Request<Incoming>, key: &str) -> Option<String> {
+pub fn query_param<B>(req: &Request<B>, key: &str) -> Option<String> {
     let q = req.uri().query()?;
     for pair in q.split('&') {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -115,6 +118,80 @@ impl ConnFd {
     }
 }
 
+/// Every request but `/health` needs the access token (when the agent has
+/// one) in `X-Access-Token`; `/files` also takes a signed URL instead.
+fn authorize<B>(state: &State, req: &Request<B>, path: &str) -> Result<(), RpcError> {
+    let Some(token) = &state.token else {
+        return Ok(());
+    };
+    let denied = |m: &str| Err(RpcError::new(Code::Unauthenticated, m));
+    if let Some(t) = req.headers().get("x-access-token") {
+        return if constant_time_eq(t.as_bytes(), token.as_bytes()) {
+            Ok(())
+        } else {
+            denied("invalid access token")
+        };
+    }
+    let Some(signature) = query_param(req, "signature").filter(|_| path == "/files") else {
+        return denied("missing access token");
+    };
+    let operation = match *req.method() {
+        Method::GET => "read",
+        Method::POST => "write",
+        _ => return denied("signed URLs are for GET and POST /files"),
+    };
+    let expiration = match query_param(req, "signature_expiration") {
+        None => None,
+        Some(e) => match e.parse::<i64>() {
+            Ok(e) => Some(e),
+            Err(_) => return denied("invalid signature expiration"),
+        },
+    };
+    let expected = file_signature(
+        token,
+        &query_param(req, "path").unwrap_or_default(),
+        operation,
+        &query_param(req, "username").unwrap_or_default(),
+        expiration,
+    );
+    if !constant_time_eq(signature.as_bytes(), expected.as_bytes()) {
+        return denied("invalid signature");
+    }
+    if let Some(e) = expiration {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(i64::MAX);
+        if e < now {
+            return denied("signature is already expired");
+        }
+    }
+    Ok(())
+}
+
+/// The signature of a signed `/files` URL, as E2B's SDK makes it
+/// (`e2b/sandbox/signature.py`): `v1_` + unpadded standard base64 of
+/// SHA-256(`path:operation:username:token[:expiration]`), where `username`
+/// is empty when the URL names none (the default user).
+pub fn file_signature(
+    token: &str,
+    path: &str,
+    operation: &str,
+    username: &str,
+    expiration: Option<i64>,
+) -> String {
+    use base64::Engine;
+    let raw = match expiration {
+        None => format!("{path}:{operation}:{username}:{token}"),
+        Some(e) => format!("{path}:{operation}:{username}:{token}:{e}"),
+    };
+    let digest = crate::sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
+}
+
 pub async fn handle(
     state: Arc<State>,
     conn: Arc<ConnFd>,
@@ -122,22 +199,27 @@ pub async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
     if path == "/health" && (req.method() == Method::GET || req.method() == Method::HEAD) {
+        let unhealthy = state.readiness.lock().unwrap().unhealthy();
+        if let Some(message) = unhealthy {
+            return Ok(connect::json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"code": 503, "message": message}),
+            ));
+        }
         return Ok(Response::builder()
             .status(StatusCode::NO_CONTENT)
             .body(Body::empty())
             .expect("valid response"));
     }
-    if let Some(token) = &state.token {
-        let ok = header(&req, "x-access-token")
-            .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
-        if !ok {
-            let e = RpcError::new(Code::Unauthenticated, "missing or invalid access token");
-            return Ok(if path == "/files" {
-                files::http_error(&e)
-            } else {
-                connect::unary_error(&e)
-            });
-        }
+    if let Err(e) = authorize(&state, &req, &path) {
+        return Ok(if path == "/files" || path == tunnel::PATH {
+            files::http_error(&e)
+        } else {
+            connect::unary_error(&e)
+        });
+    }
+    if path == tunnel::PATH {
+        return Ok(tunnel::open(req).await);
     }
     if path == "/files" {
         return Ok(files_route(state, req)
@@ -469,5 +551,28 @@ async fn forward_watch(mut w: fs::Watch, tx: mpsc::Sender<Bytes>, ka: Duration) 
             }
             _ = tx.closed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::file_signature;
+
+    /// Vectors printed by the unmodified SDK's `e2b.sandbox.signature.get_signature`
+    /// (e2b 2.63.0), the last one with the clock at 1700000000 and 60 s to live.
+    #[test]
+    fn signatures_match_what_the_e2b_sdk_makes() {
+        assert_eq!(
+            file_signature("tok-123", "/home/user/a b.txt", "read", "", None),
+            "v1_iWKP4h+2B8CKBZjd5tQn/grLjOytF6xbAMqPrFOfecI"
+        );
+        assert_eq!(
+            file_signature("tok-123", "data.bin", "write", "root", None),
+            "v1_66Zxk2zY0aPaoV7hXHwLaFHJE4aDCke5NNQMr4hakOY"
+        );
+        assert_eq!(
+            file_signature("tok-123", "/x", "read", "user", Some(1700000060)),
+            "v1_x+MV3oOQk3Go64to0zGNxXC7/NvZu9tJfpWJMHTiL0A"
+        );
     }
 }

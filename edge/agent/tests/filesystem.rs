@@ -462,3 +462,170 @@ async fn file_ops_use_the_users_permissions() {
     assert_eq!(v["entries"][0]["owner"], json!(user));
     std::fs::remove_dir_all(format!("/home/{user}/up")).unwrap();
 }
+
+/// The signature of a signed `/files` URL, computed here with the system's
+/// `sha256sum`, independently of the agent's own SHA-256.
+fn sign(token: &str, path: &str, op: &str, user: &str, exp: Option<i64>) -> String {
+    use base64::Engine;
+    let raw = match exp {
+        None => format!("{path}:{op}:{user}:{token}"),
+        Some(e) => format!("{path}:{op}:{user}:{token}:{e}"),
+    };
+    let mut child = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(raw.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let hex = String::from_utf8(out.stdout).unwrap();
+    let digest: Vec<u8> = (0..32)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
+}
+
+async fn get(a: &Agent, query: String) -> (u16, Bytes) {
+    let (st, _, body) = a
+        .raw("GET", &format!("/files?{query}"), &[], Bytes::new())
+        .await
+        .unwrap();
+    (st, body)
+}
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+#[tokio::test]
+async fn signed_urls_read_and_write_files_without_the_token_header() {
+    const TOKEN: &str = "envd-token-for-signing";
+    let mut a = Agent::start_with(Some(TOKEN)).await;
+    let file = a.path("signed.txt");
+    std::fs::write(&file, "signed content").unwrap();
+    // As the SDK's download_url/upload_url are used: no X-Access-Token at all.
+    a.token = None;
+
+    // No username: signed with an empty one, read as the default user.
+    let sig = sign(TOKEN, &file, "read", "", None);
+    let (st, body) = get(&a, format!("path={}&signature={}", q(&file), q(&sig))).await;
+    assert_eq!((st, &body[..]), (200, &b"signed content"[..]));
+
+    // A named user is part of what is signed.
+    let sig = sign(TOKEN, &file, "read", "root", None);
+    let (st, _) = get(
+        &a,
+        format!("path={}&username=root&signature={}", q(&file), q(&sig)),
+    )
+    .await;
+    assert_eq!(st, 200);
+    let (st, _) = get(&a, format!("path={}&signature={}", q(&file), q(&sig))).await;
+    assert_eq!(st, 401, "signed for root, used without a username");
+
+    // With an expiration in the future; then one in the past.
+    let exp = now() + 60;
+    let sig = sign(TOKEN, &file, "read", "", Some(exp));
+    let (st, _) = get(
+        &a,
+        format!(
+            "path={}&signature={}&signature_expiration={exp}",
+            q(&file),
+            q(&sig)
+        ),
+    )
+    .await;
+    assert_eq!(st, 200);
+    let (st, _) = get(
+        &a,
+        format!(
+            "path={}&signature={}&signature_expiration={}",
+            q(&file),
+            q(&sig),
+            exp + 3600
+        ),
+    )
+    .await;
+    assert_eq!(st, 401, "a later expiration than the one signed");
+    let past = now() - 10;
+    let sig = sign(TOKEN, &file, "read", "", Some(past));
+    let (st, body) = get(
+        &a,
+        format!(
+            "path={}&signature={}&signature_expiration={past}",
+            q(&file),
+            q(&sig)
+        ),
+    )
+    .await;
+    assert_eq!(st, 401);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["code"], 401);
+    assert!(v["message"].as_str().unwrap().contains("expired"), "{v}");
+
+    // Wrong token, another path, or the write operation: refused.
+    for sig in [
+        sign("other-token", &file, "read", "", None),
+        sign(TOKEN, "/etc/passwd", "read", "", None),
+        sign(TOKEN, &file, "write", "", None),
+        "v1_".to_string(),
+    ] {
+        let (st, body) = get(&a, format!("path={}&signature={}", q(&file), q(&sig))).await;
+        assert_eq!(st, 401, "{sig}");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            (v["code"].as_u64(), v["message"].as_str()),
+            (Some(401), Some("invalid signature"))
+        );
+    }
+
+    // Upload with a write signature (octet-stream and multipart both).
+    let target = a.path("uploaded-signed.bin");
+    let sig = sign(TOKEN, &target, "write", "", None);
+    let (st, _, body) = a
+        .raw(
+            "POST",
+            &format!("/files?path={}&signature={}", q(&target), q(&sig)),
+            &[("content-type", "application/octet-stream".into())],
+            Bytes::from_static(b"written via a signed URL"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(std::fs::read(&target).unwrap(), b"written via a signed URL");
+    let read_sig = sign(TOKEN, &target, "read", "", None);
+    let (st, _, _) = a
+        .raw(
+            "POST",
+            &format!("/files?path={}&signature={}", q(&target), q(&read_sig)),
+            &[("content-type", "application/octet-stream".into())],
+            Bytes::from_static(b"nope"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st, 401, "a read signature cannot write");
+    assert_eq!(std::fs::read(&target).unwrap(), b"written via a signed URL");
+
+    // A signature opens /files only, and a wrong header token beats a good signature.
+    let (st, _) = a
+        .unary(
+            &format!("/process.Process/List?signature={}", q(&sig)),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, 401);
+    a.token = Some("wrong".into());
+    let sig = sign(TOKEN, &file, "read", "", None);
+    let (st, _) = get(&a, format!("path={}&signature={}", q(&file), q(&sig))).await;
+    assert_eq!(st, 401);
+}

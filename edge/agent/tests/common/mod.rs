@@ -75,6 +75,14 @@ pub fn unb64(s: &str) -> Vec<u8> {
     base64::engine::general_purpose::STANDARD.decode(s).unwrap()
 }
 
+/// `opendsec-agent serve` with root as the default user (the host has no
+/// `user`), without a listen address.
+pub fn agent_command() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec-agent"));
+    cmd.args(["serve", "--default-user", "root"]);
+    cmd
+}
+
 pub struct Agent {
     pub child: Child,
     pub dir: tempfile::TempDir,
@@ -86,6 +94,9 @@ pub struct Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- agent stderr ---\n{}", self.stderr());
+        }
         // SIGTERM first: the agent forwards it to its processes and exits.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(3);
@@ -106,19 +117,37 @@ impl Agent {
     }
 
     pub async fn start_with(token: Option<&str>) -> Agent {
+        Self::start_args(token, &[]).await
+    }
+
+    /// Starts the agent with `extra` arguments after the usual ones; `{dir}`
+    /// in an argument stands for the agent's temporary directory.
+    pub async fn start_args(token: Option<&str>, extra: &[&str]) -> Agent {
         let dir = tempfile::tempdir().unwrap();
+        Self::start_in(dir, token, extra, |_| {}).await
+    }
+
+    /// As `start_args`, in a directory prepared beforehand (config files).
+    pub async fn start_in(
+        dir: tempfile::TempDir,
+        token: Option<&str>,
+        extra: &[&str],
+        prepare: impl FnOnce(&Path),
+    ) -> Agent {
+        prepare(dir.path());
         let sock = dir.path().join("agent.sock");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec-agent"));
-        cmd.arg("serve")
-            .arg("--listen")
-            .arg(format!("unix:{}", sock.display()));
-        // The host has no `user`: root is the default user in these tests.
-        cmd.args(["--default-user", "root"]);
+        let mut cmd = agent_command();
+        cmd.arg("--listen").arg(format!("unix:{}", sock.display()));
         if let Some(t) = token {
             let f = dir.path().join("token");
             std::fs::write(&f, t).unwrap();
             cmd.arg("--access-token-file").arg(&f);
         }
+        let d = dir.path().display().to_string();
+        cmd.args(extra.iter().map(|a| a.replace("{dir}", &d)));
+        // The agent's log, for tests that check what it says.
+        let log = std::fs::File::create(dir.path().join("agent.stderr")).unwrap();
+        cmd.stderr(log);
         let child = cmd.spawn().expect("agent binary starts");
         let agent = Agent {
             child,
@@ -129,16 +158,22 @@ impl Agent {
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
+            // Up means answering: 204, or 503 while a start command gets ready.
             if agent.sock.exists()
                 && let Ok(r) = agent.raw("GET", "/health", &[], Bytes::new()).await
             {
-                assert_eq!(r.0, 204);
+                assert!(r.0 == 204 || r.0 == 503, "health: {}", r.0);
                 break;
             }
             assert!(Instant::now() < deadline, "agent did not come up");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         agent
+    }
+
+    /// What the agent has written to stderr so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.stderr")).unwrap_or_default()
     }
 
     pub fn path(&self, p: &str) -> String {
@@ -234,8 +269,47 @@ impl Agent {
         Stream::new(r.into_body())
     }
 
+    /// The pid of the agent's current server (the supervisor's child that
+    /// runs `opendsec-agent server`), once there is one.
+    pub async fn server_pid(&self) -> u32 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(pid) = self.try_server_pid() {
+                return pid;
+            }
+            assert!(Instant::now() < deadline, "no server process");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn try_server_pid(&self) -> Option<u32> {
+        let sup = self.pid();
+        for e in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // pid (comm) state ppid ...: comm may hold spaces, so split after ')'.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid != Some(sup) {
+                continue;
+            }
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if cmdline.split(|b| *b == 0).nth(1) == Some(&b"server"[..]) {
+                return Some(pid);
+            }
+        }
+        None
+    }
+
     pub async fn rss_kib(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let server = self.server_pid().await;
+        let s = std::fs::read_to_string(format!("/proc/{server}/status")).unwrap();
         s.lines()
             .find(|l| l.starts_with("VmRSS:"))
             .and_then(|l| l.split_whitespace().nth(1))

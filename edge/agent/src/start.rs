@@ -1,0 +1,170 @@
+//! The template's start command (`--start-file`): started once at boot as an
+//! ordinary managed process (tag `start`, bounded output, in `process.List`),
+//! and the readiness `/health` reports while it has a `ready_port` that has
+//! not yet accepted a connection.
+
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{START_TAG, StartCommand};
+use crate::process::{End, Manager, Proc, ProcessConfig, StartRequest};
+use crate::users;
+
+/// How often the ready port is tried.
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+
+/// What `/health` says about the start command. Serializable: a restarted
+/// server takes it over from the one before (see `chronus`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Readiness {
+    /// No start command, or it is ready: `/health` is 204.
+    Ready,
+    /// The start command `pid` runs; `port` has not accepted a connection yet.
+    Waiting { pid: u32, port: u16 },
+    /// It could not start, or ended before it was ready: `/health` is 503.
+    Failed { message: String },
+}
+
+impl Readiness {
+    /// `None` when healthy, else the 503's message.
+    pub fn unhealthy(&self) -> Option<String> {
+        match self {
+            Readiness::Ready => None,
+            Readiness::Waiting { port, .. } => Some(format!("starting: waiting for port {port}")),
+            Readiness::Failed { message } => Some(message.clone()),
+        }
+    }
+}
+
+pub type Shared = Arc<Mutex<Readiness>>;
+
+fn describe(end: &End) -> String {
+    if end.exited {
+        format!("exit code {}", end.exit_code)
+    } else {
+        format!("{} (exit code {})", end.status, end.exit_code)
+    }
+}
+
+/// Changes the readiness, and tells the supervisor, which hands it to the
+/// next server if this one dies.
+fn set(state: &Shared, r: Readiness) {
+    if let Some(link) = crate::chronus::link()
+        && let Ok(v) = serde_json::to_value(&r)
+    {
+        link.save_state(v);
+    }
+    *state.lock().unwrap() = r;
+}
+
+fn fail(state: &Shared, message: String) {
+    eprintln!("opendsec-agent: {message}");
+    set(state, Readiness::Failed { message });
+}
+
+/// No start command: ready.
+pub fn ready() -> Shared {
+    Arc::new(Mutex::new(Readiness::Ready))
+}
+
+/// A restarted server takes the readiness over from the one before, and
+/// follows the start command again if it was still getting ready.
+pub fn resume(procs: &Arc<Manager>, saved: Option<serde_json::Value>) -> Shared {
+    let r = saved
+        .and_then(|v| serde_json::from_value(v).ok())
+        .unwrap_or(Readiness::Ready);
+    let state = Arc::new(Mutex::new(r.clone()));
+    match r {
+        Readiness::Waiting { pid, .. } => match procs.find_pid(pid) {
+            Some(p) => follow(p, state.clone()),
+            None => fail(
+                &state,
+                format!("start command (pid {pid}) ended while the agent restarted"),
+            ),
+        },
+        Readiness::Ready | Readiness::Failed { .. } => {
+            if let Some(p) = procs.find_tag(START_TAG) {
+                follow(p, state.clone());
+            }
+        }
+    }
+    state
+}
+
+/// Starts the start command (first boot only) and follows it.
+pub fn boot(procs: &Arc<Manager>, cmd: StartCommand, default_user: &str) -> Shared {
+    let state: Shared = Arc::new(Mutex::new(Readiness::Ready));
+    let started = users::resolve(cmd.user.as_deref().unwrap_or(default_user)).and_then(|user| {
+        procs.start(
+            StartRequest {
+                process: Some(ProcessConfig {
+                    cmd: cmd.cmd.clone(),
+                    args: cmd.args.clone(),
+                    envs: cmd.envs.clone(),
+                    cwd: cmd.cwd.clone(),
+                }),
+                pty: None,
+                tag: Some(START_TAG.to_string()),
+                stdin: Some(false),
+            },
+            &user,
+        )
+    });
+    match started {
+        Err(e) => fail(
+            &state,
+            format!("start command '{}' could not start: {}", cmd.cmd, e.message),
+        ),
+        Ok(attached) => {
+            let pid = attached.proc.pid;
+            let attached_proc = attached.proc.clone();
+            // Nobody is attached: its output goes to the bounded backlog.
+            attached.detach(None);
+            if let Some(port) = cmd.ready_port {
+                set(&state, Readiness::Waiting { pid, port });
+            }
+            follow(attached_proc, state.clone());
+        }
+    }
+    state
+}
+
+/// Follows the start command: probes its ready port (if `state` waits for
+/// one) until it accepts a connection, and notices an early end.
+pub fn follow(proc: Arc<Proc>, state: Shared) {
+    tokio::spawn(async move {
+        let pid = proc.pid;
+        let ready_port = match *state.lock().unwrap() {
+            Readiness::Waiting { port, .. } => Some(port),
+            _ => None,
+        };
+        if let Some(port) = ready_port {
+            let ready = async {
+                while tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port))
+                    .await
+                    .is_err()
+                {
+                    tokio::time::sleep(PROBE_EVERY).await;
+                }
+            };
+            tokio::select! {
+                _ = ready => set(&state, Readiness::Ready),
+                end = proc.ended() => {
+                    return fail(&state, format!(
+                        "start command (pid {pid}) ended with {} before port {port} was ready",
+                        describe(&end)
+                    ));
+                }
+            }
+        }
+        let end = proc.ended().await;
+        eprintln!(
+            "opendsec-agent: start command (pid {pid}) ended with {}",
+            describe(&end)
+        );
+    });
+}

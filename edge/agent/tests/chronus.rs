@@ -1,0 +1,302 @@
+//! chronus: sessions survive the death of the agent's server. The
+//! supervisor (the agent's pid) keeps every session's fds and hands them to
+//! the new server it starts.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+const START: &str = "/process.Process/Start";
+
+/// Kills the server with SIGKILL and waits until a new one answers.
+async fn kill_server(a: &Agent) -> u32 {
+    let old = a.server_pid().await;
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let new = a.server_pid().await;
+        if new != old
+            && let Ok((204, _, _)) = a.raw("GET", "/health", &[], bytes::Bytes::new()).await
+        {
+            return new;
+        }
+        assert!(Instant::now() < deadline, "no new server");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn connect(a: &Agent, pid: u64) -> Stream {
+    a.stream(
+        "/process.Process/Connect",
+        json!({"process": {"pid": pid}}),
+        &[],
+    )
+    .await
+}
+
+/// The counter values in some stdout.
+fn numbers(out: &str) -> Vec<u32> {
+    out.lines().map(|l| l.parse().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn a_counter_continues_after_kill_9_of_the_server_and_its_exit_code_arrives() {
+    let a = Agent::start().await;
+    let mut s = a
+        .stream(
+            START,
+            sh("i=0; while [ $i -lt 60 ]; do echo $i; i=$((i+1)); sleep 0.02; done; exit 3"),
+            &[],
+        )
+        .await;
+    let pid = s.event().await["start"]["pid"].as_u64().unwrap();
+    let mut before = String::new();
+    while numbers(&before).len() < 5 {
+        let e = s.event().await;
+        before.push_str(&String::from_utf8_lossy(&unb64(
+            e["data"]["stdout"].as_str().unwrap(),
+        )));
+    }
+    kill_server(&a).await;
+    drop(s);
+    // The counter goes on while we are away; its output waits for us.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut c = connect(&a, pid as u64).await;
+    assert_eq!(c.event().await["start"]["pid"], json!(pid));
+    let (after, _, _, end) = c.collect().await;
+    assert_eq!(end["exitCode"], json!(3), "{end}");
+    assert_eq!(end["status"], json!("exit status 3"));
+    let (b, n) = (numbers(&before), numbers(&after));
+    // Everything printed after the restart arrived, in order, to the end.
+    assert!(
+        n.windows(2).all(|w| w[1] == w[0] + 1),
+        "gap after the restart: {n:?}"
+    );
+    assert_eq!(*n.last().unwrap(), 59);
+    // At most what the dead server held in flight is missing.
+    let gap = n[0] as i64 - *b.last().unwrap() as i64;
+    assert!((1..=4).contains(&gap), "before {b:?}, after {n:?}");
+}
+
+#[tokio::test]
+async fn output_and_exit_of_a_process_that_ended_while_no_client_was_there_wait_for_connect() {
+    let a = Agent::start().await;
+    let mut s = a
+        .stream(START, sh("sleep 0.3; echo done-while-away; exit 4"), &[])
+        .await;
+    let pid = s.event().await["start"]["pid"].as_u64().unwrap();
+    kill_server(&a).await;
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    // It ended meanwhile; the supervisor reaped it and kept its status.
+    let (_, v) = a.unary("/process.Process/List", json!({})).await;
+    assert!(
+        !v["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["pid"] == json!(pid))
+    );
+    let mut c = connect(&a, pid).await;
+    c.event().await;
+    let (out, _, _, end) = c.collect().await;
+    assert_eq!(out, "done-while-away\n");
+    assert_eq!(end["exitCode"], json!(4));
+    // Once delivered, it is gone.
+    let mut c = connect(&a, pid).await;
+    match c.next().await {
+        Some(Frame::End(v)) => assert_eq!(v["error"]["code"], "not_found", "{v}"),
+        _ => panic!("expected not_found"),
+    }
+}
+
+fn pty_text(e: &Value) -> String {
+    e["data"]["pty"]
+        .as_str()
+        .map(|s| String::from_utf8_lossy(&unb64(s)).into_owned())
+        .unwrap_or_default()
+}
+
+/// Reads PTY output until it contains `want`.
+async fn pty_until(s: &mut Stream, want: &str) -> String {
+    let mut all = String::new();
+    while !all.contains(want) {
+        let e = s.event().await;
+        assert!(e.get("end").is_none(), "ended before {want:?}: {all:?}");
+        all.push_str(&pty_text(&e));
+    }
+    all
+}
+
+#[tokio::test]
+async fn a_pty_session_survives_and_can_be_typed_into_and_resized() {
+    let a = Agent::start().await;
+    let msg = json!({
+        "process": {"cmd": "/bin/sh", "args": ["-c",
+            "while read line; do echo \"got:$line\"; stty size; done; exit 5"]},
+        "pty": {"size": {"cols": 80, "rows": 24}},
+    });
+    let mut s = a.stream(START, msg, &[]).await;
+    let pid = s.event().await["start"]["pid"].as_u64().unwrap();
+    let input =
+        |text: &str| json!({"process": {"pid": pid}, "input": {"pty": b64(text.as_bytes())}});
+    a.unary("/process.Process/SendInput", input("one\n")).await;
+    pty_until(&mut s, "24 80").await;
+    kill_server(&a).await;
+    drop(s);
+    let mut c = connect(&a, pid).await;
+    c.event().await;
+    let (st, v) = a
+        .unary(
+            "/process.Process/Update",
+            json!({"process": {"pid": pid}, "pty": {"size": {"cols": 100, "rows": 30}}}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = a.unary("/process.Process/SendInput", input("two\n")).await;
+    assert_eq!(st, 200, "{v}");
+    let out = pty_until(&mut c, "30 100").await;
+    assert!(out.contains("got:two"), "{out:?}");
+    a.unary("/process.Process/SendInput", input("\x04")).await; // ^D: end of input
+    let (_, _, _, end) = c.collect().await;
+    assert_eq!(end["exitCode"], json!(5));
+}
+
+#[tokio::test]
+async fn stdin_survives_and_close_stdin_still_ends_the_input() {
+    let a = Agent::start().await;
+    let msg = json!({"process": {"cmd": "/bin/cat"}, "stdin": true});
+    let mut s = a.stream(START, msg, &[]).await;
+    let pid = s.event().await["start"]["pid"].as_u64().unwrap();
+    let send = |t: &str| json!({"process": {"pid": pid}, "input": {"stdin": b64(t.as_bytes())}});
+    a.unary("/process.Process/SendInput", send("before\n"))
+        .await;
+    assert_eq!(
+        unb64(s.event().await["data"]["stdout"].as_str().unwrap()),
+        b"before\n"
+    );
+    kill_server(&a).await;
+    drop(s);
+    let mut c = connect(&a, pid).await;
+    c.event().await;
+    a.unary("/process.Process/SendInput", send("after\n")).await;
+    assert_eq!(
+        unb64(c.event().await["data"]["stdout"].as_str().unwrap()),
+        b"after\n"
+    );
+    // cat ends only if no copy of its stdin's write end is left open anywhere.
+    let (st, v) = a
+        .unary(
+            "/process.Process/CloseStdin",
+            json!({"process": {"pid": pid}}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let (_, _, _, end) = c.collect().await;
+    assert_eq!(end["exitCode"], json!(0));
+}
+
+#[tokio::test]
+async fn the_start_command_runs_once_across_restarts_and_readiness_carries_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let a = Agent::start_in(dir, None, &["--start-file", "{dir}/start.json"], |d| {
+        std::fs::write(
+            d.join("start.json"),
+            json!({"cmd": "/bin/sleep", "args": ["30"], "ready_port": port}).to_string(),
+        )
+        .unwrap()
+    })
+    .await;
+    let start_pid = |v: &Value| -> Vec<Value> {
+        v["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| p["tag"] == "start")
+            .map(|p| p["pid"].clone())
+            .collect()
+    };
+    let (_, v) = a.unary("/process.Process/List", json!({})).await;
+    let first = start_pid(&v);
+    assert_eq!(first.len(), 1);
+    // Still waiting for its port after a restart.
+    let old = a.server_pid().await;
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let body = loop {
+        if a.server_pid().await != old
+            && let Ok((503, _, b)) = a.raw("GET", "/health", &[], bytes::Bytes::new()).await
+        {
+            break b;
+        }
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["message"], format!("starting: waiting for port {port}"));
+    let (_, v) = a.unary("/process.Process/List", json!({})).await;
+    assert_eq!(
+        start_pid(&v),
+        first,
+        "the start command must not start again"
+    );
+    // The new server notices the port.
+    let _l = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a
+        .raw("GET", "/health", &[], bytes::Bytes::new())
+        .await
+        .unwrap()
+        .0
+        != 204
+    {
+        assert!(Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Ready stays ready across another restart.
+    kill_server(&a).await;
+}
+
+#[tokio::test]
+async fn sighup_restarts_the_server_and_sigterm_still_ends_everything() {
+    let mut a = Agent::start().await;
+    let mut s = a
+        .stream(
+            START,
+            sh("trap 'echo bye; exit 0' TERM; while :; do sleep 0.05; done"),
+            &[],
+        )
+        .await;
+    let pid = s.event().await["start"]["pid"].as_u64().unwrap();
+    let old = a.server_pid().await;
+    unsafe { libc::kill(a.pid() as i32, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.server_pid().await == old {
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP did not restart the server"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(s);
+    let mut c = connect(&a, pid).await;
+    c.event().await;
+    // The process is the supervisor's child now; SIGTERM to the agent reaches it.
+    unsafe { libc::kill(a.pid() as i32, libc::SIGTERM) };
+    let (out, _, _, end) = c.collect().await;
+    assert_eq!(out, "bye\n");
+    assert_eq!(end["exitCode"], json!(0));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "agent did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

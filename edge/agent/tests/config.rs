@@ -1,0 +1,268 @@
+//! The sandbox's configuration files: `--env-file` and `--start-file`.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+const START: &str = "/process.Process/Start";
+
+async fn run(a: &Agent, msg: serde_json::Value) -> String {
+    let mut s = a.stream(START, msg, &[]).await;
+    s.event().await;
+    s.collect().await.0
+}
+
+#[tokio::test]
+async fn env_file_vars_reach_every_process_and_requests_override_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Agent::start_in(dir, None, &["--env-file", "{dir}/env.json"], |d| {
+        std::fs::write(
+            d.join("env.json"),
+            r#"{"SANDBOX_A": "from env file", "SHARED": "sandbox", "HOME": "/sandbox-home"}"#,
+        )
+        .unwrap()
+    })
+    .await;
+    // Sandbox vars come after the defaults (HOME here) and before the request's envs.
+    let out = run(&a, sh("echo \"$SANDBOX_A|$SHARED|$HOME|$USER\"")).await;
+    assert_eq!(out, "from env file|sandbox|/sandbox-home|root\n");
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo \"$SANDBOX_A|$SHARED\""],
+        "envs": {"SHARED": "request"}}});
+    assert_eq!(run(&a, msg).await, "from env file|request\n");
+    // A PTY process gets them too.
+    let mut s = a
+        .stream(
+            START,
+            json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo pty:$SANDBOX_A"]},
+                "pty": {"size": {"cols": 80, "rows": 24}}}),
+            &[],
+        )
+        .await;
+    s.event().await;
+    assert!(s.collect().await.2.contains("pty:from env file"));
+}
+
+#[tokio::test]
+async fn bad_env_file_stops_the_agent_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("missing.json", None, "reading"),
+        (
+            "list.json",
+            Some(r#"["A=1"]"#),
+            "is not a JSON object of string values",
+        ),
+        (
+            "number.json",
+            Some(r#"{"A": 1}"#),
+            "is not a JSON object of string values",
+        ),
+        (
+            "name.json",
+            Some(r#"{"A=B": "1"}"#),
+            "is not a valid environment variable name",
+        ),
+    ];
+    for (name, text, expect) in cases {
+        let f = dir.path().join(name);
+        if let Some(t) = text {
+            std::fs::write(&f, t).unwrap();
+        }
+        let out = agent_command()
+            .arg("--listen")
+            .arg(format!("unix:{}", dir.path().join("a.sock").display()))
+            .arg("--env-file")
+            .arg(&f)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        assert!(
+            err.contains("--env-file") && err.contains(expect),
+            "{name}: {err}"
+        );
+        assert!(
+            !dir.path().join("a.sock").exists(),
+            "{name}: it must not serve"
+        );
+    }
+}
+
+async fn health(a: &Agent) -> (u16, serde_json::Value) {
+    let (st, _, b) = a
+        .raw("GET", "/health", &[], bytes::Bytes::new())
+        .await
+        .unwrap();
+    let v = if b.is_empty() {
+        json!(null)
+    } else {
+        serde_json::from_slice(&b).unwrap()
+    };
+    (st, v)
+}
+
+/// Polls `/health` until it answers `status`, within 10 s.
+async fn health_becomes(a: &Agent, status: u16) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (st, v) = health(a).await;
+        if st == status {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "health stayed {st} {v}, wanted {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn start_agent(start_json: serde_json::Value) -> Agent {
+    let dir = tempfile::tempdir().unwrap();
+    Agent::start_in(
+        dir,
+        None,
+        &[
+            "--env-file",
+            "{dir}/env.json",
+            "--start-file",
+            "{dir}/start.json",
+        ],
+        |d| {
+            std::fs::write(d.join("env.json"), r#"{"FROM_ENV_FILE": "yes"}"#).unwrap();
+            std::fs::write(d.join("start.json"), start_json.to_string()).unwrap();
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn start_command_is_a_managed_process_tagged_start() {
+    let a = start_agent(json!({
+        "cmd": "/bin/sh",
+        "args": ["-c", "echo \"started $FROM_ENV_FILE $OWN $(pwd)\"; exec sleep 30"],
+        "envs": {"OWN": "own-var"},
+        "cwd": "/tmp",
+        "user": "root",
+    }))
+    .await;
+    // No ready_port: healthy at once.
+    assert_eq!(health(&a).await.0, 204);
+    let (_, v) = a.unary("/process.Process/List", json!({})).await;
+    let procs = v["processes"].as_array().unwrap();
+    let p = procs
+        .iter()
+        .find(|p| p["tag"] == "start")
+        .unwrap_or_else(|| panic!("no start process in {v}"));
+    assert_eq!(p["config"]["cmd"], "/bin/sh");
+    // Its output waited in its backlog; Connect by tag gets it.
+    let mut s = a
+        .stream(
+            "/process.Process/Connect",
+            json!({"process": {"tag": "start"}}),
+            &[],
+        )
+        .await;
+    assert_eq!(s.event().await["start"]["pid"], p["pid"]);
+    let data = s.event().await;
+    let out = unb64(data["data"]["stdout"].as_str().unwrap());
+    assert_eq!(String::from_utf8_lossy(&out), "started yes own-var /tmp\n");
+    a.unary(
+        "/process.Process/SendSignal",
+        json!({"process": {"tag": "start"}, "signal": "SIGNAL_SIGKILL"}),
+    )
+    .await;
+    let (_, _, _, end) = s.collect().await;
+    assert_eq!(end["status"], "signal: killed");
+}
+
+#[tokio::test]
+async fn health_is_503_until_the_ready_port_accepts() {
+    let port = free_port();
+    let a = start_agent(json!({"cmd": "/bin/sleep", "args": ["30"], "ready_port": port})).await;
+    let (st, v) = health(&a).await;
+    assert_eq!(st, 503);
+    assert_eq!(
+        v,
+        json!({"code": 503, "message": format!("starting: waiting for port {port}")})
+    );
+    // Other endpoints already answer.
+    let (st, _) = a.unary("/process.Process/List", json!({})).await;
+    assert_eq!(st, 200);
+    let l = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    assert_eq!(health_becomes(&a, 204).await, json!(null));
+    // Once ready, ready for good: the port closing later changes nothing.
+    drop(l);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(health(&a).await.0, 204);
+}
+
+#[tokio::test]
+async fn start_command_that_ends_before_ready_fails_health_with_its_exit_code() {
+    let port = free_port();
+    let a = start_agent(json!({
+        "cmd": "/bin/sh", "args": ["-c", "echo boom >&2; exit 7"], "ready_port": port
+    }))
+    .await;
+    let v = health_becomes(&a, 503).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut v = v;
+    while !v["message"].as_str().unwrap().contains("exit code") {
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        v = health(&a).await.1;
+    }
+    let msg = v["message"].as_str().unwrap();
+    assert!(msg.contains("exit code 7"), "{msg}");
+    assert!(msg.contains(&format!("port {port}")), "{msg}");
+    assert!(a.stderr().contains(msg), "agent log: {}", a.stderr());
+}
+
+#[tokio::test]
+async fn start_command_that_cannot_start_fails_health() {
+    let a = start_agent(json!({"cmd": "/nonexistent/server", "ready_port": 1234})).await;
+    let (st, v) = health(&a).await;
+    assert_eq!(st, 503);
+    let msg = v["message"].as_str().unwrap();
+    assert!(
+        msg.contains("'/nonexistent/server' could not start"),
+        "{msg}"
+    );
+    assert!(a.stderr().contains(msg));
+}
+
+#[tokio::test]
+async fn bad_start_file_stops_the_agent_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("start.json");
+    std::fs::write(&f, r#"{"cmd": "/bin/true", "ready_port": "soon"}"#).unwrap();
+    let out = agent_command()
+        .arg("--listen")
+        .arg(format!("unix:{}", dir.path().join("a.sock").display()))
+        .arg("--start-file")
+        .arg(&f)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--start-file") && err.contains("start.json"),
+        "{err}"
+    );
+}
