@@ -122,6 +122,9 @@ impl Up {
             if s == 200 && v["edges"].as_array().is_some_and(|e| !e.is_empty()) {
                 break;
             }
+            // A missing prerequisite (the shim, a runtime) stops the edge, not the server.
+            let log = std::fs::read_to_string(up.log_path()).unwrap_or_default();
+            assert!(!log.contains("embedded edge stopped"), "the embedded edge stopped:\n{}", up.log_tail(10));
             assert!(Instant::now() < deadline, "the embedded edge did not register within 60 s: {s} {v}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
