@@ -3,11 +3,11 @@
 use crate::inflight::InFlight;
 use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 use crate::validate::{self, LIMITS};
-use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K};
+use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult};
 use opendsec_projections::pb;
 use opendsec_projections::schema::{Batch, Denial, Principal};
 use opendsec_projections::state::{limits_to_pb, usage_to_pb};
-use opendsec_projections::{Event, Right, Sandbox, State, Usage};
+use opendsec_projections::{Event, Observed, Right, Sandbox, SnapshotState, State, Usage};
 use std::collections::BTreeSet;
 
 /// A command's accepted outcome: its events and what the audit view records it against.
@@ -121,6 +121,7 @@ fn place(
     usage: Usage,
     n: u32,
     refused_by: &BTreeSet<String>,
+    only_edge: Option<&str>,
 ) -> Result<Vec<(String, String, pb::Placement)>, Rejection> {
     let total = Usage { sandboxes: n as u64, cpu_millis: usage.cpu_millis * n as u64, memory_mb: usage.memory_mb * n as u64 };
     state
@@ -134,6 +135,7 @@ fn place(
             .edges
             .values()
             .filter(|e| !e.deregistered && !refused_by.contains(&e.id))
+            .filter(|e| only_edge.is_none_or(|o| o == e.id))
             .filter_map(|e| {
                 let mut free = e.free();
                 free.sub(&inflight.edge_usage(&e.id));
@@ -143,7 +145,10 @@ fn place(
             })
             .collect();
         let (sampled, best) = place_power_of_k(&cands, DEFAULT_K, rng)
-            .ok_or_else(|| Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"))?;
+            .ok_or_else(|| match only_edge {
+                Some(o) => Rejection::new(K::NoCapacity, format!("edge {o}, which holds the file system this sandbox starts from, has no room for it")),
+                None => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
+            })?;
         let chosen = &sampled[best];
         let mut id = sandbox_id(rng, chosen.ordinal);
         while state.sandboxes.sandboxes.contains_key(&id) || inflight.sandbox_id_taken(&id) || out.iter().any(|(x, _, _)| x == &id) {
@@ -355,7 +360,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             require_root(state, &who)?;
             Ok(one("", edge, Event::EdgeDeregistered(pb::EdgeDeregistered { id: edge.clone() })))
         }
-        Command::CreateSandbox { project, image, cpu_millis, memory_mb, labels, timeout_seconds } => {
+        Command::CreateSandbox { project, image, cpu_millis, memory_mb, labels, timeout_seconds, opts } => {
             if image.is_empty() {
                 return Err(Rejection::field(K::Invalid, "image", "image must name an image"));
             }
@@ -369,10 +374,23 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             if let Some(t) = timeout_seconds {
                 validate::amount("timeout_seconds", *t, LIMITS.timeout_seconds)?;
             }
+            validate::options("opts", opts)?;
             project_in_scope(state, &who, "project", project)?;
             who.require(Right::SandboxWrite)?;
+            // An image, or a snapshot of this project's subtree (then it starts on the
+            // snapshot's edge, from the snapshot's file system).
+            let from = match state.snapshots.snapshots.get(image) {
+                Some(snap) if state.within(&snap.project, &who.project) || state.within(project, &snap.project) => {
+                    if snap.state != SnapshotState::Ready {
+                        return Err(Rejection::field(K::Conflict, "image", format!("snapshot {image} is not ready yet")));
+                    }
+                    Some(snap)
+                }
+                _ => None,
+            };
             let usage = Usage { sandboxes: 1, cpu_millis: *cpu_millis, memory_mb: *memory_mb };
-            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by)?;
+            let only = from.map(|s| s.edge.as_str());
+            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by, only)?;
             let (id, edge, placement) = placed.into_iter().next().expect("place returns one per request");
             Ok(one(
                 project,
@@ -381,13 +399,19 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     id: id.clone(),
                     project: project.clone(),
                     edge,
-                    image: image.clone(),
+                    image: from.map(|s| s.image.clone()).unwrap_or_else(|| image.clone()),
                     cpu_millis: *cpu_millis,
                     memory_mb: *memory_mb,
                     labels: labels.clone(),
                     expires_at_ms: expiry(ctx, *timeout_seconds),
                     fork_of: String::new(),
                     placement: Some(placement),
+                    env: opts.env.clone(),
+                    auto_pause: opts.auto_pause,
+                    auto_resume: opts.auto_resume,
+                    snapshot: from.map(|s| s.id.clone()).unwrap_or_default(),
+                    template: image.clone(),
+                    network: opts.network.clone().unwrap_or_default(),
                 }),
             ))
         }
@@ -396,7 +420,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by)?;
+            // The copies start from the source's file system, which lives on its edge.
+            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, Some(&s.edge))?;
             let mut events = vec![Event::SandboxForkRequested(pb::SandboxForkRequested {
                 id: sandbox.clone(),
                 children: placed.iter().map(|(id, _, _)| id.clone()).collect(),
@@ -413,6 +438,12 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     expires_at_ms: s.expires_at_ms.unwrap_or(0),
                     fork_of: sandbox.clone(),
                     placement: Some(placement),
+                    env: s.env.clone(),
+                    auto_pause: s.auto_pause,
+                    auto_resume: s.auto_resume,
+                    snapshot: s.snapshot.clone().unwrap_or_default(),
+                    template: s.template.clone().unwrap_or_default(),
+                    network: s.network.clone().unwrap_or_default(),
                 }));
             }
             Ok(Decided { events, project: s.project.clone(), target: sandbox.clone() })
@@ -460,6 +491,69 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let ev = pb::ClusterMembershipChangeRequested { node_id: *node_id, address: String::new(), change: "remove".into() };
             Ok(one("", &format!("node:{node_id}"), Event::ClusterMembershipChangeRequested(ev)))
         }
+        Command::CreateSnapshot { sandbox, name } => {
+            validate::text("name", name, LIMITS.name_len)?;
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            if s.observed != Observed::Ready && s.observed != Observed::Paused {
+                return Err(Rejection::field(K::Conflict, "sandbox", format!("sandbox {sandbox} is not running yet")));
+            }
+            let mut id = format!("snap-{:016x}", rng.next_u64());
+            while state.snapshots.snapshots.contains_key(&id) {
+                id = format!("snap-{:016x}", rng.next_u64());
+            }
+            Ok(one(
+                &s.project,
+                &id,
+                Event::SnapshotRequested(pb::SnapshotRequested {
+                    id: id.clone(),
+                    sandbox: sandbox.clone(),
+                    project: s.project.clone(),
+                    edge: s.edge.clone(),
+                    name: name.clone(),
+                    image: s.image.clone(),
+                    parent: s.snapshot.clone().unwrap_or_default(),
+                }),
+            ))
+        }
+        Command::DeleteSnapshot { snapshot } => {
+            validate::id("snapshot", snapshot)?;
+            let x = state.snapshots.snapshots.get(snapshot).ok_or_else(|| not_found("snapshot", "snapshot", snapshot))?;
+            who.require(Right::SandboxWrite)?;
+            if !state.within(&x.project, &who.project) {
+                return Err(Rejection::field(K::Forbidden, "snapshot", format!("snapshot {snapshot} is outside the caller's project")));
+            }
+            let in_use = state.snapshots.snapshots.values().any(|o| o.parent.as_deref() == Some(snapshot.as_str()));
+            if in_use {
+                return Err(Rejection::field(K::Conflict, "snapshot", format!("snapshot {snapshot} lies beneath another snapshot; delete that one first")));
+            }
+            Ok(one(&x.project, snapshot, Event::SnapshotDeleted(pb::SnapshotDeleted { id: snapshot.clone(), sandbox: x.sandbox.clone() })))
+        }
+        Command::ReportSnapshot { snapshot, result } => {
+            validate::id("snapshot", snapshot)?;
+            let x = state.snapshots.snapshots.get(snapshot).ok_or_else(|| not_found("snapshot", "snapshot", snapshot))?;
+            who.require(Right::EdgeWrite)?;
+            if !state.within(&x.project, &who.project) {
+                return Err(Rejection::field(K::Forbidden, "snapshot", format!("snapshot {snapshot} is outside the caller's project")));
+            }
+            if x.state != SnapshotState::Pending {
+                return Err(Rejection::field(K::Conflict, "snapshot", format!("snapshot {snapshot} was already reported")));
+            }
+            let ev = match result {
+                SnapshotResult::Ready { size_bytes } => {
+                    Event::SnapshotReady(pb::SnapshotReady { id: snapshot.clone(), sandbox: x.sandbox.clone(), size_bytes: *size_bytes })
+                }
+                SnapshotResult::Failed { reason } => {
+                    validate::text("result.reason", reason, LIMITS.reason_len)?;
+                    Event::SnapshotFailed(pb::SnapshotFailed { id: snapshot.clone(), sandbox: x.sandbox.clone(), reason: reason.clone() })
+                }
+            };
+            Ok(one(&x.project, snapshot, ev))
+        }
+        Command::SetSandboxNetwork { sandbox, network } => {
+            validate::options("network", &SandboxOptions { network: Some(network.clone()), ..Default::default() })?;
+            let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            Ok(one(&s.project, sandbox, Event::SandboxNetworkSet(pb::SandboxNetworkSet { id: sandbox.clone(), network: network.clone() })))
+        }
         Command::ReportSandbox { sandbox, observation } => {
             validate::id("sandbox", sandbox)?;
             let s = state.sandboxes.sandboxes.get(sandbox).ok_or_else(|| not_found("sandbox", "sandbox", sandbox))?;
@@ -470,6 +564,12 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let id = sandbox.clone();
             let ev = match observation {
                 Observation::Ready => Event::SandboxReady(pb::SandboxReady { id }),
+                Observation::TimedOut => {
+                    if !s.auto_pause {
+                        return Err(Rejection::field(K::Invalid, "observation", format!("sandbox {sandbox} does not pause at its timeout")));
+                    }
+                    Event::SandboxTimedOut(pb::SandboxTimedOut { id })
+                }
                 Observation::Paused => Event::SandboxPaused(pb::SandboxPaused { id }),
                 Observation::Resumed => Event::SandboxResumed(pb::SandboxResumed { id }),
                 Observation::Failed { reason } => {
@@ -543,6 +643,11 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         | Command::KillSandbox { sandbox }
         | Command::SetSandboxTimeout { sandbox, .. }
         | Command::SetSandboxLabels { sandbox, .. }
+        | Command::SetSandboxNetwork { sandbox, .. }
+        | Command::CreateSnapshot { sandbox, .. }
         | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
+        Command::DeleteSnapshot { snapshot } | Command::ReportSnapshot { snapshot, .. } => {
+            (state.snapshots.snapshots.get(snapshot).map(|x| x.project.clone()).unwrap_or_default(), snapshot.clone())
+        }
     }
 }

@@ -60,6 +60,9 @@ pub enum Command {
         memory_mb: u64,
         labels: BTreeMap<String, String>,
         timeout_seconds: Option<u64>,
+        /// Everything else a create may ask for (E2B's create options).
+        #[serde(default)]
+        opts: SandboxOptions,
     },
     /// Creates `count` copies of a live sandbox. Needs sandbox:write.
     ForkSandbox { sandbox: String, count: u32 },
@@ -69,6 +72,15 @@ pub enum Command {
     /// Sets the sandbox's lifetime from now (0 = none).
     SetSandboxTimeout { sandbox: String, timeout_seconds: u64 },
     SetSandboxLabels { sandbox: String, labels: BTreeMap<String, String> },
+    /// Captures a live sandbox's file system as a snapshot on its edge. Needs sandbox:write.
+    CreateSnapshot { sandbox: String, name: String },
+    /// Deletes a snapshot (sandboxes started from it keep running). Needs sandbox:write.
+    DeleteSnapshot { snapshot: String },
+    /// What an edge made of a snapshot request. Needs edge:write.
+    ReportSnapshot { snapshot: String, result: SnapshotResult },
+    /// Records a sandbox's network settings (stored and reported; enforcement comes with
+    /// network policy, and until then no sandbox has egress). Needs sandbox:write.
+    SetSandboxNetwork { sandbox: String, network: String },
     /// Adds a control node to the Raft cluster. Needs cluster:admin in the root project.
     AddClusterMember { node_id: u64, address: String },
     /// Removes a control node from the Raft cluster. Needs cluster:admin in the root project.
@@ -82,6 +94,8 @@ pub enum Command {
 #[serde(tag = "state", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Observation {
     Ready,
+    /// Past its timeout, a sandbox with auto-pause is to pause instead of dying.
+    TimedOut,
     Paused,
     Resumed,
     Failed { reason: String },
@@ -108,10 +122,36 @@ impl Command {
             Command::SetSandboxTimeout { .. } => "sandbox.set_timeout",
             Command::SetSandboxLabels { .. } => "sandbox.set_labels",
             Command::ReportSandbox { .. } => "sandbox.report",
+            Command::CreateSnapshot { .. } => "snapshot.create",
+            Command::DeleteSnapshot { .. } => "snapshot.delete",
+            Command::ReportSnapshot { .. } => "snapshot.report",
+            Command::SetSandboxNetwork { .. } => "sandbox.set_network",
             Command::AddClusterMember { .. } => "cluster.add_member",
             Command::RemoveClusterMember { .. } => "cluster.remove_member",
         }
     }
+}
+
+/// Options of a sandbox create beyond its image and size.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxOptions {
+    /// Environment variables of every process in the sandbox.
+    pub env: BTreeMap<String, String>,
+    /// Pause instead of kill at the timeout.
+    pub auto_pause: bool,
+    /// A request to the paused sandbox resumes it.
+    pub auto_resume: bool,
+    /// Network settings as asked, as JSON (stored, not yet enforced: no sandbox has egress).
+    pub network: Option<String>,
+}
+
+/// An edge's answer to a snapshot request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SnapshotResult {
+    Ready { size_bytes: u64 },
+    Failed { reason: String },
 }
 
 /// Who is asking. Authentication (checking a secret) happens before `decide`; `decide`

@@ -17,6 +17,9 @@ pub struct InputLimits {
     pub fork_count: u32,
     pub timeout_seconds: u64,
     pub reason_len: usize,
+    pub env_count: usize,
+    pub env_bytes: usize,
+    pub network_len: usize,
 }
 
 pub const LIMITS: InputLimits = InputLimits {
@@ -31,6 +34,9 @@ pub const LIMITS: InputLimits = InputLimits {
     fork_count: 1024,
     timeout_seconds: 366 * 24 * 3600,
     reason_len: 1024,
+    env_count: 256,
+    env_bytes: 256 * 1024,
+    network_len: 16 * 1024,
 };
 
 fn invalid(field: &str, msg: String) -> Rejection {
@@ -68,6 +74,38 @@ pub fn labels(field: &str, l: &BTreeMap<String, String>) -> Result<(), Rejection
         }
         if v.len() > LIMITS.label_value_len || v.chars().any(|c| c.is_control()) {
             return Err(invalid(field, format!("label {k:?} has a value over {} characters or with control characters", LIMITS.label_value_len)));
+        }
+    }
+    Ok(())
+}
+
+/// Create options: environment names are shell-style, values bounded, no NUL anywhere.
+pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> {
+    if o.env.len() > LIMITS.env_count {
+        return Err(invalid(&format!("{field}.env"), format!("at most {} environment variables", LIMITS.env_count)));
+    }
+    let mut total = 0usize;
+    for (k, v) in &o.env {
+        let ok = k.len() <= 255
+            && k.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return Err(invalid(&format!("{field}.env"), format!("environment variable name {k:?} must match [A-Za-z_][A-Za-z0-9_]*")));
+        }
+        if v.contains('\0') {
+            return Err(invalid(&format!("{field}.env"), format!("environment variable {k} holds a NUL character")));
+        }
+        total += k.len() + v.len();
+    }
+    if total > LIMITS.env_bytes {
+        return Err(invalid(&format!("{field}.env"), format!("the environment is over {} bytes", LIMITS.env_bytes)));
+    }
+    if let Some(n) = &o.network {
+        if n.len() > LIMITS.network_len {
+            return Err(invalid(field, format!("network settings are over {} bytes", LIMITS.network_len)));
+        }
+        if serde_json::from_str::<serde_json::Value>(n).is_err() {
+            return Err(invalid(field, "network settings must be JSON".into()));
         }
     }
     Ok(())

@@ -107,7 +107,7 @@ impl Sim {
         Some(match op {
             Op::Create { caller, project, cpu, mem } => (
                 token(caller),
-                Command::CreateSandbox {
+                Command::CreateSandbox { opts: Default::default(),
                     project: self.projects[*project].clone(),
                     image: "img".into(),
                     cpu_millis: *cpu,

@@ -103,7 +103,7 @@ fn bad_input_is_refused_naming_the_field_and_leaves_the_log_unchanged() {
         ttl_seconds: ttl,
         secret_sha256: secret.into(),
     };
-    let sandbox = |image: &str, cpu, mem, labels: BTreeMap<String, String>, timeout| Command::CreateSandbox {
+    let sandbox = |image: &str, cpu, mem, labels: BTreeMap<String, String>, timeout| Command::CreateSandbox { opts: Default::default(),
         project: root.clone(),
         image: image.into(),
         cpu_millis: cpu,

@@ -206,7 +206,7 @@ fn a_create_with_a_timeout_expires_that_long_after_it_was_decided() {
     let ran = w
         .run(
             &admin,
-            Command::CreateSandbox { project: root, image: "img".into(), cpu_millis: 1, memory_mb: 1, labels: labels(&[]), timeout_seconds: Some(300) },
+            Command::CreateSandbox { opts: Default::default(), project: root, image: "img".into(), cpu_millis: 1, memory_mb: 1, labels: labels(&[]), timeout_seconds: Some(300) },
         )
         .unwrap();
     assert_eq!(w.state.sandboxes.sandboxes[&ran.decided.target].expires_at_ms, Some(w.now_ms + 300_000));

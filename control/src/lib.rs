@@ -25,7 +25,7 @@ pub mod pb {
 /// What a write is made with.
 #[derive(Clone)]
 pub enum Credential {
-    /// A bearer token (`odsec_<id>.<secret>`); authenticated on whichever node decides.
+    /// A bearer token (`odsec_<id>.<secret>` or an E2B key); authenticated on whichever node decides.
     Bearer(String),
     /// The control plane itself (bootstrap, timeouts). Never accepted from outside.
     System,
@@ -82,6 +82,52 @@ pub fn new_token_secret() -> (String, String) {
 /// The bearer string users hold.
 pub fn format_token(id: &str, secret: &str) -> String {
     format!("odsec_{id}.{secret}")
+}
+
+/// A fresh secret for an E2B API key (96 bits, 24 hex) and its SHA-256 (hex).
+pub fn new_e2b_secret() -> (String, String) {
+    let bytes: [u8; 12] = rand::random();
+    let secret = hex::encode(bytes);
+    let hash = hex::encode(Sha256::digest(secret.as_bytes()));
+    (secret, hash)
+}
+
+/// An E2B API key: `e2b_` + 40 hex, the token id (16 hex) then its secret (24 hex),
+/// the form E2B's SDKs accept. It is an ordinary token of its project.
+pub fn format_e2b_key(id: &str, secret: &str) -> String {
+    format!("e2b_{id}{secret}")
+}
+
+/// Splits a bearer into (token id, secret), for both forms: `odsec_<id>.<secret>`
+/// and `e2b_<16 hex id><24 hex secret>`.
+pub fn split_bearer(bearer: &str) -> Option<(&str, &str)> {
+    if let Some(rest) = bearer.strip_prefix("odsec_") {
+        return rest.split_once('.');
+    }
+    let rest = bearer.strip_prefix("e2b_")?;
+    (rest.len() == 40 && rest.bytes().all(|b| b.is_ascii_hexdigit())).then(|| rest.split_at(16))
+}
+
+/// What a per-sandbox access token opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SandboxTokenKind {
+    /// The agent (E2B `envdAccessToken`, sent as `X-Access-Token`).
+    Agent,
+    /// The sandbox's other ports (E2B `trafficAccessToken`).
+    Traffic,
+}
+
+/// The access token of one sandbox: HMAC-SHA256 under the cluster key, so every node
+/// and the sandbox's edge derive the same token without storing it anywhere.
+pub fn sandbox_token(cluster_key: &str, kind: SandboxTokenKind, sandbox: &str) -> String {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(cluster_key.as_bytes()).expect("HMAC takes any key length");
+    let purpose = match kind {
+        SandboxTokenKind::Agent => "agent",
+        SandboxTokenKind::Traffic => "traffic",
+    };
+    mac.update(format!("opendsec sandbox token v1\0{purpose}\0{sandbox}").as_bytes());
+    hex::encode(&mac.finalize().into_bytes()[..20])
 }
 
 /// A fresh cluster key.

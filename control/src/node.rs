@@ -179,8 +179,8 @@ impl ControlNode {
     /// Checks a bearer token (`odsec_<id>.<secret>`) against the IAM view.
     pub fn authenticate(&self, bearer: &str) -> Result<Principal, Rejection> {
         let unauth = |m: &str| Rejection::new(RejectionKind::Unauthenticated, m);
-        let rest = bearer.strip_prefix("odsec_").ok_or_else(|| unauth("the token is not an OpenDsec token (odsec_...)"))?;
-        let (id, secret) = rest.split_once('.').ok_or_else(|| unauth("the token is malformed"))?;
+        let (id, secret) =
+            crate::split_bearer(bearer).ok_or_else(|| unauth("the token is not an OpenDsec token (odsec_<id>.<secret>) nor an E2B key (e2b_ + 40 hex)"))?;
         let hash = hex::encode(Sha256::digest(secret.as_bytes()));
         let now = now_ms();
         self.read(|s| {
@@ -438,6 +438,11 @@ impl ControlNode {
     }
 
     /// Whether `key` is this cluster's key (compared in constant time).
+    /// A sandbox's access token of `kind` (see [`crate::sandbox_token`]).
+    pub fn sandbox_token(&self, kind: crate::SandboxTokenKind, sandbox: &str) -> String {
+        crate::sandbox_token(&self.inner.cfg.cluster_key, kind, sandbox)
+    }
+
     pub fn cluster_key_matches(&self, key: &str) -> bool {
         constant_time_eq(key.as_bytes(), self.inner.cfg.cluster_key.as_bytes())
     }

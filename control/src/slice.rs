@@ -10,7 +10,7 @@ use crate::node::{ControlNode, EdgeHeartbeat, SubmitError};
 use crate::pb::edge_slice_server::EdgeSlice;
 use crate::pb::{
     slice_message::Body, HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest,
-    SliceEntry, SliceMessage, SliceSandbox, SliceSnapshot, WatchRequest,
+    SliceEntry, SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, WatchRequest,
 };
 use crate::{now_ms, Principal};
 use opendsec_commands::{Command, Observation};
@@ -96,9 +96,25 @@ fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             desired: serde_json::to_value(s.desired).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
             observed: serde_json::to_value(s.observed).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
             fork_of: s.fork_of.clone().unwrap_or_default(),
+            env: s.env.clone(),
+            auto_pause: s.auto_pause,
+            snapshot: s.snapshot.clone().unwrap_or_default(),
         })
         .collect();
-    SliceSnapshot { index: state.index, sandboxes }
+    let snapshots = state
+        .snapshots
+        .snapshots
+        .values()
+        .filter(|x| x.edge == edge)
+        .map(|x| SliceSnapshotRecord {
+            id: x.id.clone(),
+            sandbox: x.sandbox.clone(),
+            image: x.image.clone(),
+            parent: x.parent.clone().unwrap_or_default(),
+            state: serde_json::to_value(x.state).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        })
+        .collect();
+    SliceSnapshot { index: state.index, sandboxes, snapshots }
 }
 
 type SliceStream = Pin<Box<dyn Stream<Item = Result<SliceMessage, Status>> + Send>>;
@@ -199,12 +215,19 @@ impl EdgeSlice for EdgeSliceService {
     async fn report(&self, req: Request<ReportRequest>) -> Result<Response<ReportReply>, Status> {
         let p = self.edge_principal(&req)?;
         let r = req.into_inner();
-        let observation: Observation =
-            serde_json::from_str(&r.observation_json).map_err(|e| Status::invalid_argument(format!("observation_json: {e}")))?;
         let request_id = if r.request_id.is_empty() { uuid::Uuid::new_v4().to_string() } else { r.request_id };
+        let cmd = if r.snapshot.is_empty() {
+            let observation: Observation =
+                serde_json::from_str(&r.observation_json).map_err(|e| Status::invalid_argument(format!("observation_json: {e}")))?;
+            Command::ReportSandbox { sandbox: r.sandbox, observation }
+        } else {
+            let result: opendsec_commands::SnapshotResult = serde_json::from_str(&r.snapshot_result_json)
+                .map_err(|e| Status::invalid_argument(format!("snapshot_result_json: {e}")))?;
+            Command::ReportSnapshot { snapshot: r.snapshot, result }
+        };
         let s = self
             .node
-            .submit(p.credential(), request_id, Command::ReportSandbox { sandbox: r.sandbox, observation })
+            .submit(p.credential(), request_id, cmd)
             .await
             .map_err(to_status)?;
         Ok(Response::new(ReportReply { index: s.index }))

@@ -25,6 +25,35 @@ pub struct DesiredSandbox {
     pub observed: Observed,
     /// Why it was killed ("user", "timeout"), once it was.
     pub kill_reason: Option<String>,
+    /// Environment of every process in it.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Paused instead of stopped at its timeout.
+    #[serde(default)]
+    pub auto_pause: bool,
+    /// The snapshot (file system) it starts from.
+    #[serde(default)]
+    pub snapshot: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotPhase {
+    Pending,
+    Ready,
+    Failed,
+    /// Deleted in the log: its files are to be removed.
+    Deleted,
+}
+
+/// A snapshot this edge is to take, keeps or is to remove.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DesiredSnapshot {
+    pub id: String,
+    pub sandbox: String,
+    pub image: String,
+    pub parent: Option<String>,
+    pub phase: SnapshotPhase,
 }
 
 impl DesiredSandbox {
@@ -40,6 +69,8 @@ pub struct SliceState {
     /// The first log index not folded in yet: where the watch resumes.
     pub next_index: u64,
     pub sandboxes: BTreeMap<String, DesiredSandbox>,
+    #[serde(default)]
+    pub snapshots: BTreeMap<String, DesiredSnapshot>,
 }
 
 fn parse_desired(s: &str) -> Desired {
@@ -62,7 +93,7 @@ fn parse_observed(s: &str) -> Observed {
 
 impl SliceState {
     pub fn new(edge: &str) -> SliceState {
-        SliceState { edge: edge.to_string(), next_index: 1, sandboxes: BTreeMap::new() }
+        SliceState { edge: edge.to_string(), next_index: 1, sandboxes: BTreeMap::new(), snapshots: BTreeMap::new() }
     }
 
     /// Folds one message of the watch stream.
@@ -86,10 +117,40 @@ impl SliceState {
                             desired: parse_desired(&s.desired),
                             observed: parse_observed(&s.observed),
                             kill_reason: None,
+                            env: s.env.clone(),
+                            auto_pause: s.auto_pause,
+                            snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
                         };
                         (s.id.clone(), d)
                     })
                     .collect();
+                // Snapshots the log no longer has are deleted: keep them as such until
+                // their files are gone.
+                let mut snapshots: BTreeMap<String, DesiredSnapshot> = snap
+                    .snapshots
+                    .iter()
+                    .map(|x| {
+                        let phase = match x.state.as_str() {
+                            "ready" => SnapshotPhase::Ready,
+                            "failed" => SnapshotPhase::Failed,
+                            _ => SnapshotPhase::Pending,
+                        };
+                        let d = DesiredSnapshot {
+                            id: x.id.clone(),
+                            sandbox: x.sandbox.clone(),
+                            image: x.image.clone(),
+                            parent: (!x.parent.is_empty()).then(|| x.parent.clone()),
+                            phase,
+                        };
+                        (x.id.clone(), d)
+                    })
+                    .collect();
+                for (id, old) in &self.snapshots {
+                    if !snapshots.contains_key(id) {
+                        snapshots.insert(id.clone(), DesiredSnapshot { phase: SnapshotPhase::Deleted, ..old.clone() });
+                    }
+                }
+                self.snapshots = snapshots;
                 self.next_index = self.next_index.max(snap.index + 1);
             }
             Some(Body::Entry(entry)) => {
@@ -126,10 +187,47 @@ impl SliceState {
                         desired: Desired::Running,
                         observed: Observed::Pending,
                         kill_reason: None,
+                        env: c.env.clone(),
+                        auto_pause: c.auto_pause,
+                        snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
                     },
                 );
             }
             return;
+        }
+        match ev {
+            Event::SnapshotRequested(r) if r.edge == self.edge => {
+                self.snapshots.insert(
+                    r.id.clone(),
+                    DesiredSnapshot {
+                        id: r.id.clone(),
+                        sandbox: r.sandbox.clone(),
+                        image: r.image.clone(),
+                        parent: (!r.parent.is_empty()).then(|| r.parent.clone()),
+                        phase: SnapshotPhase::Pending,
+                    },
+                );
+                return;
+            }
+            Event::SnapshotReady(r) => {
+                if let Some(x) = self.snapshots.get_mut(&r.id) {
+                    x.phase = SnapshotPhase::Ready;
+                }
+                return;
+            }
+            Event::SnapshotFailed(r) => {
+                if let Some(x) = self.snapshots.get_mut(&r.id) {
+                    x.phase = SnapshotPhase::Failed;
+                }
+                return;
+            }
+            Event::SnapshotDeleted(r) => {
+                if let Some(x) = self.snapshots.get_mut(&r.id) {
+                    x.phase = SnapshotPhase::Deleted;
+                }
+                return;
+            }
+            _ => {}
         }
         let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else { return };
         match ev {
@@ -141,6 +239,12 @@ impl SliceState {
             }
             Event::SandboxTimeoutSet(t) => s.expires_at_ms = (t.expires_at_ms != 0).then_some(t.expires_at_ms),
             Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
+            Event::SandboxTimedOut(_) => {
+                s.expires_at_ms = None;
+                if s.desired == Desired::Running {
+                    s.desired = Desired::Paused;
+                }
+            }
             Event::SandboxReady(_) | Event::SandboxResumed(_) if !s.is_terminal() => s.observed = Observed::Ready,
             Event::SandboxPaused(_) if !s.is_terminal() => s.observed = Observed::Paused,
             Event::SandboxFailed(_) => s.observed = Observed::Failed,

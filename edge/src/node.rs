@@ -8,7 +8,7 @@ use crate::container::{BindMount, ContainerBackend, ContainerConfig, Limits, San
 use crate::desired::{DesiredSandbox, SliceState};
 use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
-use crate::reconcile::{plan, Action, Running};
+use crate::reconcile::{plan, plan_snapshots, Action, Running};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_commands::Observation;
 use opendsec_control::pb::{Capacity, HeartbeatRequest};
@@ -23,6 +23,11 @@ const STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("edge_state");
 
 /// Where the agent binary appears inside every sandbox (read-only).
 pub const AGENT_PATH_IN_SANDBOX: &str = "/.opendsec/agent";
+/// Where the agent's per-sandbox configuration (token, environment, start command)
+/// appears inside the sandbox (read-only).
+pub const AGENT_CONFIG_IN_SANDBOX: &str = "/.opendsec/config";
+/// How long a template's start command may take to open its port before the sandbox fails.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Clone, Debug)]
 pub struct EdgeConfig {
@@ -80,6 +85,8 @@ struct Edge {
     failed: Mutex<BTreeSet<String>>,
     /// One creation at a time touches the host's mounts and loop devices.
     create_lock: Mutex<()>,
+    /// Snapshots being taken right now.
+    snapshotting: Mutex<BTreeSet<String>>,
     /// Sandboxes seen out of memory while running (their exit is reported as an OOM).
     oom_seen: Mutex<BTreeSet<String>>,
     /// The last observation, for admission requests between two rounds.
@@ -147,18 +154,136 @@ impl Edge {
         Ok(out)
     }
 
+    fn snapshots_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("snapshots")
+    }
+
+    /// The per-sandbox directory bind-mounted read-only at [`AGENT_CONFIG_IN_SANDBOX`].
+    fn config_dir(&self, id: &str) -> PathBuf {
+        self.cfg.data_dir.join("config").join(id)
+    }
+
+    /// A fork's private copy of its source's file system (its top read-only layer).
+    fn fork_layer(&self, id: &str) -> PathBuf {
+        self.cfg.data_dir.join("forks").join(id)
+    }
+
+    /// The writable upper dir of a sandbox's overlay (on its size-limited disk).
+    fn upper_dir(&self, id: &str) -> PathBuf {
+        self.backend.config().sandboxes_root.join(id).join("disk").join("upper")
+    }
+
+    /// The snapshot layers beneath a sandbox started from `snapshot`, bottom first.
+    fn snapshot_layers(&self, snapshot: &str) -> Result<Vec<PathBuf>, EdgeError> {
+        let slice = self.slice.lock().expect("slice lock");
+        let mut chain = Vec::new();
+        let mut next = Some(snapshot.to_string());
+        while let Some(id) = next {
+            if chain.len() > 64 {
+                return Err(EdgeError::Store(format!("snapshot {snapshot} has a parent chain over 64 deep")));
+            }
+            let dir = self.snapshots_dir().join(&id);
+            if !dir.is_dir() {
+                return Err(EdgeError::Store(format!("snapshot {id} has no files on this edge")));
+            }
+            chain.push(dir);
+            next = slice.snapshots.get(&id).and_then(|x| x.parent.clone());
+        }
+        chain.reverse();
+        Ok(chain)
+    }
+
+    /// Writes the agent's configuration: its access token, the sandbox's environment and
+    /// the image's start command. Returns the agent's extra arguments.
+    fn write_agent_config(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<Vec<String>, EdgeError> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let dir = self.config_dir(&d.id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let write = |name: &str, bytes: &[u8]| -> std::io::Result<()> {
+            use std::io::Write;
+            // Readable by the agent (root in the sandbox) only.
+            let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dir.join(name))?;
+            f.write_all(bytes)
+        };
+        let token = opendsec_control::sandbox_token(&self.cfg.edge_key, opendsec_control::SandboxTokenKind::Agent, &d.id);
+        write("token", token.as_bytes())?;
+        write("env.json", &serde_json::to_vec(&d.env).map_err(store_err)?)?;
+        let mut args = vec![
+            "--access-token-file".to_string(),
+            format!("{AGENT_CONFIG_IN_SANDBOX}/token"),
+            "--env-file".into(),
+            format!("{AGENT_CONFIG_IN_SANDBOX}/env.json"),
+        ];
+        if let Some(start) = &image.config.start {
+            write("start.json", &serde_json::to_vec(start).map_err(store_err)?)?;
+            args.extend(["--start-file".into(), format!("{AGENT_CONFIG_IN_SANDBOX}/start.json")]);
+        }
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        Ok(args)
+    }
+
+    /// Copies a running sandbox's file system (its overlay upper dir) to `dest`, freezing
+    /// it meanwhile so the copy is consistent; it is thawed again unless it was paused.
+    fn copy_upper(&self, sandbox: &str, dest: &std::path::Path) -> Result<(), EdgeError> {
+        let upper = self.upper_dir(sandbox);
+        if !upper.is_dir() {
+            return Err(EdgeError::Store(format!("sandbox {sandbox} has no file system on this edge")));
+        }
+        let was_running = matches!(self.backend.quick_state(sandbox).map(|s| s.status), Ok(crate::container::SandboxStatus::Running));
+        if was_running {
+            self.backend.pause(sandbox)?;
+        }
+        let result = (|| {
+            // Flush what the sandbox wrote before reading its files from outside.
+            if let Ok(f) = std::fs::File::open(&upper) {
+                // SAFETY: syncfs on a valid, open fd.
+                unsafe { libc::syncfs(f.as_raw_fd()) };
+            }
+            let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("copy")));
+            let _ = std::fs::remove_dir_all(&tmp);
+            if let Some(parent) = tmp.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            // cp -a keeps owners, modes, xattrs (overlay's opaque-dir marks) and the
+            // whiteout devices that record deletions of image files.
+            let out = std::process::Command::new("cp").arg("-a").arg("--").arg(&upper).arg(&tmp).output()?;
+            if !out.status.success() {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(EdgeError::Store(format!("copying the file system of {sandbox}: {}", String::from_utf8_lossy(&out.stderr).trim())));
+            }
+            std::fs::rename(&tmp, dest)?;
+            Ok(())
+        })();
+        if was_running {
+            if let Err(e) = self.backend.resume(sandbox) {
+                tracing::error!(%sandbox, error = %e, "cannot thaw the sandbox after copying its file system");
+            }
+        }
+        result
+    }
+
     fn create(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
         let image = self.images.ensure(&d.image, &|p| tracing::info!(image = %d.image, progress = ?p, "building image"))?;
         let sock = self.socket_path(&d.id);
         let _ = std::fs::remove_file(&sock);
         // The socket lives outside the sandbox; the agent gets only the listening fd.
         let listener = std::os::unix::net::UnixListener::bind(&sock)?;
-        let mut spec = SandboxSpec::from_image(
-            d.id.clone(),
-            &self.images,
-            &image,
-            vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()],
-        )?;
+        let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
+        args.extend(self.write_agent_config(d, &image)?);
+        let mut spec = SandboxSpec::from_image(d.id.clone(), &self.images, &image, args)?;
+        // A sandbox started from a snapshot stacks the snapshot's layers on the image's.
+        if let Some(snap) = &d.snapshot {
+            spec.layers.extend(self.snapshot_layers(snap)?);
+        }
+        // A fork starts from a copy of its source's file system as it is now.
+        if let Some(source) = &d.fork_of {
+            let layer = self.fork_layer(&d.id);
+            if !layer.is_dir() {
+                self.copy_upper(source, &layer)?;
+            }
+            spec.layers.push(layer);
+        }
         spec.limits = Limits {
             memory_bytes: d.memory_mb << 20,
             cpu_millis: d.cpu_millis.min(u32::MAX as u64) as u32,
@@ -167,6 +292,7 @@ impl Edge {
             disk_bytes: self.cfg.disk_bytes,
         };
         spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
+        spec.binds.push(BindMount { host_path: self.config_dir(&d.id), container_path: AGENT_CONFIG_IN_SANDBOX.into() });
         spec.extra_fds.push(listener.as_raw_fd());
         spec.labels = d.labels.clone();
         {
@@ -175,6 +301,32 @@ impl Edge {
         }
         drop(listener); // the agent holds its own copy
         Ok(())
+    }
+
+    /// Waits until the agent says the sandbox is up (a template's start command has
+    /// opened its port): `GET /health` answers 204.
+    async fn wait_started(&self, id: &str) -> Result<(), String> {
+        let sock = self.socket_path(id);
+        let deadline = Instant::now() + START_TIMEOUT;
+        let mut last = String::from("no answer yet");
+        while Instant::now() < deadline {
+            match crate::proxy::agent_health(&sock).await {
+                Ok(204) | Ok(200) => return Ok(()),
+                Ok(code) => last = format!("the agent answers {code}"),
+                Err(e) => last = e,
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(format!("the start command did not become ready within {START_TIMEOUT:?}: {last}"))
+    }
+
+    /// Takes snapshot `id` of `sandbox` (unless its files exist already) and returns its size.
+    fn take_snapshot(&self, id: &str, sandbox: &str) -> Result<u64, EdgeError> {
+        let dest = self.snapshots_dir().join(id);
+        if !dest.is_dir() {
+            self.copy_upper(sandbox, &dest)?;
+        }
+        Ok(dir_size(&dest))
     }
 
     async fn act(self: &Arc<Self>, action: Action, observed: &BTreeMap<String, Running>) {
@@ -197,6 +349,22 @@ impl Edge {
                     let d2 = d.clone();
                     let e2 = edge.clone();
                     let r = tokio::task::spawn_blocking(move || e2.create(&d2)).await;
+                    // A template with a start command is ready once its port is open.
+                    let r = match r {
+                        Ok(Ok(())) if edge.has_start_command(&d.image) => match edge.wait_started(&d.id).await {
+                            Ok(()) => Ok(Ok(())),
+                            Err(why) => {
+                                tracing::warn!(sandbox = %d.id, %why, "start command failed");
+                                let _ = edge.backend.kill(&d.id, libc::SIGKILL);
+                                edge.failed.lock().expect("failed lock").insert(d.id.clone());
+                                edge.creating.lock().expect("creating lock").remove(&d.id);
+                                edge.report(&d.id, Observation::Failed { reason: why }).await;
+                                edge.wake.notify_one();
+                                return;
+                            }
+                        },
+                        other => other,
+                    };
                     edge.creating.lock().expect("creating lock").remove(&d.id);
                     match r {
                         Ok(Ok(())) => tracing::info!(sandbox = %d.id, "created"),
@@ -214,7 +382,19 @@ impl Edge {
                 });
                 Ok(())
             }
-            Action::Pause { id } => self.blocking(move |e| e.backend.pause(&id).map_err(EdgeError::from)).await,
+            Action::Pause { id } => {
+                self.blocking(move |e| {
+                    e.backend.pause(&id)?;
+                    // A paused sandbox gives its memory back where the host can (cgroup v2).
+                    if let Ok(h) = e.backend.get(&id) {
+                        if let Some(freed) = crate::container::cgroup::reclaim(&h.record.cgroups_path) {
+                            tracing::info!(sandbox = %id, freed_bytes = freed, "reclaimed the paused sandbox's memory");
+                        }
+                    }
+                    Ok(())
+                })
+                .await
+            }
             Action::Resume { id } => self.blocking(move |e| e.backend.resume(&id).map_err(EdgeError::from)).await,
             Action::Stop { id, reason } => {
                 tracing::info!(sandbox = %id, %reason, "stopping");
@@ -230,9 +410,34 @@ impl Edge {
                 self.blocking(move |e| {
                     let r = e.backend.delete(&id).map_err(EdgeError::from);
                     let _ = std::fs::remove_file(sock);
+                    let _ = std::fs::remove_dir_all(e.config_dir(&id));
+                    let _ = std::fs::remove_dir_all(e.fork_layer(&id));
                     r
                 })
                 .await
+            }
+            Action::TakeSnapshot { id, sandbox } => {
+                if !self.snapshotting.lock().expect("snapshot lock").insert(id.clone()) {
+                    return; // under way
+                }
+                let (e, sid) = (self.clone(), id.clone());
+                let taken = tokio::task::spawn_blocking(move || e.take_snapshot(&sid, &sandbox)).await;
+                self.snapshotting.lock().expect("snapshot lock").remove(&id);
+                let result = match taken {
+                    Ok(Ok(size_bytes)) => opendsec_commands::SnapshotResult::Ready { size_bytes },
+                    Ok(Err(e)) => opendsec_commands::SnapshotResult::Failed { reason: e.to_string() },
+                    Err(e) => opendsec_commands::SnapshotResult::Failed { reason: format!("snapshot task failed: {e}") },
+                };
+                self.report_snapshot(&id, result).await;
+                Ok(())
+            }
+            Action::FailSnapshot { id, reason } => {
+                self.report_snapshot(&id, opendsec_commands::SnapshotResult::Failed { reason }).await;
+                Ok(())
+            }
+            Action::RemoveSnapshot { id } => {
+                let dir = self.snapshots_dir().join(&id);
+                self.blocking(move |_| std::fs::remove_dir_all(dir).map_err(EdgeError::from)).await
             }
             Action::Report { id, observation } => {
                 self.report(&id, observation).await;
@@ -316,6 +521,63 @@ impl Edge {
         }
     }
 
+    /// A sandbox's counters for the metrics endpoint.
+    fn sample(&self, id: &str) -> Option<proxy::Sample> {
+        let h = self.backend.get(id).ok()?;
+        let u = crate::container::cgroup::usage(&h.record.cgroups_path).unwrap_or_default();
+        let (disk_used, disk_total) = nix::sys::statvfs::statvfs(&h.dir.join("disk"))
+            .map(|v| {
+                let f = v.fragment_size() as u64;
+                (v.blocks().saturating_sub(v.blocks_free()) as u64 * f, v.blocks() as u64 * f)
+            })
+            .unwrap_or((0, self.cfg.disk_bytes));
+        Some(proxy::Sample {
+            cpu_usec: u.cpu_usec,
+            cpu_count: (h.record.limits.cpu_millis as u64).div_ceil(1000).max(1),
+            mem_used: u.memory_bytes,
+            mem_total: h.record.limits.memory_bytes,
+            mem_cache: u.cache_bytes,
+            disk_used,
+            disk_total,
+        })
+    }
+
+    fn has_start_command(&self, image: &str) -> bool {
+        self.images.get(image).map(|i| i.config.start.is_some()).unwrap_or(false)
+    }
+
+    async fn report_snapshot(&self, id: &str, result: opendsec_commands::SnapshotResult) {
+        let key = format!("snapshot:{id}");
+        let as_obs = Observation::Failed { reason: format!("{result:?}") };
+        {
+            let reported = self.reported.lock().expect("reported lock");
+            if let Some((last, at)) = reported.get(&key) {
+                if *last == as_obs && at.elapsed() < Duration::from_secs(10) {
+                    return;
+                }
+            }
+        }
+        let mut client = self.client.clone();
+        match client.report_snapshot(id, &result, &format!("{}:{key}", self.cfg.name)).await {
+            Ok(index) => {
+                tracing::info!(snapshot = %id, ?result, index, "reported");
+                self.reported.lock().expect("reported lock").insert(key, (as_obs, Instant::now()));
+            }
+            Err(e) => tracing::warn!(snapshot = %id, error = %e, "snapshot report failed; retried on the next round"),
+        }
+    }
+
+    /// The snapshots whose files are on this machine.
+    fn present_snapshots(&self) -> BTreeSet<String> {
+        std::fs::read_dir(self.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|n| !n.starts_with('.'))
+            .collect()
+    }
+
     async fn reconcile(self: &Arc<Self>) {
         // One snapshot of the creations under way, taken before observing, serves both
         // the observation and the plan, so a creation that ends in between is not
@@ -331,9 +593,12 @@ impl Edge {
             Err(_) => return,
         };
         *self.last_observed.lock().expect("observed lock") = observed.clone();
+        let present = self.present_snapshots();
         let actions = {
             let slice = self.slice.lock().expect("slice lock");
-            plan(&slice, &observed, opendsec_control::now_ms())
+            let mut a = plan(&slice, &observed, opendsec_control::now_ms());
+            a.extend(plan_snapshots(&slice, &observed, &present));
+            a
         };
         let mut changed = false;
         for a in actions {
@@ -362,6 +627,22 @@ impl Edge {
             memory_mb_used: live.iter().map(|s| s.memory_mb).sum(),
         }
     }
+}
+
+/// Bytes used by the files under `dir` (not following symlinks).
+fn dir_size(dir: &std::path::Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
 }
 
 /// MemAvailable of the host, in MB.
@@ -417,6 +698,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         failed: Mutex::new(BTreeSet::new()),
         create_lock: Mutex::new(()),
         oom_seen: Mutex::new(BTreeSet::new()),
+        snapshotting: Mutex::new(BTreeSet::new()),
         last_observed: Mutex::new(BTreeMap::new()),
         admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
@@ -436,7 +718,10 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         judge.admitted.lock().expect("admitted lock").insert(ask.sandbox.clone(), (ask.cpu_millis, ask.memory_mb, Instant::now()));
         Ok(())
     });
-    let proxy_task = tokio::spawn(proxy::serve_with_admission(listener, edge.cfg.edge_key.clone(), resolve, Some(admitter)));
+    let sampled = edge.clone();
+    let sampler: proxy::Sampler = Arc::new(move |id| sampled.sample(id));
+    let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler) };
+    let proxy_task = tokio::spawn(proxy::serve_with(listener, edge.cfg.edge_key.clone(), resolve, hooks));
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,
     // and the loop below persists and reconciles once per burst, not once per message.

@@ -55,13 +55,154 @@ async fn admit(req: Request<Incoming>, admitter: Option<Admitter>) -> Response<B
     }
 }
 
-async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, admitter: Option<Admitter>) -> Response<Body> {
+/// What the proxy can do beyond forwarding to agents.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// Answers `POST /admit`.
+    pub admitter: Option<Admitter>,
+    /// Reads a sandbox's counters for `GET /metrics/{id}`.
+    pub sampler: Option<Sampler>,
+}
+
+/// A sandbox's counters at one instant (see [`Hooks::sampler`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sample {
+    pub cpu_usec: u64,
+    pub cpu_count: u64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// Reads a sandbox's counters (None: no such sandbox here).
+pub type Sampler = Arc<dyn Fn(&str) -> Option<Sample> + Send + Sync>;
+
+/// The header naming the port inside the sandbox a request is for (absent or
+/// [`AGENT_PORT`]: the agent itself).
+pub const PORT_HEADER: &str = "x-opendsec-port";
+/// The port the agent answers on, in E2B's numbering (envd).
+pub const AGENT_PORT: u16 = 49983;
+
+fn empty() -> Body {
+    http_body_util::Empty::new().map_err(|never| match never {}).boxed()
+}
+
+/// `GET /health` of the agent behind `socket`: its HTTP status.
+pub async fn agent_health(socket: &std::path::Path) -> Result<u16, String> {
+    let stream = UnixStream::connect(socket).await.map_err(|e| format!("connecting to the agent: {e}"))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(|e| format!("agent handshake: {e}"))?;
+    tokio::spawn(conn);
+    let req = Request::get("/health").header(hyper::header::HOST, "agent").body(empty()).expect("static request");
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), sender.send_request(req))
+        .await
+        .map_err(|_| "the agent did not answer /health within 5 s".to_string())?
+        .map_err(|e| format!("agent /health: {e}"))?;
+    Ok(resp.status().as_u16())
+}
+
+/// Opens a byte stream to `port` inside the sandbox through its agent
+/// (`GET /.opendsec/tunnel`, upgraded). On refusal, the agent's answer is returned.
+async fn open_tunnel(socket: &std::path::Path, token: &str, port: u16) -> Result<hyper::upgrade::Upgraded, Response<Body>> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox's agent does not answer: {e}")))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("agent handshake failed: {e}")))?;
+    tokio::spawn(conn.with_upgrades());
+    let req = Request::get(format!("/.opendsec/tunnel?port={port}"))
+        .header(hyper::header::HOST, "agent")
+        .header(hyper::header::CONNECTION, "Upgrade")
+        .header(hyper::header::UPGRADE, "opendsec-tcp")
+        .header("x-access-token", token)
+        .body(empty())
+        .expect("valid tunnel request");
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox's agent failed: {e}")))?;
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        return Err(resp.map(|b| b.boxed()));
+    }
+    hyper::upgrade::on(resp).await.map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("tunnel upgrade failed: {e}")))
+}
+
+/// Forwards `req` over `io` (HTTP/1.1), carrying protocol upgrades (WebSocket) through.
+async fn forward_over<I>(io: I, mut req: Request<Incoming>) -> Response<Body>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(io).await {
+        Ok(x) => x,
+        Err(e) => return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("handshake failed: {e}")),
+    };
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "sandbox connection ended");
+        }
+    });
+    let wants_upgrade = req.headers().contains_key(hyper::header::UPGRADE);
+    let client_side = wants_upgrade.then(|| hyper::upgrade::on(&mut req));
+    let mut resp = match sender.send_request(req).await {
+        Ok(r) => r,
+        Err(e) => return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox failed: {e}")),
+    };
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(client_side) = client_side {
+            let server_side = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                if let (Ok(c), Ok(s)) = (client_side.await, server_side.await) {
+                    let mut c = hyper_util::rt::TokioIo::new(c);
+                    let mut s = hyper_util::rt::TokioIo::new(s);
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut s).await;
+                }
+            });
+        }
+    }
+    resp.map(|b| b.boxed())
+}
+
+async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
+    let Some(sampler) = sampler else {
+        return json_error(StatusCode::NOT_FOUND, "not_found", "this edge does not serve metrics");
+    };
+    let Some(a) = sampler(id) else {
+        return json_error(StatusCode::NOT_FOUND, "not_found", &format!("The sandbox {id} was not found on this edge"));
+    };
+    let window = std::time::Duration::from_millis(100);
+    tokio::time::sleep(window).await;
+    let b = sampler(id).unwrap_or(a);
+    let cpus = b.cpu_count.max(1) as f64;
+    let pct = (b.cpu_usec.saturating_sub(a.cpu_usec) as f64 / window.as_micros() as f64 / cpus * 100.0).clamp(0.0, 100.0);
+    let body = serde_json::json!({
+        "cpu_count": b.cpu_count,
+        "cpu_used_pct": (pct * 100.0).round() / 100.0,
+        "mem_used": b.mem_used,
+        "mem_total": b.mem_total,
+        "mem_cache": b.mem_cache,
+        "disk_used": b.disk_used,
+        "disk_total": b.disk_total,
+    });
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())).map_err(|never| match never {}).boxed())
+        .expect("valid response")
+}
+
+async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks: Hooks) -> Response<Body> {
     let got = req.headers().get(EDGE_KEY_HEADER).and_then(|v| v.to_str().ok());
     if !key_matches(&key, got) {
         return json_error(StatusCode::UNAUTHORIZED, "unauthenticated", "the edge proxy needs the edge key");
     }
     if req.uri().path() == "/admit" && req.method() == hyper::Method::POST {
-        return admit(req, admitter).await;
+        return admit(req, hooks.admitter).await;
+    }
+    if let Some(id) = req.uri().path().strip_prefix("/metrics/") {
+        if req.method() == hyper::Method::GET {
+            return metrics(id, hooks.sampler).await;
+        }
     }
     let path = req.uri().path().to_string();
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
@@ -72,45 +213,54 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, admitt
     let Some(socket) = resolve(id) else {
         return json_error(StatusCode::BAD_GATEWAY, "not_found", &format!("The sandbox {id} was not found on this edge"));
     };
-    let stream = match UnixStream::connect(&socket).await {
-        Ok(s) => s,
-        Err(e) => {
-            return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the agent of sandbox {id} does not answer: {e}"));
-        }
+    let port = match req.headers().get(PORT_HEADER).map(|v| v.to_str().ok().and_then(|p| p.parse::<u16>().ok())) {
+        None => AGENT_PORT,
+        Some(Some(p)) if p != 0 => p,
+        Some(_) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "x-opendsec-port must be a port number (1-65535)"),
     };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await {
-        Ok(x) => x,
-        Err(e) => return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("agent handshake failed: {e}")),
-    };
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "agent connection ended");
-        }
-    });
     let path_and_query = match req.uri().query() {
         Some(q) => format!("{tail}?{q}"),
         None => tail,
     };
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(EDGE_KEY_HEADER);
-    parts.headers.insert(hyper::header::HOST, hyper::header::HeaderValue::from_static("agent"));
+    parts.headers.remove(PORT_HEADER);
     parts.uri = match path_and_query.parse() {
         Ok(u) => u,
         Err(_) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "malformed path"),
     };
-    match sender.send_request(Request::from_parts(parts, body)).await {
-        Ok(resp) => resp.map(|b| b.boxed()),
-        Err(e) => json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the agent of sandbox {id} failed: {e}")),
+    let req = Request::from_parts(parts, body);
+    if port == AGENT_PORT {
+        let stream = match UnixStream::connect(&socket).await {
+            Ok(s) => s,
+            Err(e) => {
+                return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the agent of sandbox {id} does not answer: {e}"));
+            }
+        };
+        let mut req = req;
+        req.headers_mut().insert(hyper::header::HOST, hyper::header::HeaderValue::from_static("agent"));
+        return forward_over(hyper_util::rt::TokioIo::new(stream), req).await;
+    }
+    // Any other port: through the agent's tunnel to that port inside the sandbox.
+    let token = opendsec_control::sandbox_token(&key, opendsec_control::SandboxTokenKind::Agent, id);
+    match open_tunnel(&socket, &token, port).await {
+        Ok(io) => forward_over(io, req).await,
+        Err(resp) => resp,
     }
 }
 
 /// Serves the proxy on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, key: String, resolve: Resolver) {
-    serve_with_admission(listener, key, resolve, None).await
+    serve_with(listener, key, resolve, Hooks::default()).await
 }
 
 /// Serves the proxy, answering `POST /admit` with `admitter` when given.
 pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: Resolver, admitter: Option<Admitter>) {
+    serve_with(listener, key, resolve, Hooks { admitter, sampler: None }).await
+}
+
+/// Serves the proxy with its optional abilities.
+pub async fn serve_with(listener: TcpListener, key: String, resolve: Resolver, hooks: Hooks) {
     let key: Arc<str> = Arc::from(key);
     loop {
         let (tcp, _) = match listener.accept().await {
@@ -122,13 +272,14 @@ pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: R
             }
         };
         let _ = tcp.set_nodelay(true);
-        let (key, resolve, admitter) = (key.clone(), resolve.clone(), admitter.clone());
+        let (key, resolve, hooks) = (key.clone(), resolve.clone(), hooks.clone());
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
-                let (key, resolve, admitter) = (key.clone(), resolve.clone(), admitter.clone());
-                async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, admitter).await) }
+                let (key, resolve, hooks) = (key.clone(), resolve.clone(), hooks.clone());
+                async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, hooks).await) }
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), svc).await {
+            let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), svc).with_upgrades();
+            if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "edge proxy connection ended");
             }
         });

@@ -36,6 +36,12 @@ pub enum Action {
     Remove { id: String },
     /// Tell the control plane what was observed.
     Report { id: String, observation: Observation },
+    /// Capture sandbox `sandbox`'s file system as snapshot `id`, and report it.
+    TakeSnapshot { id: String, sandbox: String },
+    /// Remove a deleted snapshot's files.
+    RemoveSnapshot { id: String },
+    /// A snapshot cannot be taken (its sandbox ended first).
+    FailSnapshot { id: String, reason: String },
 }
 
 fn report(id: &str, observation: Observation) -> Action {
@@ -46,6 +52,10 @@ fn report(id: &str, observation: Observation) -> Action {
 fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Action> {
     let id = d.id.clone();
     let expired = d.expires_at_ms.is_some_and(|at| at <= now_ms);
+    // Auto-pause: past its timeout it pauses instead of dying, once the log says so.
+    if expired && d.auto_pause && d.desired == Desired::Running && matches!(seen, Some(Running::Running | Running::Paused)) {
+        return vec![report(&id, Observation::TimedOut)];
+    }
     let stop_reason = if expired && d.desired != Desired::Killed {
         Some("timeout".to_string())
     } else if d.desired == Desired::Killed {
@@ -94,6 +104,27 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
     }
 }
 
+/// The snapshot actions: take the pending ones whose sandbox still runs here (a snapshot
+/// of a sandbox that ended is reported failed), remove the files of deleted ones.
+/// `present`: the snapshots whose files exist on this machine.
+pub fn plan_snapshots(slice: &SliceState, observed: &BTreeMap<String, Running>, present: &std::collections::BTreeSet<String>) -> Vec<Action> {
+    use crate::desired::SnapshotPhase;
+    let mut out = Vec::new();
+    for x in slice.snapshots.values() {
+        match x.phase {
+            // Taken: (re)report it until the log shows it ready.
+            SnapshotPhase::Pending if present.contains(&x.id) => out.push(Action::TakeSnapshot { id: x.id.clone(), sandbox: x.sandbox.clone() }),
+            SnapshotPhase::Pending => match observed.get(&x.sandbox) {
+                Some(Running::Running | Running::Paused) => out.push(Action::TakeSnapshot { id: x.id.clone(), sandbox: x.sandbox.clone() }),
+                _ => out.push(Action::FailSnapshot { id: x.id.clone(), reason: format!("sandbox {} ended before its snapshot was taken", x.sandbox) }),
+            },
+            SnapshotPhase::Deleted if present.contains(&x.id) => out.push(Action::RemoveSnapshot { id: x.id.clone() }),
+            _ => {}
+        }
+    }
+    out
+}
+
 /// Everything to do to bring this machine to the slice. Sandboxes running here that the
 /// slice does not know (orphans) are stopped and removed.
 pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u64) -> Vec<Action> {
@@ -130,7 +161,47 @@ mod tests {
             desired,
             observed,
             kill_reason: None,
+            env: BTreeMap::new(),
+            auto_pause: false,
+            snapshot: None,
         }
+    }
+
+    #[test]
+    fn an_expired_sandbox_with_auto_pause_asks_to_pause_instead_of_stopping() {
+        let mut d = sandbox(Desired::Running, Observed::Ready);
+        d.auto_pause = true;
+        d.expires_at_ms = Some(1_000);
+        assert_eq!(check(d.clone(), Some(Running::Running), 999), vec![]);
+        assert_eq!(check(d.clone(), Some(Running::Running), 1_000), rep(Observation::TimedOut));
+        // Once the log recorded it (desired paused, timeout spent), it is simply paused.
+        d.desired = Desired::Paused;
+        d.expires_at_ms = None;
+        assert_eq!(check(d, Some(Running::Running), 5_000), vec![Action::Pause { id: "s1".into() }]);
+    }
+
+    #[test]
+    fn snapshots_are_taken_while_their_sandbox_runs_and_removed_once_deleted() {
+        use crate::desired::{DesiredSnapshot, SnapshotPhase};
+        use std::collections::BTreeSet;
+        let mut slice = SliceState::new("e");
+        let snap = |id: &str, phase| DesiredSnapshot { id: id.into(), sandbox: "s1".into(), image: "busybox".into(), parent: None, phase };
+        slice.snapshots.insert("a".into(), snap("a", SnapshotPhase::Pending));
+        slice.snapshots.insert("b".into(), snap("b", SnapshotPhase::Deleted));
+        slice.snapshots.insert("c".into(), snap("c", SnapshotPhase::Ready));
+        let running: BTreeMap<_, _> = [("s1".to_string(), Running::Running)].into();
+        let present: BTreeSet<String> = ["b".to_string(), "c".to_string()].into();
+        assert_eq!(
+            plan_snapshots(&slice, &running, &present),
+            vec![Action::TakeSnapshot { id: "a".into(), sandbox: "s1".into() }, Action::RemoveSnapshot { id: "b".into() }]
+        );
+        // Taken (its files exist) but not yet shown ready: reported again, even if its
+        // sandbox has ended since (taking is idempotent: existing files are not retaken).
+        let taken: BTreeSet<String> = ["a".to_string()].into();
+        assert_eq!(plan_snapshots(&slice, &BTreeMap::new(), &taken), vec![Action::TakeSnapshot { id: "a".into(), sandbox: "s1".into() }]);
+        // Its sandbox is gone: the snapshot fails rather than waiting for ever.
+        let gone = BTreeMap::new();
+        assert!(matches!(&plan_snapshots(&slice, &gone, &BTreeSet::new())[0], Action::FailSnapshot { id, .. } if id == "a"));
     }
 
     fn check(d: DesiredSandbox, seen: Option<Running>, now: u64) -> Vec<Action> {

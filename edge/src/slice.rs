@@ -67,7 +67,23 @@ impl SliceClient {
         let observation_json = serde_json::to_string(observation).expect("observations serialise");
         let r = self
             .client
-            .report(self.req(ReportRequest { sandbox: sandbox.into(), observation_json, request_id: request_id.into() }))
+            .report(self.req(ReportRequest { sandbox: sandbox.into(), observation_json, request_id: request_id.into(), ..Default::default() }))
+            .await?
+            .into_inner();
+        Ok(r.index)
+    }
+
+    /// Reports the result of taking a snapshot.
+    pub async fn report_snapshot(&mut self, snapshot: &str, result: &opendsec_commands::SnapshotResult, request_id: &str) -> Result<u64, SliceError> {
+        let snapshot_result_json = serde_json::to_string(result).expect("snapshot results serialise");
+        let r = self
+            .client
+            .report(self.req(ReportRequest {
+                snapshot: snapshot.into(),
+                snapshot_result_json,
+                request_id: request_id.into(),
+                ..Default::default()
+            }))
             .await?
             .into_inner();
         Ok(r.index)

@@ -17,7 +17,7 @@ fn capacity() -> Capacity {
 }
 
 async fn create_sandbox(t: &TestNode) -> String {
-    let cmd = Command::CreateSandbox {
+    let cmd = Command::CreateSandbox { opts: Default::default(),
         project: t.root_project.clone(),
         image: "busybox".into(),
         cpu_millis: 100,

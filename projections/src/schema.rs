@@ -87,6 +87,12 @@ events!(
     SandboxFailed,
     SandboxExited,
     ClusterMembershipChangeRequested,
+    SandboxTimedOut,
+    SandboxNetworkSet,
+    SnapshotRequested,
+    SnapshotReady,
+    SnapshotFailed,
+    SnapshotDeleted,
 );
 
 impl Event {
@@ -118,6 +124,13 @@ impl Event {
             Event::SandboxResumed(e) => &e.id,
             Event::SandboxFailed(e) => &e.id,
             Event::SandboxExited(e) => &e.id,
+            Event::SandboxTimedOut(e) => &e.id,
+            Event::SandboxNetworkSet(e) => &e.id,
+            // A snapshot lives on the edge of the sandbox it was taken from.
+            Event::SnapshotRequested(e) => &e.sandbox,
+            Event::SnapshotReady(e) => &e.sandbox,
+            Event::SnapshotFailed(e) => &e.sandbox,
+            Event::SnapshotDeleted(e) => &e.sandbox,
             _ => return None,
         })
     }

@@ -24,10 +24,12 @@ pub struct State {
     pub placement: PlacementView,
     pub sandboxes: SandboxView,
     pub audit: AuditView,
+    #[serde(default, skip_serializing_if = "SnapshotView::is_empty")]
+    pub snapshots: SnapshotView,
 }
 
 /// The names of the views, as the API and the CLI call them.
-pub const VIEW_NAMES: [&str; 5] = ["sandboxes", "placement", "quota", "iam", "audit"];
+pub const VIEW_NAMES: [&str; 6] = ["sandboxes", "placement", "quota", "iam", "audit", "snapshots"];
 
 /// What applying one batch did.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -299,6 +301,12 @@ impl State {
                 if !self.iam.projects.contains_key(&e.project) {
                     return Err(format!("project {} does not exist", e.project));
                 }
+                if !e.snapshot.is_empty() {
+                    match self.snapshots.snapshots.get(&e.snapshot) {
+                        Some(x) if x.state == SnapshotState::Ready => {}
+                        _ => return Err(format!("snapshot {} is not ready", e.snapshot)),
+                    }
+                }
                 let u = Usage { sandboxes: 1, cpu_millis: e.cpu_millis, memory_mb: e.memory_mb };
                 let reserved = pending.edge_usage.get(&e.edge).copied().unwrap_or_default();
                 self.check_edge(&e.edge, &u, &reserved)?;
@@ -307,6 +315,14 @@ impl State {
                 pending.edge_usage.entry(e.edge.clone()).or_default().add(&u);
                 for p in self.ancestry(&e.project) {
                     pending.usage.entry(p.id.clone()).or_default().add(&u);
+                }
+            }
+            Event::SnapshotRequested(e) => {
+                if self.snapshots.snapshots.contains_key(&e.id) {
+                    return Err(format!("snapshot id {} is taken", e.id));
+                }
+                if !self.sandbox(&e.sandbox)?.is_live() {
+                    return Err(format!("sandbox {} is no longer running", e.sandbox));
                 }
             }
             Event::SandboxForkRequested(e) => {
@@ -429,6 +445,12 @@ impl State {
                     reason: None,
                     released: false,
                     index,
+                    env: e.env.clone(),
+                    auto_pause: e.auto_pause,
+                    auto_resume: e.auto_resume,
+                    snapshot: (!e.snapshot.is_empty()).then(|| e.snapshot.clone()),
+                    template: (!e.template.is_empty()).then(|| e.template.clone()),
+                    network: (!e.network.is_empty()).then(|| e.network.clone()),
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {
@@ -463,6 +485,50 @@ impl State {
                 s.expires_at_ms = (e.expires_at_ms != 0).then_some(e.expires_at_ms)
             }),
             Event::SandboxLabelsSet(e) => self.touch(&e.id, index, t, |s| s.labels = e.labels.clone()),
+            Event::SandboxNetworkSet(e) => self.touch(&e.id, index, t, |s| s.network = (!e.network.is_empty()).then(|| e.network.clone())),
+            // Past its timeout with auto-pause: it pauses, and its timeout is spent.
+            Event::SandboxTimedOut(e) => self.touch(&e.id, index, t, |s| {
+                s.expires_at_ms = None;
+                if s.desired == Desired::Running {
+                    s.desired = Desired::Paused
+                }
+            }),
+            Event::SnapshotRequested(e) => {
+                self.snapshots.snapshots.insert(
+                    e.id.clone(),
+                    Snapshot {
+                        id: e.id.clone(),
+                        sandbox: e.sandbox.clone(),
+                        project: e.project.clone(),
+                        edge: e.edge.clone(),
+                        name: e.name.clone(),
+                        image: e.image.clone(),
+                        parent: (!e.parent.is_empty()).then(|| e.parent.clone()),
+                        state: SnapshotState::Pending,
+                        size_bytes: 0,
+                        reason: None,
+                        created_at_ms: t,
+                        index,
+                    },
+                );
+            }
+            Event::SnapshotReady(e) => {
+                if let Some(x) = self.snapshots.snapshots.get_mut(&e.id) {
+                    x.state = SnapshotState::Ready;
+                    x.size_bytes = e.size_bytes;
+                    x.index = index;
+                }
+            }
+            Event::SnapshotFailed(e) => {
+                if let Some(x) = self.snapshots.snapshots.get_mut(&e.id) {
+                    x.state = SnapshotState::Failed;
+                    x.reason = Some(e.reason.clone());
+                    x.index = index;
+                }
+            }
+            Event::SnapshotDeleted(e) => {
+                self.snapshots.snapshots.remove(&e.id);
+            }
             Event::SandboxForkRequested(e) => self.touch(&e.id, index, t, |_| {}),
             Event::SandboxReady(e) => self.touch(&e.id, index, t, |s| {
                 if !s.released {
@@ -549,9 +615,22 @@ impl State {
             "quota" => serde_json::to_value(&self.quota),
             "iam" => serde_json::to_value(&self.iam),
             "audit" => serde_json::to_value(&self.audit),
+            "snapshots" => serde_json::to_value(&self.snapshots),
             _ => return None,
         }
         .ok()?;
+        if name == "sandboxes" {
+            // Environment values may be secrets: views show only their names.
+            if let Some(all) = v.get_mut("sandboxes").and_then(|t| t.as_object_mut()) {
+                for x in all.values_mut() {
+                    if let Some(env) = x.get_mut("env").and_then(|e| e.as_object_mut()) {
+                        for val in env.values_mut() {
+                            *val = serde_json::Value::String("<redacted>".into());
+                        }
+                    }
+                }
+            }
+        }
         if name == "iam" {
             if let Some(tokens) = v.get_mut("tokens").and_then(|t| t.as_object_mut()) {
                 for t in tokens.values_mut() {

@@ -244,6 +244,24 @@ pub struct Sandbox {
     pub released: bool,
     /// Log index of the last event that changed it.
     pub index: u64,
+    /// Environment of every process in it. Views shown to users carry only the names.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Paused rather than killed at its timeout.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_pause: bool,
+    /// Resumed by the next request made to it while paused.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_resume: bool,
+    /// The file-system snapshot it started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// What it was asked for by (an image name or a snapshot id), when not the image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Network settings as asked (JSON); stored and reported, not yet enforced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
 }
 
 impl Sandbox {
@@ -252,6 +270,45 @@ impl Sandbox {
     }
     pub fn is_live(&self) -> bool {
         !self.released
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotState {
+    Pending,
+    Ready,
+    Failed,
+}
+
+/// A sandbox's file system, captured as a layer on its edge; sandboxes can start from it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub id: String,
+    pub sandbox: String,
+    pub project: String,
+    pub edge: String,
+    pub name: String,
+    /// The image beneath it.
+    pub image: String,
+    /// The snapshot the sandbox had started from, beneath this one.
+    pub parent: Option<String>,
+    pub state: SnapshotState,
+    pub size_bytes: u64,
+    pub reason: Option<String>,
+    pub created_at_ms: u64,
+    pub index: u64,
+}
+
+/// Snapshots that exist (deleted ones leave only their audit records).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotView {
+    pub snapshots: BTreeMap<String, Snapshot>,
+}
+
+impl SnapshotView {
+    pub fn is_empty(&self) -> bool {
+        self.snapshots.is_empty()
     }
 }
 

@@ -60,6 +60,7 @@ fn the_log() -> Vec<(u64, Vec<u8>)> {
             expires_at_ms: 0,
             fork_of: String::new(),
             placement: Some(pb::Placement { candidates: vec!["edge-a".into()], chosen: "edge-a".into(), refused_by: vec![] }),
+            ..Default::default()
         })]),
         batch(4_000, "sandbox.report", SANDBOX, vec![Event::SandboxReady(pb::SandboxReady { id: id() })]),
         Batch {

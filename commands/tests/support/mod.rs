@@ -80,7 +80,7 @@ pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 
 /// A small sandbox (500 mCPU, 256 MB) in `project`.
 pub fn create_in(project: &str) -> Command {
-    Command::CreateSandbox {
+    Command::CreateSandbox { opts: Default::default(),
         project: project.into(),
         image: "python:3.12".into(),
         cpu_millis: 500,

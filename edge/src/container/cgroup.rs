@@ -74,3 +74,62 @@ pub fn is_frozen(cgroups_path: &str) -> bool {
     let v2 = Path::new(ROOT).join(rel).join("cgroup.freeze");
     fs::read_to_string(v2).map(|v| v.trim() == "1").unwrap_or(false)
 }
+
+/// A sandbox's resource counters, read from its cgroup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// CPU time used since it started, in microseconds.
+    pub cpu_usec: u64,
+    /// Memory in use (page cache included), in bytes.
+    pub memory_bytes: u64,
+    /// Of which page cache (file-backed), in bytes.
+    pub cache_bytes: u64,
+}
+
+fn read_u64(p: &Path) -> Option<u64> {
+    fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
+fn stat_field(p: &Path, key: &str) -> Option<u64> {
+    let text = fs::read_to_string(p).ok()?;
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok())).flatten()
+    })
+}
+
+/// The sandbox's CPU and memory counters (v1 or v2), if its cgroup exists.
+pub fn usage(cgroups_path: &str) -> Option<Usage> {
+    let rel = cgroups_path.trim_start_matches('/');
+    let root = Path::new(ROOT);
+    let v2 = root.join(rel);
+    if v2.join("memory.current").exists() {
+        return Some(Usage {
+            cpu_usec: stat_field(&v2.join("cpu.stat"), "usage_usec").unwrap_or(0),
+            memory_bytes: read_u64(&v2.join("memory.current")).unwrap_or(0),
+            cache_bytes: stat_field(&v2.join("memory.stat"), "file").unwrap_or(0),
+        });
+    }
+    let mem = root.join("memory").join(rel);
+    let memory_bytes = read_u64(&mem.join("memory.usage_in_bytes"))?;
+    let cpu_ns = read_u64(&root.join("cpuacct").join(rel).join("cpuacct.usage"))
+        .or_else(|| read_u64(&root.join("cpu,cpuacct").join(rel).join("cpuacct.usage")))
+        .unwrap_or(0);
+    Some(Usage { cpu_usec: cpu_ns / 1000, memory_bytes, cache_bytes: stat_field(&mem.join("memory.stat"), "cache").unwrap_or(0) })
+}
+
+/// Asks the kernel to reclaim a (frozen) sandbox's memory: cgroup v2's `memory.reclaim`
+/// (Linux 5.19+). Returns the bytes it freed, or None where the host cannot (v1, older
+/// kernels): then a paused sandbox keeps its memory until it resumes or dies.
+pub fn reclaim(cgroups_path: &str) -> Option<u64> {
+    let dir = Path::new(ROOT).join(cgroups_path.trim_start_matches('/'));
+    let file = dir.join("memory.reclaim");
+    if !file.exists() {
+        return None;
+    }
+    let before = read_u64(&dir.join("memory.current"))?;
+    // Reclaim may stop short of the request (EAGAIN); whatever it freed counts.
+    let _ = fs::write(&file, before.to_string());
+    let after = read_u64(&dir.join("memory.current")).unwrap_or(before);
+    Some(before.saturating_sub(after))
+}

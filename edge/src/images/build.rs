@@ -111,6 +111,7 @@ impl Recipe {
             user: "user".into(),
             workdir: "/home/user".into(),
             shell: shell.into(),
+            start: None,
         }
     }
 }

@@ -41,6 +41,26 @@ pub struct ImageConfig {
     pub user: String,
     pub workdir: String,
     pub shell: String,
+    /// The template's start command, run by the agent when the sandbox boots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartSpec>,
+}
+
+/// A template's start command (the agent's `--start-file` format). The sandbox is ready
+/// once `ready_port` accepts connections.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartSpec {
+    pub cmd: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub envs: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: String,
+    #[serde(default)]
+    pub user: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_port: Option<u16>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -21,7 +21,7 @@ pub const DEFAULT_MEMORY_MB: u64 = 512;
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses((status = 201, body = SandboxWritten), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateSandbox>) -> Result<Written<SandboxWritten>, ApiError> {
-    let cmd = Command::CreateSandbox {
+    let cmd = Command::CreateSandbox { opts: Default::default(),
         project: req.project.unwrap_or_else(|| who.0.project.clone()),
         image: req.image,
         cpu_millis: req.cpu_millis.unwrap_or(DEFAULT_CPU_MILLIS),

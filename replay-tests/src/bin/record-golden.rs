@@ -71,7 +71,7 @@ impl Driver {
     }
 
     async fn sandbox(&mut self, token: &str, project: &str, image: &str, cpu_millis: u64, memory_mb: u64, labels: &[(&str, &str)]) -> String {
-        let cmd = Command::CreateSandbox {
+        let cmd = Command::CreateSandbox { opts: Default::default(),
             project: project.into(),
             image: image.into(),
             cpu_millis,
@@ -164,7 +164,7 @@ async fn main() {
         x.push(d.sandbox(&admin, &root, image, 2_000, 4_096, &[("owner", "ops")]).await);
     }
     // Research holds 4 of 4 sandboxes: one more is over quota, logged.
-    let over = Command::CreateSandbox {
+    let over = Command::CreateSandbox { opts: Default::default(),
         project: research.clone(),
         image: "pytorch:2.5-cuda".into(),
         cpu_millis: 1_000,
@@ -174,7 +174,7 @@ async fn main() {
     };
     assert_eq!(d.denied(&bot, over).await, "quota_exceeded");
     // CI's token reaching outside its project: forbidden, logged.
-    let outside = Command::CreateSandbox {
+    let outside = Command::CreateSandbox { opts: Default::default(),
         project: team_a.clone(),
         image: "node:22-alpine".into(),
         cpu_millis: 500,
