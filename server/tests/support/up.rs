@@ -155,7 +155,8 @@ impl Up {
 
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
-        let kept: Vec<&str> = text.lines().filter(|l| !l.contains(" served ")).collect();
+        // Request lines and image build progress drown what went wrong.
+        let kept: Vec<&str> = text.lines().filter(|l| !l.contains(" served ") && !l.contains("building image")).collect();
         kept[kept.len().saturating_sub(lines)..].join("\n")
     }
 
