@@ -295,6 +295,9 @@ def main() -> int:
             for k, v in r.items():
                 samples[k].append(v)
             print(f"    run {i + 1}/{a.runs}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.items()), flush=True)
+    except Exception as e:  # the server's or the SDK's answer, said plainly
+        print(f"error: {type(e).__name__}: {e}\n--- opendsec up (last lines) ---\n{server.log_tail()}", file=sys.stderr)
+        return 1
     finally:
         server.stop()
 
