@@ -22,6 +22,8 @@ const DEFAULT_VENV: &str = "/var/lib/opendsec/test/e2b";
 const TEST_DOMAIN: &str = "e2b-test.opendsec.internal";
 /// Marks the /etc/hosts lines of the TLS test (the Python side adds some too).
 const HOSTS_MARKER: &str = "# opendsec-e2b-test";
+/// What `update-ca-certificates` writes: every CA the system trusts, in one file.
+const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// A first build of an image (debootstrap, the code interpreter's packages) is slow.
 const IMAGE_BUILD_LIMIT: Duration = Duration::from_secs(30 * 60);
 const PYTEST_LIMIT: Duration = Duration::from_secs(15 * 60);
@@ -150,6 +152,9 @@ impl SystemTrust {
         std::fs::copy(ca, &installed).unwrap_or_else(|e| panic!("copy {} to {}: {e}", ca.display(), installed.display()));
         let trust = SystemTrust { installed };
         update_ca_certificates();
+        let pem = std::fs::read_to_string(ca).unwrap_or_default();
+        let bundle = std::fs::read_to_string(SYSTEM_CA_BUNDLE).unwrap_or_default();
+        assert!(!pem.trim().is_empty() && bundle.contains(pem.trim()), "update-ca-certificates did not add {} to {SYSTEM_CA_BUNDLE}", ca.display());
         trust
     }
 }
@@ -208,8 +213,11 @@ async fn e2b_sdk_tls_domain() {
     let vars = [
         ("E2B_API_KEY", key),
         ("E2B_DOMAIN", format!("{TEST_DOMAIN}:{tls_port}")),
-        // httpx reads SSL_CERT_FILE; the SDK's own transport and curl use the system store.
-        ("SSL_CERT_FILE", ca.display().to_string()),
+        // The system bundle, which holds the CA only because SystemTrust put it there:
+        // httpx (which otherwise trusts certifi's list) reads SSL_CERT_FILE, and so does
+        // the SDK's own transport (rustls-native-certs); curl reads the bundle itself.
+        // Naming the CA file alone here would let the SDK pass without the system store.
+        ("SSL_CERT_FILE", SYSTEM_CA_BUNDLE.to_string()),
     ];
     pytest(&python, "test_domain.py", &vars).await;
 }

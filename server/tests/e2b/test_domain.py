@@ -2,8 +2,9 @@
 set (no E2B_API_URL, no E2B_SANDBOX_URL) the SDK talks to `https://api.{domain}` and
 to `https://{port}-{sandboxId}.{domain}`; the gateway serves both on its TLS port with a
 certificate from the cluster's CA. The harness (e2b_sdk_tls_domain) trusts that CA in
-the system store, points SSL_CERT_FILE at it and maps `api.{domain}` to 127.0.0.1 in
-/etc/hosts; this module adds each sandbox's host names the same way (the harness
+the system store (`update-ca-certificates`), points SSL_CERT_FILE at the system bundle
+(for httpx, which otherwise trusts only certifi's list) and maps `api.{domain}` to
+127.0.0.1 in /etc/hosts; this module adds each sandbox's host names the same way (the harness
 removes every line carrying HOSTS_MARKER afterwards). Signed file URLs and
 `get_host(port)` are then fetched with plain `curl`, as a user would.
 """
