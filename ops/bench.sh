@@ -15,6 +15,14 @@
 #     pause/resume latency, and bursts of concurrent creates (total time, failures, peak
 #     memory). Needs root, crun/runc and the busybox image (`opendsec-image build busybox`
 #     or a first `opendsec up` builds it). Installs the edge packages if missing.
+#
+#   sudo ops/bench.sh e2b [--runs 20] [--json out.json] [--data-dir D]
+#     Builds `opendsec`, `opendsec-shim` and the static agent in release, makes the E2B
+#     SDK venvs (ops/e2b-venv.sh), then runs ops/bench/e2b.py with e2b 2.63.0: p50/p90
+#     of Sandbox.create(), the first commands.run("echo hi"), files.write + read of
+#     1 MiB, code_interpreter Sandbox.create() and its first run_code("1+1") through
+#     the unmodified SDK, beside the same create through the native /v1 API, against
+#     the goals (create < 150 ms, first command < 20 ms, first run_code < 100 ms).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
@@ -41,6 +49,24 @@ if [ "${1:-}" = "sandboxes" ]; then
   AGENT="$(CARGO_TARGET_DIR="$TARGET_DIR" bash edge/agent/build-static.sh | tail -n 1)"
   echo "==> running opendsec-bench sandboxes $*"
   exec "$TARGET_DIR/release/opendsec-bench" sandboxes \
+    --opendsec-bin "$TARGET_DIR/release/opendsec" --agent "$AGENT" "$@"
+fi
+
+if [ "${1:-}" = "e2b" ]; then
+  shift
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "error: the E2B benchmark runs containers: run it as root" >&2
+    exit 1
+  fi
+  ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}"
+  echo "==> building opendsec, opendsec-shim (release, into $TARGET_DIR)"
+  cargo build --release --locked -p opendsec -p opendsec-edge --bins
+  echo "==> building the static agent"
+  AGENT="$(CARGO_TARGET_DIR="$TARGET_DIR" bash edge/agent/build-static.sh | tail -n 1)"
+  VENV="${OPENDSEC_E2B_VENV:-/var/lib/opendsec/test/e2b}"
+  bash ops/e2b-venv.sh "$VENV"
+  echo "==> running ops/bench/e2b.py $*"
+  exec "$VENV/2.63/bin/python" -B ops/bench/e2b.py \
     --opendsec-bin "$TARGET_DIR/release/opendsec" --agent "$AGENT" "$@"
 fi
 

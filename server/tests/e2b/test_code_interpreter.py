@@ -1,0 +1,157 @@
+"""Specification: the code interpreter, `e2b_code_interpreter` 2.11.5, sync and async, on
+its default template `code-interpreter-v1` (port 49999 of the sandbox, reached through
+the single E2B_SANDBOX_URL): `run_code` keeps state between calls, reports errors
+with name, value and traceback, streams stdout and stderr, returns rich results
+(a matplotlib figure as PNG, a DataFrame as HTML), and runs code in separate contexts.
+"""
+
+import base64
+
+import pytest
+from e2b import CommandExitException, TimeoutException
+from e2b_code_interpreter import AsyncSandbox, Sandbox
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sandbox(run_id):
+    # No template argument: the SDK's own default, code-interpreter-v1.
+    sb = Sandbox.create(timeout=600, metadata={"suite": run_id, "module": "code_interpreter"})
+    yield sb
+    sb.kill()
+
+
+def test_the_sandbox_is_made_from_the_sdks_default_template(sandbox):
+    info = sandbox.get_info()
+    assert "code-interpreter-v1" in (info.template_id, info.name), info
+    # It is a full sandbox too: the commands API works beside the kernel.
+    assert sandbox.commands.run("python3 -c 'import numpy, pandas, matplotlib; print(1)'").stdout == "1\n"
+
+
+def test_state_is_kept_between_calls(sandbox):
+    first = sandbox.run_code("x = 41")
+    assert first.error is None and first.results == []
+    second = sandbox.run_code("x + 1")
+    assert second.error is None
+    assert second.text == "42"
+    assert second.results[0].is_main_result
+    assert second.execution_count > first.execution_count
+
+
+def test_an_exception_reports_its_name_value_and_traceback(sandbox):
+    errors = []
+    execution = sandbox.run_code(
+        "def fail():\n    raise ValueError('bad value')\nfail()",
+        on_error=errors.append,
+    )
+    assert execution.error is not None
+    assert execution.error.name == "ValueError"
+    assert execution.error.value == "bad value"
+    assert "fail()" in execution.error.traceback and "ValueError" in execution.error.traceback
+    assert errors and errors[0].name == "ValueError"
+    assert execution.results == []
+
+
+def test_stdout_and_stderr_are_streamed_and_kept_in_the_logs(sandbox):
+    out, err = [], []
+    execution = sandbox.run_code(
+        "import sys\nprint('hello')\nprint('oops', file=sys.stderr)",
+        on_stdout=lambda m: out.append(m.line),
+        on_stderr=lambda m: err.append(m.line),
+    )
+    assert "".join(execution.logs.stdout) == "hello\n" == "".join(out)
+    assert "".join(execution.logs.stderr) == "oops\n" == "".join(err)
+
+
+def test_a_matplotlib_figure_comes_back_as_a_png(sandbox):
+    execution = sandbox.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [1, 4, 9])\n"
+        "plt.title('squares')\n"
+        "plt.show()"
+    )
+    assert execution.error is None, execution.error
+    pngs = [r.png for r in execution.results if r.png]
+    assert pngs, execution.results
+    assert base64.b64decode(pngs[0]).startswith(PNG_MAGIC)
+
+
+def test_a_dataframe_comes_back_as_text_and_html(sandbox):
+    execution = sandbox.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})")
+    assert execution.error is None, execution.error
+    main = execution.results[0]
+    assert main.is_main_result
+    assert "<table" in (main.html or ""), main
+    assert "a" in main.text and "b" in main.text
+
+
+def test_env_vars_apply_to_one_call(sandbox):
+    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "'yes'"
+
+
+def test_contexts_keep_their_own_state_and_working_directory(sandbox):
+    ctx = sandbox.create_code_context(cwd="/tmp")
+    try:
+        assert ctx.id and ctx.cwd == "/tmp"
+        assert ctx.id in [c.id for c in sandbox.list_code_contexts()]
+        sandbox.run_code("only_here = 5", context=ctx)
+        assert sandbox.run_code("only_here", context=ctx).text == "5"
+        assert sandbox.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+        unseen = sandbox.run_code("only_here")
+        assert unseen.error is not None and unseen.error.name == "NameError"
+
+        sandbox.restart_code_context(ctx)
+        restarted = sandbox.run_code("only_here", context=ctx)
+        assert restarted.error is not None and restarted.error.name == "NameError"
+    finally:
+        sandbox.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in sandbox.list_code_contexts()]
+
+
+def test_a_run_longer_than_its_timeout_raises_timeout(sandbox):
+    ctx = sandbox.create_code_context()
+    try:
+        with pytest.raises(TimeoutException):
+            sandbox.run_code("import time\ntime.sleep(30)", context=ctx, timeout=2)
+    finally:
+        sandbox.remove_code_context(ctx)
+    # The default context was not held up by it.
+    assert sandbox.run_code("1 + 1", timeout=20).text == "2"
+
+
+def test_commands_still_fail_as_commands_in_a_code_interpreter_sandbox(sandbox):
+    with pytest.raises(CommandExitException):
+        sandbox.commands.run("exit 4")
+
+
+# --- the async client ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def async_sandbox(run_id):
+    sb = await AsyncSandbox.create(timeout=600, metadata={"suite": run_id, "module": "code_interpreter_async"})
+    yield sb
+    await sb.kill()
+
+
+async def test_async_run_code_keeps_state_and_streams_stdout(async_sandbox):
+    out = []
+
+    async def on_stdout(message):
+        out.append(message.line)
+
+    await async_sandbox.run_code("y = 6")
+    execution = await async_sandbox.run_code("print(y * 7)\ny * 7", on_stdout=on_stdout)
+    assert execution.text == "42"
+    assert "".join(out) == "42\n"
+
+
+async def test_async_errors_and_contexts(async_sandbox):
+    execution = await async_sandbox.run_code("1 / 0")
+    assert execution.error.name == "ZeroDivisionError"
+    ctx = await async_sandbox.create_code_context()
+    assert ctx.id in [c.id for c in await async_sandbox.list_code_contexts()]
+    assert (await async_sandbox.run_code("'in context'", context=ctx)).text == "'in context'"
+    await async_sandbox.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in await async_sandbox.list_code_contexts()]

@@ -1,0 +1,244 @@
+"""Specification: a sandbox's life through the control API with the synchronous
+client, `e2b.Sandbox` 2.63.0: list (metadata and state filters, pagination), get_info,
+pause and connect (a container's pause freezes it: files and processes are kept),
+set_timeout and expiry, kill, metrics, snapshots and fork.
+
+Three sandboxes tagged `group=listed` serve the list tests and are then paused,
+snapshotted and forked; the timeout and kill tests make their own.
+"""
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from e2b import (
+    NotFoundException,
+    Sandbox,
+    SandboxNotFoundException,
+    SandboxQuery,
+    SandboxState,
+)
+
+from conftest import BASE_TEMPLATE, wait_until
+
+
+@pytest.fixture(scope="module")
+def listed(run_id):
+    made = [
+        Sandbox.create(
+            template=BASE_TEMPLATE,
+            timeout=600,
+            metadata={"suite": run_id, "group": "listed", "idx": str(i)},
+            envs={"IDX": str(i)},
+        )
+        for i in range(3)
+    ]
+    yield made
+    for sb in made:
+        sb.kill()
+
+
+def query(run_id, state=None, **metadata):
+    return SandboxQuery(metadata={"suite": run_id, **metadata}, state=state)
+
+
+def ids(infos):
+    return [i.sandbox_id for i in infos]
+
+
+def counter(sb) -> int:
+    return int(sb.files.read("/tmp/counter").strip() or 0)
+
+
+# --- list ------------------------------------------------------------------------
+
+
+def test_list_filters_by_metadata(listed, run_id):
+    infos = Sandbox.list(query=query(run_id, group="listed")).next_items()
+    assert sorted(ids(infos)) == sorted(sb.sandbox_id for sb in listed)
+    for info in infos:
+        assert info.metadata["group"] == "listed"
+        assert info.state == SandboxState.RUNNING
+        assert BASE_TEMPLATE in (info.template_id, info.name)
+
+    one = Sandbox.list(query=query(run_id, group="listed", idx="1")).next_items()
+    assert ids(one) == [listed[1].sandbox_id]
+    assert Sandbox.list(query=query(run_id, group="nobody")).next_items() == []
+
+
+def test_list_paginates_with_limit_and_next_token(listed, run_id):
+    pages = Sandbox.list(query=query(run_id, group="listed"), limit=2)
+    first = pages.next_items()
+    assert len(first) == 2
+    assert pages.has_next and pages.next_token
+    token = pages.next_token
+    second = pages.next_items()
+    assert len(second) == 1
+    assert not pages.has_next
+    assert sorted(ids(first) + ids(second)) == sorted(sb.sandbox_id for sb in listed)
+
+    # A token handed out can be used by a new paginator, too.
+    again = Sandbox.list(query=query(run_id, group="listed"), limit=2, next_token=token).next_items()
+    assert ids(again) == ids(second)
+
+
+# --- connect, pause -----------------------------------------------------------------
+
+
+def test_connect_to_a_running_sandbox_returns_a_working_client(listed):
+    same = Sandbox.connect(listed[1].sandbox_id)
+    assert same.sandbox_id == listed[1].sandbox_id
+    assert same.commands.run("echo $IDX").stdout == "1\n"
+
+
+def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
+    sb = listed[0]
+    sb.files.write("/home/user/before-pause.txt", "kept")
+    proc = sb.commands.run(
+        "n=0; while true; do n=$((n+1)); echo $n > /tmp/counter; sleep 0.1; done",
+        background=True,
+    )
+    wait_until(lambda: sb.files.exists("/tmp/counter") and counter(sb) >= 3, "the counter ran")
+
+    assert sb.pause() is True
+    info = Sandbox.get_info(sb.sandbox_id)
+    assert info.state == SandboxState.PAUSED
+    paused = Sandbox.list(query=query(run_id, state=[SandboxState.PAUSED], group="listed")).next_items()
+    assert ids(paused) == [sb.sandbox_id]
+    running = Sandbox.list(query=query(run_id, state=[SandboxState.RUNNING], group="listed")).next_items()
+    assert sb.sandbox_id not in ids(running) and len(running) == 2
+    assert Sandbox.pause(sb.sandbox_id) is False  # already paused: 409
+
+    resumed = Sandbox.connect(sb.sandbox_id)
+    assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+    assert resumed.files.read("/home/user/before-pause.txt") == "kept"
+    assert proc.pid in {p.pid for p in resumed.commands.list()}
+    # The same process goes on counting from where it was frozen (a restart would
+    # start from 1 again).
+    before = counter(resumed)
+    assert before >= 3
+
+    def advanced():
+        n = counter(resumed)
+        return n if n > before else None
+
+    wait_until(advanced, "the counter went on after the resume")
+    resumed.commands.kill(proc.pid)
+
+
+# --- timeout and expiry -------------------------------------------------------------
+
+
+def test_set_timeout_extends_the_life_and_expiry_ends_the_sandbox(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=4, metadata={"suite": run_id, "group": "timeout"})
+    try:
+        sb.set_timeout(30)
+        end_at = Sandbox.get_info(sb.sandbox_id).end_at
+        remaining = end_at - datetime.now(timezone.utc)
+        assert timedelta(seconds=20) < remaining <= timedelta(seconds=31), remaining
+
+        time.sleep(6)  # past the 4 s it was created with
+        assert sb.is_running()
+        assert sb.commands.run("echo still").stdout == "still\n"
+
+        sb.set_timeout(2)
+        wait_until(lambda: not sb.is_running(), "the sandbox stopped after its timeout", within=15)
+
+        def gone():
+            try:
+                Sandbox.get_info(sb.sandbox_id)
+                return False
+            except SandboxNotFoundException:
+                return True
+
+        wait_until(gone, "get_info of the expired sandbox raises not found", within=10)
+        assert Sandbox.list(query=query(run_id, group="timeout")).next_items() == []
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+# --- kill -------------------------------------------------------------------------------
+
+
+def test_kill_ends_the_sandbox_and_a_second_kill_reports_it_gone(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "kill"})
+    assert sb.kill() is True
+    wait_until(lambda: not sb.is_running(), "the killed sandbox stopped answering", within=10)
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sb.sandbox_id)
+    assert Sandbox.kill(sb.sandbox_id) is False
+    assert Sandbox.list(query=query(run_id, group="kill")).next_items() == []
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sb.sandbox_id)
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+
+def test_get_metrics_reports_cpu_memory_and_disk(listed):
+    sb = listed[1]
+    sb.commands.run("head -c 20000000 /dev/urandom | sha256sum")
+    metrics = wait_until(sb.get_metrics, "at least one metrics entry", within=20, every=1)
+    m = metrics[-1]
+    assert m.cpu_count >= 1
+    assert 0 <= m.cpu_used_pct <= 100 * m.cpu_count
+    assert 0 < m.mem_used <= m.mem_total
+    assert 0 <= m.disk_used <= m.disk_total and m.disk_total > 0
+    assert abs(m.timestamp - datetime.now(timezone.utc)) < timedelta(minutes=2), m
+
+
+# --- snapshots ----------------------------------------------------------------------------
+
+
+def test_a_snapshot_starts_new_sandboxes_with_the_files_of_that_moment(listed, run_id):
+    parent = listed[1]
+    parent.files.write("/home/user/snap.txt", "in the snapshot")
+    snap = parent.create_snapshot()
+    assert snap.snapshot_id
+    parent.files.write("/home/user/after-snap.txt", "later")
+    assert parent.is_running()
+
+    listed_snaps = Sandbox.list_snapshots(sandbox_id=parent.sandbox_id).next_items()
+    assert snap.snapshot_id in [s.snapshot_id for s in listed_snaps]
+    assert snap.snapshot_id in [s.snapshot_id for s in parent.list_snapshots().next_items()]
+
+    child = Sandbox.create(template=snap.snapshot_id, timeout=120, metadata={"suite": run_id, "group": "from-snapshot"})
+    try:
+        assert child.sandbox_id != parent.sandbox_id
+        assert child.files.read("/home/user/snap.txt") == "in the snapshot"
+        assert not child.files.exists("/home/user/after-snap.txt")
+        child.files.write("/home/user/snap.txt", "changed in the child")
+        assert parent.files.read("/home/user/snap.txt") == "in the snapshot"
+    finally:
+        child.kill()
+
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert snap.snapshot_id not in [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=parent.sandbox_id).next_items()]
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+
+
+# --- fork ---------------------------------------------------------------------------------
+
+
+def test_fork_makes_copies_that_start_from_the_parent_and_then_diverge(listed):
+    parent = listed[2]
+    parent.files.write("/home/user/fork.txt", "parent")
+    forks = parent.fork(count=2, timeout=120)
+    try:
+        assert len(forks) == 2
+        errors = [f for f in forks if isinstance(f, Exception)]
+        assert not errors, errors
+        fork_ids = {f.sandbox_id for f in forks}
+        assert len(fork_ids) == 2 and parent.sandbox_id not in fork_ids
+        for i, f in enumerate(forks):
+            assert f.files.read("/home/user/fork.txt") == "parent"
+            f.files.write("/home/user/fork.txt", f"fork {i}")
+        for i, f in enumerate(forks):
+            assert f.files.read("/home/user/fork.txt") == f"fork {i}"
+            assert f.commands.run("echo $IDX").stdout == "2\n"
+        assert parent.files.read("/home/user/fork.txt") == "parent"
+        assert parent.is_running()
+    finally:
+        for f in forks:
+            if not isinstance(f, Exception):
+                f.kill()

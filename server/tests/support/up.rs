@@ -1,0 +1,233 @@
+//! A real `opendsec up` (control node, gateway and embedded edge in one process) for
+//! tests that drive it from outside, as a user would: temp data directory, free ports,
+//! the static agent, `opendsec init` for the admin token. Optionally with a domain and
+//! its TLS port. Drop stops it and removes every container and mount it left.
+
+#![allow(dead_code)]
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The static agent the edge puts in every sandbox (`OPENDSEC_TEST_AGENT`, as
+/// `./ops/test.sh` sets it).
+pub fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent"));
+    assert!(p.is_file(), "the static agent {} is missing: run ./ops/test.sh (or edge/agent/build-static.sh {})", p.display(), p.display());
+    p
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Host-name routing over TLS: `--domain` and `--tls-listen`.
+pub struct Tls {
+    pub domain: String,
+    pub listen: String,
+}
+
+pub struct Up {
+    pub dir: tempfile::TempDir,
+    pub http: String,
+    pub peer: String,
+    pub edge: String,
+    pub tls: Option<Tls>,
+    child: Option<Child>,
+    /// The admin token `opendsec init` printed (root project, every right).
+    pub token: String,
+    pub client: reqwest::Client,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            // The temp dir goes away with the test: show what the server said first.
+            eprintln!("--- opendsec up (last lines) ---\n{}", self.log_tail(60));
+        }
+        // Leave no container behind: remove every sandbox of this test's edge.
+        let edge = self.data_dir().join("edge");
+        if let Ok(entries) = std::fs::read_dir(edge.join("sandboxes")) {
+            for e in entries.flatten() {
+                let id = e.file_name().to_string_lossy().to_string();
+                for rt in ["crun", "runc"] {
+                    let root = edge.join("runtime").join(rt);
+                    let _ = Command::new(rt).arg("--root").arg(&root).args(["delete", "--force", &id]).output();
+                }
+                let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
+                let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
+            }
+        }
+    }
+}
+
+impl Up {
+    /// Starts `opendsec up` with the default image store (`/var/lib/opendsec/images`, where
+    /// images are built once per machine), initialises it and waits for its edge.
+    pub async fn start(domain: Option<&str>) -> Up {
+        let dir = tempfile::tempdir().unwrap();
+        let mut up = Up {
+            http: format!("127.0.0.1:{}", free_port()),
+            peer: format!("127.0.0.1:{}", free_port()),
+            edge: format!("127.0.0.1:{}", free_port()),
+            tls: domain.map(|d| Tls { domain: d.to_string(), listen: format!("127.0.0.1:{}", free_port()) }),
+            dir,
+            child: None,
+            token: String::new(),
+            client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap(),
+        };
+        let log = std::fs::File::create(up.log_path()).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
+        cmd.args(["up", "--data-dir"])
+            .arg(up.data_dir())
+            .args(["--listen", &up.http, "--peer-listen", &up.peer, "--edge-listen", &up.edge])
+            .arg("--agent")
+            .arg(static_agent())
+            // 256 MB of writable disk per sandbox: room for the tests, small enough that
+            // filling it (the oversized-upload test) takes a moment.
+            .args(["--edge-sandboxes", "40", "--disk-mb", "256"])
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if let Some(tls) = &up.tls {
+            cmd.args(["--domain", &tls.domain, "--tls-listen", &tls.listen]);
+        }
+        up.child = Some(cmd.spawn().expect("start opendsec up"));
+
+        let token_file = up.dir.path().join("token");
+        let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(["init", "--peer", &up.peer, "--data-dir"])
+            .arg(up.data_dir())
+            .arg("--token-file")
+            .arg(&token_file)
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            up.exited_or_panic();
+            panic!("opendsec init failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        up.token = std::fs::read_to_string(token_file).unwrap().trim().to_string();
+
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            up.exited_or_panic();
+            let (s, v) = up.send(reqwest::Method::GET, "/v1/edges", None).await;
+            if s == 200 && v["edges"].as_array().is_some_and(|e| !e.is_empty()) {
+                break;
+            }
+            // A missing prerequisite (the shim, a runtime) stops the edge, not the server.
+            let log = std::fs::read_to_string(up.log_path()).unwrap_or_default();
+            assert!(!log.contains("embedded edge stopped"), "the embedded edge stopped:\n{}", up.log_tail(10));
+            assert!(Instant::now() < deadline, "the embedded edge did not register within 60 s: {s} {v}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if up.tls.is_some() {
+            let ca = up.ca_cert();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !ca.is_file() {
+                up.exited_or_panic();
+                assert!(Instant::now() < deadline, "opendsec up --domain wrote no CA certificate at {}", ca.display());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        up
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("up.log")
+    }
+
+    /// The cluster CA's certificate, which `opendsec up --domain` writes for users to trust.
+    pub fn ca_cert(&self) -> PathBuf {
+        self.data_dir().join("tls").join("ca.crt")
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        // Request lines and image build progress drown what went wrong.
+        let kept: Vec<&str> = text.lines().filter(|l| !l.contains(" served ") && !l.contains("building image")).collect();
+        kept[kept.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Panics with the server's last words if it has exited.
+    fn exited_or_panic(&mut self) {
+        if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+            self.child = None;
+            panic!("opendsec up exited ({status}):\n{}", self.log_tail(30));
+        }
+    }
+
+    /// A request to the native API as the admin; the body is JSON when there is one.
+    pub async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut req = self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        match req.send().await {
+            Ok(r) => {
+                let s = r.status().as_u16();
+                let text = r.text().await.unwrap_or_default();
+                (s, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+            }
+            Err(e) => (0, Value::String(e.to_string())),
+        }
+    }
+
+    /// Issues an E2B API key (`e2b_` + 40 hex digits) for the admin's project, the way a
+    /// user gets one: `POST /v1/tokens` with `format: "e2b"`.
+    pub async fn issue_e2b_key(&self) -> String {
+        let body = json!({"name": "e2b", "rights": ["sandbox:read", "sandbox:write"], "format": "e2b"});
+        let (s, v) = self.send(reqwest::Method::POST, "/v1/tokens", Some(body)).await;
+        assert!(s == 200 || s == 201, "POST /v1/tokens with format e2b: {s} {v}");
+        let key = v["token"].as_str().unwrap_or_default().to_string();
+        let hex = key.strip_prefix("e2b_").unwrap_or_default();
+        assert!(hex.len() == 40 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "an E2B API key is e2b_ + 40 lowercase hex digits, got {v}");
+        key
+    }
+
+    /// Makes sure `image` exists in the image store, building it if this machine never
+    /// did, by running one sandbox of it through the native API. A first build (a
+    /// debootstrap, or the code interpreter's packages) takes minutes: it happens here,
+    /// with a clear failure, rather than inside an SDK call's timeout.
+    pub async fn ensure_image(&self, image: &str, within: Duration) {
+        let started = Instant::now();
+        let (s, v) = self.send(reqwest::Method::POST, "/v1/sandboxes", Some(json!({"image": image}))).await;
+        assert_eq!(s, 201, "creating a `{image}` sandbox through /v1: {v}");
+        let id = v["sandbox"]["id"].as_str().expect("sandbox id").to_string();
+        loop {
+            let (_, v) = self.send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+            match v["state"].as_str() {
+                Some("running") => break,
+                Some(state @ ("failed" | "exited" | "killed")) => panic!("the `{image}` image is not available: its sandbox is {state}: {v}"),
+                _ => {}
+            }
+            assert!(started.elapsed() < within, "a `{image}` sandbox was not running within {within:?} (image build?): {v}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            eprintln!("image `{image}` ready after {:?}", started.elapsed());
+        }
+        let _ = self.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    }
+}
+
+/// Runs `f` on every line of `path` and writes back those it keeps, in place (so that
+/// a bind-mounted /etc/hosts stays the same file).
+pub fn retain_lines(path: &Path, keep: impl Fn(&str) -> bool) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let kept: String = text.lines().filter(|l| keep(l)).map(|l| format!("{l}\n")).collect();
+    if kept != text {
+        std::fs::write(path, kept).unwrap_or_else(|e| panic!("rewrite {}: {e}", path.display()));
+    }
+}
