@@ -28,7 +28,8 @@ pub struct EdgeArgs {
     /// Memory this edge offers, in MB (default: the host's).
     #[arg(long = "edge-memory-mb")]
     pub edge_memory_mb: Option<u64>,
-    /// CPU this edge offers, in millicores (default: 1000 per host CPU).
+    /// CPU this edge offers, in millicores (default: 16,000 per host CPU: CPU is shared
+    /// and each sandbox's own limit caps it, so the edge overcommits it; memory it never does).
     #[arg(long = "edge-cpu-millis")]
     pub edge_cpu_millis: Option<u64>,
     /// Each sandbox's writable disk, in MB.
@@ -44,6 +45,9 @@ pub struct EdgeArgs {
     #[arg(long)]
     pub agent: Option<PathBuf>,
 }
+
+/// Default CPU overcommit of an edge (see `--edge-cpu-millis`).
+pub const CPU_OVERCOMMIT: u64 = 16;
 
 fn host_memory_mb() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -75,12 +79,13 @@ impl EdgeArgs {
             proxy_listen: self.proxy_listen.clone(),
             capacity: Capacity {
                 sandboxes: self.edge_sandboxes,
-                cpu_millis: self.edge_cpu_millis.unwrap_or(cpus * 1000),
+                cpu_millis: self.edge_cpu_millis.unwrap_or(cpus * 1000 * CPU_OVERCOMMIT),
                 memory_mb: self.edge_memory_mb.unwrap_or_else(host_memory_mb),
             },
             container,
             images_dir: self.image_dir.clone(),
-            agent_binary: self.agent.clone().unwrap_or_else(|| sibling("opendsec-agent")),
+            // Absolute: it is bind-mounted into sandboxes by a runtime with another cwd.
+            agent_binary: self.agent.clone().map(|p| std::path::absolute(&p).unwrap_or(p)).unwrap_or_else(|| sibling("opendsec-agent")),
             disk_bytes: self.disk_mb << 20,
             pids: self.pids,
         }

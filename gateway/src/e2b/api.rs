@@ -362,11 +362,10 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         },
         Some(_) => return Err(E2bError::bad("autoResume must be an object {\"enabled\": bool}")),
     };
-    if opt_bool(&m, "allow_internet_access")? == Some(true) {
-        return Err(E2bError::bad(
-            "allow_internet_access: this OpenDsec release gives sandboxes no network egress (network policy is not implemented yet); omit it or pass false",
-        ));
-    }
+    // Older SDKs (2.50) ask for internet access on every create. Nothing opens: the
+    // sandbox has no egress, the answer says so in a warning header, and get/list report
+    // `allowInternetAccess: false`.
+    let asked_internet = opt_bool(&m, "allow_internet_access")? == Some(true);
     let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
     let _ = opt_bool(&m, "autoPauseMemory")?; // containers keep their memory while paused
     for f in ["mcp", "iam", "volumeMounts"] {
@@ -393,8 +392,16 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     };
     let s = submit(&st, &who, &headers, cmd).await?;
     let x = wait_ready(&st, &s.decided.target).await?;
-    Ok(created(sandbox_json(&st, &x)))
+    let mut resp = created(sandbox_json(&st, &x));
+    if asked_internet {
+        tracing::info!(sandbox = %x.id, "internet access was asked for; this release gives sandboxes no egress");
+        resp.headers_mut().insert("x-opendsec-warning", HeaderValue::from_static(NO_EGRESS_WARNING));
+    }
+    Ok(resp)
 }
+
+/// Said whenever a request asks for egress that this release cannot give.
+pub const NO_EGRESS_WARNING: &str = "sandboxes have no network egress in this OpenDsec release (network policy is not implemented yet); allow_internet_access was not granted";
 
 async fn connect(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
     let who = caller(&st, &headers)?;
