@@ -1,19 +1,23 @@
-//! The project's own image builders: `busybox` (one static binary, for fast tests) and
-//! `base` (Debian bookworm via debootstrap). Each builds one layer into a scratch
-//! directory; the store publishes it with a rename. Builders run the host tools under
-//! `env -i` so that host settings (proxies for pip, locales) do not leak into images,
-//! and use the tools' default package sources: no registry host appears here.
+//! The project's own image builders: `busybox` (one static binary, for fast tests),
+//! `base` (Debian bookworm via debootstrap) and `code-interpreter-v1` (`base` plus one
+//! layer: numpy, pandas, matplotlib and the code-interpreter server). Each builds one
+//! layer into a scratch directory; the store publishes it with a rename. Builders run
+//! the host tools under `env -i` so that host settings (proxies for pip, locales) do not
+//! leak into images, and use the tools' default package sources (for apt inside an
+//! image, the sources debootstrap wrote): no registry host appears here.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{PermissionsExt, symlink};
-use std::path::Path;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use sha2::{Digest, Sha256};
 
-use super::{ImageConfig, ImageError, io_err};
+use super::{ImageConfig, ImageError, StartSpec, build_root, io_err};
 
 /// PATH given to the build tools (nothing else of the caller's environment is passed).
 const BUILD_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -21,12 +25,34 @@ const BUILD_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbi
 /// Packages that `base` adds to debootstrap's minbase.
 const BASE_PACKAGES: &str = "bash,coreutils,python3,curl,git,ca-certificates,procps";
 
+/// Packages the code-interpreter layer installs with apt on top of `base`. munkres
+/// settles fonttools' `python3-scipy | python3-munkres` dependency: apt would pick
+/// scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
+const CODE_INTERPRETER_PACKAGES: &[&str] = &[
+    "python3-numpy",
+    "python3-pandas",
+    "python3-matplotlib",
+    "python3-munkres",
+];
+
+/// The code-interpreter server (E2B's port 49999 API), built into the binary so that
+/// the image can be built anywhere, and hashed into the layer id.
+pub(super) const CODE_INTERPRETER_SERVER: &[u8] =
+    include_bytes!("../../images/code-interpreter/server.py");
+
+/// Where the server lives in the image.
+pub const CODE_INTERPRETER_SERVER_PATH: &str = "/opt/opendsec/code-interpreter/server.py";
+
+/// The port the SDK calls the server on (`e2b_code_interpreter.constants.JUPYTER_PORT`).
+pub const CODE_INTERPRETER_PORT: u16 = 49999;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BuildPhase {
     Lock,
     Download,
     Extract,
     Bootstrap,
+    Install,
     Configure,
     Cleanup,
     Done,
@@ -39,6 +65,7 @@ impl fmt::Display for BuildPhase {
             BuildPhase::Download => "download",
             BuildPhase::Extract => "extract",
             BuildPhase::Bootstrap => "bootstrap",
+            BuildPhase::Install => "install",
             BuildPhase::Configure => "configure",
             BuildPhase::Cleanup => "cleanup",
             BuildPhase::Done => "done",
@@ -63,45 +90,116 @@ impl BuildProgress {
 }
 
 pub fn builder_names() -> Vec<&'static str> {
-    vec!["busybox", "base"]
+    vec!["busybox", "base", "code-interpreter-v1"]
+}
+
+/// A file a recipe puts into its layer (its contents are part of the layer id).
+pub(super) struct LayerFile {
+    /// Absolute path in the image.
+    pub(super) path: &'static str,
+    pub(super) contents: &'static [u8],
+    pub(super) mode: u32,
 }
 
 /// What a builder produces; its hash names the layer, so a changed recipe builds a
 /// new layer instead of reusing a stale one.
 pub(super) struct Recipe {
-    name: &'static str,
-    version: u32,
-    inputs: &'static str,
+    pub(super) name: &'static str,
+    pub(super) version: u32,
+    /// The packages (or other inputs) of the layer, as the builder uses them.
+    pub(super) inputs: String,
+    pub(super) files: &'static [LayerFile],
+    /// The image whose layers this one goes on top of.
+    pub(super) parent: Option<&'static str>,
+    pub(super) shell: &'static str,
+    pub(super) start: Option<fn() -> StartSpec>,
 }
+
+const CODE_INTERPRETER_FILES: &[LayerFile] = &[LayerFile {
+    path: CODE_INTERPRETER_SERVER_PATH,
+    contents: CODE_INTERPRETER_SERVER,
+    mode: 0o644,
+}];
 
 pub(super) fn recipe(name: &str) -> Option<Recipe> {
     match name {
         "busybox" => Some(Recipe {
             name: "busybox",
             version: 1,
-            inputs: "busybox-static",
+            inputs: "busybox-static".into(),
+            files: &[],
+            parent: None,
+            shell: "/bin/sh",
+            start: None,
         }),
         "base" => Some(Recipe {
             name: "base",
             version: 1,
-            inputs: BASE_PACKAGES,
+            inputs: BASE_PACKAGES.into(),
+            files: &[],
+            parent: None,
+            shell: "/bin/bash",
+            start: None,
+        }),
+        "code-interpreter-v1" => Some(Recipe {
+            name: "code-interpreter-v1",
+            version: 1,
+            inputs: CODE_INTERPRETER_PACKAGES.join(","),
+            files: CODE_INTERPRETER_FILES,
+            parent: Some("base"),
+            shell: "/bin/bash",
+            start: Some(code_interpreter_start),
         }),
         _ => None,
     }
 }
 
+/// The template's start command: the server as `user`, ready when its port answers.
+pub fn code_interpreter_start() -> StartSpec {
+    StartSpec {
+        cmd: "/usr/bin/python3".into(),
+        args: vec![
+            CODE_INTERPRETER_SERVER_PATH.into(),
+            "--port".into(),
+            CODE_INTERPRETER_PORT.to_string(),
+        ],
+        envs: BTreeMap::new(),
+        cwd: "/home/user".into(),
+        user: "user".into(),
+        ready_port: Some(CODE_INTERPRETER_PORT),
+    }
+}
+
+/// The layer ids of image `name` as its recipes would make them, bottom first; `None`
+/// when no builder knows it (or one of its parents).
+pub(super) fn layer_ids(name: &str) -> Option<Vec<String>> {
+    let recipe = recipe(name)?;
+    let mut layers = match recipe.parent {
+        Some(parent) => layer_ids(parent)?,
+        None => Vec::new(),
+    };
+    let id = recipe.layer_id(&layers);
+    layers.push(id);
+    Some(layers)
+}
+
 impl Recipe {
-    pub(super) fn layer_id(&self) -> String {
-        let digest = Sha256::digest(format!("{}\n{}\n{}", self.name, self.version, self.inputs));
-        format!("{}-{}", self.name, &hex::encode(digest)[..16])
+    /// Hashes name, version, inputs, files and the layers below. Recipes without files
+    /// or parents hash exactly as before those existed, so their layers stay valid.
+    pub(super) fn layer_id(&self, parent_layers: &[String]) -> String {
+        let mut digest = Sha256::new();
+        digest.update(format!("{}\n{}\n{}", self.name, self.version, self.inputs));
+        for file in self.files {
+            digest.update(format!("\nfile {} {:o} ", file.path, file.mode));
+            digest.update(Sha256::digest(file.contents));
+        }
+        for layer in parent_layers {
+            digest.update(format!("\non {layer}"));
+        }
+        format!("{}-{}", self.name, &hex::encode(digest.finalize())[..16])
     }
 
     pub(super) fn config(&self) -> ImageConfig {
-        let shell = if self.name == "base" {
-            "/bin/bash"
-        } else {
-            "/bin/sh"
-        };
         ImageConfig {
             env: vec![
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
@@ -110,20 +208,24 @@ impl Recipe {
             ],
             user: "user".into(),
             workdir: "/home/user".into(),
-            shell: shell.into(),
-            start: None,
+            shell: self.shell.into(),
+            start: self.start.map(|start| start()),
         }
     }
 }
 
+/// Builds the recipe's own layer into `dir`; `lower` are the parent's layer dirs,
+/// bottom first (empty for a recipe without parent).
 pub(super) fn build_layer(
-    name: &str,
+    recipe: &Recipe,
+    lower: &[PathBuf],
     dir: &Path,
     progress: &dyn Fn(&BuildProgress),
 ) -> Result<(), ImageError> {
-    match name {
+    match recipe.name {
         "busybox" => build_busybox(dir, progress),
         "base" => build_base(dir, progress),
+        "code-interpreter-v1" => build_code_interpreter(recipe, lower, dir, progress),
         other => Err(ImageError::UnknownImage(other.into())),
     }
 }
@@ -146,7 +248,8 @@ fn run_tool(
     args: &[&str],
     progress: &dyn Fn(&BuildProgress),
 ) -> Result<(), ImageError> {
-    let mut child = Command::new(program)
+    let mut command = Command::new(program);
+    command
         .args(args)
         .current_dir(cwd)
         .env_clear()
@@ -155,7 +258,20 @@ fn run_tool(
         .env("DEBIAN_FRONTEND", "noninteractive")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::piped());
+    // A builder that dies takes its tool with it (and so the tool's mount namespace,
+    // for tools run in a build root). The calling thread waits for the tool below, so
+    // the signal, which follows the parent thread, never comes early.
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = command
         .spawn()
         .map_err(|e| {
             let package = match program {
@@ -436,8 +552,22 @@ fn build_base(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Image
         BuildPhase::Cleanup,
         "dropping apt caches and lists",
     ));
-    for sub in ["var/cache/apt/archives", "var/lib/apt/lists"] {
-        let path = dir.join(sub);
+    drop_apt_caches(dir);
+    // Runtimes bind their own files over these; an empty hostname avoids the build host's.
+    let _ = fs::write(dir.join("etc/hostname"), "");
+    Ok(())
+}
+
+/// Removes apt's downloaded packages, package lists and caches under `root` (keeping
+/// the lock files and directories apt expects): an image needs `apt-get update` first.
+fn drop_apt_caches(root: &Path) {
+    for sub in [
+        "var/cache/apt/archives",
+        "var/cache/apt/archives/partial",
+        "var/lib/apt/lists",
+        "var/lib/apt/lists/partial",
+    ] {
+        let path = root.join(sub);
         if let Ok(entries) = fs::read_dir(&path) {
             for entry in entries.filter_map(Result::ok) {
                 let p = entry.path();
@@ -451,9 +581,88 @@ fn build_base(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Image
         "var/cache/apt/pkgcache.bin",
         "var/cache/apt/srcpkgcache.bin",
     ] {
-        let _ = fs::remove_file(dir.join(bin));
+        let _ = fs::remove_file(root.join(bin));
     }
-    // Runtimes bind their own files over these; an empty hostname avoids the build host's.
-    let _ = fs::write(dir.join("etc/hostname"), "");
-    Ok(())
+}
+
+/// `base` plus one layer: apt installs the Python data stack in a build root over the
+/// base layers, the server goes to /opt/opendsec/code-interpreter, and matplotlib's
+/// font cache is made once here (as `user`) instead of at every sandbox's first plot.
+fn build_code_interpreter(
+    recipe: &Recipe,
+    lower: &[PathBuf],
+    dir: &Path,
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    let (image, files) = (recipe.name, recipe.files);
+    fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
+    // The overlay's root directory takes the upper dir's attributes.
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err("chmod layer"))?;
+    let scratch = dir.with_extension("root");
+    let _ = super::remove_tree(&scratch);
+    progress(&BuildProgress::new(
+        BuildPhase::Configure,
+        format!("overlay of {} lower layer(s) in a private mount namespace", lower.len()),
+    ));
+    build_root::with_build_root(lower, dir, &scratch, progress, |root, progress| {
+        let root_arg = root.to_str().expect("utf-8 path");
+        let in_root = |phase: BuildPhase, args: &[&str]| {
+            let mut argv = vec![root_arg];
+            argv.extend_from_slice(args);
+            run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
+        };
+        progress(&BuildProgress::new(
+            BuildPhase::Download,
+            "apt-get update (the image's own sources)",
+        ));
+        in_root(BuildPhase::Download, &["apt-get", "-q", "update"])?;
+        progress(&BuildProgress::new(
+            BuildPhase::Install,
+            format!(
+                "apt-get install --no-install-recommends {} (about a minute)",
+                CODE_INTERPRETER_PACKAGES.join(" ")
+            ),
+        ));
+        let mut install = vec!["apt-get", "-q", "install", "-y", "--no-install-recommends"];
+        install.extend_from_slice(CODE_INTERPRETER_PACKAGES);
+        in_root(BuildPhase::Install, &install)?;
+
+        progress(&BuildProgress::new(
+            BuildPhase::Configure,
+            format!("{CODE_INTERPRETER_SERVER_PATH}, matplotlib font cache"),
+        ));
+        for file in files {
+            let path = root.join(file.path.trim_start_matches('/'));
+            let parent = path.parent().expect("a file path has a parent");
+            fs::create_dir_all(parent)
+                .map_err(io_err(format!("creating {}", parent.display())))?;
+            fs::write(&path, file.contents).map_err(io_err(format!("writing {}", file.path)))?;
+            fs::set_permissions(&path, fs::Permissions::from_mode(file.mode))
+                .map_err(io_err(format!("chmod {}", file.path)))?;
+        }
+        // As the sandbox user, so the cache lands in its home with its ownership.
+        run_tool(
+            image,
+            BuildPhase::Configure,
+            Path::new("/"),
+            "chroot",
+            &[
+                "--userspec=1000:1000",
+                root_arg,
+                "/usr/bin/env",
+                "HOME=/home/user",
+                "/usr/bin/python3",
+                "-c",
+                "import matplotlib.pyplot, numpy, pandas",
+            ],
+            progress,
+        )?;
+
+        progress(&BuildProgress::new(
+            BuildPhase::Cleanup,
+            "dropping apt caches and lists",
+        ));
+        drop_apt_caches(root);
+        Ok(())
+    })
 }

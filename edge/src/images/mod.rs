@@ -8,9 +8,15 @@
 //! - `images/<name>.json`: [`Image`].
 //! - `tmp/`: layers under construction (removed on failure).
 //! - `locks/<name>.lock`: serialises builds of one image across processes.
+//!
+//! An image built on another (`code-interpreter-v1` on `base`) lists the parent's
+//! layers and then its own; a layer id hashes its recipe and the layers below it, and
+//! `ensure` rebuilds an image whose stored record no longer matches its recipe.
 
 mod build;
+mod build_root;
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -18,7 +24,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use build::{BuildPhase, BuildProgress, builder_names};
+pub use build::{
+    BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH,
+    builder_names, code_interpreter_start,
+};
 
 /// Default location of the store on an edge machine.
 pub const DEFAULT_STORE: &str = "/var/lib/opendsec/images";
@@ -41,26 +50,41 @@ pub struct ImageConfig {
     pub user: String,
     pub workdir: String,
     pub shell: String,
-    /// The template's start command, run by the agent when the sandbox boots.
+    /// The template's long-running process, started by the agent at boot (the code
+    /// interpreter's server); absent for plain images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<StartSpec>,
 }
 
-/// A template's start command (the agent's `--start-file` format). The sandbox is ready
-/// once `ready_port` accepts connections.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How the agent starts a template's process at boot. Serialised, it is exactly the
+/// agent's `--start-file` (`start.json`), e.g. for `code-interpreter-v1`:
+/// `{"cmd":"/usr/bin/python3","args":["/opt/opendsec/code-interpreter/server.py",
+/// "--port","49999"],"envs":{},"cwd":"/home/user","user":"user","ready_port":49999}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StartSpec {
     pub cmd: String,
-    #[serde(default)]
     pub args: Vec<String>,
-    #[serde(default)]
-    pub envs: std::collections::BTreeMap<String, String>,
-    #[serde(default)]
+    pub envs: BTreeMap<String, String>,
     pub cwd: String,
-    #[serde(default)]
     pub user: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// A port on 127.0.0.1 that accepts connections once the process is ready.
     pub ready_port: Option<u16>,
+}
+
+/// The store's name for an image reference. E2B clients ask for templates by the names
+/// the builders already use (`base`, `code-interpreter-v1`, the SDKs' defaults); a
+/// reference may also carry the tag `latest` or `default` (`base:latest`), or be one of
+/// the few other names E2B has used for the same template.
+pub fn canonical_name(reference: &str) -> &str {
+    const ALIASES: &[(&str, &str)] = &[("code-interpreter", "code-interpreter-v1")];
+    let name = reference
+        .strip_suffix(":latest")
+        .or_else(|| reference.strip_suffix(":default"))
+        .unwrap_or(reference);
+    ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == name)
+        .map_or(name, |(_, canonical)| canonical)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -144,8 +168,10 @@ impl ImageStore {
         self.root.join("images").join(format!("{name}.json"))
     }
 
-    /// The stored image `name` (all its layers present).
+    /// The stored image `name` (or an alias of it, see [`canonical_name`]), with all
+    /// its layers present.
     pub fn get(&self, name: &str) -> Result<Image, ImageError> {
+        let name = canonical_name(name);
         validate_name(name)?;
         let path = self.record_path(name);
         let bytes = match fs::read(&path) {
@@ -181,21 +207,45 @@ impl ImageStore {
         Ok(out)
     }
 
-    /// Returns image `name`, building it first if it is not stored yet. Concurrent
-    /// callers (threads or processes) build it once: the others wait on the lock file
-    /// and then find it stored.
+    /// Returns image `name` (or an alias of it), building it first if it is not stored
+    /// yet or its record no longer matches its recipe (a changed recipe, or a parent
+    /// rebuilt). Concurrent callers (threads or processes) build it once: the others
+    /// wait on the lock file and then find it stored. An image with a parent builds
+    /// the parent first.
     pub fn ensure(
         &self,
         name: &str,
         progress: &dyn Fn(&BuildProgress),
     ) -> Result<Image, ImageError> {
+        let name = canonical_name(name);
         validate_name(name)?;
+        let Some(recipe) = build::recipe(name) else {
+            // Not one of ours: only what is stored.
+            return match self.get(name) {
+                Err(ImageError::NotFound(_) | ImageError::MissingLayer { .. }) => {
+                    Err(ImageError::UnknownImage(name.into()))
+                }
+                other => other,
+            };
+        };
+        let wanted = Image {
+            name: name.to_string(),
+            layers: build::layer_ids(name).expect("a recipe's parents have recipes"),
+            config: recipe.config(),
+        };
         match self.get(name) {
-            Ok(image) => return Ok(image),
-            Err(ImageError::NotFound(_) | ImageError::MissingLayer { .. }) => {}
+            Ok(image) if image == wanted => return Ok(image),
+            Ok(_) | Err(ImageError::NotFound(_) | ImageError::MissingLayer { .. }) => {}
             Err(e) => return Err(e),
         }
-        let recipe = build::recipe(name).ok_or_else(|| ImageError::UnknownImage(name.into()))?;
+        // The parent first, under its own lock (never both locks at once).
+        let lower = match recipe.parent {
+            Some(parent) => {
+                let parent = self.ensure(parent, progress)?;
+                self.layer_dirs(&parent)?
+            }
+            None => Vec::new(),
+        };
         let lock_path = self.root.join("locks").join(format!("{name}.lock"));
         let lock = fs::OpenOptions::new()
             .create(true)
@@ -212,22 +262,26 @@ impl ImageStore {
             return Err(io_err("locking the image store")(io::Error::last_os_error()));
         }
         // Someone else may have built it while we waited.
-        if let Ok(image) = self.get(name) {
+        if let Ok(image) = self.get(name)
+            && image == wanted
+        {
             progress(&BuildProgress::new(
                 BuildPhase::Done,
                 "built by another process",
             ));
             return Ok(image);
         }
-        let layer_id = recipe.layer_id();
-        if !self.layer_path(&layer_id).is_dir() {
+        let layer_id = wanted.layers.last().expect("an image has a layer");
+        if !self.layer_path(layer_id).is_dir() {
+            // Under the lock nobody else builds this layer: scratch of a build that
+            // was killed is stale.
+            self.remove_stale_scratch(layer_id);
             let tmp = self
                 .root
                 .join("tmp")
                 .join(format!("{layer_id}.{}", std::process::id()));
-            let _ = remove_tree(&tmp);
-            let result = build::build_layer(name, &tmp, progress).and_then(|()| {
-                fs::rename(&tmp, self.layer_path(&layer_id))
+            let result = build::build_layer(&recipe, &lower, &tmp, progress).and_then(|()| {
+                fs::rename(&tmp, self.layer_path(layer_id))
                     .map_err(io_err(format!("publishing layer {layer_id}")))
             });
             if let Err(e) = result {
@@ -235,17 +289,24 @@ impl ImageStore {
                 return Err(e);
             }
         }
-        let image = Image {
-            name: name.to_string(),
-            layers: vec![layer_id],
-            config: recipe.config(),
-        };
-        self.put(&image)?;
+        self.put(&wanted)?;
         progress(&BuildProgress::new(
             BuildPhase::Done,
             format!("image {name} ready"),
         ));
-        Ok(image)
+        Ok(wanted)
+    }
+
+    fn remove_stale_scratch(&self, layer_id: &str) {
+        let prefix = format!("{layer_id}.");
+        let Ok(entries) = fs::read_dir(self.root.join("tmp")) else {
+            return;
+        };
+        for entry in entries.filter_map(Result::ok) {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = remove_tree(&entry.path());
+            }
+        }
     }
 
     /// Writes an image record atomically.
@@ -279,5 +340,138 @@ pub(crate) fn remove_tree(path: &Path) -> io::Result<()> {
     match fs::remove_dir_all(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_spec_serialises_to_the_agents_start_file() {
+        let json = serde_json::to_value(code_interpreter_start()).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "cmd": "/usr/bin/python3",
+                "args": ["/opt/opendsec/code-interpreter/server.py", "--port", "49999"],
+                "envs": {},
+                "cwd": "/home/user",
+                "user": "user",
+                "ready_port": 49999
+            })
+        );
+    }
+
+    #[test]
+    fn records_without_start_still_read_and_plain_images_write_none() {
+        let old = r#"{"name":"base","layers":["base-2e93d6b548f8b8b0"],"config":{"env":[],"user":"user","workdir":"/home/user","shell":"/bin/bash"}}"#;
+        let image: Image = serde_json::from_str(old).unwrap();
+        assert_eq!(image.config.start, None);
+        let written = serde_json::to_string(&image).unwrap();
+        assert!(!written.contains("start"), "{written}");
+        assert_eq!(serde_json::from_str::<Image>(&written).unwrap(), image);
+    }
+
+    #[test]
+    fn code_interpreter_is_base_plus_one_layer_that_starts_the_server() {
+        let base = build::layer_ids("base").unwrap();
+        let ci = build::layer_ids("code-interpreter-v1").unwrap();
+        assert_eq!(ci.len(), base.len() + 1);
+        assert_eq!(ci[..base.len()], base[..]);
+        assert!(ci[base.len()].starts_with("code-interpreter-v1-"), "{ci:?}");
+        let config = build::recipe("code-interpreter-v1").unwrap().config();
+        assert_eq!(config.start, Some(code_interpreter_start()));
+        assert_eq!(config.shell, "/bin/bash");
+        assert_eq!(build::recipe("base").unwrap().config().start, None);
+        assert!(builder_names().contains(&"code-interpreter-v1"));
+    }
+
+    #[test]
+    fn existing_layer_ids_are_unchanged() {
+        // Layers already built on edges keep their names (the ids before recipes had
+        // files and parents).
+        assert_eq!(build::layer_ids("base").unwrap(), ["base-2e93d6b548f8b8b0"]);
+        assert_eq!(
+            build::layer_ids("busybox").unwrap(),
+            ["busybox-ae34b4981a7c75f2"]
+        );
+    }
+
+    #[test]
+    fn the_layer_id_hashes_the_server_the_packages_and_the_layers_below() {
+        let recipe = build::recipe("code-interpreter-v1").unwrap();
+        let base = build::layer_ids("base").unwrap();
+        let id = recipe.layer_id(&base);
+        assert_eq!(id, recipe.layer_id(&base), "deterministic");
+        assert_ne!(id, recipe.layer_id(&["base-0000000000000000".into()]));
+
+        static CHANGED: &[build::LayerFile] = &[build::LayerFile {
+            path: CODE_INTERPRETER_SERVER_PATH,
+            contents: b"print('a different server')\n",
+            mode: 0o644,
+        }];
+        let changed_server = build::Recipe {
+            files: CHANGED,
+            ..build::recipe("code-interpreter-v1").unwrap()
+        };
+        assert_ne!(id, changed_server.layer_id(&base));
+        let changed_packages = build::Recipe {
+            inputs: "python3-numpy,python3-pandas".into(),
+            ..build::recipe("code-interpreter-v1").unwrap()
+        };
+        assert_ne!(id, changed_packages.layer_id(&base));
+        assert_eq!(
+            build::CODE_INTERPRETER_SERVER,
+            include_bytes!("../../images/code-interpreter/server.py")
+        );
+    }
+
+    #[test]
+    fn e2b_template_references_resolve_to_store_names() {
+        for (reference, name) in [
+            ("base", "base"),
+            ("base:latest", "base"),
+            ("code-interpreter-v1", "code-interpreter-v1"),
+            ("code-interpreter-v1:default", "code-interpreter-v1"),
+            ("code-interpreter", "code-interpreter-v1"),
+            ("busybox", "busybox"),
+            ("other:v2", "other:v2"),
+        ] {
+            assert_eq!(canonical_name(reference), name, "{reference}");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        assert!(matches!(
+            store.get("code-interpreter"),
+            Err(ImageError::NotFound(n)) if n == "code-interpreter-v1"
+        ));
+        assert!(matches!(
+            store.get("other:v2"),
+            Err(ImageError::InvalidName(_))
+        ));
+    }
+
+    #[test]
+    fn a_record_that_no_longer_matches_its_recipe_is_not_returned_as_is() {
+        // A stored busybox record naming an old layer: ensure must not hand it out.
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        fs::create_dir_all(store.layer_path("busybox-old")).unwrap();
+        let stale = Image {
+            name: "busybox".into(),
+            layers: vec!["busybox-old".into()],
+            config: build::recipe("busybox").unwrap().config(),
+        };
+        store.put(&stale).unwrap();
+        let current = build::layer_ids("busybox").unwrap();
+        fs::create_dir_all(store.layer_path(&current[0])).unwrap();
+        let image = store
+            .ensure("busybox", &|p| {
+                assert_ne!(p.phase, BuildPhase::Download, "the layer exists: {p:?}")
+            })
+            .unwrap();
+        assert_eq!(image.layers, current);
+        assert_eq!(store.get("busybox").unwrap(), image);
     }
 }
