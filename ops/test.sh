@@ -13,6 +13,13 @@ echo "==> building the static agent"
 export OPENDSEC_TEST_AGENT="$PWD/target/agent-static/opendsec-agent"
 build_static_agent "$OPENDSEC_TEST_AGENT"
 
+echo "==> the E2B SDKs (pinned venvs) and the images the suites use"
+./ops/e2b-venv.sh
+IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
+for image in busybox base code-interpreter-v1; do
+  target/debug/opendsec-image build "$image" --store "$IMAGES"
+done
+
 echo "==> testing"
 # One test at a time within a binary: the cluster tests start real Raft nodes and
 # processes whose election timers must not starve on a 2-core machine.

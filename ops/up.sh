@@ -16,8 +16,9 @@ bash edge/agent/build-static.sh >/dev/null
 BIN="${CARGO_TARGET_DIR:-$PWD/target}/release"
 IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
 
-# The default images, built once per machine and cached (base takes a minute or two).
-for image in busybox base; do
+# The default images, built once per machine and cached (base takes a minute or two,
+# code-interpreter-v1 adds numpy, pandas and matplotlib on top of it).
+for image in busybox base code-interpreter-v1; do
   echo "==> image $image"
   "$BIN/opendsec-image" build "$image" --store "$IMAGES"
 done
@@ -50,6 +51,12 @@ else
   echo "==> already initialised; the admin token is in $TOKEN_FILE"
 fi
 
+# An E2B API key for code written for the E2B SDK, issued once and kept beside the token.
+E2B_ENV_FILE="$(dirname "$TOKEN_FILE")/e2b.env"
+if [ ! -s "$E2B_ENV_FILE" ]; then
+  ( umask 077; OPENDSEC_URL=http://127.0.0.1:7400 OPENDSEC_TOKEN_FILE="$TOKEN_FILE" "$BIN/opendsecctl" e2b env >"$E2B_ENV_FILE" )
+fi
+
 cat <<INFO
 
 OpenDsec runs on http://127.0.0.1:7400 (REST under /v1, OpenAPI at /v1/openapi.json).
@@ -58,4 +65,7 @@ OpenDsec runs on http://127.0.0.1:7400 (REST under /v1, OpenAPI at /v1/openapi.j
   export OPENDSEC_TOKEN_FILE=$TOKEN_FILE
   opendsecctl sandbox create --image base
   opendsecctl sandbox exec <id> -- python3 -c 'print(6*7)'
+
+E2B SDK code runs against it with these three variables (kept in $E2B_ENV_FILE):
+$(grep '^export' "$E2B_ENV_FILE" | sed 's/^/  /')
 INFO

@@ -380,7 +380,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             // An image, or a snapshot of this project's subtree (then it starts on the
             // snapshot's edge, from the snapshot's file system).
             let from = match state.snapshots.snapshots.get(image) {
-                Some(snap) if state.within(&snap.project, &who.project) || state.within(project, &snap.project) => {
+                Some(snap) if state.within(&snap.project, &who.project) => {
                     if snap.state != SnapshotState::Ready {
                         return Err(Rejection::field(K::Conflict, "image", format!("snapshot {image} is not ready yet")));
                     }

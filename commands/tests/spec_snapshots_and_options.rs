@@ -1,0 +1,205 @@
+//! File-system snapshots, the create options E2B needs (environment, auto-pause and
+//! auto-resume, network settings), and where forks and sandboxes from snapshots go.
+
+mod support;
+
+use opendsec_commands::{Command, Observation, RejectionKind as K, SandboxOptions, SnapshotResult};
+use opendsec_projections::{Desired, Event, Outcome, SnapshotState};
+use std::collections::BTreeMap;
+use support::*;
+
+fn create_with(project: &str, image: &str, opts: SandboxOptions) -> Command {
+    Command::CreateSandbox {
+        project: project.into(),
+        image: image.into(),
+        cpu_millis: 500,
+        memory_mb: 256,
+        labels: BTreeMap::new(),
+        timeout_seconds: Some(60),
+        opts,
+    }
+}
+
+/// A world with two roomy edges and one running sandbox; returns (world, admin, sandbox).
+fn running() -> (World, String, String) {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge(&admin, "a", capacity(100, 100_000, 100_000));
+    w.edge(&admin, "b", capacity(100, 100_000, 100_000));
+    let root = w.root.clone();
+    let id = w.sandbox(&admin, &root);
+    w.report(&admin, &id, Observation::Ready);
+    (w, admin, id)
+}
+
+fn snapshot_of(w: &mut World, admin: &str, sandbox: &str) -> String {
+    let ran = w.run(admin, Command::CreateSnapshot { sandbox: sandbox.into(), name: "before".into() }).unwrap();
+    let snap = ran.decided.target.clone();
+    w.run(admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 4096 } }).unwrap();
+    snap
+}
+
+#[test]
+fn a_snapshot_is_pending_until_its_edge_reports_it_then_ready() {
+    let (mut w, admin, id) = running();
+    let ran = w.run(&admin, Command::CreateSnapshot { sandbox: id.clone(), name: "v1".into() }).unwrap();
+    let snap = ran.decided.target.clone();
+    let x = &w.state.snapshots.snapshots[&snap];
+    assert_eq!((x.state, x.sandbox.as_str(), x.edge.as_str(), x.name.as_str()), (SnapshotState::Pending, id.as_str(), w.state.sandboxes.sandboxes[&id].edge.as_str(), "v1"));
+    w.run(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 123 } }).unwrap();
+    assert_eq!(w.state.snapshots.snapshots[&snap].state, SnapshotState::Ready);
+    assert_eq!(w.state.snapshots.snapshots[&snap].size_bytes, 123);
+    // A second report is a conflict: the first one stands.
+    let err = w.run(&admin, Command::ReportSnapshot { snapshot: snap, result: SnapshotResult::Failed { reason: "late".into() } }).unwrap_err();
+    assert_eq!(err.kind, K::Conflict);
+}
+
+#[test]
+fn a_sandbox_started_from_a_snapshot_runs_on_the_snapshot_s_edge_with_its_image() {
+    let (mut w, admin, id) = running();
+    let snap = snapshot_of(&mut w, &admin, &id);
+    let edge = w.state.sandboxes.sandboxes[&id].edge.clone();
+    let root = w.root.clone();
+    for _ in 0..8 {
+        let ran = w.run(&admin, create_with(&root, &snap, SandboxOptions::default())).unwrap();
+        let [Event::SandboxCreated(c)] = ran.decided.events.as_slice() else { panic!() };
+        assert_eq!(c.edge, edge, "the snapshot's files live on its edge");
+        assert_eq!(c.image, "python:3.12", "beneath the snapshot is the source's image");
+        assert_eq!(c.snapshot, snap);
+        assert_eq!(c.template, snap);
+    }
+}
+
+#[test]
+fn a_pending_snapshot_cannot_be_started_from_and_a_failed_one_never_can() {
+    let (mut w, admin, id) = running();
+    let root = w.root.clone();
+    let snap = w.run(&admin, Command::CreateSnapshot { sandbox: id, name: String::new() }).unwrap().decided.target;
+    assert_eq!(w.run(&admin, create_with(&root, &snap, SandboxOptions::default())).unwrap_err().kind, K::Conflict);
+    w.run(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Failed { reason: "disk full".into() } }).unwrap();
+    assert_eq!(w.state.snapshots.snapshots[&snap].reason.as_deref(), Some("disk full"));
+    assert_eq!(w.run(&admin, create_with(&root, &snap, SandboxOptions::default())).unwrap_err().kind, K::Conflict);
+}
+
+#[test]
+fn a_deleted_snapshot_is_gone_but_its_history_stays_in_the_audit() {
+    let (mut w, admin, id) = running();
+    let snap = snapshot_of(&mut w, &admin, &id);
+    w.run(&admin, Command::DeleteSnapshot { snapshot: snap.clone() }).unwrap();
+    assert!(!w.state.snapshots.snapshots.contains_key(&snap));
+    assert_eq!(w.last_audit().action, "snapshot.delete");
+    assert_eq!(w.run(&admin, Command::DeleteSnapshot { snapshot: snap }).unwrap_err().kind, K::NotFound);
+}
+
+#[test]
+fn a_snapshot_beneath_another_cannot_be_deleted_first() {
+    let (mut w, admin, id) = running();
+    let root = w.root.clone();
+    let first = snapshot_of(&mut w, &admin, &id);
+    let child = w.run(&admin, create_with(&root, &first, SandboxOptions::default())).unwrap().decided.target;
+    w.report(&admin, &child, Observation::Ready);
+    let second = snapshot_of(&mut w, &admin, &child);
+    assert_eq!(w.state.snapshots.snapshots[&second].parent.as_deref(), Some(first.as_str()));
+    assert_eq!(w.run(&admin, Command::DeleteSnapshot { snapshot: first.clone() }).unwrap_err().kind, K::Conflict);
+    w.run(&admin, Command::DeleteSnapshot { snapshot: second }).unwrap();
+    w.run(&admin, Command::DeleteSnapshot { snapshot: first }).unwrap();
+}
+
+#[test]
+fn a_sandbox_not_yet_running_cannot_be_snapshotted() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge(&admin, "a", capacity(100, 100_000, 100_000));
+    let root = w.root.clone();
+    let id = w.sandbox(&admin, &root);
+    let err = w.run(&admin, Command::CreateSnapshot { sandbox: id, name: String::new() }).unwrap_err();
+    assert_eq!(err.kind, K::Conflict);
+}
+
+#[test]
+fn another_project_can_neither_snapshot_nor_start_from_nor_delete_a_snapshot() {
+    let (mut w, admin, id) = running();
+    let root = w.root.clone();
+    let snap = snapshot_of(&mut w, &admin, &id);
+    let other = w.project(&admin, &root, "other");
+    let stranger = w.issue(&admin, &other, &[opendsec_projections::Right::SandboxWrite], None);
+    assert_eq!(w.run(&stranger, Command::CreateSnapshot { sandbox: id, name: String::new() }).unwrap_err().kind, K::Forbidden);
+    assert_eq!(w.run(&stranger, Command::DeleteSnapshot { snapshot: snap.clone() }).unwrap_err().kind, K::Forbidden);
+    // To a stranger a snapshot id is just an unknown image name: nothing of it is used.
+    let ran = w.run(&stranger, create_with(&other, &snap, SandboxOptions::default()));
+    if let Ok(r) = ran {
+        let [Event::SandboxCreated(c)] = r.decided.events.as_slice() else { panic!() };
+        assert!(c.snapshot.is_empty() && c.image == snap);
+    }
+}
+
+#[test]
+fn forks_go_to_their_source_s_edge_and_keep_its_options() {
+    let (mut w, admin, _) = running();
+    let root = w.root.clone();
+    let env = BTreeMap::from([("API_URL".to_string(), "http://x".to_string())]);
+    let src = w.run(&admin, create_with(&root, "base", SandboxOptions { env: env.clone(), auto_pause: true, auto_resume: true, network: None })).unwrap().decided.target;
+    w.report(&admin, &src, Observation::Ready);
+    let edge = w.state.sandboxes.sandboxes[&src].edge.clone();
+    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 6 }).unwrap();
+    let copies: Vec<_> = ran.decided.events.iter().filter_map(|e| if let Event::SandboxCreated(c) = e { Some(c.clone()) } else { None }).collect();
+    assert_eq!(copies.len(), 6);
+    for c in copies {
+        assert_eq!(c.edge, edge);
+        assert_eq!(c.fork_of, src);
+        assert_eq!((c.env.clone(), c.auto_pause, c.auto_resume), (env.clone(), true, true));
+    }
+}
+
+#[test]
+fn environment_names_and_sizes_are_checked_and_values_never_appear_in_views() {
+    let (mut w, admin, _) = running();
+    let root = w.root.clone();
+    let bad = BTreeMap::from([("1BAD".to_string(), "x".to_string())]);
+    let err = w.run(&admin, create_with(&root, "base", SandboxOptions { env: bad, ..Default::default() })).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("opts.env")));
+    let huge = BTreeMap::from([("BIG".to_string(), "x".repeat(300 * 1024))]);
+    assert_eq!(w.run(&admin, create_with(&root, "base", SandboxOptions { env: huge, ..Default::default() })).unwrap_err().kind, K::Invalid);
+    let secret = BTreeMap::from([("TOKEN".to_string(), "s3cr3t-value".to_string())]);
+    let id = w.run(&admin, create_with(&root, "base", SandboxOptions { env: secret, ..Default::default() })).unwrap().decided.target;
+    assert_eq!(w.state.sandboxes.sandboxes[&id].env["TOKEN"], "s3cr3t-value", "the edge needs the value");
+    let view = w.state.view_json("sandboxes").unwrap().to_string();
+    assert!(view.contains("TOKEN") && !view.contains("s3cr3t-value"), "{view}");
+}
+
+#[test]
+fn network_settings_must_be_json_and_are_recorded() {
+    let (mut w, admin, id) = running();
+    let err = w.run(&admin, Command::SetSandboxNetwork { sandbox: id.clone(), network: "{not json".into() }).unwrap_err();
+    assert_eq!(err.kind, K::Invalid);
+    w.run(&admin, Command::SetSandboxNetwork { sandbox: id.clone(), network: r#"{"allowPublicTraffic":false}"#.into() }).unwrap();
+    assert_eq!(w.state.sandboxes.sandboxes[&id].network.as_deref(), Some(r#"{"allowPublicTraffic":false}"#));
+}
+
+#[test]
+fn at_its_timeout_an_auto_pause_sandbox_pauses_and_its_timeout_is_spent() {
+    let (mut w, admin, _) = running();
+    let root = w.root.clone();
+    let id = w.run(&admin, create_with(&root, "base", SandboxOptions { auto_pause: true, ..Default::default() })).unwrap().decided.target;
+    w.report(&admin, &id, Observation::Ready);
+    let ran = w.report(&admin, &id, Observation::TimedOut);
+    assert!(matches!(ran.outcome, Outcome::Applied { .. }));
+    let x = &w.state.sandboxes.sandboxes[&id];
+    assert_eq!((x.desired, x.expires_at_ms), (Desired::Paused, None));
+    // A sandbox without auto-pause cannot be reported so: it is stopped at its timeout.
+    let plain = w.sandbox(&admin, &root);
+    w.report(&admin, &plain, Observation::Ready);
+    let err = w.run(&admin, Command::ReportSandbox { sandbox: plain, observation: Observation::TimedOut }).unwrap_err();
+    assert_eq!(err.kind, K::Invalid);
+}
+
+#[test]
+fn replaying_the_log_of_snapshots_and_options_gives_the_same_state() {
+    let (mut w, admin, id) = running();
+    let root = w.root.clone();
+    let snap = snapshot_of(&mut w, &admin, &id);
+    let env = BTreeMap::from([("A".to_string(), "1".to_string())]);
+    w.run(&admin, create_with(&root, &snap, SandboxOptions { env, auto_pause: true, auto_resume: false, network: Some("{}".into()) })).unwrap();
+    w.run(&admin, Command::ForkSandbox { sandbox: id, count: 2 }).unwrap();
+    assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
+}
