@@ -720,7 +720,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     });
     let sampled = edge.clone();
     let sampler: proxy::Sampler = Arc::new(move |id| sampled.sample(id));
-    let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler) };
+    let reader = edge.clone();
+    let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend.read_log(id, max).ok());
+    let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler), logs: Some(logs) };
     let proxy_task = tokio::spawn(proxy::serve_with(listener, edge.cfg.edge_key.clone(), resolve, hooks));
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,

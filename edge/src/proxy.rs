@@ -62,7 +62,12 @@ pub struct Hooks {
     pub admitter: Option<Admitter>,
     /// Reads a sandbox's counters for `GET /metrics/{id}`.
     pub sampler: Option<Sampler>,
+    /// Reads the end of a sandbox's PID 1 output for `GET /logs/{id}?max_bytes=N`.
+    pub logs: Option<LogReader>,
 }
+
+/// The last `max_bytes` of a sandbox's PID 1 output (None: no such sandbox here).
+pub type LogReader = Arc<dyn Fn(&str, usize) -> Option<Vec<u8>> + Send + Sync>;
 
 /// A sandbox's counters at one instant (see [`Hooks::sampler`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -204,6 +209,25 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
             return metrics(id, hooks.sampler).await;
         }
     }
+    if let Some(id) = req.uri().path().strip_prefix("/logs/") {
+        if req.method() == hyper::Method::GET {
+            let max = req
+                .uri()
+                .query()
+                .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("max_bytes=")))
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(64 << 10)
+                .min(16 << 20);
+            let found = hooks.logs.as_ref().and_then(|read| read(id, max));
+            return match found {
+                Some(bytes) => Response::builder()
+                    .header("content-type", "text/plain; charset=utf-8")
+                    .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
+                    .expect("valid response"),
+                None => json_error(StatusCode::NOT_FOUND, "not_found", &format!("The sandbox {id} was not found on this edge")),
+            };
+        }
+    }
     let path = req.uri().path().to_string();
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
         return json_error(StatusCode::NOT_FOUND, "not_found", "use /sandboxes/{id}/{agent path}");
@@ -256,7 +280,7 @@ pub async fn serve(listener: TcpListener, key: String, resolve: Resolver) {
 
 /// Serves the proxy, answering `POST /admit` with `admitter` when given.
 pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: Resolver, admitter: Option<Admitter>) {
-    serve_with(listener, key, resolve, Hooks { admitter, sampler: None }).await
+    serve_with(listener, key, resolve, Hooks { admitter, ..Hooks::default() }).await
 }
 
 /// Serves the proxy with its optional abilities.

@@ -14,7 +14,7 @@ use crate::routes::*;
         projects::create, projects::list, projects::get, projects::delete, projects::set_quota, projects::get_quota,
         tokens::issue, tokens::list, tokens::revoke, tokens::whoami,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::kill, sandboxes::pause, sandboxes::resume,
-        sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, agent::proxy,
+        sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::logs, agent::proxy,
         edges::list, edges::register, edges::deregister,
         audit::query, replay::replay,
         cluster::status, cluster::add_member, cluster::remove_member,

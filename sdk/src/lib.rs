@@ -126,6 +126,12 @@ impl Client {
     }
 
     async fn call<B: Serialize, T: DeserializeOwned>(&self, method: Method, segments: &[&str], query: &[(&str, String)], body: Option<&B>) -> Result<T, ApiError> {
+        let bytes = self.call_raw(method, segments, query, body).await?;
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
+    }
+
+    /// A call whose successful answer is returned as it came (errors decoded).
+    async fn call_raw<B: Serialize>(&self, method: Method, segments: &[&str], query: &[(&str, String)], body: Option<&B>) -> Result<Vec<u8>, ApiError> {
         let url = self.url(segments, query);
         let mut req = self.http.request(method, url);
         if let Some(t) = &self.token {
@@ -155,7 +161,7 @@ impl Client {
                 },
             });
         }
-        serde_json::from_slice(&bytes).map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
+        Ok(bytes.to_vec())
     }
 
     async fn get<T: DeserializeOwned>(&self, segments: &[&str], query: &[(&str, String)]) -> Result<T, ApiError> {
@@ -242,6 +248,12 @@ impl Client {
 
     pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox, ApiError> {
         self.get(&["v1", "sandboxes", id], &[]).await
+    }
+
+    /// The last `max_bytes` of the sandbox's console (its PID 1 output).
+    pub async fn sandbox_logs(&self, id: &str, max_bytes: Option<u64>) -> Result<Vec<u8>, ApiError> {
+        let q: Vec<(&str, String)> = max_bytes.map(|m| ("max_bytes", m.to_string())).into_iter().collect();
+        self.call_raw::<()>(Method::GET, &["v1", "sandboxes", id, "logs"], &q, None).await
     }
 
     pub async fn kill_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {

@@ -46,8 +46,8 @@ struct NodeArgs {
     #[arg(long)]
     archive_retention: Option<u64>,
     /// The domain sandboxes are reached under for E2B host-name routing
-    /// (`{port}-{sandboxId}.{domain}`; the API at `api.{domain}`). Add the TLS port if it
-    /// is not 443, e.g. `e2b.example.internal:7443`.
+    /// (`{port}-{sandboxId}.{domain}`; the API at `api.{domain}`). Without a port of its
+    /// own, SDKs are told the --tls-listen port (unless it is 443).
     #[arg(long, env = "OPENDSEC_DOMAIN")]
     domain: Option<String>,
     /// Also serve everything over TLS here (needs --domain), with a certificate for the
@@ -184,8 +184,17 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, 
         node.initialize(members).await.map_err(|e| e.to_string())?;
     }
     tracing::info!(node = id, api = %args.listen, peer = %args.peer_listen, "opendsec control node running");
+    // The domain SDKs build URLs from: with the TLS port unless that is 443 or the
+    // operator named a port (e.g. a load balancer's).
+    let reported_domain = match (&args.domain, &args.tls_listen) {
+        (Some(d), Some(l)) if !d.contains(':') => match l.rsplit_once(':').map(|(_, p)| p) {
+            Some(p) if p != "443" => Some(format!("{d}:{p}")),
+            _ => Some(d.clone()),
+        },
+        (d, _) => d.clone(),
+    };
     let e2b = opendsec_gateway::e2b::E2bSettings {
-        domain: args.domain.clone(),
+        domain: reported_domain,
         disk_size_mb: embedded_edge.as_ref().map(|e| e.disk_mb).unwrap_or(0),
     };
     let app = opendsec_gateway::router_with(node.clone(), e2b);

@@ -95,22 +95,40 @@ pub async fn route_sandbox_traffic(State(st): State<AppState>, req: Request, nex
     }
 }
 
-async fn to_sandbox(st: &AppState, id: String, port: u16, mut req: Request) -> Result<Response, Response> {
-    let found = st.node.read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
-    let Some(mut x) = found else { return Err(not_found(&id)) };
-    let agent_token = st.node.sandbox_token(SandboxTokenKind::Agent, &id);
-    let traffic_token = st.node.sandbox_token(SandboxTokenKind::Traffic, &id);
+/// Answers a refused request after reading (a bounded part of) its body: a client still
+/// sending a body it was not allowed to send would otherwise see the connection close
+/// under it instead of the answer.
+async fn refuse(req: Request, answer: Response) -> Response {
+    use http_body_util::BodyExt;
+    let body = http_body_util::Limited::new(req.into_body(), 1 << 20);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), body.collect()).await;
+    answer
+}
+
+async fn to_sandbox(st: &AppState, id: String, port: u16, req: Request) -> Result<Response, Response> {
+    match admit(st, &id, port, &req) {
+        Ok(()) => forward(st, id, port, req).await,
+        Err(answer) => Err(refuse(req, answer).await),
+    }
+}
+
+/// Whether the request may reach the sandbox's port (the sandbox exists, the tokens fit).
+fn admit(st: &AppState, id: &str, port: u16, req: &Request) -> Result<(), Response> {
+    let found = st.node.read(|s| s.sandboxes.sandboxes.get(id).filter(|x| x.is_live()).cloned());
+    let Some(x) = found else { return Err(not_found(id)) };
+    let agent_token = st.node.sandbox_token(SandboxTokenKind::Agent, id);
+    let traffic_token = st.node.sandbox_token(SandboxTokenKind::Traffic, id);
     match port {
         ENVD_PORT => {
             // The agent checks the token (or a signed URL); a wrong one stops here,
             // except on /health, which envd answers to anyone.
-            if req.uri().path() != "/health" && token_is(&req, ACCESS_TOKEN_HEADER, &agent_token) == Some(false) {
+            if req.uri().path() != "/health" && token_is(req, ACCESS_TOKEN_HEADER, &agent_token) == Some(false) {
                 return Err(E2bError::new(StatusCode::UNAUTHORIZED, "invalid access token").into_response());
             }
         }
         _ => {
-            let access = token_is(&req, ACCESS_TOKEN_HEADER, &agent_token) == Some(true);
-            let traffic = token_is(&req, TRAFFIC_TOKEN_HEADER, &traffic_token) == Some(true);
+            let access = token_is(req, ACCESS_TOKEN_HEADER, &agent_token) == Some(true);
+            let traffic = token_is(req, TRAFFIC_TOKEN_HEADER, &traffic_token) == Some(true);
             let public = x
                 .network
                 .as_deref()
@@ -121,15 +139,24 @@ async fn to_sandbox(st: &AppState, id: String, port: u16, mut req: Request) -> R
             if needs_token && !access && !traffic {
                 return Err(E2bError::new(StatusCode::FORBIDDEN, format!("port {port} of sandbox {id} needs its access or traffic token")).into_response());
             }
-            // The sandbox's own servers never see the platform's tokens.
-            req.headers_mut().remove(ACCESS_TOKEN_HEADER);
-            req.headers_mut().remove(TRAFFIC_TOKEN_HEADER);
         }
     }
+    if (x.desired == Desired::Paused || x.observed == Observed::Paused) && !x.auto_resume {
+        return Err((StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 }))).into_response());
+    }
+    Ok(())
+}
+
+async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Result<Response, Response> {
+    if port != ENVD_PORT {
+        // The sandbox's own servers never see the platform's tokens.
+        req.headers_mut().remove(ACCESS_TOKEN_HEADER);
+        req.headers_mut().remove(TRAFFIC_TOKEN_HEADER);
+    }
+    let found = st.node.read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
+    let Some(mut x) = found else { return Err(not_found(&id)) };
     if x.desired == Desired::Paused || x.observed == Observed::Paused {
-        if !x.auto_resume {
-            return Err((StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 }))).into_response());
-        }
+        // admit() let it through: it resumes on this request (E2B auto-resume).
         x = super::api::auto_resume(st, &id).await.map_err(IntoResponse::into_response)?;
     }
     let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));

@@ -146,6 +146,39 @@ async fn lifecycle(State(st): State<AppState>, who: Authed, rid: RequestId, id: 
     Ok(Written { index: s.index, status: StatusCode::OK, body: SandboxWritten { index: s.index, sandbox } })
 }
 
+/// The end of the sandbox's console: its PID 1 output (the agent's log and the
+/// template's start command), as plain text. Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/logs", tag = "sandboxes",
+    params(("id" = String, Path), ("max_bytes" = Option<u64>, Query, description = "At most this many of the last bytes (default 65536, at most 16 MiB)")),
+    responses((status = 200, description = "The last bytes of the log", content_type = "text/plain"), (status = "4XX", body = api::ErrorBody), (status = 502, body = api::ErrorBody)))]
+pub async fn logs(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>, RawQuery(q): RawQuery) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
+    let params = Params::parse(q.as_deref(), &["max_bytes"])?;
+    let max: u64 = match params.one("max_bytes")? {
+        None => 64 << 10,
+        Some(v) => v.parse().ok().filter(|m| *m > 0 && *m <= 16 << 20).ok_or_else(|| ApiError::invalid("max_bytes", "max_bytes must be 1 to 16777216"))?,
+    };
+    who.require(Right::SandboxRead)?;
+    let address = st.node.read(|s| {
+        let x = s.sandboxes.sandboxes.get(&id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
+        if !who.sees(s, &x.project) {
+            return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
+        }
+        let edge = s.placement.edges.get(&x.edge).ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge {} is not registered", x.edge)))?;
+        Ok(edge.address.clone())
+    })?;
+    let (status, body) = crate::edge_client::get(&st, &address, &format!("/logs/{id}?max_bytes={max}"))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", e.0))?;
+    if status == 404 {
+        return Err(ApiError::not_found("id", format!("sandbox {id} has no files on its edge any more (it ended and was removed)")));
+    }
+    if status != 200 {
+        return Err(ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge answered {status}")));
+    }
+    Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response())
+}
+
 fn read_sandbox(st: &AppState, id: &str) -> Result<api::Sandbox, ApiError> {
     st.node
         .read(|s| s.sandboxes.sandboxes.get(id).map(convert::sandbox))

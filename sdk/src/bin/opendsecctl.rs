@@ -196,6 +196,14 @@ enum SandboxCmd {
     Get { id: String },
     /// Kills it; its quota is given back.
     Kill { id: String },
+    /// The end of the sandbox's console: its PID 1 output (the agent's log, a template's
+    /// start command).
+    Logs {
+        id: String,
+        /// At most this many of the last bytes.
+        #[arg(long, default_value_t = 65536)]
+        max_bytes: u64,
+    },
     Pause { id: String },
     Resume { id: String },
     /// Clones a live sandbox --count times.
@@ -594,6 +602,12 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         SandboxCmd::Get { id } => {
             let s = client.get_sandbox(&id).await?;
             out.show(&s, |s| table(&SANDBOX_HEADERS, vec![sandbox_row(s)]));
+            return Ok(0);
+        }
+        SandboxCmd::Logs { id, max_bytes } => {
+            use std::io::Write;
+            let bytes = client.sandbox_logs(&id, Some(max_bytes)).await?;
+            let _ = std::io::stdout().write_all(&bytes);
             return Ok(0);
         }
         SandboxCmd::Fork { id, count } => {
