@@ -529,27 +529,28 @@ fn bad_requests_are_refused_and_leave_nothing() {
 
 const HELPER_ENV: &str = "OPENDSEC_TEST_CREATOR_ROOT";
 
-/// Not a test on its own: the creator process of
-/// `a_sandbox_survives_the_death_of_its_creator_and_is_readopted`.
-#[test]
-#[ignore]
-fn helper_create_then_hang() {
-    let Some(root) = std::env::var_os(HELPER_ENV) else {
-        return;
-    };
+/// The creator process of the test below (the test binary run again with
+/// [`HELPER_ENV`] set): it creates a sandbox, says so, and waits to be killed.
+fn act_as_creator(root: &std::ffi::OsStr) -> ! {
     let id = std::env::var("OPENDSEC_TEST_CREATOR_ID").unwrap();
-    let b = ContainerBackend::new(config_in(Path::new(&root), RuntimeChoice::Auto)).unwrap();
+    let b = ContainerBackend::new(config_in(Path::new(root), RuntimeChoice::Auto)).unwrap();
     b.create(&busybox_spec(
         &id,
         "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; usleep 10000; done",
     ))
     .unwrap();
     println!("CREATED");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
     std::thread::sleep(Duration::from_secs(600));
+    std::process::exit(0)
 }
 
 #[test]
 fn a_sandbox_survives_the_death_of_its_creator_and_is_readopted() {
+    if let Some(root) = std::env::var_os(HELPER_ENV) {
+        act_as_creator(&root);
+    }
     require_prerequisites();
     image("busybox");
     let tmp = tempfile::Builder::new()
@@ -560,8 +561,7 @@ fn a_sandbox_survives_the_death_of_its_creator_and_is_readopted() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "helper_create_then_hang",
-            "--ignored",
+            "a_sandbox_survives_the_death_of_its_creator_and_is_readopted",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -661,107 +661,4 @@ fn base_image_runs_python_as_user() {
     assert_eq!(exit.exit_code, 0, "{log}");
     assert_eq!(log, "42\nuser\n/home/user\n");
     assert_gone(&b, &id);
-}
-
-/// `cargo test -p opendsec-edge --test container_sandboxes -- --ignored --nocapture bench_`
-/// Start to first output of a busybox `echo hi`: through the backend (disk, overlay,
-/// bundle, shim, runtime) beside the raw runtime on an already prepared bundle.
-#[test]
-#[ignore]
-fn bench_start_to_first_output() {
-    const RUNS: usize = 20;
-    let median = |mut v: Vec<Duration>| {
-        v.sort();
-        v[v.len() / 2]
-    };
-    for choice in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
-        let b = backend(choice);
-        let mut through_backend = Vec::new();
-        for _ in 0..RUNS {
-            let id = unique_id("bench");
-            let spec = busybox_spec(&id, "echo hi");
-            let start = Instant::now();
-            let h = b.create(&spec).unwrap();
-            let log = h.log_path();
-            while std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0) == 0 {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            through_backend.push(start.elapsed());
-            b.wait(&id, Duration::from_secs(10)).unwrap();
-            b.delete(&id).unwrap();
-        }
-        // The raw runtime on the same kind of bundle: same config.json, an overlay rootfs
-        // prepared beforehand (the raw tool does no storage work).
-        let keep = unique_id("bench-bundle");
-        let h = b.create(&busybox_spec(&keep, "sleep 1000")).unwrap();
-        let config: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(h.dir.join("config.json")).unwrap()).unwrap();
-        let bundle = tempfile::Builder::new()
-            .prefix("opendsec-raw")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        std::fs::create_dir(bundle.path().join("rootfs")).unwrap();
-        let layer = store().layer_dirs(&image("busybox")).unwrap().remove(0);
-        std::fs::create_dir_all(bundle.path().join("upper")).unwrap();
-        std::fs::create_dir_all(bundle.path().join("work")).unwrap();
-        let opts = format!(
-            "lowerdir={},upperdir={}/upper,workdir={}/work",
-            layer.display(),
-            bundle.path().display(),
-            bundle.path().display()
-        );
-        assert!(
-            Command::new("mount")
-                .args(["-t", "overlay", "overlay", "-o", &opts])
-                .arg(bundle.path().join("rootfs"))
-                .status()
-                .unwrap()
-                .success()
-        );
-        let runtime: Runtime = Runtime::resolve(choice, &bundle.path().join("state")).unwrap();
-        let mut raw = Vec::new();
-        for _ in 0..RUNS {
-            let id = unique_id("raw");
-            let mut c = config.clone();
-            c["linux"]["cgroupsPath"] = serde_json::Value::String(format!("/opendsec-test/{id}"));
-            c["process"]["args"] = serde_json::json!(["/bin/sh", "-c", "echo hi"]);
-            std::fs::write(
-                bundle.path().join("config.json"),
-                serde_json::to_vec(&c).unwrap(),
-            )
-            .unwrap();
-            let start = Instant::now();
-            let mut child = runtime
-                .command(["run", "--bundle", bundle.path().to_str().unwrap(), &id])
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut byte = [0u8; 1];
-            child
-                .stdout
-                .as_mut()
-                .unwrap()
-                .read_exact(&mut byte)
-                .unwrap();
-            raw.push(start.elapsed());
-            child.wait().unwrap();
-            let _ = runtime.run(&["delete", "--force", &id]);
-        }
-        assert!(
-            Command::new("umount")
-                .arg(bundle.path().join("rootfs"))
-                .status()
-                .unwrap()
-                .success()
-        );
-        b.delete(&keep).unwrap();
-        println!(
-            "{:?}: start to first output, median of {RUNS}: backend {:.1} ms, raw `{} run` {:.1} ms",
-            choice,
-            median(through_backend).as_secs_f64() * 1000.0,
-            runtime.name(),
-            median(raw).as_secs_f64() * 1000.0
-        );
-    }
 }

@@ -168,7 +168,7 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
     check_bad(&api, "GET", "/v1/audit?action=%FF", b"", expect![[r#"400 {"code":"invalid","field":"action","message":"query parameter \"action\" is not valid UTF-8"}"#]]).await;
     check_bad(&api, "GET", "/v1/sandboxes?state=sleepy", b"", expect![[r#"400 {"code":"invalid","field":"state","message":"unknown state \"sleepy\"; states are: pending, running, pausing, paused, resuming, killed, failed, exited"}"#]]).await;
     check_bad(&api, "GET", "/v1/sandboxes?label=novalue", b"", expect![[r#"400 {"code":"invalid","field":"label","message":"label filter \"novalue\" must be key=value"}"#]]).await;
-    check_bad(&api, "GET", "/v1/replay?view=everything", b"", expect![[r#"400 {"code":"invalid","field":"view","message":"unknown view \"everything\"; views are: sandboxes, placement, quota, iam, audit"}"#]]).await;
+    check_bad(&api, "GET", "/v1/replay?view=everything", b"", expect![[r#"400 {"code":"invalid","field":"view","message":"unknown view \"everything\"; views are: sandboxes, placement, quota, iam, audit, snapshots"}"#]]).await;
     check_bad(&api, "GET", "/v1/replay?to=999999", b"", expect![[r#"400 {"code":"invalid","field":"to","message":"to index 999999 is past the last applied index <n>"}"#]]).await;
     check_bad(&api, "GET", "/v1/replay?to=soon", b"", expect![[r#"400 {"code":"invalid","field":"to","message":"to must be a log index or an RFC 3339 time, not \"soon\""}"#]]).await;
     check_bad(&api, "DELETE", "/v1/cluster/members/abc", b"", expect![[r#"400 {"code":"invalid","field":"path","message":"bad path parameter: Invalid URL: Cannot parse `abc` to a `u64`"}"#]]).await;

@@ -171,6 +171,8 @@ impl Up {
                 .client
                 .post(format!("http://{}/sandboxes/{id}/process.Process/Start", self.edge))
                 .header("x-opendsec-edge-key", &self.key)
+                // The agent answers only with the sandbox's own access token.
+                .header("x-access-token", opendsec_control::sandbox_token(&self.key, opendsec_control::SandboxTokenKind::Agent, id))
                 .header("content-type", "application/connect+json")
                 .header("connect-protocol-version", "1")
                 .body(frame.clone())
@@ -227,6 +229,23 @@ async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
     assert_eq!((out.as_str(), code), (format!("42\nuser\n{id}\n").as_str(), 0));
     let (_, code) = up.exec(&id, "exit 3").await;
     assert_eq!(code, 3);
+
+    // Even through its edge's proxy, the agent serves nothing without the sandbox's token.
+    let r = up
+        .client
+        .post(format!("http://{}/sandboxes/{id}/process.Process/List", up.edge))
+        .header("x-opendsec-edge-key", &up.key)
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    // Its console (PID 1's output) is readable through the API, as text.
+    let r = up.client.get(format!("http://{}/v1/sandboxes/{id}/logs?max_bytes=4096", up.http)).bearer_auth(&up.token).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert!(r.bytes().await.unwrap().len() <= 4096);
 
     let (s, _) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/pause"), json!({})).await;
     assert!(s < 300);
