@@ -413,7 +413,7 @@ async fn stdout_is_streamed_while_the_cell_runs_in_order() {
     let first = cell.arrival("stdout", "0\n");
     let second = cell.arrival("stdout", "1\n");
     assert!(
-        end - first >= Duration::from_millis(700),
+        end - first >= Duration::from_millis(500),
         "the first line came {first:?}, the end {end:?}: output was held back"
     );
     assert!(
@@ -435,7 +435,7 @@ async fn stdout_is_streamed_while_the_cell_runs_in_order() {
     )
     .await;
     let end = partial.lines.last().unwrap().0;
-    assert!(end - partial.arrival("stdout", "waiting") >= Duration::from_millis(400));
+    assert!(end - partial.arrival("stdout", "waiting") >= Duration::from_millis(300));
     assert_eq!(partial.stdout(), "waiting done\n");
 }
 
