@@ -332,6 +332,49 @@ fn base64_decode(text: &str) -> Vec<u8> {
 
 const PNG_MAGIC: &[u8] = b"\x89PNG\r\n\x1a\n";
 
+/// A process by pid and start time, so that a recycled pid (they wrap quickly on busy
+/// machines) is not mistaken for it.
+struct Process {
+    pid: u32,
+    started: Option<String>,
+}
+
+impl Process {
+    fn stat(pid: u32) -> Option<String> {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()
+    }
+
+    /// Fields after the command name (which may hold spaces): state is [0], start time [19].
+    fn field(stat: &str, index: usize) -> Option<String> {
+        let rest = &stat[stat.rfind(')')? + 2..];
+        rest.split(' ').nth(index).map(str::to_owned)
+    }
+
+    fn new(pid: u32) -> Process {
+        let started = Process::stat(pid).and_then(|s| Process::field(&s, 19));
+        assert!(started.is_some(), "process {pid} is not running");
+        Process { pid, started }
+    }
+
+    /// Still there (a zombie counts: nobody has reaped it).
+    fn exists(&self) -> bool {
+        Process::stat(self.pid).is_some_and(|s| Process::field(&s, 19) == self.started)
+    }
+
+    async fn wait_gone(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "{what} (pid {}) still exists: {:?}",
+                self.pid,
+                Process::stat(self.pid)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // The server.
 // ---------------------------------------------------------------------------------
@@ -627,6 +670,7 @@ async fn contexts_are_isolated_listed_restarted_and_deleted() {
     let a_pid = pid(run_in(addr, a_id, "import os\nos.getpid()").await);
     let b_pid = pid(run_in(addr, b_id, "import os\nos.getpid()").await);
     assert_ne!(a_pid, b_pid);
+    let (a_worker, b_worker) = (Process::new(a_pid), Process::new(b_pid));
 
     let (status, list) = call(addr, "GET", "/contexts", None).await;
     assert_eq!(status, 200);
@@ -658,18 +702,12 @@ async fn contexts_are_isolated_listed_restarted_and_deleted() {
         a_pid
     );
     assert_eq!(run_in(addr, b_id, "kept").await.main_text(), Some("1"));
-    assert!(
-        !Path::new(&format!("/proc/{a_pid}")).exists(),
-        "the old worker lives on"
-    );
+    assert!(!a_worker.exists(), "the old worker lives on");
 
     // Delete: gone from the list, its worker killed, then 404s.
     let (status, _) = call(addr, "DELETE", &format!("/contexts/{b_id}"), None).await;
     assert_eq!(status, 204);
-    assert!(
-        !Path::new(&format!("/proc/{b_pid}")).exists(),
-        "the deleted worker lives on"
-    );
+    assert!(!b_worker.exists(), "the deleted worker lives on");
     let (status, body) = execute_status(addr, json!({"code": "1", "context_id": b_id})).await;
     assert_eq!(status, 404, "{:?}", body.lines);
     let (status, _) = call(addr, "DELETE", &format!("/contexts/{b_id}"), None).await;
@@ -880,22 +918,19 @@ async fn a_client_that_disconnects_interrupts_the_cell() {
         .unwrap();
     let mut body = resp.into_body();
     let mut seen = String::new();
-    let shell_pid = loop {
+    let shell = loop {
         let frame = body.frame().await.expect("the cell streams").unwrap();
         seen.push_str(&String::from_utf8_lossy(&frame.into_data().unwrap()));
         if let Some(line) = seen.lines().find(|l| l.contains("\"stdout\"")) {
             let v: Value = serde_json::from_str(line).unwrap();
-            break v["text"].as_str().unwrap().trim().parse::<u32>().unwrap();
+            break Process::new(v["text"].as_str().unwrap().trim().parse::<u32>().unwrap());
         }
     };
     drop(body);
     drop(send);
     conn.abort();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Path::new(&format!("/proc/{shell_pid}")).exists() {
-        assert!(Instant::now() < deadline, "the shell was not stopped");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    shell.wait_gone("the interrupted shell").await;
+    assert_eq!(run(&addr, "state").await.main_text(), Some("5"));
 }
 
 #[tokio::test]
