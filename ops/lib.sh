@@ -26,6 +26,9 @@ ensure_rust() {
 BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
 # What edges need to run container sandboxes and build their images.
 EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2)
+# What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the
+# host: Debian's python3 with the data stack the code-interpreter-v1 image carries.
+CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas)
 
 # Builds the static in-sandbox agent into $1 (it runs inside any image, so no shared libraries).
 build_static_agent() {

@@ -140,7 +140,10 @@ class FdPump:
         self.fd = fd
         self.kind = kind
         self.channel = channel
-        self.consumed = 0
+        # Bytes taken from the pipe, and bytes of those already sent; `drain` waits for
+        # the second to catch up with the first plus what is still in the pipe.
+        self.taken = 0
+        self.sent = 0
         self.closed = False
         self.cond = threading.Condition()
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -149,17 +152,18 @@ class FdPump:
     def _run(self):
         while True:
             select.select([self.fd], [], [])
-            data = os.read(self.fd, CHUNK)
-            if not data:
-                with self.cond:
+            with self.cond:
+                data = os.read(self.fd, CHUNK)
+                self.taken += len(data)
+                if not data:
                     self.closed = True
                     self.cond.notify_all()
-                return
+                    return
             text = self.decoder.decode(data)
             if text:
                 self.channel.send({"type": self.kind, "text": text, "timestamp": now_ns()})
             with self.cond:
-                self.consumed += len(data)
+                self.sent += len(data)
                 self.cond.notify_all()
 
     def pending(self):
@@ -171,8 +175,8 @@ class FdPump:
         a subprocess's output stays before what the cell prints or returns next."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            target = self.consumed + self.pending()
-            while self.consumed < target and not self.closed:
+            target = self.taken + self.pending()
+            while self.sent < target and not self.closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
@@ -800,12 +804,10 @@ class Contexts:
         self.by_id = {}
         self.defaults = {}
 
-    def create(self, language, cwd, preload=False, default=False):
-        ctx = Context(language, cwd, preload)
+    def create(self, language, cwd):
+        ctx = Context(language, cwd)
         with self.lock:
             self.by_id[ctx.id] = ctx
-            if default:
-                self.defaults[language] = ctx.id
         return ctx
 
     def get(self, context_id):

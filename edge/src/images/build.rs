@@ -271,21 +271,19 @@ fn run_tool(
             Ok(())
         });
     }
-    let mut child = command
-        .spawn()
-        .map_err(|e| {
-            let package = match program {
-                "debootstrap" => "debootstrap",
-                "apt-get" => "apt",
-                "dpkg-deb" => "dpkg",
-                _ => program,
-            };
-            fail(
-                image,
-                phase,
-                format!("cannot run {program} (install the {package} package): {e}"),
-            )
-        })?;
+    let mut child = command.spawn().map_err(|e| {
+        let package = match program {
+            "debootstrap" => "debootstrap",
+            "apt-get" => "apt",
+            "dpkg-deb" => "dpkg",
+            _ => program,
+        };
+        fail(
+            image,
+            phase,
+            format!("cannot run {program} (install the {package} package): {e}"),
+        )
+    })?;
     let stderr = child.stderr.take().expect("piped");
     let stderr_reader = std::thread::spawn(move || {
         let mut lines = Vec::new();
@@ -602,7 +600,10 @@ fn build_code_interpreter(
     let _ = super::remove_tree(&scratch);
     progress(&BuildProgress::new(
         BuildPhase::Configure,
-        format!("overlay of {} lower layer(s) in a private mount namespace", lower.len()),
+        format!(
+            "overlay of {} lower layer(s) in a private mount namespace",
+            lower.len()
+        ),
     ));
     build_root::with_build_root(lower, dir, &scratch, progress, |root, progress| {
         let root_arg = root.to_str().expect("utf-8 path");
@@ -634,8 +635,7 @@ fn build_code_interpreter(
         for file in files {
             let path = root.join(file.path.trim_start_matches('/'));
             let parent = path.parent().expect("a file path has a parent");
-            fs::create_dir_all(parent)
-                .map_err(io_err(format!("creating {}", parent.display())))?;
+            fs::create_dir_all(parent).map_err(io_err(format!("creating {}", parent.display())))?;
             fs::write(&path, file.contents).map_err(io_err(format!("writing {}", file.path)))?;
             fs::set_permissions(&path, fs::Permissions::from_mode(file.mode))
                 .map_err(io_err(format!("chmod {}", file.path)))?;

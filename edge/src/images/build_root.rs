@@ -246,3 +246,152 @@ where
     unmounted?;
     Ok(value)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileTypeExt;
+
+    fn lower_layer(dir: &Path, with_resolv: bool) -> PathBuf {
+        let layer = dir.join("lower");
+        for sub in ["proc", "sys", "dev", "etc", "tmp"] {
+            fs::create_dir_all(layer.join(sub)).unwrap();
+        }
+        if with_resolv {
+            fs::write(layer.join("etc/resolv.conf"), "nameserver 192.0.2.1\n").unwrap();
+        }
+        layer
+    }
+
+    fn mounted_anywhere(path: &Path, table: &str) -> bool {
+        fs::read_to_string(table)
+            .unwrap()
+            .contains(path.to_str().unwrap())
+    }
+
+    fn require_root() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "mounting needs root");
+    }
+
+    #[test]
+    fn the_build_root_is_private_and_leaves_only_what_the_build_wrote() {
+        require_root();
+        let tmp = tempfile::tempdir().unwrap();
+        for with_resolv in [true, false] {
+            let lower = lower_layer(&tmp.path().join(format!("{with_resolv}")), with_resolv);
+            let upper = tmp.path().join(format!("upper-{with_resolv}"));
+            let scratch = tmp.path().join(format!("scratch-{with_resolv}"));
+            fs::create_dir(&upper).unwrap();
+            let seen = with_build_root(&[lower], &upper, &scratch, &|_| {}, |root, _| {
+                // The host (the process's main thread) does not see the mounts.
+                assert!(!mounted_anywhere(&scratch, "/proc/self/mountinfo"));
+                assert!(mounted_anywhere(&scratch, "/proc/thread-self/mountinfo"));
+                assert!(root.join("proc/self/status").is_file());
+                let null = fs::metadata(root.join("dev/null")).unwrap();
+                assert!(null.file_type().is_char_device());
+                assert!(
+                    fs::write(root.join("sys/kernel/x"), "").is_err(),
+                    "sys is writable"
+                );
+                assert_eq!(
+                    fs::read(root.join("etc/resolv.conf")).unwrap(),
+                    fs::read("/etc/resolv.conf").unwrap()
+                );
+                fs::write(root.join("etc/built"), "yes").unwrap();
+                Ok(root.to_path_buf())
+            })
+            .unwrap();
+            assert!(!mounted_anywhere(&seen, "/proc/self/mountinfo"));
+            assert!(!scratch.exists(), "scratch left behind");
+            let mut left: Vec<String> = walk(&upper);
+            left.sort();
+            assert_eq!(
+                left,
+                ["etc", "etc/built"],
+                "with resolv.conf: {with_resolv}"
+            );
+        }
+    }
+
+    fn walk(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir).unwrap().filter_map(Result::ok) {
+            let path = entry.path();
+            out.push(path.file_name().unwrap().to_string_lossy().into_owned());
+            if path.is_dir() {
+                for sub in walk(&path) {
+                    out.push(format!(
+                        "{}/{sub}",
+                        path.file_name().unwrap().to_string_lossy()
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn mounts_end_when_the_build_fails_or_panics() {
+        require_root();
+        let tmp = tempfile::tempdir().unwrap();
+        let lower = lower_layer(tmp.path(), true);
+        let (upper, scratch) = (tmp.path().join("upper"), tmp.path().join("scratch"));
+        fs::create_dir(&upper).unwrap();
+        let failed = with_build_root(
+            std::slice::from_ref(&lower),
+            &upper,
+            &scratch,
+            &|_| {},
+            |_, _| -> Result<(), ImageError> {
+                Err(ImageError::NotFound("the build's own error".into()))
+            },
+        );
+        assert!(
+            matches!(&failed, Err(ImageError::NotFound(m)) if m == "the build's own error"),
+            "{failed:?}"
+        );
+        assert!(!mounted_anywhere(&scratch, "/proc/self/mountinfo"));
+        assert!(!scratch.exists());
+
+        let panicked = std::panic::catch_unwind(|| {
+            with_build_root(
+                std::slice::from_ref(&lower),
+                &upper,
+                &scratch,
+                &|_| {},
+                |_, _| -> Result<(), ImageError> { panic!("a bug in a builder") },
+            )
+        });
+        assert!(panicked.is_err());
+        assert!(!mounted_anywhere(&scratch, "/proc/self/mountinfo"));
+    }
+
+    #[test]
+    fn progress_from_the_build_thread_reaches_the_caller_in_order() {
+        require_root();
+        let tmp = tempfile::tempdir().unwrap();
+        let lower = lower_layer(tmp.path(), true);
+        let upper = tmp.path().join("upper");
+        fs::create_dir(&upper).unwrap();
+        let caller = std::thread::current().id();
+        let seen = std::cell::RefCell::new(Vec::new());
+        with_build_root(
+            &[lower],
+            &upper,
+            &tmp.path().join("scratch"),
+            &|p| {
+                assert_eq!(std::thread::current().id(), caller);
+                seen.borrow_mut().push(p.message.clone());
+            },
+            |_, progress| {
+                for m in ["one", "two", "three"] {
+                    progress(&BuildProgress::new(super::super::BuildPhase::Install, m));
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(*seen.borrow(), ["one", "two", "three"]);
+    }
+}

@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use build::{
-    BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH,
-    builder_names, code_interpreter_start,
+    BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH, builder_names,
+    code_interpreter_start,
 };
 
 /// Default location of the store on an edge machine.
