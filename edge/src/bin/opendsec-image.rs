@@ -1,6 +1,6 @@
 //! The project's image tool: builds the default images into the local store.
 //!
-//!   opendsec-image build busybox|base [--store DIR]
+//!   opendsec-image build busybox|base|code-interpreter-v1 [--store DIR]
 //!   opendsec-image list [--store DIR]
 
 use std::io::Write;
