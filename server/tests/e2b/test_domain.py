@@ -11,6 +11,7 @@ removes every line carrying HOSTS_MARKER afterwards). Signed file URLs and
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -46,8 +47,19 @@ def only_the_domain_is_set():
 
 @pytest.fixture(scope="module")
 def sandbox(run_id):
-    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=300, metadata={"suite": run_id, "module": "domain"})
-    map_hosts(sb.sandbox_id, (49983, 49999, HTTP_PORT))
+    # The SDK's resolver (hickory, in pyqwest) reads /etc/hosts once, when this process
+    # first uses it; a user's wildcard DNS knows every sandbox's name from the start. So
+    # the sandbox is created by another process, its names are mapped, and only then does
+    # this process use the SDK, by connecting to it.
+    created = subprocess.run(
+        [sys.executable, "-c", "import sys; from e2b import Sandbox; "
+         f"print(Sandbox.create(template={BASE_TEMPLATE!r}, timeout=300, metadata={{'suite': {run_id!r}, 'module': 'domain'}}).sandbox_id)"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert created.returncode == 0, created.stderr
+    sandbox_id = created.stdout.strip().splitlines()[-1]
+    map_hosts(sandbox_id, (49983, 49999, HTTP_PORT))
+    sb = Sandbox.connect(sandbox_id)
     yield sb
     sb.kill()
 
