@@ -11,7 +11,7 @@
 //! SOCK_SEQPACKET socketpair (fd 4), every live session: its metadata, its
 //! fds (SCM_RIGHTS) and its exit status if it ended meanwhile. Output
 //! produced while no server runs waits in the pipe or PTY (bounded by the
-//! kernel buffer, raised to 1 MiB for pipes; the writer blocks when full).
+//! kernel buffer, raised to 256 KiB for pipes; the writer blocks when full).
 //!
 //! The protocol is one JSON message per packet, fds attached:
 //! server -> supervisor: `register {pid, meta}` + fds, `close_stdin {pid}`,
