@@ -644,6 +644,11 @@ impl Manager {
         // makes async-signal-safe system calls on pre-allocated data.
         unsafe {
             cmd.pre_exec(move || {
+                // A sandbox process starts with no signal blocked, whatever
+                // the agent's own threads block.
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
                 // Out of memory, the kernel must pick a sandbox process, never the agent
                 // (PID 1, whose death ends the sandbox): raise the child's OOM score.
                 // Raising needs no privilege; failing to is harmless.
