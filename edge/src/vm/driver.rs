@@ -162,6 +162,10 @@ pub struct MemoryUsage {
     /// Proportional: pages shared with other processes count by their share.
     pub pss_kb: u64,
     pub private_kb: u64,
+    /// The part of the above that is the guest's RAM mapping (the rest is QEMU itself:
+    /// under TCG mostly its translation cache, and the kernel image it keeps).
+    pub guest_ram_rss_kb: u64,
+    pub guest_ram_pss_kb: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -435,6 +439,39 @@ fn give(path: &Path, uid: u32, gid: u32, mode: u32) -> Result<(), VmError> {
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(format!("chmod {}", path.display())))
 }
 
+/// Sums `/proc/<pid>/smaps`, and separately the mapping of `ram_path`.
+fn parse_smaps(text: &str, ram_path: &str) -> MemoryUsage {
+    let mut usage = MemoryUsage::default();
+    let mut in_ram = false;
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if !first.ends_with(':') {
+            // A mapping's header: address range, perms, offset, dev, inode, path.
+            in_ram = line.ends_with(ram_path);
+            continue;
+        }
+        let kb: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        match first {
+            "Rss:" => {
+                usage.rss_kb += kb;
+                if in_ram {
+                    usage.guest_ram_rss_kb += kb;
+                }
+            }
+            "Pss:" => {
+                usage.pss_kb += kb;
+                if in_ram {
+                    usage.guest_ram_pss_kb += kb;
+                }
+            }
+            "Private_Clean:" | "Private_Dirty:" => usage.private_kb += kb,
+            _ => {}
+        }
+    }
+    usage
+}
+
 /// Field 22 of `/proc/<pid>/stat`: when the process started (clock ticks since boot).
 fn process_start(pid: i32) -> Option<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -563,7 +600,7 @@ impl Inner {
             "-device".into(),
             "virtio-blk-device,drive=rw,serial=opendsec-rw".into(),
             "-netdev".into(),
-            format!("tap,id=net0,ifname={},script=no,downscript=no,vhost=off", net::TAP),
+            format!("tap,id=net0,fd={},vhost=off", super::shim::TAP_FD_PLACEHOLDER),
             "-device".into(),
             format!("virtio-net-device,netdev=net0,mac={}", net::GUEST_MAC),
             "-qmp".into(),
@@ -594,6 +631,7 @@ impl Inner {
             gid: record.uid,
             groups: record.groups.clone(),
             netns: Some(net::netns_path(&record.netns)),
+            tap: Some(net::TAP.into()),
             workdir: dir.to_path_buf(),
             console_log: dir.join("console.log"),
             console_cap_bytes: self.cfg.console_cap_bytes,
@@ -607,7 +645,7 @@ impl Inner {
         record.pid_start = process_start(pid);
         record.state = VmState::Running;
         self.save(record)?;
-        let alive = || process_start(pid).is_some() && !dir.join("exit.json").exists();
+        let alive = || process_start(pid).is_some() && exit_record(dir, pid).is_none();
         match Qmp::connect_until(&socket, Instant::now() + QEMU_START_TIMEOUT, &alive) {
             Ok(qmp) => Ok((pid, qmp)),
             Err(e) => {
@@ -662,6 +700,27 @@ impl Inner {
         }
         let _ = fs::remove_dir_all(dir);
     }
+}
+
+/// The shim's record of how QEMU process `pid` of the VM in `dir` ended.
+fn exit_record(dir: &Path, pid: i32) -> Option<ExitInfo> {
+    read_json::<ExitInfo>(&dir.join("exit.json")).ok().filter(|e| e.pid == pid)
+}
+
+/// Waits until QEMU `pid` has ended and its shim has recorded it (so that nothing of
+/// that run writes into the VM's directory afterwards).
+fn wait_ended(dir: &Path, pid: i32, pidfd: &OwnedFd, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    if !wait_pidfd(pidfd, timeout) {
+        return false;
+    }
+    while exit_record(dir, pid).is_none() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
 }
 
 /// The last `max` bytes of the VM's console, on one line.
@@ -751,7 +810,7 @@ impl VmHandle {
             VmState::Paused => VmStatus::Paused,
             VmState::Running => match self.inner.live_pid(&record) {
                 Some(pid) => VmStatus::Running { pid },
-                None => VmStatus::Exited(read_json(&self.dir().join("exit.json")).ok()),
+                None => VmStatus::Exited(record.pid.and_then(|pid| exit_record(&self.dir(), pid))),
             },
         })
     }
@@ -782,21 +841,16 @@ impl VmHandle {
 
     /// Memory of the running QEMU process.
     pub fn memory(&self) -> Result<MemoryUsage, VmError> {
+        let record = self.inner.record(&self.id)?;
         let VmStatus::Running { pid } = self.status()? else {
             return Err(self.bad_state("not running", "measure its memory"));
         };
-        let text = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).map_err(io_err("reading smaps_rollup"))?;
-        let field = |name: &str| -> u64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-                .unwrap_or(0)
+        let ram_path = match &record.ram {
+            RamMode::Private { base } => base.clone(),
+            _ => self.dir().join("ram"),
         };
-        Ok(MemoryUsage {
-            rss_kb: field("Rss"),
-            pss_kb: field("Pss"),
-            private_kb: field("Private_Clean") + field("Private_Dirty"),
-        })
+        let text = fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(io_err("reading smaps"))?;
+        Ok(parse_smaps(&text, &ram_path.to_string_lossy()))
     }
 
     /// Bytes of guest RAM data kept on disk for this VM (its RAM file).
@@ -864,10 +918,10 @@ impl VmHandle {
         let t1 = Instant::now();
         let _ = qmp.execute("quit", json!({}));
         drop(qmp);
-        if !wait_pidfd(&pidfd, Duration::from_secs(10)) {
+        if !wait_ended(&dir, pid, &pidfd, Duration::from_secs(10)) {
             // SAFETY: the pid is our QEMU (pidfd taken while it was).
             unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
-            wait_pidfd(&pidfd, Duration::from_secs(10));
+            wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
         }
         let exit = t1.elapsed();
         fs::rename(&tmp, dir.join("state")).map_err(io_err("keeping the snapshot"))?;
@@ -1103,12 +1157,7 @@ impl VmHandle {
         {
             // SAFETY: signalling through a pidfd of our QEMU.
             unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
-            wait_pidfd(&pidfd, Duration::from_secs(10));
-            // The shim writes exit.json right after.
-            let deadline = Instant::now() + Duration::from_secs(3);
-            while !self.dir().join("exit.json").exists() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            wait_ended(&self.dir(), pid, &pidfd, Duration::from_secs(10));
         }
         Ok(())
     }

@@ -32,6 +32,9 @@ pub struct Launch {
     pub groups: Vec<u32>,
     /// The network namespace QEMU runs in.
     pub netns: Option<PathBuf>,
+    /// A tap device (in that namespace) the shim opens for QEMU; its fd number replaces
+    /// [`TAP_FD_PLACEHOLDER`] in `argv`. QEMU itself never opens `/dev/net/tun`.
+    pub tap: Option<String>,
     pub workdir: PathBuf,
     pub console_log: PathBuf,
     pub console_cap_bytes: u64,
@@ -42,6 +45,8 @@ pub struct Launch {
 /// How QEMU ended, as the shim saw it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExitInfo {
+    /// The QEMU process this is about (each run of a VM has its own).
+    pub pid: i32,
     /// The exit code, or 128 + signal.
     pub exit_code: i32,
     pub signal: Option<i32>,
@@ -49,6 +54,46 @@ pub struct ExitInfo {
 }
 
 const STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Stands for the tap's fd number in [`Launch::argv`].
+pub const TAP_FD_PLACEHOLDER: &str = "@TAP_FD@";
+
+/// `_IOW('T', 202, int)`.
+const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+const IFF_VNET_HDR: libc::c_short = 0x4000;
+
+/// Attaches to tap `name` of the current network namespace; the fd is inherited by
+/// the next exec (not close-on-exec).
+fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
+    let tun = OpenOptions::new().read(true).write(true).open("/dev/net/tun")?;
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; 16],
+        flags: libc::c_short,
+        _pad: [u8; 22],
+    }
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
+        _pad: [0; 22],
+    };
+    if name.len() >= req.name.len() {
+        return Err(std::io::Error::other(format!("tap name {name:?} is too long")));
+    }
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: TUNSETIFF reads a struct ifreq, which IfReq lays out.
+    if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF as _, &mut req) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = OwnedFd::from(tun);
+    // SAFETY: clearing FD_CLOEXEC on an fd we own.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fd)
+}
 
 /// Runs the shim for `launch_file` and returns QEMU's pid once it has started.
 pub(crate) fn spawn(shim: &Path, launch_file: &Path) -> Result<i32, VmError> {
@@ -161,14 +206,23 @@ fn run(launch: &Launch) -> Result<(), VmError> {
     let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| VmError::io("pipe", e.into()))?;
     let out_w2 = out_w.try_clone().map_err(io_err("dup"))?;
-    let netns = match &launch.netns {
-        Some(p) => Some(File::open(p).map_err(io_err(format!("opening {}", p.display())))?),
+    // The whole shim (one thread so far) moves into the VM's namespace: the tap is
+    // found there, and QEMU, started from here, lives there.
+    if let Some(path) = &launch.netns {
+        let ns = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
+        // SAFETY: setns on an fd we own, in a single-threaded process.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(VmError::io(format!("entering {}", path.display()), std::io::Error::last_os_error()));
+        }
+    }
+    let tap = match &launch.tap {
+        Some(name) => Some(open_tap(name).map_err(io_err(format!("opening tap {name}")))?),
         None => None,
     };
-    let netns_fd = netns.as_ref().map(|f| f.as_raw_fd());
+    let tap_fd = tap.as_ref().map(|f| f.as_raw_fd().to_string()).unwrap_or_default();
+    let argv: Vec<String> = launch.argv.iter().map(|a| a.replace(TAP_FD_PLACEHOLDER, &tap_fd)).collect();
     let (uid, gid, groups) = (launch.uid, launch.gid, launch.groups.clone());
-    let (program, args) = launch
-        .argv
+    let (program, args) = argv
         .split_first()
         .ok_or_else(|| VmError::Invalid("empty argv".into()))?;
     let mut command = Command::new(program);
@@ -184,11 +238,6 @@ fn run(launch: &Launch) -> Result<(), VmError> {
     unsafe {
         command.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if let Some(fd) = netns_fd
-                && libc::setns(fd, libc::CLONE_NEWNET) != 0
-            {
                 return Err(std::io::Error::last_os_error());
             }
             if uid != 0 {
@@ -210,7 +259,7 @@ fn run(launch: &Launch) -> Result<(), VmError> {
         .spawn()
         .map_err(io_err(format!("starting {program}")))?;
     drop(command);
-    drop(netns);
+    drop(tap);
     let pid = child.id() as i32;
     fs::write(&launch.pid_file, pid.to_string()).map_err(io_err("writing the pid file"))?;
     report(&format!("ok {pid}"));
@@ -228,6 +277,7 @@ fn run(launch: &Launch) -> Result<(), VmError> {
     write_json_atomic(
         &launch.exit_file,
         &ExitInfo {
+            pid,
             exit_code,
             signal,
             ended_unix_ms,
