@@ -168,6 +168,24 @@ pub struct MemoryUsage {
     pub guest_ram_pss_kb: u64,
 }
 
+/// Where a VM's pieces are (for diagnostics and for benchmarks that run raw QEMU on
+/// the same files).
+#[derive(Clone, Debug)]
+pub struct VmFiles {
+    pub dir: PathBuf,
+    pub vmlinux: PathBuf,
+    pub initrd: PathBuf,
+    pub root_disk: PathBuf,
+    pub rw_disk: PathBuf,
+    /// The RAM file QEMU maps (a fork copy's is its fork's frozen base).
+    pub ram: PathBuf,
+    /// The last snapshot's migration stream.
+    pub state: PathBuf,
+    pub netns: PathBuf,
+    pub memory_mb: u64,
+    pub tsc_khz: Option<u64>,
+}
+
 #[derive(Clone, Debug)]
 pub struct PauseReport {
     /// `stop` until the migration stream was complete.
@@ -812,6 +830,26 @@ impl VmHandle {
                 Some(pid) => VmStatus::Running { pid },
                 None => VmStatus::Exited(record.pid.and_then(|pid| exit_record(&self.dir(), pid))),
             },
+        })
+    }
+
+    pub fn files(&self) -> Result<VmFiles, VmError> {
+        let record = self.inner.record(&self.id)?;
+        let dir = self.dir();
+        Ok(VmFiles {
+            vmlinux: record.vmlinux.clone(),
+            initrd: dir.join("initrd"),
+            root_disk: record.root_disk.clone(),
+            rw_disk: dir.join("rw.img"),
+            ram: match &record.ram {
+                RamMode::Private { base } => base.clone(),
+                _ => dir.join("ram"),
+            },
+            state: dir.join("state"),
+            netns: net::netns_path(&record.netns),
+            memory_mb: record.memory_mb,
+            tsc_khz: record.tsc_khz,
+            dir,
         })
     }
 

@@ -277,7 +277,7 @@ fn build(
             copy_module(source, &dest)?;
         }
         let bytes = fs::read(&dest).map_err(io_err(format!("reading {}", dest.display())))?;
-        Ok(modinfo_depends(&bytes).map_err(|e| build_err(format!("{name}.ko: {e}")))?)
+        modinfo_depends(&bytes).map_err(|e| build_err(format!("{name}.ko: {e}")))
     })?;
     write_json_atomic(
         &staged.join("kernel.json"),

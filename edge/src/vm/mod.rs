@@ -39,10 +39,11 @@ pub use agent::{AgentChannel, ExecOutput};
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
     ForkReport, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, VmConfig,
-    VmHandle, VmSpec, VmState, VmStatus,
+    VmFiles, VmHandle, VmSpec, VmState, VmStatus,
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
+pub use net::{GUEST_MAC, TAP};
 pub use qmp::{Qmp, QmpError};
 
 use crate::images::ImageError;

@@ -17,9 +17,9 @@ use std::time::Duration;
 use super::{AGENT_PORT, GUEST_IP, HOST_IP, VmError, require_tool};
 
 /// The tap device's name inside each namespace.
-pub(crate) const TAP: &str = "tap0";
+pub const TAP: &str = "tap0";
 /// The guest NIC's MAC and the tap's (fixed: each pair lives in its own namespace).
-pub(crate) const GUEST_MAC: &str = "02:4f:44:00:00:02";
+pub const GUEST_MAC: &str = "02:4f:44:00:00:02";
 const HOST_MAC: &str = "02:4f:44:00:00:01";
 
 pub(crate) fn netns_path(name: &str) -> PathBuf {
