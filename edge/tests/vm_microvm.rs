@@ -330,6 +330,17 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     assert!(matches!(adopted.status().unwrap(), VmStatus::Running { .. }));
     assert_eq!(count(&adopted), 5);
     assert!(matches!(again.open("no-such-vm"), Err(VmError::NotFound(_))));
+
+    // An edge that died between `stop` and `cont` (a pause or fork under way) left the
+    // guest stopped: recover continues it; a running VM needs nothing.
+    assert_eq!(adopted.recover().unwrap(), None);
+    let socket = Path::new(TEST_ROOT).join("vms").join(&id).join("run/qmp.sock");
+    let mut qmp = opendsec_edge::vm::Qmp::connect(&socket, Duration::from_secs(10)).unwrap();
+    qmp.execute("stop", serde_json::json!({})).unwrap();
+    drop(qmp);
+    let done = adopted.recover().unwrap();
+    assert!(done.as_deref().is_some_and(|d| d.contains("continued")), "{done:?}");
+    assert_eq!(count(&adopted), 6);
 }
 
 #[test]
@@ -345,7 +356,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     assert!(matches!(source.fork(&[]), Err(VmError::Invalid(_))));
     let many: Vec<String> = (0..10_000).map(|i| format!("many-{i}")).collect();
     assert!(matches!(source.fork(&many), Err(VmError::Invalid(_))));
-    assert!(matches!(source.fork(&[id.clone()]), Err(VmError::Invalid(_))));
+    assert!(matches!(source.fork(std::slice::from_ref(&id)), Err(VmError::Invalid(_))));
     assert!(matches!(source.fork(&["bad/id".to_string()]), Err(VmError::InvalidId(_))));
     assert_eq!(count(&source), 3);
 

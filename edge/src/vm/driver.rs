@@ -953,6 +953,19 @@ impl VmHandle {
             }
         };
         let snapshot = t0.elapsed();
+        // The snapshot is complete: from here the VM is paused, whatever happens to
+        // this QEMU (a crash before it is gone leaves it for `recover` to end).
+        fs::rename(&tmp, dir.join("state")).map_err(io_err("keeping the snapshot"))?;
+        let old_base = match &record.ram {
+            RamMode::Private { base } => Some(base.clone()),
+            _ => None,
+        };
+        if !shared {
+            record.ram = RamMode::InStream;
+            record.groups.clear();
+        }
+        record.state = VmState::Paused;
+        self.inner.save(&record)?;
         let t1 = Instant::now();
         let _ = qmp.execute("quit", json!({}));
         drop(qmp);
@@ -962,17 +975,6 @@ impl VmHandle {
             wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
         }
         let exit = t1.elapsed();
-        fs::rename(&tmp, dir.join("state")).map_err(io_err("keeping the snapshot"))?;
-        let old_base = match &record.ram {
-            RamMode::Private { base } => Some(base.clone()),
-            _ => None,
-        };
-        if !shared {
-            record.ram = RamMode::InStream;
-            record.groups.clear();
-            let _ = fs::remove_file(dir.join("ram"));
-        }
-        record.state = VmState::Paused;
         record.pid = None;
         record.pid_start = None;
         self.inner.save(&record)?;
@@ -1184,6 +1186,55 @@ impl VmHandle {
             total: started.elapsed(),
             ram_bytes,
         })
+    }
+
+    /// Brings a VM back to a state the driver recognises after the edge died in the
+    /// middle of an operation (call it for every VM when the edge starts): a QEMU left
+    /// stopped by an unfinished pause or fork continues; a QEMU whose snapshot was
+    /// already taken (the VM is paused) is ended; a QEMU still waiting for an incoming
+    /// snapshot is ended and the VM stays paused. Returns what it did, if anything.
+    pub fn recover(&self) -> Result<Option<String>, VmError> {
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let mut record = self.inner.record(&self.id)?;
+        let Some(pid) = self.inner.live_pid(&record) else {
+            return Ok(None);
+        };
+        let end = |record: &mut VmRecord| -> Result<(), VmError> {
+            if let Some(pidfd) = pidfd_open(pid) {
+                // SAFETY: signalling through a pidfd of this VM's QEMU.
+                unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
+                wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
+            }
+            record.state = VmState::Paused;
+            record.pid = None;
+            record.pid_start = None;
+            self.inner.save(record)
+        };
+        if record.state == VmState::Paused {
+            end(&mut record)?;
+            return Ok(Some("ended the QEMU of a finished snapshot".into()));
+        }
+        let mut qmp = self.inner.qmp(&record)?;
+        let status = qmp.execute("query-status", json!({}))?;
+        match status["status"].as_str().unwrap_or("") {
+            "running" => Ok(None),
+            "inmigrate" => {
+                drop(qmp);
+                if !dir.join("state").is_file() {
+                    return Err(VmError::Corrupt {
+                        path: dir.join("state"),
+                        message: "a restore was under way but the snapshot is gone".into(),
+                    });
+                }
+                end(&mut record)?;
+                Ok(Some("ended an unfinished restore; the VM is paused".into()))
+            }
+            other => {
+                qmp.execute("cont", json!({}))?;
+                Ok(Some(format!("continued a VM left {other}")))
+            }
+        }
     }
 
     /// Ends the QEMU process at once (the guest gets no say); the VM stays on disk,
