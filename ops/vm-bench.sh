@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 source ops/lib.sh
 
 ensure_rust
-ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" qemu-system-x86 erofs-utils cpio xz-utils
+ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}"
 agent="$PWD/target/agent-static/opendsec-agent"
 build_static_agent "$agent"
 cargo build --release -p opendsec-edge --bin opendsec-vm-bench --bin opendsec-vm-shim --bin opendsec-image
