@@ -104,8 +104,9 @@ struct Cleanup(Vec<VmHandle>);
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for vm in &self.0 {
-            if let Err(e) = vm.delete() {
-                eprintln!("cleanup of {}: {e}", vm.id());
+            match vm.delete() {
+                Ok(()) | Err(VmError::NotFound(_)) => {}
+                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
             }
         }
     }
@@ -420,6 +421,15 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
             .count()
     };
     assert_eq!(fork_dirs(&id), 1, "b still maps the frozen RAM");
+
+    // A copy forks too: its private RAM is first settled into a file of its own.
+    assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
+    let grandchild = b.fork(&[unique("copy-b1")]).unwrap();
+    cleanup.0.extend(grandchild.copies.iter().cloned());
+    figure("fork of a fork copy: source paused (after settling its RAM)", ms(grandchild.source_paused));
+    assert_eq!(b.ram_mode().unwrap(), RamMode::Shared);
+    assert_eq!(count(&grandchild.copies[0]), 6);
+    assert_eq!(count(b), 6);
     b.delete().unwrap();
     assert_eq!(fork_dirs(&id), 0, "nobody maps the frozen RAM any more");
     assert_eq!(count(&source), 5);
