@@ -33,7 +33,9 @@ const TEST_ROOT: &str = "/var/tmp/opendsec-vm-tests";
 fn static_agent() -> PathBuf {
     let p = std::env::var_os("OPENDSEC_TEST_AGENT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
+        });
     assert!(
         p.is_file(),
         "the static agent {} is missing: run edge/agent/build-static.sh {}",
@@ -51,7 +53,12 @@ fn require_root() {
 fn config() -> VmConfig {
     require_root();
     let store = ImageStore::open(store_dir()).expect("open the image store");
-    VmConfig::new(TEST_ROOT, store, static_agent(), PathBuf::from(env!("CARGO_BIN_EXE_opendsec-vm-shim")))
+    VmConfig::new(
+        TEST_ROOT,
+        store,
+        static_agent(),
+        PathBuf::from(env!("CARGO_BIN_EXE_opendsec-vm-shim")),
+    )
 }
 
 fn driver() -> MicroVmDriver {
@@ -59,7 +66,8 @@ fn driver() -> MicroVmDriver {
     DRIVER
         .get_or_init(|| {
             let t = Instant::now();
-            let d = MicroVmDriver::new(config(), &|m| eprintln!("[vm] {m}")).expect("the microVM driver");
+            let d = MicroVmDriver::new(config(), &|m| eprintln!("[vm] {m}"))
+                .expect("the microVM driver");
             eprintln!(
                 "driver ready in {} ms: kernel {}, accelerator {} ({}), tsc {:?}",
                 t.elapsed().as_millis(),
@@ -113,13 +121,22 @@ impl Drop for Cleanup {
 }
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
     let agent = vm.agent().unwrap();
     rt().block_on(agent.exec(TOKEN, cmd, args))
-        .unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {}: {e}; console: {}", vm.id(), vm.console_tail(2000)))
+        .unwrap_or_else(|e| {
+            panic!(
+                "exec {cmd} {args:?} in {}: {e}; console: {}",
+                vm.id(),
+                vm.console_tail(2000)
+            )
+        })
 }
 
 fn boot(id: &str) -> (VmHandle, Duration) {
@@ -162,18 +179,29 @@ fn start_counter(vm: &VmHandle) {
     // Wait until it listens (python starts slowly under TCG).
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let probe = exec(vm, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"]);
+        let probe = exec(
+            vm,
+            "bash",
+            &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"],
+        );
         if probe.stdout_text().contains("up") {
             // That connection counted once: the counter starts at 1.
             return;
         }
-        assert!(Instant::now() < deadline, "the counter never listened: {probe:?}");
+        assert!(
+            Instant::now() < deadline,
+            "the counter never listened: {probe:?}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
 fn count(vm: &VmHandle) -> u64 {
-    let out = exec(vm, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]);
+    let out = exec(
+        vm,
+        "bash",
+        &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"],
+    );
     out.stdout_text()
         .trim()
         .parse()
@@ -194,7 +222,14 @@ fn resident_bytes(path: &Path) -> u64 {
     }
     // SAFETY: a read-only shared mapping of a file we hold open, unmapped below.
     unsafe {
-        let addr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0);
+        let addr = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
         assert_ne!(addr, libc::MAP_FAILED);
         let pages = len.div_ceil(4096);
         let mut vec = vec![0u8; pages];
@@ -215,25 +250,46 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
     assert_eq!(out.stdout_text(), "42\n", "{out:?}");
     assert_eq!(out.exit_code, 0);
     figure("cold boot to agent ready", ms(ready));
-    figure("cold boot to first command (python3 -c 'print(6*7)')", ms(first));
+    figure(
+        "cold boot to first command (python3 -c 'print(6*7)')",
+        ms(first),
+    );
     figure("accelerator", driver().accel().accel.as_str());
 
     // The sandbox's environment reaches processes; the agent wants its token.
     let env = exec(&vm, "sh", &["-c", "echo \"$GREETING\"; id -un; uname -r"]);
     assert_eq!(
         env.stdout_text(),
-        format!("hello from the host\nuser\n{}\n", driver().guest_boot().kernel.release)
+        format!(
+            "hello from the host\nuser\n{}\n",
+            driver().guest_boot().kernel.release
+        )
     );
     let refused = rt().block_on(vm.agent().unwrap().exec("wrong-token", "true", &[]));
-    assert!(matches!(&refused, Err(VmError::Agent(m)) if m.contains("401")), "{refused:?}");
+    assert!(
+        matches!(&refused, Err(VmError::Agent(m)) if m.contains("401")),
+        "{refused:?}"
+    );
 
     // QEMU runs under the VM's own uid, in a network namespace of its own.
-    let VmStatus::Running { pid } = vm.status().unwrap() else { panic!("not running") };
+    let VmStatus::Running { pid } = vm.status().unwrap() else {
+        panic!("not running")
+    };
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap().to_string();
+    let uid_line = status
+        .lines()
+        .find(|l| l.starts_with("Uid:"))
+        .unwrap()
+        .to_string();
     let uid = vm.uid().unwrap();
     assert_ne!(uid, 0);
-    assert!(uid_line.split_whitespace().skip(1).all(|u| u == uid.to_string()), "{uid_line}");
+    assert!(
+        uid_line
+            .split_whitespace()
+            .skip(1)
+            .all(|u| u == uid.to_string()),
+        "{uid_line}"
+    );
     assert_ne!(
         std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap(),
         std::fs::read_link("/proc/self/ns/net").unwrap(),
@@ -241,7 +297,11 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
     );
     // The guest reaches nothing but its /30: no route anywhere else.
     let routes = exec(&vm, "sh", &["-c", "cat /proc/net/route | wc -l"]);
-    assert_eq!(routes.stdout_text().trim(), "2", "one header line and the /30: {routes:?}");
+    assert_eq!(
+        routes.stdout_text().trim(),
+        "2",
+        "one header line and the /30: {routes:?}"
+    );
 
     // The guest ends itself (an immediate reboot; QEMU runs with -no-reboot): the
     // driver sees the channel gone.
@@ -266,7 +326,10 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
     // SAFETY: polling one fd we own.
     let ready = unsafe { libc::poll(&mut pfd, 1, 30_000) };
     assert_eq!(ready, 1, "QEMU did not end after the guest rebooted");
-    figure("guest reboot request to QEMU exit seen (exit fd)", ms(t.elapsed()));
+    figure(
+        "guest reboot request to QEMU exit seen (exit fd)",
+        ms(t.elapsed()),
+    );
     let deadline = Instant::now() + Duration::from_secs(5);
     let status = loop {
         match vm.status().unwrap() {
@@ -287,31 +350,57 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     start_counter(&vm);
     assert_eq!(count(&vm), 2);
     assert_eq!(count(&vm), 3);
-    let VmStatus::Running { pid } = vm.status().unwrap() else { panic!("not running") };
+    let VmStatus::Running { pid } = vm.status().unwrap() else {
+        panic!("not running")
+    };
     let before = vm.memory().unwrap();
 
     let pause = vm.pause().unwrap();
     assert_eq!(vm.status().unwrap(), VmStatus::Paused);
     assert!(!pid_alive(pid), "the QEMU process is gone while paused");
-    let ram = std::path::Path::new(TEST_ROOT).join("vms").join(&id).join("ram");
+    let ram = std::path::Path::new(TEST_ROOT)
+        .join("vms")
+        .join(&id)
+        .join("ram");
     let resident = resident_bytes(&ram);
     figure("pause: snapshot (stop + device state)", ms(pause.snapshot));
     figure("pause: QEMU exit", ms(pause.exit));
-    figure("pause: RAM file written back and dropped from the page cache", ms(pause.release));
-    figure("pause: device state stream", format!("{} KiB", pause.state_bytes / 1024));
+    figure(
+        "pause: RAM file written back and dropped from the page cache",
+        ms(pause.release),
+    );
+    figure(
+        "pause: device state stream",
+        format!("{} KiB", pause.state_bytes / 1024),
+    );
     figure(
         "running VM: QEMU RSS / PSS (of which guest RAM)",
-        format!("{} / {} MiB ({} MiB)", before.rss_kb / 1024, before.pss_kb / 1024, before.guest_ram_rss_kb / 1024),
+        format!(
+            "{} / {} MiB ({} MiB)",
+            before.rss_kb / 1024,
+            before.pss_kb / 1024,
+            before.guest_ram_rss_kb / 1024
+        ),
     );
     figure(
         "paused VM: memory held (no process; RAM file resident in page cache)",
-        format!("{} MiB (RAM data on disk {} MiB)", resident >> 20, vm.ram_file_bytes() >> 20),
+        format!(
+            "{} MiB (RAM data on disk {} MiB)",
+            resident >> 20,
+            vm.ram_file_bytes() >> 20
+        ),
     );
-    assert!(resident < 16 << 20, "the paused VM's RAM is not released: {resident} bytes resident");
+    assert!(
+        resident < 16 << 20,
+        "the paused VM's RAM is not released: {resident} bytes resident"
+    );
 
     // Bad requests leave the VM as it is.
     assert!(matches!(vm.pause(), Err(VmError::BadState { .. })));
-    assert!(matches!(vm.fork(&[unique("nope")]), Err(VmError::BadState { .. })));
+    assert!(matches!(
+        vm.fork(&[unique("nope")]),
+        Err(VmError::BadState { .. })
+    ));
 
     let t = Instant::now();
     let resume = vm.resume().unwrap();
@@ -319,7 +408,10 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     let first = t.elapsed();
     assert_eq!(n, 4, "the in-memory count continues after resume");
     figure("resume: QEMU spawn to QMP", ms(resume.spawn));
-    figure("resume: restore (incoming migration + cont)", ms(resume.restore));
+    figure(
+        "resume: restore (incoming migration + cont)",
+        ms(resume.restore),
+    );
     figure("resume to first command", ms(first));
     assert!(matches!(vm.resume(), Err(VmError::BadState { .. })));
 
@@ -328,19 +420,31 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     vm.resume().unwrap();
     let again = MicroVmDriver::new(config(), &|_| {}).unwrap();
     let adopted = again.open(&id).unwrap();
-    assert!(matches!(adopted.status().unwrap(), VmStatus::Running { .. }));
+    assert!(matches!(
+        adopted.status().unwrap(),
+        VmStatus::Running { .. }
+    ));
     assert_eq!(count(&adopted), 5);
-    assert!(matches!(again.open("no-such-vm"), Err(VmError::NotFound(_))));
+    assert!(matches!(
+        again.open("no-such-vm"),
+        Err(VmError::NotFound(_))
+    ));
 
     // An edge that died between `stop` and `cont` (a pause or fork under way) left the
     // guest stopped: recover continues it; a running VM needs nothing.
     assert_eq!(adopted.recover().unwrap(), None);
-    let socket = Path::new(TEST_ROOT).join("vms").join(&id).join("run/qmp.sock");
+    let socket = Path::new(TEST_ROOT)
+        .join("vms")
+        .join(&id)
+        .join("run/qmp.sock");
     let mut qmp = opendsec_edge::vm::Qmp::connect(&socket, Duration::from_secs(10)).unwrap();
     qmp.execute("stop", serde_json::json!({})).unwrap();
     drop(qmp);
     let done = adopted.recover().unwrap();
-    assert!(done.as_deref().is_some_and(|d| d.contains("continued")), "{done:?}");
+    assert!(
+        done.as_deref().is_some_and(|d| d.contains("continued")),
+        "{done:?}"
+    );
     assert_eq!(count(&adopted), 6);
 }
 
@@ -357,8 +461,14 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     assert!(matches!(source.fork(&[]), Err(VmError::Invalid(_))));
     let many: Vec<String> = (0..10_000).map(|i| format!("many-{i}")).collect();
     assert!(matches!(source.fork(&many), Err(VmError::Invalid(_))));
-    assert!(matches!(source.fork(std::slice::from_ref(&id)), Err(VmError::Invalid(_))));
-    assert!(matches!(source.fork(&["bad/id".to_string()]), Err(VmError::InvalidId(_))));
+    assert!(matches!(
+        source.fork(std::slice::from_ref(&id)),
+        Err(VmError::Invalid(_))
+    ));
+    assert!(matches!(
+        source.fork(&["bad/id".to_string()]),
+        Err(VmError::InvalidId(_))
+    ));
     assert_eq!(count(&source), 3);
 
     let ids = vec![unique("copy-a"), unique("copy-b")];
@@ -368,7 +478,10 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     let [a, b] = [&report.copies[0], &report.copies[1]];
     figure("fork x2: source paused", ms(report.source_paused));
     figure("fork x2: call (both copies restored)", ms(report.total));
-    figure("fork x2: frozen RAM copied", format!("{} MiB", report.ram_bytes >> 20));
+    figure(
+        "fork x2: frozen RAM copied",
+        format!("{} MiB", report.ram_bytes >> 20),
+    );
     assert!(matches!(a.ram_mode().unwrap(), RamMode::Private { .. }));
 
     // Every copy starts with the source's memory: the next count is 4 everywhere.
@@ -385,19 +498,43 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     exec(b, "sh", &["-c", "echo b > /home/user/who"]);
     assert_eq!(exec(a, "cat", &["/home/user/who"]).stdout_text(), "a\n");
     assert_eq!(exec(b, "cat", &["/home/user/who"]).stdout_text(), "b\n");
-    assert_eq!(exec(&source, "sh", &["-c", "cat /home/user/who 2>/dev/null || echo none"]).stdout_text(), "none\n");
+    assert_eq!(
+        exec(
+            &source,
+            "sh",
+            &["-c", "cat /home/user/who 2>/dev/null || echo none"]
+        )
+        .stdout_text(),
+        "none\n"
+    );
 
     let mem_a = a.memory().unwrap();
     let mem_b = b.memory().unwrap();
     let copies_pss = mem_a.pss_kb + mem_b.pss_kb;
     let copies_rss = mem_a.rss_kb + mem_b.rss_kb;
-    figure("one VM (the source before the fork): RSS / PSS", format!("{} / {} MiB", one_vm.rss_kb / 1024, one_vm.pss_kb / 1024));
-    figure("fork x2: copies' RSS sum (counts shared pages twice)", format!("{} MiB", copies_rss / 1024));
-    figure("fork x2: copies' PSS sum (shared pages counted once)", format!("{} MiB", copies_pss / 1024));
-    figure("fork x2: copies' private memory sum", format!("{} MiB", (mem_a.private_kb + mem_b.private_kb) / 1024));
+    figure(
+        "one VM (the source before the fork): RSS / PSS",
+        format!("{} / {} MiB", one_vm.rss_kb / 1024, one_vm.pss_kb / 1024),
+    );
+    figure(
+        "fork x2: copies' RSS sum (counts shared pages twice)",
+        format!("{} MiB", copies_rss / 1024),
+    );
+    figure(
+        "fork x2: copies' PSS sum (shared pages counted once)",
+        format!("{} MiB", copies_pss / 1024),
+    );
+    figure(
+        "fork x2: copies' private memory sum",
+        format!("{} MiB", (mem_a.private_kb + mem_b.private_kb) / 1024),
+    );
     figure(
         "guest RAM mapping: one VM RSS vs copies' PSS sum",
-        format!("{} vs {} MiB", one_vm.guest_ram_rss_kb / 1024, (mem_a.guest_ram_pss_kb + mem_b.guest_ram_pss_kb) / 1024),
+        format!(
+            "{} vs {} MiB",
+            one_vm.guest_ram_rss_kb / 1024,
+            (mem_a.guest_ram_pss_kb + mem_b.guest_ram_pss_kb) / 1024
+        ),
     );
     assert!(
         copies_pss < 2 * one_vm.rss_kb * 3 / 4,
@@ -408,7 +545,10 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     // A copy pauses (its RAM goes into the stream), resumes into a file of its own and
     // keeps its count; deleting the copies frees the fork's frozen RAM.
     let pause = a.pause().unwrap();
-    figure("fork copy: pause with its RAM in the stream", format!("{} ({} MiB)", ms(pause.snapshot), pause.state_bytes >> 20));
+    figure(
+        "fork copy: pause with its RAM in the stream",
+        format!("{} ({} MiB)", ms(pause.snapshot), pause.state_bytes >> 20),
+    );
     a.resume().unwrap();
     assert_eq!(a.ram_mode().unwrap(), RamMode::Shared);
     assert_eq!(count(a), 7);
@@ -426,7 +566,10 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
     let grandchild = b.fork(&[unique("copy-b1")]).unwrap();
     cleanup.0.extend(grandchild.copies.iter().cloned());
-    figure("fork of a fork copy: source paused (after settling its RAM)", ms(grandchild.source_paused));
+    figure(
+        "fork of a fork copy: source paused (after settling its RAM)",
+        ms(grandchild.source_paused),
+    );
     assert_eq!(b.ram_mode().unwrap(), RamMode::Shared);
     assert_eq!(count(&grandchild.copies[0]), 6);
     assert_eq!(count(b), 6);
@@ -439,35 +582,58 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
 fn kvm_detection_reports_its_verdict_and_reason() {
     require_root();
     let d = driver();
-    let qemu = ["/usr/bin/qemu-system-x86_64", "/usr/local/bin/qemu-system-x86_64"]
-        .iter()
-        .map(PathBuf::from)
-        .find(|p| p.is_file())
-        .expect("qemu-system-x86_64 (apt-get install qemu-system-x86)");
+    let qemu = [
+        "/usr/bin/qemu-system-x86_64",
+        "/usr/local/bin/qemu-system-x86_64",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .find(|p| p.is_file())
+    .expect("qemu-system-x86_64 (apt-get install qemu-system-x86)");
     let t = Instant::now();
     let verdict = detect_accel(&qemu, d.guest_boot(), Duration::from_secs(8)).unwrap();
-    eprintln!("KVM verdict after {}: {} ({})", ms(t.elapsed()), verdict.accel.as_str(), verdict.reason);
-    figure("accelerator verdict", format!("{} - {}", verdict.accel.as_str(), verdict.reason));
+    eprintln!(
+        "KVM verdict after {}: {} ({})",
+        ms(t.elapsed()),
+        verdict.accel.as_str(),
+        verdict.reason
+    );
+    figure(
+        "accelerator verdict",
+        format!("{} - {}", verdict.accel.as_str(), verdict.reason),
+    );
     if Path::new("/sys/module/kvm_pvm").exists() {
-        assert!(!verdict.kvm_usable(), "PVM cannot run our stock kernel: {verdict:?}");
+        assert!(
+            !verdict.kvm_usable(),
+            "PVM cannot run our stock kernel: {verdict:?}"
+        );
         assert!(verdict.reason.contains("PVM"), "{verdict:?}");
     }
     if verdict.kvm_usable() {
         assert!(verdict.probe_ms.is_some_and(|ms| ms < 8000), "{verdict:?}");
     } else {
         assert!(verdict.reason.starts_with("KVM not usable"), "{verdict:?}");
-        eprintln!("guest checks under KVM could not run on this host: {}", verdict.reason);
+        eprintln!(
+            "guest checks under KVM could not run on this host: {}",
+            verdict.reason
+        );
     }
 }
 
 #[test]
 fn a_root_disk_holds_the_merged_layers_of_an_image() {
     require_root();
-    let tmp = tempfile::Builder::new().prefix("opendsec-vmdisk").tempdir_in("/var/tmp").unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-vmdisk")
+        .tempdir_in("/var/tmp")
+        .unwrap();
     let store = ImageStore::open(tmp.path()).unwrap();
     let lower = store.layer_path("lower-1");
     let upper = store.layer_path("upper-1");
-    for (dir, files) in [(&lower, vec!["a", "b", "dir/x"]), (&upper, vec!["c", "dir/y"])] {
+    for (dir, files) in [
+        (&lower, vec!["a", "b", "dir/x"]),
+        (&upper, vec!["c", "dir/y"]),
+    ] {
         for f in files {
             let p = dir.join(f);
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
@@ -508,6 +674,10 @@ fn a_root_disk_holds_the_merged_layers_of_an_image() {
         .output()
         .unwrap();
     let listing = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{listing} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{listing} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(listing, "./a=a\n./c=c\n./dir/x=dir/x\n./dir/y=dir/y\n");
 }

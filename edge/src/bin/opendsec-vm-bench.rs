@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use opendsec_edge::images::{DEFAULT_STORE, ImageStore};
 use opendsec_edge::vm::{
-    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec, sparse_copy,
+    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec,
+    sparse_copy,
 };
 use serde_json::json;
 
@@ -48,7 +49,10 @@ fn parse_args() -> Args {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = || it.next().unwrap_or_else(|| usage(&format!("{flag} needs a value")));
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
+        };
         match flag.as_str() {
             "--store" => args.store = value().into(),
             "--root" => args.root = value().into(),
@@ -56,7 +60,9 @@ fn parse_args() -> Args {
             "--shim" => args.shim = value().into(),
             "--rounds" => args.rounds = value().parse().unwrap_or_else(|_| usage("--rounds N")),
             "--forks" => args.forks = value().parse().unwrap_or_else(|_| usage("--forks N")),
-            "--memory" => args.memory_mb = value().parse().unwrap_or_else(|_| usage("--memory MIB")),
+            "--memory" => {
+                args.memory_mb = value().parse().unwrap_or_else(|_| usage("--memory MIB"))
+            }
             other => usage(&format!("unknown flag {other}")),
         }
     }
@@ -87,7 +93,9 @@ fn line(what: &str, ours: f64, raw: Option<f64>) {
 }
 
 fn exec(rt: &tokio::runtime::Runtime, agent: &AgentChannel, cmd: &str, args: &[&str]) -> String {
-    let out = rt.block_on(agent.exec(TOKEN, cmd, args)).unwrap_or_else(|e| fail(&format!("exec {cmd}: {e}")));
+    let out = rt
+        .block_on(agent.exec(TOKEN, cmd, args))
+        .unwrap_or_else(|e| fail(&format!("exec {cmd}: {e}")));
     out.stdout_text()
 }
 
@@ -105,27 +113,60 @@ fn raw_qemu(files: &VmFiles, rw: &Path, ram: &Path, qmp: &Path, incoming: bool) 
         append.push_str(&format!(" tsc_early_khz={khz}"));
     }
     let mut cmd = Command::new("qemu-system-x86_64");
-    cmd.args(["-M", "microvm,memory-backend=ram0", "-accel", "tcg,tb-size=64", "-cpu", "max", "-smp", "1", "-m", &mem])
-        .arg("-object")
-        .arg(format!("memory-backend-file,id=ram0,size={mem},mem-path={},share=on", ram.display()))
-        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio"])
-        .arg("-kernel")
-        .arg(&files.vmlinux)
-        .arg("-initrd")
-        .arg(&files.initrd)
-        .args(["-append", &append])
-        .arg("-drive")
-        .arg(format!("id=root,file={},format=raw,if=none,readonly=on", files.root_disk.display()))
-        .args(["-device", "virtio-blk-device,drive=root,serial=opendsec-root"])
-        .arg("-drive")
-        .arg(format!("id=rw,file={},format=raw,if=none,discard=unmap", rw.display()))
-        .args(["-device", "virtio-blk-device,drive=rw,serial=opendsec-rw"])
-        .arg("-netdev")
-        .arg(format!("tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off"))
-        .arg("-device")
-        .arg(format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"))
-        .arg("-qmp")
-        .arg(format!("unix:{},server=on,wait=off", qmp.display()));
+    cmd.args([
+        "-M",
+        "microvm,memory-backend=ram0",
+        "-accel",
+        "tcg,tb-size=64",
+        "-cpu",
+        "max",
+        "-smp",
+        "1",
+        "-m",
+        &mem,
+    ])
+    .arg("-object")
+    .arg(format!(
+        "memory-backend-file,id=ram0,size={mem},mem-path={},share=on",
+        ram.display()
+    ))
+    .args([
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+    ])
+    .arg("-kernel")
+    .arg(&files.vmlinux)
+    .arg("-initrd")
+    .arg(&files.initrd)
+    .args(["-append", &append])
+    .arg("-drive")
+    .arg(format!(
+        "id=root,file={},format=raw,if=none,readonly=on",
+        files.root_disk.display()
+    ))
+    .args([
+        "-device",
+        "virtio-blk-device,drive=root,serial=opendsec-root",
+    ])
+    .arg("-drive")
+    .arg(format!(
+        "id=rw,file={},format=raw,if=none,discard=unmap",
+        rw.display()
+    ))
+    .args(["-device", "virtio-blk-device,drive=rw,serial=opendsec-rw"])
+    .arg("-netdev")
+    .arg(format!(
+        "tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off"
+    ))
+    .arg("-device")
+    .arg(format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"))
+    .arg("-qmp")
+    .arg(format!("unix:{},server=on,wait=off", qmp.display()));
     if incoming {
         cmd.args(["-incoming", "defer"]);
     }
@@ -153,8 +194,10 @@ fn raw_qemu(files: &VmFiles, rw: &Path, ram: &Path, qmp: &Path, incoming: bool) 
 fn raw_qmp(path: &Path, child: &Child) -> Qmp {
     let deadline = Instant::now() + Duration::from_secs(30);
     let pid = child.id();
-    Qmp::connect_until(path, deadline, &|| Path::new(&format!("/proc/{pid}")).exists())
-        .unwrap_or_else(|e| fail(&format!("raw qemu QMP: {e}")))
+    Qmp::connect_until(path, deadline, &|| {
+        Path::new(&format!("/proc/{pid}")).exists()
+    })
+    .unwrap_or_else(|e| fail(&format!("raw qemu QMP: {e}")))
 }
 
 fn stop(mut child: Child) {
@@ -164,11 +207,20 @@ fn stop(mut child: Child) {
 
 fn main() {
     let args = parse_args();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let store = ImageStore::open(&args.store).unwrap_or_else(|e| fail(&e.to_string()));
-    let mut cfg = VmConfig::new(&args.root, store.clone(), args.agent.clone(), args.shim.clone());
+    let mut cfg = VmConfig::new(
+        &args.root,
+        store.clone(),
+        args.agent.clone(),
+        args.shim.clone(),
+    );
     cfg.console_cap_bytes = 1 << 20;
-    let driver = MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}")).unwrap_or_else(|e| fail(&e.to_string()));
+    let driver = MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}"))
+        .unwrap_or_else(|e| fail(&e.to_string()));
     let image = store
         .ensure("base", &|p| eprintln!("[base] {}", p.message))
         .unwrap_or_else(|e| fail(&e.to_string()));
@@ -201,12 +253,21 @@ fn main() {
     }
 }
 
-fn run(rt: &tokio::runtime::Runtime, driver: &MicroVmDriver, spec: &VmSpec, args: &Args, vms: &mut Vec<VmHandle>) {
+fn run(
+    rt: &tokio::runtime::Runtime,
+    driver: &MicroVmDriver,
+    spec: &VmSpec,
+    args: &Args,
+    vms: &mut Vec<VmHandle>,
+) {
     // Cold boot, ours.
     let t = Instant::now();
-    let vm = driver.create(spec, &|_| {}).unwrap_or_else(|e| fail(&e.to_string()));
+    let vm = driver
+        .create(spec, &|_| {})
+        .unwrap_or_else(|e| fail(&e.to_string()));
     vms.push(vm.clone());
-    vm.wait_agent(Duration::from_secs(300)).unwrap_or_else(|e| fail(&e.to_string()));
+    vm.wait_agent(Duration::from_secs(300))
+        .unwrap_or_else(|e| fail(&e.to_string()));
     let agent = vm.agent().unwrap();
     exec(rt, &agent, "true", &[]);
     let cold_ours = ms(t.elapsed());
@@ -230,7 +291,11 @@ fn run(rt: &tokio::runtime::Runtime, driver: &MicroVmDriver, spec: &VmSpec, args
     // Raw QEMU on copies of the same files while ours is paused (its tap is free).
     let scratch = files.dir.join("raw");
     std::fs::create_dir_all(&scratch).unwrap();
-    let (raw_rw, raw_ram, raw_sock) = (scratch.join("rw.img"), scratch.join("ram"), scratch.join("qmp.sock"));
+    let (raw_rw, raw_ram, raw_sock) = (
+        scratch.join("rw.img"),
+        scratch.join("ram"),
+        scratch.join("qmp.sock"),
+    );
     let mut raw_restore = vec![];
     for _ in 0..args.rounds {
         sparse_copy(&files.rw_disk, &raw_rw).unwrap();
@@ -241,11 +306,16 @@ fn run(rt: &tokio::runtime::Runtime, driver: &MicroVmDriver, spec: &VmSpec, args
         let t = Instant::now();
         let child = raw_qemu(&files, &raw_rw, &raw_ram, &raw_sock, true);
         let mut qmp = raw_qmp(&raw_sock, &child);
-        qmp.execute("migrate-set-capabilities", json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}))
-            .unwrap();
+        qmp.execute(
+            "migrate-set-capabilities",
+            json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+        )
+        .unwrap();
         let state = std::fs::File::open(&files.state).unwrap();
-        qmp.execute_with_fd("getfd", json!({"fdname": "s"}), state.as_raw_fd()).unwrap();
-        qmp.execute("migrate-incoming", json!({"uri": "fd:s"})).unwrap();
+        qmp.execute_with_fd("getfd", json!({"fdname": "s"}), state.as_raw_fd())
+            .unwrap();
+        qmp.execute("migrate-incoming", json!({"uri": "fd:s"}))
+            .unwrap();
         while qmp.execute("query-migrate", json!({})).unwrap()["status"] != "completed" {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -274,7 +344,9 @@ fn run(rt: &tokio::runtime::Runtime, driver: &MicroVmDriver, spec: &VmSpec, args
     exec(rt, &agent, "true", &[]);
 
     // Fork.
-    let ids: Vec<String> = (0..args.forks).map(|i| format!("{}-f{i}", spec.id)).collect();
+    let ids: Vec<String> = (0..args.forks)
+        .map(|i| format!("{}-f{i}", spec.id))
+        .collect();
     let t = Instant::now();
     let report = vm.fork(&ids).unwrap_or_else(|e| fail(&e.to_string()));
     vms.extend(report.copies.iter().cloned());
@@ -282,20 +354,40 @@ fn run(rt: &tokio::runtime::Runtime, driver: &MicroVmDriver, spec: &VmSpec, args
         exec(rt, &copy.agent().unwrap(), "true", &[]);
     }
     let all_answered = ms(t.elapsed());
-    let pss: u64 = report.copies.iter().map(|c| c.memory().unwrap().pss_kb).sum();
+    let pss: u64 = report
+        .copies
+        .iter()
+        .map(|c| c.memory().unwrap().pss_kb)
+        .sum();
 
     println!("cold boot to first command: opendsec {cold_ours:.0} ms | raw qemu {cold_raw:.0} ms");
-    line("pause: snapshot (stop + device state), median", median(snap), None);
+    line(
+        "pause: snapshot (stop + device state), median",
+        median(snap),
+        None,
+    );
     line("pause: QEMU exit, median", median(exit), None);
-    line("pause: RAM written back and dropped from the page cache, median", median(release), None);
+    line(
+        "pause: RAM written back and dropped from the page cache, median",
+        median(release),
+        None,
+    );
     println!(
         "resume to first command, median of {}: opendsec {:.0} ms | raw qemu {:.0} ms",
         args.rounds,
         median(resume_first),
         median(raw_restore)
     );
-    line(&format!("fork x{}: source paused", args.forks), ms(report.source_paused), None);
-    line(&format!("fork x{}: until every copy answered", args.forks), all_answered, None);
+    line(
+        &format!("fork x{}: source paused", args.forks),
+        ms(report.source_paused),
+        None,
+    );
+    line(
+        &format!("fork x{}: until every copy answered", args.forks),
+        all_answered,
+        None,
+    );
     println!(
         "fork x{}: copies' PSS {} MiB vs one VM's RSS after cold boot {} MiB ({} MiB of it guest RAM)",
         args.forks,
@@ -308,7 +400,9 @@ fn run(rt: &tokio::runtime::Runtime, driver: &MicroVmDriver, spec: &VmSpec, args
 /// The empty writable-disk template the driver copies for new VMs.
 fn driver_template(files: &VmFiles) -> PathBuf {
     let store = files.root_disk.parent().expect("vmdisks dir");
-    let size = std::fs::metadata(&files.rw_disk).map(|m| m.len() >> 20).unwrap_or(512);
+    let size = std::fs::metadata(&files.rw_disk)
+        .map(|m| m.len() >> 20)
+        .unwrap_or(512);
     store.join(format!("empty-{size}M.ext4"))
 }
 

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::initramfs::GuestBoot;
 use super::VmError;
+use super::initramfs::GuestBoot;
 
 /// The marker `init.sh` prints in probe mode.
 const PROBE_MARKER: &[u8] = b"@@OPENDSEC_PROBE_USERSPACE";
@@ -60,7 +60,11 @@ const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
 /// Decides between KVM and TCG for guests of `boot`, booting a probe guest under KVM
 /// when `/dev/kvm` answers. `bound` is how long the probe may take (hardware KVM needs
 /// well under a second for this kernel; TCG needs several).
-pub fn detect_accel(qemu: &Path, boot: &GuestBoot, bound: Duration) -> Result<AccelVerdict, VmError> {
+pub fn detect_accel(
+    qemu: &Path,
+    boot: &GuestBoot,
+    bound: Duration,
+) -> Result<AccelVerdict, VmError> {
     let tcg = |reason: String| AccelVerdict {
         accel: Accel::Tcg,
         reason,
@@ -78,15 +82,31 @@ pub fn detect_accel(qemu: &Path, boot: &GuestBoot, bound: Duration) -> Result<Ac
     let api = unsafe { libc::ioctl(kvm.as_raw_fd(), KVM_GET_API_VERSION as _, 0) };
     drop(kvm);
     if api != 12 {
-        return Ok(tcg(format!("KVM not usable: /dev/kvm reports API version {api}, not 12")));
+        return Ok(tcg(format!(
+            "KVM not usable: /dev/kvm reports API version {api}, not 12"
+        )));
     }
     let pvm = Path::new("/sys/module/kvm_pvm").exists();
-    let flavour = if pvm { " (PVM: the kvm_pvm module provides /dev/kvm; it runs only guests built with CONFIG_PVM_GUEST)" } else { "" };
+    let flavour = if pvm {
+        " (PVM: the kvm_pvm module provides /dev/kvm; it runs only guests built with CONFIG_PVM_GUEST)"
+    } else {
+        ""
+    };
 
     let start = Instant::now();
     let mut child = Command::new(qemu)
-        .args(["-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "128", "-smp", "1"])
-        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio"])
+        .args([
+            "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "128", "-smp", "1",
+        ])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+        ])
         .arg("-kernel")
         .arg(boot.kernel.vmlinux())
         .arg("-initrd")
@@ -129,13 +149,23 @@ pub fn detect_accel(qemu: &Path, boot: &GuestBoot, bound: Duration) -> Result<Ac
         if at <= deadline {
             return Ok(AccelVerdict {
                 accel: Accel::Kvm,
-                reason: format!("KVM usable: a probe guest reached user space in {ms} ms under -accel kvm{flavour}"),
+                reason: format!(
+                    "KVM usable: a probe guest reached user space in {ms} ms under -accel kvm{flavour}"
+                ),
                 probe_ms: Some(ms),
             });
         }
     }
     let said = String::from_utf8_lossy(&seen).to_string() + &err_text;
-    let said: String = said.trim().chars().rev().take(300).collect::<Vec<_>>().into_iter().rev().collect();
+    let said: String = said
+        .trim()
+        .chars()
+        .rev()
+        .take(300)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
     let detail = if said.is_empty() {
         "it printed nothing".to_string()
     } else {

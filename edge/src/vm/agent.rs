@@ -57,12 +57,18 @@ impl AgentChannel {
     }
 
     /// Polls `/health` until it answers 2xx; returns how long that took.
-    pub fn wait_ready(&self, timeout: Duration, alive: &dyn Fn() -> bool) -> Result<Duration, VmError> {
+    pub fn wait_ready(
+        &self,
+        timeout: Duration,
+        alive: &dyn Fn() -> bool,
+    ) -> Result<Duration, VmError> {
         let start = Instant::now();
         let mut last = String::from("no answer yet");
         while start.elapsed() < timeout {
             if !alive() {
-                return Err(VmError::Agent(format!("the VM ended before its agent answered ({last})")));
+                return Err(VmError::Agent(format!(
+                    "the VM ended before its agent answered ({last})"
+                )));
             }
             match self.health(Duration::from_millis(500)) {
                 Ok(code) if (200..300).contains(&code) => return Ok(start.elapsed()),
@@ -84,11 +90,23 @@ impl AgentChannel {
     }
 
     /// Like [`exec`](Self::exec), as `user` (E2B's `Authorization: Basic <user>:`).
-    pub async fn exec_as(&self, token: &str, user: &str, cmd: &str, args: &[&str]) -> Result<ExecOutput, VmError> {
+    pub async fn exec_as(
+        &self,
+        token: &str,
+        user: &str,
+        cmd: &str,
+        args: &[&str],
+    ) -> Result<ExecOutput, VmError> {
         self.exec_inner(token, Some(user), cmd, args).await
     }
 
-    async fn exec_inner(&self, token: &str, user: Option<&str>, cmd: &str, args: &[&str]) -> Result<ExecOutput, VmError> {
+    async fn exec_inner(
+        &self,
+        token: &str,
+        user: Option<&str>,
+        cmd: &str,
+        args: &[&str],
+    ) -> Result<ExecOutput, VmError> {
         let agent_err = |e: &dyn std::fmt::Display| VmError::Agent(e.to_string());
         let channel = self.clone();
         let stream = tokio::task::spawn_blocking(move || channel.connect(Duration::from_secs(10)))
@@ -111,10 +129,18 @@ impl AgentChannel {
             .header("connect-protocol-version", "1")
             .header("x-access-token", token);
         if let Some(user) = user {
-            request = request.header("authorization", format!("Basic {}", base64_encode(format!("{user}:").as_bytes())));
+            request = request.header(
+                "authorization",
+                format!("Basic {}", base64_encode(format!("{user}:").as_bytes())),
+            );
         }
-        let request = request.body(Full::new(Bytes::from(body))).expect("a valid request");
-        let response = sender.send_request(request).await.map_err(|e| agent_err(&e))?;
+        let request = request
+            .body(Full::new(Bytes::from(body)))
+            .expect("a valid request");
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| agent_err(&e))?;
         let status = response.status();
         let bytes = response
             .into_body()
@@ -159,7 +185,10 @@ pub(crate) fn parse_start_stream(mut bytes: &[u8]) -> Result<ExecOutput, VmError
         if let Some(data) = event.get("data") {
             for (key, sink) in [("stdout", &mut out.stdout), ("stderr", &mut out.stderr)] {
                 if let Some(b64) = data.get(key).and_then(Value::as_str) {
-                    sink.extend(base64_decode(b64).ok_or_else(|| VmError::Agent("bad base64 output".into()))?);
+                    sink.extend(
+                        base64_decode(b64)
+                            .ok_or_else(|| VmError::Agent("bad base64 output".into()))?,
+                    );
                 }
             }
         } else if let Some(end) = event.get("end") {
@@ -169,7 +198,9 @@ pub(crate) fn parse_start_stream(mut bytes: &[u8]) -> Result<ExecOutput, VmError
         }
     }
     if !ended {
-        return Err(VmError::Agent("the process stream closed without an end event".into()));
+        return Err(VmError::Agent(
+            "the process stream closed without an end event".into(),
+        ));
     }
     Ok(out)
 }
@@ -179,7 +210,11 @@ pub(crate) fn base64_encode(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
         let n = u32::from_be_bytes([0, b[0], b[1], b[2]]);
         for i in 0..4 {
             if i <= chunk.len() {
@@ -248,7 +283,10 @@ mod tests {
             (0u8, r#"{"event":{"start":{"pid":7}}}"#),
             (0, r#"{"event":{"data":{"stdout":"NDIK"}}}"#),
             (0, r#"{"event":{"data":{"stderr":"b29wcw=="}}}"#),
-            (0, r#"{"event":{"end":{"exitCode":3,"exited":true,"status":"exit status 3"}}}"#),
+            (
+                0,
+                r#"{"event":{"end":{"exitCode":3,"exited":true,"status":"exit status 3"}}}"#,
+            ),
             (2, "{}"),
         ] {
             stream.push(flags);

@@ -68,7 +68,13 @@ impl<W: Write> CpioWriter<W> {
     }
 
     /// A character device node (the kernel needs `/dev/console` before devtmpfs is up).
-    pub(crate) fn char_device(&mut self, path: &str, mode: u32, major: u32, minor: u32) -> io::Result<()> {
+    pub(crate) fn char_device(
+        &mut self,
+        path: &str,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> io::Result<()> {
         self.entry(path, S_IFCHR | (mode & 0o7777), 1, 0, (major, minor))
     }
 
@@ -98,7 +104,11 @@ impl<W: Write> CpioWriter<W> {
                 format!("bad archive path {path:?}"),
             ));
         }
-        let ino = if name == "TRAILER!!!" { 0 } else { self.next_ino };
+        let ino = if name == "TRAILER!!!" {
+            0
+        } else {
+            self.next_ino
+        };
         self.next_ino += 1;
         let fields = [
             ino,

@@ -48,14 +48,23 @@ pub fn build_root_disk(
     if path.is_file() {
         return Ok(path);
     }
-    let _lock = lock_file(&store.root().join("locks").join(format!("vmdisk-{key}.lock")))?;
+    let _lock = lock_file(
+        &store
+            .root()
+            .join("locks")
+            .join(format!("vmdisk-{key}.lock")),
+    )?;
     if path.is_file() {
         return Ok(path);
     }
     let mkfs = require_tool("mkfs.erofs", "erofs-utils")?;
     let tmp = dir.join(format!(".{key}.{}.tmp", std::process::id()));
     let _ = fs::remove_file(&tmp);
-    progress(&format!("mkfs.erofs {} from {} layer(s)", path.display(), layers.len()));
+    progress(&format!(
+        "mkfs.erofs {} from {} layer(s)",
+        path.display(),
+        layers.len()
+    ));
     let result = if layers.len() == 1 {
         run_mkfs_erofs(&mkfs, &tmp, &layers[0])
     } else {
@@ -63,7 +72,9 @@ pub fn build_root_disk(
             .root()
             .join("tmp")
             .join(format!("vmdisk-{key}.{}", std::process::id()));
-        let r = with_merged_layers(&layers, &scratch, |merged| run_mkfs_erofs(&mkfs, &tmp, merged));
+        let r = with_merged_layers(&layers, &scratch, |merged| {
+            run_mkfs_erofs(&mkfs, &tmp, merged)
+        });
         let _ = fs::remove_dir_all(&scratch);
         r
     };
@@ -126,7 +137,8 @@ fn with_merged_layers<T: Send>(
             )
             .map_err(mount_err("making mounts private"))?;
             let merged = scratch.join("merged");
-            fs::create_dir_all(&merged).map_err(io_err(format!("creating {}", merged.display())))?;
+            fs::create_dir_all(&merged)
+                .map_err(io_err(format!("creating {}", merged.display())))?;
             // overlayfs lists lower dirs top first; without an upper dir it is read-only.
             let lower: Vec<String> = layers
                 .iter()
@@ -184,7 +196,10 @@ fn rw_template(store: &ImageStore, size_mb: u64) -> Result<PathBuf, VmError> {
         let _ = fs::remove_file(&tmp);
         return Err(build_err(
             "the writable disk template",
-            format!("mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr).trim()),
+            format!(
+                "mkfs.ext4 failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
         ));
     }
     fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display())))?;
@@ -288,7 +303,10 @@ mod tests {
         }
         let dst = dir.path().join("dst");
         let copied = sparse_copy(&src, &dst).unwrap();
-        assert!(copied < 1 << 20, "only the data extents are copied: {copied}");
+        assert!(
+            copied < 1 << 20,
+            "only the data extents are copied: {copied}"
+        );
         assert_eq!(fs::read(&src).unwrap(), fs::read(&dst).unwrap());
         assert!(allocated_bytes(&dst) < 1 << 20, "{}", allocated_bytes(&dst));
     }

@@ -68,7 +68,12 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    pub fn new(root: impl Into<PathBuf>, store: ImageStore, agent_binary: PathBuf, shim: PathBuf) -> Self {
+    pub fn new(
+        root: impl Into<PathBuf>,
+        store: ImageStore,
+        agent_binary: PathBuf,
+        shim: PathBuf,
+    ) -> Self {
         Self {
             root: root.into(),
             store,
@@ -125,7 +130,9 @@ pub enum VmState {
 /// What a VM is doing now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VmStatus {
-    Running { pid: i32 },
+    Running {
+        pid: i32,
+    },
     Paused,
     /// Its QEMU process ended without the driver asking (guest reboot or panic, a crash,
     /// a kill): the channel to the agent is gone.
@@ -246,8 +253,14 @@ impl std::fmt::Debug for VmHandle {
 }
 
 fn validate_id(id: &str) -> Result<(), VmError> {
-    let ok = !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
-    if ok { Ok(()) } else { Err(VmError::InvalidId(id.into())) }
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if ok {
+        Ok(())
+    } else {
+        Err(VmError::InvalidId(id.into()))
+    }
 }
 
 impl MicroVmDriver {
@@ -259,7 +272,9 @@ impl MicroVmDriver {
             None => require_tool("qemu-system-x86_64", "qemu-system-x86")?,
         };
         if !Path::new("/dev/net/tun").exists() {
-            return Err(VmError::Prerequisite("no /dev/net/tun: the tun module is needed for the agent channel".into()));
+            return Err(VmError::Prerequisite(
+                "no /dev/net/tun: the tun module is needed for the agent channel".into(),
+            ));
         }
         require_tool("ip", "iproute2")?;
         for sub in ["vms", "forks", "uids"] {
@@ -267,7 +282,11 @@ impl MicroVmDriver {
             fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
         }
         // QEMU runs as other uids: they must traverse (never list) the way to their files.
-        for dir in [cfg.root.clone(), cfg.root.join("vms"), cfg.root.join("forks")] {
+        for dir in [
+            cfg.root.clone(),
+            cfg.root.join("vms"),
+            cfg.root.join("forks"),
+        ] {
             fs::set_permissions(&dir, fs::Permissions::from_mode(0o711))
                 .map_err(io_err(format!("chmod {}", dir.display())))?;
         }
@@ -325,7 +344,9 @@ impl MicroVmDriver {
         let dir = inner.vm_dir(&spec.id);
         match fs::create_dir(&dir) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(VmError::Exists(spec.id.clone())),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(VmError::Exists(spec.id.clone()));
+            }
             Err(e) => return Err(VmError::io(format!("creating {}", dir.display()), e)),
         }
         let mut claimed_uid = None;
@@ -421,14 +442,24 @@ impl MicroVmDriver {
     }
 }
 
-fn cached_accel(cfg: &VmConfig, qemu: &Path, boot: &GuestBoot, progress: &dyn Fn(&str)) -> Result<AccelVerdict, VmError> {
+fn cached_accel(
+    cfg: &VmConfig,
+    qemu: &Path,
+    boot: &GuestBoot,
+    progress: &dyn Fn(&str),
+) -> Result<AccelVerdict, VmError> {
     #[derive(Serialize, Deserialize)]
     struct Cached {
         key: String,
         verdict: AccelVerdict,
     }
     let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let key = format!("{} {} {}", boot_id.trim(), qemu.display(), boot.kernel.release);
+    let key = format!(
+        "{} {} {}",
+        boot_id.trim(),
+        qemu.display(),
+        boot.kernel.release
+    );
     let path = cfg.root.join("accel.json");
     if let Ok(cached) = read_json::<Cached>(&path)
         && cached.key == key
@@ -437,7 +468,13 @@ fn cached_accel(cfg: &VmConfig, qemu: &Path, boot: &GuestBoot, progress: &dyn Fn
     }
     progress("probing whether KVM runs guests at hardware speed");
     let verdict = detect_accel(qemu, boot, cfg.kvm_probe_bound)?;
-    write_json_atomic(&path, &Cached { key, verdict: verdict.clone() })?;
+    write_json_atomic(
+        &path,
+        &Cached {
+            key,
+            verdict: verdict.clone(),
+        },
+    )?;
     Ok(verdict)
 }
 
@@ -449,12 +486,14 @@ fn new_ram_file(path: &Path, mb: u64) -> Result<(), VmError> {
         .truncate(true)
         .open(path)
         .map_err(io_err(format!("creating {}", path.display())))?;
-    file.set_len(mb << 20).map_err(io_err(format!("sizing {}", path.display())))
+    file.set_len(mb << 20)
+        .map_err(io_err(format!("sizing {}", path.display())))
 }
 
 fn give(path: &Path, uid: u32, gid: u32, mode: u32) -> Result<(), VmError> {
     chown(path, Some(uid), Some(gid)).map_err(io_err(format!("chown {}", path.display())))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(format!("chmod {}", path.display())))
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(io_err(format!("chmod {}", path.display())))
 }
 
 /// Sums `/proc/<pid>/smaps`, and separately the mapping of `ram_path`.
@@ -512,7 +551,13 @@ fn wait_pidfd(pidfd: &OwnedFd, timeout: Duration) -> bool {
         revents: 0,
     };
     // SAFETY: polling one fd we own.
-    unsafe { libc::poll(&mut pfd, 1, timeout.as_millis().min(i32::MAX as u128) as i32) > 0 }
+    unsafe {
+        libc::poll(
+            &mut pfd,
+            1,
+            timeout.as_millis().min(i32::MAX as u128) as i32,
+        ) > 0
+    }
 }
 
 impl Inner {
@@ -534,14 +579,21 @@ impl Inner {
 
     /// Claims the lowest free uid of the range (a file per uid under `uids/`).
     fn allocate_uid(&self, id: &str) -> Result<u32, VmError> {
-        let Some(base) = self.cfg.uid_base else { return Ok(0) };
+        let Some(base) = self.cfg.uid_base else {
+            return Ok(0);
+        };
         let dir = self.cfg.root.join("uids");
         for n in 0..UID_SLOTS {
             let uid = base + n;
-            match fs::OpenOptions::new().write(true).create_new(true).open(dir.join(uid.to_string())) {
+            match fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(dir.join(uid.to_string()))
+            {
                 Ok(mut f) => {
                     use std::io::Write;
-                    f.write_all(id.as_bytes()).map_err(io_err("recording a uid"))?;
+                    f.write_all(id.as_bytes())
+                        .map_err(io_err("recording a uid"))?;
                     return Ok(uid);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
@@ -559,7 +611,8 @@ impl Inner {
 
     /// The VM dir (root's, traversable) and `run/` (the VM uid's, for the QMP socket).
     fn prepare_dir(&self, dir: &Path, uid: u32) -> Result<(), VmError> {
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).map_err(io_err(format!("chmod {}", dir.display())))?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o711))
+            .map_err(io_err(format!("chmod {}", dir.display())))?;
         let run = dir.join("run");
         fs::create_dir_all(&run).map_err(io_err(format!("creating {}", run.display())))?;
         give(&run, uid, uid, 0o700)
@@ -595,7 +648,10 @@ impl Inner {
             "-m".into(),
             mem.clone(),
             "-object".into(),
-            format!("memory-backend-file,id=ram0,size={mem},mem-path={},share={share}", mem_path.display()),
+            format!(
+                "memory-backend-file,id=ram0,size={mem},mem-path={},share={share}",
+                mem_path.display()
+            ),
             "-nodefaults".into(),
             "-no-user-config".into(),
             "-display".into(),
@@ -610,19 +666,31 @@ impl Inner {
             "-append".into(),
             append,
             "-drive".into(),
-            format!("id=root,file={},format=raw,if=none,readonly=on", record.root_disk.display()),
+            format!(
+                "id=root,file={},format=raw,if=none,readonly=on",
+                record.root_disk.display()
+            ),
             "-device".into(),
             "virtio-blk-device,drive=root,serial=opendsec-root".into(),
             "-drive".into(),
-            format!("id=rw,file={},format=raw,if=none,discard=unmap", dir.join("rw.img").display()),
+            format!(
+                "id=rw,file={},format=raw,if=none,discard=unmap",
+                dir.join("rw.img").display()
+            ),
             "-device".into(),
             "virtio-blk-device,drive=rw,serial=opendsec-rw".into(),
             "-netdev".into(),
-            format!("tap,id=net0,fd={},vhost=off", super::shim::TAP_FD_PLACEHOLDER),
+            format!(
+                "tap,id=net0,fd={},vhost=off",
+                super::shim::TAP_FD_PLACEHOLDER
+            ),
             "-device".into(),
             format!("virtio-net-device,netdev=net0,mac={}", net::GUEST_MAC),
             "-qmp".into(),
-            format!("unix:{},server=on,wait=off", dir.join("run/qmp.sock").display()),
+            format!(
+                "unix:{},server=on,wait=off",
+                dir.join("run/qmp.sock").display()
+            ),
             // No new privileges, no programs, no resource changes, no obsolete syscalls.
             "-sandbox".into(),
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
@@ -635,10 +703,18 @@ impl Inner {
 
     /// Starts QEMU for `record` under a shim and connects to its QMP socket. The record
     /// is saved with the new pid.
-    fn start_qemu(&self, dir: &Path, record: &mut VmRecord, incoming: bool) -> Result<(i32, Qmp), VmError> {
+    fn start_qemu(
+        &self,
+        dir: &Path,
+        record: &mut VmRecord,
+        incoming: bool,
+    ) -> Result<(i32, Qmp), VmError> {
         let socket = dir.join("run/qmp.sock");
         if socket.as_os_str().len() > 100 {
-            return Err(VmError::Invalid(format!("{} is too long for a unix socket", socket.display())));
+            return Err(VmError::Invalid(format!(
+                "{} is too long for a unix socket",
+                socket.display()
+            )));
         }
         for stale in ["exit.json", "qemu.pid", "run/qmp.sock"] {
             let _ = fs::remove_file(dir.join(stale));
@@ -699,14 +775,25 @@ impl Inner {
     /// Removes what a VM that never became whole had: its QEMU (if started), namespace,
     /// uid and directory.
     fn discard(&self, dir: &Path, netns: Option<&str>, uid: Option<u32>) {
-        if let Some(pid) = fs::read_to_string(dir.join("qemu.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+        if let Some(pid) = fs::read_to_string(dir.join("qemu.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
             // Only if that pid is still a QEMU of this directory.
             let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy())
                 && let Some(pidfd) = pidfd_open(pid)
             {
                 // SAFETY: signalling through a pidfd of that QEMU.
-                unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        pidfd.as_raw_fd(),
+                        libc::SIGKILL,
+                        0,
+                        0,
+                    )
+                };
                 wait_pidfd(&pidfd, Duration::from_secs(10));
             }
         }
@@ -722,7 +809,9 @@ impl Inner {
 
 /// The shim's record of how QEMU process `pid` of the VM in `dir` ended.
 fn exit_record(dir: &Path, pid: i32) -> Option<ExitInfo> {
-    read_json::<ExitInfo>(&dir.join("exit.json")).ok().filter(|e| e.pid == pid)
+    read_json::<ExitInfo>(&dir.join("exit.json"))
+        .ok()
+        .filter(|e| e.pid == pid)
 }
 
 /// Waits until QEMU `pid` has ended and its shim has recorded it (so that nothing of
@@ -759,7 +848,8 @@ fn migrate_to_file(qmp: &mut Qmp, dest: &Path) -> Result<u64, VmError> {
     qmp.execute_with_fd("getfd", json!({"fdname": "snapshot"}), file.as_raw_fd())?;
     qmp.execute("migrate", json!({"uri": "fd:snapshot"}))?;
     wait_migration(qmp, "the snapshot")?;
-    file.sync_all().map_err(io_err(format!("syncing {}", dest.display())))?;
+    file.sync_all()
+        .map_err(io_err(format!("syncing {}", dest.display())))?;
     Ok(file.metadata().map(|m| m.len()).unwrap_or(0))
 }
 
@@ -773,7 +863,10 @@ fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), VmError> {
                 return Err(VmError::Qmp(QmpError::Command {
                     command: "migrate".into(),
                     class: "failed".into(),
-                    desc: format!("{what}: {}", info["error-desc"].as_str().unwrap_or("migration failed")),
+                    desc: format!(
+                        "{what}: {}",
+                        info["error-desc"].as_str().unwrap_or("migration failed")
+                    ),
                 }));
             }
             _ if Instant::now() > deadline => {
@@ -798,7 +891,8 @@ fn set_ignore_shared(qmp: &mut Qmp, on: bool) -> Result<(), VmError> {
 /// Writes back a file's dirty pages and drops it from the page cache.
 fn release_page_cache(path: &Path) -> Result<(), VmError> {
     let file = fs::File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
-    file.sync_data().map_err(io_err(format!("syncing {}", path.display())))?;
+    file.sync_data()
+        .map_err(io_err(format!("syncing {}", path.display())))?;
     // SAFETY: advice on an fd we own.
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     Ok(())
@@ -866,7 +960,9 @@ impl VmHandle {
     /// loop that marks the sandbox failed when its channel closes).
     pub fn exit_fd(&self) -> Result<OwnedFd, VmError> {
         match self.status()? {
-            VmStatus::Running { pid } => pidfd_open(pid).ok_or_else(|| self.bad_state("exited", "watch its exit")),
+            VmStatus::Running { pid } => {
+                pidfd_open(pid).ok_or_else(|| self.bad_state("exited", "watch its exit"))
+            }
             VmStatus::Paused => Err(self.bad_state("paused", "watch its exit")),
             VmStatus::Exited(_) => Err(self.bad_state("exited", "watch its exit")),
         }
@@ -887,7 +983,8 @@ impl VmHandle {
             RamMode::Private { base } => base.clone(),
             _ => self.dir().join("ram"),
         };
-        let text = fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(io_err("reading smaps"))?;
+        let text =
+            fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(io_err("reading smaps"))?;
         Ok(parse_smaps(&text, &ram_path.to_string_lossy()))
     }
 
@@ -902,10 +999,9 @@ impl VmHandle {
         let me = self.clone();
         let alive = move || matches!(me.status(), Ok(VmStatus::Running { .. }));
         agent.wait_ready(timeout, &alive).map_err(|e| match e {
-            VmError::Agent(m) | VmError::Timeout { what: m, .. } => VmError::Agent(format!(
-                "{m}; console: {}",
-                self.console_tail(1500)
-            )),
+            VmError::Agent(m) | VmError::Timeout { what: m, .. } => {
+                VmError::Agent(format!("{m}; console: {}", self.console_tail(1500)))
+            }
             other => other,
         })
     }
@@ -971,7 +1067,15 @@ impl VmHandle {
         drop(qmp);
         if !wait_ended(&dir, pid, &pidfd, Duration::from_secs(10)) {
             // SAFETY: the pid is our QEMU (pidfd taken while it was).
-            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    0,
+                    0,
+                )
+            };
             wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
         }
         let exit = t1.elapsed();
@@ -1028,7 +1132,11 @@ impl VmHandle {
             self.inner.save(&record)?;
             return Err(VmError::Qemu {
                 id: self.id.clone(),
-                message: format!("restoring {}: {e}; console: {}", state.display(), console_tail(&dir, 800)),
+                message: format!(
+                    "restoring {}: {e}; console: {}",
+                    state.display(),
+                    console_tail(&dir, 800)
+                ),
             });
         }
         let restore_time = t1.elapsed();
@@ -1080,8 +1188,10 @@ impl VmHandle {
                 .map(|d| d.as_micros())
                 .unwrap_or(0)
         ));
-        fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
-        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711)).map_err(io_err("chmod fork dir"))?;
+        fs::create_dir_all(&fork_dir)
+            .map_err(io_err(format!("creating {}", fork_dir.display())))?;
+        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711))
+            .map_err(io_err("chmod fork dir"))?;
 
         // Everything that does not need the frozen source is ready before it stops.
         let base = fork_dir.join("ram");
@@ -1143,7 +1253,8 @@ impl VmHandle {
             let step = (|| {
                 sparse_copy(&fork_dir.join("rw.img"), &copy_dir.join("rw.img"))?;
                 give(&copy_dir.join("rw.img"), record.uid, record.uid, 0o600)?;
-                fs::copy(fork_dir.join("state"), copy_dir.join("state")).map_err(io_err("copying the snapshot"))?;
+                fs::copy(fork_dir.join("state"), copy_dir.join("state"))
+                    .map_err(io_err("copying the snapshot"))?;
                 let (_pid, qmp) = inner.start_qemu(copy_dir, record, true)?;
                 Ok::<_, VmError>(qmp)
             })();
@@ -1203,7 +1314,15 @@ impl VmHandle {
         let end = |record: &mut VmRecord| -> Result<(), VmError> {
             if let Some(pidfd) = pidfd_open(pid) {
                 // SAFETY: signalling through a pidfd of this VM's QEMU.
-                unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        pidfd.as_raw_fd(),
+                        libc::SIGKILL,
+                        0,
+                        0,
+                    )
+                };
                 wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
             }
             record.state = VmState::Paused;
@@ -1245,7 +1364,15 @@ impl VmHandle {
             && let Some(pidfd) = pidfd_open(pid)
         {
             // SAFETY: signalling through a pidfd of our QEMU.
-            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    0,
+                    0,
+                )
+            };
             wait_ended(&self.dir(), pid, &pidfd, Duration::from_secs(10));
         }
         Ok(())
@@ -1284,11 +1411,19 @@ fn restore(qmp: &mut Qmp, state: &Path, ignore_shared: bool) -> Result<(), VmErr
 impl Inner {
     /// Makes a fork copy's directory, uid, namespace and initrd (everything that does
     /// not need the frozen source); on failure leaves nothing behind.
-    fn prepare_copy(&self, source: &VmRecord, source_dir: &Path, id: &str, base: &Path) -> Result<(VmRecord, PathBuf), VmError> {
+    fn prepare_copy(
+        &self,
+        source: &VmRecord,
+        source_dir: &Path,
+        id: &str,
+        base: &Path,
+    ) -> Result<(VmRecord, PathBuf), VmError> {
         let copy_dir = self.vm_dir(id);
         match fs::create_dir(&copy_dir) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(VmError::Exists(id.into())),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(VmError::Exists(id.into()));
+            }
             Err(e) => return Err(VmError::io(format!("creating {}", copy_dir.display()), e)),
         }
         let netns = format!("{}{}", self.netns_prefix, id);
@@ -1301,7 +1436,9 @@ impl Inner {
                 uid,
                 groups: vec![source.uid],
                 netns: netns.clone(),
-                ram: RamMode::Private { base: base.to_path_buf() },
+                ram: RamMode::Private {
+                    base: base.to_path_buf(),
+                },
                 state: VmState::Paused,
                 pid: None,
                 pid_start: None,
@@ -1309,7 +1446,8 @@ impl Inner {
                 ..source.clone()
             };
             self.prepare_dir(&copy_dir, uid)?;
-            fs::copy(source_dir.join("initrd"), copy_dir.join("initrd")).map_err(io_err("copying the initrd"))?;
+            fs::copy(source_dir.join("initrd"), copy_dir.join("initrd"))
+                .map_err(io_err("copying the initrd"))?;
             give(&copy_dir.join("initrd"), uid, uid, 0o400)?;
             net::create(&netns, uid)?;
             Ok(record)
@@ -1325,7 +1463,9 @@ impl Inner {
 
     /// Removes fork directories no VM maps any more.
     fn gc_forks(&self) {
-        let Ok(_lock) = lock_file(&self.cfg.root.join("forks.lock")) else { return };
+        let Ok(_lock) = lock_file(&self.cfg.root.join("forks.lock")) else {
+            return;
+        };
         let mut used = std::collections::BTreeSet::new();
         if let Ok(entries) = fs::read_dir(self.cfg.root.join("vms")) {
             for entry in entries.filter_map(Result::ok) {
@@ -1341,7 +1481,10 @@ impl Inner {
             for entry in entries.filter_map(Result::ok) {
                 let path = entry.path();
                 // A fork under way has no `ram` yet or holds `state`: leave it.
-                if !used.contains(&path) && path.join("ram").exists() && !path.join("state").exists() {
+                if !used.contains(&path)
+                    && path.join("ram").exists()
+                    && !path.join("state").exists()
+                {
                     let _ = fs::remove_dir_all(&path);
                 }
             }

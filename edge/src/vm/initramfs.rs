@@ -26,8 +26,21 @@ const LAYOUT_VERSION: u32 = 1;
 
 /// The busybox applets `init.sh` uses.
 const APPLETS: &[&str] = &[
-    "sh", "mount", "umount", "insmod", "mkdir", "cp", "cat", "chmod", "usleep", "ip",
-    "hostname", "switch_root", "reboot", "echo", "ls",
+    "sh",
+    "mount",
+    "umount",
+    "insmod",
+    "mkdir",
+    "cp",
+    "cat",
+    "chmod",
+    "usleep",
+    "ip",
+    "hostname",
+    "switch_root",
+    "reboot",
+    "echo",
+    "ls",
 ];
 
 /// What a guest boots: the kernel and the shared initramfs.
@@ -44,7 +57,9 @@ pub fn ensure_guest_boot(
     progress: &dyn Fn(&str),
 ) -> Result<GuestBoot, VmError> {
     let kernel = ensure_kernel(store, progress)?;
-    let busybox_image = store.ensure("busybox", &|p| progress(&format!("busybox image: {}", p.message)))?;
+    let busybox_image = store.ensure("busybox", &|p| {
+        progress(&format!("busybox image: {}", p.message))
+    })?;
     let busybox = store
         .layer_dirs(&busybox_image)?
         .last()
@@ -57,7 +72,10 @@ pub fn ensure_guest_boot(
         )));
     }
     let mut digest = Sha256::new();
-    digest.update(format!("layout {LAYOUT_VERSION}\nkernel {}\n", kernel.dir.display()));
+    digest.update(format!(
+        "layout {LAYOUT_VERSION}\nkernel {}\n",
+        kernel.dir.display()
+    ));
     digest.update(format!("busybox {}\n", file_sha256(&busybox)?));
     digest.update(format!("agent {}\n", file_sha256(agent)?));
     digest.update(INIT_SCRIPT);
@@ -69,14 +87,18 @@ pub fn ensure_guest_boot(
         progress(&format!("writing the initramfs {}", path.display()));
         // Concurrent builders write the same bytes; the rename publishes one of them.
         let tmp = dir.join(format!(".{key}.{}.tmp", std::process::id()));
-        let result = write_initramfs(&tmp, &kernel, &busybox, agent)
-            .and_then(|()| fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display()))));
+        let result = write_initramfs(&tmp, &kernel, &busybox, agent).and_then(|()| {
+            fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display())))
+        });
         if result.is_err() {
             let _ = fs::remove_file(&tmp);
         }
         result?;
     }
-    Ok(GuestBoot { kernel, initramfs: path })
+    Ok(GuestBoot {
+        kernel,
+        initramfs: path,
+    })
 }
 
 fn write_initramfs(
@@ -88,14 +110,32 @@ fn write_initramfs(
     let context = format!("writing {}", dest.display());
     let file = fs::File::create(dest).map_err(io_err(context.clone()))?;
     let mut w = CpioWriter::new(BufWriter::new(file));
-    let add_file = |w: &mut CpioWriter<BufWriter<fs::File>>, path: &str, mode: u32, source: &Path| {
-        let mut f = fs::File::open(source).map_err(io_err(format!("reading {}", source.display())))?;
-        let len = f.metadata().map_err(io_err(format!("reading {}", source.display())))?.len();
-        w.file_from(path, mode, len, &mut f)
-            .map_err(io_err(format!("adding {} to the initramfs", source.display())))
-    };
+    let add_file =
+        |w: &mut CpioWriter<BufWriter<fs::File>>, path: &str, mode: u32, source: &Path| {
+            let mut f =
+                fs::File::open(source).map_err(io_err(format!("reading {}", source.display())))?;
+            let len = f
+                .metadata()
+                .map_err(io_err(format!("reading {}", source.display())))?
+                .len();
+            w.file_from(path, mode, len, &mut f).map_err(io_err(format!(
+                "adding {} to the initramfs",
+                source.display()
+            )))
+        };
     let io = |r: std::io::Result<()>| r.map_err(io_err(context.clone()));
-    for dir in ["bin", "dev", "proc", "sys", "ro", "rw", "newroot", "lib", "lib/modules", "opendsec"] {
+    for dir in [
+        "bin",
+        "dev",
+        "proc",
+        "sys",
+        "ro",
+        "rw",
+        "newroot",
+        "lib",
+        "lib/modules",
+        "opendsec",
+    ] {
         io(w.dir(dir, 0o755))?;
     }
     io(w.char_device("dev/console", 0o600, 5, 1))?;
@@ -129,7 +169,11 @@ pub(crate) struct GuestConfig {
 }
 
 /// Writes `dest`: the shared initramfs followed by an archive of this VM's files.
-pub(crate) fn write_vm_initrd(boot: &GuestBoot, dest: &Path, config: &GuestConfig) -> Result<(), VmError> {
+pub(crate) fn write_vm_initrd(
+    boot: &GuestBoot,
+    dest: &Path,
+    config: &GuestConfig,
+) -> Result<(), VmError> {
     let context = format!("writing {}", dest.display());
     fs::copy(&boot.initramfs, dest).map_err(io_err(context.clone()))?;
     let file = fs::OpenOptions::new()
@@ -144,7 +188,11 @@ pub(crate) fn write_vm_initrd(boot: &GuestBoot, dest: &Path, config: &GuestConfi
         shell_word(&config.hostname)
     );
     io(w.file("opendsec/vm.conf", 0o644, conf.as_bytes()))?;
-    io(w.file("opendsec/config/token", 0o600, config.access_token.as_bytes()))?;
+    io(w.file(
+        "opendsec/config/token",
+        0o600,
+        config.access_token.as_bytes(),
+    ))?;
     let env = serde_json::to_vec(&config.env).expect("a map serialises");
     io(w.file("opendsec/config/env.json", 0o600, &env))?;
     if let Some(start) = &config.start {
@@ -162,5 +210,9 @@ fn shell_word(s: &str) -> String {
         .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
         .take(63)
         .collect();
-    if word.is_empty() { "sandbox".into() } else { word }
+    if word.is_empty() {
+        "sandbox".into()
+    } else {
+        word
+    }
 }

@@ -95,10 +95,7 @@ fn build_err(message: impl Into<String>) -> VmError {
 /// Returns the cached guest kernel for the current candidate of `linux-image-amd64`,
 /// building it first if needed. Without apt's package lists (no `apt-get update` yet,
 /// or a host without apt) the newest kernel already cached is used.
-pub fn ensure_kernel(
-    store: &ImageStore,
-    progress: &dyn Fn(&str),
-) -> Result<GuestKernel, VmError> {
+pub fn ensure_kernel(store: &ImageStore, progress: &dyn Fn(&str)) -> Result<GuestKernel, VmError> {
     let root = store.root().join("kernels");
     fs::create_dir_all(&root).map_err(io_err(format!("creating {}", root.display())))?;
     let recipe = recipe_hash();
@@ -115,7 +112,11 @@ pub fn ensure_kernel(
     let (package, version) = candidate;
     let release = package
         .strip_prefix("linux-image-")
-        .ok_or_else(|| build_err(format!("{META_PACKAGE} depends on {package:?}, not a linux-image-* package")))?
+        .ok_or_else(|| {
+            build_err(format!(
+                "{META_PACKAGE} depends on {package:?}, not a linux-image-* package"
+            ))
+        })?
         .to_string();
     let dir = root.join(format!("{release}_{version}_{recipe}"));
     if dir.join("kernel.json").is_file() {
@@ -133,13 +134,17 @@ pub fn ensure_kernel(
     let _ = fs::remove_dir_all(&scratch);
     let staged = scratch.join("out");
     let result = (|| {
-        fs::create_dir_all(staged.join("modules")).map_err(io_err("creating the kernel scratch dir"))?;
+        fs::create_dir_all(staged.join("modules"))
+            .map_err(io_err("creating the kernel scratch dir"))?;
         build(&scratch, &staged, &package, &version, &release, progress)?;
         fs::rename(&staged, &dir).map_err(io_err(format!("publishing {}", dir.display())))
     })();
     let _ = fs::remove_dir_all(&scratch);
     result?;
-    progress(&format!("guest kernel {release} ready in {}", dir.display()));
+    progress(&format!(
+        "guest kernel {release} ready in {}",
+        dir.display()
+    ));
     GuestKernel::load(&dir)
 }
 
@@ -168,7 +173,10 @@ fn tool(program: &Path) -> Command {
     let mut command = Command::new(program);
     command
         .env_clear()
-        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
         .env("LANG", "C.UTF-8")
         .stdin(Stdio::null());
     // SAFETY: prctl is async-signal-safe.
@@ -205,14 +213,23 @@ fn candidate_package() -> Result<(String, String), VmError> {
     command.args(["show", "--no-all-versions", META_PACKAGE]);
     let out = run(command, "apt-cache show")?;
     let text = String::from_utf8_lossy(&out);
-    parse_meta_depends(&text).ok_or_else(|| build_err(format!("no Depends line naming a versioned package in `apt-cache show {META_PACKAGE}`")))
+    parse_meta_depends(&text).ok_or_else(|| {
+        build_err(format!(
+            "no Depends line naming a versioned package in `apt-cache show {META_PACKAGE}`"
+        ))
+    })
 }
 
 pub(crate) fn parse_meta_depends(show: &str) -> Option<(String, String)> {
     let depends = show.lines().find_map(|l| l.strip_prefix("Depends:"))?;
     let first = depends.split(',').next()?.split('|').next()?.trim();
     let (name, rest) = first.split_once('(')?;
-    let version = rest.trim().strip_prefix('=')?.trim().trim_end_matches(')').trim();
+    let version = rest
+        .trim()
+        .strip_prefix('=')?
+        .trim()
+        .trim_end_matches(')')
+        .trim();
     let name = name.trim();
     (!name.is_empty() && !version.is_empty()).then(|| (name.to_string(), version.to_string()))
 }
@@ -269,9 +286,11 @@ fn build(
     ));
     let modules_dir = staged.join("modules");
     let order = resolve_modules(GUEST_MODULES, &builtin, |name| {
-        let source = index
-            .get(name)
-            .ok_or_else(|| build_err(format!("module {name} is neither in the package nor built in")))?;
+        let source = index.get(name).ok_or_else(|| {
+            build_err(format!(
+                "module {name} is neither in the package nor built in"
+            ))
+        })?;
         let dest = modules_dir.join(format!("{name}.ko"));
         if !dest.is_file() {
             copy_module(source, &dest)?;
@@ -354,7 +373,10 @@ pub(crate) fn resolve_modules(
             return Ok(());
         }
         if path.iter().any(|p| p == name) {
-            return Err(build_err(format!("modules depend on each other in a cycle: {} -> {name}", path.join(" -> "))));
+            return Err(build_err(format!(
+                "modules depend on each other in a cycle: {} -> {name}",
+                path.join(" -> ")
+            )));
         }
         path.push(name.to_string());
         for dep in depends(name)? {
@@ -477,7 +499,9 @@ pub(crate) fn bzimage_payload(image: &[u8]) -> Result<&[u8], String> {
     }
     let version = u16::from_le_bytes([image[0x206], image[0x207]]);
     if version < 0x208 {
-        return Err(format!("boot protocol {version:#x} has no payload fields (need 2.08)"));
+        return Err(format!(
+            "boot protocol {version:#x} has no payload fields (need 2.08)"
+        ));
     }
     let setup_sects = match image[0x1f1] {
         0 => 4,
@@ -493,15 +517,22 @@ pub(crate) fn bzimage_payload(image: &[u8]) -> Result<&[u8], String> {
 
 fn extract_vmlinux(image: &[u8], dest: &Path) -> Result<(), VmError> {
     let payload = bzimage_payload(image).map_err(build_err)?;
-    let format = Compression::detect(payload)
-        .ok_or_else(|| build_err(format!("unknown kernel compression (magic {:02x?})", &payload[..payload.len().min(6)])))?;
+    let format = Compression::detect(payload).ok_or_else(|| {
+        build_err(format!(
+            "unknown kernel compression (magic {:02x?})",
+            &payload[..payload.len().min(6)]
+        ))
+    })?;
     // Every format but gzip (which records its own size) is followed by the
     // decompressed size as 4 little-endian bytes (the kernel's `size_append`).
     let (stream, expected) = match format {
         Compression::Gzip => (payload, None),
         _ if payload.len() > 4 => {
             let (s, size) = payload.split_at(payload.len() - 4);
-            (s, Some(u32::from_le_bytes(size.try_into().expect("4 bytes")) as u64))
+            (
+                s,
+                Some(u32::from_le_bytes(size.try_into().expect("4 bytes")) as u64),
+            )
         }
         _ => return Err(build_err("the kernel payload is empty")),
     };
@@ -509,12 +540,18 @@ fn extract_vmlinux(image: &[u8], dest: &Path) -> Result<(), VmError> {
     let program = require_tool(name, package)?;
     let out = fs::File::create(dest).map_err(io_err(format!("creating {}", dest.display())))?;
     let mut command = tool(&program);
-    command.args(args).stdin(Stdio::piped()).stdout(out).stderr(Stdio::piped());
+    command
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(out)
+        .stderr(Stdio::piped());
     let mut child = command.spawn().map_err(io_err(format!("running {name}")))?;
     let mut stdin = child.stdin.take().expect("piped");
     let data = stream.to_vec();
     let writer = std::thread::spawn(move || stdin.write_all(&data));
-    let output = child.wait_with_output().map_err(io_err(format!("waiting for {name}")))?;
+    let output = child
+        .wait_with_output()
+        .map_err(io_err(format!("waiting for {name}")))?;
     let _ = writer.join();
     if !output.status.success() {
         return Err(build_err(format!(
@@ -527,13 +564,17 @@ fn extract_vmlinux(image: &[u8], dest: &Path) -> Result<(), VmError> {
     let mut file = fs::File::open(dest).map_err(io_err("reading vmlinux"))?;
     std::io::Read::read_exact(&mut file, &mut head).map_err(io_err("reading vmlinux"))?;
     if &head != b"\x7fELF\x02" {
-        return Err(build_err("the decompressed kernel is not a 64-bit ELF file"));
+        return Err(build_err(
+            "the decompressed kernel is not a 64-bit ELF file",
+        ));
     }
     let size = file.metadata().map_err(io_err("vmlinux size"))?.len();
     if let Some(expected) = expected
         && expected != size
     {
-        return Err(build_err(format!("vmlinux is {size} bytes, the image says {expected}")));
+        return Err(build_err(format!(
+            "vmlinux is {size} bytes, the image says {expected}"
+        )));
     }
     Ok(())
 }
@@ -572,7 +613,15 @@ mod tests {
         .unwrap();
         assert_eq!(
             order,
-            ["virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "jbd2", "mbcache", "ext4"]
+            [
+                "virtio",
+                "virtio_ring",
+                "virtio_mmio",
+                "virtio_blk",
+                "jbd2",
+                "mbcache",
+                "ext4"
+            ]
         );
         let cyclic = resolve_modules(&["a"], &BTreeSet::new(), |n| {
             Ok(vec![if n == "a" { "b" } else { "a" }.to_string()])
@@ -582,9 +631,18 @@ mod tests {
 
     #[test]
     fn payload_formats_are_told_by_their_magic() {
-        assert_eq!(Compression::detect(b"\xfd7zXZ\x00\x00"), Some(Compression::Xz));
-        assert_eq!(Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd, 0]), Some(Compression::Zstd));
-        assert_eq!(Compression::detect(&[0x1f, 0x8b, 8]), Some(Compression::Gzip));
+        assert_eq!(
+            Compression::detect(b"\xfd7zXZ\x00\x00"),
+            Some(Compression::Xz)
+        );
+        assert_eq!(
+            Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd, 0]),
+            Some(Compression::Zstd)
+        );
+        assert_eq!(
+            Compression::detect(&[0x1f, 0x8b, 8]),
+            Some(Compression::Gzip)
+        );
         assert_eq!(Compression::detect(b"hello"), None);
         assert!(bzimage_payload(&[0u8; 1024]).unwrap_err().contains("HdrS"));
     }

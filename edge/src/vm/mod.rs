@@ -38,8 +38,8 @@ pub use accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
 pub use agent::{AgentChannel, ExecOutput};
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
-    ForkReport, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, VmConfig,
-    VmFiles, VmHandle, VmSpec, VmState, VmStatus,
+    ForkReport, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, VmConfig, VmFiles,
+    VmHandle, VmSpec, VmState, VmStatus,
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
@@ -131,10 +131,17 @@ pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T
 
 /// The first of `dirs` that holds an executable `name`.
 pub(crate) fn find_tool(name: &str) -> Option<PathBuf> {
-    ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
+    [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join(name))
+    .find(|p| p.is_file())
 }
 
 /// Like [`find_tool`], or a [`VmError::Prerequisite`] naming the package to install.

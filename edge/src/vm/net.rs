@@ -31,7 +31,11 @@ fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), VmError> {
     let mut child = Command::new(&program)
         .args(args)
         .env_clear()
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -90,7 +94,11 @@ pub(crate) fn agent_addr() -> SocketAddr {
 }
 
 /// Connects to `addr` from inside the network namespace at `netns`.
-pub(crate) fn connect_in(netns: &Path, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+pub(crate) fn connect_in(
+    netns: &Path,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
     let netns = netns.to_path_buf();
     std::thread::Builder::new()
         .name("vm-netns-connect".into())

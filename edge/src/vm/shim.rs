@@ -67,7 +67,10 @@ const IFF_VNET_HDR: libc::c_short = 0x4000;
 /// Attaches to tap `name` of the current network namespace; the fd is inherited by
 /// the next exec (not close-on-exec).
 fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
-    let tun = OpenOptions::new().read(true).write(true).open("/dev/net/tun")?;
+    let tun = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")?;
     #[repr(C)]
     struct IfReq {
         name: [u8; 16],
@@ -80,7 +83,9 @@ fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
         _pad: [0; 22],
     };
     if name.len() >= req.name.len() {
-        return Err(std::io::Error::other(format!("tap name {name:?} is too long")));
+        return Err(std::io::Error::other(format!(
+            "tap name {name:?} is too long"
+        )));
     }
     req.name[..name.len()].copy_from_slice(name.as_bytes());
     // SAFETY: TUNSETIFF reads a struct ifreq, which IfReq lays out.
@@ -100,12 +105,17 @@ pub(crate) fn spawn(shim: &Path, launch_file: &Path) -> Result<i32, VmError> {
     let mut child = Command::new(shim)
         .arg(launch_file)
         .env_clear()
-        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| VmError::Prerequisite(format!("cannot run the VM shim {}: {e}", shim.display())))?;
+        .map_err(|e| {
+            VmError::Prerequisite(format!("cannot run the VM shim {}: {e}", shim.display()))
+        })?;
     let mut stdout = child.stdout.take().expect("piped");
     // The first shim process exits as soon as it has forked the detached one.
     let _ = child.wait();
@@ -185,7 +195,10 @@ pub fn main(launch_file: &Path) -> ! {
 }
 
 fn fail(what: &str) -> ! {
-    report(&format!("error {what}: {}", std::io::Error::last_os_error()));
+    report(&format!(
+        "error {what}: {}",
+        std::io::Error::last_os_error()
+    ));
     std::process::exit(1)
 }
 
@@ -212,15 +225,25 @@ fn run(launch: &Launch) -> Result<(), VmError> {
         let ns = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
         // SAFETY: setns on an fd we own, in a single-threaded process.
         if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return Err(VmError::io(format!("entering {}", path.display()), std::io::Error::last_os_error()));
+            return Err(VmError::io(
+                format!("entering {}", path.display()),
+                std::io::Error::last_os_error(),
+            ));
         }
     }
     let tap = match &launch.tap {
         Some(name) => Some(open_tap(name).map_err(io_err(format!("opening tap {name}")))?),
         None => None,
     };
-    let tap_fd = tap.as_ref().map(|f| f.as_raw_fd().to_string()).unwrap_or_default();
-    let argv: Vec<String> = launch.argv.iter().map(|a| a.replace(TAP_FD_PLACEHOLDER, &tap_fd)).collect();
+    let tap_fd = tap
+        .as_ref()
+        .map(|f| f.as_raw_fd().to_string())
+        .unwrap_or_default();
+    let argv: Vec<String> = launch
+        .argv
+        .iter()
+        .map(|a| a.replace(TAP_FD_PLACEHOLDER, &tap_fd))
+        .collect();
     let (uid, gid, groups) = (launch.uid, launch.gid, launch.groups.clone());
     let (program, args) = argv
         .split_first()
