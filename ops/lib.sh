@@ -26,6 +26,10 @@ ensure_rust() {
 BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
 # What edges need to run container sandboxes and build their images.
 EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2)
+# What edges need for microVM sandboxes (edge/src/vm): QEMU and the tools that make the
+# guest's disks and kernel (the kernel package itself comes with `apt-get download`);
+# cpio only reads our initramfs back in a test.
+VM_PACKAGES=(qemu-system-x86 erofs-utils xz-utils cpio)
 # What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the
 # host: Debian's python3 with the data stack the code-interpreter-v1 image carries.
 CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas)

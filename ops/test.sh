@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 source ops/lib.sh
 
 ensure_rust
-ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${CODE_INTERPRETER_TEST_PACKAGES[@]}"
+ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${CODE_INTERPRETER_TEST_PACKAGES[@]}"
 
 echo "==> building"
 cargo build --workspace --all-targets --locked

@@ -10,3 +10,4 @@ pub mod slice;
 pub mod testing;
 pub mod images;
 pub mod container;
+pub mod vm;

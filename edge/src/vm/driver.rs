@@ -1,0 +1,1493 @@
+//! [`MicroVmDriver`]: microVMs as files on disk plus detached QEMU processes.
+//!
+//! Layout under the driver's root (the edge's `<data>/vms`):
+//! - `vms/<id>/vm.json`: [`VmRecord`], the truth about a VM (written atomically, after
+//!   the step it records); `lock` serialises operations on the VM across processes.
+//! - `vms/<id>/{ram, rw.img, initrd}`: guest RAM (a file, see [`RamMode`]), the
+//!   writable disk and the VM's initrd, owned by the VM's uid; `state`: the last
+//!   migration stream (root's); `run/qmp.sock`; `launch.json`, `qemu.pid`,
+//!   `console.log`, `shim.log`, `exit.json` of the current QEMU run.
+//! - `forks/<fork id>/ram`: the frozen RAM of a fork's source, which every copy maps
+//!   privately (pages shared until a copy writes them); removed when no VM uses it.
+//! - `uids/<uid>`: the uids handed to VMs (one each).
+//! - `accel.json`: the accelerator verdict, kept for one host boot.
+//!
+//! Nothing is kept in memory between calls: a restarted edge opens the same VMs with
+//! [`MicroVmDriver::open`] (QEMU runs under its shim, not as the edge's child).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{PermissionsExt, chown};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
+use super::agent::AgentChannel;
+use super::disks::{allocated_bytes, build_root_disk, create_rw_disk, sparse_copy};
+use super::initramfs::{GuestBoot, GuestConfig, ensure_guest_boot, write_vm_initrd};
+use super::qmp::{Qmp, QmpError};
+use super::shim::{ExitInfo, Launch};
+use super::{VmError, io_err, lock_file, net, read_json, require_tool, write_json_atomic};
+use crate::images::{Image, ImageStore};
+
+/// The most copies one fork may make.
+pub const MAX_FORK_COUNT: usize = 64;
+/// Default first uid of the range VMs' QEMU processes run as.
+pub const DEFAULT_UID_BASE: u32 = 1_800_000_000;
+const UID_SLOTS: u32 = 1 << 20;
+
+/// How long QEMU may take to open its QMP socket, and a migration to finish.
+const QEMU_START_TIMEOUT: Duration = Duration::from_secs(30);
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+const QMP_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// The driver's state (see the module doc).
+    pub root: PathBuf,
+    /// The image store: layers, and the cached kernel, initramfs and root disks.
+    pub store: ImageStore,
+    /// The static `opendsec-agent`.
+    pub agent_binary: PathBuf,
+    /// `opendsec-vm-shim`.
+    pub shim: PathBuf,
+    /// `qemu-system-x86_64` (found on PATH when `None`).
+    pub qemu: Option<PathBuf>,
+    /// QEMU runs as uid (= gid) `uid_base + n`, one per VM; `None` keeps it root.
+    pub uid_base: Option<u32>,
+    pub console_cap_bytes: u64,
+    /// Force an accelerator instead of detecting one.
+    pub accel: Option<Accel>,
+    /// How long the KVM probe guest may take to reach user space.
+    pub kvm_probe_bound: Duration,
+}
+
+impl VmConfig {
+    pub fn new(
+        root: impl Into<PathBuf>,
+        store: ImageStore,
+        agent_binary: PathBuf,
+        shim: PathBuf,
+    ) -> Self {
+        Self {
+            root: root.into(),
+            store,
+            agent_binary,
+            shim,
+            qemu: None,
+            uid_base: Some(DEFAULT_UID_BASE),
+            console_cap_bytes: 1 << 20,
+            accel: None,
+            kvm_probe_bound: Duration::from_secs(8),
+        }
+    }
+}
+
+/// What to run: the sandbox's image and size, and its agent's configuration.
+#[derive(Clone, Debug)]
+pub struct VmSpec {
+    pub id: String,
+    pub image: Image,
+    pub memory_mb: u64,
+    pub vcpus: u32,
+    /// Size of the writable disk.
+    pub disk_mb: u64,
+    /// The sandbox's environment (the agent's `--env-file`).
+    pub env: BTreeMap<String, String>,
+    /// What every request to the agent must carry (`X-Access-Token`).
+    pub access_token: String,
+}
+
+/// Where a VM's guest RAM lives.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum RamMode {
+    /// `vms/<id>/ram`, mapped shared: the file is the memory, so a snapshot leaves it
+    /// out of the migration stream (`x-ignore-shared`) and keeps the file.
+    Shared,
+    /// A fork copy: the fork's frozen RAM file mapped privately (copy-on-write). Its
+    /// next pause writes the whole RAM into the stream.
+    Private { base: PathBuf },
+    /// Paused with the RAM inside `state`; resuming loads it into a fresh shared file.
+    InStream,
+}
+
+/// The state the driver last put a VM in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmState {
+    /// A QEMU process was started for it (it may have ended since: see [`VmStatus`]).
+    Running,
+    /// Snapshotted to `state` (+ RAM), no QEMU process.
+    Paused,
+}
+
+/// What a VM is doing now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmStatus {
+    Running {
+        pid: i32,
+    },
+    Paused,
+    /// Its QEMU process ended without the driver asking (guest reboot or panic, a crash,
+    /// a kill): the channel to the agent is gone.
+    Exited(Option<ExitInfo>),
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct VmRecord {
+    id: String,
+    image: String,
+    layers: Vec<String>,
+    memory_mb: u64,
+    vcpus: u32,
+    disk_mb: u64,
+    uid: u32,
+    groups: Vec<u32>,
+    netns: String,
+    vmlinux: PathBuf,
+    root_disk: PathBuf,
+    accel: Accel,
+    tsc_khz: Option<u64>,
+    ram: RamMode,
+    state: VmState,
+    /// The current QEMU process: its pid and start time (so a reused pid is not ours).
+    pid: Option<i32>,
+    pid_start: Option<u64>,
+    forked_from: Option<String>,
+}
+
+/// Memory of one QEMU process (from `/proc/<pid>/smaps_rollup`), in KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUsage {
+    pub rss_kb: u64,
+    /// Proportional: pages shared with other processes count by their share.
+    pub pss_kb: u64,
+    pub private_kb: u64,
+    /// The part of the above that is the guest's RAM mapping (the rest is QEMU itself:
+    /// under TCG mostly its translation cache, and the kernel image it keeps).
+    pub guest_ram_rss_kb: u64,
+    pub guest_ram_pss_kb: u64,
+}
+
+/// Where a VM's pieces are (for diagnostics and for benchmarks that run raw QEMU on
+/// the same files).
+#[derive(Clone, Debug)]
+pub struct VmFiles {
+    pub dir: PathBuf,
+    pub vmlinux: PathBuf,
+    pub initrd: PathBuf,
+    pub root_disk: PathBuf,
+    pub rw_disk: PathBuf,
+    /// The RAM file QEMU maps (a fork copy's is its fork's frozen base).
+    pub ram: PathBuf,
+    /// The last snapshot's migration stream.
+    pub state: PathBuf,
+    pub netns: PathBuf,
+    pub memory_mb: u64,
+    pub tsc_khz: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PauseReport {
+    /// `stop` until the migration stream was complete.
+    pub snapshot: Duration,
+    /// `quit` until the QEMU process was gone.
+    pub exit: Duration,
+    /// Writing the RAM file back and dropping it from the page cache.
+    pub release: Duration,
+    pub state_bytes: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct ResumeReport {
+    /// Spawning QEMU until it listened on QMP.
+    pub spawn: Duration,
+    /// `migrate-incoming` until the state was loaded and the guest continued.
+    pub restore: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct ForkReport {
+    pub copies: Vec<VmHandle>,
+    /// How long the source was stopped.
+    pub source_paused: Duration,
+    /// The whole call.
+    pub total: Duration,
+    /// Bytes of RAM data the frozen copy holds.
+    pub ram_bytes: u64,
+}
+
+struct Inner {
+    cfg: VmConfig,
+    qemu: PathBuf,
+    boot: GuestBoot,
+    accel: AccelVerdict,
+    tsc_khz: Option<(u64, &'static str)>,
+    /// Namespaces are named after the root too, so two drivers never collide.
+    netns_prefix: String,
+}
+
+/// The QEMU microVM driver.
+#[derive(Clone)]
+pub struct MicroVmDriver {
+    inner: Arc<Inner>,
+}
+
+/// One VM of a driver; cheap to clone. Every call reads the VM's record from disk.
+#[derive(Clone)]
+pub struct VmHandle {
+    inner: Arc<Inner>,
+    id: String,
+}
+
+impl std::fmt::Debug for VmHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmHandle").field("id", &self.id).finish()
+    }
+}
+
+fn validate_id(id: &str) -> Result<(), VmError> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if ok {
+        Ok(())
+    } else {
+        Err(VmError::InvalidId(id.into()))
+    }
+}
+
+impl MicroVmDriver {
+    /// Prepares the driver: the guest kernel and initramfs (built once per machine),
+    /// the accelerator verdict (probed once per host boot) and the state directories.
+    pub fn new(cfg: VmConfig, progress: &dyn Fn(&str)) -> Result<Self, VmError> {
+        let qemu = match &cfg.qemu {
+            Some(q) => q.clone(),
+            None => require_tool("qemu-system-x86_64", "qemu-system-x86")?,
+        };
+        if !Path::new("/dev/net/tun").exists() {
+            return Err(VmError::Prerequisite(
+                "no /dev/net/tun: the tun module is needed for the agent channel".into(),
+            ));
+        }
+        require_tool("ip", "iproute2")?;
+        for sub in ["vms", "forks", "uids"] {
+            let dir = cfg.root.join(sub);
+            fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        }
+        // QEMU runs as other uids: they must traverse (never list) the way to their files.
+        for dir in [
+            cfg.root.clone(),
+            cfg.root.join("vms"),
+            cfg.root.join("forks"),
+        ] {
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o711))
+                .map_err(io_err(format!("chmod {}", dir.display())))?;
+        }
+        let boot = ensure_guest_boot(&cfg.store, &cfg.agent_binary, progress)?;
+        let accel = match cfg.accel {
+            Some(accel) => AccelVerdict {
+                accel,
+                reason: format!("{} chosen by the configuration", accel.as_str()),
+                probe_ms: None,
+            },
+            None => cached_accel(&cfg, &qemu, &boot, progress)?,
+        };
+        let netns_prefix = {
+            use sha2::{Digest, Sha256};
+            let h = Sha256::digest(cfg.root.to_string_lossy().as_bytes());
+            format!("odvm-{}-", &hex::encode(h)[..6])
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                tsc_khz: host_tsc_khz(),
+                cfg,
+                qemu,
+                boot,
+                accel,
+                netns_prefix,
+            }),
+        })
+    }
+
+    pub fn accel(&self) -> &AccelVerdict {
+        &self.inner.accel
+    }
+
+    pub fn guest_boot(&self) -> &GuestBoot {
+        &self.inner.boot
+    }
+
+    /// The host TSC frequency given to guests, and where it was read.
+    pub fn tsc_khz(&self) -> Option<(u64, &'static str)> {
+        self.inner.tsc_khz
+    }
+
+    /// Cold-boots a VM. Returns once QEMU runs; [`VmHandle::wait_agent`] waits for the
+    /// guest's agent.
+    pub fn create(&self, spec: &VmSpec, progress: &dyn Fn(&str)) -> Result<VmHandle, VmError> {
+        validate_id(&spec.id)?;
+        if spec.memory_mb < 64 || spec.vcpus == 0 || spec.disk_mb < 16 {
+            return Err(VmError::Invalid(format!(
+                "memory {} MiB (at least 64), {} vCPUs (at least 1), disk {} MiB (at least 16)",
+                spec.memory_mb, spec.vcpus, spec.disk_mb
+            )));
+        }
+        let inner = &self.inner;
+        let root_disk = build_root_disk(&inner.cfg.store, &spec.image, progress)?;
+        let dir = inner.vm_dir(&spec.id);
+        match fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(VmError::Exists(spec.id.clone()));
+            }
+            Err(e) => return Err(VmError::io(format!("creating {}", dir.display()), e)),
+        }
+        let mut claimed_uid = None;
+        let netns = format!("{}{}", inner.netns_prefix, spec.id);
+        let result = (|| {
+            let _lock = lock_file(&dir.join("lock"))?;
+            let uid = inner.allocate_uid(&spec.id)?;
+            claimed_uid = Some(uid);
+            let record = VmRecord {
+                id: spec.id.clone(),
+                image: spec.image.name.clone(),
+                layers: spec.image.layers.clone(),
+                memory_mb: spec.memory_mb,
+                vcpus: spec.vcpus,
+                disk_mb: spec.disk_mb,
+                uid,
+                groups: Vec::new(),
+                netns: netns.clone(),
+                vmlinux: inner.boot.kernel.vmlinux(),
+                root_disk,
+                accel: inner.accel.accel,
+                tsc_khz: inner.tsc_khz.map(|(k, _)| k),
+                ram: RamMode::Shared,
+                state: VmState::Running,
+                pid: None,
+                pid_start: None,
+                forked_from: None,
+            };
+            inner.prepare_dir(&dir, uid)?;
+            create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
+            write_vm_initrd(
+                &inner.boot,
+                &dir.join("initrd"),
+                &GuestConfig {
+                    hostname: spec.id.clone(),
+                    access_token: spec.access_token.clone(),
+                    env: spec.env.clone(),
+                    start: spec.image.config.start.clone(),
+                },
+            )?;
+            new_ram_file(&dir.join("ram"), spec.memory_mb)?;
+            for (file, mode) in [("rw.img", 0o600), ("initrd", 0o400), ("ram", 0o600)] {
+                give(&dir.join(file), uid, uid, mode)?;
+            }
+            net::create(&record.netns, uid)?;
+            write_json_atomic(&dir.join("vm.json"), &record)?;
+            let mut record = record;
+            let (_pid, mut qmp) = inner.start_qemu(&dir, &mut record, false)?;
+            // A cold boot runs at once (QEMU was not started with -S); make sure.
+            let status = qmp.execute("query-status", json!({}))?;
+            if status["status"] != "running" {
+                return Err(VmError::Qemu {
+                    id: spec.id.clone(),
+                    message: format!("QEMU is {} after boot", status["status"]),
+                });
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            inner.discard(&dir, Some(&netns), claimed_uid);
+            return Err(e);
+        }
+        Ok(self.handle(&spec.id))
+    }
+
+    /// A VM that exists on disk (after an edge restart, too).
+    pub fn open(&self, id: &str) -> Result<VmHandle, VmError> {
+        validate_id(id)?;
+        if !self.inner.vm_dir(id).join("vm.json").is_file() {
+            return Err(VmError::NotFound(id.into()));
+        }
+        Ok(self.handle(id))
+    }
+
+    /// Every VM on disk, sorted by id.
+    pub fn list(&self) -> Result<Vec<VmHandle>, VmError> {
+        let dir = self.inner.cfg.root.join("vms");
+        let mut ids: Vec<String> = fs::read_dir(&dir)
+            .map_err(io_err(format!("listing {}", dir.display())))?
+            .filter_map(Result::ok)
+            .filter(|e| e.path().join("vm.json").is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        ids.sort();
+        Ok(ids.into_iter().map(|id| self.handle(&id)).collect())
+    }
+
+    fn handle(&self, id: &str) -> VmHandle {
+        VmHandle {
+            inner: self.inner.clone(),
+            id: id.into(),
+        }
+    }
+}
+
+fn cached_accel(
+    cfg: &VmConfig,
+    qemu: &Path,
+    boot: &GuestBoot,
+    progress: &dyn Fn(&str),
+) -> Result<AccelVerdict, VmError> {
+    #[derive(Serialize, Deserialize)]
+    struct Cached {
+        key: String,
+        verdict: AccelVerdict,
+    }
+    let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let key = format!(
+        "{} {} {}",
+        boot_id.trim(),
+        qemu.display(),
+        boot.kernel.release
+    );
+    let path = cfg.root.join("accel.json");
+    if let Ok(cached) = read_json::<Cached>(&path)
+        && cached.key == key
+    {
+        return Ok(cached.verdict);
+    }
+    progress("probing whether KVM runs guests at hardware speed");
+    let verdict = detect_accel(qemu, boot, cfg.kvm_probe_bound)?;
+    write_json_atomic(
+        &path,
+        &Cached {
+            key,
+            verdict: verdict.clone(),
+        },
+    )?;
+    Ok(verdict)
+}
+
+/// Creates `path` as a sparse file of `mb` MiB.
+fn new_ram_file(path: &Path, mb: u64) -> Result<(), VmError> {
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(io_err(format!("creating {}", path.display())))?;
+    file.set_len(mb << 20)
+        .map_err(io_err(format!("sizing {}", path.display())))
+}
+
+fn give(path: &Path, uid: u32, gid: u32, mode: u32) -> Result<(), VmError> {
+    chown(path, Some(uid), Some(gid)).map_err(io_err(format!("chown {}", path.display())))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(io_err(format!("chmod {}", path.display())))
+}
+
+/// Sums `/proc/<pid>/smaps`, and separately the mapping of `ram_path`.
+fn parse_smaps(text: &str, ram_path: &str) -> MemoryUsage {
+    let mut usage = MemoryUsage::default();
+    let mut in_ram = false;
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if !first.ends_with(':') {
+            // A mapping's header: address range, perms, offset, dev, inode, path.
+            in_ram = line.ends_with(ram_path);
+            continue;
+        }
+        let kb: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        match first {
+            "Rss:" => {
+                usage.rss_kb += kb;
+                if in_ram {
+                    usage.guest_ram_rss_kb += kb;
+                }
+            }
+            "Pss:" => {
+                usage.pss_kb += kb;
+                if in_ram {
+                    usage.guest_ram_pss_kb += kb;
+                }
+            }
+            "Private_Clean:" | "Private_Dirty:" => usage.private_kb += kb,
+            _ => {}
+        }
+    }
+    usage
+}
+
+/// Field 22 of `/proc/<pid>/stat`: when the process started (clock ticks since boot).
+fn process_start(pid: i32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields follow the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
+fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Waits until the process behind `pidfd` has ended.
+fn wait_pidfd(pidfd: &OwnedFd, timeout: Duration) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: polling one fd we own.
+    unsafe {
+        libc::poll(
+            &mut pfd,
+            1,
+            timeout.as_millis().min(i32::MAX as u128) as i32,
+        ) > 0
+    }
+}
+
+impl Inner {
+    fn vm_dir(&self, id: &str) -> PathBuf {
+        self.cfg.root.join("vms").join(id)
+    }
+
+    fn record(&self, id: &str) -> Result<VmRecord, VmError> {
+        let path = self.vm_dir(id).join("vm.json");
+        if !path.is_file() {
+            return Err(VmError::NotFound(id.into()));
+        }
+        read_json(&path)
+    }
+
+    fn save(&self, record: &VmRecord) -> Result<(), VmError> {
+        write_json_atomic(&self.vm_dir(&record.id).join("vm.json"), record)
+    }
+
+    /// Claims the lowest free uid of the range (a file per uid under `uids/`).
+    fn allocate_uid(&self, id: &str) -> Result<u32, VmError> {
+        let Some(base) = self.cfg.uid_base else {
+            return Ok(0);
+        };
+        let dir = self.cfg.root.join("uids");
+        for n in 0..UID_SLOTS {
+            let uid = base + n;
+            match fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(dir.join(uid.to_string()))
+            {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    f.write_all(id.as_bytes())
+                        .map_err(io_err("recording a uid"))?;
+                    return Ok(uid);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(VmError::io("allocating a uid", e)),
+            }
+        }
+        Err(VmError::Invalid("no free uid left in the VM range".into()))
+    }
+
+    fn release_uid(&self, uid: u32) {
+        if uid != 0 {
+            let _ = fs::remove_file(self.cfg.root.join("uids").join(uid.to_string()));
+        }
+    }
+
+    /// The VM dir (root's, traversable) and `run/` (the VM uid's, for the QMP socket).
+    fn prepare_dir(&self, dir: &Path, uid: u32) -> Result<(), VmError> {
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o711))
+            .map_err(io_err(format!("chmod {}", dir.display())))?;
+        let run = dir.join("run");
+        fs::create_dir_all(&run).map_err(io_err(format!("creating {}", run.display())))?;
+        give(&run, uid, uid, 0o700)
+    }
+
+    fn qemu_argv(&self, dir: &Path, record: &VmRecord, incoming: bool) -> Vec<String> {
+        let mem = format!("{}M", record.memory_mb);
+        let (mem_path, share) = match &record.ram {
+            RamMode::Shared | RamMode::InStream => (dir.join("ram"), "on"),
+            RamMode::Private { base } => (base.clone(), "off"),
+        };
+        let mut append = String::from("console=ttyS0 panic=-1 quiet random.trust_cpu=on");
+        if let Some(khz) = record.tsc_khz {
+            append.push_str(&format!(" tsc_early_khz={khz}"));
+        }
+        let (accel, cpu) = match record.accel {
+            Accel::Kvm => ("kvm", "host"),
+            // A bounded translation cache: TCG would otherwise grow it up to 1 GiB.
+            Accel::Tcg => ("tcg,tb-size=64", "max"),
+        };
+        let mut argv: Vec<String> = vec![
+            self.qemu.to_string_lossy().into(),
+            "-name".into(),
+            format!("opendsec-{}", record.id),
+            "-M".into(),
+            "microvm,memory-backend=ram0".into(),
+            "-accel".into(),
+            accel.into(),
+            "-cpu".into(),
+            cpu.into(),
+            "-smp".into(),
+            record.vcpus.to_string(),
+            "-m".into(),
+            mem.clone(),
+            "-object".into(),
+            format!(
+                "memory-backend-file,id=ram0,size={mem},mem-path={},share={share}",
+                mem_path.display()
+            ),
+            "-nodefaults".into(),
+            "-no-user-config".into(),
+            "-display".into(),
+            "none".into(),
+            "-no-reboot".into(),
+            "-serial".into(),
+            "stdio".into(),
+            "-kernel".into(),
+            record.vmlinux.to_string_lossy().into(),
+            "-initrd".into(),
+            dir.join("initrd").to_string_lossy().into(),
+            "-append".into(),
+            append,
+            "-drive".into(),
+            format!(
+                "id=root,file={},format=raw,if=none,readonly=on",
+                record.root_disk.display()
+            ),
+            "-device".into(),
+            "virtio-blk-device,drive=root,serial=opendsec-root".into(),
+            "-drive".into(),
+            format!(
+                "id=rw,file={},format=raw,if=none,discard=unmap",
+                dir.join("rw.img").display()
+            ),
+            "-device".into(),
+            "virtio-blk-device,drive=rw,serial=opendsec-rw".into(),
+            "-netdev".into(),
+            format!(
+                "tap,id=net0,fd={},vhost=off",
+                super::shim::TAP_FD_PLACEHOLDER
+            ),
+            "-device".into(),
+            format!("virtio-net-device,netdev=net0,mac={}", net::GUEST_MAC),
+            "-qmp".into(),
+            format!(
+                "unix:{},server=on,wait=off",
+                dir.join("run/qmp.sock").display()
+            ),
+            // No new privileges, no programs, no resource changes, no obsolete syscalls.
+            "-sandbox".into(),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        ];
+        if incoming {
+            argv.extend(["-incoming".into(), "defer".into()]);
+        }
+        argv
+    }
+
+    /// Starts QEMU for `record` under a shim and connects to its QMP socket. The record
+    /// is saved with the new pid.
+    fn start_qemu(
+        &self,
+        dir: &Path,
+        record: &mut VmRecord,
+        incoming: bool,
+    ) -> Result<(i32, Qmp), VmError> {
+        let socket = dir.join("run/qmp.sock");
+        if socket.as_os_str().len() > 100 {
+            return Err(VmError::Invalid(format!(
+                "{} is too long for a unix socket",
+                socket.display()
+            )));
+        }
+        for stale in ["exit.json", "qemu.pid", "run/qmp.sock"] {
+            let _ = fs::remove_file(dir.join(stale));
+        }
+        let launch = Launch {
+            argv: self.qemu_argv(dir, record, incoming),
+            uid: record.uid,
+            gid: record.uid,
+            groups: record.groups.clone(),
+            netns: Some(net::netns_path(&record.netns)),
+            tap: Some(net::TAP.into()),
+            workdir: dir.to_path_buf(),
+            console_log: dir.join("console.log"),
+            console_cap_bytes: self.cfg.console_cap_bytes,
+            pid_file: dir.join("qemu.pid"),
+            exit_file: dir.join("exit.json"),
+        };
+        let launch_file = dir.join("launch.json");
+        write_json_atomic(&launch_file, &launch)?;
+        let pid = super::shim::spawn(&self.cfg.shim, &launch_file)?;
+        record.pid = Some(pid);
+        record.pid_start = process_start(pid);
+        record.state = VmState::Running;
+        self.save(record)?;
+        let alive = || process_start(pid).is_some() && exit_record(dir, pid).is_none();
+        match Qmp::connect_until(&socket, Instant::now() + QEMU_START_TIMEOUT, &alive) {
+            Ok(qmp) => Ok((pid, qmp)),
+            Err(e) => {
+                // SAFETY: the pid is the QEMU we just started (its shim reaps it).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                let pidfd = pidfd_open(pid);
+                if let Some(fd) = &pidfd {
+                    wait_pidfd(fd, Duration::from_secs(5));
+                }
+                Err(VmError::Qemu {
+                    id: record.id.clone(),
+                    message: format!("no QMP ({e}); console: {}", console_tail(dir, 1500)),
+                })
+            }
+        }
+    }
+
+    /// The QEMU process of `record`, if it still runs (and is the one we started).
+    fn live_pid(&self, record: &VmRecord) -> Option<i32> {
+        let pid = record.pid?;
+        match (process_start(pid), record.pid_start) {
+            (Some(now), Some(then)) if now == then => Some(pid),
+            (Some(_), None) => Some(pid),
+            _ => None,
+        }
+    }
+
+    fn qmp(&self, record: &VmRecord) -> Result<Qmp, VmError> {
+        let socket = self.vm_dir(&record.id).join("run/qmp.sock");
+        Ok(Qmp::connect(&socket, QMP_TIMEOUT)?)
+    }
+
+    /// Removes what a VM that never became whole had: its QEMU (if started), namespace,
+    /// uid and directory.
+    fn discard(&self, dir: &Path, netns: Option<&str>, uid: Option<u32>) {
+        if let Some(pid) = fs::read_to_string(dir.join("qemu.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // Only if that pid is still a QEMU of this directory.
+            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy())
+                && let Some(pidfd) = pidfd_open(pid)
+            {
+                // SAFETY: signalling through a pidfd of that QEMU.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        pidfd.as_raw_fd(),
+                        libc::SIGKILL,
+                        0,
+                        0,
+                    )
+                };
+                wait_pidfd(&pidfd, Duration::from_secs(10));
+            }
+        }
+        if let Some(netns) = netns {
+            let _ = net::delete(netns);
+        }
+        if let Some(uid) = uid {
+            self.release_uid(uid);
+        }
+        let _ = fs::remove_dir_all(dir);
+    }
+}
+
+/// The shim's record of how QEMU process `pid` of the VM in `dir` ended.
+fn exit_record(dir: &Path, pid: i32) -> Option<ExitInfo> {
+    read_json::<ExitInfo>(&dir.join("exit.json"))
+        .ok()
+        .filter(|e| e.pid == pid)
+}
+
+/// Waits until QEMU `pid` has ended and its shim has recorded it (so that nothing of
+/// that run writes into the VM's directory afterwards).
+fn wait_ended(dir: &Path, pid: i32, pidfd: &OwnedFd, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    if !wait_pidfd(pidfd, timeout) {
+        return false;
+    }
+    while exit_record(dir, pid).is_none() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}
+
+/// The last `max` bytes of the VM's console, on one line.
+fn console_tail(dir: &Path, max: usize) -> String {
+    let text = fs::read(dir.join("console.log")).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text[text.len().saturating_sub(max)..]).into_owned();
+    text.trim().replace("\r\n", " | ").replace('\n', " | ")
+}
+
+/// Sends the migration stream to `dest` (a new file, root's) and waits for it.
+fn migrate_to_file(qmp: &mut Qmp, dest: &Path) -> Result<u64, VmError> {
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dest)
+        .map_err(io_err(format!("creating {}", dest.display())))?;
+    qmp.execute_with_fd("getfd", json!({"fdname": "snapshot"}), file.as_raw_fd())?;
+    qmp.execute("migrate", json!({"uri": "fd:snapshot"}))?;
+    wait_migration(qmp, "the snapshot")?;
+    file.sync_all()
+        .map_err(io_err(format!("syncing {}", dest.display())))?;
+    Ok(file.metadata().map(|m| m.len()).unwrap_or(0))
+}
+
+fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), VmError> {
+    let deadline = Instant::now() + MIGRATION_TIMEOUT;
+    loop {
+        let info = qmp.execute("query-migrate", json!({}))?;
+        match info["status"].as_str() {
+            Some("completed") => return Ok(()),
+            Some("failed") | Some("cancelled") => {
+                return Err(VmError::Qmp(QmpError::Command {
+                    command: "migrate".into(),
+                    class: "failed".into(),
+                    desc: format!(
+                        "{what}: {}",
+                        info["error-desc"].as_str().unwrap_or("migration failed")
+                    ),
+                }));
+            }
+            _ if Instant::now() > deadline => {
+                return Err(VmError::Timeout {
+                    what: what.into(),
+                    seconds: MIGRATION_TIMEOUT.as_secs(),
+                });
+            }
+            _ => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+fn set_ignore_shared(qmp: &mut Qmp, on: bool) -> Result<(), VmError> {
+    qmp.execute(
+        "migrate-set-capabilities",
+        json!({"capabilities": [{"capability": "x-ignore-shared", "state": on}]}),
+    )?;
+    Ok(())
+}
+
+/// Writes back a file's dirty pages and drops it from the page cache.
+fn release_page_cache(path: &Path) -> Result<(), VmError> {
+    let file = fs::File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
+    file.sync_data()
+        .map_err(io_err(format!("syncing {}", path.display())))?;
+    // SAFETY: advice on an fd we own.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    Ok(())
+}
+
+impl VmHandle {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn dir(&self) -> PathBuf {
+        self.inner.vm_dir(&self.id)
+    }
+
+    /// Where the guest's agent listens (inside the VM's network namespace).
+    pub fn agent(&self) -> Result<AgentChannel, VmError> {
+        let record = self.inner.record(&self.id)?;
+        Ok(AgentChannel {
+            netns: net::netns_path(&record.netns),
+            addr: net::agent_addr(),
+        })
+    }
+
+    pub fn status(&self) -> Result<VmStatus, VmError> {
+        let record = self.inner.record(&self.id)?;
+        Ok(match record.state {
+            VmState::Paused => VmStatus::Paused,
+            VmState::Running => match self.inner.live_pid(&record) {
+                Some(pid) => VmStatus::Running { pid },
+                None => VmStatus::Exited(record.pid.and_then(|pid| exit_record(&self.dir(), pid))),
+            },
+        })
+    }
+
+    pub fn files(&self) -> Result<VmFiles, VmError> {
+        let record = self.inner.record(&self.id)?;
+        let dir = self.dir();
+        Ok(VmFiles {
+            vmlinux: record.vmlinux.clone(),
+            initrd: dir.join("initrd"),
+            root_disk: record.root_disk.clone(),
+            rw_disk: dir.join("rw.img"),
+            ram: match &record.ram {
+                RamMode::Private { base } => base.clone(),
+                _ => dir.join("ram"),
+            },
+            state: dir.join("state"),
+            netns: net::netns_path(&record.netns),
+            memory_mb: record.memory_mb,
+            tsc_khz: record.tsc_khz,
+            dir,
+        })
+    }
+
+    /// The uid QEMU runs as.
+    pub fn uid(&self) -> Result<u32, VmError> {
+        Ok(self.inner.record(&self.id)?.uid)
+    }
+
+    pub fn ram_mode(&self) -> Result<RamMode, VmError> {
+        Ok(self.inner.record(&self.id)?.ram)
+    }
+
+    /// A pidfd of the running QEMU process: readable once it has ended (for an event
+    /// loop that marks the sandbox failed when its channel closes).
+    pub fn exit_fd(&self) -> Result<OwnedFd, VmError> {
+        match self.status()? {
+            VmStatus::Running { pid } => {
+                pidfd_open(pid).ok_or_else(|| self.bad_state("exited", "watch its exit"))
+            }
+            VmStatus::Paused => Err(self.bad_state("paused", "watch its exit")),
+            VmStatus::Exited(_) => Err(self.bad_state("exited", "watch its exit")),
+        }
+    }
+
+    /// The last `max` bytes of the guest's console.
+    pub fn console_tail(&self, max: usize) -> String {
+        console_tail(&self.dir(), max)
+    }
+
+    /// Memory of the running QEMU process.
+    pub fn memory(&self) -> Result<MemoryUsage, VmError> {
+        let record = self.inner.record(&self.id)?;
+        let VmStatus::Running { pid } = self.status()? else {
+            return Err(self.bad_state("not running", "measure its memory"));
+        };
+        let ram_path = match &record.ram {
+            RamMode::Private { base } => base.clone(),
+            _ => self.dir().join("ram"),
+        };
+        let text =
+            fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(io_err("reading smaps"))?;
+        Ok(parse_smaps(&text, &ram_path.to_string_lossy()))
+    }
+
+    /// Bytes of guest RAM data kept on disk for this VM (its RAM file).
+    pub fn ram_file_bytes(&self) -> u64 {
+        allocated_bytes(&self.dir().join("ram"))
+    }
+
+    /// Waits until the guest's agent answers `/health`.
+    pub fn wait_agent(&self, timeout: Duration) -> Result<Duration, VmError> {
+        let agent = self.agent()?;
+        let me = self.clone();
+        let alive = move || matches!(me.status(), Ok(VmStatus::Running { .. }));
+        agent.wait_ready(timeout, &alive).map_err(|e| match e {
+            VmError::Agent(m) | VmError::Timeout { what: m, .. } => {
+                VmError::Agent(format!("{m}; console: {}", self.console_tail(1500)))
+            }
+            other => other,
+        })
+    }
+
+    fn bad_state(&self, state: &str, operation: &'static str) -> VmError {
+        VmError::BadState {
+            id: self.id.clone(),
+            state: state.into(),
+            operation,
+        }
+    }
+
+    fn running_record(&self, operation: &'static str) -> Result<(VmRecord, i32), VmError> {
+        let record = self.inner.record(&self.id)?;
+        if record.state == VmState::Paused {
+            return Err(self.bad_state("paused", operation));
+        }
+        match self.inner.live_pid(&record) {
+            Some(pid) => Ok((record, pid)),
+            None => Err(self.bad_state("exited", operation)),
+        }
+    }
+
+    /// Pause: snapshot the VM and end its QEMU process, releasing its memory. With
+    /// shared RAM the stream holds only device state (the RAM file is the memory); a
+    /// fork copy's RAM (private pages over the fork's base) goes into the stream.
+    pub fn pause(&self) -> Result<PauseReport, VmError> {
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let (mut record, pid) = self.running_record("pause")?;
+        let pidfd = pidfd_open(pid).ok_or_else(|| self.bad_state("exited", "pause"))?;
+        let mut qmp = self.inner.qmp(&record)?;
+        let shared = record.ram == RamMode::Shared;
+        set_ignore_shared(&mut qmp, shared)?;
+        let t0 = Instant::now();
+        qmp.execute("stop", json!({}))?;
+        let tmp = dir.join("state.new");
+        let state_bytes = match migrate_to_file(&mut qmp, &tmp) {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                // The VM is unharmed: let it run on.
+                let _ = qmp.execute("cont", json!({}));
+                return Err(e);
+            }
+        };
+        let snapshot = t0.elapsed();
+        // The snapshot is complete: from here the VM is paused, whatever happens to
+        // this QEMU (a crash before it is gone leaves it for `recover` to end).
+        fs::rename(&tmp, dir.join("state")).map_err(io_err("keeping the snapshot"))?;
+        let old_base = match &record.ram {
+            RamMode::Private { base } => Some(base.clone()),
+            _ => None,
+        };
+        if !shared {
+            record.ram = RamMode::InStream;
+            record.groups.clear();
+        }
+        record.state = VmState::Paused;
+        self.inner.save(&record)?;
+        let t1 = Instant::now();
+        let _ = qmp.execute("quit", json!({}));
+        drop(qmp);
+        if !wait_ended(&dir, pid, &pidfd, Duration::from_secs(10)) {
+            // SAFETY: the pid is our QEMU (pidfd taken while it was).
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    0,
+                    0,
+                )
+            };
+            wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
+        }
+        let exit = t1.elapsed();
+        record.pid = None;
+        record.pid_start = None;
+        self.inner.save(&record)?;
+        if old_base.is_some() {
+            self.inner.gc_forks();
+        }
+        let t2 = Instant::now();
+        if shared {
+            release_page_cache(&dir.join("ram"))?;
+        }
+        Ok(PauseReport {
+            snapshot,
+            exit,
+            release: t2.elapsed(),
+            state_bytes,
+        })
+    }
+
+    /// Resume: a new QEMU process restores the paused VM, which continues where it was.
+    pub fn resume(&self) -> Result<ResumeReport, VmError> {
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let mut record = self.inner.record(&self.id)?;
+        if record.state != VmState::Paused {
+            return Err(self.bad_state("running", "resume"));
+        }
+        let state = dir.join("state");
+        if !state.is_file() {
+            return Err(VmError::Corrupt {
+                path: state,
+                message: "a paused VM without its snapshot".into(),
+            });
+        }
+        let from_stream = record.ram == RamMode::InStream;
+        if from_stream {
+            // The stream carries the RAM: it loads into a fresh shared file.
+            new_ram_file(&dir.join("ram"), record.memory_mb)?;
+            give(&dir.join("ram"), record.uid, record.uid, 0o600)?;
+        }
+        let t0 = Instant::now();
+        let (pid, mut qmp) = self.inner.start_qemu(&dir, &mut record, true)?;
+        let spawn = t0.elapsed();
+        let t1 = Instant::now();
+        let result = restore(&mut qmp, &state, !from_stream);
+        if let Err(e) = result {
+            // SAFETY: our QEMU; the VM stays paused, its snapshot untouched.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            record.state = VmState::Paused;
+            record.pid = None;
+            record.pid_start = None;
+            self.inner.save(&record)?;
+            return Err(VmError::Qemu {
+                id: self.id.clone(),
+                message: format!(
+                    "restoring {}: {e}; console: {}",
+                    state.display(),
+                    console_tail(&dir, 800)
+                ),
+            });
+        }
+        let restore_time = t1.elapsed();
+        if from_stream {
+            record.ram = RamMode::Shared;
+            self.inner.save(&record)?;
+        }
+        Ok(ResumeReport {
+            spawn,
+            restore: restore_time,
+        })
+    }
+
+    /// Fork with memory: the source stops only while its device state is streamed and
+    /// its RAM file and writable disk are copied, then runs on; each copy (one per id
+    /// in `new_ids`) is a new VM restored from that state, mapping the frozen RAM copy
+    /// privately, so the copies share every page none of them has written.
+    pub fn fork(&self, new_ids: &[String]) -> Result<ForkReport, VmError> {
+        let started = Instant::now();
+        if new_ids.is_empty() || new_ids.len() > MAX_FORK_COUNT {
+            return Err(VmError::Invalid(format!(
+                "fork count must be 1 to {MAX_FORK_COUNT}, not {}",
+                new_ids.len()
+            )));
+        }
+        for (i, id) in new_ids.iter().enumerate() {
+            validate_id(id)?;
+            if new_ids[..i].contains(id) || id == &self.id {
+                return Err(VmError::Invalid(format!("fork id {id} is given twice")));
+            }
+            if self.inner.vm_dir(id).exists() {
+                return Err(VmError::Exists(id.clone()));
+            }
+        }
+        // A copy's RAM is private pages over a base: settle it into a file of its own.
+        if matches!(self.inner.record(&self.id)?.ram, RamMode::Private { .. }) {
+            self.pause()?;
+            self.resume()?;
+        }
+        let inner = &self.inner;
+        let dir = self.dir();
+        let lock = lock_file(&dir.join("lock"))?;
+        let (source, _pid) = self.running_record("fork")?;
+        let fork_dir = inner.cfg.root.join("forks").join(format!(
+            "{}-{}",
+            self.id,
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_micros())
+                .unwrap_or(0)
+        ));
+        fs::create_dir_all(&fork_dir)
+            .map_err(io_err(format!("creating {}", fork_dir.display())))?;
+        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711))
+            .map_err(io_err("chmod fork dir"))?;
+
+        // Everything that does not need the frozen source is ready before it stops.
+        let base = fork_dir.join("ram");
+        let mut prepared: Vec<(VmRecord, PathBuf)> = Vec::new();
+        let discard_all = |prepared: &[(VmRecord, PathBuf)]| {
+            for (record, copy_dir) in prepared {
+                inner.discard(copy_dir, Some(&record.netns), Some(record.uid));
+            }
+            let _ = fs::remove_dir_all(&fork_dir);
+        };
+        for id in new_ids {
+            match inner.prepare_copy(&source, &dir, id, &base) {
+                Ok(ready) => prepared.push(ready),
+                Err(e) => {
+                    discard_all(&prepared);
+                    return Err(e);
+                }
+            }
+        }
+
+        // The source's pause: stop, stream device state, copy RAM and disk, continue.
+        let frozen = (|| {
+            let mut qmp = inner.qmp(&source)?;
+            set_ignore_shared(&mut qmp, true)?;
+            let t0 = Instant::now();
+            qmp.execute("stop", json!({}))?;
+            let result = (|| {
+                migrate_to_file(&mut qmp, &fork_dir.join("state"))?;
+                let ram_bytes = sparse_copy(&dir.join("ram"), &base)?;
+                sparse_copy(&dir.join("rw.img"), &fork_dir.join("rw.img"))?;
+                Ok::<_, VmError>(ram_bytes)
+            })();
+            // The source runs on whatever happened.
+            let cont = qmp.execute("cont", json!({}));
+            let paused = t0.elapsed();
+            let ram_bytes = result?;
+            cont?;
+            Ok::<_, VmError>((paused, ram_bytes))
+        })();
+        drop(lock);
+        let (source_paused, ram_bytes) = match frozen {
+            Ok(v) => v,
+            Err(e) => {
+                discard_all(&prepared);
+                return Err(e);
+            }
+        };
+        // Copies open the base read-write (QEMU 7.2 has no `rom=on`) and map it
+        // privately: the source's group may, nobody else.
+        if let Err(e) = give(&base, 0, source.uid, 0o660) {
+            discard_all(&prepared);
+            return Err(e);
+        }
+
+        // Start every copy's QEMU, then restore each.
+        let mut qmps = Vec::new();
+        let mut failure = None;
+        for (record, copy_dir) in prepared.iter_mut() {
+            let step = (|| {
+                sparse_copy(&fork_dir.join("rw.img"), &copy_dir.join("rw.img"))?;
+                give(&copy_dir.join("rw.img"), record.uid, record.uid, 0o600)?;
+                fs::copy(fork_dir.join("state"), copy_dir.join("state"))
+                    .map_err(io_err("copying the snapshot"))?;
+                let (_pid, qmp) = inner.start_qemu(copy_dir, record, true)?;
+                Ok::<_, VmError>(qmp)
+            })();
+            match step {
+                Ok(qmp) => qmps.push(qmp),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if failure.is_none() {
+            for ((_, copy_dir), qmp) in prepared.iter().zip(qmps.iter_mut()) {
+                if let Err(e) = restore(qmp, &copy_dir.join("state"), true) {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(qmps);
+        if let Some(e) = failure {
+            discard_all(&prepared);
+            return Err(e);
+        }
+        for (_, copy_dir) in &prepared {
+            let _ = fs::remove_file(copy_dir.join("state"));
+        }
+        let _ = fs::remove_file(fork_dir.join("rw.img"));
+        let _ = fs::remove_file(fork_dir.join("state"));
+        let copies = prepared
+            .into_iter()
+            .map(|(record, _)| VmHandle {
+                inner: self.inner.clone(),
+                id: record.id,
+            })
+            .collect();
+        Ok(ForkReport {
+            copies,
+            source_paused,
+            total: started.elapsed(),
+            ram_bytes,
+        })
+    }
+
+    /// Brings a VM back to a state the driver recognises after the edge died in the
+    /// middle of an operation (call it for every VM when the edge starts): a QEMU left
+    /// stopped by an unfinished pause or fork continues; a QEMU whose snapshot was
+    /// already taken (the VM is paused) is ended; a QEMU still waiting for an incoming
+    /// snapshot is ended and the VM stays paused. Returns what it did, if anything.
+    pub fn recover(&self) -> Result<Option<String>, VmError> {
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let mut record = self.inner.record(&self.id)?;
+        let Some(pid) = self.inner.live_pid(&record) else {
+            return Ok(None);
+        };
+        let end = |record: &mut VmRecord| -> Result<(), VmError> {
+            if let Some(pidfd) = pidfd_open(pid) {
+                // SAFETY: signalling through a pidfd of this VM's QEMU.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        pidfd.as_raw_fd(),
+                        libc::SIGKILL,
+                        0,
+                        0,
+                    )
+                };
+                wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
+            }
+            record.state = VmState::Paused;
+            record.pid = None;
+            record.pid_start = None;
+            self.inner.save(record)
+        };
+        if record.state == VmState::Paused {
+            end(&mut record)?;
+            return Ok(Some("ended the QEMU of a finished snapshot".into()));
+        }
+        let mut qmp = self.inner.qmp(&record)?;
+        let status = qmp.execute("query-status", json!({}))?;
+        match status["status"].as_str().unwrap_or("") {
+            "running" => Ok(None),
+            "inmigrate" => {
+                drop(qmp);
+                if !dir.join("state").is_file() {
+                    return Err(VmError::Corrupt {
+                        path: dir.join("state"),
+                        message: "a restore was under way but the snapshot is gone".into(),
+                    });
+                }
+                end(&mut record)?;
+                Ok(Some("ended an unfinished restore; the VM is paused".into()))
+            }
+            other => {
+                qmp.execute("cont", json!({}))?;
+                Ok(Some(format!("continued a VM left {other}")))
+            }
+        }
+    }
+
+    /// Ends the QEMU process at once (the guest gets no say); the VM stays on disk,
+    /// [`VmStatus::Exited`].
+    pub fn kill(&self) -> Result<(), VmError> {
+        let record = self.inner.record(&self.id)?;
+        if let Some(pid) = self.inner.live_pid(&record)
+            && let Some(pidfd) = pidfd_open(pid)
+        {
+            // SAFETY: signalling through a pidfd of our QEMU.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    0,
+                    0,
+                )
+            };
+            wait_ended(&self.dir(), pid, &pidfd, Duration::from_secs(10));
+        }
+        Ok(())
+    }
+
+    /// Kills the VM if it runs and removes everything it had: files, namespace, uid.
+    pub fn delete(&self) -> Result<(), VmError> {
+        let dir = self.dir();
+        let record = self.inner.record(&self.id)?;
+        let _lock = lock_file(&dir.join("lock"))?;
+        self.kill()?;
+        net::delete(&record.netns)?;
+        self.inner.release_uid(record.uid);
+        if dir.exists() {
+            fs::remove_dir_all(&dir).map_err(io_err(format!("removing {}", dir.display())))?;
+        }
+        self.inner.gc_forks();
+        Ok(())
+    }
+}
+
+/// Loads the snapshot `state` into a QEMU started with `-incoming defer`, then runs it.
+fn restore(qmp: &mut Qmp, state: &Path, ignore_shared: bool) -> Result<(), VmError> {
+    set_ignore_shared(qmp, ignore_shared)?;
+    let file = fs::File::open(state).map_err(io_err(format!("opening {}", state.display())))?;
+    qmp.execute_with_fd("getfd", json!({"fdname": "snapshot"}), file.as_raw_fd())?;
+    qmp.execute("migrate-incoming", json!({"uri": "fd:snapshot"}))?;
+    wait_migration(qmp, "the restore")?;
+    let status = qmp.execute("query-status", json!({}))?;
+    if status["status"] != "running" {
+        qmp.execute("cont", json!({}))?;
+    }
+    Ok(())
+}
+
+impl Inner {
+    /// Makes a fork copy's directory, uid, namespace and initrd (everything that does
+    /// not need the frozen source); on failure leaves nothing behind.
+    fn prepare_copy(
+        &self,
+        source: &VmRecord,
+        source_dir: &Path,
+        id: &str,
+        base: &Path,
+    ) -> Result<(VmRecord, PathBuf), VmError> {
+        let copy_dir = self.vm_dir(id);
+        match fs::create_dir(&copy_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(VmError::Exists(id.into()));
+            }
+            Err(e) => return Err(VmError::io(format!("creating {}", copy_dir.display()), e)),
+        }
+        let netns = format!("{}{}", self.netns_prefix, id);
+        let mut claimed_uid = None;
+        let result = (|| {
+            let uid = self.allocate_uid(id)?;
+            claimed_uid = Some(uid);
+            let record = VmRecord {
+                id: id.into(),
+                uid,
+                groups: vec![source.uid],
+                netns: netns.clone(),
+                ram: RamMode::Private {
+                    base: base.to_path_buf(),
+                },
+                state: VmState::Paused,
+                pid: None,
+                pid_start: None,
+                forked_from: Some(source.id.clone()),
+                ..source.clone()
+            };
+            self.prepare_dir(&copy_dir, uid)?;
+            fs::copy(source_dir.join("initrd"), copy_dir.join("initrd"))
+                .map_err(io_err("copying the initrd"))?;
+            give(&copy_dir.join("initrd"), uid, uid, 0o400)?;
+            net::create(&netns, uid)?;
+            Ok(record)
+        })();
+        match result {
+            Ok(record) => Ok((record, copy_dir)),
+            Err(e) => {
+                self.discard(&copy_dir, Some(&netns), claimed_uid);
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes fork directories no VM maps any more.
+    fn gc_forks(&self) {
+        let Ok(_lock) = lock_file(&self.cfg.root.join("forks.lock")) else {
+            return;
+        };
+        let mut used = std::collections::BTreeSet::new();
+        if let Ok(entries) = fs::read_dir(self.cfg.root.join("vms")) {
+            for entry in entries.filter_map(Result::ok) {
+                if let Ok(record) = read_json::<VmRecord>(&entry.path().join("vm.json"))
+                    && let RamMode::Private { base } = record.ram
+                    && let Some(parent) = base.parent()
+                {
+                    used.insert(parent.to_path_buf());
+                }
+            }
+        }
+        if let Ok(entries) = fs::read_dir(self.cfg.root.join("forks")) {
+            for entry in entries.filter_map(Result::ok) {
+                let path = entry.path();
+                // A fork under way has no `ram` yet or holds `state`: leave it.
+                if !used.contains(&path)
+                    && path.join("ram").exists()
+                    && !path.join("state").exists()
+                {
+                    let _ = fs::remove_dir_all(&path);
+                }
+            }
+        }
+    }
+}

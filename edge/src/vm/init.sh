@@ -1,0 +1,93 @@
+#!/bin/sh
+# OpenDsec guest init: PID 1 of the initramfs (busybox sh). It loads the modules in
+# dependency order, finds the two disks by their serial numbers, composes the root
+# (read-only image disk under a writable ext4 disk, with overlayfs), puts the agent and
+# its configuration on a private tmpfs at /.opendsec, configures the agent channel
+# (eth0, no route anywhere) and execs the agent as PID 1 of the guest.
+# Any failure ends init: the kernel panics, `panic=-1` reboots, QEMU (-no-reboot) exits,
+# and the edge sees the VM exit with this output in console.log.
+PATH=/bin
+export PATH
+
+die() {
+    echo "opendsec-init: FAILED: $*"
+    echo "@@OPENDSEC_INIT_FAILED"
+    exit 1
+}
+
+mount -t devtmpfs dev /dev || die "mounting devtmpfs"
+mount -t proc proc /proc || die "mounting /proc"
+mount -t sysfs sys /sys || die "mounting /sys"
+
+# The accelerator probe only needs to know that user space was reached.
+case " $(cat /proc/cmdline) " in
+*" opendsec.probe=1 "*)
+    echo "@@OPENDSEC_PROBE_USERSPACE"
+    reboot -f
+    ;;
+esac
+
+while read -r module; do
+    insmod "/lib/modules/$module.ko" || die "insmod $module"
+done </lib/modules/load-order
+
+. /opendsec/vm.conf
+
+# Device names follow probe order; the serial numbers QEMU gives the disks do not.
+root_dev=
+rw_dev=
+tries=0
+while :; do
+    for dev in /sys/block/vd*; do
+        [ -r "$dev/serial" ] || continue
+        case "$(cat "$dev/serial")" in
+        opendsec-root) root_dev=/dev/${dev##*/} ;;
+        opendsec-rw) rw_dev=/dev/${dev##*/} ;;
+        esac
+    done
+    [ -n "$root_dev" ] && [ -n "$rw_dev" ] && break
+    tries=$((tries + 1))
+    [ "$tries" -gt 1000 ] && die "disks not found (root: '$root_dev', writable: '$rw_dev')"
+    usleep 10000
+done
+
+mount -t erofs -o ro "$root_dev" /ro || die "mounting the image disk $root_dev"
+mount -t ext4 -o noatime "$rw_dev" /rw || die "mounting the writable disk $rw_dev"
+mkdir -p /rw/upper /rw/work || die "preparing the writable disk"
+mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /newroot ||
+    die "mounting the overlay root"
+
+# The agent and its configuration: root-only, read-only, gone with the guest.
+mkdir -p /newroot/.opendsec || die "creating /.opendsec"
+mount -t tmpfs -o mode=0700,size=64m opendsec /newroot/.opendsec || die "mounting /.opendsec"
+mkdir /newroot/.opendsec/config || die "creating /.opendsec/config"
+cp /opendsec/agent /newroot/.opendsec/agent || die "copying the agent"
+cp /opendsec/config/* /newroot/.opendsec/config/ || die "copying the agent's configuration"
+chmod 0600 /newroot/.opendsec/config/*
+mount -o remount,ro /newroot/.opendsec || die "making /.opendsec read-only"
+
+for dir in dev proc sys run tmp; do
+    mkdir -p "/newroot/$dir"
+done
+mount --move /dev /newroot/dev || die "moving /dev"
+mkdir -p /newroot/dev/pts /newroot/dev/shm
+mount -t devpts -o gid=5,mode=0620,ptmxmode=0666 devpts /newroot/dev/pts || die "mounting devpts"
+mount -t tmpfs -o mode=1777 shm /newroot/dev/shm || die "mounting /dev/shm"
+mount --move /proc /newroot/proc || die "moving /proc"
+mount --move /sys /newroot/sys || die "moving /sys"
+mount -t tmpfs -o mode=0755 run /newroot/run || die "mounting /run"
+
+# The agent channel: this guest's side of the tap's /30, and nothing else.
+ip link set lo up || die "lo up"
+ip addr add "$GUEST_IP/$GUEST_PREFIX" dev eth0 || die "addressing eth0"
+ip link set eth0 up || die "eth0 up"
+hostname "$GUEST_HOSTNAME"
+
+set -- serve --listen "tcp:$GUEST_IP:$AGENT_PORT" \
+    --access-token-file /.opendsec/config/token \
+    --env-file /.opendsec/config/env.json
+if [ -f /opendsec/config/start.json ]; then
+    set -- "$@" --start-file /.opendsec/config/start.json
+fi
+echo "@@OPENDSEC_AGENT_EXEC"
+exec switch_root /newroot /.opendsec/agent "$@"

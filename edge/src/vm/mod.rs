@@ -1,0 +1,187 @@
+//! The QEMU microVM driver: sandboxes as `-M microvm` guests that boot Debian's kernel,
+//! our own initramfs and the same image layers and agent as containers, driven over QMP,
+//! with guest RAM in a file so that pause, resume and fork with memory are cheap.
+//!
+//! The pieces, each in its own file:
+//! - `kernel`: the guest kernel (Debian's `linux-image-amd64`, vmlinux extracted from the
+//!   bzImage) and the modules the guest needs, in load order; cached in the image store.
+//! - `cpio` and `initramfs`: the initramfs (busybox, the modules, `init.sh`, the agent)
+//!   and the small per-VM archive appended to it (the agent's configuration).
+//! - `disks`: the read-only root disk of an image (EROFS, one per list of layers) and
+//!   the per-VM writable ext4 disk; sparse copies.
+//! - `net`: the agent channel, a tap device in a network namespace of its own per VM.
+//! - `qmp`: a small QMP client (capabilities, commands, events, fds over SCM_RIGHTS).
+//! - `shim`: the detached parent of each QEMU process (`opendsec-vm-shim`).
+//! - `accel`: honest KVM detection (a probe guest must reach user space in time).
+//! - `driver`: [`MicroVmDriver`] and [`VmHandle`]: create, pause, resume, fork, kill.
+//! - `agent`: a minimal client of the in-guest agent (health, exec) for readiness checks,
+//!   tests and the benchmark.
+
+mod accel;
+pub mod agent;
+mod cpio;
+mod disks;
+mod driver;
+mod initramfs;
+mod kernel;
+mod net;
+mod qmp;
+pub mod shim;
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+pub use accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
+pub use agent::{AgentChannel, ExecOutput};
+pub use disks::{build_root_disk, sparse_copy};
+pub use driver::{
+    ForkReport, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, VmConfig, VmFiles,
+    VmHandle, VmSpec, VmState, VmStatus,
+};
+pub use initramfs::{GuestBoot, ensure_guest_boot};
+pub use kernel::{GuestKernel, ensure_kernel};
+pub use net::{GUEST_MAC, TAP};
+pub use qmp::{Qmp, QmpError};
+
+use crate::images::ImageError;
+
+/// Where the agent listens inside every guest: the guest's side of its tap's /30. Each
+/// VM has a network namespace of its own, so all guests (and every fork copy, whose
+/// memory already holds this configuration) use the same addresses.
+pub const GUEST_IP: [u8; 4] = [169, 254, 100, 2];
+/// The host's side of the tap, inside the VM's namespace.
+pub const HOST_IP: [u8; 4] = [169, 254, 100, 1];
+/// envd's port, as in E2B.
+pub const AGENT_PORT: u16 = 49983;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// A host tool or file the driver needs is missing.
+    #[error("{0}")]
+    Prerequisite(String),
+    #[error("{context}: {source}")]
+    Io { context: String, source: io::Error },
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// Building the guest kernel, initramfs or a disk failed.
+    #[error("building {what} failed: {message}")]
+    Build { what: String, message: String },
+    #[error("QMP: {0}")]
+    Qmp(#[from] QmpError),
+    /// QEMU did not start, or ended while an operation needed it.
+    #[error("QEMU of VM {id}: {message}")]
+    Qemu { id: String, message: String },
+    #[error("invalid VM id {0:?}: use 1-64 letters, digits and '-'")]
+    InvalidId(String),
+    #[error("VM {0} does not exist")]
+    NotFound(String),
+    #[error("VM {0} already exists")]
+    Exists(String),
+    /// The operation is not legal in the VM's current state.
+    #[error("VM {id} is {state}: cannot {operation}")]
+    BadState {
+        id: String,
+        state: String,
+        operation: &'static str,
+    },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("timed out after {seconds} s waiting for {what}")]
+    Timeout { what: String, seconds: u64 },
+    /// A VM's files on disk are not what the driver wrote.
+    #[error("corrupt VM state {path}: {message}")]
+    Corrupt { path: PathBuf, message: String },
+    /// The agent in the guest answered unexpectedly.
+    #[error("agent: {0}")]
+    Agent(String),
+}
+
+impl VmError {
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+        VmError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> VmError {
+    let context = context.into();
+    move |source| VmError::Io { context, source }
+}
+
+/// Writes `value` as JSON to a temporary file and renames it over `path`.
+pub(crate) fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), VmError> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let json = serde_json::to_vec_pretty(value).expect("serialisable");
+    fs::write(&tmp, json).map_err(io_err(format!("writing {}", tmp.display())))?;
+    fs::rename(&tmp, path).map_err(io_err(format!("writing {}", path.display())))
+}
+
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, VmError> {
+    let bytes = fs::read(path).map_err(io_err(format!("reading {}", path.display())))?;
+    serde_json::from_slice(&bytes).map_err(|e| VmError::Corrupt {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// The first of `dirs` that holds an executable `name`.
+pub(crate) fn find_tool(name: &str) -> Option<PathBuf> {
+    [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join(name))
+    .find(|p| p.is_file())
+}
+
+/// Like [`find_tool`], or a [`VmError::Prerequisite`] naming the package to install.
+pub(crate) fn require_tool(name: &str, package: &str) -> Result<PathBuf, VmError> {
+    find_tool(name).ok_or_else(|| {
+        VmError::Prerequisite(format!(
+            "{name} is missing: install the {package} package (apt-get install {package})"
+        ))
+    })
+}
+
+/// Takes an exclusive `flock` on `path` (created if needed); released on drop.
+pub(crate) fn lock_file(path: &Path) -> Result<fs::File, VmError> {
+    use std::os::fd::AsRawFd;
+    if let Some(parent) = path.parent() {
+        fs::create_dir_all(parent).map_err(io_err(format!("creating {}", parent.display())))?;
+    }
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io_err(format!("opening {}", path.display())))?;
+    loop {
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(file);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(VmError::io(format!("locking {}", path.display()), err));
+        }
+    }
+}
+
+/// SHA-256 of a file, hex.
+pub(crate) fn file_sha256(path: &Path) -> Result<String, VmError> {
+    use sha2::{Digest, Sha256};
+    let mut file = fs::File::open(path).map_err(io_err(format!("reading {}", path.display())))?;
+    let mut digest = Sha256::new();
+    io::copy(&mut file, &mut digest).map_err(io_err(format!("reading {}", path.display())))?;
+    Ok(hex::encode(digest.finalize()))
+}

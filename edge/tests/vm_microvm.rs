@@ -1,0 +1,683 @@
+//! Specification tests of the QEMU microVM driver against the real thing: QEMU
+//! (`-M microvm`, TCG where KVM is not usable), Debian's kernel, our initramfs, the
+//! `base` image as an EROFS disk, the static agent in the guest, taps in network
+//! namespaces. They need root, the packages qemu-system-x86, erofs-utils, e2fsprogs,
+//! iproute2, apt (the kernel is fetched once per machine with `apt-get download`), the
+//! `base` image in the store (`opendsec-image build base`) and the static agent
+//! (`edge/agent/build-static.sh`). Each figure they measure is printed as
+//! `figure: <name> = <value>`; run with `--nocapture` to see them.
+//!
+//! Run: `cargo test -p opendsec-edge --test vm_microvm -- --test-threads=1 --nocapture`
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use opendsec_edge::images::ImageStore;
+use opendsec_edge::vm::{
+    ExecOutput, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus, detect_accel,
+};
+
+/// Images are built once per machine and shared (as on an edge).
+fn store_dir() -> PathBuf {
+    std::env::var_os("OPENDSEC_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(opendsec_edge::images::DEFAULT_STORE))
+}
+
+/// The driver's state for these tests: one directory per machine, so the accelerator
+/// verdict is probed once per host boot; every test removes the VMs it made.
+const TEST_ROOT: &str = "/var/tmp/opendsec-vm-tests";
+
+fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
+        });
+    assert!(
+        p.is_file(),
+        "the static agent {} is missing: run edge/agent/build-static.sh {}",
+        p.display(),
+        p.display()
+    );
+    p
+}
+
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the microVM tests need root");
+}
+
+fn config() -> VmConfig {
+    require_root();
+    let store = ImageStore::open(store_dir()).expect("open the image store");
+    VmConfig::new(
+        TEST_ROOT,
+        store,
+        static_agent(),
+        PathBuf::from(env!("CARGO_BIN_EXE_opendsec-vm-shim")),
+    )
+}
+
+fn driver() -> MicroVmDriver {
+    static DRIVER: OnceLock<MicroVmDriver> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            let t = Instant::now();
+            let d = MicroVmDriver::new(config(), &|m| eprintln!("[vm] {m}"))
+                .expect("the microVM driver");
+            eprintln!(
+                "driver ready in {} ms: kernel {}, accelerator {} ({}), tsc {:?}",
+                t.elapsed().as_millis(),
+                d.guest_boot().kernel.release,
+                d.accel().accel.as_str(),
+                d.accel().reason,
+                d.tsc_khz()
+            );
+            d
+        })
+        .clone()
+}
+
+fn base_image() -> opendsec_edge::images::Image {
+    let store = ImageStore::open(store_dir()).unwrap();
+    store
+        .ensure("base", &|p| eprintln!("[base] {}: {}", p.phase, p.message))
+        .expect("the base image")
+}
+
+fn unique(tag: &str) -> String {
+    format!("t{}-{tag}", std::process::id())
+}
+
+const TOKEN: &str = "vm-test-token";
+
+fn spec(id: &str) -> VmSpec {
+    VmSpec {
+        id: id.into(),
+        image: base_image(),
+        memory_mb: 256,
+        vcpus: 1,
+        disk_mb: 512,
+        env: BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]),
+        access_token: TOKEN.into(),
+    }
+}
+
+/// Deletes the VMs a test made, also when it fails.
+struct Cleanup(Vec<VmHandle>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for vm in &self.0 {
+            match vm.delete() {
+                Ok(()) | Err(VmError::NotFound(_)) => {}
+                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
+            }
+        }
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
+    let agent = vm.agent().unwrap();
+    rt().block_on(agent.exec(TOKEN, cmd, args))
+        .unwrap_or_else(|e| {
+            panic!(
+                "exec {cmd} {args:?} in {}: {e}; console: {}",
+                vm.id(),
+                vm.console_tail(2000)
+            )
+        })
+}
+
+fn boot(id: &str) -> (VmHandle, Duration) {
+    let t = Instant::now();
+    let vm = driver()
+        .create(&spec(id), &|m| eprintln!("[{id}] {m}"))
+        .unwrap_or_else(|e| panic!("creating {id}: {e}"));
+    vm.wait_agent(Duration::from_secs(180))
+        .unwrap_or_else(|e| panic!("the agent of {id}: {e}"));
+    (vm, t.elapsed())
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn figure(name: &str, value: impl std::fmt::Display) {
+    eprintln!("figure: {name} = {value}");
+}
+
+/// A counter that lives only in the memory of a guest process: each connection to
+/// 127.0.0.1:7777 in the guest adds one and reads the new value back.
+const COUNTER: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7777))
+s.listen(8)
+n = 0
+while True:
+    c, _ = s.accept()
+    n += 1
+    c.sendall(b"%d\n" % n)
+    c.close()
+"#;
+
+fn start_counter(vm: &VmHandle) {
+    let out = exec(vm, "setsid", &["-f", "python3", "-c", COUNTER]);
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    // Wait until it listens (python starts slowly under TCG).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let probe = exec(
+            vm,
+            "bash",
+            &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"],
+        );
+        if probe.stdout_text().contains("up") {
+            // That connection counted once: the counter starts at 1.
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the counter never listened: {probe:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn count(vm: &VmHandle) -> u64 {
+    let out = exec(
+        vm,
+        "bash",
+        &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"],
+    );
+    out.stdout_text()
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the counter of {} said {out:?}", vm.id()))
+}
+
+fn pid_alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Bytes of `path` resident in the page cache (mincore over a mapping of it).
+fn resident_bytes(path: &Path) -> u64 {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).unwrap();
+    let len = file.metadata().unwrap().len() as usize;
+    if len == 0 {
+        return 0;
+    }
+    // SAFETY: a read-only shared mapping of a file we hold open, unmapped below.
+    unsafe {
+        let addr = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
+        assert_ne!(addr, libc::MAP_FAILED);
+        let pages = len.div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        assert_eq!(libc::mincore(addr, len, vec.as_mut_ptr()), 0);
+        libc::munmap(addr, len);
+        vec.iter().filter(|b| **b & 1 != 0).count() as u64 * 4096
+    }
+}
+
+#[test]
+fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
+    let id = unique("py");
+    let t = Instant::now();
+    let (vm, ready) = boot(&id);
+    let _cleanup = Cleanup(vec![vm.clone()]);
+    let out = exec(&vm, "python3", &["-c", "print(6*7)"]);
+    let first = t.elapsed();
+    assert_eq!(out.stdout_text(), "42\n", "{out:?}");
+    assert_eq!(out.exit_code, 0);
+    figure("cold boot to agent ready", ms(ready));
+    figure(
+        "cold boot to first command (python3 -c 'print(6*7)')",
+        ms(first),
+    );
+    figure("accelerator", driver().accel().accel.as_str());
+
+    // The sandbox's environment reaches processes; the agent wants its token.
+    let env = exec(&vm, "sh", &["-c", "echo \"$GREETING\"; id -un; uname -r"]);
+    assert_eq!(
+        env.stdout_text(),
+        format!(
+            "hello from the host\nuser\n{}\n",
+            driver().guest_boot().kernel.release
+        )
+    );
+    let refused = rt().block_on(vm.agent().unwrap().exec("wrong-token", "true", &[]));
+    assert!(
+        matches!(&refused, Err(VmError::Agent(m)) if m.contains("401")),
+        "{refused:?}"
+    );
+
+    // QEMU runs under the VM's own uid, in a network namespace of its own.
+    let VmStatus::Running { pid } = vm.status().unwrap() else {
+        panic!("not running")
+    };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid_line = status
+        .lines()
+        .find(|l| l.starts_with("Uid:"))
+        .unwrap()
+        .to_string();
+    let uid = vm.uid().unwrap();
+    assert_ne!(uid, 0);
+    assert!(
+        uid_line
+            .split_whitespace()
+            .skip(1)
+            .all(|u| u == uid.to_string()),
+        "{uid_line}"
+    );
+    assert_ne!(
+        std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap(),
+        std::fs::read_link("/proc/self/ns/net").unwrap(),
+        "QEMU must not be in the host's network namespace"
+    );
+    // The guest reaches nothing but its /30: no route anywhere else.
+    let routes = exec(&vm, "sh", &["-c", "cat /proc/net/route | wc -l"]);
+    assert_eq!(
+        routes.stdout_text().trim(),
+        "2",
+        "one header line and the /30: {routes:?}"
+    );
+
+    // The guest ends itself (an immediate reboot; QEMU runs with -no-reboot): the
+    // driver sees the channel gone.
+    let exit_fd = vm.exit_fd().unwrap();
+    let agent = vm.agent().unwrap();
+    let t = Instant::now();
+    // The request never gets an answer: the guest is gone before it could send one.
+    std::thread::spawn(move || {
+        let _ = rt().block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                agent.exec_as(TOKEN, "root", "sh", &["-c", "echo b > /proc/sysrq-trigger"]),
+            )
+            .await
+        });
+    });
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(&exit_fd),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: polling one fd we own.
+    let ready = unsafe { libc::poll(&mut pfd, 1, 30_000) };
+    assert_eq!(ready, 1, "QEMU did not end after the guest rebooted");
+    figure(
+        "guest reboot request to QEMU exit seen (exit fd)",
+        ms(t.elapsed()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        match vm.status().unwrap() {
+            VmStatus::Exited(Some(info)) => break info,
+            other if Instant::now() > deadline => panic!("status after the guest ended: {other:?}"),
+            _ => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    eprintln!("exit recorded: {status:?}");
+    assert!(!pid_alive(pid));
+}
+
+#[test]
+fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
+    let id = unique("pause");
+    let (vm, _) = boot(&id);
+    let _cleanup = Cleanup(vec![vm.clone()]);
+    start_counter(&vm);
+    assert_eq!(count(&vm), 2);
+    assert_eq!(count(&vm), 3);
+    let VmStatus::Running { pid } = vm.status().unwrap() else {
+        panic!("not running")
+    };
+    let before = vm.memory().unwrap();
+
+    let pause = vm.pause().unwrap();
+    assert_eq!(vm.status().unwrap(), VmStatus::Paused);
+    assert!(!pid_alive(pid), "the QEMU process is gone while paused");
+    let ram = std::path::Path::new(TEST_ROOT)
+        .join("vms")
+        .join(&id)
+        .join("ram");
+    let resident = resident_bytes(&ram);
+    figure("pause: snapshot (stop + device state)", ms(pause.snapshot));
+    figure("pause: QEMU exit", ms(pause.exit));
+    figure(
+        "pause: RAM file written back and dropped from the page cache",
+        ms(pause.release),
+    );
+    figure(
+        "pause: device state stream",
+        format!("{} KiB", pause.state_bytes / 1024),
+    );
+    figure(
+        "running VM: QEMU RSS / PSS (of which guest RAM)",
+        format!(
+            "{} / {} MiB ({} MiB)",
+            before.rss_kb / 1024,
+            before.pss_kb / 1024,
+            before.guest_ram_rss_kb / 1024
+        ),
+    );
+    figure(
+        "paused VM: memory held (no process; RAM file resident in page cache)",
+        format!(
+            "{} MiB (RAM data on disk {} MiB)",
+            resident >> 20,
+            vm.ram_file_bytes() >> 20
+        ),
+    );
+    assert!(
+        resident < 16 << 20,
+        "the paused VM's RAM is not released: {resident} bytes resident"
+    );
+
+    // Bad requests leave the VM as it is.
+    assert!(matches!(vm.pause(), Err(VmError::BadState { .. })));
+    assert!(matches!(
+        vm.fork(&[unique("nope")]),
+        Err(VmError::BadState { .. })
+    ));
+
+    let t = Instant::now();
+    let resume = vm.resume().unwrap();
+    let n = count(&vm);
+    let first = t.elapsed();
+    assert_eq!(n, 4, "the in-memory count continues after resume");
+    figure("resume: QEMU spawn to QMP", ms(resume.spawn));
+    figure(
+        "resume: restore (incoming migration + cont)",
+        ms(resume.restore),
+    );
+    figure("resume to first command", ms(first));
+    assert!(matches!(vm.resume(), Err(VmError::BadState { .. })));
+
+    // A second cycle, and a driver that starts afresh (an edge restart) finds the VM.
+    vm.pause().unwrap();
+    vm.resume().unwrap();
+    let again = MicroVmDriver::new(config(), &|_| {}).unwrap();
+    let adopted = again.open(&id).unwrap();
+    assert!(matches!(
+        adopted.status().unwrap(),
+        VmStatus::Running { .. }
+    ));
+    assert_eq!(count(&adopted), 5);
+    assert!(matches!(
+        again.open("no-such-vm"),
+        Err(VmError::NotFound(_))
+    ));
+
+    // An edge that died between `stop` and `cont` (a pause or fork under way) left the
+    // guest stopped: recover continues it; a running VM needs nothing.
+    assert_eq!(adopted.recover().unwrap(), None);
+    let socket = Path::new(TEST_ROOT)
+        .join("vms")
+        .join(&id)
+        .join("run/qmp.sock");
+    let mut qmp = opendsec_edge::vm::Qmp::connect(&socket, Duration::from_secs(10)).unwrap();
+    qmp.execute("stop", serde_json::json!({})).unwrap();
+    drop(qmp);
+    let done = adopted.recover().unwrap();
+    assert!(
+        done.as_deref().is_some_and(|d| d.contains("continued")),
+        "{done:?}"
+    );
+    assert_eq!(count(&adopted), 6);
+}
+
+#[test]
+fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
+    let id = unique("src");
+    let (source, _) = boot(&id);
+    let mut cleanup = Cleanup(vec![source.clone()]);
+    start_counter(&source);
+    assert_eq!(count(&source), 2);
+    let one_vm = source.memory().unwrap();
+
+    // Bad input is refused and harms nothing.
+    assert!(matches!(source.fork(&[]), Err(VmError::Invalid(_))));
+    let many: Vec<String> = (0..10_000).map(|i| format!("many-{i}")).collect();
+    assert!(matches!(source.fork(&many), Err(VmError::Invalid(_))));
+    assert!(matches!(
+        source.fork(std::slice::from_ref(&id)),
+        Err(VmError::Invalid(_))
+    ));
+    assert!(matches!(
+        source.fork(&["bad/id".to_string()]),
+        Err(VmError::InvalidId(_))
+    ));
+    assert_eq!(count(&source), 3);
+
+    let ids = vec![unique("copy-a"), unique("copy-b")];
+    let t = Instant::now();
+    let report = source.fork(&ids).unwrap();
+    cleanup.0.extend(report.copies.iter().cloned());
+    let [a, b] = [&report.copies[0], &report.copies[1]];
+    figure("fork x2: source paused", ms(report.source_paused));
+    figure("fork x2: call (both copies restored)", ms(report.total));
+    figure(
+        "fork x2: frozen RAM copied",
+        format!("{} MiB", report.ram_bytes >> 20),
+    );
+    assert!(matches!(a.ram_mode().unwrap(), RamMode::Private { .. }));
+
+    // Every copy starts with the source's memory: the next count is 4 everywhere.
+    assert_eq!(count(a), 4);
+    assert_eq!(count(b), 4);
+    figure("fork x2: until both copies answered", ms(t.elapsed()));
+    // Then each goes its own way, and the source runs on.
+    assert_eq!(count(a), 5);
+    assert_eq!(count(a), 6);
+    assert_eq!(count(b), 5);
+    assert_eq!(count(&source), 4);
+    // The copies' disks are their own too.
+    exec(a, "sh", &["-c", "echo a > /home/user/who"]);
+    exec(b, "sh", &["-c", "echo b > /home/user/who"]);
+    assert_eq!(exec(a, "cat", &["/home/user/who"]).stdout_text(), "a\n");
+    assert_eq!(exec(b, "cat", &["/home/user/who"]).stdout_text(), "b\n");
+    assert_eq!(
+        exec(
+            &source,
+            "sh",
+            &["-c", "cat /home/user/who 2>/dev/null || echo none"]
+        )
+        .stdout_text(),
+        "none\n"
+    );
+
+    let mem_a = a.memory().unwrap();
+    let mem_b = b.memory().unwrap();
+    let copies_pss = mem_a.pss_kb + mem_b.pss_kb;
+    let copies_rss = mem_a.rss_kb + mem_b.rss_kb;
+    figure(
+        "one VM (the source before the fork): RSS / PSS",
+        format!("{} / {} MiB", one_vm.rss_kb / 1024, one_vm.pss_kb / 1024),
+    );
+    figure(
+        "fork x2: copies' RSS sum (counts shared pages twice)",
+        format!("{} MiB", copies_rss / 1024),
+    );
+    figure(
+        "fork x2: copies' PSS sum (shared pages counted once)",
+        format!("{} MiB", copies_pss / 1024),
+    );
+    figure(
+        "fork x2: copies' private memory sum",
+        format!("{} MiB", (mem_a.private_kb + mem_b.private_kb) / 1024),
+    );
+    figure(
+        "guest RAM mapping: one VM RSS vs copies' PSS sum",
+        format!(
+            "{} vs {} MiB",
+            one_vm.guest_ram_rss_kb / 1024,
+            (mem_a.guest_ram_pss_kb + mem_b.guest_ram_pss_kb) / 1024
+        ),
+    );
+    assert!(
+        copies_pss < 2 * one_vm.rss_kb * 3 / 4,
+        "two copies should cost well below two VMs: PSS {copies_pss} KiB vs one VM {} KiB",
+        one_vm.rss_kb
+    );
+
+    // A copy pauses (its RAM goes into the stream), resumes into a file of its own and
+    // keeps its count; deleting the copies frees the fork's frozen RAM.
+    let pause = a.pause().unwrap();
+    figure(
+        "fork copy: pause with its RAM in the stream",
+        format!("{} ({} MiB)", ms(pause.snapshot), pause.state_bytes >> 20),
+    );
+    a.resume().unwrap();
+    assert_eq!(a.ram_mode().unwrap(), RamMode::Shared);
+    assert_eq!(count(a), 7);
+    let forks = Path::new(TEST_ROOT).join("forks");
+    let fork_dirs = |prefix: &str| {
+        std::fs::read_dir(&forks)
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+            .count()
+    };
+    assert_eq!(fork_dirs(&id), 1, "b still maps the frozen RAM");
+
+    // A copy forks too: its private RAM is first settled into a file of its own.
+    assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
+    let grandchild = b.fork(&[unique("copy-b1")]).unwrap();
+    cleanup.0.extend(grandchild.copies.iter().cloned());
+    figure(
+        "fork of a fork copy: source paused (after settling its RAM)",
+        ms(grandchild.source_paused),
+    );
+    assert_eq!(b.ram_mode().unwrap(), RamMode::Shared);
+    assert_eq!(count(&grandchild.copies[0]), 6);
+    assert_eq!(count(b), 6);
+    b.delete().unwrap();
+    assert_eq!(fork_dirs(&id), 0, "nobody maps the frozen RAM any more");
+    assert_eq!(count(&source), 5);
+}
+
+#[test]
+fn kvm_detection_reports_its_verdict_and_reason() {
+    require_root();
+    let d = driver();
+    let qemu = [
+        "/usr/bin/qemu-system-x86_64",
+        "/usr/local/bin/qemu-system-x86_64",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .find(|p| p.is_file())
+    .expect("qemu-system-x86_64 (apt-get install qemu-system-x86)");
+    let t = Instant::now();
+    let verdict = detect_accel(&qemu, d.guest_boot(), Duration::from_secs(8)).unwrap();
+    eprintln!(
+        "KVM verdict after {}: {} ({})",
+        ms(t.elapsed()),
+        verdict.accel.as_str(),
+        verdict.reason
+    );
+    figure(
+        "accelerator verdict",
+        format!("{} - {}", verdict.accel.as_str(), verdict.reason),
+    );
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        assert!(
+            !verdict.kvm_usable(),
+            "PVM cannot run our stock kernel: {verdict:?}"
+        );
+        assert!(verdict.reason.contains("PVM"), "{verdict:?}");
+    }
+    if verdict.kvm_usable() {
+        assert!(verdict.probe_ms.is_some_and(|ms| ms < 8000), "{verdict:?}");
+    } else {
+        assert!(verdict.reason.starts_with("KVM not usable"), "{verdict:?}");
+        eprintln!(
+            "guest checks under KVM could not run on this host: {}",
+            verdict.reason
+        );
+    }
+}
+
+#[test]
+fn a_root_disk_holds_the_merged_layers_of_an_image() {
+    require_root();
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-vmdisk")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let store = ImageStore::open(tmp.path()).unwrap();
+    let lower = store.layer_path("lower-1");
+    let upper = store.layer_path("upper-1");
+    for (dir, files) in [
+        (&lower, vec!["a", "b", "dir/x"]),
+        (&upper, vec!["c", "dir/y"]),
+    ] {
+        for f in files {
+            let p = dir.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, f).unwrap();
+        }
+    }
+    // A whiteout: the upper layer deletes `b`.
+    nix::sys::stat::mknod(
+        &upper.join("b"),
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+        0,
+    )
+    .unwrap();
+    let image = opendsec_edge::images::Image {
+        name: "two-layers".into(),
+        layers: vec!["lower-1".into(), "upper-1".into()],
+        config: Default::default(),
+    };
+    store.put(&image).unwrap();
+    let disk = opendsec_edge::vm::build_root_disk(&store, &image, &|m| eprintln!("{m}")).unwrap();
+    assert_eq!(
+        opendsec_edge::vm::build_root_disk(&store, &image, &|_| panic!("built twice")).unwrap(),
+        disk,
+        "cached by its layers"
+    );
+    // Read it back on the host, in a mount namespace of its own.
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let out = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount -t erofs -o loop,ro {} {} && cd {} && find . -type f | sort | xargs -n1 sh -c 'echo \"$0=$(cat $0)\"'",
+            disk.display(),
+            mnt.display(),
+            mnt.display()
+        ))
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{listing} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(listing, "./a=a\n./c=c\n./dir/x=dir/x\n./dir/y=dir/y\n");
+}
