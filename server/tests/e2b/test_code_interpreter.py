@@ -8,8 +8,9 @@ with name, value and traceback, streams stdout and stderr, returns rich results
 import base64
 
 import pytest
-from e2b import CommandExitException, TimeoutException
+from e2b import CommandExitException, ConnectionConfig, SandboxException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
+from packaging.version import Version
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -118,6 +119,26 @@ def test_a_run_longer_than_its_timeout_raises_timeout(sandbox):
         sandbox.remove_code_context(ctx)
     # The default context was not held up by it.
     assert sandbox.run_code("1 + 1", timeout=20).text == "2"
+
+
+def test_the_kernel_refuses_a_client_without_the_sandboxs_tokens(sandbox):
+    # The deprecated public constructor, as in test_errors.py: the SDK itself always
+    # uses the tokens the API handed out.
+    impostor = Sandbox(
+        sandbox_id=sandbox.sandbox_id,
+        sandbox_domain=None,
+        envd_version=Version(sandbox.get_info().envd_version),
+        envd_access_token="wrong-token",
+        traffic_access_token="wrong-token",
+        connection_config=ConnectionConfig(
+            extra_sandbox_headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983", "X-Access-Token": "wrong-token"}
+        ),
+    )
+    with pytest.raises(SandboxException):
+        impostor.run_code("open('/tmp/impostor-ran', 'w').write('x')")
+    with pytest.raises(SandboxException):
+        impostor.list_code_contexts()
+    assert not sandbox.files.exists("/tmp/impostor-ran")
 
 
 def test_commands_still_fail_as_commands_in_a_code_interpreter_sandbox(sandbox):

@@ -4,7 +4,8 @@ pause and connect (a container's pause freezes it: files and processes are kept)
 set_timeout and expiry, kill, metrics, snapshots and fork.
 
 Three sandboxes tagged `group=listed` serve the list tests and are then paused,
-snapshotted and forked; the timeout and kill tests make their own.
+snapshotted and forked; the timeout, auto-pause, network and kill tests make their own.
+What the calls mean for containers is written in docs/e2b-compatibility.md.
 """
 
 import time
@@ -12,7 +13,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from e2b import (
+    ALL_TRAFFIC,
     NotFoundException,
+    SandboxException,
     Sandbox,
     SandboxNotFoundException,
     SandboxQuery,
@@ -100,6 +103,7 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     )
     wait_until(lambda: sb.files.exists("/tmp/counter") and counter(sb) >= 3, "the counter ran")
 
+    at_pause = counter(sb)
     assert sb.pause() is True
     info = Sandbox.get_info(sb.sandbox_id)
     assert info.state == SandboxState.PAUSED
@@ -108,6 +112,7 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     running = Sandbox.list(query=query(run_id, state=[SandboxState.RUNNING], group="listed")).next_items()
     assert sb.sandbox_id not in ids(running) and len(running) == 2
     assert Sandbox.pause(sb.sandbox_id) is False  # already paused: 409
+    time.sleep(1.5)  # 15 more counts, were the counter not frozen
 
     resumed = Sandbox.connect(sb.sandbox_id)
     assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
@@ -116,7 +121,7 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     # The same process goes on counting from where it was frozen (a restart would
     # start from 1 again).
     before = counter(resumed)
-    assert before >= 3
+    assert at_pause <= before < at_pause + 10, f"counted {before - at_pause} while paused: not frozen"
 
     def advanced():
         n = counter(resumed)
@@ -155,6 +160,71 @@ def test_set_timeout_extends_the_life_and_expiry_ends_the_sandbox(run_id):
         assert Sandbox.list(query=query(run_id, group="timeout")).next_items() == []
     finally:
         Sandbox.kill(sb.sandbox_id)
+
+
+# --- on_timeout: pause (autoPause) and autoResume ------------------------------------
+
+
+def wait_state(sandbox_id, state, within=15.0):
+    wait_until(lambda: Sandbox.get_info(sandbox_id).state == state, f"{sandbox_id} is {state}", within=within)
+
+
+def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=3, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        sb.files.write("/home/user/kept.txt", "still here")
+        sleeper = sb.commands.run("sleep 3600", background=True)
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        assert Sandbox.list(query=query(run_id, state=[SandboxState.PAUSED], group="auto-pause")).next_items()
+
+        resumed = Sandbox.connect(sb.sandbox_id, timeout=60)
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+        assert resumed.files.read("/home/user/kept.txt") == "still here"
+        assert sleeper.pid in {p.pid for p in resumed.commands.list()}
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
+    sb = Sandbox.create(
+        template=BASE_TEMPLATE,
+        timeout=3,
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+        metadata={"suite": run_id, "group": "auto-resume"},
+    )
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        # No connect: the command itself wakes the sandbox.
+        assert sb.commands.run("echo awake").stdout == "awake\n"
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+# --- network (no egress in this release: nothing that would open it is accepted) ---------
+
+
+def test_a_request_for_egress_is_refused_and_allow_internet_access_opens_nothing(run_id):
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create(template=BASE_TEMPLATE, network={"allow_out": ["192.0.2.1"]}, metadata={"suite": run_id, "group": "net"})
+    assert e.value.status_code == 400, e.value
+
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, allow_internet_access=True, metadata={"suite": run_id, "group": "net"})
+    try:
+        # Accepted (older SDKs always send it) but reported as what it is: no egress.
+        assert sb.get_info().allow_internet_access is False
+        routes = sb.commands.run("tail -n +2 /proc/net/route").stdout
+        assert routes.strip() == "", f"the sandbox has routes out: {routes!r}"
+
+        with pytest.raises(SandboxException) as e:
+            sb.update_network({"allow_out": ["192.0.2.1"]})
+        assert e.value.status_code == 400, e.value
+        sb.update_network({"deny_out": [ALL_TRAFFIC]})  # closing is always allowed
+        assert sb.is_running()
+    finally:
+        sb.kill()
 
 
 # --- kill -------------------------------------------------------------------------------

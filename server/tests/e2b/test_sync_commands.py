@@ -7,6 +7,7 @@ it runs every command below as E2B's defaults say (bash, user `user` in /home/us
 
 from datetime import datetime, timezone
 
+import httpx
 import pytest
 from e2b import CommandExitException, NotFoundException, PtySize, Sandbox, SandboxState
 
@@ -172,6 +173,31 @@ def test_closing_stdin_ends_the_input(sandbox):
     h.send_stdin(b"def")
     h.close_stdin()
     assert h.wait().stdout == "abcdefeof\n"
+
+
+# --- a port of the sandbox through the single URL -------------------------------------
+
+
+def test_a_port_inside_the_sandbox_is_reached_through_the_single_url(sandbox, sandbox_url):
+    """What `get_host(port)` names by host name (tested in test_domain.py) is, with one
+    E2B_SANDBOX_URL, the same URL with `E2b-Sandbox-Port: <port>`: the routing headers
+    the SDK itself sends for ports 49983 and 49999."""
+    sandbox.files.write("/home/user/www/index.html", "from port 8000")
+    server = sandbox.commands.run("python3 -m http.server 8000", background=True, cwd="/home/user/www")
+    try:
+        headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8000"}
+
+        def served():
+            try:
+                r = httpx.get(f"{sandbox_url}/index.html", headers=headers, timeout=10)
+            except httpx.TransportError:
+                return None
+            return r if r.status_code == 200 else None
+
+        r = wait_until(served, "the server on port 8000 answered through the gateway")
+        assert r.text == "from port 8000"
+    finally:
+        server.kill()
 
 
 # --- PTY -------------------------------------------------------------------------
