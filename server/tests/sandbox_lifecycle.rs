@@ -338,8 +338,10 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     up.exec(&b, "echo secret > /home/user/b-only").await;
 
     let checks = [
-        // Only its own processes: besides this shell and ps, just the agent (PID 1).
-        ("ps -o pid=,comm= > /tmp/ps; grep -vcE ' (ps|sh)$' /tmp/ps", "1\n"),
+        // Only its own processes: besides this shell and ps, just the agent (PID 1, its
+        // session-holding supervisor, and the server it runs).
+        ("ps -o comm= > /tmp/ps; grep -vxE 'ps|sh' /tmp/ps | sort | uniq -c | awk '{print $1, $2}'", "2 agent\n"),
+        ("ls /proc/$(pgrep -x agent | grep -vx 1)/fd 2>/dev/null | wc -l", "0\n"),
         // No network but loopback.
         ("ls /sys/class/net", "lo\n"),
         // Kernel page data stays hidden.

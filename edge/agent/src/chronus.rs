@@ -11,7 +11,7 @@
 //! SOCK_SEQPACKET socketpair (fd 4), every live session: its metadata, its
 //! fds (SCM_RIGHTS) and its exit status if it ended meanwhile. Output
 //! produced while no server runs waits in the pipe or PTY (bounded by the
-//! kernel buffer, raised to 1 MiB for pipes; the writer blocks when full).
+//! kernel buffer, raised to 256 KiB for pipes; the writer blocks when full).
 //!
 //! The protocol is one JSON message per packet, fds attached:
 //! server -> supervisor: `register {pid, meta}` + fds, `close_stdin {pid}`,
@@ -520,7 +520,14 @@ impl Supervisor {
                 return;
             }
             if self.server.as_ref().is_some_and(|s| s.pid == pid) {
-                let server = self.server.take().expect("checked");
+                let Some(server) = self.server.take() else {
+                    continue;
+                };
+                // What it said before it died still counts (a session it
+                // registered just before a kill -9 must be handed over).
+                if let Some(c) = &server.control {
+                    self.drain(c.as_raw_fd());
+                }
                 if self.stopping.is_some() {
                     continue;
                 }
@@ -542,6 +549,25 @@ impl Supervisor {
                     if let Err(e) = send(control.as_raw_fd(), &msg, &[]) {
                         log(&format!("telling the server that {pid} ended: {e}"));
                     }
+                }
+            }
+        }
+    }
+
+    /// Handles every message waiting on the server's socket. False when the
+    /// server has closed it.
+    fn drain(&mut self, fd: RawFd) -> bool {
+        loop {
+            match recv(fd, true) {
+                Ok(Some((msg, fds))) => self.on_message(msg, fds),
+                Ok(None) => return false,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                    log(&format!("a bad message from the server: {e}"));
+                }
+                Err(e) => {
+                    log(&format!("reading from the server: {e}"));
+                    return false;
                 }
             }
         }
@@ -661,30 +687,10 @@ pub fn supervise(listen: OwnedFd, args: Vec<String>) -> ! {
             .as_ref()
             .and_then(|s| s.control.as_ref())
             .is_some_and(|c| pfds.len() > 1 && c.as_raw_fd() == pfds[1].fd);
-        if still_open && pfds[1].revents != 0 {
-            let fd = pfds[1].fd;
-            loop {
-                match recv(fd, true) {
-                    Ok(Some((msg, fds))) => sup.on_message(msg, fds),
-                    Ok(None) => {
-                        // The server closed its end: it is dying; SIGCHLD follows.
-                        if let Some(s) = &mut sup.server {
-                            s.control = None;
-                        }
-                        break;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                        log(&format!("a bad message from the server: {e}"));
-                    }
-                    Err(e) => {
-                        log(&format!("reading from the server: {e}"));
-                        if let Some(s) = &mut sup.server {
-                            s.control = None;
-                        }
-                        break;
-                    }
-                }
+        if still_open && pfds[1].revents != 0 && !sup.drain(pfds[1].fd) {
+            // The server closed its end: it is dying; SIGCHLD follows.
+            if let Some(s) = &mut sup.server {
+                s.control = None;
             }
         }
     }

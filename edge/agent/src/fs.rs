@@ -382,10 +382,17 @@ impl Watch {
                 dir_rel.join(&name)
             };
             let is_dir = ev.mask & libc::IN_ISDIR != 0;
+            // A new directory is watched from now on; what was created in it
+            // before its watch existed is reported as created too.
+            let mut found = Vec::new();
             if self.recursive && is_dir && ev.mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
                 let abs = self.root.join(&rel);
                 let u = self.user.clone();
-                let _ = as_user(&u, || self.add_tree(&abs, rel.clone(), false));
+                let _ = as_user(&u, || {
+                    self.add_tree(&abs, rel.clone(), false)?;
+                    list_tree(&abs, &rel, &mut found);
+                    Ok::<_, std::io::Error>(())
+                });
             }
             let ty = if ev.mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
                 "EVENT_TYPE_CREATE"
@@ -407,17 +414,37 @@ impl Watch {
                 // A subdirectory's own removal is also reported by its parent.
                 continue;
             }
-            let mut v = json!({"name": rel.to_string_lossy(), "type": ty});
-            if self.include_entry && ty != "EVENT_TYPE_REMOVE" && ty != "EVENT_TYPE_RENAME" {
-                let abs = self.root.join(&rel);
-                let u = self.user.clone();
-                if let Ok(e) = as_user(&u, || entry_info(&abs, &Names::load())) {
-                    v["entry"] = e;
+            for (rel, ty) in std::iter::once((rel, ty))
+                .chain(found.into_iter().map(|r| (r, "EVENT_TYPE_CREATE")))
+            {
+                let mut v = json!({"name": rel.to_string_lossy(), "type": ty});
+                if self.include_entry && ty != "EVENT_TYPE_REMOVE" && ty != "EVENT_TYPE_RENAME" {
+                    let abs = self.root.join(&rel);
+                    let u = self.user.clone();
+                    if let Ok(e) = as_user(&u, || entry_info(&abs, &Names::load())) {
+                        v["entry"] = e;
+                    }
                 }
+                out.push(v);
             }
-            out.push(v);
         }
         Ok(out)
+    }
+}
+
+/// Every entry below `abs` (named relative to the watch's root), depth first.
+fn list_tree(abs: &Path, rel: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(abs) else {
+        return;
+    };
+    let mut entries: Vec<_> = rd.flatten().collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let r = rel.join(e.file_name());
+        out.push(r.clone());
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            list_tree(&e.path(), &r, out);
+        }
     }
 }
 

@@ -1,7 +1,11 @@
 //! opendsec-agent: the in-sandbox agent. PID 1 in every sandbox; serves the
 //! E2B envd protocol (Connect JSON over HTTP/1.1: `process.Process`,
-//! `filesystem.Filesystem`, `/files`, `/health`) on one listening socket
-//! handed to it by the edge.
+//! `filesystem.Filesystem`, `/files`, `/health`) and a TCP tunnel into the
+//! sandbox on one listening socket handed to it by the edge.
+//!
+//! `serve` runs the supervisor (PID 1, see `chronus`), which runs the same
+//! binary as `server` (internal: `--listen-fd 3 --control-fd 4` plus the
+//! flags below) and starts a new one, with every session, if it dies.
 //!
 //! Usage:
 //!   opendsec-agent --envd-version      (prints the envd version it implements)

@@ -25,6 +25,10 @@ use crate::users::{self, User};
 
 /// Output kept for a process while no client is attached; oldest dropped.
 pub const BACKLOG_LIMIT: usize = 1 << 20;
+/// Capacity of a process's output pipes: what waits there while no server
+/// reads (64 KiB by default; more needs no privilege up to the system's
+/// pipe-max-size, and counts against the per-user pipe page budget).
+const PIPE_SIZE: libc::c_int = 256 * 1024;
 /// Size of one read from a process's pipe or PTY.
 const CHUNK: usize = 32 * 1024;
 /// Events queued per attached client before the process's reader waits.
@@ -640,6 +644,11 @@ impl Manager {
         // makes async-signal-safe system calls on pre-allocated data.
         unsafe {
             cmd.pre_exec(move || {
+                // A sandbox process starts with no signal blocked, whatever
+                // the agent's own threads block.
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
                 // Out of memory, the kernel must pick a sandbox process, never the agent
                 // (PID 1, whose death ends the sandbox): raise the child's OOM score.
                 // Raising needs no privilege; failing to is harmless.
@@ -730,16 +739,10 @@ impl Manager {
             fds.push((FdRole::Pty, m));
         }
         for (fd, kind) in readers {
-            // Room for output while no server reads it (chronus): 1 MiB if
-            // the kernel allows, else its default.
+            // Room for output while no server reads it (chronus restarts
+            // one within milliseconds); the kernel's default where refused.
             // SAFETY: fcntl on a pipe we own.
-            unsafe {
-                libc::fcntl(
-                    fd.as_raw_fd(),
-                    libc::F_SETPIPE_SZ,
-                    BACKLOG_LIMIT as libc::c_int,
-                )
-            };
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE) };
             fds.push((
                 if kind == Kind::Stdout {
                     FdRole::Stdout

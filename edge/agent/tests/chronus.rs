@@ -182,11 +182,13 @@ async fn stdin_survives_and_close_stdin_still_ends_the_input() {
     drop(s);
     let mut c = connect(&a, pid).await;
     c.event().await;
-    a.unary("/process.Process/SendInput", send("after\n")).await;
-    assert_eq!(
-        unb64(c.event().await["data"]["stdout"].as_str().unwrap()),
-        b"after\n"
-    );
+    let (st, v) = a.unary("/process.Process/SendInput", send("after\n")).await;
+    assert_eq!(st, 200, "{v}");
+    let e = c.event().await;
+    let out = e["data"]["stdout"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{e}"));
+    assert_eq!(unb64(out), b"after\n");
     // cat ends only if no copy of its stdin's write end is left open anywhere.
     let (st, v) = a
         .unary(

@@ -283,3 +283,44 @@ async fn relative_paths_cannot_climb_out_of_a_users_permissions() {
         .unwrap();
     assert_eq!(st, 403);
 }
+
+#[tokio::test]
+async fn recursive_watch_reports_what_a_new_directory_already_holds() {
+    let a = Agent::start().await;
+    let root = a.path("watched");
+    std::fs::create_dir(&root).unwrap();
+    let (_, v) = a
+        .unary(
+            "/filesystem.Filesystem/CreateWatcher",
+            json!({"path": root, "recursive": true}),
+        )
+        .await;
+    let id = v["watcherId"].as_str().unwrap().to_string();
+    // Faster than the watch on "x" can be added: x, x/y and x/y/f appear at once.
+    std::fs::create_dir_all(format!("{root}/x/y")).unwrap();
+    std::fs::write(format!("{root}/x/y/f"), "data").unwrap();
+    let mut created = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while created.len() < 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "created so far: {created:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let (_, v) = a
+            .unary(
+                "/filesystem.Filesystem/GetWatcherEvents",
+                json!({"watcherId": id}),
+            )
+            .await;
+        for e in v["events"].as_array().unwrap() {
+            if e["type"] == "EVENT_TYPE_CREATE" {
+                created.insert(e["name"].as_str().unwrap().to_string());
+            }
+        }
+    }
+    assert_eq!(
+        created.into_iter().collect::<Vec<_>>(),
+        ["x", "x/y", "x/y/f"]
+    );
+}

@@ -191,9 +191,14 @@ impl Agent {
         headers: &[(&str, String)],
         body: ReqBody,
     ) -> hyper::Result<Response<Incoming>> {
-        let stream = tokio::net::UnixStream::connect(&self.sock)
-            .await
-            .expect("connect to agent socket");
+        let stream = match tokio::net::UnixStream::connect(&self.sock).await {
+            Ok(s) => s,
+            Err(e) => panic!(
+                "connect to agent socket: {e}; supervisor: {:?}; socket file: {:?}",
+                std::fs::read_to_string(format!("/proc/{}/stat", self.pid())),
+                std::fs::symlink_metadata(&self.sock).map(|m| m.file_type()),
+            ),
+        };
         let (mut sender, conn) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {
