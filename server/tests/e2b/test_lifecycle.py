@@ -112,7 +112,7 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     running = Sandbox.list(query=query(run_id, state=[SandboxState.RUNNING], group="listed")).next_items()
     assert sb.sandbox_id not in ids(running) and len(running) == 2
     assert Sandbox.pause(sb.sandbox_id) is False  # already paused: 409
-    time.sleep(1.5)  # 15 more counts, were the counter not frozen
+    time.sleep(3)  # 30 more counts, were the counter not frozen
 
     resumed = Sandbox.connect(sb.sandbox_id)
     assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
@@ -121,7 +121,8 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     # The same process goes on counting from where it was frozen (a restart would
     # start from 1 again).
     before = counter(resumed)
-    assert at_pause <= before < at_pause + 10, f"counted {before - at_pause} while paused: not frozen"
+    # A few counts may fall between the read and the freeze, and between thaw and read.
+    assert at_pause <= before < at_pause + 15, f"counted {before - at_pause} while paused: not frozen"
 
     def advanced():
         n = counter(resumed)
@@ -170,7 +171,7 @@ def wait_state(sandbox_id, state, within=15.0):
 
 
 def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
-    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=3, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=5, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
     try:
         assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
         sb.files.write("/home/user/kept.txt", "still here")
