@@ -50,7 +50,7 @@ def ids(infos):
 
 
 def counter(sb) -> int:
-    return int(sb.files.read("/tmp/counter").strip() or 0)
+    return int(sb.files.read("/tmp/counter").strip())
 
 
 # --- list ------------------------------------------------------------------------
@@ -98,7 +98,8 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     sb = listed[0]
     sb.files.write("/home/user/before-pause.txt", "kept")
     proc = sb.commands.run(
-        "n=0; while true; do n=$((n+1)); echo $n > /tmp/counter; sleep 0.1; done",
+        # Written aside and renamed, so that a read never sees a half-written file.
+        "n=0; while true; do n=$((n+1)); echo $n > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done",
         background=True,
     )
     wait_until(lambda: sb.files.exists("/tmp/counter") and counter(sb) >= 3, "the counter ran")
