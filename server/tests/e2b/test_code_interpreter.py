@@ -87,8 +87,26 @@ def test_a_dataframe_comes_back_as_text_and_html(sandbox):
     assert "a" in main.text and "b" in main.text
 
 
+def test_display_adds_results_and_only_the_last_expression_is_the_main_one(sandbox):
+    execution = sandbox.run_code(
+        "import pandas as pd\n"
+        "class Data:\n"
+        "    def _repr_json_(self):\n"
+        "        return {'answer': 42}\n"
+        "display(pd.DataFrame({'a': [1]}))\n"
+        "display(Data())\n"
+        "'last'"
+    )
+    assert execution.error is None, execution.error
+    frame, data, last = execution.results
+    assert "<table" in frame.html and not frame.is_main_result
+    assert data.json == {"answer": 42} and not data.is_main_result
+    assert last.text == "'last'" and last.is_main_result
+
+
 def test_env_vars_apply_to_one_call(sandbox):
     assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "'yes'"
+    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')").text is None  # None shows no result
 
 
 def test_contexts_keep_their_own_state_and_working_directory(sandbox):

@@ -25,13 +25,18 @@ from e2b import (
 from conftest import BASE_TEMPLATE, wait_until
 
 
+# Metadata values as users write them: spaces, '&', '=', '/', non-ASCII (the SDK sends
+# the filter as a percent-encoded `k=v&k=v` string inside the `metadata` parameter).
+NOTES = ["plain", "two words & a=b", "path/with ünïcode"]
+
+
 @pytest.fixture(scope="module")
 def listed(run_id):
     made = [
         Sandbox.create(
             template=BASE_TEMPLATE,
             timeout=600,
-            metadata={"suite": run_id, "group": "listed", "idx": str(i)},
+            metadata={"suite": run_id, "group": "listed", "idx": str(i), "note": NOTES[i]},
             envs={"IDX": str(i)},
         )
         for i in range(3)
@@ -172,11 +177,12 @@ def wait_state(sandbox_id, state, within=15.0):
 
 
 def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
-    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=5, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
     try:
         assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
         sb.files.write("/home/user/kept.txt", "still here")
         sleeper = sb.commands.run("sleep 3600", background=True)
+        sb.set_timeout(2)  # a new timeout keeps what happens at it
         wait_state(sb.sandbox_id, SandboxState.PAUSED)
         assert Sandbox.list(query=query(run_id, state=[SandboxState.PAUSED], group="auto-pause")).next_items()
 
@@ -191,12 +197,13 @@ def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(
 def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
     sb = Sandbox.create(
         template=BASE_TEMPLATE,
-        timeout=3,
+        timeout=60,
         lifecycle={"on_timeout": "pause", "auto_resume": True},
         metadata={"suite": run_id, "group": "auto-resume"},
     )
     try:
         assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        sb.set_timeout(2)
         wait_state(sb.sandbox_id, SandboxState.PAUSED)
         # No connect: the command itself wakes the sandbox.
         assert sb.commands.run("echo awake").stdout == "awake\n"
@@ -314,3 +321,48 @@ def test_fork_makes_copies_that_start_from_the_parent_and_then_diverge(listed):
         for f in forks:
             if not isinstance(f, Exception):
                 f.kill()
+
+
+# --- the rest of the SDK's list options, and idempotent create -------------------------
+
+
+def test_list_filters_by_metadata_values_with_spaces_and_symbols(listed, run_id):
+    found = {note: ids(Sandbox.list(query=query(run_id, group="listed", note=note)).next_items()) for note in NOTES}
+    assert found == {note: [sb.sandbox_id] for note, sb in zip(NOTES, listed)}
+
+
+def group_query(run_id, **kw):
+    return SandboxQuery(metadata={"suite": run_id, "group": "listed"}, **kw)
+
+
+def test_list_filters_by_template(listed, run_id):
+    assert len(Sandbox.list(query=group_query(run_id, template=BASE_TEMPLATE)).next_items()) == 3
+    assert Sandbox.list(query=group_query(run_id, template="code-interpreter-v1")).next_items() == []
+
+
+def test_list_orders_by_start_time(listed, run_id):
+    in_order = [sb.sandbox_id for sb in listed]  # created one after the other
+    assert ids(Sandbox.list(query=group_query(run_id), order="asc").next_items()) == in_order
+    assert ids(Sandbox.list(query=group_query(run_id), order="desc").next_items()) == in_order[::-1]
+
+
+def test_list_filters_by_start_time(listed, run_id):
+    last_start = Sandbox.get_info(listed[2].sandbox_id).started_at
+    assert ids(Sandbox.list(query=group_query(run_id, started_after=last_start)).next_items()) == [listed[2].sandbox_id]
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    assert Sandbox.list(query=group_query(run_id, started_after=later)).next_items() == []
+
+
+def test_a_create_repeated_with_the_same_idempotency_key_returns_the_same_sandbox(run_id):
+    """The SDK sends `idempotency_key` as the `Idempotency-Key` header and reuses it on
+    its retries, so a create retried after a lost answer must not make a second sandbox."""
+    key = f"e2b-test-{run_id}"
+    first = Sandbox.create(template=BASE_TEMPLATE, timeout=120, idempotency_key=key, metadata={"suite": run_id, "group": "idem"})
+    try:
+        again = Sandbox.create(template=BASE_TEMPLATE, timeout=120, idempotency_key=key, metadata={"suite": run_id, "group": "idem"})
+        assert again.sandbox_id == first.sandbox_id
+        assert ids(Sandbox.list(query=query(run_id, group="idem")).next_items()) == [first.sandbox_id]
+    finally:
+        Sandbox.kill(first.sandbox_id)
+        for info in Sandbox.list(query=query(run_id, group="idem")).next_items():
+            Sandbox.kill(info.sandbox_id)
