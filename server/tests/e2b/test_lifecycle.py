@@ -231,6 +231,7 @@ def test_a_request_for_egress_is_refused_and_allow_internet_access_opens_nothing
             sb.update_network({"allow_out": ["192.0.2.1"]})
         assert e.value.status_code == 400, e.value
         sb.update_network({"deny_out": [ALL_TRAFFIC]})  # closing is always allowed
+        assert sb.get_info().network == {"deny_out": [ALL_TRAFFIC]}
         assert sb.is_running()
     finally:
         sb.kill()

@@ -5,6 +5,7 @@ One sandbox serves the whole module: created with metadata and environment varia
 it runs every command below as E2B's defaults say (bash, user `user` in /home/user).
 """
 
+import time
 from datetime import datetime, timezone
 
 import httpx
@@ -75,6 +76,14 @@ def test_output_callbacks_receive_the_output_as_it_streams(sandbox):
     )
     assert "".join(out) == "1\n2\n3\n" == r.stdout
     assert "".join(err) == "e\n" == r.stderr
+
+
+def test_output_is_streamed_through_the_gateway_not_buffered_to_the_end(sandbox):
+    start = time.monotonic()
+    arrivals = []
+    sandbox.commands.run("echo first; sleep 2; echo second", on_stdout=lambda s: arrivals.append((time.monotonic() - start, s)))
+    assert [s for _, s in arrivals] == ["first\n", "second\n"]
+    assert arrivals[0][0] < 1.5, f"the first line came only after {arrivals[0][0]:.2f} s"
 
 
 def test_large_output_arrives_whole(sandbox):
