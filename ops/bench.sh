@@ -18,7 +18,7 @@
 #
 #   sudo ops/bench.sh e2b [--runs 20] [--json out.json] [--data-dir D]
 #     Builds `opendsec`, `opendsec-shim` and the static agent in release, makes the E2B
-#     SDK venvs (ops/e2b-venv.sh), then runs ops/bench/e2b.py with e2b 2.63.0: p50/p90
+#     SDK venvs (ops/e2b-venv.sh), then runs ops/bench/e2b_bench.py with e2b 2.63.0: p50/p90
 #     of Sandbox.create(), the first commands.run("echo hi"), files.write + read of
 #     1 MiB, code_interpreter Sandbox.create() and its first run_code("1+1") through
 #     the unmodified SDK, beside the same create through the native /v1 API, against
@@ -65,8 +65,8 @@ if [ "${1:-}" = "e2b" ]; then
   AGENT="$(CARGO_TARGET_DIR="$TARGET_DIR" bash edge/agent/build-static.sh | tail -n 1)"
   VENV="${OPENDSEC_E2B_VENV:-/var/lib/opendsec/test/e2b}"
   bash ops/e2b-venv.sh "$VENV"
-  echo "==> running ops/bench/e2b.py $*"
-  exec "$VENV/2.63/bin/python" -B ops/bench/e2b.py \
+  echo "==> running ops/bench/e2b_bench.py $*"
+  exec "$VENV/2.63/bin/python" -B ops/bench/e2b_bench.py \
     --opendsec-bin "$TARGET_DIR/release/opendsec" --agent "$AGENT" "$@"
 fi
 

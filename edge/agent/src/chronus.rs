@@ -82,7 +82,7 @@ pub fn send(sock: RawFd, msg: &Value, fds: &[RawFd]) -> io::Result<()> {
         iov_len: data.len(),
     };
     // SAFETY: plain arithmetic on the fd count.
-    let space = unsafe { libc::CMSG_SPACE((fds.len() * std::mem::size_of::<RawFd>()) as u32) };
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) };
     let mut cbuf = vec![0u8; space as usize];
     // SAFETY: zeroed msghdr is valid; pointers below outlive the call.
     let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -96,7 +96,7 @@ pub fn send(sock: RawFd, msg: &Value, fds: &[RawFd]) -> io::Result<()> {
             let c = libc::CMSG_FIRSTHDR(&mh);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN((fds.len() * std::mem::size_of::<RawFd>()) as u32) as _;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
             std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast(), fds.len());
         }
     }

@@ -233,8 +233,15 @@ fn bind(listen: &Listen) -> std::io::Result<std::os::fd::OwnedFd> {
             unsafe { OwnedFd::from_raw_fd(*fd) }
         }
         Listen::Unix(p) => {
-            let _ = std::fs::remove_file(p);
-            std::os::unix::net::UnixListener::bind(p)?.into()
+            // Bound and listening under another name first, then renamed:
+            // whoever waits for the path to appear never finds a socket
+            // that is bound but not yet listening (connect: refused).
+            let mut tmp = p.as_os_str().to_owned();
+            tmp.push(format!(".{}.tmp", std::process::id()));
+            let _ = std::fs::remove_file(&tmp);
+            let l = std::os::unix::net::UnixListener::bind(&tmp)?;
+            std::fs::rename(&tmp, p)?;
+            l.into()
         }
         Listen::Tcp(a) => std::net::TcpListener::bind(a)?.into(),
     })

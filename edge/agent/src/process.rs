@@ -437,6 +437,9 @@ impl Attached {
     }
 }
 
+/// An ended process nobody has seen end: it, its end, and when it ended.
+type Unclaimed = (Arc<Proc>, (End, Instant));
+
 pub struct Manager {
     table: Mutex<HashMap<u32, Arc<Proc>>>,
     /// The sandbox's own variables (`--env-file`), given to every process.
@@ -447,7 +450,7 @@ pub struct Manager {
     waiters: Mutex<HashMap<i32, oneshot::Sender<i32>>>,
     /// Processes that ended while no client was attached, with their end,
     /// kept for a while for the client that reconnects.
-    unclaimed: Mutex<HashMap<u32, (Arc<Proc>, (End, Instant))>>,
+    unclaimed: Mutex<HashMap<u32, Unclaimed>>,
 }
 
 impl Manager {
@@ -803,7 +806,6 @@ impl Manager {
     }
 
     /// Follows a started or adopted process: its fds, its output and its end.
-    #[allow(clippy::type_complexity)]
     fn track(
         self: &Arc<Self>,
         pid: u32,

@@ -6,7 +6,12 @@
 //! ```sh
 //! cargo run -p opendsec-replay-tests --bin record-golden            # refuses to overwrite
 //! cargo run -p opendsec-replay-tests --bin record-golden -- --force # current version only
+//! cargo run -p opendsec-replay-tests --bin record-golden -- --scenario sandbox-options-and-snapshots
 //! ```
+//!
+//! Scenarios: `control-plane-tour` (projects, quotas, tokens, placement, the sandbox
+//! lifecycle) and `sandbox-options-and-snapshots` (environment, auto-pause and
+//! auto-resume, network settings, file-system snapshots, forks that keep their options).
 //!
 //! The recording itself is not deterministic (wall-clock times, random seeds and ids),
 //! but the log records them, so replaying it always yields the same views.
@@ -19,7 +24,7 @@ use opendsec_projections::{Event, Limits, Right, Usage};
 use opendsec_replay_tests::{golden_dir, replay, write_expected, write_golden_log};
 use std::collections::BTreeMap;
 
-const SCENARIO: &str = "control-plane-tour";
+const SCENARIOS: [&str; 2] = ["control-plane-tour", "sandbox-options-and-snapshots"];
 
 /// Submits commands with sequential request ids and checks each outcome.
 struct Driver {
@@ -93,10 +98,16 @@ fn labels_of(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let force = std::env::args().any(|a| a == "--force");
+    let args: Vec<String> = std::env::args().collect();
+    let force = args.iter().any(|a| a == "--force");
+    let scenario = args.iter().position(|a| a == "--scenario").and_then(|i| args.get(i + 1)).map(String::as_str).unwrap_or(SCENARIOS[0]);
+    if !SCENARIOS.contains(&scenario) {
+        eprintln!("unknown scenario {scenario:?}; scenarios are: {}", SCENARIOS.join(", "));
+        std::process::exit(2);
+    }
     let dir = golden_dir().join(format!("v{CURRENT_SCHEMA_VERSION}"));
-    let log_path = dir.join(format!("{SCENARIO}.log"));
-    let expected_dir = dir.join(format!("{SCENARIO}.expected"));
+    let log_path = dir.join(format!("{scenario}.log"));
+    let expected_dir = dir.join(format!("{scenario}.expected"));
     if log_path.exists() && !force {
         eprintln!("{} exists: golden logs are frozen once committed (pass --force to re-record the current version)", log_path.display());
         std::process::exit(2);
@@ -106,7 +117,70 @@ async fn main() {
     let admin = t.admin_token.clone();
     let root = t.root_project.clone();
     let mut d = Driver { node: t.node.clone(), n: 0 };
+    if scenario == "sandbox-options-and-snapshots" {
+        options_and_snapshots(&mut d, &admin, &root).await;
+    } else {
+        control_plane_tour(&mut d, &admin, &root).await;
+    }
 
+    // Read the real log back.
+    let node = &t.node;
+    let applied = node.applied_index();
+    // The log serves entries up to what Raft reports applied, which can trail the state
+    // machine by a moment: wait until the last one is readable.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while node.log().read_entries(applied, applied).map(|e| e.is_empty()).unwrap_or(true) {
+        assert!(std::time::Instant::now() < deadline, "entry {applied} never became readable");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let batches = node.read_batches(1, applied).expect("read the log");
+    let raw = node.log().read_entries(1, applied).expect("read the raw log");
+    assert_eq!(batches.len(), raw.len());
+    for ((i, b), (j, bytes)) in batches.iter().zip(&raw) {
+        assert_eq!(i, j);
+        assert_eq!(&encode_batch(b), bytes, "entry {i}: re-encoding the decoded batch must give the logged bytes");
+    }
+    let entries: Vec<(u64, Vec<u8>)> = batches.iter().map(|(i, b)| (*i, encode_batch(b))).collect();
+
+    // The replay must agree with the node that applied the log.
+    let state = replay(&entries);
+    let node_hash = node.read(|s| s.hash());
+    if state.hash() != node_hash {
+        let differing: Vec<&str> = opendsec_projections::state::VIEW_NAMES
+            .iter()
+            .copied()
+            .filter(|v| node.read(|s| s.view_json(v)) != state.view_json(v))
+            .collect();
+        let bytes = node.read(|s| s.to_bytes());
+        let at = bytes.iter().zip(state.to_bytes()).position(|(a, b)| *a != b).unwrap_or(0);
+        panic!(
+            "replaying the log must give the node's own state; views that differ: {differing:?}; state bytes first differ at {at}: node {:?} / replay {:?}",
+            String::from_utf8_lossy(&bytes[at.saturating_sub(80)..(at + 80).min(bytes.len())]),
+            String::from_utf8_lossy(&state.to_bytes()[at.saturating_sub(80)..(at + 80).min(state.to_bytes().len())])
+        );
+    }
+
+    std::fs::create_dir_all(&dir).expect("create the golden directory");
+    write_golden_log(&log_path, &entries).expect("write the golden log");
+    if expected_dir.exists() {
+        std::fs::remove_dir_all(&expected_dir).expect("clear the old expected views");
+    }
+    write_expected(&expected_dir, &state).expect("write the expected views");
+
+    let denials = state.audit.records.iter().filter(|r| !matches!(r.result, opendsec_projections::AuditResult::Ok)).count();
+    println!(
+        "recorded {} entries (last index {applied}, {} commands, {} sandboxes, {denials} refusals) to {}",
+        entries.len(),
+        d.n,
+        state.sandboxes.sandboxes.len(),
+        log_path.display()
+    );
+    println!("state hash {}", state.hash());
+    t.shutdown().await;
+}
+
+async fn control_plane_tour(d: &mut Driver, admin: &str, root: &str) {
+    let (admin, root) = (admin.to_string(), root.to_string());
     // Two edges (the admin token is the root's and holds edge:write).
     for (edge, sandboxes, cpu, mem, zone) in [("edge-a", 24, 48_000, 98_304, "a"), ("edge-b", 16, 32_000, 65_536, "b")] {
         let cmd = Command::RegisterEdge {
@@ -241,38 +315,72 @@ async fn main() {
     // A raised quota for team-b.
     d.quota(&admin, &team_b, 10, 16_000, 32_768).await;
 
-    // Read the real log back.
-    let node = &t.node;
-    let applied = node.applied_index();
-    let batches = node.read_batches(1, applied).expect("read the log");
-    let raw = node.log().read_entries(1, applied).expect("read the raw log");
-    assert_eq!(batches.len(), raw.len());
-    for ((i, b), (j, bytes)) in batches.iter().zip(&raw) {
-        assert_eq!(i, j);
-        assert_eq!(&encode_batch(b), bytes, "entry {i}: re-encoding the decoded batch must give the logged bytes");
+}
+
+/// E2B's create options, file-system snapshots and what forks keep.
+async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
+    use opendsec_commands::{SandboxOptions, SnapshotResult};
+    let (admin, root) = (admin.to_string(), root.to_string());
+    for (edge, zone) in [("edge-a", "a"), ("edge-b", "b")] {
+        let cmd = Command::RegisterEdge {
+            edge: edge.into(),
+            address: format!("10.0.1.{}:7402", if zone == "a" { 11 } else { 12 }),
+            capacity: Usage { sandboxes: 32, cpu_millis: 512_000, memory_mb: 65_536 },
+            labels: labels_of(&[("zone", zone)]),
+        };
+        d.ok(&admin, cmd).await;
     }
-    let entries: Vec<(u64, Vec<u8>)> = batches.iter().map(|(i, b)| (*i, encode_batch(b))).collect();
-
-    // The replay must agree with the node that applied the log.
-    let state = replay(&entries);
-    let node_hash = node.read(|s| s.hash());
-    assert_eq!(state.hash(), node_hash, "replaying the log must give the node's own state");
-
-    std::fs::create_dir_all(&dir).expect("create the golden directory");
-    write_golden_log(&log_path, &entries).expect("write the golden log");
-    if expected_dir.exists() {
-        std::fs::remove_dir_all(&expected_dir).expect("clear the old expected views");
+    let agents = d.project(&admin, "agents", &root).await;
+    d.quota(&admin, &agents, 16, 64_000, 16_384).await;
+    let (_, key) = d.token(&admin, &agents, "e2b", &[Right::SandboxWrite, Right::SandboxRead], None).await;
+    let create = |image: &str, env: &[(&str, &str)], auto_pause: bool, auto_resume: bool, network: Option<&str>, timeout: Option<u64>| Command::CreateSandbox {
+        project: agents.clone(),
+        image: image.into(),
+        cpu_millis: 1_000,
+        memory_mb: 512,
+        labels: labels_of(&[("sdk", "e2b")]),
+        timeout_seconds: timeout,
+        opts: SandboxOptions { env: labels_of(env), auto_pause, auto_resume, network: network.map(str::to_string) },
+    };
+    // A sandbox with an environment (its values never show in views), auto-pause, auto-resume.
+    let main = d.ok(&key, create("base", &[("OPENAI_API_KEY", "sk-golden-not-a-secret"), ("MODE", "eval")], true, true, None, Some(300))).await.decided.target;
+    d.report(&admin, &main, Observation::Ready).await;
+    // Network settings: recorded (no egress exists yet).
+    d.ok(&key, Command::SetSandboxNetwork { sandbox: main.clone(), network: r#"{"allowPublicTraffic":false,"denyOut":["10.0.0.0/8"]}"#.into() }).await;
+    // A bad environment name is refused before the log (not in it); a bad network too.
+    let bad = create("base", &[("1NOPE", "x")], false, false, None, None);
+    assert!(d.node.submit(Credential::Bearer(key.clone()), "golden-bad-env".into(), bad).await.is_err());
+    // A snapshot of its files, taken by its edge; a sandbox started from it lands there.
+    let snap = d.ok(&key, Command::CreateSnapshot { sandbox: main.clone(), name: "after-setup".into() }).await.decided.target;
+    d.ok(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 1_048_576 } }).await;
+    let from_snap = d.ok(&key, create(&snap, &[("MODE", "replay")], false, false, Some(r#"{"allowPublicTraffic":true}"#), Some(600))).await.decided.target;
+    d.report(&admin, &from_snap, Observation::Ready).await;
+    // A second snapshot stacked on the first; the first cannot go while the second lies on it.
+    let snap2 = d.ok(&key, Command::CreateSnapshot { sandbox: from_snap.clone(), name: String::new() }).await.decided.target;
+    d.ok(&admin, Command::ReportSnapshot { snapshot: snap2.clone(), result: SnapshotResult::Ready { size_bytes: 65_536 } }).await;
+    assert_eq!(d.denied(&key, Command::DeleteSnapshot { snapshot: snap.clone() }).await, "conflict");
+    // A snapshot whose sandbox ended first fails.
+    let doomed = d.ok(&key, create("base", &[], false, false, None, None)).await.decided.target;
+    d.report(&admin, &doomed, Observation::Ready).await;
+    let lost = d.ok(&key, Command::CreateSnapshot { sandbox: doomed.clone(), name: "too-late".into() }).await.decided.target;
+    d.ok(&key, Command::KillSandbox { sandbox: doomed.clone() }).await;
+    d.report(&admin, &doomed, Observation::Exited { exit_code: 137, oom_killed: false, reason: "user".into() }).await;
+    d.ok(&admin, Command::ReportSnapshot { snapshot: lost, result: SnapshotResult::Failed { reason: format!("sandbox {doomed} ended before its snapshot was taken") } }).await;
+    // Forks keep the environment and options, on the source's edge.
+    let fork = d.ok(&key, Command::ForkSandbox { sandbox: main.clone(), count: 2 }).await;
+    for e in &fork.decided.events {
+        if let Event::SandboxCreated(c) = e {
+            d.report(&admin, &c.id, Observation::Ready).await;
+        }
     }
-    write_expected(&expected_dir, &state).expect("write the expected views");
-
-    let denials = state.audit.records.iter().filter(|r| !matches!(r.result, opendsec_projections::AuditResult::Ok)).count();
-    println!(
-        "recorded {} entries (last index {applied}, {} commands, {} sandboxes, {denials} refusals) to {}",
-        entries.len(),
-        d.n,
-        state.sandboxes.sandboxes.len(),
-        log_path.display()
-    );
-    println!("state hash {}", state.hash());
-    t.shutdown().await;
+    // The edge finds the main sandbox past its timeout: it pauses instead of dying.
+    d.report(&admin, &main, Observation::TimedOut).await;
+    d.report(&admin, &main, Observation::Paused).await;
+    // Auto-resume (the gateway on a request to it) and a new timeout.
+    d.ok(&key, Command::ResumeSandbox { sandbox: main.clone() }).await;
+    d.report(&admin, &main, Observation::Resumed).await;
+    d.ok(&key, Command::SetSandboxTimeout { sandbox: main.clone(), timeout_seconds: 120 }).await;
+    // Snapshots go, newest first.
+    d.ok(&key, Command::DeleteSnapshot { snapshot: snap2 }).await;
+    d.ok(&key, Command::DeleteSnapshot { snapshot: snap }).await;
 }

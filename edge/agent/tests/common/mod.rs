@@ -97,6 +97,11 @@ impl Drop for Agent {
         if std::thread::panicking() {
             eprintln!("--- agent stderr ---\n{}", self.stderr());
         }
+        // Already reaped (a test waited for it): its pid may belong to
+        // another process by now.
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         // SIGTERM first: the agent forwards it to its processes and exits.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(3);
