@@ -39,11 +39,6 @@ import urllib.error
 import urllib.request
 from importlib.metadata import version
 
-# This file is called e2b.py: drop its own directory from the import path, or
-# `import e2b` below would import this script instead of the SDK.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
 GOALS_MS = {
     "sdk_create": 150.0,
     "first_command": 20.0,

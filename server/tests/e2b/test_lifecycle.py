@@ -205,9 +205,14 @@ def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
         assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
         sb.set_timeout(2)
         wait_state(sb.sandbox_id, SandboxState.PAUSED)
-        # No connect: the command itself wakes the sandbox.
+        # No connect: the command itself wakes the sandbox...
         assert sb.commands.run("echo awake").stdout == "awake\n"
-        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+        # ...and it stays awake with a new lifetime, rather than pausing again at once
+        # because the timeout it had was spent.
+        time.sleep(2)
+        info = Sandbox.get_info(sb.sandbox_id)
+        assert info.state == SandboxState.RUNNING, info
+        assert info.end_at > datetime.now(timezone.utc), info
     finally:
         Sandbox.kill(sb.sandbox_id)
 
