@@ -205,14 +205,17 @@ def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
         assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
         sb.set_timeout(2)
         wait_state(sb.sandbox_id, SandboxState.PAUSED)
-        # No connect: the command itself wakes the sandbox...
+        # No connect: the command itself wakes the sandbox, and the API says so at once.
         assert sb.commands.run("echo awake").stdout == "awake\n"
-        # ...and it stays awake with a new lifetime, rather than pausing again at once
-        # because the timeout it had was spent.
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+        # It stays awake with a new lifetime like the one it was made with (E2B resumes
+        # with the sandbox's timeout): neither paused again at once because the old one
+        # was spent, nor left without an end.
         time.sleep(2)
         info = Sandbox.get_info(sb.sandbox_id)
         assert info.state == SandboxState.RUNNING, info
-        assert info.end_at > datetime.now(timezone.utc), info
+        remaining = info.end_at - datetime.now(timezone.utc)
+        assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
     finally:
         Sandbox.kill(sb.sandbox_id)
 
