@@ -169,57 +169,6 @@ def test_set_timeout_extends_the_life_and_expiry_ends_the_sandbox(run_id):
         Sandbox.kill(sb.sandbox_id)
 
 
-# --- on_timeout: pause (autoPause) and autoResume ------------------------------------
-
-
-def wait_state(sandbox_id, state, within=15.0):
-    wait_until(lambda: Sandbox.get_info(sandbox_id).state == state, f"{sandbox_id} is {state}", within=within)
-
-
-def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
-    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
-    try:
-        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
-        sb.files.write("/home/user/kept.txt", "still here")
-        sleeper = sb.commands.run("sleep 3600", background=True)
-        sb.set_timeout(2)  # a new timeout keeps what happens at it
-        wait_state(sb.sandbox_id, SandboxState.PAUSED)
-        assert Sandbox.list(query=query(run_id, state=[SandboxState.PAUSED], group="auto-pause")).next_items()
-
-        resumed = Sandbox.connect(sb.sandbox_id, timeout=60)
-        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
-        assert resumed.files.read("/home/user/kept.txt") == "still here"
-        assert sleeper.pid in {p.pid for p in resumed.commands.list()}
-    finally:
-        Sandbox.kill(sb.sandbox_id)
-
-
-def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
-    sb = Sandbox.create(
-        template=BASE_TEMPLATE,
-        timeout=60,
-        lifecycle={"on_timeout": "pause", "auto_resume": True},
-        metadata={"suite": run_id, "group": "auto-resume"},
-    )
-    try:
-        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
-        sb.set_timeout(2)
-        wait_state(sb.sandbox_id, SandboxState.PAUSED)
-        # No connect: the command itself wakes the sandbox, and the API says so at once.
-        assert sb.commands.run("echo awake").stdout == "awake\n"
-        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
-        # It stays awake with a new lifetime like the one it was made with (E2B resumes
-        # with the sandbox's timeout): neither paused again at once because the old one
-        # was spent, nor left without an end.
-        time.sleep(2)
-        info = Sandbox.get_info(sb.sandbox_id)
-        assert info.state == SandboxState.RUNNING, info
-        remaining = info.end_at - datetime.now(timezone.utc)
-        assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
-    finally:
-        Sandbox.kill(sb.sandbox_id)
-
-
 # --- network (no egress in this release: nothing that would open it is accepted) ---------
 
 
@@ -330,6 +279,61 @@ def test_fork_makes_copies_that_start_from_the_parent_and_then_diverge(listed):
         for f in forks:
             if not isinstance(f, Exception):
                 f.kill()
+
+
+# --- on_timeout: pause (autoPause) and autoResume ------------------------------------
+
+
+def wait_state(sandbox_id, state, within=15.0):
+    wait_until(lambda: Sandbox.get_info(sandbox_id).state == state, f"{sandbox_id} is {state}", within=within)
+
+
+def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        sb.files.write("/home/user/kept.txt", "still here")
+        sleeper = sb.commands.run("sleep 3600", background=True)
+        sb.set_timeout(2)  # a new timeout keeps what happens at it
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        assert Sandbox.list(query=query(run_id, state=[SandboxState.PAUSED], group="auto-pause")).next_items()
+
+        resumed = Sandbox.connect(sb.sandbox_id)
+        info = Sandbox.get_info(sb.sandbox_id)
+        assert info.state == SandboxState.RUNNING
+        # Its old timeout was spent: it runs on with a bounded new one, not without end.
+        remaining = info.end_at - datetime.now(timezone.utc)
+        assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
+        assert resumed.files.read("/home/user/kept.txt") == "still here"
+        assert sleeper.pid in {p.pid for p in resumed.commands.list()}
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
+    sb = Sandbox.create(
+        template=BASE_TEMPLATE,
+        timeout=60,
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+        metadata={"suite": run_id, "group": "auto-resume"},
+    )
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        sb.set_timeout(2)
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        # No connect: the command itself wakes the sandbox, and the API says so at once.
+        assert sb.commands.run("echo awake").stdout == "awake\n"
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+        # It stays awake with a new lifetime like the one it was made with (E2B resumes
+        # with the sandbox's timeout): neither paused again at once because the old one
+        # was spent, nor left without an end.
+        time.sleep(2)
+        info = Sandbox.get_info(sb.sandbox_id)
+        assert info.state == SandboxState.RUNNING, info
+        remaining = info.end_at - datetime.now(timezone.utc)
+        assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
+    finally:
+        Sandbox.kill(sb.sandbox_id)
 
 
 # --- the rest of the SDK's list options, and idempotent create -------------------------
