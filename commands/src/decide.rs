@@ -18,6 +18,19 @@ pub struct Decided {
     pub target: String,
 }
 
+impl Decided {
+    /// The sandboxes this decision creates (a create's one, a fork's copies), in order.
+    pub fn created_sandboxes(&self) -> Vec<String> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::SandboxCreated(c) => Some(c.id.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 /// The resolved caller: its scope (a project subtree), rights and expiry.
 struct Who {
     token: Option<String>,

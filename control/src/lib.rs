@@ -130,6 +130,20 @@ pub fn sandbox_token(cluster_key: &str, kind: SandboxTokenKind, sandbox: &str) -
     hex::encode(&mac.finalize().into_bytes()[..20])
 }
 
+/// Writes `content` to `path`, readable by the owner only (keys, tokens, certificates' keys).
+pub fn write_private(path: &std::path::Path, content: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    f.write_all(content.as_bytes()).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
 /// A fresh cluster key.
 pub fn new_cluster_key() -> String {
     hex::encode(rand::random::<[u8; 32]>())

@@ -27,3 +27,8 @@ pub async fn start_agent(socket: &Path) -> tokio::process::Child {
     }
     panic!("opendsec-agent did not listen on {} within 5 s", socket.display());
 }
+
+/// A loopback port nothing listens on (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port").local_addr().expect("its address").port()
+}

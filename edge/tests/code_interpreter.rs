@@ -8,6 +8,7 @@
 //! fail, naming them, when they are missing. The image test needs root, debootstrap and
 //! network access for apt, like the `base` image.
 
+use opendsec_edge::testing::free_port;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -57,13 +58,6 @@ fn require_data_stack() {
     );
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A running server process; stopped (SIGTERM, which ends its workers) when dropped.
 struct Server {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use opendsec_edge::container::{
-    BindMount, ContainerBackend, ContainerConfig, ContainerError, Limits, Runtime, RuntimeChoice,
+    BindMount, ContainerBackend, ContainerConfig, ContainerError, Limits, RuntimeChoice,
     SandboxSpec, SandboxStatus,
 };
 use opendsec_edge::images::{Image, ImageStore};

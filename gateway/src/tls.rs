@@ -25,18 +25,7 @@ fn io(ctx: &str, e: impl std::fmt::Display) -> String {
     format!("{ctx}: {e}")
 }
 
-fn write_private(path: &Path, content: &str) -> Result<(), String> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| io(&format!("writing {}", path.display()), e))?;
-    f.write_all(content.as_bytes()).map_err(|e| io(&format!("writing {}", path.display()), e))
-}
+use opendsec_control::write_private;
 
 /// The cluster CA: loaded from `dir`, or made there the first time.
 fn load_or_create_ca(dir: &Path) -> Result<(rcgen::Certificate, KeyPair), String> {

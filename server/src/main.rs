@@ -137,18 +137,7 @@ fn read_or_create_key(path: &Path) -> Result<String, String> {
     Ok(key)
 }
 
-pub(crate) fn write_private(path: &Path, content: &str) -> Result<(), String> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    f.write_all(content.as_bytes()).map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
+pub(crate) use opendsec_control::write_private;
 
 fn parse_members(s: &str) -> Result<BTreeMap<u64, String>, String> {
     s.split(',')

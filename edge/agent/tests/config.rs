@@ -122,13 +122,6 @@ async fn health_becomes(a: &Agent, status: u16) -> serde_json::Value {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 async fn start_agent(start_json: serde_json::Value) -> Agent {
     let dir = tempfile::tempdir().unwrap();

@@ -30,14 +30,6 @@ async fn echo_server() -> u16 {
     port
 }
 
-/// A port nothing listens on (bound, then released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 enum Opened {
     Tunnel(TokioIo<hyper::upgrade::Upgraded>),

@@ -11,7 +11,7 @@ use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_control::{Credential, Principal, SandboxTokenKind};
-use opendsec_projections::{Desired, Event, Observed, Right, Sandbox, SnapshotState};
+use opendsec_projections::{Desired, Observed, Right, Sandbox, SnapshotState};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -660,15 +660,7 @@ async fn fork(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<Str
     }
     visible(&st, &who, &id)?;
     let s = submit(&st, &who, &headers, Command::ForkSandbox { sandbox: id, count: count as u32 }).await?;
-    let children: Vec<String> = s
-        .decided
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::SandboxCreated(c) => Some(c.id.clone()),
-            _ => None,
-        })
-        .collect();
+    let children = s.decided.created_sandboxes();
     let mut out = Vec::new();
     for c in children {
         let r = async {

@@ -4,7 +4,7 @@ use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
 use opendsec_commands::Command;
-use opendsec_projections::{Event, Right};
+use opendsec_projections::Right;
 use opendsec_sdk::types::{self as api, CreateSandbox, ForkSandbox, Forked, SandboxList, SandboxWritten, SetLabels, SetTimeout};
 use std::collections::BTreeMap;
 
@@ -122,20 +122,13 @@ pub async fn set_labels(st: State<AppState>, who: Authed, rid: RequestId, PathPa
     lifecycle(st, who, rid, id.clone(), Command::SetSandboxLabels { sandbox: id, labels: req.labels }).await
 }
 
-/// Creates `count` copies of a live sandbox, with its memory. Needs sandbox:write.
+/// Creates `count` copies of a live sandbox, each starting from its file system as it is
+/// now (containers), placed on its edge. Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", tag = "sandboxes", params(("id" = String, Path)), request_body = ForkSandbox,
     responses((status = 201, body = Forked), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn fork(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<ForkSandbox>) -> Result<Written<Forked>, ApiError> {
     let s = submit(&st, &who, &rid, Command::ForkSandbox { sandbox: id, count: req.count }).await?;
-    let children: Vec<String> = s
-        .decided
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::SandboxCreated(c) => Some(c.id.clone()),
-            _ => None,
-        })
-        .collect();
+    let children = s.decided.created_sandboxes();
     let sandboxes = children.iter().map(|c| read_sandbox(&st, c)).collect::<Result<_, _>>()?;
     Ok(Written { index: s.index, status: StatusCode::CREATED, body: Forked { index: s.index, sandboxes } })
 }

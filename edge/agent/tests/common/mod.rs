@@ -458,3 +458,9 @@ pub fn sh(script: &str) -> Value {
 pub fn exists(p: &Path) -> bool {
     std::fs::symlink_metadata(p).is_ok()
 }
+
+/// A loopback port nothing listens on (bound, then released).
+#[allow(dead_code)] // not every test crate that shares this module needs it
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
