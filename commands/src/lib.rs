@@ -144,6 +144,9 @@ pub struct SandboxOptions {
     pub auto_resume: bool,
     /// Network settings as asked, as JSON (stored, not yet enforced: no sandbox has egress).
     pub network: Option<String>,
+    /// A client's idempotency key: while a sandbox created with it lives, another create
+    /// with the same key in the same project is refused as a conflict naming that sandbox.
+    pub idempotency_key: Option<String>,
 }
 
 /// An edge's answer to a snapshot request.
