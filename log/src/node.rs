@@ -309,6 +309,12 @@ impl<S: StateMachine> LogNode<S> {
         Ok((self.inner.store.live_count()?, self.inner.store.archived_count()?))
     }
 
+    /// Counters of this node's storage work (appends, fsyncs, reads) since it opened:
+    /// diagnostics and benchmarks.
+    pub fn io_stats(&self) -> crate::store::IoStats {
+        self.inner.store.io_stats()
+    }
+
     /// Run `f` on the applied state (a read lock is held meanwhile: keep it short).
     pub fn with_state<R>(&self, f: impl FnOnce(&S) -> R) -> R {
         let st = self.inner.sm.shared.read();

@@ -18,7 +18,9 @@ use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, mpsc};
+use std::time::Instant;
 
 use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
 use openraft::{EntryPayload, OptionalSend, RaftLogReader};
@@ -54,7 +56,52 @@ pub struct Store {
     inner: Arc<Inner>,
 }
 
+/// Counters of the storage work done so far (diagnostics and benchmarks; see
+/// [`crate::LogNode::io_stats`]). Times are in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// `append` calls and the entries they carried.
+    pub appends: u64,
+    pub appended_entries: u64,
+    /// Time openraft's core spent inside `append` (it awaits it).
+    pub append_us: u64,
+    /// Durable (fsync'd) commits made for appends, and their total time.
+    pub durable_commits: u64,
+    pub durable_commit_us: u64,
+    /// Non-durable write transactions (appends, committed id, truncation).
+    pub nondurable_commits: u64,
+    /// `save_committed` calls and the time openraft's core spent in them.
+    pub save_committed: u64,
+    pub save_committed_us: u64,
+    /// Log reads (replication, apply) and their total time.
+    pub log_reads: u64,
+    pub log_read_us: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    appends: AtomicU64,
+    appended_entries: AtomicU64,
+    append_us: AtomicU64,
+    durable_commits: AtomicU64,
+    durable_commit_us: AtomicU64,
+    nondurable_commits: AtomicU64,
+    save_committed: AtomicU64,
+    save_committed_us: AtomicU64,
+    log_reads: AtomicU64,
+    log_read_us: AtomicU64,
+}
+
+fn add(c: &AtomicU64, v: u64) {
+    c.fetch_add(v, Ordering::Relaxed);
+}
+
+fn us_since(t: Instant) -> u64 {
+    t.elapsed().as_micros() as u64
+}
+
 struct Inner {
+    counters: Counters,
     /// `None` once [`Store::close`] ran (the file is released for a restart in-process).
     db: RwLock<Option<Database>>,
     archive_retention: Option<u64>,
@@ -77,6 +124,7 @@ impl Store {
         }
         let (tx, rx) = mpsc::channel::<IOFlushed<TypeConfig>>();
         let inner = Arc::new(Inner {
+            counters: Counters::default(),
             db: RwLock::new(Some(db)),
             archive_retention,
             flush_tx: std::sync::Mutex::new(Some(tx)),
@@ -86,6 +134,24 @@ impl Store {
             .name("opendsec-log-flush".into())
             .spawn(move || flusher(weak, rx))?;
         Ok(Store { inner })
+    }
+
+    /// The storage counters so far.
+    pub fn io_stats(&self) -> IoStats {
+        let c = &self.inner.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IoStats {
+            appends: g(&c.appends),
+            appended_entries: g(&c.appended_entries),
+            append_us: g(&c.append_us),
+            durable_commits: g(&c.durable_commits),
+            durable_commit_us: g(&c.durable_commit_us),
+            nondurable_commits: g(&c.nondurable_commits),
+            save_committed: g(&c.save_committed),
+            save_committed_us: g(&c.save_committed_us),
+            log_reads: g(&c.log_reads),
+            log_read_us: g(&c.log_read_us),
+        }
     }
 
     /// Release the database file (after the Raft node stopped). Further operations fail.
@@ -322,7 +388,11 @@ fn flusher(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<IOFlushed<TypeConfi
             None => Err("log store is closed".into()),
             Some(inner) => {
                 let store = Store { inner };
-                store.write(Durability::Immediate, |_| Ok(())).map_err(|e| e.to_string())
+                let t = Instant::now();
+                let r = store.write(Durability::Immediate, |_| Ok(())).map_err(|e| e.to_string());
+                add(&store.inner.counters.durable_commits, 1);
+                add(&store.inner.counters.durable_commit_us, us_since(t));
+                r
             }
         };
         for cb in batch {
@@ -350,6 +420,7 @@ impl RaftLogReader<TypeConfig> for Store {
         if end.is_some_and(|e| e < start) {
             return Ok(Vec::new());
         }
+        let t = Instant::now();
         let raw = self.with_db(|db| {
             let txn = db.begin_read()?;
             let t = txn.open_table(LOGS)?;
@@ -364,7 +435,10 @@ impl RaftLogReader<TypeConfig> for Store {
             }
             Ok(out)
         })?;
-        raw.iter().map(|b| decode(b)).collect()
+        let r = raw.iter().map(|b| decode(b)).collect();
+        add(&self.inner.counters.log_reads, 1);
+        add(&self.inner.counters.log_read_us, us_since(t));
+        r
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote>, io::Error> {
@@ -401,10 +475,15 @@ impl RaftLogStorage<TypeConfig> for Store {
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), io::Error> {
-        match committed {
+        let t = Instant::now();
+        let r = match committed {
             Some(c) => self.put_meta(K_COMMITTED, &c, Durability::None).await,
             None => Ok(()),
-        }
+        };
+        add(&self.inner.counters.save_committed, 1);
+        add(&self.inner.counters.save_committed_us, us_since(t));
+        add(&self.inner.counters.nondurable_commits, 1);
+        r
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, io::Error> {
@@ -416,11 +495,15 @@ impl RaftLogStorage<TypeConfig> for Store {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        let t = Instant::now();
         let mut batch = Vec::new();
         for e in entries {
             batch.push((e.log_id.index(), encode(&e)?));
         }
+        add(&self.inner.counters.appends, 1);
+        add(&self.inner.counters.appended_entries, batch.len() as u64);
         if !batch.is_empty() {
+            add(&self.inner.counters.nondurable_commits, 1);
             self.write_blocking(Durability::None, move |txn| {
                 let mut t = txn.open_table(LOGS)?;
                 for (i, b) in &batch {
@@ -439,6 +522,7 @@ impl RaftLogStorage<TypeConfig> for Store {
             }
             None => callback.io_completed(Err(closed())),
         }
+        add(&self.inner.counters.append_us, us_since(t));
         Ok(())
     }
 
