@@ -62,6 +62,7 @@ fn delta(a: &IoStats, b: &IoStats) -> IoStats {
         save_committed_us: b.save_committed_us - a.save_committed_us,
         log_reads: b.log_reads - a.log_reads,
         log_read_us: b.log_read_us - a.log_read_us,
+        log_reads_db: b.log_reads_db - a.log_reads_db,
     }
 }
 
@@ -129,7 +130,7 @@ async fn main() {
             let d = delta(a, b);
             println!(
                 "   node{}: appends {} ({} entries, {} us each in core), fsyncs {} ({} us each, {:.1} entries/fsync), \
-                 nondurable txns {}, save_committed {} ({} us each), reads {} ({} us each)",
+                 nondurable txns {}, save_committed {} ({} us each), reads {} ({} us each, {} from redb)",
                 i + 1,
                 d.appends,
                 d.appended_entries,
@@ -142,6 +143,7 @@ async fn main() {
                 per(d.save_committed_us, d.save_committed),
                 d.log_reads,
                 per(d.log_read_us, d.log_reads),
+                d.log_reads_db,
             );
         }
     }
