@@ -60,6 +60,9 @@ const K_SNAP_DATA: &str = "data";
 const TAIL_BYTES: usize = 16 << 20;
 /// At most this many queued operations go into one write transaction.
 const MAX_BATCH_OPS: usize = 8192;
+/// Log entries a purge moves to the archive per write transaction: a purge after a snapshot
+/// (thousands of entries, tens of ms) must not hold back the appends queued meanwhile.
+const PURGE_CHUNK: usize = 500;
 /// A queued committed id with no other write to ride on is written after this long.
 const COMMITTED_IDLE: Duration = Duration::from_millis(200);
 
@@ -578,9 +581,15 @@ impl Store {
     }
 }
 
-/// Move the live entries `<= upto` to the archive (application payloads only) and record
-/// `upto` as purged, inside the writer's transaction.
-fn purge_in(txn: &redb::WriteTransaction, upto: &LogId, retention: Option<u64>) -> Result<(), redb::Error> {
+/// Move up to `limit` live entries `<= upto` to the archive (application payloads only) and
+/// record the last one moved as purged (`upto` itself once none is left), inside the writer's
+/// transaction. Returns whether the purge is complete, and the index purged through.
+fn purge_in(
+    txn: &redb::WriteTransaction,
+    upto: &LogId,
+    retention: Option<u64>,
+    limit: usize,
+) -> Result<(bool, u64), redb::Error> {
     let corrupted = |e: postcard::Error| redb::Error::Corrupted(e.to_string());
     let upto_idx = upto.index();
     let mut meta = txn.open_table(META)?;
@@ -596,10 +605,14 @@ fn purge_in(txn: &redb::WriteTransaction, upto: &LogId, retention: Option<u64>) 
     let mut logs = txn.open_table(LOGS)?;
     let mut archive = txn.open_table(ARCHIVE)?;
     let mut moved = Vec::new();
-    for kv in logs.range(..=upto_idx)? {
+    for kv in logs.range(..=upto_idx)?.take(limit.max(1) + 1) {
         let (k, v) = kv?;
         moved.push((k.value(), v.value().to_vec()));
     }
+    // One more than the limit was read to know whether this chunk finishes the purge.
+    let done = moved.len() <= limit.max(1);
+    moved.truncate(limit.max(1));
+    let mut last_moved = None;
     for (idx, bytes) in &moved {
         if *idx != expected {
             // A hole (entries this node never stored, e.g. it installed a snapshot):
@@ -613,10 +626,16 @@ fn purge_in(txn: &redb::WriteTransaction, upto: &LogId, retention: Option<u64>) 
             archive.insert(*idx, p.0.as_slice())?;
         }
         logs.remove(*idx)?;
+        last_moved = Some(e.log_id);
     }
-    if expected <= upto_idx {
-        floor = floor.max(upto_idx + 1);
-    }
+    let purged = if done {
+        if expected <= upto_idx {
+            floor = floor.max(upto_idx + 1);
+        }
+        *upto
+    } else {
+        last_moved.unwrap_or(*upto)
+    };
     if let Some(keep) = retention {
         let n = archive.len()?;
         if n > keep {
@@ -631,10 +650,10 @@ fn purge_in(txn: &redb::WriteTransaction, upto: &LogId, retention: Option<u64>) 
     // Archived entries below the floor can never be served contiguously: drop them.
     archive.retain_in(..floor, |_, _| false)?;
     let floor_bytes = postcard::to_stdvec(&floor).map_err(corrupted)?;
-    let purged_bytes = postcard::to_stdvec(upto).map_err(corrupted)?;
+    let purged_bytes = postcard::to_stdvec(&purged).map_err(corrupted)?;
     meta.insert(K_FLOOR, floor_bytes.as_slice())?;
     meta.insert(K_PURGED, purged_bytes.as_slice())?;
-    Ok(())
+    Ok((done, purged.index()))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -645,8 +664,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
     // The newest committed id not yet written (it rides on the next transaction).
     let mut committed: Option<Vec<u8>> = None;
+    // Purges in progress, one chunk per transaction (see `PURGE_CHUNK`).
+    let mut purges: VecDeque<Purging> = VecDeque::new();
     loop {
-        let first = if committed.is_some() {
+        let first = if !purges.is_empty() {
+            match rx.try_recv() {
+                Ok(op) => Some(op),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        } else if committed.is_some() {
             match rx.recv_timeout(COMMITTED_IDLE) {
                 Ok(op) => Some(op),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
@@ -662,6 +689,7 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
         let mut work = Vec::new();
         let mut take = |op: Op| match op {
             Op::Committed { bytes } => committed = Some(bytes),
+            Op::Purge { upto, done } => purges.push_back(Purging { upto, done }),
             op => work.push(op),
         };
         if let Some(op) = first {
@@ -674,12 +702,12 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
                 n += 1;
             }
         }
-        if work.is_empty() && !idle {
+        if work.is_empty() && purges.is_empty() && !idle {
             // Only a committed id: wait for something to ride on (or for idleness).
             continue;
         }
         match inner.upgrade() {
-            Some(inner) => Store { inner }.run_batch(work, committed.take()),
+            Some(inner) => Store { inner }.run_batch(work, committed.take(), &mut purges),
             None => {
                 for op in work {
                     op.fail("log store is closed");
@@ -688,17 +716,36 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
             }
         }
     }
-    if let (Some(c), Some(inner)) = (committed, inner.upgrade()) {
-        Store { inner }.run_batch(Vec::new(), Some(c));
+    if let Some(inner) = inner.upgrade() {
+        let store = Store { inner };
+        while !purges.is_empty() {
+            store.run_batch(Vec::new(), None, &mut purges);
+        }
+        if let Some(c) = committed {
+            store.run_batch(Vec::new(), Some(c), &mut purges);
+        }
+    } else {
+        for p in purges {
+            let _ = p.done.send(Err(closed()));
+        }
     }
 }
 
+/// A purge the writer is working through.
+struct Purging {
+    upto: LogId,
+    done: oneshot::Sender<io::Result<()>>,
+}
+
 impl Store {
-    /// One write transaction for `work` (in order) plus the committed id; durable unless it
-    /// holds only a truncation. Then the tail is updated and every operation answered.
-    fn run_batch(&self, work: Vec<Op>, committed: Option<Vec<u8>>) {
-        let durable = work.is_empty() || work.iter().any(|op| !matches!(op, Op::Truncate { .. }));
+    /// One write transaction for `work` (in order), the committed id and one chunk of the
+    /// oldest purge in progress; durable unless it holds only a truncation. Then the tail is
+    /// updated and every finished operation answered.
+    fn run_batch(&self, work: Vec<Op>, committed: Option<Vec<u8>>, purges: &mut VecDeque<Purging>) {
+        let durable = purges.front().is_some() || work.iter().any(|op| !matches!(op, Op::Truncate { .. }));
+        let durable = durable || (work.is_empty() && committed.is_some());
         let retention = self.inner.archive_retention;
+        let purge = purges.front().map(|p| p.upto);
         let t = Instant::now();
         let res = self.write(if durable { Durability::Immediate } else { Durability::None }, |txn| {
             for op in &work {
@@ -715,14 +762,16 @@ impl Store {
                     Op::Vote { bytes, .. } => {
                         txn.open_table(META)?.insert(K_VOTE, bytes.as_slice())?;
                     }
-                    Op::Purge { upto, .. } => purge_in(txn, upto, retention)?,
-                    Op::Committed { .. } => {}
+                    Op::Purge { .. } | Op::Committed { .. } => {}
                 }
             }
             if let Some(c) = &committed {
                 txn.open_table(META)?.insert(K_COMMITTED, c.as_slice())?;
             }
-            Ok(())
+            match &purge {
+                Some(upto) => Ok(Some(purge_in(txn, upto, retention, PURGE_CHUNK)?)),
+                None => Ok(None),
+            }
         });
         let c = &self.inner.counters;
         if durable {
@@ -731,14 +780,15 @@ impl Store {
         } else {
             add(&c.nondurable_commits, 1);
         }
-        if res.is_ok() {
+        if let Ok(step) = &res {
             let mut tail = self.tail();
             for op in &work {
-                match op {
-                    Op::Append { last: Some(last), .. } => tail.mark_written(last),
-                    Op::Purge { upto, .. } => tail.drop_upto(upto.index()),
-                    _ => {}
+                if let Op::Append { last: Some(last), .. } = op {
+                    tail.mark_written(last);
                 }
+            }
+            if let Some((_, through)) = step {
+                tail.drop_upto(*through);
             }
             tail.evict(self.inner.tail_bytes);
         }
@@ -747,6 +797,12 @@ impl Store {
             None => Ok(()),
             Some(e) => Err(io::Error::other(e.clone())),
         };
+        // A purge is answered when its last chunk is in, or at its first failure.
+        if matches!(res, Ok(Some((true, _)))) || (err.is_some() && purge.is_some()) {
+            if let Some(p) = purges.pop_front() {
+                let _ = p.done.send(result());
+            }
+        }
         for op in work {
             match op {
                 Op::Append { callback, .. } => callback.io_completed(result()),
@@ -879,28 +935,28 @@ impl RaftLogStorage<TypeConfig> for Store {
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use openraft::entry::RaftEntry;
     use openraft::type_config::TypeConfigExt;
 
     use super::*;
     use crate::Payload;
 
-    type Lid = openraft::impls::leader_id_adv::LeaderId<u64, u64>;
+    pub type Lid = openraft::impls::leader_id_adv::LeaderId<u64, u64>;
 
-    fn log_id(term: u64, index: u64) -> LogId {
+    pub fn log_id(term: u64, index: u64) -> LogId {
         LogId::new(Lid { term, node_id: 1 }, index)
     }
 
-    fn entry(term: u64, index: u64, len: usize) -> Entry {
+    pub fn entry(term: u64, index: u64, len: usize) -> Entry {
         Entry::new_normal(log_id(term, index), Payload(vec![(index % 251) as u8; len]))
     }
 
-    fn indexes(v: &[Entry]) -> Vec<(u64, u64)> {
+    pub fn indexes(v: &[Entry]) -> Vec<(u64, u64)> {
         v.iter().map(|e| (e.log_id.committed_leader_id().term, e.log_id.index())).collect()
     }
 
-    async fn append(
+    pub async fn append(
         store: &mut Store,
         entries: Vec<Entry>,
     ) -> openraft::type_config::alias::OneshotReceiverOf<TypeConfig, Result<(), io::Error>> {
@@ -908,6 +964,13 @@ mod tests {
         store.append(entries, IOFlushed::signal(tx)).await.expect("append");
         rx
     }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
 
     #[tokio::test]
     async fn appends_are_readable_at_once_and_durable_once_flushed() {
@@ -993,6 +1056,39 @@ mod tests {
         assert_eq!(all.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (1..=30).collect::<Vec<_>>());
         let st = store.get_log_state().await.unwrap();
         assert_eq!((st.last_purged_log_id, st.last_log_id), (Some(log_id(1, 20)), Some(log_id(1, 30))));
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn appends_are_flushed_between_the_chunks_of_a_purge() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let n = 5 * PURGE_CHUNK as u64;
+        let rx = append(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
+        rx.await.unwrap().unwrap();
+        let mut s2 = store.clone();
+        let upto = n - 100;
+        let purge = tokio::spawn(async move { s2.purge(log_id(1, upto)).await });
+        let mut i = n + 1;
+        let mut flushed_during = 0;
+        while !purge.is_finished() {
+            let rx = append(&mut store, vec![entry(1, i, 50)]).await;
+            rx.await.unwrap().unwrap();
+            flushed_during += u64::from(!purge.is_finished());
+            i += 1;
+        }
+        purge.await.unwrap().unwrap();
+        assert!(flushed_during >= 1, "no append was flushed while the purge ran");
+        let st = store.get_log_state().await.unwrap();
+        assert_eq!(st.last_purged_log_id, Some(log_id(1, upto)));
+        assert_eq!(store.archived_count().unwrap(), upto);
+        let all = store.read_entries(1, i - 1).unwrap();
+        assert_eq!(all.iter().map(|(k, _)| *k).collect::<Vec<_>>(), (1..i).collect::<Vec<_>>());
+        store.close();
+        drop(store);
+        let mut store = Store::open(dir.path(), None).unwrap();
+        assert_eq!(store.get_log_state().await.unwrap().last_purged_log_id, Some(log_id(1, upto)));
+        assert_eq!(store.try_get_log_entries(..).await.unwrap().len() as u64, i - 1 - upto);
         store.close();
     }
 
