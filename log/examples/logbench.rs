@@ -67,7 +67,7 @@ fn delta(a: &IoStats, b: &IoStats) -> IoStats {
 }
 
 fn per(total: u64, n: u64) -> String {
-    if n == 0 { "-".into() } else { format!("{}", total / n) }
+    total.checked_div(n).map_or_else(|| "-".into(), |v| v.to_string())
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -798,10 +798,10 @@ impl Store {
             Some(e) => Err(io::Error::other(e.clone())),
         };
         // A purge is answered when its last chunk is in, or at its first failure.
-        if matches!(res, Ok(Some((true, _)))) || (err.is_some() && purge.is_some()) {
-            if let Some(p) = purges.pop_front() {
-                let _ = p.done.send(result());
-            }
+        if (matches!(res, Ok(Some((true, _)))) || (err.is_some() && purge.is_some()))
+            && let Some(p) = purges.pop_front()
+        {
+            let _ = p.done.send(result());
         }
         for op in work {
             match op {
@@ -1027,7 +1027,7 @@ mod tests {
         let rx = append(&mut store, (1..=10).map(|i| entry(1, i, 10)).collect()).await;
         rx.await.unwrap().unwrap();
         // Not yet flushed appends, then a truncation in the middle of them.
-        let _ = append(&mut store, (11..=15).map(|i| entry(1, i, 10)).collect()).await;
+        drop(append(&mut store, (11..=15).map(|i| entry(1, i, 10)).collect()).await);
         store.truncate_after(Some(log_id(1, 7))).await.unwrap();
         assert_eq!(indexes(&store.try_get_log_entries(1..=20).await.unwrap()), (1..=7).map(|i| (1, i)).collect::<Vec<_>>());
         let rx = append(&mut store, (8..=9).map(|i| entry(2, i, 10)).collect()).await;
@@ -1046,7 +1046,7 @@ mod tests {
     async fn purge_archives_in_order_with_pending_appends() {
         let dir = tempfile::tempdir().unwrap();
         let mut store = Store::open(dir.path(), None).unwrap();
-        let _ = append(&mut store, (1..=30).map(|i| entry(1, i, 10)).collect()).await;
+        drop(append(&mut store, (1..=30).map(|i| entry(1, i, 10)).collect()).await);
         // Queued behind the (maybe unwritten) appends: it still finds them.
         store.purge(log_id(1, 20)).await.unwrap();
         assert_eq!(store.archived_count().unwrap(), 20);
