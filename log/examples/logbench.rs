@@ -117,14 +117,17 @@ async fn main() {
         let warm = c.max(50);
         run(&leader, c, warm, payload_len).await;
         let before: Vec<IoStats> = handles.iter().map(|n| n.io_stats()).collect();
+        let wb0 = write_bytes();
         let (el, mut lat) = run(&leader, c, ops, payload_len).await;
         let after: Vec<IoStats> = handles.iter().map(|n| n.io_stats()).collect();
+        let wb = write_bytes().saturating_sub(wb0);
         lat.sort_unstable();
         println!(
-            "c={c:<4} {:>8.0} ops/s  p50 {:>9.1?}  p99 {:>9.1?}",
+            "c={c:<4} {:>8.0} ops/s  p50 {:>9.1?}  p99 {:>9.1?}  disk writes {:.1} KiB per op (all nodes)",
             lat.len() as f64 / el.as_secs_f64(),
             pct(&lat, 0.5),
-            pct(&lat, 0.99)
+            pct(&lat, 0.99),
+            wb as f64 / 1024.0 / ops as f64
         );
         for (i, (a, b)) in before.iter().zip(&after).enumerate() {
             let d = delta(a, b);
@@ -150,6 +153,14 @@ async fn main() {
     for n in &handles {
         let _ = n.shutdown().await;
     }
+}
+
+/// Bytes this process caused to be written to storage so far (`/proc/self/io`).
+fn write_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/io")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("write_bytes: ").and_then(|v| v.trim().parse().ok())))
+        .unwrap_or(0)
 }
 
 async fn run(leader: &LogNode<Sm>, c: usize, ops: usize, payload_len: usize) -> (Duration, Vec<Duration>) {

@@ -13,9 +13,10 @@
 //!   (fsync) if it holds an append, a vote or a purge; only then does it report the appends
 //!   flushed and answer the waiting calls. Appends arriving during an fsync share the next one
 //!   (group commit), so there is one fsync per batch and no extra transaction per append.
-//! - `save_committed` only queues the id: it is written by the next transaction (or after
-//!   200 ms of idleness, or on close). Losing it in a crash is allowed by openraft; it is
-//!   never ahead of the entries it covers, since those were queued before it.
+//! - `save_committed` only queues the id: a later transaction writes the newest one, at most
+//!   every 100 ms (or after 100 ms without other writes, or on close). Losing it in a crash
+//!   is allowed by openraft (a restarted node re-applies less at start); it is never ahead
+//!   of the entries it covers, since those were queued before it.
 //! - `save_vote`, `truncate_after` and `purge` wait until the writer has committed them
 //!   (the vote and purge durably; truncation becomes durable with the next durable commit).
 //! - The tail keeps the newest entries (all not yet written, plus written ones up to a byte
@@ -63,8 +64,9 @@ const MAX_BATCH_OPS: usize = 8192;
 /// Log entries a purge moves to the archive per write transaction: a purge after a snapshot
 /// (thousands of entries, tens of ms) must not hold back the appends queued meanwhile.
 const PURGE_CHUNK: usize = 500;
-/// A queued committed id with no other write to ride on is written after this long.
-const COMMITTED_IDLE: Duration = Duration::from_millis(200);
+/// The committed id is written at most this often (each write costs redb a page per commit,
+/// ~12% of the bytes of a one-entry commit), or after this long without other writes.
+const COMMITTED_EVERY: Duration = Duration::from_millis(100);
 
 fn io_err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
@@ -662,8 +664,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The writer thread: every queued operation so far, in order, in one write transaction.
 fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
-    // The newest committed id not yet written (it rides on the next transaction).
+    // The newest committed id not yet written (it rides on a later transaction).
     let mut committed: Option<Vec<u8>> = None;
+    let mut committed_written = Instant::now();
     // Purges in progress, one chunk per transaction (see `PURGE_CHUNK`).
     let mut purges: VecDeque<Purging> = VecDeque::new();
     loop {
@@ -674,7 +677,7 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
                 Err(mpsc::TryRecvError::Disconnected) => break,
             }
         } else if committed.is_some() {
-            match rx.recv_timeout(COMMITTED_IDLE) {
+            match rx.recv_timeout(COMMITTED_EVERY) {
                 Ok(op) => Some(op),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -707,7 +710,17 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
             continue;
         }
         match inner.upgrade() {
-            Some(inner) => Store { inner }.run_batch(work, committed.take(), &mut purges),
+            Some(inner) => {
+                let due = idle || committed_written.elapsed() >= COMMITTED_EVERY;
+                let c = if due { committed.take() } else { None };
+                if c.is_some() {
+                    committed_written = Instant::now();
+                }
+                if work.is_empty() && purges.is_empty() && c.is_none() {
+                    continue;
+                }
+                Store { inner }.run_batch(work, c, &mut purges)
+            }
             None => {
                 for op in work {
                     op.fail("log store is closed");
