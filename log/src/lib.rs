@@ -7,8 +7,9 @@
 //!
 //! What is on disk (one redb file, `<data_dir>/log.redb`):
 //! - the Raft vote, the committed log id and the last purged log id;
-//! - the live Raft log (every append is one durable commit before openraft is told it is
-//!   flushed; concurrent appends share one fsync: see [`store`]);
+//! - the live Raft log (an append is in a durable commit before openraft is told it is
+//!   flushed; one writer thread commits every queued append with one fsync, while the
+//!   entries are already readable from memory: see [`store`]);
 //! - the latest snapshot (the application's [`StateMachine::snapshot`] bytes plus Raft
 //!   metadata). The application state itself is kept only in memory: after a restart it
 //!   is restored from the latest snapshot, then the committed entries after it are re-applied;
@@ -18,7 +19,8 @@
 //!   ([`LogConfig::archive_retention`]). [`LogNode::read_entries`] reads archive + live log.
 //!
 //! The Raft peer transport is a tonic service ([`LogNode::raft_service`]) that the caller adds
-//! to its own tonic router (the peer port can host other services too):
+//! to its own tonic router (the peer port can host other services too). Replication to each
+//! follower is pipelined over one bidirectional stream (`AppendStream`):
 //!
 //! ```no_run
 //! # async fn demo<S: opendsec_log::StateMachine>(node: opendsec_log::LogNode<S>) -> Result<(), Box<dyn std::error::Error>> {

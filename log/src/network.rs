@@ -5,14 +5,18 @@
 //! after a failure, so a killed peer that comes back on the same address is reached again
 //! without any action here; a changed address replaces the channel.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use futures::{Stream, StreamExt};
+use openraft::base::{BoxFuture, BoxStream};
 use openraft::errors::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
-use openraft::network::{RPCOption, RaftNetworkFactory, v2::RaftNetworkV2};
-use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse};
+use openraft::network::{RPCOption, RaftNetworkFactory, stream_append_sequential, v2::RaftNetworkV2};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, StreamAppendResult, VoteRequest, VoteResponse,
+};
 use openraft::{BasicNode, OptionalSend};
 use tonic::transport::{Channel, Endpoint};
 
@@ -23,6 +27,8 @@ use crate::{TypeConfig, decode, encode};
 
 /// Snapshot bytes per gRPC stream message.
 const SNAPSHOT_CHUNK: usize = 1024 * 1024;
+/// Append requests encoded ahead of the transport on a replication stream.
+const STREAM_AHEAD: usize = 16;
 
 type Rpc<T> = Result<T, RPCError<TypeConfig>>;
 
@@ -76,6 +82,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             channel: self.channel(target, &node.addr),
             rpc_timeout: self.rpc_timeout,
             cluster_key: self.cluster_key.clone(),
+            unary_only: false,
         }
     }
 }
@@ -86,6 +93,8 @@ pub(crate) struct Conn {
     channel: Result<Channel, String>,
     rpc_timeout: Duration,
     cluster_key: Arc<str>,
+    /// The peer does not serve `AppendStream` (an older version): replicate with unary calls.
+    unary_only: bool,
 }
 
 fn status_err(s: tonic::Status) -> RPCError<TypeConfig> {
@@ -145,8 +154,121 @@ impl Conn {
     }
 }
 
+/// Aborts the task feeding a replication stream when the response side is dropped, so that
+/// openraft's request generator (which holds its replication state) is dropped with it, as it
+/// would be with a unary transport.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+type StreamOut<'s> = BoxStream<'s, Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>>;
+
+impl Conn {
+    /// Pipelined replication over one `AppendStream` call: requests go out as openraft makes
+    /// them; answers come back in order. A request unanswered for `rpc_timeout` ends the
+    /// stream as unreachable.
+    async fn open_append_stream<S>(&mut self, mut input: S) -> Rpc<StreamOut<'static>>
+    where S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static {
+        let mut client = self.client()?;
+        // When each request was handed to the transport, oldest first (one per unanswered request).
+        let sent: Arc<Mutex<VecDeque<Instant>>> = Arc::default();
+        let (tx, rx) = tokio::sync::mpsc::channel::<pb::RaftMessage>(STREAM_AHEAD);
+        let feeder = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                while let Some(rpc) = input.next().await {
+                    let payload = match encode(&rpc) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            tracing::error!("cannot encode an append request: {e}");
+                            break;
+                        }
+                    };
+                    sent.lock().unwrap_or_else(|e| e.into_inner()).push_back(Instant::now());
+                    if tx.send(pb::RaftMessage { payload, cluster_key: String::new() }).await.is_err() {
+                        break;
+                    }
+                }
+            })
+        };
+        let guard = AbortOnDrop(feeder.abort_handle());
+        let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let key = tonic::metadata::MetadataValue::try_from(&*self.cluster_key).map_err(net_err)?;
+        req.metadata_mut().insert(crate::service::KEY_HEADER, key);
+        let ttl = self.rpc_timeout;
+        let resp = match tokio::time::timeout(ttl, client.append_stream(req)).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(s)) if s.code() == tonic::Code::Unimplemented => {
+                tracing::info!(target = self.target, "peer has no AppendStream: replicating with unary calls");
+                self.unary_only = true;
+                return Err(status_err(s));
+            }
+            Ok(Err(s)) => return Err(status_err(s)),
+            Err(_) => {
+                return Err(RPCError::Unreachable(Unreachable::from_string(format!(
+                    "opening a replication stream to node {} timed out after {ttl:?}",
+                    self.target
+                ))));
+            }
+        };
+        let target = self.target;
+        let inbound = resp.into_inner();
+        let out = futures::stream::unfold(
+            Some((inbound, sent, guard)),
+            move |state| async move {
+                let (mut inbound, sent, guard) = state?;
+                loop {
+                    match tokio::time::timeout(ttl / 2, inbound.message()).await {
+                        Ok(Ok(Some(m))) => {
+                            sent.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+                            return match decode::<StreamAppendResult<TypeConfig>>(&m.payload) {
+                                Ok(r) => Some((Ok(r), Some((inbound, sent, guard)))),
+                                Err(e) => Some((Err(net_err(e)), None)),
+                            };
+                        }
+                        Ok(Ok(None)) => return None,
+                        Ok(Err(s)) => return Some((Err(status_err(s)), None)),
+                        Err(_) => {
+                            let stale = sent
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .front()
+                                .is_some_and(|t| t.elapsed() >= ttl);
+                            if stale {
+                                let e = Unreachable::from_string(format!(
+                                    "node {target} did not answer an append request within {ttl:?}"
+                                ));
+                                return Some((Err(RPCError::Unreachable(e)), None));
+                            }
+                        }
+                    }
+                }
+            },
+        );
+        Ok(Box::pin(out))
+    }
+}
+
 impl RaftNetworkV2<TypeConfig> for Conn {
     type SnapshotData = Vec<u8>;
+
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> BoxFuture<'s, Result<StreamOut<'s>, RPCError<TypeConfig>>>
+    where
+        S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static,
+    {
+        if self.unary_only {
+            return stream_append_sequential(self, input, option);
+        }
+        Box::pin(async move { self.open_append_stream(input).await })
+    }
 
     async fn append_entries(
         &mut self,

@@ -309,6 +309,12 @@ impl<S: StateMachine> LogNode<S> {
         Ok((self.inner.store.live_count()?, self.inner.store.archived_count()?))
     }
 
+    /// Counters of this node's storage work (appends, fsyncs, reads) since it opened:
+    /// diagnostics and benchmarks.
+    pub fn io_stats(&self) -> crate::store::IoStats {
+        self.inner.store.io_stats()
+    }
+
     /// Run `f` on the applied state (a read lock is held meanwhile: keep it short).
     pub fn with_state<R>(&self, f: impl FnOnce(&S) -> R) -> R {
         let st = self.inner.sm.shared.read();
@@ -337,15 +343,27 @@ impl<S: StateMachine> LogNode<S> {
     /// `keep_after_snapshot` entries). Returns once the snapshot is stored, or after 30 s.
     pub async fn trigger_snapshot(&self) -> Result<(), LogError> {
         let target = *self.inner.sm.shared.applied_tx.borrow();
-        self.inner.raft.trigger().snapshot().await.map_err(fatal)?;
-        let Some(target) = target else { return Ok(()) };
-        self.inner
-            .raft
-            .wait(Some(Duration::from_secs(30)))
-            .metrics(|m| m.snapshot.is_some_and(|s| s.index() >= target), "snapshot built")
-            .await
-            .map_err(fatal)?;
-        Ok(())
+        let Some(target) = target else {
+            self.inner.raft.trigger().snapshot().await.map_err(fatal)?;
+            return Ok(());
+        };
+        // openraft drops a trigger that arrives while a build (e.g. one its policy started)
+        // is in flight, and that build may end below `target`: trigger again until covered.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            self.inner.raft.trigger().snapshot().await.map_err(fatal)?;
+            let r = self
+                .inner
+                .raft
+                .wait(Some(Duration::from_secs(1)))
+                .metrics(|m| m.snapshot.is_some_and(|s| s.index() >= target), "snapshot built")
+                .await;
+            match r {
+                Ok(_) => return Ok(()),
+                Err(openraft::metrics::WaitError::Timeout(..)) if tokio::time::Instant::now() < deadline => {}
+                Err(e) => return Err(fatal(e)),
+            }
+        }
     }
 
     /// Stop Raft and release the data directory (a new [`LogNode::open`] on it may follow).

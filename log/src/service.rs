@@ -1,6 +1,9 @@
 //! Raft server side: the tonic service peers call, to be added to the caller's router.
 
 use std::future::Future;
+use std::pin::Pin;
+
+use futures::{Stream, StreamExt};
 
 use openraft::Raft;
 use openraft::raft::{AppendEntriesRequest, VoteRequest};
@@ -52,8 +55,43 @@ fn reply<T: serde::Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
     Ok(Response::new(RaftMessage { payload, cluster_key: String::new() }))
 }
 
+/// The request metadata key carrying the cluster key on streaming calls.
+pub(crate) const KEY_HEADER: &str = "opendsec-cluster-key";
+
+type AppendStreamOut = Pin<Box<dyn Stream<Item = Result<RaftMessage, Status>> + Send + 'static>>;
+
 #[tonic::async_trait]
 impl<S: StateMachine> RaftService for RaftGrpc<S> {
+    type AppendStreamStream = AppendStreamOut;
+
+    async fn append_stream(
+        &self,
+        req: Request<Streaming<RaftMessage>>,
+    ) -> Result<Response<AppendStreamOut>, Status> {
+        let key = req.metadata().get(KEY_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
+        check_key(&self.cluster_key, key)?;
+        // An undecodable request or a broken stream ends the input; openraft then answers
+        // what it received and the leader starts a new stream.
+        let input = tokio_stream::StreamExt::map_while(req.into_inner(), |m| match m {
+            Ok(m) => match decode::<AppendEntriesRequest<TypeConfig>>(&m.payload) {
+                Ok(rpc) => Some(rpc),
+                Err(e) => {
+                    tracing::warn!("undecodable append request on a replication stream: {e}");
+                    None
+                }
+            },
+            Err(_) => None,
+        });
+        let out = self.raft.stream_append(input).map(|r| match r {
+            Ok(res) => {
+                let payload = encode(&res).map_err(|e| Status::internal(e.to_string()))?;
+                Ok(RaftMessage { payload, cluster_key: String::new() })
+            }
+            Err(fatal) => Err(stopped(fatal)),
+        });
+        Ok(Response::new(Box::pin(out)))
+    }
+
     async fn append_entries(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
         let msg = req.into_inner();
         check_key(&self.cluster_key, &msg.cluster_key)?;

@@ -1,28 +1,45 @@
 //! redb-backed Raft storage: vote, committed id, live log, archive and snapshot.
 //!
-//! One redb file holds everything. Durability model:
-//! - `append` writes the entries in a non-durable redb commit (so they are readable at once,
-//!   as openraft requires) and queues openraft's flush callback to a flusher thread. The
-//!   flusher takes every callback queued so far, performs one durable (fsync'ed) commit, which
-//!   persists all earlier non-durable commits, and only then reports them flushed. So every
-//!   append is durable before openraft is told so, and appends arriving during an fsync share
-//!   the next one (group commit).
-//! - `save_vote`, `purge` and snapshots are durable commits of their own.
-//! - `save_committed` and `truncate_after` are non-durable; they become durable with the next
-//!   durable commit (losing them in a crash is allowed by openraft).
+//! One redb file holds everything, and one thread (`opendsec-log-writer`) makes every write
+//! of the Raft log and its metadata, in the order openraft asked for them. The pipeline:
+//!
+//! - `append` encodes the entries, puts them in the in-memory **tail** (so they are readable
+//!   at once, as openraft requires: replication to the followers starts from there while the
+//!   local fsync is still running) and queues them to the writer. It never waits for the disk:
+//!   openraft's core awaits `append`, and a core blocked on an fsync could neither replicate,
+//!   nor count acknowledgements, nor apply.
+//! - The writer takes every operation queued so far (appends, truncation, vote, committed id,
+//!   purge), performs them in order in **one** write transaction and commits it durably
+//!   (fsync) if it holds an append, a vote or a purge; only then does it report the appends
+//!   flushed and answer the waiting calls. Appends arriving during an fsync share the next one
+//!   (group commit), so there is one fsync per batch and no extra transaction per append.
+//! - `save_committed` only queues the id: a later transaction writes the newest one, at most
+//!   every 100 ms (or after 100 ms without other writes, or on close). Losing it in a crash
+//!   is allowed by openraft (a restarted node re-applies less at start); it is never ahead
+//!   of the entries it covers, since those were queued before it.
+//! - `save_vote`, `truncate_after` and `purge` wait until the writer has committed them
+//!   (the vote and purge durably; truncation becomes durable with the next durable commit).
+//! - The tail keeps the newest entries (all not yet written, plus written ones up to a byte
+//!   budget) so replication and apply rarely read redb. Reads take the tail's part first,
+//!   then open a redb read transaction for what precedes it: an entry leaves the tail only
+//!   after a committed transaction holds it, so it is always found in one of the two.
 //!
 //! Purge moves entries into the `archive` table (application payloads only) in the same write
 //! transaction that removes them from the live log; see `LogNode::read_entries`.
 
+use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
-use std::sync::{Arc, RwLock, mpsc};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, mpsc};
+use std::time::{Duration, Instant};
 
 use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
 use openraft::{EntryPayload, OptionalSend, RaftLogReader};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use tokio::sync::oneshot;
 
 use crate::typ::{Entry, LogId, SnapshotMeta, Vote};
 use crate::{LogError, TypeConfig, decode, encode};
@@ -39,12 +56,216 @@ const K_FLOOR: &str = "archive_floor";
 const K_SNAP_META: &str = "meta";
 const K_SNAP_DATA: &str = "data";
 
+/// Encoded bytes of already-written entries the tail keeps for readers (entries not yet
+/// written are always kept).
+const TAIL_BYTES: usize = 16 << 20;
+/// At most this many queued operations go into one write transaction.
+const MAX_BATCH_OPS: usize = 8192;
+/// Log entries a purge moves to the archive per write transaction: a purge after a snapshot
+/// (thousands of entries, tens of ms) must not hold back the appends queued meanwhile.
+const PURGE_CHUNK: usize = 500;
+/// The committed id is written at most this often (each write costs redb a page per commit,
+/// ~12% of the bytes of a one-entry commit), or after this long without other writes.
+const COMMITTED_EVERY: Duration = Duration::from_millis(100);
+
 fn io_err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
 
 fn closed() -> io::Error {
     io::Error::new(io::ErrorKind::NotConnected, "log store is closed")
+}
+
+/// Counters of the storage work done so far (diagnostics and benchmarks; see
+/// [`crate::LogNode::io_stats`]). Times are in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// `append` calls and the entries they carried.
+    pub appends: u64,
+    pub appended_entries: u64,
+    /// Time openraft's core spent inside `append` (it awaits it).
+    pub append_us: u64,
+    /// Durable (fsync'd) write transactions, and their total time.
+    pub durable_commits: u64,
+    pub durable_commit_us: u64,
+    /// Non-durable write transactions.
+    pub nondurable_commits: u64,
+    /// `save_committed` calls and the time openraft's core spent in them.
+    pub save_committed: u64,
+    pub save_committed_us: u64,
+    /// Log reads (replication, apply) and their total time.
+    pub log_reads: u64,
+    pub log_read_us: u64,
+    /// Reads that had to open a redb read transaction (the rest came from the tail).
+    pub log_reads_db: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    appends: AtomicU64,
+    appended_entries: AtomicU64,
+    append_us: AtomicU64,
+    durable_commits: AtomicU64,
+    durable_commit_us: AtomicU64,
+    nondurable_commits: AtomicU64,
+    save_committed: AtomicU64,
+    save_committed_us: AtomicU64,
+    log_reads: AtomicU64,
+    log_read_us: AtomicU64,
+    log_reads_db: AtomicU64,
+}
+
+fn add(c: &AtomicU64, v: u64) {
+    c.fetch_add(v, Ordering::Relaxed);
+}
+
+fn us_since(t: Instant) -> u64 {
+    t.elapsed().as_micros() as u64
+}
+
+/// The newest entries of the log, contiguous: `entries[k]` has index `first + k` and the
+/// last one is the last entry of the log. Those with index `<= written` are in a committed
+/// redb transaction; the others exist only here (and in the writer's queue).
+#[derive(Default)]
+struct Tail {
+    first: u64,
+    entries: VecDeque<(Entry, usize)>,
+    bytes: usize,
+    written: Option<u64>,
+}
+
+impl Tail {
+    fn last(&self) -> Option<&Entry> {
+        self.entries.back().map(|(e, _)| e)
+    }
+
+    fn last_index(&self) -> Option<u64> {
+        self.last().map(|e| e.log_id.index())
+    }
+
+    /// Drop every entry with index `>= from`.
+    fn truncate_from(&mut self, from: u64) {
+        while self.last_index().is_some_and(|l| l >= from) {
+            if let Some((_, n)) = self.entries.pop_back() {
+                self.bytes -= n;
+            }
+        }
+        if self.written.is_some_and(|w| w >= from) {
+            self.written = from.checked_sub(1);
+        }
+    }
+
+    fn push(&mut self, e: Entry, n: usize) {
+        let idx = e.log_id.index();
+        match self.last_index() {
+            Some(l) if idx == l + 1 => {}
+            // Overwriting (openraft truncates first; be safe anyway).
+            Some(_) if idx >= self.first && self.last_index().is_some_and(|l| idx <= l) => self.truncate_from(idx),
+            // Not contiguous with the tail (e.g. after a snapshot install): start afresh.
+            Some(_) => {
+                self.entries.clear();
+                self.bytes = 0;
+            }
+            None => {}
+        }
+        if self.entries.is_empty() {
+            self.first = idx;
+        }
+        if self.written.is_some_and(|w| w >= idx) {
+            self.written = idx.checked_sub(1);
+        }
+        self.entries.push_back((e, n));
+        self.bytes += n;
+    }
+
+    /// Entries up to `last` are in a committed transaction.
+    fn mark_written(&mut self, last: &LogId) {
+        let idx = last.index();
+        let same = idx >= self.first
+            && self.entries.get((idx - self.first) as usize).is_some_and(|(e, _)| e.log_id == *last);
+        if same && self.written.is_none_or(|w| w < idx) {
+            self.written = Some(idx);
+        }
+    }
+
+    /// Forget entries `<= upto` (purged: they are in redb's archive now).
+    fn drop_upto(&mut self, upto: u64) {
+        while self.entries.front().is_some_and(|(e, _)| e.log_id.index() <= upto) {
+            if let Some((_, n)) = self.entries.pop_front() {
+                self.bytes -= n;
+                self.first += 1;
+            }
+        }
+    }
+
+    /// Keep the tail within `budget` bytes, dropping only written entries.
+    fn evict(&mut self, budget: usize) {
+        while self.bytes > budget {
+            let Some((e, _)) = self.entries.front() else { break };
+            if self.written.is_none_or(|w| e.log_id.index() > w) {
+                break;
+            }
+            if let Some((_, n)) = self.entries.pop_front() {
+                self.bytes -= n;
+                self.first += 1;
+            }
+        }
+    }
+
+    /// The tail's first index (if any) and clones of its entries in `start..=end`.
+    fn range(&self, start: u64, end: Option<u64>) -> (Option<u64>, Vec<Entry>) {
+        let Some(last) = self.last_index() else {
+            return (None, Vec::new());
+        };
+        let hi = end.map_or(last, |e| e.min(last));
+        let lo = start.max(self.first);
+        let out = if lo <= hi {
+            self.entries
+                .range((lo - self.first) as usize..=(hi - self.first) as usize)
+                .map(|(e, _)| e.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        (Some(self.first), out)
+    }
+}
+
+/// One operation for the writer thread.
+enum Op {
+    Append {
+        entries: Vec<(u64, Vec<u8>)>,
+        last: Option<LogId>,
+        callback: IOFlushed<TypeConfig>,
+    },
+    Truncate {
+        from: u64,
+        done: oneshot::Sender<io::Result<()>>,
+    },
+    Vote {
+        bytes: Vec<u8>,
+        done: oneshot::Sender<io::Result<()>>,
+    },
+    Committed {
+        bytes: Vec<u8>,
+    },
+    Purge {
+        upto: LogId,
+        done: oneshot::Sender<io::Result<()>>,
+    },
+}
+
+impl Op {
+    fn fail(self, e: &str) {
+        let err = || io::Error::other(e.to_string());
+        match self {
+            Op::Append { callback, .. } => callback.io_completed(Err(err())),
+            Op::Truncate { done, .. } | Op::Vote { done, .. } | Op::Purge { done, .. } => {
+                let _ = done.send(Err(err()));
+            }
+            Op::Committed { .. } => {}
+        }
+    }
 }
 
 /// Shared storage handle (cheap to clone). Implements openraft's log storage traits and
@@ -55,15 +276,25 @@ pub struct Store {
 }
 
 struct Inner {
+    counters: Counters,
     /// `None` once [`Store::close`] ran (the file is released for a restart in-process).
     db: RwLock<Option<Database>>,
     archive_retention: Option<u64>,
-    flush_tx: std::sync::Mutex<Option<mpsc::Sender<IOFlushed<TypeConfig>>>>,
+    tail: Mutex<Tail>,
+    /// Byte budget of written entries in the tail ([`TAIL_BYTES`]).
+    tail_bytes: usize,
+    /// The writer thread's queue; `None` once closed.
+    ops: Mutex<Option<mpsc::Sender<Op>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Store {
-    /// Open (or create) `<dir>/log.redb` and start the flusher thread.
+    /// Open (or create) `<dir>/log.redb` and start the writer thread.
     pub(crate) fn open(dir: &Path, archive_retention: Option<u64>) -> Result<Self, LogError> {
+        Self::open_with(dir, archive_retention, TAIL_BYTES)
+    }
+
+    fn open_with(dir: &Path, archive_retention: Option<u64>, tail_bytes: usize) -> Result<Self, LogError> {
         std::fs::create_dir_all(dir)?;
         let path = dir.join("log.redb");
         let db = Database::create(&path).map_err(|e| LogError::Storage(format!("{}: {e}", path.display())))?;
@@ -75,31 +306,83 @@ impl Store {
             txn.open_table(SNAPSHOT).map_err(redb::Error::from)?;
             txn.commit().map_err(redb::Error::from)?;
         }
-        let (tx, rx) = mpsc::channel::<IOFlushed<TypeConfig>>();
+        let (tx, rx) = mpsc::channel::<Op>();
         let inner = Arc::new(Inner {
+            counters: Counters::default(),
             db: RwLock::new(Some(db)),
             archive_retention,
-            flush_tx: std::sync::Mutex::new(Some(tx)),
+            tail: Mutex::new(Tail::default()),
+            tail_bytes,
+            ops: Mutex::new(Some(tx)),
+            writer: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new()
-            .name("opendsec-log-flush".into())
-            .spawn(move || flusher(weak, rx))?;
+        let handle = std::thread::Builder::new()
+            .name("opendsec-log-writer".into())
+            .spawn(move || writer(weak, rx))?;
+        *lock(&inner.writer) = Some(handle);
         Ok(Store { inner })
+    }
+
+    /// The storage counters so far.
+    pub fn io_stats(&self) -> IoStats {
+        let c = &self.inner.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IoStats {
+            appends: g(&c.appends),
+            appended_entries: g(&c.appended_entries),
+            append_us: g(&c.append_us),
+            durable_commits: g(&c.durable_commits),
+            durable_commit_us: g(&c.durable_commit_us),
+            nondurable_commits: g(&c.nondurable_commits),
+            save_committed: g(&c.save_committed),
+            save_committed_us: g(&c.save_committed_us),
+            log_reads: g(&c.log_reads),
+            log_read_us: g(&c.log_read_us),
+            log_reads_db: g(&c.log_reads_db),
+        }
     }
 
     /// Release the database file (after the Raft node stopped). Further operations fail.
     pub(crate) fn close(&self) {
-        if let Ok(mut g) = self.inner.flush_tx.lock() {
-            g.take();
+        // Let the writer finish what is queued (it writes a pending committed id on exit).
+        lock(&self.inner.ops).take();
+        if let Some(h) = lock(&self.inner.writer).take()
+            && h.thread().id() != std::thread::current().id()
+        {
+            let _ = h.join();
         }
-        // Make the last non-durable commits (committed id, truncation) durable.
+        // Make the last non-durable commits (truncation) durable.
         if let Err(e) = self.write(Durability::Immediate, |_| Ok(())) {
             tracing::debug!("final flush on close: {e}");
         }
         if let Ok(mut g) = self.inner.db.write() {
             g.take();
         }
+    }
+
+    fn tail(&self) -> MutexGuard<'_, Tail> {
+        lock(&self.inner.tail)
+    }
+
+    /// Queue `op` for the writer; fails it at once if the store is closed.
+    fn send(&self, op: Op) {
+        let tx = lock(&self.inner.ops).clone();
+        match tx {
+            Some(tx) => {
+                if let Err(mpsc::SendError(op)) = tx.send(op) {
+                    op.fail("log store is closed");
+                }
+            }
+            None => op.fail("log store is closed"),
+        }
+    }
+
+    /// Queue an operation that answers on `done`, and wait for the answer.
+    async fn call(&self, op: impl FnOnce(oneshot::Sender<io::Result<()>>) -> Op) -> io::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(op(tx));
+        rx.await.map_err(|_| closed())?
     }
 
     fn with_db<R>(&self, f: impl FnOnce(&Database) -> Result<R, redb::Error>) -> io::Result<R> {
@@ -144,13 +427,48 @@ impl Store {
         bytes.map(|b| decode(&b)).transpose()
     }
 
-    async fn put_meta<T: serde::Serialize>(&self, key: &'static str, v: &T, d: Durability) -> io::Result<()> {
-        let bytes = encode(v)?;
-        self.write_blocking(d, move |txn| {
-            txn.open_table(META)?.insert(key, bytes.as_slice())?;
-            Ok(())
-        })
-        .await
+    /// Log entries with index in `start..=end` (`end` `None`: to the last), from the tail
+    /// and, for what precedes the tail, from redb.
+    fn read_log(&self, start: u64, end: Option<u64>) -> io::Result<Vec<Entry>> {
+        let t = Instant::now();
+        // The tail first: an entry evicted from it after this point is already committed in
+        // redb, so the read transaction opened below sees it.
+        let (tail_first, cached) = self.tail().range(start, end);
+        // What precedes the tail (everything when it is empty) is read from redb.
+        let db_range = match tail_first {
+            None => Some(end),
+            Some(0) => None,
+            Some(f) => {
+                let e = end.map_or(f - 1, |e| e.min(f - 1));
+                (start <= e).then_some(Some(e))
+            }
+        };
+        let mut out = Vec::new();
+        if let Some(db_end) = db_range {
+            add(&self.inner.counters.log_reads_db, 1);
+            let raw = self.with_db(|db| {
+                let txn = db.begin_read()?;
+                let tbl = txn.open_table(LOGS)?;
+                let mut raw = Vec::new();
+                let it = match db_end {
+                    Some(e) => tbl.range(start..=e)?,
+                    None => tbl.range(start..)?,
+                };
+                for kv in it {
+                    let (_, v) = kv?;
+                    raw.push(v.value().to_vec());
+                }
+                Ok(raw)
+            })?;
+            out.reserve(raw.len() + cached.len());
+            for b in &raw {
+                out.push(decode::<Entry>(b)?);
+            }
+        }
+        out.extend(cached);
+        add(&self.inner.counters.log_reads, 1);
+        add(&self.inner.counters.log_read_us, us_since(t));
+        Ok(out)
     }
 
     // ---------------------------------------------------------------- snapshot
@@ -225,6 +543,9 @@ impl Store {
         if from > to {
             return Ok(Vec::new());
         }
+        // The tail first (see `read_log`), then one read transaction for the rest.
+        let (tail_first, cached) = self.tail().range(from, Some(to));
+        let live_end = tail_first.map_or(Some(to), |f| f.checked_sub(1).map(|f| f.min(to)));
         let (archived, live) = self.with_db(|db| {
             let txn = db.begin_read()?;
             let mut archived = Vec::new();
@@ -233,16 +554,17 @@ impl Store {
                 archived.push((k.value(), v.value().to_vec()));
             }
             let mut live = Vec::new();
-            for kv in txn.open_table(LOGS)?.range(from..=to)? {
-                let (_, v) = kv?;
-                live.push(v.value().to_vec());
+            if let Some(e) = live_end.filter(|e| from <= *e) {
+                for kv in txn.open_table(LOGS)?.range(from..=e)? {
+                    let (_, v) = kv?;
+                    live.push(v.value().to_vec());
+                }
             }
             Ok((archived, live))
         })?;
         let mut out = archived;
         let mut last = out.last().map(|(i, _)| *i);
-        for b in live {
-            let e: Entry = decode(&b)?;
+        let mut push = |e: Entry| {
             if let EntryPayload::Normal(p) = e.payload {
                 let idx = e.log_id.index();
                 if last.is_none_or(|l| idx > l) {
@@ -250,83 +572,258 @@ impl Store {
                     last = Some(idx);
                 }
             }
+        };
+        for b in live {
+            push(decode(&b)?);
+        }
+        for e in cached {
+            push(e);
         }
         Ok(out)
     }
+}
 
-    fn purge_sync(&self, upto: LogId) -> io::Result<()> {
-        let retention = self.inner.archive_retention;
-        let purged_bytes = encode(&upto)?;
-        let upto_idx = upto.index();
-        let prev: Option<LogId> = self.get_meta(K_PURGED)?;
-        let mut expected = prev.map(|l| l.index() + 1).unwrap_or(0);
-        self.write(Durability::Immediate, move |txn| {
-            let mut meta = txn.open_table(META)?;
-            let mut floor: u64 = match meta.get(K_FLOOR)? {
-                Some(v) => postcard::from_bytes(v.value()).unwrap_or(0),
-                None => 0,
-            };
-            let mut logs = txn.open_table(LOGS)?;
-            let mut archive = txn.open_table(ARCHIVE)?;
-            let mut moved = Vec::new();
-            for kv in logs.range(..=upto_idx)? {
-                let (k, v) = kv?;
-                moved.push((k.value(), v.value().to_vec()));
-            }
-            for (idx, bytes) in &moved {
-                if *idx != expected {
-                    // A hole (entries this node never stored, e.g. it installed a snapshot):
-                    // history is complete only from here on.
-                    floor = floor.max(*idx);
+/// Move up to `limit` live entries `<= upto` to the archive (application payloads only) and
+/// record the last one moved as purged (`upto` itself once none is left), inside the writer's
+/// transaction. Returns whether the purge is complete, and the index purged through.
+fn purge_in(
+    txn: &redb::WriteTransaction,
+    upto: &LogId,
+    retention: Option<u64>,
+    limit: usize,
+) -> Result<(bool, u64), redb::Error> {
+    let corrupted = |e: postcard::Error| redb::Error::Corrupted(e.to_string());
+    let upto_idx = upto.index();
+    let mut meta = txn.open_table(META)?;
+    let prev: Option<LogId> = match meta.get(K_PURGED)? {
+        Some(v) => Some(postcard::from_bytes(v.value()).map_err(corrupted)?),
+        None => None,
+    };
+    let mut expected = prev.map(|l| l.index() + 1).unwrap_or(0);
+    let mut floor: u64 = match meta.get(K_FLOOR)? {
+        Some(v) => postcard::from_bytes(v.value()).unwrap_or(0),
+        None => 0,
+    };
+    let mut logs = txn.open_table(LOGS)?;
+    let mut archive = txn.open_table(ARCHIVE)?;
+    let mut moved = Vec::new();
+    for kv in logs.range(..=upto_idx)?.take(limit.max(1) + 1) {
+        let (k, v) = kv?;
+        moved.push((k.value(), v.value().to_vec()));
+    }
+    // One more than the limit was read to know whether this chunk finishes the purge.
+    let done = moved.len() <= limit.max(1);
+    moved.truncate(limit.max(1));
+    let mut last_moved = None;
+    for (idx, bytes) in &moved {
+        if *idx != expected {
+            // A hole (entries this node never stored, e.g. it installed a snapshot):
+            // history is complete only from here on.
+            floor = floor.max(*idx);
+        }
+        expected = idx + 1;
+        let e: Entry =
+            postcard::from_bytes(bytes).map_err(|e| redb::Error::Corrupted(format!("log entry {idx}: {e}")))?;
+        if let EntryPayload::Normal(p) = &e.payload {
+            archive.insert(*idx, p.0.as_slice())?;
+        }
+        logs.remove(*idx)?;
+        last_moved = Some(e.log_id);
+    }
+    let purged = if done {
+        if expected <= upto_idx {
+            floor = floor.max(upto_idx + 1);
+        }
+        *upto
+    } else {
+        last_moved.unwrap_or(*upto)
+    };
+    if let Some(keep) = retention {
+        let n = archive.len()?;
+        if n > keep {
+            for _ in 0..(n - keep) {
+                match archive.pop_first()? {
+                    Some((k, _)) => floor = floor.max(k.value() + 1),
+                    None => break,
                 }
-                expected = idx + 1;
-                let e: Entry = postcard::from_bytes(bytes)
-                    .map_err(|e| redb::Error::Corrupted(format!("log entry {idx}: {e}")))?;
-                if let EntryPayload::Normal(p) = &e.payload {
-                    archive.insert(*idx, p.0.as_slice())?;
+            }
+        }
+    }
+    // Archived entries below the floor can never be served contiguously: drop them.
+    archive.retain_in(..floor, |_, _| false)?;
+    let floor_bytes = postcard::to_stdvec(&floor).map_err(corrupted)?;
+    let purged_bytes = postcard::to_stdvec(&purged).map_err(corrupted)?;
+    meta.insert(K_FLOOR, floor_bytes.as_slice())?;
+    meta.insert(K_PURGED, purged_bytes.as_slice())?;
+    Ok((done, purged.index()))
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The writer thread: every queued operation so far, in order, in one write transaction.
+fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
+    // The newest committed id not yet written (it rides on a later transaction).
+    let mut committed: Option<Vec<u8>> = None;
+    let mut committed_written = Instant::now();
+    // Purges in progress, one chunk per transaction (see `PURGE_CHUNK`).
+    let mut purges: VecDeque<Purging> = VecDeque::new();
+    loop {
+        let first = if !purges.is_empty() {
+            match rx.try_recv() {
+                Ok(op) => Some(op),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        } else if committed.is_some() {
+            match rx.recv_timeout(COMMITTED_EVERY) {
+                Ok(op) => Some(op),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(op) => Some(op),
+                Err(_) => break,
+            }
+        };
+        let idle = first.is_none();
+        let mut work = Vec::new();
+        let mut take = |op: Op| match op {
+            Op::Committed { bytes } => committed = Some(bytes),
+            Op::Purge { upto, done } => purges.push_back(Purging { upto, done }),
+            op => work.push(op),
+        };
+        if let Some(op) = first {
+            take(op);
+            let mut n = 1;
+            while n < MAX_BATCH_OPS
+                && let Ok(op) = rx.try_recv()
+            {
+                take(op);
+                n += 1;
+            }
+        }
+        if work.is_empty() && purges.is_empty() && !idle {
+            // Only a committed id: wait for something to ride on (or for idleness).
+            continue;
+        }
+        match inner.upgrade() {
+            Some(inner) => {
+                let due = idle || committed_written.elapsed() >= COMMITTED_EVERY;
+                let c = if due { committed.take() } else { None };
+                if c.is_some() {
+                    committed_written = Instant::now();
                 }
-                logs.remove(*idx)?;
-            }
-            if expected <= upto_idx {
-                floor = floor.max(upto_idx + 1);
-            }
-            if let Some(keep) = retention {
-                let n = archive.len()?;
-                if n > keep {
-                    for _ in 0..(n - keep) {
-                        match archive.pop_first()? {
-                            Some((k, _)) => floor = floor.max(k.value() + 1),
-                            None => break,
-                        }
-                    }
+                if work.is_empty() && purges.is_empty() && c.is_none() {
+                    continue;
                 }
+                Store { inner }.run_batch(work, c, &mut purges)
             }
-            // Archived entries below the floor can never be served contiguously: drop them.
-            archive.retain_in(..floor, |_, _| false)?;
-            let floor_bytes = postcard::to_stdvec(&floor).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
-            meta.insert(K_FLOOR, floor_bytes.as_slice())?;
-            meta.insert(K_PURGED, purged_bytes.as_slice())?;
-            Ok(())
-        })
+            None => {
+                for op in work {
+                    op.fail("log store is closed");
+                }
+                return;
+            }
+        }
+    }
+    if let Some(inner) = inner.upgrade() {
+        let store = Store { inner };
+        while !purges.is_empty() {
+            store.run_batch(Vec::new(), None, &mut purges);
+        }
+        if let Some(c) = committed {
+            store.run_batch(Vec::new(), Some(c), &mut purges);
+        }
+    } else {
+        for p in purges {
+            let _ = p.done.send(Err(closed()));
+        }
     }
 }
 
-/// Group-commit loop: one durable commit covers every append queued before it.
-fn flusher(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<IOFlushed<TypeConfig>>) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while let Ok(more) = rx.try_recv() {
-            batch.push(more);
-        }
-        let res: Result<(), String> = match inner.upgrade() {
-            None => Err("log store is closed".into()),
-            Some(inner) => {
-                let store = Store { inner };
-                store.write(Durability::Immediate, |_| Ok(())).map_err(|e| e.to_string())
+/// A purge the writer is working through.
+struct Purging {
+    upto: LogId,
+    done: oneshot::Sender<io::Result<()>>,
+}
+
+impl Store {
+    /// One write transaction for `work` (in order), the committed id and one chunk of the
+    /// oldest purge in progress; durable unless it holds only a truncation. Then the tail is
+    /// updated and every finished operation answered.
+    fn run_batch(&self, work: Vec<Op>, committed: Option<Vec<u8>>, purges: &mut VecDeque<Purging>) {
+        let durable = purges.front().is_some() || work.iter().any(|op| !matches!(op, Op::Truncate { .. }));
+        let durable = durable || (work.is_empty() && committed.is_some());
+        let retention = self.inner.archive_retention;
+        let purge = purges.front().map(|p| p.upto);
+        let t = Instant::now();
+        let res = self.write(if durable { Durability::Immediate } else { Durability::None }, |txn| {
+            for op in &work {
+                match op {
+                    Op::Append { entries, .. } => {
+                        let mut logs = txn.open_table(LOGS)?;
+                        for (i, b) in entries {
+                            logs.insert(*i, b.as_slice())?;
+                        }
+                    }
+                    Op::Truncate { from, .. } => {
+                        txn.open_table(LOGS)?.retain_in(*from.., |_, _| false)?;
+                    }
+                    Op::Vote { bytes, .. } => {
+                        txn.open_table(META)?.insert(K_VOTE, bytes.as_slice())?;
+                    }
+                    Op::Purge { .. } | Op::Committed { .. } => {}
+                }
             }
+            if let Some(c) = &committed {
+                txn.open_table(META)?.insert(K_COMMITTED, c.as_slice())?;
+            }
+            match &purge {
+                Some(upto) => Ok(Some(purge_in(txn, upto, retention, PURGE_CHUNK)?)),
+                None => Ok(None),
+            }
+        });
+        let c = &self.inner.counters;
+        if durable {
+            add(&c.durable_commits, 1);
+            add(&c.durable_commit_us, us_since(t));
+        } else {
+            add(&c.nondurable_commits, 1);
+        }
+        if let Ok(step) = &res {
+            let mut tail = self.tail();
+            for op in &work {
+                if let Op::Append { last: Some(last), .. } = op {
+                    tail.mark_written(last);
+                }
+            }
+            if let Some((_, through)) = step {
+                tail.drop_upto(*through);
+            }
+            tail.evict(self.inner.tail_bytes);
+        }
+        let err = res.as_ref().err().map(|e| e.to_string());
+        let result = || match &err {
+            None => Ok(()),
+            Some(e) => Err(io::Error::other(e.clone())),
         };
-        for cb in batch {
-            cb.io_completed(res.clone().map_err(io::Error::other));
+        // A purge is answered when its last chunk is in, or at its first failure.
+        if (matches!(res, Ok(Some((true, _)))) || (err.is_some() && purge.is_some()))
+            && let Some(p) = purges.pop_front()
+        {
+            let _ = p.done.send(result());
+        }
+        for op in work {
+            match op {
+                Op::Append { callback, .. } => callback.io_completed(result()),
+                Op::Truncate { done, .. } | Op::Vote { done, .. } | Op::Purge { done, .. } => {
+                    let _ = done.send(result());
+                }
+                Op::Committed { .. } => {}
+            }
         }
     }
 }
@@ -350,21 +847,7 @@ impl RaftLogReader<TypeConfig> for Store {
         if end.is_some_and(|e| e < start) {
             return Ok(Vec::new());
         }
-        let raw = self.with_db(|db| {
-            let txn = db.begin_read()?;
-            let t = txn.open_table(LOGS)?;
-            let mut out = Vec::new();
-            let it = match end {
-                Some(e) => t.range(start..=e)?,
-                None => t.range(start..)?,
-            };
-            for kv in it {
-                let (_, v) = kv?;
-                out.push(v.value().to_vec());
-            }
-            Ok(out)
-        })?;
-        raw.iter().map(|b| decode(b)).collect()
+        self.read_log(start, end)
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote>, io::Error> {
@@ -376,15 +859,21 @@ impl RaftLogStorage<TypeConfig> for Store {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, io::Error> {
-        let last = self.with_db(|db| {
-            let txn = db.begin_read()?;
-            let t = txn.open_table(LOGS)?;
-            Ok(t.last()?.map(|(_, v)| v.value().to_vec()))
-        })?;
         let last_purged_log_id: Option<LogId> = self.get_meta(K_PURGED)?;
-        let last_log_id = match last {
-            Some(b) => Some(decode::<Entry>(&b)?.log_id),
-            None => last_purged_log_id,
+        let cached = self.tail().last().map(|e| e.log_id);
+        let last_log_id = match cached {
+            Some(l) => Some(l),
+            None => {
+                let last = self.with_db(|db| {
+                    let txn = db.begin_read()?;
+                    let t = txn.open_table(LOGS)?;
+                    Ok(t.last()?.map(|(_, v)| v.value().to_vec()))
+                })?;
+                match last {
+                    Some(b) => Some(decode::<Entry>(&b)?.log_id),
+                    None => last_purged_log_id,
+                }
+            }
         };
         Ok(LogState {
             last_purged_log_id,
@@ -397,14 +886,19 @@ impl RaftLogStorage<TypeConfig> for Store {
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), io::Error> {
-        self.put_meta(K_VOTE, vote, Durability::Immediate).await
+        let bytes = encode(vote)?;
+        self.call(|done| Op::Vote { bytes, done }).await
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), io::Error> {
-        match committed {
-            Some(c) => self.put_meta(K_COMMITTED, &c, Durability::None).await,
-            None => Ok(()),
+        let t = Instant::now();
+        if let Some(c) = committed {
+            let bytes = encode(&c)?;
+            self.send(Op::Committed { bytes });
         }
+        add(&self.inner.counters.save_committed, 1);
+        add(&self.inner.counters.save_committed_us, us_since(t));
+        Ok(())
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, io::Error> {
@@ -416,45 +910,223 @@ impl RaftLogStorage<TypeConfig> for Store {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let mut batch = Vec::new();
+        let t = Instant::now();
+        let mut encoded = Vec::new();
+        let mut staged = Vec::new();
         for e in entries {
-            batch.push((e.log_id.index(), encode(&e)?));
+            let b = encode(&e)?;
+            encoded.push((e.log_id.index(), b));
+            staged.push(e);
         }
-        if !batch.is_empty() {
-            self.write_blocking(Durability::None, move |txn| {
-                let mut t = txn.open_table(LOGS)?;
-                for (i, b) in &batch {
-                    t.insert(*i, b.as_slice())?;
-                }
-                Ok(())
-            })
-            .await?;
-        }
-        let tx = self.inner.flush_tx.lock().map_err(io_err)?.clone();
-        match tx {
-            Some(tx) => {
-                if let Err(mpsc::SendError(cb)) = tx.send(callback) {
-                    cb.io_completed(Err(closed()));
-                }
+        let last = staged.last().map(|e| e.log_id);
+        {
+            let mut tail = self.tail();
+            for (e, (_, b)) in staged.into_iter().zip(&encoded) {
+                tail.push(e, b.len());
             }
-            None => callback.io_completed(Err(closed())),
         }
+        add(&self.inner.counters.appends, 1);
+        add(&self.inner.counters.appended_entries, encoded.len() as u64);
+        self.send(Op::Append {
+            entries: encoded,
+            last,
+            callback,
+        });
+        add(&self.inner.counters.append_us, us_since(t));
         Ok(())
     }
 
     async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
         let from = last_log_id.map(|l| l.index() + 1).unwrap_or(0);
-        self.write_blocking(Durability::None, move |txn| {
-            txn.open_table(LOGS)?.retain_in(from.., |_, _| false)?;
-            Ok(())
-        })
-        .await
+        self.tail().truncate_from(from);
+        self.call(|done| Op::Truncate { from, done }).await
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
-        let this = self.clone();
-        tokio::task::spawn_blocking(move || this.purge_sync(log_id))
-            .await
-            .map_err(io_err)?
+        self.call(|done| Op::Purge { upto: log_id, done }).await
+    }
+}
+
+#[cfg(test)]
+mod tests_support {
+    use openraft::entry::RaftEntry;
+    use openraft::type_config::TypeConfigExt;
+
+    use super::*;
+    use crate::Payload;
+
+    pub type Lid = openraft::impls::leader_id_adv::LeaderId<u64, u64>;
+
+    pub fn log_id(term: u64, index: u64) -> LogId {
+        LogId::new(Lid { term, node_id: 1 }, index)
+    }
+
+    pub fn entry(term: u64, index: u64, len: usize) -> Entry {
+        Entry::new_normal(log_id(term, index), Payload(vec![(index % 251) as u8; len]))
+    }
+
+    pub fn indexes(v: &[Entry]) -> Vec<(u64, u64)> {
+        v.iter().map(|e| (e.log_id.committed_leader_id().term, e.log_id.index())).collect()
+    }
+
+    pub async fn append(
+        store: &mut Store,
+        entries: Vec<Entry>,
+    ) -> openraft::type_config::alias::OneshotReceiverOf<TypeConfig, Result<(), io::Error>> {
+        let (tx, rx) = TypeConfig::oneshot();
+        store.append(entries, IOFlushed::signal(tx)).await.expect("append");
+        rx
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[tokio::test]
+    async fn appends_are_readable_at_once_and_durable_once_flushed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let rx = append(&mut store, (1..=50).map(|i| entry(1, i, 100)).collect()).await;
+        // Readable before the flush is reported (the tail).
+        let got = store.try_get_log_entries(1..=50).await.unwrap();
+        assert_eq!(got.len(), 50);
+        rx.await.unwrap().expect("flushed");
+        store.save_committed(Some(log_id(1, 40))).await.unwrap();
+        store.save_vote(&Vote::new_committed(1, 1)).await.unwrap();
+        store.close();
+        drop(store);
+
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let got = store.try_get_log_entries(..).await.unwrap();
+        assert_eq!(indexes(&got), (1..=50).map(|i| (1, i)).collect::<Vec<_>>());
+        assert_eq!(got[9].payload, entry(1, 10, 100).payload);
+        assert_eq!(store.read_committed().await.unwrap(), Some(log_id(1, 40)));
+        assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(1, 1)));
+        assert_eq!(store.get_log_state().await.unwrap().last_log_id, Some(log_id(1, 50)));
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn reads_span_redb_and_the_tail_after_eviction() {
+        let dir = tempfile::tempdir().unwrap();
+        // A budget of ~10 entries: most written entries leave the tail.
+        let mut store = Store::open_with(dir.path(), None, 10 * 1100).unwrap();
+        for chunk in 0..10u64 {
+            let rx = append(&mut store, (1..=20).map(|i| entry(1, chunk * 20 + i, 1000)).collect()).await;
+            rx.await.unwrap().expect("flushed");
+        }
+        {
+            let tail = store.tail();
+            assert!(tail.entries.len() < 30, "tail kept {} entries", tail.entries.len());
+            assert_eq!(tail.last_index(), Some(200));
+        }
+        for (a, b) in [(1, 200), (150, 200), (185, 195), (1, 5), (199, 250)] {
+            let got = store.try_get_log_entries(a..=b).await.unwrap();
+            assert_eq!(indexes(&got), (a..=b.min(200)).map(|i| (1, i)).collect::<Vec<_>>(), "range {a}..={b}");
+        }
+        assert_eq!(store.try_get_log_entries(180..).await.unwrap().len(), 21);
+        let payloads = store.read_entries(190, 200).unwrap();
+        assert_eq!(payloads.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (190..=200).collect::<Vec<_>>());
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn truncation_hides_entries_at_once_and_new_ones_replace_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let rx = append(&mut store, (1..=10).map(|i| entry(1, i, 10)).collect()).await;
+        rx.await.unwrap().unwrap();
+        // Not yet flushed appends, then a truncation in the middle of them.
+        drop(append(&mut store, (11..=15).map(|i| entry(1, i, 10)).collect()).await);
+        store.truncate_after(Some(log_id(1, 7))).await.unwrap();
+        assert_eq!(indexes(&store.try_get_log_entries(1..=20).await.unwrap()), (1..=7).map(|i| (1, i)).collect::<Vec<_>>());
+        let rx = append(&mut store, (8..=9).map(|i| entry(2, i, 10)).collect()).await;
+        rx.await.unwrap().unwrap();
+        let want: Vec<_> = (1..=7).map(|i| (1, i)).chain([(2, 8), (2, 9)]).collect();
+        assert_eq!(indexes(&store.try_get_log_entries(..).await.unwrap()), want);
+        store.close();
+        drop(store);
+        let mut store = Store::open(dir.path(), None).unwrap();
+        assert_eq!(indexes(&store.try_get_log_entries(..).await.unwrap()), want);
+        assert_eq!(store.get_log_state().await.unwrap().last_log_id, Some(log_id(2, 9)));
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn purge_archives_in_order_with_pending_appends() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        drop(append(&mut store, (1..=30).map(|i| entry(1, i, 10)).collect()).await);
+        // Queued behind the (maybe unwritten) appends: it still finds them.
+        store.purge(log_id(1, 20)).await.unwrap();
+        assert_eq!(store.archived_count().unwrap(), 20);
+        assert_eq!(store.live_count().unwrap(), 10);
+        assert_eq!(store.tail().entries.front().map(|(e, _)| e.log_id.index()), Some(21));
+        let all = store.read_entries(1, 30).unwrap();
+        assert_eq!(all.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (1..=30).collect::<Vec<_>>());
+        let st = store.get_log_state().await.unwrap();
+        assert_eq!((st.last_purged_log_id, st.last_log_id), (Some(log_id(1, 20)), Some(log_id(1, 30))));
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn appends_are_flushed_between_the_chunks_of_a_purge() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let n = 5 * PURGE_CHUNK as u64;
+        let rx = append(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
+        rx.await.unwrap().unwrap();
+        let mut s2 = store.clone();
+        let upto = n - 100;
+        let purge = tokio::spawn(async move { s2.purge(log_id(1, upto)).await });
+        let mut i = n + 1;
+        let mut flushed_during = 0;
+        while !purge.is_finished() {
+            let rx = append(&mut store, vec![entry(1, i, 50)]).await;
+            rx.await.unwrap().unwrap();
+            flushed_during += u64::from(!purge.is_finished());
+            i += 1;
+        }
+        purge.await.unwrap().unwrap();
+        assert!(flushed_during >= 1, "no append was flushed while the purge ran");
+        let st = store.get_log_state().await.unwrap();
+        assert_eq!(st.last_purged_log_id, Some(log_id(1, upto)));
+        assert_eq!(store.archived_count().unwrap(), upto);
+        let all = store.read_entries(1, i - 1).unwrap();
+        assert_eq!(all.iter().map(|(k, _)| *k).collect::<Vec<_>>(), (1..i).collect::<Vec<_>>());
+        store.close();
+        drop(store);
+        let mut store = Store::open(dir.path(), None).unwrap();
+        assert_eq!(store.get_log_state().await.unwrap().last_purged_log_id, Some(log_id(1, upto)));
+        assert_eq!(store.try_get_log_entries(..).await.unwrap().len() as u64, i - 1 - upto);
+        store.close();
+    }
+
+    #[test]
+    fn tail_stays_contiguous() {
+        let mut t = Tail::default();
+        for i in 5..=9 {
+            t.push(entry(1, i, 10), 10);
+        }
+        t.mark_written(&log_id(1, 8));
+        assert_eq!(t.written, Some(8));
+        // Overwrite from 7: what was written from there on no longer is.
+        t.push(entry(2, 7, 10), 10);
+        assert_eq!((t.first, t.last_index(), t.written), (5, Some(7), Some(6)));
+        // A gap (snapshot install): start afresh.
+        t.push(entry(3, 20, 10), 10);
+        assert_eq!((t.first, t.last_index(), t.bytes), (20, Some(20), 10));
+        // A stale mark (another log id at that index) changes nothing.
+        t.mark_written(&log_id(1, 20));
+        assert_eq!(t.written, Some(6));
+        t.mark_written(&log_id(3, 20));
+        assert_eq!(t.written, Some(20));
+        t.evict(0);
+        assert!(t.entries.is_empty());
+        assert_eq!(t.first, 21);
+        assert_eq!(t.range(1, None), (None, Vec::new()));
     }
 }
