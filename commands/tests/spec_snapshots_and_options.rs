@@ -138,7 +138,7 @@ fn forks_go_to_their_source_s_edge_and_keep_its_options() {
     let (mut w, admin, _) = running();
     let root = w.root.clone();
     let env = BTreeMap::from([("API_URL".to_string(), "http://x".to_string())]);
-    let src = w.run(&admin, create_with(&root, "base", SandboxOptions { env: env.clone(), auto_pause: true, auto_resume: true, network: None })).unwrap().decided.target;
+    let src = w.run(&admin, create_with(&root, "base", SandboxOptions { env: env.clone(), auto_pause: true, auto_resume: true, network: None, isolation: None })).unwrap().decided.target;
     w.report(&admin, &src, Observation::Ready);
     let edge = w.state.sandboxes.sandboxes[&src].edge.clone();
     let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 6 }).unwrap();
@@ -199,7 +199,7 @@ fn replaying_the_log_of_snapshots_and_options_gives_the_same_state() {
     let root = w.root.clone();
     let snap = snapshot_of(&mut w, &admin, &id);
     let env = BTreeMap::from([("A".to_string(), "1".to_string())]);
-    w.run(&admin, create_with(&root, &snap, SandboxOptions { env, auto_pause: true, auto_resume: false, network: Some("{}".into()) })).unwrap();
+    w.run(&admin, create_with(&root, &snap, SandboxOptions { env, auto_pause: true, auto_resume: false, network: Some("{}".into()), isolation: None })).unwrap();
     w.run(&admin, Command::ForkSandbox { sandbox: id, count: 2 }).unwrap();
     assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
 }

@@ -388,7 +388,7 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         memory_mb: crate::routes::sandboxes::DEFAULT_MEMORY_MB,
         labels: metadata,
         timeout_seconds: (timeout > 0).then_some(timeout),
-        opts: SandboxOptions { env, auto_pause, auto_resume, network },
+        opts: SandboxOptions { env, auto_pause, auto_resume, network, isolation: None },
     };
     let s = submit(&st, &who, &headers, cmd).await?;
     let x = wait_ready(&st, &s.decided.target).await?;
