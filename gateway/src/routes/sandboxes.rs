@@ -3,7 +3,7 @@
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
-use opendsec_commands::Command;
+use opendsec_commands::{Command, SandboxOptions};
 use opendsec_projections::Right;
 use opendsec_sdk::types::{self as api, CreateSandbox, ForkSandbox, Forked, SandboxList, SandboxWritten, SetLabels, SetTimeout};
 use std::collections::BTreeMap;
@@ -21,13 +21,14 @@ pub const DEFAULT_MEMORY_MB: u64 = 512;
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses((status = 201, body = SandboxWritten), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateSandbox>) -> Result<Written<SandboxWritten>, ApiError> {
-    let cmd = Command::CreateSandbox { opts: Default::default(),
+    let cmd = Command::CreateSandbox {
         project: req.project.unwrap_or_else(|| who.0.project.clone()),
         image: req.image,
         cpu_millis: req.cpu_millis.unwrap_or(DEFAULT_CPU_MILLIS),
         memory_mb: req.memory_mb.unwrap_or(DEFAULT_MEMORY_MB),
         labels: req.labels.unwrap_or_default(),
         timeout_seconds: req.timeout_seconds.filter(|t| *t > 0),
+        opts: SandboxOptions { isolation: req.isolation.map(convert::isolation_of), ..Default::default() },
     };
     let s = submit(&st, &who, &rid, cmd).await?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
