@@ -17,7 +17,7 @@ use crate::desired::DesiredSandbox;
 use crate::images::{Image, ImageStore};
 use crate::proxy::Sample;
 use crate::reconcile::Running;
-use crate::vm::{AccelVerdict, AgentChannel, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus};
+use crate::vm::{AccelVerdict, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus};
 
 /// How long a guest may take from QEMU's start until its agent answers `/health` 2xx
 /// (under TCG a cold boot takes seconds; a template's start command may take longer).
@@ -257,11 +257,6 @@ impl MicroVms {
         let report = self.handle(id)?.snapshot_to(dest)?;
         tracing::info!(sandbox = %id, paused_ms = report.source_paused.as_millis() as u64, bytes = report.bytes, "took a microVM snapshot");
         Ok(report.bytes)
-    }
-
-    /// Where the proxy reaches the sandbox's agent (`None`: no such VM here).
-    pub fn channel(&self, id: &str) -> Option<AgentChannel> {
-        self.handle(id).ok()?.agent().ok()
     }
 
     /// The VM's counters for the metrics endpoint: its QEMU's CPU time and memory, and

@@ -375,10 +375,15 @@ impl Edge {
     /// Takes snapshot `id` of `sandbox` (unless its files exist already) and returns its size.
     fn take_snapshot(&self, id: &str, sandbox: &str, isolation: Isolation) -> Result<u64, EdgeError> {
         let dest = self.snapshots_dir().join(id);
-        if !dest.is_dir() {
-            match isolation {
-                Isolation::Container => self.copy_upper(sandbox, &dest)?,
-                Isolation::Microvm => {
+        match isolation {
+            Isolation::Container => {
+                if !dest.is_dir() {
+                    self.copy_upper(sandbox, &dest)?;
+                }
+                Ok(dir_size(&dest))
+            }
+            Isolation::Microvm => {
+                if !dest.is_dir() {
                     // Taken beside its final name and renamed, so a crash leaves no half snapshot.
                     let tmp = self.snapshots_dir().join(format!(".tmp-{id}"));
                     let _ = std::fs::remove_dir_all(&tmp);
@@ -386,9 +391,10 @@ impl Edge {
                     self.vms()?.snapshot(sandbox, &tmp)?;
                     std::fs::rename(&tmp, &dest)?;
                 }
+                // Its RAM and disk files are sparse: what counts is the data they hold.
+                Ok(dir_allocated(&dest))
             }
         }
-        Ok(dir_size(&dest))
     }
 
     /// Creates a microVM sandbox: cold boot, or a restore of the snapshot it starts from.
@@ -862,6 +868,12 @@ fn dir_size(dir: &std::path::Path) -> u64 {
     total
 }
 
+/// Bytes allocated on disk by the files directly in `dir` (sparse files count their data).
+fn dir_allocated(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir).into_iter().flatten().flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum()
+}
+
 /// MemAvailable of the host, in MB.
 fn host_mem_available_mb() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -956,7 +968,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         });
     }
     let agents = edge.cfg.data_dir.join("agents");
-    let finder = edge.clone();
+    let vm_root = edge.cfg.data_dir.join("vms");
     let resolve: Resolver = Arc::new(move |id: &str| {
         let valid = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
         if !valid {
@@ -966,7 +978,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         if p.exists() {
             return Some(AgentAddr::Unix(p));
         }
-        finder.vms().ok()?.channel(id).map(AgentAddr::MicroVm)
+        // Read from the VM's record: a restarted edge serves its VMs before its driver is ready.
+        crate::vm::agent_channel_at(&vm_root, id).map(AgentAddr::MicroVm)
     });
     let judge = edge.clone();
     let admitter: proxy::Admitter = Arc::new(move |ask| {

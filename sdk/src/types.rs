@@ -223,6 +223,10 @@ pub struct CreateSandbox {
     /// snapshot (`image` = the snapshot id) is a microVM of its source's size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<Isolation>,
+    /// While paused, the next request to its agent (`/v1/sandboxes/{id}/agent/...`, or
+    /// E2B's traffic path) resumes it first. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_resume: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -593,6 +593,18 @@ impl MicroVmDriver {
     }
 }
 
+/// Where the agent of VM `id` under the driver root `root` listens, read from the VM's
+/// record alone: no driver needs to be prepared for it (an edge that just restarted
+/// serves its VMs' traffic while its driver still starts). `None`: no such VM.
+pub fn agent_channel_at(root: &Path, id: &str) -> Option<AgentChannel> {
+    validate_id(id).ok()?;
+    let record: VmRecord = read_json(&root.join("vms").join(id).join("vm.json")).ok()?;
+    Some(AgentChannel {
+        netns: net::netns_path(&record.netns),
+        addr: net::agent_addr(),
+    })
+}
+
 fn cached_accel(
     cfg: &VmConfig,
     qemu: &Path,

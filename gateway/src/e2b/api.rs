@@ -710,7 +710,7 @@ async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
 /// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
 /// gateway acts as the control plane here: the request proved it holds the sandbox's
 /// access token.
-pub(super) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
+pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
     let headers = HeaderMap::new();
     submit_as(st, Credential::System, &headers, Command::ResumeSandbox { sandbox: id.to_string() }).await?;
     wait_ready(st, id).await

@@ -31,7 +31,7 @@ pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, Jso
         memory_mb: req.memory_mb.unwrap_or(DEFAULT_MEMORY_MB),
         labels: req.labels.unwrap_or_default(),
         timeout_seconds: req.timeout_seconds.filter(|t| *t > 0),
-        opts: SandboxOptions { isolation: req.isolation.map(convert::isolation_of), ..Default::default() },
+        opts: SandboxOptions { isolation: req.isolation.map(convert::isolation_of), auto_resume: req.auto_resume.unwrap_or(false), ..Default::default() },
     };
     let s = submit(&st, &who, &rid, cmd).await.map_err(|mut e| {
         // The command's create options are this body's top-level fields.

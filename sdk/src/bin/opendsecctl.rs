@@ -655,6 +655,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 labels: (!labels.is_empty()).then(|| labels.into_iter().collect()),
                 timeout_seconds,
                 isolation: isolation.map(Isolation::from),
+                auto_resume: None,
             };
             client.create_sandbox(&req).await?
         }
