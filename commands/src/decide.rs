@@ -3,7 +3,7 @@
 use crate::inflight::InFlight;
 use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 use crate::validate::{self, LIMITS};
-use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
+use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
 use opendsec_projections::pb;
 use opendsec_projections::schema::{Batch, Denial, Principal};
 use opendsec_projections::state::{limits_to_pb, usage_to_pb};
@@ -462,6 +462,9 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
+            if s.isolation == Isolation::Microvm && *count > MICROVM_MAX_FORK_COUNT {
+                return Err(Rejection::field(K::Invalid, "count", format!("a microVM forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time")));
+            }
             // The copies start from the source's file system (and a microVM's memory),
             // which live on its edge.
             let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, Some(&s.edge), s.isolation)?;

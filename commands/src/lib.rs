@@ -35,6 +35,9 @@ pub const TASK_LABEL: &str = "task";
 /// The least memory a microVM may have (its kernel and agent need it).
 pub const MICROVM_MIN_MEMORY_MB: u64 = 64;
 
+/// The most copies one fork of a microVM makes (they are restored together on its edge).
+pub const MICROVM_MAX_FORK_COUNT: u32 = 64;
+
 /// Every write the control plane accepts. Each variant says when it is legal in `decide`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case", deny_unknown_fields)]

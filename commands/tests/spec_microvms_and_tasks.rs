@@ -105,6 +105,13 @@ fn forks_of_a_microvm_are_microvms_on_its_edge() {
     for c in copies {
         assert_eq!((c.edge.as_str(), c.isolation.as_str(), c.fork_of.as_str(), c.memory_mb), ("vm", "microvm", src.as_str(), 256));
     }
+    // Bad counts are refused, naming the field, and change nothing.
+    let before = w.log.len();
+    for count in [0, 65, 10_000] {
+        let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count }).unwrap_err();
+        assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("count")), "count {count}");
+    }
+    assert_eq!(w.log.len(), before);
 }
 
 #[test]

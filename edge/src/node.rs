@@ -596,6 +596,7 @@ impl Edge {
                     .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation == Isolation::Microvm)
                     .filter(|c| c.observed == opendsec_projections::Observed::Pending && c.desired == opendsec_projections::Desired::Running)
                     .filter(|c| !creating.contains(&c.id) && !failed.contains(&c.id) && !observed.contains_key(&c.id))
+                    .take(crate::vm::MAX_FORK_COUNT)
                     .cloned()
                     .collect()
             }
@@ -804,23 +805,22 @@ impl Edge {
         };
         *self.last_observed.lock().expect("observed lock") = observed.clone();
         let present = self.present_snapshots();
-        let preparing = self.vms_preparing();
         let actions = {
             let slice = self.slice.lock().expect("slice lock");
-            let a = if preparing {
+            let containers_only;
+            let slice = if self.vms_preparing() {
                 // The driver cannot see its VMs yet: leave microVM sandboxes alone rather
                 // than take them for lost.
                 let mut containers = slice.clone();
                 containers.sandboxes.retain(|_, d| d.isolation == Isolation::Container);
                 containers.snapshots.retain(|_, x| x.isolation == Isolation::Container);
-                let mut a = plan(&containers, &observed, opendsec_control::now_ms());
-                a.extend(plan_snapshots(&containers, &observed, &present));
-                a
+                containers_only = containers;
+                &containers_only
             } else {
-                let mut a = plan(&slice, &observed, opendsec_control::now_ms());
-                a.extend(plan_snapshots(&slice, &observed, &present));
-                a
+                &*slice
             };
+            let mut a = plan(slice, &observed, opendsec_control::now_ms());
+            a.extend(plan_snapshots(slice, &observed, &present));
             a
         };
         let mut changed = false;
