@@ -242,8 +242,18 @@ fn e2b_state(x: &Sandbox) -> &'static str {
     }
 }
 
+/// The sandbox's `templateID`: what it was asked for by; an image run as a microVM is
+/// the image's `-vm` template (a snapshot id stays itself).
 fn template_of(x: &Sandbox) -> String {
-    x.template.clone().unwrap_or_else(|| x.image.clone())
+    let asked = x.template.clone().unwrap_or_else(|| x.image.clone());
+    if x.isolation == Isolation::Microvm && x.snapshot.is_none() {
+        let (name, tag) = asked.split_once(':').map_or((asked.as_str(), None), |(n, t)| (n, Some(t)));
+        return match tag {
+            Some(t) => format!("{name}{MICROVM_TEMPLATE_SUFFIX}:{t}"),
+            None => format!("{name}{MICROVM_TEMPLATE_SUFFIX}"),
+        };
+    }
+    asked
 }
 
 /// E2B's `Sandbox`: what create and connect return.
