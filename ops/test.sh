@@ -17,7 +17,7 @@ echo "==> the E2B SDKs (pinned venvs) and the images the suites use"
 ./ops/e2b-venv.sh
 IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
 for image in busybox base code-interpreter-v1; do
-  target/debug/opendsec-image build "$image" --store "$IMAGES"
+  "${CARGO_TARGET_DIR:-$PWD/target}/debug/opendsec-image" build "$image" --store "$IMAGES"
 done
 
 echo "==> testing"

@@ -395,6 +395,15 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             validate::options("opts", opts)?;
             project_in_scope(state, &who, "project", project)?;
             who.require(Right::SandboxWrite)?;
+            if let Some(key) = &opts.idempotency_key {
+                if let Some(existing) = state.sandboxes.by_idempotency_key(project, key) {
+                    return Err(Rejection::field(
+                        K::Conflict,
+                        "opts.idempotency_key",
+                        format!("sandbox {} was already created with this idempotency key", existing.id),
+                    ));
+                }
+            }
             // An image, or a snapshot of this project's subtree (then it starts on the
             // snapshot's edge, from the snapshot's file system).
             let from = match state.snapshots.snapshots.get(image) {
@@ -454,6 +463,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     template: image.clone(),
                     network: opts.network.clone().unwrap_or_default(),
                     isolation: isolation.to_event(),
+                    idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),
                 }),
             ))
         }
@@ -491,6 +501,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     template: s.template.clone().unwrap_or_default(),
                     network: s.network.clone().unwrap_or_default(),
                     isolation: s.isolation.to_event(),
+                    // A copy is not the create the key named.
+                    idempotency_key: String::new(),
                 }));
             }
             Ok(Decided { events, project: s.project.clone(), target: sandbox.clone() })

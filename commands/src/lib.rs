@@ -170,6 +170,9 @@ pub struct SandboxOptions {
     pub network: Option<String>,
     /// A container unless asked otherwise (or started from a microVM's snapshot).
     pub isolation: Option<Isolation>,
+    /// A client's idempotency key: while a sandbox created with it lives, another create
+    /// with the same key in the same project is refused as a conflict naming that sandbox.
+    pub idempotency_key: Option<String>,
 }
 
 /// An edge's answer to a snapshot request.

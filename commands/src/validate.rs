@@ -100,6 +100,11 @@ pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> 
     if total > LIMITS.env_bytes {
         return Err(invalid(&format!("{field}.env"), format!("the environment is over {} bytes", LIMITS.env_bytes)));
     }
+    if let Some(k) = &o.idempotency_key {
+        if k.is_empty() || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(invalid(&format!("{field}.idempotency_key"), "an idempotency key is 1 to 128 printable ASCII characters".into()));
+        }
+    }
     if let Some(n) = &o.network {
         if n.len() > LIMITS.network_len {
             return Err(invalid(field, format!("network settings are over {} bytes", LIMITS.network_len)));

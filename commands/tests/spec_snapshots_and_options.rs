@@ -138,7 +138,7 @@ fn forks_go_to_their_source_s_edge_and_keep_its_options() {
     let (mut w, admin, _) = running();
     let root = w.root.clone();
     let env = BTreeMap::from([("API_URL".to_string(), "http://x".to_string())]);
-    let src = w.run(&admin, create_with(&root, "base", SandboxOptions { env: env.clone(), auto_pause: true, auto_resume: true, network: None, isolation: None })).unwrap().decided.target;
+    let src = w.run(&admin, create_with(&root, "base", SandboxOptions { env: env.clone(), auto_pause: true, auto_resume: true, ..Default::default() })).unwrap().decided.target;
     w.report(&admin, &src, Observation::Ready);
     let edge = w.state.sandboxes.sandboxes[&src].edge.clone();
     let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 6 }).unwrap();
@@ -199,7 +199,30 @@ fn replaying_the_log_of_snapshots_and_options_gives_the_same_state() {
     let root = w.root.clone();
     let snap = snapshot_of(&mut w, &admin, &id);
     let env = BTreeMap::from([("A".to_string(), "1".to_string())]);
-    w.run(&admin, create_with(&root, &snap, SandboxOptions { env, auto_pause: true, auto_resume: false, network: Some("{}".into()), isolation: None })).unwrap();
+    w.run(&admin, create_with(&root, &snap, SandboxOptions { env, auto_pause: true, network: Some("{}".into()), ..Default::default() })).unwrap();
     w.run(&admin, Command::ForkSandbox { sandbox: id, count: 2 }).unwrap();
     assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
+}
+
+#[test]
+fn an_idempotency_key_names_one_live_sandbox_per_project() {
+    let (mut w, admin, _) = running();
+    let root = w.root.clone();
+    let keyed = || SandboxOptions { idempotency_key: Some("retry-me".into()), ..Default::default() };
+    let first = w.run(&admin, create_with(&root, "base", keyed())).unwrap().decided.target;
+    let err = w.run(&admin, create_with(&root, "base", keyed())).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("opts.idempotency_key")));
+    assert!(err.message.contains(&first), "{}", err.message);
+    // Two creates with one key decided before either applied: the second loses at apply.
+    let p1 = w.propose(&admin, create_with(&root, "base", SandboxOptions { idempotency_key: Some("race".into()), ..Default::default() }), Overlay::Ignored);
+    let p2 = w.propose(&admin, create_with(&root, "base", SandboxOptions { idempotency_key: Some("race".into()), ..Default::default() }), Overlay::Ignored);
+    assert!(matches!(w.commit(p1), Some((_, Outcome::Applied { .. }))));
+    assert!(matches!(w.commit(p2), Some((_, Outcome::Rejected { .. }))));
+    // Once the sandbox has ended, the key is free again.
+    w.run(&admin, Command::KillSandbox { sandbox: first.clone() }).unwrap();
+    w.report(&admin, &first, Observation::Exited { exit_code: 137, oom_killed: false, reason: "user".into() });
+    w.run(&admin, create_with(&root, "base", keyed())).unwrap();
+    // A key is printable ASCII of bounded length.
+    let bad = SandboxOptions { idempotency_key: Some("has space".into()), ..Default::default() };
+    assert_eq!(w.run(&admin, create_with(&root, "base", bad)).unwrap_err().kind, K::Invalid);
 }

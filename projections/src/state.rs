@@ -48,6 +48,8 @@ struct Pending {
     sandbox_ids: BTreeSet<String>,
     /// Projects created earlier in the batch (bootstrap issues a token in its new root).
     projects: BTreeSet<String>,
+    /// (project, idempotency key) of sandboxes created earlier in the batch.
+    idempotency_keys: BTreeSet<(String, String)>,
 }
 
 impl State {
@@ -302,6 +304,12 @@ impl State {
                     return Err(format!("project {} does not exist", e.project));
                 }
                 let isolation = Isolation::from_event(&e.isolation).ok_or_else(|| format!("isolation {:?} is unknown", e.isolation))?;
+                if !e.idempotency_key.is_empty()
+                    && (self.sandboxes.by_idempotency_key(&e.project, &e.idempotency_key).is_some()
+                        || !pending.idempotency_keys.insert((e.project.clone(), e.idempotency_key.clone())))
+                {
+                    return Err(format!("a live sandbox of project {} already has idempotency key {}", e.project, e.idempotency_key));
+                }
                 if !e.snapshot.is_empty() {
                     match self.snapshots.snapshots.get(&e.snapshot) {
                         Some(x) if x.state == SnapshotState::Ready => {
@@ -462,6 +470,7 @@ impl State {
                     template: (!e.template.is_empty()).then(|| e.template.clone()),
                     network: (!e.network.is_empty()).then(|| e.network.clone()),
                     isolation: Isolation::from_event(&e.isolation).unwrap_or_default(),
+                    idempotency_key: (!e.idempotency_key.is_empty()).then(|| e.idempotency_key.clone()),
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {

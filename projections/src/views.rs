@@ -312,6 +312,9 @@ pub struct Sandbox {
     /// A container unless it says otherwise (left out then, so older views read the same).
     #[serde(default, skip_serializing_if = "Isolation::is_container")]
     pub isolation: Isolation,
+    /// The client's idempotency key, if it gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 impl Sandbox {
@@ -370,6 +373,13 @@ impl SnapshotView {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SandboxView {
     pub sandboxes: BTreeMap<String, Sandbox>,
+}
+
+impl SandboxView {
+    /// The live sandbox of `project` created with idempotency key `key`.
+    pub fn by_idempotency_key(&self, project: &str, key: &str) -> Option<&Sandbox> {
+        self.sandboxes.values().find(|s| s.is_live() && s.project == project && s.idempotency_key.as_deref() == Some(key))
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

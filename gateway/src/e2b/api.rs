@@ -234,8 +234,10 @@ fn rfc3339(ms: u64) -> String {
         .unwrap_or_default()
 }
 
+/// E2B's state is what was last asked: a sandbox asked to resume reads `running` at once,
+/// even while its edge is still thawing it (requests to it wait for that).
 fn e2b_state(x: &Sandbox) -> &'static str {
-    if x.desired == Desired::Paused || x.observed == Observed::Paused {
+    if x.desired == Desired::Paused {
         "paused"
     } else {
         "running"
@@ -392,6 +394,16 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     let env = string_map(&m, "envVars")?;
     require(&who, Right::SandboxWrite)?;
     let (image, isolation) = template_image(template);
+    let idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::trim).filter(|k| !k.is_empty()).map(str::to_string);
+    // A create repeated with its idempotency key (a retry after a lost answer) is the
+    // sandbox the first one made.
+    if let Some(key) = &idempotency_key {
+        let existing = st.node.read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone()));
+        if let Some(id) = existing {
+            let x = wait_ready(&st, &id).await?;
+            return Ok(created(sandbox_json(&st, &x)));
+        }
+    }
     let cmd = Command::CreateSandbox {
         project: who.project.clone(),
         image,
@@ -399,10 +411,18 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         memory_mb: crate::routes::sandboxes::DEFAULT_MEMORY_MB,
         labels: metadata,
         timeout_seconds: (timeout > 0).then_some(timeout),
-        opts: SandboxOptions { env, auto_pause, auto_resume, network, isolation },
+        opts: SandboxOptions { env, auto_pause, auto_resume, network, idempotency_key: idempotency_key.clone(), isolation },
     };
-    let s = submit(&st, &who, &headers, cmd).await?;
-    let x = wait_ready(&st, &s.decided.target).await?;
+    let s = match submit(&st, &who, &headers, cmd).await {
+        Ok(s) => s.decided.target,
+        // Two creates with one key raced: the other one's sandbox is the answer.
+        Err(e) if e.status == StatusCode::CONFLICT && idempotency_key.is_some() => {
+            let key = idempotency_key.as_deref().unwrap_or_default();
+            st.node.read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone())).ok_or(e)?
+        }
+        Err(e) => return Err(e),
+    };
+    let x = wait_ready(&st, &s).await?;
     let mut resp = created(sandbox_json(&st, &x));
     if asked_internet {
         tracing::info!(sandbox = %x.id, "internet access was asked for; this release gives sandboxes no egress");
@@ -440,7 +460,9 @@ async fn connect(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     if resumed {
         submit(&st, &who, &headers, Command::ResumeSandbox { sandbox: id.clone() }).await?;
     }
-    if let Some(t) = timeout.filter(|t| *t > 0) {
+    // A sandbox whose timeout was spent pausing it runs on with a default lifetime.
+    let lifetime = timeout.filter(|t| *t > 0).or_else(|| (resumed && x.expires_at_ms.is_none() && x.auto_pause).then_some(DEFAULT_TIMEOUT_SECONDS));
+    if let Some(t) = lifetime {
         submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id.clone(), timeout_seconds: t }).await?;
     }
     let x = wait_ready(&st, &id).await?;
@@ -478,12 +500,27 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
     let mut states: Vec<String> = Vec::new();
     let mut limit = LIST_LIMIT_DEFAULT;
     let mut after: Option<String> = None;
+    let (mut template, mut descending, mut started_after) = (None::<String>, false, None::<u64>);
     for (k, v) in query_pairs(q.as_deref()) {
         match k.as_str() {
             "metadata" | "query" => {
+                // The SDK quotes each key and value before encoding the pairs, and the
+                // whole again as a query value: one more decode than the query's own.
                 for (mk, mv) in form_urlencoded::parse(v.as_bytes()) {
-                    metadata.insert(mk.into_owned(), mv.into_owned());
+                    let once_more = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+                    metadata.insert(once_more(&mk), once_more(&mv));
                 }
+            }
+            "template" => template = Some(v),
+            "order" => match v.as_str() {
+                "asc" => descending = false,
+                "desc" => descending = true,
+                other => return Err(E2bError::bad(format!("order {other:?} is not asc or desc"))),
+            },
+            "startedAfter" => {
+                let t = time::OffsetDateTime::parse(&v, &time::format_description::well_known::Rfc3339)
+                    .map_err(|e| E2bError::bad(format!("startedAfter {v:?} is not an RFC 3339 time: {e}")))?;
+                started_after = Some(u64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(0));
             }
             "state" => {
                 for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -511,8 +548,13 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
             .filter(|x| x.is_live() && s.within(&x.project, &who.project))
             .filter(|x| states.is_empty() || states.iter().any(|w| w == e2b_state(x)))
             .filter(|x| metadata.iter().all(|(k, v)| x.labels.get(k) == Some(v)))
+            .filter(|x| template.as_ref().is_none_or(|t| *t == template_of(x) || *t == x.image))
+            .filter(|x| started_after.is_none_or(|t| x.created_at_ms >= t))
             .collect();
         all.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        if descending {
+            all.reverse();
+        }
         let start = match &after {
             Some(t) => all.iter().position(|x| token_of(x) == *t).map(|i| i + 1).unwrap_or(all.len()),
             None => 0,
@@ -722,7 +764,14 @@ async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
 /// access token.
 pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
     let headers = HeaderMap::new();
+    let spent = st.node.read(|s| s.sandboxes.sandboxes.get(id).is_some_and(|x| x.expires_at_ms.is_none() && x.auto_pause));
     submit_as(st, Credential::System, &headers, Command::ResumeSandbox { sandbox: id.to_string() }).await?;
+    // Its timeout was spent pausing it: it runs on with a default lifetime, and pauses
+    // again at its end.
+    if spent {
+        let cmd = Command::SetSandboxTimeout { sandbox: id.to_string(), timeout_seconds: DEFAULT_TIMEOUT_SECONDS };
+        submit_as(st, Credential::System, &headers, cmd).await?;
+    }
     wait_ready(st, id).await
 }
 

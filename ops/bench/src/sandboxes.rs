@@ -577,6 +577,11 @@ impl RawBundle {
         cfg["process"]["args"] = json!(["/bin/sh", "-c", "echo hi"]);
         cfg["process"]["terminal"] = json!(false);
         cfg["linux"]["cgroupsPath"] = json!(format!("/opendsec-bench/{}", b.id));
+        // The agent's per-sandbox configuration went with the sandbox the bundle was
+        // captured from; `echo hi` needs none of it.
+        if let Some(mounts) = cfg["mounts"].as_array_mut() {
+            mounts.retain(|m| m["destination"] != "/.opendsec/config");
+        }
         if let Some(o) = cfg.as_object_mut() {
             o.remove("annotations");
         }

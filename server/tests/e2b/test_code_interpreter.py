@@ -8,8 +8,9 @@ with name, value and traceback, streams stdout and stderr, returns rich results
 import base64
 
 import pytest
-from e2b import CommandExitException, TimeoutException
+from e2b import CommandExitException, ConnectionConfig, SandboxException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
+from packaging.version import Version
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -86,8 +87,26 @@ def test_a_dataframe_comes_back_as_text_and_html(sandbox):
     assert "a" in main.text and "b" in main.text
 
 
+def test_display_adds_results_and_only_the_last_expression_is_the_main_one(sandbox):
+    execution = sandbox.run_code(
+        "import pandas as pd\n"
+        "class Data:\n"
+        "    def _repr_json_(self):\n"
+        "        return {'answer': 42}\n"
+        "display(pd.DataFrame({'a': [1]}))\n"
+        "display(Data())\n"
+        "'last'"
+    )
+    assert execution.error is None, execution.error
+    frame, data, last = execution.results
+    assert "<table" in frame.html and not frame.is_main_result
+    assert data.json == {"answer": 42} and not data.is_main_result
+    assert last.text == "'last'" and last.is_main_result
+
+
 def test_env_vars_apply_to_one_call(sandbox):
     assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "'yes'"
+    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')").text is None  # None shows no result
 
 
 def test_contexts_keep_their_own_state_and_working_directory(sandbox):
@@ -118,6 +137,26 @@ def test_a_run_longer_than_its_timeout_raises_timeout(sandbox):
         sandbox.remove_code_context(ctx)
     # The default context was not held up by it.
     assert sandbox.run_code("1 + 1", timeout=20).text == "2"
+
+
+def test_the_kernel_refuses_a_client_without_the_sandboxs_tokens(sandbox):
+    # The deprecated public constructor, as in test_errors.py: the SDK itself always
+    # uses the tokens the API handed out.
+    impostor = Sandbox(
+        sandbox_id=sandbox.sandbox_id,
+        sandbox_domain=None,
+        envd_version=Version(sandbox.get_info().envd_version),
+        envd_access_token="wrong-token",
+        traffic_access_token="wrong-token",
+        connection_config=ConnectionConfig(
+            extra_sandbox_headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983", "X-Access-Token": "wrong-token"}
+        ),
+    )
+    with pytest.raises(SandboxException):
+        impostor.run_code("open('/tmp/impostor-ran', 'w').write('x')")
+    with pytest.raises(SandboxException):
+        impostor.list_code_contexts()
+    assert not sandbox.files.exists("/tmp/impostor-ran")
 
 
 def test_commands_still_fail_as_commands_in_a_code_interpreter_sandbox(sandbox):

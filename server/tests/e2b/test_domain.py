@@ -45,19 +45,26 @@ def only_the_domain_is_set():
         assert var not in os.environ, f"{var} must not be set: this module tests host-name routing"
 
 
+CREATE_IN_A_CHILD = """
+import sys
+from e2b import Sandbox
+sb = Sandbox.create(template=sys.argv[1], timeout=300, metadata={"suite": sys.argv[2], "module": "domain"})
+print(sb.sandbox_id)
+"""
+
+
 @pytest.fixture(scope="module")
 def sandbox(run_id):
-    # The SDK's resolver (hickory, in pyqwest) reads /etc/hosts once, when this process
-    # first uses it; a user's wildcard DNS knows every sandbox's name from the start. So
-    # the sandbox is created by another process, its names are mapped, and only then does
-    # this process use the SDK, by connecting to it.
-    created = subprocess.run(
-        [sys.executable, "-c", "import sys; from e2b import Sandbox; "
-         f"print(Sandbox.create(template={BASE_TEMPLATE!r}, timeout=300, metadata={{'suite': {run_id!r}, 'module': 'domain'}}).sandbox_id)"],
-        capture_output=True, text=True, timeout=180,
+    # The SDK's transport resolves names itself (hickory, not glibc) and reads /etc/hosts
+    # once, when the transport is made. A sandbox's names can only be added once its id
+    # is known, so a child process creates it; this process's SDK makes its first
+    # transport afterwards, in `Sandbox.connect`. (With wildcard DNS, as a deployment has
+    # it, none of this is needed.)
+    child = subprocess.run(
+        [sys.executable, "-c", CREATE_IN_A_CHILD, BASE_TEMPLATE, run_id], capture_output=True, text=True, timeout=120
     )
-    assert created.returncode == 0, created.stderr
-    sandbox_id = created.stdout.strip().splitlines()[-1]
+    assert child.returncode == 0, f"Sandbox.create over TLS failed:\n{child.stdout}\n{child.stderr}"
+    sandbox_id = child.stdout.strip().splitlines()[-1]
     map_hosts(sandbox_id, (49983, 49999, HTTP_PORT))
     sb = Sandbox.connect(sandbox_id)
     yield sb

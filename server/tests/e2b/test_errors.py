@@ -23,7 +23,7 @@ from e2b import (
 )
 from packaging.version import Version
 
-from conftest import BASE_TEMPLATE
+from conftest import BASE_TEMPLATE, wait_until
 
 WRONG_API_KEY = "e2b_" + "0" * 40
 BYSTANDER_FILE = "/home/user/bystander.txt"
@@ -165,6 +165,37 @@ def test_one_sandboxs_access_token_does_not_open_another(victim, bystander):
         crossed.files.read(BYSTANDER_FILE)
     with pytest.raises(AuthenticationException):
         crossed.commands.run("echo never")
+
+
+# --- a sandbox whose ports are not public ------------------------------------------------
+
+
+def test_ports_of_a_sandbox_without_public_traffic_need_its_traffic_token(run_id, sandbox_url):
+    private = Sandbox.create(
+        template=BASE_TEMPLATE, timeout=120, network={"allow_public_traffic": False}, metadata={"suite": run_id, "module": "errors"}
+    )
+    try:
+        assert private.traffic_access_token
+        private.files.write("/home/user/www/index.html", "private page")
+        server = private.commands.run("python3 -m http.server 8000", background=True, cwd="/home/user/www")
+        route = {"E2b-Sandbox-Id": private.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        with_token = {**route, "E2B-Traffic-Access-Token": private.traffic_access_token}
+
+        def served():
+            try:
+                r = httpx.get(f"{sandbox_url}/index.html", headers=with_token, timeout=10)
+            except httpx.TransportError:
+                return None
+            return r if r.status_code == 200 else None
+
+        assert wait_until(served, "the private port answered with the traffic token").text == "private page"
+        for headers in (route, {**route, "E2B-Traffic-Access-Token": "wrong"}):
+            r = httpx.get(f"{sandbox_url}/index.html", headers=headers, timeout=10)
+            assert r.status_code in (401, 403), (headers, r.status_code, r.text)
+            assert "private page" not in r.text
+        server.kill()
+    finally:
+        private.kill()
 
 
 # --- malformed Connect requests (the SDK never sends these: raw HTTP to the same

@@ -218,6 +218,38 @@ def test_a_recursive_watch_sees_subdirectories(sandbox):
         handle.stop()
 
 
+# --- what the reported envd version switches on in the SDK (0.6.2: file metadata,
+# --- 0.6.3: entries in watch events, 0.6.4: watches that allow network mounts) --------
+
+
+def test_file_metadata_written_with_a_file_is_reported_with_it(sandbox):
+    tags = {"origin": "e2b-test", "run": "1"}
+    sandbox.files.write(f"{HOME}/meta/tagged.txt", "x", metadata=tags)
+    sandbox.files.write(f"{HOME}/meta/plain.txt", "y")
+    assert sandbox.files.get_info(f"{HOME}/meta/tagged.txt").metadata == tags
+    entries = {e.name: e for e in sandbox.files.list(f"{HOME}/meta")}
+    assert entries["tagged.txt"].metadata == tags
+    assert not entries["plain.txt"].metadata
+
+
+def test_watch_events_carry_the_entry_when_asked(sandbox):
+    sandbox.files.make_dir(f"{HOME}/watched-entry")
+    handle = sandbox.files.watch_dir(f"{HOME}/watched-entry", include_entry=True, allow_network_mounts=True)
+    try:
+        sandbox.files.write(f"{HOME}/watched-entry/new.txt", "four")
+        seen = []
+
+        def created():
+            seen.extend(handle.get_new_events())
+            return [e for e in seen if e.name == "new.txt" and e.type == FilesystemEventType.CREATE]
+
+        event = wait_until(created, "a CREATE event for new.txt", within=10)[0]
+        assert event.entry is not None, event
+        assert (event.entry.name, event.entry.path, event.entry.type) == ("new.txt", f"{HOME}/watched-entry/new.txt", FileType.FILE)
+    finally:
+        handle.stop()
+
+
 # --- signed URLs (fetched for real in test_domain.py: with one E2B_SANDBOX_URL
 # --- they carry no routing headers, so here they are only checked for form) --------
 

@@ -4,7 +4,8 @@ pause and connect (a container's pause freezes it: files and processes are kept)
 set_timeout and expiry, kill, metrics, snapshots and fork.
 
 Three sandboxes tagged `group=listed` serve the list tests and are then paused,
-snapshotted and forked; the timeout and kill tests make their own.
+snapshotted and forked; the timeout, auto-pause, network and kill tests make their own.
+What the calls mean for containers is written in docs/e2b-compatibility.md.
 """
 
 import time
@@ -12,7 +13,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from e2b import (
+    ALL_TRAFFIC,
     NotFoundException,
+    SandboxException,
     Sandbox,
     SandboxNotFoundException,
     SandboxQuery,
@@ -22,13 +25,18 @@ from e2b import (
 from conftest import BASE_TEMPLATE, wait_until
 
 
+# Metadata values as users write them: spaces, '&', '=', '/', non-ASCII (the SDK sends
+# the filter as a percent-encoded `k=v&k=v` string inside the `metadata` parameter).
+NOTES = ["plain", "two words & a=b", "path/with ünïcode"]
+
+
 @pytest.fixture(scope="module")
 def listed(run_id):
     made = [
         Sandbox.create(
             template=BASE_TEMPLATE,
             timeout=600,
-            metadata={"suite": run_id, "group": "listed", "idx": str(i)},
+            metadata={"suite": run_id, "group": "listed", "idx": str(i), "note": NOTES[i]},
             envs={"IDX": str(i)},
         )
         for i in range(3)
@@ -47,7 +55,7 @@ def ids(infos):
 
 
 def counter(sb) -> int:
-    return int(sb.files.read("/tmp/counter").strip() or 0)
+    return int(sb.files.read("/tmp/counter").strip())
 
 
 # --- list ------------------------------------------------------------------------
@@ -95,11 +103,13 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     sb = listed[0]
     sb.files.write("/home/user/before-pause.txt", "kept")
     proc = sb.commands.run(
-        "n=0; while true; do n=$((n+1)); echo $n > /tmp/counter; sleep 0.1; done",
+        # Written aside and renamed, so that a read never sees a half-written file.
+        "n=0; while true; do n=$((n+1)); echo $n > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done",
         background=True,
     )
     wait_until(lambda: sb.files.exists("/tmp/counter") and counter(sb) >= 3, "the counter ran")
 
+    at_pause = counter(sb)
     assert sb.pause() is True
     info = Sandbox.get_info(sb.sandbox_id)
     assert info.state == SandboxState.PAUSED
@@ -108,6 +118,7 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     running = Sandbox.list(query=query(run_id, state=[SandboxState.RUNNING], group="listed")).next_items()
     assert sb.sandbox_id not in ids(running) and len(running) == 2
     assert Sandbox.pause(sb.sandbox_id) is False  # already paused: 409
+    time.sleep(3)  # 30 more counts, were the counter not frozen
 
     resumed = Sandbox.connect(sb.sandbox_id)
     assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
@@ -116,7 +127,8 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     # The same process goes on counting from where it was frozen (a restart would
     # start from 1 again).
     before = counter(resumed)
-    assert before >= 3
+    # A few counts may fall between the read and the freeze, and between thaw and read.
+    assert at_pause <= before < at_pause + 15, f"counted {before - at_pause} while paused: not frozen"
 
     def advanced():
         n = counter(resumed)
@@ -155,6 +167,31 @@ def test_set_timeout_extends_the_life_and_expiry_ends_the_sandbox(run_id):
         assert Sandbox.list(query=query(run_id, group="timeout")).next_items() == []
     finally:
         Sandbox.kill(sb.sandbox_id)
+
+
+# --- network (no egress in this release: nothing that would open it is accepted) ---------
+
+
+def test_a_request_for_egress_is_refused_and_allow_internet_access_opens_nothing(run_id):
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create(template=BASE_TEMPLATE, network={"allow_out": ["192.0.2.1"]}, metadata={"suite": run_id, "group": "net"})
+    assert e.value.status_code == 400, e.value
+
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, allow_internet_access=True, metadata={"suite": run_id, "group": "net"})
+    try:
+        # Accepted (older SDKs always send it) but reported as what it is: no egress.
+        assert sb.get_info().allow_internet_access is False
+        routes = sb.commands.run("tail -n +2 /proc/net/route").stdout
+        assert routes.strip() == "", f"the sandbox has routes out: {routes!r}"
+
+        with pytest.raises(SandboxException) as e:
+            sb.update_network({"allow_out": ["192.0.2.1"]})
+        assert e.value.status_code == 400, e.value
+        sb.update_network({"deny_out": [ALL_TRAFFIC]})  # closing is always allowed
+        assert sb.get_info().network == {"deny_out": [ALL_TRAFFIC]}
+        assert sb.is_running()
+    finally:
+        sb.kill()
 
 
 # --- kill -------------------------------------------------------------------------------
@@ -242,3 +279,103 @@ def test_fork_makes_copies_that_start_from_the_parent_and_then_diverge(listed):
         for f in forks:
             if not isinstance(f, Exception):
                 f.kill()
+
+
+# --- on_timeout: pause (autoPause) and autoResume ------------------------------------
+
+
+def wait_state(sandbox_id, state, within=15.0):
+    wait_until(lambda: Sandbox.get_info(sandbox_id).state == state, f"{sandbox_id} is {state}", within=within)
+
+
+def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        sb.files.write("/home/user/kept.txt", "still here")
+        sleeper = sb.commands.run("sleep 3600", background=True)
+        sb.set_timeout(2)  # a new timeout keeps what happens at it
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        assert Sandbox.list(query=query(run_id, state=[SandboxState.PAUSED], group="auto-pause")).next_items()
+
+        resumed = Sandbox.connect(sb.sandbox_id)
+        info = Sandbox.get_info(sb.sandbox_id)
+        assert info.state == SandboxState.RUNNING
+        # Its old timeout was spent: it runs on with a bounded new one, not without end.
+        remaining = info.end_at - datetime.now(timezone.utc)
+        assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
+        assert resumed.files.read("/home/user/kept.txt") == "still here"
+        assert sleeper.pid in {p.pid for p in resumed.commands.list()}
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
+    sb = Sandbox.create(
+        template=BASE_TEMPLATE,
+        timeout=60,
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+        metadata={"suite": run_id, "group": "auto-resume"},
+    )
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        sb.set_timeout(2)
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        # No connect: the command itself wakes the sandbox, and the API says so at once.
+        assert sb.commands.run("echo awake").stdout == "awake\n"
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+        # It stays awake with a new lifetime like the one it was made with (E2B resumes
+        # with the sandbox's timeout): neither paused again at once because the old one
+        # was spent, nor left without an end.
+        time.sleep(2)
+        info = Sandbox.get_info(sb.sandbox_id)
+        assert info.state == SandboxState.RUNNING, info
+        remaining = info.end_at - datetime.now(timezone.utc)
+        assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+# --- the rest of the SDK's list options, and idempotent create -------------------------
+
+
+def test_list_filters_by_metadata_values_with_spaces_and_symbols(listed, run_id):
+    found = {note: ids(Sandbox.list(query=query(run_id, group="listed", note=note)).next_items()) for note in NOTES}
+    assert found == {note: [sb.sandbox_id] for note, sb in zip(NOTES, listed)}
+
+
+def group_query(run_id, **kw):
+    return SandboxQuery(metadata={"suite": run_id, "group": "listed"}, **kw)
+
+
+def test_list_filters_by_template(listed, run_id):
+    assert len(Sandbox.list(query=group_query(run_id, template=BASE_TEMPLATE)).next_items()) == 3
+    assert Sandbox.list(query=group_query(run_id, template="code-interpreter-v1")).next_items() == []
+
+
+def test_list_orders_by_start_time(listed, run_id):
+    in_order = [sb.sandbox_id for sb in listed]  # created one after the other
+    assert ids(Sandbox.list(query=group_query(run_id), order="asc").next_items()) == in_order
+    assert ids(Sandbox.list(query=group_query(run_id), order="desc").next_items()) == in_order[::-1]
+
+
+def test_list_filters_by_start_time(listed, run_id):
+    last_start = Sandbox.get_info(listed[2].sandbox_id).started_at
+    assert ids(Sandbox.list(query=group_query(run_id, started_after=last_start)).next_items()) == [listed[2].sandbox_id]
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    assert Sandbox.list(query=group_query(run_id, started_after=later)).next_items() == []
+
+
+def test_a_create_repeated_with_the_same_idempotency_key_returns_the_same_sandbox(run_id):
+    """The SDK sends `idempotency_key` as the `Idempotency-Key` header and reuses it on
+    its retries, so a create retried after a lost answer must not make a second sandbox."""
+    key = f"e2b-test-{run_id}"
+    first = Sandbox.create(template=BASE_TEMPLATE, timeout=120, idempotency_key=key, metadata={"suite": run_id, "group": "idem"})
+    try:
+        again = Sandbox.create(template=BASE_TEMPLATE, timeout=120, idempotency_key=key, metadata={"suite": run_id, "group": "idem"})
+        assert again.sandbox_id == first.sandbox_id
+        assert ids(Sandbox.list(query=query(run_id, group="idem")).next_items()) == [first.sandbox_id]
+    finally:
+        Sandbox.kill(first.sandbox_id)
+        for info in Sandbox.list(query=query(run_id, group="idem")).next_items():
+            Sandbox.kill(info.sandbox_id)

@@ -5,8 +5,10 @@ One sandbox serves the whole module: created with metadata and environment varia
 it runs every command below as E2B's defaults say (bash, user `user` in /home/user).
 """
 
+import time
 from datetime import datetime, timezone
 
+import httpx
 import pytest
 from e2b import CommandExitException, NotFoundException, PtySize, Sandbox, SandboxState
 
@@ -74,6 +76,14 @@ def test_output_callbacks_receive_the_output_as_it_streams(sandbox):
     )
     assert "".join(out) == "1\n2\n3\n" == r.stdout
     assert "".join(err) == "e\n" == r.stderr
+
+
+def test_output_is_streamed_through_the_gateway_not_buffered_to_the_end(sandbox):
+    start = time.monotonic()
+    arrivals = []
+    sandbox.commands.run("echo first; sleep 2; echo second", on_stdout=lambda s: arrivals.append((time.monotonic() - start, s)))
+    assert [s for _, s in arrivals] == ["first\n", "second\n"]
+    assert arrivals[0][0] < 1.5, f"the first line came only after {arrivals[0][0]:.2f} s"
 
 
 def test_large_output_arrives_whole(sandbox):
@@ -172,6 +182,31 @@ def test_closing_stdin_ends_the_input(sandbox):
     h.send_stdin(b"def")
     h.close_stdin()
     assert h.wait().stdout == "abcdefeof\n"
+
+
+# --- a port of the sandbox through the single URL -------------------------------------
+
+
+def test_a_port_inside_the_sandbox_is_reached_through_the_single_url(sandbox, sandbox_url):
+    """What `get_host(port)` names by host name (tested in test_domain.py) is, with one
+    E2B_SANDBOX_URL, the same URL with `E2b-Sandbox-Port: <port>`: the routing headers
+    the SDK itself sends for ports 49983 and 49999."""
+    sandbox.files.write("/home/user/www/index.html", "from port 8000")
+    server = sandbox.commands.run("python3 -m http.server 8000", background=True, cwd="/home/user/www")
+    try:
+        headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8000"}
+
+        def served():
+            try:
+                r = httpx.get(f"{sandbox_url}/index.html", headers=headers, timeout=10)
+            except httpx.TransportError:
+                return None
+            return r if r.status_code == 200 else None
+
+        r = wait_until(served, "the server on port 8000 answered through the gateway")
+        assert r.text == "from port 8000"
+    finally:
+        server.kill()
 
 
 # --- PTY -------------------------------------------------------------------------
