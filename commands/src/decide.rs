@@ -430,10 +430,10 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 (asked, None) => asked.unwrap_or_default(),
             };
             let (mut cpu, mut memory) = (*cpu_millis, *memory_mb);
-            if let (Some(snap), Isolation::Microvm) = (from, isolation) {
-                if let Some(src) = state.sandboxes.sandboxes.get(&snap.sandbox) {
-                    (cpu, memory) = (src.cpu_millis, src.memory_mb);
-                }
+            if let (Some(snap), Isolation::Microvm) = (from, isolation)
+                && let Some(src) = state.sandboxes.sandboxes.get(&snap.sandbox)
+            {
+                (cpu, memory) = (src.cpu_millis, src.memory_mb);
             }
             if isolation == Isolation::Microvm && memory < MICROVM_MIN_MEMORY_MB {
                 return Err(Rejection::field(K::Invalid, "memory_mb", format!("a microVM needs at least {MICROVM_MIN_MEMORY_MB} MB of memory")));

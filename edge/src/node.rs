@@ -661,14 +661,14 @@ impl Edge {
     /// run them and room on disk for its RAM file (a paused VM's memory lives there) on
     /// top of the writable disk every sandbox gets.
     fn admit_usage(&self, id: &str, cpu_millis: u64, memory_mb: u64, isolation: Isolation, observed: &BTreeMap<String, Running>) -> Result<(), String> {
-        if isolation == Isolation::Microvm {
-            if let VmsState::Unavailable(why) = &*self.vms.lock().expect("vms lock") {
-                return Err(format!("admission: edge {} runs no microVMs: {why}", self.cfg.name));
-            }
+        if isolation == Isolation::Microvm
+            && let VmsState::Unavailable(why) = &*self.vms.lock().expect("vms lock")
+        {
+            return Err(format!("admission: edge {} runs no microVMs: {why}", self.cfg.name));
         }
         let disk_need = self.cfg.disk_bytes + if isolation == Isolation::Microvm { memory_mb << 20 } else { 0 };
         if let Ok(v) = nix::sys::statvfs::statvfs(&self.cfg.data_dir) {
-            let avail = v.blocks_available() as u64 * v.fragment_size() as u64;
+            let avail = v.blocks_available() * v.fragment_size();
             if avail < disk_need {
                 return Err(format!("admission: edge {} has {} MB of disk left, the sandbox needs {} MB", self.cfg.name, avail >> 20, disk_need >> 20));
             }

@@ -17,16 +17,12 @@ mod up;
 
 use reqwest::Method;
 use serde_json::{json, Value};
-use std::sync::Mutex;
+use tokio::sync::Mutex;
 use std::time::{Duration, Instant};
 use up::Up;
 
 /// One test at a time: each boots guests under a CPU emulator on a small machine.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+static SERIAL: Mutex<()> = Mutex::const_new(());
 
 fn figure(name: &str, value: impl std::fmt::Display) {
     eprintln!("figure: {name} = {value}");
@@ -183,7 +179,7 @@ fn agent_token(up: &Up, id: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_microvm_from_base_runs_python_through_the_agent_route() {
-    let _one = serial();
+    let _one = SERIAL.lock().await;
     let up = start().await;
     let t = Instant::now();
     let id = create_vm(&up, json!({})).await;
@@ -223,7 +219,7 @@ async fn a_microvm_from_base_runs_python_through_the_agent_route() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
-    let _one = serial();
+    let _one = SERIAL.lock().await;
     let up = start().await;
     let id = create_vm(&up, json!({"auto_resume": true})).await;
     wait_state(&up, &id, "running", Duration::from_secs(180)).await;
@@ -317,7 +313,7 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fork_of_a_microvm_gives_copies_with_its_memory_that_share_pages_and_diverge() {
-    let _one = serial();
+    let _one = SERIAL.lock().await;
     let up = start().await;
     let parent = create_vm(&up, json!({})).await;
     wait_state(&up, &parent, "running", Duration::from_secs(180)).await;
@@ -365,7 +361,7 @@ async fn fork_of_a_microvm_gives_copies_with_its_memory_that_share_pages_and_div
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_continue_after_resume() {
-    let _one = serial();
+    let _one = SERIAL.lock().await;
     let up = start().await;
     let task = format!("rollout-{}", std::process::id());
     let labels = json!({"task": task});
@@ -442,7 +438,7 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_microvm_outlives_kill_9_of_its_edge_and_the_restarted_edge_adopts_it() {
-    let _one = serial();
+    let _one = SERIAL.lock().await;
     let mut up = start().await;
     let id = create_vm(&up, json!({})).await;
     wait_state(&up, &id, "running", Duration::from_secs(180)).await;
