@@ -9,7 +9,9 @@
 //!   `console.log`, `shim.log`, `exit.json` of the current QEMU run.
 //! - `forks/<fork id>/ram`: the frozen RAM of a fork's source, which every copy maps
 //!   privately (pages shared until a copy writes them); removed when no VM uses it.
-//! - `uids/<uid>`: the uids handed to VMs (one each).
+//! - the uids handed to VMs (one each) are recorded in the image store's `vm-uids/`
+//!   (one registry per machine, so that the VMs of several drivers, two edges say, never
+//!   share a uid): `vm-uids/<uid>` holds the VM directory that owns it.
 //! - `accel.json`: the accelerator verdict, kept for one host boot (or where
 //!   [`VmConfig::accel_cache`] says).
 //!
@@ -72,6 +74,10 @@ pub struct VmConfig {
     /// Where the accelerator verdict is kept for the host boot (default
     /// `<root>/accel.json`); drivers of one machine may share it.
     pub accel_cache: Option<PathBuf>,
+    /// Where handed-out uids are recorded (default: the image store's `vm-uids`, shared by
+    /// every driver of the machine). Drivers that share a uid range must share it, or two
+    /// VMs could run as one uid.
+    pub uid_registry: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -92,6 +98,7 @@ impl VmConfig {
             accel: None,
             kvm_probe_bound: Duration::from_secs(8),
             accel_cache: None,
+            uid_registry: None,
         }
     }
 }
@@ -313,7 +320,7 @@ impl MicroVmDriver {
             ));
         }
         require_tool("ip", "iproute2")?;
-        for sub in ["vms", "forks", "uids"] {
+        for sub in ["vms", "forks"] {
             let dir = cfg.root.join(sub);
             fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
         }
@@ -743,35 +750,70 @@ impl Inner {
         write_json_atomic(&self.vm_dir(&record.id).join("vm.json"), record)
     }
 
-    /// Claims the lowest free uid of the range (a file per uid under `uids/`).
+    fn uid_registry(&self) -> PathBuf {
+        self.cfg
+            .uid_registry
+            .clone()
+            .unwrap_or_else(|| self.cfg.store.root().join("vm-uids"))
+    }
+
+    /// Claims the lowest free uid of the range: a file per uid in the registry, holding
+    /// the VM directory that owns it. A uid whose owner's directory is gone (its driver's
+    /// data was removed without deleting the VM) is free again.
     fn allocate_uid(&self, id: &str) -> Result<u32, VmError> {
         let Some(base) = self.cfg.uid_base else {
             return Ok(0);
         };
-        let dir = self.cfg.root.join("uids");
+        let dir = self.uid_registry();
+        fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+            .map_err(io_err(format!("chmod {}", dir.display())))?;
+        let _lock = lock_file(&dir.join(".lock"))?;
+        let owner = self.vm_dir(id);
         for n in 0..UID_SLOTS {
             let uid = base + n;
-            match fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(dir.join(uid.to_string()))
-            {
-                Ok(mut f) => {
-                    use std::io::Write;
-                    f.write_all(id.as_bytes())
-                        .map_err(io_err("recording a uid"))?;
-                    return Ok(uid);
+            let path = dir.join(uid.to_string());
+            let claim = || {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+            };
+            let file = match claim() {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = fs::read_to_string(&path).unwrap_or_default();
+                    // Older records hold a bare VM id: those are never taken for stale.
+                    let stale = holder.starts_with('/') && !Path::new(holder.trim()).exists();
+                    if !stale {
+                        continue;
+                    }
+                    let _ = fs::remove_file(&path);
+                    claim().map_err(|e| VmError::io("allocating a uid", e))?
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(VmError::io("allocating a uid", e)),
-            }
+            };
+            use std::io::Write;
+            let mut file = file;
+            file.write_all(owner.to_string_lossy().as_bytes())
+                .map_err(io_err("recording a uid"))?;
+            return Ok(uid);
         }
         Err(VmError::Invalid("no free uid left in the VM range".into()))
     }
 
     fn release_uid(&self, uid: u32) {
-        if uid != 0 {
-            let _ = fs::remove_file(self.cfg.root.join("uids").join(uid.to_string()));
+        if uid == 0 {
+            return;
+        }
+        let path = self.uid_registry().join(uid.to_string());
+        let Ok(_lock) = lock_file(&self.uid_registry().join(".lock")) else {
+            return;
+        };
+        // Only our own claim: a uid reclaimed by another driver stays its.
+        let holder = fs::read_to_string(&path).unwrap_or_default();
+        if !holder.starts_with('/') || Path::new(holder.trim()).starts_with(&self.cfg.root) {
+            let _ = fs::remove_file(&path);
         }
     }
 
