@@ -697,13 +697,19 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     // A running VM stops only while its state, RAM and disk are copied.
     let snap = dir.path().join("running");
     let report = vm.snapshot_to(&snap).unwrap();
-    figure("snapshot of a running VM: source paused", ms(report.source_paused));
+    figure(
+        "snapshot of a running VM: source paused",
+        ms(report.source_paused),
+    );
     figure(
         "snapshot of a running VM: data",
         format!("{} MiB", report.bytes >> 20),
     );
     assert_eq!(count(&vm), 3, "the source runs on");
-    assert!(vm.snapshot_to(&snap).is_err(), "an existing directory is not overwritten");
+    assert!(
+        vm.snapshot_to(&snap).is_err(),
+        "an existing directory is not overwritten"
+    );
 
     // A VM restored from it continues from the snapshot's memory, holding the source's
     // token until it is re-keyed.
@@ -721,7 +727,11 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     let ttl = Duration::from_secs(10);
     assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 401);
     assert_eq!(agent.rekey(TOKEN, "copy-token", ttl).unwrap(), 204);
-    assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 204, "repeatable");
+    assert_eq!(
+        agent.rekey("copy-token", "copy-token", ttl).unwrap(),
+        204,
+        "repeatable"
+    );
     let counted = rt()
         .block_on(agent.exec(
             "copy-token",
@@ -729,7 +739,11 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
             &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"],
         ))
         .unwrap();
-    assert_eq!(counted.stdout_text(), "3\n", "the copy continues from the snapshot");
+    assert_eq!(
+        counted.stdout_text(),
+        "3\n",
+        "the copy continues from the snapshot"
+    );
     figure("restore from a snapshot to first command", ms(t.elapsed()));
     let refused = rt().block_on(agent.exec(TOKEN, "true", &[]));
     assert!(

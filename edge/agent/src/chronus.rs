@@ -323,7 +323,10 @@ impl Link {
     pub fn save_state(&self, part: &str, value: Value) {
         let mut parts = self.state.lock().unwrap();
         parts.insert(part.to_string(), value);
-        self.send(json!({"op": "state", "state": Value::Object(parts.clone())}), &[]);
+        self.send(
+            json!({"op": "state", "state": Value::Object(parts.clone())}),
+            &[],
+        );
     }
 
     /// Exit statuses of adopted processes, as the supervisor reaps them.

@@ -37,7 +37,10 @@ impl AccessToken {
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
-    json_response(status, &json!({"code": status.as_u16(), "message": message.into()}))
+    json_response(
+        status,
+        &json!({"code": status.as_u16(), "message": message.into()}),
+    )
 }
 
 /// Serves an already authorised rekey request.
@@ -45,16 +48,32 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
     if req.method() != hyper::Method::POST {
         return error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
     }
-    let body = match http_body_util::Limited::new(req.into_body(), 4096).collect().await {
+    let body = match http_body_util::Limited::new(req.into_body(), 4096)
+        .collect()
+        .await
+    {
         Ok(b) => b.to_bytes(),
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("reading the body: {e}")),
     };
     let new = match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(v) => v.get("access_token").and_then(|t| t.as_str()).map(str::to_string),
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("the body is not JSON: {e}")),
+        Ok(v) => v
+            .get("access_token")
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the body is not JSON: {e}"),
+            );
+        }
     };
-    let Some(new) = new.filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic())) else {
-        return error(StatusCode::BAD_REQUEST, format!("access_token must be 1 to {MAX_TOKEN} printable characters"));
+    let Some(new) = new.filter(|t| {
+        !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic())
+    }) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("access_token must be 1 to {MAX_TOKEN} printable characters"),
+        );
     };
     if token.get().as_deref() != Some(new.as_str()) {
         token.set(new.clone());
@@ -63,5 +82,8 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
         }
         eprintln!("opendsec-agent: the access token was replaced");
     }
-    Response::builder().status(StatusCode::NO_CONTENT).body(Body::empty()).expect("valid response")
+    Response::builder()
+        .status(StatusCode::NO_CONTENT)
+        .body(Body::empty())
+        .expect("valid response")
 }

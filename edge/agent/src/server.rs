@@ -214,11 +214,13 @@ pub async fn handle(
             .expect("valid response"));
     }
     if let Err(e) = authorize(&state, &req, &path) {
-        return Ok(if path == "/files" || path == tunnel::PATH || path == crate::rekey::PATH {
-            files::http_error(&e)
-        } else {
-            connect::unary_error(&e)
-        });
+        return Ok(
+            if path == "/files" || path == tunnel::PATH || path == crate::rekey::PATH {
+                files::http_error(&e)
+            } else {
+                connect::unary_error(&e)
+            },
+        );
     }
     if path == crate::rekey::PATH {
         return Ok(crate::rekey::rekey(&state.token, req).await);

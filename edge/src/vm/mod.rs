@@ -38,8 +38,9 @@ pub use accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
 pub use agent::{AgentChannel, ExecOutput};
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
-    ForkReport, MAX_FORK_COUNT, agent_channel_at, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, SNAPSHOT_META,
-    SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus,
+    ForkReport, MAX_FORK_COUNT, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport,
+    SNAPSHOT_META, SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus,
+    agent_channel_at,
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
