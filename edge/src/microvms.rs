@@ -139,60 +139,41 @@ impl MicroVms {
         Ok(())
     }
 
-    /// Makes copies `ids` of VM `source` with its memory. A running source forks (it
-    /// stops only while its state is captured; the copies share its frozen RAM
-    /// copy-on-write); a paused one is copied from its snapshot. Each copy then gets its
-    /// own token. `image` is the copies' (their source's) image; `scratch` is a
-    /// directory name this call may use (and removes). Returns how long the source stopped.
+    /// Makes `copies` of VM `source` with its memory. A running source forks (it stops
+    /// only while its state is captured; the copies share its frozen RAM copy-on-write);
+    /// a paused one is copied from a snapshot of it. Each copy then gets its own token.
+    /// `image` is the copies' (their source's) image; `scratch` is a directory name this
+    /// call may use (and removes). Returns how long the source stopped. On failure no
+    /// copy is left.
     pub fn fork(&self, source: &str, copies: &[&DesiredSandbox], image: &Image, scratch: &Path) -> Result<Duration, VmError> {
         let ids: Vec<String> = copies.iter().map(|c| c.id.clone()).collect();
-        let ids = ids.as_slice();
-        let src = self.handle(source)?;
-        let paused = match src.status()? {
-            VmStatus::Running { .. } => {
-                src.fork(ids)?.source_paused
+        let made = self.make_copies(source, copies, &ids, image, scratch).and_then(|paused| {
+            for id in &ids {
+                self.handle(id)?.wait_agent(AGENT_READY_TIMEOUT)?;
+                self.ensure_token(id, Some(source))?;
             }
+            Ok(paused)
+        });
+        if made.is_err() {
+            for id in &ids {
+                let _ = self.remove(id);
+            }
+        }
+        made
+    }
+
+    fn make_copies(&self, source: &str, copies: &[&DesiredSandbox], ids: &[String], image: &Image, scratch: &Path) -> Result<Duration, VmError> {
+        let src = self.handle(source)?;
+        match src.status()? {
+            VmStatus::Running { .. } => Ok(src.fork(ids)?.source_paused),
             VmStatus::Paused => {
                 let _ = std::fs::remove_dir_all(scratch);
                 src.snapshot_to(scratch)?;
-                let restored = (|| {
-                    for copy in copies {
-                        self.driver.restore_snapshot(&self.spec(copy, image), scratch, &|_| {})?;
-                    }
-                    Ok::<_, VmError>(())
-                })();
+                let restored = copies.iter().try_for_each(|copy| self.driver.restore_snapshot(&self.spec(copy, image), scratch, &|_| {}).map(|_| ()));
                 let _ = std::fs::remove_dir_all(scratch);
-                if let Err(e) = restored {
-                    for id in ids {
-                        if let Ok(vm) = self.handle(id) {
-                            let _ = vm.delete();
-                        }
-                    }
-                    return Err(e);
-                }
-                Duration::ZERO
+                restored.map(|()| Duration::ZERO)
             }
-            VmStatus::Exited(_) => {
-                return Err(VmError::BadState { id: source.into(), state: "exited".into(), operation: "fork" });
-            }
-        };
-        let mut failure = None;
-        for id in ids {
-            let keyed = self.handle(id).and_then(|vm| vm.wait_agent(AGENT_READY_TIMEOUT)).and_then(|_| self.ensure_token(id, Some(source)));
-            if let Err(e) = keyed {
-                failure.get_or_insert(e);
-            }
-        }
-        match failure {
-            None => Ok(paused),
-            Some(e) => {
-                for id in ids {
-                    if let Ok(vm) = self.handle(id) {
-                        let _ = vm.delete();
-                    }
-                }
-                Err(e)
-            }
+            VmStatus::Exited(_) => Err(VmError::BadState { id: source.into(), state: "exited".into(), operation: "fork" }),
         }
     }
 

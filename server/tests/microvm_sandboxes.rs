@@ -357,6 +357,19 @@ async fn fork_of_a_microvm_gives_copies_with_its_memory_that_share_pages_and_div
     figure("fork x4: copies' RSS sum (shared pages counted in each)", format!("{} MiB", rss_sum / 1024));
     figure("fork x4: copies' PSS sum (shared pages counted once)", format!("{} MiB = {:.2}x one VM", pss_sum / 1024, pss_sum as f64 / one_rss as f64));
     assert!(pss_sum < 2 * one_rss, "4 copies should cost well below 4 VMs: PSS sum {pss_sum} KiB, one VM {one_rss} KiB");
+
+    // A paused parent forks too (its copy is restored from a snapshot of it); the parent
+    // stays paused.
+    let (s, _) = up.send(Method::POST, &format!("/v1/sandboxes/{parent}/pause"), None).await;
+    assert_eq!(s, 200);
+    wait_state(&up, &parent, "paused", Duration::from_secs(60)).await;
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{parent}/fork"), Some(json!({"count": 1}))).await;
+    assert_eq!(s, 201, "{v}");
+    let late = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
+    wait_state(&up, &late, "running", Duration::from_secs(120)).await;
+    assert_eq!(count(&up, &late).await, 4, "the copy of the paused parent has its memory");
+    assert_eq!(wait_state(&up, &parent, "paused", Duration::from_secs(5)).await["state"], "paused");
+    assert!(qemu_pid(&parent).is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
