@@ -31,6 +31,8 @@ pub const AGENT_PATH_IN_SANDBOX: &str = "/.opendsec/agent";
 pub const AGENT_CONFIG_IN_SANDBOX: &str = "/.opendsec/config";
 /// How long a template's start command may take to open its port before the sandbox fails.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// Resumes of a microVM tried in a row before it is reported failed.
+const MAX_RESUME_TRIES: u32 = 3;
 
 #[derive(Clone, Debug)]
 pub struct EdgeConfig {
@@ -124,6 +126,8 @@ struct Edge {
     wake: tokio::sync::Notify,
     /// The microVM driver's state (always `Unavailable` when the config has none).
     vms: Mutex<VmsState>,
+    /// MicroVMs whose resume failed, and how often in a row.
+    resume_failures: Mutex<BTreeMap<String, u32>>,
 }
 
 impl Edge {
@@ -484,7 +488,33 @@ impl Edge {
                 Ok(())
             }
             Action::Pause { id } if self.is_vm(&id) => self.blocking(move |e| Ok(e.vms()?.pause(&id)?)).await,
-            Action::Resume { id } if self.is_vm(&id) => self.blocking(move |e| Ok(e.vms()?.resume(&id)?)).await,
+            Action::Resume { id } if self.is_vm(&id) => {
+                let sid = id.clone();
+                let resumed = self.blocking(move |e| Ok(e.vms()?.resume(&sid)?)).await;
+                // A VM that cannot be restored (its snapshot is damaged, QEMU refuses it)
+                // would be tried for ever: after a few tries it is reported failed.
+                let tries = {
+                    let mut failures = self.resume_failures.lock().expect("resume failures lock");
+                    match &resumed {
+                        Ok(()) => {
+                            failures.remove(&id);
+                            0
+                        }
+                        Err(_) => {
+                            let n = failures.entry(id.clone()).or_insert(0);
+                            *n += 1;
+                            *n
+                        }
+                    }
+                };
+                match resumed {
+                    Err(e) if tries >= MAX_RESUME_TRIES => {
+                        self.report(&id, Observation::Failed { reason: format!("the microVM could not be restored ({tries} tries): {e}") }).await;
+                        Ok(())
+                    }
+                    other => other,
+                }
+            }
             Action::Stop { id, reason } if self.is_vm(&id) => {
                 tracing::info!(sandbox = %id, %reason, "stopping a microVM");
                 self.blocking(move |e| Ok(e.vms()?.stop(&id)?)).await
@@ -935,6 +965,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
         wake: tokio::sync::Notify::new(),
+        resume_failures: Mutex::new(BTreeMap::new()),
         vms: Mutex::new(if cfg.microvm.is_some() { VmsState::Preparing } else { VmsState::Unavailable("it was started without microVM support".into()) }),
         cfg,
     });

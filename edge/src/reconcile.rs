@@ -54,6 +54,11 @@ fn report(id: &str, observation: Observation) -> Action {
 /// The actions for one sandbox of the slice.
 fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Action> {
     let id = d.id.clone();
+    // The log says it ended (reported failed), yet something of it still runs here:
+    // end that too, so nothing the log does not count runs on.
+    if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused | Running::OutOfMemory)) {
+        return vec![Action::Stop { id, reason: "ended".into() }];
+    }
     let expired = d.expires_at_ms.is_some_and(|at| at <= now_ms);
     // Auto-pause: past its timeout it pauses instead of dying, once the log says so.
     if expired && d.auto_pause && d.desired == Desired::Running && matches!(seen, Some(Running::Running | Running::Paused)) {
@@ -179,6 +184,16 @@ mod tests {
             snapshot: None,
             isolation: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_sandbox_the_log_says_failed_is_not_left_running_or_resumed() {
+        let d = sandbox(Desired::Running, Observed::Failed);
+        for seen in [Running::Running, Running::Paused] {
+            assert_eq!(check(d.clone(), Some(seen), 0), vec![Action::Stop { id: "s1".into(), reason: "ended".into() }]);
+        }
+        assert_eq!(check(d.clone(), Some(Running::Exited { exit_code: 137, oom_killed: false }), 0), vec![Action::Remove { id: "s1".into() }]);
+        assert_eq!(check(d, None, 0), vec![]);
     }
 
     #[test]

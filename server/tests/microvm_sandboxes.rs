@@ -309,6 +309,28 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 401, "the restored guest refuses its source's token");
+
+    // A paused VM whose snapshot was damaged cannot come back: after a few tries it is
+    // reported failed, saying why, and the others are unharmed.
+    let (s, _) = up.send(Method::POST, &format!("/v1/sandboxes/{restored}/pause"), None).await;
+    assert_eq!(s, 200);
+    wait_state(&up, &restored, "paused", Duration::from_secs(60)).await;
+    std::fs::write(up.data_dir().join("edge/vms/vms").join(&restored).join("state"), b"not a migration stream").unwrap();
+    let (s, _) = up.send(Method::POST, &format!("/v1/sandboxes/{restored}/resume"), None).await;
+    assert_eq!(s, 200);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let failed = loop {
+        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{restored}"), None).await;
+        if v["state"] == "failed" {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "a VM with a damaged snapshot was not reported failed: {v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!("a damaged snapshot: {}", failed["reason"]);
+    assert!(failed["reason"].as_str().unwrap().contains("could not be restored"), "{failed}");
+    assert!(qemu_pid(&restored).is_none());
+    assert_eq!(count(&up, &id).await, 6, "the source is unharmed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
