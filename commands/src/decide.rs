@@ -3,11 +3,11 @@
 use crate::inflight::InFlight;
 use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 use crate::validate::{self, LIMITS};
-use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult};
+use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
 use opendsec_projections::pb;
 use opendsec_projections::schema::{Batch, Denial, Principal};
 use opendsec_projections::state::{limits_to_pb, usage_to_pb};
-use opendsec_projections::{Event, Observed, Right, Sandbox, SnapshotState, State, Usage};
+use opendsec_projections::{Desired, Event, Isolation, Observed, Right, Sandbox, SnapshotState, State, Usage};
 use std::collections::BTreeSet;
 
 /// A command's accepted outcome: its events and what the audit view records it against.
@@ -126,6 +126,8 @@ fn expiry(ctx: &Ctx, seconds: Option<u64>) -> u64 {
 }
 
 /// Places `n` sandboxes of `usage` in `project`, checking quota against state + in-flight.
+/// MicroVMs go only to edges that run them ([`MICROVM_LABEL`]).
+#[allow(clippy::too_many_arguments)]
 fn place(
     state: &State,
     inflight: &InFlight,
@@ -135,6 +137,7 @@ fn place(
     n: u32,
     refused_by: &BTreeSet<String>,
     only_edge: Option<&str>,
+    isolation: Isolation,
 ) -> Result<Vec<(String, String, pb::Placement)>, Rejection> {
     let total = Usage { sandboxes: n as u64, cpu_millis: usage.cpu_millis * n as u64, memory_mb: usage.memory_mb * n as u64 };
     state
@@ -149,6 +152,7 @@ fn place(
             .values()
             .filter(|e| !e.deregistered && !refused_by.contains(&e.id))
             .filter(|e| only_edge.is_none_or(|o| o == e.id))
+            .filter(|e| isolation == Isolation::Container || e.labels.get(MICROVM_LABEL).is_some_and(|v| !v.is_empty()))
             .filter_map(|e| {
                 let mut free = e.free();
                 free.sub(&inflight.edge_usage(&e.id));
@@ -158,9 +162,10 @@ fn place(
             })
             .collect();
         let (sampled, best) = place_power_of_k(&cands, DEFAULT_K, rng)
-            .ok_or_else(|| match only_edge {
-                Some(o) => Rejection::new(K::NoCapacity, format!("edge {o}, which holds the file system this sandbox starts from, has no room for it")),
-                None => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
+            .ok_or_else(|| match (only_edge, isolation) {
+                (Some(o), _) => Rejection::new(K::NoCapacity, format!("edge {o}, which holds what this sandbox starts from, has no room for it")),
+                (None, Isolation::Microvm) => Rejection::new(K::NoCapacity, "no registered edge that runs microVMs has room for this sandbox"),
+                (None, Isolation::Container) => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
             })?;
         let chosen = &sampled[best];
         let mut id = sandbox_id(rng, chosen.ordinal);
@@ -410,9 +415,32 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 }
                 _ => None,
             };
-            let usage = Usage { sandboxes: 1, cpu_millis: *cpu_millis, memory_mb: *memory_mb };
+            // A microVM's snapshot is a whole machine: what starts from it is that
+            // machine again, with its size; a file-system snapshot is a container's layer.
+            let snapshot_kind = from.map(|x| x.isolation);
+            let isolation = match (opts.isolation, snapshot_kind) {
+                (Some(asked), Some(kind)) if asked != kind => {
+                    let why = match kind {
+                        Isolation::Microvm => format!("snapshot {image} holds a microVM's memory: what starts from it is a microVM"),
+                        Isolation::Container => format!("snapshot {image} is a container's file system: only a container starts from it"),
+                    };
+                    return Err(Rejection::field(K::Invalid, "opts.isolation", why));
+                }
+                (_, Some(kind)) => kind,
+                (asked, None) => asked.unwrap_or_default(),
+            };
+            let (mut cpu, mut memory) = (*cpu_millis, *memory_mb);
+            if let (Some(snap), Isolation::Microvm) = (from, isolation)
+                && let Some(src) = state.sandboxes.sandboxes.get(&snap.sandbox)
+            {
+                (cpu, memory) = (src.cpu_millis, src.memory_mb);
+            }
+            if isolation == Isolation::Microvm && memory < MICROVM_MIN_MEMORY_MB {
+                return Err(Rejection::field(K::Invalid, "memory_mb", format!("a microVM needs at least {MICROVM_MIN_MEMORY_MB} MB of memory")));
+            }
+            let usage = Usage { sandboxes: 1, cpu_millis: cpu, memory_mb: memory };
             let only = from.map(|s| s.edge.as_str());
-            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by, only)?;
+            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by, only, isolation)?;
             let (id, edge, placement) = placed.into_iter().next().expect("place returns one per request");
             Ok(one(
                 project,
@@ -422,8 +450,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     project: project.clone(),
                     edge,
                     image: from.map(|s| s.image.clone()).unwrap_or_else(|| image.clone()),
-                    cpu_millis: *cpu_millis,
-                    memory_mb: *memory_mb,
+                    cpu_millis: cpu,
+                    memory_mb: memory,
                     labels: labels.clone(),
                     expires_at_ms: expiry(ctx, *timeout_seconds),
                     fork_of: String::new(),
@@ -434,6 +462,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     snapshot: from.map(|s| s.id.clone()).unwrap_or_default(),
                     template: image.clone(),
                     network: opts.network.clone().unwrap_or_default(),
+                    isolation: isolation.to_event(),
                     idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),
                 }),
             ))
@@ -443,8 +472,12 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            // The copies start from the source's file system, which lives on its edge.
-            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, Some(&s.edge))?;
+            if s.isolation == Isolation::Microvm && *count > MICROVM_MAX_FORK_COUNT {
+                return Err(Rejection::field(K::Invalid, "count", format!("a microVM forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time")));
+            }
+            // The copies start from the source's file system (and a microVM's memory),
+            // which live on its edge.
+            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, Some(&s.edge), s.isolation)?;
             let mut events = vec![Event::SandboxForkRequested(pb::SandboxForkRequested {
                 id: sandbox.clone(),
                 children: placed.iter().map(|(id, _, _)| id.clone()).collect(),
@@ -467,6 +500,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     snapshot: s.snapshot.clone().unwrap_or_default(),
                     template: s.template.clone().unwrap_or_default(),
                     network: s.network.clone().unwrap_or_default(),
+                    isolation: s.isolation.to_event(),
                     // A copy is not the create the key named.
                     idempotency_key: String::new(),
                 }));
@@ -536,7 +570,9 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     edge: s.edge.clone(),
                     name: name.clone(),
                     image: s.image.clone(),
-                    parent: s.snapshot.clone().unwrap_or_default(),
+                    // A microVM's snapshot holds its whole disk: it stands on no other.
+                    parent: if s.isolation == Isolation::Microvm { String::new() } else { s.snapshot.clone().unwrap_or_default() },
+                    isolation: s.isolation.to_event(),
                 }),
             ))
         }
@@ -578,6 +614,31 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             validate::options("network", &SandboxOptions { network: Some(network.clone()), ..Default::default() })?;
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
             Ok(one(&s.project, sandbox, Event::SandboxNetworkSet(pb::SandboxNetworkSet { id: sandbox.clone(), network: network.clone() })))
+        }
+        Command::PauseTask { task } | Command::ResumeTask { task } => {
+            validate::task("task", task)?;
+            who.require(Right::SandboxWrite)?;
+            let pause = matches!(cmd, Command::PauseTask { .. });
+            let members: Vec<&Sandbox> = state
+                .sandboxes
+                .sandboxes
+                .values()
+                .filter(|x| x.is_live() && state.within(&x.project, &who.project))
+                .filter(|x| x.labels.get(TASK_LABEL) == Some(task))
+                .collect();
+            if members.is_empty() {
+                return Err(Rejection::field(K::NotFound, "task", format!("no live sandbox of project {} is labelled {TASK_LABEL}={task}", who.project)));
+            }
+            // Those already where they should be are left alone: the command is idempotent.
+            let events = members
+                .into_iter()
+                .filter_map(|x| match (pause, x.desired) {
+                    (true, Desired::Running) => Some(Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: x.id.clone() })),
+                    (false, Desired::Paused) => Some(Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: x.id.clone() })),
+                    _ => None,
+                })
+                .collect();
+            Ok(Decided { events, project: who.project.clone(), target: task_target(task) })
         }
         Command::ReportSandbox { sandbox, observation } => {
             validate::id("sandbox", sandbox)?;
@@ -650,6 +711,11 @@ pub fn batch_for(cmd: &Command, ctx: &Ctx, state: &State, decided: &Result<Decid
     Some(batch)
 }
 
+/// The audit target of a task command.
+fn task_target(task: &str) -> String {
+    format!("task:{task}")
+}
+
 /// What a refused command was aimed at, for the audit view.
 fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
     let sandbox_project = |id: &str| state.sandboxes.sandboxes.get(id).map(|s| s.project.clone()).unwrap_or_default();
@@ -671,6 +737,7 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         | Command::SetSandboxNetwork { sandbox, .. }
         | Command::CreateSnapshot { sandbox, .. }
         | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
+        Command::PauseTask { task } | Command::ResumeTask { task } => (String::new(), task_target(task)),
         Command::DeleteSnapshot { snapshot } | Command::ReportSnapshot { snapshot, .. } => {
             (state.snapshots.snapshots.get(snapshot).map(|x| x.project.clone()).unwrap_or_default(), snapshot.clone())
         }

@@ -16,13 +16,27 @@ pub use inflight::InFlight;
 pub use placement::{edge_ordinal_of, place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 pub use validate::LIMITS;
 
-use opendsec_projections::{Limits, Right, Usage};
+use opendsec_projections::{Isolation, Limits, Right, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// The edge label saying the edge answers admission requests (`POST /admit` on its proxy):
 /// a sandbox placed there is admitted by the edge itself before it is logged.
 pub const ADMISSION_LABEL: &str = "opendsec.io/admission";
+
+/// The edge label saying the edge runs microVMs (its value names the VMM, e.g. `qemu`):
+/// microVM sandboxes are placed only on edges that carry it.
+pub const MICROVM_LABEL: &str = "opendsec.io/microvm";
+
+/// The sandbox label that names the task a sandbox works for: `PauseTask` and
+/// `ResumeTask` act on every sandbox carrying `task=<name>`.
+pub const TASK_LABEL: &str = "task";
+
+/// The least memory a microVM may have (its kernel and agent need it).
+pub const MICROVM_MIN_MEMORY_MB: u64 = 64;
+
+/// The most copies one fork of a microVM makes (they are restored together on its edge).
+pub const MICROVM_MAX_FORK_COUNT: u32 = 64;
 
 /// Every write the control plane accepts. Each variant says when it is legal in `decide`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -64,7 +78,8 @@ pub enum Command {
         #[serde(default)]
         opts: SandboxOptions,
     },
-    /// Creates `count` copies of a live sandbox. Needs sandbox:write.
+    /// Creates `count` copies of a live sandbox, on its edge: a container's copies start
+    /// from its file system, a microVM's from its memory and disk. Needs sandbox:write.
     ForkSandbox { sandbox: String, count: u32 },
     PauseSandbox { sandbox: String },
     ResumeSandbox { sandbox: String },
@@ -72,7 +87,8 @@ pub enum Command {
     /// Sets the sandbox's lifetime from now (0 = none).
     SetSandboxTimeout { sandbox: String, timeout_seconds: u64 },
     SetSandboxLabels { sandbox: String, labels: BTreeMap<String, String> },
-    /// Captures a live sandbox's file system as a snapshot on its edge. Needs sandbox:write.
+    /// Captures a live sandbox on its edge: a container's file system, or a microVM's
+    /// memory, device state and disk. Legal once it has run. Needs sandbox:write.
     CreateSnapshot { sandbox: String, name: String },
     /// Deletes a snapshot (sandboxes started from it keep running). Needs sandbox:write.
     DeleteSnapshot { snapshot: String },
@@ -81,6 +97,12 @@ pub enum Command {
     /// Records a sandbox's network settings (stored and reported; enforcement comes with
     /// network policy, and until then no sandbox has egress). Needs sandbox:write.
     SetSandboxNetwork { sandbox: String, network: String },
+    /// Pauses every live, running sandbox of the caller's project subtree labelled
+    /// `task=<task>` (containers freeze, microVMs snapshot and end their VMM), in one
+    /// logged decision. Needs sandbox:write; some such sandbox must exist.
+    PauseTask { task: String },
+    /// Resumes every paused sandbox of the caller's subtree labelled `task=<task>`.
+    ResumeTask { task: String },
     /// Adds a control node to the Raft cluster. Needs cluster:admin in the root project.
     AddClusterMember { node_id: u64, address: String },
     /// Removes a control node from the Raft cluster. Needs cluster:admin in the root project.
@@ -126,6 +148,8 @@ impl Command {
             Command::DeleteSnapshot { .. } => "snapshot.delete",
             Command::ReportSnapshot { .. } => "snapshot.report",
             Command::SetSandboxNetwork { .. } => "sandbox.set_network",
+            Command::PauseTask { .. } => "task.pause",
+            Command::ResumeTask { .. } => "task.resume",
             Command::AddClusterMember { .. } => "cluster.add_member",
             Command::RemoveClusterMember { .. } => "cluster.remove_member",
         }
@@ -144,6 +168,8 @@ pub struct SandboxOptions {
     pub auto_resume: bool,
     /// Network settings as asked, as JSON (stored, not yet enforced: no sandbox has egress).
     pub network: Option<String>,
+    /// A container unless asked otherwise (or started from a microVM's snapshot).
+    pub isolation: Option<Isolation>,
     /// A client's idempotency key: while a sandbox created with it lives, another create
     /// with the same key in the same project is refused as a conflict naming that sandbox.
     pub idempotency_key: Option<String>,

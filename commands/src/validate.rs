@@ -116,6 +116,14 @@ pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> 
     Ok(())
 }
 
+/// A task name: the value of a `task` label, so non-empty and within the label rules.
+pub fn task(field: &str, v: &str) -> Result<(), Rejection> {
+    if v.is_empty() || v.len() > LIMITS.label_value_len || v.chars().any(|c| c.is_control()) {
+        return Err(invalid(field, format!("{field} must be 1 to {} characters without control characters", LIMITS.label_value_len)));
+    }
+    Ok(())
+}
+
 pub fn amount(field: &str, v: u64, max: u64) -> Result<(), Rejection> {
     if v > max {
         return Err(invalid(field, format!("{field} = {v} is over the maximum {max}")));

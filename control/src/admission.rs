@@ -13,6 +13,9 @@ pub struct AdmitRequest {
     pub sandbox: String,
     pub cpu_millis: u64,
     pub memory_mb: u64,
+    /// "" (a container) or "microvm": a microVM also needs its RAM file's room on disk.
+    #[serde(default)]
+    pub isolation: String,
 }
 
 /// Asks the edge at `address`; `Err` carries why it did not admit.

@@ -308,7 +308,7 @@ impl ControlNode {
                     Event::SandboxCreated(c) => {
                         let edge = s.placement.edges.get(&c.edge)?;
                         (edge.labels.get(ADMISSION_LABEL).map(String::as_str) == Some("http")).then(|| {
-                            (c.edge.clone(), edge.address.clone(), AdmitRequest { sandbox: c.id.clone(), cpu_millis: c.cpu_millis, memory_mb: c.memory_mb })
+                            (c.edge.clone(), edge.address.clone(), AdmitRequest { sandbox: c.id.clone(), cpu_millis: c.cpu_millis, memory_mb: c.memory_mb, isolation: c.isolation.clone() })
                         })
                     }
                     _ => None,

@@ -99,6 +99,7 @@ fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             env: s.env.clone(),
             auto_pause: s.auto_pause,
             snapshot: s.snapshot.clone().unwrap_or_default(),
+            isolation: s.isolation.to_event(),
         })
         .collect();
     let snapshots = state
@@ -112,6 +113,7 @@ fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             image: x.image.clone(),
             parent: x.parent.clone().unwrap_or_default(),
             state: serde_json::to_value(x.state).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            isolation: x.isolation.to_event(),
         })
         .collect();
     SliceSnapshot { index: state.index, sandboxes, snapshots }

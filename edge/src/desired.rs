@@ -6,7 +6,7 @@
 //! and carries the index to resume the watch from, so it can be persisted and reloaded.
 
 use opendsec_control::pb::{slice_message::Body, SliceMessage};
-use opendsec_projections::{Desired, Event, Observed};
+use opendsec_projections::{Desired, Event, Isolation, Observed};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -31,9 +31,12 @@ pub struct DesiredSandbox {
     /// Paused instead of stopped at its timeout.
     #[serde(default)]
     pub auto_pause: bool,
-    /// The snapshot (file system) it starts from.
+    /// The snapshot it starts from (a file system, or a microVM's memory and disk).
     #[serde(default)]
     pub snapshot: Option<String>,
+    /// A container or a microVM.
+    #[serde(default)]
+    pub isolation: Isolation,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +57,9 @@ pub struct DesiredSnapshot {
     pub image: String,
     pub parent: Option<String>,
     pub phase: SnapshotPhase,
+    /// A container's file system, or a microVM's memory, device state and disk.
+    #[serde(default)]
+    pub isolation: Isolation,
 }
 
 impl DesiredSandbox {
@@ -120,6 +126,7 @@ impl SliceState {
                             env: s.env.clone(),
                             auto_pause: s.auto_pause,
                             snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
+                            isolation: Isolation::from_event(&s.isolation).unwrap_or_default(),
                         };
                         (s.id.clone(), d)
                     })
@@ -141,6 +148,7 @@ impl SliceState {
                             image: x.image.clone(),
                             parent: (!x.parent.is_empty()).then(|| x.parent.clone()),
                             phase,
+                            isolation: Isolation::from_event(&x.isolation).unwrap_or_default(),
                         };
                         (x.id.clone(), d)
                     })
@@ -190,6 +198,7 @@ impl SliceState {
                         env: c.env.clone(),
                         auto_pause: c.auto_pause,
                         snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
+                        isolation: Isolation::from_event(&c.isolation).unwrap_or_default(),
                     },
                 );
             }
@@ -205,6 +214,7 @@ impl SliceState {
                         image: r.image.clone(),
                         parent: (!r.parent.is_empty()).then(|| r.parent.clone()),
                         phase: SnapshotPhase::Pending,
+                        isolation: Isolation::from_event(&r.isolation).unwrap_or_default(),
                     },
                 );
                 return;

@@ -9,5 +9,6 @@ pub mod reconcile;
 pub mod slice;
 pub mod testing;
 pub mod images;
+pub mod microvms;
 pub mod container;
 pub mod vm;

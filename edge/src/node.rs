@@ -1,17 +1,20 @@
 //! The edge process: registers with the control plane, follows its slice of the log,
 //! persists it (redb) and reconciles the sandboxes of this machine toward it through
-//! the container backend; reports what it observes; sends heartbeats; serves the
-//! per-sandbox proxy. Sandboxes are not its children (each runs under its own shim),
-//! so a killed edge leaves them running and a restarted one re-adopts them.
+//! the container backend or, for microVM sandboxes, the QEMU driver (`microvms.rs`);
+//! reports what it observes; sends heartbeats; serves the per-sandbox proxy. Sandboxes
+//! are not its children (each runs under its own shim), so a killed edge leaves them
+//! running and a restarted one re-adopts them.
 
 use crate::container::{BindMount, ContainerBackend, ContainerConfig, Limits, SandboxStatus, SandboxSpec};
 use crate::desired::{DesiredSandbox, SliceState};
 use crate::images::ImageStore;
-use crate::proxy::{self, Resolver};
+use crate::microvms::{FromSnapshot, MicroVms, MicroVmsConfig};
+use crate::proxy::{self, AgentAddr, Resolver};
 use crate::reconcile::{plan, plan_snapshots, Action, Running};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_commands::Observation;
 use opendsec_control::pb::{Capacity, HeartbeatRequest};
+use opendsec_projections::Isolation;
 use redb::{Database, ReadableDatabase, TableDefinition};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsRawFd;
@@ -28,6 +31,8 @@ pub const AGENT_PATH_IN_SANDBOX: &str = "/.opendsec/agent";
 pub const AGENT_CONFIG_IN_SANDBOX: &str = "/.opendsec/config";
 /// How long a template's start command may take to open its port before the sandbox fails.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// Resumes of a microVM tried in a row before it is reported failed.
+const MAX_RESUME_TRIES: u32 = 3;
 
 #[derive(Clone, Debug)]
 pub struct EdgeConfig {
@@ -52,6 +57,23 @@ pub struct EdgeConfig {
     pub disk_bytes: u64,
     /// Processes (and threads) per sandbox.
     pub pids: u32,
+    /// MicroVM sandboxes, when this edge runs them (`None`: it runs containers only).
+    pub microvm: Option<MicroVmEdgeConfig>,
+}
+
+/// What an edge needs to run microVM sandboxes.
+#[derive(Clone, Debug)]
+pub struct MicroVmEdgeConfig {
+    /// `opendsec-vm-shim`, the detached parent of each QEMU.
+    pub shim: PathBuf,
+}
+
+/// The edge's microVMs: being prepared (the driver's first start builds the guest kernel
+/// and initramfs), ready, or unavailable and why.
+enum VmsState {
+    Preparing,
+    Ready(Arc<MicroVms>),
+    Unavailable(String),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +84,11 @@ pub enum EdgeError {
     Backend(#[from] crate::container::ContainerError),
     #[error("image store: {0}")]
     Images(#[from] crate::images::ImageError),
+    #[error("microVM: {0}")]
+    Vm(#[from] crate::vm::VmError),
+    /// The sandbox is a microVM and this edge runs none (or not yet).
+    #[error("{0}")]
+    NoMicroVms(String),
     #[error("control plane: {0}")]
     Control(#[from] crate::slice::SliceError),
     #[error("{0}")]
@@ -97,9 +124,35 @@ struct Edge {
     /// slice has had time to show it, so observations are not logged twice.
     reported: Mutex<BTreeMap<String, (Observation, Instant)>>,
     wake: tokio::sync::Notify,
+    /// The microVM driver's state (always `Unavailable` when the config has none).
+    vms: Mutex<VmsState>,
+    /// MicroVMs whose resume failed, and how often in a row.
+    resume_failures: Mutex<BTreeMap<String, u32>>,
 }
 
 impl Edge {
+    /// The microVMs, when ready; otherwise why a microVM cannot be handled now.
+    fn vms(&self) -> Result<Arc<MicroVms>, EdgeError> {
+        match &*self.vms.lock().expect("vms lock") {
+            VmsState::Ready(v) => Ok(v.clone()),
+            VmsState::Preparing => Err(EdgeError::NoMicroVms("this edge is still preparing its microVM driver".into())),
+            VmsState::Unavailable(why) => Err(EdgeError::NoMicroVms(format!("this edge runs no microVMs: {why}"))),
+        }
+    }
+
+    fn vms_preparing(&self) -> bool {
+        matches!(&*self.vms.lock().expect("vms lock"), VmsState::Preparing)
+    }
+
+    /// Whether sandbox `id` is a microVM: the slice says so, or (an orphan) the driver has it.
+    fn is_vm(&self, id: &str) -> bool {
+        let in_slice = self.slice.lock().expect("slice lock").sandboxes.get(id).map(|d| d.isolation == Isolation::Microvm);
+        match in_slice {
+            Some(v) => v,
+            None => self.vms().is_ok_and(|v| v.has(id)),
+        }
+    }
+
     fn socket_path(&self, id: &str) -> PathBuf {
         self.cfg.data_dir.join("agents").join(format!("{id}.sock"))
     }
@@ -150,6 +203,9 @@ impl Edge {
                 (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited { exit_code: 137, oom_killed: false },
             };
             out.insert(h.id, running);
+        }
+        if let Ok(vms) = self.vms() {
+            out.extend(vms.observe()?.into_iter().filter(|(id, _)| !creating.contains(id)));
         }
         Ok(out)
     }
@@ -306,11 +362,11 @@ impl Edge {
     /// Waits until the agent says the sandbox is up (a template's start command has
     /// opened its port): `GET /health` answers 204.
     async fn wait_started(&self, id: &str) -> Result<(), String> {
-        let sock = self.socket_path(id);
+        let agent = AgentAddr::Unix(self.socket_path(id));
         let deadline = Instant::now() + START_TIMEOUT;
         let mut last = String::from("no answer yet");
         while Instant::now() < deadline {
-            match crate::proxy::agent_health(&sock).await {
+            match crate::proxy::agent_health(&agent).await {
                 Ok(204) | Ok(200) => return Ok(()),
                 Ok(code) => last = format!("the agent answers {code}"),
                 Err(e) => last = e,
@@ -321,12 +377,58 @@ impl Edge {
     }
 
     /// Takes snapshot `id` of `sandbox` (unless its files exist already) and returns its size.
-    fn take_snapshot(&self, id: &str, sandbox: &str) -> Result<u64, EdgeError> {
+    fn take_snapshot(&self, id: &str, sandbox: &str, isolation: Isolation) -> Result<u64, EdgeError> {
         let dest = self.snapshots_dir().join(id);
-        if !dest.is_dir() {
-            self.copy_upper(sandbox, &dest)?;
+        match isolation {
+            Isolation::Container => {
+                if !dest.is_dir() {
+                    self.copy_upper(sandbox, &dest)?;
+                }
+                Ok(dir_size(&dest))
+            }
+            Isolation::Microvm => {
+                if !dest.is_dir() {
+                    // Taken beside its final name and renamed, so a crash leaves no half snapshot.
+                    let tmp = self.snapshots_dir().join(format!(".tmp-{id}"));
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    std::fs::create_dir_all(self.snapshots_dir())?;
+                    self.vms()?.snapshot(sandbox, &tmp)?;
+                    std::fs::rename(&tmp, &dest)?;
+                }
+                // Its RAM and disk files are sparse: what counts is the data they hold.
+                Ok(dir_allocated(&dest))
+            }
         }
-        Ok(dir_size(&dest))
+    }
+
+    /// Creates a microVM sandbox: cold boot, or a restore of the snapshot it starts from.
+    fn create_vm(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
+        let vms = self.vms()?;
+        let image = self.images.ensure(&d.image, &|p| tracing::info!(image = %d.image, progress = ?p, "building image"))?;
+        let source = match &d.snapshot {
+            None => None,
+            Some(snap) => {
+                let source = self.slice.lock().expect("slice lock").snapshots.get(snap).map(|x| x.sandbox.clone());
+                let source = source.ok_or_else(|| EdgeError::Store(format!("snapshot {snap} is unknown to this edge")))?;
+                Some((self.snapshots_dir().join(snap), source))
+            }
+        };
+        let from = source.as_ref().map(|(dir, source)| FromSnapshot { dir, source });
+        vms.create(d, &image, from)?;
+        Ok(())
+    }
+
+    /// Creates microVM fork copies `copies` of `source` in one fork (they share its RAM).
+    fn fork_vms(&self, source: &str, copies: &[DesiredSandbox]) -> Result<(), EdgeError> {
+        let vms = self.vms()?;
+        let image_name = &copies[0].image;
+        let image = self.images.ensure(image_name, &|p| tracing::info!(image = %image_name, progress = ?p, "building image"))?;
+        let scratch = self.cfg.data_dir.join("vm-scratch").join(format!("{source}-{}", opendsec_control::now_ms()));
+        std::fs::create_dir_all(scratch.parent().expect("a scratch dir has a parent"))?;
+        let refs: Vec<&DesiredSandbox> = copies.iter().collect();
+        let paused = vms.fork(source, &refs, &image, &scratch)?;
+        tracing::info!(%source, copies = copies.len(), source_paused_ms = paused.as_millis() as u64, "forked a microVM");
+        Ok(())
     }
 
     async fn act(self: &Arc<Self>, action: Action, observed: &BTreeMap<String, Running>) {
@@ -335,6 +437,9 @@ impl Edge {
                 let Some(d) = self.slice.lock().expect("slice lock").sandboxes.get(&id).cloned() else { return };
                 if self.failed.lock().expect("failed lock").contains(&id) {
                     return; // its failure is reported; it is not retried
+                }
+                if d.isolation == Isolation::Microvm {
+                    return self.start_vm_creation(d, observed).await;
                 }
                 if !self.creating.lock().expect("creating lock").insert(id.clone()) {
                     return; // already under way
@@ -382,6 +487,39 @@ impl Edge {
                 });
                 Ok(())
             }
+            Action::Pause { id } if self.is_vm(&id) => self.blocking(move |e| Ok(e.vms()?.pause(&id)?)).await,
+            Action::Resume { id } if self.is_vm(&id) => {
+                let sid = id.clone();
+                let resumed = self.blocking(move |e| Ok(e.vms()?.resume(&sid)?)).await;
+                // A VM that cannot be restored (its snapshot is damaged, QEMU refuses it)
+                // would be tried for ever: after a few tries it is reported failed.
+                let tries = {
+                    let mut failures = self.resume_failures.lock().expect("resume failures lock");
+                    match &resumed {
+                        Ok(()) => {
+                            failures.remove(&id);
+                            0
+                        }
+                        Err(_) => {
+                            let n = failures.entry(id.clone()).or_insert(0);
+                            *n += 1;
+                            *n
+                        }
+                    }
+                };
+                match resumed {
+                    Err(e) if tries >= MAX_RESUME_TRIES => {
+                        self.report(&id, Observation::Failed { reason: format!("the microVM could not be restored ({tries} tries): {e}") }).await;
+                        Ok(())
+                    }
+                    other => other,
+                }
+            }
+            Action::Stop { id, reason } if self.is_vm(&id) => {
+                tracing::info!(sandbox = %id, %reason, "stopping a microVM");
+                self.blocking(move |e| Ok(e.vms()?.stop(&id)?)).await
+            }
+            Action::Remove { id } if self.is_vm(&id) => self.blocking(move |e| Ok(e.vms()?.remove(&id)?)).await,
             Action::Pause { id } => {
                 self.blocking(move |e| {
                     e.backend.pause(&id)?;
@@ -421,7 +559,8 @@ impl Edge {
                     return; // under way
                 }
                 let (e, sid) = (self.clone(), id.clone());
-                let taken = tokio::task::spawn_blocking(move || e.take_snapshot(&sid, &sandbox)).await;
+                let isolation = self.slice.lock().expect("slice lock").snapshots.get(&id).map(|x| x.isolation).unwrap_or_default();
+                let taken = tokio::task::spawn_blocking(move || e.take_snapshot(&sid, &sandbox, isolation)).await;
                 self.snapshotting.lock().expect("snapshot lock").remove(&id);
                 let result = match taken {
                     Ok(Ok(size_bytes)) => opendsec_commands::SnapshotResult::Ready { size_bytes },
@@ -440,6 +579,24 @@ impl Edge {
                 self.blocking(move |_| std::fs::remove_dir_all(dir).map_err(EdgeError::from)).await
             }
             Action::Report { id, observation } => {
+                if observation == Observation::Ready {
+                    // A microVM restored from another's memory answers only that one's
+                    // token until re-keyed (done at its creation; again here in case the
+                    // edge died in between): it is ready once it takes its own.
+                    let source = {
+                        let slice = self.slice.lock().expect("slice lock");
+                        slice.sandboxes.get(&id).filter(|d| d.isolation == Isolation::Microvm).and_then(|d| {
+                            d.fork_of.clone().map(Some).or_else(|| d.snapshot.as_ref().map(|snap| slice.snapshots.get(snap).map(|x| x.sandbox.clone())))
+                        })
+                    };
+                    if let Some(source) = source {
+                        let sid = id.clone();
+                        if let Err(e) = self.blocking(move |e| Ok(e.vms()?.ensure_token(&sid, source.as_deref())?)).await {
+                            tracing::warn!(sandbox = %id, error = %e, "the microVM's agent does not take its token yet; retried on the next round");
+                            return;
+                        }
+                    }
+                }
                 self.report(&id, observation).await;
                 Ok(())
             }
@@ -447,6 +604,72 @@ impl Edge {
         if let Err(e) = result {
             tracing::warn!(error = %e, "reconcile action failed; it is retried on the next round");
         }
+    }
+
+    /// Starts creating microVM sandbox `d` beside the loop. A fork copy is made together
+    /// with every other copy of its source still to be made (one fork: they share its
+    /// frozen RAM), once the source itself exists here.
+    async fn start_vm_creation(self: &Arc<Self>, d: DesiredSandbox, observed: &BTreeMap<String, Running>) {
+        let batch: Vec<DesiredSandbox> = match &d.fork_of {
+            None => vec![d.clone()],
+            Some(src) => {
+                let creating = self.creating.lock().expect("creating lock").clone();
+                let slice = self.slice.lock().expect("slice lock");
+                let source_pending = slice.sandboxes.get(src).is_some_and(|s| s.observed == opendsec_projections::Observed::Pending && s.desired == opendsec_projections::Desired::Running);
+                if creating.contains(src) || source_pending {
+                    return; // the source is not up yet: the next round tries again
+                }
+                let failed = self.failed.lock().expect("failed lock");
+                slice
+                    .sandboxes
+                    .values()
+                    .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation == Isolation::Microvm)
+                    .filter(|c| c.observed == opendsec_projections::Observed::Pending && c.desired == opendsec_projections::Desired::Running)
+                    .filter(|c| !creating.contains(&c.id) && !failed.contains(&c.id) && !observed.contains_key(&c.id))
+                    .take(crate::vm::MAX_FORK_COUNT)
+                    .cloned()
+                    .collect()
+            }
+        };
+        let mut claimed = Vec::new();
+        for c in batch {
+            if !self.creating.lock().expect("creating lock").insert(c.id.clone()) {
+                continue;
+            }
+            if let Err(why) = self.admit(&c, observed) {
+                self.creating.lock().expect("creating lock").remove(&c.id);
+                self.report(&c.id, Observation::Failed { reason: why }).await;
+                continue;
+            }
+            claimed.push(c);
+        }
+        if claimed.is_empty() {
+            return;
+        }
+        let edge = self.clone();
+        tokio::spawn(async move {
+            let (e2, batch) = (edge.clone(), claimed.clone());
+            let made = tokio::task::spawn_blocking(move || match batch[0].fork_of.clone() {
+                Some(source) => e2.fork_vms(&source, &batch),
+                None => e2.create_vm(&batch[0]),
+            })
+            .await
+            .unwrap_or_else(|p| Err(EdgeError::Store(format!("the create task panicked: {p}"))));
+            for c in &claimed {
+                edge.creating.lock().expect("creating lock").remove(&c.id);
+            }
+            match made {
+                Ok(()) => tracing::info!(sandboxes = ?claimed.iter().map(|c| &c.id).collect::<Vec<_>>(), "created microVMs"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "microVM create failed");
+                    for c in &claimed {
+                        edge.failed.lock().expect("failed lock").insert(c.id.clone());
+                        edge.report(&c.id, Observation::Failed { reason: format!("create failed: {e}") }).await;
+                    }
+                }
+            }
+            edge.wake.notify_one();
+        });
     }
 
     async fn blocking(self: &Arc<Self>, f: impl FnOnce(&Edge) -> Result<(), EdgeError> + Send + 'static) -> Result<(), EdgeError> {
@@ -458,13 +681,28 @@ impl Edge {
     /// backend sees and those being created, against this edge's capacity, and the
     /// memory the host still has.
     fn admit(&self, d: &DesiredSandbox, observed: &BTreeMap<String, Running>) -> Result<(), String> {
-        self.admit_usage(&d.id, d.cpu_millis, d.memory_mb, observed)
+        self.admit_usage(&d.id, d.cpu_millis, d.memory_mb, d.isolation, observed)
     }
 
     /// Admission from usage: what this edge runs or has promised to run (live sandboxes
     /// of its slice, anything the backend still runs or creates, sandboxes admitted in the
-    /// last 30 s that the slice does not show yet), plus the request.
-    fn admit_usage(&self, id: &str, cpu_millis: u64, memory_mb: u64, observed: &BTreeMap<String, Running>) -> Result<(), String> {
+    /// last 30 s that the slice does not show yet), plus the request. MicroVMs count like
+    /// containers (their memory is their guest's RAM); a microVM also needs this edge to
+    /// run them and room on disk for its RAM file (a paused VM's memory lives there) on
+    /// top of the writable disk every sandbox gets.
+    fn admit_usage(&self, id: &str, cpu_millis: u64, memory_mb: u64, isolation: Isolation, observed: &BTreeMap<String, Running>) -> Result<(), String> {
+        if isolation == Isolation::Microvm
+            && let VmsState::Unavailable(why) = &*self.vms.lock().expect("vms lock")
+        {
+            return Err(format!("admission: edge {} runs no microVMs: {why}", self.cfg.name));
+        }
+        let disk_need = self.cfg.disk_bytes + if isolation == Isolation::Microvm { memory_mb << 20 } else { 0 };
+        if let Ok(v) = nix::sys::statvfs::statvfs(&self.cfg.data_dir) {
+            let avail = v.blocks_available() * v.fragment_size();
+            if avail < disk_need {
+                return Err(format!("admission: edge {} has {} MB of disk left, the sandbox needs {} MB", self.cfg.name, avail >> 20, disk_need >> 20));
+            }
+        }
         let slice = self.slice.lock().expect("slice lock");
         let creating = self.creating.lock().expect("creating lock");
         let mut admitted = self.admitted.lock().expect("admitted lock");
@@ -523,6 +761,9 @@ impl Edge {
 
     /// A sandbox's counters for the metrics endpoint.
     fn sample(&self, id: &str) -> Option<proxy::Sample> {
+        if self.is_vm(id) {
+            return self.vms().ok()?.sample(id);
+        }
         let h = self.backend.get(id).ok()?;
         let u = crate::container::cgroup::usage(&h.record.cgroups_path).unwrap_or_default();
         let (disk_used, disk_total) = nix::sys::statvfs::statvfs(&h.dir.join("disk"))
@@ -596,8 +837,20 @@ impl Edge {
         let present = self.present_snapshots();
         let actions = {
             let slice = self.slice.lock().expect("slice lock");
-            let mut a = plan(&slice, &observed, opendsec_control::now_ms());
-            a.extend(plan_snapshots(&slice, &observed, &present));
+            let containers_only;
+            let slice = if self.vms_preparing() {
+                // The driver cannot see its VMs yet: leave microVM sandboxes alone rather
+                // than take them for lost.
+                let mut containers = slice.clone();
+                containers.sandboxes.retain(|_, d| d.isolation == Isolation::Container);
+                containers.snapshots.retain(|_, x| x.isolation == Isolation::Container);
+                containers_only = containers;
+                &containers_only
+            } else {
+                &*slice
+            };
+            let mut a = plan(slice, &observed, opendsec_control::now_ms());
+            a.extend(plan_snapshots(slice, &observed, &present));
             a
         };
         let mut changed = false;
@@ -645,6 +898,12 @@ fn dir_size(dir: &std::path::Path) -> u64 {
     total
 }
 
+/// Bytes allocated on disk by the files directly in `dir` (sparse files count their data).
+fn dir_allocated(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir).into_iter().flatten().flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum()
+}
+
 /// MemAvailable of the host, in MB.
 fn host_mem_available_mb() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -672,7 +931,10 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     // Register (retrying until the control plane answers).
     let mut delay = Duration::from_millis(100);
     loop {
-        let labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
+        let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
+        if cfg.microvm.is_some() {
+            labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
+        }
         match client.register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels).await {
             Ok((ordinal, _)) => {
                 tracing::info!(edge = %cfg.name, ordinal, "registered");
@@ -703,25 +965,68 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
         wake: tokio::sync::Notify::new(),
+        resume_failures: Mutex::new(BTreeMap::new()),
+        vms: Mutex::new(if cfg.microvm.is_some() { VmsState::Preparing } else { VmsState::Unavailable("it was started without microVM support".into()) }),
         cfg,
     });
+    if let Some(mv) = edge.cfg.microvm.clone() {
+        // The driver's first start on a machine builds the guest kernel and initramfs:
+        // containers are served meanwhile; microVM sandboxes wait for it.
+        let vcfg = MicroVmsConfig {
+            root: edge.cfg.data_dir.join("vms"),
+            images: edge.images.clone(),
+            agent_binary: edge.cfg.agent_binary.clone(),
+            shim: mv.shim,
+            edge_key: edge.cfg.edge_key.clone(),
+            disk_mb: edge.cfg.disk_bytes >> 20,
+        };
+        let e = edge.clone();
+        tokio::spawn(async move {
+            let opened = tokio::task::spawn_blocking(move || MicroVms::open(vcfg)).await;
+            let state = match opened {
+                Ok(Ok(v)) => {
+                    tracing::info!(accelerator = v.accel().accel.as_str(), reason = %v.accel().reason, "microVMs ready");
+                    VmsState::Ready(Arc::new(v))
+                }
+                Ok(Err(err)) => {
+                    tracing::error!(error = %err, "this edge cannot run microVMs");
+                    VmsState::Unavailable(err.to_string())
+                }
+                Err(err) => VmsState::Unavailable(format!("preparing the microVM driver panicked: {err}")),
+            };
+            *e.vms.lock().expect("vms lock") = state;
+            e.wake.notify_one();
+        });
+    }
     let agents = edge.cfg.data_dir.join("agents");
+    let vm_root = edge.cfg.data_dir.join("vms");
     let resolve: Resolver = Arc::new(move |id: &str| {
         let valid = !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !valid {
+            return None;
+        }
         let p = agents.join(format!("{id}.sock"));
-        (valid && p.exists()).then_some(p)
+        if p.exists() {
+            return Some(AgentAddr::Unix(p));
+        }
+        // Read from the VM's record: a restarted edge serves its VMs before its driver is ready.
+        crate::vm::agent_channel_at(&vm_root, id).map(AgentAddr::MicroVm)
     });
     let judge = edge.clone();
     let admitter: proxy::Admitter = Arc::new(move |ask| {
         let observed = judge.last_observed.lock().expect("observed lock").clone();
-        judge.admit_usage(&ask.sandbox, ask.cpu_millis, ask.memory_mb, &observed)?;
+        let isolation = Isolation::from_event(&ask.isolation).ok_or_else(|| format!("admission: isolation {:?} is unknown to this edge", ask.isolation))?;
+        judge.admit_usage(&ask.sandbox, ask.cpu_millis, ask.memory_mb, isolation, &observed)?;
         judge.admitted.lock().expect("admitted lock").insert(ask.sandbox.clone(), (ask.cpu_millis, ask.memory_mb, Instant::now()));
         Ok(())
     });
     let sampled = edge.clone();
     let sampler: proxy::Sampler = Arc::new(move |id| sampled.sample(id));
     let reader = edge.clone();
-    let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend.read_log(id, max).ok());
+    let logs: proxy::LogReader = Arc::new(move |id, max| match reader.is_vm(id) {
+        true => reader.vms().ok()?.log(id, max),
+        false => reader.backend.read_log(id, max).ok(),
+    });
     let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler), logs: Some(logs) };
     let proxy_task = tokio::spawn(proxy::serve_with(listener, edge.cfg.edge_key.clone(), resolve, hooks));
 

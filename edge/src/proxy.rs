@@ -1,8 +1,10 @@
 //! The edge's per-sandbox proxy: `ANY /sandboxes/{id}/{path}` is forwarded, streaming in
-//! both directions, to the agent of sandbox `id` over its Unix socket (which lives
-//! outside the sandbox). Only the control plane's gateway may call it: every request
-//! must carry the edge key in `x-opendsec-edge-key`. `POST /admit` answers the
-//! leader's admission requests (the edge's final word on what it runs).
+//! both directions, to the agent of sandbox `id`: a container's over its Unix socket
+//! (which lives outside the sandbox), a microVM's over TCP inside the VM's network
+//! namespace (connected from a thread that enters it). Only the control plane's gateway
+//! may call it: every request must carry the edge key in `x-opendsec-edge-key`.
+//! `POST /admit` answers the leader's admission requests (the edge's final word on what
+//! it runs).
 
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -15,8 +17,80 @@ use tokio::net::{TcpListener, UnixStream};
 /// The header the gateway authenticates to the edge with.
 pub const EDGE_KEY_HEADER: &str = "x-opendsec-edge-key";
 
-/// Finds the agent socket of a sandbox on this edge (None: no such sandbox here).
-pub type Resolver = Arc<dyn Fn(&str) -> Option<PathBuf> + Send + Sync>;
+/// Where a sandbox's agent is reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentAddr {
+    /// A container's agent: a Unix socket outside the sandbox.
+    Unix(PathBuf),
+    /// A microVM's agent: an address inside the VM's own network namespace.
+    MicroVm(crate::vm::AgentChannel),
+}
+
+impl From<PathBuf> for AgentAddr {
+    fn from(p: PathBuf) -> Self {
+        AgentAddr::Unix(p)
+    }
+}
+
+/// How long connecting to a microVM's agent may take.
+const VM_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl AgentAddr {
+    /// A byte stream to the agent.
+    pub async fn connect(&self) -> std::io::Result<AgentStream> {
+        match self {
+            AgentAddr::Unix(p) => Ok(AgentStream::Unix(UnixStream::connect(p).await?)),
+            AgentAddr::MicroVm(channel) => {
+                let channel = channel.clone();
+                // Entering the namespace is a blocking thread's business.
+                let stream = tokio::task::spawn_blocking(move || channel.connect(VM_CONNECT_TIMEOUT))
+                    .await
+                    .map_err(std::io::Error::other)??;
+                stream.set_nonblocking(true)?;
+                Ok(AgentStream::Tcp(tokio::net::TcpStream::from_std(stream)?))
+            }
+        }
+    }
+}
+
+/// A connection to an agent, over either kind of [`AgentAddr`].
+pub enum AgentStream {
+    Unix(UnixStream),
+    Tcp(tokio::net::TcpStream),
+}
+
+impl tokio::io::AsyncRead for AgentStream {
+    fn poll_read(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for AgentStream {
+    fn poll_write(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &[u8]) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
+            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Finds the agent of a sandbox on this edge (None: no such sandbox here).
+pub type Resolver = Arc<dyn Fn(&str) -> Option<AgentAddr> + Send + Sync>;
 
 /// Judges an admission request (`POST /admit`): `Err` says why the edge refuses.
 pub type Admitter = Arc<dyn Fn(&opendsec_control::admission::AdmitRequest) -> Result<(), String> + Send + Sync>;
@@ -94,9 +168,9 @@ fn empty() -> Body {
     http_body_util::Empty::new().map_err(|never| match never {}).boxed()
 }
 
-/// `GET /health` of the agent behind `socket`: its HTTP status.
-pub async fn agent_health(socket: &std::path::Path) -> Result<u16, String> {
-    let stream = UnixStream::connect(socket).await.map_err(|e| format!("connecting to the agent: {e}"))?;
+/// `GET /health` of the agent at `addr`: its HTTP status.
+pub async fn agent_health(addr: &AgentAddr) -> Result<u16, String> {
+    let stream = addr.connect().await.map_err(|e| format!("connecting to the agent: {e}"))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(|e| format!("agent handshake: {e}"))?;
     tokio::spawn(conn);
     let req = Request::get("/health").header(hyper::header::HOST, "agent").body(empty()).expect("static request");
@@ -109,8 +183,9 @@ pub async fn agent_health(socket: &std::path::Path) -> Result<u16, String> {
 
 /// Opens a byte stream to `port` inside the sandbox through its agent
 /// (`GET /.opendsec/tunnel`, upgraded). On refusal, the agent's answer is returned.
-async fn open_tunnel(socket: &std::path::Path, token: &str, port: u16) -> Result<hyper::upgrade::Upgraded, Response<Body>> {
-    let stream = UnixStream::connect(socket)
+async fn open_tunnel(addr: &AgentAddr, token: &str, port: u16) -> Result<hyper::upgrade::Upgraded, Response<Body>> {
+    let stream = addr
+        .connect()
         .await
         .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox's agent does not answer: {e}")))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
@@ -234,7 +309,7 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
     };
     let (id, tail) = rest.split_once('/').map(|(a, b)| (a.to_string(), format!("/{b}"))).unwrap_or((rest.to_string(), "/".to_string()));
     let id = id.as_str();
-    let Some(socket) = resolve(id) else {
+    let Some(agent) = resolve(id) else {
         return json_error(StatusCode::BAD_GATEWAY, "not_found", &format!("The sandbox {id} was not found on this edge"));
     };
     let port = match req.headers().get(PORT_HEADER).map(|v| v.to_str().ok().and_then(|p| p.parse::<u16>().ok())) {
@@ -255,7 +330,7 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
     };
     let req = Request::from_parts(parts, body);
     if port == AGENT_PORT {
-        let stream = match UnixStream::connect(&socket).await {
+        let stream = match agent.connect().await {
             Ok(s) => s,
             Err(e) => {
                 return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the agent of sandbox {id} does not answer: {e}"));
@@ -267,7 +342,7 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
     }
     // Any other port: through the agent's tunnel to that port inside the sandbox.
     let token = opendsec_control::sandbox_token(&key, opendsec_control::SandboxTokenKind::Agent, id);
-    match open_tunnel(&socket, &token, port).await {
+    match open_tunnel(&agent, &token, port).await {
         Ok(io) => forward_over(io, req).await,
         Err(resp) => resp,
     }

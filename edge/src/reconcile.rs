@@ -22,6 +22,9 @@ pub enum Running {
     /// Still running, but its memory cgroup has OOM-killed a process: a sandbox that
     /// exceeded its memory limit is ended as a whole, and the log says why.
     OutOfMemory,
+    /// It ended without being asked to (a microVM whose QEMU died: the guest panicked or
+    /// rebooted, its agent is gone, or the process was killed), and why.
+    Failed { reason: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,6 +54,11 @@ fn report(id: &str, observation: Observation) -> Action {
 /// The actions for one sandbox of the slice.
 fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Action> {
     let id = d.id.clone();
+    // The log says it ended (reported failed), yet something of it still runs here:
+    // end that too, so nothing the log does not count runs on.
+    if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused | Running::OutOfMemory)) {
+        return vec![Action::Stop { id, reason: "ended".into() }];
+    }
     let expired = d.expires_at_ms.is_some_and(|at| at <= now_ms);
     // Auto-pause: past its timeout it pauses instead of dying, once the log says so.
     if expired && d.auto_pause && d.desired == Desired::Running && matches!(seen, Some(Running::Running | Running::Paused)) {
@@ -71,6 +79,16 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
             } else {
                 let reason = reason.unwrap_or_else(|| if *oom_killed { "oom".into() } else { "exited".into() });
                 vec![report(&id, Observation::Exited { exit_code: *exit_code, oom_killed: *oom_killed, reason })]
+            }
+        }
+        // Ended on its own: report why once (as an exit, if it was to end anyway), then free it.
+        (Some(Running::Failed { reason: why }), reason) => {
+            if d.is_terminal() {
+                vec![Action::Remove { id }]
+            } else if let Some(reason) = reason {
+                vec![report(&id, Observation::Exited { exit_code: 137, oom_killed: false, reason })]
+            } else {
+                vec![report(&id, Observation::Failed { reason: why.clone() })]
             }
         }
         // Must end: stop it; its exit is reported on the next round.
@@ -135,7 +153,7 @@ pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u6
     for (id, state) in observed {
         if !slice.sandboxes.contains_key(id) {
             match state {
-                Running::Exited { .. } => actions.push(Action::Remove { id: id.clone() }),
+                Running::Exited { .. } | Running::Failed { .. } => actions.push(Action::Remove { id: id.clone() }),
                 Running::OutOfMemory => actions.push(Action::Stop { id: id.clone(), reason: "orphan".into() }),
                 _ => actions.push(Action::Stop { id: id.clone(), reason: "orphan".into() }),
             }
@@ -164,7 +182,31 @@ mod tests {
             env: BTreeMap::new(),
             auto_pause: false,
             snapshot: None,
+            isolation: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_sandbox_the_log_says_failed_is_not_left_running_or_resumed() {
+        let d = sandbox(Desired::Running, Observed::Failed);
+        for seen in [Running::Running, Running::Paused] {
+            assert_eq!(check(d.clone(), Some(seen), 0), vec![Action::Stop { id: "s1".into(), reason: "ended".into() }]);
+        }
+        assert_eq!(check(d.clone(), Some(Running::Exited { exit_code: 137, oom_killed: false }), 0), vec![Action::Remove { id: "s1".into() }]);
+        assert_eq!(check(d, None, 0), vec![]);
+    }
+
+    #[test]
+    fn a_sandbox_that_ended_on_its_own_is_reported_failed_with_why_once_then_freed() {
+        let died = Some(Running::Failed { reason: "the microVM ended: its QEMU exited with code 0".into() });
+        let mut d = sandbox(Desired::Running, Observed::Ready);
+        assert_eq!(check(d.clone(), died.clone(), 0), rep(Observation::Failed { reason: "the microVM ended: its QEMU exited with code 0".into() }));
+        // Killed on purpose (a stop kills a running VM's QEMU): that is an exit for the asked reason.
+        d.desired = Desired::Killed;
+        d.kill_reason = Some("user".into());
+        assert_eq!(check(d.clone(), died.clone(), 0), rep(Observation::Exited { exit_code: 137, oom_killed: false, reason: "user".into() }));
+        d.observed = Observed::Exited;
+        assert_eq!(check(d, died, 0), vec![Action::Remove { id: "s1".into() }]);
     }
 
     #[test]
@@ -185,7 +227,7 @@ mod tests {
         use crate::desired::{DesiredSnapshot, SnapshotPhase};
         use std::collections::BTreeSet;
         let mut slice = SliceState::new("e");
-        let snap = |id: &str, phase| DesiredSnapshot { id: id.into(), sandbox: "s1".into(), image: "busybox".into(), parent: None, phase };
+        let snap = |id: &str, phase| DesiredSnapshot { id: id.into(), sandbox: "s1".into(), image: "busybox".into(), parent: None, phase, isolation: Default::default() };
         slice.snapshots.insert("a".into(), snap("a", SnapshotPhase::Pending));
         slice.snapshots.insert("b".into(), snap("b", SnapshotPhase::Deleted));
         slice.snapshots.insert("c".into(), snap("c", SnapshotPhase::Ready));

@@ -34,7 +34,7 @@ async fn start(dir: &std::path::Path) -> (Agent, String) {
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let resolve: Resolver = Arc::new(move |id| (id == "sb1").then(|| sock.clone()));
+    let resolve: Resolver = Arc::new(move |id| (id == "sb1").then(|| sock.clone().into()));
     tokio::spawn(proxy::serve(listener, "edge-key".into(), resolve));
     (Agent(child), addr)
 }

@@ -681,3 +681,98 @@ fn a_root_disk_holds_the_merged_layers_of_an_image() {
     );
     assert_eq!(listing, "./a=a\n./c=c\n./dir/x=dir/x\n./dir/y=dir/y\n");
 }
+
+#[test]
+fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_nothing() {
+    let id = unique("snap-src");
+    let (vm, _) = boot(&id);
+    let mut cleanup = Cleanup(vec![vm.clone()]);
+    start_counter(&vm);
+    assert_eq!(count(&vm), 2);
+    let dir = tempfile::Builder::new()
+        .prefix("opendsec-vmsnap")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+
+    // A running VM stops only while its state, RAM and disk are copied.
+    let snap = dir.path().join("running");
+    let report = vm.snapshot_to(&snap).unwrap();
+    figure(
+        "snapshot of a running VM: source paused",
+        ms(report.source_paused),
+    );
+    figure(
+        "snapshot of a running VM: data",
+        format!("{} MiB", report.bytes >> 20),
+    );
+    assert_eq!(count(&vm), 3, "the source runs on");
+    assert!(
+        vm.snapshot_to(&snap).is_err(),
+        "an existing directory is not overwritten"
+    );
+
+    // A VM restored from it continues from the snapshot's memory, holding the source's
+    // token until it is re-keyed.
+    let copy_id = unique("snap-copy");
+    let mut copy_spec = spec(&copy_id);
+    copy_spec.access_token = "copy-token".into();
+    let t = Instant::now();
+    let (copy, resumed) = driver()
+        .restore_snapshot(&copy_spec, &snap, &|_| {})
+        .unwrap();
+    cleanup.0.push(copy.clone());
+    figure("restore from a snapshot: restore", ms(resumed.restore));
+    let agent = copy.agent().unwrap();
+    copy.wait_agent(Duration::from_secs(60)).unwrap();
+    let ttl = Duration::from_secs(10);
+    assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 401);
+    assert_eq!(agent.rekey(TOKEN, "copy-token", ttl).unwrap(), 204);
+    assert_eq!(
+        agent.rekey("copy-token", "copy-token", ttl).unwrap(),
+        204,
+        "repeatable"
+    );
+    let counted = rt()
+        .block_on(agent.exec(
+            "copy-token",
+            "bash",
+            &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"],
+        ))
+        .unwrap();
+    assert_eq!(
+        counted.stdout_text(),
+        "3\n",
+        "the copy continues from the snapshot"
+    );
+    figure("restore from a snapshot to first command", ms(t.elapsed()));
+    let refused = rt().block_on(agent.exec(TOKEN, "true", &[]));
+    assert!(
+        matches!(&refused, Err(VmError::Agent(m)) if m.contains("401")),
+        "the source's token no longer opens the copy: {refused:?}"
+    );
+
+    // A paused VM is copied as it lies; the source resumes unharmed.
+    vm.pause().unwrap();
+    let paused = dir.path().join("paused");
+    let report = vm.snapshot_to(&paused).unwrap();
+    assert_eq!(report.source_paused, Duration::ZERO);
+    vm.resume().unwrap();
+    assert_eq!(count(&vm), 4);
+
+    // A corrupt snapshot is refused and leaves no VM behind; its source is unharmed.
+    std::fs::write(paused.join("state"), b"not a migration stream").unwrap();
+    let bad = unique("snap-bad");
+    let err = driver()
+        .restore_snapshot(&spec(&bad), &paused, &|_| {})
+        .unwrap_err();
+    eprintln!("restoring a corrupt snapshot: {err}");
+    assert!(matches!(driver().open(&bad), Err(VmError::NotFound(_))));
+    assert!(!Path::new(TEST_ROOT).join("vms").join(&bad).exists());
+    std::fs::remove_file(paused.join("snapshot.json")).unwrap();
+    assert!(
+        driver()
+            .restore_snapshot(&spec(&bad), &paused, &|_| {})
+            .is_err()
+    );
+    assert_eq!(count(&vm), 5);
+}

@@ -82,6 +82,40 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         reason: s.reason.clone(),
         live: s.is_live(),
         index: s.index,
+        isolation: isolation(s.isolation),
+        snapshot: s.snapshot.clone(),
+    }
+}
+
+pub fn isolation(i: views::Isolation) -> api::Isolation {
+    match i {
+        views::Isolation::Container => api::Isolation::Container,
+        views::Isolation::Microvm => api::Isolation::Microvm,
+    }
+}
+
+pub fn isolation_of(i: api::Isolation) -> views::Isolation {
+    match i {
+        api::Isolation::Container => views::Isolation::Container,
+        api::Isolation::Microvm => views::Isolation::Microvm,
+    }
+}
+
+pub fn snapshot(x: &views::Snapshot) -> api::Snapshot {
+    api::Snapshot {
+        id: x.id.clone(),
+        sandbox: x.sandbox.clone(),
+        project: x.project.clone(),
+        edge: x.edge.clone(),
+        name: x.name.clone(),
+        image: x.image.clone(),
+        parent: x.parent.clone(),
+        isolation: isolation(x.isolation),
+        state: word(&x.state),
+        size_bytes: x.size_bytes,
+        reason: x.reason.clone(),
+        created_at_ms: x.created_at_ms,
+        index: x.index,
     }
 }
 

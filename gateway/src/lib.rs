@@ -66,11 +66,17 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/pause"),
     ("post", "/v1/sandboxes/{id}/resume"),
     ("post", "/v1/sandboxes/{id}/fork"),
+    ("post", "/v1/sandboxes/{id}/snapshots"),
     ("put", "/v1/sandboxes/{id}/timeout"),
     ("put", "/v1/sandboxes/{id}/labels"),
     ("get", "/v1/sandboxes/{id}/logs"),
     ("get", "/v1/sandboxes/{id}/agent/{path}"),
     ("post", "/v1/sandboxes/{id}/agent/{path}"),
+    ("get", "/v1/snapshots"),
+    ("get", "/v1/snapshots/{id}"),
+    ("delete", "/v1/snapshots/{id}"),
+    ("post", "/v1/tasks/{task}/pause"),
+    ("post", "/v1/tasks/{task}/resume"),
     ("get", "/v1/edges"),
     ("post", "/v1/edges"),
     ("delete", "/v1/edges/{id}"),
@@ -105,11 +111,16 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
         // Any method; bodies stream through unbuffered, so no body limit applies.
         .route("/v1/sandboxes/{id}/agent/{*path}", any(agent::proxy).layer(DefaultBodyLimit::disable()))
+        .route("/v1/snapshots", get(snapshots::list))
+        .route("/v1/snapshots/{id}", get(snapshots::get).delete(snapshots::delete))
+        .route("/v1/tasks/{task}/pause", post(tasks::pause))
+        .route("/v1/tasks/{task}/resume", post(tasks::resume))
         .route("/v1/edges", get(edges::list).post(edges::register))
         .route("/v1/edges/{id}", delete(edges::deregister))
         .route("/v1/audit", get(audit::query))

@@ -15,6 +15,8 @@ use crate::routes::*;
         tokens::issue, tokens::list, tokens::revoke, tokens::whoami,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::kill, sandboxes::pause, sandboxes::resume,
         sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::logs, agent::proxy,
+        snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
+        tasks::pause, tasks::resume,
         edges::list, edges::register, edges::deregister,
         audit::query, replay::replay,
         cluster::status, cluster::add_member, cluster::remove_member,

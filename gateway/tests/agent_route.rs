@@ -35,7 +35,7 @@ impl Env {
         let agent = start_agent(&agent_socket).await;
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
         let map = sockets.clone();
-        let resolver: opendsec_edge::proxy::Resolver = Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned());
+        let resolver: opendsec_edge::proxy::Resolver = Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned().map(Into::into));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let edge_addr = listener.local_addr().unwrap().to_string();
         tokio::spawn(opendsec_edge::proxy::serve(listener, t.node.config().cluster_key.clone(), resolver));

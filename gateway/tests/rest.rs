@@ -329,6 +329,71 @@ async fn sandbox_lifecycle_filters_fork_and_quota() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvms_snapshots_and_tasks_through_rest() {
+    let api = Api::new().await;
+    let admin = api.admin().to_string();
+    api.register_edge("plain", 10).await;
+    let vm_edge = json!({"edge": "vm", "address": "127.0.0.1:7501", "capacity": {"sandboxes": 10, "cpu_millis": 64000, "memory_mb": 65536}, "labels": {"opendsec.io/microvm": "qemu"}});
+    api.ok("POST", "/v1/edges", &admin, Some(vm_edge), 200).await;
+    let ready = |id: String| {
+        let node = api.t.node.clone();
+        async move {
+            let cmd = opendsec_commands::Command::ReportSandbox { sandbox: id, observation: opendsec_commands::Observation::Ready };
+            node.submit(opendsec_control::Credential::System, "ready".into(), cmd).await.unwrap();
+        }
+    };
+
+    // The isolation is a create option; bad values and sizes are 400s naming the field.
+    let r = api.call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "vm"}))).await;
+    assert_eq!((r.status.as_u16(), r.body["field"].as_str()), (400, Some("isolation")), "{}", r.body);
+    let r = api.call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "microvm", "memory_mb": 32}))).await;
+    assert_eq!((r.status.as_u16(), r.body["field"].as_str()), (400, Some("memory_mb")), "{}", r.body);
+    let vm = api.ok("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "microvm", "memory_mb": 256, "labels": {"task": "t1"}})), 201).await;
+    let vm = &vm["sandbox"];
+    assert_eq!((vm["isolation"].as_str(), vm["edge"].as_str()), (Some("microvm"), Some("vm")));
+    let vm_id = vm["id"].as_str().unwrap().to_string();
+    let ct = api.ok("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "labels": {"task": "t1"}})), 201).await;
+    assert_eq!(ct["sandbox"]["isolation"], "container");
+    let ct_id = ct["sandbox"]["id"].as_str().unwrap().to_string();
+
+    // Snapshots: of a sandbox that has run; the body may be empty.
+    let r = api.call("POST", &format!("/v1/sandboxes/{vm_id}/snapshots"), &admin, None).await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "not running yet: {}", r.body);
+    ready(vm_id.clone()).await;
+    let r = api.call("POST", &format!("/v1/sandboxes/{vm_id}/snapshots"), &admin, Some(json!({"label": "x"}))).await;
+    assert_eq!((r.status.as_u16(), r.body["field"].as_str()), (400, Some("label")), "{}", r.body);
+    let snap = api.ok("POST", &format!("/v1/sandboxes/{vm_id}/snapshots"), &admin, None, 201).await;
+    let snap = &snap["snapshot"];
+    assert_eq!((snap["state"].as_str(), snap["isolation"].as_str(), snap["sandbox"].as_str()), (Some("pending"), Some("microvm"), Some(vm_id.as_str())));
+    let snap_id = snap["id"].as_str().unwrap().to_string();
+    let named = api.ok("POST", &format!("/v1/sandboxes/{vm_id}/snapshots"), &admin, Some(json!({"name": "warm"})), 201).await;
+    assert_eq!(named["snapshot"]["name"], "warm");
+    let listed = api.ok("GET", &format!("/v1/snapshots?sandbox={vm_id}"), &admin, None, 200).await;
+    assert_eq!(listed["snapshots"].as_array().unwrap().len(), 2);
+    assert_eq!(api.ok("GET", &format!("/v1/snapshots/{snap_id}"), &admin, None, 200).await["id"], snap_id.as_str());
+    assert_eq!(api.call("GET", "/v1/snapshots?colour=red", &admin, None).await.status, StatusCode::BAD_REQUEST);
+
+    // A task pause: one call, one audit record, every sandbox of the task.
+    let t = api.ok("POST", "/v1/tasks/t1/pause", &admin, None, 200).await;
+    let mut changed: Vec<&str> = t["changed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    changed.sort();
+    let mut both = vec![vm_id.as_str(), ct_id.as_str()];
+    both.sort();
+    assert_eq!(changed, both);
+    assert!(t["sandboxes"].as_array().unwrap().iter().all(|s| s["desired"] == "paused"), "{t}");
+    let audit = api.ok("GET", "/v1/audit?action=task.pause", &admin, None, 200).await;
+    assert_eq!(audit["records"][0]["target"], "task:t1");
+    assert_eq!(api.ok("POST", "/v1/tasks/t1/pause", &admin, None, 200).await["changed"], json!([]));
+    let r = api.call("POST", "/v1/tasks/nobody/pause", &admin, None).await;
+    assert_eq!((r.status.as_u16(), r.body["field"].as_str()), (404, Some("task")), "{}", r.body);
+    let t = api.ok("POST", "/v1/tasks/t1/resume", &admin, None, 200).await;
+    assert_eq!(t["changed"].as_array().unwrap().len(), 2);
+
+    api.ok("DELETE", &format!("/v1/snapshots/{snap_id}"), &admin, None, 200).await;
+    assert_eq!(api.call("GET", &format!("/v1/snapshots/{snap_id}"), &admin, None).await.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn audit_filters_paginates_and_records_denied_writes() {
     let api = Api::new().await;
     let admin = api.admin().to_string();

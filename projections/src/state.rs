@@ -303,6 +303,7 @@ impl State {
                 if !self.iam.projects.contains_key(&e.project) {
                     return Err(format!("project {} does not exist", e.project));
                 }
+                let isolation = Isolation::from_event(&e.isolation).ok_or_else(|| format!("isolation {:?} is unknown", e.isolation))?;
                 if !e.idempotency_key.is_empty()
                     && (self.sandboxes.by_idempotency_key(&e.project, &e.idempotency_key).is_some()
                         || !pending.idempotency_keys.insert((e.project.clone(), e.idempotency_key.clone())))
@@ -311,7 +312,13 @@ impl State {
                 }
                 if !e.snapshot.is_empty() {
                     match self.snapshots.snapshots.get(&e.snapshot) {
-                        Some(x) if x.state == SnapshotState::Ready => {}
+                        Some(x) if x.state == SnapshotState::Ready => {
+                            // A microVM's snapshot holds a whole machine: only a microVM starts
+                            // from it; a file-system snapshot is a container's layer.
+                            if x.isolation != isolation {
+                                return Err(format!("snapshot {} is of a {}, the sandbox a {}", e.snapshot, x.isolation.as_str(), isolation.as_str()));
+                            }
+                        }
                         _ => return Err(format!("snapshot {} is not ready", e.snapshot)),
                     }
                 }
@@ -328,6 +335,9 @@ impl State {
             Event::SnapshotRequested(e) => {
                 if self.snapshots.snapshots.contains_key(&e.id) {
                     return Err(format!("snapshot id {} is taken", e.id));
+                }
+                if Isolation::from_event(&e.isolation).is_none() {
+                    return Err(format!("isolation {:?} is unknown", e.isolation));
                 }
                 if !self.sandbox(&e.sandbox)?.is_live() {
                     return Err(format!("sandbox {} is no longer running", e.sandbox));
@@ -459,6 +469,7 @@ impl State {
                     snapshot: (!e.snapshot.is_empty()).then(|| e.snapshot.clone()),
                     template: (!e.template.is_empty()).then(|| e.template.clone()),
                     network: (!e.network.is_empty()).then(|| e.network.clone()),
+                    isolation: Isolation::from_event(&e.isolation).unwrap_or_default(),
                     idempotency_key: (!e.idempotency_key.is_empty()).then(|| e.idempotency_key.clone()),
                 };
                 let u = s.usage();
@@ -518,6 +529,7 @@ impl State {
                         reason: None,
                         created_at_ms: t,
                         index,
+                        isolation: Isolation::from_event(&e.isolation).unwrap_or_default(),
                     },
                 );
             }

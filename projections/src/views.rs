@@ -222,6 +222,53 @@ pub enum Observed {
     Exited,
 }
 
+/// How a sandbox is isolated from its host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// Namespaces, cgroups and seccomp under the host's kernel (crun/runc). Pausing
+    /// freezes it; its snapshots are file systems.
+    #[default]
+    Container,
+    /// A QEMU microVM with a kernel of its own. Pausing snapshots it and ends its VMM;
+    /// its snapshots and forks carry its memory.
+    Microvm,
+}
+
+impl Isolation {
+    pub const ALL: [Isolation; 2] = [Isolation::Container, Isolation::Microvm];
+
+    /// The API's name: `container` or `microvm`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isolation::Container => "container",
+            Isolation::Microvm => "microvm",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Isolation> {
+        Isolation::ALL.into_iter().find(|i| i.as_str() == s)
+    }
+
+    /// The value an event carries: "" for a container (what every event before this
+    /// field meant), the name otherwise.
+    pub fn to_event(self) -> String {
+        match self {
+            Isolation::Container => String::new(),
+            other => other.as_str().to_string(),
+        }
+    }
+
+    /// From an event's field ("" is a container); `None` for a name this binary does not know.
+    pub fn from_event(s: &str) -> Option<Isolation> {
+        if s.is_empty() { Some(Isolation::Container) } else { Isolation::parse(s) }
+    }
+
+    pub fn is_container(&self) -> bool {
+        *self == Isolation::Container
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Sandbox {
     pub id: String,
@@ -262,6 +309,9 @@ pub struct Sandbox {
     /// Network settings as asked (JSON); stored and reported, not yet enforced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<String>,
+    /// A container unless it says otherwise (left out then, so older views read the same).
+    #[serde(default, skip_serializing_if = "Isolation::is_container")]
+    pub isolation: Isolation,
     /// The client's idempotency key, if it gave one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
@@ -284,7 +334,8 @@ pub enum SnapshotState {
     Failed,
 }
 
-/// A sandbox's file system, captured as a layer on its edge; sandboxes can start from it.
+/// A sandbox captured on its edge; sandboxes can start from it. A container's snapshot is
+/// its file system (a layer); a microVM's is its memory, device state and disk.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Snapshot {
     pub id: String,
@@ -301,6 +352,9 @@ pub struct Snapshot {
     pub reason: Option<String>,
     pub created_at_ms: u64,
     pub index: u64,
+    /// Of a container (its file system) unless it says otherwise.
+    #[serde(default, skip_serializing_if = "Isolation::is_container")]
+    pub isolation: Isolation,
 }
 
 /// Snapshots that exist (deleted ones leave only their audit records).

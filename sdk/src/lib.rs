@@ -280,6 +280,39 @@ impl Client {
         self.call(Method::PUT, &["v1", "sandboxes", id, "labels"], &[], Some(&SetLabels { labels })).await
     }
 
+    // ---- snapshots ----
+
+    /// Takes a snapshot; it is `pending` until its edge has taken it.
+    pub async fn create_snapshot(&self, sandbox: &str, name: Option<&str>) -> Result<SnapshotWritten, ApiError> {
+        let req = CreateSnapshot { name: name.map(str::to_string) };
+        self.call(Method::POST, &["v1", "sandboxes", sandbox, "snapshots"], &[], Some(&req)).await
+    }
+
+    pub async fn get_snapshot(&self, id: &str) -> Result<Snapshot, ApiError> {
+        self.get(&["v1", "snapshots", id], &[]).await
+    }
+
+    pub async fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList, ApiError> {
+        let q: Vec<(&str, String)> = sandbox.map(|s| ("sandbox", s.to_string())).into_iter().collect();
+        self.get(&["v1", "snapshots"], &q).await
+    }
+
+    pub async fn delete_snapshot(&self, id: &str) -> Result<Done, ApiError> {
+        self.call::<(), _>(Method::DELETE, &["v1", "snapshots", id], &[], None).await
+    }
+
+    // ---- tasks ----
+
+    /// Pauses every running sandbox labelled `task=<task>` in the caller's subtree.
+    pub async fn pause_task(&self, task: &str) -> Result<TaskWritten, ApiError> {
+        self.call::<(), _>(Method::POST, &["v1", "tasks", task, "pause"], &[], None).await
+    }
+
+    /// Resumes every paused sandbox labelled `task=<task>` in the caller's subtree.
+    pub async fn resume_task(&self, task: &str) -> Result<TaskWritten, ApiError> {
+        self.call::<(), _>(Method::POST, &["v1", "tasks", task, "resume"], &[], None).await
+    }
+
     // ---- edges ----
 
     pub async fn list_edges(&self) -> Result<EdgeList, ApiError> {

@@ -177,6 +177,29 @@ pub struct Whoami {
 
 // ---- sandboxes ----
 
+/// How a sandbox is isolated from its host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// Namespaces and cgroups under the host's kernel (crun/runc). Pause freezes it; its
+    /// snapshots and forks carry its file system.
+    #[default]
+    Container,
+    /// A QEMU microVM with a kernel of its own. Pause snapshots it and ends its VMM;
+    /// its snapshots and forks carry its memory, device state and disk.
+    Microvm,
+}
+
+impl Isolation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isolation::Container => "container",
+            Isolation::Microvm => "microvm",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 #[serde(deny_unknown_fields)]
@@ -196,6 +219,14 @@ pub struct CreateSandbox {
     /// Lifetime from creation; absent or 0: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
+    /// `container` (the default) or `microvm`. A sandbox started from a microVM's
+    /// snapshot (`image` = the snapshot id) is a microVM of its source's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
+    /// While paused, the next request to its agent (`/v1/sandboxes/{id}/agent/...`, or
+    /// E2B's traffic path) resumes it first. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_resume: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,6 +257,10 @@ pub struct Sandbox {
     pub live: bool,
     /// Log index of the last change.
     pub index: u64,
+    pub isolation: Isolation,
+    /// The snapshot it started from.
+    #[serde(default)]
+    pub snapshot: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -270,6 +305,67 @@ pub struct SetTimeout {
 pub struct SetLabels {
     /// Replaces every label.
     pub labels: BTreeMap<String, String>,
+}
+
+// ---- snapshots ----
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshot {
+    /// A name to find it by (up to 63 characters); none when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// A sandbox captured on its edge: a container's file system, or a microVM's memory,
+/// device state and disk. Start sandboxes from it with `image` = its id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Snapshot {
+    pub id: String,
+    pub sandbox: String,
+    pub project: String,
+    pub edge: String,
+    pub name: String,
+    pub image: String,
+    /// The snapshot beneath it (file-system snapshots of sandboxes started from one).
+    pub parent: Option<String>,
+    /// Of a container (its file system) or of a microVM (memory, device state, disk).
+    pub isolation: Isolation,
+    /// pending, ready or failed.
+    pub state: String,
+    pub size_bytes: u64,
+    pub reason: Option<String>,
+    pub created_at_ms: u64,
+    pub index: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SnapshotWritten {
+    pub index: u64,
+    pub snapshot: Snapshot,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SnapshotList {
+    pub snapshots: Vec<Snapshot>,
+}
+
+// ---- tasks ----
+
+/// The answer to a task pause or resume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct TaskWritten {
+    pub index: u64,
+    pub task: String,
+    /// The sandboxes this call asked to pause (or resume); the others were there already.
+    pub changed: Vec<String>,
+    /// Every live sandbox of the task in the caller's subtree, as of the write.
+    pub sandboxes: Vec<Sandbox>,
 }
 
 // ---- edges ----

@@ -29,7 +29,7 @@ impl Env {
 
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
         let map = sockets.clone();
-        let resolver: opendsec_edge::proxy::Resolver = Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned());
+        let resolver: opendsec_edge::proxy::Resolver = Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned().map(Into::into));
         let edge = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let edge_addr = edge.local_addr().unwrap().to_string();
         tokio::spawn(opendsec_edge::proxy::serve(edge, t.node.config().cluster_key.clone(), resolver));

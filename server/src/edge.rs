@@ -6,7 +6,7 @@ use opendsec_commands::Command;
 use opendsec_control::pb::Capacity;
 use opendsec_control::{format_token, new_token_secret, ControlNode, Credential};
 use opendsec_edge::container::{ContainerConfig, RuntimeChoice};
-use opendsec_edge::node::EdgeConfig;
+use opendsec_edge::node::{EdgeConfig, MicroVmEdgeConfig};
 use opendsec_projections::Right;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -44,6 +44,20 @@ pub struct EdgeArgs {
     /// The static agent binary (default: opendsec-agent next to this binary).
     #[arg(long)]
     pub agent: Option<PathBuf>,
+    /// MicroVM sandboxes (QEMU): auto (when qemu-system-x86_64 and opendsec-vm-shim are
+    /// installed), on or off.
+    #[arg(long, value_enum, default_value_t = MicroVmChoice::Auto)]
+    pub microvm: MicroVmChoice,
+    /// The microVM shim (default: opendsec-vm-shim next to this binary).
+    #[arg(long)]
+    pub vm_shim: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MicroVmChoice {
+    Auto,
+    On,
+    Off,
 }
 
 /// Default CPU overcommit of an edge (see `--edge-cpu-millis`).
@@ -88,6 +102,21 @@ impl EdgeArgs {
             agent_binary: self.agent.clone().map(|p| std::path::absolute(&p).unwrap_or(p)).unwrap_or_else(|| sibling("opendsec-agent")),
             disk_bytes: self.disk_mb << 20,
             pids: self.pids,
+            microvm: self.microvm_config(),
+        }
+    }
+
+    fn microvm_config(&self) -> Option<MicroVmEdgeConfig> {
+        let shim = self.vm_shim.clone().map(|p| std::path::absolute(&p).unwrap_or(p)).unwrap_or_else(|| sibling("opendsec-vm-shim"));
+        let usable = shim.is_file() && opendsec_edge::vm::host_has_qemu();
+        match self.microvm {
+            MicroVmChoice::Off => None,
+            MicroVmChoice::Auto if !usable => {
+                tracing::info!(shim = %shim.display(), "no microVMs on this edge: QEMU or the microVM shim is missing");
+                None
+            }
+            // With `on`, a missing piece is reported by the driver when it starts.
+            _ => Some(MicroVmEdgeConfig { shim }),
         }
     }
 }

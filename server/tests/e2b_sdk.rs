@@ -122,6 +122,12 @@ async fn e2b_sdk_lifecycle() {
     run_module("test_lifecycle.py", Sdk::Current, &["base"]).await;
 }
 
+/// `base-vm`: microVMs under the SDK (pause with memory, snapshots, fork).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_microvm() {
+    run_module("test_microvm.py", Sdk::Current, &["base"]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdk_code_interpreter() {
     run_module("test_code_interpreter.py", Sdk::Current, &["code-interpreter-v1"]).await;

@@ -225,11 +225,12 @@ impl World {
     }
 
     pub fn edge(&mut self, token: &str, name: &str, cap: Usage) -> u32 {
+        self.edge_labelled(token, name, cap, BTreeMap::new())
+    }
+
+    pub fn edge_labelled(&mut self, token: &str, name: &str, cap: Usage, labels: BTreeMap<String, String>) -> u32 {
         let ran = self
-            .run(
-                token,
-                Command::RegisterEdge { edge: name.into(), address: format!("{name}:7401"), capacity: cap, labels: BTreeMap::new() },
-            )
+            .run(token, Command::RegisterEdge { edge: name.into(), address: format!("{name}:7401"), capacity: cap, labels })
             .unwrap_or_else(|r| panic!("edge {name}: {r:?}"));
         assert!(matches!(ran.outcome, Outcome::Applied { .. }), "{:?}", ran.outcome);
         self.state.placement.edges[name].ordinal

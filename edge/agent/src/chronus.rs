@@ -15,7 +15,9 @@
 //!
 //! The protocol is one JSON message per packet, fds attached:
 //! server -> supervisor: `register {pid, meta}` + fds, `close_stdin {pid}`,
-//! `forget {pid}`, `state {state}` (kept for the next server);
+//! `forget {pid}`, `state {state}` (kept for the next server: an object of
+//! named parts, the start command's `readiness` and a re-keyed `access_token`,
+//! which the supervisor never reads);
 //! supervisor -> server: `session {pid, meta, status?}` + fds, then
 //! `ready {generation, state}`, then `exited {pid, status}` as adopted
 //! processes end.
@@ -208,6 +210,8 @@ pub struct Link {
     /// Sends are whole packets; the lock keeps them from interleaving with
     /// nothing else (packets are atomic) but orders register before forget.
     send_lock: std::sync::Mutex<()>,
+    /// The state the supervisor keeps for the next server, part by part.
+    state: std::sync::Mutex<serde_json::Map<String, Value>>,
 }
 
 static LINK: OnceLock<Link> = OnceLock::new();
@@ -215,6 +219,19 @@ static LINK: OnceLock<Link> = OnceLock::new();
 /// The supervisor's link, when this server runs under one.
 pub fn link() -> Option<&'static Link> {
     LINK.get()
+}
+
+/// The named parts of a handed-over state. A server from before the state had
+/// parts saved the start command's readiness as the whole state (a SIGHUP
+/// upgrade hands that over): it becomes the `readiness` part.
+pub fn state_parts(state: Option<&Value>) -> serde_json::Map<String, Value> {
+    match state {
+        Some(Value::Object(o)) if o.contains_key("state") => {
+            serde_json::Map::from_iter([("readiness".to_string(), Value::Object(o.clone()))])
+        }
+        Some(Value::Object(o)) => o.clone(),
+        _ => serde_json::Map::new(),
+    }
 }
 
 /// What the supervisor handed over at the server's start.
@@ -266,6 +283,7 @@ pub fn connect(fd: RawFd) -> io::Result<Handoff> {
     let _ = LINK.set(Link {
         sock,
         send_lock: std::sync::Mutex::new(()),
+        state: std::sync::Mutex::new(state_parts(handoff.state.as_ref())),
     });
     Ok(handoff)
 }
@@ -300,9 +318,15 @@ impl Link {
         self.send(json!({"op": "forget", "pid": pid}), &[]);
     }
 
-    /// State the next server takes over (the start command's readiness).
-    pub fn save_state(&self, state: Value) {
-        self.send(json!({"op": "state", "state": state}), &[]);
+    /// One part of the state the next server takes over (`readiness`,
+    /// `access_token`); the other parts are kept as they are.
+    pub fn save_state(&self, part: &str, value: Value) {
+        let mut parts = self.state.lock().unwrap();
+        parts.insert(part.to_string(), value);
+        self.send(
+            json!({"op": "state", "state": Value::Object(parts.clone())}),
+            &[],
+        );
     }
 
     /// Exit statuses of adopted processes, as the supervisor reaps them.

@@ -22,6 +22,7 @@ mod fs;
 mod json;
 mod metadata;
 mod process;
+mod rekey;
 mod server;
 mod sha256;
 mod start;
@@ -329,12 +330,18 @@ async fn run(
 
     let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
+    let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
+    // A token given by `rekey` to an earlier server outranks the file's.
+    let token = match saved.remove("access_token") {
+        Some(serde_json::Value::String(t)) => Some(t),
+        _ => token,
+    };
     let readiness = match handoff {
         // A restarted server: take over the sessions and the start
         // command's readiness; the start command runs already.
         Some(h) if h.generation > 1 => {
             procs.adopt(h.sessions);
-            start::resume(&procs, h.state)
+            start::resume(&procs, saved.remove("readiness"))
         }
         _ => match start_cmd {
             Some(c) => start::boot(&procs, c, &args.default_user),
@@ -348,7 +355,7 @@ async fn run(
     let state = Arc::new(server::State {
         procs: procs.clone(),
         watchers: fs::Watchers::default(),
-        token,
+        token: rekey::AccessToken::new(token),
         default_user: args.default_user,
         readiness,
     });

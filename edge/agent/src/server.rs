@@ -25,7 +25,8 @@ const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(50);
 pub struct State {
     pub procs: Arc<Manager>,
     pub watchers: fs::Watchers,
-    pub token: Option<String>,
+    /// What every request but `/health` must carry (replaceable: see `rekey`).
+    pub token: crate::rekey::AccessToken,
     pub default_user: String,
     /// The start command's readiness, which `/health` reports.
     pub readiness: crate::start::Shared,
@@ -121,9 +122,10 @@ impl ConnFd {
 /// Every request but `/health` needs the access token (when the agent has
 /// one) in `X-Access-Token`; `/files` also takes a signed URL instead.
 fn authorize<B>(state: &State, req: &Request<B>, path: &str) -> Result<(), RpcError> {
-    let Some(token) = &state.token else {
+    let Some(token) = state.token.get() else {
         return Ok(());
     };
+    let token = &token;
     let denied = |m: &str| Err(RpcError::new(Code::Unauthenticated, m));
     if let Some(t) = req.headers().get("x-access-token") {
         return if constant_time_eq(t.as_bytes(), token.as_bytes()) {
@@ -212,11 +214,16 @@ pub async fn handle(
             .expect("valid response"));
     }
     if let Err(e) = authorize(&state, &req, &path) {
-        return Ok(if path == "/files" || path == tunnel::PATH {
-            files::http_error(&e)
-        } else {
-            connect::unary_error(&e)
-        });
+        return Ok(
+            if path == "/files" || path == tunnel::PATH || path == crate::rekey::PATH {
+                files::http_error(&e)
+            } else {
+                connect::unary_error(&e)
+            },
+        );
+    }
+    if path == crate::rekey::PATH {
+        return Ok(crate::rekey::rekey(&state.token, req).await);
     }
     if path == tunnel::PATH {
         return Ok(tunnel::open(req).await);

@@ -56,7 +56,7 @@ fn set(state: &Shared, r: Readiness) {
     if let Some(link) = crate::chronus::link()
         && let Ok(v) = serde_json::to_value(&r)
     {
-        link.save_state(v);
+        link.save_state("readiness", v);
     }
     *state.lock().unwrap() = r;
 }

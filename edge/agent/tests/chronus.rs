@@ -302,3 +302,65 @@ async fn sighup_restarts_the_server_and_sigterm_still_ends_everything() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn a_rekeyed_token_replaces_the_old_one_and_survives_a_server_restart() {
+    let mut a = Agent::start_with(Some("parent-token")).await;
+    let rekey = |token: &str| bytes::Bytes::from(json!({"access_token": token}).to_string());
+    // Only a caller that knows the current token may replace it.
+    a.token = Some("guess".into());
+    let (status, _, _) = a
+        .raw("POST", "/.opendsec/rekey", &[], rekey("mine"))
+        .await
+        .unwrap();
+    assert_eq!(status, 401);
+    a.token = Some("parent-token".into());
+    for bad in [
+        json!({"access_token": ""}),
+        json!({"token": "x"}),
+        json!({"access_token": "has space"}),
+    ] {
+        let (status, _, body) = a
+            .raw(
+                "POST",
+                "/.opendsec/rekey",
+                &[],
+                bytes::Bytes::from(bad.to_string()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    }
+    let (status, _, _) = a
+        .raw("POST", "/.opendsec/rekey", &[], rekey("copy-token"))
+        .await
+        .unwrap();
+    assert_eq!(status, 204);
+    // The old token is refused from now on, the new one works, and asking again with
+    // the new token changes nothing.
+    let (status, _) = a
+        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
+        .await;
+    assert_eq!(status, 401);
+    a.token = Some("copy-token".into());
+    let (status, _, _) = a
+        .raw("POST", "/.opendsec/rekey", &[], rekey("copy-token"))
+        .await
+        .unwrap();
+    assert_eq!(status, 204);
+    let (status, _) = a
+        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
+        .await;
+    assert_eq!(status, 200);
+    // A new server (the old one crashed) keeps the new token, not the file's.
+    kill_server(&a).await;
+    let (status, _) = a
+        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
+        .await;
+    assert_eq!(status, 200, "{}", a.stderr());
+    a.token = Some("parent-token".into());
+    let (status, _) = a
+        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
+        .await;
+    assert_eq!(status, 401);
+}

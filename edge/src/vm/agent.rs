@@ -56,6 +56,28 @@ impl AgentChannel {
             .ok_or_else(|| std::io::Error::other("not an HTTP response"))
     }
 
+    /// Gives the agent a new access token (`POST /.opendsec/rekey`), proving the current
+    /// one. Returns the agent's HTTP status: 204 when it took it (or already had it),
+    /// 401 when `current` is not its token.
+    pub fn rekey(&self, current: &str, new: &str, timeout: Duration) -> std::io::Result<u16> {
+        let mut stream = self.connect(timeout)?;
+        stream.set_read_timeout(Some(timeout))?;
+        let body = json!({"access_token": new}).to_string();
+        let request = format!(
+            "POST /.opendsec/rekey HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\
+             X-Access-Token: {current}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes())?;
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head)?;
+        std::str::from_utf8(&head[9..12])
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| std::io::Error::other("not an HTTP response"))
+    }
+
     /// Polls `/health` until it answers 2xx; returns how long that took.
     pub fn wait_ready(
         &self,

@@ -9,8 +9,14 @@
 //!   `console.log`, `shim.log`, `exit.json` of the current QEMU run.
 //! - `forks/<fork id>/ram`: the frozen RAM of a fork's source, which every copy maps
 //!   privately (pages shared until a copy writes them); removed when no VM uses it.
-//! - `uids/<uid>`: the uids handed to VMs (one each).
-//! - `accel.json`: the accelerator verdict, kept for one host boot.
+//! - the uids handed to VMs (one each) are recorded in the image store's `vm-uids/`
+//!   (one registry per machine, so that the VMs of several drivers, two edges say, never
+//!   share a uid): `vm-uids/<uid>` holds the VM directory that owns it.
+//! - `accel.json`: the accelerator verdict, kept for one host boot (or where
+//!   [`VmConfig::accel_cache`] says).
+//!
+//! Snapshots live wherever the caller puts them ([`VmHandle::snapshot_to`],
+//! [`MicroVmDriver::restore_snapshot`]): `snapshot.json`, `state`, `ram`, `rw.img`.
 //!
 //! Nothing is kept in memory between calls: a restarted edge opens the same VMs with
 //! [`MicroVmDriver::open`] (QEMU runs under its shim, not as the edge's child).
@@ -65,6 +71,13 @@ pub struct VmConfig {
     pub accel: Option<Accel>,
     /// How long the KVM probe guest may take to reach user space.
     pub kvm_probe_bound: Duration,
+    /// Where the accelerator verdict is kept for the host boot (default
+    /// `<root>/accel.json`); drivers of one machine may share it.
+    pub accel_cache: Option<PathBuf>,
+    /// Where handed-out uids are recorded (default: the image store's `vm-uids`, shared by
+    /// every driver of the machine). Drivers that share a uid range must share it, or two
+    /// VMs could run as one uid.
+    pub uid_registry: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -84,6 +97,8 @@ impl VmConfig {
             console_cap_bytes: 1 << 20,
             accel: None,
             kvm_probe_bound: Duration::from_secs(8),
+            accel_cache: None,
+            uid_registry: None,
         }
     }
 }
@@ -223,6 +238,34 @@ pub struct ForkReport {
     pub ram_bytes: u64,
 }
 
+#[derive(Clone, Debug)]
+pub struct SnapshotReport {
+    /// How long a running source was stopped (zero for a paused one).
+    pub source_paused: Duration,
+    /// Bytes of data the snapshot holds.
+    pub bytes: u64,
+}
+
+/// A snapshot's description, `snapshot.json` beside its `state`, `ram` (unless the RAM
+/// is in the stream) and `rw.img`: what a VM restored from it must be.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct SnapshotMeta {
+    source: String,
+    image: String,
+    layers: Vec<String>,
+    memory_mb: u64,
+    vcpus: u32,
+    disk_mb: u64,
+    vmlinux: PathBuf,
+    root_disk: PathBuf,
+    accel: Accel,
+    tsc_khz: Option<u64>,
+    ram_in_stream: bool,
+}
+
+/// The file a snapshot directory is recognised by.
+pub const SNAPSHOT_META: &str = "snapshot.json";
+
 struct Inner {
     cfg: VmConfig,
     qemu: PathBuf,
@@ -277,7 +320,7 @@ impl MicroVmDriver {
             ));
         }
         require_tool("ip", "iproute2")?;
-        for sub in ["vms", "forks", "uids"] {
+        for sub in ["vms", "forks"] {
             let dir = cfg.root.join(sub);
             fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
         }
@@ -412,6 +455,121 @@ impl MicroVmDriver {
         Ok(self.handle(&spec.id))
     }
 
+    /// A new VM `spec.id` restored from a snapshot that [`VmHandle::snapshot_to`] wrote
+    /// in `snapshot`: the snapshot's machine (memory size, vCPUs, disk, kernel) with
+    /// copies of its RAM and disk, continuing where its source was. `spec` gives the id,
+    /// the image (whose layers must be the snapshot's) and the agent's configuration for
+    /// the VM's initrd; the guest's memory still holds the source's agent token (see
+    /// [`AgentChannel::rekey`]). A snapshot that cannot be loaded leaves nothing behind.
+    pub fn restore_snapshot(
+        &self,
+        spec: &VmSpec,
+        snapshot: &Path,
+        progress: &dyn Fn(&str),
+    ) -> Result<(VmHandle, ResumeReport), VmError> {
+        validate_id(&spec.id)?;
+        let meta: SnapshotMeta = read_json(&snapshot.join(SNAPSHOT_META))?;
+        let corrupt = |message: &str| VmError::Corrupt {
+            path: snapshot.to_path_buf(),
+            message: message.into(),
+        };
+        if !snapshot.join("state").is_file() || !snapshot.join("rw.img").is_file() {
+            return Err(corrupt("the snapshot's state or disk is missing"));
+        }
+        if !meta.ram_in_stream && !snapshot.join("ram").is_file() {
+            return Err(corrupt("the snapshot's RAM file is missing"));
+        }
+        let inner = &self.inner;
+        let root_disk = if meta.root_disk.is_file() {
+            meta.root_disk.clone()
+        } else if spec.image.layers == meta.layers {
+            build_root_disk(&inner.cfg.store, &spec.image, progress)?
+        } else {
+            return Err(VmError::Invalid(format!(
+                "the layers of image {} changed since the snapshot was taken",
+                meta.image
+            )));
+        };
+        let dir = inner.vm_dir(&spec.id);
+        match fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(VmError::Exists(spec.id.clone()));
+            }
+            Err(e) => return Err(VmError::io(format!("creating {}", dir.display()), e)),
+        }
+        let mut claimed_uid = None;
+        let netns = format!("{}{}", inner.netns_prefix, spec.id);
+        let prepared = (|| {
+            let _lock = lock_file(&dir.join("lock"))?;
+            let uid = inner.allocate_uid(&spec.id)?;
+            claimed_uid = Some(uid);
+            let record = VmRecord {
+                id: spec.id.clone(),
+                image: meta.image.clone(),
+                layers: meta.layers.clone(),
+                memory_mb: meta.memory_mb,
+                vcpus: meta.vcpus,
+                disk_mb: meta.disk_mb,
+                uid,
+                groups: Vec::new(),
+                netns: netns.clone(),
+                vmlinux: if meta.vmlinux.is_file() {
+                    meta.vmlinux.clone()
+                } else {
+                    inner.boot.kernel.vmlinux()
+                },
+                root_disk,
+                accel: meta.accel,
+                tsc_khz: meta.tsc_khz,
+                ram: if meta.ram_in_stream {
+                    RamMode::InStream
+                } else {
+                    RamMode::Shared
+                },
+                state: VmState::Paused,
+                pid: None,
+                pid_start: None,
+                forked_from: Some(meta.source.clone()),
+            };
+            inner.prepare_dir(&dir, uid)?;
+            write_vm_initrd(
+                &inner.boot,
+                &dir.join("initrd"),
+                &GuestConfig {
+                    hostname: spec.id.clone(),
+                    access_token: spec.access_token.clone(),
+                    env: spec.env.clone(),
+                    start: spec.image.config.start.clone(),
+                },
+            )?;
+            give(&dir.join("initrd"), uid, uid, 0o400)?;
+            fs::copy(snapshot.join("state"), dir.join("state"))
+                .map_err(io_err("copying the snapshot's state"))?;
+            sparse_copy(&snapshot.join("rw.img"), &dir.join("rw.img"))?;
+            give(&dir.join("rw.img"), uid, uid, 0o600)?;
+            if !meta.ram_in_stream {
+                sparse_copy(&snapshot.join("ram"), &dir.join("ram"))?;
+                give(&dir.join("ram"), uid, uid, 0o600)?;
+            }
+            net::create(&netns, uid)?;
+            write_json_atomic(&dir.join("vm.json"), &record)?;
+            Ok(())
+        })();
+        if let Err(e) = prepared {
+            inner.discard(&dir, Some(&netns), claimed_uid);
+            return Err(e);
+        }
+        let vm = self.handle(&spec.id);
+        match vm.resume() {
+            Ok(report) => Ok((vm, report)),
+            Err(e) => {
+                inner.discard(&dir, Some(&netns), claimed_uid);
+                Err(e)
+            }
+        }
+    }
+
     /// A VM that exists on disk (after an edge restart, too).
     pub fn open(&self, id: &str) -> Result<VmHandle, VmError> {
         validate_id(id)?;
@@ -442,6 +600,18 @@ impl MicroVmDriver {
     }
 }
 
+/// Where the agent of VM `id` under the driver root `root` listens, read from the VM's
+/// record alone: no driver needs to be prepared for it (an edge that just restarted
+/// serves its VMs' traffic while its driver still starts). `None`: no such VM.
+pub fn agent_channel_at(root: &Path, id: &str) -> Option<AgentChannel> {
+    validate_id(id).ok()?;
+    let record: VmRecord = read_json(&root.join("vms").join(id).join("vm.json")).ok()?;
+    Some(AgentChannel {
+        netns: net::netns_path(&record.netns),
+        addr: net::agent_addr(),
+    })
+}
+
 fn cached_accel(
     cfg: &VmConfig,
     qemu: &Path,
@@ -460,7 +630,10 @@ fn cached_accel(
         qemu.display(),
         boot.kernel.release
     );
-    let path = cfg.root.join("accel.json");
+    let path = cfg
+        .accel_cache
+        .clone()
+        .unwrap_or_else(|| cfg.root.join("accel.json"));
     if let Ok(cached) = read_json::<Cached>(&path)
         && cached.key == key
     {
@@ -577,35 +750,70 @@ impl Inner {
         write_json_atomic(&self.vm_dir(&record.id).join("vm.json"), record)
     }
 
-    /// Claims the lowest free uid of the range (a file per uid under `uids/`).
+    fn uid_registry(&self) -> PathBuf {
+        self.cfg
+            .uid_registry
+            .clone()
+            .unwrap_or_else(|| self.cfg.store.root().join("vm-uids"))
+    }
+
+    /// Claims the lowest free uid of the range: a file per uid in the registry, holding
+    /// the VM directory that owns it. A uid whose owner's directory is gone (its driver's
+    /// data was removed without deleting the VM) is free again.
     fn allocate_uid(&self, id: &str) -> Result<u32, VmError> {
         let Some(base) = self.cfg.uid_base else {
             return Ok(0);
         };
-        let dir = self.cfg.root.join("uids");
+        let dir = self.uid_registry();
+        fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+            .map_err(io_err(format!("chmod {}", dir.display())))?;
+        let _lock = lock_file(&dir.join(".lock"))?;
+        let owner = self.vm_dir(id);
         for n in 0..UID_SLOTS {
             let uid = base + n;
-            match fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(dir.join(uid.to_string()))
-            {
-                Ok(mut f) => {
-                    use std::io::Write;
-                    f.write_all(id.as_bytes())
-                        .map_err(io_err("recording a uid"))?;
-                    return Ok(uid);
+            let path = dir.join(uid.to_string());
+            let claim = || {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+            };
+            let file = match claim() {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = fs::read_to_string(&path).unwrap_or_default();
+                    // Older records hold a bare VM id: those are never taken for stale.
+                    let stale = holder.starts_with('/') && !Path::new(holder.trim()).exists();
+                    if !stale {
+                        continue;
+                    }
+                    let _ = fs::remove_file(&path);
+                    claim().map_err(|e| VmError::io("allocating a uid", e))?
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(VmError::io("allocating a uid", e)),
-            }
+            };
+            use std::io::Write;
+            let mut file = file;
+            file.write_all(owner.to_string_lossy().as_bytes())
+                .map_err(io_err("recording a uid"))?;
+            return Ok(uid);
         }
         Err(VmError::Invalid("no free uid left in the VM range".into()))
     }
 
     fn release_uid(&self, uid: u32) {
-        if uid != 0 {
-            let _ = fs::remove_file(self.cfg.root.join("uids").join(uid.to_string()));
+        if uid == 0 {
+            return;
+        }
+        let path = self.uid_registry().join(uid.to_string());
+        let Ok(_lock) = lock_file(&self.uid_registry().join(".lock")) else {
+            return;
+        };
+        // Only our own claim: a uid reclaimed by another driver stays its.
+        let holder = fs::read_to_string(&path).unwrap_or_default();
+        if !holder.starts_with('/') || Path::new(holder.trim()).starts_with(&self.cfg.root) {
+            let _ = fs::remove_file(&path);
         }
     }
 
@@ -1094,6 +1302,84 @@ impl VmHandle {
             exit,
             release: t2.elapsed(),
             state_bytes,
+        })
+    }
+
+    /// Takes a snapshot of the VM into `dest` (a directory that must not exist): its
+    /// device state, RAM and writable disk, and [`SNAPSHOT_META`]. A running VM stops
+    /// only while they are copied, then continues; a paused one is copied as it lies.
+    /// On failure `dest` is gone and the VM is as it was.
+    pub fn snapshot_to(&self, dest: &Path) -> Result<SnapshotReport, VmError> {
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let record = self.inner.record(&self.id)?;
+        fs::create_dir(dest).map_err(io_err(format!("creating {}", dest.display())))?;
+        fs::set_permissions(dest, fs::Permissions::from_mode(0o700))
+            .map_err(io_err(format!("chmod {}", dest.display())))?;
+        let taken = (|| match record.state {
+            VmState::Running => {
+                if self.inner.live_pid(&record).is_none() {
+                    return Err(self.bad_state("exited", "snapshot"));
+                }
+                let mut qmp = self.inner.qmp(&record)?;
+                // Shared RAM is its file; a fork copy's private pages go into the stream.
+                let shared = record.ram == RamMode::Shared;
+                set_ignore_shared(&mut qmp, shared)?;
+                let t0 = Instant::now();
+                qmp.execute("stop", json!({}))?;
+                let copied = (|| {
+                    let mut bytes = migrate_to_file(&mut qmp, &dest.join("state"))?;
+                    if shared {
+                        bytes += sparse_copy(&dir.join("ram"), &dest.join("ram"))?;
+                    }
+                    bytes += sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"))?;
+                    Ok::<_, VmError>(bytes)
+                })();
+                // The VM runs on whatever happened.
+                let cont = qmp.execute("cont", json!({}));
+                let source_paused = t0.elapsed();
+                let bytes = copied?;
+                cont?;
+                Ok((source_paused, bytes, !shared))
+            }
+            VmState::Paused => {
+                let mut bytes = fs::copy(dir.join("state"), dest.join("state"))
+                    .map_err(io_err("copying the VM's snapshot"))?;
+                let in_stream = record.ram == RamMode::InStream;
+                if !in_stream {
+                    bytes += sparse_copy(&dir.join("ram"), &dest.join("ram"))?;
+                }
+                bytes += sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"))?;
+                Ok((Duration::ZERO, bytes, in_stream))
+            }
+        })();
+        let (source_paused, bytes, ram_in_stream) = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = fs::remove_dir_all(dest);
+                return Err(e);
+            }
+        };
+        let meta = SnapshotMeta {
+            source: self.id.clone(),
+            image: record.image.clone(),
+            layers: record.layers.clone(),
+            memory_mb: record.memory_mb,
+            vcpus: record.vcpus,
+            disk_mb: record.disk_mb,
+            vmlinux: record.vmlinux.clone(),
+            root_disk: record.root_disk.clone(),
+            accel: record.accel,
+            tsc_khz: record.tsc_khz,
+            ram_in_stream,
+        };
+        if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
+            let _ = fs::remove_dir_all(dest);
+            return Err(e);
+        }
+        Ok(SnapshotReport {
+            source_paused,
+            bytes,
         })
     }
 

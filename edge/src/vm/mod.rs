@@ -38,8 +38,9 @@ pub use accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
 pub use agent::{AgentChannel, ExecOutput};
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
-    ForkReport, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, VmConfig, VmFiles,
-    VmHandle, VmSpec, VmState, VmStatus,
+    ForkReport, MAX_FORK_COUNT, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport,
+    SNAPSHOT_META, SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus,
+    agent_channel_at,
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
@@ -142,6 +143,11 @@ pub(crate) fn find_tool(name: &str) -> Option<PathBuf> {
     .iter()
     .map(|d| Path::new(d).join(name))
     .find(|p| p.is_file())
+}
+
+/// Whether QEMU (`qemu-system-x86_64`) is installed where the driver looks for it.
+pub fn host_has_qemu() -> bool {
+    find_tool("qemu-system-x86_64").is_some()
 }
 
 /// Like [`find_tool`], or a [`VmError::Prerequisite`] naming the package to install.

@@ -11,7 +11,7 @@ use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_control::{Credential, Principal, SandboxTokenKind};
-use opendsec_projections::{Desired, Observed, Right, Sandbox, SnapshotState};
+use opendsec_projections::{Desired, Isolation, Observed, Right, Sandbox, SnapshotState};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -244,8 +244,18 @@ fn e2b_state(x: &Sandbox) -> &'static str {
     }
 }
 
+/// The sandbox's `templateID`: what it was asked for by; an image run as a microVM is
+/// the image's `-vm` template (a snapshot id stays itself).
 fn template_of(x: &Sandbox) -> String {
-    x.template.clone().unwrap_or_else(|| x.image.clone())
+    let asked = x.template.clone().unwrap_or_else(|| x.image.clone());
+    if x.isolation == Isolation::Microvm && x.snapshot.is_none() {
+        let (name, tag) = asked.split_once(':').map_or((asked.as_str(), None), |(n, t)| (n, Some(t)));
+        return match tag {
+            Some(t) => format!("{name}{MICROVM_TEMPLATE_SUFFIX}:{t}"),
+            None => format!("{name}{MICROVM_TEMPLATE_SUFFIX}"),
+        };
+    }
+    asked
 }
 
 /// E2B's `Sandbox`: what create and connect return.
@@ -369,7 +379,7 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     // `allowInternetAccess: false`.
     let asked_internet = opt_bool(&m, "allow_internet_access")? == Some(true);
     let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
-    let _ = opt_bool(&m, "autoPauseMemory")?; // containers keep their memory while paused
+    let _ = opt_bool(&m, "autoPauseMemory")?; // frozen containers keep their memory; microVMs snapshot theirs
     for f in ["mcp", "iam", "volumeMounts"] {
         unsupported(&m, f)?;
     }
@@ -383,6 +393,7 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     let metadata = string_map(&m, "metadata")?;
     let env = string_map(&m, "envVars")?;
     require(&who, Right::SandboxWrite)?;
+    let (image, isolation) = template_image(template);
     let idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::trim).filter(|k| !k.is_empty()).map(str::to_string);
     // A create repeated with its idempotency key (a retry after a lost answer) is the
     // sandbox the first one made.
@@ -395,12 +406,12 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     }
     let cmd = Command::CreateSandbox {
         project: who.project.clone(),
-        image: template.to_string(),
+        image,
         cpu_millis: crate::routes::sandboxes::DEFAULT_CPU_MILLIS,
         memory_mb: crate::routes::sandboxes::DEFAULT_MEMORY_MB,
         labels: metadata,
         timeout_seconds: (timeout > 0).then_some(timeout),
-        opts: SandboxOptions { env, auto_pause, auto_resume, network, idempotency_key: idempotency_key.clone() },
+        opts: SandboxOptions { env, auto_pause, auto_resume, network, idempotency_key: idempotency_key.clone(), isolation },
     };
     let s = match submit(&st, &who, &headers, cmd).await {
         Ok(s) => s.decided.target,
@@ -418,6 +429,23 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         resp.headers_mut().insert("x-opendsec-warning", HeaderValue::from_static(NO_EGRESS_WARNING));
     }
     Ok(resp)
+}
+
+/// The suffix of a template name that asks for a microVM of the image: `base-vm` is the
+/// `base` image in a QEMU microVM, whose pause, snapshots and forks carry its memory.
+pub const MICROVM_TEMPLATE_SUFFIX: &str = "-vm";
+
+/// The image a template name means, and the isolation it asks for (none: a container,
+/// or whatever a snapshot id is a snapshot of). A tag (`base-vm:latest`) stays on the image.
+pub fn template_image(template: &str) -> (String, Option<Isolation>) {
+    let (name, tag) = match template.split_once(':') {
+        Some((n, t)) => (n, Some(t)),
+        None => (template, None),
+    };
+    match name.strip_suffix(MICROVM_TEMPLATE_SUFFIX).filter(|n| !n.is_empty()) {
+        Some(image) => (tag.map_or_else(|| image.to_string(), |t| format!("{image}:{t}")), Some(Isolation::Microvm)),
+        None => (template.to_string(), None),
+    }
 }
 
 /// Said whenever a request asks for egress that this release cannot give.
@@ -691,7 +719,8 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     .into_response())
 }
 
-/// `count` copies of the sandbox with its file system (containers) as it is now.
+/// `count` copies of the sandbox as it is now: a container's with its file system, a
+/// microVM's (`-vm` templates) with its memory and disk.
 async fn fork(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
     let who = caller(&st, &headers)?;
     let m = body_object(&body)?;
@@ -733,7 +762,7 @@ async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
 /// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
 /// gateway acts as the control plane here: the request proved it holds the sandbox's
 /// access token.
-pub(super) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
+pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
     let headers = HeaderMap::new();
     let spent = st.node.read(|s| s.sandboxes.sandboxes.get(id).is_some_and(|x| x.expires_at_ms.is_none() && x.auto_pause));
     submit_as(st, Credential::System, &headers, Command::ResumeSandbox { sandbox: id.to_string() }).await?;
@@ -744,4 +773,18 @@ pub(super) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
         submit_as(st, Credential::System, &headers, cmd).await?;
     }
     wait_ready(st, id).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vm_suffix_asks_for_a_microvm_of_the_image() {
+        assert_eq!(template_image("base-vm"), ("base".to_string(), Some(Isolation::Microvm)));
+        assert_eq!(template_image("code-interpreter-v1-vm:latest"), ("code-interpreter-v1:latest".to_string(), Some(Isolation::Microvm)));
+        assert_eq!(template_image("base"), ("base".to_string(), None));
+        assert_eq!(template_image("snap-0123456789abcdef"), ("snap-0123456789abcdef".to_string(), None));
+        assert_eq!(template_image("-vm"), ("-vm".to_string(), None), "a suffix alone names no image");
+    }
 }

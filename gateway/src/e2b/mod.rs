@@ -11,7 +11,7 @@
 //!
 //! Error bodies are E2B's: `{"code": <status>, "message": …}`.
 
-mod api;
+pub(crate) mod api;
 mod traffic;
 
 pub use api::routes;

@@ -10,7 +10,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode, Uri};
 use axum::response::Response;
 use base64::Engine;
-use opendsec_projections::Right;
+use opendsec_projections::{Desired, Observed, Right};
 use opendsec_sdk::types as api;
 
 use crate::error::ApiError;
@@ -62,7 +62,7 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
     ))]
 pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)): PathParam<(String, String)>, req: Request) -> Result<Response, ApiError> {
     who.require(Right::SandboxWrite)?;
-    let address = st.node.read(|s| {
+    let (address, resume) = st.node.read(|s| {
         let x = s.sandboxes.sandboxes.get(&id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
         if !who.sees(s, &x.project) {
             return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
@@ -71,8 +71,14 @@ pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)
             return Err(ApiError::new(StatusCode::CONFLICT, "conflict", format!("sandbox {id} has ended")));
         }
         let edge = s.placement.edges.get(&x.edge).ok_or_else(|| edge_unreachable(format!("the edge {} of sandbox {id} is not registered", x.edge)))?;
-        Ok(edge.address.clone())
+        let paused = x.desired == Desired::Paused || x.observed == Observed::Paused;
+        Ok((edge.address.clone(), paused && x.auto_resume))
     })?;
+    if resume {
+        // A paused sandbox created with auto_resume resumes on this request, as on E2B's
+        // traffic path (a microVM is restored into a new VMM meanwhile).
+        crate::e2b::api::auto_resume(&st, &id).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
+    }
     let user = match req.headers().get(USER_HEADER) {
         None => None,
         Some(v) => {

@@ -8,6 +8,8 @@ pub mod edges;
 pub mod projects;
 pub mod replay;
 pub mod sandboxes;
+pub mod snapshots;
+pub mod tasks;
 pub mod tokens;
 
 pub use crate::health;

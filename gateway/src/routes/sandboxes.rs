@@ -3,7 +3,7 @@
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
-use opendsec_commands::Command;
+use opendsec_commands::{Command, SandboxOptions};
 use opendsec_projections::Right;
 use opendsec_sdk::types::{self as api, CreateSandbox, ForkSandbox, Forked, SandboxList, SandboxWritten, SetLabels, SetTimeout};
 use std::collections::BTreeMap;
@@ -17,19 +17,29 @@ use crate::{submit, AppState, Written};
 pub const DEFAULT_CPU_MILLIS: u64 = 1000;
 pub const DEFAULT_MEMORY_MB: u64 = 512;
 
-/// Creates a sandbox (placed on an edge by power-of-k choices). Needs sandbox:write.
+/// Creates a sandbox (placed on an edge by power-of-k choices): a container, or with
+/// `isolation: microvm` a QEMU microVM (on an edge that runs them). `image` may name a
+/// snapshot: the sandbox then starts from it on its edge (a microVM's snapshot gives a
+/// microVM restored where its source was). Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses((status = 201, body = SandboxWritten), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateSandbox>) -> Result<Written<SandboxWritten>, ApiError> {
-    let cmd = Command::CreateSandbox { opts: Default::default(),
+    let cmd = Command::CreateSandbox {
         project: req.project.unwrap_or_else(|| who.0.project.clone()),
         image: req.image,
         cpu_millis: req.cpu_millis.unwrap_or(DEFAULT_CPU_MILLIS),
         memory_mb: req.memory_mb.unwrap_or(DEFAULT_MEMORY_MB),
         labels: req.labels.unwrap_or_default(),
         timeout_seconds: req.timeout_seconds.filter(|t| *t > 0),
+        opts: SandboxOptions { isolation: req.isolation.map(convert::isolation_of), auto_resume: req.auto_resume.unwrap_or(false), ..Default::default() },
     };
-    let s = submit(&st, &who, &rid, cmd).await?;
+    let s = submit(&st, &who, &rid, cmd).await.map_err(|mut e| {
+        // The command's create options are this body's top-level fields.
+        if let Some(f) = e.body.field.as_mut().filter(|f| f.starts_with("opts.")) {
+            *f = f["opts.".len()..].to_string();
+        }
+        e
+    })?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
     Ok(Written { index: s.index, status: StatusCode::CREATED, body: SandboxWritten { index: s.index, sandbox } })
 }
@@ -122,8 +132,9 @@ pub async fn set_labels(st: State<AppState>, who: Authed, rid: RequestId, PathPa
     lifecycle(st, who, rid, id.clone(), Command::SetSandboxLabels { sandbox: id, labels: req.labels }).await
 }
 
-/// Creates `count` copies of a live sandbox, each starting from its file system as it is
-/// now (containers), placed on its edge. Needs sandbox:write.
+/// Creates `count` copies of a live sandbox, placed on its edge: a container's copies
+/// start from its file system as it is now, a microVM's from its memory and disk (the
+/// source stops only while they are captured; copies share its pages). Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", tag = "sandboxes", params(("id" = String, Path)), request_body = ForkSandbox,
     responses((status = 201, body = Forked), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn fork(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<ForkSandbox>) -> Result<Written<Forked>, ApiError> {

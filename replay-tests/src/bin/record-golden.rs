@@ -340,7 +340,7 @@ async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
         memory_mb: 512,
         labels: labels_of(&[("sdk", "e2b")]),
         timeout_seconds: timeout,
-        opts: SandboxOptions { env: labels_of(env), auto_pause, auto_resume, network: network.map(str::to_string), idempotency_key: None },
+        opts: SandboxOptions { env: labels_of(env), auto_pause, auto_resume, network: network.map(str::to_string), idempotency_key: None, isolation: None },
     };
     // A sandbox with an environment (its values never show in views), auto-pause, auto-resume.
     let main = d.ok(&key, create("base", &[("OPENAI_API_KEY", "sk-golden-not-a-secret"), ("MODE", "eval")], true, true, None, Some(300))).await.decided.target;

@@ -55,6 +55,12 @@ enum Cmd {
     /// Create, inspect and steer sandboxes.
     #[command(subcommand)]
     Sandbox(SandboxCmd),
+    /// Snapshots of sandboxes (`sandbox snapshot` takes one): list, get, delete.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Every sandbox labelled task=<name> at once: pause, resume.
+    #[command(subcommand)]
+    Task(TaskCmd),
     /// The machines that run sandboxes.
     #[command(subcommand)]
     Edge(EdgeCmd),
@@ -182,6 +188,10 @@ enum SandboxCmd {
         labels: Vec<(String, String)>,
         #[arg(long)]
         timeout_seconds: Option<u64>,
+        /// container (the default) or microvm (a QEMU microVM: its pause, snapshots and
+        /// forks carry its memory).
+        #[arg(long, value_enum)]
+        isolation: Option<IsolationArg>,
     },
     /// Live sandboxes (or those in --state).
     List {
@@ -206,6 +216,20 @@ enum SandboxCmd {
     },
     Pause { id: String },
     Resume { id: String },
+    /// Takes a snapshot (a container's file system; a microVM's memory, device state and
+    /// disk) and waits until its edge has taken it. Start sandboxes from it with
+    /// `sandbox create --image <snapshot id>`.
+    Snapshot {
+        id: String,
+        #[arg(long)]
+        name: Option<String>,
+        /// Return as soon as it is logged (pending), without waiting for the edge.
+        #[arg(long)]
+        no_wait: bool,
+        /// How long to wait for the edge at most.
+        #[arg(long, default_value_t = 300)]
+        wait_seconds: u64,
+    },
     /// Clones a live sandbox --count times.
     Fork {
         id: String,
@@ -256,6 +280,43 @@ enum SandboxCmd {
         #[arg(long)]
         user: Option<String>,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum IsolationArg {
+    Container,
+    Microvm,
+}
+
+impl From<IsolationArg> for Isolation {
+    fn from(i: IsolationArg) -> Isolation {
+        match i {
+            IsolationArg::Container => Isolation::Container,
+            IsolationArg::Microvm => Isolation::Microvm,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum SnapshotCmd {
+    /// Snapshots in your project subtree.
+    List {
+        /// Only those of this sandbox.
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    Get { id: String },
+    /// Deletes it (sandboxes started from it run on).
+    Delete { id: String },
+}
+
+#[derive(Subcommand)]
+enum TaskCmd {
+    /// Pauses every running sandbox labelled task=<TASK> (containers freeze, microVMs
+    /// snapshot and end their VMM), in one logged call.
+    Pause { task: String },
+    /// Resumes every paused sandbox labelled task=<TASK>.
+    Resume { task: String },
 }
 
 #[derive(Subcommand)]
@@ -500,6 +561,8 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
             });
         }
         Cmd::Sandbox(c) => return sandbox(&client, out, c).await,
+        Cmd::Snapshot(c) => return snapshot(&client, out, c).await,
+        Cmd::Task(c) => return task(&client, out, c).await,
         Cmd::Edge(c) => match c {
             EdgeCmd::List => {
                 let l = client.list_edges().await?;
@@ -583,7 +646,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
 
 async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, ApiError> {
     let written = match c {
-        SandboxCmd::Create { image, project, cpu_millis, memory_mb, labels, timeout_seconds } => {
+        SandboxCmd::Create { image, project, cpu_millis, memory_mb, labels, timeout_seconds, isolation } => {
             let req = CreateSandbox {
                 project,
                 image,
@@ -591,6 +654,8 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 memory_mb,
                 labels: (!labels.is_empty()).then(|| labels.into_iter().collect()),
                 timeout_seconds,
+                isolation: isolation.map(Isolation::from),
+                auto_resume: None,
             };
             client.create_sandbox(&req).await?
         }
@@ -615,6 +680,17 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             out.show(&f, |f| format!("forked {id} at index {}:\n{}", f.index, table(&SANDBOX_HEADERS, f.sandboxes.iter().map(sandbox_row).collect())));
             return Ok(0);
         }
+        SandboxCmd::Snapshot { id, name, no_wait, wait_seconds } => {
+            let w = client.create_snapshot(&id, name.as_deref()).await?;
+            let mut snap = w.snapshot;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_seconds);
+            while !no_wait && snap.state == "pending" && std::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                snap = client.get_snapshot(&snap.id).await?;
+            }
+            out.show(&snap, |x| table(&SNAPSHOT_HEADERS, vec![snapshot_row(x)]));
+            return Ok(if snap.state == "failed" { 1 } else { 0 });
+        }
         SandboxCmd::Kill { id } => client.kill_sandbox(&id).await?,
         SandboxCmd::Pause { id } => client.pause_sandbox(&id).await?,
         SandboxCmd::Resume { id } => client.resume_sandbox(&id).await?,
@@ -633,12 +709,67 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
     Ok(0)
 }
 
-const SANDBOX_HEADERS: [&str; 8] = ["ID", "STATE", "PROJECT", "EDGE", "IMAGE", "CPU/MEM", "LABELS", "EXPIRES"];
+async fn snapshot(client: &Client, out: Printer, c: SnapshotCmd) -> Result<u8, ApiError> {
+    match c {
+        SnapshotCmd::List { sandbox } => {
+            let l = client.list_snapshots(sandbox.as_deref()).await?;
+            out.show(&l, |l| table(&SNAPSHOT_HEADERS, l.snapshots.iter().map(snapshot_row).collect()));
+        }
+        SnapshotCmd::Get { id } => {
+            let x = client.get_snapshot(&id).await?;
+            out.show(&x, |x| table(&SNAPSHOT_HEADERS, vec![snapshot_row(x)]));
+        }
+        SnapshotCmd::Delete { id } => {
+            let d = client.delete_snapshot(&id).await?;
+            out.show(&d, |d| format!("snapshot {id} deleted at index {}", d.index));
+        }
+    }
+    Ok(0)
+}
+
+async fn task(client: &Client, out: Printer, c: TaskCmd) -> Result<u8, ApiError> {
+    let (verb, w) = match c {
+        TaskCmd::Pause { task } => ("pausing", client.pause_task(&task).await?),
+        TaskCmd::Resume { task } => ("resuming", client.resume_task(&task).await?),
+    };
+    out.show(&w, |w| {
+        format!(
+            "task {}: {verb} {} of {} sandboxes (index {}):\n{}",
+            w.task,
+            w.changed.len(),
+            w.sandboxes.len(),
+            w.index,
+            table(&SANDBOX_HEADERS, w.sandboxes.iter().map(sandbox_row).collect())
+        )
+    });
+    Ok(0)
+}
+
+const SNAPSHOT_HEADERS: [&str; 7] = ["ID", "STATE", "SANDBOX", "ISOLATION", "NAME", "SIZE", "CREATED"];
+
+fn snapshot_row(x: &Snapshot) -> Vec<String> {
+    let state = match &x.reason {
+        Some(r) if x.state == "failed" => format!("failed: {r}"),
+        _ => x.state.clone(),
+    };
+    vec![
+        x.id.clone(),
+        state,
+        x.sandbox.clone(),
+        x.isolation.as_str().into(),
+        if x.name.is_empty() { "-".into() } else { x.name.clone() },
+        format!("{} MB", x.size_bytes >> 20),
+        fmt_time(x.created_at_ms),
+    ]
+}
+
+const SANDBOX_HEADERS: [&str; 9] = ["ID", "STATE", "ISOLATION", "PROJECT", "EDGE", "IMAGE", "CPU/MEM", "LABELS", "EXPIRES"];
 
 fn sandbox_row(s: &Sandbox) -> Vec<String> {
     vec![
         s.id.clone(),
         s.state.clone(),
+        s.isolation.as_str().into(),
         s.project.clone(),
         s.edge.clone(),
         s.image.clone(),

@@ -44,10 +44,7 @@ pub struct Up {
 
 impl Drop for Up {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.kill9();
         if std::thread::panicking() {
             // The temp dir goes away with the test: show what the server said first.
             eprintln!("--- opendsec up (last lines) ---\n{}", self.log_tail(60));
@@ -63,6 +60,23 @@ impl Drop for Up {
                 }
                 let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
                 let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
+            }
+        }
+        // And no microVM: its QEMU (not the edge's child) and its network namespace.
+        if let Ok(entries) = std::fs::read_dir(edge.join("vms").join("vms")) {
+            for e in entries.flatten() {
+                let dir = e.path();
+                if let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+                    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                    if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
+                        // A QEMU this test's edge started: its command line names the VM's directory.
+                        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                    }
+                }
+                let netns = std::fs::read(dir.join("vm.json")).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()).and_then(|v| v["netns"].as_str().map(str::to_string));
+                if let Some(n) = netns {
+                    let _ = Command::new("ip").args(["netns", "delete", &n]).output();
+                }
             }
         }
     }
@@ -83,23 +97,7 @@ impl Up {
             token: String::new(),
             client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap(),
         };
-        let log = std::fs::File::create(up.log_path()).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
-        cmd.args(["up", "--data-dir"])
-            .arg(up.data_dir())
-            .args(["--listen", &up.http, "--peer-listen", &up.peer, "--edge-listen", &up.edge])
-            .arg("--agent")
-            .arg(static_agent())
-            // 256 MB of writable disk per sandbox: room for the tests, small enough that
-            // filling it (the oversized-upload test) takes a moment.
-            .args(["--edge-sandboxes", "40", "--disk-mb", "256"])
-            .env("RUST_LOG", "info,openraft=warn")
-            .stdout(Stdio::null())
-            .stderr(log);
-        if let Some(tls) = &up.tls {
-            cmd.args(["--domain", &tls.domain, "--tls-listen", &tls.listen]);
-        }
-        up.child = Some(cmd.spawn().expect("start opendsec up"));
+        up.spawn();
 
         let token_file = up.dir.path().join("token");
         let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
@@ -140,6 +138,74 @@ impl Up {
         up
     }
 
+    fn spawn(&mut self) {
+        // Appended to: a restarted server's log follows the first one's.
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path()).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
+        cmd.args(["up", "--data-dir"])
+            .arg(self.data_dir())
+            .args(["--listen", &self.http, "--peer-listen", &self.peer, "--edge-listen", &self.edge])
+            .arg("--agent")
+            .arg(static_agent())
+            // 256 MB of writable disk per sandbox: room for the tests, small enough that
+            // filling it (the oversized-upload test) takes a moment.
+            .args(["--edge-sandboxes", "40", "--disk-mb", "256"])
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if let Some(tls) = &self.tls {
+            cmd.args(["--domain", &tls.domain, "--tls-listen", &tls.listen]);
+        }
+        self.child = Some(cmd.spawn().expect("start opendsec up"));
+    }
+
+    /// SIGKILL of the whole `opendsec up` (control node, gateway and edge): no shutdown
+    /// path runs. Sandboxes, not its children, live on.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts `opendsec up` again on the same data directory and waits until its edge
+    /// has registered again (its proxy then serves).
+    pub async fn restart(&mut self) {
+        self.spawn();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            self.exited_or_panic();
+            let (s, _) = self.send(reqwest::Method::GET, "/v1/edges", None).await;
+            if s == 200 && std::net::TcpStream::connect(&self.edge).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "opendsec up did not come back within 60 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The cluster key (the edge key, and what sandbox tokens derive from).
+    pub fn cluster_key(&self) -> String {
+        std::fs::read_to_string(self.data_dir().join("cluster.key")).unwrap().trim().to_string()
+    }
+
+    /// Runs `cmd args` in the sandbox through the gateway's agent route
+    /// (`/v1/sandboxes/{id}/agent/process.Process/Start`); returns (stdout, exit code).
+    pub async fn exec(&self, id: &str, cmd: &str, args: &[&str]) -> Result<(String, i64), String> {
+        let body = serde_json::to_vec(&json!({"process": {"cmd": cmd, "args": args}})).unwrap();
+        let r = self
+            .client
+            .post(format!("http://{}/v1/sandboxes/{id}/agent/process.Process/Start", self.http))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/connect+json")
+            .header("connect-protocol-version", "1")
+            .body(connect_frame(&body))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        read_process_stream(r).await
+    }
+
     pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
     }
@@ -161,7 +227,7 @@ impl Up {
     }
 
     /// Panics with the server's last words if it has exited.
-    fn exited_or_panic(&mut self) {
+    pub fn exited_or_panic(&mut self) {
         if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
             self.child = None;
             panic!("opendsec up exited ({status}):\n{}", self.log_tail(30));
@@ -230,4 +296,40 @@ pub fn retain_lines(path: &Path, keep: impl Fn(&str) -> bool) {
     if kept != text {
         std::fs::write(path, kept).unwrap_or_else(|e| panic!("rewrite {}: {e}", path.display()));
     }
+}
+
+/// One Connect envelope holding `msg`.
+pub fn connect_frame(msg: &[u8]) -> Vec<u8> {
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    frame.extend_from_slice(msg);
+    frame
+}
+
+/// Folds a `process.Process/Start` response into (stdout, exit code); an error status or
+/// a stream that ends without the process's end is an `Err`.
+pub async fn read_process_stream(r: reqwest::Response) -> Result<(String, i64), String> {
+    use base64::Engine;
+    let status = r.status().as_u16();
+    let bytes = r.bytes().await.map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("status {status}: {}", String::from_utf8_lossy(&bytes)));
+    }
+    let (mut out, mut code, mut i) = (String::new(), None, 0);
+    while i + 5 <= bytes.len() {
+        let n = u32::from_be_bytes(bytes[i + 1..i + 5].try_into().unwrap()) as usize;
+        let m: Value = serde_json::from_slice(&bytes[i + 5..i + 5 + n]).map_err(|e| e.to_string())?;
+        i += 5 + n;
+        if let Some(d) = m["event"]["data"]["stdout"].as_str() {
+            out.push_str(&String::from_utf8_lossy(&base64::engine::general_purpose::STANDARD.decode(d).unwrap()));
+        }
+        if m["event"]["end"].is_object() {
+            // proto3 JSON leaves out a zero exit code.
+            code = Some(m["event"]["end"]["exitCode"].as_i64().unwrap_or(0));
+        }
+        if let Some(e) = m.get("error") {
+            return Err(format!("the stream ended with {e}"));
+        }
+    }
+    code.map(|c| (out, c)).ok_or_else(|| "the process stream closed without an end".to_string())
 }

@@ -1,0 +1,89 @@
+//! `POST /.opendsec/rekey` with `{"access_token": "<new>"}`: replaces the access token
+//! every later request must carry. A microVM restored from another's memory (a fork
+//! copy, a sandbox started from a snapshot) wakes up holding its source's token; its
+//! edge proves it knows that token (the request needs it, like every other) and gives
+//! the copy its own. The new token is handed to every later server of this agent (the
+//! supervisor keeps it in the state it hands over), so a restarted server keeps it.
+//! Asked again with the new token itself, it changes nothing: the edge may repeat it.
+
+use std::sync::RwLock;
+
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use serde_json::json;
+
+use crate::connect::{Body, json_response};
+
+pub const PATH: &str = "/.opendsec/rekey";
+/// A token longer than this is not one of ours.
+const MAX_TOKEN: usize = 512;
+
+/// The access token, replaceable at run time.
+pub struct AccessToken(RwLock<Option<String>>);
+
+impl AccessToken {
+    pub fn new(token: Option<String>) -> Self {
+        Self(RwLock::new(token))
+    }
+
+    pub fn get(&self) -> Option<String> {
+        self.0.read().unwrap().clone()
+    }
+
+    fn set(&self, token: String) {
+        *self.0.write().unwrap() = Some(token);
+    }
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
+    json_response(
+        status,
+        &json!({"code": status.as_u16(), "message": message.into()}),
+    )
+}
+
+/// Serves an already authorised rekey request.
+pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body> {
+    if req.method() != hyper::Method::POST {
+        return error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
+    }
+    let body = match http_body_util::Limited::new(req.into_body(), 4096)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("reading the body: {e}")),
+    };
+    let new = match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(v) => v
+            .get("access_token")
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the body is not JSON: {e}"),
+            );
+        }
+    };
+    let Some(new) = new.filter(|t| {
+        !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic())
+    }) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("access_token must be 1 to {MAX_TOKEN} printable characters"),
+        );
+    };
+    if token.get().as_deref() != Some(new.as_str()) {
+        token.set(new.clone());
+        if let Some(link) = crate::chronus::link() {
+            link.save_state("access_token", json!(new));
+        }
+        eprintln!("opendsec-agent: the access token was replaced");
+    }
+    Response::builder()
+        .status(StatusCode::NO_CONTENT)
+        .body(Body::empty())
+        .expect("valid response")
+}
