@@ -12,3 +12,4 @@ pub mod images;
 pub mod microvms;
 pub mod container;
 pub mod vm;
+mod status_pipe;

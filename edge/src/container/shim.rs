@@ -10,10 +10,12 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
+
+use crate::status_pipe::{fail, report};
 
 use super::{
     ContainerError, ExitInfo, SandboxRecord, cgroup, dup_above, read_pid, write_json_atomic,
@@ -156,7 +158,7 @@ pub fn main(dir: &Path) -> ! {
     }
     // Detach: fork, setsid, fork. The first process exits so the edge can reap it.
     match unsafe { libc::fork() } {
-        -1 => fail_early("fork"),
+        -1 => fail("fork"),
         0 => {}
         child => {
             // Reap the middle process (it exits at once) so no zombie is left to init.
@@ -168,7 +170,7 @@ pub fn main(dir: &Path) -> ! {
     // SAFETY: plain syscalls in a single-threaded process.
     unsafe { libc::setsid() };
     match unsafe { libc::fork() } {
-        -1 => fail_early("fork"),
+        -1 => fail("fork"),
         0 => {}
         _ => unsafe { libc::_exit(0) },
     }
@@ -184,25 +186,6 @@ pub fn main(dir: &Path) -> ! {
         }
     };
     std::process::exit(code)
-}
-
-fn fail_early(what: &str) -> ! {
-    report(&format!(
-        "error {what}: {}",
-        std::io::Error::last_os_error()
-    ));
-    std::process::exit(1)
-}
-
-/// Writes the status line on stdout and closes it, so the edge's read returns.
-fn report(line: &str) {
-    // SAFETY: fd 1 is the status pipe (or already /dev/null, then this is harmless).
-    let mut out = unsafe { File::from_raw_fd(1) };
-    let _ = out.write_all(format!("{line}\n").as_bytes());
-    std::mem::forget(out);
-    if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {
-        unsafe { libc::dup2(null.as_raw_fd(), 1) };
-    }
 }
 
 fn run(dir: &Path) -> Result<(), ContainerError> {

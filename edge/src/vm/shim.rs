@@ -11,11 +11,13 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
+
+use crate::status_pipe::{fail, report};
 
 use serde::{Deserialize, Serialize};
 
@@ -191,27 +193,6 @@ pub fn main(launch_file: &Path) -> ! {
             report(&format!("error {e}"));
             std::process::exit(1)
         }
-    }
-}
-
-fn fail(what: &str) -> ! {
-    report(&format!(
-        "error {what}: {}",
-        std::io::Error::last_os_error()
-    ));
-    std::process::exit(1)
-}
-
-/// Writes the status line on stdout and points stdout at /dev/null, so the driver's
-/// read ends.
-fn report(line: &str) {
-    // SAFETY: fd 1 is the status pipe (or already /dev/null).
-    let mut out = unsafe { File::from_raw_fd(1) };
-    let _ = out.write_all(format!("{line}\n").as_bytes());
-    std::mem::forget(out);
-    if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {
-        // SAFETY: dup2 onto fd 1.
-        unsafe { libc::dup2(null.as_raw_fd(), 1) };
     }
 }
 
