@@ -384,14 +384,7 @@ impl MicroVmDriver {
         }
         let inner = &self.inner;
         let root_disk = build_root_disk(&inner.cfg.store, &spec.image, progress)?;
-        let dir = inner.vm_dir(&spec.id);
-        match fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(VmError::Exists(spec.id.clone()));
-            }
-            Err(e) => return Err(VmError::io(format!("creating {}", dir.display()), e)),
-        }
+        let dir = inner.create_vm_dir(&spec.id)?;
         let mut claimed_uid = None;
         let netns = format!("{}{}", inner.netns_prefix, spec.id);
         let result = (|| {
@@ -490,14 +483,7 @@ impl MicroVmDriver {
                 meta.image
             )));
         };
-        let dir = inner.vm_dir(&spec.id);
-        match fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(VmError::Exists(spec.id.clone()));
-            }
-            Err(e) => return Err(VmError::io(format!("creating {}", dir.display()), e)),
-        }
+        let dir = inner.create_vm_dir(&spec.id)?;
         let mut claimed_uid = None;
         let netns = format!("{}{}", inner.netns_prefix, spec.id);
         let prepared = (|| {
@@ -734,6 +720,16 @@ fn wait_pidfd(pidfd: &OwnedFd, timeout: Duration) -> bool {
 }
 
 impl Inner {
+    /// Makes a new VM's directory; an existing one means the id is taken.
+    fn create_vm_dir(&self, id: &str) -> Result<PathBuf, VmError> {
+        let dir = self.vm_dir(id);
+        match fs::create_dir(&dir) {
+            Ok(()) => Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(VmError::Exists(id.to_string())),
+            Err(e) => Err(VmError::io(format!("creating {}", dir.display()), e)),
+        }
+    }
+
     fn vm_dir(&self, id: &str) -> PathBuf {
         self.cfg.root.join("vms").join(id)
     }
