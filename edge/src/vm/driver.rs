@@ -702,6 +702,20 @@ fn pidfd_open(pid: i32) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// Sends SIGKILL to the process behind `pidfd` (never to a recycled pid).
+fn sigkill(pidfd: &OwnedFd) {
+    // SAFETY: signalling through a pidfd we own.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            0,
+            0,
+        )
+    };
+}
+
 /// Waits until the process behind `pidfd` has ended.
 fn wait_pidfd(pidfd: &OwnedFd, timeout: Duration) -> bool {
     let mut pfd = libc::pollfd {
@@ -988,16 +1002,7 @@ impl Inner {
             if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy())
                 && let Some(pidfd) = pidfd_open(pid)
             {
-                // SAFETY: signalling through a pidfd of that QEMU.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_pidfd_send_signal,
-                        pidfd.as_raw_fd(),
-                        libc::SIGKILL,
-                        0,
-                        0,
-                    )
-                };
+                sigkill(&pidfd);
                 wait_pidfd(&pidfd, Duration::from_secs(10));
             }
         }
@@ -1007,7 +1012,10 @@ impl Inner {
         if let Some(uid) = uid {
             self.release_uid(uid);
         }
-        let _ = fs::remove_dir_all(dir);
+        // A retry covers a file that appeared while the tree was being removed.
+        if fs::remove_dir_all(dir).is_err() {
+            let _ = fs::remove_dir_all(dir);
+        }
     }
 }
 
@@ -1270,16 +1278,7 @@ impl VmHandle {
         let _ = qmp.execute("quit", json!({}));
         drop(qmp);
         if !wait_ended(&dir, pid, &pidfd, Duration::from_secs(10)) {
-            // SAFETY: the pid is our QEMU (pidfd taken while it was).
-            unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    pidfd.as_raw_fd(),
-                    libc::SIGKILL,
-                    0,
-                    0,
-                )
-            };
+            sigkill(&pidfd);
             wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
         }
         let exit = t1.elapsed();
@@ -1406,8 +1405,22 @@ impl VmHandle {
         let t1 = Instant::now();
         let result = restore(&mut qmp, &state, !from_stream);
         if let Err(e) = result {
-            // SAFETY: our QEMU; the VM stays paused, its snapshot untouched.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // The VM stays paused, its snapshot untouched. Once this returns, nothing
+            // of that QEMU run (nor its shim) writes into the VM's directory.
+            drop(qmp);
+            match pidfd_open(pid) {
+                Some(pidfd) => {
+                    sigkill(&pidfd);
+                    wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
+                }
+                None => {
+                    // Already gone: wait for its shim's record of the end.
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while exit_record(&dir, pid).is_none() && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                }
+            }
             record.state = VmState::Paused;
             record.pid = None;
             record.pid_start = None;
@@ -1595,16 +1608,7 @@ impl VmHandle {
         };
         let end = |record: &mut VmRecord| -> Result<(), VmError> {
             if let Some(pidfd) = pidfd_open(pid) {
-                // SAFETY: signalling through a pidfd of this VM's QEMU.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_pidfd_send_signal,
-                        pidfd.as_raw_fd(),
-                        libc::SIGKILL,
-                        0,
-                        0,
-                    )
-                };
+                sigkill(&pidfd);
                 wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
             }
             record.state = VmState::Paused;
@@ -1645,16 +1649,7 @@ impl VmHandle {
         if let Some(pid) = self.inner.live_pid(&record)
             && let Some(pidfd) = pidfd_open(pid)
         {
-            // SAFETY: signalling through a pidfd of our QEMU.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    pidfd.as_raw_fd(),
-                    libc::SIGKILL,
-                    0,
-                    0,
-                )
-            };
+            sigkill(&pidfd);
             wait_ended(&self.dir(), pid, &pidfd, Duration::from_secs(10));
         }
         Ok(())
