@@ -761,25 +761,44 @@ impl Store {
         let purge = purges.front().map(|p| p.upto);
         let t = Instant::now();
         let res = self.write(if durable { Durability::Immediate } else { Durability::None }, |txn| {
-            for op in &work {
-                match op {
-                    Op::Append { entries, .. } => {
-                        let mut logs = txn.open_table(LOGS)?;
-                        for (i, b) in entries {
-                            logs.insert(*i, b.as_slice())?;
+            {
+                let mut logs = None;
+                let mut meta = None;
+                for op in &work {
+                    match op {
+                        Op::Append { entries, .. } => {
+                            let logs = match &mut logs {
+                                Some(t) => t,
+                                None => logs.insert(txn.open_table(LOGS)?),
+                            };
+                            for (i, b) in entries {
+                                logs.insert(*i, b.as_slice())?;
+                            }
                         }
+                        Op::Truncate { from, .. } => {
+                            let logs = match &mut logs {
+                                Some(t) => t,
+                                None => logs.insert(txn.open_table(LOGS)?),
+                            };
+                            logs.retain_in(*from.., |_, _| false)?;
+                        }
+                        Op::Vote { bytes, .. } => {
+                            let meta = match &mut meta {
+                                Some(t) => t,
+                                None => meta.insert(txn.open_table(META)?),
+                            };
+                            meta.insert(K_VOTE, bytes.as_slice())?;
+                        }
+                        Op::Purge { .. } | Op::Committed { .. } => {}
                     }
-                    Op::Truncate { from, .. } => {
-                        txn.open_table(LOGS)?.retain_in(*from.., |_, _| false)?;
-                    }
-                    Op::Vote { bytes, .. } => {
-                        txn.open_table(META)?.insert(K_VOTE, bytes.as_slice())?;
-                    }
-                    Op::Purge { .. } | Op::Committed { .. } => {}
                 }
-            }
-            if let Some(c) = &committed {
-                txn.open_table(META)?.insert(K_COMMITTED, c.as_slice())?;
+                if let Some(c) = &committed {
+                    let meta = match &mut meta {
+                        Some(t) => t,
+                        None => meta.insert(txn.open_table(META)?),
+                    };
+                    meta.insert(K_COMMITTED, c.as_slice())?;
+                }
             }
             match &purge {
                 Some(upto) => Ok(Some(purge_in(txn, upto, retention, PURGE_CHUNK)?)),
@@ -816,8 +835,15 @@ impl Store {
         {
             let _ = p.done.send(result());
         }
-        for op in work {
+        // openraft's flush notification is a watermark (the newest flushed IO id): report only
+        // the last append of the batch, so the core wakes once and commits (and applies) the
+        // whole batch in one step instead of once per append.
+        let last_notify = work
+            .iter()
+            .rposition(|op| matches!(op, Op::Append { callback: IOFlushed::Notify(_), .. }));
+        for (k, op) in work.into_iter().enumerate() {
             match op {
+                Op::Append { callback: IOFlushed::Notify(_), .. } if err.is_none() && Some(k) != last_notify => {}
                 Op::Append { callback, .. } => callback.io_completed(result()),
                 Op::Truncate { done, .. } | Op::Vote { done, .. } | Op::Purge { done, .. } => {
                     let _ = done.send(result());
