@@ -489,6 +489,9 @@ impl Edge {
             }
             Action::Pause { id } if self.is_vm(&id) => self.blocking(move |e| Ok(e.vms()?.pause(&id)?)).await,
             Action::Resume { id } if self.is_vm(&id) => {
+                if self.failed.lock().expect("failed lock").contains(&id) {
+                    return; // reported failed: no more tries while the log catches up
+                }
                 let sid = id.clone();
                 let resumed = self.blocking(move |e| Ok(e.vms()?.resume(&sid)?)).await;
                 // A VM that cannot be restored (its snapshot is damaged, QEMU refuses it)
@@ -509,6 +512,7 @@ impl Edge {
                 };
                 match resumed {
                     Err(e) if tries >= MAX_RESUME_TRIES => {
+                        self.failed.lock().expect("failed lock").insert(id.clone());
                         self.report(&id, Observation::Failed { reason: format!("the microVM could not be restored ({tries} tries): {e}") }).await;
                         Ok(())
                     }

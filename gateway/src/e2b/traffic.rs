@@ -141,7 +141,9 @@ fn admit(st: &AppState, id: &str, port: u16, req: &Request) -> Result<(), Respon
             }
         }
     }
-    if (x.desired == Desired::Paused || x.observed == Observed::Paused) && !x.auto_resume {
+    // Observed paused while desired running is a resume under way: the request waits
+    // for it in forward(), it is not refused.
+    if x.desired == Desired::Paused && !x.auto_resume {
         return Err((StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 }))).into_response());
     }
     Ok(())
@@ -155,9 +157,12 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
     }
     let found = st.node.read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
     let Some(mut x) = found else { return Err(not_found(&id)) };
-    if x.desired == Desired::Paused || x.observed == Observed::Paused {
+    if x.desired == Desired::Paused {
         // admit() let it through: it resumes on this request (E2B auto-resume).
         x = super::api::auto_resume(st, &id).await.map_err(IntoResponse::into_response)?;
+    } else if x.observed == Observed::Paused {
+        // Its resume is asked for and the edge has yet to report it done.
+        x = super::api::wait_ready(st, &id).await.map_err(IntoResponse::into_response)?;
     }
     let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
     let Some(address) = address else {
