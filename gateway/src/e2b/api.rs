@@ -352,7 +352,7 @@ fn ended(x: &Sandbox) -> Option<R<()>> {
 }
 
 /// Until the edge reports it running.
-pub(super) async fn wait_ready(st: &AppState, id: &str) -> R<Sandbox> {
+pub(crate) async fn wait_ready(st: &AppState, id: &str) -> R<Sandbox> {
     wait_for(st, id, READY_WAIT, |x| ended(x).or_else(|| (x.observed == Observed::Ready && x.desired == Desired::Running).then_some(Ok(())))).await
 }
 

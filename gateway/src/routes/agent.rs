@@ -71,13 +71,27 @@ pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)
             return Err(ApiError::new(StatusCode::CONFLICT, "conflict", format!("sandbox {id} has ended")));
         }
         let edge = s.placement.edges.get(&x.edge).ok_or_else(|| edge_unreachable(format!("the edge {} of sandbox {id} is not registered", x.edge)))?;
-        let paused = x.desired == Desired::Paused || x.observed == Observed::Paused;
-        Ok((edge.address.clone(), paused && x.auto_resume))
+        // Desired running but observed paused: a resume is under way.
+        let resume = if x.desired == Desired::Paused && x.auto_resume {
+            Some(true)
+        } else if x.desired == Desired::Running && x.observed == Observed::Paused {
+            Some(false)
+        } else {
+            None
+        };
+        Ok((edge.address.clone(), resume))
     })?;
-    if resume {
+    match resume {
         // A paused sandbox created with auto_resume resumes on this request, as on E2B's
         // traffic path (a microVM is restored into a new VMM meanwhile).
-        crate::e2b::api::auto_resume(&st, &id).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
+        Some(true) => {
+            crate::e2b::api::auto_resume(&st, &id).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
+        }
+        // The request waits for a resume under way rather than meeting a frozen sandbox.
+        Some(false) => {
+            crate::e2b::api::wait_ready(&st, &id).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("waiting for sandbox {id} to resume: {}", e.message)))?;
+        }
+        None => {}
     }
     let user = match req.headers().get(USER_HEADER) {
         None => None,
