@@ -506,6 +506,11 @@ pub(super) fn resume(vm: &VmHandle) -> Result<ResumeReport, VmError> {
             });
         }
     }
+    // The VM's own snapshot files are its uid's (a restored snapshot arrives as root's).
+    give(&dir.join("state"), record.uid, record.uid, 0o600)?;
+    if record.ram == RamMode::Shared {
+        give(&ram, record.uid, record.uid, 0o600)?;
+    }
     let paused = record.clone();
     let t0 = Instant::now();
     let started = inner.start_firecracker(&dir, &mut record, Some(&ram));
