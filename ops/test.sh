@@ -6,6 +6,7 @@ source ops/lib.sh
 
 ensure_rust
 ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${CODE_INTERPRETER_TEST_PACKAGES[@]}"
+ensure_firecracker
 
 echo "==> building"
 cargo build --workspace --all-targets --locked

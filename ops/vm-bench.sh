@@ -15,6 +15,7 @@ source ops/lib.sh
 
 ensure_rust
 ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}"
+ensure_firecracker
 agent="$PWD/target/agent-static/opendsec-agent"
 build_static_agent "$agent"
 cargo build --release -p opendsec-edge --bin opendsec-vm-bench --bin opendsec-vm-shim --bin opendsec-image

@@ -78,6 +78,11 @@ impl MicroVms {
         self.driver.accel()
     }
 
+    /// QEMU or Firecracker for new microVMs, and why.
+    pub fn vmm(&self) -> &crate::vm::VmmVerdict {
+        self.driver.vmm()
+    }
+
     fn token(&self, sandbox: &str) -> String {
         sandbox_token(&self.edge_key, SandboxTokenKind::Agent, sandbox)
     }

@@ -989,7 +989,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
             let opened = tokio::task::spawn_blocking(move || MicroVms::open(vcfg)).await;
             let state = match opened {
                 Ok(Ok(v)) => {
-                    tracing::info!(accelerator = v.accel().accel.as_str(), reason = %v.accel().reason, "microVMs ready");
+                    tracing::info!(accelerator = v.accel().accel.as_str(), reason = %v.accel().reason, vmm = v.vmm().vmm.as_str(), vmm_reason = %v.vmm().reason, "microVMs ready");
                     VmsState::Ready(Arc::new(v))
                 }
                 Ok(Err(err)) => {

@@ -219,6 +219,9 @@ fn main() {
         args.shim.clone(),
     );
     cfg.console_cap_bytes = 1 << 20;
+    // The figures stand beside raw QEMU on the same files (QEMU's snapshot format): the
+    // Firecracker driver's figures are printed by `tests/vm_firecracker.rs`.
+    cfg.vmm = opendsec_edge::vm::VmmChoice::Qemu;
     let driver = MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}"))
         .unwrap_or_else(|e| fail(&e.to_string()));
     let image = store

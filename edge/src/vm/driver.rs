@@ -35,11 +35,16 @@ use serde_json::json;
 use super::accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
 use super::agent::AgentChannel;
 use super::disks::{allocated_bytes, build_root_disk, create_rw_disk, sparse_copy};
+use super::firecracker::{FirecrackerTools, find_firecracker};
 use super::initramfs::{GuestBoot, GuestConfig, ensure_guest_boot, write_vm_initrd};
 use super::qmp::{Qmp, QmpError};
 use super::shim::{ExitInfo, Launch};
+use super::vmm::{Vmm, VmmChoice, VmmVerdict, choose_vmm};
 use super::{VmError, io_err, lock_file, net, read_json, require_tool, write_json_atomic};
 use crate::images::{Image, ImageStore};
+
+/// VMs under Firecracker: the same handle, another VMM.
+mod fc;
 
 /// The most copies one fork may make.
 pub const MAX_FORK_COUNT: usize = 64;
@@ -78,6 +83,11 @@ pub struct VmConfig {
     /// every driver of the machine). Drivers that share a uid range must share it, or two
     /// VMs could run as one uid.
     pub uid_registry: Option<PathBuf>,
+    /// The VMM of new VMs (see [`VmmChoice`]).
+    pub vmm: VmmChoice,
+    /// `firecracker` and `jailer` (found on PATH or in /usr/local/bin when `None`).
+    pub firecracker: Option<PathBuf>,
+    pub jailer: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -99,6 +109,9 @@ impl VmConfig {
             kvm_probe_bound: Duration::from_secs(8),
             accel_cache: None,
             uid_registry: None,
+            vmm: VmmChoice::Auto,
+            firecracker: None,
+            jailer: None,
         }
     }
 }
@@ -175,6 +188,11 @@ struct VmRecord {
     pid: Option<i32>,
     pid_start: Option<u64>,
     forked_from: Option<String>,
+    #[serde(default)]
+    vmm: Vmm,
+    /// What only a Firecracker VM has (see `fc.rs`).
+    #[serde(default, skip_serializing_if = "fc::FcRecord::is_empty")]
+    fc: fc::FcRecord,
 }
 
 /// Memory of one QEMU process (from `/proc/<pid>/smaps_rollup`), in KiB.
@@ -217,6 +235,10 @@ pub struct PauseReport {
     /// Writing the RAM file back and dropping it from the page cache.
     pub release: Duration,
     pub state_bytes: u64,
+    /// Bytes of guest memory the snapshot wrote (QEMU's shared RAM is its own file: 0).
+    pub ram_bytes: u64,
+    /// Whether only the pages written since the last snapshot were saved (a Diff).
+    pub incremental: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -261,6 +283,8 @@ struct SnapshotMeta {
     accel: Accel,
     tsc_khz: Option<u64>,
     ram_in_stream: bool,
+    #[serde(default)]
+    vmm: Vmm,
 }
 
 /// The file a snapshot directory is recognised by.
@@ -274,6 +298,9 @@ struct Inner {
     tsc_khz: Option<(u64, &'static str)>,
     /// Namespaces are named after the root too, so two drivers never collide.
     netns_prefix: String,
+    /// The VMM new VMs get, and Firecracker's binaries (or why they are not usable).
+    vmm: VmmVerdict,
+    firecracker: Result<FirecrackerTools, String>,
 }
 
 /// The QEMU microVM driver.
@@ -347,6 +374,8 @@ impl MicroVmDriver {
             let h = Sha256::digest(cfg.root.to_string_lossy().as_bytes());
             format!("odvm-{}-", &hex::encode(h)[..6])
         };
+        let firecracker = find_firecracker(cfg.firecracker.as_deref(), cfg.jailer.as_deref());
+        let vmm = choose_vmm(cfg.vmm, &accel, &firecracker)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 tsc_khz: host_tsc_khz(),
@@ -355,6 +384,8 @@ impl MicroVmDriver {
                 boot,
                 accel,
                 netns_prefix,
+                vmm,
+                firecracker: firecracker.map_err(|e| e.to_string()),
             }),
         })
     }
@@ -383,6 +414,9 @@ impl MicroVmDriver {
             )));
         }
         let inner = &self.inner;
+        if inner.vmm.vmm == Vmm::Firecracker {
+            return fc::create(self, spec, progress);
+        }
         let root_disk = build_root_disk(&inner.cfg.store, &spec.image, progress)?;
         let dir = inner.create_vm_dir(&spec.id)?;
         let mut claimed_uid = None;
@@ -410,6 +444,8 @@ impl MicroVmDriver {
                 pid: None,
                 pid_start: None,
                 forked_from: None,
+                vmm: Vmm::Qemu,
+                fc: Default::default(),
             };
             inner.prepare_dir(&dir, uid)?;
             create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
@@ -517,6 +553,8 @@ impl MicroVmDriver {
                 pid: None,
                 pid_start: None,
                 forked_from: Some(meta.source.clone()),
+                vmm: meta.vmm,
+                fc: Default::default(),
             };
             inner.prepare_dir(&dir, uid)?;
             write_vm_initrd(
@@ -1241,6 +1279,9 @@ impl VmHandle {
     /// shared RAM the stream holds only device state (the RAM file is the memory); a
     /// fork copy's RAM (private pages over the fork's base) goes into the stream.
     pub fn pause(&self) -> Result<PauseReport, VmError> {
+        if self.on_firecracker()? {
+            return fc::pause(self);
+        }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let (mut record, pid) = self.running_record("pause")?;
@@ -1297,6 +1338,8 @@ impl VmHandle {
             exit,
             release: t2.elapsed(),
             state_bytes,
+            ram_bytes: if shared { 0 } else { state_bytes },
+            incremental: false,
         })
     }
 
@@ -1305,6 +1348,9 @@ impl VmHandle {
     /// only while they are copied, then continues; a paused one is copied as it lies.
     /// On failure `dest` is gone and the VM is as it was.
     pub fn snapshot_to(&self, dest: &Path) -> Result<SnapshotReport, VmError> {
+        if self.on_firecracker()? {
+            return fc::snapshot_to(self, dest);
+        }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let record = self.inner.record(&self.id)?;
@@ -1367,6 +1413,7 @@ impl VmHandle {
             accel: record.accel,
             tsc_khz: record.tsc_khz,
             ram_in_stream,
+            vmm: record.vmm,
         };
         if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
             let _ = fs::remove_dir_all(dest);
@@ -1380,6 +1427,9 @@ impl VmHandle {
 
     /// Resume: a new QEMU process restores the paused VM, which continues where it was.
     pub fn resume(&self) -> Result<ResumeReport, VmError> {
+        if self.on_firecracker()? {
+            return fc::resume(self);
+        }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let mut record = self.inner.record(&self.id)?;
@@ -1450,6 +1500,9 @@ impl VmHandle {
     /// in `new_ids`) is a new VM restored from that state, mapping the frozen RAM copy
     /// privately, so the copies share every page none of them has written.
     pub fn fork(&self, new_ids: &[String]) -> Result<ForkReport, VmError> {
+        if self.on_firecracker()? {
+            return fc::fork(self, new_ids);
+        }
         let started = Instant::now();
         if new_ids.is_empty() || new_ids.len() > MAX_FORK_COUNT {
             return Err(VmError::Invalid(format!(
@@ -1600,6 +1653,9 @@ impl VmHandle {
     /// already taken (the VM is paused) is ended; a QEMU still waiting for an incoming
     /// snapshot is ended and the VM stays paused. Returns what it did, if anything.
     pub fn recover(&self) -> Result<Option<String>, VmError> {
+        if self.on_firecracker()? {
+            return fc::recover(self);
+        }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let mut record = self.inner.record(&self.id)?;
@@ -1645,6 +1701,9 @@ impl VmHandle {
     /// Ends the QEMU process at once (the guest gets no say); the VM stays on disk,
     /// [`VmStatus::Exited`].
     pub fn kill(&self) -> Result<(), VmError> {
+        if self.on_firecracker()? {
+            return fc::kill(self);
+        }
         let record = self.inner.record(&self.id)?;
         if let Some(pid) = self.inner.live_pid(&record)
             && let Some(pidfd) = pidfd_open(pid)
@@ -1720,6 +1779,7 @@ impl Inner {
                 pid: None,
                 pid_start: None,
                 forked_from: Some(source.id.clone()),
+                fc: Default::default(),
                 ..source.clone()
             };
             self.prepare_dir(&copy_dir, uid)?;

@@ -34,6 +34,8 @@ done </lib/modules/load-order
 . /opendsec/vm.conf
 
 # Device names follow probe order; the serial numbers QEMU gives the disks do not.
+# Firecracker's serials are its own (device and inode numbers): there the read-only
+# disk is the image and the writable one is ours.
 root_dev=
 rw_dev=
 tries=0
@@ -43,6 +45,13 @@ while :; do
         case "$(cat "$dev/serial")" in
         opendsec-root) root_dev=/dev/${dev##*/} ;;
         opendsec-rw) rw_dev=/dev/${dev##*/} ;;
+        *)
+            if [ "$(cat "$dev/ro" 2>/dev/null)" = 1 ]; then
+                root_dev=/dev/${dev##*/}
+            else
+                rw_dev=/dev/${dev##*/}
+            fi
+            ;;
         esac
     done
     [ -n "$root_dev" ] && [ -n "$rw_dev" ] && break

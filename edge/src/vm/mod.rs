@@ -16,17 +16,22 @@
 //! - `driver`: [`MicroVmDriver`] and [`VmHandle`]: create, pause, resume, fork, kill.
 //! - `agent`: a minimal client of the in-guest agent (health, exec) for readiness checks,
 //!   tests and the benchmark.
+//! - `firecracker`: Firecracker and its jailer (API client, jail, Diff merging);
+//!   `driver/fc.rs` runs VMs under it behind the same [`VmHandle`].
+//! - `vmm`: which VMM a driver gives new VMs ([`Vmm`]: QEMU or Firecracker).
 
 mod accel;
 pub mod agent;
 mod cpio;
 mod disks;
 mod driver;
+pub mod firecracker;
 mod initramfs;
 mod kernel;
 mod net;
 mod qmp;
 pub mod shim;
+mod vmm;
 
 use std::fs;
 use std::io;
@@ -46,6 +51,7 @@ pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
 pub use net::{GUEST_MAC, TAP};
 pub use qmp::{Qmp, QmpError};
+pub use vmm::{Vmm, VmmChoice, VmmVerdict, choose_vmm};
 
 use crate::images::ImageError;
 
@@ -98,6 +104,16 @@ pub enum VmError {
     /// The agent in the guest answered unexpectedly.
     #[error("agent: {0}")]
     Agent(String),
+    /// A Firecracker API request failed (`status` is the HTTP status, when it answered).
+    #[error("Firecracker API {request}: {message}")]
+    FirecrackerApi {
+        request: String,
+        status: Option<u16>,
+        message: String,
+    },
+    /// A Firecracker process did not start, or ended while an operation needed it.
+    #[error("Firecracker of VM {id}: {message}")]
+    Firecracker { id: String, message: String },
 }
 
 impl VmError {

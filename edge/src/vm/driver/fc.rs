@@ -1,0 +1,801 @@
+//! VMs under Firecracker, behind the same [`VmHandle`] as QEMU's. A child of `driver`
+//! so that it shares the VM record, the uid registry, the namespaces and the VM shim
+//! with QEMU VMs; what differs lives here.
+//!
+//! Each run of a VM is one jailed Firecracker process (`firecracker::JailSpec`): the
+//! jailer, started by `opendsec-vm-shim` (detached, console to `console.log`, `exit.json`
+//! at the end), makes `<root>/jails/firecracker/<id>/root` and the cpuset cgroup
+//! `<driver's parent>/<id>`, joins the VM's network namespace, drops to the VM's uid and
+//! execs Firecracker under its default seccomp filter. Every file the VM uses is
+//! hard-linked into the chroot before the process starts, under fixed names (`/rw.img`,
+//! `/ram`, ...), so a snapshot's device paths are valid in every later jail.
+//!
+//! Files in `vms/<id>/` besides the common ones: `ram` and `state`, the memory and device
+//! state of the last pause (kept while the VM runs again: Firecracker maps `ram`
+//! privately, so it must not change until the process is gone); during a pause
+//! `ram.new` (Full) or `ram.diff` (Diff) and `state.new`; `vmm.pid`.
+//!
+//! Memory: a cold-booted VM's memory is anonymous; a resumed VM maps `ram` privately
+//! (pages are read on demand and copied when written). Dirty pages are always tracked:
+//! a VM resumed from `ram` that took no snapshot since pauses with a Diff (only the pages
+//! written since the load) merged onto `ram` once its process has ended; every other
+//! pause writes a Full snapshot. A fork copy maps its fork's frozen Full snapshot
+//! privately, so copies share every page none of them wrote.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+use crate::vm::firecracker::{
+    FcApi, InstanceState, JailSpec, SnapshotKind, cgroup_version, merge_diff,
+};
+
+/// Names inside every jail (as the jailed process sees them).
+const KERNEL: &str = "/vmlinux";
+const INITRD: &str = "/initrd";
+const ROOT_DISK: &str = "/root.img";
+const RW_DISK: &str = "/rw.img";
+const STATE: &str = "/state";
+const RAM: &str = "/ram";
+const SNAP_STATE: &str = "/snap.state";
+const SNAP_RAM: &str = "/snap.ram";
+const VSOCK: &str = "/v.sock";
+/// The guest's vsock context id (every VM is alone in its jail and namespace).
+const GUEST_CID: u32 = 3;
+
+/// How long the jailer may take until Firecracker listens on its API socket.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a killed Firecracker may take to be gone (and its shim to record it).
+const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What only a Firecracker VM's record holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct FcRecord {
+    /// The running process was loaded from `ram` and took no snapshot since, so `ram`
+    /// plus a Diff snapshot is its memory. Any other snapshot resets Firecracker's dirty
+    /// bitmap and clears this.
+    #[serde(default)]
+    diff_base: bool,
+    /// A pause whose snapshot is complete but not yet in place (`finish_pause`).
+    #[serde(default)]
+    pending: Option<SnapshotKind>,
+}
+
+impl FcRecord {
+    pub(super) fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// The kernel command line: the console on the serial port (the shim keeps it), a
+/// panic or reboot ends the process (`reboot=k`: Firecracker exits on the keyboard
+/// controller's reset), no PCI bus to scan.
+fn boot_args() -> String {
+    "console=ttyS0 reboot=k panic=-1 pci=off quiet random.trust_cpu=on".into()
+}
+
+impl MicroVmDriver {
+    /// The VMM this driver gives new VMs, and why.
+    pub fn vmm(&self) -> &VmmVerdict {
+        &self.inner.vmm
+    }
+
+    /// Firecracker's binaries, when they were found.
+    pub fn firecracker(&self) -> Option<&FirecrackerTools> {
+        self.inner.firecracker.as_ref().ok()
+    }
+}
+
+impl VmHandle {
+    pub(super) fn on_firecracker(&self) -> Result<bool, VmError> {
+        Ok(self.inner.record(&self.id)?.vmm == Vmm::Firecracker)
+    }
+
+    /// The VMM this VM runs under and its accelerator (Firecracker: always KVM).
+    pub fn vmm(&self) -> Result<(Vmm, Accel), VmError> {
+        let record = self.inner.record(&self.id)?;
+        Ok((record.vmm, record.accel))
+    }
+
+    /// The jail of a Firecracker VM (its chroot, cgroup and the uid and gid it runs
+    /// as); `None` for a QEMU VM.
+    pub fn firecracker_jail(&self) -> Result<Option<JailSpec>, VmError> {
+        let record = self.inner.record(&self.id)?;
+        Ok((record.vmm == Vmm::Firecracker).then(|| self.inner.jail(&record)))
+    }
+
+    /// A connection to the API of the VM's running Firecracker process (diagnostics and
+    /// tests). Snapshots taken through it are unknown to the driver.
+    pub fn firecracker_api(&self) -> Result<FcApi, VmError> {
+        let (record, _pid) = self.running_record("reach its Firecracker API")?;
+        if record.vmm != Vmm::Firecracker {
+            return Err(VmError::Invalid(format!("VM {} runs under QEMU", self.id)));
+        }
+        FcApi::connect(&self.inner.jail(&record).api_socket())
+    }
+}
+
+impl Inner {
+    fn fc_tools(&self) -> Result<&FirecrackerTools, VmError> {
+        self.firecracker
+            .as_ref()
+            .map_err(|e| VmError::Prerequisite(e.clone()))
+    }
+
+    /// The jail of `record`'s VM. A fork copy runs with its source's group, the only
+    /// one that may read the frozen memory every copy maps.
+    fn jail(&self, record: &VmRecord) -> JailSpec {
+        let (jailer, firecracker) = match &self.firecracker {
+            Ok(t) => (t.jailer.clone(), t.firecracker.clone()),
+            // Only the chroot's and cgroup's names are needed to remove them.
+            Err(_) => (PathBuf::from("jailer"), PathBuf::from("firecracker")),
+        };
+        JailSpec {
+            id: record.id.clone(),
+            jailer,
+            firecracker,
+            chroot_base: self.cfg.root.join("jails"),
+            uid: record.uid,
+            gid: record.groups.first().copied().unwrap_or(record.uid),
+            netns: Some(net::netns_path(&record.netns)),
+            parent_cgroup: self.netns_prefix.trim_end_matches('-').to_string(),
+            cgroup: cgroup_version(),
+        }
+    }
+
+    /// Starts a jailed Firecracker for `record` (booting when `load` is `None`, else
+    /// ready to load `dir/state` with the memory file `load`) and connects to its API.
+    /// The record is saved running with the new pid. On failure nothing of the run is
+    /// left (process, chroot, cgroup); the caller resets the record.
+    fn start_firecracker(
+        &self,
+        dir: &Path,
+        record: &mut VmRecord,
+        load: Option<&Path>,
+    ) -> Result<(i32, FcApi), VmError> {
+        self.fc_tools()?;
+        let jail = self.jail(record);
+        let fail = |message: String| VmError::Firecracker {
+            id: record.id.clone(),
+            message,
+        };
+        jail.prepare()?;
+        let linked = (|| {
+            jail.link(&record.root_disk, ROOT_DISK)?;
+            jail.link(&dir.join("rw.img"), RW_DISK)?;
+            match load {
+                None => {
+                    jail.link(&record.vmlinux, KERNEL)?;
+                    jail.link(&dir.join("initrd"), INITRD)?;
+                }
+                Some(ram) => {
+                    jail.link(&dir.join("state"), STATE)?;
+                    jail.link(ram, RAM)?;
+                }
+            }
+            jail.argv()
+        })();
+        let argv = match linked {
+            Ok(argv) => argv,
+            Err(e) => {
+                let _ = jail.cleanup();
+                return Err(e);
+            }
+        };
+        for stale in ["exit.json", "vmm.pid"] {
+            let _ = fs::remove_file(dir.join(stale));
+        }
+        let launch = Launch {
+            argv,
+            // The jailer needs root; it drops to the VM's uid and gid itself.
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            netns: None,
+            tap: None,
+            workdir: dir.to_path_buf(),
+            console_log: dir.join("console.log"),
+            console_cap_bytes: self.cfg.console_cap_bytes,
+            pid_file: dir.join("vmm.pid"),
+            exit_file: dir.join("exit.json"),
+        };
+        let launch_file = dir.join("launch.json");
+        let spawned = write_json_atomic(&launch_file, &launch)
+            .and_then(|()| super::super::shim::spawn(&self.cfg.shim, &launch_file));
+        let pid = match spawned {
+            Ok(pid) => pid,
+            Err(e) => {
+                let _ = jail.cleanup();
+                return Err(fail(format!("starting the jailer: {e}")));
+            }
+        };
+        record.pid = Some(pid);
+        record.pid_start = process_start(pid);
+        record.state = VmState::Running;
+        self.save(record)?;
+        let alive = || process_start(pid).is_some() && exit_record(dir, pid).is_none();
+        match FcApi::connect_until(&jail.api_socket(), Instant::now() + START_TIMEOUT, &alive) {
+            Ok(api) => Ok((pid, api)),
+            Err(e) => {
+                let _ = self.stop_firecracker(dir, record);
+                Err(fail(format!("{e}; console: {}", console_tail(dir, 1500))))
+            }
+        }
+    }
+
+    /// Ends `record`'s Firecracker process (if it still runs) and removes its jail.
+    fn stop_firecracker(&self, dir: &Path, record: &VmRecord) -> Result<(), VmError> {
+        if let Some(pid) = self.live_pid(record)
+            && let Some(pidfd) = pidfd_open(pid)
+        {
+            sigkill(&pidfd);
+            if !wait_ended(dir, pid, &pidfd, EXIT_TIMEOUT) {
+                return Err(VmError::Firecracker {
+                    id: record.id.clone(),
+                    message: format!(
+                        "process {pid} did not end within {} s of SIGKILL",
+                        EXIT_TIMEOUT.as_secs()
+                    ),
+                });
+            }
+        }
+        self.jail(record).cleanup()
+    }
+
+    /// Removes what a Firecracker VM that never became whole had.
+    fn discard_firecracker(
+        &self,
+        dir: &Path,
+        record: Option<&VmRecord>,
+        netns: &str,
+        uid: Option<u32>,
+    ) {
+        if let Some(record) = record {
+            let _ = self.stop_firecracker(dir, record);
+        }
+        self.discard(dir, Some(netns), uid);
+    }
+
+    /// Puts the snapshot of a pause whose process has ended in place: a Full one's
+    /// memory replaces `ram`, a Diff's is merged onto it; then `state`. Every step can
+    /// be repeated, so an edge that died half-way finishes here (resume, recover).
+    fn finish_pause(&self, dir: &Path, record: &mut VmRecord) -> Result<(), VmError> {
+        let Some(kind) = record.fc.pending else {
+            return Ok(());
+        };
+        let ram = dir.join("ram");
+        match kind {
+            SnapshotKind::Full => {
+                if dir.join("ram.new").exists() {
+                    fs::rename(dir.join("ram.new"), &ram)
+                        .map_err(io_err("keeping the memory snapshot"))?;
+                }
+            }
+            SnapshotKind::Diff => {
+                if dir.join("ram.diff").exists() {
+                    merge_diff(&ram, &dir.join("ram.diff"))?;
+                }
+            }
+        }
+        if dir.join("state.new").exists() {
+            fs::rename(dir.join("state.new"), dir.join("state"))
+                .map_err(io_err("keeping the snapshot"))?;
+        }
+        let _ = fs::remove_file(dir.join("ram.diff"));
+        give(&ram, record.uid, record.uid, 0o600)?;
+        give(&dir.join("state"), record.uid, record.uid, 0o600)?;
+        let old_base = matches!(record.ram, RamMode::Private { .. });
+        record.ram = RamMode::Shared;
+        record.groups.clear();
+        record.fc = FcRecord::default();
+        self.save(record)?;
+        if old_base {
+            self.gc_forks();
+        }
+        Ok(())
+    }
+
+    /// The memory file a paused VM loads: its own, or (a fork copy never paused) the
+    /// fork's frozen base.
+    fn memory_file(&self, dir: &Path, record: &VmRecord) -> PathBuf {
+        match &record.ram {
+            RamMode::Private { base } => base.clone(),
+            _ => dir.join("ram"),
+        }
+    }
+}
+
+/// Moves a file the jailed process wrote out of its chroot to `dest` (root's, 0600).
+fn take_out(jail: &JailSpec, inside: &str, dest: &Path) -> Result<u64, VmError> {
+    let src = jail.host_path(inside);
+    match fs::rename(&src, dest) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            sparse_copy(&src, dest)?;
+            let _ = fs::remove_file(&src);
+        }
+        Err(e) => {
+            return Err(VmError::io(
+                format!("moving {} to {}", src.display(), dest.display()),
+                e,
+            ));
+        }
+    }
+    give(dest, 0, 0, 0o600)?;
+    Ok(allocated_bytes(dest))
+}
+
+fn remove_snapshot_files(jail: &JailSpec) {
+    let _ = fs::remove_file(jail.host_path(SNAP_STATE));
+    let _ = fs::remove_file(jail.host_path(SNAP_RAM));
+}
+
+/// Configures a freshly started process as `record` says and boots it.
+fn configure_and_start(api: &mut FcApi, record: &VmRecord) -> Result<(), VmError> {
+    api.boot_source(KERNEL, Some(INITRD), &boot_args())?;
+    api.machine_config(record.vcpus, record.memory_mb, true)?;
+    api.drive("root", ROOT_DISK, true)?;
+    api.drive("rw", RW_DISK, false)?;
+    api.network_interface("eth0", net::TAP, net::GUEST_MAC)?;
+    api.vsock(GUEST_CID, VSOCK)?;
+    api.start()
+}
+
+/// [`MicroVmDriver::create`] under Firecracker: the same disks, initrd, uid and
+/// namespace as QEMU's, then configure and InstanceStart.
+pub(super) fn create(
+    driver: &MicroVmDriver,
+    spec: &VmSpec,
+    progress: &dyn Fn(&str),
+) -> Result<VmHandle, VmError> {
+    let inner = &driver.inner;
+    inner.fc_tools()?;
+    if spec.vcpus > 32 || (spec.vcpus > 1 && spec.vcpus % 2 == 1) {
+        return Err(VmError::Invalid(format!(
+            "Firecracker runs 1 or an even number of vCPUs up to 32, not {}",
+            spec.vcpus
+        )));
+    }
+    let root_disk = build_root_disk(&inner.cfg.store, &spec.image, progress)?;
+    let dir = inner.create_vm_dir(&spec.id)?;
+    let netns = format!("{}{}", inner.netns_prefix, spec.id);
+    let mut claimed_uid = None;
+    let mut started: Option<VmRecord> = None;
+    let result = (|| {
+        let _lock = lock_file(&dir.join("lock"))?;
+        let uid = inner.allocate_uid(&spec.id)?;
+        claimed_uid = Some(uid);
+        let mut record = VmRecord {
+            id: spec.id.clone(),
+            image: spec.image.name.clone(),
+            layers: spec.image.layers.clone(),
+            memory_mb: spec.memory_mb,
+            vcpus: spec.vcpus,
+            disk_mb: spec.disk_mb,
+            uid,
+            groups: Vec::new(),
+            netns: netns.clone(),
+            vmlinux: inner.boot.kernel.vmlinux(),
+            root_disk,
+            accel: Accel::Kvm,
+            tsc_khz: None,
+            ram: RamMode::Shared,
+            state: VmState::Running,
+            pid: None,
+            pid_start: None,
+            forked_from: None,
+            vmm: Vmm::Firecracker,
+            fc: FcRecord::default(),
+        };
+        inner.prepare_dir(&dir, uid)?;
+        create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
+        write_vm_initrd(
+            &inner.boot,
+            &dir.join("initrd"),
+            &GuestConfig {
+                hostname: spec.id.clone(),
+                access_token: spec.access_token.clone(),
+                env: spec.env.clone(),
+                start: spec.image.config.start.clone(),
+            },
+        )?;
+        give(&dir.join("rw.img"), uid, uid, 0o600)?;
+        give(&dir.join("initrd"), uid, uid, 0o400)?;
+        net::create(&netns, uid)?;
+        write_json_atomic(&dir.join("vm.json"), &record)?;
+        let (_pid, mut api) = inner.start_firecracker(&dir, &mut record, None)?;
+        started = Some(record.clone());
+        configure_and_start(&mut api, &record).map_err(|e| VmError::Firecracker {
+            id: record.id.clone(),
+            message: format!("booting: {e}; console: {}", console_tail(&dir, 1500)),
+        })
+    })();
+    if let Err(e) = result {
+        inner.discard_firecracker(&dir, started.as_ref(), &netns, claimed_uid);
+        return Err(e);
+    }
+    Ok(driver.handle(&spec.id))
+}
+
+/// Pause: stop the vCPUs, snapshot (Diff onto `ram` when the VM was loaded from it and
+/// took no snapshot since, else Full), end the process, put the snapshot in place.
+pub(super) fn pause(vm: &VmHandle) -> Result<PauseReport, VmError> {
+    let inner = &vm.inner;
+    let dir = vm.dir();
+    let _lock = lock_file(&dir.join("lock"))?;
+    let (mut record, _pid) = vm.running_record("pause")?;
+    let jail = inner.jail(&record);
+    let mut api = FcApi::connect(&jail.api_socket())?;
+    let kind = if record.fc.diff_base && record.ram == RamMode::Shared && dir.join("ram").is_file()
+    {
+        SnapshotKind::Diff
+    } else {
+        SnapshotKind::Full
+    };
+    let t0 = Instant::now();
+    api.pause()?;
+    if let Err(e) = api.snapshot_create(kind, SNAP_STATE, SNAP_RAM) {
+        remove_snapshot_files(&jail);
+        // The VM is unharmed: let it run on.
+        let _ = api.resume();
+        return Err(e);
+    }
+    let snapshot = t0.elapsed();
+    let ram_pending = dir.join(match kind {
+        SnapshotKind::Full => "ram.new",
+        SnapshotKind::Diff => "ram.diff",
+    });
+    let moved = take_out(&jail, SNAP_RAM, &ram_pending)
+        .and_then(|ram| Ok((ram, take_out(&jail, SNAP_STATE, &dir.join("state.new"))?)));
+    let (ram_bytes, state_bytes) = match moved {
+        Ok(sizes) => sizes,
+        Err(e) => {
+            let _ = fs::remove_file(&ram_pending);
+            let _ = fs::remove_file(dir.join("state.new"));
+            remove_snapshot_files(&jail);
+            let _ = api.resume();
+            return Err(e);
+        }
+    };
+    // The snapshot is complete: from here the VM is paused, whatever happens to this
+    // process (a crash before it is gone leaves it for `recover` to end).
+    record.state = VmState::Paused;
+    record.fc.pending = Some(kind);
+    inner.save(&record)?;
+    let t1 = Instant::now();
+    drop(api);
+    inner.stop_firecracker(&dir, &record)?;
+    let exit = t1.elapsed();
+    record.pid = None;
+    record.pid_start = None;
+    inner.save(&record)?;
+    let t2 = Instant::now();
+    inner.finish_pause(&dir, &mut record)?;
+    release_page_cache(&dir.join("ram"))?;
+    Ok(PauseReport {
+        snapshot,
+        exit,
+        release: t2.elapsed(),
+        state_bytes,
+        ram_bytes,
+        incremental: kind == SnapshotKind::Diff,
+    })
+}
+
+/// Resume: a new jailed Firecracker loads `state` with the memory file mapped
+/// privately and runs on where the VM paused.
+pub(super) fn resume(vm: &VmHandle) -> Result<ResumeReport, VmError> {
+    let inner = &vm.inner;
+    let dir = vm.dir();
+    let _lock = lock_file(&dir.join("lock"))?;
+    let mut record = inner.record(&vm.id)?;
+    if record.state != VmState::Paused {
+        return Err(vm.bad_state("running", "resume"));
+    }
+    inner.finish_pause(&dir, &mut record)?;
+    let ram = inner.memory_file(&dir, &record);
+    for needed in [dir.join("state"), ram.clone()] {
+        if !needed.is_file() {
+            return Err(VmError::Corrupt {
+                path: needed,
+                message: "a paused VM without its snapshot".into(),
+            });
+        }
+    }
+    // The VM's own snapshot files are its uid's (a restored snapshot arrives as root's).
+    give(&dir.join("state"), record.uid, record.uid, 0o600)?;
+    if record.ram == RamMode::Shared {
+        give(&ram, record.uid, record.uid, 0o600)?;
+    }
+    let paused = record.clone();
+    let t0 = Instant::now();
+    let started = inner.start_firecracker(&dir, &mut record, Some(&ram));
+    let spawn = t0.elapsed();
+    let t1 = Instant::now();
+    let loaded = started.and_then(|(_pid, mut api)| {
+        api.snapshot_load(STATE, RAM, true, true)
+            .map_err(|e| VmError::Firecracker {
+                id: vm.id.clone(),
+                message: format!(
+                    "loading the snapshot {}: {e}; console: {}",
+                    dir.join("state").display(),
+                    console_tail(&dir, 800)
+                ),
+            })
+    });
+    if let Err(e) = loaded {
+        // The VM stays paused, its snapshot untouched; nothing of the run is left.
+        let _ = inner.stop_firecracker(&dir, &record);
+        inner.save(&paused)?;
+        return Err(e);
+    }
+    let restore = t1.elapsed();
+    record.fc.diff_base = record.ram == RamMode::Shared;
+    inner.save(&record)?;
+    Ok(ResumeReport { spawn, restore })
+}
+
+/// Pauses the running VM, takes a Full snapshot into the jail and copies the writable
+/// disk with `copy_disk`, and lets it run on whatever happened. Returns how long it
+/// was stopped; the snapshot's files are at `SNAP_STATE` and `SNAP_RAM` in the jail.
+fn full_snapshot_running(
+    inner: &Inner,
+    record: &mut VmRecord,
+    copy_disk: &dyn Fn() -> Result<u64, VmError>,
+) -> Result<(Duration, u64), VmError> {
+    let jail = inner.jail(record);
+    let mut api = FcApi::connect(&jail.api_socket())?;
+    // Any snapshot resets Firecracker's dirty bitmap: `ram` + Diff is no longer the memory.
+    record.fc.diff_base = false;
+    inner.save(record)?;
+    let t0 = Instant::now();
+    api.pause()?;
+    let taken = api
+        .snapshot_create(SnapshotKind::Full, SNAP_STATE, SNAP_RAM)
+        .and_then(|()| copy_disk());
+    let resumed = api.resume();
+    let paused = t0.elapsed();
+    let bytes = taken.inspect_err(|_| remove_snapshot_files(&jail))?;
+    resumed?;
+    Ok((paused, bytes))
+}
+
+pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, VmError> {
+    let inner = &vm.inner;
+    let dir = vm.dir();
+    let _lock = lock_file(&dir.join("lock"))?;
+    let mut record = inner.record(&vm.id)?;
+    fs::create_dir(dest).map_err(io_err(format!("creating {}", dest.display())))?;
+    fs::set_permissions(dest, fs::Permissions::from_mode(0o700))
+        .map_err(io_err(format!("chmod {}", dest.display())))?;
+    let taken = (|| match record.state {
+        VmState::Running => {
+            if inner.live_pid(&record).is_none() {
+                return Err(vm.bad_state("exited", "snapshot"));
+            }
+            let copy_disk = || sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"));
+            let (paused, mut bytes) = full_snapshot_running(inner, &mut record, &copy_disk)?;
+            let jail = inner.jail(&record);
+            bytes += take_out(&jail, SNAP_RAM, &dest.join("ram"))?;
+            bytes += take_out(&jail, SNAP_STATE, &dest.join("state"))?;
+            Ok((paused, bytes))
+        }
+        VmState::Paused => {
+            inner.finish_pause(&dir, &mut record)?;
+            let mut bytes = fs::copy(dir.join("state"), dest.join("state"))
+                .map_err(io_err("copying the VM's snapshot"))?;
+            bytes += sparse_copy(&inner.memory_file(&dir, &record), &dest.join("ram"))?;
+            bytes += sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"))?;
+            Ok((Duration::ZERO, bytes))
+        }
+    })();
+    let (source_paused, bytes) = match taken {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = fs::remove_dir_all(dest);
+            return Err(e);
+        }
+    };
+    let meta = SnapshotMeta {
+        source: vm.id.clone(),
+        image: record.image.clone(),
+        layers: record.layers.clone(),
+        memory_mb: record.memory_mb,
+        vcpus: record.vcpus,
+        disk_mb: record.disk_mb,
+        vmlinux: record.vmlinux.clone(),
+        root_disk: record.root_disk.clone(),
+        accel: record.accel,
+        tsc_khz: record.tsc_khz,
+        ram_in_stream: false,
+        vmm: Vmm::Firecracker,
+    };
+    if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
+        let _ = fs::remove_dir_all(dest);
+        return Err(e);
+    }
+    Ok(SnapshotReport {
+        source_paused,
+        bytes,
+    })
+}
+
+/// Fork with memory: the source stops while a Full snapshot is written and its disk
+/// copied, then runs on; each copy is a new jailed Firecracker that loads the frozen
+/// memory file privately, so the copies share every page none of them has written.
+pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmError> {
+    let started = Instant::now();
+    let inner = &vm.inner;
+    if new_ids.is_empty() || new_ids.len() > MAX_FORK_COUNT {
+        return Err(VmError::Invalid(format!(
+            "fork count must be 1 to {MAX_FORK_COUNT}, not {}",
+            new_ids.len()
+        )));
+    }
+    for (i, id) in new_ids.iter().enumerate() {
+        validate_id(id)?;
+        if new_ids[..i].contains(id) || id == &vm.id {
+            return Err(VmError::Invalid(format!("fork id {id} is given twice")));
+        }
+        if inner.vm_dir(id).exists() {
+            return Err(VmError::Exists(id.clone()));
+        }
+    }
+    let dir = vm.dir();
+    let lock = lock_file(&dir.join("lock"))?;
+    let (mut source, _pid) = vm.running_record("fork")?;
+    let fork_dir = inner.cfg.root.join("forks").join(format!(
+        "{}-{}",
+        vm.id,
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros())
+            .unwrap_or(0)
+    ));
+    fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
+    fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711))
+        .map_err(io_err("chmod fork dir"))?;
+    let base = fork_dir.join("ram");
+    let mut prepared: Vec<(VmRecord, PathBuf)> = Vec::new();
+    let discard_all = |prepared: &[(VmRecord, PathBuf)]| {
+        for (record, copy_dir) in prepared {
+            inner.discard_firecracker(copy_dir, Some(record), &record.netns, Some(record.uid));
+        }
+        let _ = fs::remove_dir_all(&fork_dir);
+    };
+    for id in new_ids {
+        match inner.prepare_copy(&source, &dir, id, &base) {
+            Ok(ready) => prepared.push(ready),
+            Err(e) => {
+                discard_all(&prepared);
+                return Err(e);
+            }
+        }
+    }
+    let frozen = (|| {
+        let copy_disk = || sparse_copy(&dir.join("rw.img"), &fork_dir.join("rw.img"));
+        let (paused, _) = full_snapshot_running(inner, &mut source, &copy_disk)?;
+        let jail = inner.jail(&source);
+        let ram_bytes = take_out(&jail, SNAP_RAM, &base)?;
+        take_out(&jail, SNAP_STATE, &fork_dir.join("state"))?;
+        // Copies map the base read-only with the source's group; nobody else may.
+        give(&base, 0, source.uid, 0o440)?;
+        Ok::<_, VmError>((paused, ram_bytes))
+    })();
+    drop(lock);
+    let (source_paused, ram_bytes) = match frozen {
+        Ok(v) => v,
+        Err(e) => {
+            discard_all(&prepared);
+            return Err(e);
+        }
+    };
+    let mut failure = None;
+    for (record, copy_dir) in &prepared {
+        let step = (|| {
+            sparse_copy(&fork_dir.join("rw.img"), &copy_dir.join("rw.img"))?;
+            give(&copy_dir.join("rw.img"), record.uid, record.uid, 0o600)?;
+            fs::copy(fork_dir.join("state"), copy_dir.join("state"))
+                .map_err(io_err("copying the snapshot"))?;
+            give(&copy_dir.join("state"), record.uid, record.uid, 0o600)?;
+            write_json_atomic(&copy_dir.join("vm.json"), record)?;
+            VmHandle {
+                inner: vm.inner.clone(),
+                id: record.id.clone(),
+            }
+            .resume()
+        })();
+        if let Err(e) = step {
+            failure = Some(e);
+            break;
+        }
+    }
+    if let Some(e) = failure {
+        // Each copy's record now says where its process is, if it has one.
+        let current: Vec<(VmRecord, PathBuf)> = prepared
+            .iter()
+            .map(|(r, d)| (inner.record(&r.id).unwrap_or_else(|_| r.clone()), d.clone()))
+            .collect();
+        discard_all(&current);
+        return Err(e);
+    }
+    let _ = fs::remove_file(fork_dir.join("rw.img"));
+    let _ = fs::remove_file(fork_dir.join("state"));
+    let copies = prepared
+        .into_iter()
+        .map(|(record, _)| VmHandle {
+            inner: vm.inner.clone(),
+            id: record.id,
+        })
+        .collect();
+    Ok(ForkReport {
+        copies,
+        source_paused,
+        total: started.elapsed(),
+        ram_bytes,
+    })
+}
+
+/// See [`VmHandle::recover`]: a process of a finished pause is ended and the pause
+/// completed; a process left paused continues; one that never finished loading or
+/// booting is ended.
+pub(super) fn recover(vm: &VmHandle) -> Result<Option<String>, VmError> {
+    let inner = &vm.inner;
+    let dir = vm.dir();
+    let _lock = lock_file(&dir.join("lock"))?;
+    let mut record = inner.record(&vm.id)?;
+    let live = inner.live_pid(&record);
+    match (record.state, live) {
+        (VmState::Paused, live) => {
+            let pending = record.fc.pending.is_some();
+            inner.stop_firecracker(&dir, &record)?;
+            record.pid = None;
+            record.pid_start = None;
+            inner.save(&record)?;
+            inner.finish_pause(&dir, &mut record)?;
+            Ok(match (live.is_some(), pending) {
+                (true, _) => Some("ended the Firecracker of a finished snapshot".into()),
+                (false, true) => Some("completed an interrupted pause".into()),
+                (false, false) => None,
+            })
+        }
+        (VmState::Running, None) => {
+            // It ended on its own (status says so); its jail goes.
+            inner.jail(&record).cleanup()?;
+            Ok(None)
+        }
+        (VmState::Running, Some(_)) => {
+            let mut api = FcApi::connect(&inner.jail(&record).api_socket())?;
+            match api.state()? {
+                InstanceState::Running => Ok(None),
+                InstanceState::Paused => {
+                    api.resume()?;
+                    Ok(Some("continued a VM left paused".into()))
+                }
+                InstanceState::NotStarted => {
+                    drop(api);
+                    inner.stop_firecracker(&dir, &record)?;
+                    if dir.join("state").is_file() {
+                        record.state = VmState::Paused;
+                        record.pid = None;
+                        record.pid_start = None;
+                        inner.save(&record)?;
+                        Ok(Some("ended an unfinished restore; the VM is paused".into()))
+                    } else {
+                        Ok(Some("ended an unfinished boot".into()))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Ends the process at once and removes its jail; the VM stays on disk.
+pub(super) fn kill(vm: &VmHandle) -> Result<(), VmError> {
+    let record = vm.inner.record(&vm.id)?;
+    vm.inner.stop_firecracker(&vm.dir(), &record)
+}

@@ -1,0 +1,518 @@
+//! Specification tests of the Firecracker side of the microVM driver, against the real
+//! Firecracker v1.12 and its jailer (no mocks): configure and InstanceStart, pause and
+//! resume, Full and Diff snapshots, loads into new jailed processes, fork, kill, and
+//! that nothing of a VM outlives it (process, namespace, chroot, cgroup, uid).
+//!
+//! What the guest does (the agent answers, memory survives) can only be checked where
+//! KVM runs guests at hardware speed (`detect_accel`); elsewhere (a PVM host, where a
+//! stock guest kernel never reaches user space) each test prints a `NOT RUN:` line for
+//! those checks and still checks everything Firecracker's API does.
+//!
+//! Needs root, firecracker and jailer v1.12.x (`./ops/test.sh` installs them), what
+//! `vm_microvm.rs` needs (QEMU for the KVM probe, the `base` image, the static agent).
+//! Figures are printed as `figure: <name> = <value>`.
+//!
+//! Run: `cargo test -p opendsec-edge --test vm_firecracker -- --test-threads=1 --nocapture`
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use opendsec_edge::images::ImageStore;
+use opendsec_edge::vm::firecracker::{InstanceState, JailSpec, SnapshotKind, merge_diff_into_copy};
+use opendsec_edge::vm::{
+    Accel, ExecOutput, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus, Vmm, VmmChoice,
+};
+
+fn store_dir() -> PathBuf {
+    std::env::var_os("OPENDSEC_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(opendsec_edge::images::DEFAULT_STORE))
+}
+
+/// The driver's state for these tests (VMs, jails); every test removes what it made.
+const TEST_ROOT: &str = "/var/tmp/opendsec-fc-tests";
+const TOKEN: &str = "fc-test-token";
+
+fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
+        });
+    assert!(
+        p.is_file(),
+        "the static agent {} is missing: run edge/agent/build-static.sh {}",
+        p.display(),
+        p.display()
+    );
+    p
+}
+
+fn config() -> VmConfig {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the Firecracker tests need root");
+    let store = ImageStore::open(store_dir()).expect("open the image store");
+    let mut cfg = VmConfig::new(
+        TEST_ROOT,
+        store.clone(),
+        static_agent(),
+        PathBuf::from(env!("CARGO_BIN_EXE_opendsec-vm-shim")),
+    );
+    cfg.accel_cache = Some(store.root().join("accel.json"));
+    cfg.vmm = VmmChoice::Firecracker;
+    cfg
+}
+
+/// The driver, told to use Firecracker. Missing binaries fail every test here, with
+/// what to do; they are never a reason to skip.
+fn driver() -> MicroVmDriver {
+    static DRIVER: OnceLock<MicroVmDriver> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            let d = MicroVmDriver::new(config(), &|m| eprintln!("[vm] {m}"))
+                .unwrap_or_else(|e| panic!("the Firecracker driver: {e}"));
+            eprintln!(
+                "driver: vmm {} ({}); accelerator {} ({})",
+                d.vmm().vmm.as_str(),
+                d.vmm().reason,
+                d.accel().accel.as_str(),
+                d.accel().reason
+            );
+            d
+        })
+        .clone()
+}
+
+/// Whether the guest-side checks run; prints the `NOT RUN:` line when they do not.
+fn guest_checks(test: &str) -> bool {
+    let accel = driver().accel().clone();
+    if !accel.kvm_usable() {
+        eprintln!(
+            "NOT RUN: guest-side Firecracker checks of {test} need hardware KVM: {}",
+            accel.reason
+        );
+    }
+    accel.kvm_usable()
+}
+
+fn spec(id: &str) -> VmSpec {
+    let store = ImageStore::open(store_dir()).unwrap();
+    VmSpec {
+        id: id.into(),
+        image: store
+            .ensure("base", &|p| eprintln!("[base] {}: {}", p.phase, p.message))
+            .expect("the base image"),
+        memory_mb: 256,
+        vcpus: 1,
+        disk_mb: 256,
+        env: BTreeMap::new(),
+        access_token: TOKEN.into(),
+    }
+}
+
+fn unique(tag: &str) -> String {
+    format!("f{}-{tag}", std::process::id())
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn figure(name: &str, value: impl std::fmt::Display) {
+    eprintln!("figure: {name} = {value}");
+}
+
+/// Deletes the VMs a test made, also when it fails.
+struct Cleanup(Vec<VmHandle>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for vm in &self.0 {
+            match vm.delete() {
+                Ok(()) | Err(VmError::NotFound(_)) => {}
+                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
+            }
+        }
+    }
+}
+
+/// Everything of a VM on the host, noted while it exists, to check it is gone later.
+struct Traces {
+    id: String,
+    dir: PathBuf,
+    netns: PathBuf,
+    jail: JailSpec,
+    pids: Vec<i32>,
+}
+
+impl Traces {
+    fn of(vm: &VmHandle) -> Self {
+        let files = vm.files().unwrap();
+        Traces {
+            id: vm.id().into(),
+            dir: files.dir,
+            netns: files.netns,
+            jail: vm.firecracker_jail().unwrap().expect("a Firecracker VM"),
+            pids: Vec::new(),
+        }
+    }
+
+    fn saw(&mut self, vm: &VmHandle) -> i32 {
+        let pid = running_pid(vm);
+        self.pids.push(pid);
+        pid
+    }
+
+    fn assert_gone(&self) {
+        for pid in &self.pids {
+            let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            assert!(
+                !comm.trim().starts_with("firecracker"),
+                "{}: Firecracker process {pid} still runs",
+                self.id
+            );
+        }
+        assert!(!self.dir.exists(), "{}: {} is left", self.id, self.dir.display());
+        assert!(!self.netns.exists(), "{}: namespace {} is left", self.id, self.netns.display());
+        assert!(!self.jail.dir().exists(), "{}: chroot {} is left", self.id, self.jail.dir().display());
+        let cgroup = self.jail.cgroup_dir().unwrap();
+        assert!(!cgroup.exists(), "{}: cgroup {} is left", self.id, cgroup.display());
+        let registry = ImageStore::open(store_dir()).unwrap().root().join("vm-uids");
+        for entry in fs::read_dir(&registry).into_iter().flatten().flatten() {
+            let owner = fs::read_to_string(entry.path()).unwrap_or_default();
+            assert_ne!(
+                Path::new(owner.trim()),
+                self.dir,
+                "{}: uid {:?} is still claimed",
+                self.id,
+                entry.file_name()
+            );
+        }
+    }
+}
+
+fn running_pid(vm: &VmHandle) -> i32 {
+    match vm.status().unwrap() {
+        VmStatus::Running { pid } => pid,
+        other => panic!("{} is {other:?}, not running; console: {}", vm.id(), vm.console_tail(1500)),
+    }
+}
+
+fn proc_status(pid: i32, field: &str) -> String {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_string()))
+        .unwrap_or_default()
+}
+
+/// The process runs jailed: the VM's uid, the default seccomp filter, the VM's chroot,
+/// network namespace and cgroup.
+fn assert_jailed(vm: &VmHandle, pid: i32) {
+    let jail = vm.firecracker_jail().unwrap().unwrap();
+    let uid = vm.uid().unwrap();
+    assert_ne!(uid, 0, "VMs run as a uid of their own");
+    assert_eq!(proc_status(pid, "Uid"), format!("{uid}\t{uid}\t{uid}\t{uid}"));
+    assert_eq!(proc_status(pid, "Seccomp"), "2", "seccomp filter mode");
+    // pivot_root in a mount namespace of its own: its `/` is the jail's root.
+    let inode = |p: PathBuf| fs::metadata(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())).ino();
+    assert_ne!(inode(format!("/proc/{pid}/ns/mnt").into()), inode("/proc/self/ns/mnt".into()));
+    assert_eq!(inode(format!("/proc/{pid}/root/api.sock").into()), inode(jail.api_socket()));
+    let ns = fs::metadata(format!("/proc/{pid}/ns/net")).unwrap().ino();
+    assert_eq!(ns, fs::metadata(vm.files().unwrap().netns).unwrap().ino(), "network namespace");
+    let tasks = fs::read_to_string(jail.cgroup_dir().unwrap().join("cgroup.procs")).unwrap();
+    assert!(tasks.lines().any(|l| l.trim() == pid.to_string()), "pid {pid} in its cgroup: {tasks:?}");
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
+    let agent = vm.agent().unwrap();
+    rt().block_on(agent.exec(TOKEN, cmd, args)).unwrap_or_else(|e| {
+        panic!("exec {cmd} {args:?} in {}: {e}; console: {}", vm.id(), vm.console_tail(2000))
+    })
+}
+
+/// A counter that lives only in a guest process's memory (one more per connection).
+const COUNTER: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7777))
+s.listen(8)
+n = 0
+while True:
+    c, _ = s.accept()
+    n += 1
+    c.sendall(b"%d\n" % n)
+    c.close()
+"#;
+
+fn count(vm: &VmHandle) -> u64 {
+    let out = exec(vm, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]);
+    out.stdout_text().trim().parse().unwrap_or_else(|_| panic!("counter said {out:?}"))
+}
+
+/// Guest side of a fresh VM: the agent answers, python computes, a counter starts.
+fn check_fresh_guest(vm: &VmHandle) {
+    let t = Instant::now();
+    vm.wait_agent(Duration::from_secs(60)).unwrap();
+    figure("firecracker cold boot to agent", ms(t.elapsed()));
+    let out = exec(vm, "python3", &["-c", "print(6*7)"]);
+    assert_eq!(out.stdout_text().trim(), "42", "{out:?}");
+    let started = exec(vm, "setsid", &["-f", "python3", "-c", COUNTER]);
+    assert_eq!(started.exit_code, 0, "{started:?}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while exec(vm, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"])
+        .stdout_text()
+        .trim()
+        != "up"
+    {
+        assert!(Instant::now() < deadline, "the counter never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn files_equal(a: &Path, b: &Path) -> bool {
+    let (mut fa, mut fb) = (fs::File::open(a).unwrap(), fs::File::open(b).unwrap());
+    if fa.metadata().unwrap().len() != fb.metadata().unwrap().len() {
+        return false;
+    }
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = fa.read(&mut ba).unwrap();
+        fb.read_exact(&mut bb[..n]).unwrap();
+        if ba[..n] != bb[..n] {
+            return false;
+        }
+        if n == 0 {
+            return true;
+        }
+    }
+}
+
+#[test]
+fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behind() {
+    let d = driver();
+    let guest = guest_checks("the lifecycle");
+    let a_id = unique("a");
+    let mut cleanup = Cleanup(Vec::new());
+
+    // Create: configure (boot source, machine, two drives, tap, vsock) and InstanceStart,
+    // in a jailed process.
+    let t = Instant::now();
+    let a = d.create(&spec(&a_id), &|m| eprintln!("[{a_id}] {m}")).unwrap();
+    cleanup.0.push(a.clone());
+    figure("firecracker create (jail, configure, InstanceStart)", ms(t.elapsed()));
+    assert_eq!(a.vmm().unwrap(), (Vmm::Firecracker, Accel::Kvm));
+    let mut a_traces = Traces::of(&a);
+    let pid = a_traces.saw(&a);
+    assert_jailed(&a, pid);
+    assert_eq!(a.firecracker_api().unwrap().version().unwrap(), "1.12.1");
+    assert_eq!(a.firecracker_api().unwrap().state().unwrap(), InstanceState::Running);
+    if guest {
+        check_fresh_guest(&a);
+        assert_eq!(count(&a), 2);
+    }
+
+    // Pause: a Full snapshot, then the process ends and its jail and cgroup go.
+    let paused = a.pause().unwrap();
+    figure("firecracker pause (Full): vCPUs stopped to snapshot written", ms(paused.snapshot));
+    figure("firecracker pause (Full): process end and jail removal", ms(paused.exit));
+    assert!(!paused.incremental, "the first pause of a cold-booted VM is Full");
+    assert!(paused.ram_bytes > 0, "{paused:?}");
+    assert_eq!(a.status().unwrap(), VmStatus::Paused);
+    assert!(!a_traces.jail.dir().exists(), "a paused VM has no jail");
+    assert!(!a_traces.jail.cgroup_dir().unwrap().exists(), "a paused VM has no cgroup");
+
+    // Resume: the Full snapshot loads into a new jailed process.
+    let resumed = a.resume().unwrap();
+    figure("firecracker resume: jailer to API socket", ms(resumed.spawn));
+    figure("firecracker resume: snapshot load (Full)", ms(resumed.restore));
+    let pid2 = a_traces.saw(&a);
+    assert_ne!(pid, pid2, "a resumed VM is a new process");
+    assert_jailed(&a, pid2);
+    if guest {
+        assert_eq!(count(&a), 3, "the counter survives pause and resume");
+    }
+
+    // Pause again: only the pages written since the load (a Diff), merged onto the
+    // memory file; the resume loads the merged file.
+    let diff_pause = a.pause().unwrap();
+    figure("firecracker pause (Diff): vCPUs stopped to snapshot written", ms(diff_pause.snapshot));
+    figure("firecracker pause (Diff): merge onto the memory file", ms(diff_pause.release));
+    figure("firecracker pause (Diff): bytes written", diff_pause.ram_bytes);
+    assert!(diff_pause.incremental, "a VM loaded from its memory file pauses with a Diff");
+    assert!(diff_pause.ram_bytes < paused.ram_bytes, "{diff_pause:?} vs {paused:?}");
+    let resumed = a.resume().unwrap();
+    figure("firecracker resume: snapshot load (merged Diff)", ms(resumed.restore));
+    a_traces.saw(&a);
+    if guest {
+        assert_eq!(count(&a), 4, "the counter survives a Diff pause");
+    }
+
+    // A snapshot of the running VM (Full; it runs on), and a fork with memory.
+    let snaps = tempfile::tempdir_in("/var/tmp").unwrap();
+    let snap = snaps.path().join("a");
+    let taken = a.snapshot_to(&snap).unwrap();
+    figure("firecracker snapshot_to: source stopped", ms(taken.source_paused));
+    assert!(matches!(a.status().unwrap(), VmStatus::Running { .. }));
+    let c_id = unique("c");
+    let forked = a.fork(std::slice::from_ref(&c_id)).unwrap();
+    let c = forked.copies[0].clone();
+    cleanup.0.push(c.clone());
+    figure("firecracker fork x1: source stopped", ms(forked.source_paused));
+    figure("firecracker fork x1: total", ms(forked.total));
+    let mut c_traces = Traces::of(&c);
+    let c_pid = c_traces.saw(&c);
+    assert_jailed(&c, c_pid);
+    assert_ne!(c.uid().unwrap(), a.uid().unwrap());
+    if guest {
+        assert_eq!(count(&c), 5, "the copy continues from the source's memory");
+        assert_eq!(count(&a), 5, "and so does the source, on its own");
+    }
+    c.delete().unwrap();
+    c_traces.assert_gone();
+
+    // Kill: the process ends at once; the VM stays on disk, exited, without a jail.
+    a.kill().unwrap();
+    assert!(matches!(a.status().unwrap(), VmStatus::Exited(_)));
+    assert!(!a_traces.jail.dir().exists());
+
+    // Restore the snapshot as a new VM: a Full load into a new jailed process.
+    let b_id = unique("b");
+    let t = Instant::now();
+    let (b, report) = d.restore_snapshot(&spec(&b_id), &snap, &|_| {}).unwrap();
+    cleanup.0.push(b.clone());
+    figure("firecracker restore_snapshot (copy + jail + load)", ms(t.elapsed()));
+    figure("firecracker restore_snapshot: snapshot load", ms(report.restore));
+    assert_eq!(b.vmm().unwrap(), (Vmm::Firecracker, Accel::Kvm));
+    let mut b_traces = Traces::of(&b);
+    let b_pid = b_traces.saw(&b);
+    assert_jailed(&b, b_pid);
+    if guest {
+        assert_eq!(count(&b), 5, "the restored VM continues from the snapshot");
+    }
+
+    // Firecracker's own Diff, checked page for page: with the VM paused, its memory
+    // file plus a Diff snapshot merged onto it is exactly a Full snapshot's memory.
+    let jail = b.firecracker_jail().unwrap().unwrap();
+    let mut api = b.firecracker_api().unwrap();
+    let t = Instant::now();
+    api.pause().unwrap();
+    figure("firecracker API: PATCH /vm Paused", ms(t.elapsed()));
+    assert_eq!(api.state().unwrap(), InstanceState::Paused);
+    let t = Instant::now();
+    api.snapshot_create(SnapshotKind::Diff, "/t-diff.state", "/t-diff.ram").unwrap();
+    figure("firecracker API: Diff snapshot create", ms(t.elapsed()));
+    let t = Instant::now();
+    api.snapshot_create(SnapshotKind::Full, "/t-full.state", "/t-full.ram").unwrap();
+    figure("firecracker API: Full snapshot create (256 MiB)", ms(t.elapsed()));
+    let merged = snaps.path().join("merged");
+    let merge = merge_diff_into_copy(&b.files().unwrap().ram, &jail.host_path("/t-diff.ram"), &merged).unwrap();
+    figure("firecracker Diff: bytes", merge.bytes);
+    assert!(
+        files_equal(&merged, &jail.host_path("/t-full.ram")),
+        "memory file + Diff differs from a Full snapshot of the same paused VM"
+    );
+    let t = Instant::now();
+    api.resume().unwrap();
+    figure("firecracker API: PATCH /vm Resumed", ms(t.elapsed()));
+    assert_eq!(api.state().unwrap(), InstanceState::Running);
+    drop(api);
+
+    // Delete: nothing of any of them is left.
+    b.delete().unwrap();
+    a.delete().unwrap();
+    b_traces.assert_gone();
+    a_traces.assert_gone();
+    let forks: Vec<_> = fs::read_dir(Path::new(TEST_ROOT).join("forks"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&a_id))
+        .collect();
+    assert!(forks.is_empty(), "fork bases left: {forks:?}");
+}
+
+#[test]
+fn a_corrupt_snapshot_is_refused_with_a_clear_error_and_leaves_nothing_behind() {
+    let d = driver();
+    let source_id = unique("src");
+    let source = d.create(&spec(&source_id), &|_| {}).unwrap();
+    let _cleanup = Cleanup(vec![source.clone()]);
+    let snaps = tempfile::tempdir_in("/var/tmp").unwrap();
+    let snap = snaps.path().join("s");
+    source.snapshot_to(&snap).unwrap();
+    source.delete().unwrap();
+
+    // Given a snapshot whose device state is garbage of the same size,
+    let len = fs::metadata(snap.join("state")).unwrap().len() as usize;
+    fs::write(snap.join("state"), vec![0x5a; len]).unwrap();
+    // when a VM is restored from it,
+    let id = unique("bad");
+    let err = d.restore_snapshot(&spec(&id), &snap, &|_| {}).unwrap_err();
+    // then the error says that Firecracker could not load it,
+    let text = err.to_string();
+    eprintln!("refused: {text}");
+    assert!(text.contains("loading the snapshot"), "{text}");
+    assert!(!text.contains("Permission denied"), "refused for its content, not access: {text}");
+    // and the new VM left nothing: no directory, namespace, jail, cgroup or uid.
+    assert!(matches!(d.open(&id), Err(VmError::NotFound(_))));
+    let probe = JailSpec {
+        id: id.clone(),
+        jailer: "jailer".into(),
+        firecracker: d.firecracker().unwrap().firecracker.clone(),
+        chroot_base: Path::new(TEST_ROOT).join("jails"),
+        uid: 0,
+        gid: 0,
+        netns: None,
+        parent_cgroup: String::new(),
+        cgroup: opendsec_edge::vm::firecracker::cgroup_version(),
+    };
+    assert!(!probe.dir().exists(), "jail {} is left", probe.dir().display());
+    let netns_left: Vec<_> = fs::read_dir("/run/netns")
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(&id)).collect())
+        .unwrap_or_default();
+    assert!(netns_left.is_empty(), "namespaces left: {netns_left:?}");
+    let registry = ImageStore::open(store_dir()).unwrap().root().join("vm-uids");
+    let vm_dir = Path::new(TEST_ROOT).join("vms").join(&id);
+    for entry in fs::read_dir(&registry).into_iter().flatten().flatten() {
+        assert_ne!(Path::new(fs::read_to_string(entry.path()).unwrap_or_default().trim()), vm_dir);
+    }
+    let cgroups_left: Vec<_> = walk_cgroups(&id);
+    assert!(cgroups_left.is_empty(), "cgroups left: {cgroups_left:?}");
+}
+
+/// Cgroup directories named `id` one level under any cpuset parent.
+fn walk_cgroups(id: &str) -> Vec<PathBuf> {
+    let roots = ["/sys/fs/cgroup/cpuset", "/sys/fs/cgroup"];
+    let mut found = Vec::new();
+    for root in roots {
+        for parent in fs::read_dir(root).into_iter().flatten().flatten() {
+            let candidate = parent.path().join(id);
+            if candidate.is_dir() {
+                found.push(candidate);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn a_driver_told_to_use_firecracker_without_its_binaries_says_how_to_install_them() {
+    let mut cfg = config();
+    cfg.root = PathBuf::from(TEST_ROOT).join("no-binaries");
+    cfg.firecracker = Some(PathBuf::from("/nonexistent/firecracker"));
+    let err = MicroVmDriver::new(cfg, &|_| {}).err().expect("no driver without firecracker");
+    let text = err.to_string();
+    assert!(text.contains("firecracker is missing"), "{text}");
+    assert!(text.contains("./ops/test.sh"), "{text}");
+    let _ = fs::remove_dir_all(PathBuf::from(TEST_ROOT).join("no-binaries"));
+}
