@@ -42,6 +42,9 @@ pub const MANIFEST: &str = "manifest.json";
 const BLOCK: u64 = 64 << 10;
 /// How long a pull keeps trying to reach a source edge that does not answer.
 const UNREACHABLE_AFTER: Duration = Duration::from_secs(10);
+/// How long a pull waits for the source edge to learn of the transfer (it follows the log
+/// on its own and may be behind this edge).
+const KNOWN_WITHIN: Duration = Duration::from_secs(30);
 /// How long a pull waits for the source edge to prepare the state (a microVM's snapshot
 /// under TCG takes seconds).
 const READY_WITHIN: Duration = Duration::from_secs(180);
@@ -320,6 +323,7 @@ async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), 
             Err(why) if t0.elapsed() < UNREACHABLE_AFTER => tracing::debug!(transfer = %p.transfer, %why, "source edge not reachable yet"),
             Err(why) => return Err(TransferError::Unreachable { edge: p.source_edge.into(), address: p.address.into(), why }),
             Ok(r) if r.status() == hyper::StatusCode::SERVICE_UNAVAILABLE && t0.elapsed() < READY_WITHIN => {}
+            Ok(r) if r.status() == hyper::StatusCode::NOT_FOUND && t0.elapsed() < KNOWN_WITHIN => {}
             Ok(r) if r.status() == hyper::StatusCode::SERVICE_UNAVAILABLE => {
                 return Err(TransferError::NotReady { edge: p.source_edge.into(), transfer: p.transfer.into(), within: READY_WITHIN });
             }
