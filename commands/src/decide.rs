@@ -125,6 +125,21 @@ fn expiry(ctx: &Ctx, seconds: Option<u64>) -> u64 {
     }
 }
 
+/// Where the sandboxes of one decision may go.
+#[derive(Clone, Copy, Debug)]
+enum Where<'a> {
+    /// Any edge with room: power-of-k.
+    Anywhere,
+    /// The edge holding the state they start from while it has room (and has not refused
+    /// them at admission); other edges, by power-of-k, once it has not.
+    Prefer(&'a str),
+    /// Only this edge (the caller asked for it).
+    Only(&'a str),
+}
+
+/// One placed sandbox: its id, its edge and the placement record.
+type Placed = (String, String, pb::Placement);
+
 /// Places `n` sandboxes of `usage` in `project`, checking quota against state + in-flight.
 /// MicroVMs go only to edges that run them ([`MICROVM_LABEL`]).
 #[allow(clippy::too_many_arguments)]
@@ -136,9 +151,9 @@ fn place(
     usage: Usage,
     n: u32,
     refused_by: &BTreeSet<String>,
-    only_edge: Option<&str>,
+    to: Where<'_>,
     isolation: Isolation,
-) -> Result<Vec<(String, String, pb::Placement)>, Rejection> {
+) -> Result<Vec<Placed>, Rejection> {
     let total = Usage { sandboxes: n as u64, cpu_millis: usage.cpu_millis * n as u64, memory_mb: usage.memory_mb * n as u64 };
     state
         .check_quota(project, &total, &|p| inflight.project_usage(p))
@@ -151,7 +166,7 @@ fn place(
             .edges
             .values()
             .filter(|e| !e.deregistered && !refused_by.contains(&e.id))
-            .filter(|e| only_edge.is_none_or(|o| o == e.id))
+            .filter(|e| !matches!(to, Where::Only(o) if o != e.id))
             .filter(|e| isolation == Isolation::Container || e.labels.get(MICROVM_LABEL).is_some_and(|v| !v.is_empty()))
             .filter_map(|e| {
                 let mut free = e.free();
@@ -161,12 +176,22 @@ fn place(
                 fits.then(|| Candidate { edge: e.id.clone(), ordinal: e.ordinal, free })
             })
             .collect();
-        let (sampled, best) = place_power_of_k(&cands, DEFAULT_K, rng)
-            .ok_or_else(|| match (only_edge, isolation) {
-                (Some(o), _) => Rejection::new(K::NoCapacity, format!("edge {o}, which holds what this sandbox starts from, has no room for it")),
-                (None, Isolation::Microvm) => Rejection::new(K::NoCapacity, "no registered edge that runs microVMs has room for this sandbox"),
-                (None, Isolation::Container) => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
-            })?;
+        // The source's edge needs no transfer: it is taken whenever it can be.
+        let preferred = match to {
+            Where::Prefer(p) => cands.iter().find(|c| c.edge == p).map(|c| (vec![c.clone()], 0)),
+            _ => None,
+        };
+        let (sampled, best) = preferred.or_else(|| place_power_of_k(&cands, DEFAULT_K, rng)).ok_or_else(|| match (to, isolation) {
+            (Where::Only(o), _) if !state.placement.edges.get(o).is_some_and(|e| !e.deregistered) => {
+                Rejection::field(K::NotFound, "edge", format!("edge {o} is not registered"))
+            }
+            (Where::Only(o), Isolation::Microvm) => {
+                Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this microVM (or runs no microVMs)"))
+            }
+            (Where::Only(o), Isolation::Container) => Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this sandbox")),
+            (_, Isolation::Microvm) => Rejection::new(K::NoCapacity, "no registered edge that runs microVMs has room for this sandbox"),
+            (_, Isolation::Container) => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
+        })?;
         let chosen = &sampled[best];
         let mut id = sandbox_id(rng, chosen.ordinal);
         while state.sandboxes.sandboxes.contains_key(&id) || inflight.sandbox_id_taken(&id) || out.iter().any(|(x, _, _)| x == &id) {
@@ -181,6 +206,12 @@ fn place(
         out.push((id, chosen.edge.clone(), placement));
     }
     Ok(out)
+}
+
+/// The id under which `source_edge` serves a fork's source state to the copies placed on
+/// other edges: named after the first such copy, shared by all of them ("" when none is).
+fn fork_transfer_id(placed: &[Placed], source_edge: &str) -> String {
+    placed.iter().find(|(_, edge, _)| edge != source_edge).map(|(id, _, _)| format!("fork-{id}")).unwrap_or_default()
 }
 
 /// Decides a command against the applied `state` plus the `inflight` overlay.
@@ -439,9 +470,15 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 return Err(Rejection::field(K::Invalid, "memory_mb", format!("a microVM needs at least {MICROVM_MIN_MEMORY_MB} MB of memory")));
             }
             let usage = Usage { sandboxes: 1, cpu_millis: cpu, memory_mb: memory };
-            let only = from.map(|s| s.edge.as_str());
-            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by, only, isolation)?;
+            // From a snapshot: preferably on the snapshot's edge; elsewhere it is pulled.
+            let to = from.map_or(Where::Anywhere, |s| Where::Prefer(&s.edge));
+            let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by, to, isolation)?;
             let (id, edge, placement) = placed.into_iter().next().expect("place returns one per request");
+            let source_edge = from.map(|s| s.edge.clone()).unwrap_or_default();
+            let transfer = match from {
+                Some(snap) if snap.edge != edge => snap.id.clone(),
+                _ => String::new(),
+            };
             Ok(one(
                 project,
                 &id,
@@ -464,10 +501,15 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     network: opts.network.clone().unwrap_or_default(),
                     isolation: isolation.to_event(),
                     idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),
+                    source_edge,
+                    transfer,
                 }),
             ))
         }
-        Command::ForkSandbox { sandbox, count } => {
+        Command::ForkSandbox { sandbox, count, edge } => {
+            if let Some(e) = edge {
+                validate::id("edge", e)?;
+            }
             if *count == 0 || *count > LIMITS.fork_count {
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
@@ -475,18 +517,22 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             if s.isolation == Isolation::Microvm && *count > MICROVM_MAX_FORK_COUNT {
                 return Err(Rejection::field(K::Invalid, "count", format!("a microVM forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time")));
             }
-            // The copies start from the source's file system (and a microVM's memory),
-            // which live on its edge.
-            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, Some(&s.edge), s.isolation)?;
+            // The copies start from the source's file system (and a microVM's memory), which
+            // live on its edge: copies go there while it has room; copies placed elsewhere
+            // pull that state from it (`transfer`).
+            let to = edge.as_deref().map_or(Where::Prefer(&s.edge), Where::Only);
+            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, to, s.isolation)?;
+            let transfer = fork_transfer_id(&placed, &s.edge);
             let mut events = vec![Event::SandboxForkRequested(pb::SandboxForkRequested {
                 id: sandbox.clone(),
                 children: placed.iter().map(|(id, _, _)| id.clone()).collect(),
             })];
-            for (id, edge, placement) in placed {
+            for (id, copy_edge, placement) in placed {
+                let copy_transfer = if copy_edge == s.edge { String::new() } else { transfer.clone() };
                 events.push(Event::SandboxCreated(pb::SandboxCreated {
                     id,
                     project: s.project.clone(),
-                    edge,
+                    edge: copy_edge,
                     image: s.image.clone(),
                     cpu_millis: s.cpu_millis,
                     memory_mb: s.memory_mb,
@@ -503,6 +549,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     isolation: s.isolation.to_event(),
                     // A copy is not the create the key named.
                     idempotency_key: String::new(),
+                    source_edge: s.edge.clone(),
+                    transfer: copy_transfer,
                 }));
             }
             Ok(Decided { events, project: s.project.clone(), target: sandbox.clone() })

@@ -78,9 +78,17 @@ pub enum Command {
         #[serde(default)]
         opts: SandboxOptions,
     },
-    /// Creates `count` copies of a live sandbox, on its edge: a container's copies start
-    /// from its file system, a microVM's from its memory and disk. Needs sandbox:write.
-    ForkSandbox { sandbox: String, count: u32 },
+    /// Creates `count` copies of a live sandbox: a container's copies start from its file
+    /// system, a microVM's from its memory and disk. They go to the source's edge while it
+    /// has room, else to other edges (which pull the source's state from the source's
+    /// edge); `edge` places every copy on that edge. Needs sandbox:write.
+    ForkSandbox {
+        sandbox: String,
+        count: u32,
+        /// Place the copies on this edge (a placement hint that must be followed).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        edge: Option<String>,
+    },
     PauseSandbox { sandbox: String },
     ResumeSandbox { sandbox: String },
     KillSandbox { sandbox: String },

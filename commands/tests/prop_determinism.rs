@@ -116,7 +116,7 @@ impl Sim {
                     timeout_seconds: None,
                 },
             ),
-            Op::Fork { caller, sandbox, count } => (token(caller), Command::ForkSandbox { sandbox: self.sandbox(*sandbox), count: *count }),
+            Op::Fork { caller, sandbox, count } => (token(caller), Command::ForkSandbox { sandbox: self.sandbox(*sandbox), count: *count, edge: None }),
             Op::Kill { caller, sandbox } => (token(caller), Command::KillSandbox { sandbox: self.sandbox(*sandbox) }),
             Op::Report { sandbox, what } => {
                 let observation = match what {

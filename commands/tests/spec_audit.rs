@@ -134,8 +134,8 @@ fn bad_input_is_refused_naming_the_field_and_leaves_the_log_unchanged() {
         (sandbox("img", 500, 256, labels(&[("k", &"v".repeat(LIMITS.label_value_len + 1))]), None), "labels"),
         (sandbox("img", 500, 256, too_many_labels, None), "labels"),
         (sandbox("img", 500, 256, labels(&[]), Some(LIMITS.timeout_seconds + 1)), "timeout_seconds"),
-        (Command::ForkSandbox { sandbox: s.clone(), count: 0 }, "count"),
-        (Command::ForkSandbox { sandbox: s.clone(), count: LIMITS.fork_count + 1 }, "count"),
+        (Command::ForkSandbox { sandbox: s.clone(), count: 0, edge: None }, "count"),
+        (Command::ForkSandbox { sandbox: s.clone(), count: LIMITS.fork_count + 1, edge: None }, "count"),
         (Command::SetSandboxTimeout { sandbox: s.clone(), timeout_seconds: LIMITS.timeout_seconds + 1 }, "timeout_seconds"),
         (Command::RegisterEdge { edge: "e".into(), address: String::new(), capacity: capacity(1, 1, 1), labels: labels(&[]) }, "address"),
         (Command::RegisterEdge { edge: "E".into(), address: "h:1".into(), capacity: capacity(1, 1, 1), labels: labels(&[]) }, "edge"),
@@ -160,7 +160,7 @@ fn unknown_ids_are_refused_as_not_found_naming_the_field_and_leave_the_log_uncha
         (Command::IssueToken { project: "p-nope".into(), name: "x".into(), rights: vec![], ttl_seconds: None, secret_sha256: secret_hash("x") }, "project"),
         (Command::RevokeToken { token: "nope".into(), reason: String::new() }, "token"),
         (Command::DeregisterEdge { edge: "nope".into() }, "edge"),
-        (Command::ForkSandbox { sandbox: ghost.clone(), count: 1 }, "sandbox"),
+        (Command::ForkSandbox { sandbox: ghost.clone(), count: 1, edge: None }, "sandbox"),
         (Command::PauseSandbox { sandbox: ghost.clone() }, "sandbox"),
         (Command::ResumeSandbox { sandbox: ghost.clone() }, "sandbox"),
         (Command::KillSandbox { sandbox: ghost.clone() }, "sandbox"),
@@ -176,7 +176,7 @@ fn unknown_ids_are_refused_as_not_found_naming_the_field_and_leave_the_log_uncha
 #[test]
 fn commands_arrive_as_tagged_json_and_unknown_fields_are_refused() {
     let cmd: Command = serde_json::from_value(serde_json::json!({"command": "fork_sandbox", "sandbox": "s", "count": 3})).unwrap();
-    assert_eq!(cmd, Command::ForkSandbox { sandbox: "s".into(), count: 3 });
+    assert_eq!(cmd, Command::ForkSandbox { sandbox: "s".into(), count: 3, edge: None });
     assert_eq!(cmd.action(), "sandbox.fork");
     let err = serde_json::from_value::<Command>(serde_json::json!({"command": "kill_sandbox", "sandbox": "s", "force": true}));
     assert!(err.is_err());

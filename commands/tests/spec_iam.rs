@@ -117,7 +117,7 @@ fn a_token_acts_only_within_its_project_subtree() {
         (Command::DeleteProject { project: b.clone() }, "project"),
         (Command::KillSandbox { sandbox: in_b.clone() }, "sandbox"),
         (Command::PauseSandbox { sandbox: in_b.clone() }, "sandbox"),
-        (Command::ForkSandbox { sandbox: in_b.clone(), count: 1 }, "sandbox"),
+        (Command::ForkSandbox { sandbox: in_b.clone(), count: 1, edge: None }, "sandbox"),
         (Command::ReportSandbox { sandbox: in_b.clone(), observation: Observation::Exited { exit_code: 0, oom_killed: false, reason: String::new() } }, "sandbox"),
         (Command::RevokeToken { token: b_token.clone(), reason: String::new() }, "token"),
         (Command::IssueToken { project: b.clone(), name: "x".into(), rights: vec![], ttl_seconds: None, secret_sha256: secret_hash("x") }, "project"),

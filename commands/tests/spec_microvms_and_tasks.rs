@@ -99,7 +99,7 @@ fn forks_of_a_microvm_are_microvms_on_its_edge() {
     let root = w.root.clone();
     let src = w.run(&admin, microvm(&root)).unwrap().decided.target;
     w.report(&admin, &src, Observation::Ready);
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 4 }).unwrap();
+    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 4, edge: None }).unwrap();
     let copies = created(&ran);
     assert_eq!(copies.len(), 4);
     for c in copies {
@@ -108,7 +108,7 @@ fn forks_of_a_microvm_are_microvms_on_its_edge() {
     // Bad counts are refused, naming the field, and change nothing.
     let before = w.log.len();
     for count in [0, 65, 10_000] {
-        let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count }).unwrap_err();
+        let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count, edge: None }).unwrap_err();
         assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("count")), "count {count}");
     }
     assert_eq!(w.log.len(), before);
@@ -208,7 +208,7 @@ fn replaying_microvms_snapshots_and_task_pauses_gives_the_same_state() {
     let root = w.root.clone();
     w.run(&admin, create(&root, &snap, 256, None, Some("t"))).unwrap();
     w.run(&admin, create(&root, "base", 256, None, Some("t"))).unwrap();
-    w.run(&admin, Command::ForkSandbox { sandbox: src, count: 2 }).unwrap();
+    w.run(&admin, Command::ForkSandbox { sandbox: src, count: 2, edge: None }).unwrap();
     w.run(&admin, Command::PauseTask { task: "t".into() }).unwrap();
     w.run(&admin, Command::ResumeTask { task: "t".into() }).unwrap();
     assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());

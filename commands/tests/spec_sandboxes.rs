@@ -125,7 +125,7 @@ fn fork_creates_count_sandboxes_each_remembering_its_origin() {
     let root = w.root.clone();
     let origin = w.sandbox(&admin, &root);
     w.run(&admin, Command::SetSandboxLabels { sandbox: origin.clone(), labels: labels(&[("app", "web")]) }).unwrap();
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: origin.clone(), count: 3 }).unwrap();
+    let ran = w.run(&admin, Command::ForkSandbox { sandbox: origin.clone(), count: 3, edge: None }).unwrap();
     assert!(matches!(ran.outcome, Outcome::Applied { .. }));
 
     let Event::SandboxForkRequested(req) = &ran.decided.events[0] else { panic!() };
@@ -147,7 +147,7 @@ fn a_fork_that_does_not_fit_the_quota_creates_nothing() {
     let team = w.project(&admin, &root, "team");
     w.set_quota(&admin, &team, at_most(3));
     let origin = w.sandbox(&admin, &team);
-    let err = w.run(&admin, Command::ForkSandbox { sandbox: origin, count: 3 }).unwrap_err();
+    let err = w.run(&admin, Command::ForkSandbox { sandbox: origin, count: 3, edge: None }).unwrap_err();
     assert_eq!(err.kind, K::QuotaExceeded);
     assert_eq!(w.state.sandboxes.sandboxes.len(), 1);
 }

@@ -141,7 +141,7 @@ fn forks_go_to_their_source_s_edge_and_keep_its_options() {
     let src = w.run(&admin, create_with(&root, "base", SandboxOptions { env: env.clone(), auto_pause: true, auto_resume: true, ..Default::default() })).unwrap().decided.target;
     w.report(&admin, &src, Observation::Ready);
     let edge = w.state.sandboxes.sandboxes[&src].edge.clone();
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 6 }).unwrap();
+    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 6, edge: None }).unwrap();
     let copies: Vec<_> = ran.decided.events.iter().filter_map(|e| if let Event::SandboxCreated(c) = e { Some(c.clone()) } else { None }).collect();
     assert_eq!(copies.len(), 6);
     for c in copies {
@@ -200,7 +200,7 @@ fn replaying_the_log_of_snapshots_and_options_gives_the_same_state() {
     let snap = snapshot_of(&mut w, &admin, &id);
     let env = BTreeMap::from([("A".to_string(), "1".to_string())]);
     w.run(&admin, create_with(&root, &snap, SandboxOptions { env, auto_pause: true, network: Some("{}".into()), ..Default::default() })).unwrap();
-    w.run(&admin, Command::ForkSandbox { sandbox: id, count: 2 }).unwrap();
+    w.run(&admin, Command::ForkSandbox { sandbox: id, count: 2, edge: None }).unwrap();
     assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
 }
 

@@ -130,6 +130,17 @@ pub fn sandbox_token(cluster_key: &str, kind: SandboxTokenKind, sandbox: &str) -
     hex::encode(&mac.finalize().into_bytes()[..20])
 }
 
+/// The credential an edge presents to pull transfer `transfer` (a snapshot, or a fork's
+/// source state) from the edge that holds it: HMAC-SHA256 under the cluster key of the
+/// transfer and the pulling edge's name, so it opens that one transfer for that one edge,
+/// and both edges derive it without storing or sending anything beforehand.
+pub fn transfer_token(cluster_key: &str, transfer: &str, destination_edge: &str) -> String {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(cluster_key.as_bytes()).expect("HMAC takes any key length");
+    mac.update(format!("opendsec transfer token v1\0{transfer}\0{destination_edge}").as_bytes());
+    hex::encode(mac.finalize().into_bytes())
+}
+
 /// Writes `content` to `path`, readable by the owner only (keys, tokens, certificates' keys).
 pub fn write_private(path: &std::path::Path, content: &str) -> Result<(), String> {
     use std::io::Write;

@@ -37,6 +37,47 @@ pub struct DesiredSandbox {
     /// A container or a microVM.
     #[serde(default)]
     pub isolation: Isolation,
+    /// The edge holding the state it starts from (its fork source's, or its snapshot's).
+    #[serde(default)]
+    pub source_edge: Option<String>,
+    /// When that edge is another one: the transfer to pull the state by.
+    #[serde(default)]
+    pub transfer: Option<String>,
+}
+
+/// What a served transfer carries.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferSource {
+    /// A fork snapshot of this sandbox, taken when the fork is served.
+    Fork { sandbox: String },
+    /// A stored snapshot of this edge.
+    Snapshot { snapshot: String },
+}
+
+/// State this edge holds that sandboxes of other edges start from: it prepares and
+/// serves it until every copy's edge has pulled it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServedTransfer {
+    pub id: String,
+    pub source: TransferSource,
+    pub isolation: Isolation,
+    /// Sandbox -> the edge it is placed on (which pulls the state).
+    pub destinations: BTreeMap<String, String>,
+    /// Sandboxes whose edge said it has pulled the state.
+    #[serde(default)]
+    pub pulled: std::collections::BTreeSet<String>,
+}
+
+impl ServedTransfer {
+    /// Some sandbox's edge has yet to pull it.
+    pub fn is_wanted(&self) -> bool {
+        self.destinations.keys().any(|s| !self.pulled.contains(s))
+    }
+    /// Whether `edge` is an edge this state is to be sent to.
+    pub fn sends_to(&self, edge: &str) -> bool {
+        self.destinations.values().any(|e| e == edge)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,6 +118,12 @@ pub struct SliceState {
     pub sandboxes: BTreeMap<String, DesiredSandbox>,
     #[serde(default)]
     pub snapshots: BTreeMap<String, DesiredSnapshot>,
+    /// Transfers this edge serves, by id.
+    #[serde(default)]
+    pub served: BTreeMap<String, ServedTransfer>,
+    /// Every registered edge's proxy address (where its transfers are pulled from).
+    #[serde(default)]
+    pub edges: BTreeMap<String, String>,
 }
 
 fn parse_desired(s: &str) -> Desired {
@@ -99,7 +146,20 @@ fn parse_observed(s: &str) -> Observed {
 
 impl SliceState {
     pub fn new(edge: &str) -> SliceState {
-        SliceState { edge: edge.to_string(), next_index: 1, sandboxes: BTreeMap::new(), snapshots: BTreeMap::new() }
+        SliceState { edge: edge.to_string(), next_index: 1, ..Default::default() }
+    }
+
+    /// Records that sandbox `sandbox`, placed on `edge`, starts from state this edge
+    /// serves as `transfer`.
+    fn serve(&mut self, transfer: &str, source: TransferSource, isolation: Isolation, sandbox: &str, edge: &str) {
+        let t = self.served.entry(transfer.to_string()).or_insert_with(|| ServedTransfer {
+            id: transfer.to_string(),
+            source,
+            isolation,
+            destinations: BTreeMap::new(),
+            pulled: Default::default(),
+        });
+        t.destinations.insert(sandbox.to_string(), edge.to_string());
     }
 
     /// Folds one message of the watch stream.
@@ -127,6 +187,8 @@ impl SliceState {
                             auto_pause: s.auto_pause,
                             snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
                             isolation: Isolation::from_event(&s.isolation).unwrap_or_default(),
+                            source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
+                            transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
                         };
                         (s.id.clone(), d)
                     })
@@ -159,6 +221,17 @@ impl SliceState {
                     }
                 }
                 self.snapshots = snapshots;
+                // What is still to be served; what the other edges already pulled stays known.
+                let old = std::mem::take(&mut self.served);
+                for x in &snap.served {
+                    self.serve_created(&x.transfer, &x.snapshot, &x.fork_of, &x.isolation, &x.id, &x.edge);
+                }
+                for (id, t) in &mut self.served {
+                    if let Some(o) = old.get(id) {
+                        t.pulled = o.pulled.clone();
+                    }
+                }
+                self.edges.extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
                 self.next_index = self.next_index.max(snap.index + 1);
             }
             Some(Body::Entry(entry)) => {
@@ -178,7 +251,28 @@ impl SliceState {
         }
     }
 
+    fn serve_created(&mut self, transfer: &str, snapshot: &str, fork_of: &str, isolation: &str, sandbox: &str, edge: &str) {
+        let source = if !snapshot.is_empty() && transfer == snapshot {
+            TransferSource::Snapshot { snapshot: snapshot.to_string() }
+        } else {
+            TransferSource::Fork { sandbox: fork_of.to_string() }
+        };
+        self.serve(transfer, source, Isolation::from_event(isolation).unwrap_or_default(), sandbox, edge);
+    }
+
     fn apply_event(&mut self, ev: &Event) {
+        match ev {
+            Event::EdgeRegistered(e) => {
+                self.edges.insert(e.id.clone(), e.address.clone());
+                return;
+            }
+            // A sandbox of another edge that starts from state held here.
+            Event::SandboxCreated(c) if c.edge != self.edge && c.source_edge == self.edge && !c.transfer.is_empty() => {
+                self.serve_created(&c.transfer, &c.snapshot, &c.fork_of, &c.isolation, &c.id, &c.edge);
+                return;
+            }
+            _ => {}
+        }
         if let Event::SandboxCreated(c) = ev {
             if c.edge == self.edge {
                 self.sandboxes.insert(
@@ -199,6 +293,8 @@ impl SliceState {
                         auto_pause: c.auto_pause,
                         snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
                         isolation: Isolation::from_event(&c.isolation).unwrap_or_default(),
+                        source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
+                        transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
                     },
                 );
             }

@@ -8,6 +8,7 @@ pub mod proxy;
 pub mod reconcile;
 pub mod slice;
 pub mod testing;
+pub mod transfer;
 pub mod images;
 pub mod microvms;
 pub mod container;

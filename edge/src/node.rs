@@ -10,7 +10,8 @@ use crate::desired::{DesiredSandbox, SliceState};
 use crate::images::ImageStore;
 use crate::microvms::{FromSnapshot, MicroVms, MicroVmsConfig};
 use crate::proxy::{self, AgentAddr, Resolver};
-use crate::reconcile::{plan, plan_snapshots, Action, Running};
+use crate::reconcile::{plan, plan_snapshots, plan_transfers, Action, Running};
+use crate::transfer::{self, Manifest};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_commands::Observation;
 use opendsec_control::pb::{Capacity, HeartbeatRequest};
@@ -33,6 +34,8 @@ pub const AGENT_CONFIG_IN_SANDBOX: &str = "/.opendsec/config";
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 /// Resumes of a microVM tried in a row before it is reported failed.
 const MAX_RESUME_TRIES: u32 = 3;
+/// A prepared transfer no edge came to pull is removed after this long.
+const TRANSFER_TTL: Duration = Duration::from_secs(30 * 60);
 
 #[derive(Clone, Debug)]
 pub struct EdgeConfig {
@@ -91,6 +94,9 @@ pub enum EdgeError {
     NoMicroVms(String),
     #[error("control plane: {0}")]
     Control(#[from] crate::slice::SliceError),
+    /// Pulling the state a sandbox starts from off another edge failed.
+    #[error("{0}")]
+    Transfer(#[from] crate::transfer::TransferError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -128,6 +134,12 @@ struct Edge {
     vms: Mutex<VmsState>,
     /// MicroVMs whose resume failed, and how often in a row.
     resume_failures: Mutex<BTreeMap<String, u32>>,
+    /// Transfers being prepared right now.
+    preparing: Mutex<BTreeSet<String>>,
+    /// One pull per transfer at a time (the copies of one fork share it).
+    import_locks: Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
+    /// The runtime, for the async pulls that blocking creations make.
+    rt: tokio::runtime::Handle,
 }
 
 impl Edge {
@@ -214,6 +226,22 @@ impl Edge {
         self.cfg.data_dir.join("snapshots")
     }
 
+    /// State this edge prepared for other edges to pull: `transfers/<id>/` (whole once its
+    /// manifest is there), or `transfers/<id>.failed` saying why it cannot be had.
+    fn transfers_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("transfers")
+    }
+
+    fn transfer_failure(&self, id: &str) -> PathBuf {
+        self.transfers_dir().join(format!("{id}.failed"))
+    }
+
+    /// State pulled from other edges: `imports/<transfer>/`, removed once every sandbox
+    /// of this edge that starts from it has been created (or has ended).
+    fn imports_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("imports")
+    }
+
     /// The per-sandbox directory bind-mounted read-only at [`AGENT_CONFIG_IN_SANDBOX`].
     fn config_dir(&self, id: &str) -> PathBuf {
         self.cfg.data_dir.join("config").join(id)
@@ -279,9 +307,10 @@ impl Edge {
         Ok(args)
     }
 
-    /// Copies a running sandbox's file system (its overlay upper dir) to `dest`, freezing
-    /// it meanwhile so the copy is consistent; it is thawed again unless it was paused.
-    fn copy_upper(&self, sandbox: &str, dest: &std::path::Path) -> Result<(), EdgeError> {
+    /// Runs `f` on sandbox `sandbox`'s file system (its overlay upper dir) while the
+    /// sandbox is frozen, so what `f` reads is consistent; it is thawed again unless it
+    /// was paused.
+    fn with_frozen_upper<T>(&self, sandbox: &str, f: impl FnOnce(&std::path::Path) -> Result<T, EdgeError>) -> Result<T, EdgeError> {
         let upper = self.upper_dir(sandbox);
         if !upper.is_dir() {
             return Err(EdgeError::Store(format!("sandbox {sandbox} has no file system on this edge")));
@@ -290,12 +319,24 @@ impl Edge {
         if was_running {
             self.backend.pause(sandbox)?;
         }
-        let result = (|| {
-            // Flush what the sandbox wrote before reading its files from outside.
-            if let Ok(f) = std::fs::File::open(&upper) {
-                // SAFETY: syncfs on a valid, open fd.
-                unsafe { libc::syncfs(f.as_raw_fd()) };
+        // Flush what the sandbox wrote before reading its files from outside.
+        if let Ok(f) = std::fs::File::open(&upper) {
+            // SAFETY: syncfs on a valid, open fd.
+            unsafe { libc::syncfs(f.as_raw_fd()) };
+        }
+        let result = f(&upper);
+        if was_running {
+            if let Err(e) = self.backend.resume(sandbox) {
+                tracing::error!(%sandbox, error = %e, "cannot thaw the sandbox after reading its file system");
             }
+        }
+        result
+    }
+
+    /// Copies a running sandbox's file system (its overlay upper dir) to `dest`, freezing
+    /// it meanwhile so the copy is consistent; it is thawed again unless it was paused.
+    fn copy_upper(&self, sandbox: &str, dest: &std::path::Path) -> Result<(), EdgeError> {
+        self.with_frozen_upper(sandbox, |upper| {
             let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("copy")));
             let _ = std::fs::remove_dir_all(&tmp);
             if let Some(parent) = tmp.parent() {
@@ -303,20 +344,188 @@ impl Edge {
             }
             // cp -a keeps owners, modes, xattrs (overlay's opaque-dir marks) and the
             // whiteout devices that record deletions of image files.
-            let out = std::process::Command::new("cp").arg("-a").arg("--").arg(&upper).arg(&tmp).output()?;
+            let out = std::process::Command::new("cp").arg("-a").arg("--").arg(upper).arg(&tmp).output()?;
             if !out.status.success() {
                 let _ = std::fs::remove_dir_all(&tmp);
                 return Err(EdgeError::Store(format!("copying the file system of {sandbox}: {}", String::from_utf8_lossy(&out.stderr).trim())));
             }
             std::fs::rename(&tmp, dest)?;
             Ok(())
+        })
+    }
+
+    // ---- state served to other edges, and pulled from them ----
+
+    /// Prepares transfer `id` in `transfers/<id>/`: a microVM's snapshot (a fork snapshot
+    /// of a running source, taken now: it stops only while its state is copied; or a stored
+    /// snapshot's files, linked), or a container's file-system layers as tar archives
+    /// (every layer of the source beneath its image, then its upper dir, taken frozen; or
+    /// a stored snapshot's chain); then the manifest with each file's digest.
+    fn make_transfer(&self, id: &str) -> Result<u64, EdgeError> {
+        use crate::desired::TransferSource;
+        let t = self.slice.lock().expect("slice lock").served.get(id).cloned().ok_or_else(|| EdgeError::Store(format!("transfer {id} is no longer served")))?;
+        let dest = self.transfers_dir().join(id);
+        let tmp = self.transfers_dir().join(format!(".tmp-{id}"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(self.transfers_dir())?;
+        let made = (|| -> Result<(), EdgeError> {
+            let (source_sandbox, layers) = match (&t.source, t.isolation) {
+                (TransferSource::Fork { sandbox }, Isolation::Microvm) => {
+                    self.vms()?.snapshot(sandbox, &tmp)?;
+                    (sandbox.clone(), vec![])
+                }
+                (TransferSource::Snapshot { snapshot }, Isolation::Microvm) => {
+                    std::fs::create_dir(&tmp)?;
+                    let from = self.snapshots_dir().join(snapshot);
+                    for e in std::fs::read_dir(&from)? {
+                        let e = e?;
+                        if e.file_type()?.is_file() {
+                            // The snapshot's files never change: a link is a copy.
+                            if std::fs::hard_link(e.path(), tmp.join(e.file_name())).is_err() {
+                                std::fs::copy(e.path(), tmp.join(e.file_name()))?;
+                            }
+                        }
+                    }
+                    let source = self.slice.lock().expect("slice lock").snapshots.get(snapshot).map(|x| x.sandbox.clone()).unwrap_or_default();
+                    (source, vec![])
+                }
+                (TransferSource::Fork { sandbox }, Isolation::Container) => {
+                    std::fs::create_dir(&tmp)?;
+                    // Its own layers beneath (snapshots it started from, a fork's copy),
+                    // then what it wrote: everything but the image, which every edge has.
+                    let images = self.images.root().to_path_buf();
+                    let below: Vec<PathBuf> = self.backend.get(sandbox)?.record.layers.into_iter().filter(|l| !l.starts_with(&images)).collect();
+                    let mut names = Vec::new();
+                    for (k, layer) in below.iter().enumerate() {
+                        let name = format!("layer-{k}.tar");
+                        tar_create(layer, &tmp.join(&name))?;
+                        names.push(name);
+                    }
+                    let top = format!("layer-{}.tar", below.len());
+                    self.with_frozen_upper(sandbox, |upper| tar_create(upper, &tmp.join(&top)))?;
+                    names.push(top);
+                    (sandbox.clone(), names)
+                }
+                (TransferSource::Snapshot { snapshot }, Isolation::Container) => {
+                    std::fs::create_dir(&tmp)?;
+                    let mut names = Vec::new();
+                    for (k, layer) in self.snapshot_layers(snapshot)?.iter().enumerate() {
+                        let name = format!("layer-{k}.tar");
+                        tar_create(layer, &tmp.join(&name))?;
+                        names.push(name);
+                    }
+                    let source = self.slice.lock().expect("slice lock").snapshots.get(snapshot).map(|x| x.sandbox.clone()).unwrap_or_default();
+                    (source, names)
+                }
+            };
+            transfer::write_manifest(&tmp, id, &t.isolation.to_event(), &source_sandbox, layers)?;
+            let _ = std::fs::remove_dir_all(&dest);
+            std::fs::rename(&tmp, &dest)?;
+            Ok(())
         })();
-        if was_running {
-            if let Err(e) = self.backend.resume(sandbox) {
-                tracing::error!(%sandbox, error = %e, "cannot thaw the sandbox after copying its file system");
+        if let Err(e) = made {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        Ok(dir_allocated(&dest))
+    }
+
+    /// Removes transfer `id`'s files, and forgets it once every edge has pulled it.
+    fn remove_transfer(&self, id: &str) -> Result<(), EdgeError> {
+        let _ = std::fs::remove_file(self.transfer_failure(id));
+        match std::fs::remove_dir_all(self.transfers_dir().join(id)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
+        }
+        let forgot = {
+            let mut slice = self.slice.lock().expect("slice lock");
+            let done = slice.served.get(id).is_some_and(|t| !t.is_wanted());
+            done && slice.served.remove(id).is_some()
+        };
+        if forgot {
+            self.persist()?;
+        }
+        Ok(())
+    }
+
+    /// The transfers prepared here (or failed, with a reason), and removal of those no
+    /// edge came to pull within [`TRANSFER_TTL`].
+    fn present_transfers(&self) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for e in std::fs::read_dir(self.transfers_dir()).into_iter().flatten().flatten() {
+            let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+            if name.starts_with('.') {
+                continue;
+            }
+            let stale = e.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().is_ok_and(|age| age > TRANSFER_TTL));
+            let id = name.strip_suffix(".failed").unwrap_or(&name).to_string();
+            if stale {
+                tracing::warn!(transfer = %id, "removing a transfer no edge pulled in time");
+                let _ = std::fs::remove_file(self.transfer_failure(&id));
+                let _ = std::fs::remove_dir_all(self.transfers_dir().join(&id));
+                if let Some(t) = self.slice.lock().expect("slice lock").served.get_mut(&id) {
+                    t.pulled.extend(t.destinations.keys().cloned());
+                }
+                continue;
+            }
+            out.insert(id);
+        }
+        out
+    }
+
+    /// The state sandbox `d` starts from, pulled from the edge that holds it (once per
+    /// transfer: the copies of one fork share it): its directory and manifest.
+    fn import(&self, d: &DesiredSandbox) -> Result<(PathBuf, Manifest), EdgeError> {
+        let (Some(id), Some(source_edge)) = (d.transfer.as_deref(), d.source_edge.as_deref()) else {
+            return Err(EdgeError::Store(format!("sandbox {} starts from no other edge's state", d.id)));
+        };
+        if !transfer::valid_transfer(id) {
+            return Err(EdgeError::Store(format!("transfer id {id:?} is malformed")));
+        }
+        let lock = self.import_locks.lock().expect("import locks").entry(id.to_string()).or_default().clone();
+        let _one = lock.lock().expect("import lock");
+        let dir = self.imports_dir().join(id);
+        if let Ok(m) = transfer::read_manifest(&dir) {
+            return Ok((dir, m));
+        }
+        let address = self.slice.lock().expect("slice lock").edges.get(source_edge).cloned();
+        let address = address.ok_or_else(|| EdgeError::Store(format!("edge {source_edge}, which holds the state sandbox {} starts from, is not registered", d.id)))?;
+        let req = transfer::PullRequest { transfer: id, source_edge, address: &address, me: &self.cfg.name, cluster_key: &self.cfg.edge_key };
+        let pulled = self.rt.block_on(transfer::pull(&req, &dir))?;
+        let data: u64 = pulled.manifest.files.iter().map(|f| f.data_bytes).sum();
+        tracing::info!(
+            transfer = %id,
+            from = %source_edge,
+            files = pulled.manifest.files.len(),
+            wire_bytes = pulled.wire_bytes,
+            data_bytes = data,
+            took_ms = pulled.took.as_millis() as u64,
+            "pulled a transfer from another edge"
+        );
+        Ok((dir, pulled.manifest))
+    }
+
+    /// Removes pulled state no sandbox still waits to start from.
+    fn sweep_imports(&self, observed: &BTreeMap<String, Running>) {
+        let Ok(entries) = std::fs::read_dir(self.imports_dir()) else { return };
+        let creating = self.creating.lock().expect("creating lock").clone();
+        let failed = self.failed.lock().expect("failed lock").clone();
+        let slice = self.slice.lock().expect("slice lock");
+        for e in entries.flatten() {
+            let Some(id) = e.file_name().to_str().map(str::to_string) else { continue };
+            let waiting = slice.sandboxes.values().filter(|d| d.transfer.as_deref() == Some(id.as_str())).any(|d| {
+                creating.contains(&d.id)
+                    || (d.observed == opendsec_projections::Observed::Pending
+                        && d.desired == opendsec_projections::Desired::Running
+                        && !failed.contains(&d.id)
+                        && !observed.contains_key(&d.id))
+            });
+            if !waiting {
+                tracing::info!(transfer = %id, "removing pulled state no sandbox waits for");
+                let _ = std::fs::remove_dir_all(e.path());
+                self.import_locks.lock().expect("import locks").remove(&id);
             }
         }
-        result
     }
 
     fn create(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
@@ -328,12 +537,23 @@ impl Edge {
         let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
         args.extend(self.write_agent_config(d, &image)?);
         let mut spec = SandboxSpec::from_image(d.id.clone(), &self.images, &image, args)?;
-        // A sandbox started from a snapshot stacks the snapshot's layers on the image's.
-        if let Some(snap) = &d.snapshot {
+        if d.transfer.is_some() {
+            // Its source's layers live on another edge: pulled, then unpacked into its
+            // own directory (removed with it), bottom first.
+            let (dir, manifest) = self.import(d)?;
+            for (k, name) in manifest.layers.iter().enumerate() {
+                let layer = self.fork_layer(&d.id).join(k.to_string());
+                if !layer.is_dir() {
+                    tar_extract(&dir.join(name), &layer)?;
+                }
+                spec.layers.push(layer);
+            }
+        } else if let Some(snap) = &d.snapshot {
+            // A sandbox started from a snapshot stacks the snapshot's layers on the image's.
             spec.layers.extend(self.snapshot_layers(snap)?);
         }
         // A fork starts from a copy of its source's file system as it is now.
-        if let Some(source) = &d.fork_of {
+        if let (Some(source), None) = (&d.fork_of, &d.transfer) {
             let layer = self.fork_layer(&d.id);
             if !layer.is_dir() {
                 self.copy_upper(source, &layer)?;
@@ -407,6 +627,11 @@ impl Edge {
         let image = self.images.ensure(&d.image, &|p| tracing::info!(image = %d.image, progress = ?p, "building image"))?;
         let source = match &d.snapshot {
             None => None,
+            // On another edge: pulled from there.
+            Some(_) if d.transfer.is_some() => {
+                let (dir, manifest) = self.import(d)?;
+                Some((dir, manifest.source_sandbox))
+            }
             Some(snap) => {
                 let source = self.slice.lock().expect("slice lock").snapshots.get(snap).map(|x| x.sandbox.clone());
                 let source = source.ok_or_else(|| EdgeError::Store(format!("snapshot {snap} is unknown to this edge")))?;
@@ -418,11 +643,30 @@ impl Edge {
         Ok(())
     }
 
-    /// Creates microVM fork copies `copies` of `source` in one fork (they share its RAM).
+    /// Creates microVM fork copies `copies` of `source` in one fork (they share its RAM),
+    /// or, when the source runs on another edge, each from the fork snapshot pulled from
+    /// there. On failure no copy is left.
     fn fork_vms(&self, source: &str, copies: &[DesiredSandbox]) -> Result<(), EdgeError> {
         let vms = self.vms()?;
         let image_name = &copies[0].image;
         let image = self.images.ensure(image_name, &|p| tracing::info!(image = %image_name, progress = ?p, "building image"))?;
+        if copies[0].transfer.is_some() {
+            let t = Instant::now();
+            let (dir, manifest) = self.import(&copies[0])?;
+            let mut made: Vec<&str> = Vec::new();
+            for c in copies {
+                let from = FromSnapshot { dir: &dir, source: &manifest.source_sandbox };
+                if let Err(e) = vms.create(c, &image, Some(from)) {
+                    for id in made {
+                        let _ = vms.remove(id);
+                    }
+                    return Err(e.into());
+                }
+                made.push(&c.id);
+            }
+            tracing::info!(%source, copies = copies.len(), took_ms = t.elapsed().as_millis() as u64, "made microVM fork copies from state pulled from another edge");
+            return Ok(());
+        }
         let scratch = self.cfg.data_dir.join("vm-scratch").join(format!("{source}-{}", opendsec_control::now_ms()));
         std::fs::create_dir_all(scratch.parent().expect("a scratch dir has a parent"))?;
         let refs: Vec<&DesiredSandbox> = copies.iter().collect();
@@ -580,8 +824,40 @@ impl Edge {
             }
             Action::RemoveSnapshot { id } => {
                 let dir = self.snapshots_dir().join(&id);
-                self.blocking(move |_| std::fs::remove_dir_all(dir).map_err(EdgeError::from)).await
+                // What was prepared of it for other edges goes too.
+                let served = self.transfers_dir().join(&id);
+                self.blocking(move |_| {
+                    let _ = std::fs::remove_dir_all(served);
+                    std::fs::remove_dir_all(dir).map_err(EdgeError::from)
+                })
+                .await
             }
+            Action::MakeTransfer { id } => {
+                if !self.preparing.lock().expect("preparing lock").insert(id.clone()) {
+                    return; // under way
+                }
+                let edge = self.clone();
+                tokio::spawn(async move {
+                    let (e, tid) = (edge.clone(), id.clone());
+                    let t = Instant::now();
+                    let made = tokio::task::spawn_blocking(move || e.make_transfer(&tid)).await.unwrap_or_else(|p| Err(EdgeError::Store(format!("the task panicked: {p}"))));
+                    match made {
+                        Ok(bytes) => tracing::info!(transfer = %id, bytes, took_ms = t.elapsed().as_millis() as u64, "prepared state for another edge to pull"),
+                        Err(e) => {
+                            tracing::warn!(transfer = %id, error = %e, "cannot prepare state for another edge");
+                            let _ = std::fs::write(edge.transfer_failure(&id), format!("the source edge cannot provide it: {e}"));
+                        }
+                    }
+                    edge.preparing.lock().expect("preparing lock").remove(&id);
+                    edge.wake.notify_one();
+                });
+                Ok(())
+            }
+            Action::FailTransfer { id, reason } => {
+                tracing::warn!(transfer = %id, %reason, "state another edge is to pull cannot be had");
+                std::fs::create_dir_all(self.transfers_dir()).and_then(|()| std::fs::write(self.transfer_failure(&id), reason)).map_err(EdgeError::from)
+            }
+            Action::RemoveTransfer { id } => self.blocking(move |e| e.remove_transfer(&id)).await,
             Action::Report { id, observation } => {
                 if observation == Observation::Ready {
                     // A microVM restored from another's memory answers only that one's
@@ -627,7 +903,7 @@ impl Edge {
                 slice
                     .sandboxes
                     .values()
-                    .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation == Isolation::Microvm)
+                    .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation == Isolation::Microvm && c.transfer == d.transfer)
                     .filter(|c| c.observed == opendsec_projections::Observed::Pending && c.desired == opendsec_projections::Desired::Running)
                     .filter(|c| !creating.contains(&c.id) && !failed.contains(&c.id) && !observed.contains_key(&c.id))
                     .take(crate::vm::MAX_FORK_COUNT)
@@ -839,6 +1115,8 @@ impl Edge {
         };
         *self.last_observed.lock().expect("observed lock") = observed.clone();
         let present = self.present_snapshots();
+        let served = self.present_transfers();
+        let preparing = self.preparing.lock().expect("preparing lock").clone();
         let actions = {
             let slice = self.slice.lock().expect("slice lock");
             let containers_only;
@@ -848,6 +1126,7 @@ impl Edge {
                 let mut containers = slice.clone();
                 containers.sandboxes.retain(|_, d| d.isolation == Isolation::Container);
                 containers.snapshots.retain(|_, x| x.isolation == Isolation::Container);
+                containers.served.retain(|_, t| t.isolation == Isolation::Container);
                 containers_only = containers;
                 &containers_only
             } else {
@@ -855,8 +1134,10 @@ impl Edge {
             };
             let mut a = plan(slice, &observed, opendsec_control::now_ms());
             a.extend(plan_snapshots(slice, &observed, &present));
+            a.extend(plan_transfers(slice, &observed, &served).into_iter().filter(|x| !matches!(x, Action::MakeTransfer { id } if preparing.contains(id))));
             a
         };
+        self.sweep_imports(&observed);
         let mut changed = false;
         for a in actions {
             if let Action::Create { id } = &a {
@@ -884,6 +1165,42 @@ impl Edge {
             memory_mb_used: live.iter().map(|s| s.memory_mb).sum(),
         }
     }
+}
+
+/// Archives directory `dir` into `dest` with everything overlayfs needs of a layer:
+/// owners, modes, xattrs (opaque-dir marks), whiteout devices, sparse files.
+fn tar_create(dir: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeError> {
+    let out = std::process::Command::new("tar")
+        .args(["--create", "--sparse", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--file"])
+        .arg(dest)
+        .arg("--directory")
+        .arg(dir)
+        .arg(".")
+        .output()?;
+    if !out.status.success() {
+        return Err(EdgeError::Store(format!("archiving {}: {}", dir.display(), String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    Ok(())
+}
+
+/// Unpacks an archive of [`tar_create`] into `dest` (made beside and renamed, so a crash
+/// leaves no half layer).
+fn tar_extract(archive: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeError> {
+    let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("layer")));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let out = std::process::Command::new("tar")
+        .args(["--extract", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--same-owner", "--same-permissions", "--file"])
+        .arg(archive)
+        .arg("--directory")
+        .arg(&tmp)
+        .output()?;
+    if !out.status.success() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(EdgeError::Store(format!("unpacking {}: {}", archive.display(), String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    std::fs::rename(&tmp, dest)?;
+    Ok(())
 }
 
 /// Bytes used by the files under `dir` (not following symlinks).
@@ -970,6 +1287,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         reported: Mutex::new(BTreeMap::new()),
         wake: tokio::sync::Notify::new(),
         resume_failures: Mutex::new(BTreeMap::new()),
+        preparing: Mutex::new(BTreeSet::new()),
+        import_locks: Mutex::new(BTreeMap::new()),
+        rt: tokio::runtime::Handle::current(),
         vms: Mutex::new(if cfg.microvm.is_some() { VmsState::Preparing } else { VmsState::Unavailable("it was started without microVM support".into()) }),
         cfg,
     });
@@ -1031,7 +1351,38 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         true => reader.vms().ok()?.log(id, max),
         false => reader.backend.read_log(id, max).ok(),
     });
-    let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler), logs: Some(logs) };
+    let server = edge.clone();
+    let lookup: Arc<dyn Fn(&str, &str) -> Result<PathBuf, (u16, String)> + Send + Sync> = Arc::new(move |id: &str, to: &str| {
+        {
+            let slice = server.slice.lock().expect("slice lock");
+            let Some(t) = slice.served.get(id) else { return Err((404, format!("edge {} serves no transfer {id}", server.cfg.name))) };
+            if !t.sends_to(to) {
+                return Err((403, format!("transfer {id} is not for edge {to}")));
+            }
+        }
+        if let Ok(why) = std::fs::read_to_string(server.transfer_failure(id)) {
+            return Err((410, why));
+        }
+        let dir = server.transfers_dir().join(id);
+        if dir.join(transfer::MANIFEST).is_file() { Ok(dir) } else { Err((503, format!("transfer {id} is being prepared"))) }
+    });
+    let done = edge.clone();
+    let pulled: Arc<dyn Fn(&str, &str) + Send + Sync> = Arc::new(move |id: &str, to: &str| {
+        {
+            let mut slice = done.slice.lock().expect("slice lock");
+            if let Some(t) = slice.served.get_mut(id) {
+                let theirs: Vec<String> = t.destinations.iter().filter(|(_, e)| e.as_str() == to).map(|(s, _)| s.clone()).collect();
+                t.pulled.extend(theirs);
+            }
+        }
+        if let Err(e) = done.persist() {
+            tracing::error!(error = %e, "cannot persist the slice");
+        }
+        tracing::info!(transfer = %id, by = %to, "another edge pulled a transfer");
+        done.wake.notify_one();
+    });
+    let transfers = proxy::Transfers { lookup, pulled };
+    let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler), logs: Some(logs), transfers: Some(transfers) };
     let proxy_task = tokio::spawn(proxy::serve_with(listener, edge.cfg.edge_key.clone(), resolve, hooks));
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,

@@ -4,7 +4,8 @@
 //! namespace (connected from a thread that enters it). Only the control plane's gateway
 //! may call it: every request must carry the edge key in `x-opendsec-edge-key`.
 //! `POST /admit` answers the leader's admission requests (the edge's final word on what
-//! it runs).
+//! it runs). `/transfer/{id}/…` serves state this edge holds to the edges that pull it
+//! (`transfer.rs`); those requests carry a per-transfer token instead of the edge key.
 
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -138,6 +139,87 @@ pub struct Hooks {
     pub sampler: Option<Sampler>,
     /// Reads the end of a sandbox's PID 1 output for `GET /logs/{id}?max_bytes=N`.
     pub logs: Option<LogReader>,
+    /// Serves transfers (`/transfer/{id}/manifest`, `/transfer/{id}/files/{name}`,
+    /// `DELETE /transfer/{id}`).
+    pub transfers: Option<Transfers>,
+}
+
+/// What the edge serves to other edges.
+#[derive(Clone)]
+pub struct Transfers {
+    /// The directory of transfer `id` for pulling edge `edge` once it is prepared, or why
+    /// not: (404) unknown here, (403) not for that edge, (503) not prepared yet, (410)
+    /// cannot be had.
+    pub lookup: Arc<dyn Fn(&str, &str) -> Result<PathBuf, (u16, String)> + Send + Sync>,
+    /// Edge `edge` has pulled transfer `id`.
+    pub pulled: Arc<dyn Fn(&str, &str) + Send + Sync>,
+}
+
+async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers>) -> Response<Body> {
+    use crate::transfer as t;
+    let Some(transfers) = transfers else {
+        return json_error(StatusCode::NOT_FOUND, "not_found", "this edge serves no transfers");
+    };
+    let path = req.uri().path().trim_start_matches("/transfer/").to_string();
+    let (id, rest) = path.split_once('/').unwrap_or((path.as_str(), ""));
+    if !t::valid_transfer(id) {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "the transfer id in the path is malformed");
+    }
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let edge = match t::check_token(key, id, header(t::EDGE_HEADER), header(t::TOKEN_HEADER)) {
+        Ok(edge) => edge,
+        Err((401, why)) => return json_error(StatusCode::UNAUTHORIZED, "unauthenticated", &why),
+        Err((_, why)) => return json_error(StatusCode::FORBIDDEN, "forbidden", &why),
+    };
+    let status = |code: u16| StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let word = |code: u16| match code {
+        403 => "forbidden",
+        404 => "not_found",
+        410 => "gone",
+        503 => "not_ready",
+        _ => "error",
+    };
+    if req.method() == hyper::Method::DELETE && rest.is_empty() {
+        return match (transfers.lookup)(id, &edge) {
+            Err((code, why)) if code == 403 || code == 404 => json_error(status(code), word(code), &why),
+            _ => {
+                (transfers.pulled)(id, &edge);
+                Response::builder().status(StatusCode::NO_CONTENT).body(empty()).expect("valid response")
+            }
+        };
+    }
+    if req.method() != hyper::Method::GET {
+        return json_error(StatusCode::METHOD_NOT_ALLOWED, "invalid_argument", "transfers are read with GET and ended with DELETE");
+    }
+    let dir = match (transfers.lookup)(id, &edge) {
+        Ok(dir) => dir,
+        Err((code, why)) => return json_error(status(code), word(code), &why),
+    };
+    let file = if rest == "manifest" {
+        t::MANIFEST.to_string()
+    } else if let Some(name) = rest.strip_prefix("files/") {
+        let listed = t::read_manifest(&dir).map(|m| m.files.iter().any(|f| f.name == name)).unwrap_or(false);
+        if !t::valid_name(name) || !listed {
+            return json_error(StatusCode::NOT_FOUND, "not_found", &format!("transfer {id} has no file {name:?}"));
+        }
+        name.to_string()
+    } else {
+        return json_error(StatusCode::NOT_FOUND, "not_found", "use /transfer/{id}/manifest or /transfer/{id}/files/{name}");
+    };
+    if file == t::MANIFEST {
+        return match std::fs::read(dir.join(t::MANIFEST)) {
+            Ok(bytes) => Response::builder()
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
+                .expect("valid response"),
+            Err(e) => json_error(StatusCode::SERVICE_UNAVAILABLE, "not_ready", &format!("the manifest of transfer {id}: {e}")),
+        };
+    }
+    tracing::info!(transfer = %id, %file, to = %edge, "serving a transfer file");
+    Response::builder()
+        .header("content-type", "application/octet-stream")
+        .body(t::serve_file(dir.join(file)).map_err(|never| match never {}).boxed())
+        .expect("valid response")
 }
 
 /// The last `max_bytes` of a sandbox's PID 1 output (None: no such sandbox here).
@@ -272,6 +354,10 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
 }
 
 async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks: Hooks) -> Response<Body> {
+    // Another edge pulling state: it proves itself with a token for that one transfer.
+    if req.uri().path().starts_with("/transfer/") {
+        return transfer(req, &key, hooks.transfers).await;
+    }
     let got = req.headers().get(EDGE_KEY_HEADER).and_then(|v| v.to_str().ok());
     if !key_matches(&key, got) {
         return json_error(StatusCode::UNAUTHORIZED, "unauthenticated", "the edge proxy needs the edge key");

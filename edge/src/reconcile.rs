@@ -45,6 +45,12 @@ pub enum Action {
     RemoveSnapshot { id: String },
     /// A snapshot cannot be taken (its sandbox ended first).
     FailSnapshot { id: String, reason: String },
+    /// Prepare transfer `id` (state this edge holds) for the edges that pull it.
+    MakeTransfer { id: String },
+    /// The state of transfer `id` cannot be had: say so to the edges that ask.
+    FailTransfer { id: String, reason: String },
+    /// Every edge has pulled transfer `id`: remove its files.
+    RemoveTransfer { id: String },
 }
 
 fn report(id: &str, observation: Observation) -> Action {
@@ -143,6 +149,40 @@ pub fn plan_snapshots(slice: &SliceState, observed: &BTreeMap<String, Running>, 
     out
 }
 
+/// The actions for the state this edge serves to others: prepare what some edge still has
+/// to pull (a fork's source must run here, a snapshot must be ready), say why it cannot be
+/// had, remove what every edge has pulled. `present`: the transfers prepared or failed.
+pub fn plan_transfers(slice: &SliceState, observed: &BTreeMap<String, Running>, present: &std::collections::BTreeSet<String>) -> Vec<Action> {
+    use crate::desired::{SnapshotPhase, TransferSource};
+    let mut out = Vec::new();
+    for t in slice.served.values() {
+        let id = t.id.clone();
+        if !t.is_wanted() {
+            if present.contains(&id) {
+                out.push(Action::RemoveTransfer { id });
+            }
+            continue;
+        }
+        if present.contains(&id) {
+            continue;
+        }
+        match &t.source {
+            TransferSource::Fork { sandbox } => match (observed.get(sandbox), slice.sandboxes.get(sandbox)) {
+                (Some(Running::Running | Running::Paused), _) => out.push(Action::MakeTransfer { id }),
+                // Not created yet here: it will be.
+                (None, Some(d)) if d.observed == Observed::Pending && d.desired != Desired::Killed => {}
+                _ => out.push(Action::FailTransfer { id, reason: format!("sandbox {sandbox}, the fork's source, no longer runs on its edge") }),
+            },
+            TransferSource::Snapshot { snapshot } => match slice.snapshots.get(snapshot).map(|x| x.phase) {
+                Some(SnapshotPhase::Ready) => out.push(Action::MakeTransfer { id }),
+                Some(SnapshotPhase::Pending) => {}
+                _ => out.push(Action::FailTransfer { id, reason: format!("snapshot {snapshot} no longer exists on its edge") }),
+            },
+        }
+    }
+    out
+}
+
 /// Everything to do to bring this machine to the slice. Sandboxes running here that the
 /// slice does not know (orphans) are stopped and removed.
 pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u64) -> Vec<Action> {
@@ -183,6 +223,8 @@ mod tests {
             auto_pause: false,
             snapshot: None,
             isolation: Default::default(),
+            source_edge: None,
+            transfer: None,
         }
     }
 
@@ -244,6 +286,41 @@ mod tests {
         // Its sandbox is gone: the snapshot fails rather than waiting for ever.
         let gone = BTreeMap::new();
         assert!(matches!(&plan_snapshots(&slice, &gone, &BTreeSet::new())[0], Action::FailSnapshot { id, .. } if id == "a"));
+    }
+
+    #[test]
+    fn served_state_is_prepared_while_an_edge_still_has_to_pull_it_then_removed() {
+        use crate::desired::{ServedTransfer, SnapshotPhase, TransferSource, DesiredSnapshot};
+        use std::collections::BTreeSet;
+        let mut slice = SliceState::new("e1");
+        slice.sandboxes.insert("s1".into(), sandbox(Desired::Running, Observed::Ready));
+        let served = |id: &str, source| ServedTransfer {
+            id: id.into(),
+            source,
+            isolation: Default::default(),
+            destinations: [("c1".to_string(), "e2".to_string())].into(),
+            pulled: BTreeSet::new(),
+        };
+        slice.served.insert("fork-c1".into(), served("fork-c1", TransferSource::Fork { sandbox: "s1".into() }));
+        slice.served.insert("snap-1".into(), served("snap-1", TransferSource::Snapshot { snapshot: "snap-1".into() }));
+        slice.snapshots.insert("snap-1".into(), DesiredSnapshot { id: "snap-1".into(), sandbox: "s1".into(), image: "busybox".into(), parent: None, phase: SnapshotPhase::Ready, isolation: Default::default() });
+        let running: BTreeMap<_, _> = [("s1".to_string(), Running::Running)].into();
+        let none = BTreeSet::new();
+        assert_eq!(
+            plan_transfers(&slice, &running, &none),
+            vec![Action::MakeTransfer { id: "fork-c1".into() }, Action::MakeTransfer { id: "snap-1".into() }]
+        );
+        // Prepared: nothing to do until it is pulled; then its files go.
+        let both: BTreeSet<String> = ["fork-c1".to_string(), "snap-1".to_string()].into();
+        assert_eq!(plan_transfers(&slice, &running, &both), vec![]);
+        slice.served.get_mut("fork-c1").unwrap().pulled.insert("c1".into());
+        assert_eq!(plan_transfers(&slice, &running, &both), vec![Action::RemoveTransfer { id: "fork-c1".into() }]);
+        // A fork whose source ended, a snapshot deleted: the pulling edge is told why.
+        slice.served.get_mut("fork-c1").unwrap().pulled.clear();
+        slice.snapshots.get_mut("snap-1").unwrap().phase = SnapshotPhase::Deleted;
+        let actions = plan_transfers(&slice, &BTreeMap::new(), &none);
+        assert!(matches!(&actions[..], [Action::FailTransfer { id: a, reason: ra }, Action::FailTransfer { id: b, .. }]
+            if a == "fork-c1" && b == "snap-1" && ra.contains("no longer runs")), "{actions:?}");
     }
 
     fn check(d: DesiredSandbox, seen: Option<Running>, now: u64) -> Vec<Action> {

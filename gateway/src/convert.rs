@@ -84,6 +84,7 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         index: s.index,
         isolation: isolation(s.isolation),
         snapshot: s.snapshot.clone(),
+        source_edge: s.source_edge.clone(),
     }
 }
 

@@ -149,6 +149,7 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
     check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"debian","memory_mb":0}"#, expect![[r#"400 {"code":"invalid","field":"memory_mb","message":"a sandbox needs some CPU and memory"}"#]]).await;
     check_bad(&api, "POST", "/v1/tokens", br#"{"name":"t","rights":["root:everything"]}"#, expect![[r#"400 {"code":"invalid","field":"rights[0]","message":"unknown right \"root:everything\"; rights are: project:write, quota:write, token:write, sandbox:write, sandbox:read, edge:write, audit:read, cluster:admin"}"#]]).await;
     check_bad(&api, "POST", "/v1/sandboxes/whatever/fork", br#"{"count":0}"#, expect![[r#"400 {"code":"invalid","field":"count","message":"count must be 1 to 1024"}"#]]).await;
+    check_bad(&api, "POST", "/v1/sandboxes/whatever/fork", br#"{"count":1,"edge":"no such edge"}"#, expect![[r#"400 {"code":"invalid","field":"edge","message":"edge must be a non-empty id without spaces, at most 128 characters"}"#]]).await;
     check_bad(&api, "POST", "/v1/cluster/members", br#"{"id":2,"addr":""}"#, expect![[r#"400 {"code":"invalid","field":"addr","message":"addr must be host:port, at most 255 characters"}"#]]).await;
     // unknown ids
     check_bad(&api, "GET", "/v1/sandboxes/nope", b"", expect![[r#"404 {"code":"not_found","field":"id","message":"sandbox nope does not exist"}"#]]).await;

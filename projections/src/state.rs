@@ -471,6 +471,8 @@ impl State {
                     network: (!e.network.is_empty()).then(|| e.network.clone()),
                     isolation: Isolation::from_event(&e.isolation).unwrap_or_default(),
                     idempotency_key: (!e.idempotency_key.is_empty()).then(|| e.idempotency_key.clone()),
+                    source_edge: (!e.source_edge.is_empty()).then(|| e.source_edge.clone()),
+                    transfer: (!e.transfer.is_empty()).then(|| e.transfer.clone()),
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {

@@ -315,6 +315,12 @@ pub struct Sandbox {
     /// The client's idempotency key, if it gave one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// The edge holding the state it started from (its fork source's, or its snapshot's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_edge: Option<String>,
+    /// When that edge is not its own: the id under which the state was served to its edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer: Option<String>,
 }
 
 impl Sandbox {

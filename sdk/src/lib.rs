@@ -269,7 +269,13 @@ impl Client {
     }
 
     pub async fn fork_sandbox(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
-        self.call(Method::POST, &["v1", "sandboxes", id, "fork"], &[], Some(&ForkSandbox { count })).await
+        self.fork_sandbox_to(id, count, None).await
+    }
+
+    /// Forks onto edge `edge` (every copy there), or wherever placement puts them.
+    pub async fn fork_sandbox_to(&self, id: &str, count: u32, edge: Option<&str>) -> Result<Forked, ApiError> {
+        let body = ForkSandbox { count, edge: edge.map(str::to_string) };
+        self.call(Method::POST, &["v1", "sandboxes", id, "fork"], &[], Some(&body)).await
     }
 
     pub async fn set_sandbox_timeout(&self, id: &str, timeout_seconds: u64) -> Result<SandboxWritten, ApiError> {

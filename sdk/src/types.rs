@@ -261,6 +261,10 @@ pub struct Sandbox {
     /// The snapshot it started from.
     #[serde(default)]
     pub snapshot: Option<String>,
+    /// The edge that held the state it started from (its fork source's or its snapshot's);
+    /// when not `edge`, its edge pulled that state from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_edge: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -282,6 +286,11 @@ pub struct SandboxWritten {
 pub struct ForkSandbox {
     /// 1 to 1024 copies.
     pub count: u32,
+    /// The edge to place every copy on. Without it the copies go to the source's edge
+    /// while it has room, then to other edges; a copy on another edge pulls the source's
+    /// state from the source's edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edge: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -730,7 +730,7 @@ async fn fork(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<Str
         return Err(E2bError::bad(format!("count must be 1 to {}", opendsec_commands::LIMITS.fork_count)));
     }
     visible(&st, &who, &id)?;
-    let s = submit(&st, &who, &headers, Command::ForkSandbox { sandbox: id, count: count as u32 }).await?;
+    let s = submit(&st, &who, &headers, Command::ForkSandbox { sandbox: id, count: count as u32, edge: None }).await?;
     let children = s.decided.created_sandboxes();
     let mut out = Vec::new();
     for c in children {

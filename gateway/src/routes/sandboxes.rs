@@ -132,13 +132,15 @@ pub async fn set_labels(st: State<AppState>, who: Authed, rid: RequestId, PathPa
     lifecycle(st, who, rid, id.clone(), Command::SetSandboxLabels { sandbox: id, labels: req.labels }).await
 }
 
-/// Creates `count` copies of a live sandbox, placed on its edge: a container's copies
-/// start from its file system as it is now, a microVM's from its memory and disk (the
-/// source stops only while they are captured; copies share its pages). Needs sandbox:write.
+/// Creates `count` copies of a live sandbox: a container's copies start from its file
+/// system as it is now, a microVM's from its memory and disk (the source stops only while
+/// they are captured; copies on its edge share its pages). Copies go to the source's edge
+/// while it has room, else to other edges, which pull the state from the source's edge;
+/// `edge` places them all on one edge. Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", tag = "sandboxes", params(("id" = String, Path)), request_body = ForkSandbox,
     responses((status = 201, body = Forked), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn fork(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<ForkSandbox>) -> Result<Written<Forked>, ApiError> {
-    let s = submit(&st, &who, &rid, Command::ForkSandbox { sandbox: id, count: req.count }).await?;
+    let s = submit(&st, &who, &rid, Command::ForkSandbox { sandbox: id, count: req.count, edge: req.edge }).await?;
     let children = s.decided.created_sandboxes();
     let sandboxes = children.iter().map(|c| read_sandbox(&st, c)).collect::<Result<_, _>>()?;
     Ok(Written { index: s.index, status: StatusCode::CREATED, body: Forked { index: s.index, sandboxes } })

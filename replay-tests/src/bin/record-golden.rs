@@ -274,7 +274,7 @@ async fn control_plane_tour(d: &mut Driver, admin: &str, root: &str) {
     d.report(&admin, &b[1], Observation::Paused).await;
 
     // Fork a running sandbox three ways; the children come up.
-    let fork = d.ok(&dev, Command::ForkSandbox { sandbox: a[1].clone(), count: 3 }).await;
+    let fork = d.ok(&dev, Command::ForkSandbox { sandbox: a[1].clone(), count: 3, edge: None }).await;
     let children: Vec<String> = fork
         .decided
         .events
@@ -367,7 +367,7 @@ async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
     d.report(&admin, &doomed, Observation::Exited { exit_code: 137, oom_killed: false, reason: "user".into() }).await;
     d.ok(&admin, Command::ReportSnapshot { snapshot: lost, result: SnapshotResult::Failed { reason: format!("sandbox {doomed} ended before its snapshot was taken") } }).await;
     // Forks keep the environment and options, on the source's edge.
-    let fork = d.ok(&key, Command::ForkSandbox { sandbox: main.clone(), count: 2 }).await;
+    let fork = d.ok(&key, Command::ForkSandbox { sandbox: main.clone(), count: 2, edge: None }).await;
     for e in &fork.decided.events {
         if let Event::SandboxCreated(c) = e {
             d.report(&admin, &c.id, Observation::Ready).await;

@@ -230,11 +230,15 @@ enum SandboxCmd {
         #[arg(long, default_value_t = 300)]
         wait_seconds: u64,
     },
-    /// Clones a live sandbox --count times.
+    /// Clones a live sandbox --count times (on its edge while it has room, else on others,
+    /// which pull its state from its edge).
     Fork {
         id: String,
         #[arg(long, default_value_t = 1)]
         count: u32,
+        /// Place every copy on this edge.
+        #[arg(long)]
+        edge: Option<String>,
     },
     /// Sets the lifetime from now; 0 removes it.
     SetTimeout { id: String, seconds: u64 },
@@ -675,8 +679,8 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             let _ = std::io::stdout().write_all(&bytes);
             return Ok(0);
         }
-        SandboxCmd::Fork { id, count } => {
-            let f = client.fork_sandbox(&id, count).await?;
+        SandboxCmd::Fork { id, count, edge } => {
+            let f = client.fork_sandbox_to(&id, count, edge.as_deref()).await?;
             out.show(&f, |f| format!("forked {id} at index {}:\n{}", f.index, table(&SANDBOX_HEADERS, f.sandboxes.iter().map(sandbox_row).collect())));
             return Ok(0);
         }
