@@ -678,6 +678,7 @@ impl Edge {
     async fn act(self: &Arc<Self>, action: Action, observed: &BTreeMap<String, Running>) {
         let result: Result<(), EdgeError> = match action {
             Action::Create { id } => {
+                tracing::debug!(sandbox = %id, "create: start");
                 let Some(d) = self.slice.lock().expect("slice lock").sandboxes.get(&id).cloned() else { return };
                 if self.failed.lock().expect("failed lock").contains(&id) {
                     return; // its failure is reported; it is not retried
@@ -1412,10 +1413,12 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
                         slice.apply(&more);
                     }
                 }
+                // Acting first: what the slice asks is idempotent, so an edge that dies
+                // before persisting re-reads those events from the log and finds them done.
+                edge.reconcile().await;
                 if let Err(e) = edge.persist() {
                     tracing::error!(error = %e, "cannot persist the slice");
                 }
-                edge.reconcile().await;
             }
             _ = tick.tick() => edge.reconcile().await,
             _ = edge.wake.notified() => edge.reconcile().await,
@@ -1430,5 +1433,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     }
     proxy_task.abort();
     follower_task.abort();
+    // Sandboxes run on; warm disks, which nothing uses yet, do not outlive the edge.
+    let e = edge.clone();
+    let _ = tokio::task::spawn_blocking(move || e.backend.drain_warm_disks()).await;
     Ok(())
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use opendsec_edge::container::{
     BindMount, ContainerBackend, ContainerConfig, ContainerError, Limits, RuntimeChoice,
-    SandboxSpec, SandboxStatus,
+    SandboxSpec, SandboxStatus, is_mounted,
 };
 use opendsec_edge::images::{Image, ImageStore};
 
@@ -98,6 +98,8 @@ fn config_in(root: &Path, runtime: RuntimeChoice) -> ContainerConfig {
         shim: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-shim")),
         cgroup_parent: "opendsec-test".into(),
         log_cap_bytes: 1 << 20,
+        warm_disks: 0,
+        warm_disk_bytes: 64 << 20,
     }
 }
 
@@ -661,4 +663,58 @@ fn base_image_runs_python_as_user() {
     assert_eq!(exit.exit_code, 0, "{log}");
     assert_eq!(log, "42\nuser\n/home/user\n");
     assert_gone(&b, &id);
+}
+
+#[test]
+fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothing() {
+    require_prerequisites();
+    let tmp = tempfile::Builder::new().prefix("opendsec-warm").tempdir_in("/var/tmp").unwrap();
+    let root = tmp.path().join("sandboxes");
+    let warm_dirs = || -> Vec<PathBuf> {
+        std::fs::read_dir(&root)
+            .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(".warm-")).map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    // A killed edge left a mounted warm disk: the next backend tears it down first.
+    let mut cfg = config_in(tmp.path(), RuntimeChoice::Auto);
+    cfg.warm_disks = 2;
+    {
+        let b = ContainerBackend::new(cfg.clone()).unwrap();
+        wait_until("two warm disks", Duration::from_secs(30), || b.warm_disks_ready() == 2);
+        // Dropped without drain, as a kill -9 would.
+    }
+    let left = warm_dirs();
+    assert!(!left.is_empty() && left.iter().all(|d| is_mounted(&d.join("disk"))), "{left:?}");
+    let b = ContainerBackend::new(cfg).unwrap();
+    for d in &left {
+        assert!(!d.exists(), "a warm disk left by the last edge is torn down: {}", d.display());
+    }
+    wait_until("two warm disks", Duration::from_secs(30), || b.warm_disks_ready() == 2);
+
+    // A create takes one (its directory is the warm disk renamed) and the pool refills;
+    // writes are still bounded by the disk's size.
+    let id = unique_id("warm");
+    let spec = busybox_spec(&id, "yes > /home/user/fill; echo yes=$?; df -k / | tail -1");
+    b.create(&spec).unwrap();
+    let exit = b.wait(&id, Duration::from_secs(60)).unwrap().expect("exits");
+    let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
+    assert_eq!(exit.exit_code, 0, "{log}");
+    assert!(log.contains("yes=1"), "writes did not stop at the warm disk's limit:\n{log}");
+    wait_until("the pool refilled", Duration::from_secs(30), || b.warm_disks_ready() == 2);
+    b.delete(&id).unwrap();
+    assert_gone(&b, &id);
+
+    // A sandbox asking for another size makes its own disk.
+    let id = unique_id("cold");
+    let mut spec = busybox_spec(&id, "true");
+    spec.limits.disk_bytes = 32 << 20;
+    run_to_exit(&b, &spec);
+    assert_gone(&b, &id);
+    assert_eq!(b.warm_disks_ready(), 2);
+
+    // Drained (an edge that stops): no warm disk, no mount left.
+    b.drain_warm_disks();
+    assert!(warm_dirs().is_empty(), "{:?}", warm_dirs());
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains(&*root.to_string_lossy()), "mounts left under {}:\n{mountinfo}", root.display());
 }

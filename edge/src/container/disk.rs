@@ -58,20 +58,29 @@ impl Storage {
         }
     }
 
-    /// Creates the disk, mounts it and the overlay. On error, undoes what it did.
+    /// Creates the disk, mounts it and the overlay; with `disk_ready`, the disk is
+    /// already there and mounted (a warm disk from the [`Pool`]) and only the overlay is
+    /// mounted. On error, undoes what it did.
     pub fn setup(
         &self,
         size_bytes: u64,
         lower_bottom_first: &[PathBuf],
+        disk_ready: bool,
     ) -> Result<(), ContainerError> {
-        let result = self.try_setup(size_bytes, lower_bottom_first);
+        let result = (|| {
+            if !disk_ready {
+                self.prepare_disk(size_bytes)?;
+            }
+            self.mount_overlay(lower_bottom_first)
+        })();
         if result.is_err() {
             let _ = self.teardown();
         }
         result
     }
 
-    fn try_setup(&self, size_bytes: u64, lower: &[PathBuf]) -> Result<(), ContainerError> {
+    /// The disk image, loop-mounted, with the overlay's upper and work dirs on it.
+    fn prepare_disk(&self, size_bytes: u64) -> Result<(), ContainerError> {
         copy_sparse(
             &template(size_bytes, self.image.parent().and_then(Path::parent))?,
             &self.image,
@@ -106,6 +115,13 @@ impl Storage {
         // The overlay root takes the upper dir's mode: the usual 0755.
         use std::os::unix::fs::PermissionsExt;
         let _ = fs::set_permissions(&upper, fs::Permissions::from_mode(0o755));
+        Ok(())
+    }
+
+    /// The root file system: the image's layers under the disk's upper dir.
+    fn mount_overlay(&self, lower: &[PathBuf]) -> Result<(), ContainerError> {
+        let upper = self.disk_mount.join("upper");
+        let work = self.disk_mount.join("work");
         if lower.is_empty() {
             return Err(ContainerError::Invalid(
                 "an image needs at least one layer".into(),
@@ -154,6 +170,157 @@ impl Storage {
         unmount(&self.disk_mount)?;
         Ok(())
     }
+}
+
+/// Warm disks: storage of one size made ahead of need (image copied, loop-attached,
+/// mounted, upper and work dirs made), so that a create only mounts its overlay. Mounting
+/// a fresh ext4 is the slow part of a sandbox's storage (10-80 ms on a busy host), and it
+/// does not depend on the sandbox. Each warm disk is a directory
+/// `<sandboxes root>/.warm-<n>/` laid out as a sandbox directory's storage; a create
+/// renames it to the sandbox's directory (a mount point moves with its parent).
+///
+/// Invariant: a warm disk is either listed in `ready` or being made by the one filler
+/// thread; one that is neither (left by a killed edge) is torn down when a pool starts
+/// ([`Pool::new`]) and by [`Pool::drain`].
+pub struct Pool {
+    root: PathBuf,
+    size: u64,
+    target: usize,
+    ready: std::sync::Mutex<Vec<PathBuf>>,
+    filling: std::sync::atomic::AtomicBool,
+    closed: std::sync::atomic::AtomicBool,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+/// The name prefix of warm disk directories in the sandboxes root.
+pub const WARM_PREFIX: &str = ".warm-";
+
+impl Pool {
+    /// A pool keeping `target` warm disks of `size` bytes under `root`; any warm disks a
+    /// previous edge left are torn down first. Filling starts in the background.
+    pub fn new(root: &Path, size: u64, target: usize) -> std::sync::Arc<Self> {
+        tear_down_warm(root);
+        let pool = std::sync::Arc::new(Self {
+            root: root.to_path_buf(),
+            size,
+            target,
+            ready: std::sync::Mutex::new(Vec::new()),
+            filling: std::sync::atomic::AtomicBool::new(false),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            seq: std::sync::atomic::AtomicU64::new(0),
+        });
+        pool.refill();
+        pool
+    }
+
+    /// A warm disk of `size` bytes, if one is ready; the pool refills behind it.
+    pub fn take(self: &std::sync::Arc<Self>, size: u64) -> Option<PathBuf> {
+        if size != self.size {
+            return None;
+        }
+        let taken = self.ready.lock().expect("pool lock").pop();
+        self.refill();
+        taken
+    }
+
+    /// How many warm disks are ready now.
+    pub fn ready(&self) -> usize {
+        self.ready.lock().expect("pool lock").len()
+    }
+
+    /// Starts the filler thread unless it runs or the pool is full or closed.
+    fn refill(self: &std::sync::Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.closed.load(Ordering::SeqCst) || self.ready() >= self.target {
+            return;
+        }
+        if self.filling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("warm-disks".into())
+            .spawn(move || {
+                loop {
+                    if pool.closed.load(Ordering::SeqCst) || pool.ready() >= pool.target {
+                        break;
+                    }
+                    let n = pool.seq.fetch_add(1, Ordering::SeqCst);
+                    let dir = pool.root.join(format!("{WARM_PREFIX}{}-{n}", std::process::id()));
+                    match make_warm(&dir, pool.size) {
+                        Ok(()) => {
+                            let mut ready = pool.ready.lock().expect("pool lock");
+                            if pool.closed.load(Ordering::SeqCst) {
+                                drop(ready);
+                                discard_warm(&dir);
+                                break;
+                            }
+                            ready.push(dir);
+                        }
+                        Err(e) => {
+                            // Creates make their own disks meanwhile; no retry loop.
+                            tracing::warn!(error = %e, "cannot make a warm disk");
+                            break;
+                        }
+                    }
+                }
+                pool.filling.store(false, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            self.filling.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Stops filling and tears down every warm disk (an edge that stops leaves none).
+    pub fn drain(&self) {
+        use std::sync::atomic::Ordering;
+        self.closed.store(true, Ordering::SeqCst);
+        // The filler finishes the disk it is making and discards it (closed).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.filling.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let ready: Vec<PathBuf> = std::mem::take(&mut *self.ready.lock().expect("pool lock"));
+        for dir in ready {
+            discard_warm(&dir);
+        }
+    }
+}
+
+fn make_warm(dir: &Path, size: u64) -> Result<(), ContainerError> {
+    fs::create_dir(dir).map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+    let storage = Storage::in_dir(dir);
+    let made = storage.prepare_disk(size);
+    if made.is_err() {
+        discard_warm(dir);
+    }
+    made
+}
+
+fn discard_warm(dir: &Path) {
+    let _ = Storage::in_dir(dir).teardown();
+    let _ = fs::remove_dir_all(dir);
+}
+
+/// Tears down the warm disks found under `root` (left by an edge that did not stop).
+fn tear_down_warm(root: &Path) {
+    for entry in fs::read_dir(root).into_iter().flatten().flatten() {
+        if entry.file_name().to_string_lossy().starts_with(WARM_PREFIX) {
+            discard_warm(&entry.path());
+        }
+    }
+}
+
+/// Renames directory `from` to `to` unless `to` exists (then `AlreadyExists`).
+pub fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (from, to) = (c(from)?, c(to)?);
+    // SAFETY: two valid C strings; renameat2 does not keep them.
+    let r = unsafe {
+        libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE)
+    };
+    if r == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
 
 /// An empty ext4 image of `size` bytes, made once per size under

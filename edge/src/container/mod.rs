@@ -235,6 +235,10 @@ pub struct ContainerConfig {
     pub shim: PathBuf,
     /// Cgroup parent of all sandboxes (`/<parent>/<id>`).
     pub cgroup_parent: String,
+    /// Warm disks kept ready (see [`disk::Pool`]), and their size: sandboxes asking for
+    /// another size make their own. 0 keeps none.
+    pub warm_disks: usize,
+    pub warm_disk_bytes: u64,
     /// PID 1's output log is rotated at this size (one old file kept).
     pub log_cap_bytes: u64,
 }
@@ -254,6 +258,8 @@ impl Default for ContainerConfig {
             shim,
             cgroup_parent: "opendsec".into(),
             log_cap_bytes: 1 << 20,
+            warm_disks: 0,
+            warm_disk_bytes: Limits::default().disk_bytes,
         }
     }
 }
@@ -262,6 +268,7 @@ pub struct ContainerBackend {
     config: ContainerConfig,
     runtime: Runtime,
     host: oci::HostSupport,
+    pool: Option<std::sync::Arc<disk::Pool>>,
 }
 
 impl ContainerBackend {
@@ -280,11 +287,26 @@ impl ContainerBackend {
             io_weight: cgroup::io_weight_supported(),
             swap_limit: cgroup::swap_limit_supported(),
         };
+        let pool = (config.warm_disks > 0)
+            .then(|| disk::Pool::new(&config.sandboxes_root, config.warm_disk_bytes, config.warm_disks));
         Ok(Self {
             config,
             runtime,
             host,
+            pool,
         })
+    }
+
+    /// Warm disks ready now (0 without a pool).
+    pub fn warm_disks_ready(&self) -> usize {
+        self.pool.as_ref().map_or(0, |p| p.ready())
+    }
+
+    /// Tears down the warm disks (when the edge stops: it leaves none behind).
+    pub fn drain_warm_disks(&self) {
+        if let Some(p) = &self.pool {
+            p.drain();
+        }
     }
 
     pub fn runtime(&self) -> &Runtime {
@@ -304,14 +326,23 @@ impl ContainerBackend {
     pub fn create(&self, spec: &SandboxSpec) -> Result<Handle, ContainerError> {
         validate(spec)?;
         let dir = self.dir(&spec.id);
-        match fs::create_dir(&dir) {
+        // A warm disk becomes the sandbox's directory (renamed, its mounts move along).
+        let warm = self.pool.as_ref().and_then(|p| p.take(spec.limits.disk_bytes));
+        let claimed = match &warm {
+            Some(w) => disk::rename_noreplace(w, &dir).inspect_err(|_| {
+                let _ = disk::Storage::in_dir(w).teardown();
+                let _ = fs::remove_dir_all(w);
+            }),
+            None => fs::create_dir(&dir),
+        };
+        match claimed {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                 return Err(ContainerError::AlreadyExists(spec.id.clone()));
             }
             Err(e) => return Err(ContainerError::io(format!("creating {}", dir.display()), e)),
         }
-        let result = self.create_in(spec, &dir);
+        let result = self.create_in(spec, &dir, warm.is_some());
         if result.is_err() {
             let _ = self.runtime.run(&["delete", "--force", &spec.id]);
             let _ = disk::Storage::in_dir(&dir).teardown();
@@ -320,7 +351,7 @@ impl ContainerBackend {
         result
     }
 
-    fn create_in(&self, spec: &SandboxSpec, dir: &Path) -> Result<Handle, ContainerError> {
+    fn create_in(&self, spec: &SandboxSpec, dir: &Path, disk_ready: bool) -> Result<Handle, ContainerError> {
         let cgroups_path = format!("/{}/{}", self.config.cgroup_parent, spec.id);
         let record = SandboxRecord {
             id: spec.id.clone(),
@@ -339,7 +370,7 @@ impl ContainerBackend {
         };
         let t0 = Instant::now();
         write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers)?;
+        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready)?;
         let t1 = Instant::now();
         let oci = oci::build_spec(spec, &cgroups_path, self.host)?;
         let json = serde_json::to_vec(&oci)
@@ -348,7 +379,7 @@ impl ContainerBackend {
             .map_err(|e| ContainerError::io("writing config.json", e))?;
         let t2 = Instant::now();
         shim::spawn(&self.config.shim, dir, &spec.id, &spec.extra_fds)?;
-        tracing::debug!(id = %spec.id, storage = ?(t1 - t0), spec = ?(t2 - t1), shim = ?t2.elapsed(), "sandbox created");
+        tracing::debug!(id = %spec.id, warm_disk = disk_ready, storage = ?(t1 - t0), spec = ?(t2 - t1), shim = ?t2.elapsed(), "sandbox created");
         Ok(Handle {
             id: spec.id.clone(),
             dir: dir.to_path_buf(),

@@ -41,6 +41,7 @@ pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, Jso
         e
     })?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
+    tracing::debug!(sandbox = %sandbox.id, index = s.index, "create committed");
     Ok(Written { index: s.index, status: StatusCode::CREATED, body: SandboxWritten { index: s.index, sandbox } })
 }
 

@@ -254,7 +254,7 @@ impl UpGuard {
             // 1,000 x 64 MB would exceed the host's 24 GiB on paper while using far less.
             .args(["--edge-memory-mb", &(max_sandboxes * 64 + 1024).to_string()])
             .args(["--edge-cpu-millis", &(max_sandboxes * 100 + 1000).to_string()])
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", std::env::var("OPENDSEC_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
