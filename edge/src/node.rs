@@ -337,20 +337,7 @@ impl Edge {
     /// it meanwhile so the copy is consistent; it is thawed again unless it was paused.
     fn copy_upper(&self, sandbox: &str, dest: &std::path::Path) -> Result<(), EdgeError> {
         self.with_frozen_upper(sandbox, |upper| {
-            let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("copy")));
-            let _ = std::fs::remove_dir_all(&tmp);
-            if let Some(parent) = tmp.parent() {
-                std::fs::create_dir_all(parent)?;
-            }
-            // cp -a keeps owners, modes, xattrs (overlay's opaque-dir marks) and the
-            // whiteout devices that record deletions of image files.
-            let out = std::process::Command::new("cp").arg("-a").arg("--").arg(upper).arg(&tmp).output()?;
-            if !out.status.success() {
-                let _ = std::fs::remove_dir_all(&tmp);
-                return Err(EdgeError::Store(format!("copying the file system of {sandbox}: {}", String::from_utf8_lossy(&out.stderr).trim())));
-            }
-            std::fs::rename(&tmp, dest)?;
-            Ok(())
+            copy_tree(upper, dest).map_err(|e| EdgeError::Store(format!("copying the file system of {sandbox}: {e}")))
         })
     }
 
@@ -552,9 +539,21 @@ impl Edge {
             // A sandbox started from a snapshot stacks the snapshot's layers on the image's.
             spec.layers.extend(self.snapshot_layers(snap)?);
         }
-        // A fork starts from a copy of its source's file system as it is now.
+        // A fork starts from a copy of its source's file system as it is now: the layers
+        // its source was forked with (copied: they go when their sandbox goes), then what
+        // its source wrote, in `forks/<id>/<k>`, bottom first.
         if let (Some(source), None) = (&d.fork_of, &d.transfer) {
-            let layer = self.fork_layer(&d.id);
+            let dir = self.fork_layer(&d.id);
+            let source_forks = self.fork_layer(source);
+            let inherited: Vec<PathBuf> = self.backend.get(source)?.record.layers.into_iter().filter(|l| l.starts_with(&source_forks)).collect();
+            for (k, from) in inherited.iter().enumerate() {
+                let layer = dir.join(k.to_string());
+                if !layer.is_dir() {
+                    copy_tree(from, &layer)?;
+                }
+                spec.layers.push(layer);
+            }
+            let layer = dir.join(inherited.len().to_string());
             if !layer.is_dir() {
                 self.copy_upper(source, &layer)?;
             }
@@ -1232,6 +1231,24 @@ fn host_mem_available_mb() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024)
+}
+
+/// Copies directory `from` to a new `dest` (through a temporary name, so `dest` exists
+/// only complete). `cp -a` keeps owners, modes, xattrs (overlay's opaque-dir marks) and
+/// the whiteout devices that record deletions of lower files.
+fn copy_tree(from: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeError> {
+    let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("copy")));
+    let _ = std::fs::remove_dir_all(&tmp);
+    if let Some(parent) = tmp.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let out = std::process::Command::new("cp").arg("-a").arg("--").arg(from).arg(&tmp).output()?;
+    if !out.status.success() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(EdgeError::Store(format!("copying {}: {}", from.display(), String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    std::fs::rename(&tmp, dest)?;
+    Ok(())
 }
 
 /// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.

@@ -366,3 +366,34 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     let (out, code) = up.exec(&b, "echo fine").await;
     assert_eq!((out.as_str(), code), ("fine\n", 0), "the other sandbox is unaffected");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_of_a_fork_has_every_generation_of_files_and_outlives_its_parents() {
+    let up = Up::start().await;
+    let fork = async |id: &str| -> String {
+        let (s, v) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/fork"), json!({"count": 1})).await;
+        assert_eq!(s, 201, "fork: {v}");
+        v["sandboxes"][0]["id"].as_str().unwrap().to_string()
+    };
+    let a = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100})).await;
+    up.wait_state(&a, "running").await;
+    assert_eq!(up.exec(&a, "echo one > /home/user/a && echo doomed > /home/user/gone && echo from-a > /home/user/kept").await.1, 0);
+
+    let b = fork(&a).await;
+    up.wait_state(&b, "running").await;
+    assert_eq!(up.exec(&b, "cat /home/user/gone && echo two > /home/user/b && echo changed > /home/user/a && rm /home/user/gone").await, ("doomed\n".to_string(), 0));
+
+    let c = fork(&b).await;
+    up.wait_state(&c, "running").await;
+    let seen = "cat /home/user/kept /home/user/a /home/user/b; test -e /home/user/gone && echo gone-is-back || echo gone";
+    assert_eq!(up.exec(&c, seen).await.0, "from-a\nchanged\ntwo\ngone\n", "the grandchild has what both generations wrote and deleted");
+
+    // Its parents go; what it was forked from stays its own.
+    for id in [&a, &b] {
+        let (s, _) = up.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), json!({})).await;
+        assert!(s < 300);
+        up.wait_state(id, "exited").await;
+    }
+    assert_eq!(up.exec(&c, seen).await.0, "from-a\nchanged\ntwo\ngone\n");
+    assert_eq!(up.exec(&c, "echo three >> /home/user/b && cat /home/user/b").await.0, "two\nthree\n");
+}
