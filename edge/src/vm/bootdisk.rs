@@ -110,8 +110,17 @@ pub fn ensure_boot_disk(
     }
     let bootloader = extlinux_version(&extlinux)?;
     let kernel = &boot.kernel;
+    // The configuration's template is part of the recipe (the command line, which holds
+    // the UUID derived from this hash, is the only thing left out).
+    let conf_template = BootFiles {
+        vmlinuz: PathBuf::new(),
+        initramfs: PathBuf::new(),
+        release: kernel.release.clone(),
+        cmdline: String::new(),
+    }
+    .extlinux_conf();
     let recipe = format!(
-        "boot disk v{BOOT_DISK_VERSION}\nimage {}\nlayers {}\nkernel {}\ninitramfs {}\nbootloader {bootloader}\nmbr {}\ntsc {tsc_khz:?}\nfree {FREE_SPACE_MB}\n",
+        "boot disk v{BOOT_DISK_VERSION}\nimage {}\nlayers {}\nkernel {}\ninitramfs {}\nbootloader {bootloader}\nmbr {}\ntsc {tsc_khz:?}\nfree {FREE_SPACE_MB}\n{conf_template}",
         image.name,
         image.layers.join(" "),
         kernel.dir.display(),
