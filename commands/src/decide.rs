@@ -3,7 +3,7 @@
 use crate::inflight::InFlight;
 use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 use crate::validate::{self, LIMITS};
-use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
+use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, FULLVM_LABEL, FULLVM_MIN_MEMORY_MB, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
 use opendsec_projections::pb;
 use opendsec_projections::schema::{Batch, Denial, Principal};
 use opendsec_projections::state::{limits_to_pb, usage_to_pb};
@@ -125,6 +125,17 @@ fn expiry(ctx: &Ctx, seconds: Option<u64>) -> u64 {
     }
 }
 
+/// Whether edge `e` runs sandboxes of `isolation`: every edge runs containers; an edge
+/// labelled `opendsec.io/microvm` runs microVMs, one labelled `opendsec.io/fullvm` full VMs.
+fn runs_isolation(e: &opendsec_projections::Edge, isolation: Isolation) -> bool {
+    let label = match isolation {
+        Isolation::Container => return true,
+        Isolation::Microvm => MICROVM_LABEL,
+        Isolation::Vm => FULLVM_LABEL,
+    };
+    e.labels.get(label).is_some_and(|v| !v.is_empty())
+}
+
 /// Places `n` sandboxes of `usage` in `project`, checking quota against state + in-flight.
 /// MicroVMs go only to edges that run them ([`MICROVM_LABEL`]).
 #[allow(clippy::too_many_arguments)]
@@ -152,7 +163,7 @@ fn place(
             .values()
             .filter(|e| !e.deregistered && !refused_by.contains(&e.id))
             .filter(|e| only_edge.is_none_or(|o| o == e.id))
-            .filter(|e| isolation == Isolation::Container || e.labels.get(MICROVM_LABEL).is_some_and(|v| !v.is_empty()))
+            .filter(|e| runs_isolation(e, isolation))
             .filter_map(|e| {
                 let mut free = e.free();
                 free.sub(&inflight.edge_usage(&e.id));
@@ -164,8 +175,8 @@ fn place(
         let (sampled, best) = place_power_of_k(&cands, DEFAULT_K, rng)
             .ok_or_else(|| match (only_edge, isolation) {
                 (Some(o), _) => Rejection::new(K::NoCapacity, format!("edge {o}, which holds what this sandbox starts from, has no room for it")),
-                (None, Isolation::Microvm) => Rejection::new(K::NoCapacity, "no registered edge that runs microVMs has room for this sandbox"),
                 (None, Isolation::Container) => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
+                (None, machine) => Rejection::new(K::NoCapacity, format!("no registered edge that runs {}s has room for this sandbox", machine.noun())),
             })?;
         let chosen = &sampled[best];
         let mut id = sandbox_id(rng, chosen.ordinal);
@@ -421,8 +432,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let isolation = match (opts.isolation, snapshot_kind) {
                 (Some(asked), Some(kind)) if asked != kind => {
                     let why = match kind {
-                        Isolation::Microvm => format!("snapshot {image} holds a microVM's memory: what starts from it is a microVM"),
                         Isolation::Container => format!("snapshot {image} is a container's file system: only a container starts from it"),
+                        machine => format!("snapshot {image} holds a {0}'s memory: what starts from it is a {0}", machine.noun()),
                     };
                     return Err(Rejection::field(K::Invalid, "opts.isolation", why));
                 }
@@ -430,13 +441,19 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 (asked, None) => asked.unwrap_or_default(),
             };
             let (mut cpu, mut memory) = (*cpu_millis, *memory_mb);
-            if let (Some(snap), Isolation::Microvm) = (from, isolation)
+            if isolation.is_machine()
+                && let Some(snap) = from
                 && let Some(src) = state.sandboxes.sandboxes.get(&snap.sandbox)
             {
                 (cpu, memory) = (src.cpu_millis, src.memory_mb);
             }
-            if isolation == Isolation::Microvm && memory < MICROVM_MIN_MEMORY_MB {
-                return Err(Rejection::field(K::Invalid, "memory_mb", format!("a microVM needs at least {MICROVM_MIN_MEMORY_MB} MB of memory")));
+            let least = match isolation {
+                Isolation::Container => 0,
+                Isolation::Microvm => MICROVM_MIN_MEMORY_MB,
+                Isolation::Vm => FULLVM_MIN_MEMORY_MB,
+            };
+            if memory < least {
+                return Err(Rejection::field(K::Invalid, "memory_mb", format!("a {} needs at least {least} MB of memory", isolation.noun())));
             }
             let usage = Usage { sandboxes: 1, cpu_millis: cpu, memory_mb: memory };
             let only = from.map(|s| s.edge.as_str());
@@ -472,8 +489,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            if s.isolation == Isolation::Microvm && *count > MICROVM_MAX_FORK_COUNT {
-                return Err(Rejection::field(K::Invalid, "count", format!("a microVM forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time")));
+            if s.isolation.is_machine() && *count > MICROVM_MAX_FORK_COUNT {
+                return Err(Rejection::field(K::Invalid, "count", format!("a {} forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time", s.isolation.noun())));
             }
             // The copies start from the source's file system (and a microVM's memory),
             // which live on its edge.
@@ -571,7 +588,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     name: name.clone(),
                     image: s.image.clone(),
                     // A microVM's snapshot holds its whole disk: it stands on no other.
-                    parent: if s.isolation == Isolation::Microvm { String::new() } else { s.snapshot.clone().unwrap_or_default() },
+                    parent: if s.isolation.is_machine() { String::new() } else { s.snapshot.clone().unwrap_or_default() },
                     isolation: s.isolation.to_event(),
                 }),
             ))
