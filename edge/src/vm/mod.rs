@@ -1,6 +1,8 @@
 //! The QEMU microVM driver: sandboxes as `-M microvm` guests that boot Debian's kernel,
 //! our own initramfs and the same image layers and agent as containers, driven over QMP,
-//! with guest RAM in a file so that pause, resume and fork with memory are cheap.
+//! with guest RAM in a file so that pause, resume and fork with memory are cheap. The
+//! same driver runs full VMs (`-M q35`: SeaBIOS boots the image as a whole disk through
+//! extlinux) through the same code paths; the VM's record says which machine it is.
 //!
 //! The pieces, each in its own file:
 //! - `kernel`: the guest kernel (Debian's `linux-image-amd64`, vmlinux extracted from the
