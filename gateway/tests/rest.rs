@@ -542,4 +542,9 @@ async fn the_openapi_document_covers_every_route_and_its_schemas() {
         assert!(doc["components"]["schemas"][schema].is_object(), "schema {schema} missing");
     }
     assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], "bearer");
+    // The isolations a create may ask for, full VMs included.
+    let isolation = doc["components"]["schemas"]["Isolation"].to_string();
+    for name in ["\"container\"", "\"microvm\"", "\"vm\""] {
+        assert!(isolation.contains(name), "{name} missing from {isolation}");
+    }
 }
