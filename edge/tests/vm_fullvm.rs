@@ -236,6 +236,24 @@ fn a_full_vm_boots_base_through_seabios_and_extlinux_runs_python_and_keeps_its_m
     assert_eq!(disk.layers, image.layers);
     assert!(disk.cmdline.contains(&format!("root=UUID={}", disk.root_uuid)));
     assert_eq!(qcow2_backing_file(&disk.disk), None, "the base stands alone");
+    // A changed image (here: `base` whose layers became busybox's) is another disk,
+    // built beside the first; the first stays as it is (overlays name it).
+    let busybox = ImageStore::open(store_dir())
+        .unwrap()
+        .ensure("busybox", &|_| {})
+        .expect("the busybox image");
+    let changed = Image {
+        layers: busybox.layers.clone(),
+        ..image.clone()
+    };
+    let rebuilt = driver().boot_disk(&changed, &|_| {}).unwrap();
+    assert_ne!(rebuilt.key, disk.key);
+    assert_ne!(rebuilt.disk, disk.disk);
+    assert_eq!(rebuilt.layers, busybox.layers, "its manifest records what it is made of");
+    assert!(disk.disk.is_file());
+    for stale in [&rebuilt.disk, &rebuilt.disk.with_extension("json")] {
+        std::fs::remove_file(stale).unwrap();
+    }
     figure(
         "boot disk of base: qcow2 data / virtual size",
         format!(
