@@ -28,8 +28,10 @@ BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
 EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2)
 # What edges need for microVM sandboxes (edge/src/vm): QEMU and the tools that make the
 # guest's disks and kernel (the kernel package itself comes with `apt-get download`);
-# cpio only reads our initramfs back in a test.
-VM_PACKAGES=(qemu-system-x86 erofs-utils xz-utils cpio)
+# cpio only reads our initramfs back in a test. Full VMs (`q35`, edge/src/vm/fullvm.rs)
+# boot a whole disk through SeaBIOS (seabios) and extlinux (extlinux, syslinux-common:
+# its MBR and ldlinux); qemu-img (qemu-utils) stores the disk as a qcow2 base.
+VM_PACKAGES=(qemu-system-x86 erofs-utils xz-utils cpio qemu-utils seabios extlinux syslinux-common)
 # What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the
 # host: Debian's python3 with the data stack the code-interpreter-v1 image carries.
 CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas)

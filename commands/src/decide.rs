@@ -3,7 +3,7 @@
 use crate::inflight::InFlight;
 use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
 use crate::validate::{self, LIMITS};
-use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
+use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, FULLVM_LABEL, FULLVM_MIN_MEMORY_MB, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
 use opendsec_projections::pb;
 use opendsec_projections::schema::{Batch, Denial, Principal};
 use opendsec_projections::state::{limits_to_pb, usage_to_pb};
@@ -140,6 +140,17 @@ enum Where<'a> {
 /// One placed sandbox: its id, its edge and the placement record.
 type Placed = (String, String, pb::Placement);
 
+/// Whether edge `e` runs sandboxes of `isolation`: every edge runs containers; an edge
+/// labelled `opendsec.io/microvm` runs microVMs, one labelled `opendsec.io/fullvm` full VMs.
+fn runs_isolation(e: &opendsec_projections::Edge, isolation: Isolation) -> bool {
+    let label = match isolation {
+        Isolation::Container => return true,
+        Isolation::Microvm => MICROVM_LABEL,
+        Isolation::Vm => FULLVM_LABEL,
+    };
+    e.labels.get(label).is_some_and(|v| !v.is_empty())
+}
+
 /// Places `n` sandboxes of `usage` in `project`, checking quota against state + in-flight.
 /// MicroVMs go only to edges that run them ([`MICROVM_LABEL`]).
 #[allow(clippy::too_many_arguments)]
@@ -167,7 +178,7 @@ fn place(
             .values()
             .filter(|e| !e.deregistered && !refused_by.contains(&e.id))
             .filter(|e| !matches!(to, Where::Only(o) if o != e.id))
-            .filter(|e| isolation == Isolation::Container || e.labels.get(MICROVM_LABEL).is_some_and(|v| !v.is_empty()))
+            .filter(|e| runs_isolation(e, isolation))
             .filter_map(|e| {
                 let mut free = e.free();
                 free.sub(&inflight.edge_usage(&e.id));
@@ -185,12 +196,12 @@ fn place(
             (Where::Only(o), _) if !state.placement.edges.get(o).is_some_and(|e| !e.deregistered) => {
                 Rejection::field(K::NotFound, "edge", format!("edge {o} is not registered"))
             }
-            (Where::Only(o), Isolation::Microvm) => {
-                Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this microVM (or runs no microVMs)"))
-            }
             (Where::Only(o), Isolation::Container) => Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this sandbox")),
-            (_, Isolation::Microvm) => Rejection::new(K::NoCapacity, "no registered edge that runs microVMs has room for this sandbox"),
+            (Where::Only(o), machine) => {
+                Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this {} (or runs no {}s)", machine.noun(), machine.noun()))
+            }
             (_, Isolation::Container) => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
+            (_, machine) => Rejection::new(K::NoCapacity, format!("no registered edge that runs {}s has room for this sandbox", machine.noun())),
         })?;
         let chosen = &sampled[best];
         let mut id = sandbox_id(rng, chosen.ordinal);
@@ -452,8 +463,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let isolation = match (opts.isolation, snapshot_kind) {
                 (Some(asked), Some(kind)) if asked != kind => {
                     let why = match kind {
-                        Isolation::Microvm => format!("snapshot {image} holds a microVM's memory: what starts from it is a microVM"),
                         Isolation::Container => format!("snapshot {image} is a container's file system: only a container starts from it"),
+                        machine => format!("snapshot {image} holds a {0}'s memory: what starts from it is a {0}", machine.noun()),
                     };
                     return Err(Rejection::field(K::Invalid, "opts.isolation", why));
                 }
@@ -461,13 +472,19 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 (asked, None) => asked.unwrap_or_default(),
             };
             let (mut cpu, mut memory) = (*cpu_millis, *memory_mb);
-            if let (Some(snap), Isolation::Microvm) = (from, isolation)
+            if isolation.is_machine()
+                && let Some(snap) = from
                 && let Some(src) = state.sandboxes.sandboxes.get(&snap.sandbox)
             {
                 (cpu, memory) = (src.cpu_millis, src.memory_mb);
             }
-            if isolation == Isolation::Microvm && memory < MICROVM_MIN_MEMORY_MB {
-                return Err(Rejection::field(K::Invalid, "memory_mb", format!("a microVM needs at least {MICROVM_MIN_MEMORY_MB} MB of memory")));
+            let least = match isolation {
+                Isolation::Container => 0,
+                Isolation::Microvm => MICROVM_MIN_MEMORY_MB,
+                Isolation::Vm => FULLVM_MIN_MEMORY_MB,
+            };
+            if memory < least {
+                return Err(Rejection::field(K::Invalid, "memory_mb", format!("a {} needs at least {least} MB of memory", isolation.noun())));
             }
             let usage = Usage { sandboxes: 1, cpu_millis: cpu, memory_mb: memory };
             // From a snapshot: preferably on the snapshot's edge; elsewhere it is pulled.
@@ -514,8 +531,8 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            if s.isolation == Isolation::Microvm && *count > MICROVM_MAX_FORK_COUNT {
-                return Err(Rejection::field(K::Invalid, "count", format!("a microVM forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time")));
+            if s.isolation.is_machine() && *count > MICROVM_MAX_FORK_COUNT {
+                return Err(Rejection::field(K::Invalid, "count", format!("a {} forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time", s.isolation.noun())));
             }
             // The copies start from the source's file system (and a microVM's memory), which
             // live on its edge: copies go there while it has room; copies placed elsewhere
@@ -619,7 +636,7 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     name: name.clone(),
                     image: s.image.clone(),
                     // A microVM's snapshot holds its whole disk: it stands on no other.
-                    parent: if s.isolation == Isolation::Microvm { String::new() } else { s.snapshot.clone().unwrap_or_default() },
+                    parent: if s.isolation.is_machine() { String::new() } else { s.snapshot.clone().unwrap_or_default() },
                     isolation: s.isolation.to_event(),
                 }),
             ))

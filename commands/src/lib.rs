@@ -28,12 +28,19 @@ pub const ADMISSION_LABEL: &str = "opendsec.io/admission";
 /// microVM sandboxes are placed only on edges that carry it.
 pub const MICROVM_LABEL: &str = "opendsec.io/microvm";
 
+/// The edge label saying the edge runs full VMs (`isolation: vm`; its value names the
+/// machine, `q35`): they are placed only on edges that carry it.
+pub const FULLVM_LABEL: &str = "opendsec.io/fullvm";
+
 /// The sandbox label that names the task a sandbox works for: `PauseTask` and
 /// `ResumeTask` act on every sandbox carrying `task=<name>`.
 pub const TASK_LABEL: &str = "task";
 
 /// The least memory a microVM may have (its kernel and agent need it).
 pub const MICROVM_MIN_MEMORY_MB: u64 = 64;
+
+/// The least memory a full VM may have (firmware, bootloader, its kernel and agent).
+pub const FULLVM_MIN_MEMORY_MB: u64 = 128;
 
 /// The most copies one fork of a microVM makes (they are restored together on its edge).
 pub const MICROVM_MAX_FORK_COUNT: u32 = 64;
@@ -176,7 +183,8 @@ pub struct SandboxOptions {
     pub auto_resume: bool,
     /// Network settings as asked, as JSON (stored, not yet enforced: no sandbox has egress).
     pub network: Option<String>,
-    /// A container unless asked otherwise (or started from a microVM's snapshot).
+    /// A container unless asked otherwise (or started from a microVM's or full VM's
+    /// snapshot).
     pub isolation: Option<Isolation>,
     /// A client's idempotency key: while a sandbox created with it lives, another create
     /// with the same key in the same project is refused as a conflict naming that sandbox.

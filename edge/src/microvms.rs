@@ -1,5 +1,6 @@
 //! The edge's microVM sandboxes: what the edge loop (`node.rs`) does with the QEMU driver
-//! (`vm/`) for a sandbox whose isolation is `microvm`. The driver knows VMs; this layer
+//! (`vm/`) for a sandbox whose isolation is `microvm`, or `vm` (a full VM: the driver's
+//! `q35` machine; everything after the create is the same for both). The driver knows VMs; this layer
 //! knows sandboxes: their agent tokens, where their snapshots live, how a VM's state reads
 //! as an observation, and how a restored guest gets the token of the sandbox it now is.
 //!
@@ -17,7 +18,8 @@ use crate::desired::DesiredSandbox;
 use crate::images::{Image, ImageStore};
 use crate::proxy::Sample;
 use crate::reconcile::Running;
-use crate::vm::{AccelVerdict, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus};
+use crate::vm::{AccelVerdict, Machine, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus};
+use opendsec_projections::Isolation;
 
 /// How long a guest may take from QEMU's start until its agent answers `/health` 2xx
 /// (under TCG a cold boot takes seconds; a template's start command may take longer).
@@ -131,8 +133,10 @@ impl MicroVms {
     pub fn create(&self, d: &DesiredSandbox, image: &Image, from: Option<FromSnapshot<'_>>) -> Result<(), VmError> {
         let spec = self.spec(d, image);
         let progress = |m: &str| tracing::info!(sandbox = %d.id, step = %m, "creating a microVM");
+        // A full VM is a q35 PC booting the image's disk; a restore takes its snapshot's machine.
+        let machine = if d.isolation == Isolation::Vm { Machine::Q35 } else { Machine::Microvm };
         let (vm, source) = match from {
-            None => (self.driver.create(&spec, &progress)?, None),
+            None => (self.driver.create_machine(&spec, machine, &progress)?, None),
             Some(snap) => (self.driver.restore_snapshot(&spec, snap.dir, &progress)?.0, Some(snap.source)),
         };
         let ready = vm.wait_agent(AGENT_READY_TIMEOUT).and_then(|_| self.ensure_token(&d.id, source));

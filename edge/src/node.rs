@@ -158,7 +158,7 @@ impl Edge {
 
     /// Whether sandbox `id` is a microVM: the slice says so, or (an orphan) the driver has it.
     fn is_vm(&self, id: &str) -> bool {
-        let in_slice = self.slice.lock().expect("slice lock").sandboxes.get(id).map(|d| d.isolation == Isolation::Microvm);
+        let in_slice = self.slice.lock().expect("slice lock").sandboxes.get(id).map(|d| d.isolation.is_machine());
         match in_slice {
             Some(v) => v,
             None => self.vms().is_ok_and(|v| v.has(id)),
@@ -357,11 +357,11 @@ impl Edge {
         std::fs::create_dir_all(self.transfers_dir())?;
         let made = (|| -> Result<(), EdgeError> {
             let (source_sandbox, layers) = match (&t.source, t.isolation) {
-                (TransferSource::Fork { sandbox }, Isolation::Microvm) => {
+                (TransferSource::Fork { sandbox }, Isolation::Microvm | Isolation::Vm) => {
                     self.vms()?.snapshot(sandbox, &tmp)?;
                     (sandbox.clone(), vec![])
                 }
-                (TransferSource::Snapshot { snapshot }, Isolation::Microvm) => {
+                (TransferSource::Snapshot { snapshot }, Isolation::Microvm | Isolation::Vm) => {
                     std::fs::create_dir(&tmp)?;
                     let from = self.snapshots_dir().join(snapshot);
                     for e in std::fs::read_dir(&from)? {
@@ -605,7 +605,7 @@ impl Edge {
                 }
                 Ok(dir_size(&dest))
             }
-            Isolation::Microvm => {
+            Isolation::Microvm | Isolation::Vm => {
                 if !dest.is_dir() {
                     // Taken beside its final name and renamed, so a crash leaves no half snapshot.
                     let tmp = self.snapshots_dir().join(format!(".tmp-{id}"));
@@ -682,7 +682,7 @@ impl Edge {
                 if self.failed.lock().expect("failed lock").contains(&id) {
                     return; // its failure is reported; it is not retried
                 }
-                if d.isolation == Isolation::Microvm {
+                if d.isolation.is_machine() {
                     return self.start_vm_creation(d, observed).await;
                 }
                 if !self.creating.lock().expect("creating lock").insert(id.clone()) {
@@ -865,7 +865,7 @@ impl Edge {
                     // edge died in between): it is ready once it takes its own.
                     let source = {
                         let slice = self.slice.lock().expect("slice lock");
-                        slice.sandboxes.get(&id).filter(|d| d.isolation == Isolation::Microvm).and_then(|d| {
+                        slice.sandboxes.get(&id).filter(|d| d.isolation.is_machine()).and_then(|d| {
                             d.fork_of.clone().map(Some).or_else(|| d.snapshot.as_ref().map(|snap| slice.snapshots.get(snap).map(|x| x.sandbox.clone())))
                         })
                     };
@@ -903,7 +903,7 @@ impl Edge {
                 slice
                     .sandboxes
                     .values()
-                    .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation == Isolation::Microvm && c.transfer == d.transfer)
+                    .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation.is_machine() && c.transfer == d.transfer)
                     .filter(|c| c.observed == opendsec_projections::Observed::Pending && c.desired == opendsec_projections::Desired::Running)
                     .filter(|c| !creating.contains(&c.id) && !failed.contains(&c.id) && !observed.contains_key(&c.id))
                     .take(crate::vm::MAX_FORK_COUNT)
@@ -969,14 +969,19 @@ impl Edge {
     /// last 30 s that the slice does not show yet), plus the request. MicroVMs count like
     /// containers (their memory is their guest's RAM); a microVM also needs this edge to
     /// run them and room on disk for its RAM file (a paused VM's memory lives there) on
-    /// top of the writable disk every sandbox gets.
+    /// top of the writable disk every sandbox gets. A full VM counts as a microVM (its
+    /// disk is an overlay that holds what it writes) and needs a driver that can build
+    /// boot disks.
     fn admit_usage(&self, id: &str, cpu_millis: u64, memory_mb: u64, isolation: Isolation, observed: &BTreeMap<String, Running>) -> Result<(), String> {
-        if isolation == Isolation::Microvm
+        if isolation.is_machine()
             && let VmsState::Unavailable(why) = &*self.vms.lock().expect("vms lock")
         {
             return Err(format!("admission: edge {} runs no microVMs: {why}", self.cfg.name));
         }
-        let disk_need = self.cfg.disk_bytes + if isolation == Isolation::Microvm { memory_mb << 20 } else { 0 };
+        if isolation == Isolation::Vm && !crate::vm::host_can_build_boot_disks() {
+            return Err(format!("admission: edge {} runs no full VMs: extlinux, syslinux's mbr.bin or qemu-img is missing", self.cfg.name));
+        }
+        let disk_need = self.cfg.disk_bytes + if isolation.is_machine() { memory_mb << 20 } else { 0 };
         if let Ok(v) = nix::sys::statvfs::statvfs(&self.cfg.data_dir) {
             let avail = v.blocks_available() * v.fragment_size();
             if avail < disk_need {
@@ -1273,6 +1278,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
         if cfg.microvm.is_some() {
             labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
+            if crate::vm::host_can_build_boot_disks() {
+                labels.insert(opendsec_commands::FULLVM_LABEL.to_string(), "q35".to_string());
+            }
         }
         match client.register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels).await {
             Ok((ordinal, _)) => {

@@ -92,6 +92,7 @@ pub fn isolation(i: views::Isolation) -> api::Isolation {
     match i {
         views::Isolation::Container => api::Isolation::Container,
         views::Isolation::Microvm => api::Isolation::Microvm,
+        views::Isolation::Vm => api::Isolation::Vm,
     }
 }
 
@@ -99,6 +100,7 @@ pub fn isolation_of(i: api::Isolation) -> views::Isolation {
     match i {
         api::Isolation::Container => views::Isolation::Container,
         api::Isolation::Microvm => views::Isolation::Microvm,
+        api::Isolation::Vm => views::Isolation::Vm,
     }
 }
 

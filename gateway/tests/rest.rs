@@ -345,8 +345,12 @@ async fn microvms_snapshots_and_tasks_through_rest() {
     };
 
     // The isolation is a create option; bad values and sizes are 400s naming the field.
-    let r = api.call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "vm"}))).await;
+    let r = api.call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "gvisor"}))).await;
     assert_eq!((r.status.as_u16(), r.body["field"].as_str()), (400, Some("isolation")), "{}", r.body);
+    // A full VM needs an edge labelled for them: neither edge here is.
+    let r = api.call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "vm"}))).await;
+    assert!(r.body["message"].as_str().unwrap_or("").contains("full VM"), "{} {}", r.status, r.body);
+    assert!(!r.status.is_success(), "{}", r.body);
     let r = api.call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "microvm", "memory_mb": 32}))).await;
     assert_eq!((r.status.as_u16(), r.body["field"].as_str()), (400, Some("memory_mb")), "{}", r.body);
     let vm = api.ok("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base", "isolation": "microvm", "memory_mb": 256, "labels": {"task": "t1"}})), 201).await;
@@ -539,4 +543,9 @@ async fn the_openapi_document_covers_every_route_and_its_schemas() {
         assert!(doc["components"]["schemas"][schema].is_object(), "schema {schema} missing");
     }
     assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], "bearer");
+    // The isolations a create may ask for, full VMs included.
+    let isolation = doc["components"]["schemas"]["Isolation"].to_string();
+    for name in ["\"container\"", "\"microvm\"", "\"vm\""] {
+        assert!(isolation.contains(name), "{name} missing from {isolation}");
+    }
 }

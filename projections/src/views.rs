@@ -233,16 +233,37 @@ pub enum Isolation {
     /// A QEMU microVM with a kernel of its own. Pausing snapshots it and ends its VMM;
     /// its snapshots and forks carry its memory.
     Microvm,
+    /// A full VM (QEMU `q35`): a PC whose firmware boots the image as a whole disk
+    /// through its bootloader, for software that needs a whole machine. Pausing,
+    /// snapshots and forks carry its memory, as a microVM's do.
+    Vm,
 }
 
 impl Isolation {
-    pub const ALL: [Isolation; 2] = [Isolation::Container, Isolation::Microvm];
+    pub const ALL: [Isolation; 3] = [Isolation::Container, Isolation::Microvm, Isolation::Vm];
 
-    /// The API's name: `container` or `microvm`.
+    /// The API's name: `container`, `microvm` or `vm`.
     pub fn as_str(self) -> &'static str {
         match self {
             Isolation::Container => "container",
             Isolation::Microvm => "microvm",
+            Isolation::Vm => "vm",
+        }
+    }
+
+    /// A virtual machine (microVM or full VM): its own kernel; pausing snapshots its
+    /// memory and ends its VMM; its snapshots and forks carry its memory and stay on its
+    /// edge.
+    pub fn is_machine(self) -> bool {
+        matches!(self, Isolation::Microvm | Isolation::Vm)
+    }
+
+    /// What people call it in messages.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Isolation::Container => "container",
+            Isolation::Microvm => "microVM",
+            Isolation::Vm => "full VM",
         }
     }
 

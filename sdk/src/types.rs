@@ -189,6 +189,10 @@ pub enum Isolation {
     /// A QEMU microVM with a kernel of its own. Pause snapshots it and ends its VMM;
     /// its snapshots and forks carry its memory, device state and disk.
     Microvm,
+    /// A full VM: a QEMU q35 PC whose firmware (SeaBIOS) boots the image as a whole disk
+    /// through its bootloader, for software that needs a whole machine. Pause, snapshots
+    /// and forks carry its memory, device state and disk, as a microVM's.
+    Vm,
 }
 
 impl Isolation {
@@ -196,6 +200,7 @@ impl Isolation {
         match self {
             Isolation::Container => "container",
             Isolation::Microvm => "microvm",
+            Isolation::Vm => "vm",
         }
     }
 }
@@ -219,8 +224,9 @@ pub struct CreateSandbox {
     /// Lifetime from creation; absent or 0: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
-    /// `container` (the default) or `microvm`. A sandbox started from a microVM's
-    /// snapshot (`image` = the snapshot id) is a microVM of its source's size.
+    /// `container` (the default), `microvm` or `vm` (a full VM). A sandbox started from a
+    /// microVM's or full VM's snapshot (`image` = the snapshot id) is that machine again,
+    /// of its source's size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<Isolation>,
     /// While paused, the next request to its agent (`/v1/sandboxes/{id}/agent/...`, or

@@ -168,7 +168,7 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     let s = serve().await;
     let env = [("OPENDSEC_URL", s.url.as_str()), ("OPENDSEC_TOKEN", s.t.admin_token.as_str())];
     let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
-    let labels = BTreeMap::from([("opendsec.io/microvm".to_string(), "qemu".to_string())]);
+    let labels = BTreeMap::from([("opendsec.io/microvm".to_string(), "qemu".to_string()), ("opendsec.io/fullvm".to_string(), "q35".to_string())]);
     let edge = RegisterEdge { edge: "vm".into(), address: "127.0.0.1:7500".into(), capacity: Resources { sandboxes: 10, cpu_millis: 10000, memory_mb: 10000 }, labels };
     c.register_edge(&edge).await.unwrap();
 
@@ -177,8 +177,13 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     let created: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
     assert_eq!(created.sandbox.isolation, Isolation::Microvm);
     let id = created.sandbox.id.clone();
-    let r = ctl(&["sandbox", "create", "--image", "base", "--isolation", "vm"], &env).await;
+    let r = ctl(&["sandbox", "create", "--image", "base", "--isolation", "gvisor"], &env).await;
     assert_eq!(r.code, 2, "not an isolation: {}", r.stderr);
+    // A full VM: the isolation the edge labelled opendsec.io/fullvm runs.
+    let r = ctl(&["--output", "json", "sandbox", "create", "--image", "base", "--isolation", "vm", "--memory-mb", "256"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let full: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!((full.sandbox.isolation, full.sandbox.edge.as_str()), (Isolation::Vm, "vm"));
     let r = ctl(&["sandbox", "list"], &env).await;
     assert!(r.stdout.lines().next().unwrap().contains("ISOLATION") && r.stdout.contains("microvm"), "{}", r.stdout);
 

@@ -89,7 +89,7 @@ impl Storage {
             fs::create_dir_all(dir)
                 .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
         }
-        let (loop_dev, loop_fd) = attach_loop(&self.image)?;
+        let (loop_dev, loop_fd) = attach_loop(&self.image, 0, 0)?;
         let mounted = mount(
             Some(loop_dev.as_path()),
             &self.disk_mount,
@@ -472,8 +472,13 @@ fn unmount(path: &Path) -> Result<(), ContainerError> {
 }
 
 /// Attaches `image` to a free loop device with autoclear; returns the device and an
-/// open fd that keeps it attached until the caller mounts it.
-fn attach_loop(image: &Path) -> Result<(PathBuf, File), ContainerError> {
+/// open fd that keeps it attached until the caller mounts it. `offset` and `size_limit`
+/// (0: to the end) select a part of the file, such as a partition of a whole disk.
+pub(crate) fn attach_loop(
+    image: &Path,
+    offset: u64,
+    size_limit: u64,
+) -> Result<(PathBuf, File), ContainerError> {
     let backing = OpenOptions::new()
         .read(true)
         .write(true)
@@ -505,6 +510,8 @@ fn attach_loop(image: &Path) -> Result<(PathBuf, File), ContainerError> {
         let mut config: LoopConfig = unsafe { std::mem::zeroed() };
         config.fd = backing.as_raw_fd() as u32;
         config.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+        config.info.lo_offset = offset;
+        config.info.lo_sizelimit = size_limit;
         let name = image.to_string_lossy();
         let len = name.len().min(63);
         config.info.lo_file_name[..len].copy_from_slice(&name.as_bytes()[..len]);

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 pub use disk::is_mounted;
+pub(crate) use disk::attach_loop;
 pub use runtime::{Runtime, RuntimeChoice, RuntimeKind};
 
 /// Default directory of sandbox directories on an edge machine.

@@ -114,8 +114,9 @@ fn run_mkfs_erofs(mkfs: &Path, dest: &Path, source: &Path) -> Result<(), VmError
 }
 
 /// Runs `f(merged)` on a thread whose private mount namespace has `layers` (bottom
-/// first) mounted as one read-only overlay at `scratch/merged`.
-fn with_merged_layers<T: Send>(
+/// first) mounted as one read-only overlay at `scratch/merged` (a single layer is
+/// handed over as it is). What `f` mounts stays in that namespace too.
+pub(crate) fn with_merged_layers<T: Send>(
     layers: &[PathBuf],
     scratch: &Path,
     f: impl FnOnce(&Path) -> Result<T, VmError> + Send,
@@ -136,6 +137,9 @@ fn with_merged_layers<T: Send>(
                 None::<&str>,
             )
             .map_err(mount_err("making mounts private"))?;
+            if let [only] = layers {
+                return f(only);
+            }
             let merged = scratch.join("merged");
             fs::create_dir_all(&merged)
                 .map_err(io_err(format!("creating {}", merged.display())))?;

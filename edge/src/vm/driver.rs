@@ -15,6 +15,10 @@
 //! - `accel.json`: the accelerator verdict, kept for one host boot (or where
 //!   [`VmConfig::accel_cache`] says).
 //!
+//! A full VM (`Machine::Q35`) has the same files: `rw.img` is its whole disk (a qcow2
+//! overlay over its image's boot disk, `bootdisk.rs`, which the record's `root_disk`
+//! names) and `initrd` its configuration disk; `machine.rs` says how QEMU gets them.
+//!
 //! Snapshots live wherever the caller puts them ([`VmHandle::snapshot_to`],
 //! [`MicroVmDriver::restore_snapshot`]): `snapshot.json`, `state`, `ram`, `rw.img`.
 //!
@@ -36,7 +40,11 @@ use super::accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
 use super::agent::AgentChannel;
 use super::disks::{allocated_bytes, build_root_disk, create_rw_disk, sparse_copy};
 use super::firecracker::{FirecrackerTools, find_firecracker};
-use super::initramfs::{GuestBoot, GuestConfig, ensure_guest_boot, write_vm_initrd};
+use super::bootdisk::{create_overlay, ensure_boot_disk};
+use super::initramfs::{
+    GuestBoot, GuestConfig, ensure_guest_boot, write_config_disk, write_vm_initrd,
+};
+use super::machine::{Machine, q35_args};
 use super::qmp::{Qmp, QmpError};
 use super::shim::{ExitInfo, Launch};
 use super::vmm::{Vmm, VmmChoice, VmmVerdict, choose_vmm};
@@ -190,6 +198,9 @@ struct VmRecord {
     forked_from: Option<String>,
     #[serde(default)]
     vmm: Vmm,
+    /// `microvm`, or `q35` for a full VM (see `machine.rs`).
+    #[serde(default)]
+    machine: Machine,
     /// What only a Firecracker VM has (see `fc.rs`).
     #[serde(default, skip_serializing_if = "fc::FcRecord::is_empty")]
     fc: fc::FcRecord,
@@ -285,6 +296,8 @@ struct SnapshotMeta {
     ram_in_stream: bool,
     #[serde(default)]
     vmm: Vmm,
+    #[serde(default)]
+    machine: Machine,
 }
 
 /// The file a snapshot directory is recognised by.
@@ -398,14 +411,44 @@ impl MicroVmDriver {
         &self.inner.boot
     }
 
+    /// The boot disk full VMs of `image` start from (built once per image and recipe).
+    pub fn boot_disk(
+        &self,
+        image: &Image,
+        progress: &dyn Fn(&str),
+    ) -> Result<super::BootDiskManifest, VmError> {
+        let inner = &self.inner;
+        ensure_boot_disk(
+            &inner.cfg.store,
+            image,
+            &inner.boot,
+            inner.tsc_khz.map(|(k, _)| k),
+            progress,
+        )
+    }
+
     /// The host TSC frequency given to guests, and where it was read.
     pub fn tsc_khz(&self) -> Option<(u64, &'static str)> {
         self.inner.tsc_khz
     }
 
-    /// Cold-boots a VM. Returns once QEMU runs; [`VmHandle::wait_agent`] waits for the
-    /// guest's agent.
+    /// Cold-boots a microVM. Returns once QEMU runs; [`VmHandle::wait_agent`] waits for
+    /// the guest's agent.
     pub fn create(&self, spec: &VmSpec, progress: &dyn Fn(&str)) -> Result<VmHandle, VmError> {
+        self.create_machine(spec, Machine::Microvm, progress)
+    }
+
+    /// Cold-boots a VM of `machine`: a microVM, or a full VM (`q35`) whose firmware boots
+    /// the image's boot disk (built once per image) through an overlay of its own. Full
+    /// VMs always run under QEMU. `spec.disk_mb` sizes a microVM's writable disk; a full
+    /// VM's disk is its image's, with [`FREE_SPACE_MB`](super::bootdisk::FREE_SPACE_MB)
+    /// free.
+    pub fn create_machine(
+        &self,
+        spec: &VmSpec,
+        machine: Machine,
+        progress: &dyn Fn(&str),
+    ) -> Result<VmHandle, VmError> {
         validate_id(&spec.id)?;
         if spec.memory_mb < 64 || spec.vcpus == 0 || spec.disk_mb < 16 {
             return Err(VmError::Invalid(format!(
@@ -414,10 +457,13 @@ impl MicroVmDriver {
             )));
         }
         let inner = &self.inner;
-        if inner.vmm.vmm == Vmm::Firecracker {
+        if inner.vmm.vmm == Vmm::Firecracker && machine.is_microvm() {
             return fc::create(self, spec, progress);
         }
-        let root_disk = build_root_disk(&inner.cfg.store, &spec.image, progress)?;
+        let root_disk = match machine {
+            Machine::Microvm => build_root_disk(&inner.cfg.store, &spec.image, progress)?,
+            Machine::Q35 => self.boot_disk(&spec.image, progress)?.disk,
+        };
         let dir = inner.create_vm_dir(&spec.id)?;
         let mut claimed_uid = None;
         let netns = format!("{}{}", inner.netns_prefix, spec.id);
@@ -445,20 +491,17 @@ impl MicroVmDriver {
                 pid_start: None,
                 forked_from: None,
                 vmm: Vmm::Qemu,
+                machine,
                 fc: Default::default(),
             };
             inner.prepare_dir(&dir, uid)?;
-            create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
-            write_vm_initrd(
-                &inner.boot,
-                &dir.join("initrd"),
-                &GuestConfig {
-                    hostname: spec.id.clone(),
-                    access_token: spec.access_token.clone(),
-                    env: spec.env.clone(),
-                    start: spec.image.config.start.clone(),
-                },
-            )?;
+            match machine {
+                Machine::Microvm => {
+                    create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?
+                }
+                Machine::Q35 => create_overlay(&record.root_disk, &dir.join("rw.img"))?,
+            }
+            inner.write_guest_config(machine, &dir, spec)?;
             new_ram_file(&dir.join("ram"), spec.memory_mb)?;
             for (file, mode) in [("rw.img", 0o600), ("initrd", 0o400), ("ram", 0o600)] {
                 give(&dir.join(file), uid, uid, mode)?;
@@ -511,6 +554,13 @@ impl MicroVmDriver {
         let inner = &self.inner;
         let root_disk = if meta.root_disk.is_file() {
             meta.root_disk.clone()
+        } else if meta.machine == Machine::Q35 {
+            // The snapshot's disk is an overlay over exactly that file: a rebuilt boot
+            // disk is another file system.
+            return Err(corrupt(&format!(
+                "the boot disk {} the snapshot's disk is an overlay of is gone",
+                meta.root_disk.display()
+            )));
         } else if spec.image.layers == meta.layers {
             build_root_disk(&inner.cfg.store, &spec.image, progress)?
         } else {
@@ -554,19 +604,11 @@ impl MicroVmDriver {
                 pid_start: None,
                 forked_from: Some(meta.source.clone()),
                 vmm: meta.vmm,
+                machine: meta.machine,
                 fc: Default::default(),
             };
             inner.prepare_dir(&dir, uid)?;
-            write_vm_initrd(
-                &inner.boot,
-                &dir.join("initrd"),
-                &GuestConfig {
-                    hostname: spec.id.clone(),
-                    access_token: spec.access_token.clone(),
-                    env: spec.env.clone(),
-                    start: spec.image.config.start.clone(),
-                },
-            )?;
+            inner.write_guest_config(meta.machine, &dir, spec)?;
             give(&dir.join("initrd"), uid, uid, 0o400)?;
             fs::copy(snapshot.join("state"), dir.join("state"))
                 .map_err(io_err("copying the snapshot's state"))?;
@@ -772,6 +814,22 @@ fn wait_pidfd(pidfd: &OwnedFd, timeout: Duration) -> bool {
 }
 
 impl Inner {
+    /// Writes the VM's `initrd`: for a microVM the initramfs with its configuration
+    /// appended, for a full VM its configuration disk.
+    fn write_guest_config(&self, machine: Machine, dir: &Path, spec: &VmSpec) -> Result<(), VmError> {
+        let config = GuestConfig {
+            hostname: spec.id.clone(),
+            access_token: spec.access_token.clone(),
+            env: spec.env.clone(),
+            start: spec.image.config.start.clone(),
+        };
+        let dest = dir.join("initrd");
+        match machine {
+            Machine::Microvm => write_vm_initrd(&self.boot, &dest, &config),
+            Machine::Q35 => write_config_disk(&dest, &config),
+        }
+    }
+
     /// Makes a new VM's directory; an existing one means the id is taken.
     fn create_vm_dir(&self, id: &str) -> Result<PathBuf, VmError> {
         let dir = self.vm_dir(id);
@@ -893,8 +951,6 @@ impl Inner {
             self.qemu.to_string_lossy().into(),
             "-name".into(),
             format!("opendsec-{}", record.id),
-            "-M".into(),
-            "microvm,memory-backend=ram0".into(),
             "-accel".into(),
             accel.into(),
             "-cpu".into(),
@@ -915,6 +971,35 @@ impl Inner {
             "-no-reboot".into(),
             "-serial".into(),
             "stdio".into(),
+            "-qmp".into(),
+            format!(
+                "unix:{},server=on,wait=off",
+                dir.join("run/qmp.sock").display()
+            ),
+            // No new privileges, no programs, no resource changes, no obsolete syscalls.
+            "-sandbox".into(),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        ];
+        if record.machine == Machine::Q35 {
+            argv.extend(q35_args(
+                dir,
+                super::shim::TAP_FD_PLACEHOLDER,
+                net::GUEST_MAC,
+            ));
+        } else {
+            argv.extend(self.microvm_args(dir, record, append));
+        }
+        if incoming {
+            argv.extend(["-incoming".into(), "defer".into()]);
+        }
+        argv
+    }
+
+    /// A microVM's machine, kernel, initrd and devices.
+    fn microvm_args(&self, dir: &Path, record: &VmRecord, append: String) -> Vec<String> {
+        vec![
+            "-M".into(),
+            "microvm,memory-backend=ram0".into(),
             "-kernel".into(),
             record.vmlinux.to_string_lossy().into(),
             "-initrd".into(),
@@ -942,19 +1027,7 @@ impl Inner {
             ),
             "-device".into(),
             format!("virtio-net-device,netdev=net0,mac={}", net::GUEST_MAC),
-            "-qmp".into(),
-            format!(
-                "unix:{},server=on,wait=off",
-                dir.join("run/qmp.sock").display()
-            ),
-            // No new privileges, no programs, no resource changes, no obsolete syscalls.
-            "-sandbox".into(),
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
-        ];
-        if incoming {
-            argv.extend(["-incoming".into(), "defer".into()]);
-        }
-        argv
+        ]
     }
 
     /// Starts QEMU for `record` under a shim and connects to its QMP socket. The record
@@ -1197,6 +1270,11 @@ impl VmHandle {
         })
     }
 
+    /// The machine the VM is (microVM or full VM).
+    pub fn machine(&self) -> Result<Machine, VmError> {
+        Ok(self.inner.record(&self.id)?.machine)
+    }
+
     /// The uid QEMU runs as.
     pub fn uid(&self) -> Result<u32, VmError> {
         Ok(self.inner.record(&self.id)?.uid)
@@ -1414,6 +1492,7 @@ impl VmHandle {
             tsc_khz: record.tsc_khz,
             ram_in_stream,
             vmm: record.vmm,
+            machine: record.machine,
         };
         if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
             let _ = fs::remove_dir_all(dest);

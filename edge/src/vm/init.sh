@@ -1,9 +1,15 @@
 #!/bin/sh
 # OpenDsec guest init: PID 1 of the initramfs (busybox sh). It loads the modules in
-# dependency order, finds the two disks by their serial numbers, composes the root
-# (read-only image disk under a writable ext4 disk, with overlayfs), puts the agent and
-# its configuration on a private tmpfs at /.opendsec, configures the agent channel
-# (eth0, no route anywhere) and execs the agent as PID 1 of the guest.
+# dependency order, finds the disks by their serial numbers, mounts the root, puts the
+# agent and its configuration on a private tmpfs at /.opendsec, configures the agent
+# channel (eth0, no route anywhere) and execs the agent as PID 1 of the guest.
+# Two machines (/opendsec/machine says which this initramfs is for):
+# - microvm: the kernel and this initramfs (with the VM's configuration appended) come
+#   from QEMU; the root is the read-only image disk (EROFS) under a writable ext4 disk,
+#   composed with overlayfs.
+# - q35: SeaBIOS and extlinux loaded this initramfs from the VM's own disk; the root is
+#   that disk's ext4 partition (root= on the command line), mounted read-write; the VM's
+#   configuration is a cpio archive on a small read-only disk of its own.
 # Any failure ends init: the kernel panics, `panic=-1` reboots, QEMU (-no-reboot) exits,
 # and the edge sees the VM exit with this output in console.log.
 PATH=/bin
@@ -31,40 +37,80 @@ while read -r module; do
     insmod "/lib/modules/$module.ko" || die "insmod $module"
 done </lib/modules/load-order
 
-. /opendsec/vm.conf
+machine=microvm
+[ -r /opendsec/machine ] && machine=$(cat /opendsec/machine)
 
-# Device names follow probe order; the serial numbers QEMU gives the disks do not.
-# Firecracker's serials are its own (device and inode numbers): there the read-only
-# disk is the image and the writable one is ours.
-root_dev=
-rw_dev=
-tries=0
-while :; do
-    for dev in /sys/block/vd*; do
-        [ -r "$dev/serial" ] || continue
-        case "$(cat "$dev/serial")" in
-        opendsec-root) root_dev=/dev/${dev##*/} ;;
-        opendsec-rw) rw_dev=/dev/${dev##*/} ;;
-        *)
-            if [ "$(cat "$dev/ro" 2>/dev/null)" = 1 ]; then
-                root_dev=/dev/${dev##*/}
-            else
-                rw_dev=/dev/${dev##*/}
+# The block device whose virtio serial number is $1 (waits for it to appear).
+disk_with_serial() {
+    tries=0
+    while :; do
+        for dev in /sys/block/vd*; do
+            if [ -r "$dev/serial" ] && [ "$(cat "$dev/serial")" = "$1" ]; then
+                echo "/dev/${dev##*/}"
+                return 0
             fi
-            ;;
+        done
+        tries=$((tries + 1))
+        [ "$tries" -gt 1000 ] && return 1
+        usleep 10000
+    done
+}
+
+if [ "$machine" = q35 ]; then
+    echo "opendsec-init: q35, booted with: $(cat /proc/cmdline)"
+    config_dev=$(disk_with_serial opendsec-config) || die "the configuration disk is missing"
+    (cd / && cpio -i -d -m <"$config_dev" 2>/dev/null) || die "unpacking the configuration from $config_dev"
+    . /opendsec/vm.conf
+    root=
+    for word in $(cat /proc/cmdline); do
+        case "$word" in
+        root=*) root=${word#root=} ;;
         esac
     done
-    [ -n "$root_dev" ] && [ -n "$rw_dev" ] && break
-    tries=$((tries + 1))
-    [ "$tries" -gt 1000 ] && die "disks not found (root: '$root_dev', writable: '$rw_dev')"
-    usleep 10000
-done
+    [ -n "$root" ] || die "no root= on the kernel command line"
+    tries=0
+    until root_dev=$(findfs "$root" 2>/dev/null); do
+        tries=$((tries + 1))
+        [ "$tries" -gt 1000 ] && die "the root $root was not found"
+        usleep 10000
+    done
+    mount -t ext4 -o rw,noatime "$root_dev" /newroot || die "mounting the root $root_dev"
+else
+    . /opendsec/vm.conf
 
-mount -t erofs -o ro "$root_dev" /ro || die "mounting the image disk $root_dev"
-mount -t ext4 -o noatime "$rw_dev" /rw || die "mounting the writable disk $rw_dev"
-mkdir -p /rw/upper /rw/work || die "preparing the writable disk"
-mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /newroot ||
-    die "mounting the overlay root"
+    # Device names follow probe order; the serial numbers QEMU gives the disks do not.
+    # Firecracker's serials are its own (device and inode numbers): there the read-only
+    # disk is the image and the writable one is ours.
+    root_dev=
+    rw_dev=
+    tries=0
+    while :; do
+        for dev in /sys/block/vd*; do
+            [ -r "$dev/serial" ] || continue
+            case "$(cat "$dev/serial")" in
+            opendsec-root) root_dev=/dev/${dev##*/} ;;
+            opendsec-rw) rw_dev=/dev/${dev##*/} ;;
+            *)
+                if [ "$(cat "$dev/ro" 2>/dev/null)" = 1 ]; then
+                    root_dev=/dev/${dev##*/}
+                else
+                    rw_dev=/dev/${dev##*/}
+                fi
+                ;;
+            esac
+        done
+        [ -n "$root_dev" ] && [ -n "$rw_dev" ] && break
+        tries=$((tries + 1))
+        [ "$tries" -gt 1000 ] && die "disks not found (root: '$root_dev', writable: '$rw_dev')"
+        usleep 10000
+    done
+
+    mount -t erofs -o ro "$root_dev" /ro || die "mounting the image disk $root_dev"
+    mount -t ext4 -o noatime "$rw_dev" /rw || die "mounting the writable disk $rw_dev"
+    mkdir -p /rw/upper /rw/work || die "preparing the writable disk"
+    mount -t overlay overlay -o lowerdir=/ro,upperdir=/rw/upper,workdir=/rw/work /newroot ||
+        die "mounting the overlay root"
+fi
 
 # The agent and its configuration: root-only, read-only, gone with the guest.
 mkdir -p /newroot/.opendsec || die "creating /.opendsec"

@@ -5,6 +5,9 @@
 //! cheaper than decompressing). A VM's own files (the agent's token, environment and
 //! start command, and `vm.conf`) are a second small archive appended to a copy of it:
 //! the token never appears on the kernel command line, which every guest user can read.
+//! A full VM (`q35`) boots its own variant (the PCI modules, `/opendsec/machine` saying
+//! `q35`) from its disk; its files are the same small archive, on a disk of their own
+//! ([`write_config_disk`]).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -15,6 +18,7 @@ use sha2::{Digest, Sha256};
 
 use super::cpio::CpioWriter;
 use super::kernel::{GuestKernel, ensure_kernel};
+use super::machine::Machine;
 use super::{AGENT_PORT, GUEST_IP, VmError, file_sha256, io_err};
 use crate::images::{ImageStore, StartSpec};
 
@@ -41,6 +45,8 @@ const APPLETS: &[&str] = &[
     "reboot",
     "echo",
     "ls",
+    "cpio",
+    "findfs",
 ];
 
 /// What a guest boots: the kernel and the shared initramfs.
@@ -48,6 +54,8 @@ const APPLETS: &[&str] = &[
 pub struct GuestBoot {
     pub kernel: GuestKernel,
     pub initramfs: PathBuf,
+    /// The initramfs a full VM's bootloader loads (its disk carries a copy).
+    pub fullvm_initramfs: PathBuf,
 }
 
 /// The kernel (built if needed) and the initramfs for `agent` (built if needed).
@@ -71,39 +79,49 @@ pub fn ensure_guest_boot(
             agent.display()
         )));
     }
-    let mut digest = Sha256::new();
-    digest.update(format!(
-        "layout {LAYOUT_VERSION}\nkernel {}\n",
-        kernel.dir.display()
-    ));
-    digest.update(format!("busybox {}\n", file_sha256(&busybox)?));
-    digest.update(format!("agent {}\n", file_sha256(agent)?));
-    digest.update(INIT_SCRIPT);
-    let key = &hex::encode(digest.finalize())[..16];
+    let busybox_sha = file_sha256(&busybox)?;
+    let agent_sha = file_sha256(agent)?;
     let dir = store.root().join("initramfs");
     fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
-    let path = dir.join(format!("{}-{key}.cpio", kernel.release));
-    if !path.is_file() {
-        progress(&format!("writing the initramfs {}", path.display()));
-        // Concurrent builders write the same bytes; the rename publishes one of them.
-        let tmp = dir.join(format!(".{key}.{}.tmp", std::process::id()));
-        let result = write_initramfs(&tmp, &kernel, &busybox, agent).and_then(|()| {
-            fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display())))
-        });
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
+    let build = |machine: Machine| -> Result<PathBuf, VmError> {
+        let mut digest = Sha256::new();
+        digest.update(format!(
+            "layout {LAYOUT_VERSION}\nkernel {}\n",
+            kernel.dir.display()
+        ));
+        digest.update(format!("busybox {busybox_sha}\n"));
+        digest.update(format!("agent {agent_sha}\n"));
+        digest.update(format!("machine {}\n", machine.as_str()));
+        digest.update(INIT_SCRIPT);
+        let key = &hex::encode(digest.finalize())[..16];
+        let path = dir.join(format!("{}-{key}.cpio", kernel.release));
+        if !path.is_file() {
+            progress(&format!("writing the initramfs {}", path.display()));
+            // Concurrent builders write the same bytes; the rename publishes one of them.
+            let tmp = dir.join(format!(".{key}.{}.tmp", std::process::id()));
+            let result = write_initramfs(&tmp, &kernel, machine, &busybox, agent).and_then(|()| {
+                fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display())))
+            });
+            if result.is_err() {
+                let _ = fs::remove_file(&tmp);
+            }
+            result?;
         }
-        result?;
-    }
+        Ok(path)
+    };
+    let initramfs = build(Machine::Microvm)?;
+    let fullvm_initramfs = build(Machine::Q35)?;
     Ok(GuestBoot {
         kernel,
-        initramfs: path,
+        initramfs,
+        fullvm_initramfs,
     })
 }
 
 fn write_initramfs(
     dest: &Path,
     kernel: &GuestKernel,
+    machine: Machine,
     busybox: &Path,
     agent: &Path,
 ) -> Result<(), VmError> {
@@ -144,11 +162,28 @@ fn write_initramfs(
     for applet in APPLETS {
         io(w.symlink(&format!("bin/{applet}"), "busybox"))?;
     }
-    for (name, path) in kernel.modules.iter().zip(kernel.module_paths()) {
+    let modules = match machine {
+        Machine::Microvm => &kernel.modules,
+        Machine::Q35 => &kernel.fullvm_modules,
+    };
+    if modules.is_empty() {
+        return Err(VmError::Build {
+            what: "the initramfs".into(),
+            message: format!(
+                "the guest kernel in {} names no modules for a {} machine",
+                kernel.dir.display(),
+                machine.as_str()
+            ),
+        });
+    }
+    for (name, path) in modules.iter().zip(kernel.paths_of(modules)) {
         add_file(&mut w, &format!("lib/modules/{name}.ko"), 0o644, &path)?;
     }
-    let order = kernel.modules.join("\n") + "\n";
+    let order = modules.join("\n") + "\n";
     io(w.file("lib/modules/load-order", 0o644, order.as_bytes()))?;
+    if machine != Machine::Microvm {
+        io(w.file("opendsec/machine", 0o644, machine.as_str().as_bytes()))?;
+    }
     io(w.file("init", 0o755, INIT_SCRIPT.as_bytes()))?;
     add_file(&mut w, "opendsec/agent", 0o700, agent)?;
     let mut out = w.finish().map_err(io_err(context.clone()))?;
@@ -180,6 +215,31 @@ pub(crate) fn write_vm_initrd(
         .append(true)
         .open(dest)
         .map_err(io_err(context.clone()))?;
+    write_config_archive(file, dest, config)
+}
+
+/// The size a full VM's configuration disk is rounded up to (a whole number of sectors;
+/// one size for every VM of a similar configuration, so a restored machine's disk
+/// looks as its source's did).
+const CONFIG_DISK_ALIGN: u64 = 64 << 10;
+
+/// Writes `dest`: a full VM's configuration disk, the archive of this VM's files that a
+/// microVM's initrd ends with, zero-padded to a multiple of [`CONFIG_DISK_ALIGN`]. Its
+/// init unpacks it (cpio stops at the archive's trailer).
+pub(crate) fn write_config_disk(dest: &Path, config: &GuestConfig) -> Result<(), VmError> {
+    let context = format!("writing {}", dest.display());
+    let file = fs::File::create(dest).map_err(io_err(context.clone()))?;
+    write_config_archive(file.try_clone().map_err(io_err(context.clone()))?, dest, config)?;
+    let len = file.metadata().map_err(io_err(context.clone()))?.len();
+    file.set_len(len.div_ceil(CONFIG_DISK_ALIGN).max(1) * CONFIG_DISK_ALIGN)
+        .map_err(io_err(context.clone()))?;
+    file.sync_all().map_err(io_err(context))
+}
+
+/// Appends the archive of one VM's files (`vm.conf` and the agent's configuration) to
+/// `file` (the end of `dest`).
+fn write_config_archive(file: fs::File, dest: &Path, config: &GuestConfig) -> Result<(), VmError> {
+    let context = format!("writing {}", dest.display());
     let mut w = CpioWriter::new(BufWriter::new(file));
     let io = |r: std::io::Result<()>| r.map_err(io_err(context.clone()));
     let [a, b, c, d] = GUEST_IP;

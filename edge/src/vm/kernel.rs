@@ -6,8 +6,9 @@
 //! (Debian ships no `modules.dep`: depmod runs at install time), in load order.
 //!
 //! Cached under `<image store>/kernels/<release>_<version>_<recipe>/` (`kernel.json`,
-//! `vmlinux`, `modules/<name>.ko`), published by a rename and built once per machine
-//! under `<image store>/locks/kernel.lock`.
+//! `vmlinux`, `vmlinuz` (the bzImage as shipped, which a full VM's bootloader loads),
+//! `modules/<name>.ko`), published by a rename and built once per machine under
+//! `<image store>/locks/kernel.lock`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -36,8 +37,18 @@ pub const GUEST_MODULES: &[&str] = &[
     "overlay",
 ];
 
+/// The modules a full VM (`-M q35`, `fullvm.rs`) loads: virtio over PCI, its block and
+/// network drivers and the root partition's ext4.
+pub const FULLVM_MODULES: &[&str] = &[
+    "virtio_pci",
+    "virtio_blk",
+    "virtio_net",
+    "crc32c_generic",
+    "ext4",
+];
+
 /// Bumped when the layout of a kernel directory changes.
-const LAYOUT_VERSION: u32 = 1;
+const LAYOUT_VERSION: u32 = 2;
 
 /// The metapackage that follows Debian's current kernel.
 const META_PACKAGE: &str = "linux-image-amd64";
@@ -52,6 +63,9 @@ pub struct GuestKernel {
     pub version: String,
     /// Module names in load order (dependencies first).
     pub modules: Vec<String>,
+    /// A full VM's modules ([`FULLVM_MODULES`]), in load order, in the same `modules/`.
+    #[serde(default)]
+    pub fullvm_modules: Vec<String>,
     #[serde(skip)]
     pub dir: PathBuf,
 }
@@ -61,9 +75,20 @@ impl GuestKernel {
         self.dir.join("vmlinux")
     }
 
+    /// The compressed kernel as Debian ships it (for a bootloader).
+    pub fn vmlinuz(&self) -> PathBuf {
+        self.dir.join("vmlinuz")
+    }
+
     /// Paths of the module files, in load order.
     pub fn module_paths(&self) -> Vec<PathBuf> {
-        self.modules
+        self.paths_of(&self.modules)
+    }
+
+    /// Paths of the files of `modules` (names from [`GuestKernel::modules`] or
+    /// [`GuestKernel::fullvm_modules`]).
+    pub fn paths_of(&self, modules: &[String]) -> Vec<PathBuf> {
+        modules
             .iter()
             .map(|m| self.dir.join("modules").join(format!("{m}.ko")))
             .collect()
@@ -81,6 +106,9 @@ fn recipe_hash() -> String {
     digest.update(format!("layout {LAYOUT_VERSION}\n"));
     for m in GUEST_MODULES {
         digest.update(format!("module {m}\n"));
+    }
+    for m in FULLVM_MODULES {
+        digest.update(format!("full VM module {m}\n"));
     }
     hex::encode(digest.finalize())[..8].to_string()
 }
@@ -270,6 +298,8 @@ fn build(
     let vmlinuz = extracted.join("boot").join(format!("vmlinuz-{release}"));
     let image = fs::read(&vmlinuz).map_err(io_err(format!("reading {}", vmlinuz.display())))?;
     extract_vmlinux(&image, &staged.join("vmlinux"))?;
+    fs::write(staged.join("vmlinuz"), &image)
+        .map_err(io_err(format!("writing {}", staged.join("vmlinuz").display())))?;
 
     let modules_root = extracted.join("lib/modules").join(release);
     let builtin: BTreeSet<String> = fs::read_to_string(modules_root.join("modules.builtin"))
@@ -285,7 +315,7 @@ fn build(
         index.len()
     ));
     let modules_dir = staged.join("modules");
-    let order = resolve_modules(GUEST_MODULES, &builtin, |name| {
+    let mut stage = |name: &str| {
         let source = index.get(name).ok_or_else(|| {
             build_err(format!(
                 "module {name} is neither in the package nor built in"
@@ -297,7 +327,9 @@ fn build(
         }
         let bytes = fs::read(&dest).map_err(io_err(format!("reading {}", dest.display())))?;
         modinfo_depends(&bytes).map_err(|e| build_err(format!("{name}.ko: {e}")))
-    })?;
+    };
+    let order = resolve_modules(GUEST_MODULES, &builtin, &mut stage)?;
+    let fullvm_order = resolve_modules(FULLVM_MODULES, &builtin, &mut stage)?;
     write_json_atomic(
         &staged.join("kernel.json"),
         &GuestKernel {
@@ -305,6 +337,7 @@ fn build(
             package: package.into(),
             version: version.into(),
             modules: order,
+            fullvm_modules: fullvm_order,
             dir: PathBuf::new(),
         },
     )

@@ -1,6 +1,8 @@
 //! The QEMU microVM driver: sandboxes as `-M microvm` guests that boot Debian's kernel,
 //! our own initramfs and the same image layers and agent as containers, driven over QMP,
-//! with guest RAM in a file so that pause, resume and fork with memory are cheap.
+//! with guest RAM in a file so that pause, resume and fork with memory are cheap. The
+//! same driver runs full VMs (`-M q35`: SeaBIOS boots the image as a whole disk through
+//! extlinux) through the same code paths; the VM's record says which machine it is.
 //!
 //! The pieces, each in its own file:
 //! - `kernel`: the guest kernel (Debian's `linux-image-amd64`, vmlinux extracted from the
@@ -9,6 +11,9 @@
 //!   and the small per-VM archive appended to it (the agent's configuration).
 //! - `disks`: the read-only root disk of an image (EROFS, one per list of layers) and
 //!   the per-VM writable ext4 disk; sparse copies.
+//! - `machine` and `bootdisk`: full VMs (`-M q35`): the machine's devices, and the whole
+//!   disk (MBR, ext4, extlinux, kernel, initramfs) a full VM of an image boots, cached
+//!   as a qcow2 base under per-VM overlays.
 //! - `net`: the agent channel, a tap device in a network namespace of its own per VM.
 //! - `qmp`: a small QMP client (capabilities, commands, events, fds over SCM_RIGHTS).
 //! - `shim`: the detached parent of each QEMU process (`opendsec-vm-shim`).
@@ -22,12 +27,14 @@
 
 mod accel;
 pub mod agent;
+mod bootdisk;
 mod cpio;
 mod disks;
 mod driver;
 pub mod firecracker;
 mod initramfs;
 mod kernel;
+mod machine;
 mod net;
 mod qmp;
 pub mod shim;
@@ -40,6 +47,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 pub use accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
+pub use bootdisk::{BootDiskManifest, FREE_SPACE_MB, ensure_boot_disk, host_can_build_boot_disks};
 pub use agent::{AgentChannel, ExecOutput};
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
@@ -49,6 +57,7 @@ pub use driver::{
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
+pub use machine::Machine;
 pub use net::{GUEST_MAC, TAP};
 pub use qmp::{Qmp, QmpError};
 pub use vmm::{Vmm, VmmChoice, VmmVerdict, choose_vmm};

@@ -245,14 +245,20 @@ fn e2b_state(x: &Sandbox) -> &'static str {
 }
 
 /// The sandbox's `templateID`: what it was asked for by; an image run as a microVM is
-/// the image's `-vm` template (a snapshot id stays itself).
+/// the image's `-vm` template, as a full VM its `-fullvm` template (a snapshot id stays
+/// itself).
 fn template_of(x: &Sandbox) -> String {
     let asked = x.template.clone().unwrap_or_else(|| x.image.clone());
-    if x.isolation == Isolation::Microvm && x.snapshot.is_none() {
+    let suffix = match x.isolation {
+        Isolation::Microvm => MICROVM_TEMPLATE_SUFFIX,
+        Isolation::Vm => FULLVM_TEMPLATE_SUFFIX,
+        Isolation::Container => return asked,
+    };
+    if x.snapshot.is_none() {
         let (name, tag) = asked.split_once(':').map_or((asked.as_str(), None), |(n, t)| (n, Some(t)));
         return match tag {
-            Some(t) => format!("{name}{MICROVM_TEMPLATE_SUFFIX}:{t}"),
-            None => format!("{name}{MICROVM_TEMPLATE_SUFFIX}"),
+            Some(t) => format!("{name}{suffix}:{t}"),
+            None => format!("{name}{suffix}"),
         };
     }
     asked
@@ -435,6 +441,10 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
 /// `base` image in a QEMU microVM, whose pause, snapshots and forks carry its memory.
 pub const MICROVM_TEMPLATE_SUFFIX: &str = "-vm";
 
+/// The suffix of a template name that asks for a full VM of the image: `base-fullvm` is
+/// the `base` image booted as a whole disk in a QEMU q35 PC (memory carried as a microVM's).
+pub const FULLVM_TEMPLATE_SUFFIX: &str = "-fullvm";
+
 /// The image a template name means, and the isolation it asks for (none: a container,
 /// or whatever a snapshot id is a snapshot of). A tag (`base-vm:latest`) stays on the image.
 pub fn template_image(template: &str) -> (String, Option<Isolation>) {
@@ -442,8 +452,11 @@ pub fn template_image(template: &str) -> (String, Option<Isolation>) {
         Some((n, t)) => (n, Some(t)),
         None => (template, None),
     };
-    match name.strip_suffix(MICROVM_TEMPLATE_SUFFIX).filter(|n| !n.is_empty()) {
-        Some(image) => (tag.map_or_else(|| image.to_string(), |t| format!("{image}:{t}")), Some(Isolation::Microvm)),
+    let asked = [(FULLVM_TEMPLATE_SUFFIX, Isolation::Vm), (MICROVM_TEMPLATE_SUFFIX, Isolation::Microvm)]
+        .into_iter()
+        .find_map(|(suffix, isolation)| name.strip_suffix(suffix).filter(|n| !n.is_empty()).map(|image| (image, isolation)));
+    match asked {
+        Some((image, isolation)) => (tag.map_or_else(|| image.to_string(), |t| format!("{image}:{t}")), Some(isolation)),
         None => (template.to_string(), None),
     }
 }
@@ -783,6 +796,9 @@ mod tests {
     fn a_vm_suffix_asks_for_a_microvm_of_the_image() {
         assert_eq!(template_image("base-vm"), ("base".to_string(), Some(Isolation::Microvm)));
         assert_eq!(template_image("code-interpreter-v1-vm:latest"), ("code-interpreter-v1:latest".to_string(), Some(Isolation::Microvm)));
+        assert_eq!(template_image("base-fullvm"), ("base".to_string(), Some(Isolation::Vm)));
+        assert_eq!(template_image("base-fullvm:latest"), ("base:latest".to_string(), Some(Isolation::Vm)));
+        assert_eq!(template_image("-fullvm"), ("-fullvm".to_string(), None));
         assert_eq!(template_image("base"), ("base".to_string(), None));
         assert_eq!(template_image("snap-0123456789abcdef"), ("snap-0123456789abcdef".to_string(), None));
         assert_eq!(template_image("-vm"), ("-vm".to_string(), None), "a suffix alone names no image");

@@ -17,10 +17,11 @@ use crate::{submit, AppState, Written};
 pub const DEFAULT_CPU_MILLIS: u64 = 1000;
 pub const DEFAULT_MEMORY_MB: u64 = 512;
 
-/// Creates a sandbox (placed on an edge by power-of-k choices): a container, or with
-/// `isolation: microvm` a QEMU microVM (on an edge that runs them). `image` may name a
-/// snapshot: the sandbox then starts from it on its edge (a microVM's snapshot gives a
-/// microVM restored where its source was). Needs sandbox:write.
+/// Creates a sandbox (placed on an edge by power-of-k choices): a container, with
+/// `isolation: microvm` a QEMU microVM, or with `isolation: vm` a full VM (a q35 PC
+/// booting the image as a whole disk), each on an edge that runs them. `image` may name
+/// a snapshot: the sandbox then starts from it on its edge (a microVM's or full VM's
+/// snapshot gives that machine restored where its source was). Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses((status = 201, body = SandboxWritten), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
 pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateSandbox>) -> Result<Written<SandboxWritten>, ApiError> {

@@ -188,8 +188,9 @@ enum SandboxCmd {
         labels: Vec<(String, String)>,
         #[arg(long)]
         timeout_seconds: Option<u64>,
-        /// container (the default) or microvm (a QEMU microVM: its pause, snapshots and
-        /// forks carry its memory).
+        /// container (the default), microvm (a QEMU microVM: its pause, snapshots and
+        /// forks carry its memory) or vm (a full VM: a q35 PC booting the image as a
+        /// whole disk; memory carried as a microVM's).
         #[arg(long, value_enum)]
         isolation: Option<IsolationArg>,
     },
@@ -290,6 +291,7 @@ enum SandboxCmd {
 enum IsolationArg {
     Container,
     Microvm,
+    Vm,
 }
 
 impl From<IsolationArg> for Isolation {
@@ -297,6 +299,7 @@ impl From<IsolationArg> for Isolation {
         match i {
             IsolationArg::Container => Isolation::Container,
             IsolationArg::Microvm => Isolation::Microvm,
+            IsolationArg::Vm => Isolation::Vm,
         }
     }
 }

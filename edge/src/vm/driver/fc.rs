@@ -389,6 +389,7 @@ pub(super) fn create(
             pid_start: None,
             forked_from: None,
             vmm: Vmm::Firecracker,
+            machine: Machine::Microvm,
             fc: FcRecord::default(),
         };
         inner.prepare_dir(&dir, uid)?;
@@ -613,6 +614,7 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
         tsc_khz: record.tsc_khz,
         ram_in_stream: false,
         vmm: Vmm::Firecracker,
+        machine: Machine::Microvm,
     };
     if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
         let _ = fs::remove_dir_all(dest);

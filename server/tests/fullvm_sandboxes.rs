@@ -1,0 +1,166 @@
+//! Specification: full VM sandboxes (`isolation: vm`) through the whole path: REST ->
+//! log -> edge -> a QEMU q35 PC whose SeaBIOS boots the image's disk through extlinux
+//! -> the agent in the guest, with `opendsec up` running as a real process.
+//!
+//! Needs what `microvm_sandboxes.rs` needs plus the full VM packages of `VM_PACKAGES` in
+//! ops/lib.sh (qemu-utils, seabios, extlinux, syslinux-common). Figures are printed as
+//! `figure: <name> = <value>` (`--nocapture`).
+//!
+//! Run: `cargo test -p opendsec --test fullvm_sandboxes -- --nocapture`
+
+#[path = "support/up.rs"]
+mod up;
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use up::Up;
+
+fn figure(name: &str, value: impl std::fmt::Display) {
+    eprintln!("figure: {name} = {value}");
+}
+
+fn ms(d: Duration) -> String {
+    format!("{} ms", d.as_millis())
+}
+
+/// `opendsec up`, once its edge's VM driver is ready and it registered as running full VMs.
+async fn start() -> Up {
+    let up = Up::start(None).await;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let log = up.log_tail(100_000);
+        if let Some(line) = log.lines().find(|l| l.contains("microVMs ready")) {
+            eprintln!("VM driver: {}", line.split("accelerator=").nth(1).unwrap_or(line));
+            break;
+        }
+        if let Some(line) = log.lines().find(|l| l.contains("cannot run microVMs")) {
+            panic!("this host cannot run VMs, so these tests could not run: {line}");
+        }
+        assert!(Instant::now() < deadline, "the edge's VM driver was not ready within 600 s:\n{}", up.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (s, edges) = up.send(Method::GET, "/v1/edges", None).await;
+    assert_eq!(s, 200, "{edges}");
+    assert!(edges.to_string().contains("\"opendsec.io/fullvm\":\"q35\""), "the edge says it runs full VMs: {edges}");
+    up
+}
+
+async fn wait_state(up: &Up, id: &str, want: &str, within: Duration) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        if v["state"] == want {
+            return v;
+        }
+        if matches!(v["state"].as_str(), Some("failed" | "exited" | "killed")) {
+            panic!("sandbox {id} ended instead of being {want}: {v}\n{}", up.log_tail(30));
+        }
+        assert!(Instant::now() < deadline, "sandbox {id} was not {want} within {within:?}: {v}\n{}", up.log_tail(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn exec(up: &Up, id: &str, cmd: &str, args: &[&str]) -> String {
+    let (out, code) = up.exec(id, cmd, args).await.unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}\n{}", up.log_tail(20)));
+    assert_eq!(code, 0, "{cmd} {args:?} in {id} exited {code}: {out}");
+    out
+}
+
+/// A counter in the memory of a guest process (one more per connection to :7777).
+const COUNTER: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7777))
+s.listen(8)
+n = 0
+while True:
+    c, _ = s.accept()
+    n += 1
+    c.sendall(b"%d\n" % n)
+    c.close()
+"#;
+
+async fn count(up: &Up, id: &str) -> Option<u64> {
+    let (out, _) = up.exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]).await.ok()?;
+    out.trim().parse().ok()
+}
+
+/// The command line of sandbox `id`'s QEMU (started as `-name opendsec-<id>`), if one runs.
+fn qemu_cmdline(id: &str) -> Option<String> {
+    let needle = format!("-name\0opendsec-{id}\0");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        e.file_name().to_str()?.parse::<i32>().ok()?;
+        let cmdline = String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).ok()?).into_owned();
+        cmdline.contains(&needle).then(|| cmdline.replace('\0', " "))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_vm_through_rest_boots_base_from_its_disk_runs_python_and_pauses_with_its_memory() {
+    let up = start().await;
+
+    // Bad input is refused before anything is logged, naming the field.
+    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(json!({"image": "base", "isolation": "qemu"}))).await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("isolation")), "{v}");
+    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(json!({"image": "base", "isolation": "vm", "memory_mb": 64}))).await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("memory_mb")), "{v}");
+
+    let t = Instant::now();
+    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(json!({"image": "base", "isolation": "vm", "memory_mb": 256, "timeout_seconds": 900}))).await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["sandbox"]["isolation"], "vm");
+    let id = v["sandbox"]["id"].as_str().unwrap().to_string();
+    // The first full VM of an image on a machine builds its boot disk (once).
+    let v = wait_state(&up, &id, "running", Duration::from_secs(400)).await;
+    let ready = t.elapsed();
+    assert_eq!((v["isolation"].as_str(), v["image"].as_str()), (Some("vm"), Some("base")));
+    let out = exec(&up, &id, "python3", &["-c", "print(6*7)"]).await;
+    assert_eq!(out, "42\n");
+    figure("full VM create (REST) to running", ms(ready));
+    figure("full VM create (REST) to python3 -c 'print(6*7)' answered", ms(t.elapsed()));
+
+    // A PC with firmware, booted from its own disk by its bootloader.
+    let qemu = qemu_cmdline(&id).expect("its QEMU runs");
+    assert!(qemu.contains("-M q35,memory-backend=ram0"), "{qemu}");
+    assert!(qemu.contains("-sandbox on"), "{qemu}");
+    let guest = exec(&up, &id, "sh", &["-c", "cat /sys/class/dmi/id/bios_vendor /proc/cmdline; awk '$2 == \"/\" {print $1}' /proc/mounts"]).await;
+    let lines: Vec<&str> = guest.lines().collect();
+    assert_eq!(lines[0], "SeaBIOS", "{guest}");
+    assert!(lines[1].starts_with("BOOT_IMAGE=/boot/vmlinuz-") && lines[1].contains("root=UUID="), "{guest}");
+    assert_eq!(lines[2], "/dev/vda1", "{guest}");
+
+    // Pause and resume through REST: the QEMU ends and a new one continues the guest.
+    exec(&up, &id, "setsid", &["-f", "python3", "-c", COUNTER]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let first = loop {
+        if let Some(n) = count(&up, &id).await {
+            break n;
+        }
+        assert!(Instant::now() < deadline, "the counter never listened");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let t = Instant::now();
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
+    assert_eq!(s, 200, "{v}");
+    wait_state(&up, &id, "paused", Duration::from_secs(60)).await;
+    figure("full VM pause (REST) to paused", ms(t.elapsed()));
+    assert!(qemu_cmdline(&id).is_none(), "no QEMU while paused");
+    let t = Instant::now();
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None).await;
+    assert_eq!(s, 200, "{v}");
+    wait_state(&up, &id, "running", Duration::from_secs(60)).await;
+    figure("full VM resume (REST) to running", ms(t.elapsed()));
+    assert_eq!(count(&up, &id).await, Some(first + 1), "the guest's memory came back");
+    figure("full VM resume (REST) to the counter's answer", ms(t.elapsed()));
+
+    // Killing it ends its QEMU.
+    let (s, _) = up.send(Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, 200);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while qemu_cmdline(&id).is_some() {
+        assert!(Instant::now() < deadline, "the QEMU of a killed sandbox still runs");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
