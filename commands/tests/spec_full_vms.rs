@@ -77,11 +77,11 @@ fn forks_and_snapshots_of_a_full_vm_are_full_vms_on_its_edge() {
     let root = w.root.clone();
     let src = w.run(&admin, create(&root, "base", 512, Some(Isolation::Vm))).unwrap().decided.target;
     w.report(&admin, &src, Observation::Ready);
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 2 }).unwrap();
+    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 2, edge: None }).unwrap();
     for c in created(&ran) {
         assert_eq!((c.edge.as_str(), c.isolation.as_str(), c.fork_of.as_str()), ("full", "vm", src.as_str()));
     }
-    let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 65 }).unwrap_err();
+    let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 65, edge: None }).unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("count")));
 
     let snap = w.run(&admin, Command::CreateSnapshot { sandbox: src.clone(), name: "warm".into() }).unwrap().decided.target;
