@@ -134,7 +134,7 @@ fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
             panic!(
                 "exec {cmd} {args:?} in {}: {e}; console: {}",
                 vm.id(),
-                vm.console_tail(12000)
+                vm.console_tail(2000)
             )
         })
 }
@@ -851,6 +851,41 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
         "the source's token no longer opens the copy: {refused:?}"
     );
 
+    // Restores map the snapshot's RAM privately: a second one shares its pages with
+    // the first, starts from the snapshot too, and neither writes the snapshot.
+    let snapshot_ram = std::fs::read(snap.join("ram")).unwrap();
+    let second_id = unique("snap-copy2");
+    let (second, _) = driver()
+        .restore_snapshot(&spec(&second_id), &snap, &|_| {})
+        .unwrap();
+    cleanup.0.push(second.clone());
+    let (RamMode::Private { base: base_1 }, RamMode::Private { base: base_2 }) =
+        (copy.ram_mode().unwrap(), second.ram_mode().unwrap())
+    else {
+        panic!("restores map the snapshot's RAM privately")
+    };
+    assert_eq!(base_1, base_2, "one base for every restore of a snapshot");
+    assert_eq!(count(&second), 3, "the second restore starts from the snapshot");
+    assert_eq!(count(&second), 4);
+    assert_eq!(copy.ram_file_bytes(), 0, "no copy of the snapshot's RAM");
+    assert!(
+        std::fs::read(snap.join("ram")).unwrap() == snapshot_ram,
+        "the snapshot's RAM is never written"
+    );
+    let memory = second.memory().unwrap();
+    figure(
+        "second restore of a snapshot: guest RAM RSS / PSS",
+        format!(
+            "{} / {} MiB",
+            memory.guest_ram_rss_kb / 1024,
+            memory.guest_ram_pss_kb / 1024
+        ),
+    );
+    assert!(
+        memory.guest_ram_pss_kb < memory.guest_ram_rss_kb,
+        "pages shared with the first restore count by their share: {memory:?}"
+    );
+
     // A paused VM is copied as it lies; the source resumes unharmed.
     vm.pause().unwrap();
     let paused = dir.path().join("paused");
@@ -868,6 +903,14 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     eprintln!("restoring a corrupt snapshot: {err}");
     assert!(matches!(driver().open(&bad), Err(VmError::NotFound(_))));
     assert!(!Path::new(TEST_ROOT).join("vms").join(&bad).exists());
+    let paused_base = {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(paused.join("ram")).unwrap();
+        Path::new(TEST_ROOT)
+            .join("forks")
+            .join(format!("snap-{}-{}", m.dev(), m.ino()))
+    };
+    assert!(!paused_base.exists(), "no RAM base left behind");
     std::fs::remove_file(paused.join("snapshot.json")).unwrap();
     assert!(
         driver()

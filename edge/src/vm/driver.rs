@@ -8,7 +8,12 @@
 //!   migration stream (root's); `run/qmp.sock`; `launch.json`, `qemu.pid`,
 //!   `console.log`, `shim.log`, `exit.json` of the current QEMU run.
 //! - `forks/<fork id>/ram`: the frozen RAM of a fork's source, which every copy maps
-//!   privately (pages shared until a copy writes them); removed when no VM uses it.
+//!   privately (pages shared until a copy writes them), and `forks/snap-<dev>-<inode>/ram`,
+//!   a snapshot's RAM file hard-linked as the base of the VMs restored from it; each with
+//!   `gid`, the group of its own that the VMs mapping it carry; removed (and the group
+//!   freed) when no VM uses it.
+//! - `receivers/<id>/`: the receiver QEMU of a live copy of VM `<id>` (see `precopy`),
+//!   while the copy runs.
 //! - the uids handed to VMs (one each) are recorded in the image store's `vm-uids/`
 //!   (one registry per machine, so that the VMs of several drivers, two edges say, never
 //!   share a uid): `vm-uids/<uid>` holds the VM directory that owns it.
