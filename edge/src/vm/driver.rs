@@ -1659,7 +1659,8 @@ impl VmHandle {
 
     /// Brings a VM back to a state the driver recognises after the edge died in the
     /// middle of an operation (call it for every VM when the edge starts): a QEMU left
-    /// stopped by an unfinished pause or fork continues; a QEMU whose snapshot was
+    /// stopped by an unfinished pause or fork continues; an unfinished live copy is
+    /// cancelled and its receiver ended; a QEMU whose snapshot was
     /// already taken (the VM is paused) is ended; a QEMU still waiting for an incoming
     /// snapshot is ended and the VM stays paused. Returns what it did, if anything.
     pub fn recover(&self) -> Result<Option<String>, VmError> {
@@ -1685,7 +1686,16 @@ impl VmHandle {
         }
         let mut qmp = self.inner.qmp(&record)?;
         let status = qmp.execute("query-status", json!({}))?;
-        match status["status"].as_str().unwrap_or("") {
+        let status = status["status"].as_str().unwrap_or("").to_string();
+        if status != "inmigrate" && precopy::migration_under_way(&mut qmp) {
+            // A live copy the edge did not finish: its migration would stop the VM at
+            // the switch-over with nobody to continue it.
+            precopy::cancel_and_continue(&mut qmp);
+            self.inner.discard_receiver(&self.id);
+            return Ok(Some("cancelled an unfinished live copy".into()));
+        }
+        self.inner.discard_receiver(&self.id);
+        match status.as_str() {
             "running" => Ok(None),
             "inmigrate" => {
                 drop(qmp);

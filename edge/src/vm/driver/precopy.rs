@@ -123,14 +123,30 @@ impl Inner {
             .map_err(io_err(format!("creating {}", receivers.display())))?;
         fs::set_permissions(&receivers, fs::Permissions::from_mode(0o711))
             .map_err(io_err(format!("chmod {}", receivers.display())))?;
-        let recv_dir = receivers.join(&source.id);
-        // '.' is not allowed in VM ids: no VM's namespace has this name.
-        let netns = format!("{}{}.r", self.netns_prefix, source.id);
+        let (recv_dir, netns) = self.receiver_of(&source.id);
         // What a crash in the middle of an earlier copy left.
         self.discard(&recv_dir, Some(&netns), None);
         let result = self.live_copy_through(source, dest, &recv_dir, &netns);
         self.discard(&recv_dir, Some(&netns), None);
         result
+    }
+
+    /// The directory and namespace of VM `id`'s receiver.
+    fn receiver_of(&self, id: &str) -> (std::path::PathBuf, String) {
+        // '.' is not allowed in VM ids: no VM's namespace has this name.
+        (
+            self.cfg.root.join("receivers").join(id),
+            format!("{}{id}.r", self.netns_prefix),
+        )
+    }
+
+    /// Ends the receiver a live copy of VM `id` left (the caller holds the VM's lock,
+    /// so no copy is under way).
+    pub(super) fn discard_receiver(&self, id: &str) {
+        let (dir, netns) = self.receiver_of(id);
+        if dir.exists() || net::netns_path(&netns).exists() {
+            self.discard(&dir, Some(&netns), None);
+        }
     }
 
     fn live_copy_through(
@@ -323,22 +339,21 @@ fn migration_failed(qmp: &mut Qmp, what: &str) -> VmError {
     })
 }
 
+/// Whether an outgoing migration is under way.
+pub(super) fn migration_under_way(qmp: &mut Qmp) -> bool {
+    qmp.execute("query-migrate", json!({})).is_ok_and(|info| {
+        matches!(
+            info["status"].as_str(),
+            Some("setup" | "active" | "cancelling" | "pre-switchover" | "device")
+        )
+    })
+}
+
 /// After a failed live copy: no migration left under way, the source running.
-fn cancel_and_continue(qmp: &mut Qmp) {
+pub(super) fn cancel_and_continue(qmp: &mut Qmp) {
     let _ = qmp.execute("migrate_cancel", json!({}));
     let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        let status = qmp
-            .execute("query-migrate", json!({}))
-            .ok()
-            .and_then(|info| info["status"].as_str().map(str::to_string))
-            .unwrap_or_default();
-        if !matches!(
-            status.as_str(),
-            "active" | "cancelling" | "pre-switchover" | "device" | "setup"
-        ) {
-            break;
-        }
+    while Instant::now() < deadline && migration_under_way(qmp) {
         std::thread::sleep(Duration::from_millis(2));
     }
     let _ = qmp.execute("block-job-cancel", json!({"device": DISK_JOB, "force": true}));
