@@ -88,9 +88,9 @@ fn usage(problem: &str) -> ! {
     std::process::exit(2)
 }
 
+/// Ends the run; the VMs and namespaces made so far are removed on the way out.
 fn fail(message: &str) -> ! {
-    eprintln!("opendsec-vm-bench: {message}");
-    std::process::exit(1)
+    panic!("opendsec-vm-bench: {message}")
 }
 
 fn ok<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> T {

@@ -317,11 +317,28 @@ impl Inner {
                 _ => {}
             }
         }
-        qmp.execute("cont", json!({}))?;
+        continue_after_migration(qmp)?;
         let stop = qmp.wait_event("STOP", Duration::from_secs(5))?;
         let resume = qmp.wait_event("RESUME", Duration::from_secs(5))?;
         let source_paused = event_time(&resume).saturating_sub(event_time(&stop));
         Ok((source_paused, disk_bytes, dirty))
+    }
+}
+
+/// `cont` once QEMU has finalized the completed migration (its `completed` event comes
+/// a moment before it accepts `cont`).
+fn continue_after_migration(qmp: &mut Qmp) -> Result<(), VmError> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match qmp.execute("cont", json!({})) {
+            Ok(_) => return Ok(()),
+            Err(QmpError::Command { desc, .. })
+                if desc.contains("not finalized") && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
