@@ -249,7 +249,10 @@ fn stamps(vm: &VmHandle) -> Result<u64, String> {
     let out = exec(
         vm,
         "sh",
-        &["-c", "cat /tmp/stamps.torn 2>/dev/null || cat /tmp/stamps.pass 2>/dev/null || echo 0"],
+        &[
+            "-c",
+            "cat /tmp/stamps.torn 2>/dev/null || cat /tmp/stamps.pass 2>/dev/null || echo 0",
+        ],
     );
     let text = out.stdout_text();
     text.trim().parse().map_err(|_| text)
@@ -267,8 +270,19 @@ fn stamps_advance(vm: &VmHandle, passes: u64) {
             Err(torn) => panic!("{}: torn memory: {torn}", vm.id()),
         }
         if Instant::now() > deadline {
-            let ps = exec(vm, "sh", &["-c", "ps -eo pid,stat,wchan:24,args; cat /tmp/stamps.pass; ls -la /tmp"]);
-            panic!("{}: the stamping process stalled: {}", vm.id(), ps.stdout_text());
+            let ps = exec(
+                vm,
+                "sh",
+                &[
+                    "-c",
+                    "ps -eo pid,stat,wchan:24,args; cat /tmp/stamps.pass; ls -la /tmp",
+                ],
+            );
+            panic!(
+                "{}: the stamping process stalled: {}",
+                vm.id(),
+                ps.stdout_text()
+            );
         }
         std::thread::sleep(Duration::from_millis(300));
     }
@@ -545,7 +559,10 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     let out = exec(&source, "setsid", &["-f", "sh", "-c", DISK_WRITER]);
     assert_eq!(out.exit_code, 0, "{out:?}");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !exec(&source, "ls", &["/home/user"]).stdout_text().contains("disk-7") {
+    while !exec(&source, "ls", &["/home/user"])
+        .stdout_text()
+        .contains("disk-7")
+    {
         assert!(Instant::now() < deadline, "the disk writer never wrote");
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -669,7 +686,10 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
     let grandchild = b.fork(&[unique("copy-b1")]).unwrap();
     cleanup.0.extend(grandchild.copies.iter().cloned());
-    figure("fork of a fork copy: source paused", ms(grandchild.source_paused));
+    figure(
+        "fork of a fork copy: source paused",
+        ms(grandchild.source_paused),
+    );
     assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
     assert_eq!(count(&grandchild.copies[0]), 7);
     assert_eq!(count(b), 7);
@@ -865,7 +885,11 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
         panic!("restores map the snapshot's RAM privately")
     };
     assert_eq!(base_1, base_2, "one base for every restore of a snapshot");
-    assert_eq!(count(&second), 3, "the second restore starts from the snapshot");
+    assert_eq!(
+        count(&second),
+        3,
+        "the second restore starts from the snapshot"
+    );
     assert_eq!(count(&second), 4);
     assert_eq!(copy.ram_file_bytes(), 0, "no copy of the snapshot's RAM");
     assert!(

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use opendsec_edge::images::{DEFAULT_STORE, ImageStore};
 use opendsec_edge::vm::{
-    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec,
-    netns, sparse_copy,
+    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec, netns,
+    sparse_copy,
 };
 use serde_json::{Value, json};
 
@@ -116,7 +116,10 @@ fn row(what: &str, ours: &[f64], raw: &[f64]) {
 }
 
 fn verdict(goal: &str, pass: bool, detail: String) {
-    println!("goal {goal}: {} ({detail})", if pass { "PASS" } else { "MISS" });
+    println!(
+        "goal {goal}: {} ({detail})",
+        if pass { "PASS" } else { "MISS" }
+    );
 }
 
 /// Runs `true` in the guest through its agent.
@@ -460,7 +463,8 @@ impl Bench<'_> {
             let t = Instant::now();
             let other = ok(
                 "create",
-                self.driver.create(&self.spec(format!("{}-cold{i}", self.spec.id)), &|_| {}),
+                self.driver
+                    .create(&self.spec(format!("{}-cold{i}", self.spec.id)), &|_| {}),
             );
             self.vms.push(other.clone());
             ok("agent", other.wait_agent(Duration::from_secs(300)));
@@ -604,7 +608,10 @@ impl Bench<'_> {
                         })
                     })
                     .collect();
-                handles.into_iter().map(|h| h.join().expect("a restore")).collect()
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a restore"))
+                    .collect()
             });
             many.push(ms(t.elapsed()));
             self.vms.extend(copies.iter().cloned());
@@ -623,7 +630,10 @@ impl Bench<'_> {
                         scope.spawn(move || this.raw_restore(files, snap, i))
                     })
                     .collect();
-                handles.into_iter().map(|h| h.join().expect("a raw restore")).collect()
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a raw restore"))
+                    .collect()
             });
             raw_many.push(ms(t.elapsed()));
             for raw in raws {
@@ -699,7 +709,10 @@ impl Bench<'_> {
                         scope.spawn(move || this.raw_restore(files, fork, i + 1))
                     })
                     .collect();
-                handles.into_iter().map(|h| h.join().expect("a raw copy")).collect()
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a raw copy"))
+                    .collect()
             });
             raw_fork_all.push(ms(t.elapsed()));
             raw_pss = raws.iter().map(|r| pss_kb(r.child.id())).sum();
@@ -756,7 +769,10 @@ impl Bench<'_> {
     fn raw_restore(&self, files: &VmFiles, snap: &Path, slot: usize) -> RawVm {
         let dir = self.scratch.join(format!("restore-{slot}"));
         ok("dir", std::fs::create_dir_all(&dir));
-        ok("copy", sparse_copy(&snap.join("rw.img"), &dir.join("rw.img")));
+        ok(
+            "copy",
+            sparse_copy(&snap.join("rw.img"), &dir.join("rw.img")),
+        );
         let mut raw = raw_qemu(
             files,
             &self.namespaces[slot],

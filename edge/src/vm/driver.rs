@@ -786,7 +786,9 @@ impl Inner {
         let dir = self.vm_dir(id);
         match fs::create_dir(&dir) {
             Ok(()) => Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(VmError::Exists(id.to_string())),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Err(VmError::Exists(id.to_string()))
+            }
             Err(e) => Err(VmError::io(format!("creating {}", dir.display()), e)),
         }
     }
@@ -969,9 +971,7 @@ impl Inner {
             QemuStart::Boot => {}
             QemuStart::Restore => argv.extend(["-incoming".into(), "defer".into()]),
             // -S: the guest never runs, even once the incoming state is loaded.
-            QemuStart::Receive => {
-                argv.extend(["-S".into(), "-incoming".into(), "defer".into()])
-            }
+            QemuStart::Receive => argv.extend(["-S".into(), "-incoming".into(), "defer".into()]),
         }
         argv
     }
@@ -1838,7 +1838,8 @@ impl Inner {
         let forks = self.cfg.root.join("forks");
         let dir = forks.join(format!("snap-{}-{}", meta.dev(), meta.ino()));
         let base = dir.join("ram");
-        let same_file = fs::metadata(&base).is_ok_and(|b| b.dev() == meta.dev() && b.ino() == meta.ino());
+        let same_file =
+            fs::metadata(&base).is_ok_and(|b| b.dev() == meta.dev() && b.ino() == meta.ino());
         let gid = fs::read_to_string(dir.join("gid"))
             .ok()
             .and_then(|g| g.trim().parse::<u32>().ok());

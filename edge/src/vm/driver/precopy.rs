@@ -249,11 +249,7 @@ impl Inner {
 
         let (ours, theirs) = UnixStream::pair().map_err(io_err("a socket pair"))?;
         set_ignore_shared(recv, false)?;
-        recv.execute_with_fd(
-            "getfd",
-            json!({"fdname": "precopy"}),
-            theirs.as_raw_fd(),
-        )?;
+        recv.execute_with_fd("getfd", json!({"fdname": "precopy"}), theirs.as_raw_fd())?;
         recv.execute("migrate-incoming", json!({"uri": "fd:precopy"}))?;
         drop(theirs);
         qmp.execute(
@@ -373,7 +369,10 @@ pub(super) fn cancel_and_continue(qmp: &mut Qmp) {
     while Instant::now() < deadline && migration_under_way(qmp) {
         std::thread::sleep(Duration::from_millis(2));
     }
-    let _ = qmp.execute("block-job-cancel", json!({"device": DISK_JOB, "force": true}));
+    let _ = qmp.execute(
+        "block-job-cancel",
+        json!({"device": DISK_JOB, "force": true}),
+    );
     let _ = qmp.execute("blockdev-del", json!({"node-name": DISK_TARGET}));
     let running = qmp
         .execute("query-status", json!({}))
@@ -441,9 +440,9 @@ fn copy_dirty_blocks(qmp: &mut Qmp, target: &Path) -> Result<(), VmError> {
         json!({"opaque": "opendsec live copy disk"}),
         file.as_raw_fd(),
     )?;
-    let fdset = set["fdset-id"].as_u64().ok_or_else(|| {
-        VmError::Qmp(QmpError::Protocol(format!("add-fd answered {set}")))
-    })?;
+    let fdset = set["fdset-id"]
+        .as_u64()
+        .ok_or_else(|| VmError::Qmp(QmpError::Protocol(format!("add-fd answered {set}"))))?;
     let result = (|| {
         qmp.execute(
             "blockdev-add",
@@ -495,9 +494,11 @@ pub(super) fn link_or_copy(src: &Path, dst: &Path) -> Result<(), VmError> {
     if fs::hard_link(src, dst).is_ok() {
         return Ok(());
     }
-    fs::copy(src, dst)
-        .map(|_| ())
-        .map_err(io_err(format!("copying {} to {}", src.display(), dst.display())))
+    fs::copy(src, dst).map(|_| ()).map_err(io_err(format!(
+        "copying {} to {}",
+        src.display(),
+        dst.display()
+    )))
 }
 
 fn new_sparse_file(path: &Path, len: u64) -> Result<(), VmError> {
