@@ -208,6 +208,86 @@ fn count(vm: &VmHandle) -> u64 {
         .unwrap_or_else(|_| panic!("the counter of {} said {out:?}", vm.id()))
 }
 
+/// A guest process that keeps rewriting 16 MiB of its memory, one page after another,
+/// each pass stamping every page with the pass number, and that checks each page before
+/// stamping it: page i must hold the previous pass's number. A copy of its memory taken
+/// while it runs is consistent only if every page written before the copy's instant is
+/// in it; a page missed by a live copy shows up as an older number and stops the
+/// process with a report in /tmp/stamps.torn. /tmp/stamps.pass counts finished passes;
+/// it ends once /tmp/stop exists.
+const STAMPS: &str = r#"
+import os, struct, sys
+N = 4096
+stop = "/tmp/stop"
+buf = bytearray(N * 4096)
+for i in range(N):
+    struct.pack_into("Q", buf, i * 4096, 1)
+gen = 1
+while not os.path.exists(stop):
+    gen += 1
+    for i in range(N):
+        o = i * 4096
+        g = struct.unpack_from("Q", buf, o)[0]
+        if g != gen - 1:
+            open("/tmp/stamps.torn", "w").write("page %d holds %d, expected %d\n" % (i, g, gen - 1))
+            sys.exit(1)
+        struct.pack_into("Q", buf, o, gen)
+    open("/tmp/stamps.tmp", "w").write(str(gen))
+    os.rename("/tmp/stamps.tmp", "/tmp/stamps.pass")
+"#;
+
+/// The pass the stamping process has finished, or its report if it found a torn page.
+/// Writes and syncs files on the guest's disk until /tmp/stop exists.
+const DISK_WRITER: &str = "i=0; while [ ! -e /tmp/stop ]; do echo $i > /home/user/disk-$((i % 8)); \
+     sync; i=$((i+1)); done; touch /tmp/disk.stopped";
+
+/// Stops the stamping process and the disk writer, then counts the files holding a number.
+const STOP_WRITERS: &str = "touch /tmp/stop; while [ ! -e /tmp/disk.stopped ]; do sleep 0.1; done; \
+     cat /home/user/disk-* | grep -c '^[0-9][0-9]*$'";
+
+fn stamps(vm: &VmHandle) -> Result<u64, String> {
+    let out = exec(
+        vm,
+        "sh",
+        &[
+            "-c",
+            "cat /tmp/stamps.torn 2>/dev/null || cat /tmp/stamps.pass 2>/dev/null || echo 0",
+        ],
+    );
+    let text = out.stdout_text();
+    text.trim().parse().map_err(|_| text)
+}
+
+/// Waits until `vm`'s stamping process has finished `passes` more passes, checking
+/// every page each time.
+fn stamps_advance(vm: &VmHandle, passes: u64) {
+    let start = stamps(vm).unwrap_or_else(|torn| panic!("{}: torn memory: {torn}", vm.id()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match stamps(vm) {
+            Ok(pass) if pass >= start + passes => return,
+            Ok(_) => {}
+            Err(torn) => panic!("{}: torn memory: {torn}", vm.id()),
+        }
+        if Instant::now() > deadline {
+            let ps = exec(
+                vm,
+                "sh",
+                &[
+                    "-c",
+                    "ps -eo pid,stat,wchan:24,args; cat /tmp/stamps.pass; ls -la /tmp",
+                ],
+            );
+            panic!(
+                "{}: the stamping process stalled: {}",
+                vm.id(),
+                ps.stdout_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
 fn pid_alive(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -471,6 +551,24 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     ));
     assert_eq!(count(&source), 3);
 
+    // The source is busy while it is copied: one process rewrites its memory page after
+    // page, another writes and syncs files on its disk.
+    let out = exec(&source, "setsid", &["-f", "python3", "-c", STAMPS]);
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    stamps_advance(&source, 1);
+    let out = exec(&source, "setsid", &["-f", "sh", "-c", DISK_WRITER]);
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !exec(&source, "ls", &["/home/user"])
+        .stdout_text()
+        .contains("disk-7")
+    {
+        assert!(Instant::now() < deadline, "the disk writer never wrote");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // A value written into the guest's memory just before the fork.
+    assert_eq!(count(&source), 4);
+
     let ids = vec![unique("copy-a"), unique("copy-b")];
     let t = Instant::now();
     let report = source.fork(&ids).unwrap();
@@ -482,17 +580,39 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
         "fork x2: frozen RAM copied",
         format!("{} MiB", report.ram_bytes >> 20),
     );
+    figure(
+        "fork x2: disk written during the copy, copied again while stopped",
+        format!("{} KiB", report.disk_dirty_bytes >> 10),
+    );
     assert!(matches!(a.ram_mode().unwrap(), RamMode::Private { .. }));
+    // The source stops only for what changed during the copy, not for the whole copy.
+    assert!(
+        report.source_paused < report.total / 4,
+        "source paused {:?} of {:?}",
+        report.source_paused,
+        report.total
+    );
 
-    // Every copy starts with the source's memory: the next count is 4 everywhere.
-    assert_eq!(count(a), 4);
-    assert_eq!(count(b), 4);
-    figure("fork x2: until both copies answered", ms(t.elapsed()));
-    // Then each goes its own way, and the source runs on.
+    // Every copy starts with the source's memory: the next count is 5 everywhere.
     assert_eq!(count(a), 5);
-    assert_eq!(count(a), 6);
     assert_eq!(count(b), 5);
-    assert_eq!(count(&source), 4);
+    figure("fork x2: until both copies answered", ms(t.elapsed()));
+    // Memory written while the source was being copied is whole in every copy (and in
+    // the source): each checks every page of the stamped memory again.
+    for vm in [a, b, &source] {
+        stamps_advance(vm, 2);
+    }
+    // The disk written during the copy is a working file system in every copy: the
+    // writer goes on in each, and each file it wrote holds a whole number.
+    for vm in [a, b, &source] {
+        let out = exec(vm, "sh", &["-c", STOP_WRITERS]);
+        assert_eq!(out.stdout_text().trim(), "8", "{}: {out:?}", vm.id());
+    }
+    // Then each goes its own way, and the source runs on.
+    assert_eq!(count(a), 6);
+    assert_eq!(count(a), 7);
+    assert_eq!(count(b), 6);
+    assert_eq!(count(&source), 5);
     // The copies' disks are their own too.
     exec(a, "sh", &["-c", "echo a > /home/user/who"]);
     exec(b, "sh", &["-c", "echo b > /home/user/who"]);
@@ -551,7 +671,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     );
     a.resume().unwrap();
     assert_eq!(a.ram_mode().unwrap(), RamMode::Shared);
-    assert_eq!(count(a), 7);
+    assert_eq!(count(a), 8);
     let forks = Path::new(TEST_ROOT).join("forks");
     let fork_dirs = |prefix: &str| {
         std::fs::read_dir(&forks)
@@ -562,20 +682,20 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     };
     assert_eq!(fork_dirs(&id), 1, "b still maps the frozen RAM");
 
-    // A copy forks too: its private RAM is first settled into a file of its own.
+    // A copy forks too, live from its private pages: it keeps mapping its base.
     assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
     let grandchild = b.fork(&[unique("copy-b1")]).unwrap();
     cleanup.0.extend(grandchild.copies.iter().cloned());
     figure(
-        "fork of a fork copy: source paused (after settling its RAM)",
+        "fork of a fork copy: source paused",
         ms(grandchild.source_paused),
     );
-    assert_eq!(b.ram_mode().unwrap(), RamMode::Shared);
-    assert_eq!(count(&grandchild.copies[0]), 6);
-    assert_eq!(count(b), 6);
+    assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
+    assert_eq!(count(&grandchild.copies[0]), 7);
+    assert_eq!(count(b), 7);
     b.delete().unwrap();
     assert_eq!(fork_dirs(&id), 0, "nobody maps the frozen RAM any more");
-    assert_eq!(count(&source), 5);
+    assert_eq!(count(&source), 6);
 }
 
 #[test]
@@ -751,6 +871,45 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
         "the source's token no longer opens the copy: {refused:?}"
     );
 
+    // Restores map the snapshot's RAM privately: a second one shares its pages with
+    // the first, starts from the snapshot too, and neither writes the snapshot.
+    let snapshot_ram = std::fs::read(snap.join("ram")).unwrap();
+    let second_id = unique("snap-copy2");
+    let (second, _) = driver()
+        .restore_snapshot(&spec(&second_id), &snap, &|_| {})
+        .unwrap();
+    cleanup.0.push(second.clone());
+    let (RamMode::Private { base: base_1 }, RamMode::Private { base: base_2 }) =
+        (copy.ram_mode().unwrap(), second.ram_mode().unwrap())
+    else {
+        panic!("restores map the snapshot's RAM privately")
+    };
+    assert_eq!(base_1, base_2, "one base for every restore of a snapshot");
+    assert_eq!(
+        count(&second),
+        3,
+        "the second restore starts from the snapshot"
+    );
+    assert_eq!(count(&second), 4);
+    assert_eq!(copy.ram_file_bytes(), 0, "no copy of the snapshot's RAM");
+    assert!(
+        std::fs::read(snap.join("ram")).unwrap() == snapshot_ram,
+        "the snapshot's RAM is never written"
+    );
+    let memory = second.memory().unwrap();
+    figure(
+        "second restore of a snapshot: guest RAM RSS / PSS",
+        format!(
+            "{} / {} MiB",
+            memory.guest_ram_rss_kb / 1024,
+            memory.guest_ram_pss_kb / 1024
+        ),
+    );
+    assert!(
+        memory.guest_ram_pss_kb < memory.guest_ram_rss_kb,
+        "pages shared with the first restore count by their share: {memory:?}"
+    );
+
     // A paused VM is copied as it lies; the source resumes unharmed.
     vm.pause().unwrap();
     let paused = dir.path().join("paused");
@@ -768,6 +927,14 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     eprintln!("restoring a corrupt snapshot: {err}");
     assert!(matches!(driver().open(&bad), Err(VmError::NotFound(_))));
     assert!(!Path::new(TEST_ROOT).join("vms").join(&bad).exists());
+    let paused_base = {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(paused.join("ram")).unwrap();
+        Path::new(TEST_ROOT)
+            .join("forks")
+            .join(format!("snap-{}-{}", m.dev(), m.ino()))
+    };
+    assert!(!paused_base.exists(), "no RAM base left behind");
     std::fs::remove_file(paused.join("snapshot.json")).unwrap();
     assert!(
         driver()

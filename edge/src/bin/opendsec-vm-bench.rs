@@ -1,11 +1,15 @@
 //! `opendsec-vm-bench`: the microVM driver's figures, each beside raw QEMU doing the same
-//! on the same files (no shim, no VM uid, no seccomp sandbox, QEMU opening the tap
-//! itself, started as root in the VM's network namespace). Run by `ops/vm-bench.sh`.
+//! operation on the same files: `qemu-system-x86_64` started directly by the benchmark
+//! with the driver's machine (same kernel, initrd, disks, RAM file, devices), as root, no
+//! shim, no VM uid, no seccomp sandbox, QEMU opening a tap by name in a namespace the
+//! benchmark made, QMP driven by the benchmark. Run by `ops/vm-bench.sh`.
 //!
 //!   opendsec-vm-bench [--store DIR] [--root DIR] [--agent FILE] [--shim FILE]
-//!                     [--rounds N] [--forks N] [--memory MIB]
+//!                     [--rounds N] [--forks N] [--restores N] [--memory MIB]
 //!
-//! Prints one line per figure: `<operation>: opendsec <x> ms | raw qemu <y> ms`.
+//! Every row is a median over `--rounds` and reads
+//! `<operation>: opendsec <x> ms | raw qemu <y> ms (x/y)`; the goals of issue 5 are
+//! checked at the end (PASS/MISS).
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -16,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use opendsec_edge::images::{DEFAULT_STORE, ImageStore};
 use opendsec_edge::vm::{
-    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec,
+    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec, netns,
     sparse_copy,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 const TOKEN: &str = "vm-bench-token";
 
@@ -30,6 +34,7 @@ struct Args {
     shim: PathBuf,
     rounds: usize,
     forks: usize,
+    restores: usize,
     memory_mb: u64,
 }
 
@@ -44,7 +49,8 @@ fn parse_args() -> Args {
         agent: PathBuf::from("target/agent-static/opendsec-agent"),
         shim: exe_dir.join("opendsec-vm-shim"),
         rounds: 5,
-        forks: 2,
+        forks: 8,
+        restores: 16,
         memory_mb: 256,
     };
     let mut it = std::env::args().skip(1);
@@ -53,16 +59,22 @@ fn parse_args() -> Args {
             it.next()
                 .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
         };
+        let mut number = |what: &str| -> usize {
+            value()
+                .parse()
+                .ok()
+                .filter(|n| *n > 0)
+                .unwrap_or_else(|| usage(what))
+        };
         match flag.as_str() {
             "--store" => args.store = value().into(),
             "--root" => args.root = value().into(),
             "--agent" => args.agent = value().into(),
             "--shim" => args.shim = value().into(),
-            "--rounds" => args.rounds = value().parse().unwrap_or_else(|_| usage("--rounds N")),
-            "--forks" => args.forks = value().parse().unwrap_or_else(|_| usage("--forks N")),
-            "--memory" => {
-                args.memory_mb = value().parse().unwrap_or_else(|_| usage("--memory MIB"))
-            }
+            "--rounds" => args.rounds = number("--rounds N"),
+            "--forks" => args.forks = number("--forks N"),
+            "--restores" => args.restores = number("--restores N"),
+            "--memory" => args.memory_mb = number("--memory MIB") as u64,
             other => usage(&format!("unknown flag {other}")),
         }
     }
@@ -71,47 +83,93 @@ fn parse_args() -> Args {
 
 fn usage(problem: &str) -> ! {
     eprintln!(
-        "{problem}\nusage: opendsec-vm-bench [--store DIR] [--root DIR] [--agent FILE] [--shim FILE] [--rounds N] [--forks N] [--memory MIB]"
+        "{problem}\nusage: opendsec-vm-bench [--store DIR] [--root DIR] [--agent FILE] [--shim FILE] [--rounds N] [--forks N] [--restores N] [--memory MIB]"
     );
     std::process::exit(2)
+}
+
+/// Ends the run; the VMs and namespaces made so far are removed on the way out.
+fn fail(message: &str) -> ! {
+    panic!("opendsec-vm-bench: {message}")
+}
+
+fn ok<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> T {
+    r.unwrap_or_else(|e| fail(&format!("{what}: {e}")))
 }
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-fn line(what: &str, ours: f64, raw: Option<f64>) {
-    match raw {
-        Some(raw) => println!("{what}: opendsec {ours:.0} ms | raw qemu {raw:.0} ms"),
-        None => println!("{what}: opendsec {ours:.0} ms"),
+fn row(what: &str, ours: &[f64], raw: &[f64]) {
+    let (o, r) = (median(ours), median(raw));
+    println!(
+        "{what}: opendsec {o:.1} ms | raw qemu {r:.1} ms ({:.2}x)",
+        o / r
+    );
+}
+
+fn verdict(goal: &str, pass: bool, detail: String) {
+    println!(
+        "goal {goal}: {} ({detail})",
+        if pass { "PASS" } else { "MISS" }
+    );
+}
+
+/// Runs `true` in the guest through its agent.
+fn first_command(agent: &AgentChannel) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let out = ok("exec true", rt.block_on(agent.exec(TOKEN, "true", &[])));
+    if out.exit_code != 0 {
+        fail(&format!("true exited {}", out.exit_code));
     }
 }
 
-fn exec(rt: &tokio::runtime::Runtime, agent: &AgentChannel, cmd: &str, args: &[&str]) -> String {
-    let out = rt
-        .block_on(agent.exec(TOKEN, cmd, args))
-        .unwrap_or_else(|e| fail(&format!("exec {cmd}: {e}")));
-    out.stdout_text()
+/// The agent of a raw QEMU in namespace `name`.
+fn raw_agent(name: &str) -> AgentChannel {
+    AgentChannel {
+        netns: netns::netns_path(name),
+        addr: netns::agent_addr(),
+    }
 }
 
-fn fail(message: &str) -> ! {
-    eprintln!("opendsec-vm-bench: {message}");
-    std::process::exit(1)
+/// One raw QEMU: the driver's machine on the given files.
+struct RawVm {
+    child: Child,
+    qmp: Qmp,
+    agent: AgentChannel,
 }
 
-/// QEMU as a user would run it by hand on the VM's files: root, in the VM's namespace,
-/// opening the tap by name.
-fn raw_qemu(files: &VmFiles, rw: &Path, ram: &Path, qmp: &Path, incoming: bool) -> Child {
-    let mem = format!("{}M", files.memory_mb);
+#[derive(Clone, Copy, PartialEq)]
+enum RawStart {
+    Boot,
+    Incoming,
+}
+
+fn raw_qemu(
+    files: &VmFiles,
+    ns: &str,
+    rw: &Path,
+    ram: &Path,
+    share: bool,
+    sock: &Path,
+    start: RawStart,
+) -> RawVm {
+    let mem = format!("{}K", files.guest_ram_kb);
     let mut append = String::from("console=ttyS0 panic=-1 quiet random.trust_cpu=on");
     if let Some(khz) = files.tsc_khz {
         append.push_str(&format!(" tsc_early_khz={khz}"));
     }
+    let _ = std::fs::remove_file(sock);
     let mut cmd = Command::new("qemu-system-x86_64");
     cmd.args([
         "-M",
@@ -127,8 +185,9 @@ fn raw_qemu(files: &VmFiles, rw: &Path, ram: &Path, qmp: &Path, incoming: bool) 
     ])
     .arg("-object")
     .arg(format!(
-        "memory-backend-file,id=ram0,size={mem},mem-path={},share=on",
-        ram.display()
+        "memory-backend-file,id=ram0,size={mem},mem-path={},share={}",
+        ram.display(),
+        if share { "on" } else { "off" }
     ))
     .args([
         "-nodefaults",
@@ -166,12 +225,12 @@ fn raw_qemu(files: &VmFiles, rw: &Path, ram: &Path, qmp: &Path, incoming: bool) 
     .arg("-device")
     .arg(format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"))
     .arg("-qmp")
-    .arg(format!("unix:{},server=on,wait=off", qmp.display()));
-    if incoming {
+    .arg(format!("unix:{},server=on,wait=off", sock.display()));
+    if start == RawStart::Incoming {
         cmd.args(["-incoming", "defer"]);
     }
-    let netns = std::fs::File::open(&files.netns).unwrap_or_else(|e| fail(&format!("netns: {e}")));
-    let fd = netns.as_raw_fd();
+    let ns_file = ok("netns", std::fs::File::open(netns::netns_path(ns)));
+    let fd = ns_file.as_raw_fd();
     // SAFETY: setns is async-signal-safe; it moves only the child.
     unsafe {
         cmd.pre_exec(move || {
@@ -181,37 +240,133 @@ fn raw_qemu(files: &VmFiles, rw: &Path, ram: &Path, qmp: &Path, incoming: bool) 
             Ok(())
         });
     }
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| fail(&format!("raw qemu: {e}")));
-    drop(netns);
-    child
-}
-
-fn raw_qmp(path: &Path, child: &Child) -> Qmp {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let child = ok(
+        "raw qemu",
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn(),
+    );
+    drop(ns_file);
     let pid = child.id();
-    Qmp::connect_until(path, deadline, &|| {
-        Path::new(&format!("/proc/{pid}")).exists()
-    })
-    .unwrap_or_else(|e| fail(&format!("raw qemu QMP: {e}")))
+    let qmp = ok(
+        "raw qemu QMP",
+        Qmp::connect_until(sock, Instant::now() + Duration::from_secs(30), &|| {
+            Path::new(&format!("/proc/{pid}")).exists()
+        }),
+    );
+    RawVm {
+        child,
+        qmp,
+        agent: raw_agent(ns),
+    }
 }
 
-fn stop(mut child: Child) {
-    let _ = child.kill();
-    let _ = child.wait();
+impl RawVm {
+    /// `migrate-incoming` from `state` (x-ignore-shared), then `cont`.
+    fn restore(&mut self, state: &Path) {
+        let q = &mut self.qmp;
+        ok("caps", q.execute("migrate-set-capabilities", caps(true)));
+        let file = ok("state", std::fs::File::open(state));
+        ok(
+            "getfd",
+            q.execute_with_fd("getfd", json!({"fdname": "s"}), file.as_raw_fd()),
+        );
+        ok(
+            "migrate-incoming",
+            q.execute("migrate-incoming", json!({"uri": "fd:s"})),
+        );
+        wait_migration(q);
+        ok("cont", q.execute("cont", json!({})));
+    }
+
+    /// `stop`, device state to `state` (x-ignore-shared); the guest stays stopped.
+    fn save_device_state(&mut self, state: &Path) {
+        let q = &mut self.qmp;
+        ok("caps", q.execute("migrate-set-capabilities", caps(true)));
+        ok("stop", q.execute("stop", json!({})));
+        let file = ok("state", std::fs::File::create(state));
+        ok(
+            "getfd",
+            q.execute_with_fd("getfd", json!({"fdname": "s"}), file.as_raw_fd()),
+        );
+        ok("migrate", q.execute("migrate", json!({"uri": "fd:s"})));
+        wait_migration(q);
+    }
+
+    fn quit(mut self) {
+        let _ = self.qmp.execute("quit", json!({}));
+        let _ = self.child.wait();
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn caps(ignore_shared: bool) -> Value {
+    json!({"capabilities": [{"capability": "x-ignore-shared", "state": ignore_shared}]})
+}
+
+fn wait_migration(q: &mut Qmp) {
+    loop {
+        let info = ok("query-migrate", q.execute("query-migrate", json!({})));
+        match info["status"].as_str() {
+            Some("completed") => return,
+            Some("failed") | Some("cancelled") => fail(&format!("raw migration: {info}")),
+            _ => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+/// The time between a QMP `STOP` and the next `RESUME` event.
+fn stopped_for(q: &mut Qmp) -> Duration {
+    let time = |e: &Value| {
+        Duration::from_secs(e["timestamp"]["seconds"].as_u64().unwrap_or(0))
+            + Duration::from_micros(e["timestamp"]["microseconds"].as_u64().unwrap_or(0))
+    };
+    let stop = ok("STOP", q.wait_event("STOP", Duration::from_secs(5)));
+    let resume = ok("RESUME", q.wait_event("RESUME", Duration::from_secs(5)));
+    time(&resume).saturating_sub(time(&stop))
+}
+
+fn drop_cache(path: &Path) {
+    if let Ok(f) = std::fs::File::open(path) {
+        let _ = f.sync_data();
+        // SAFETY: advice on an fd we own.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+}
+
+fn new_ram(path: &Path, mb: u64) {
+    let f = ok("ram file", std::fs::File::create(path));
+    ok("ram file", f.set_len(mb << 20));
+}
+
+/// PSS of a process, KiB.
+fn pss_kb(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+struct Bench<'a> {
+    driver: &'a MicroVmDriver,
+    args: &'a Args,
+    spec: VmSpec,
+    /// Namespaces for raw QEMUs (each with the driver's tap and addresses).
+    namespaces: Vec<String>,
+    scratch: PathBuf,
+    /// VMs to delete at the end, whatever happens.
+    vms: Vec<VmHandle>,
 }
 
 fn main() {
     let args = parse_args();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = ImageStore::open(&args.store).unwrap_or_else(|e| fail(&e.to_string()));
+    let store = ok("image store", ImageStore::open(&args.store));
     let mut cfg = VmConfig::new(
         &args.root,
         store.clone(),
@@ -222,21 +377,25 @@ fn main() {
     // The figures stand beside raw QEMU on the same files (QEMU's snapshot format): the
     // Firecracker driver's figures are printed by `tests/vm_firecracker.rs`.
     cfg.vmm = opendsec_edge::vm::VmmChoice::Qemu;
-    let driver = MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}"))
-        .unwrap_or_else(|e| fail(&e.to_string()));
-    let image = store
-        .ensure("base", &|p| eprintln!("[base] {}", p.message))
-        .unwrap_or_else(|e| fail(&e.to_string()));
+    let driver = ok(
+        "driver",
+        MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}")),
+    );
+    let image = ok(
+        "base image",
+        store.ensure("base", &|p| eprintln!("[base] {}", p.message)),
+    );
     println!(
-        "guest: kernel {}, {} MiB, 1 vCPU, accelerator {} ({})",
+        "guest: kernel {}, {} MiB, 1 vCPU, accelerator {} ({}); medians of {} rounds",
         driver.guest_boot().kernel.release,
         args.memory_mb,
         driver.accel().accel.as_str(),
-        driver.accel().reason
+        driver.accel().reason,
+        args.rounds
     );
-    let id = format!("bench-{}", std::process::id());
+    let pid = std::process::id();
     let spec = VmSpec {
-        id: id.clone(),
+        id: format!("bench-{pid}"),
         image,
         memory_mb: args.memory_mb,
         vcpus: 1,
@@ -244,160 +403,392 @@ fn main() {
         env: BTreeMap::new(),
         access_token: TOKEN.into(),
     };
-    let mut vms: Vec<VmHandle> = Vec::new();
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run(&rt, &driver, &spec, &args, &mut vms);
-    }));
-    for vm in &vms {
+    let scratch = args.root.join(format!("raw-{pid}"));
+    ok("scratch", std::fs::create_dir_all(&scratch));
+    let namespaces: Vec<String> = (0..args.forks.max(args.restores) + 1)
+        .map(|i| format!("odbench-{pid}-{i}"))
+        .collect();
+    let mut bench = Bench {
+        driver: &driver,
+        args: &args,
+        spec,
+        namespaces: Vec::new(),
+        scratch: scratch.clone(),
+        vms: Vec::new(),
+    };
+    for ns in &namespaces {
+        ok("raw namespace", netns::create(ns, 0));
+        bench.namespaces.push(ns.clone());
+    }
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bench.run()));
+    for vm in &bench.vms {
         let _ = vm.delete();
     }
+    for ns in &bench.namespaces {
+        let _ = netns::delete(ns);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
     if result.is_err() {
         std::process::exit(1);
     }
 }
 
-fn run(
-    rt: &tokio::runtime::Runtime,
-    driver: &MicroVmDriver,
-    spec: &VmSpec,
-    args: &Args,
-    vms: &mut Vec<VmHandle>,
-) {
-    // Cold boot, ours.
-    let t = Instant::now();
-    let vm = driver
-        .create(spec, &|_| {})
-        .unwrap_or_else(|e| fail(&e.to_string()));
-    vms.push(vm.clone());
-    vm.wait_agent(Duration::from_secs(300))
-        .unwrap_or_else(|e| fail(&e.to_string()));
-    let agent = vm.agent().unwrap();
-    exec(rt, &agent, "true", &[]);
-    let cold_ours = ms(t.elapsed());
-    let files = vm.files().unwrap();
-    let one_vm = vm.memory().unwrap();
-
-    // Pause and resume, ours.
-    let (mut snap, mut exit, mut release, mut resume_first) = (vec![], vec![], vec![], vec![]);
-    for _ in 0..args.rounds {
-        let p = vm.pause().unwrap_or_else(|e| fail(&e.to_string()));
-        snap.push(ms(p.snapshot));
-        exit.push(ms(p.exit));
-        release.push(ms(p.release));
-        let t = Instant::now();
-        vm.resume().unwrap_or_else(|e| fail(&e.to_string()));
-        exec(rt, &agent, "true", &[]);
-        resume_first.push(ms(t.elapsed()));
-    }
-    vm.pause().unwrap_or_else(|e| fail(&e.to_string()));
-
-    // Raw QEMU on copies of the same files while ours is paused (its tap is free).
-    let scratch = files.dir.join("raw");
-    std::fs::create_dir_all(&scratch).unwrap();
-    let (raw_rw, raw_ram, raw_sock) = (
-        scratch.join("rw.img"),
-        scratch.join("ram"),
-        scratch.join("qmp.sock"),
-    );
-    let mut raw_restore = vec![];
-    for _ in 0..args.rounds {
-        sparse_copy(&files.rw_disk, &raw_rw).unwrap();
-        sparse_copy(&files.ram, &raw_ram).unwrap();
-        // Like ours: the RAM file is not in the page cache when the restore starts.
-        drop_cache(&raw_ram);
-        let _ = std::fs::remove_file(&raw_sock);
-        let t = Instant::now();
-        let child = raw_qemu(&files, &raw_rw, &raw_ram, &raw_sock, true);
-        let mut qmp = raw_qmp(&raw_sock, &child);
-        qmp.execute(
-            "migrate-set-capabilities",
-            json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
-        )
-        .unwrap();
-        let state = std::fs::File::open(&files.state).unwrap();
-        qmp.execute_with_fd("getfd", json!({"fdname": "s"}), state.as_raw_fd())
-            .unwrap();
-        qmp.execute("migrate-incoming", json!({"uri": "fd:s"}))
-            .unwrap();
-        while qmp.execute("query-migrate", json!({})).unwrap()["status"] != "completed" {
-            std::thread::sleep(Duration::from_millis(1));
+impl Bench<'_> {
+    fn spec(&self, id: String) -> VmSpec {
+        VmSpec {
+            id,
+            ..self.spec.clone()
         }
-        qmp.execute("cont", json!({})).unwrap();
-        exec(rt, &agent, "true", &[]);
-        raw_restore.push(ms(t.elapsed()));
-        drop(qmp);
-        stop(child);
     }
-    // Raw cold boot: a fresh writable disk and RAM file.
-    sparse_copy(&driver_template(&files), &raw_rw).unwrap();
-    let f = std::fs::File::create(&raw_ram).unwrap();
-    f.set_len(files.memory_mb << 20).unwrap();
-    drop(f);
-    let _ = std::fs::remove_file(&raw_sock);
-    let t = Instant::now();
-    let child = raw_qemu(&files, &raw_rw, &raw_ram, &raw_sock, false);
-    agent
-        .wait_ready(Duration::from_secs(300), &|| true)
-        .unwrap_or_else(|e| fail(&format!("raw cold boot: {e}")));
-    exec(rt, &agent, "true", &[]);
-    let cold_raw = ms(t.elapsed());
-    stop(child);
-    let _ = std::fs::remove_dir_all(&scratch);
-    vm.resume().unwrap_or_else(|e| fail(&e.to_string()));
-    exec(rt, &agent, "true", &[]);
 
-    // Fork.
-    let ids: Vec<String> = (0..args.forks)
-        .map(|i| format!("{}-f{i}", spec.id))
-        .collect();
-    let t = Instant::now();
-    let report = vm.fork(&ids).unwrap_or_else(|e| fail(&e.to_string()));
-    vms.extend(report.copies.iter().cloned());
-    for copy in &report.copies {
-        exec(rt, &copy.agent().unwrap(), "true", &[]);
+    fn delete(&mut self, vm: &VmHandle) {
+        let _ = vm.delete();
+        self.vms.retain(|v| v.id() != vm.id());
     }
-    let all_answered = ms(t.elapsed());
-    let pss: u64 = report
-        .copies
-        .iter()
-        .map(|c| c.memory().unwrap().pss_kb)
-        .sum();
 
-    println!("cold boot to first command: opendsec {cold_ours:.0} ms | raw qemu {cold_raw:.0} ms");
-    line(
-        "pause: snapshot (stop + device state), median",
-        median(snap),
-        None,
-    );
-    line("pause: QEMU exit, median", median(exit), None);
-    line(
-        "pause: RAM written back and dropped from the page cache, median",
-        median(release),
-        None,
-    );
-    println!(
-        "resume to first command, median of {}: opendsec {:.0} ms | raw qemu {:.0} ms",
-        args.rounds,
-        median(resume_first),
-        median(raw_restore)
-    );
-    line(
-        &format!("fork x{}: source paused", args.forks),
-        ms(report.source_paused),
-        None,
-    );
-    line(
-        &format!("fork x{}: until every copy answered", args.forks),
-        all_answered,
-        None,
-    );
-    println!(
-        "fork x{}: copies' PSS {} MiB vs one VM's RSS after cold boot {} MiB ({} MiB of it guest RAM)",
-        args.forks,
-        pss / 1024,
-        one_vm.rss_kb / 1024,
-        one_vm.guest_ram_rss_kb / 1024
-    );
+    fn run(&mut self) {
+        let rounds = self.args.rounds;
+        let s = self.scratch.clone();
+
+        // The VM every other row starts from.
+        let t = Instant::now();
+        let vm = ok("create", self.driver.create(&self.spec, &|_| {}));
+        self.vms.push(vm.clone());
+        ok("agent", vm.wait_agent(Duration::from_secs(300)));
+        first_command(&ok("agent", vm.agent()));
+        let first_boot = ms(t.elapsed());
+        let files = ok("files", vm.files());
+        let one_vm = ok("memory", vm.memory());
+
+        // Cold boot to first command.
+        let mut cold = (vec![first_boot], vec![]);
+        for i in 1..rounds {
+            let t = Instant::now();
+            let other = ok(
+                "create",
+                self.driver
+                    .create(&self.spec(format!("{}-cold{i}", self.spec.id)), &|_| {}),
+            );
+            self.vms.push(other.clone());
+            ok("agent", other.wait_agent(Duration::from_secs(300)));
+            first_command(&ok("agent", other.agent()));
+            cold.0.push(ms(t.elapsed()));
+            self.delete(&other);
+        }
+        let template = driver_template(&files);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            ok("rw disk", sparse_copy(&template, &s.join("cold-rw")));
+            new_ram(&s.join("cold-ram"), files.memory_mb);
+            let raw = raw_qemu(
+                &files,
+                &self.namespaces[0],
+                &s.join("cold-rw"),
+                &s.join("cold-ram"),
+                true,
+                &s.join("cold.sock"),
+                RawStart::Boot,
+            );
+            ok(
+                "raw boot",
+                raw.agent.wait_ready(Duration::from_secs(300), &|| true),
+            );
+            first_command(&raw.agent);
+            cold.1.push(ms(t.elapsed()));
+            raw.kill();
+        }
+        row("cold boot to first command", &cold.0, &cold.1);
+
+        // Snapshot of the running VM (its source pause), the start of the restore rows.
+        let snap = s.join("snapshot");
+        let taken = ok("snapshot_to", vm.snapshot_to(&snap));
+        let agent = ok("agent", vm.agent());
+        first_command(&agent);
+
+        // Pause and resume to first command.
+        let (mut pause, mut release, mut resume) = (vec![], vec![], vec![]);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            let p = ok("pause", vm.pause());
+            pause.push(ms(t.elapsed()));
+            release.push(ms(p.release));
+            let t = Instant::now();
+            ok("resume", vm.resume());
+            first_command(&agent);
+            resume.push(ms(t.elapsed()));
+        }
+        // Raw: the same cycle on its own copies of the snapshot's files.
+        let (raw_ram, raw_rw, raw_state) = (s.join("pr-ram"), s.join("pr-rw"), s.join("pr-state"));
+        ok("copy", sparse_copy(&snap.join("ram"), &raw_ram));
+        ok("copy", sparse_copy(&snap.join("rw.img"), &raw_rw));
+        ok("copy", std::fs::copy(snap.join("state"), &raw_state));
+        drop_cache(&raw_ram);
+        let (mut raw_pause, mut raw_resume) = (vec![], vec![]);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            let mut raw = raw_qemu(
+                &files,
+                &self.namespaces[0],
+                &raw_rw,
+                &raw_ram,
+                true,
+                &s.join("pr.sock"),
+                RawStart::Incoming,
+            );
+            raw.restore(&raw_state);
+            first_command(&raw.agent);
+            raw_resume.push(ms(t.elapsed()));
+            let t = Instant::now();
+            raw.save_device_state(&raw_state);
+            raw.quit();
+            raw_pause.push(ms(t.elapsed()));
+            // Like ours after a pause: the RAM is not in the page cache.
+            drop_cache(&raw_ram);
+        }
+        row(
+            "pause (stop, device state, QEMU gone, RAM written back)",
+            &pause,
+            &raw_pause,
+        );
+        println!(
+            "  of which opendsec's RAM write-back and page-cache drop (raw: done before its resume, untimed): {:.1} ms",
+            median(&release)
+        );
+        row("resume to first command", &resume, &raw_resume);
+
+        // Restore from a snapshot to first command.
+        let mut restore = vec![];
+        for i in 0..rounds {
+            let t = Instant::now();
+            let (copy, _) = ok(
+                "restore_snapshot",
+                self.driver.restore_snapshot(
+                    &self.spec(format!("{}-r{i}", self.spec.id)),
+                    &snap,
+                    &|_| {},
+                ),
+            );
+            self.vms.push(copy.clone());
+            first_command(&ok("agent", copy.agent()));
+            restore.push(ms(t.elapsed()));
+            self.delete(&copy);
+        }
+        let mut raw_restore = vec![];
+        for _ in 0..rounds {
+            let t = Instant::now();
+            let raw = self.raw_restore(&files, &snap, 0);
+            raw_restore.push(ms(t.elapsed()));
+            raw.kill();
+        }
+        row(
+            "restore from snapshot to first command",
+            &restore,
+            &raw_restore,
+        );
+
+        // N concurrent restores of one snapshot.
+        let n = self.args.restores;
+        let mut many = vec![];
+        for round in 0..rounds {
+            let ids: Vec<String> = (0..n)
+                .map(|i| format!("{}-m{round}x{i}", self.spec.id))
+                .collect();
+            let t = Instant::now();
+            let copies: Vec<VmHandle> = std::thread::scope(|scope| {
+                let handles: Vec<_> = ids
+                    .iter()
+                    .map(|id| {
+                        let spec = self.spec(id.clone());
+                        let snap = &snap;
+                        let driver = self.driver;
+                        scope.spawn(move || {
+                            let (copy, _) = ok(
+                                "restore_snapshot",
+                                driver.restore_snapshot(&spec, snap, &|_| {}),
+                            );
+                            first_command(&ok("agent", copy.agent()));
+                            copy
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a restore"))
+                    .collect()
+            });
+            many.push(ms(t.elapsed()));
+            self.vms.extend(copies.iter().cloned());
+            for copy in &copies {
+                self.delete(copy);
+            }
+        }
+        let mut raw_many = vec![];
+        for _ in 0..rounds {
+            let t = Instant::now();
+            let raws: Vec<RawVm> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..n)
+                    .map(|i| {
+                        let (files, snap) = (&files, &snap);
+                        let this = &*self;
+                        scope.spawn(move || this.raw_restore(files, snap, i))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a raw restore"))
+                    .collect()
+            });
+            raw_many.push(ms(t.elapsed()));
+            for raw in raws {
+                raw.kill();
+            }
+        }
+        row(
+            &format!("{n} concurrent restores of one snapshot, all answered"),
+            &many,
+            &raw_many,
+        );
+        println!(
+            "  {n} restores vs one: opendsec {:.2}x | raw qemu {:.2}x",
+            median(&many) / median(&restore),
+            median(&raw_many) / median(&raw_restore)
+        );
+
+        // Fork xN with memory.
+        let forks = self.args.forks;
+        let (mut fork_pause, mut fork_all, mut copies_pss) = (vec![], vec![], 0u64);
+        for round in 0..rounds {
+            let ids: Vec<String> = (0..forks)
+                .map(|i| format!("{}-f{round}x{i}", self.spec.id))
+                .collect();
+            let t = Instant::now();
+            let report = ok("fork", vm.fork(&ids));
+            self.vms.extend(report.copies.iter().cloned());
+            std::thread::scope(|scope| {
+                for copy in &report.copies {
+                    let agent = ok("agent", copy.agent());
+                    scope.spawn(move || first_command(&agent));
+                }
+            });
+            fork_all.push(ms(t.elapsed()));
+            fork_pause.push(ms(report.source_paused));
+            copies_pss = report
+                .copies
+                .iter()
+                .map(|c| ok("memory", c.memory()).pss_kb)
+                .sum();
+            for copy in &report.copies {
+                self.delete(copy);
+            }
+        }
+        // Raw: stop, device state, copy RAM file and disk, cont; N QEMUs restore from it.
+        let (mut raw_fork_pause, mut raw_fork_all, mut raw_pss) = (vec![], vec![], 0u64);
+        let mut source = raw_qemu(
+            &files,
+            &self.namespaces[0],
+            &raw_rw,
+            &raw_ram,
+            true,
+            &s.join("pr.sock"),
+            RawStart::Incoming,
+        );
+        source.restore(&raw_state);
+        first_command(&source.agent);
+        let _ = source.qmp.take_events();
+        let fork = s.join("fork");
+        ok("fork dir", std::fs::create_dir_all(&fork));
+        for _ in 0..rounds {
+            let t = Instant::now();
+            source.save_device_state(&fork.join("state"));
+            ok("copy", sparse_copy(&raw_ram, &fork.join("ram")));
+            ok("copy", sparse_copy(&raw_rw, &fork.join("rw.img")));
+            ok("cont", source.qmp.execute("cont", json!({})));
+            raw_fork_pause.push(ms(stopped_for(&mut source.qmp)));
+            let raws: Vec<RawVm> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..forks)
+                    .map(|i| {
+                        let (files, fork) = (&files, &fork);
+                        let this = &*self;
+                        scope.spawn(move || this.raw_restore(files, fork, i + 1))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a raw copy"))
+                    .collect()
+            });
+            raw_fork_all.push(ms(t.elapsed()));
+            raw_pss = raws.iter().map(|r| pss_kb(r.child.id())).sum();
+            for raw in raws {
+                raw.kill();
+            }
+        }
+        source.kill();
+        println!(
+            "fork x{forks}: source paused: opendsec {:.1} ms | raw qemu {:.1} ms (stop, device state, RAM file and disk copied, cont)",
+            median(&fork_pause),
+            median(&raw_fork_pause)
+        );
+        row(
+            &format!("fork x{forks}: until all {forks} copies answered"),
+            &fork_all,
+            &raw_fork_all,
+        );
+        println!(
+            "fork x{forks}: memory: copies' PSS sum opendsec {} MiB | raw qemu (share=off) {} MiB; one VM's RSS after cold boot {} MiB ({} MiB of it guest RAM)",
+            copies_pss / 1024,
+            raw_pss / 1024,
+            one_vm.rss_kb / 1024,
+            one_vm.guest_ram_rss_kb / 1024
+        );
+        println!(
+            "snapshot of a running VM: source paused {:.1} ms ({} MiB)",
+            ms(taken.source_paused),
+            taken.bytes >> 20
+        );
+
+        let restore_ratio = median(&restore) / median(&raw_restore);
+        verdict(
+            "restore within 1.3x raw QEMU",
+            restore_ratio <= 1.3,
+            format!("{restore_ratio:.2}x"),
+        );
+        let pause = median(&fork_pause);
+        verdict(
+            "fork source pause under 20 ms",
+            pause < 20.0,
+            format!("{pause:.1} ms"),
+        );
+        let many_ratio = median(&many) / median(&restore);
+        verdict(
+            &format!("{n} restores with shared pages under 2x the time of one"),
+            many_ratio < 2.0,
+            format!("{many_ratio:.2}x"),
+        );
+    }
+
+    /// A raw QEMU restored from `snap` (`ram` mapped privately, `state`; its own copy of
+    /// `rw.img`) in raw namespace `slot`, until its first command answered.
+    fn raw_restore(&self, files: &VmFiles, snap: &Path, slot: usize) -> RawVm {
+        let dir = self.scratch.join(format!("restore-{slot}"));
+        ok("dir", std::fs::create_dir_all(&dir));
+        ok(
+            "copy",
+            sparse_copy(&snap.join("rw.img"), &dir.join("rw.img")),
+        );
+        let mut raw = raw_qemu(
+            files,
+            &self.namespaces[slot],
+            &dir.join("rw.img"),
+            &snap.join("ram"),
+            false,
+            &dir.join("qmp.sock"),
+            RawStart::Incoming,
+        );
+        raw.restore(&snap.join("state"));
+        first_command(&raw.agent);
+        raw
+    }
 }
 
 /// The empty writable-disk template the driver copies for new VMs.
@@ -407,12 +798,4 @@ fn driver_template(files: &VmFiles) -> PathBuf {
         .map(|m| m.len() >> 20)
         .unwrap_or(512);
     store.join(format!("empty-{size}M.ext4"))
-}
-
-fn drop_cache(path: &Path) {
-    if let Ok(f) = std::fs::File::open(path) {
-        let _ = f.sync_data();
-        // SAFETY: advice on an fd we own.
-        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    }
 }

@@ -8,7 +8,12 @@
 //!   migration stream (root's); `run/qmp.sock`; `launch.json`, `qemu.pid`,
 //!   `console.log`, `shim.log`, `exit.json` of the current QEMU run.
 //! - `forks/<fork id>/ram`: the frozen RAM of a fork's source, which every copy maps
-//!   privately (pages shared until a copy writes them); removed when no VM uses it.
+//!   privately (pages shared until a copy writes them), and `forks/snap-<dev>-<inode>/ram`,
+//!   a snapshot's RAM file hard-linked as the base of the VMs restored from it; each with
+//!   `gid`, the group of its own that the VMs mapping it carry; removed (and the group
+//!   freed) when no VM uses it.
+//! - `receivers/<id>/`: the receiver QEMU of a live copy of VM `<id>` (see `precopy`),
+//!   while the copy runs.
 //! - the uids handed to VMs (one each) are recorded in the image store's `vm-uids/`
 //!   (one registry per machine, so that the VMs of several drivers, two edges say, never
 //!   share a uid): `vm-uids/<uid>` holds the VM directory that owns it.
@@ -53,6 +58,7 @@ use crate::images::{Image, ImageStore};
 
 /// VMs under Firecracker: the same handle, another VMM.
 mod fc;
+mod precopy;
 
 /// The most copies one fork may make.
 pub const MAX_FORK_COUNT: usize = 64;
@@ -139,6 +145,32 @@ pub struct VmSpec {
     pub access_token: String,
 }
 
+/// Under TCG a VM's RAM is this much short of its whole MiBs (`-m` takes multiples of 8 KiB). QEMU 7.2's live migration
+/// loses guest writes under TCG when a RAM block's length is a multiple of 64 pages: its
+/// fast dirty-bitmap sync clears the bits without making TCG's TLB track the pages
+/// again (later QEMU resets the TLB there), so a page written again through a TLB
+/// entry filled before is never sent. Any other length takes the page-by-page sync,
+/// which resets the TLB of every page it finds dirty. Seen here: pages of guest kernel
+/// data missing from live copies of a busy guest.
+const TCG_RAM_TRIM_KB: u64 = 8;
+
+/// The guest RAM QEMU is given, in KiB.
+fn guest_ram_kb(memory_mb: u64, trimmed: bool) -> u64 {
+    (memory_mb << 10) - if trimmed { TCG_RAM_TRIM_KB } else { 0 }
+}
+
+/// How a QEMU process starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum QemuStart {
+    /// A cold boot.
+    Boot,
+    /// Waiting for a snapshot (`-incoming defer`); runs once it is loaded.
+    Restore,
+    /// A live copy's receiver (see `precopy`): waits for a migration stream and never
+    /// runs the guest it receives.
+    Receive,
+}
+
 /// Where a VM's guest RAM lives.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "mode")]
@@ -190,6 +222,11 @@ struct VmRecord {
     root_disk: PathBuf,
     accel: Accel,
     tsc_khz: Option<u64>,
+    /// The guest's RAM is [`TCG_RAM_TRIM_KB`] short of `memory_mb` (see there). Absent in
+    /// records of VMs made before: their RAM is whole MiBs and is never copied live
+    /// under TCG.
+    #[serde(default)]
+    ram_trimmed: bool,
     ram: RamMode,
     state: VmState,
     /// The current QEMU process: its pid and start time (so a reused pid is not ours).
@@ -234,6 +271,8 @@ pub struct VmFiles {
     pub state: PathBuf,
     pub netns: PathBuf,
     pub memory_mb: u64,
+    /// The RAM QEMU is given (`-m`), KiB: under TCG a little short of `memory_mb`.
+    pub guest_ram_kb: u64,
     pub tsc_khz: Option<u64>,
 }
 
@@ -263,12 +302,15 @@ pub struct ResumeReport {
 #[derive(Clone, Debug)]
 pub struct ForkReport {
     pub copies: Vec<VmHandle>,
-    /// How long the source was stopped.
+    /// How long the source's vCPUs were stopped (QEMU's STOP to RESUME).
     pub source_paused: Duration,
     /// The whole call.
     pub total: Duration,
     /// Bytes of RAM data the frozen copy holds.
     pub ram_bytes: u64,
+    /// Bytes of disk blocks the source wrote while it was being copied (copied again
+    /// while it was stopped).
+    pub disk_dirty_bytes: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -293,6 +335,8 @@ struct SnapshotMeta {
     root_disk: PathBuf,
     accel: Accel,
     tsc_khz: Option<u64>,
+    #[serde(default)]
+    ram_trimmed: bool,
     ram_in_stream: bool,
     #[serde(default)]
     vmm: Vmm,
@@ -485,6 +529,7 @@ impl MicroVmDriver {
                 root_disk,
                 accel: inner.accel.accel,
                 tsc_khz: inner.tsc_khz.map(|(k, _)| k),
+                ram_trimmed: inner.accel.accel == Accel::Tcg,
                 ram: RamMode::Shared,
                 state: VmState::Running,
                 pid: None,
@@ -528,11 +573,13 @@ impl MicroVmDriver {
     }
 
     /// A new VM `spec.id` restored from a snapshot that [`VmHandle::snapshot_to`] wrote
-    /// in `snapshot`: the snapshot's machine (memory size, vCPUs, disk, kernel) with
-    /// copies of its RAM and disk, continuing where its source was. `spec` gives the id,
-    /// the image (whose layers must be the snapshot's) and the agent's configuration for
-    /// the VM's initrd; the guest's memory still holds the source's agent token (see
-    /// [`AgentChannel::rekey`]). A snapshot that cannot be loaded leaves nothing behind.
+    /// in `snapshot`: the snapshot's machine (memory size, vCPUs, disk, kernel) with a
+    /// copy of its disk and its RAM file mapped privately (copy-on-write: the snapshot's
+    /// file is never written, and VMs restored from one snapshot share its pages),
+    /// continuing where its source was. `spec` gives the id and the image (whose layers
+    /// must be the snapshot's); the guest's memory holds the source's configuration and
+    /// agent token (see [`AgentChannel::rekey`]). A snapshot that cannot be loaded leaves
+    /// nothing behind.
     pub fn restore_snapshot(
         &self,
         spec: &VmSpec,
@@ -594,6 +641,7 @@ impl MicroVmDriver {
                 root_disk,
                 accel: meta.accel,
                 tsc_khz: meta.tsc_khz,
+                ram_trimmed: meta.ram_trimmed,
                 ram: if meta.ram_in_stream {
                     RamMode::InStream
                 } else {
@@ -608,19 +656,33 @@ impl MicroVmDriver {
                 fc: Default::default(),
             };
             inner.prepare_dir(&dir, uid)?;
-            inner.write_guest_config(meta.machine, &dir, spec)?;
-            give(&dir.join("initrd"), uid, uid, 0o400)?;
+            if meta.machine == Machine::Microvm {
+                // A restored microVM never boots: its initramfs is never read (its token
+                // is set by re-keying).
+                inner.link_restored_initrd(&dir)?;
+            } else {
+                // A full VM's configuration disk is a device the restored machine has.
+                inner.write_guest_config(meta.machine, &dir, spec)?;
+                give(&dir.join("initrd"), uid, uid, 0o400)?;
+            }
             fs::copy(snapshot.join("state"), dir.join("state"))
                 .map_err(io_err("copying the snapshot's state"))?;
             sparse_copy(&snapshot.join("rw.img"), &dir.join("rw.img"))?;
             give(&dir.join("rw.img"), uid, uid, 0o600)?;
-            if !meta.ram_in_stream {
-                sparse_copy(&snapshot.join("ram"), &dir.join("ram"))?;
-                give(&dir.join("ram"), uid, uid, 0o600)?;
-            }
             net::create(&netns, uid)?;
-            write_json_atomic(&dir.join("vm.json"), &record)?;
-            Ok(())
+            if meta.ram_in_stream {
+                return write_json_atomic(&dir.join("vm.json"), &record);
+            }
+            // The snapshot's RAM file is every restore's base, mapped privately: no copy,
+            // and VMs restored from one snapshot share the pages none has written.
+            let _forks = lock_file(&inner.cfg.root.join("forks.lock"))?;
+            let (base, gid) = inner.snapshot_base(&snapshot.join("ram"))?;
+            let record = VmRecord {
+                ram: RamMode::Private { base },
+                groups: vec![gid],
+                ..record
+            };
+            write_json_atomic(&dir.join("vm.json"), &record)
         })();
         if let Err(e) = prepared {
             inner.discard(&dir, Some(&netns), claimed_uid);
@@ -631,6 +693,7 @@ impl MicroVmDriver {
             Ok(report) => Ok((vm, report)),
             Err(e) => {
                 inner.discard(&dir, Some(&netns), claimed_uid);
+                inner.gc_forks();
                 Err(e)
             }
         }
@@ -835,7 +898,9 @@ impl Inner {
         let dir = self.vm_dir(id);
         match fs::create_dir(&dir) {
             Ok(()) => Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(VmError::Exists(id.to_string())),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Err(VmError::Exists(id.to_string()))
+            }
             Err(e) => Err(VmError::io(format!("creating {}", dir.display()), e)),
         }
     }
@@ -867,6 +932,12 @@ impl Inner {
     /// the VM directory that owns it. A uid whose owner's directory is gone (its driver's
     /// data was removed without deleting the VM) is free again.
     fn allocate_uid(&self, id: &str) -> Result<u32, VmError> {
+        self.allocate_uid_for(&self.vm_dir(id))
+    }
+
+    /// Like [`Inner::allocate_uid`] for any directory of the driver that needs an id of
+    /// its own (a shared RAM base's group); free again once `owner` is gone.
+    fn allocate_uid_for(&self, owner: &Path) -> Result<u32, VmError> {
         let Some(base) = self.cfg.uid_base else {
             return Ok(0);
         };
@@ -875,7 +946,6 @@ impl Inner {
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
             .map_err(io_err(format!("chmod {}", dir.display())))?;
         let _lock = lock_file(&dir.join(".lock"))?;
-        let owner = self.vm_dir(id);
         for n in 0..UID_SLOTS {
             let uid = base + n;
             let path = dir.join(uid.to_string());
@@ -932,8 +1002,8 @@ impl Inner {
         give(&run, uid, uid, 0o700)
     }
 
-    fn qemu_argv(&self, dir: &Path, record: &VmRecord, incoming: bool) -> Vec<String> {
-        let mem = format!("{}M", record.memory_mb);
+    fn qemu_argv(&self, dir: &Path, record: &VmRecord, start: QemuStart) -> Vec<String> {
+        let mem = format!("{}K", guest_ram_kb(record.memory_mb, record.ram_trimmed));
         let (mem_path, share) = match &record.ram {
             RamMode::Shared | RamMode::InStream => (dir.join("ram"), "on"),
             RamMode::Private { base } => (base.clone(), "off"),
@@ -989,8 +1059,11 @@ impl Inner {
         } else {
             argv.extend(self.microvm_args(dir, record, append));
         }
-        if incoming {
-            argv.extend(["-incoming".into(), "defer".into()]);
+        match start {
+            QemuStart::Boot => {}
+            QemuStart::Restore => argv.extend(["-incoming".into(), "defer".into()]),
+            // -S: the guest never runs, even once the incoming state is loaded.
+            QemuStart::Receive => argv.extend(["-S".into(), "-incoming".into(), "defer".into()]),
         }
         argv
     }
@@ -1038,6 +1111,21 @@ impl Inner {
         record: &mut VmRecord,
         incoming: bool,
     ) -> Result<(i32, Qmp), VmError> {
+        let start = if incoming {
+            QemuStart::Restore
+        } else {
+            QemuStart::Boot
+        };
+        let pid = self.spawn_qemu(dir, record, start)?;
+        record.pid = Some(pid);
+        record.pid_start = process_start(pid);
+        record.state = VmState::Running;
+        self.save(record)?;
+        Ok((pid, self.connect_started(dir, record, pid)?))
+    }
+
+    /// Starts QEMU for `record` in `dir` under a shim; returns its pid.
+    fn spawn_qemu(&self, dir: &Path, record: &VmRecord, start: QemuStart) -> Result<i32, VmError> {
         let socket = dir.join("run/qmp.sock");
         if socket.as_os_str().len() > 100 {
             return Err(VmError::Invalid(format!(
@@ -1049,7 +1137,7 @@ impl Inner {
             let _ = fs::remove_file(dir.join(stale));
         }
         let launch = Launch {
-            argv: self.qemu_argv(dir, record, incoming),
+            argv: self.qemu_argv(dir, record, start),
             uid: record.uid,
             gid: record.uid,
             groups: record.groups.clone(),
@@ -1063,14 +1151,16 @@ impl Inner {
         };
         let launch_file = dir.join("launch.json");
         write_json_atomic(&launch_file, &launch)?;
-        let pid = super::shim::spawn(&self.cfg.shim, &launch_file)?;
-        record.pid = Some(pid);
-        record.pid_start = process_start(pid);
-        record.state = VmState::Running;
-        self.save(record)?;
+        super::shim::spawn(&self.cfg.shim, &launch_file)
+    }
+
+    /// Connects to the QMP socket of QEMU `pid` just started in `dir`; kills it if
+    /// that fails.
+    fn connect_started(&self, dir: &Path, record: &VmRecord, pid: i32) -> Result<Qmp, VmError> {
+        let socket = dir.join("run/qmp.sock");
         let alive = || process_start(pid).is_some() && exit_record(dir, pid).is_none();
         match Qmp::connect_until(&socket, Instant::now() + QEMU_START_TIMEOUT, &alive) {
-            Ok(qmp) => Ok((pid, qmp)),
+            Ok(qmp) => Ok(qmp),
             Err(e) => {
                 // SAFETY: the pid is the QEMU we just started (its shim reaps it).
                 unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -1203,10 +1293,15 @@ fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), VmError> {
     }
 }
 
+/// Sets up a stop-and-copy migration: shared RAM in or out of the stream, and never a
+/// pause before switch-over (a live copy interrupted by a crash may have left it on).
 fn set_ignore_shared(qmp: &mut Qmp, on: bool) -> Result<(), VmError> {
     qmp.execute(
         "migrate-set-capabilities",
-        json!({"capabilities": [{"capability": "x-ignore-shared", "state": on}]}),
+        json!({"capabilities": [
+            {"capability": "x-ignore-shared", "state": on},
+            {"capability": "pause-before-switchover", "state": false},
+        ]}),
     )?;
     Ok(())
 }
@@ -1265,6 +1360,7 @@ impl VmHandle {
             state: dir.join("state"),
             netns: net::netns_path(&record.netns),
             memory_mb: record.memory_mb,
+            guest_ram_kb: guest_ram_kb(record.memory_mb, record.ram_trimmed),
             tsc_khz: record.tsc_khz,
             dir,
         })
@@ -1422,8 +1518,9 @@ impl VmHandle {
     }
 
     /// Takes a snapshot of the VM into `dest` (a directory that must not exist): its
-    /// device state, RAM and writable disk, and [`SNAPSHOT_META`]. A running VM stops
-    /// only while they are copied, then continues; a paused one is copied as it lies.
+    /// device state, RAM and writable disk, and [`SNAPSHOT_META`]. A running VM is
+    /// copied live (see `precopy`): it stops only for the pages and disk blocks written
+    /// during the copy and its device state; a paused one is copied as it lies.
     /// On failure `dest` is gone and the VM is as it was.
     pub fn snapshot_to(&self, dest: &Path) -> Result<SnapshotReport, VmError> {
         if self.on_firecracker()? {
@@ -1440,26 +1537,11 @@ impl VmHandle {
                 if self.inner.live_pid(&record).is_none() {
                     return Err(self.bad_state("exited", "snapshot"));
                 }
-                let mut qmp = self.inner.qmp(&record)?;
-                // Shared RAM is its file; a fork copy's private pages go into the stream.
-                let shared = record.ram == RamMode::Shared;
-                set_ignore_shared(&mut qmp, shared)?;
-                let t0 = Instant::now();
-                qmp.execute("stop", json!({}))?;
-                let copied = (|| {
-                    let mut bytes = migrate_to_file(&mut qmp, &dest.join("state"))?;
-                    if shared {
-                        bytes += sparse_copy(&dir.join("ram"), &dest.join("ram"))?;
-                    }
-                    bytes += sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"))?;
-                    Ok::<_, VmError>(bytes)
-                })();
-                // The VM runs on whatever happened.
-                let cont = qmp.execute("cont", json!({}));
-                let source_paused = t0.elapsed();
-                let bytes = copied?;
-                cont?;
-                Ok((source_paused, bytes, !shared))
+                // Copied while it runs; it stops only for what changed meanwhile.
+                let copied = self.inner.copy_running(&record, dest)?;
+                let state_bytes = fs::metadata(dest.join("state")).map_or(0, |m| m.len());
+                let bytes = state_bytes + copied.ram_bytes + copied.disk_bytes;
+                Ok((copied.source_paused, bytes, copied.ram_in_stream))
             }
             VmState::Paused => {
                 let mut bytes = fs::copy(dir.join("state"), dest.join("state"))
@@ -1490,6 +1572,7 @@ impl VmHandle {
             root_disk: record.root_disk.clone(),
             accel: record.accel,
             tsc_khz: record.tsc_khz,
+            ram_trimmed: record.ram_trimmed,
             ram_in_stream,
             vmm: record.vmm,
             machine: record.machine,
@@ -1574,10 +1657,11 @@ impl VmHandle {
         })
     }
 
-    /// Fork with memory: the source stops only while its device state is streamed and
-    /// its RAM file and writable disk are copied, then runs on; each copy (one per id
-    /// in `new_ids`) is a new VM restored from that state, mapping the frozen RAM copy
-    /// privately, so the copies share every page none of them has written.
+    /// Fork with memory: a live copy of the source (see `precopy`: RAM and disk copied
+    /// while it runs; it stops only for the pages and blocks written meanwhile and its
+    /// device state), then each copy (one per id in `new_ids`) is a new VM restored from
+    /// it, mapping the frozen RAM privately, so the copies share every page none of them
+    /// has written.
     pub fn fork(&self, new_ids: &[String]) -> Result<ForkReport, VmError> {
         if self.on_firecracker()? {
             return fc::fork(self, new_ids);
@@ -1598,8 +1682,10 @@ impl VmHandle {
                 return Err(VmError::Exists(id.clone()));
             }
         }
-        // A copy's RAM is private pages over a base: settle it into a file of its own.
-        if matches!(self.inner.record(&self.id)?.ram, RamMode::Private { .. }) {
+        // A VM whose copy cannot be live copies by stopping, which needs its RAM in a
+        // shared file: a copy's private pages are first settled into a file of its own.
+        let record = self.inner.record(&self.id)?;
+        if !precopy::live_copy_is_exact(&record) && matches!(record.ram, RamMode::Private { .. }) {
             self.pause()?;
             self.resume()?;
         }
@@ -1620,56 +1706,48 @@ impl VmHandle {
         fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711))
             .map_err(io_err("chmod fork dir"))?;
 
-        // Everything that does not need the frozen source is ready before it stops.
+        // Everything that does not need the source's memory is ready before the copy.
         let base = fork_dir.join("ram");
         let mut prepared: Vec<(VmRecord, PathBuf)> = Vec::new();
-        let discard_all = |prepared: &[(VmRecord, PathBuf)]| {
+        let mut base_gid = None;
+        let discard_all = |prepared: &[(VmRecord, PathBuf)], gid: Option<u32>| {
             for (record, copy_dir) in prepared {
                 inner.discard(copy_dir, Some(&record.netns), Some(record.uid));
             }
             let _ = fs::remove_dir_all(&fork_dir);
-        };
-        for id in new_ids {
-            match inner.prepare_copy(&source, &dir, id, &base) {
-                Ok(ready) => prepared.push(ready),
-                Err(e) => {
-                    discard_all(&prepared);
-                    return Err(e);
-                }
+            if let Some(gid) = gid {
+                inner.release_uid(gid);
             }
-        }
-
-        // The source's pause: stop, stream device state, copy RAM and disk, continue.
-        let frozen = (|| {
-            let mut qmp = inner.qmp(&source)?;
-            set_ignore_shared(&mut qmp, true)?;
-            let t0 = Instant::now();
-            qmp.execute("stop", json!({}))?;
-            let result = (|| {
-                migrate_to_file(&mut qmp, &fork_dir.join("state"))?;
-                let ram_bytes = sparse_copy(&dir.join("ram"), &base)?;
-                sparse_copy(&dir.join("rw.img"), &fork_dir.join("rw.img"))?;
-                Ok::<_, VmError>(ram_bytes)
-            })();
-            // The source runs on whatever happened.
-            let cont = qmp.execute("cont", json!({}));
-            let paused = t0.elapsed();
-            let ram_bytes = result?;
-            cont?;
-            Ok::<_, VmError>((paused, ram_bytes))
+        };
+        let ready = (|| {
+            let gid = inner.claim_base_gid(&fork_dir)?;
+            base_gid = Some(gid);
+            for id in new_ids {
+                prepared.push(inner.prepare_copy(&source, id, &base, gid)?);
+            }
+            Ok::<_, VmError>(gid)
         })();
-        drop(lock);
-        let (source_paused, ram_bytes) = match frozen {
-            Ok(v) => v,
+        let gid = match ready {
+            Ok(gid) => gid,
             Err(e) => {
-                discard_all(&prepared);
+                discard_all(&prepared, base_gid);
+                return Err(e);
+            }
+        };
+
+        let copied = inner.copy_running(&source, &fork_dir);
+        drop(lock);
+        let copied = match copied {
+            Ok(c) => c,
+            Err(e) => {
+                discard_all(&prepared, Some(gid));
                 return Err(e);
             }
         };
         // Copies open the base read-write (QEMU 7.2 has no `rom=on`) and map it
-        // privately: the source's group may, nobody else.
-        if let Err(e) = give(&base, 0, source.uid, 0o660) {
-            discard_all(&prepared);
+        // privately: the base's group may, nobody else.
+        if let Err(e) = give(&base, 0, gid, 0o660) {
+            discard_all(&prepared, Some(gid));
             return Err(e);
         }
 
@@ -1703,7 +1781,7 @@ impl VmHandle {
         }
         drop(qmps);
         if let Some(e) = failure {
-            discard_all(&prepared);
+            discard_all(&prepared, Some(gid));
             return Err(e);
         }
         for (_, copy_dir) in &prepared {
@@ -1720,15 +1798,17 @@ impl VmHandle {
             .collect();
         Ok(ForkReport {
             copies,
-            source_paused,
+            source_paused: copied.source_paused,
             total: started.elapsed(),
-            ram_bytes,
+            ram_bytes: copied.ram_bytes,
+            disk_dirty_bytes: copied.disk_dirty_bytes,
         })
     }
 
     /// Brings a VM back to a state the driver recognises after the edge died in the
     /// middle of an operation (call it for every VM when the edge starts): a QEMU left
-    /// stopped by an unfinished pause or fork continues; a QEMU whose snapshot was
+    /// stopped by an unfinished pause or fork continues; an unfinished live copy is
+    /// cancelled and its receiver ended; a QEMU whose snapshot was
     /// already taken (the VM is paused) is ended; a QEMU still waiting for an incoming
     /// snapshot is ended and the VM stays paused. Returns what it did, if anything.
     pub fn recover(&self) -> Result<Option<String>, VmError> {
@@ -1757,7 +1837,16 @@ impl VmHandle {
         }
         let mut qmp = self.inner.qmp(&record)?;
         let status = qmp.execute("query-status", json!({}))?;
-        match status["status"].as_str().unwrap_or("") {
+        let status = status["status"].as_str().unwrap_or("").to_string();
+        if status != "inmigrate" && precopy::migration_under_way(&mut qmp) {
+            // A live copy the edge did not finish: its migration would stop the VM at
+            // the switch-over with nobody to continue it.
+            precopy::cancel_and_continue(&mut qmp);
+            self.inner.discard_receiver(&self.id);
+            return Ok(Some("cancelled an unfinished live copy".into()));
+        }
+        self.inner.discard_receiver(&self.id);
+        match status.as_str() {
             "running" => Ok(None),
             "inmigrate" => {
                 drop(qmp);
@@ -1825,22 +1914,16 @@ fn restore(qmp: &mut Qmp, state: &Path, ignore_shared: bool) -> Result<(), VmErr
 
 impl Inner {
     /// Makes a fork copy's directory, uid, namespace and initrd (everything that does
-    /// not need the frozen source); on failure leaves nothing behind.
+    /// not need the source's memory); on failure leaves nothing behind. The copy maps
+    /// `base` privately and carries its group `gid`.
     fn prepare_copy(
         &self,
         source: &VmRecord,
-        source_dir: &Path,
         id: &str,
         base: &Path,
+        gid: u32,
     ) -> Result<(VmRecord, PathBuf), VmError> {
-        let copy_dir = self.vm_dir(id);
-        match fs::create_dir(&copy_dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(VmError::Exists(id.into()));
-            }
-            Err(e) => return Err(VmError::io(format!("creating {}", copy_dir.display()), e)),
-        }
+        let copy_dir = self.create_vm_dir(id)?;
         let netns = format!("{}{}", self.netns_prefix, id);
         let mut claimed_uid = None;
         let result = (|| {
@@ -1849,7 +1932,7 @@ impl Inner {
             let record = VmRecord {
                 id: id.into(),
                 uid,
-                groups: vec![source.uid],
+                groups: vec![gid],
                 netns: netns.clone(),
                 ram: RamMode::Private {
                     base: base.to_path_buf(),
@@ -1862,9 +1945,7 @@ impl Inner {
                 ..source.clone()
             };
             self.prepare_dir(&copy_dir, uid)?;
-            fs::copy(source_dir.join("initrd"), copy_dir.join("initrd"))
-                .map_err(io_err("copying the initrd"))?;
-            give(&copy_dir.join("initrd"), uid, uid, 0o400)?;
+            self.link_restored_initrd(&copy_dir)?;
             net::create(&netns, uid)?;
             Ok(record)
         })();
@@ -1875,6 +1956,85 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// The initrd of a VM restored from another's memory. Such a guest never boots
+    /// again (`-no-reboot`: a reboot ends QEMU) and QEMU does not load an initrd into
+    /// the RAM of an incoming VM, so it needs no configuration of its own: the shared
+    /// initramfs, hard-linked (root's, readable by all).
+    fn link_restored_initrd(&self, dir: &Path) -> Result<(), VmError> {
+        let initrd = dir.join("initrd");
+        if fs::hard_link(&self.boot.initramfs, &initrd).is_ok() {
+            return Ok(());
+        }
+        fs::copy(&self.boot.initramfs, &initrd).map_err(io_err("copying the initramfs"))?;
+        fs::set_permissions(&initrd, fs::Permissions::from_mode(0o444))
+            .map_err(io_err("chmod the initrd"))
+    }
+
+    /// A group of its own for the RAM base in `dir` (recorded in `dir/gid`): the VMs that
+    /// map the base carry it, no other VM does, and it is free again once `dir` is gone.
+    fn claim_base_gid(&self, dir: &Path) -> Result<u32, VmError> {
+        let gid = self.allocate_uid_for(dir)?;
+        if let Err(e) = fs::write(dir.join("gid"), gid.to_string()) {
+            self.release_uid(gid);
+            return Err(VmError::io("recording a RAM base's group", e));
+        }
+        Ok(gid)
+    }
+
+    /// The RAM base of VMs restored from the snapshot RAM file `ram` (the caller holds
+    /// `forks.lock`): `forks/snap-<dev>-<inode>/ram`, a hard link of it (so the name
+    /// cannot be reused while the base exists), with a group of its own. Collected
+    /// like a fork's base once no VM maps it.
+    fn snapshot_base(&self, ram: &Path) -> Result<(PathBuf, u32), VmError> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = fs::metadata(ram).map_err(io_err(format!("reading {}", ram.display())))?;
+        let forks = self.cfg.root.join("forks");
+        let dir = forks.join(format!("snap-{}-{}", meta.dev(), meta.ino()));
+        let base = dir.join("ram");
+        let same_file =
+            fs::metadata(&base).is_ok_and(|b| b.dev() == meta.dev() && b.ino() == meta.ino());
+        let gid = fs::read_to_string(dir.join("gid"))
+            .ok()
+            .and_then(|g| g.trim().parse::<u32>().ok());
+        if same_file && let Some(gid) = gid {
+            return Ok((base, gid));
+        }
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        let (dir, linked) = if fs::hard_link(ram, &base).is_ok() {
+            (dir, true)
+        } else {
+            // Another file system: a copy, in a directory of its own that no later
+            // restore reuses (the snapshot's inode number may be reused).
+            let _ = fs::remove_dir_all(&dir);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let unique = dir.with_extension(format!("copy{nanos}"));
+            fs::create_dir(&unique).map_err(io_err(format!("creating {}", unique.display())))?;
+            (unique, false)
+        };
+        let base = dir.join("ram");
+        let made = (|| {
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o711))
+                .map_err(io_err(format!("chmod {}", dir.display())))?;
+            if !linked {
+                sparse_copy(ram, &base)?;
+            }
+            let gid = self.claim_base_gid(&dir)?;
+            give(&base, 0, gid, 0o660)?;
+            Ok::<_, VmError>((base.clone(), gid))
+        })();
+        if made.is_err() {
+            let gid = fs::read_to_string(dir.join("gid")).ok();
+            let _ = fs::remove_dir_all(&dir);
+            if let Some(gid) = gid.and_then(|g| g.trim().parse::<u32>().ok()) {
+                self.release_uid(gid);
+            }
+        }
+        made
     }
 
     /// Removes fork directories no VM maps any more.
@@ -1901,7 +2061,13 @@ impl Inner {
                     && path.join("ram").exists()
                     && !path.join("state").exists()
                 {
+                    let gid = fs::read_to_string(path.join("gid"))
+                        .ok()
+                        .and_then(|g| g.trim().parse::<u32>().ok());
                     let _ = fs::remove_dir_all(&path);
+                    if let Some(gid) = gid {
+                        self.release_uid(gid);
+                    }
                 }
             }
         }

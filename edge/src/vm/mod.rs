@@ -59,6 +59,11 @@ pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};
 pub use machine::Machine;
 pub use net::{GUEST_MAC, TAP};
+/// The agent channel's namespaces, for tools that run QEMU beside the driver (the
+/// benchmark's raw QEMU): the same tap and addresses as a VM's.
+pub mod netns {
+    pub use super::net::{agent_addr, create, delete, netns_path};
+}
 pub use qmp::{Qmp, QmpError};
 pub use vmm::{Vmm, VmmChoice, VmmVerdict, choose_vmm};
 

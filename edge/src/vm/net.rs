@@ -22,7 +22,8 @@ pub const TAP: &str = "tap0";
 pub const GUEST_MAC: &str = "02:4f:44:00:00:02";
 const HOST_MAC: &str = "02:4f:44:00:00:01";
 
-pub(crate) fn netns_path(name: &str) -> PathBuf {
+/// Where namespace `name` is bound.
+pub fn netns_path(name: &str) -> PathBuf {
     Path::new("/run/netns").join(name)
 }
 
@@ -59,7 +60,7 @@ fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), VmError> {
 
 /// Creates namespace `name` with its tap (owned by `uid`) addressed and up. An old
 /// namespace of the same name (a crashed create) is replaced.
-pub(crate) fn create(name: &str, uid: u32) -> Result<(), VmError> {
+pub fn create(name: &str, uid: u32) -> Result<(), VmError> {
     if netns_path(name).exists() {
         delete(name)?;
     }
@@ -80,7 +81,7 @@ pub(crate) fn create(name: &str, uid: u32) -> Result<(), VmError> {
 }
 
 /// Removes namespace `name` (and with it the tap); absent is fine.
-pub(crate) fn delete(name: &str) -> Result<(), VmError> {
+pub fn delete(name: &str) -> Result<(), VmError> {
     if !netns_path(name).exists() {
         return Ok(());
     }
@@ -88,7 +89,7 @@ pub(crate) fn delete(name: &str) -> Result<(), VmError> {
 }
 
 /// The guest agent's address, as seen from inside the VM's namespace.
-pub(crate) fn agent_addr() -> SocketAddr {
+pub fn agent_addr() -> SocketAddr {
     let [a, b, c, d] = GUEST_IP;
     SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::new(a, b, c, d), AGENT_PORT))
 }

@@ -370,6 +370,8 @@ pub(super) fn create(
         let uid = inner.allocate_uid(&spec.id)?;
         claimed_uid = Some(uid);
         let mut record = VmRecord {
+            // Firecracker takes no part in QEMU 7.2's TCG migration workaround.
+            ram_trimmed: false,
             id: spec.id.clone(),
             image: spec.image.name.clone(),
             layers: spec.image.layers.clone(),
@@ -602,6 +604,7 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
         }
     };
     let meta = SnapshotMeta {
+        ram_trimmed: record.ram_trimmed,
         source: vm.id.clone(),
         image: record.image.clone(),
         layers: record.layers.clone(),
@@ -663,14 +666,24 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
         .map_err(io_err("chmod fork dir"))?;
     let base = fork_dir.join("ram");
     let mut prepared: Vec<(VmRecord, PathBuf)> = Vec::new();
+
+    // The base's own group: the copies carry it, no other VM does.
+    let gid = match inner.claim_base_gid(&fork_dir) {
+        Ok(g) => g,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&fork_dir);
+            return Err(e);
+        }
+    };
     let discard_all = |prepared: &[(VmRecord, PathBuf)]| {
         for (record, copy_dir) in prepared {
             inner.discard_firecracker(copy_dir, Some(record), &record.netns, Some(record.uid));
         }
         let _ = fs::remove_dir_all(&fork_dir);
+        inner.release_uid(gid);
     };
     for id in new_ids {
-        match inner.prepare_copy(&source, &dir, id, &base) {
+        match inner.prepare_copy(&source, id, &base, gid) {
             Ok(ready) => prepared.push(ready),
             Err(e) => {
                 discard_all(&prepared);
@@ -684,8 +697,8 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
         let jail = inner.jail(&source);
         let ram_bytes = take_out(&jail, SNAP_RAM, &base)?;
         take_out(&jail, SNAP_STATE, &fork_dir.join("state"))?;
-        // Copies map the base read-only with the source's group; nobody else may.
-        give(&base, 0, source.uid, 0o440)?;
+        // Copies map the base read-only with its group; nobody else may.
+        give(&base, 0, gid, 0o440)?;
         Ok::<_, VmError>((paused, ram_bytes))
     })();
     drop(lock);
@@ -739,6 +752,8 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
         source_paused,
         total: started.elapsed(),
         ram_bytes,
+        // The source is paused for the whole copy: nothing is written meanwhile.
+        disk_dirty_bytes: 0,
     })
 }
 
