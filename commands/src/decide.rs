@@ -118,6 +118,11 @@ fn hex32(field: &str, v: &str) -> Result<Vec<u8>, Rejection> {
     }
 }
 
+/// Whether `name` has the form of a snapshot id (`snap-` + 16 hex digits).
+fn is_snapshot_id(name: &str) -> bool {
+    name.strip_prefix("snap-").is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 fn expiry(ctx: &Ctx, seconds: Option<u64>) -> u64 {
     match seconds {
         Some(s) if s > 0 => ctx.time_ms.saturating_add(s.saturating_mul(1000)),
@@ -454,6 +459,11 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                         return Err(Rejection::field(K::Conflict, "image", format!("snapshot {image} is not ready yet")));
                     }
                     Some(snap)
+                }
+                // Snapshot ids are `snap-` + 16 hex digits: one that is not in the view was
+                // deleted (or never taken), not an image to build.
+                None if is_snapshot_id(image) => {
+                    return Err(Rejection::field(K::NotFound, "image", format!("snapshot {image} does not exist: it was deleted or never taken")));
                 }
                 _ => None,
             };

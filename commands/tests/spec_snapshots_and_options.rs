@@ -106,6 +106,17 @@ fn a_snapshot_beneath_another_cannot_be_deleted_first() {
 }
 
 #[test]
+fn starting_from_a_deleted_snapshot_is_refused_naming_it() {
+    let (mut w, admin, id) = running();
+    let root = w.root.clone();
+    let snap = snapshot_of(&mut w, &admin, &id);
+    w.run(&admin, Command::DeleteSnapshot { snapshot: snap.clone() }).unwrap();
+    let err = w.run(&admin, create_with(&root, &snap, SandboxOptions::default())).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::NotFound, Some("image")), "{err:?}");
+    assert!(err.message.contains(&snap) && err.message.contains("deleted"), "{}", err.message);
+}
+
+#[test]
 fn a_sandbox_not_yet_running_cannot_be_snapshotted() {
     let mut w = World::new();
     let admin = w.bootstrap();
