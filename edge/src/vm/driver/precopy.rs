@@ -64,9 +64,11 @@ pub(super) struct LiveCopy {
     pub ram_in_stream: bool,
 }
 
-/// Whether QEMU's dirty-page log is exact for `source` (see [`super::TCG_RAM_TRIM_KB`]).
+/// Whether `source` is copied live: QEMU's dirty-page log must be exact for it (see
+/// [`super::TCG_RAM_TRIM_KB`]), and its disk a raw file (a full VM's qcow2 overlay cannot
+/// be copied as a file while QEMU writes its metadata: it is copied stopped).
 pub(super) fn live_copy_is_exact(source: &VmRecord) -> bool {
-    source.accel == Accel::Kvm || source.ram_trimmed
+    (source.accel == Accel::Kvm || source.ram_trimmed) && source.machine == super::Machine::Microvm
 }
 
 impl Inner {
