@@ -23,39 +23,20 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use opendsec_edge::images::ImageStore;
+
+mod support;
+use support::{Cleanup, exec_as, figure, ms, require_root, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::firecracker::{InstanceState, JailSpec, SnapshotKind, merge_diff_into_copy};
 use opendsec_edge::vm::{
     Accel, ExecOutput, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus, Vmm, VmmChoice,
 };
 
-fn store_dir() -> PathBuf {
-    std::env::var_os("OPENDSEC_IMAGE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(opendsec_edge::images::DEFAULT_STORE))
-}
-
 /// The driver's state for these tests (VMs, jails); every test removes what it made.
 const TEST_ROOT: &str = "/var/tmp/opendsec-fc-tests";
 const TOKEN: &str = "fc-test-token";
 
-fn static_agent() -> PathBuf {
-    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
-        });
-    assert!(
-        p.is_file(),
-        "the static agent {} is missing: run edge/agent/build-static.sh {}",
-        p.display(),
-        p.display()
-    );
-    p
-}
-
 fn config() -> VmConfig {
-    // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "the Firecracker tests need root");
+    require_root("Firecracker");
     let store = ImageStore::open(store_dir()).expect("open the image store");
     let mut cfg = VmConfig::new(
         TEST_ROOT,
@@ -101,44 +82,11 @@ fn guest_checks(test: &str) -> bool {
 }
 
 fn spec(id: &str) -> VmSpec {
-    let store = ImageStore::open(store_dir()).unwrap();
-    VmSpec {
-        id: id.into(),
-        image: store
-            .ensure("base", &|p| eprintln!("[base] {}: {}", p.phase, p.message))
-            .expect("the base image"),
-        memory_mb: 256,
-        vcpus: 1,
-        disk_mb: 256,
-        env: BTreeMap::new(),
-        access_token: TOKEN.into(),
-    }
+    vm_spec(id, TOKEN, 256, BTreeMap::new())
 }
 
 fn unique(tag: &str) -> String {
     format!("f{}-{tag}", std::process::id())
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
-}
-
-fn figure(name: &str, value: impl std::fmt::Display) {
-    eprintln!("figure: {name} = {value}");
-}
-
-/// Deletes the VMs a test made, also when it fails.
-struct Cleanup(Vec<VmHandle>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for vm in &self.0 {
-            match vm.delete() {
-                Ok(()) | Err(VmError::NotFound(_)) => {}
-                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
-            }
-        }
-    }
 }
 
 /// Everything of a VM on the host, noted while it exists, to check it is gone later.
@@ -229,15 +177,8 @@ fn assert_jailed(vm: &VmHandle, pid: i32) {
     assert!(tasks.lines().any(|l| l.trim() == pid.to_string()), "pid {pid} in its cgroup: {tasks:?}");
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
-    let agent = vm.agent().unwrap();
-    rt().block_on(agent.exec(TOKEN, cmd, args)).unwrap_or_else(|e| {
-        panic!("exec {cmd} {args:?} in {}: {e}; console: {}", vm.id(), vm.console_tail(2000))
-    })
+    exec_as(vm, TOKEN, cmd, args)
 }
 
 /// A counter that lives only in a guest process's memory (one more per connection).

@@ -16,40 +16,21 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use opendsec_edge::images::{Image, ImageStore};
+
+mod support;
+use support::{Cleanup, base_image, exec_as, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::{
     ExecOutput, Machine, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus,
 };
 
-fn store_dir() -> PathBuf {
-    std::env::var_os("OPENDSEC_IMAGE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(opendsec_edge::images::DEFAULT_STORE))
-}
-
 /// The driver's state for these tests (its own, beside the microVM tests').
 const TEST_ROOT: &str = "/var/tmp/opendsec-fullvm-tests";
-
-fn static_agent() -> PathBuf {
-    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
-        });
-    assert!(
-        p.is_file(),
-        "the static agent {} is missing: run edge/agent/build-static.sh {}",
-        p.display(),
-        p.display()
-    );
-    p
-}
 
 fn driver() -> MicroVmDriver {
     static DRIVER: OnceLock<MicroVmDriver> = OnceLock::new();
     DRIVER
         .get_or_init(|| {
-            // SAFETY: geteuid has no preconditions.
-            assert_eq!(unsafe { libc::geteuid() }, 0, "the full VM tests need root");
+            require_root("full VM");
             assert!(
                 opendsec_edge::vm::host_can_build_boot_disks(),
                 "extlinux, syslinux's mbr.bin or qemu-img is missing: run ./ops/test.sh (VM_PACKAGES)"
@@ -77,13 +58,6 @@ fn driver() -> MicroVmDriver {
         .clone()
 }
 
-fn base_image() -> Image {
-    ImageStore::open(store_dir())
-        .unwrap()
-        .ensure("base", &|p| eprintln!("[base] {}: {}", p.phase, p.message))
-        .expect("the base image")
-}
-
 fn unique(tag: &str) -> String {
     format!("f{}-{tag}", std::process::id())
 }
@@ -91,48 +65,11 @@ fn unique(tag: &str) -> String {
 const TOKEN: &str = "fullvm-test-token";
 
 fn spec(id: &str) -> VmSpec {
-    VmSpec {
-        id: id.into(),
-        image: base_image(),
-        memory_mb: 256,
-        vcpus: 1,
-        disk_mb: 512,
-        env: BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]),
-        access_token: TOKEN.into(),
-    }
-}
-
-/// Deletes the VMs a test made, also when it fails.
-struct Cleanup(Vec<VmHandle>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for vm in &self.0 {
-            match vm.delete() {
-                Ok(()) | Err(VmError::NotFound(_)) => {}
-                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
-            }
-        }
-    }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
+    vm_spec(id, TOKEN, 512, BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]))
 }
 
 fn exec_with(vm: &VmHandle, token: &str, cmd: &str, args: &[&str]) -> ExecOutput {
-    let agent = vm.agent().unwrap();
-    rt().block_on(agent.exec(token, cmd, args))
-        .unwrap_or_else(|e| {
-            panic!(
-                "exec {cmd} {args:?} in {}: {e}; console: {}",
-                vm.id(),
-                vm.console_tail(2000)
-            )
-        })
+    exec_as(vm, token, cmd, args)
 }
 
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
@@ -143,14 +80,6 @@ fn sh(vm: &VmHandle, script: &str) -> String {
     let out = exec(vm, "sh", &["-c", script]);
     assert_eq!(out.exit_code, 0, "{script}: {out:?}");
     out.stdout_text()
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
-}
-
-fn figure(name: &str, value: impl std::fmt::Display) {
-    eprintln!("figure: {name} = {value}");
 }
 
 /// A counter that lives only in the memory of a guest process: each connection to

@@ -15,43 +15,19 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use opendsec_edge::images::ImageStore;
+
+mod support;
+use support::{Cleanup, exec_as, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::{
     ExecOutput, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus, detect_accel,
 };
-
-/// Images are built once per machine and shared (as on an edge).
-fn store_dir() -> PathBuf {
-    std::env::var_os("OPENDSEC_IMAGE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(opendsec_edge::images::DEFAULT_STORE))
-}
 
 /// The driver's state for these tests: one directory per machine, so the accelerator
 /// verdict is probed once per host boot; every test removes the VMs it made.
 const TEST_ROOT: &str = "/var/tmp/opendsec-vm-tests";
 
-fn static_agent() -> PathBuf {
-    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
-        });
-    assert!(
-        p.is_file(),
-        "the static agent {} is missing: run edge/agent/build-static.sh {}",
-        p.display(),
-        p.display()
-    );
-    p
-}
-
-fn require_root() {
-    // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "the microVM tests need root");
-}
-
 fn config() -> VmConfig {
-    require_root();
+    require_root("microVM");
     let store = ImageStore::open(store_dir()).expect("open the image store");
     VmConfig::new(
         TEST_ROOT,
@@ -81,13 +57,6 @@ fn driver() -> MicroVmDriver {
         .clone()
 }
 
-fn base_image() -> opendsec_edge::images::Image {
-    let store = ImageStore::open(store_dir()).unwrap();
-    store
-        .ensure("base", &|p| eprintln!("[base] {}: {}", p.phase, p.message))
-        .expect("the base image")
-}
-
 fn unique(tag: &str) -> String {
     format!("t{}-{tag}", std::process::id())
 }
@@ -95,48 +64,11 @@ fn unique(tag: &str) -> String {
 const TOKEN: &str = "vm-test-token";
 
 fn spec(id: &str) -> VmSpec {
-    VmSpec {
-        id: id.into(),
-        image: base_image(),
-        memory_mb: 256,
-        vcpus: 1,
-        disk_mb: 512,
-        env: BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]),
-        access_token: TOKEN.into(),
-    }
-}
-
-/// Deletes the VMs a test made, also when it fails.
-struct Cleanup(Vec<VmHandle>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for vm in &self.0 {
-            match vm.delete() {
-                Ok(()) | Err(VmError::NotFound(_)) => {}
-                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
-            }
-        }
-    }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
+    vm_spec(id, TOKEN, 512, BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]))
 }
 
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
-    let agent = vm.agent().unwrap();
-    rt().block_on(agent.exec(TOKEN, cmd, args))
-        .unwrap_or_else(|e| {
-            panic!(
-                "exec {cmd} {args:?} in {}: {e}; console: {}",
-                vm.id(),
-                vm.console_tail(2000)
-            )
-        })
+    exec_as(vm, TOKEN, cmd, args)
 }
 
 fn boot(id: &str) -> (VmHandle, Duration) {
@@ -147,14 +79,6 @@ fn boot(id: &str) -> (VmHandle, Duration) {
     vm.wait_agent(Duration::from_secs(180))
         .unwrap_or_else(|e| panic!("the agent of {id}: {e}"));
     (vm, t.elapsed())
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
-}
-
-fn figure(name: &str, value: impl std::fmt::Display) {
-    eprintln!("figure: {name} = {value}");
 }
 
 /// A counter that lives only in the memory of a guest process: each connection to
@@ -700,7 +624,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
 
 #[test]
 fn kvm_detection_reports_its_verdict_and_reason() {
-    require_root();
+    require_root("microVM");
     let d = driver();
     let qemu = [
         "/usr/bin/qemu-system-x86_64",
@@ -742,7 +666,7 @@ fn kvm_detection_reports_its_verdict_and_reason() {
 
 #[test]
 fn a_root_disk_holds_the_merged_layers_of_an_image() {
-    require_root();
+    require_root("microVM");
     let tmp = tempfile::Builder::new()
         .prefix("opendsec-vmdisk")
         .tempdir_in("/var/tmp")

@@ -1,0 +1,104 @@
+//! What the VM driver's test suites share (`vm_microvm`, `vm_fullvm`, `vm_firecracker`):
+//! the image store and the static agent they use, the `base` image, a VM spec, cleanup
+//! of the VMs a test made, exec through the agent, and how figures are printed.
+#![allow(dead_code)] // each suite uses its own part
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use opendsec_edge::images::{Image, ImageStore};
+use opendsec_edge::vm::{ExecOutput, VmError, VmHandle, VmSpec};
+
+/// Images are built once per machine and shared (as on an edge).
+pub fn store_dir() -> PathBuf {
+    std::env::var_os("OPENDSEC_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(opendsec_edge::images::DEFAULT_STORE))
+}
+
+/// The static agent (`OPENDSEC_TEST_AGENT`, else the one `edge/agent/build-static.sh`
+/// leaves in `target/agent-static/`).
+pub fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
+        });
+    assert!(
+        p.is_file(),
+        "the static agent {} is missing: run edge/agent/build-static.sh {}",
+        p.display(),
+        p.display()
+    );
+    p
+}
+
+/// The suite `what` needs root (namespaces, taps, uids per VM).
+pub fn require_root(what: &str) {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the {what} tests need root");
+}
+
+pub fn base_image() -> Image {
+    ImageStore::open(store_dir())
+        .expect("open the image store")
+        .ensure("base", &|p| eprintln!("[base] {}: {}", p.phase, p.message))
+        .expect("the base image")
+}
+
+/// A VM of `base` with 256 MiB, one vCPU, a `disk_mb` writable disk and agent token `token`.
+pub fn vm_spec(id: &str, token: &str, disk_mb: u64, env: BTreeMap<String, String>) -> VmSpec {
+    VmSpec {
+        id: id.into(),
+        image: base_image(),
+        memory_mb: 256,
+        vcpus: 1,
+        disk_mb,
+        env,
+        access_token: token.into(),
+    }
+}
+
+/// Deletes the VMs a test made, also when it fails.
+pub struct Cleanup(pub Vec<VmHandle>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for vm in &self.0 {
+            match vm.delete() {
+                Ok(()) | Err(VmError::NotFound(_)) => {}
+                Err(e) => eprintln!("cleanup of {}: {e}", vm.id()),
+            }
+        }
+    }
+}
+
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs `cmd args` in the guest through its agent with `token`; a failure shows the
+/// guest's console.
+pub fn exec_as(vm: &VmHandle, token: &str, cmd: &str, args: &[&str]) -> ExecOutput {
+    let agent = vm.agent().unwrap();
+    rt().block_on(agent.exec(token, cmd, args)).unwrap_or_else(|e| {
+        panic!(
+            "exec {cmd} {args:?} in {}: {e}; console: {}",
+            vm.id(),
+            vm.console_tail(2000)
+        )
+    })
+}
+
+pub fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// Prints a measured figure as `figure: <name> = <value>` (`--nocapture` shows them).
+pub fn figure(name: &str, value: impl std::fmt::Display) {
+    eprintln!("figure: {name} = {value}");
+}
