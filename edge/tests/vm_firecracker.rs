@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use opendsec_edge::images::ImageStore;
 
 mod support;
-use support::{Cleanup, exec_as, figure, ms, require_root, static_agent, store_dir, vm_spec};
+use support::{COUNTER, Cleanup, exec_as, figure, ms, require_root, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::firecracker::{InstanceState, JailSpec, SnapshotKind, merge_diff_into_copy};
 use opendsec_edge::vm::{
     Accel, ExecOutput, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus, Vmm, VmmChoice,
@@ -181,24 +181,9 @@ fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
     exec_as(vm, TOKEN, cmd, args)
 }
 
-/// A counter that lives only in a guest process's memory (one more per connection).
-const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
 
 fn count(vm: &VmHandle) -> u64 {
-    let out = exec(vm, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]);
-    out.stdout_text().trim().parse().unwrap_or_else(|_| panic!("counter said {out:?}"))
+    support::count_as(vm, TOKEN)
 }
 
 /// Guest side of a fresh VM: the agent answers, python computes, a counter starts.

@@ -82,51 +82,13 @@ fn sh(vm: &VmHandle, script: &str) -> String {
     out.stdout_text()
 }
 
-/// A counter that lives only in the memory of a guest process: each connection to
-/// 127.0.0.1:7777 in the guest adds one and reads the new value back.
-const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
 
 fn start_counter(vm: &VmHandle) {
-    let out = exec(vm, "setsid", &["-f", "python3", "-c", COUNTER]);
-    assert_eq!(out.exit_code, 0, "{out:?}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let probe = exec(
-            vm,
-            "bash",
-            &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"],
-        );
-        if probe.stdout_text().contains("up") {
-            return; // that connection counted once
-        }
-        assert!(Instant::now() < deadline, "the counter never listened: {probe:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    support::start_counter(vm, TOKEN, Duration::from_secs(60))
 }
 
 fn count_with(vm: &VmHandle, token: &str) -> u64 {
-    let out = exec_with(
-        vm,
-        token,
-        "bash",
-        &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"],
-    );
-    out.stdout_text()
-        .trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("the counter of {} said {out:?}", vm.id()))
+    support::count_as(vm, token)
 }
 
 fn count(vm: &VmHandle) -> u64 {

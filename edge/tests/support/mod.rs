@@ -102,3 +102,44 @@ pub fn ms(d: Duration) -> String {
 pub fn figure(name: &str, value: impl std::fmt::Display) {
     eprintln!("figure: {name} = {value}");
 }
+
+/// A counter that lives only in the memory of a guest process: each connection to
+/// 127.0.0.1:7777 in the guest adds one and reads the new value back.
+pub const COUNTER: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7777))
+s.listen(8)
+n = 0
+while True:
+    c, _ = s.accept()
+    n += 1
+    c.sendall(b"%d\n" % n)
+    c.close()
+"#;
+
+/// Starts the [`COUNTER`] in the guest and waits until it listens (python starts
+/// slowly under TCG); the probe's connection counts once, so the counter starts at 1.
+pub fn start_counter(vm: &VmHandle, token: &str, within: Duration) {
+    let out = exec_as(vm, token, "setsid", &["-f", "python3", "-c", COUNTER]);
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let probe = exec_as(vm, token, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"]);
+        if probe.stdout_text().contains("up") {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the counter never listened: {probe:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// One more on the guest's counter, as read back.
+pub fn count_as(vm: &VmHandle, token: &str) -> u64 {
+    let out = exec_as(vm, token, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]);
+    out.stdout_text()
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the counter of {} said {out:?}", vm.id()))
+}
