@@ -10,81 +10,22 @@
 
 #[path = "support/up.rs"]
 mod up;
+#[path = "support/vms.rs"]
+mod vms;
 
 use reqwest::Method;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::time::{Duration, Instant};
 use up::Up;
-
-fn figure(name: &str, value: impl std::fmt::Display) {
-    eprintln!("figure: {name} = {value}");
-}
-
-fn ms(d: Duration) -> String {
-    format!("{} ms", d.as_millis())
-}
+use vms::{count, exec, figure, ms, start_counter, wait_state};
 
 /// `opendsec up`, once its edge's VM driver is ready and it registered as running full VMs.
 async fn start() -> Up {
-    let up = Up::start(None).await;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let log = up.log_tail(100_000);
-        if let Some(line) = log.lines().find(|l| l.contains("microVMs ready")) {
-            eprintln!("VM driver: {}", line.split("accelerator=").nth(1).unwrap_or(line));
-            break;
-        }
-        if let Some(line) = log.lines().find(|l| l.contains("cannot run microVMs")) {
-            panic!("this host cannot run VMs, so these tests could not run: {line}");
-        }
-        assert!(Instant::now() < deadline, "the edge's VM driver was not ready within 600 s:\n{}", up.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let up = vms::start().await;
     let (s, edges) = up.send(Method::GET, "/v1/edges", None).await;
     assert_eq!(s, 200, "{edges}");
     assert!(edges.to_string().contains("\"opendsec.io/fullvm\":\"q35\""), "the edge says it runs full VMs: {edges}");
     up
-}
-
-async fn wait_state(up: &Up, id: &str, want: &str, within: Duration) -> Value {
-    let deadline = Instant::now() + within;
-    loop {
-        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
-        if v["state"] == want {
-            return v;
-        }
-        if matches!(v["state"].as_str(), Some("failed" | "exited" | "killed")) {
-            panic!("sandbox {id} ended instead of being {want}: {v}\n{}", up.log_tail(30));
-        }
-        assert!(Instant::now() < deadline, "sandbox {id} was not {want} within {within:?}: {v}\n{}", up.log_tail(30));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn exec(up: &Up, id: &str, cmd: &str, args: &[&str]) -> String {
-    let (out, code) = up.exec(id, cmd, args).await.unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}\n{}", up.log_tail(20)));
-    assert_eq!(code, 0, "{cmd} {args:?} in {id} exited {code}: {out}");
-    out
-}
-
-/// A counter in the memory of a guest process (one more per connection to :7777).
-const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
-
-async fn count(up: &Up, id: &str) -> Option<u64> {
-    let (out, _) = up.exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]).await.ok()?;
-    out.trim().parse().ok()
 }
 
 /// The command line of sandbox `id`'s QEMU (started as `-name opendsec-<id>`), if one runs.
@@ -132,15 +73,8 @@ async fn a_full_vm_through_rest_boots_base_from_its_disk_runs_python_and_pauses_
     assert_eq!(lines[2], "/dev/vda1", "{guest}");
 
     // Pause and resume through REST: the QEMU ends and a new one continues the guest.
-    exec(&up, &id, "setsid", &["-f", "python3", "-c", COUNTER]).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let first = loop {
-        if let Some(n) = count(&up, &id).await {
-            break n;
-        }
-        assert!(Instant::now() < deadline, "the counter never listened");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    start_counter(&up, &id).await;
+    let first = count(&up, &id).await;
     let t = Instant::now();
     let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
     assert_eq!(s, 200, "{v}");
@@ -152,7 +86,7 @@ async fn a_full_vm_through_rest_boots_base_from_its_disk_runs_python_and_pauses_
     assert_eq!(s, 200, "{v}");
     wait_state(&up, &id, "running", Duration::from_secs(60)).await;
     figure("full VM resume (REST) to running", ms(t.elapsed()));
-    assert_eq!(count(&up, &id).await, Some(first + 1), "the guest's memory came back");
+    assert_eq!(count(&up, &id).await, first + 1, "the guest's memory came back");
     figure("full VM resume (REST) to the counter's answer", ms(t.elapsed()));
 
     // Killing it ends its QEMU.

@@ -14,47 +14,18 @@
 
 #[path = "support/up.rs"]
 mod up;
+#[path = "support/vms.rs"]
+mod vms;
 
 use reqwest::Method;
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 use std::time::{Duration, Instant};
 use up::Up;
+use vms::{count, exec, figure, ms, start, start_counter, wait_state};
 
 /// One test at a time: each boots guests under a CPU emulator on a small machine.
 static SERIAL: Mutex<()> = Mutex::const_new(());
-
-fn figure(name: &str, value: impl std::fmt::Display) {
-    eprintln!("figure: {name} = {value}");
-}
-
-fn ms(d: Duration) -> String {
-    format!("{} ms", d.as_millis())
-}
-
-/// `opendsec up`, once its edge's microVM driver is ready (the kernel and initramfs are
-/// built once per machine; the KVM verdict is kept for the host boot). A host where the
-/// driver cannot start fails here, saying why: microVMs are part of what is tested.
-async fn start() -> Up {
-    let up = Up::start(None).await;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let log = up.log_tail(100_000);
-        if let Some(line) = log.lines().find(|l| l.contains("microVMs ready")) {
-            let verdict = line.split("accelerator=").nth(1).unwrap_or(line);
-            eprintln!("microVM accelerator: {verdict}");
-            if !verdict.starts_with("\"kvm\"") {
-                eprintln!("KVM is not usable here: guests run under TCG (figures are TCG's, about 15x slower than the host)");
-            }
-            return up;
-        }
-        if let Some(line) = log.lines().find(|l| l.contains("cannot run microVMs") || l.contains("no microVMs on this edge")) {
-            panic!("this host cannot run microVMs, so these tests could not run: {line}");
-        }
-        assert!(Instant::now() < deadline, "the edge's microVM driver was not ready within 600 s:\n{}", up.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
 
 /// Creates a sandbox through `POST /v1/sandboxes`; returns its id.
 async fn create(up: &Up, body: Value) -> String {
@@ -70,62 +41,6 @@ async fn create_vm(up: &Up, extra: Value) -> String {
         body[k] = v.clone();
     }
     create(up, body).await
-}
-
-async fn wait_state(up: &Up, id: &str, want: &str, within: Duration) -> Value {
-    let deadline = Instant::now() + within;
-    loop {
-        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
-        if v["state"] == want {
-            return v;
-        }
-        if matches!(v["state"].as_str(), Some("failed" | "exited" | "killed")) {
-            panic!("sandbox {id} ended instead of being {want}: {v}\n{}", up.log_tail(20));
-        }
-        assert!(Instant::now() < deadline, "sandbox {id} was not {want} within {within:?}: {v}\n{}", up.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn exec(up: &Up, id: &str, cmd: &str, args: &[&str]) -> String {
-    let (out, code) = up.exec(id, cmd, args).await.unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}\n{}", up.log_tail(20)));
-    assert_eq!(code, 0, "{cmd} {args:?} in {id} exited {code}: {out}");
-    out
-}
-
-/// A counter that lives only in the memory of a guest process: each connection to
-/// 127.0.0.1:7777 adds one and reads the new value back.
-const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
-
-/// Starts the counter and waits until it listens (its first count is that probe's: 1).
-async fn start_counter(up: &Up, id: &str) {
-    exec(up, id, "setsid", &["-f", "python3", "-c", COUNTER]).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (out, _) = up.exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"]).await.unwrap_or_default();
-        if out.contains("up") {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the counter in {id} never listened");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-async fn count(up: &Up, id: &str) -> u64 {
-    let out = exec(up, id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]).await;
-    out.trim().parse().unwrap_or_else(|_| panic!("the counter of {id} said {out:?}"))
 }
 
 /// The QEMU process of sandbox `id` (started as `-name opendsec-<id>`), if one runs.
