@@ -241,6 +241,9 @@ impl Pool {
         let spawned = std::thread::Builder::new()
             .name("warm-disks".into())
             .spawn(move || {
+                // Making disks ahead must not slow the creates it serves: this thread
+                // runs at the lowest CPU priority and in the idle I/O class.
+                lower_priority();
                 loop {
                     if pool.closed.load(Ordering::SeqCst) || pool.ready() >= pool.target {
                         break;
@@ -284,6 +287,25 @@ impl Pool {
         for dir in ready {
             discard_warm(&dir);
         }
+    }
+}
+
+/// The calling thread at nice 19 and in the idle I/O class (best effort: a host that
+/// refuses either keeps the default).
+fn lower_priority() {
+    const IOPRIO_WHO_PROCESS: libc::c_int = 1;
+    const IOPRIO_CLASS_IDLE: libc::c_int = 3;
+    const IOPRIO_CLASS_SHIFT: libc::c_int = 13;
+    // SAFETY: gettid, setpriority and ioprio_set on this thread only.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+        libc::syscall(
+            libc::SYS_ioprio_set,
+            IOPRIO_WHO_PROCESS,
+            tid as libc::c_int,
+            IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT,
+        );
     }
 }
 
