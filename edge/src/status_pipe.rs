@@ -1,9 +1,11 @@
-//! The one-line status a detached shim (containers' and microVMs') writes to the edge
-//! on its stdout, the pipe the edge reads until it closes.
+//! What a detached shim (containers' and microVMs') shares: detaching from the edge,
+//! and the one-line status it writes to the edge on its stdout, the pipe the edge reads
+//! until it closes.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::Path;
 
 /// Writes the status line on stdout and points stdout at /dev/null, so the edge's read
 /// ends.
@@ -22,4 +24,33 @@ pub(crate) fn report(line: &str) {
 pub(crate) fn fail(what: &str) -> ! {
     report(&format!("error {what}: {}", std::io::Error::last_os_error()));
     std::process::exit(1)
+}
+
+/// Points stderr at `log` (appended; nobody reads the shim's terminal), then detaches:
+/// fork, setsid, fork. The first process exits once the middle one is reaped, so the
+/// edge reaps it and no zombie is left to init; the caller continues as the grandchild,
+/// in a session of its own. Call while single-threaded.
+pub(crate) fn detach(log: &Path) {
+    if let Ok(log) = OpenOptions::new().create(true).append(true).open(log) {
+        // SAFETY: dup2 onto fd 2.
+        unsafe { libc::dup2(log.as_raw_fd(), 2) };
+    }
+    // SAFETY: plain syscalls in a single-threaded process.
+    match unsafe { libc::fork() } {
+        -1 => fail("fork"),
+        0 => {}
+        child => {
+            let mut status = 0;
+            // SAFETY: reaping our own child.
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            std::process::exit(0)
+        }
+    }
+    // SAFETY: as above.
+    unsafe { libc::setsid() };
+    match unsafe { libc::fork() } {
+        -1 => fail("fork"),
+        0 => {}
+        _ => unsafe { libc::_exit(0) },
+    }
 }

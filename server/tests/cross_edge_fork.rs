@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use up::{free_port, static_agent};
+use up::{cleanup_edge, free_port, static_agent};
 
 fn figure(name: &str, value: impl std::fmt::Display) {
     eprintln!("figure: {name} = {value}");
@@ -49,31 +49,6 @@ impl Drop for Cluster {
         }
         for (name, _, _) in &self.edges {
             cleanup_edge(&self.dir.path().join(name));
-        }
-    }
-}
-
-/// Removes the containers, mounts, QEMU processes and network namespaces an edge left.
-fn cleanup_edge(root: &Path) {
-    for e in std::fs::read_dir(root.join("sandboxes")).into_iter().flatten().flatten() {
-        let id = e.file_name().to_string_lossy().to_string();
-        for rt in ["crun", "runc"] {
-            let _ = Command::new(rt).arg("--root").arg(root.join("runtime").join(rt)).args(["delete", "--force", &id]).output();
-        }
-        let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
-        let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
-    }
-    for e in std::fs::read_dir(root.join("vms").join("vms")).into_iter().flatten().flatten() {
-        let dir = e.path();
-        if let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-            }
-        }
-        let netns = std::fs::read(dir.join("vm.json")).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()).and_then(|v| v["netns"].as_str().map(str::to_string));
-        if let Some(n) = netns {
-            let _ = Command::new("ip").args(["netns", "delete", &n]).output();
         }
     }
 }

@@ -3,11 +3,15 @@
 //! gateway routes each sandbox's traffic to its own edge; a killed edge's sandboxes keep
 //! running and answer again once it is back.
 
+#[path = "support/up.rs"]
+mod up;
+
 use opendsec_sdk::{Client, ExecRequest};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use up::cleanup_edge;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -58,19 +62,6 @@ impl Drop for Procs {
             let root = self.dir.path().join(edge);
             cleanup_edge(&root);
         }
-    }
-}
-
-/// Removes the containers and mounts an edge data directory holds.
-fn cleanup_edge(root: &Path) {
-    let Ok(entries) = std::fs::read_dir(root.join("sandboxes")) else { return };
-    for e in entries.flatten() {
-        let id = e.file_name().to_string_lossy().to_string();
-        for rt in ["crun", "runc"] {
-            let _ = Command::new(rt).arg("--root").arg(root.join("runtime").join(rt)).args(["delete", "--force", &id]).output();
-        }
-        let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
-        let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
     }
 }
 

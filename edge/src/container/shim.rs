@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use crate::status_pipe::{fail, report};
+use crate::status_pipe::report;
 
 use super::{
     ContainerError, ExitInfo, SandboxRecord, cgroup, dup_above, read_pid, write_json_atomic,
@@ -147,33 +147,8 @@ pub(crate) fn spawn(
 
 /// The shim's `main`: never returns.
 pub fn main(dir: &Path) -> ! {
-    // stderr goes to a file in the sandbox dir: nobody reads the shim's terminal.
-    if let Ok(log) = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join("shim.log"))
-    {
-        // SAFETY: dup2 onto fd 2.
-        unsafe { libc::dup2(log.as_raw_fd(), 2) };
-    }
-    // Detach: fork, setsid, fork. The first process exits so the edge can reap it.
-    match unsafe { libc::fork() } {
-        -1 => fail("fork"),
-        0 => {}
-        child => {
-            // Reap the middle process (it exits at once) so no zombie is left to init.
-            let mut status = 0;
-            unsafe { libc::waitpid(child, &mut status, 0) };
-            std::process::exit(0)
-        }
-    }
-    // SAFETY: plain syscalls in a single-threaded process.
-    unsafe { libc::setsid() };
-    match unsafe { libc::fork() } {
-        -1 => fail("fork"),
-        0 => {}
-        _ => unsafe { libc::_exit(0) },
-    }
+    // stderr goes to a file in the sandbox dir.
+    crate::status_pipe::detach(&dir.join("shim.log"));
     // Orphans of the runtime (PID 1 of the container) are reparented to us.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let _ = fs::write(dir.join("shim.pid"), std::process::id().to_string());

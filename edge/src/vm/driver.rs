@@ -515,30 +515,7 @@ impl MicroVmDriver {
             let _lock = lock_file(&dir.join("lock"))?;
             let uid = inner.allocate_uid(&spec.id)?;
             claimed_uid = Some(uid);
-            let record = VmRecord {
-                id: spec.id.clone(),
-                image: spec.image.name.clone(),
-                layers: spec.image.layers.clone(),
-                memory_mb: spec.memory_mb,
-                vcpus: spec.vcpus,
-                disk_mb: spec.disk_mb,
-                uid,
-                groups: Vec::new(),
-                netns: netns.clone(),
-                vmlinux: inner.boot.kernel.vmlinux(),
-                root_disk,
-                accel: inner.accel.accel,
-                tsc_khz: inner.tsc_khz.map(|(k, _)| k),
-                ram_trimmed: inner.accel.accel == Accel::Tcg,
-                ram: RamMode::Shared,
-                state: VmState::Running,
-                pid: None,
-                pid_start: None,
-                forked_from: None,
-                vmm: Vmm::Qemu,
-                machine,
-                fc: Default::default(),
-            };
+            let record = inner.fresh_record(spec, uid, &netns, root_disk, Vmm::Qemu, machine);
             inner.prepare_dir(&dir, uid)?;
             match machine {
                 Machine::Microvm => {
@@ -890,6 +867,48 @@ impl Inner {
         match machine {
             Machine::Microvm => write_vm_initrd(&self.boot, &dest, &config),
             Machine::Q35 => write_config_disk(&dest, &config),
+        }
+    }
+
+    /// The record of a VM about to boot for the first time under `vmm`: its accelerator
+    /// is the driver's for QEMU (RAM trimmed under TCG, see [`TCG_RAM_TRIM_KB`]); a
+    /// Firecracker VM runs only where KVM does.
+    fn fresh_record(
+        &self,
+        spec: &VmSpec,
+        uid: u32,
+        netns: &str,
+        root_disk: PathBuf,
+        vmm: Vmm,
+        machine: Machine,
+    ) -> VmRecord {
+        let (accel, tsc_khz) = match vmm {
+            Vmm::Qemu => (self.accel.accel, self.tsc_khz.map(|(k, _)| k)),
+            Vmm::Firecracker => (Accel::Kvm, None),
+        };
+        VmRecord {
+            id: spec.id.clone(),
+            image: spec.image.name.clone(),
+            layers: spec.image.layers.clone(),
+            memory_mb: spec.memory_mb,
+            vcpus: spec.vcpus,
+            disk_mb: spec.disk_mb,
+            uid,
+            groups: Vec::new(),
+            netns: netns.to_string(),
+            vmlinux: self.boot.kernel.vmlinux(),
+            root_disk,
+            accel,
+            tsc_khz,
+            ram_trimmed: vmm == Vmm::Qemu && accel == Accel::Tcg,
+            ram: RamMode::Shared,
+            state: VmState::Running,
+            pid: None,
+            pid_start: None,
+            forked_from: None,
+            vmm,
+            machine,
+            fc: Default::default(),
         }
     }
 

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::status_pipe::{fail, report};
+use crate::status_pipe::report;
 
 use serde::{Deserialize, Serialize};
 
@@ -158,34 +158,8 @@ pub fn main(launch_file: &Path) -> ! {
             std::process::exit(1)
         }
     };
-    // stderr goes to a file beside the console: nobody reads the shim's terminal.
-    if let Ok(log) = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(launch.workdir.join("shim.log"))
-    {
-        // SAFETY: dup2 onto fd 2.
-        unsafe { libc::dup2(log.as_raw_fd(), 2) };
-    }
-    // Detach: fork, setsid, fork. The first process exits so the driver can reap it.
-    // SAFETY: the shim is single-threaded here.
-    match unsafe { libc::fork() } {
-        -1 => fail("fork"),
-        0 => {}
-        child => {
-            let mut status = 0;
-            // SAFETY: reaping our own child.
-            unsafe { libc::waitpid(child, &mut status, 0) };
-            std::process::exit(0)
-        }
-    }
-    // SAFETY: plain syscalls in a single-threaded process.
-    unsafe { libc::setsid() };
-    match unsafe { libc::fork() } {
-        -1 => fail("fork"),
-        0 => {}
-        _ => unsafe { libc::_exit(0) },
-    }
+    // stderr goes to a file beside the console.
+    crate::status_pipe::detach(&launch.workdir.join("shim.log"));
     match run(&launch) {
         Ok(()) => std::process::exit(0),
         Err(e) => {

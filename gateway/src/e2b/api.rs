@@ -775,6 +775,20 @@ async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
 /// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
 /// gateway acts as the control plane here: the request proved it holds the sandbox's
 /// access token.
+/// Readies sandbox `x` for a request to it: a paused one created with auto-resume is
+/// resumed (through the log), and one whose resume is under way (desired running,
+/// observed paused) is waited for, rather than the request meeting a frozen sandbox.
+/// Returns its state once it runs, or `None` if nothing was needed.
+pub(crate) async fn ready_for_traffic(st: &AppState, x: &Sandbox) -> R<Option<Sandbox>> {
+    if x.desired == Desired::Paused && x.auto_resume {
+        auto_resume(st, &x.id).await.map(Some)
+    } else if x.desired == Desired::Running && x.observed == Observed::Paused {
+        wait_ready(st, &x.id).await.map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
 pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
     let headers = HeaderMap::new();
     let spent = st.node.read(|s| s.sandboxes.sandboxes.get(id).is_some_and(|x| x.expires_at_ms.is_none() && x.auto_pause));

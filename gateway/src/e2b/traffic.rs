@@ -16,7 +16,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use opendsec_control::SandboxTokenKind;
-use opendsec_projections::{Desired, Observed};
+use opendsec_projections::Desired;
 use serde_json::json;
 
 use super::api::E2bError;
@@ -157,12 +157,9 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
     }
     let found = st.node.read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
     let Some(mut x) = found else { return Err(not_found(&id)) };
-    if x.desired == Desired::Paused {
-        // admit() let it through: it resumes on this request (E2B auto-resume).
-        x = super::api::auto_resume(st, &id).await.map_err(IntoResponse::into_response)?;
-    } else if x.observed == Observed::Paused {
-        // Its resume is asked for and the edge has yet to report it done.
-        x = super::api::wait_ready(st, &id).await.map_err(IntoResponse::into_response)?;
+    // admit() let a paused one through only with auto-resume: it resumes on this request.
+    if let Some(running) = super::api::ready_for_traffic(st, &x).await.map_err(IntoResponse::into_response)? {
+        x = running;
     }
     let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
     let Some(address) = address else {

@@ -10,7 +10,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode, Uri};
 use axum::response::Response;
 use base64::Engine;
-use opendsec_projections::{Desired, Observed, Right};
+use opendsec_projections::Right;
 use opendsec_sdk::types as api;
 
 use crate::error::ApiError;
@@ -62,7 +62,7 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
     ))]
 pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)): PathParam<(String, String)>, req: Request) -> Result<Response, ApiError> {
     who.require(Right::SandboxWrite)?;
-    let (address, resume) = st.node.read(|s| {
+    let (address, x) = st.node.read(|s| {
         let x = s.sandboxes.sandboxes.get(&id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
         if !who.sees(s, &x.project) {
             return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
@@ -71,28 +71,11 @@ pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)
             return Err(ApiError::new(StatusCode::CONFLICT, "conflict", format!("sandbox {id} has ended")));
         }
         let edge = s.placement.edges.get(&x.edge).ok_or_else(|| edge_unreachable(format!("the edge {} of sandbox {id} is not registered", x.edge)))?;
-        // Desired running but observed paused: a resume is under way.
-        let resume = if x.desired == Desired::Paused && x.auto_resume {
-            Some(true)
-        } else if x.desired == Desired::Running && x.observed == Observed::Paused {
-            Some(false)
-        } else {
-            None
-        };
-        Ok((edge.address.clone(), resume))
+        Ok((edge.address.clone(), x.clone()))
     })?;
-    match resume {
-        // A paused sandbox created with auto_resume resumes on this request, as on E2B's
-        // traffic path (a microVM is restored into a new VMM meanwhile).
-        Some(true) => {
-            crate::e2b::api::auto_resume(&st, &id).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
-        }
-        // The request waits for a resume under way rather than meeting a frozen sandbox.
-        Some(false) => {
-            crate::e2b::api::wait_ready(&st, &id).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("waiting for sandbox {id} to resume: {}", e.message)))?;
-        }
-        None => {}
-    }
+    // A paused sandbox created with auto_resume resumes on this request (a microVM is
+    // restored into a new VMM meanwhile); a resume under way is waited for.
+    crate::e2b::api::ready_for_traffic(&st, &x).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
     let user = match req.headers().get(USER_HEADER) {
         None => None,
         Some(v) => {

@@ -49,35 +49,35 @@ impl Drop for Up {
             // The temp dir goes away with the test: show what the server said first.
             eprintln!("--- opendsec up (last lines) ---\n{}", self.log_tail(60));
         }
-        // Leave no container behind: remove every sandbox of this test's edge.
-        let edge = self.data_dir().join("edge");
-        if let Ok(entries) = std::fs::read_dir(edge.join("sandboxes")) {
-            for e in entries.flatten() {
-                let id = e.file_name().to_string_lossy().to_string();
-                for rt in ["crun", "runc"] {
-                    let root = edge.join("runtime").join(rt);
-                    let _ = Command::new(rt).arg("--root").arg(&root).args(["delete", "--force", &id]).output();
-                }
-                let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
-                let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
+        // Leave no container or VM behind.
+        cleanup_edge(&self.data_dir().join("edge"));
+    }
+}
+
+/// Removes what an edge with data directory `root` left running: its containers and
+/// their mounts, its VMs' QEMU processes (not the edge's children) and their network
+/// namespaces.
+pub fn cleanup_edge(root: &Path) {
+    for e in std::fs::read_dir(root.join("sandboxes")).into_iter().flatten().flatten() {
+        let id = e.file_name().to_string_lossy().to_string();
+        for rt in ["crun", "runc"] {
+            let _ = Command::new(rt).arg("--root").arg(root.join("runtime").join(rt)).args(["delete", "--force", &id]).output();
+        }
+        let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
+        let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
+    }
+    for e in std::fs::read_dir(root.join("vms").join("vms")).into_iter().flatten().flatten() {
+        let dir = e.path();
+        if let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
+                // A QEMU this edge started: its command line names the VM's directory.
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
             }
         }
-        // And no microVM: its QEMU (not the edge's child) and its network namespace.
-        if let Ok(entries) = std::fs::read_dir(edge.join("vms").join("vms")) {
-            for e in entries.flatten() {
-                let dir = e.path();
-                if let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
-                    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                    if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
-                        // A QEMU this test's edge started: its command line names the VM's directory.
-                        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-                    }
-                }
-                let netns = std::fs::read(dir.join("vm.json")).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()).and_then(|v| v["netns"].as_str().map(str::to_string));
-                if let Some(n) = netns {
-                    let _ = Command::new("ip").args(["netns", "delete", &n]).output();
-                }
-            }
+        let netns = std::fs::read(dir.join("vm.json")).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()).and_then(|v| v["netns"].as_str().map(str::to_string));
+        if let Some(n) = netns {
+            let _ = Command::new("ip").args(["netns", "delete", &n]).output();
         }
     }
 }

@@ -369,31 +369,7 @@ pub(super) fn create(
         let _lock = lock_file(&dir.join("lock"))?;
         let uid = inner.allocate_uid(&spec.id)?;
         claimed_uid = Some(uid);
-        let mut record = VmRecord {
-            // Firecracker takes no part in QEMU 7.2's TCG migration workaround.
-            ram_trimmed: false,
-            id: spec.id.clone(),
-            image: spec.image.name.clone(),
-            layers: spec.image.layers.clone(),
-            memory_mb: spec.memory_mb,
-            vcpus: spec.vcpus,
-            disk_mb: spec.disk_mb,
-            uid,
-            groups: Vec::new(),
-            netns: netns.clone(),
-            vmlinux: inner.boot.kernel.vmlinux(),
-            root_disk,
-            accel: Accel::Kvm,
-            tsc_khz: None,
-            ram: RamMode::Shared,
-            state: VmState::Running,
-            pid: None,
-            pid_start: None,
-            forked_from: None,
-            vmm: Vmm::Firecracker,
-            machine: Machine::Microvm,
-            fc: FcRecord::default(),
-        };
+        let mut record = inner.fresh_record(spec, uid, &netns, root_disk, Vmm::Firecracker, Machine::Microvm);
         inner.prepare_dir(&dir, uid)?;
         create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
         write_vm_initrd(
