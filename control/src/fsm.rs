@@ -9,15 +9,34 @@ use std::sync::mpsc;
 use opendsec_commands::InFlight;
 use std::sync::{Arc, Mutex};
 
-/// index -> encoded State as of that index.
-const CHECKPOINTS: TableDefinition<u64, &[u8]> = TableDefinition::new("checkpoints");
+/// index -> the encoded State as of that index, without its audit records (they are
+/// in [`AUDIT`]), so a checkpoint costs what changed, not the whole history.
+const CHECKPOINTS: TableDefinition<u64, &[u8]> = TableDefinition::new("checkpoints_v2");
 /// index -> leader time of that index (to find a checkpoint by time).
 const CHECKPOINT_TIMES: TableDefinition<u64, u64> = TableDefinition::new("checkpoint_times");
+/// index -> the audit record of that index (JSON), written once, shared by every
+/// checkpoint at or after it.
+const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_records");
+/// The first format: a whole State per checkpoint. Dropped at open (checkpoints are a
+/// cache of what the log holds).
+const CHECKPOINTS_V1: TableDefinition<u64, &[u8]> = TableDefinition::new("checkpoints");
+
+/// What the apply path hands to the checkpoint writer.
+struct CheckpointWork {
+    index: u64,
+    time_ms: u64,
+    /// The state without audit records.
+    core: Vec<u8>,
+    /// Audit records newer than the previous checkpoint's: (index, JSON).
+    audit: Vec<(u64, Vec<u8>)>,
+}
 
 pub struct Fsm {
     pub state: State,
     checkpoint_every: u64,
-    checkpoints: Option<mpsc::Sender<(u64, u64, Vec<u8>)>>,
+    checkpoints: Option<mpsc::Sender<CheckpointWork>>,
+    /// Audit records with an index up to this one are in the checkpoint file already.
+    audit_saved: u64,
     /// The leader's in-flight overlay: a batch's reservation (keyed by its seed) ends the
     /// moment the batch is applied, so nothing is counted twice (state + overlay).
     inflight: Option<Arc<Mutex<InFlight>>>,
@@ -25,7 +44,30 @@ pub struct Fsm {
 
 impl Fsm {
     pub fn new(checkpoint_every: u64, checkpoints: Option<&Checkpoints>, inflight: Option<Arc<Mutex<InFlight>>>) -> Fsm {
-        Fsm { state: State::new(), checkpoint_every: checkpoint_every.max(1), checkpoints: checkpoints.map(|c| c.writer()), inflight }
+        Fsm {
+            state: State::new(),
+            checkpoint_every: checkpoint_every.max(1),
+            audit_saved: checkpoints.map(|c| c.audit_saved).unwrap_or(0),
+            checkpoints: checkpoints.map(|c| c.writer()),
+            inflight,
+        }
+    }
+
+    /// Serialises a checkpoint of the current state: the state without its audit
+    /// records, plus the records the checkpoint file does not hold yet. Runs on the
+    /// apply path (the state must not change under it), so it costs what changed since
+    /// the last checkpoint plus the non-audit views, never the whole audit history.
+    fn checkpoint(&mut self) -> CheckpointWork {
+        let records = std::mem::take(&mut self.state.audit.records);
+        let core = self.state.to_bytes();
+        let from = records.partition_point(|r| r.index <= self.audit_saved);
+        let audit = records[from..]
+            .iter()
+            .map(|r| (r.index, serde_json::to_vec(r).expect("audit records serialise")))
+            .collect();
+        self.state.audit.records = records;
+        self.audit_saved = self.audit_saved.max(self.state.index);
+        CheckpointWork { index: self.state.index, time_ms: self.state.time_ms, core, audit }
     }
 }
 
@@ -42,11 +84,12 @@ impl StateMachine for Fsm {
             }
             Err(_) => self.state.apply_encoded(index, payload),
         };
-        if index % self.checkpoint_every == 0 {
+        if index % self.checkpoint_every == 0 && self.checkpoints.is_some() {
+            // Serialised here (the state must not change under it), written by a
+            // background thread so the apply path never waits for a disk commit.
+            let work = self.checkpoint();
             if let Some(tx) = &self.checkpoints {
-                // Serialised here (the state must not change under it), written by a
-                // background thread so the apply path never waits for a disk commit.
-                let _ = tx.send((index, self.state.time_ms, self.state.to_bytes()));
+                let _ = tx.send(work);
             }
         }
         serde_json::to_vec(&outcome).expect("outcome serialises")
@@ -58,6 +101,9 @@ impl StateMachine for Fsm {
 
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
         self.state = State::from_bytes(snapshot)?;
+        // Records below what the file holds are identical (the log is the same log);
+        // records past it are written by the next checkpoint.
+        self.audit_saved = self.audit_saved.min(self.state.index);
         Ok(())
     }
 }
@@ -66,27 +112,35 @@ impl StateMachine for Fsm {
 #[derive(Clone)]
 pub struct Checkpoints {
     db: Arc<Database>,
+    /// The newest audit record in the file when it was opened.
+    audit_saved: u64,
 }
 
 impl Checkpoints {
     pub fn open(path: &Path) -> Result<Checkpoints, redb::Error> {
         let db = Database::create(path)?;
         let tx = db.begin_write()?;
+        // A file of the first format: its whole-state rows go, and with them the times
+        // that pointed at them.
+        if tx.delete_table(CHECKPOINTS_V1)? {
+            tx.delete_table(CHECKPOINT_TIMES)?;
+        }
         tx.open_table(CHECKPOINTS)?;
         tx.open_table(CHECKPOINT_TIMES)?;
+        let audit_saved = tx.open_table(AUDIT)?.last()?.map(|(k, _)| k.value()).unwrap_or(0);
         tx.commit()?;
-        Ok(Checkpoints { db: Arc::new(db) })
+        Ok(Checkpoints { db: Arc::new(db), audit_saved })
     }
 
-    fn writer(&self) -> mpsc::Sender<(u64, u64, Vec<u8>)> {
-        let (tx, rx) = mpsc::channel::<(u64, u64, Vec<u8>)>();
+    fn writer(&self) -> mpsc::Sender<CheckpointWork> {
+        let (tx, rx) = mpsc::channel::<CheckpointWork>();
         let db = self.db.clone();
         std::thread::Builder::new()
             .name("checkpoint-writer".into())
             .spawn(move || {
-                for (index, time_ms, bytes) in rx {
-                    if let Err(e) = write_checkpoint(&db, index, time_ms, &bytes) {
-                        tracing::warn!(index, error = %e, "could not write a replay checkpoint; replay will fold from an older one");
+                for work in rx {
+                    if let Err(e) = write_checkpoint(&db, &work) {
+                        tracing::warn!(index = work.index, error = %e, "could not write a replay checkpoint; replay will fold from an older one");
                     }
                 }
             })
@@ -99,11 +153,18 @@ impl Checkpoints {
         let rx = self.db.begin_read().map_err(|e| e.to_string())?;
         let t = rx.open_table(CHECKPOINTS).map_err(|e| e.to_string())?;
         let found = t.range(..=index).map_err(|e| e.to_string())?.next_back();
-        match found {
-            Some(Ok((_, v))) => State::from_bytes(v.value()).map(Some),
-            Some(Err(e)) => Err(e.to_string()),
-            None => Ok(None),
+        let mut state = match found {
+            Some(Ok((_, v))) => State::from_bytes(v.value())?,
+            Some(Err(e)) => return Err(e.to_string()),
+            None => return Ok(None),
+        };
+        let audit = rx.open_table(AUDIT).map_err(|e| e.to_string())?;
+        for row in audit.range(..=state.index).map_err(|e| e.to_string())? {
+            let (_, v) = row.map_err(|e| e.to_string())?;
+            let record = serde_json::from_slice(v.value()).map_err(|e| format!("an audit record in the checkpoint file does not decode: {e}"))?;
+            state.audit.records.push(record);
         }
+        Ok(Some(state))
     }
 
     /// The newest checkpoint whose state was reached at or before `time_ms`.
@@ -126,14 +187,128 @@ impl Checkpoints {
     }
 }
 
-fn write_checkpoint(db: &Database, index: u64, time_ms: u64, bytes: &[u8]) -> Result<(), redb::Error> {
+fn write_checkpoint(db: &Database, work: &CheckpointWork) -> Result<(), redb::Error> {
     let tx = db.begin_write()?;
     {
+        // The records first: a checkpoint row is only ever seen with its records.
+        let mut audit = tx.open_table(AUDIT)?;
+        for (index, record) in &work.audit {
+            audit.insert(*index, record.as_slice())?;
+        }
         let mut t = tx.open_table(CHECKPOINTS)?;
-        t.insert(index, bytes)?;
+        t.insert(work.index, work.core.as_slice())?;
         let mut times = tx.open_table(CHECKPOINT_TIMES)?;
-        times.insert(index, time_ms)?;
+        times.insert(work.index, work.time_ms)?;
     }
     tx.commit()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn wait_for_checkpoint(c: &Checkpoints, index: u64) -> State {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(s) = c.at_or_before_index(index).unwrap().filter(|s| s.index == index) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "no checkpoint at {index}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Every payload here is undecodable: each still leaves an audit record, which is
+    /// what checkpoints store apart from the rest of the state.
+    fn apply_n(fsm: &mut Fsm, from: u64, to: u64) -> Vec<State> {
+        (from..=to)
+            .map(|i| {
+                fsm.apply(i, format!("not a batch {i}").as_bytes());
+                fsm.state.clone()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_checkpoint_reads_back_as_the_state_at_its_index_audit_included() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Checkpoints::open(&dir.path().join("c.redb")).unwrap();
+        let mut fsm = Fsm::new(4, Some(&c), None);
+        let states = apply_n(&mut fsm, 1, 12);
+        for k in [4u64, 8, 12] {
+            let back = wait_for_checkpoint(&c, k);
+            assert_eq!(back.audit.records.len(), k as usize);
+            assert_eq!(back.to_bytes(), states[k as usize - 1].to_bytes(), "checkpoint {k}");
+        }
+        // Between checkpoints, the newest one before.
+        assert_eq!(c.at_or_before_index(7).unwrap().unwrap().index, 4);
+        assert!(c.at_or_before_index(3).unwrap().is_none());
+    }
+
+    #[test]
+    fn each_audit_record_is_written_once_and_a_reopened_file_goes_on_from_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.redb");
+        let states = {
+            let c = Checkpoints::open(&path).unwrap();
+            let mut fsm = Fsm::new(5, Some(&c), None);
+            let s = apply_n(&mut fsm, 1, 10);
+            wait_for_checkpoint(&c, 10);
+            // The second checkpoint carried only the five records after the first.
+            assert_eq!(fsm.audit_saved, 10);
+            s
+        };
+        // A restarted node replays its log from the start: the records are in the file.
+        // (The old writer thread lets go of the file once it has seen its sender drop.)
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let c = loop {
+            match Checkpoints::open(&path) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => panic!("reopen: {e}"),
+            }
+        };
+        assert_eq!(c.audit_saved, 10);
+        let mut fsm = Fsm::new(5, Some(&c), None);
+        let mut all = apply_n(&mut fsm, 1, 10);
+        all.extend(apply_n(&mut fsm, 11, 15));
+        assert_eq!(all[9].to_bytes(), states[9].to_bytes());
+        let back = wait_for_checkpoint(&c, 15);
+        assert_eq!(back.to_bytes(), all[14].to_bytes());
+        assert_eq!(wait_for_checkpoint(&c, 5).to_bytes(), states[4].to_bytes());
+    }
+
+    #[test]
+    fn a_restored_snapshot_behind_the_file_rewrites_the_records_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Checkpoints::open(&dir.path().join("c.redb")).unwrap();
+        let mut fsm = Fsm::new(3, Some(&c), None);
+        let states = apply_n(&mut fsm, 1, 6);
+        wait_for_checkpoint(&c, 6);
+        fsm.restore(&states[1].to_bytes()).unwrap();
+        assert_eq!(fsm.audit_saved, 2);
+        let again = apply_n(&mut fsm, 3, 9);
+        assert_eq!(wait_for_checkpoint(&c, 9).to_bytes(), again.last().unwrap().to_bytes());
+    }
+
+    #[test]
+    fn a_file_of_the_first_format_is_cleared_not_misread() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.redb");
+        {
+            let db = Database::create(&path).unwrap();
+            let tx = db.begin_write().unwrap();
+            tx.open_table(CHECKPOINTS_V1).unwrap().insert(5, b"{\"whole\":\"state\"}".as_slice()).unwrap();
+            tx.open_table(CHECKPOINT_TIMES).unwrap().insert(5, 1).unwrap();
+            tx.commit().unwrap();
+        }
+        let c = Checkpoints::open(&path).unwrap();
+        assert!(c.at_or_before_index(10).unwrap().is_none());
+        assert!(c.at_or_before_time(u64::MAX).unwrap().is_none());
+    }
 }

@@ -20,7 +20,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tonic::transport::Channel;
 
 /// How a control node is set up.
 #[derive(Clone, Debug)]
@@ -49,7 +48,7 @@ impl ControlConfig {
             peer_addr: peer_addr.into(),
             cluster_key: cluster_key.into(),
             checkpoint_every: 10_000,
-            snapshot_every: 10_000,
+            snapshot_every: 100_000,
             keep_after_snapshot: 1_000,
             archive_retention: None,
         }
@@ -111,7 +110,7 @@ struct Inner {
     cfg: ControlConfig,
     inflight: Arc<Mutex<InFlight>>,
     checkpoints: Checkpoints,
-    leaders: Mutex<BTreeMap<String, ControlClient<Channel>>>,
+    leaders: Mutex<BTreeMap<String, crate::peer::Forwarder>>,
     heartbeats: Mutex<BTreeMap<String, EdgeHeartbeat>>,
 }
 
@@ -325,31 +324,36 @@ impl ControlNode {
     }
 
     async fn forward(&self, leader: &str, bearer: &str, request_id: &str, cmd: &Command) -> Result<Submitted, SubmitError> {
-        let mut client = self.leader_client(leader).await?;
+        let forwarder = self.forwarder(leader)?;
         let req = SubmitRequest {
             bearer: bearer.to_string(),
             request_id: request_id.to_string(),
             command_json: serde_json::to_string(cmd).map_err(internal)?,
         };
-        let reply = client.submit(req).await.map_err(|s| {
-            self.inner.leaders.lock().expect("leaders lock").remove(leader);
-            SubmitError::Unavailable(format!("leader {leader}: {}", s.message()))
+        let reply = forwarder.submit(req).await.map_err(|m| {
+            let mut leaders = self.inner.leaders.lock().expect("leaders lock");
+            if leaders.get(leader).is_some_and(|f| f.is_closed()) {
+                leaders.remove(leader);
+            }
+            SubmitError::Unavailable(format!("leader {leader}: {m}"))
         })?;
-        crate::peer::reply_to_result(reply.into_inner())
+        crate::peer::reply_to_result(reply)
     }
 
-    async fn leader_client(&self, addr: &str) -> Result<ControlClient<Channel>, SubmitError> {
-        if let Some(c) = self.inner.leaders.lock().expect("leaders lock").get(addr) {
-            return Ok(c.clone());
+    /// The stream of forwarded writes to `addr`, opened on first use and again after it broke.
+    fn forwarder(&self, addr: &str) -> Result<crate::peer::Forwarder, SubmitError> {
+        let mut leaders = self.inner.leaders.lock().expect("leaders lock");
+        if let Some(f) = leaders.get(addr).filter(|f| !f.is_closed()) {
+            return Ok(f.clone());
         }
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .map_err(internal)?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
             .connect_lazy();
-        let c = ControlClient::new(ch);
-        self.inner.leaders.lock().expect("leaders lock").insert(addr.to_string(), c.clone());
-        Ok(c)
+        let f = crate::peer::Forwarder::new(ControlClient::new(ch));
+        leaders.insert(addr.to_string(), f.clone());
+        Ok(f)
     }
 
     /// Rebuilds the state as it was at `until`, from the newest checkpoint before it.
@@ -467,3 +471,4 @@ enum NotHere {
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
+

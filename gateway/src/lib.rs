@@ -190,3 +190,4 @@ fn error_kind(e: &opendsec_control::SubmitError) -> &'static str {
         opendsec_control::SubmitError::Internal(_) => "internal",
     }
 }
+

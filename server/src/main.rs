@@ -36,8 +36,10 @@ struct NodeArgs {
     /// File holding the cluster key (created if missing). Defaults to <data-dir>/cluster.key.
     #[arg(long)]
     cluster_key_file: Option<PathBuf>,
-    /// Raft snapshot and log compaction (into the archive) every this many entries.
-    #[arg(long, default_value_t = 10_000)]
+    /// Raft snapshot and log compaction (into the archive) every this many entries (as
+    /// etcd's --snapshot-count: a snapshot serialises every view, the whole audit
+    /// history included, so it is taken rarely; replay uses its own checkpoints).
+    #[arg(long, default_value_t = 100_000)]
     snapshot_every: u64,
     /// Replay checkpoint every this many entries.
     #[arg(long, default_value_t = 10_000)]
