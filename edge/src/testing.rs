@@ -28,7 +28,30 @@ pub async fn start_agent(socket: &Path) -> tokio::process::Child {
     panic!("opendsec-agent did not listen on {} within 5 s", socket.display());
 }
 
-/// A loopback port nothing listens on (bound, then released).
+/// A loopback port nothing listens on (bound, then released), for a server a test
+/// starts next. It is taken below the kernel's ephemeral range: a port from `bind(0)`
+/// comes from that range, where any outgoing connection of a test running beside this
+/// one may take it as its source port before the server binds it. Below the range only
+/// another test's explicit bind can take it, and the start is random.
 pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    static TRIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    if low > FIRST + 1000 {
+        let span = u64::from(low - FIRST);
+        for _ in 0..200 {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(TRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            h.write_u32(std::process::id());
+            let port = FIRST + (h.finish() % span) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port").local_addr().expect("its address").port()
 }

@@ -16,9 +16,7 @@ fn static_agent() -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use opendsec_edge::testing::free_port;
 
 struct Up {
     dir: tempfile::TempDir,

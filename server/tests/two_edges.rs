@@ -13,9 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use up::cleanup_edge;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use opendsec_edge::testing::free_port;
 
 fn static_agent() -> PathBuf {
     let p = std::env::var_os("OPENDSEC_TEST_AGENT")

@@ -23,9 +23,7 @@ pub struct Cluster {
     pub http: reqwest::Client,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use opendsec_edge::testing::free_port;
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_opendsec")

@@ -20,9 +20,7 @@ pub fn static_agent() -> PathBuf {
     p
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+pub use opendsec_edge::testing::free_port;
 
 /// Host-name routing over TLS: `--domain` and `--tls-listen`.
 pub struct Tls {
