@@ -350,6 +350,11 @@ impl ControlNode {
             .map_err(internal)?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
+            // A leader that stops answering (hung, or cut off without a reset) is noticed
+            // by HTTP/2 pings, which end the stream and fail the writes waiting on it.
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true)
             .connect_lazy();
         let f = crate::peer::Forwarder::new(ControlClient::new(ch));
         leaders.insert(addr.to_string(), f.clone());
