@@ -55,3 +55,20 @@ pub fn free_port() -> u16 {
     }
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port").local_addr().expect("its address").port()
 }
+
+/// A Python program for tests of memory state: a counter that lives only in the memory
+/// of a guest process; each connection to 127.0.0.1:7777 adds one and reads the new
+/// value back.
+pub const COUNTER: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7777))
+s.listen(8)
+n = 0
+while True:
+    c, _ = s.accept()
+    n += 1
+    c.sendall(b"%d\n" % n)
+    c.close()
+"#;

@@ -16,9 +16,10 @@ mod up;
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-use up::{cleanup_edge, free_port, static_agent};
+use opendsec_edge::testing::COUNTER;
+use up::{free_port, send_json, static_agent, Procs};
 
 fn figure(name: &str, value: impl std::fmt::Display) {
     eprintln!("figure: {name} = {value}");
@@ -26,56 +27,29 @@ fn figure(name: &str, value: impl std::fmt::Display) {
 
 /// A control node and the edges e1 and e2, each its own process.
 struct Cluster {
-    dir: tempfile::TempDir,
+    procs: Procs,
     http: String,
     admin: String,
     key: String,
     client: reqwest::Client,
-    children: Vec<(String, Child)>,
     /// Per edge: its arguments and proxy address.
     edges: Vec<(String, Vec<String>, String)>,
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for (_, c) in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        // The processes stop and the edges are cleaned up when `procs` drops, next.
         if std::thread::panicking() {
             for (name, _, _) in &self.edges {
                 eprintln!("--- {name} (last lines) ---\n{}", self.log_tail(name, 40));
             }
         }
-        for (name, _, _) in &self.edges {
-            cleanup_edge(&self.dir.path().join(name));
-        }
     }
 }
 
 impl Cluster {
-    fn spawn(&mut self, name: &str, args: &[String]) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log"))).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
-            .args(args)
-            .env("RUST_LOG", "info,openraft=warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.children.push((name.to_string(), child));
-    }
-
-    fn kill9(&mut self, name: &str) {
-        if let Some(i) = self.children.iter().position(|(n, _)| n == name) {
-            let (_, mut c) = self.children.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
     fn log(&self, name: &str) -> String {
-        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+        std::fs::read_to_string(self.procs.dir.path().join(format!("{name}.log"))).unwrap_or_default()
     }
 
     fn log_tail(&self, name: &str, lines: usize) -> String {
@@ -86,14 +60,14 @@ impl Cluster {
 
     /// Starts a control node; edges are started with [`Cluster::start_edge`].
     async fn start() -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
+        let procs = Procs::new(&["e1", "e2"]);
         let (http, peer) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
-        let data = dir.path().join("control");
+        let data = procs.dir.path().join("control");
         let data_s = data.to_string_lossy().to_string();
-        let mut c = Cluster { dir, http: http.clone(), admin: String::new(), key: String::new(), client: reqwest::Client::new(), children: vec![], edges: vec![] };
+        let mut c = Cluster { procs, http: http.clone(), admin: String::new(), key: String::new(), client: reqwest::Client::new(), edges: vec![] };
         let args: Vec<String> = ["up", "--no-edge", "--data-dir", &data_s, "--listen", &http, "--peer-listen", &peer].iter().map(|s| s.to_string()).collect();
-        c.spawn("control", &args);
-        let token_file = c.dir.path().join("admin.token");
+        c.procs.spawn("control", &args);
+        let token_file = c.procs.dir.path().join("admin.token");
         let out = Command::new(env!("CARGO_BIN_EXE_opendsec")).args(["init", "--peer", &peer, "--data-dir", &data_s, "--token-file"]).arg(&token_file).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         c.admin = std::fs::read_to_string(&token_file).unwrap().trim().to_string();
@@ -102,13 +76,13 @@ impl Cluster {
         let (_, me) = c.send(reqwest::Method::GET, "/v1/whoami", None).await;
         let (s, issued) = c.send(reqwest::Method::POST, "/v1/tokens", Some(json!({"project": me["project"], "name": "edges", "rights": ["edge:write"]}))).await;
         assert!(s < 300, "{s} {issued}");
-        std::fs::write(c.dir.path().join("edge.token"), issued["token"].as_str().unwrap()).unwrap();
+        std::fs::write(c.procs.dir.path().join("edge.token"), issued["token"].as_str().unwrap()).unwrap();
         let agent = static_agent().to_string_lossy().to_string();
         for name in ["e1", "e2"] {
-            let edge_dir = c.dir.path().join(name).to_string_lossy().to_string();
+            let edge_dir = c.procs.dir.path().join(name).to_string_lossy().to_string();
             let listen = format!("127.0.0.1:{}", free_port());
             let args: Vec<String> = [
-                "edge", "--control", &peer, "--token-file", &c.dir.path().join("edge.token").to_string_lossy(), "--cluster-key-file",
+                "edge", "--control", &peer, "--token-file", &c.procs.dir.path().join("edge.token").to_string_lossy(), "--cluster-key-file",
                 &data.join("cluster.key").to_string_lossy(), "--data-dir", &edge_dir, "--edge-name", name, "--edge-listen", &listen, "--agent", &agent,
                 "--disk-mb", "256", "--edge-sandboxes", "20", "--microvm", "on",
             ]
@@ -123,7 +97,7 @@ impl Cluster {
     /// Starts edge `name` and waits until it is registered and its microVMs are ready.
     async fn start_edge(&mut self, name: &str) {
         let (_, args, _) = self.edges.iter().find(|(n, _, _)| n == name).unwrap().clone();
-        self.spawn(name, &args);
+        self.procs.spawn(name, &args);
         let deadline = Instant::now() + Duration::from_secs(600);
         loop {
             let (_, v) = self.send(reqwest::Method::GET, "/v1/edges", None).await;
@@ -143,18 +117,7 @@ impl Cluster {
     }
 
     async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut req = self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.admin).timeout(Duration::from_secs(60));
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        match req.send().await {
-            Ok(r) => {
-                let s = r.status().as_u16();
-                let text = r.text().await.unwrap_or_default();
-                (s, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-            }
-            Err(e) => (0, Value::String(e.to_string())),
-        }
+        send_json(self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.admin).timeout(Duration::from_secs(60)), body).await
     }
 
     async fn create(&self, body: Value) -> String {
@@ -214,21 +177,6 @@ impl Cluster {
     }
 }
 
-/// A counter that lives only in the memory of a guest process: each connection to
-/// 127.0.0.1:7777 adds one and reads the new value back.
-const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
 
 async fn count(c: &Cluster, id: &str) -> u64 {
     let out = c.exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]).await;
@@ -266,7 +214,7 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
 async fn transfers_cleaned(c: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let left: Vec<PathBuf> = ["e1/transfers", "e2/imports"].iter().flat_map(|d| files_under(&c.dir.path().join(d))).collect();
+        let left: Vec<PathBuf> = ["e1/transfers", "e2/imports"].iter().flat_map(|d| files_under(&c.procs.dir.path().join(d))).collect();
         if left.is_empty() {
             return;
         }
@@ -314,7 +262,7 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     // Each copy is a QEMU of e2's (its directory under e2's data), the source one of e1's.
     for (id, edge) in [(&ids[0], "e2"), (&ids[1], "e2"), (&src, "e1")] {
         let cmdline = qemu_cmdline(id).unwrap_or_else(|| panic!("no QEMU runs {id}"));
-        assert!(cmdline.contains(&*c.dir.path().join(edge).join("vms").to_string_lossy()), "{id} runs under {edge}: {cmdline}");
+        assert!(cmdline.contains(&*c.procs.dir.path().join(edge).join("vms").to_string_lossy()), "{id} runs under {edge}: {cmdline}");
     }
     let pulls = c.pulls("e2");
     assert_eq!(pulls.len(), 1, "one pull for both copies: {pulls:?}");
@@ -378,7 +326,7 @@ async fn a_container_forked_to_another_edge_carries_its_files_and_a_copy_whose_s
     transfers_cleaned(&c).await;
 
     // The source's edge is down: the copy cannot get its state and fails, saying why.
-    c.kill9("e1");
+    c.procs.kill9("e1");
     let t = Instant::now();
     let copies = c.fork(&src, json!({"count": 1, "edge": "e2"})).await;
     let lost = copies[0]["id"].as_str().unwrap().to_string();
@@ -386,5 +334,5 @@ async fn a_container_forked_to_another_edge_carries_its_files_and_a_copy_whose_s
     let reason = v["reason"].as_str().unwrap_or_default().to_string();
     eprintln!("a copy whose source edge is down: {reason} (after {} ms)", t.elapsed().as_millis());
     assert!(reason.contains("source edge e1") && reason.contains("unreachable"), "{v}");
-    assert!(files_under(&c.dir.path().join("e2/imports")).is_empty(), "nothing is left of the failed pull");
+    assert!(files_under(&c.procs.dir.path().join("e2/imports")).is_empty(), "nothing is left of the failed pull");
 }

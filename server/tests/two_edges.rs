@@ -8,60 +8,11 @@ mod up;
 
 use opendsec_sdk::{Client, ExecRequest};
 use serde_json::{json, Value};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-use up::cleanup_edge;
+use up::{static_agent, Procs};
 
 use opendsec_edge::testing::free_port;
-
-fn static_agent() -> PathBuf {
-    let p = std::env::var_os("OPENDSEC_TEST_AGENT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent"));
-    assert!(p.is_file(), "the static agent {} is missing: run ./ops/test.sh", p.display());
-    p
-}
-
-struct Procs {
-    dir: tempfile::TempDir,
-    children: Vec<(String, Child)>,
-}
-
-impl Procs {
-    fn spawn(&mut self, name: &str, args: &[&str]) {
-        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
-            .args(args)
-            .env("RUST_LOG", "info,openraft=warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.children.push((name.to_string(), child));
-    }
-
-    fn kill9(&mut self, name: &str) {
-        if let Some(i) = self.children.iter().position(|(n, _)| n == name) {
-            let (_, mut c) = self.children.remove(i);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        for edge in ["e1", "e2"] {
-            let root = self.dir.path().join(edge);
-            cleanup_edge(&root);
-        }
-    }
-}
 
 async fn wait<T>(within: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + within;
@@ -102,7 +53,7 @@ struct Setup {
 
 /// A control node (`up --no-edge`) and two `opendsec edge` processes, e1 and e2.
 async fn setup(e1_sandboxes: &str) -> Setup {
-    let mut p = Procs { dir: tempfile::tempdir().unwrap(), children: vec![] };
+    let mut p = Procs::new(&["e1", "e2"]);
     let (http, peer) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
     let data = p.dir.path().join("control");
     let data_s = data.to_string_lossy().to_string();

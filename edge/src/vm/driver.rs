@@ -1676,16 +1676,9 @@ impl VmHandle {
         })
     }
 
-    /// Fork with memory: a live copy of the source (see `precopy`: RAM and disk copied
-    /// while it runs; it stops only for the pages and blocks written meanwhile and its
-    /// device state), then each copy (one per id in `new_ids`) is a new VM restored from
-    /// it, mapping the frozen RAM privately, so the copies share every page none of them
-    /// has written.
-    pub fn fork(&self, new_ids: &[String]) -> Result<ForkReport, VmError> {
-        if self.on_firecracker()? {
-            return fc::fork(self, new_ids);
-        }
-        let started = Instant::now();
+    /// The ids of a fork's copies: 1 to [`MAX_FORK_COUNT`] valid ids, none given twice
+    /// (nor this VM's), none of a VM that exists.
+    pub(super) fn check_fork_ids(&self, new_ids: &[String]) -> Result<(), VmError> {
         if new_ids.is_empty() || new_ids.len() > MAX_FORK_COUNT {
             return Err(VmError::Invalid(format!(
                 "fork count must be 1 to {MAX_FORK_COUNT}, not {}",
@@ -1701,6 +1694,20 @@ impl VmHandle {
                 return Err(VmError::Exists(id.clone()));
             }
         }
+        Ok(())
+    }
+
+    /// Fork with memory: a live copy of the source (see `precopy`: RAM and disk copied
+    /// while it runs; it stops only for the pages and blocks written meanwhile and its
+    /// device state), then each copy (one per id in `new_ids`) is a new VM restored from
+    /// it, mapping the frozen RAM privately, so the copies share every page none of them
+    /// has written.
+    pub fn fork(&self, new_ids: &[String]) -> Result<ForkReport, VmError> {
+        if self.on_firecracker()? {
+            return fc::fork(self, new_ids);
+        }
+        let started = Instant::now();
+        self.check_fork_ids(new_ids)?;
         // A VM whose copy cannot be live copies by stopping, which needs its RAM in a
         // shared file: a copy's private pages are first settled into a file of its own.
         let record = self.inner.record(&self.id)?;

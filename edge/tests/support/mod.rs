@@ -103,21 +103,7 @@ pub fn figure(name: &str, value: impl std::fmt::Display) {
     eprintln!("figure: {name} = {value}");
 }
 
-/// A counter that lives only in the memory of a guest process: each connection to
-/// 127.0.0.1:7777 in the guest adds one and reads the new value back.
-pub const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
+pub use opendsec_edge::testing::COUNTER;
 
 /// Starts the [`COUNTER`] in the guest and waits until it listens (python starts
 /// slowly under TCG); the probe's connection counts once, so the counter starts at 1.

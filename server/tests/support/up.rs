@@ -80,6 +80,72 @@ pub fn cleanup_edge(root: &Path) {
     }
 }
 
+/// Named `opendsec` processes of one test, in one temporary directory: each logs to
+/// `<name>.log` there (appended to, so a restarted process's log follows the first
+/// one's). Dropping it kills every process still running, then cleans up the edges
+/// named at [`Procs::new`] (their directories are `<name>`), then removes the directory.
+pub struct Procs {
+    pub dir: tempfile::TempDir,
+    children: Vec<(String, Child)>,
+    edges: Vec<String>,
+}
+
+impl Procs {
+    pub fn new(edges: &[&str]) -> Procs {
+        Procs { dir: tempfile::tempdir().unwrap(), children: vec![], edges: edges.iter().map(|e| e.to_string()).collect() }
+    }
+
+    /// Starts `opendsec args` as `name`.
+    pub fn spawn<S: AsRef<std::ffi::OsStr>>(&mut self, name: &str, args: &[S]) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log"))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(args)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.children.push((name.to_string(), child));
+    }
+
+    /// SIGKILL of process `name`: nothing of its shutdown runs.
+    pub fn kill9(&mut self, name: &str) {
+        if let Some(i) = self.children.iter().position(|(n, _)| n == name) {
+            let (_, mut c) = self.children.remove(i);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for edge in &self.edges {
+            cleanup_edge(&self.dir.path().join(edge));
+        }
+    }
+}
+
+/// Sends `req` with `body` as JSON when there is one: (status, the JSON answer or its
+/// text); a request that got no answer is status 0 with the error.
+pub async fn send_json(mut req: reqwest::RequestBuilder, body: Option<Value>) -> (u16, Value) {
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    match req.send().await {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            let text = r.text().await.unwrap_or_default();
+            (s, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        }
+        Err(e) => (0, Value::String(e.to_string())),
+    }
+}
+
 impl Up {
     /// Starts `opendsec up` with the default image store (`/var/lib/opendsec/images`, where
     /// images are built once per machine), initialises it and waits for its edge.
@@ -234,18 +300,7 @@ impl Up {
 
     /// A request to the native API as the admin; the body is JSON when there is one.
     pub async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut req = self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token);
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        match req.send().await {
-            Ok(r) => {
-                let s = r.status().as_u16();
-                let text = r.text().await.unwrap_or_default();
-                (s, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-            }
-            Err(e) => (0, Value::String(e.to_string())),
-        }
+        send_json(self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token), body).await
     }
 
     /// Issues an E2B API key (`e2b_` + 40 hex digits) for the admin's project, the way a

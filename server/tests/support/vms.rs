@@ -65,21 +65,7 @@ pub async fn exec(up: &Up, id: &str, cmd: &str, args: &[&str]) -> String {
     out
 }
 
-/// A counter that lives only in the memory of a guest process: each connection to
-/// 127.0.0.1:7777 adds one and reads the new value back.
-pub const COUNTER: &str = r#"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 7777))
-s.listen(8)
-n = 0
-while True:
-    c, _ = s.accept()
-    n += 1
-    c.sendall(b"%d\n" % n)
-    c.close()
-"#;
+pub use opendsec_edge::testing::COUNTER;
 
 /// Starts the counter and waits until it listens (its first count is that probe's: 1).
 pub async fn start_counter(up: &Up, id: &str) {

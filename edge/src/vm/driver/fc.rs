@@ -611,21 +611,7 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
 pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmError> {
     let started = Instant::now();
     let inner = &vm.inner;
-    if new_ids.is_empty() || new_ids.len() > MAX_FORK_COUNT {
-        return Err(VmError::Invalid(format!(
-            "fork count must be 1 to {MAX_FORK_COUNT}, not {}",
-            new_ids.len()
-        )));
-    }
-    for (i, id) in new_ids.iter().enumerate() {
-        validate_id(id)?;
-        if new_ids[..i].contains(id) || id == &vm.id {
-            return Err(VmError::Invalid(format!("fork id {id} is given twice")));
-        }
-        if inner.vm_dir(id).exists() {
-            return Err(VmError::Exists(id.clone()));
-        }
-    }
+    vm.check_fork_ids(new_ids)?;
     let dir = vm.dir();
     let lock = lock_file(&dir.join("lock"))?;
     let (mut source, _pid) = vm.running_record("fork")?;
