@@ -125,6 +125,11 @@ impl Control for ControlService {
 
 type Waiter = oneshot::Sender<Result<SubmitReply, String>>;
 
+/// One write by unary `Submit`.
+async fn unary(mut client: ControlClient<Channel>, req: SubmitRequest) -> Result<SubmitReply, String> {
+    client.submit(req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string())
+}
+
 /// A follower's one stream of forwarded writes to one leader. Cloning shares it.
 /// Once the stream breaks, every write waiting on it fails (its outcome is unknown to
 /// this node, as with a broken call) and [`Forwarder::is_closed`] turns true: the node
@@ -153,7 +158,7 @@ impl Forwarder {
     /// Forwards one write and waits for the leader's reply.
     pub async fn submit(&self, req: SubmitRequest) -> Result<SubmitReply, String> {
         if self.unary.load(Ordering::Acquire) {
-            return self.client.clone().submit(req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string());
+            return unary(self.client.clone(), req).await;
         }
         let (tx, rx) = oneshot::channel();
         self.queue.send((req, tx)).map_err(|_| "the stream to the leader is closed".to_string())?;
@@ -167,15 +172,19 @@ impl Forwarder {
         while let Ok((req, waiter)) = rx.try_recv() {
             // Queued after the break: never sent, so safe to send again by unary call.
             if self.unary.load(Ordering::Acquire) {
-                let client = self.client.clone();
-                tokio::spawn(async move {
-                    let r = client.clone().submit(req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string());
-                    let _ = waiter.send(r);
-                });
+                self.unary_for(req, waiter);
             } else {
                 let _ = waiter.send(Err(why.clone()));
             }
         }
+    }
+
+    /// Sends `req` by unary call on a task of its own; `waiter` gets the reply.
+    fn unary_for(&self, req: SubmitRequest, waiter: Waiter) {
+        let client = self.client.clone();
+        tokio::spawn(async move {
+            let _ = waiter.send(unary(client, req).await);
+        });
     }
 
     /// Runs the stream until it breaks; returns why.
@@ -198,11 +207,7 @@ impl Forwarder {
                 self.unary.store(true, Ordering::Release);
                 // The first write was never decided: send it again, by unary call.
                 if let Some(w) = pending.remove(&1) {
-                    let client = self.client.clone();
-                    tokio::spawn(async move {
-                        let r = client.clone().submit(first_req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string());
-                        let _ = w.send(r);
-                    });
+                    self.unary_for(first_req, w);
                 }
                 return "the leader forwards by unary calls".into();
             }
