@@ -214,6 +214,7 @@ pub async fn handle(
             .expect("valid response"));
     }
     if let Err(e) = authorize(&state, &req, &path) {
+        drain_later(req.into_body());
         return Ok(
             if path == "/files" || path == tunnel::PATH || path == crate::rekey::PATH {
                 files::http_error(&e)
@@ -234,12 +235,12 @@ pub async fn handle(
             .unwrap_or_else(|e| files::http_error(&e)));
     }
     if req.method() != Method::POST {
-        return Ok(connect::unary_error(&RpcError::new(
-            Code::Unimplemented,
-            format!("{} {path} is not served", req.method()),
-        )));
+        let message = format!("{} {path} is not served", req.method());
+        drain_later(req.into_body());
+        return Ok(connect::unary_error(&RpcError::new(Code::Unimplemented, message)));
     }
     let Some((service, method)) = path.trim_start_matches('/').split_once('/') else {
+        drain_later(req.into_body());
         return Ok(connect::unary_error(&RpcError::new(
             Code::Unimplemented,
             format!("{path} is not served"),
@@ -277,6 +278,27 @@ async fn files_route(
             "method not allowed on /files",
         )),
     }
+}
+
+/// Most of a request body an answer that did not need it still reads (see
+/// [`drain_later`]); a caller sending more loses its connection.
+const DRAIN_LIMIT: usize = 1 << 20;
+
+/// Reads the rest of a request body the answer did not need, in the background, up to
+/// [`DRAIN_LIMIT`] bytes: hyper closes a connection whose request was not read to the
+/// end, and unread bytes in the socket turn that close into a reset that can destroy
+/// the answer (a refused caller would see a broken connection instead of its 401).
+fn drain_later(mut body: Incoming) {
+    use http_body_util::BodyExt;
+    tokio::spawn(async move {
+        let mut read = 0;
+        while let Some(Ok(frame)) = body.frame().await {
+            read += frame.data_ref().map_or(0, Bytes::len);
+            if read > DRAIN_LIMIT {
+                break;
+            }
+        }
+    });
 }
 
 /// Reads the single request message of a server-streaming call.
