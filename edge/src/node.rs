@@ -5,6 +5,7 @@
 //! are not its children (each runs under its own shim), so a killed edge leaves them
 //! running and a restarted one re-adopts them.
 
+use crate::container::warm::{Claim, WARM_ID_PREFIX, WarmPool};
 use crate::container::{BindMount, ContainerBackend, ContainerConfig, Limits, SandboxStatus, SandboxSpec};
 use crate::desired::{DesiredSandbox, SliceState};
 use crate::images::ImageStore;
@@ -19,7 +20,7 @@ use opendsec_projections::Isolation;
 use redb::{Database, ReadableDatabase, TableDefinition};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,7 +63,13 @@ pub struct EdgeConfig {
     pub pids: u32,
     /// MicroVM sandboxes, when this edge runs them (`None`: it runs containers only).
     pub microvm: Option<MicroVmEdgeConfig>,
+    /// Warm containers kept per image, for the two images created from most recently
+    /// (see `container::warm`); 0 keeps none.
+    pub warm_sandboxes: usize,
 }
+
+/// Images whose warm containers are kept at once (the most recently used).
+const WARM_IMAGES: usize = 2;
 
 /// What an edge needs to run microVM sandboxes.
 #[derive(Clone, Debug)]
@@ -101,6 +108,31 @@ pub enum EdgeError {
     Io(#[from] std::io::Error),
 }
 
+/// How long no create must have been under way before a warm container is made.
+const WARM_QUIET: Duration = Duration::from_millis(20);
+
+/// The agent's arguments after `serve --listen-fd 3` for a sandbox of `image`: where its
+/// token, environment and (if the image has one) start command are.
+fn agent_args(image: &crate::images::Image) -> Vec<String> {
+    let mut args = vec![
+        "--access-token-file".to_string(),
+        format!("{AGENT_CONFIG_IN_SANDBOX}/token"),
+        "--env-file".into(),
+        format!("{AGENT_CONFIG_IN_SANDBOX}/env.json"),
+    ];
+    if image.config.start.is_some() {
+        args.extend(["--start-file".into(), format!("{AGENT_CONFIG_IN_SANDBOX}/start.json")]);
+    }
+    args
+}
+
+/// A directory only root may enter (an agent's config directory).
+fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 fn store_err(e: impl std::fmt::Display) -> EdgeError {
     EdgeError::Store(e.to_string())
 }
@@ -118,6 +150,8 @@ struct Edge {
     failed: Mutex<BTreeSet<String>>,
     /// One creation at a time touches the host's mounts and loop devices.
     create_lock: Mutex<()>,
+    /// Warm containers ready to be claimed, per image.
+    warm: WarmPool,
     /// Snapshots being taken right now.
     snapshotting: Mutex<BTreeSet<String>>,
     /// Sandboxes seen out of memory while running (their exit is reported as an OOM).
@@ -280,31 +314,29 @@ impl Edge {
     /// Writes the agent's configuration: its access token, the sandbox's environment and
     /// the image's start command. Returns the agent's extra arguments.
     fn write_agent_config(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<Vec<String>, EdgeError> {
-        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let dir = self.config_dir(&d.id);
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
+        make_private_dir(&dir)?;
+        self.write_agent_files(d, image, &dir)?;
+        Ok(agent_args(image))
+    }
+
+    /// The agent's per-sandbox files (token, environment, start command) in `dir`,
+    /// readable by the agent (root in the sandbox) only.
+    fn write_agent_files(&self, d: &DesiredSandbox, image: &crate::images::Image, dir: &Path) -> Result<(), EdgeError> {
+        use std::os::unix::fs::OpenOptionsExt;
         let write = |name: &str, bytes: &[u8]| -> std::io::Result<()> {
             use std::io::Write;
-            // Readable by the agent (root in the sandbox) only.
             let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dir.join(name))?;
             f.write_all(bytes)
         };
         let token = opendsec_control::sandbox_token(&self.cfg.edge_key, opendsec_control::SandboxTokenKind::Agent, &d.id);
         write("token", token.as_bytes())?;
         write("env.json", &serde_json::to_vec(&d.env).map_err(store_err)?)?;
-        let mut args = vec![
-            "--access-token-file".to_string(),
-            format!("{AGENT_CONFIG_IN_SANDBOX}/token"),
-            "--env-file".into(),
-            format!("{AGENT_CONFIG_IN_SANDBOX}/env.json"),
-        ];
         if let Some(start) = &image.config.start {
             write("start.json", &serde_json::to_vec(start).map_err(store_err)?)?;
-            args.extend(["--start-file".into(), format!("{AGENT_CONFIG_IN_SANDBOX}/start.json")]);
         }
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-        Ok(args)
+        Ok(())
     }
 
     /// Runs `f` on sandbox `sandbox`'s file system (its overlay upper dir) while the
@@ -515,8 +547,46 @@ impl Edge {
         }
     }
 
-    fn create(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
+    fn create(self: &Arc<Self>, d: &DesiredSandbox) -> Result<(), EdgeError> {
         let image = self.images.ensure(&d.image, &|p| tracing::info!(image = %d.image, progress = ?p, "building image"))?;
+        // A plain create from an image claims a warm container of that image if one is
+        // ready; either way the image is kept warm for the next create.
+        let plain = d.transfer.is_none() && d.snapshot.is_none() && d.fork_of.is_none();
+        if plain && self.warm.enabled() {
+            if let Some(warm) = self.warm.take(&d.image) {
+                let t = Instant::now();
+                match self.claim_warm(d, &image, &warm) {
+                    Ok(()) => {
+                        tracing::debug!(sandbox = %d.id, %warm, took = ?t.elapsed(), "claimed a warm container");
+                        self.refill_warm();
+                        return Ok(());
+                    }
+                    Err(e) => tracing::warn!(sandbox = %d.id, %warm, error = %e, "cannot claim a warm container; creating one"),
+                }
+            }
+            for dropped in self.warm.want(&d.image) {
+                self.discard_warm(&dropped);
+            }
+        }
+        let created = self.create_cold(d, &image);
+        if plain {
+            self.refill_warm();
+        }
+        created
+    }
+
+    /// Limits of a sandbox on this edge.
+    fn limits(&self, d: &DesiredSandbox) -> Limits {
+        Limits {
+            memory_bytes: d.memory_mb << 20,
+            cpu_millis: d.cpu_millis.min(u32::MAX as u64) as u32,
+            pids: self.cfg.pids,
+            io_weight: Some(100),
+            disk_bytes: self.cfg.disk_bytes,
+        }
+    }
+
+    fn create_cold(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<(), EdgeError> {
         let sock = self.socket_path(&d.id);
         let _ = std::fs::remove_file(&sock);
         // The socket lives outside the sandbox; the agent gets only the listening fd.
@@ -559,13 +629,7 @@ impl Edge {
             }
             spec.layers.push(layer);
         }
-        spec.limits = Limits {
-            memory_bytes: d.memory_mb << 20,
-            cpu_millis: d.cpu_millis.min(u32::MAX as u64) as u32,
-            pids: self.cfg.pids,
-            io_weight: Some(100),
-            disk_bytes: self.cfg.disk_bytes,
-        };
+        spec.limits = self.limits(d);
         spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
         spec.binds.push(BindMount { host_path: self.config_dir(&d.id), container_path: AGENT_CONFIG_IN_SANDBOX.into() });
         spec.extra_fds.push(listener.as_raw_fd());
@@ -576,6 +640,160 @@ impl Edge {
         }
         drop(listener); // the agent holds its own copy
         Ok(())
+    }
+
+    /// Makes warm container `<prefix><pid>-<n>` of `image` (see `container::warm`): its
+    /// agent's socket and an empty config directory under the warm id, the agent's
+    /// files come at claim.
+    fn make_warm(&self, image_name: &str) -> Result<String, EdgeError> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let wid = format!("{WARM_ID_PREFIX}{}-{n}", std::process::id());
+        let image = self.images.ensure(image_name, &|p| tracing::info!(image = %image_name, progress = ?p, "building image"))?;
+        let made = (|| {
+            let sock = self.socket_path(&wid);
+            let _ = std::fs::remove_file(&sock);
+            let listener = std::os::unix::net::UnixListener::bind(&sock)?;
+            let config = self.config_dir(&wid);
+            let _ = std::fs::remove_dir_all(&config);
+            make_private_dir(&config)?;
+            let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
+            args.extend(agent_args(&image));
+            let mut spec = SandboxSpec::from_image(wid.clone(), &self.images, &image, args)?;
+            // Memory and CPU are the default's until a sandbox claims it and sets its own.
+            spec.limits = Limits { pids: self.cfg.pids, io_weight: Some(100), disk_bytes: self.cfg.disk_bytes, ..Limits::default() };
+            spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
+            spec.binds.push(BindMount { host_path: config, container_path: AGENT_CONFIG_IN_SANDBOX.into() });
+            spec.extra_fds.push(listener.as_raw_fd());
+            let _one_at_a_time = self.create_lock.lock().expect("create lock");
+            self.backend.create_unstarted(&spec)?;
+            Ok::<(), EdgeError>(())
+        })();
+        match made {
+            Ok(()) => Ok(wid),
+            Err(e) => {
+                self.discard_warm(&wid);
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes warm container `wid` with its agent's socket and config directory.
+    fn discard_warm(&self, wid: &str) {
+        self.backend.discard_unstarted(wid);
+        let _ = std::fs::remove_file(self.socket_path(wid));
+        let _ = std::fs::remove_dir_all(self.config_dir(wid));
+    }
+
+    /// Makes warm container `wid` sandbox `d`: its agent's files and socket take the
+    /// sandbox's names (the container sees the same directory and socket), then the
+    /// backend renames, limits and starts it. On error nothing of either is left.
+    fn claim_warm(&self, d: &DesiredSandbox, image: &crate::images::Image, wid: &str) -> Result<(), EdgeError> {
+        let same_image = match self.backend.unstarted_record(wid) {
+            Ok(r) => r.layers == self.images.layer_dirs(image)?,
+            Err(_) => false,
+        };
+        if !same_image {
+            self.discard_warm(wid);
+            return Err(EdgeError::Store(format!("warm container {wid} is not of image {}'s current layers", d.image)));
+        }
+        let config = self.config_dir(&d.id);
+        let sock = self.socket_path(&d.id);
+        let claimed = (|| {
+            let _ = std::fs::remove_dir_all(&config);
+            std::fs::rename(self.config_dir(wid), &config)?;
+            self.write_agent_files(d, image, &config)?;
+            let _ = std::fs::remove_file(&sock);
+            std::fs::rename(self.socket_path(wid), &sock)?;
+            let limits = self.limits(d);
+            self.backend.claim(wid, &Claim { id: &d.id, limits: &limits, labels: &d.labels })?;
+            Ok::<(), EdgeError>(())
+        })();
+        if claimed.is_err() {
+            // `claim` removed the container on its own error; before it, it is still warm.
+            self.discard_warm(wid);
+            let _ = std::fs::remove_dir_all(&config);
+            let _ = std::fs::remove_file(&sock);
+        }
+        claimed
+    }
+
+    /// Starts the filler thread unless one runs: it makes warm containers for the wanted
+    /// images, one at a time, at the lowest priority, and only while no create is under
+    /// way (warm containers are made in idle time, never at a create's expense).
+    fn refill_warm(self: &Arc<Self>) {
+        if !self.warm.enabled() || self.warm.next_job().is_none() || !self.warm.start_filling() {
+            return;
+        }
+        let edge = self.clone();
+        let spawned = std::thread::Builder::new().name("warm-containers".into()).spawn(move || {
+            crate::container::lower_priority();
+            loop {
+                // Quiet first: creates in flight (a burst) have the machine to themselves.
+                let mut idle_since = Instant::now();
+                loop {
+                    if !edge.creating.lock().expect("creating lock").is_empty() {
+                        idle_since = Instant::now();
+                    } else if idle_since.elapsed() >= WARM_QUIET {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let Some(image) = edge.warm.next_job() else {
+                    edge.warm.filler_done();
+                    // A take between `next_job` and `filler_done` would find no filler.
+                    if edge.warm.next_job().is_some() && edge.warm.start_filling() {
+                        continue;
+                    }
+                    return;
+                };
+                match edge.make_warm(&image) {
+                    Ok(wid) => {
+                        if !edge.warm.add(&image, wid.clone()) {
+                            edge.discard_warm(&wid);
+                        }
+                    }
+                    Err(e) => {
+                        // Creates make their own containers meanwhile; the next one retries.
+                        tracing::warn!(%image, error = %e, "cannot make a warm container");
+                        edge.warm.filler_done();
+                        return;
+                    }
+                }
+            }
+        });
+        if spawned.is_err() {
+            self.warm.filler_done();
+        }
+    }
+
+    /// Discards every warm container (the edge stops: none outlives it), waiting for the
+    /// filler to finish the one it is making.
+    fn drain_warm(&self) {
+        let ready = self.warm.close();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.warm.filling() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for wid in ready {
+            self.discard_warm(&wid);
+        }
+    }
+
+    /// Discards the warm containers an edge that did not stop left behind, with their
+    /// sockets and config directories.
+    fn discard_leftover_warm(&self) {
+        for wid in self.backend.unstarted() {
+            self.discard_warm(&wid);
+        }
+        for dir in [self.cfg.data_dir.join("config"), self.cfg.data_dir.join("agents")] {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if entry.file_name().to_string_lossy().starts_with(WARM_ID_PREFIX) {
+                    let p = entry.path();
+                    let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+                }
+            }
+        }
     }
 
     /// Waits until the agent says the sandbox is up (a template's start command has
@@ -1306,6 +1524,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         creating: Mutex::new(BTreeSet::new()),
         failed: Mutex::new(BTreeSet::new()),
         create_lock: Mutex::new(()),
+        warm: WarmPool::new(cfg.warm_sandboxes, WARM_IMAGES),
         oom_seen: Mutex::new(BTreeSet::new()),
         snapshotting: Mutex::new(BTreeSet::new()),
         last_observed: Mutex::new(BTreeMap::new()),
@@ -1319,6 +1538,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         vms: Mutex::new(if cfg.microvm.is_some() { VmsState::Preparing } else { VmsState::Unavailable("it was started without microVM support".into()) }),
         cfg,
     });
+    // Warm containers a killed edge left are not claimable (their filler is gone).
+    let e = edge.clone();
+    let _ = tokio::task::spawn_blocking(move || e.discard_leftover_warm()).await;
     if let Some(mv) = edge.cfg.microvm.clone() {
         // The driver's first start on a machine builds the guest kernel and initramfs:
         // containers are served meanwhile; microVM sandboxes wait for it.
@@ -1458,8 +1680,13 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     }
     proxy_task.abort();
     follower_task.abort();
-    // Sandboxes run on; warm disks, which nothing uses yet, do not outlive the edge.
+    // Sandboxes run on; warm containers and disks, which nothing uses yet, do not
+    // outlive the edge.
     let e = edge.clone();
-    let _ = tokio::task::spawn_blocking(move || e.backend.drain_warm_disks()).await;
+    let _ = tokio::task::spawn_blocking(move || {
+        e.drain_warm();
+        e.backend.drain_warm_disks()
+    })
+    .await;
     Ok(())
 }

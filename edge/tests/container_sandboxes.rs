@@ -718,3 +718,84 @@ fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothin
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mountinfo.contains(&*root.to_string_lossy()), "mounts left under {}:\n{mountinfo}", root.display());
 }
+
+/// The cgroup directories of runtime id `rid` (v1 controllers, or the v2 group).
+fn cgroup_dirs(rid: &str) -> Vec<PathBuf> {
+    ["memory", "pids", "cpu", "freezer", ""]
+        .iter()
+        .map(|c| Path::new("/sys/fs/cgroup").join(c).join("opendsec-test").join(rid))
+        .filter(|p| p.exists())
+        .collect()
+}
+
+fn memory_limit(rid: &str) -> u64 {
+    let v1 = cgroup_file("memory", rid, "memory.limit_in_bytes");
+    let v2 = Path::new("/sys/fs/cgroup/opendsec-test").join(rid).join("memory.max");
+    std::fs::read_to_string(if v1.exists() { v1 } else { v2 }).expect("memory limit").trim().parse().unwrap()
+}
+
+#[test]
+fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with_its_id_and_limits() {
+    use opendsec_edge::container::warm::{Claim, WARM_ID_PREFIX};
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(runtime);
+        let warm = format!("{WARM_ID_PREFIX}{}", unique_id("w"));
+        let spec = busybox_spec(&warm, "echo started; hostname; sleep 2");
+        b.create_unstarted(&spec).unwrap();
+        let warm_dir = b.config().sandboxes_root.join(format!(".{warm}"));
+        assert!(warm_dir.join("rootfs/bin/sh").exists(), "{runtime:?}: its root file system is mounted");
+        assert_eq!(b.unstarted(), vec![warm.clone()]);
+        assert!(b.list().unwrap().is_empty(), "a warm container is no sandbox");
+        std::thread::sleep(Duration::from_millis(200));
+        let out = std::fs::read(warm_dir.join("output.log")).unwrap_or_default();
+        assert!(out.is_empty(), "{runtime:?}: PID 1 ran its program before start: {out:?}");
+
+        // Claimed with other memory and CPU limits and labels.
+        let id = unique_id("claimed");
+        let limits = Limits { memory_bytes: 96 << 20, cpu_millis: 500, ..spec.limits.clone() };
+        let labels = [("task".to_string(), "t1".to_string())].into();
+        let h = b.claim(&warm, &Claim { id: &id, limits: &limits, labels: &labels }).unwrap();
+        assert_eq!(h.dir, b.config().sandboxes_root.join(&id));
+        assert!(!warm_dir.exists() && b.unstarted().is_empty());
+        let rec = b.get(&id).unwrap().record;
+        assert_eq!((rec.runtime_id(), &rec.labels, rec.limits.memory_bytes), (warm.as_str(), &labels, 96 << 20));
+        assert_eq!(memory_limit(&warm), 96 << 20, "{runtime:?}: the claim's memory limit is the cgroup's");
+        assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
+        let exit = b.wait(&id, Duration::from_secs(30)).unwrap().expect("exits");
+        let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
+        assert_eq!((exit.exit_code, log.as_str()), (0, format!("started\n{id}\n").as_str()), "{runtime:?}: the hostname is the sandbox's id");
+        b.delete(&id).unwrap();
+        assert_gone(&b, &id);
+        assert!(cgroup_dirs(&warm).is_empty(), "{runtime:?}: cgroups left: {:?}", cgroup_dirs(&warm));
+        assert!(b.runtime().run(&["state", &warm]).is_err(), "{runtime:?}: the runtime forgot it");
+    }
+}
+
+#[test]
+fn a_warm_container_that_cannot_be_claimed_or_is_discarded_leaves_nothing() {
+    use opendsec_edge::container::warm::{Claim, WARM_ID_PREFIX};
+    let b = backend(RuntimeChoice::Auto);
+    assert!(matches!(b.create_unstarted(&busybox_spec("notwarm", "true")), Err(ContainerError::Invalid(_))));
+
+    // Another pids limit than it was made with: refused, and the warm container is gone.
+    let warm = format!("{WARM_ID_PREFIX}{}", unique_id("w"));
+    let spec = busybox_spec(&warm, "true");
+    b.create_unstarted(&spec).unwrap();
+    let id = unique_id("refused");
+    let limits = Limits { pids: 7, ..spec.limits.clone() };
+    let err = b.claim(&warm, &Claim { id: &id, limits: &limits, labels: &Default::default() }).unwrap_err();
+    assert!(err.to_string().contains("pids"), "{err}");
+    assert!(b.unstarted().is_empty() && cgroup_dirs(&warm).is_empty());
+    assert_gone(&b, &id);
+
+    // Discarded unclaimed (an edge that stops).
+    let warm = format!("{WARM_ID_PREFIX}{}", unique_id("w"));
+    b.create_unstarted(&busybox_spec(&warm, "true")).unwrap();
+    let dir = b.config().sandboxes_root.join(format!(".{warm}"));
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(mountinfo.contains(&*dir.to_string_lossy()));
+    b.discard_unstarted(&warm);
+    assert!(!dir.exists() && b.unstarted().is_empty() && cgroup_dirs(&warm).is_empty());
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains(&*dir.to_string_lossy()), "mounts left under {}", dir.display());
+}

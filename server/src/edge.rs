@@ -39,6 +39,10 @@ pub struct EdgeArgs {
     /// create only mounts its overlay. 0 keeps none.
     #[arg(long, default_value_t = 4)]
     pub warm_disks: usize,
+    /// Warm containers kept per image (made ahead, started by a create), for the two
+    /// images created from most recently. 0 keeps none.
+    #[arg(long, default_value_t = 2)]
+    pub warm_sandboxes: usize,
     /// Processes and threads per sandbox.
     #[arg(long, default_value_t = 512)]
     pub pids: u32,
@@ -109,6 +113,7 @@ impl EdgeArgs {
             disk_bytes: self.disk_mb << 20,
             pids: self.pids,
             microvm: self.microvm_config(),
+            warm_sandboxes: self.warm_sandboxes,
         }
     }
 

@@ -46,7 +46,10 @@ impl Drop for Up {
         let sandboxes = self.dir.path().join("data/edge/sandboxes");
         if let Ok(entries) = std::fs::read_dir(&sandboxes) {
             for e in entries.flatten() {
-                let id = e.file_name().to_string_lossy().to_string();
+                // A claimed warm container keeps its runtime id (`runtime_id` in its record).
+                let rec: Value = std::fs::read(e.path().join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+                let name = e.file_name().to_string_lossy().trim_start_matches('.').to_string();
+                let id = rec["runtime_id"].as_str().or(rec["id"].as_str()).unwrap_or(&name).to_string();
                 for rt in ["crun", "runc"] {
                     let root = self.dir.path().join("data/edge/runtime").join(rt);
                     let _ = Command::new(rt).arg("--root").arg(&root).args(["delete", "--force", &id]).output();

@@ -133,3 +133,48 @@ pub fn reclaim(cgroups_path: &str) -> Option<u64> {
     let after = read_u64(&dir.join("memory.current")).unwrap_or(before);
     Some(before.saturating_sub(after))
 }
+
+/// Sets a created container's memory limit (with no swap beyond it where the host can
+/// limit swap) and CPU quota, as the runtime does from the bundle: for a warm container
+/// claimed by a sandbox whose limits differ from those it was made with. v1 or v2.
+pub fn set_memory_cpu(
+    cgroups_path: &str,
+    memory_bytes: u64,
+    cpu_quota_us: u64,
+    cpu_period_us: u64,
+    swap_limit: bool,
+) -> std::io::Result<()> {
+    let rel = cgroups_path.trim_start_matches('/');
+    let root = Path::new(ROOT);
+    let v2 = root.join(rel);
+    if v2.join("memory.max").exists() {
+        fs::write(v2.join("memory.max"), memory_bytes.to_string())?;
+        if swap_limit && v2.join("memory.swap.max").exists() {
+            fs::write(v2.join("memory.swap.max"), "0")?;
+        }
+        return fs::write(v2.join("cpu.max"), format!("{cpu_quota_us} {cpu_period_us}"));
+    }
+    let mem = root.join("memory").join(rel);
+    let limit = mem.join("memory.limit_in_bytes");
+    let memsw = mem.join("memory.memsw.limit_in_bytes");
+    if swap_limit && memsw.exists() {
+        // memory <= memory+swap at every step: raise memsw first, lower memory first.
+        let current = read_u64(&limit).unwrap_or(0);
+        let value = memory_bytes.to_string();
+        if memory_bytes > current {
+            fs::write(&memsw, &value)?;
+            fs::write(&limit, &value)?;
+        } else {
+            fs::write(&limit, &value)?;
+            fs::write(&memsw, &value)?;
+        }
+    } else {
+        fs::write(&limit, memory_bytes.to_string())?;
+    }
+    let cpu = [root.join("cpu").join(rel), root.join("cpu,cpuacct").join(rel)]
+        .into_iter()
+        .find(|p| p.join("cpu.cfs_quota_us").exists())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no cpu cgroup"))?;
+    fs::write(cpu.join("cpu.cfs_period_us"), cpu_period_us.to_string())?;
+    fs::write(cpu.join("cpu.cfs_quota_us"), cpu_quota_us.to_string())
+}

@@ -292,7 +292,7 @@ impl Pool {
 
 /// The calling thread at nice 19 and in the idle I/O class (best effort: a host that
 /// refuses either keeps the default).
-fn lower_priority() {
+pub(crate) fn lower_priority() {
     const IOPRIO_WHO_PROCESS: libc::c_int = 1;
     const IOPRIO_CLASS_IDLE: libc::c_int = 3;
     const IOPRIO_CLASS_SHIFT: libc::c_int = 13;

@@ -17,6 +17,7 @@ mod disk;
 pub mod oci;
 pub mod runtime;
 pub mod shim;
+pub mod warm;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -28,7 +29,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 pub use disk::is_mounted;
-pub(crate) use disk::attach_loop;
+pub(crate) use disk::{attach_loop, lower_priority};
 pub use runtime::{Runtime, RuntimeChoice, RuntimeKind};
 
 /// Default directory of sandbox directories on an edge machine.
@@ -197,6 +198,10 @@ pub struct SandboxState {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SandboxRecord {
     pub id: String,
+    /// The runtime's container id when it is not `id`: a warm container claimed by
+    /// this sandbox keeps the id it was created with (see [`warm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_id: Option<String>,
     pub runtime: Runtime,
     pub cgroups_path: String,
     pub limits: Limits,
@@ -206,6 +211,13 @@ pub struct SandboxRecord {
     pub extra_fds: usize,
     pub log_cap_bytes: u64,
     pub created_unix_ms: u64,
+}
+
+impl SandboxRecord {
+    /// The container's id in the runtime.
+    pub fn runtime_id(&self) -> &str {
+        self.runtime_id.as_deref().unwrap_or(&self.id)
+    }
 }
 
 /// A sandbox as the backend knows it.
@@ -326,7 +338,13 @@ impl ContainerBackend {
     /// runtime. Returns once PID 1 runs (or with the runtime's error, leaving nothing).
     pub fn create(&self, spec: &SandboxSpec) -> Result<Handle, ContainerError> {
         validate(spec)?;
-        let dir = self.dir(&spec.id);
+        self.create_at(spec, &self.dir(&spec.id), true)
+    }
+
+    /// Creates the sandbox of `spec` in `dir`; with `start`, its PID 1 runs the program,
+    /// else it waits for `<runtime> start` (a warm container).
+    fn create_at(&self, spec: &SandboxSpec, dir: &Path, start: bool) -> Result<Handle, ContainerError> {
+        let dir = dir.to_path_buf();
         // A warm disk becomes the sandbox's directory (renamed, its mounts move along).
         let warm = self.pool.as_ref().and_then(|p| p.take(spec.limits.disk_bytes));
         let claimed = match &warm {
@@ -343,7 +361,7 @@ impl ContainerBackend {
             }
             Err(e) => return Err(ContainerError::io(format!("creating {}", dir.display()), e)),
         }
-        let result = self.create_in(spec, &dir, warm.is_some());
+        let result = self.create_in(spec, &dir, warm.is_some(), start);
         if result.is_err() {
             let _ = self.runtime.run(&["delete", "--force", &spec.id]);
             let _ = disk::Storage::in_dir(&dir).teardown();
@@ -352,10 +370,11 @@ impl ContainerBackend {
         result
     }
 
-    fn create_in(&self, spec: &SandboxSpec, dir: &Path, disk_ready: bool) -> Result<Handle, ContainerError> {
+    fn create_in(&self, spec: &SandboxSpec, dir: &Path, disk_ready: bool, start: bool) -> Result<Handle, ContainerError> {
         let cgroups_path = format!("/{}/{}", self.config.cgroup_parent, spec.id);
         let record = SandboxRecord {
             id: spec.id.clone(),
+            runtime_id: None,
             runtime: self.runtime.clone(),
             cgroups_path: cgroups_path.clone(),
             limits: spec.limits.clone(),
@@ -364,10 +383,7 @@ impl ContainerBackend {
             labels: spec.labels.clone(),
             extra_fds: spec.extra_fds.len(),
             log_cap_bytes: self.config.log_cap_bytes,
-            created_unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
-                .unwrap_or(0),
+            created_unix_ms: now_unix_ms(),
         };
         let t0 = Instant::now();
         write_json_atomic(&dir.join("sandbox.json"), &record)?;
@@ -379,7 +395,7 @@ impl ContainerBackend {
         fs::write(dir.join("config.json"), json)
             .map_err(|e| ContainerError::io("writing config.json", e))?;
         let t2 = Instant::now();
-        shim::spawn(&self.config.shim, dir, &spec.id, &spec.extra_fds)?;
+        shim::spawn(&self.config.shim, dir, &spec.id, &spec.extra_fds, !start)?;
         tracing::debug!(id = %spec.id, warm_disk = disk_ready, storage = ?(t1 - t0), spec = ?(t2 - t1), shim = ?t2.elapsed(), "sandbox created");
         Ok(Handle {
             id: spec.id.clone(),
@@ -391,7 +407,10 @@ impl ContainerBackend {
     /// The sandbox's handle, from its directory.
     pub fn get(&self, id: &str) -> Result<Handle, ContainerError> {
         validate_id(id)?;
-        let dir = self.dir(id);
+        Self::handle_at(id, self.dir(id))
+    }
+
+    fn handle_at(id: &str, dir: PathBuf) -> Result<Handle, ContainerError> {
         let bytes = match fs::read(dir.join("sandbox.json")) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -429,21 +448,18 @@ impl ContainerBackend {
 
     /// The exit recorded by the shim, if PID 1 has exited.
     pub fn exit_info(&self, id: &str) -> Result<Option<ExitInfo>, ContainerError> {
-        let path = self.dir(id).join("exit.json");
-        match fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map(Some)
-                .map_err(|e| ContainerError::Invalid(format!("corrupt {}: {e}", path.display()))),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(ContainerError::io(format!("reading {}", path.display()), e)),
-        }
+        exit_info_in(&self.dir(id))
     }
 
     pub fn state(&self, id: &str) -> Result<SandboxState, ContainerError> {
-        let handle = self.get(id)?;
-        let exit = self.exit_info(id)?;
+        self.state_of(&self.get(id)?)
+    }
+
+    fn state_of(&self, handle: &Handle) -> Result<SandboxState, ContainerError> {
+        let id = handle.id.as_str();
+        let exit = exit_info_in(&handle.dir)?;
         let rt = &handle.record.runtime;
-        let (status, pid) = match rt.run(&["state", id]) {
+        let (status, pid) = match rt.run(&["state", handle.record.runtime_id()]) {
             Ok(out) => {
                 let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
                 let pid = v
@@ -506,7 +522,7 @@ impl ContainerBackend {
     /// shim records its exit, and the next observation sees it.
     pub fn kill(&self, id: &str, signal: i32) -> Result<(), ContainerError> {
         let handle = self.get(id)?;
-        match handle.record.runtime.run(&["kill", id, &signal.to_string()]) {
+        match handle.record.runtime.run(&["kill", handle.record.runtime_id(), &signal.to_string()]) {
             Ok(_) => Ok(()),
             Err(e) if e.to_string().contains("No such process") || e.to_string().contains("not running") => Ok(()),
             Err(e) => Err(e),
@@ -515,11 +531,13 @@ impl ContainerBackend {
 
     /// Freezes every process of the sandbox (cgroup freezer, through the runtime).
     pub fn pause(&self, id: &str) -> Result<(), ContainerError> {
-        self.get(id)?.record.runtime.run(&["pause", id]).map(drop)
+        let r = self.get(id)?.record;
+        r.runtime.run(&["pause", r.runtime_id()]).map(drop)
     }
 
     pub fn resume(&self, id: &str) -> Result<(), ContainerError> {
-        self.get(id)?.record.runtime.run(&["resume", id]).map(drop)
+        let r = self.get(id)?.record;
+        r.runtime.run(&["resume", r.runtime_id()]).map(drop)
     }
 
     /// Waits up to `timeout` for PID 1 to exit.
@@ -539,35 +557,39 @@ impl ContainerBackend {
     /// Stops (SIGKILL) and removes the sandbox: the runtime's container, its mounts,
     /// its cgroup and its directory. Idempotent for a sandbox that is already gone.
     pub fn delete(&self, id: &str) -> Result<(), ContainerError> {
-        let handle = match self.get(id) {
-            Ok(h) => h,
-            Err(ContainerError::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
-        };
+        match self.get(id) {
+            Ok(h) => self.delete_handle(&h),
+            Err(ContainerError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn delete_handle(&self, handle: &Handle) -> Result<(), ContainerError> {
         let rt = &handle.record.runtime;
-        if self.exit_info(id)?.is_none() {
-            let state = self.state(id)?;
+        let rid = handle.record.runtime_id();
+        if exit_info_in(&handle.dir)?.is_none() {
+            let state = self.state_of(handle)?;
             if state.status == SandboxStatus::Paused {
                 // A frozen task cannot die: thaw first.
-                let _ = rt.run(&["resume", id]);
+                let _ = rt.run(&["resume", rid]);
             }
             if matches!(
                 state.status,
                 SandboxStatus::Running | SandboxStatus::Paused | SandboxStatus::Created
             ) {
-                let _ = rt.run(&["kill", id, "KILL"]);
+                let _ = rt.run(&["kill", rid, "KILL"]);
             }
             // Let the shim record the exit (and finish with the directory) before removing it.
             let shim_pid = read_pid(&handle.dir.join("shim.pid"));
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline
-                && self.exit_info(id)?.is_none()
+                && exit_info_in(&handle.dir)?.is_none()
                 && shim_pid.is_some_and(process_alive)
             {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }
-        if let Err(e) = rt.run(&["delete", "--force", id]) {
+        if let Err(e) = rt.run(&["delete", "--force", rid]) {
             let msg = e.to_string();
             if !(msg.contains("does not exist")
                 || msg.contains("not exist")
@@ -683,6 +705,25 @@ pub(crate) fn write_json_atomic<T: Serialize>(
     fs::write(&tmp, json)
         .map_err(|e| ContainerError::io(format!("writing {}", tmp.display()), e))?;
     fs::rename(&tmp, path).map_err(|e| ContainerError::io(format!("writing {}", path.display()), e))
+}
+
+/// The exit the shim recorded in sandbox directory `dir`, if PID 1 has exited.
+fn exit_info_in(dir: &Path) -> Result<Option<ExitInfo>, ContainerError> {
+    let path = dir.join("exit.json");
+    match fs::read(&path) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| ContainerError::Invalid(format!("corrupt {}: {e}", path.display()))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ContainerError::io(format!("reading {}", path.display()), e)),
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 pub(crate) fn read_pid(path: &Path) -> Option<i32> {

@@ -7,6 +7,11 @@
 //! stderr on a pipe it drains into a size-capped log, reports "ok" or the error on the
 //! status pipe, then waits for PID 1 (reparented to it when the runtime exits) and
 //! writes `exit.json` with the exit code, signal and whether the cgroup saw an OOM kill.
+//!
+//! With `--create-only` it runs `<runtime> create` instead: PID 1 then waits for the
+//! edge's `<runtime> start` (a warm container, see `super::warm`). The shim works in
+//! its directory by relative paths (it `chdir`s there first), so the edge may rename
+//! the directory while the shim runs.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -23,12 +28,16 @@ use super::{
 
 const STATUS_TIMEOUT_MS: i32 = 60_000;
 
+/// The shim's flag for a container created but not started.
+pub const CREATE_ONLY: &std::ffi::CStr = c"--create-only";
+
 /// Starts the shim for the bundle in `dir` and waits until it reports that PID 1 runs.
 pub(crate) fn spawn(
     shim: &Path,
     dir: &Path,
     id: &str,
     extra_fds: &[RawFd],
+    create_only: bool,
 ) -> Result<(), ContainerError> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
@@ -63,7 +72,12 @@ pub(crate) fn spawn(
         .map_err(|_| shim_err("shim path has a NUL".into()))?;
     let arg_dir =
         CString::new(dir.as_os_str().as_bytes()).map_err(|_| shim_err("dir has a NUL".into()))?;
-    let argv = [prog.as_ptr(), arg_dir.as_ptr(), std::ptr::null()];
+    let argv = [
+        prog.as_ptr(),
+        arg_dir.as_ptr(),
+        if create_only { CREATE_ONLY.as_ptr() } else { std::ptr::null() },
+        std::ptr::null(),
+    ];
     let envp = [
         c"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".as_ptr(),
         std::ptr::null(),
@@ -146,13 +160,20 @@ pub(crate) fn spawn(
 }
 
 /// The shim's `main`: never returns.
-pub fn main(dir: &Path) -> ! {
+pub fn main(dir: &Path, create_only: bool) -> ! {
     // stderr goes to a file in the sandbox dir.
     crate::status_pipe::detach(&dir.join("shim.log"));
+    let bundle = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    // From here on the directory is "." (it may be renamed while the shim runs).
+    if let Err(e) = std::env::set_current_dir(dir) {
+        report(&format!("error cannot enter {}: {e}", dir.display()));
+        std::process::exit(1);
+    }
+    let dir = Path::new(".");
     // Orphans of the runtime (PID 1 of the container) are reparented to us.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let _ = fs::write(dir.join("shim.pid"), std::process::id().to_string());
-    let code = match run(dir) {
+    let code = match run(dir, &bundle, create_only) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("opendsec-shim: {e}");
@@ -163,7 +184,7 @@ pub fn main(dir: &Path) -> ! {
     std::process::exit(code)
 }
 
-fn run(dir: &Path) -> Result<(), ContainerError> {
+fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerError> {
     let bytes = fs::read(dir.join("sandbox.json"))
         .map_err(|e| ContainerError::io("reading sandbox.json", e))?;
     let record: SandboxRecord = serde_json::from_slice(&bytes)
@@ -174,31 +195,34 @@ fn run(dir: &Path) -> Result<(), ContainerError> {
         .try_clone()
         .map_err(|e| ContainerError::io("dup", e))?;
     let pid_file = dir.join("init.pid");
-    let runtime_log = dir.join("runtime.log");
     let preserve = record.extra_fds.to_string();
     use std::ffi::OsStr;
-    let mut args: Vec<&OsStr> = vec![
-        OsStr::new("--log"),
-        runtime_log.as_os_str(),
-        OsStr::new("run"),
-        OsStr::new("--detach"),
-    ];
+    // The runtime gets absolute paths: they are resolved before any rename can happen
+    // (the edge renames a warm container's directory only after `create` has returned).
+    let runtime_log = bundle.join("runtime.log");
+    let pid_file_abs = bundle.join("init.pid");
+    let mut args: Vec<&OsStr> = vec![OsStr::new("--log"), runtime_log.as_os_str()];
+    if create_only {
+        args.push(OsStr::new("create"));
+    } else {
+        args.extend([OsStr::new("run"), OsStr::new("--detach")]);
+    }
     args.extend([
         OsStr::new("--bundle"),
-        dir.as_os_str(),
+        bundle.as_os_str(),
         OsStr::new("--pid-file"),
-        pid_file.as_os_str(),
+        pid_file_abs.as_os_str(),
     ]);
     if record.extra_fds > 0 {
         args.extend([OsStr::new("--preserve-fds"), OsStr::new(&preserve)]);
     }
-    args.push(OsStr::new(&record.id));
+    args.push(OsStr::new(record.runtime_id()));
     // The runtime flags go before the subcommand: `--log` is a global flag.
     let mut cmd = record.runtime.command(args);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::from(out_w))
         .stderr(Stdio::from(out_w2))
-        .current_dir(dir);
+        .current_dir(bundle);
     let status = cmd.status().map_err(|e| {
         ContainerError::io(format!("running {}", record.runtime.binary.display()), e)
     })?;
@@ -219,13 +243,13 @@ fn run(dir: &Path) -> Result<(), ContainerError> {
         }
         return Err(ContainerError::Runtime {
             runtime: record.runtime.name(),
-            command: "run".into(),
+            command: if create_only { "create" } else { "run" }.into(),
             message,
         });
     }
     let init_pid = read_pid(&pid_file).ok_or_else(|| ContainerError::Runtime {
         runtime: record.runtime.name(),
-        command: "run".into(),
+        command: if create_only { "create" } else { "run" }.into(),
         message: "no pid file".into(),
     })?;
     report(&format!("ok {init_pid}"));

@@ -254,6 +254,8 @@ impl UpGuard {
             // 1,000 x 64 MB would exceed the host's 24 GiB on paper while using far less.
             .args(["--edge-memory-mb", &(max_sandboxes * 64 + 1024).to_string()])
             .args(["--edge-cpu-millis", &(max_sandboxes * 100 + 1000).to_string()])
+            // Extra `opendsec up` flags for experiments (e.g. `--warm-disks 0`).
+            .args(std::env::var("OPENDSEC_BENCH_UP_ARGS").unwrap_or_default().split_whitespace())
             .env("RUST_LOG", std::env::var("OPENDSEC_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -482,7 +484,10 @@ fn teardown(t: &Teardown, child: Option<&mut Child>) {
     }
     let sandboxes = t.data.join("edge").join("sandboxes");
     for d in std::fs::read_dir(&sandboxes).into_iter().flatten().flatten().map(|e| e.path()).filter(|p| p.is_dir()) {
-        let id = d.file_name().unwrap().to_string_lossy().to_string();
+        // A claimed warm container keeps its runtime id (`runtime_id` in its record).
+        let rec: Value = std::fs::read(d.join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let name = d.file_name().unwrap().to_string_lossy().trim_start_matches('.').to_string();
+        let id = rec["runtime_id"].as_str().or(rec["id"].as_str()).unwrap_or(&name).to_string();
         for rt in ["crun", "runc"] {
             let root = t.data.join("edge").join("runtime").join(rt);
             if root.is_dir() {

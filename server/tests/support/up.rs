@@ -52,12 +52,20 @@ impl Drop for Up {
     }
 }
 
+/// The runtime's id of the container in sandbox directory `dir`: a claimed warm
+/// container keeps the id it was made with (`runtime_id` in its record).
+pub fn runtime_id(dir: &Path) -> String {
+    let rec: Value = std::fs::read(dir.join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    let name = dir.file_name().map(|n| n.to_string_lossy().trim_start_matches('.').to_string()).unwrap_or_default();
+    rec["runtime_id"].as_str().or(rec["id"].as_str()).unwrap_or(&name).to_string()
+}
+
 /// Removes what an edge with data directory `root` left running: its containers and
 /// their mounts, its VMs' QEMU processes (not the edge's children) and their network
 /// namespaces.
 pub fn cleanup_edge(root: &Path) {
     for e in std::fs::read_dir(root.join("sandboxes")).into_iter().flatten().flatten() {
-        let id = e.file_name().to_string_lossy().to_string();
+        let id = runtime_id(&e.path());
         for rt in ["crun", "runc"] {
             let _ = Command::new(rt).arg("--root").arg(root.join("runtime").join(rt)).args(["delete", "--force", &id]).output();
         }
