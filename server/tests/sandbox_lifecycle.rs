@@ -4,7 +4,7 @@
 //! installs and builds them).
 
 use serde_json::{json, Value};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -397,4 +397,64 @@ async fn a_fork_of_a_fork_has_every_generation_of_files_and_outlives_its_parents
     }
     assert_eq!(up.exec(&c, seen).await.0, "from-a\nchanged\ntwo\ngone\n");
     assert_eq!(up.exec(&c, "echo three >> /home/user/b && cat /home/user/b").await.0, "two\nthree\n");
+}
+
+/// The warm containers (made ahead, not yet claimed) in the edge's sandboxes directory.
+fn warm_on_disk(up: &Up) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(up.dir.path().join("data/edge/sandboxes"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().to_string()).filter(|n| n.starts_with(".warmc-")).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_claims_a_warm_container_which_becomes_that_sandbox_and_a_killed_edge_leaves_none() {
+    let mut up = Up::start().await;
+    // The first create of an image is made from scratch; the edge then keeps two warm.
+    let first = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100})).await;
+    up.wait_state(&first, "running").await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while warm_on_disk(&up).len() < 2 {
+        assert!(Instant::now() < deadline, "no two warm containers within 60 s: {:?}", warm_on_disk(&up));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let warm_before = warm_on_disk(&up);
+
+    // The next create claims one: it has the sandbox's token (the exec is authenticated
+    // by it), hostname, labels and memory limit (its environment: the E2B tests).
+    let id = up.create(json!({"image": "busybox", "memory_mb": 80, "cpu_millis": 100, "labels": {"task": "t7"}})).await;
+    up.wait_state(&id, "running").await;
+    let rec: Value = serde_json::from_slice(&std::fs::read(up.dir.path().join("data/edge/sandboxes").join(&id).join("sandbox.json")).unwrap()).unwrap();
+    let runtime_id = rec["runtime_id"].as_str().unwrap_or_default().to_string();
+    assert!(warm_before.contains(&format!(".{runtime_id}")), "sandbox {id} was not made from a warm container: {rec}");
+    assert_eq!(rec["labels"], json!({"task": "t7"}));
+    let (out, code) = up.exec(&id, "hostname; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max").await;
+    assert_eq!((out.as_str(), code), (format!("{id}\n{}\n", 80u64 << 20).as_str(), 0));
+
+    // kill -9: the warm containers it left are discarded by the next edge (which makes
+    // its own); the claimed sandbox is a sandbox like any other and runs on.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while warm_on_disk(&up).len() < 2 {
+        assert!(Instant::now() < deadline, "the pool did not refill: {:?}", warm_on_disk(&up));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left = warm_on_disk(&up);
+    up.kill9();
+    up.spawn();
+    up.wait_for(|v| v["edges"].as_array().is_some_and(|e| !e.is_empty()), "/v1/edges", Duration::from_secs(30)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while warm_on_disk(&up).iter().any(|w| left.contains(w)) {
+        assert!(Instant::now() < deadline, "warm containers of the killed edge are still there: {:?}", warm_on_disk(&up));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for w in &left {
+        let wid = w.trim_start_matches('.');
+        assert!(!up.dir.path().join("data/edge/agents").join(format!("{wid}.sock")).exists(), "{wid}'s socket is left");
+        assert!(!up.dir.path().join("data/edge/config").join(wid).exists(), "{wid}'s config is left");
+        assert!(!Path::new("/sys/fs/cgroup/memory/opendsec").join(wid).exists() && !Path::new("/sys/fs/cgroup/opendsec").join(wid).exists(), "{wid}'s cgroup is left");
+    }
+    up.wait_state(&id, "running").await;
+    assert_eq!(up.exec(&id, "hostname").await, (format!("{id}\n"), 0));
+    assert_eq!(up.containers_on_disk(), 2, "nothing duplicated, nothing orphaned");
 }
