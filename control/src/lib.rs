@@ -145,14 +145,25 @@ pub fn transfer_token(cluster_key: &str, transfer: &str, destination_edge: &str)
 pub fn write_private(path: &std::path::Path, content: &str) -> Result<(), String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    f.write_all(content.as_bytes()).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    let err = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+    // Whole or not at all: a reader (`opendsec init` reading the key a starting node
+    // writes) never sees a created but still empty file. Written beside, synced, renamed.
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        f.write_all(content.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(err)
 }
 
 /// A fresh cluster key.
@@ -170,4 +181,24 @@ pub async fn serve_peer(
         .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(node.clone())))
         .add_service(pb::edge_slice_server::EdgeSliceServer::new(slice::EdgeSliceService::new(node.clone())));
     opendsec_log::serve_peer(listener, node.log(), Some(extra), shutdown).await
+}
+
+#[cfg(test)]
+mod write_private_tests {
+    use super::write_private;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_private_file_is_replaced_whole_readable_by_its_owner_only_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster.key");
+        write_private(&path, "first").unwrap();
+        write_private(&path, "second").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "second");
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        let names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, vec!["cluster.key".to_string()]);
+        let err = write_private(&dir.path().join("missing/dir/key"), "x").unwrap_err();
+        assert!(err.contains("missing/dir/key"), "{err}");
+    }
 }

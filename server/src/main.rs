@@ -275,7 +275,7 @@ async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, pr
     // A node that was just started writes its key first thing: give it a moment.
     let mut key = std::fs::read_to_string(&path);
     for _ in 0..100 {
-        if key.is_ok() {
+        if key.as_ref().is_ok_and(|k| !k.trim().is_empty()) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
