@@ -55,6 +55,7 @@ fn delta(a: &IoStats, b: &IoStats) -> IoStats {
         appends: b.appends - a.appends,
         appended_entries: b.appended_entries - a.appended_entries,
         append_us: b.append_us - a.append_us,
+        inline_appends: b.inline_appends - a.inline_appends,
         durable_commits: b.durable_commits - a.durable_commits,
         durable_commit_us: b.durable_commit_us - a.durable_commit_us,
         nondurable_commits: b.nondurable_commits - a.nondurable_commits,

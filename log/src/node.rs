@@ -111,6 +111,23 @@ impl<S: StateMachine> LogNode<S> {
                 return Err(fatal(e));
             }
         };
+        // A node alone in its cluster commits appends on the core's thread when it can
+        // (see `Store::set_inline`); membership changes turn that on and off.
+        let mut server = raft.server_metrics();
+        let watched = store.clone();
+        tokio::spawn(async move {
+            loop {
+                let alone = {
+                    let m = server.borrow_watched();
+                    let membership = m.membership_config.membership();
+                    membership.voter_ids().count() == 1 && membership.nodes().count() == 1
+                };
+                watched.set_inline(alone);
+                if server.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
         Ok(LogNode {
             inner: Arc::new(Inner {
                 raft,

@@ -24,6 +24,15 @@
 //!   then open a redb read transaction for what precedes it: an entry leaves the tail only
 //!   after a committed transaction holds it, so it is always found in one of the two.
 //!
+//! - **Inline appends** ([`Store::set_inline`]): on a node that is the cluster's only member
+//!   there is no replication to overlap with the fsync, and the hand-off to the writer
+//!   thread and back (two thread wake-ups) is most of the overhead of a lone write. There,
+//!   an append that finds the writer idle with nothing queued commits its batch itself, on
+//!   the core's thread (`block_in_place`, so the runtime's other tasks move on), and
+//!   reports it flushed. Order is kept: the writer's queue is empty and the writer waits
+//!   while an inline batch runs ([`Flow`]). Under load the writer is busy and appends queue
+//!   as before (group commit).
+//!
 //! Purge moves entries into the `archive` table (application payloads only) in the same write
 //! transaction that removes them from the live log; see `LogNode::read_entries`.
 
@@ -32,8 +41,8 @@ use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, mpsc};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
 use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
@@ -85,6 +94,8 @@ pub struct IoStats {
     pub appended_entries: u64,
     /// Time openraft's core spent inside `append` (it awaits it).
     pub append_us: u64,
+    /// Appends committed on the caller's thread (see [`Store::set_inline`]).
+    pub inline_appends: u64,
     /// Durable (fsync'd) write transactions, and their total time.
     pub durable_commits: u64,
     pub durable_commit_us: u64,
@@ -113,6 +124,7 @@ struct Counters {
     log_reads: AtomicU64,
     log_read_us: AtomicU64,
     log_reads_db: AtomicU64,
+    inline_appends: AtomicU64,
 }
 
 fn add(c: &AtomicU64, v: u64) {
@@ -286,6 +298,42 @@ struct Inner {
     /// The writer thread's queue; `None` once closed.
     ops: Mutex<Option<mpsc::Sender<Op>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Appends may be committed on the caller's thread (see the module doc).
+    inline: AtomicBool,
+    /// Who writes now (shared with the writer thread).
+    flow: Arc<(Mutex<Flow>, Condvar)>,
+}
+
+/// Operations queued and not yet taken by the writer, and whether a batch is being
+/// written (by the writer, or inline by an append). An append runs inline only when
+/// neither: then nothing queued before it can be committed after it.
+#[derive(Default)]
+struct Flow {
+    queued: usize,
+    busy: bool,
+}
+
+/// Waits until no batch is being written, then marks one: released (and waiters woken)
+/// when dropped.
+struct Busy<'a>(&'a (Mutex<Flow>, Condvar));
+
+impl<'a> Busy<'a> {
+    fn wait(flow: &'a (Mutex<Flow>, Condvar), taken: usize) -> Self {
+        let mut f = lock(&flow.0);
+        while f.busy {
+            f = flow.1.wait(f).unwrap_or_else(|e| e.into_inner());
+        }
+        f.busy = true;
+        f.queued = f.queued.saturating_sub(taken);
+        Busy(flow)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.0).busy = false;
+        self.0.1.notify_all();
+    }
 }
 
 impl Store {
@@ -307,6 +355,8 @@ impl Store {
             txn.commit().map_err(redb::Error::from)?;
         }
         let (tx, rx) = mpsc::channel::<Op>();
+        let flow = Arc::new((Mutex::new(Flow::default()), Condvar::new()));
+        let writer_flow = flow.clone();
         let inner = Arc::new(Inner {
             counters: Counters::default(),
             db: RwLock::new(Some(db)),
@@ -315,11 +365,13 @@ impl Store {
             tail_bytes,
             ops: Mutex::new(Some(tx)),
             writer: Mutex::new(None),
+            inline: AtomicBool::new(false),
+            flow,
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
             .name("opendsec-log-writer".into())
-            .spawn(move || writer(weak, rx))?;
+            .spawn(move || writer(weak, rx, writer_flow))?;
         *lock(&inner.writer) = Some(handle);
         Ok(Store { inner })
     }
@@ -332,6 +384,7 @@ impl Store {
             appends: g(&c.appends),
             appended_entries: g(&c.appended_entries),
             append_us: g(&c.append_us),
+            inline_appends: g(&c.inline_appends),
             durable_commits: g(&c.durable_commits),
             durable_commit_us: g(&c.durable_commit_us),
             nondurable_commits: g(&c.nondurable_commits),
@@ -370,12 +423,48 @@ impl Store {
         let tx = lock(&self.inner.ops).clone();
         match tx {
             Some(tx) => {
+                // Counted before it is in the channel: the writer subtracts what it took.
+                lock(&self.inner.flow.0).queued += 1;
                 if let Err(mpsc::SendError(op)) = tx.send(op) {
+                    let mut f = lock(&self.inner.flow.0);
+                    f.queued = f.queued.saturating_sub(1);
+                    drop(f);
                     op.fail("log store is closed");
                 }
             }
             None => op.fail("log store is closed"),
         }
+    }
+
+    /// Lets appends commit on the caller's thread when the writer is idle: for a node
+    /// that is its cluster's only member (see the module doc). Off by default.
+    pub(crate) fn set_inline(&self, on: bool) {
+        self.inner.inline.store(on, Ordering::Relaxed);
+    }
+
+    /// Commits `op` (an append) on this thread if inline appends are on, the runtime can
+    /// lend this thread, and the writer is idle with nothing queued; else gives it back.
+    fn try_inline(&self, op: Op) -> Option<Op> {
+        if !self.inner.inline.load(Ordering::Relaxed) || lock(&self.inner.ops).is_none() {
+            return Some(op);
+        }
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if !multi_thread {
+            return Some(op);
+        }
+        let flow = &*self.inner.flow;
+        {
+            let mut f = lock(&flow.0);
+            if f.busy || f.queued > 0 {
+                return Some(op);
+            }
+            f.busy = true;
+        }
+        let _busy = Busy(flow);
+        tokio::task::block_in_place(|| self.run_batch(vec![op], None, &mut VecDeque::new()));
+        add(&self.inner.counters.inline_appends, 1);
+        None
     }
 
     /// Queue an operation that answers on `done`, and wait for the answer.
@@ -663,7 +752,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The writer thread: every queued operation so far, in order, in one write transaction.
-fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
+fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>, flow: Arc<(Mutex<Flow>, Condvar)>) {
     // The newest committed id not yet written (it rides on a later transaction).
     let mut committed: Option<Vec<u8>> = None;
     let mut committed_written = Instant::now();
@@ -695,9 +784,10 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
             Op::Purge { upto, done } => purges.push_back(Purging { upto, done }),
             op => work.push(op),
         };
+        let mut n = 0;
         if let Some(op) = first {
             take(op);
-            let mut n = 1;
+            n = 1;
             while n < MAX_BATCH_OPS
                 && let Ok(op) = rx.try_recv()
             {
@@ -705,6 +795,8 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
                 n += 1;
             }
         }
+        // After an inline batch that may be running; none starts until this one is done.
+        let _busy = Busy::wait(&flow, n);
         if work.is_empty() && purges.is_empty() && !idle {
             // Only a committed id: wait for something to ride on (or for idleness).
             continue;
@@ -730,6 +822,7 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>) {
         }
     }
     if let Some(inner) = inner.upgrade() {
+        let _busy = Busy::wait(&flow, 0);
         let store = Store { inner };
         while !purges.is_empty() {
             store.run_batch(Vec::new(), None, &mut purges);
@@ -953,11 +1046,14 @@ impl RaftLogStorage<TypeConfig> for Store {
         }
         add(&self.inner.counters.appends, 1);
         add(&self.inner.counters.appended_entries, encoded.len() as u64);
-        self.send(Op::Append {
+        let op = Op::Append {
             entries: encoded,
             last,
             callback,
-        });
+        };
+        if let Some(op) = self.try_inline(op) {
+            self.send(op);
+        }
         add(&self.inner.counters.append_us, us_since(t));
         Ok(())
     }
@@ -1032,6 +1128,54 @@ mod tests {
         assert_eq!(store.read_committed().await.unwrap(), Some(log_id(1, 40)));
         assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(1, 1)));
         assert_eq!(store.get_log_state().await.unwrap().last_log_id, Some(log_id(1, 50)));
+        store.close();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inline_appends_are_flushed_when_append_returns_and_keep_order_with_queued_operations() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        // Off by default: the writer thread commits.
+        let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        assert_eq!(store.io_stats().inline_appends, 0);
+
+        store.set_inline(true);
+        for i in 2..=20 {
+            let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
+            // Committed by `append` itself: flushed already when it returns.
+            assert!(matches!(rx.try_recv(), Ok(Ok(()))), "append {i} was not flushed inline");
+        }
+        assert_eq!(store.io_stats().inline_appends, 19);
+
+        // While a batch is being written (held here as an inline batch would be), an append
+        // is queued, and the writer commits it only once that batch is done.
+        let flow = store.inner.flow.clone();
+        let held = Busy::wait(&flow, 0);
+        let mut rx = append(&mut store, vec![entry(1, 21, 100)]).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(rx.try_recv().is_err(), "the writer committed while another batch was being written");
+        drop(held);
+        rx.await.unwrap().expect("flushed");
+        assert_eq!(store.io_stats().inline_appends, 19);
+        store.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
+        store.close();
+        drop(store);
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let got = store.try_get_log_entries(..).await.unwrap();
+        assert_eq!(indexes(&got), (1..=21).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
+        assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(2, 1)));
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn inline_appends_need_a_multi_thread_runtime_and_fall_back_to_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        store.set_inline(true);
+        let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        assert_eq!(store.io_stats().inline_appends, 0, "a current-thread runtime cannot lend its thread");
         store.close();
     }
 
