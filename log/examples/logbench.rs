@@ -133,12 +133,13 @@ async fn main() {
         for (i, (a, b)) in before.iter().zip(&after).enumerate() {
             let d = delta(a, b);
             println!(
-                "   node{}: appends {} ({} entries, {} us each in core), fsyncs {} ({} us each, {:.1} entries/fsync), \
+                "   node{}: appends {} ({} entries, {} us each in core, {} inline), fsyncs {} ({} us each, {:.1} entries/fsync), \
                  nondurable txns {}, save_committed {} ({} us each), reads {} ({} us each, {} from redb)",
                 i + 1,
                 d.appends,
                 d.appended_entries,
                 per(d.append_us, d.appends),
+                d.inline_appends,
                 d.durable_commits,
                 per(d.durable_commit_us, d.durable_commits),
                 d.appended_entries as f64 / d.durable_commits.max(1) as f64,

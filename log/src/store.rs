@@ -27,11 +27,11 @@
 //! - **Inline appends** ([`Store::set_inline`]): on a node that is the cluster's only member
 //!   there is no replication to overlap with the fsync, and the hand-off to the writer
 //!   thread and back (two thread wake-ups) is most of the overhead of a lone write. There,
-//!   an append that finds the writer idle with nothing queued commits its batch itself, on
-//!   the core's thread (`block_in_place`, so the runtime's other tasks move on), and
-//!   reports it flushed. Order is kept: the writer's queue is empty and the writer waits
-//!   while an inline batch runs ([`Flow`]). Under load the writer is busy and appends queue
-//!   as before (group commit).
+//!   an append of one entry that finds the writer idle with nothing queued, and every
+//!   earlier flush handled by the core (committed), commits its batch itself, on the core's
+//!   thread, and reports it flushed. Order is kept: the
+//!   writer's queue is empty and the writer waits while an inline batch runs ([`Flow`]).
+//!   Batches of several entries (concurrent writes) queue as before (group commit).
 //!
 //! Purge moves entries into the `archive` table (application payloads only) in the same write
 //! transaction that removes them from the live log; see `LogNode::read_entries`.
@@ -302,6 +302,15 @@ struct Inner {
     inline: AtomicBool,
     /// Who writes now (shared with the writer thread).
     flow: Arc<(Mutex<Flow>, Condvar)>,
+    /// A lone node's newest committed id not yet written (see `save_committed`), and when
+    /// an inline batch last wrote one.
+    committed: Mutex<Option<Vec<u8>>>,
+    committed_inline_at: Mutex<Instant>,
+    /// The newest entry index reported flushed (+1; 0: none), and the newest committed
+    /// index openraft saved (+1) while inline appends are on. Flushed beyond committed means
+    /// the core has a flush notification it has not handled yet.
+    flushed_upto: AtomicU64,
+    committed_upto: AtomicU64,
 }
 
 /// Operations queued and not yet taken by the writer, and whether a batch is being
@@ -367,6 +376,10 @@ impl Store {
             writer: Mutex::new(None),
             inline: AtomicBool::new(false),
             flow,
+            committed: Mutex::new(None),
+            committed_inline_at: Mutex::new(Instant::now()),
+            flushed_upto: AtomicU64::new(0),
+            committed_upto: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
@@ -423,12 +436,18 @@ impl Store {
         let tx = lock(&self.inner.ops).clone();
         match tx {
             Some(tx) => {
-                // Counted before it is in the channel: the writer subtracts what it took.
-                lock(&self.inner.flow.0).queued += 1;
+                // Counted before it is in the channel: the writer subtracts what it took. A
+                // committed id is not counted: it covers only entries already durable, so
+                // an inline append may be committed before it.
+                let counted = !matches!(op, Op::Committed { .. });
+                if counted {
+                    lock(&self.inner.flow.0).queued += 1;
+                }
                 if let Err(mpsc::SendError(op)) = tx.send(op) {
-                    let mut f = lock(&self.inner.flow.0);
-                    f.queued = f.queued.saturating_sub(1);
-                    drop(f);
+                    if counted {
+                        let mut f = lock(&self.inner.flow.0);
+                        f.queued = f.queued.saturating_sub(1);
+                    }
                     op.fail("log store is closed");
                 }
             }
@@ -445,7 +464,11 @@ impl Store {
     /// Commits `op` (an append) on this thread if inline appends are on, the runtime can
     /// lend this thread, and the writer is idle with nothing queued; else gives it back.
     fn try_inline(&self, op: Op) -> Option<Op> {
-        if !self.inner.inline.load(Ordering::Relaxed) || lock(&self.inner.ops).is_none() {
+        // One entry: a write with no other in flight. Batches of several mean concurrent
+        // writes, and those are served better by the writer: the core goes on collecting
+        // the next batch while this one's fsync runs.
+        let single = matches!(&op, Op::Append { entries, .. } if entries.len() == 1);
+        if !single || !self.inner.inline.load(Ordering::Relaxed) || lock(&self.inner.ops).is_none() {
             return Some(op);
         }
         let multi_thread = tokio::runtime::Handle::try_current()
@@ -456,13 +479,29 @@ impl Store {
         let flow = &*self.inner.flow;
         {
             let mut f = lock(&flow.0);
-            if f.busy || f.queued > 0 {
+            // A flush the core has not handled yet (it commits what it flushed, at once, on
+            // a lone node) would wait for this fsync: leave this one to the writer.
+            let unhandled = self.inner.flushed_upto.load(Ordering::Relaxed) > self.inner.committed_upto.load(Ordering::Relaxed);
+            if f.busy || f.queued > 0 || unhandled {
                 return Some(op);
             }
             f.busy = true;
         }
         let _busy = Busy(flow);
-        tokio::task::block_in_place(|| self.run_batch(vec![op], None, &mut VecDeque::new()));
+        // The committed id rides along at most every COMMITTED_EVERY (it costs a page).
+        let committed = {
+            let mut at = lock(&self.inner.committed_inline_at);
+            if at.elapsed() >= COMMITTED_EVERY {
+                *at = Instant::now();
+                lock(&self.inner.committed).take()
+            } else {
+                None
+            }
+        };
+        // Blocking this worker thread for one fsync is the point: a lone write has nothing
+        // else to do meanwhile (`block_in_place` would hand the worker to another thread,
+        // which costs the wake-ups this saves); the runtime's other worker steals tasks.
+        self.run_batch(vec![op], committed, &mut VecDeque::new());
         add(&self.inner.counters.inline_appends, 1);
         None
     }
@@ -784,27 +823,30 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>, flow: Arc<(Mute
             Op::Purge { upto, done } => purges.push_back(Purging { upto, done }),
             op => work.push(op),
         };
-        let mut n = 0;
+        let mut counted = 0;
         if let Some(op) = first {
+            counted += !matches!(op, Op::Committed { .. }) as usize;
             take(op);
-            n = 1;
+            let mut n = 1;
             while n < MAX_BATCH_OPS
                 && let Ok(op) = rx.try_recv()
             {
+                counted += !matches!(op, Op::Committed { .. }) as usize;
                 take(op);
                 n += 1;
             }
         }
-        // After an inline batch that may be running; none starts until this one is done.
-        let _busy = Busy::wait(&flow, n);
         if work.is_empty() && purges.is_empty() && !idle {
             // Only a committed id: wait for something to ride on (or for idleness).
             continue;
         }
+        // After an inline batch that may be running; none starts until this one is done.
+        let _busy = Busy::wait(&flow, counted);
         match inner.upgrade() {
             Some(inner) => {
                 let due = idle || committed_written.elapsed() >= COMMITTED_EVERY;
-                let c = if due { committed.take() } else { None };
+                // A lone node's id (see `save_committed`) rides along as the others do.
+                let c = if due { committed.take().or_else(|| lock(&inner.committed).take()) } else { None };
                 if c.is_some() {
                     committed_written = Instant::now();
                 }
@@ -823,11 +865,12 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>, flow: Arc<(Mute
     }
     if let Some(inner) = inner.upgrade() {
         let _busy = Busy::wait(&flow, 0);
+        let lone = lock(&inner.committed).take();
         let store = Store { inner };
         while !purges.is_empty() {
             store.run_batch(Vec::new(), None, &mut purges);
         }
-        if let Some(c) = committed {
+        if let Some(c) = committed.or(lone) {
             store.run_batch(Vec::new(), Some(c), &mut purges);
         }
     } else {
@@ -910,6 +953,7 @@ impl Store {
             for op in &work {
                 if let Op::Append { last: Some(last), .. } = op {
                     tail.mark_written(last);
+                    self.inner.flushed_upto.fetch_max(last.index() + 1, Ordering::Relaxed);
                 }
             }
             if let Some((_, through)) = step {
@@ -1013,7 +1057,15 @@ impl RaftLogStorage<TypeConfig> for Store {
         let t = Instant::now();
         if let Some(c) = committed {
             let bytes = encode(&c)?;
-            self.send(Op::Committed { bytes });
+            self.inner.committed_upto.fetch_max(c.index() + 1, Ordering::Relaxed);
+            if self.inner.inline.load(Ordering::Relaxed) {
+                // A lone node's committed entries are all durable (its own flush made them
+                // committed): the id rides on the next inline batch (or any batch, or the
+                // last one at close) without waking the writer.
+                *lock(&self.inner.committed) = Some(bytes);
+            } else {
+                self.send(Op::Committed { bytes });
+            }
         }
         add(&self.inner.counters.save_committed, 1);
         add(&self.inner.counters.save_committed_us, us_since(t));
@@ -1140,30 +1192,45 @@ mod tests {
         rx.await.unwrap().expect("flushed");
         assert_eq!(store.io_stats().inline_appends, 0);
 
+        store.save_committed(Some(log_id(1, 1))).await.unwrap();
         store.set_inline(true);
         for i in 2..=20 {
             let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
             // Committed by `append` itself: flushed already when it returns.
             assert!(matches!(rx.try_recv(), Ok(Ok(()))), "append {i} was not flushed inline");
+            // What the core does with the flush (a lone node commits it at once).
+            store.save_committed(Some(log_id(1, i))).await.unwrap();
         }
         assert_eq!(store.io_stats().inline_appends, 19);
+        // A flush the core has not handled yet (not committed): the next append is the
+        // writer's, so that flush's commit does not wait for another fsync.
+        let rx = append(&mut store, vec![entry(1, 21, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        let rx = append(&mut store, vec![entry(1, 22, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        assert_eq!(store.io_stats().inline_appends, 20, "only the first of the two was inline");
+        store.save_committed(Some(log_id(1, 22))).await.unwrap();
+        // A batch of several entries (concurrent writes) goes to the writer.
+        let rx = append(&mut store, vec![entry(1, 23, 100), entry(1, 24, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        assert_eq!(store.io_stats().inline_appends, 20);
 
         // While a batch is being written (held here as an inline batch would be), an append
         // is queued, and the writer commits it only once that batch is done.
         let flow = store.inner.flow.clone();
         let held = Busy::wait(&flow, 0);
-        let mut rx = append(&mut store, vec![entry(1, 21, 100)]).await;
+        let mut rx = append(&mut store, vec![entry(1, 25, 100)]).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(rx.try_recv().is_err(), "the writer committed while another batch was being written");
         drop(held);
         rx.await.unwrap().expect("flushed");
-        assert_eq!(store.io_stats().inline_appends, 19);
+        assert_eq!(store.io_stats().inline_appends, 20);
         store.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
         store.close();
         drop(store);
         let mut store = Store::open(dir.path(), None).unwrap();
         let got = store.try_get_log_entries(..).await.unwrap();
-        assert_eq!(indexes(&got), (1..=21).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
+        assert_eq!(indexes(&got), (1..=25).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
         assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(2, 1)));
         store.close();
     }
