@@ -19,9 +19,13 @@ use std::time::{Duration, Instant};
 use up::Up;
 use vms::{count, exec, figure, ms, start_counter, wait_state};
 
+/// Each sandbox's disk (`--disk-mb`).
+const DISK_MB: u64 = 4096;
+
 /// `opendsec up`, once its edge's VM driver is ready and it registered as running full VMs.
 async fn start() -> Up {
-    let up = vms::start().await;
+    // A disk larger than the image's (about 2.6 GiB for `base`): the guest grows into it.
+    let up = vms::start_with_disk(DISK_MB).await;
     let (s, edges) = up.send(Method::GET, "/v1/edges", None).await;
     assert_eq!(s, 200, "{edges}");
     assert!(edges.to_string().contains("\"opendsec.io/fullvm\":\"q35\""), "the edge says it runs full VMs: {edges}");
@@ -71,6 +75,16 @@ async fn a_full_vm_through_rest_boots_base_from_its_disk_runs_python_and_pauses_
     assert_eq!(lines[0], "SeaBIOS", "{guest}");
     assert!(lines[1].starts_with("BOOT_IMAGE=/boot/vmlinuz-") && lines[1].contains("root=UUID="), "{guest}");
     assert_eq!(lines[2], "/dev/vda1", "{guest}");
+
+    // Its disk is the edge's size, larger than the image's: the root partition and file
+    // system were grown to fill it at boot.
+    let sizes = exec(&up, &id, "sh", &["-c", "cat /sys/block/vda/size /sys/block/vda/vda1/size; df -k / | tail -1"]).await;
+    let words: Vec<&str> = sizes.split_whitespace().collect();
+    let (disk, part): (u64, u64) = (words[0].parse().unwrap(), words[1].parse().unwrap());
+    let fs_kib: u64 = words[3].parse().unwrap();
+    assert_eq!(disk * 512, DISK_MB << 20, "{sizes}");
+    assert_eq!(part, disk - 2048, "the partition reaches the end of the disk: {sizes}");
+    assert!(fs_kib > (DISK_MB << 10) * 9 / 10, "the root file system fills the partition: {sizes}");
 
     // Pause and resume through REST: the QEMU ends and a new one continues the guest.
     start_counter(&up, &id).await;

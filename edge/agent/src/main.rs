@@ -19,6 +19,7 @@ mod connect;
 mod fdio;
 mod files;
 mod fs;
+mod grow;
 mod json;
 mod metadata;
 mod process;
@@ -93,6 +94,22 @@ fn parse_args() -> Args {
         Some("--version") => {
             println!("opendsec-agent {}", env!("CARGO_PKG_VERSION"));
             std::process::exit(0)
+        }
+        // A full VM's init grows its root to the disk (see `grow`).
+        Some(cmd @ ("grow-partition" | "grow-fs")) => {
+            let args: Vec<String> = it.collect();
+            let done = match (cmd, args.as_slice()) {
+                ("grow-partition", [part]) => grow::grow_partition(part),
+                ("grow-fs", [mountpoint, part]) => grow::grow_fs(mountpoint, part),
+                _ => die("usage: opendsec-agent grow-partition /dev/vdXN | grow-fs MOUNTPOINT /dev/vdXN"),
+            };
+            match done {
+                Ok(what) => {
+                    println!("opendsec-agent: {what}");
+                    std::process::exit(0)
+                }
+                Err(e) => die(&e),
+            }
         }
         _ => die(USAGE),
     };

@@ -265,16 +265,29 @@ pub fn ensure_boot_disk(
 }
 
 /// Creates `dest`, a qcow2 overlay whose backing file is the boot disk `base`: a VM's
-/// whole disk, holding only the blocks that VM wrote.
-pub(crate) fn create_overlay(base: &Path, dest: &Path) -> Result<(), VmError> {
+/// whole disk, holding only the blocks that VM wrote, of at least `min_bytes` (the
+/// guest's init grows the root partition and file system into what the base lacks).
+pub(crate) fn create_overlay(base: &Path, dest: &Path, min_bytes: u64) -> Result<(), VmError> {
     let qemu_img = require_tool("qemu-img", "qemu-utils")?;
-    run(
-        Command::new(&qemu_img)
-            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
-            .arg(base)
-            .arg(dest),
-        "qemu-img create",
-    )
+    let base_bytes = qcow2_virtual_size(base)?;
+    let mut cmd = Command::new(&qemu_img);
+    cmd.args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"]).arg(base).arg(dest);
+    if min_bytes > base_bytes {
+        cmd.arg(min_bytes.div_ceil(1 << 20).to_string() + "M");
+    }
+    run(&mut cmd, "qemu-img create")
+}
+
+/// The disk size a qcow2 image presents (its header's `size`, at byte 24, big-endian).
+pub(crate) fn qcow2_virtual_size(path: &Path) -> Result<u64, VmError> {
+    let mut header = [0u8; 32];
+    fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .map_err(io_err(&format!("reading the qcow2 header of {}", path.display())))?;
+    if &header[..4] != b"QFI\xfb" {
+        return Err(VmError::Invalid(format!("{} is not a qcow2 image", path.display())));
+    }
+    Ok(u64::from_be_bytes(header[24..32].try_into().expect("8 bytes")))
 }
 
 /// What goes into `/boot`.

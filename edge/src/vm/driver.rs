@@ -484,9 +484,10 @@ impl MicroVmDriver {
 
     /// Cold-boots a VM of `machine`: a microVM, or a full VM (`q35`) whose firmware boots
     /// the image's boot disk (built once per image) through an overlay of its own. Full
-    /// VMs always run under QEMU. `spec.disk_mb` sizes a microVM's writable disk; a full
-    /// VM's disk is its image's, with [`FREE_SPACE_MB`](super::bootdisk::FREE_SPACE_MB)
-    /// free.
+    /// VMs always run under QEMU. `spec.disk_mb` sizes a microVM's writable disk, and a
+    /// full VM's whole disk when that is larger than its image's (which has
+    /// [`FREE_SPACE_MB`](super::bootdisk::FREE_SPACE_MB) free): its init grows the root
+    /// partition and file system to fill it.
     pub fn create_machine(
         &self,
         spec: &VmSpec,
@@ -521,7 +522,7 @@ impl MicroVmDriver {
                 Machine::Microvm => {
                     create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?
                 }
-                Machine::Q35 => create_overlay(&record.root_disk, &dir.join("rw.img"))?,
+                Machine::Q35 => create_overlay(&record.root_disk, &dir.join("rw.img"), spec.disk_mb << 20)?,
             }
             inner.write_guest_config(machine, &dir, spec)?;
             new_ram_file(&dir.join("ram"), spec.memory_mb)?;

@@ -74,7 +74,18 @@ if [ "$machine" = q35 ]; then
         [ "$tries" -gt 1000 ] && die "the root $root was not found"
         usleep 10000
     done
+    # The host may give the disk more room than the image's file system has: the
+    # partition and then the mounted file system grow to fill it (best effort).
+    /opendsec/agent grow-partition "$root_dev" || echo "opendsec-init: the root partition keeps its size"
+    # Re-reading the partition table re-creates the partition's device node.
+    tries=0
+    until [ -b "$root_dev" ]; do
+        tries=$((tries + 1))
+        [ "$tries" -gt 1000 ] && die "$root_dev did not come back after growing"
+        usleep 10000
+    done
     mount -t ext4 -o rw,noatime "$root_dev" /newroot || die "mounting the root $root_dev"
+    /opendsec/agent grow-fs /newroot "$root_dev" || echo "opendsec-init: the root file system keeps its size"
 else
     . /opendsec/vm.conf
 

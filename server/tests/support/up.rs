@@ -38,6 +38,8 @@ pub struct Up {
     /// The admin token `opendsec init` printed (root project, every right).
     pub token: String,
     pub client: reqwest::Client,
+    /// The edge's disk size per sandbox (`--disk-mb`).
+    disk_mb: u64,
 }
 
 impl Drop for Up {
@@ -158,6 +160,11 @@ impl Up {
     /// Starts `opendsec up` with the default image store (`/var/lib/opendsec/images`, where
     /// images are built once per machine), initialises it and waits for its edge.
     pub async fn start(domain: Option<&str>) -> Up {
+        Self::start_with_disk(domain, 256).await
+    }
+
+    /// As [`Up::start`], with `disk_mb` of writable disk per sandbox.
+    pub async fn start_with_disk(domain: Option<&str>, disk_mb: u64) -> Up {
         let dir = tempfile::tempdir().unwrap();
         let mut up = Up {
             http: format!("127.0.0.1:{}", free_port()),
@@ -168,6 +175,7 @@ impl Up {
             child: None,
             token: String::new(),
             client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap(),
+            disk_mb,
         };
         up.spawn();
 
@@ -219,9 +227,9 @@ impl Up {
             .args(["--listen", &self.http, "--peer-listen", &self.peer, "--edge-listen", &self.edge])
             .arg("--agent")
             .arg(static_agent())
-            // 256 MB of writable disk per sandbox: room for the tests, small enough that
-            // filling it (the oversized-upload test) takes a moment.
-            .args(["--edge-sandboxes", "40", "--disk-mb", "256"])
+            // 256 MB of writable disk per sandbox by default: room for the tests, small
+            // enough that filling it (the oversized-upload test) takes a moment.
+            .args(["--edge-sandboxes", "40", "--disk-mb", &self.disk_mb.to_string()])
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log);

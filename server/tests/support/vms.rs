@@ -22,7 +22,12 @@ pub fn ms(d: Duration) -> String {
 /// once per machine; the KVM verdict is kept for the host boot). A host where the driver
 /// cannot start fails here, saying why: VMs are part of what is tested.
 pub async fn start() -> Up {
-    let up = Up::start(None).await;
+    start_with_disk(256).await
+}
+
+/// As [`start`], with `disk_mb` of disk per sandbox.
+pub async fn start_with_disk(disk_mb: u64) -> Up {
+    let up = Up::start_with_disk(None, disk_mb).await;
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let log = up.log_tail(100_000);
