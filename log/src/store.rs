@@ -458,7 +458,9 @@ impl Store {
     /// Lets appends commit on the caller's thread when the writer is idle: for a node
     /// that is its cluster's only member (see the module doc). Off by default.
     pub(crate) fn set_inline(&self, on: bool) {
-        self.inner.inline.store(on, Ordering::Relaxed);
+        if self.inner.inline.swap(on, Ordering::Relaxed) != on {
+            tracing::info!(on, "log: appends of a lone node commit inline");
+        }
     }
 
     /// Commits `op` (an append) on this thread if inline appends are on, the runtime can
