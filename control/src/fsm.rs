@@ -266,10 +266,7 @@ mod tests {
         let c = loop {
             match Checkpoints::open(&path) {
                 Ok(c) => break c,
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(5));
-                }
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
                 Err(e) => panic!("reopen: {e}"),
             }
         };

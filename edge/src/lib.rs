@@ -13,4 +13,5 @@ pub mod images;
 pub mod microvms;
 pub mod container;
 pub mod vm;
+mod ns;
 mod status_pipe;

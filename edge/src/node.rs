@@ -312,13 +312,31 @@ impl Edge {
     }
 
     /// Writes the agent's configuration: its access token, the sandbox's environment and
-    /// the image's start command. Returns the agent's extra arguments.
-    fn write_agent_config(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<Vec<String>, EdgeError> {
+    /// the image's start command.
+    fn write_agent_config(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<(), EdgeError> {
         let dir = self.config_dir(&d.id);
         let _ = std::fs::remove_dir_all(&dir);
         make_private_dir(&dir)?;
-        self.write_agent_files(d, image, &dir)?;
-        Ok(agent_args(image))
+        self.write_agent_files(d, image, &dir)
+    }
+
+    /// The spec of container `id` of `image` served by the agent: the agent as PID 1 on a
+    /// listening socket at [`Self::socket_path`] (returned: keep it open until the
+    /// container is created), its binary and [`Self::config_dir`] bound read-only, and
+    /// `limits`. The same for a sandbox and for a warm container.
+    fn agent_spec(&self, id: &str, image: &crate::images::Image, limits: Limits) -> Result<(SandboxSpec, std::os::unix::net::UnixListener), EdgeError> {
+        let sock = self.socket_path(id);
+        let _ = std::fs::remove_file(&sock);
+        // The socket lives outside the sandbox; the agent gets only the listening fd.
+        let listener = std::os::unix::net::UnixListener::bind(&sock)?;
+        let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
+        args.extend(agent_args(image));
+        let mut spec = SandboxSpec::from_image(id.to_string(), &self.images, image, args)?;
+        spec.limits = limits;
+        spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
+        spec.binds.push(BindMount { host_path: self.config_dir(id), container_path: AGENT_CONFIG_IN_SANDBOX.into() });
+        spec.extra_fds.push(listener.as_raw_fd());
+        Ok((spec, listener))
     }
 
     /// The agent's per-sandbox files (token, environment, start command) in `dir`,
@@ -553,7 +571,12 @@ impl Edge {
         // ready; either way the image is kept warm for the next create.
         let plain = d.transfer.is_none() && d.snapshot.is_none() && d.fork_of.is_none();
         if plain && self.warm.enabled() {
-            if let Some(warm) = self.warm.take(&d.image) {
+            let taken = self.warm.take(&d.image);
+            // Keeps the image warm; another image's warm containers may make room for it.
+            for dropped in self.warm.want(&d.image) {
+                self.discard_warm(&dropped);
+            }
+            if let Some(warm) = taken {
                 let t = Instant::now();
                 match self.claim_warm(d, &image, &warm) {
                     Ok(()) => {
@@ -563,9 +586,6 @@ impl Edge {
                     }
                     Err(e) => tracing::warn!(sandbox = %d.id, %warm, error = %e, "cannot claim a warm container; creating one"),
                 }
-            }
-            for dropped in self.warm.want(&d.image) {
-                self.discard_warm(&dropped);
             }
         }
         let created = self.create_cold(d, &image);
@@ -587,13 +607,8 @@ impl Edge {
     }
 
     fn create_cold(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<(), EdgeError> {
-        let sock = self.socket_path(&d.id);
-        let _ = std::fs::remove_file(&sock);
-        // The socket lives outside the sandbox; the agent gets only the listening fd.
-        let listener = std::os::unix::net::UnixListener::bind(&sock)?;
-        let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
-        args.extend(self.write_agent_config(d, &image)?);
-        let mut spec = SandboxSpec::from_image(d.id.clone(), &self.images, &image, args)?;
+        self.write_agent_config(d, image)?;
+        let (mut spec, listener) = self.agent_spec(&d.id, image, self.limits(d))?;
         if d.transfer.is_some() {
             // Its source's layers live on another edge: pulled, then unpacked into its
             // own directory (removed with it), bottom first.
@@ -629,10 +644,6 @@ impl Edge {
             }
             spec.layers.push(layer);
         }
-        spec.limits = self.limits(d);
-        spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
-        spec.binds.push(BindMount { host_path: self.config_dir(&d.id), container_path: AGENT_CONFIG_IN_SANDBOX.into() });
-        spec.extra_fds.push(listener.as_raw_fd());
         spec.labels = d.labels.clone();
         {
             let _one_at_a_time = self.create_lock.lock().expect("create lock");
@@ -651,20 +662,12 @@ impl Edge {
         let wid = format!("{WARM_ID_PREFIX}{}-{n}", std::process::id());
         let image = self.images.ensure(image_name, &|p| tracing::info!(image = %image_name, progress = ?p, "building image"))?;
         let made = (|| {
-            let sock = self.socket_path(&wid);
-            let _ = std::fs::remove_file(&sock);
-            let listener = std::os::unix::net::UnixListener::bind(&sock)?;
             let config = self.config_dir(&wid);
             let _ = std::fs::remove_dir_all(&config);
             make_private_dir(&config)?;
-            let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
-            args.extend(agent_args(&image));
-            let mut spec = SandboxSpec::from_image(wid.clone(), &self.images, &image, args)?;
             // Memory and CPU are the default's until a sandbox claims it and sets its own.
-            spec.limits = Limits { pids: self.cfg.pids, io_weight: Some(100), disk_bytes: self.cfg.disk_bytes, ..Limits::default() };
-            spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
-            spec.binds.push(BindMount { host_path: config, container_path: AGENT_CONFIG_IN_SANDBOX.into() });
-            spec.extra_fds.push(listener.as_raw_fd());
+            let limits = Limits { pids: self.cfg.pids, io_weight: Some(100), disk_bytes: self.cfg.disk_bytes, ..Limits::default() };
+            let (spec, _listener) = self.agent_spec(&wid, &image, limits)?;
             let _one_at_a_time = self.create_lock.lock().expect("create lock");
             self.backend.create_unstarted(&spec)?;
             Ok::<(), EdgeError>(())

@@ -29,9 +29,9 @@
 //!   thread and back (two thread wake-ups) is most of the overhead of a lone write. There,
 //!   an append of one entry that finds the writer idle with nothing queued, and every
 //!   earlier flush handled by the core (committed), commits its batch itself, on the core's
-//!   thread, and reports it flushed. Order is kept: the
-//!   writer's queue is empty and the writer waits while an inline batch runs ([`Flow`]).
-//!   Batches of several entries (concurrent writes) queue as before (group commit).
+//!   thread, and reports it flushed. Order is kept: the writer's queue is empty and the
+//!   writer waits while an inline batch runs ([`Flow`]). Batches of several entries
+//!   (concurrent writes) queue as before (group commit).
 //!
 //! Purge moves entries into the `archive` table (application payloads only) in the same write
 //! transaction that removes them from the live log; see `LogNode::read_entries`.

@@ -3,20 +3,14 @@
 //! Needs root, crun or runc, busybox-static and the static agent (`./ops/test.sh`
 //! installs and builds them).
 
+#[path = "support/up.rs"]
+mod up;
+
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn static_agent() -> PathBuf {
-    let p = std::env::var_os("OPENDSEC_TEST_AGENT").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
-    });
-    assert!(p.is_file(), "the static agent {} is missing: run ./ops/test.sh (or edge/agent/build-static.sh {})", p.display(), p.display());
-    p
-}
-
-use opendsec_edge::testing::free_port;
+use up::{cleanup_edge, free_port, static_agent};
 
 struct Up {
     dir: tempfile::TempDir,
@@ -43,21 +37,7 @@ impl Drop for Up {
             }
         }
         // Leave no container behind: remove every sandbox of this test's edge.
-        let sandboxes = self.dir.path().join("data/edge/sandboxes");
-        if let Ok(entries) = std::fs::read_dir(&sandboxes) {
-            for e in entries.flatten() {
-                // A claimed warm container keeps its runtime id (`runtime_id` in its record).
-                let rec: Value = std::fs::read(e.path().join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-                let name = e.file_name().to_string_lossy().trim_start_matches('.').to_string();
-                let id = rec["runtime_id"].as_str().or(rec["id"].as_str()).unwrap_or(&name).to_string();
-                for rt in ["crun", "runc"] {
-                    let root = self.dir.path().join("data/edge/runtime").join(rt);
-                    let _ = Command::new(rt).arg("--root").arg(&root).args(["delete", "--force", &id]).output();
-                }
-                let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
-                let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
-            }
-        }
+        cleanup_edge(&self.dir.path().join("data/edge"));
     }
 }
 

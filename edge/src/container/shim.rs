@@ -194,24 +194,22 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
     let out_w2 = out_w
         .try_clone()
         .map_err(|e| ContainerError::io("dup", e))?;
-    let pid_file = dir.join("init.pid");
     let preserve = record.extra_fds.to_string();
     use std::ffi::OsStr;
     // The runtime gets absolute paths: they are resolved before any rename can happen
     // (the edge renames a warm container's directory only after `create` has returned).
     let runtime_log = bundle.join("runtime.log");
-    let pid_file_abs = bundle.join("init.pid");
-    let mut args: Vec<&OsStr> = vec![OsStr::new("--log"), runtime_log.as_os_str()];
-    if create_only {
-        args.push(OsStr::new("create"));
-    } else {
-        args.extend([OsStr::new("run"), OsStr::new("--detach")]);
+    let pid_file = bundle.join("init.pid");
+    let command = if create_only { "create" } else { "run" };
+    let mut args: Vec<&OsStr> = vec![OsStr::new("--log"), runtime_log.as_os_str(), OsStr::new(command)];
+    if !create_only {
+        args.push(OsStr::new("--detach"));
     }
     args.extend([
         OsStr::new("--bundle"),
         bundle.as_os_str(),
         OsStr::new("--pid-file"),
-        pid_file_abs.as_os_str(),
+        pid_file.as_os_str(),
     ]);
     if record.extra_fds > 0 {
         args.extend([OsStr::new("--preserve-fds"), OsStr::new(&preserve)]);
@@ -243,13 +241,13 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
         }
         return Err(ContainerError::Runtime {
             runtime: record.runtime.name(),
-            command: if create_only { "create" } else { "run" }.into(),
+            command: command.into(),
             message,
         });
     }
     let init_pid = read_pid(&pid_file).ok_or_else(|| ContainerError::Runtime {
         runtime: record.runtime.name(),
-        command: if create_only { "create" } else { "run" }.into(),
+        command: command.into(),
         message: "no pid file".into(),
     })?;
     report(&format!("ok {init_pid}"));

@@ -150,28 +150,18 @@ impl ContainerBackend {
     }
 }
 
-/// Sets the hostname in the UTS namespace of process `pid` (a container's PID 1), from a
-/// short-lived thread that joins that namespace (a thread's namespaces are its own).
+/// Sets the hostname in the UTS namespace of process `pid` (a container's PID 1).
 fn set_hostname(pid: i32, name: &str) -> Result<(), ContainerError> {
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/uts"))
-        .map_err(|e| ContainerError::io(format!("opening the UTS namespace of {pid}"), e))?;
     let name = name.to_string();
-    std::thread::spawn(move || -> std::io::Result<()> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on this thread only, with an fd we own; sethostname copies the name.
-        unsafe {
-            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWUTS) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::sethostname(name.as_ptr().cast(), name.len()) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
+    let ns = PathBuf::from(format!("/proc/{pid}/ns/uts"));
+    crate::ns::in_namespace(&ns, libc::CLONE_NEWUTS, "set-hostname", move || {
+        // SAFETY: sethostname copies the name.
+        if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } != 0 {
+            return Err(std::io::Error::last_os_error());
         }
         Ok(())
     })
-    .join()
-    .map_err(|_| ContainerError::Storage("the hostname thread panicked".into()))?
-    .map_err(|e| ContainerError::io("setting the hostname", e))
+    .map_err(|e| ContainerError::io(format!("setting the hostname of {pid}'s UTS namespace"), e))
 }
 
 /// The bookkeeping of warm containers: which are ready for which key (an image), which
@@ -190,6 +180,9 @@ struct Inner {
     ready: BTreeMap<String, Vec<String>>,
     /// Wanted keys with when they were last used.
     wanted: BTreeMap<String, Instant>,
+    /// Ready containers of keys no longer wanted, until [`WarmPool::want`] or
+    /// [`WarmPool::close`] hands them out for discarding.
+    evicted: Vec<String>,
     filling: bool,
     closed: bool,
 }
@@ -213,25 +206,26 @@ impl WarmPool {
         g.ready.get_mut(key).and_then(Vec::pop)
     }
 
-    /// Marks `key` used now: it is kept warm (the least recently used key beyond
-    /// `max_keys` is dropped; its ready containers are returned for discarding).
+    /// Marks `key` used now: it is kept warm. The least recently used keys beyond
+    /// `max_keys` are dropped; their ready containers (also those a [`WarmPool::take`]
+    /// dropped) are returned for discarding.
     pub fn want(&self, key: &str) -> Vec<String> {
         let mut g = self.inner.lock().expect("warm pool lock");
         if g.closed || !self.enabled() {
             return Vec::new();
         }
-        self.touch(&mut g, key)
+        self.touch(&mut g, key);
+        std::mem::take(&mut g.evicted)
     }
 
-    fn touch(&self, g: &mut Inner, key: &str) -> Vec<String> {
+    fn touch(&self, g: &mut Inner, key: &str) {
         g.wanted.insert(key.to_string(), Instant::now());
-        let mut dropped = Vec::new();
         while g.wanted.len() > self.max_keys {
             let oldest = g.wanted.iter().min_by_key(|(_, t)| **t).map(|(k, _)| k.clone()).expect("not empty");
             g.wanted.remove(&oldest);
-            dropped.extend(g.ready.remove(&oldest).unwrap_or_default());
+            let dropped = g.ready.remove(&oldest).unwrap_or_default();
+            g.evicted.extend(dropped);
         }
-        dropped
     }
 
     /// The key the filler should make a warm container for next (the most recently used
@@ -287,7 +281,9 @@ impl WarmPool {
     pub fn close(&self) -> Vec<String> {
         let mut g = self.inner.lock().expect("warm pool lock");
         g.closed = true;
-        std::mem::take(&mut g.ready).into_values().flatten().collect()
+        let mut all: Vec<String> = std::mem::take(&mut g.ready).into_values().flatten().collect();
+        all.append(&mut g.evicted);
+        all
     }
 }
 
@@ -328,6 +324,17 @@ mod tests {
         assert_eq!(pool.take("b"), None, "a closed pool hands out nothing");
         assert!(!pool.add("c", "warmc-c".into()));
         assert!(!pool.start_filling());
+    }
+
+    #[test]
+    fn containers_a_take_drops_are_handed_out_by_the_next_want() {
+        let pool = WarmPool::new(1, 1);
+        pool.want("a");
+        assert!(pool.add("a", "warmc-a".into()));
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert_eq!(pool.take("b"), None, "b has none ready; a is dropped for it");
+        assert_eq!(pool.want("b"), vec!["warmc-a".to_string()], "so that it is discarded, not lost");
+        assert!(pool.close().is_empty());
     }
 
     #[test]

@@ -6,10 +6,8 @@
 //! so the guest's configuration (address, MAC, ARP entry) survives a restore into a new
 //! QEMU and is shared by every fork copy.
 
-use std::fs;
 use std::io::{self, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -100,19 +98,9 @@ pub(crate) fn connect_in(
     addr: SocketAddr,
     timeout: Duration,
 ) -> io::Result<TcpStream> {
-    let netns = netns.to_path_buf();
-    std::thread::Builder::new()
-        .name("vm-netns-connect".into())
-        .spawn(move || {
-            let ns = fs::File::open(&netns)?;
-            // SAFETY: setns on an fd we own; it changes only this thread's namespace.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let stream = TcpStream::connect_timeout(&addr, timeout)?;
-            stream.set_nodelay(true)?;
-            Ok(stream)
-        })?
-        .join()
-        .unwrap_or_else(|_| Err(io::Error::other("the connecting thread panicked")))
+    crate::ns::in_namespace(netns, libc::CLONE_NEWNET, "vm-netns-connect", move || {
+        let stream = TcpStream::connect_timeout(&addr, timeout)?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }
