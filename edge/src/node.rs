@@ -230,13 +230,11 @@ impl Edge {
                 }
             };
             let oom_now = || crate::container::cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0) > 0;
+            // The cgroup's counter (while it exists) and what this edge saw before the end
+            // count: an OOM is never reported as a plain exit.
+            let oom_known = || oom_now() || self.oom_seen.lock().expect("oom lock").contains(&h.id);
             let running = match (st.status, st.exit) {
-                // The shim's record, the cgroup's counter (while it exists) and what this
-                // edge saw before the end all count: an OOM is never reported as a plain exit.
-                (_, Some(exit)) => Running::Exited {
-                    exit_code: exit.exit_code,
-                    oom_killed: exit.oom_killed || oom_now() || self.oom_seen.lock().expect("oom lock").contains(&h.id),
-                },
+                (_, Some(exit)) => Running::Exited { exit_code: exit.exit_code, oom_killed: exit.oom_killed || oom_known() },
                 (SandboxStatus::Paused, None) => Running::Paused,
                 (SandboxStatus::Created | SandboxStatus::Running, None) => {
                     if oom_now() {
@@ -246,7 +244,8 @@ impl Edge {
                         Running::Running
                     }
                 }
-                (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited { exit_code: 137, oom_killed: false },
+                // Ended before its shim wrote why (e.g. just killed for its OOM).
+                (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited { exit_code: 137, oom_killed: oom_known() },
             };
             out.insert(h.id, running);
         }
