@@ -1,18 +1,31 @@
 # Shared helpers for the ops scripts. Sourced, not run.
 
 # Installs the Debian packages given that are not installed yet.
-ensure_packages() {
-  local missing=()
+# Prints which of the packages given are not installed.
+missing_packages() {
   for p in "$@"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
   done
-  if [ ${#missing[@]} -gt 0 ]; then
+}
+
+ensure_packages() {
+  local missing
+  mapfile -t missing < <(missing_packages "$@")
+  [ ${#missing[@]} -gt 0 ] || return 0
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  # Twice at most: installing can remove a package that was there, when another suite's
+  # newer version of it conflicts with what came in (e.g. a backported qemu-utils with
+  # Debian's QEMU); the second round installs the matching version.
+  for round in 1 2; do
     echo "==> installing ${missing[*]}"
-    local sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  fi
+    mapfile -t missing < <(missing_packages "$@")
+    [ ${#missing[@]} -gt 0 ] || return 0
+  done
+  echo "error: these packages are still not installed: ${missing[*]}; see apt's output above" >&2
+  exit 1
 }
 
 ensure_rust() {

@@ -248,20 +248,22 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
         assert_eq!(count(&a), 2);
     }
 
-    // Pause: a Full snapshot, then the process ends and its jail and cgroup go.
+    // Pause: a Diff of every page written since boot (the rest is zero), then the
+    // process ends and its jail and cgroup go.
     let paused = a.pause().unwrap();
-    figure("firecracker pause (Full): vCPUs stopped to snapshot written", ms(paused.snapshot));
-    figure("firecracker pause (Full): process end and jail removal", ms(paused.exit));
-    assert!(!paused.incremental, "the first pause of a cold-booted VM is Full");
+    figure("firecracker pause (Diff since boot): vCPUs stopped to snapshot written", ms(paused.snapshot));
+    figure("firecracker pause (Diff since boot): process end and jail removal", ms(paused.exit));
+    figure("firecracker pause (Diff since boot): bytes written", paused.ram_bytes);
+    assert!(paused.incremental, "a cold-booted VM pauses with a Diff since boot");
     assert!(paused.ram_bytes > 0, "{paused:?}");
     assert_eq!(a.status().unwrap(), VmStatus::Paused);
     assert!(!a_traces.jail.dir().exists(), "a paused VM has no jail");
     assert!(!a_traces.jail.cgroup_dir().unwrap().exists(), "a paused VM has no cgroup");
 
-    // Resume: the Full snapshot loads into a new jailed process.
+    // Resume: the snapshot loads into a new jailed process.
     let resumed = a.resume().unwrap();
     figure("firecracker resume: jailer to API socket", ms(resumed.spawn));
-    figure("firecracker resume: snapshot load (Full)", ms(resumed.restore));
+    figure("firecracker resume: snapshot load", ms(resumed.restore));
     let pid2 = a_traces.saw(&a);
     assert_ne!(pid, pid2, "a resumed VM is a new process");
     assert_jailed(&a, pid2);
@@ -284,17 +286,19 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
         assert_eq!(count(&a), 4, "the counter survives a Diff pause");
     }
 
-    // A snapshot of the running VM (Full; it runs on), and a fork with memory.
+    // A snapshot of the running VM and a fork with memory: each stops the source only
+    // while a Diff (on the memory file it was loaded from, then on the snapshot's
+    // memory) and its disk are written; the whole memory is put together after.
     let snaps = tempfile::tempdir_in("/var/tmp").unwrap();
     let snap = snaps.path().join("a");
     let taken = a.snapshot_to(&snap).unwrap();
-    figure("firecracker snapshot_to: source stopped", ms(taken.source_paused));
+    figure("firecracker snapshot_to (Diff): source stopped", ms(taken.source_paused));
     assert!(matches!(a.status().unwrap(), VmStatus::Running { .. }));
     let c_id = unique("c");
     let forked = a.fork(std::slice::from_ref(&c_id)).unwrap();
     let c = forked.copies[0].clone();
     cleanup.0.push(c.clone());
-    figure("firecracker fork x1: source stopped", ms(forked.source_paused));
+    figure("firecracker fork x1 (Diff): source stopped", ms(forked.source_paused));
     figure("firecracker fork x1: total", ms(forked.total));
     let mut c_traces = Traces::of(&c);
     let c_pid = c_traces.saw(&c);
@@ -306,6 +310,25 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     }
     c.delete().unwrap();
     c_traces.assert_gone();
+
+    // The memory the fork put together is what the source's next Diff is a diff of:
+    // checked page for page against a Full snapshot of the paused source. (These
+    // snapshots bypass the driver, so the source is only killed after.)
+    let diff_base = a.files().unwrap().dir.join("diffbase");
+    assert!(diff_base.is_file(), "the source keeps its next diff's base");
+    let mut api = a.firecracker_api().unwrap();
+    api.pause().unwrap();
+    api.snapshot_create(SnapshotKind::Diff, "/t-diff.state", "/t-diff.ram").unwrap();
+    api.snapshot_create(SnapshotKind::Full, "/t-full.state", "/t-full.ram").unwrap();
+    let a_jail = a.firecracker_jail().unwrap().unwrap();
+    let merged = snaps.path().join("a-merged");
+    merge_diff_into_copy(&diff_base, &a_jail.host_path("/t-diff.ram"), &merged).unwrap();
+    assert!(
+        files_equal(&merged, &a_jail.host_path("/t-full.ram")),
+        "the fork's memory + the next Diff differs from a Full snapshot of the source"
+    );
+    fs::remove_file(&merged).unwrap();
+    drop(api);
 
     // Kill: the process ends at once; the VM stays on disk, exited, without a jail.
     a.kill().unwrap();
@@ -365,6 +388,37 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
         .filter(|e| e.file_name().to_string_lossy().starts_with(&a_id))
         .collect();
     assert!(forks.is_empty(), "fork bases left: {forks:?}");
+}
+
+#[test]
+fn a_diff_since_boot_holds_every_page_a_cold_booted_vm_wrote() {
+    // What lets a cold-booted VM's first pause, snapshot or fork be a Diff: with dirty
+    // pages tracked from boot, the Diff's sparse file (clean pages read as zeros) is
+    // exactly the memory a Full snapshot of the same paused VM writes.
+    let d = driver();
+    let id = unique("z");
+    let mut cleanup = Cleanup(Vec::new());
+    let vm = d.create(&spec(&id), &|_| {}).unwrap();
+    cleanup.0.push(vm.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let jail = vm.firecracker_jail().unwrap().unwrap();
+    let mut api = vm.firecracker_api().unwrap();
+    api.pause().unwrap();
+    api.snapshot_create(SnapshotKind::Diff, "/z-diff.state", "/z-diff.ram").unwrap();
+    api.snapshot_create(SnapshotKind::Full, "/z-full.state", "/z-full.ram").unwrap();
+    let (diff, full) = (jail.host_path("/z-diff.ram"), jail.host_path("/z-full.ram"));
+    let memory = vm.files().unwrap().memory_mb << 20;
+    assert_eq!(fs::metadata(&full).unwrap().len(), memory);
+    // Pages after the last one written may be left out of the Diff's length.
+    let diff_len = fs::metadata(&diff).unwrap().len();
+    assert!(diff_len <= memory, "{diff_len}");
+    fs::OpenOptions::new().write(true).open(&diff).unwrap().set_len(memory).unwrap();
+    let written = fs::metadata(&diff).unwrap().blocks() * 512;
+    figure("firecracker Diff since boot: bytes written", written);
+    assert!(written > 0 && written < memory, "{written} of {memory} bytes");
+    assert!(files_equal(&diff, &full), "a Diff since boot differs from a Full snapshot");
+    drop(api);
+    vm.delete().unwrap();
 }
 
 #[test]

@@ -15,12 +15,22 @@
 //! privately, so it must not change until the process is gone); during a pause
 //! `ram.new` (Full) or `ram.diff` (Diff) and `state.new`; `vmm.pid`.
 //!
-//! Memory: a cold-booted VM's memory is anonymous; a resumed VM maps `ram` privately
-//! (pages are read on demand and copied when written). Dirty pages are always tracked:
-//! a VM resumed from `ram` that took no snapshot since pauses with a Diff (only the pages
-//! written since the load) merged onto `ram` once its process has ended; every other
-//! pause writes a Full snapshot. A fork copy maps its fork's frozen Full snapshot
-//! privately, so copies share every page none of them wrote.
+//! Memory: a cold-booted VM's memory is anonymous; a resumed VM maps `ram` (or its
+//! fork's frozen base) privately: pages are read on demand and copied when written.
+//! Dirty pages are always tracked, and every snapshot of a running process is a Diff:
+//! only the pages written since the process's *diff base* ([`DiffBase`]), which is
+//! - nothing, for a process booted cold that took no snapshot yet: every page it never
+//!   wrote is zero, so the Diff's sparse file is its whole memory;
+//! - the memory file it was loaded from (`ram`, or a fork copy's base);
+//! - `diffbase`, a hard link to the whole memory its last snapshot or fork produced.
+//!
+//! A pause merges its Diff onto the base once the process has ended (in place when the
+//! base is its own `ram`, else into a copy). A fork or a snapshot of a running VM stops
+//! the source only while the Diff and the disk are written; the whole memory (base plus
+//! Diff) is put together after the source runs on, and becomes its next base. A record
+//! that knows no base (an interrupted snapshot, an older edge's record) takes one Full
+//! snapshot. A fork copy maps its fork's frozen memory privately, so copies share
+//! every page none of them wrote.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -31,7 +41,7 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 use crate::vm::firecracker::{
-    FcApi, InstanceState, JailSpec, SnapshotKind, cgroup_version, merge_diff,
+    FcApi, InstanceState, JailSpec, SnapshotKind, cgroup_version, merge_diff, merge_diff_into_copy,
 };
 
 /// Names inside every jail (as the jailed process sees them).
@@ -43,6 +53,9 @@ const STATE: &str = "/state";
 const RAM: &str = "/ram";
 const SNAP_STATE: &str = "/snap.state";
 const SNAP_RAM: &str = "/snap.ram";
+/// In `vms/<id>/`: a hard link to the whole memory of the running process's last
+/// snapshot or fork, when that is its diff base.
+const DIFF_BASE: &str = "diffbase";
 const VSOCK: &str = "/v.sock";
 /// The guest's vsock context id (every VM is alone in its jail and namespace).
 const GUEST_CID: u32 = 3;
@@ -55,11 +68,11 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// What only a Firecracker VM's record holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct FcRecord {
-    /// The running process was loaded from `ram` and took no snapshot since, so `ram`
-    /// plus a Diff snapshot is its memory. Any other snapshot resets Firecracker's dirty
-    /// bitmap and clears this.
+    /// What a Diff snapshot of the running process is a diff of; `None` = unknown
+    /// (the next snapshot is Full). Cleared before every snapshot (each resets
+    /// Firecracker's dirty bitmap) and set again once the snapshot's memory is whole.
     #[serde(default)]
-    diff_base: bool,
+    base: Option<DiffBase>,
     /// A pause whose snapshot is complete but not yet in place (`finish_pause`).
     #[serde(default)]
     pending: Option<SnapshotKind>,
@@ -69,6 +82,18 @@ impl FcRecord {
     pub(super) fn is_empty(&self) -> bool {
         *self == Self::default()
     }
+}
+
+/// What the running process's memory is a Diff away from (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum DiffBase {
+    /// Booted cold, no snapshot since: every page not in the Diff is zero.
+    Zero,
+    /// The memory file it was loaded from ([`Inner::memory_file`]).
+    Loaded,
+    /// `vms/<id>/diffbase`.
+    Linked,
 }
 
 /// The kernel command line: the console on the serial port (the shim keeps it), a
@@ -261,31 +286,35 @@ impl Inner {
     }
 
     /// Puts the snapshot of a pause whose process has ended in place: a Full one's
-    /// memory replaces `ram`, a Diff's is merged onto it; then `state`. Every step can
-    /// be repeated, so an edge that died half-way finishes here (resume, recover).
+    /// memory replaces `ram`; a Diff's is merged onto its base (in place when that is
+    /// `ram` itself), then replaces `ram`; then `state`. Every step can be repeated, so
+    /// an edge that died half-way finishes here (resume, recover).
     fn finish_pause(&self, dir: &Path, record: &mut VmRecord) -> Result<(), VmError> {
         let Some(kind) = record.fc.pending else {
             return Ok(());
         };
         let ram = dir.join("ram");
-        match kind {
-            SnapshotKind::Full => {
-                if dir.join("ram.new").exists() {
-                    fs::rename(dir.join("ram.new"), &ram)
-                        .map_err(io_err("keeping the memory snapshot"))?;
-                }
+        let diff = dir.join("ram.diff");
+        if kind == SnapshotKind::Diff && diff.exists() {
+            let base = record.fc.base.ok_or_else(|| VmError::Corrupt {
+                path: dir.join("vm.json"),
+                message: "a Diff pause whose base is unknown".into(),
+            })?;
+            if base == DiffBase::Loaded && record.ram == RamMode::Shared {
+                merge_diff(&ram, &diff)?;
+            } else {
+                self.whole_memory(dir, record, Some(base), &diff, &dir.join("ram.new"))?;
             }
-            SnapshotKind::Diff => {
-                if dir.join("ram.diff").exists() {
-                    merge_diff(&ram, &dir.join("ram.diff"))?;
-                }
-            }
+        }
+        if dir.join("ram.new").exists() {
+            fs::rename(dir.join("ram.new"), &ram).map_err(io_err("keeping the memory snapshot"))?;
         }
         if dir.join("state.new").exists() {
             fs::rename(dir.join("state.new"), dir.join("state"))
                 .map_err(io_err("keeping the snapshot"))?;
         }
-        let _ = fs::remove_file(dir.join("ram.diff"));
+        let _ = fs::remove_file(&diff);
+        let _ = fs::remove_file(dir.join(DIFF_BASE));
         give(&ram, record.uid, record.uid, 0o600)?;
         give(&dir.join("state"), record.uid, record.uid, 0o600)?;
         let old_base = matches!(record.ram, RamMode::Private { .. });
@@ -295,6 +324,50 @@ impl Inner {
         self.save(record)?;
         if old_base {
             self.gc_forks();
+        }
+        Ok(())
+    }
+
+    /// Makes `dest` the whole memory of `snap`, a snapshot's memory file taken of
+    /// `record`'s process: a Diff on `base` is merged onto a copy of that base (the base
+    /// untouched), a Diff on nothing or a Full snapshot (`None`) is whole already. `snap`
+    /// is gone afterwards; until then this can be repeated.
+    fn whole_memory(
+        &self,
+        dir: &Path,
+        record: &VmRecord,
+        base: Option<DiffBase>,
+        snap: &Path,
+        dest: &Path,
+    ) -> Result<(), VmError> {
+        let onto = match base {
+            None => None,
+            Some(DiffBase::Zero) => {
+                let len = fs::metadata(snap).map_err(io_err("reading the snapshot's memory"))?.len();
+                let memory = record.memory_mb << 20;
+                if len > memory {
+                    return Err(VmError::Corrupt {
+                        path: snap.to_path_buf(),
+                        message: format!("{len} bytes of memory for a VM of {memory}"),
+                    });
+                }
+                // Pages after the last one written are zero.
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(snap)
+                    .and_then(|f| f.set_len(memory))
+                    .map_err(io_err("sizing the snapshot's memory"))?;
+                None
+            }
+            Some(DiffBase::Loaded) => Some(self.memory_file(dir, record)),
+            Some(DiffBase::Linked) => Some(dir.join(DIFF_BASE)),
+        };
+        match onto {
+            None => fs::rename(snap, dest).map_err(io_err("keeping the memory snapshot"))?,
+            Some(base_file) => {
+                merge_diff_into_copy(&base_file, snap, dest)?;
+                let _ = fs::remove_file(snap);
+            }
         }
         Ok(())
     }
@@ -370,6 +443,8 @@ pub(super) fn create(
         let uid = inner.allocate_uid(&spec.id)?;
         claimed_uid = Some(uid);
         let mut record = inner.fresh_record(spec, uid, &netns, root_disk, Vmm::Firecracker, Machine::Microvm);
+        // Dirty pages are tracked from boot: the first Diff holds every page written.
+        record.fc.base = Some(DiffBase::Zero);
         inner.prepare_dir(&dir, uid)?;
         create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
         write_vm_initrd(
@@ -409,8 +484,7 @@ pub(super) fn pause(vm: &VmHandle) -> Result<PauseReport, VmError> {
     let (mut record, _pid) = vm.running_record("pause")?;
     let jail = inner.jail(&record);
     let mut api = FcApi::connect(&jail.api_socket())?;
-    let kind = if record.fc.diff_base && record.ram == RamMode::Shared && dir.join("ram").is_file()
-    {
+    let kind = if record.fc.base.is_some() {
         SnapshotKind::Diff
     } else {
         SnapshotKind::Full
@@ -513,34 +587,72 @@ pub(super) fn resume(vm: &VmHandle) -> Result<ResumeReport, VmError> {
         return Err(e);
     }
     let restore = t1.elapsed();
-    record.fc.diff_base = record.ram == RamMode::Shared;
+    let _ = fs::remove_file(dir.join(DIFF_BASE));
+    record.fc.base = Some(DiffBase::Loaded);
     inner.save(&record)?;
     Ok(ResumeReport { spawn, restore })
 }
 
-/// Pauses the running VM, takes a Full snapshot into the jail and copies the writable
-/// disk with `copy_disk`, and lets it run on whatever happened. Returns how long it
-/// was stopped; the snapshot's files are at `SNAP_STATE` and `SNAP_RAM` in the jail.
-fn full_snapshot_running(
+/// Stops the running VM while a snapshot is written into the jail (a Diff on its diff
+/// base; Full when it has none) and `copy_disk` copies its writable disk, then lets it
+/// run on whatever happened. Returns how long it was stopped, the bytes `copy_disk`
+/// wrote, and what the snapshot's memory (at `SNAP_RAM` in the jail, its state at
+/// `SNAP_STATE`) is a diff of: pass that to [`keep_whole_memory`]. Until then the
+/// record knows no base, so a failure on the way leaves the next snapshot Full.
+fn snapshot_running(
     inner: &Inner,
     record: &mut VmRecord,
     copy_disk: &dyn Fn() -> Result<u64, VmError>,
-) -> Result<(Duration, u64), VmError> {
+) -> Result<(Duration, u64, Option<DiffBase>), VmError> {
     let jail = inner.jail(record);
     let mut api = FcApi::connect(&jail.api_socket())?;
-    // Any snapshot resets Firecracker's dirty bitmap: `ram` + Diff is no longer the memory.
-    record.fc.diff_base = false;
+    // Any snapshot resets Firecracker's dirty bitmap: the old base is void from here.
+    let base = record.fc.base.take();
     inner.save(record)?;
+    let kind = if base.is_some() {
+        SnapshotKind::Diff
+    } else {
+        SnapshotKind::Full
+    };
     let t0 = Instant::now();
     api.pause()?;
     let taken = api
-        .snapshot_create(SnapshotKind::Full, SNAP_STATE, SNAP_RAM)
+        .snapshot_create(kind, SNAP_STATE, SNAP_RAM)
         .and_then(|()| copy_disk());
     let resumed = api.resume();
     let paused = t0.elapsed();
     let bytes = taken.inspect_err(|_| remove_snapshot_files(&jail))?;
     resumed?;
-    Ok((paused, bytes))
+    Ok((paused, bytes, base))
+}
+
+/// Takes the memory of [`snapshot_running`]'s snapshot out of the jail and makes it
+/// whole at `dest` (while the VM runs on); the running process's next Diff is a diff
+/// of that file, held by a hard link of its own in case the snapshot or fork goes
+/// first. Returns the file's allocated bytes.
+fn keep_whole_memory(
+    inner: &Inner,
+    dir: &Path,
+    record: &mut VmRecord,
+    taken: Option<DiffBase>,
+    dest: &Path,
+) -> Result<u64, VmError> {
+    let jail = inner.jail(record);
+    let snap = dest.with_extension("snap");
+    take_out(&jail, SNAP_RAM, &snap)?;
+    let made = inner.whole_memory(dir, record, taken, &snap, dest);
+    let _ = fs::remove_file(&snap);
+    made?;
+    let link = dir.join(DIFF_BASE);
+    let tmp = dir.join("diffbase.tmp");
+    let _ = fs::remove_file(&tmp);
+    if fs::hard_link(dest, &tmp).is_err() {
+        sparse_copy(dest, &tmp)?;
+    }
+    fs::rename(&tmp, &link).map_err(io_err("keeping the next diff's base"))?;
+    record.fc.base = Some(DiffBase::Linked);
+    inner.save(record)?;
+    Ok(allocated_bytes(dest))
 }
 
 pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, VmError> {
@@ -557,10 +669,9 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
                 return Err(vm.bad_state("exited", "snapshot"));
             }
             let copy_disk = || sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"));
-            let (paused, mut bytes) = full_snapshot_running(inner, &mut record, &copy_disk)?;
-            let jail = inner.jail(&record);
-            bytes += take_out(&jail, SNAP_RAM, &dest.join("ram"))?;
-            bytes += take_out(&jail, SNAP_STATE, &dest.join("state"))?;
+            let (paused, mut bytes, taken) = snapshot_running(inner, &mut record, &copy_disk)?;
+            bytes += take_out(&inner.jail(&record), SNAP_STATE, &dest.join("state"))?;
+            bytes += keep_whole_memory(inner, &dir, &mut record, taken, &dest.join("ram"))?;
             Ok((paused, bytes))
         }
         VmState::Paused => {
@@ -605,8 +716,8 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
     })
 }
 
-/// Fork with memory: the source stops while a Full snapshot is written and its disk
-/// copied, then runs on; each copy is a new jailed Firecracker that loads the frozen
+/// Fork with memory: the source stops while a Diff snapshot is written and its disk
+/// copied, then runs on while the Diff is made whole; each copy is a new jailed Firecracker that loads the frozen
 /// memory file privately, so the copies share every page none of them has written.
 pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmError> {
     let started = Instant::now();
@@ -655,10 +766,9 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
     }
     let frozen = (|| {
         let copy_disk = || sparse_copy(&dir.join("rw.img"), &fork_dir.join("rw.img"));
-        let (paused, _) = full_snapshot_running(inner, &mut source, &copy_disk)?;
-        let jail = inner.jail(&source);
-        let ram_bytes = take_out(&jail, SNAP_RAM, &base)?;
-        take_out(&jail, SNAP_STATE, &fork_dir.join("state"))?;
+        let (paused, _, taken) = snapshot_running(inner, &mut source, &copy_disk)?;
+        take_out(&inner.jail(&source), SNAP_STATE, &fork_dir.join("state"))?;
+        let ram_bytes = keep_whole_memory(inner, &dir, &mut source, taken, &base)?;
         // Copies map the base read-only with its group; nobody else may.
         give(&base, 0, gid, 0o440)?;
         Ok::<_, VmError>((paused, ram_bytes))
