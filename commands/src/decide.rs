@@ -724,7 +724,15 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             }
             let id = sandbox.clone();
             let ev = match observation {
-                Observation::Ready => Event::SandboxReady(pb::SandboxReady { id }),
+                Observation::Ready => Event::SandboxReady(pb::SandboxReady { id, ..Default::default() }),
+                Observation::VmReady { vmm, accelerator } => {
+                    if !s.isolation.is_machine() {
+                        return Err(Rejection::field(K::Invalid, "observation", format!("sandbox {sandbox} is a container, not a VM")));
+                    }
+                    validate::name("observation.vmm", vmm)?;
+                    validate::name("observation.accelerator", accelerator)?;
+                    Event::SandboxReady(pb::SandboxReady { id, vmm: vmm.clone(), accelerator: accelerator.clone() })
+                }
                 Observation::TimedOut => {
                     if !s.auto_pause {
                         return Err(Rejection::field(K::Invalid, "observation", format!("sandbox {sandbox} does not pause at its timeout")));

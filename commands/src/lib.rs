@@ -131,6 +131,9 @@ pub enum Command {
 #[serde(tag = "state", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Observation {
     Ready,
+    /// A VM sandbox is ready: [`Observation::Ready`] plus how its edge runs it, the VMM
+    /// (`qemu`, `firecracker`) and the accelerator its guest runs under (`kvm`, `tcg`).
+    VmReady { vmm: String, accelerator: String },
     /// Past its timeout, a sandbox with auto-pause is to pause instead of dying.
     TimedOut,
     Paused,

@@ -237,3 +237,26 @@ fn an_idempotency_key_names_one_live_sandbox_per_project() {
     let bad = SandboxOptions { idempotency_key: Some("has space".into()), ..Default::default() };
     assert_eq!(w.run(&admin, create_with(&root, "base", bad)).unwrap_err().kind, K::Invalid);
 }
+
+#[test]
+fn a_vm_reported_ready_says_how_its_edge_runs_it_and_a_container_cannot() {
+    let (mut w, admin, container) = running();
+    let root = w.root.clone();
+    w.edge_labelled(&admin, "vms", capacity(100, 100_000, 100_000), [(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string())].into());
+    let vm = w.run(&admin, create_with(&root, "base", SandboxOptions { isolation: Some(opendsec_projections::Isolation::Microvm), ..Default::default() })).unwrap().decided.target;
+    let ready = |vmm: &str, accelerator: &str| Observation::VmReady { vmm: vmm.into(), accelerator: accelerator.into() };
+    // A VM's edge reports the VMM and accelerator with its readiness; the view keeps them.
+    w.report(&admin, &vm, ready("qemu", "tcg"));
+    let s = &w.state.sandboxes.sandboxes[&vm];
+    assert_eq!(s.observed, opendsec_projections::Observed::Ready);
+    let runtime = s.runtime.clone().expect("the runtime is kept");
+    assert_eq!((runtime.vmm.as_str(), runtime.accelerator.as_str()), ("qemu", "tcg"));
+    // A container has no VMM to report, and what is reported must be a plain name.
+    let err = w.run(&admin, Command::ReportSandbox { sandbox: container.clone(), observation: ready("qemu", "kvm") }).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("observation")));
+    let err = w.run(&admin, Command::ReportSandbox { sandbox: vm.clone(), observation: ready("qemu", "KVM!") }).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("observation.accelerator")));
+    assert!(w.state.sandboxes.sandboxes[&container].runtime.is_none());
+    // The same log read again gives the same view, runtime included.
+    assert_eq!(w.replayed().hash(), w.state.hash());
+}

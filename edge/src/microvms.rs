@@ -105,6 +105,12 @@ impl MicroVms {
         self.driver.open(id)
     }
 
+    /// How VM `id` runs: its VMM (`qemu`, `firecracker`) and accelerator (`kvm`, `tcg`).
+    pub fn runtime(&self, id: &str) -> Result<(String, String), VmError> {
+        let (vmm, accel) = self.handle(id)?.vmm()?;
+        Ok((vmm.as_str().to_string(), accel.as_str().to_string()))
+    }
+
     /// Whether a VM of this id exists here (in any state).
     pub fn has(&self, id: &str) -> bool {
         self.driver.open(id).is_ok()
@@ -271,6 +277,7 @@ impl MicroVms {
             mem_cache: 0,
             disk_used,
             disk_total,
+            runtime: self.runtime(id).ok(),
         })
     }
 

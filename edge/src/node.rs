@@ -1097,6 +1097,20 @@ impl Edge {
                         }
                     }
                 }
+                // A VM says how it runs: its VMM and accelerator.
+                let observation = match observation {
+                    Observation::Ready if self.is_vm(&id) => {
+                        // (One small file read: the VM's record.)
+                        match self.vms().map_err(|e| e.to_string()).and_then(|v| v.runtime(&id).map_err(|e| e.to_string())) {
+                            Ok((vmm, accelerator)) => Observation::VmReady { vmm, accelerator },
+                            Err(e) => {
+                                tracing::warn!(sandbox = %id, error = %e, "cannot read how the microVM runs; retried on the next round");
+                                return;
+                            }
+                        }
+                    }
+                    other => other,
+                };
                 self.report(&id, observation).await;
                 Ok(())
             }
@@ -1285,6 +1299,7 @@ impl Edge {
             mem_cache: u.cache_bytes,
             disk_used,
             disk_total,
+            runtime: None,
         })
     }
 

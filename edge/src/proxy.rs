@@ -226,7 +226,7 @@ async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers
 pub type LogReader = Arc<dyn Fn(&str, usize) -> Option<Vec<u8>> + Send + Sync>;
 
 /// A sandbox's counters at one instant (see [`Hooks::sampler`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Sample {
     pub cpu_usec: u64,
     pub cpu_count: u64,
@@ -235,6 +235,8 @@ pub struct Sample {
     pub mem_cache: u64,
     pub disk_used: u64,
     pub disk_total: u64,
+    /// A VM's VMM and accelerator (see `MicroVms::runtime`); `None` for a container.
+    pub runtime: Option<(String, String)>,
 }
 
 /// Reads a sandbox's counters (None: no such sandbox here).
@@ -335,10 +337,11 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
     };
     let window = std::time::Duration::from_millis(100);
     tokio::time::sleep(window).await;
+    let a_cpu_usec = a.cpu_usec;
     let b = sampler(id).unwrap_or(a);
     let cpus = b.cpu_count.max(1) as f64;
-    let pct = (b.cpu_usec.saturating_sub(a.cpu_usec) as f64 / window.as_micros() as f64 / cpus * 100.0).clamp(0.0, 100.0);
-    let body = serde_json::json!({
+    let pct = (b.cpu_usec.saturating_sub(a_cpu_usec) as f64 / window.as_micros() as f64 / cpus * 100.0).clamp(0.0, 100.0);
+    let mut body = serde_json::json!({
         "cpu_count": b.cpu_count,
         "cpu_used_pct": (pct * 100.0).round() / 100.0,
         "mem_used": b.mem_used,
@@ -347,6 +350,10 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
         "disk_used": b.disk_used,
         "disk_total": b.disk_total,
     });
+    if let Some((vmm, accelerator)) = &b.runtime {
+        body["vmm"] = vmm.as_str().into();
+        body["accelerator"] = accelerator.as_str().into();
+    }
     Response::builder()
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())).map_err(|never| match never {}).boxed())

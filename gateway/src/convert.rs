@@ -85,6 +85,7 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         isolation: isolation(s.isolation),
         snapshot: s.snapshot.clone(),
         source_edge: s.source_edge.clone(),
+        runtime: s.runtime.as_ref().map(|r| api::SandboxRuntime { vmm: r.vmm.clone(), accelerator: r.accelerator.clone() }),
     }
 }
 

@@ -70,6 +70,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("put", "/v1/sandboxes/{id}/timeout"),
     ("put", "/v1/sandboxes/{id}/labels"),
     ("get", "/v1/sandboxes/{id}/logs"),
+    ("get", "/v1/sandboxes/{id}/metrics"),
     ("get", "/v1/sandboxes/{id}/agent/{path}"),
     ("post", "/v1/sandboxes/{id}/agent/{path}"),
     ("get", "/v1/snapshots"),
@@ -115,6 +116,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
+        .route("/v1/sandboxes/{id}/metrics", get(sandboxes::metrics))
         // Any method; bodies stream through unbuffered, so no body limit applies.
         .route("/v1/sandboxes/{id}/agent/{*path}", any(agent::proxy).layer(DefaultBodyLimit::disable()))
         .route("/v1/snapshots", get(snapshots::list))

@@ -473,6 +473,7 @@ impl State {
                     idempotency_key: (!e.idempotency_key.is_empty()).then(|| e.idempotency_key.clone()),
                     source_edge: (!e.source_edge.is_empty()).then(|| e.source_edge.clone()),
                     transfer: (!e.transfer.is_empty()).then(|| e.transfer.clone()),
+                    runtime: None,
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {
@@ -555,7 +556,10 @@ impl State {
             Event::SandboxForkRequested(e) => self.touch(&e.id, index, t, |_| {}),
             Event::SandboxReady(e) => self.touch(&e.id, index, t, |s| {
                 if !s.released {
-                    s.observed = Observed::Ready
+                    s.observed = Observed::Ready;
+                    if !e.vmm.is_empty() {
+                        s.runtime = Some(Runtime { vmm: e.vmm.clone(), accelerator: e.accelerator.clone() });
+                    }
                 }
             }),
             Event::SandboxPaused(e) => self.touch(&e.id, index, t, |s| {

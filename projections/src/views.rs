@@ -342,6 +342,18 @@ pub struct Sandbox {
     /// When that edge is not its own: the id under which the state was served to its edge.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer: Option<String>,
+    /// How a VM runs, as its edge last reported it ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<Runtime>,
+}
+
+/// How an edge runs a VM sandbox.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Runtime {
+    /// `qemu` or `firecracker`.
+    pub vmm: String,
+    /// `kvm` (hardware speed) or `tcg` (QEMU's emulation, where KVM is not usable).
+    pub accelerator: String,
 }
 
 impl Sandbox {

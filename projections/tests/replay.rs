@@ -62,7 +62,7 @@ fn the_log() -> Vec<(u64, Vec<u8>)> {
             placement: Some(pb::Placement { candidates: vec!["edge-a".into()], chosen: "edge-a".into(), refused_by: vec![] }),
             ..Default::default()
         })]),
-        batch(4_000, "sandbox.report", SANDBOX, vec![Event::SandboxReady(pb::SandboxReady { id: id() })]),
+        batch(4_000, "sandbox.report", SANDBOX, vec![Event::SandboxReady(pb::SandboxReady { id: id(), ..Default::default() })]),
         Batch {
             denial: Some(Denial { code: "quota_exceeded".into(), message: "quota of project root exceeded".into(), field: String::new() }),
             ..batch(5_000, "sandbox.create", "python:3.12", vec![])

@@ -256,6 +256,11 @@ impl Client {
         self.call_raw::<()>(Method::GET, &["v1", "sandboxes", id, "logs"], &q, None).await
     }
 
+    /// One sample of the sandbox's resources, taken now by its edge.
+    pub async fn sandbox_metrics(&self, id: &str) -> Result<SandboxMetrics, ApiError> {
+        self.get(&["v1", "sandboxes", id, "metrics"], &[]).await
+    }
+
     pub async fn kill_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
         self.call::<(), _>(Method::DELETE, &["v1", "sandboxes", id], &[], None).await
     }

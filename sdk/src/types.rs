@@ -271,6 +271,40 @@ pub struct Sandbox {
     /// when not `edge`, its edge pulled that state from there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_edge: Option<String>,
+    /// How a VM sandbox runs, as its edge reported it ready (absent for containers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<SandboxRuntime>,
+}
+
+/// How an edge runs a VM sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxRuntime {
+    /// The VMM: `qemu` or `firecracker`.
+    pub vmm: String,
+    /// What the guest runs under: `kvm` (hardware speed) or `tcg` (QEMU's emulation, on
+    /// hosts where KVM is not usable).
+    pub accelerator: String,
+}
+
+/// One sample of a sandbox's resources, taken by its edge.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct SandboxMetrics {
+    pub cpu_count: u64,
+    /// CPU used over the 100 ms sample, in percent of `cpu_count` CPUs.
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+    /// A VM's VMM (`qemu`, `firecracker`); absent for a container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmm: Option<String>,
+    /// What a VM's guest runs under (`kvm`, `tcg`); absent for a container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

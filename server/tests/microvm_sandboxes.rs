@@ -104,6 +104,15 @@ async fn a_microvm_from_base_runs_python_through_the_agent_route() {
     let out = exec(&up, &id, "python3", &["-c", "print(6*7)"]).await;
     assert_eq!(out, "42\n");
     figure("microVM create (REST) to running", ms(ready));
+    // It says how it runs: the VMM and accelerator its edge chose (KVM only where a
+    // probe guest ran at hardware speed), in the sandbox and in its metrics.
+    let (vmm, accelerator) = vms::edge_runtime(&up);
+    assert_eq!(v["runtime"], json!({"vmm": vmm, "accelerator": accelerator}), "{v}");
+    let (s, m) = up.send(Method::GET, &format!("/v1/sandboxes/{id}/metrics"), None).await;
+    assert_eq!(s, 200, "{m}");
+    assert_eq!((m["vmm"].as_str(), m["accelerator"].as_str()), (Some(vmm.as_str()), Some(accelerator.as_str())), "{m}");
+    assert_eq!(m["mem_total"], json!(256u64 << 20), "{m}");
+    assert!(m["mem_used"].as_u64().unwrap() > 0, "a running VM's QEMU uses memory: {m}");
     figure("microVM create (REST) to python3 -c 'print(6*7)' answered", ms(t.elapsed()));
     // The guest has its own kernel, and QEMU runs for it.
     let kernel = exec(&up, &id, "uname", &["-r"]).await;
@@ -327,7 +336,13 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
     for (id, _) in &ids {
         wait_state(&up, id, "running", Duration::from_secs(240)).await;
     }
-    wait_state(&up, &bystander, "running", Duration::from_secs(60)).await;
+    let b = wait_state(&up, &bystander, "running", Duration::from_secs(60)).await;
+    // A container has no VMM: neither it nor its metrics name one.
+    assert!(b.get("runtime").is_none(), "{b}");
+    let (s, m) = up.send(Method::GET, &format!("/v1/sandboxes/{bystander}/metrics"), None).await;
+    assert_eq!(s, 200, "{m}");
+    assert!(m.get("vmm").is_none() && m.get("accelerator").is_none(), "{m}");
+    assert_eq!(m["mem_total"], json!(64u64 << 20), "{m}");
     // A counter in each sandbox, in a shell's memory, written out every 100 ms.
     // (Renamed into place: a reader never sees a half-written file.)
     let counter = "sh -c 'n=0; while :; do n=$((n+1)); echo $n > $HOME/n.new; mv $HOME/n.new $HOME/n; sleep 0.1; done' >/dev/null 2>&1 </dev/null &";

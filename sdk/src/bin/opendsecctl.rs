@@ -215,6 +215,9 @@ enum SandboxCmd {
         #[arg(long, default_value_t = 65536)]
         max_bytes: u64,
     },
+    /// One sample of its CPU, memory and disk, taken now by its edge; for a VM also its
+    /// VMM and the accelerator its guest runs under.
+    Metrics { id: String },
     Pause { id: String },
     Resume { id: String },
     /// Takes a snapshot (a container's file system; a microVM's memory, device state and
@@ -682,6 +685,28 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             let _ = std::io::stdout().write_all(&bytes);
             return Ok(0);
         }
+        SandboxCmd::Metrics { id } => {
+            let m = client.sandbox_metrics(&id).await?;
+            out.show(&m, |m| {
+                let mb = |b: u64| format!("{:.1}", b as f64 / (1 << 20) as f64);
+                let runtime = match (&m.vmm, &m.accelerator) {
+                    (Some(v), Some(a)) => format!("{v}, {a}"),
+                    _ => "container".into(),
+                };
+                table(
+                    &["CPUS", "CPU %", "MEM (MB)", "CACHE (MB)", "DISK (MB)", "RUNS ON"],
+                    vec![vec![
+                        m.cpu_count.to_string(),
+                        format!("{:.1}", m.cpu_used_pct),
+                        format!("{}/{}", mb(m.mem_used), mb(m.mem_total)),
+                        mb(m.mem_cache),
+                        format!("{}/{}", mb(m.disk_used), mb(m.disk_total)),
+                        runtime,
+                    ]],
+                )
+            });
+            return Ok(0);
+        }
         SandboxCmd::Fork { id, count, edge } => {
             let f = client.fork_sandbox_to(&id, count, edge.as_deref()).await?;
             out.show(&f, |f| format!("forked {id} at index {}:\n{}", f.index, table(&SANDBOX_HEADERS, f.sandboxes.iter().map(sandbox_row).collect())));
@@ -776,7 +801,11 @@ fn sandbox_row(s: &Sandbox) -> Vec<String> {
     vec![
         s.id.clone(),
         s.state.clone(),
-        s.isolation.as_str().into(),
+        match &s.runtime {
+            // How a VM runs: e.g. `microvm (qemu, tcg)`.
+            Some(r) => format!("{} ({}, {})", s.isolation.as_str(), r.vmm, r.accelerator),
+            None => s.isolation.as_str().into(),
+        },
         s.project.clone(),
         s.edge.clone(),
         s.image.clone(),

@@ -47,6 +47,19 @@ pub async fn start_with_disk(disk_mb: u64) -> Up {
     }
 }
 
+/// How the edge of `up` runs its VMs, as it said when its VM driver was ready:
+/// (`vmm`, `accelerator`), e.g. ("qemu", "tcg").
+#[allow(dead_code)]
+pub fn edge_runtime(up: &Up) -> (String, String) {
+    let log = up.log_tail(1_000_000);
+    let line = log.lines().find(|l| l.contains("microVMs ready")).expect("the edge said its VM driver is ready");
+    let field = |name: &str| {
+        let rest = line.split(&format!(" {name}=\"")).nth(1).unwrap_or_else(|| panic!("no {name} in {line}"));
+        rest.split('"').next().unwrap().to_string()
+    };
+    (field("vmm"), field("accelerator"))
+}
+
 /// Waits until sandbox `id` is `want`; one that ended instead fails the test.
 pub async fn wait_state(up: &Up, id: &str, want: &str, within: Duration) -> Value {
     let deadline = Instant::now() + within;
