@@ -14,7 +14,7 @@ use crate::error::{LogError, MembershipError, ProposeError};
 use crate::network::Network;
 use crate::service::RaftGrpc;
 use crate::sm::SmStore;
-use crate::store::Store;
+use crate::store::{Inline, Store};
 use crate::{Payload, RaftServer, StateMachine, TypeConfig};
 
 /// The result of a successful [`LogNode::propose`].
@@ -111,18 +111,24 @@ impl<S: StateMachine> LogNode<S> {
                 return Err(fatal(e));
             }
         };
-        // A node alone in its cluster commits appends on the core's thread when it can
-        // (see `Store::set_inline`); membership changes turn that on and off.
+        // A node alone in its cluster, and a follower, commit appends on the core's thread
+        // when they can (see `Store::set_inline`); membership and role changes switch it.
         let mut server = raft.server_metrics();
         let watched = store.clone();
         tokio::spawn(async move {
             loop {
-                let alone = {
+                let mode = {
                     let m = server.borrow_watched();
                     let membership = m.membership_config.membership();
-                    membership.voter_ids().count() == 1 && membership.nodes().count() == 1
+                    if membership.voter_ids().count() == 1 && membership.nodes().count() == 1 {
+                        Inline::Lone
+                    } else if m.state == openraft::ServerState::Follower {
+                        Inline::Follower
+                    } else {
+                        Inline::Off
+                    }
                 };
-                watched.set_inline(alone);
+                watched.set_inline(mode);
                 if server.changed().await.is_err() {
                     break;
                 }

@@ -24,14 +24,19 @@
 //!   then open a redb read transaction for what precedes it: an entry leaves the tail only
 //!   after a committed transaction holds it, so it is always found in one of the two.
 //!
-//! - **Inline appends** ([`Store::set_inline`]): on a node that is the cluster's only member
-//!   there is no replication to overlap with the fsync, and the hand-off to the writer
-//!   thread and back (two thread wake-ups) is most of the overhead of a lone write. There,
-//!   an append of one entry that finds the writer idle with nothing queued, and every
-//!   earlier flush handled by the core (committed), commits its batch itself, on the core's
-//!   thread, and reports it flushed. Order is kept: the writer's queue is empty and the
-//!   writer waits while an inline batch runs ([`Flow`]). Batches of several entries
-//!   (concurrent writes) queue as before (group commit).
+//! - **Inline appends** ([`Store::set_inline`]): where nothing needs the core while an
+//!   append's fsync runs, the hand-off to the writer thread and back (two thread wake-ups)
+//!   is most of the overhead of a lone write, so an append of one entry that finds the
+//!   writer idle with nothing queued commits its batch itself, on the core's thread, and
+//!   reports it flushed. Order is kept: the writer's queue is empty and the writer waits
+//!   while an inline batch runs ([`Flow`]). Batches of several entries (concurrent writes)
+//!   queue as before (group commit). Two cases ([`Inline`]):
+//!   - a node that is its cluster's only member (no replication to overlap with the
+//!     fsync), when every earlier flush was handled by the core (committed);
+//!   - a follower (its core only appends what the leader sends and acknowledges it once
+//!     durable), unless the append comes right after an inline one ended: then it waited
+//!     in the core's queue during that fsync, and so may others; they go to the writer,
+//!     which lets them share its fsyncs. (A leader never: its core replicates meanwhile.)
 //!
 //! Purge moves entries into the `archive` table (application payloads only) in the same write
 //! transaction that removes them from the live log; see `LogNode::read_entries`.
@@ -41,7 +46,7 @@ use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
@@ -76,6 +81,8 @@ const PURGE_CHUNK: usize = 500;
 /// The committed id is written at most this often (each write costs redb a page per commit,
 /// ~12% of the bytes of a one-entry commit), or after this long without other writes.
 const COMMITTED_EVERY: Duration = Duration::from_millis(100);
+/// A follower's append this soon after an inline batch ended was queued behind it.
+const QUEUED_WITHIN_US: u64 = 100;
 
 fn io_err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
@@ -298,8 +305,12 @@ struct Inner {
     /// The writer thread's queue; `None` once closed.
     ops: Mutex<Option<mpsc::Sender<Op>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Appends may be committed on the caller's thread (see the module doc).
-    inline: AtomicBool,
+    /// When appends may be committed on the caller's thread ([`Inline`] as a u8).
+    inline: AtomicU8,
+    /// When the store was opened: the clock of `inline_end_us`.
+    opened: Instant,
+    /// When the newest inline batch ended (µs since `opened`).
+    inline_end_us: AtomicU64,
     /// Who writes now (shared with the writer thread).
     flow: Arc<(Mutex<Flow>, Condvar)>,
     /// A lone node's newest committed id not yet written (see `save_committed`), and when
@@ -311,6 +322,17 @@ struct Inner {
     /// the core has a flush notification it has not handled yet.
     flushed_upto: AtomicU64,
     committed_upto: AtomicU64,
+}
+
+/// When an append may commit on the caller's thread (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Inline {
+    Off = 0,
+    /// The cluster's only member.
+    Lone = 1,
+    /// A follower.
+    Follower = 2,
 }
 
 /// Operations queued and not yet taken by the writer, and whether a batch is being
@@ -374,7 +396,9 @@ impl Store {
             tail_bytes,
             ops: Mutex::new(Some(tx)),
             writer: Mutex::new(None),
-            inline: AtomicBool::new(false),
+            inline: AtomicU8::new(Inline::Off as u8),
+            opened: Instant::now(),
+            inline_end_us: AtomicU64::new(0),
             flow,
             committed: Mutex::new(None),
             committed_inline_at: Mutex::new(Instant::now()),
@@ -455,11 +479,18 @@ impl Store {
         }
     }
 
-    /// Lets appends commit on the caller's thread when the writer is idle: for a node
-    /// that is its cluster's only member (see the module doc). Off by default.
-    pub(crate) fn set_inline(&self, on: bool) {
-        if self.inner.inline.swap(on, Ordering::Relaxed) != on {
-            tracing::info!(on, "log: appends of a lone node commit inline");
+    /// When appends may commit on the caller's thread (see the module doc). Off by default.
+    pub(crate) fn set_inline(&self, mode: Inline) {
+        if self.inner.inline.swap(mode as u8, Ordering::Relaxed) != mode as u8 {
+            tracing::info!(?mode, "log: when appends commit inline");
+        }
+    }
+
+    fn inline_mode(&self) -> Inline {
+        match self.inner.inline.load(Ordering::Relaxed) {
+            1 => Inline::Lone,
+            2 => Inline::Follower,
+            _ => Inline::Off,
         }
     }
 
@@ -470,7 +501,8 @@ impl Store {
         // writes, and those are served better by the writer: the core goes on collecting
         // the next batch while this one's fsync runs.
         let single = matches!(&op, Op::Append { entries, .. } if entries.len() == 1);
-        if !single || !self.inner.inline.load(Ordering::Relaxed) || lock(&self.inner.ops).is_none() {
+        let mode = self.inline_mode();
+        if !single || mode == Inline::Off || lock(&self.inner.ops).is_none() {
             return Some(op);
         }
         let multi_thread = tokio::runtime::Handle::try_current()
@@ -481,17 +513,28 @@ impl Store {
         let flow = &*self.inner.flow;
         {
             let mut f = lock(&flow.0);
-            // A flush the core has not handled yet (it commits what it flushed, at once, on
-            // a lone node) would wait for this fsync: leave this one to the writer.
-            let unhandled = self.inner.flushed_upto.load(Ordering::Relaxed) > self.inner.committed_upto.load(Ordering::Relaxed);
-            if f.busy || f.queued > 0 || unhandled {
+            let wait = match mode {
+                // A flush the core has not handled yet (it commits what it flushed, at
+                // once, on a lone node) would wait for this fsync: leave this one to the
+                // writer.
+                Inline::Lone => self.inner.flushed_upto.load(Ordering::Relaxed) > self.inner.committed_upto.load(Ordering::Relaxed),
+                // Right after an inline batch: this one waited for it in the core's queue.
+                _ => {
+                    let now = self.inner.opened.elapsed().as_micros() as u64;
+                    now.saturating_sub(self.inner.inline_end_us.load(Ordering::Relaxed)) < QUEUED_WITHIN_US
+                }
+            };
+            if f.busy || f.queued > 0 || wait {
                 return Some(op);
             }
             f.busy = true;
         }
         let _busy = Busy(flow);
-        // The committed id rides along at most every COMMITTED_EVERY (it costs a page).
-        let committed = {
+        // A lone node's committed id rides along at most every COMMITTED_EVERY (it costs a
+        // page); a follower's goes to the writer as usual.
+        let committed = if mode != Inline::Lone {
+            None
+        } else {
             let mut at = lock(&self.inner.committed_inline_at);
             if at.elapsed() >= COMMITTED_EVERY {
                 *at = Instant::now();
@@ -504,6 +547,7 @@ impl Store {
         // else to do meanwhile (`block_in_place` would hand the worker to another thread,
         // which costs the wake-ups this saves); the runtime's other worker steals tasks.
         self.run_batch(vec![op], committed, &mut VecDeque::new());
+        self.inner.inline_end_us.store(self.inner.opened.elapsed().as_micros() as u64, Ordering::Relaxed);
         add(&self.inner.counters.inline_appends, 1);
         None
     }
@@ -1060,7 +1104,7 @@ impl RaftLogStorage<TypeConfig> for Store {
         if let Some(c) = committed {
             let bytes = encode(&c)?;
             self.inner.committed_upto.fetch_max(c.index() + 1, Ordering::Relaxed);
-            if self.inner.inline.load(Ordering::Relaxed) {
+            if self.inline_mode() == Inline::Lone {
                 // A lone node's committed entries are all durable (its own flush made them
                 // committed): the id rides on the next inline batch (or any batch, or the
                 // last one at close) without waking the writer.
@@ -1195,7 +1239,7 @@ mod tests {
         assert_eq!(store.io_stats().inline_appends, 0);
 
         store.save_committed(Some(log_id(1, 1))).await.unwrap();
-        store.set_inline(true);
+        store.set_inline(Inline::Lone);
         for i in 2..=20 {
             let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
             // Committed by `append` itself: flushed already when it returns.
@@ -1237,11 +1281,51 @@ mod tests {
         store.close();
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_followers_appends_commit_inline_only_when_they_come_far_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        store.set_inline(Inline::Follower);
+        // Far apart (100 ms, many fsyncs): each commits on the caller's thread.
+        for i in 1..=5 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
+            assert!(matches!(rx.try_recv(), Ok(Ok(()))), "append {i} was not flushed inline");
+        }
+        assert_eq!(store.io_stats().inline_appends, 5);
+        // A follower's committed id goes to the writer, as without inline appends.
+        store.save_committed(Some(log_id(1, 5))).await.unwrap();
+        // Right after an inline one ended (as those queued behind it in the core come): to
+        // the writer.
+        let just_ended = || store.inner.opened.elapsed().as_micros() as u64;
+        store.inner.inline_end_us.store(just_ended(), Ordering::Relaxed);
+        let rx = append(&mut store, vec![entry(1, 6, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        assert_eq!(store.io_stats().inline_appends, 5, "an append queued behind an inline one went inline too");
+        // A burst: whatever finds the writer busy queues, and the writer shares its fsyncs.
+        let mut pending = Vec::new();
+        for i in 7..=45 {
+            pending.push(append(&mut store, vec![entry(1, i, 100)]).await);
+        }
+        for rx in pending {
+            rx.await.unwrap().expect("flushed");
+        }
+        let s = store.io_stats();
+        assert!(s.durable_commits < 5 + 40, "the writer shared no fsync: {s:?}");
+        store.close();
+        drop(store);
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let got = store.try_get_log_entries(..).await.unwrap();
+        assert_eq!(indexes(&got), (1..=45).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
+        assert_eq!(store.read_committed().await.unwrap(), Some(log_id(1, 5)));
+        store.close();
+    }
+
     #[tokio::test]
     async fn inline_appends_need_a_multi_thread_runtime_and_fall_back_to_the_writer() {
         let dir = tempfile::tempdir().unwrap();
         let mut store = Store::open(dir.path(), None).unwrap();
-        store.set_inline(true);
+        store.set_inline(Inline::Lone);
         let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
         rx.await.unwrap().expect("flushed");
         assert_eq!(store.io_stats().inline_appends, 0, "a current-thread runtime cannot lend its thread");

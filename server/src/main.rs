@@ -4,6 +4,10 @@
 mod edge;
 mod telemetry;
 
+/// Every allocation of the server goes through mimalloc (see Cargo.toml).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{Parser, Subcommand};
 use opendsec_control::pb::{control_client::ControlClient, BootstrapRequest};
 use opendsec_control::{format_token, new_cluster_key, new_token_secret, ControlConfig, ControlNode};

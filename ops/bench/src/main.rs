@@ -90,6 +90,11 @@ struct LogArgs {
     /// Target options, key=value (repeatable).
     #[arg(long = "opt", value_parser = parse_kv)]
     opts: Vec<(String, String)>,
+    /// Measurement rounds: every target is set up first, then each round measures every
+    /// target at every concurrency (in a rotated order), and each figure is the median
+    /// round's, so that a machine whose speed drifts affects all targets alike.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Encoded batches the in-process replay folds (0: skip it).
     #[arg(long, default_value_t = 200_000)]
     replay_batches: usize,
@@ -257,34 +262,68 @@ async fn run_log(a: LogArgs) -> i32 {
             Err(e) => failed.push(format!("in-process replay panicked: {e}")),
         }
     }
+    // Every target is up at once; the rounds then measure them in turn.
+    let mut sessions = Vec::new();
     for spec in &specs {
         eprintln!("== {} ({} member{}): setting up", spec.name, spec.members, if spec.members == 1 { "" } else { "s" });
-        let session = match (spec.setup)(ctx.clone()).await {
-            Ok(s) => s,
+        match (spec.setup)(ctx.clone()).await {
+            Ok(s) => {
+                if let Some(n) = &s.note
+                    && !notes.contains(n)
+                {
+                    notes.push(n.clone());
+                }
+                sessions.push((spec, s));
+            }
             Err(e) => {
                 eprintln!("   setup failed: {e}");
                 failed.push(format!("{} ({} members): setup failed: {e}", spec.name, spec.members));
-                continue;
             }
-        };
-        if let Some(n) = &session.note
-            && !notes.contains(n)
-        {
-            notes.push(n.clone());
         }
+    }
+    let rounds = a.rounds.max(1);
+    let mut measured: BTreeMap<(usize, usize), Vec<opendsec_bench::load::LoadReport>> = BTreeMap::new();
+    for round in 0..rounds {
         for &c in &a.concurrency {
             let ops = a.ops.unwrap_or(if c <= 1 { 2_000 } else { 10_000 });
-            let r = run_load(session.target.clone(), c, ops, a.payload).await;
-            eprintln!(
-                "   c={c}: {} ops/s, p50 {}, p99 {}, errors {}{}",
-                report::fmt_rate(r.ops_per_sec),
-                report::fmt_dur(r.p50),
-                report::fmt_dur(r.p99),
-                r.errors,
-                r.first_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default()
-            );
+            // A rotated order each round: no target always runs first or last.
+            for k in 0..sessions.len() {
+                let i = (k + round) % sessions.len();
+                let (spec, session) = &sessions[i];
+                let r = run_load(session.target.clone(), c, ops, a.payload).await;
+                eprintln!(
+                    "   round {}/{rounds} {} ({}) c={c}: {} ops/s, p50 {}, p99 {}, errors {}{}",
+                    round + 1,
+                    spec.name,
+                    spec.members,
+                    report::fmt_rate(r.ops_per_sec),
+                    report::fmt_dur(r.p50),
+                    report::fmt_dur(r.p99),
+                    r.errors,
+                    r.first_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+                );
+                measured.entry((i, c)).or_default().push(r);
+            }
+        }
+    }
+    for (i, (spec, _)) in sessions.iter().enumerate() {
+        for &c in &a.concurrency {
+            let Some(mut runs) = measured.remove(&(i, c)) else { continue };
+            // The median round: by p50 at concurrency 1 (latency is the figure there),
+            // else by throughput.
+            if c <= 1 {
+                runs.sort_by_key(|r| r.p50);
+            } else {
+                runs.sort_by(|x, y| x.ops_per_sec.total_cmp(&y.ops_per_sec));
+            }
+            // Errors count over every round (the table shows errors/ops of all of them).
+            let (errors, ops) = runs.iter().fold((0, 0), |(e, o), r| (e + r.errors, o + r.ops));
+            let mut r = runs.swap_remove(runs.len() / 2);
+            (r.errors, r.ops) = (errors, ops);
             rows.push(Row { target: spec.name.clone(), members: spec.members, family: spec.family.to_string(), report: r });
         }
+    }
+    for (_, session) in &sessions {
         if let Some(rp) = &session.replay {
             let t0 = Instant::now();
             match rp.replay().await {
@@ -303,13 +342,15 @@ async fn run_log(a: LogArgs) -> i32 {
                 Err(e) => failed.push(format!("{}: replay failed: {e}", rp.name())),
             }
         }
-        drop(session); // tears the target down (stops processes, deletes data)
     }
+    drop(sessions); // tears the targets down (stops processes, deletes data)
     println!();
     println!(
         "payload {} B; latency = issue to durable acknowledgement; warm-up excluded; \
+         each figure is the median of {} rounds (all targets up together, measured in turn); \
          {cores} cores, load average {load1} at start",
-        a.payload
+        a.payload,
+        a.rounds.max(1)
     );
     print!("{}", report::table(&rows));
     for n in &notes {
