@@ -102,7 +102,14 @@ async fn archive_retention_keeps_newest_entries() {
         indexes.push(n.node.propose(payload(i)).await.expect("propose").index);
     }
     let last = *indexes.last().expect("some");
-    n.node.trigger_snapshot().await.expect("snapshot");
+    // A snapshot asked for while an automatic one (every 50 entries) is being built is
+    // dropped: ask until one covers the last entry.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while n.node.status().snapshot_index < Some(last) {
+        assert!(std::time::Instant::now() < deadline, "no snapshot covered index {last}");
+        n.node.trigger_snapshot().await.expect("snapshot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     wait_until("log purged", Duration::from_secs(10), || {
         n.node.storage_counts().map(|(live, _)| live == 0).unwrap_or(false)
     })
