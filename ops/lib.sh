@@ -1,6 +1,5 @@
 # Shared helpers for the ops scripts. Sourced, not run.
 
-# Installs the Debian packages given that are not installed yet.
 # Prints which of the packages given are not installed.
 missing_packages() {
   for p in "$@"; do
@@ -8,6 +7,7 @@ missing_packages() {
   done
 }
 
+# Installs the Debian packages given that are not installed yet.
 ensure_packages() {
   local missing
   mapfile -t missing < <(missing_packages "$@")
@@ -18,7 +18,7 @@ ensure_packages() {
   # Twice at most: installing can remove a package that was there, when another suite's
   # newer version of it conflicts with what came in (e.g. a backported qemu-utils with
   # Debian's QEMU); the second round installs the matching version.
-  for round in 1 2; do
+  for _ in 1 2; do
     echo "==> installing ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
     mapfile -t missing < <(missing_packages "$@")

@@ -107,8 +107,7 @@ impl MicroVms {
 
     /// How VM `id` runs: its VMM (`qemu`, `firecracker`) and accelerator (`kvm`, `tcg`).
     pub fn runtime(&self, id: &str) -> Result<(String, String), VmError> {
-        let (vmm, accel) = self.handle(id)?.vmm()?;
-        Ok((vmm.as_str().to_string(), accel.as_str().to_string()))
+        runtime_of(&self.handle(id)?)
     }
 
     /// Whether a VM of this id exists here (in any state).
@@ -277,7 +276,7 @@ impl MicroVms {
             mem_cache: 0,
             disk_used,
             disk_total,
-            runtime: self.runtime(id).ok(),
+            runtime: runtime_of(&vm).ok(),
         })
     }
 
@@ -320,4 +319,10 @@ fn end_reason(vm: &VmHandle, info: Option<&crate::vm::shim::ExitInfo>) -> String
         .map(|l| format!(" (the console said: {})", l.trim()))
         .unwrap_or_default();
     format!("the microVM ended: {how}; its agent channel is closed{said}")
+}
+
+/// `vm`'s VMM and accelerator, as words (see [`MicroVms::runtime`]).
+fn runtime_of(vm: &VmHandle) -> Result<(String, String), VmError> {
+    let (vmm, accel) = vm.vmm()?;
+    Ok((vmm.as_str().to_string(), accel.as_str().to_string()))
 }

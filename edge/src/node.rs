@@ -1078,14 +1078,14 @@ impl Edge {
                 std::fs::create_dir_all(self.transfers_dir()).and_then(|()| std::fs::write(self.transfer_failure(&id), reason)).map_err(EdgeError::from)
             }
             Action::RemoveTransfer { id } => self.blocking(move |e| e.remove_transfer(&id)).await,
-            Action::Report { id, observation } => {
-                if observation == Observation::Ready {
+            Action::Report { id, mut observation } => {
+                if observation == Observation::Ready && self.is_vm(&id) {
                     // A microVM restored from another's memory answers only that one's
                     // token until re-keyed (done at its creation; again here in case the
                     // edge died in between): it is ready once it takes its own.
                     let source = {
                         let slice = self.slice.lock().expect("slice lock");
-                        slice.sandboxes.get(&id).filter(|d| d.isolation.is_machine()).and_then(|d| {
+                        slice.sandboxes.get(&id).and_then(|d| {
                             d.fork_of.clone().map(Some).or_else(|| d.snapshot.as_ref().map(|snap| slice.snapshots.get(snap).map(|x| x.sandbox.clone())))
                         })
                     };
@@ -1096,21 +1096,15 @@ impl Edge {
                             return;
                         }
                     }
-                }
-                // A VM says how it runs: its VMM and accelerator.
-                let observation = match observation {
-                    Observation::Ready if self.is_vm(&id) => {
-                        // (One small file read: the VM's record.)
-                        match self.vms().map_err(|e| e.to_string()).and_then(|v| v.runtime(&id).map_err(|e| e.to_string())) {
-                            Ok((vmm, accelerator)) => Observation::VmReady { vmm, accelerator },
-                            Err(e) => {
-                                tracing::warn!(sandbox = %id, error = %e, "cannot read how the microVM runs; retried on the next round");
-                                return;
-                            }
+                    // And it says how it runs: its VMM and accelerator (from its record).
+                    match self.vms().map_err(|e| e.to_string()).and_then(|v| v.runtime(&id).map_err(|e| e.to_string())) {
+                        Ok((vmm, accelerator)) => observation = Observation::VmReady { vmm, accelerator },
+                        Err(e) => {
+                            tracing::warn!(sandbox = %id, error = %e, "cannot read how the microVM runs; retried on the next round");
+                            return;
                         }
                     }
-                    other => other,
-                };
+                }
                 self.report(&id, observation).await;
                 Ok(())
             }

@@ -166,30 +166,28 @@ pub async fn logs(State(st): State<AppState>, who: Authed, PathParam(id): PathPa
         None => 64 << 10,
         Some(v) => v.parse().ok().filter(|m| *m > 0 && *m <= 16 << 20).ok_or_else(|| ApiError::invalid("max_bytes", "max_bytes must be 1 to 16777216"))?,
     };
-    who.require(Right::SandboxRead)?;
-    let address = edge_of(&st, &who, &id)?;
-    let (status, body) = crate::edge_client::get(&st, &address, &format!("/logs/{id}?max_bytes={max}"))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", e.0))?;
-    if status == 404 {
-        return Err(ApiError::not_found("id", format!("sandbox {id} has no files on its edge any more (it ended and was removed)")));
-    }
-    if status != 200 {
-        return Err(ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge answered {status}")));
-    }
+    let body = from_edge(&st, &who, &id, &format!("/logs/{id}?max_bytes={max}"), "has no files on its edge any more (it ended and was removed)").await?;
     Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response())
 }
 
-/// The edge that runs visible sandbox `id`, by address.
-fn edge_of(st: &AppState, who: &Authed, id: &str) -> Result<String, ApiError> {
-    st.node.read(|s| {
+/// GETs `path` from the edge of sandbox `id` (visible to `who`, who needs sandbox:read);
+/// the edge not knowing it is a 404 saying the sandbox `gone`.
+async fn from_edge(st: &AppState, who: &Authed, id: &str, path: &str, gone: &str) -> Result<axum::body::Bytes, ApiError> {
+    who.require(Right::SandboxRead)?;
+    let address = st.node.read(|s| {
         let x = s.sandboxes.sandboxes.get(id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
         if !who.sees(s, &x.project) {
             return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
         }
         let edge = s.placement.edges.get(&x.edge).ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge {} is not registered", x.edge)))?;
         Ok(edge.address.clone())
-    })
+    })?;
+    let (status, body) = crate::edge_client::get(st, &address, path).await.map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", e.0))?;
+    match status {
+        200 => Ok(body),
+        404 => Err(ApiError::not_found("id", format!("sandbox {id} {gone}"))),
+        _ => Err(ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge answered {status}: {}", String::from_utf8_lossy(&body)))),
+    }
 }
 
 /// One sample of the sandbox's CPU, memory and disk, taken now by its edge over 100 ms;
@@ -197,17 +195,7 @@ fn edge_of(st: &AppState, who: &Authed, id: &str) -> Result<String, ApiError> {
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/metrics", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = api::SandboxMetrics), (status = "4XX", body = api::ErrorBody), (status = 502, body = api::ErrorBody)))]
 pub async fn metrics(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>) -> Result<Json<api::SandboxMetrics>, ApiError> {
-    who.require(Right::SandboxRead)?;
-    let address = edge_of(&st, &who, &id)?;
-    let (status, body) = crate::edge_client::get(&st, &address, &format!("/metrics/{id}"))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", e.0))?;
-    if status == 404 {
-        return Err(ApiError::not_found("id", format!("sandbox {id} does not run on its edge (it ended, or is still being created)")));
-    }
-    if status != 200 {
-        return Err(ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge answered {status}: {}", String::from_utf8_lossy(&body))));
-    }
+    let body = from_edge(&st, &who, &id, &format!("/metrics/{id}"), "does not run on its edge (it ended, or is still being created)").await?;
     let m: api::SandboxMetrics = serde_json::from_slice(&body).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge's metrics are malformed: {e}")))?;
     Ok(Json(m))
 }
