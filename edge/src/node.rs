@@ -164,6 +164,9 @@ struct Edge {
     /// slice has had time to show it, so observations are not logged twice.
     reported: Mutex<BTreeMap<String, (Observation, Instant)>>,
     wake: tokio::sync::Notify,
+    /// The log index of this run's registration: once the slice is past it, it holds
+    /// everything committed before the edge started (see `reconcile::plan`).
+    registered_at: u64,
     /// The microVM driver's state (always `Unavailable` when the config has none).
     vms: Mutex<VmsState>,
     /// MicroVMs whose resume failed, and how often in a row.
@@ -1366,7 +1369,8 @@ impl Edge {
             } else {
                 &*slice
             };
-            let mut a = plan(slice, &observed, opendsec_control::now_ms());
+            let caught_up = slice.next_index > self.registered_at;
+            let mut a = plan(slice, &observed, opendsec_control::now_ms(), caught_up);
             a.extend(plan_snapshots(slice, &observed, &present));
             a.extend(plan_transfers(slice, &observed, &served).into_iter().filter(|x| !matches!(x, Action::MakeTransfer { id } if preparing.contains(id))));
             a
@@ -1500,10 +1504,13 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let backend = ContainerBackend::new(cfg.container.clone())?;
     let images = ImageStore::open(&cfg.images_dir)?;
     let mut client = SliceClient::connect(&cfg.control_peer, &cfg.token)?;
+    // Listening before registering: once registered, the edge is asked to admit
+    // sandboxes and is sent their traffic.
+    let listener = tokio::net::TcpListener::bind(&cfg.proxy_listen).await?;
 
     // Register (retrying until the control plane answers).
     let mut delay = Duration::from_millis(100);
-    loop {
+    let registered_at = loop {
         let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
         if cfg.microvm.is_some() {
             labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
@@ -1512,9 +1519,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
             }
         }
         match client.register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels).await {
-            Ok((ordinal, _)) => {
-                tracing::info!(edge = %cfg.name, ordinal, "registered");
-                break;
+            Ok((ordinal, index)) => {
+                tracing::info!(edge = %cfg.name, ordinal, index, "registered");
+                break index;
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot register yet; retrying");
@@ -1522,9 +1529,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
                 delay = (delay * 2).min(Duration::from_secs(5));
             }
         }
-    }
+    };
 
-    let listener = tokio::net::TcpListener::bind(&cfg.proxy_listen).await?;
     let next_index = slice.next_index;
     let edge = Arc::new(Edge {
         backend,
@@ -1542,6 +1548,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
         wake: tokio::sync::Notify::new(),
+        registered_at,
         resume_failures: Mutex::new(BTreeMap::new()),
         preparing: Mutex::new(BTreeSet::new()),
         import_locks: Mutex::new(BTreeMap::new()),

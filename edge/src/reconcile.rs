@@ -184,11 +184,17 @@ pub fn plan_transfers(slice: &SliceState, observed: &BTreeMap<String, Running>, 
 }
 
 /// Everything to do to bring this machine to the slice. Sandboxes running here that the
-/// slice does not know (orphans) are stopped and removed.
-pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u64) -> Vec<Action> {
+/// slice does not know (orphans) are stopped and removed, but only once `caught_up`: the
+/// slice holds every entry committed before this edge (re)started. A restarted edge's
+/// saved slice can lack a sandbox it created just before it died (it acts on an entry,
+/// then saves); that sandbox is no orphan, and the log will say so.
+pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u64, caught_up: bool) -> Vec<Action> {
     let mut actions = Vec::new();
     for d in slice.sandboxes.values() {
         actions.extend(plan_one(d, observed.get(&d.id), now_ms));
+    }
+    if !caught_up {
+        return actions;
     }
     for (id, state) in observed {
         if !slice.sandboxes.contains_key(id) {
@@ -327,7 +333,7 @@ mod tests {
         let mut slice = SliceState::new("e");
         slice.sandboxes.insert(d.id.clone(), d);
         let observed: BTreeMap<_, _> = seen.into_iter().map(|r| ("s1".to_string(), r)).collect();
-        plan(&slice, &observed, now)
+        plan(&slice, &observed, now, true)
     }
 
     fn rep(o: Observation) -> Vec<Action> {
@@ -403,8 +409,20 @@ mod tests {
             ("y".to_string(), Running::Exited { exit_code: 0, oom_killed: false }),
         ]);
         assert_eq!(
-            plan(&slice, &observed, 0),
+            plan(&slice, &observed, 0, true),
             vec![Action::Stop { id: "x".into(), reason: "orphan".into() }, Action::Remove { id: "y".into() }]
         );
+    }
+
+    #[test]
+    fn a_slice_behind_the_log_leaves_unknown_sandboxes_alone() {
+        // A restarted edge whose saved slice predates its last create: until the slice has
+        // caught up, what it does not know may be in the log.
+        let slice = SliceState::new("e");
+        let observed = BTreeMap::from([
+            ("x".to_string(), Running::Running),
+            ("y".to_string(), Running::Exited { exit_code: 0, oom_killed: false }),
+        ]);
+        assert_eq!(plan(&slice, &observed, 0, false), vec![]);
     }
 }

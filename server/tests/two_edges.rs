@@ -111,6 +111,26 @@ async fn setup(e1_sandboxes: &str) -> Setup {
     Setup { p, http, admin, client, http_client, edge_args }
 }
 
+/// What sandbox `id` prints for `echo hi from $(hostname)`, once it answers within 60 s;
+/// otherwise the test fails with the last error and the sandbox as the API shows it.
+async fn answer(s: &Setup, id: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match exec_echo(&s.client, id).await {
+            Ok(out) => return out,
+            Err(e) if Instant::now() >= deadline => {
+                let shown = s.http_client.get(format!("http://{}/v1/sandboxes/{id}", s.http)).bearer_auth(&s.admin).send().await.map(|r| r.text());
+                let shown = match shown {
+                    Ok(t) => t.await.unwrap_or_default(),
+                    Err(e) => e.to_string(),
+                };
+                panic!("sandbox {id} did not answer within 60 s: {e}\nthe API shows: {shown}");
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 async fn create(s: &Setup) -> (String, String) {
     let v: Value = s
         .http_client
@@ -136,7 +156,7 @@ async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
     let on_e1 = ids.iter().filter(|(_, e)| e == "e1").count();
     assert!(on_e1 > 0 && on_e1 < 10, "power-of-k used both edges: {on_e1} of 10 on e1");
     for (id, edge) in &ids {
-        let out = wait(Duration::from_secs(60), async || exec_echo(&s.client, id).await.ok()).await;
+        let out = answer(&s, id).await;
         assert_eq!(out, format!("hi from {id}\n"), "sandbox {id} on {edge}");
     }
 
@@ -148,7 +168,7 @@ async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     s.p.spawn(name, &refs);
     for (id, _) in ids.iter().filter(|(_, e)| e == "e1") {
-        let out = wait(Duration::from_secs(60), async || exec_echo(&s.client, id).await.ok()).await;
+        let out = answer(&s, id).await;
         assert_eq!(out, format!("hi from {id}\n"));
     }
     let is_sandbox = |n: &str| n.len() == 20 && n.bytes().all(|b| b.is_ascii_hexdigit());
@@ -183,7 +203,7 @@ async fn an_edge_that_refuses_a_sandbox_at_admission_sends_it_to_the_other_edge(
     let on_e1 = ids.iter().filter(|(_, e)| e == "e1").count();
     assert_eq!(on_e1, 1, "e1 admitted exactly one sandbox: {ids:?}");
     for (id, _) in &ids {
-        let out = wait(Duration::from_secs(60), async || exec_echo(&s.client, id).await.ok()).await;
+        let out = answer(&s, id).await;
         assert_eq!(out, format!("hi from {id}\n"), "every sandbox runs: none failed");
     }
 }

@@ -134,10 +134,26 @@ impl Drop for Procs {
             let _ = c.kill();
             let _ = c.wait();
         }
+        if std::thread::panicking() {
+            // The temp dir goes away with the test: show what each process said first.
+            let mut logs: Vec<_> = std::fs::read_dir(self.dir.path()).into_iter().flatten().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "log")).collect();
+            logs.sort();
+            for log in logs {
+                eprintln!("--- {} (last lines) ---\n{}", log.display(), log_tail(&log, 60));
+            }
+        }
         for edge in &self.edges {
             cleanup_edge(&self.dir.path().join(edge));
         }
     }
+}
+
+/// The last `lines` lines of the log at `path`, without request lines and image build
+/// progress (they drown what went wrong).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let kept: Vec<&str> = text.lines().filter(|l| !l.contains(" served ") && !l.contains("building image")).collect();
+    kept[kept.len().saturating_sub(lines)..].join("\n")
 }
 
 /// Sends `req` with `body` as JSON when there is one: (status, the JSON answer or its
@@ -300,10 +316,7 @@ impl Up {
     }
 
     pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
-        // Request lines and image build progress drown what went wrong.
-        let kept: Vec<&str> = text.lines().filter(|l| !l.contains(" served ") && !l.contains("building image")).collect();
-        kept[kept.len().saturating_sub(lines)..].join("\n")
+        log_tail(&self.log_path(), lines)
     }
 
     /// Panics with the server's last words if it has exited.
