@@ -93,6 +93,7 @@ impl EtcdCluster {
                 .arg("--initial-cluster-token").arg(format!("opendsec-bench-{}", std::process::id()))
                 .arg("--logger").arg("zap")
                 .arg("--log-level").arg("error")
+                .env("GOMAXPROCS", crate::member_threads(idx.len()).to_string())
                 .stdin(Stdio::null())
                 .stdout(log)
                 .stderr(log2);

@@ -25,6 +25,15 @@ pub mod targets;
 pub use load::{BoxFuture, LoadReport, WriteTarget, run_load};
 pub use targets::{Session, SetupCtx, TargetSpec};
 
+/// The threads each member of a `members`-member cluster gets on this host: its share
+/// of the CPUs (at least one), as if each member had a machine of its own. OpenDsec
+/// nodes get it as `--worker-threads`, etcd members as `GOMAXPROCS`; a lone member gets
+/// every CPU (both systems' default).
+pub fn member_threads(members: usize) -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (cores / members.max(1)).max(1)
+}
+
 /// The last `n` lines of a child process's log file, for error messages.
 pub(crate) fn log_tail(path: &std::path::Path, n: usize) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();

@@ -353,6 +353,13 @@ async fn run_log(a: LogArgs) -> i32 {
         a.rounds.max(1)
     );
     print!("{}", report::table(&rows));
+    println!(
+        "note: the members of a cluster share this host: each runs with its share of the {cores} cores \
+         ({} thread(s) each for 3 members, {} for 1), opendsec as --worker-threads, etcd as GOMAXPROCS, \
+         as if each had a machine of its own",
+        opendsec_bench::member_threads(3),
+        opendsec_bench::member_threads(1)
+    );
     for n in &notes {
         println!("note: {n}");
     }

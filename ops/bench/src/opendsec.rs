@@ -189,6 +189,7 @@ impl OpendsecCluster {
                 .args(["--listen", &n.http, "--peer-listen", &n.peer])
                 .arg("--cluster-key-file")
                 .arg(&key_file)
+                .args(["--worker-threads", &crate::member_threads(members).to_string()])
                 .env("RUST_LOG", "warn")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
