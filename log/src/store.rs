@@ -505,9 +505,8 @@ impl Store {
         if !single || mode == Inline::Off || lock(&self.inner.ops).is_none() {
             return Some(op);
         }
-        // Another worker must be there to go on meanwhile.
         let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread && h.metrics().num_workers() > 1);
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         if !multi_thread {
             return Some(op);
         }
