@@ -83,6 +83,10 @@ const PURGE_CHUNK: usize = 500;
 const COMMITTED_EVERY: Duration = Duration::from_millis(100);
 /// A follower's append this soon after an inline batch ended was queued behind it.
 const QUEUED_WITHIN_US: u64 = 100;
+/// On a runtime with one worker thread, an inline commit stalls every task of the node
+/// for its fsync: it is done only for an append this long after the one before (a node
+/// with one write at a time in flight; busier ones hand appends to the writer).
+const SPARSE_AFTER_US: u64 = 500;
 
 fn io_err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
@@ -311,6 +315,8 @@ struct Inner {
     opened: Instant,
     /// When the newest inline batch ended (µs since `opened`).
     inline_end_us: AtomicU64,
+    /// When the newest one-entry append was offered to `try_inline` (µs since `opened`).
+    last_single_us: AtomicU64,
     /// Who writes now (shared with the writer thread).
     flow: Arc<(Mutex<Flow>, Condvar)>,
     /// A lone node's newest committed id not yet written (see `save_committed`), and when
@@ -399,6 +405,7 @@ impl Store {
             inline: AtomicU8::new(Inline::Off as u8),
             opened: Instant::now(),
             inline_end_us: AtomicU64::new(0),
+            last_single_us: AtomicU64::new(0),
             flow,
             committed: Mutex::new(None),
             committed_inline_at: Mutex::new(Instant::now()),
@@ -505,9 +512,16 @@ impl Store {
         if !single || mode == Inline::Off || lock(&self.inner.ops).is_none() {
             return Some(op);
         }
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if !multi_thread {
+        let Some(workers) = tokio::runtime::Handle::try_current()
+            .ok()
+            .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+            .map(|h| h.metrics().num_workers())
+        else {
+            return Some(op);
+        };
+        let now = self.inner.opened.elapsed().as_micros() as u64;
+        let before = self.inner.last_single_us.swap(now, Ordering::Relaxed);
+        if workers < 2 && now.saturating_sub(before) < SPARSE_AFTER_US {
             return Some(op);
         }
         let flow = &*self.inner.flow;
@@ -519,10 +533,7 @@ impl Store {
                 // writer.
                 Inline::Lone => self.inner.flushed_upto.load(Ordering::Relaxed) > self.inner.committed_upto.load(Ordering::Relaxed),
                 // Right after an inline batch: this one waited for it in the core's queue.
-                _ => {
-                    let now = self.inner.opened.elapsed().as_micros() as u64;
-                    now.saturating_sub(self.inner.inline_end_us.load(Ordering::Relaxed)) < QUEUED_WITHIN_US
-                }
+                _ => now.saturating_sub(self.inner.inline_end_us.load(Ordering::Relaxed)) < QUEUED_WITHIN_US,
             };
             if f.busy || f.queued > 0 || wait {
                 return Some(op);
@@ -1318,6 +1329,30 @@ mod tests {
         let got = store.try_get_log_entries(..).await.unwrap();
         assert_eq!(indexes(&got), (1..=45).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
         assert_eq!(store.read_committed().await.unwrap(), Some(log_id(1, 5)));
+        store.close();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn with_one_worker_thread_only_sparse_appends_commit_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        store.set_inline(Inline::Follower);
+        // One write at a time, far apart: inline, as with more workers.
+        for i in 1..=3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
+            assert!(matches!(rx.try_recv(), Ok(Ok(()))), "append {i} was not flushed inline");
+        }
+        // Appends close together (a busy node): an inline fsync would stall the only
+        // worker, so each goes to the writer, even when it finds the writer idle.
+        for i in 4..=10 {
+            store.inner.last_single_us.store(store.inner.opened.elapsed().as_micros() as u64, Ordering::Relaxed);
+            let rx = append(&mut store, vec![entry(1, i, 100)]).await;
+            rx.await.unwrap().expect("flushed");
+        }
+        assert_eq!(store.io_stats().inline_appends, 3, "a busy one-worker node committed inline");
+        let got = store.try_get_log_entries(..).await.unwrap();
+        assert_eq!(indexes(&got), (1..=10).map(|i| (1, i)).collect::<Vec<_>>());
         store.close();
     }
 
