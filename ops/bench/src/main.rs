@@ -93,7 +93,7 @@ struct LogArgs {
     /// Measurement rounds: every target is set up first, then each round measures every
     /// target at every concurrency (in a rotated order), and each figure is the median
     /// round's, so that a machine whose speed drifts affects all targets alike.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Encoded batches the in-process replay folds (0: skip it).
     #[arg(long, default_value_t = 200_000)]
