@@ -5,6 +5,7 @@
 //! `commands` and `projections` crates.
 
 pub mod admission;
+pub mod forward;
 pub mod fsm;
 pub mod node;
 pub mod peer;
@@ -180,7 +181,12 @@ pub async fn serve_peer(
     let extra = tonic::transport::Server::builder()
         .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(node.clone())))
         .add_service(pb::edge_slice_server::EdgeSliceServer::new(slice::EdgeSliceService::new(node.clone())));
-    opendsec_log::serve_peer(listener, node.log(), Some(extra), shutdown).await
+    let forwarding = node.clone();
+    let side = opendsec_log::SideProtocol {
+        magic: forward::MAGIC,
+        serve: std::sync::Arc::new(move |conn| forward::serve(forwarding.clone(), conn)),
+    };
+    opendsec_log::serve_peer_with(listener, node.log(), Some(extra), Some(side), shutdown).await
 }
 
 #[cfg(test)]

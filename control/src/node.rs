@@ -3,6 +3,7 @@
 //! answered once applied; a follower forwards them to the leader. Reads are served
 //! from the locally applied state.
 
+use crate::forward::{ForwardError, RawForwarder};
 use crate::fsm::{Checkpoints, Fsm};
 use crate::pb::control_client::ControlClient;
 use crate::pb::SubmitRequest;
@@ -111,6 +112,8 @@ struct Inner {
     inflight: Arc<Mutex<InFlight>>,
     checkpoints: Checkpoints,
     leaders: Mutex<BTreeMap<String, crate::peer::Forwarder>>,
+    /// Plain forwarding connections per leader address, with when each was opened.
+    raw_leaders: Mutex<BTreeMap<String, (RawForwarder, std::time::Instant)>>,
     heartbeats: Mutex<BTreeMap<String, EdgeHeartbeat>>,
 }
 
@@ -143,6 +146,7 @@ impl ControlNode {
                 inflight,
                 checkpoints,
                 leaders: Mutex::new(BTreeMap::new()),
+                raw_leaders: Mutex::new(BTreeMap::new()),
                 heartbeats: Mutex::new(BTreeMap::new()),
             }),
         })
@@ -324,12 +328,26 @@ impl ControlNode {
     }
 
     async fn forward(&self, leader: &str, bearer: &str, request_id: &str, cmd: &Command) -> Result<Submitted, SubmitError> {
-        let forwarder = self.forwarder(leader)?;
         let req = SubmitRequest {
             bearer: bearer.to_string(),
             request_id: request_id.to_string(),
             command_json: serde_json::to_string(cmd).map_err(internal)?,
         };
+        // A plain connection first (see `forward`); gRPC for a leader without it.
+        if let Some(raw) = self.raw_forwarder(leader) {
+            match raw.submit(req.clone()).await {
+                Ok(reply) => return crate::peer::reply_to_result(reply),
+                Err(ForwardError::Unsupported) => {}
+                Err(ForwardError::Failed(m)) => {
+                    let mut raws = self.inner.raw_leaders.lock().expect("raw leaders lock");
+                    if raws.get(leader).is_some_and(|(f, _)| f.is_closed() && !f.is_unsupported()) {
+                        raws.remove(leader);
+                    }
+                    return Err(SubmitError::Unavailable(m));
+                }
+            }
+        }
+        let forwarder = self.forwarder(leader)?;
         let reply = forwarder.submit(req).await.map_err(|m| {
             let mut leaders = self.inner.leaders.lock().expect("leaders lock");
             if leaders.get(leader).is_some_and(|f| f.is_closed()) {
@@ -338,6 +356,23 @@ impl ControlNode {
             SubmitError::Unavailable(format!("leader {leader}: {m}"))
         })?;
         crate::peer::reply_to_result(reply)
+    }
+
+    /// The plain forwarding connection to `addr`, opened on first use and again after it
+    /// broke; `None` for a minute after the leader there turned out not to speak it.
+    fn raw_forwarder(&self, addr: &str) -> Option<RawForwarder> {
+        let mut raws = self.inner.raw_leaders.lock().expect("raw leaders lock");
+        if let Some((f, since)) = raws.get(addr) {
+            if f.is_unsupported() && since.elapsed() < Duration::from_secs(60) {
+                return None;
+            }
+            if !f.is_closed() {
+                return Some(f.clone());
+            }
+        }
+        let f = RawForwarder::new(addr.to_string());
+        raws.insert(addr.to_string(), (f.clone(), std::time::Instant::now()));
+        Some(f)
     }
 
     /// The stream of forwarded writes to `addr`, opened on first use and again after it broke.

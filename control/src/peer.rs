@@ -71,7 +71,7 @@ fn batch_of(s: &Submitted) -> Batch {
 }
 
 /// Decides one forwarded write on this node (the leader) and encodes the result.
-async fn submit_forwarded(node: &ControlNode, req: SubmitRequest) -> SubmitReply {
+pub(crate) async fn submit_forwarded(node: &ControlNode, req: SubmitRequest) -> SubmitReply {
     let cmd: Command = match serde_json::from_str(&req.command_json) {
         Ok(c) => c,
         Err(e) => {

@@ -47,7 +47,7 @@ pub mod pb {
 pub use config::LogConfig;
 pub use error::{LogError, MembershipError, ProposeError};
 pub use node::{Applied, AppliedEntry, Leadership, LogNode, Status};
-pub use service::{RaftGrpc, serve_peer};
+pub use service::{RaftGrpc, SideProtocol, serve_peer, serve_peer_with};
 pub use sm::SmStore;
 
 /// The `RaftServiceServer` type to add to a tonic router, for a node running state machine `S`.

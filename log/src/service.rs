@@ -140,6 +140,14 @@ impl<S: StateMachine> RaftService for RaftGrpc<S> {
     }
 }
 
+/// A protocol of the node's own beside gRPC on the peer port: connections whose first
+/// four bytes are `magic` go to `serve` (the bytes still unread); every other connection
+/// is gRPC (HTTP/2 opens with its fixed preface).
+pub struct SideProtocol {
+    pub magic: [u8; 4],
+    pub serve: std::sync::Arc<dyn Fn(tokio::net::TcpStream) + Send + Sync>,
+}
+
 /// Serve the Raft peer service (plus whatever `extra` already routes) on `listener` until
 /// `shutdown` completes. `extra` is a router made with `tonic::transport::Server::builder()`
 /// carrying the node's other peer-port services; `None` serves the Raft service alone.
@@ -149,19 +157,78 @@ pub async fn serve_peer<S: StateMachine>(
     extra: Option<tonic::transport::server::Router>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    serve_peer_with(listener, node, extra, None, shutdown).await
+}
+
+/// The first bytes of a new connection: `n` of them, fewer if it ends or sends nothing
+/// for 10 s. Peeked: they stay to be read.
+async fn first_bytes(conn: &tokio::net::TcpStream, n: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; n];
+    let peek = async {
+        loop {
+            match conn.peek(&mut buf).await {
+                Ok(got) if got >= n || got == 0 => return got,
+                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(1)).await,
+                Err(_) => return 0,
+            }
+        }
+    };
+    let got = tokio::time::timeout(std::time::Duration::from_secs(10), peek).await.unwrap_or(0);
+    buf.truncate(got);
+    buf
+}
+
+/// As [`serve_peer`], with `side` served beside gRPC on the same port.
+pub async fn serve_peer_with<S: StateMachine>(
+    listener: tokio::net::TcpListener,
+    node: &LogNode<S>,
+    extra: Option<tonic::transport::server::Router>,
+    side: Option<SideProtocol>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     let router = match extra {
         Some(r) => r.add_service(node.raft_service()),
         None => tonic::transport::Server::builder().add_service(node.raft_service()),
     };
-    router
-        .serve_with_incoming_shutdown(
-            // Small RPCs must not wait for Nagle's algorithm (40 ms stalls with delayed ACKs).
-            tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |conn| {
-                conn.inspect(|s| {
-                    let _ = s.set_nodelay(true);
-                })
-            }),
-            shutdown,
-        )
-        .await
+    let Some(side) = side else {
+        return router
+            .serve_with_incoming_shutdown(
+                // Small RPCs must not wait for Nagle's algorithm (40 ms stalls with delayed ACKs).
+                tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |conn| {
+                    conn.inspect(|s| {
+                        let _ = s.set_nodelay(true);
+                    })
+                }),
+                shutdown,
+            )
+            .await;
+    };
+    // Each connection is sorted by its first bytes on a task of its own (a slow one holds
+    // up no other), then handed to gRPC or to the side protocol.
+    let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(64);
+    let side = std::sync::Arc::new(side);
+    let accept = tokio::spawn(async move {
+        loop {
+            let conn = match listener.accept().await {
+                Ok((c, _)) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "peer port: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = conn.set_nodelay(true);
+            let (side, grpc_tx) = (side.clone(), grpc_tx.clone());
+            tokio::spawn(async move {
+                if first_bytes(&conn, 4).await == side.magic {
+                    (side.serve)(conn);
+                } else {
+                    let _ = grpc_tx.send(Ok(conn)).await;
+                }
+            });
+        }
+    });
+    let served = router.serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc_rx), shutdown).await;
+    accept.abort();
+    served
 }
