@@ -1,6 +1,7 @@
 //! Specification: the peer port refuses whoever lacks the cluster's credentials.
-//! Raft RPCs need the cluster key, bootstrapping needs the cluster key, forwarded
-//! writes are authenticated again with the caller's own bearer token.
+//! Raft RPCs and plain replication connections need the cluster key, bootstrapping
+//! needs the cluster key, forwarded writes are authenticated again with the caller's
+//! own bearer token.
 
 use opendsec_control::pb::control_client::ControlClient;
 use opendsec_control::pb::{BootstrapRequest, SubmitRequest};
@@ -49,4 +50,22 @@ async fn bootstrap_needs_the_cluster_key_and_forwarded_writes_need_a_valid_token
         .into_inner();
     assert!(reply.rejection_json.contains("unauthenticated"), "{reply:?}");
     assert_eq!(t.node.applied_index(), before, "nothing was logged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_replication_connections_without_the_cluster_key_are_closed_unanswered() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let t = single_node().await;
+    for key in ["", "not-the-key"] {
+        let mut conn = tokio::net::TcpStream::connect(&t.peer_addr).await.unwrap();
+        let mut hello = b"ODR1".to_vec();
+        opendsec_log::frames::put(&mut hello, key.as_bytes());
+        // Then an append request a peer would send, which must never reach Raft.
+        opendsec_log::frames::put(&mut hello, &[0u8; 64]);
+        conn.write_all(&hello).await.unwrap();
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), conn.read_to_end(&mut answer)).await.expect("closed");
+        assert!(read.is_err() || answer.is_empty(), "answered {answer:?}");
+    }
+    assert_eq!(t.node.cluster_status().term, 1, "nothing disturbed the node's term");
 }

@@ -32,6 +32,7 @@
 
 mod config;
 mod error;
+pub mod frames;
 mod network;
 mod node;
 mod service;

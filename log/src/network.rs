@@ -80,9 +80,11 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         Conn {
             target,
             channel: self.channel(target, &node.addr),
+            addr: node.addr.trim_start_matches("http://").trim_end_matches('/').to_string(),
             rpc_timeout: self.rpc_timeout,
             cluster_key: self.cluster_key.clone(),
             unary_only: false,
+            plain: true,
         }
     }
 }
@@ -93,8 +95,13 @@ pub(crate) struct Conn {
     channel: Result<Channel, String>,
     rpc_timeout: Duration,
     cluster_key: Arc<str>,
+    /// The peer's `host:port`.
+    addr: String,
     /// The peer does not serve `AppendStream` (an older version): replicate with unary calls.
     unary_only: bool,
+    /// Replicate over a plain connection (see [`Conn::open_plain_append`]) until the peer
+    /// turns out not to speak it.
+    plain: bool,
 }
 
 fn status_err(s: tonic::Status) -> RPCError<TypeConfig> {
@@ -253,6 +260,108 @@ impl Conn {
     }
 }
 
+/// Why a plain replication connection was not opened.
+enum PlainOpen {
+    /// The peer is not there: as unreachable as over gRPC.
+    Unreachable(String),
+    /// The peer answered otherwise (an older version, or it refused the key): use gRPC,
+    /// which reports a refusal properly.
+    NotSpoken,
+}
+
+impl Conn {
+    /// Connects, presents the cluster key and waits for the magic back.
+    async fn plain_handshake(&self) -> Result<tokio::net::TcpStream, PlainOpen> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let ttl = self.rpc_timeout;
+        let open = async {
+            let mut conn = tokio::net::TcpStream::connect(&self.addr)
+                .await
+                .map_err(|e| PlainOpen::Unreachable(format!("connecting to node {} at {}: {e}", self.target, self.addr)))?;
+            let _ = conn.set_nodelay(true);
+            let mut hello = crate::service::APPEND_MAGIC.to_vec();
+            crate::frames::put(&mut hello, self.cluster_key.as_bytes());
+            conn.write_all(&hello).await.map_err(|e| PlainOpen::Unreachable(format!("writing to node {}: {e}", self.target)))?;
+            let mut answer = [0u8; 4];
+            match conn.read_exact(&mut answer).await {
+                Ok(_) if answer == crate::service::APPEND_MAGIC => Ok(conn),
+                _ => Err(PlainOpen::NotSpoken),
+            }
+        };
+        match tokio::time::timeout(ttl, open).await {
+            Ok(r) => r,
+            Err(_) => Err(PlainOpen::Unreachable(format!("opening a replication connection to node {} timed out after {ttl:?}", self.target))),
+        }
+    }
+
+    /// Pipelined replication over a plain connection on the peer port (magic `ODR1`, the
+    /// cluster key, then length-prefixed requests one way and results the other, in
+    /// order): the same exchange as `AppendStream` without HTTP/2's framing, flow
+    /// control and task hops. Requests ready together go out in one write. A request
+    /// unanswered for `rpc_timeout` ends the stream as unreachable.
+    fn open_plain_append<S>(&self, conn: tokio::net::TcpStream, input: S) -> StreamOut<'static>
+    where S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static {
+        use tokio::io::AsyncWriteExt;
+        let (rd, mut wr) = conn.into_split();
+        // When each request was handed to the transport, oldest first (one per unanswered request).
+        let sent: Arc<Mutex<VecDeque<Instant>>> = Arc::default();
+        let feeder = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                let mut input = input.ready_chunks(STREAM_AHEAD);
+                let mut buf = Vec::new();
+                while let Some(rpcs) = input.next().await {
+                    buf.clear();
+                    for rpc in &rpcs {
+                        match encode(rpc) {
+                            Ok(p) => crate::frames::put(&mut buf, &p),
+                            Err(e) => {
+                                tracing::error!("cannot encode an append request: {e}");
+                                return;
+                            }
+                        }
+                    }
+                    {
+                        let mut sent = sent.lock().unwrap_or_else(|e| e.into_inner());
+                        let now = Instant::now();
+                        sent.extend(std::iter::repeat_n(now, rpcs.len()));
+                    }
+                    if wr.write_all(&buf).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        };
+        let guard = AbortOnDrop(feeder.abort_handle());
+        let (target, ttl) = (self.target, self.rpc_timeout);
+        let rd = tokio::io::BufReader::new(rd);
+        let out = futures::stream::unfold(Some((rd, Vec::new(), sent, guard)), move |state| async move {
+            let (mut rd, mut buf, sent, guard) = state?;
+            loop {
+                match tokio::time::timeout(ttl / 2, crate::frames::read(&mut rd, &mut buf)).await {
+                    Ok(Ok(true)) => {
+                        sent.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+                        return match decode::<StreamAppendResult<TypeConfig>>(&buf) {
+                            Ok(r) => Some((Ok(r), Some((rd, buf, sent, guard)))),
+                            Err(e) => Some((Err(net_err(e)), None)),
+                        };
+                    }
+                    Ok(Ok(false)) => return None,
+                    Ok(Err(e)) => return Some((Err(RPCError::Unreachable(Unreachable::from_string(format!("replication connection to node {target}: {e}")))), None)),
+                    Err(_) => {
+                        let stale = sent.lock().unwrap_or_else(|e| e.into_inner()).front().is_some_and(|t| t.elapsed() >= ttl);
+                        if stale {
+                            let e = Unreachable::from_string(format!("node {target} did not answer an append request within {ttl:?}"));
+                            return Some((Err(RPCError::Unreachable(e)), None));
+                        }
+                    }
+                }
+            }
+        });
+        Box::pin(out)
+    }
+}
+
 impl RaftNetworkV2<TypeConfig> for Conn {
     type SnapshotData = Vec<u8>;
 
@@ -267,7 +376,19 @@ impl RaftNetworkV2<TypeConfig> for Conn {
         if self.unary_only {
             return stream_append_sequential(self, input, option);
         }
-        Box::pin(async move { self.open_append_stream(input).await })
+        Box::pin(async move {
+            if self.plain {
+                match self.plain_handshake().await {
+                    Ok(conn) => return Ok(self.open_plain_append(conn, input)),
+                    Err(PlainOpen::Unreachable(why)) => return Err(RPCError::Unreachable(Unreachable::from_string(why))),
+                    Err(PlainOpen::NotSpoken) => {
+                        tracing::info!(target = self.target, "peer does not replicate over plain connections: using gRPC");
+                        self.plain = false;
+                    }
+                }
+            }
+            self.open_append_stream(input).await
+        })
     }
 
     async fn append_entries(

@@ -152,6 +152,11 @@ impl<S: StateMachine> LogNode<S> {
         RaftGrpc::server(self.inner.raft.clone(), self.inner.cluster_key.clone())
     }
 
+    /// The cluster key peers must present.
+    pub(crate) fn cluster_key(&self) -> Arc<str> {
+        Arc::from(self.inner.cluster_key.as_str())
+    }
+
     /// This node's id.
     pub fn node_id(&self) -> u64 {
         self.inner.node_id

@@ -60,6 +60,68 @@ pub(crate) const KEY_HEADER: &str = "opendsec-cluster-key";
 
 type AppendStreamOut = Pin<Box<dyn Stream<Item = Result<RaftMessage, Status>> + Send + 'static>>;
 
+/// The first bytes of a plain replication connection (see `network.rs`).
+pub(crate) const APPEND_MAGIC: [u8; 4] = *b"ODR1";
+
+/// Serves one plain replication connection (its magic not yet read): the cluster key in
+/// the first frame (the magic comes back if it is right), then append requests in and
+/// their results out, in order, as over `AppendStream`. Results ready together go out in
+/// one write.
+pub(crate) fn serve_raw_append<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S>>, cluster_key: std::sync::Arc<str>, conn: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tokio::spawn(async move {
+        let (rd, mut wr) = conn.into_split();
+        let mut rd = tokio::io::BufReader::new(rd);
+        let mut magic = [0u8; 4];
+        if rd.read_exact(&mut magic).await.is_err() || magic != APPEND_MAGIC {
+            return;
+        }
+        let mut key = Vec::new();
+        if !matches!(crate::frames::read(&mut rd, &mut key).await, Ok(true)) {
+            return;
+        }
+        if check_key(&cluster_key, std::str::from_utf8(&key).unwrap_or("")).is_err() {
+            tracing::warn!("a replication connection without the cluster key was refused");
+            return;
+        }
+        if wr.write_all(&APPEND_MAGIC).await.is_err() {
+            return;
+        }
+        // An undecodable request or a broken connection ends the input; openraft then
+        // answers what it received and the leader opens a new stream.
+        let input = futures::stream::unfold((rd, Vec::new()), |(mut rd, mut buf)| async move {
+            match crate::frames::read(&mut rd, &mut buf).await {
+                Ok(true) => match decode::<AppendEntriesRequest<TypeConfig>>(&buf) {
+                    Ok(rpc) => Some((rpc, (rd, buf))),
+                    Err(e) => {
+                        tracing::warn!("undecodable append request on a replication connection: {e}");
+                        None
+                    }
+                },
+                _ => None,
+            }
+        });
+        let mut out = Box::pin(raft.stream_append(Box::pin(input)).ready_chunks(64));
+        let mut wbuf = Vec::new();
+        while let Some(results) = out.next().await {
+            wbuf.clear();
+            for r in results {
+                let Ok(res) = r else { return };
+                match encode(&res) {
+                    Ok(p) => crate::frames::put(&mut wbuf, &p),
+                    Err(e) => {
+                        tracing::error!("cannot encode an append result: {e}");
+                        return;
+                    }
+                }
+            }
+            if wr.write_all(&wbuf).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
 #[tonic::async_trait]
 impl<S: StateMachine> RaftService for RaftGrpc<S> {
     type AppendStreamStream = AppendStreamOut;
@@ -178,7 +240,8 @@ async fn first_bytes(conn: &tokio::net::TcpStream, n: usize) -> Vec<u8> {
     buf
 }
 
-/// As [`serve_peer`], with `side` served beside gRPC on the same port.
+/// As [`serve_peer`], with `side` served beside gRPC on the same port. Plain replication
+/// connections (see `network.rs`) are always served.
 pub async fn serve_peer_with<S: StateMachine>(
     listener: tokio::net::TcpListener,
     node: &LogNode<S>,
@@ -190,23 +253,17 @@ pub async fn serve_peer_with<S: StateMachine>(
         Some(r) => r.add_service(node.raft_service()),
         None => tonic::transport::Server::builder().add_service(node.raft_service()),
     };
-    let Some(side) = side else {
-        return router
-            .serve_with_incoming_shutdown(
-                // Small RPCs must not wait for Nagle's algorithm (40 ms stalls with delayed ACKs).
-                tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |conn| {
-                    conn.inspect(|s| {
-                        let _ = s.set_nodelay(true);
-                    })
-                }),
-                shutdown,
-            )
-            .await;
-    };
+    let (raft, key) = (node.raft().clone(), node.cluster_key());
+    let mut sides = vec![SideProtocol {
+        magic: APPEND_MAGIC,
+        serve: std::sync::Arc::new(move |conn| serve_raw_append(raft.clone(), key.clone(), conn)),
+    }];
+    sides.extend(side);
     // Each connection is sorted by its first bytes on a task of its own (a slow one holds
-    // up no other), then handed to gRPC or to the side protocol.
+    // up no other), then handed to gRPC or to the protocol its magic names. Small
+    // messages must not wait for Nagle's algorithm (40 ms stalls with delayed ACKs).
     let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(64);
-    let side = std::sync::Arc::new(side);
+    let sides = std::sync::Arc::new(sides);
     let accept = tokio::spawn(async move {
         loop {
             let conn = match listener.accept().await {
@@ -218,12 +275,14 @@ pub async fn serve_peer_with<S: StateMachine>(
                 }
             };
             let _ = conn.set_nodelay(true);
-            let (side, grpc_tx) = (side.clone(), grpc_tx.clone());
+            let (sides, grpc_tx) = (sides.clone(), grpc_tx.clone());
             tokio::spawn(async move {
-                if first_bytes(&conn, 4).await == side.magic {
-                    (side.serve)(conn);
-                } else {
-                    let _ = grpc_tx.send(Ok(conn)).await;
+                let first = first_bytes(&conn, 4).await;
+                match sides.iter().find(|s| s.magic[..] == first[..]) {
+                    Some(side) => (side.serve)(conn),
+                    None => {
+                        let _ = grpc_tx.send(Ok(conn)).await;
+                    }
                 }
             });
         }

@@ -119,6 +119,25 @@ impl TestNode {
         }
     }
 
+    /// As [`TestNode::start`], serving the Raft gRPC service only, as a node from before
+    /// plain replication connections did.
+    pub async fn start_grpc_only(cfg: LogConfig, listener: TcpListener) -> TestNode {
+        let addr = listener.local_addr().expect("local addr");
+        let id = cfg.node_id;
+        let node = LogNode::open(cfg, TestSm::default()).await.expect("open node");
+        let (tx, rx) = oneshot::channel::<()>();
+        let service = node.raft_service();
+        let server = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        TestNode { id, addr, node, stop: Some(tx), server: Some(server) }
+    }
+
     /// Restart on the same address (the port was released by `stop`).
     pub async fn start_on(cfg: LogConfig, addr: SocketAddr) -> TestNode {
         let deadline = Instant::now() + Duration::from_secs(5);
