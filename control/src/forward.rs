@@ -21,14 +21,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
 /// The first bytes of a forwarding connection, and the leader's answer to them.
 pub const MAGIC: [u8; 4] = *b"ODF1";
-/// The largest frame either side accepts.
-const MAX_FRAME: usize = 16 << 20;
 /// How long connecting and the magic's answer may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -44,38 +42,16 @@ pub enum ForwardError {
 type Waiter = oneshot::Sender<Result<SubmitReply, ForwardError>>;
 
 fn put_frame(out: &mut Vec<u8>, msg: &impl Message) {
-    let len = msg.encoded_len();
-    out.extend_from_slice(&(len as u32).to_be_bytes());
-    // Encoding into a Vec cannot fail: it grows as needed.
-    let _ = msg.encode(out);
-}
-
-/// Reads one frame into `buf`; `Ok(false)` at a clean end between frames.
-async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> std::io::Result<bool> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
-        Err(e) => return Err(e),
-    }
-    let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a frame of {len} bytes is over the limit of {MAX_FRAME}")));
-    }
-    buf.resize(len, 0);
-    r.read_exact(buf).await?;
-    Ok(true)
+    opendsec_log::frames::put(out, &msg.encode_to_vec());
 }
 
 /// Writes what `rx` yields, as frames, each batch of queued messages in one call.
-async fn write_frames<M: Message>(mut w: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<M>, mut on_each: impl FnMut(&M)) -> String {
+async fn write_frames<M: Message>(mut w: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<M>) -> String {
     let mut buf = Vec::new();
     while let Some(first) = rx.recv().await {
         buf.clear();
-        on_each(&first);
         put_frame(&mut buf, &first);
         while let Ok(more) = rx.try_recv() {
-            on_each(&more);
             put_frame(&mut buf, &more);
         }
         if let Err(e) = w.write_all(&buf).await {
@@ -95,10 +71,10 @@ pub fn serve(node: ControlNode, conn: TcpStream) {
             return;
         }
         let (tx, rx) = mpsc::unbounded_channel::<StreamedReply>();
-        let writer = tokio::spawn(write_frames(wr, rx, |_| {}));
+        let writer = tokio::spawn(write_frames(wr, rx));
         let mut buf = Vec::new();
         loop {
-            match read_frame(&mut rd, &mut buf).await {
+            match opendsec_log::frames::read(&mut rd, &mut buf).await {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {
@@ -213,13 +189,13 @@ async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waite
         }
         "the node is closing".to_string()
     };
-    let writer = write_frames(wr, out_rx, |_| {});
+    let writer = write_frames(wr, out_rx);
     let answering = pending.clone();
     let reader = async move {
         let mut rd = BufReader::new(rd);
         let mut buf = Vec::new();
         loop {
-            match read_frame(&mut rd, &mut buf).await {
+            match opendsec_log::frames::read(&mut rd, &mut buf).await {
                 Ok(true) => {}
                 Ok(false) => return "the leader closed the connection".to_string(),
                 Err(e) => return format!("reading from the leader: {e}"),
