@@ -1,8 +1,9 @@
 //! Forwarding writes to the leader over a plain framed connection on the peer port.
 //!
 //! A follower forwards every write it gets to the leader. Over gRPC each write crossed
-//! five tasks and HTTP/2's framing and flow control both ways, which cost a third of
-//! the cluster's write throughput. Here a follower keeps one TCP connection per leader:
+//! five tasks and HTTP/2's framing and flow control both ways: with every client on the
+//! leader, a 3-node cluster wrote about a fifth more. Here a follower keeps one TCP
+//! connection per leader:
 //! it opens with [`MAGIC`], the leader answers [`MAGIC`], then each side sends
 //! length-prefixed protobuf frames (`StreamedSubmit` one way, `StreamedReply` the
 //! other, matched by id, replies in any order). Writes queued meanwhile go out in one
