@@ -143,7 +143,7 @@ impl RawForwarder {
     }
 }
 
-/// Connects and answers the magic; `Err(true)` if the leader does not speak the protocol.
+/// Connects and exchanges the magic; `Err((true, _))` if the leader does not speak the protocol.
 async fn connect(addr: &str) -> Result<TcpStream, (bool, String)> {
     let handshake = async {
         let mut conn = TcpStream::connect(addr).await.map_err(|e| (false, format!("connecting to the leader {addr}: {e}")))?;
@@ -152,10 +152,9 @@ async fn connect(addr: &str) -> Result<TcpStream, (bool, String)> {
         let mut answer = [0u8; 4];
         match conn.read_exact(&mut answer).await {
             Ok(_) if answer == MAGIC => Ok(conn),
+            Err(e) if e.kind() != std::io::ErrorKind::UnexpectedEof => Err((false, format!("reading from the leader {addr}: {e}"))),
             // An HTTP/2 server answers with its own frames, or closes.
-            Ok(_) => Err((true, format!("the leader {addr} does not forward over plain connections"))),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err((true, format!("the leader {addr} does not forward over plain connections"))),
-            Err(e) => Err((false, format!("reading from the leader {addr}: {e}"))),
+            _ => Err((true, format!("the leader {addr} does not forward over plain connections"))),
         }
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await.unwrap_or_else(|_| Err((false, format!("the leader {addr} did not answer within {HANDSHAKE_TIMEOUT:?}"))))

@@ -338,13 +338,8 @@ impl ControlNode {
             match raw.submit(req.clone()).await {
                 Ok(reply) => return crate::peer::reply_to_result(reply),
                 Err(ForwardError::Unsupported) => {}
-                Err(ForwardError::Failed(m)) => {
-                    let mut raws = self.inner.raw_leaders.lock().expect("raw leaders lock");
-                    if raws.get(leader).is_some_and(|(f, _)| f.is_closed() && !f.is_unsupported()) {
-                        raws.remove(leader);
-                    }
-                    return Err(SubmitError::Unavailable(m));
-                }
+                // The connection is closed: the next write opens another.
+                Err(ForwardError::Failed(m)) => return Err(SubmitError::Unavailable(m)),
             }
         }
         let forwarder = self.forwarder(leader)?;

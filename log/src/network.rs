@@ -172,6 +172,13 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Unreachable, if the oldest unanswered request on a replication stream (`sent`: when
+/// each was handed to the transport) has waited `ttl` or more.
+fn overdue(sent: &Mutex<VecDeque<Instant>>, ttl: Duration, target: u64) -> Option<RPCError<TypeConfig>> {
+    let stale = sent.lock().unwrap_or_else(|e| e.into_inner()).front().is_some_and(|t| t.elapsed() >= ttl);
+    stale.then(|| RPCError::Unreachable(Unreachable::from_string(format!("node {target} did not answer an append request within {ttl:?}"))))
+}
+
 type StreamOut<'s> = BoxStream<'s, Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>>;
 
 impl Conn {
@@ -240,16 +247,8 @@ impl Conn {
                         Ok(Ok(None)) => return None,
                         Ok(Err(s)) => return Some((Err(status_err(s)), None)),
                         Err(_) => {
-                            let stale = sent
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .front()
-                                .is_some_and(|t| t.elapsed() >= ttl);
-                            if stale {
-                                let e = Unreachable::from_string(format!(
-                                    "node {target} did not answer an append request within {ttl:?}"
-                                ));
-                                return Some((Err(RPCError::Unreachable(e)), None));
+                            if let Some(e) = overdue(&sent, ttl, target) {
+                                return Some((Err(e), None));
                             }
                         }
                     }
@@ -349,10 +348,8 @@ impl Conn {
                     Ok(Ok(false)) => return None,
                     Ok(Err(e)) => return Some((Err(RPCError::Unreachable(Unreachable::from_string(format!("replication connection to node {target}: {e}")))), None)),
                     Err(_) => {
-                        let stale = sent.lock().unwrap_or_else(|e| e.into_inner()).front().is_some_and(|t| t.elapsed() >= ttl);
-                        if stale {
-                            let e = Unreachable::from_string(format!("node {target} did not answer an append request within {ttl:?}"));
-                            return Some((Err(RPCError::Unreachable(e)), None));
+                        if let Some(e) = overdue(&sent, ttl, target) {
+                            return Some((Err(e), None));
                         }
                     }
                 }

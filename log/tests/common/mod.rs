@@ -99,41 +99,33 @@ impl TestNode {
                 .with_test_writer()
                 .try_init();
         }
-        let addr = listener.local_addr().expect("local addr");
-        let id = cfg.node_id;
-        let node = LogNode::open(cfg, TestSm::default()).await.expect("open node");
-        let (tx, rx) = oneshot::channel::<()>();
-        let n2 = node.clone();
-        let server = tokio::spawn(async move {
-            let _ = opendsec_log::serve_peer(listener, &n2, None, async {
-                let _ = rx.await;
-            })
-            .await;
-        });
-        TestNode {
-            id,
-            addr,
-            node,
-            stop: Some(tx),
-            server: Some(server),
-        }
+        TestNode::serve(cfg, listener, false).await
     }
 
     /// As [`TestNode::start`], serving the Raft gRPC service only, as a node from before
     /// plain replication connections did.
     pub async fn start_grpc_only(cfg: LogConfig, listener: TcpListener) -> TestNode {
+        TestNode::serve(cfg, listener, true).await
+    }
+
+    async fn serve(cfg: LogConfig, listener: TcpListener, grpc_only: bool) -> TestNode {
         let addr = listener.local_addr().expect("local addr");
         let id = cfg.node_id;
         let node = LogNode::open(cfg, TestSm::default()).await.expect("open node");
         let (tx, rx) = oneshot::channel::<()>();
-        let service = node.raft_service();
+        let n2 = node.clone();
+        let stopped = async {
+            let _ = rx.await;
+        };
         let server = tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                    let _ = rx.await;
-                })
-                .await;
+            let _ = if grpc_only {
+                tonic::transport::Server::builder()
+                    .add_service(n2.raft_service())
+                    .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), stopped)
+                    .await
+            } else {
+                opendsec_log::serve_peer(listener, &n2, None, stopped).await
+            };
         });
         TestNode { id, addr, node, stop: Some(tx), server: Some(server) }
     }
