@@ -59,6 +59,8 @@ fn delta(a: &IoStats, b: &IoStats) -> IoStats {
         durable_commits: b.durable_commits - a.durable_commits,
         durable_commit_us: b.durable_commit_us - a.durable_commit_us,
         nondurable_commits: b.nondurable_commits - a.nondurable_commits,
+        journal_syncs: b.journal_syncs - a.journal_syncs,
+        journal_sync_us: b.journal_sync_us - a.journal_sync_us,
         save_committed: b.save_committed - a.save_committed,
         save_committed_us: b.save_committed_us - a.save_committed_us,
         log_reads: b.log_reads - a.log_reads,
@@ -133,8 +135,8 @@ async fn main() {
         for (i, (a, b)) in before.iter().zip(&after).enumerate() {
             let d = delta(a, b);
             println!(
-                "   node{}: appends {} ({} entries, {} us each in core, {} inline), fsyncs {} ({} us each, {:.1} entries/fsync), \
-                 nondurable txns {}, save_committed {} ({} us each), reads {} ({} us each, {} from redb)",
+                "   node{}: appends {} ({} entries, {} us each in core, {} inline), durable txns {} ({} us each), \
+                 journal syncs {} ({} us each, {:.1} entries/sync), nondurable txns {}, save_committed {} ({} us each), reads {} ({} us each, {} from redb)",
                 i + 1,
                 d.appends,
                 d.appended_entries,
@@ -142,7 +144,9 @@ async fn main() {
                 d.inline_appends,
                 d.durable_commits,
                 per(d.durable_commit_us, d.durable_commits),
-                d.appended_entries as f64 / d.durable_commits.max(1) as f64,
+                d.journal_syncs,
+                per(d.journal_sync_us, d.journal_syncs),
+                d.appended_entries as f64 / (d.durable_commits + d.journal_syncs).max(1) as f64,
                 d.nondurable_commits,
                 d.save_committed,
                 per(d.save_committed_us, d.save_committed),

@@ -31,6 +31,7 @@
 //! ```
 
 mod config;
+mod journal;
 mod error;
 pub mod frames;
 mod network;

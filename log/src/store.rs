@@ -1,7 +1,8 @@
 //! redb-backed Raft storage: vote, committed id, live log, archive and snapshot.
 //!
-//! One redb file holds everything, and one thread (`opendsec-log-writer`) makes every write
-//! of the Raft log and its metadata, in the order openraft asked for them. The pipeline:
+//! One redb file holds everything, beside a fixed-size append journal (`journal.rs`), and
+//! one thread (`opendsec-log-writer`) makes every write of the Raft log and its metadata, in
+//! the order openraft asked for them. The pipeline:
 //!
 //! - `append` encodes the entries, puts them in the in-memory **tail** (so they are readable
 //!   at once, as openraft requires: replication to the followers starts from there while the
@@ -9,16 +10,22 @@
 //!   openraft's core awaits `append`, and a core blocked on an fsync could neither replicate,
 //!   nor count acknowledgements, nor apply.
 //! - The writer takes every operation queued so far (appends, truncation, vote, committed id,
-//!   purge), performs them in order in **one** write transaction and commits it durably
-//!   (fsync) if it holds an append, a vote or a purge; only then does it report the appends
-//!   flushed and answer the waiting calls. Appends arriving during an fsync share the next one
-//!   (group commit), so there is one fsync per batch and no extra transaction per append.
+//!   purge) and performs them in order in **one** write transaction. A batch of appends
+//!   only (the common case) commits without durability and becomes durable by one write and
+//!   one `fdatasync` of its entries in the journal; any other batch commits durably, which
+//!   also makes the journal's records redundant (it is *retired* in that transaction and
+//!   starts over). Only then does the writer report the appends flushed and answer the
+//!   waiting calls. Appends arriving during a sync share the next one (group commit). A
+//!   durable commit also comes when a batch does not fit in the journal's remaining space,
+//!   and when the writer has been idle for 100 ms with records in the journal. At open, the
+//!   journal's live records go into redb (see `journal.rs` for the format and recovery).
 //! - `save_committed` only queues the id: a later transaction writes the newest one, at most
 //!   every 100 ms (or after 100 ms without other writes, or on close). Losing it in a crash
 //!   is allowed by openraft (a restarted node re-applies less at start); it is never ahead
 //!   of the entries it covers, since those were queued before it.
 //! - `save_vote`, `truncate_after` and `purge` wait until the writer has committed them
-//!   (the vote and purge durably; truncation becomes durable with the next durable commit).
+//!   durably. (Truncation must be: a journal write after a non-durable truncation would,
+//!   after a crash, replay onto the untruncated log.)
 //! - The tail keeps the newest entries (all not yet written, plus written ones up to a byte
 //!   budget) so replication and apply rarely read redb. Reads take the tail's part first,
 //!   then open a redb read transaction for what precedes it: an entry leaves the tail only
@@ -55,6 +62,7 @@ use openraft::{EntryPayload, OptionalSend, RaftLogReader};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use tokio::sync::oneshot;
 
+use crate::journal::{self, Journal};
 use crate::typ::{Entry, LogId, SnapshotMeta, Vote};
 use crate::{LogError, TypeConfig, decode, encode};
 
@@ -67,6 +75,8 @@ const K_VOTE: &str = "vote";
 const K_COMMITTED: &str = "committed";
 const K_PURGED: &str = "last_purged";
 const K_FLOOR: &str = "archive_floor";
+/// The newest journal generation a durable commit made redundant (see `journal.rs`).
+const K_JOURNAL_RETIRED: &str = "journal_retired";
 const K_SNAP_META: &str = "meta";
 const K_SNAP_DATA: &str = "data";
 
@@ -110,8 +120,12 @@ pub struct IoStats {
     /// Durable (fsync'd) write transactions, and their total time.
     pub durable_commits: u64,
     pub durable_commit_us: u64,
-    /// Non-durable write transactions.
+    /// Non-durable write transactions (an append-only batch is one, made durable by a
+    /// journal write).
     pub nondurable_commits: u64,
+    /// Journal writes (one write and one fdatasync each), and their total time.
+    pub journal_syncs: u64,
+    pub journal_sync_us: u64,
     /// `save_committed` calls and the time openraft's core spent in them.
     pub save_committed: u64,
     pub save_committed_us: u64,
@@ -130,6 +144,8 @@ struct Counters {
     durable_commits: AtomicU64,
     durable_commit_us: AtomicU64,
     nondurable_commits: AtomicU64,
+    journal_syncs: AtomicU64,
+    journal_sync_us: AtomicU64,
     save_committed: AtomicU64,
     save_committed_us: AtomicU64,
     log_reads: AtomicU64,
@@ -328,6 +344,8 @@ struct Inner {
     /// the core has a flush notification it has not handled yet.
     flushed_upto: AtomicU64,
     committed_upto: AtomicU64,
+    /// Where append-only batches become durable (held while a batch runs).
+    journal: Mutex<Journal>,
 }
 
 /// When an append may commit on the caller's thread (see the module doc).
@@ -376,21 +394,47 @@ impl Drop for Busy<'_> {
 impl Store {
     /// Open (or create) `<dir>/log.redb` and start the writer thread.
     pub(crate) fn open(dir: &Path, archive_retention: Option<u64>) -> Result<Self, LogError> {
-        Self::open_with(dir, archive_retention, TAIL_BYTES)
+        Self::open_with(dir, archive_retention, TAIL_BYTES, journal::CAPACITY)
     }
 
-    fn open_with(dir: &Path, archive_retention: Option<u64>, tail_bytes: usize) -> Result<Self, LogError> {
+    fn open_with(dir: &Path, archive_retention: Option<u64>, tail_bytes: usize, journal_capacity: u64) -> Result<Self, LogError> {
         std::fs::create_dir_all(dir)?;
         let path = dir.join("log.redb");
         let db = Database::create(&path).map_err(|e| LogError::Storage(format!("{}: {e}", path.display())))?;
-        {
+        let journal_file = journal::open_file(dir, journal_capacity)
+            .map_err(|e| LogError::Storage(format!("{}: {e}", dir.join(journal::FILE).display())))?;
+        // The journal's live records (appends acknowledged as durable that redb holds only
+        // in non-durable commits, lost in a crash) go into redb now, durably, and their
+        // generation is retired with them.
+        let live = {
             let txn = db.begin_write().map_err(redb::Error::from)?;
-            txn.open_table(META).map_err(redb::Error::from)?;
-            txn.open_table(LOGS).map_err(redb::Error::from)?;
+            let mut meta = txn.open_table(META).map_err(redb::Error::from)?;
+            let retired: u64 = match meta.get(K_JOURNAL_RETIRED).map_err(redb::Error::from)? {
+                Some(v) => decode(v.value())?,
+                None => 0,
+            };
+            let live = retired + 1;
+            let records = journal::recover(&journal_file, live)?;
+            let mut logs = txn.open_table(LOGS).map_err(redb::Error::from)?;
+            if let Some((last, _)) = records.last() {
+                for (index, bytes) in &records {
+                    let e: Entry = decode(bytes)?;
+                    if e.log_id.index() != *index {
+                        return Err(LogError::Storage(format!("journal record {index} holds entry {}", e.log_id.index())));
+                    }
+                    logs.insert(*index, bytes.as_slice()).map_err(redb::Error::from)?;
+                }
+                // An append always ends the log: nothing after it survives it.
+                logs.retain_in(last + 1.., |_, _| false).map_err(redb::Error::from)?;
+                tracing::info!(entries = records.len(), first = records[0].0, last, "log: recovered appends from the journal");
+            }
+            meta.insert(K_JOURNAL_RETIRED, encode(&live)?.as_slice()).map_err(redb::Error::from)?;
+            drop((meta, logs));
             txn.open_table(ARCHIVE).map_err(redb::Error::from)?;
             txn.open_table(SNAPSHOT).map_err(redb::Error::from)?;
             txn.commit().map_err(redb::Error::from)?;
-        }
+            live
+        };
         let (tx, rx) = mpsc::channel::<Op>();
         let flow = Arc::new((Mutex::new(Flow::default()), Condvar::new()));
         let writer_flow = flow.clone();
@@ -411,6 +455,7 @@ impl Store {
             committed_inline_at: Mutex::new(Instant::now()),
             flushed_upto: AtomicU64::new(0),
             committed_upto: AtomicU64::new(0),
+            journal: Mutex::new(Journal::new(journal_file, journal_capacity, live + 1)),
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
@@ -432,6 +477,8 @@ impl Store {
             durable_commits: g(&c.durable_commits),
             durable_commit_us: g(&c.durable_commit_us),
             nondurable_commits: g(&c.nondurable_commits),
+            journal_syncs: g(&c.journal_syncs),
+            journal_sync_us: g(&c.journal_sync_us),
             save_committed: g(&c.save_committed),
             save_committed_us: g(&c.save_committed_us),
             log_reads: g(&c.log_reads),
@@ -449,10 +496,22 @@ impl Store {
         {
             let _ = h.join();
         }
-        // Make the last non-durable commits (truncation) durable.
-        if let Err(e) = self.write(Durability::Immediate, |_| Ok(())) {
-            tracing::debug!("final flush on close: {e}");
+        // Make the last non-durable commits durable in redb, retiring the journal.
+        let mut journal = lock(&self.inner.journal);
+        let retiring = (!journal.is_empty()).then(|| journal.generation());
+        let r = self.write(Durability::Immediate, |txn| {
+            if let Some(g) = retiring {
+                let bytes = postcard::to_stdvec(&g).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
+                txn.open_table(META)?.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) if retiring.is_some() => journal.retired(),
+            Ok(()) => {}
+            Err(e) => tracing::debug!("final flush on close: {e}"),
         }
+        drop(journal);
         if let Ok(mut g) = self.inner.db.write() {
             g.take();
         }
@@ -855,13 +914,16 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>, flow: Arc<(Mute
     // Purges in progress, one chunk per transaction (see `PURGE_CHUNK`).
     let mut purges: VecDeque<Purging> = VecDeque::new();
     loop {
+        // Records in the journal: retire it once idle (so that a restart has little to
+        // recover and redb holds the log durably).
+        let journaled = inner.upgrade().is_some_and(|i| !lock(&i.journal).is_empty());
         let first = if !purges.is_empty() {
             match rx.try_recv() {
                 Ok(op) => Some(op),
                 Err(mpsc::TryRecvError::Empty) => None,
                 Err(mpsc::TryRecvError::Disconnected) => break,
             }
-        } else if committed.is_some() {
+        } else if committed.is_some() || journaled {
             match rx.recv_timeout(COMMITTED_EVERY) {
                 Ok(op) => Some(op),
                 Err(mpsc::RecvTimeoutError::Timeout) => None,
@@ -907,7 +969,7 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>, flow: Arc<(Mute
                 if c.is_some() {
                     committed_written = Instant::now();
                 }
-                if work.is_empty() && purges.is_empty() && c.is_none() {
+                if work.is_empty() && purges.is_empty() && c.is_none() && !(idle && journaled) {
                     continue;
                 }
                 Store { inner }.run_batch(work, c, &mut purges)
@@ -945,13 +1007,29 @@ struct Purging {
 
 impl Store {
     /// One write transaction for `work` (in order), the committed id and one chunk of the
-    /// oldest purge in progress; durable unless it holds only a truncation. Then the tail is
+    /// oldest purge in progress. A batch of appends only that fits in the journal commits
+    /// without durability and is then made durable by a journal write; anything else
+    /// commits durably, and retires the journal if it holds records. Then the tail is
     /// updated and every finished operation answered.
     fn run_batch(&self, work: Vec<Op>, committed: Option<Vec<u8>>, purges: &mut VecDeque<Purging>) {
-        let durable = purges.front().is_some() || work.iter().any(|op| !matches!(op, Op::Truncate { .. }));
-        let durable = durable || (work.is_empty() && committed.is_some());
         let retention = self.inner.archive_retention;
         let purge = purges.front().map(|p| p.upto);
+        let mut journal = lock(&self.inner.journal);
+        let appends_only = purge.is_none() && !work.is_empty() && work.iter().all(|op| matches!(op, Op::Append { .. }));
+        let appended = || {
+            work.iter()
+                .filter_map(|op| match op {
+                    Op::Append { entries, .. } => Some(entries),
+                    _ => None,
+                })
+                .flatten()
+        };
+        let journaled = appends_only && {
+            let (records, bytes) = appended().fold((0, 0), |(r, b), (_, e)| (r + 1, b + e.len()));
+            journal.fits(records, bytes)
+        };
+        let durable = !journaled;
+        let retiring = (durable && !journal.is_empty()).then(|| journal.generation());
         let t = Instant::now();
         let res = self.write(if durable { Durability::Immediate } else { Durability::None }, |txn| {
             {
@@ -992,6 +1070,14 @@ impl Store {
                     };
                     meta.insert(K_COMMITTED, c.as_slice())?;
                 }
+                if let Some(g) = retiring {
+                    let meta = match &mut meta {
+                        Some(t) => t,
+                        None => meta.insert(txn.open_table(META)?),
+                    };
+                    let bytes = postcard::to_stdvec(&g).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
+                    meta.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
+                }
             }
             match &purge {
                 Some(upto) => Ok(Some(purge_in(txn, upto, retention, PURGE_CHUNK)?)),
@@ -1005,6 +1091,23 @@ impl Store {
         } else {
             add(&c.nondurable_commits, 1);
         }
+        let res = match res {
+            Ok(step) if journaled => {
+                let t = Instant::now();
+                let r = journal.append(appended().map(|(i, b)| (*i, b.as_slice())));
+                add(&c.journal_syncs, 1);
+                add(&c.journal_sync_us, us_since(t));
+                r.map(|()| step)
+            }
+            Ok(step) => {
+                if retiring.is_some() {
+                    journal.retired();
+                }
+                Ok(step)
+            }
+            Err(e) => Err(e),
+        };
+        drop(journal);
         if let Ok(step) = &res {
             let mut tail = self.tail();
             for op in &work {
@@ -1367,11 +1470,124 @@ mod tests {
         store.close();
     }
 
+    /// What a crash of the process leaves: the files as they are now, in a new directory.
+    fn crash_copy(from: &Path) -> tempfile::TempDir {
+        let to = tempfile::tempdir().unwrap();
+        for f in ["log.redb", journal::FILE] {
+            std::fs::copy(from.join(f), to.path().join(f)).unwrap();
+        }
+        to
+    }
+
+    async fn flushed(store: &mut Store, entries: Vec<Entry>) {
+        append(store, entries).await.await.unwrap().expect("flushed");
+    }
+
+    #[tokio::test]
+    async fn appends_are_durable_in_the_journal_before_redb_holds_them_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        flushed(&mut store, (1..=10).map(|i| entry(1, i, 100)).collect()).await;
+        flushed(&mut store, vec![entry(1, 11, 100)]).await;
+        flushed(&mut store, (12..=30).map(|i| entry(1, i, 100)).collect()).await;
+        let crashed = crash_copy(dir.path());
+        let s = store.io_stats();
+        assert_eq!((s.durable_commits, s.journal_syncs, s.nondurable_commits), (0, 3, 3), "three journal writes and no durable commit");
+
+        let mut again = Store::open(crashed.path(), None).unwrap();
+        let got = again.try_get_log_entries(..).await.unwrap();
+        assert_eq!(indexes(&got), (1..=30).map(|i| (1, i)).collect::<Vec<_>>(), "every flushed append survives");
+        assert_eq!(got[20].payload, entry(1, 21, 100).payload);
+        assert_eq!(again.get_log_state().await.unwrap().last_log_id, Some(log_id(1, 30)));
+        // Recovery retired that journal: a second crash right away finds the same log.
+        let twice = crash_copy(crashed.path());
+        let mut third = Store::open(twice.path(), None).unwrap();
+        assert_eq!(third.try_get_log_entries(..).await.unwrap().len(), 30);
+        for s in [store, again, third] {
+            s.close();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_truncation_commits_durably_and_retires_the_journal_so_truncated_entries_never_come_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        flushed(&mut store, (1..=10).map(|i| entry(1, i, 100)).collect()).await;
+        store.truncate_after(Some(log_id(1, 5))).await.unwrap();
+        assert_eq!(store.io_stats().durable_commits, 1);
+        flushed(&mut store, vec![entry(2, 6, 100), entry(2, 7, 100)]).await;
+        let crashed = crash_copy(dir.path());
+        assert_eq!(store.io_stats().durable_commits, 1, "the new entries are in the journal only");
+
+        let mut again = Store::open(crashed.path(), None).unwrap();
+        let want: Vec<_> = (1..=5).map(|i| (1, i)).chain([(2, 6), (2, 7)]).collect();
+        assert_eq!(indexes(&again.try_get_log_entries(..).await.unwrap()), want);
+        store.close();
+        again.close();
+    }
+
+    #[tokio::test]
+    async fn a_torn_journal_write_loses_only_itself_and_the_journal_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let mut end = 0;
+        for i in 1..=3 {
+            flushed(&mut store, vec![entry(1, i, 100)]).await;
+            end += journal::HEADER + encode(&entry(1, i, 100)).unwrap().len();
+        }
+        let crashed = crash_copy(dir.path());
+        store.close();
+        // The third record's last byte never reached the disk.
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new().write(true).open(crashed.path().join(journal::FILE)).unwrap();
+            f.write_all_at(&[0xff], (end - 1) as u64).unwrap();
+        }
+        let mut again = Store::open(crashed.path(), None).unwrap();
+        assert_eq!(indexes(&again.try_get_log_entries(..).await.unwrap()), vec![(1, 1), (1, 2)]);
+        flushed(&mut again, vec![entry(2, 3, 50)]).await;
+        flushed(&mut again, vec![entry(2, 4, 50)]).await;
+        let twice = crash_copy(crashed.path());
+        let mut third = Store::open(twice.path(), None).unwrap();
+        assert_eq!(indexes(&third.try_get_log_entries(..).await.unwrap()), vec![(1, 1), (1, 2), (2, 3), (2, 4)]);
+        again.close();
+        third.close();
+    }
+
+    #[tokio::test]
+    async fn a_batch_that_does_not_fit_the_journal_commits_durably_and_retires_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open_with(dir.path(), None, TAIL_BYTES, 2048).unwrap();
+        for i in 1..=20 {
+            flushed(&mut store, vec![entry(1, i, 200)]).await;
+        }
+        let s = store.io_stats();
+        assert!(s.durable_commits >= 2 && s.journal_syncs >= 10, "{s:?}");
+        assert_eq!(s.durable_commits + s.journal_syncs, 20);
+        let crashed = crash_copy(dir.path());
+        let mut again = Store::open_with(crashed.path(), None, TAIL_BYTES, 2048).unwrap();
+        assert_eq!(indexes(&again.try_get_log_entries(..).await.unwrap()), (1..=20).map(|i| (1, i)).collect::<Vec<_>>());
+        store.close();
+        again.close();
+    }
+
+    #[tokio::test]
+    async fn an_idle_writer_retires_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        flushed(&mut store, (1..=5).map(|i| entry(1, i, 100)).collect()).await;
+        assert_eq!(store.io_stats().durable_commits, 0);
+        tokio::time::sleep(COMMITTED_EVERY * 4).await;
+        assert_eq!(store.io_stats().durable_commits, 1, "one durable commit once idle");
+        assert!(lock(&store.inner.journal).is_empty());
+        store.close();
+    }
+
     #[tokio::test]
     async fn reads_span_redb_and_the_tail_after_eviction() {
         let dir = tempfile::tempdir().unwrap();
         // A budget of ~10 entries: most written entries leave the tail.
-        let mut store = Store::open_with(dir.path(), None, 10 * 1100).unwrap();
+        let mut store = Store::open_with(dir.path(), None, 10 * 1100, journal::CAPACITY).unwrap();
         for chunk in 0..10u64 {
             let rx = append(&mut store, (1..=20).map(|i| entry(1, chunk * 20 + i, 1000)).collect()).await;
             rx.await.unwrap().expect("flushed");
