@@ -322,8 +322,8 @@ struct Inner {
     tail: Mutex<Tail>,
     /// Byte budget of written entries in the tail ([`TAIL_BYTES`]).
     tail_bytes: usize,
-    /// The writer thread's queue; `None` once closed.
-    ops: Mutex<Option<mpsc::Sender<Op>>>,
+    /// The writer thread's queue.
+    queue: Mutex<Queue>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// When appends may be committed on the caller's thread ([`Inline`] as a u8).
     inline: AtomicU8,
@@ -346,6 +346,30 @@ struct Inner {
     committed_upto: AtomicU64,
     /// Where append-only batches become durable (held while a batch runs).
     journal: Mutex<Journal>,
+}
+
+/// The writer thread's queue: its channel (`None` once closed), and a leader's appends held
+/// back until the core's task yields (see `Store::enqueue`).
+struct Queue {
+    tx: Option<mpsc::Sender<Op>>,
+    held: Vec<Op>,
+    release_scheduled: bool,
+}
+
+impl Queue {
+    /// Hands the held operations to the writer, in order.
+    fn release(&mut self) {
+        for op in self.held.drain(..) {
+            match &self.tx {
+                Some(tx) => {
+                    if let Err(mpsc::SendError(op)) = tx.send(op) {
+                        op.fail("log store is closed");
+                    }
+                }
+                None => op.fail("log store is closed"),
+            }
+        }
+    }
 }
 
 /// When an append may commit on the caller's thread (see the module doc).
@@ -444,7 +468,7 @@ impl Store {
             archive_retention,
             tail: Mutex::new(Tail::default()),
             tail_bytes,
-            ops: Mutex::new(Some(tx)),
+            queue: Mutex::new(Queue { tx: Some(tx), held: Vec::new(), release_scheduled: false }),
             writer: Mutex::new(None),
             inline: AtomicU8::new(Inline::Off as u8),
             opened: Instant::now(),
@@ -490,7 +514,11 @@ impl Store {
     /// Release the database file (after the Raft node stopped). Further operations fail.
     pub(crate) fn close(&self) {
         // Let the writer finish what is queued (it writes a pending committed id on exit).
-        lock(&self.inner.ops).take();
+        {
+            let mut q = lock(&self.inner.queue);
+            q.release();
+            q.tx.take();
+        }
         if let Some(h) = lock(&self.inner.writer).take()
             && h.thread().id() != std::thread::current().id()
         {
@@ -523,25 +551,51 @@ impl Store {
 
     /// Queue `op` for the writer; fails it at once if the store is closed.
     fn send(&self, op: Op) {
-        let tx = lock(&self.inner.ops).clone();
-        match tx {
-            Some(tx) => {
-                // Counted before it is in the channel: the writer subtracts what it took. A
-                // committed id is not counted: it covers only entries already durable, so
-                // an inline append may be committed before it.
-                let counted = !matches!(op, Op::Committed { .. });
-                if counted {
-                    lock(&self.inner.flow.0).queued += 1;
-                }
-                if let Err(mpsc::SendError(op)) = tx.send(op) {
-                    if counted {
-                        let mut f = lock(&self.inner.flow.0);
-                        f.queued = f.queued.saturating_sub(1);
-                    }
-                    op.fail("log store is closed");
-                }
+        self.enqueue(op, false);
+    }
+
+    /// Queue `op` for the writer, after what is held back. With `hold`, the writer is not
+    /// woken now but once the calling task yields: a leader's core appends an entry before
+    /// it hands it to replication, and the writer woken at once takes the core's CPU for
+    /// its transaction (on a busy host the scheduler runs it on the waker's core), so the
+    /// followers would get the entry only after that. Held, the entry goes out to the
+    /// followers first and the leader's own write follows a moment later; it is not on
+    /// the critical path (the followers' round trip is longer). Operations that are not
+    /// held release what is, so the order holds.
+    fn enqueue(&self, op: Op, hold: bool) {
+        let mut q = lock(&self.inner.queue);
+        let Some(tx) = q.tx.clone() else {
+            op.fail("log store is closed");
+            return;
+        };
+        // Counted before it is in the channel: the writer subtracts what it took. A
+        // committed id is not counted: it covers only entries already durable, so an
+        // inline append may be committed before it.
+        let counted = !matches!(op, Op::Committed { .. });
+        if counted {
+            lock(&self.inner.flow.0).queued += 1;
+        }
+        if hold {
+            q.held.push(op);
+            if !q.release_scheduled {
+                q.release_scheduled = true;
+                let this = self.clone();
+                tokio::spawn(async move {
+                    tokio::task::yield_now().await;
+                    let mut q = lock(&this.inner.queue);
+                    q.release_scheduled = false;
+                    q.release();
+                });
             }
-            None => op.fail("log store is closed"),
+            return;
+        }
+        q.release();
+        if let Err(mpsc::SendError(op)) = tx.send(op) {
+            if counted {
+                let mut f = lock(&self.inner.flow.0);
+                f.queued = f.queued.saturating_sub(1);
+            }
+            op.fail("log store is closed");
         }
     }
 
@@ -568,7 +622,7 @@ impl Store {
         // the next batch while this one's fsync runs.
         let single = matches!(&op, Op::Append { entries, .. } if entries.len() == 1);
         let mode = self.inline_mode();
-        if !single || mode == Inline::Off || lock(&self.inner.ops).is_none() {
+        if !single || mode == Inline::Off || lock(&self.inner.queue).tx.is_none() {
             return Some(op);
         }
         let Some(workers) = tokio::runtime::Handle::try_current()
@@ -1264,7 +1318,9 @@ impl RaftLogStorage<TypeConfig> for Store {
             callback,
         };
         if let Some(op) = self.try_inline(op) {
-            self.send(op);
+            // A leader's (see `enqueue`), when there is a runtime to release it.
+            let hold = self.inline_mode() == Inline::Off && tokio::runtime::Handle::try_current().is_ok();
+            self.enqueue(op, hold);
         }
         add(&self.inner.counters.append_us, us_since(t));
         Ok(())
@@ -1467,6 +1523,33 @@ mod tests {
         let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
         rx.await.unwrap().expect("flushed");
         assert_eq!(store.io_stats().inline_appends, 0, "a current-thread runtime cannot lend its thread");
+        store.close();
+    }
+
+    #[tokio::test]
+    async fn a_leaders_append_reaches_the_writer_once_the_appending_task_yields() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        let written = |s: &Store| {
+            let st = s.io_stats();
+            st.durable_commits + st.nondurable_commits
+        };
+        // Inline appends off (a leader): held while this task runs on without yielding.
+        let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(written(&store), 0, "the writer was woken before the task yielded");
+        // Readable meanwhile: replication reads it from the tail.
+        assert_eq!(store.try_get_log_entries(1..=1).await.unwrap().len(), 1);
+        // An operation that is not held releases it first: the order holds.
+        store.save_vote(&Vote::new_committed(1, 1)).await.unwrap();
+        rx.await.unwrap().expect("flushed");
+        // Yielding (here: awaiting the flush) releases it.
+        let rx = append(&mut store, vec![entry(1, 2, 100)]).await;
+        rx.await.unwrap().expect("flushed");
+        store.close();
+        let mut store = Store::open(dir.path(), None).unwrap();
+        assert_eq!(indexes(&store.try_get_log_entries(..).await.unwrap()), vec![(1, 1), (1, 2)]);
+        assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(1, 1)));
         store.close();
     }
 
