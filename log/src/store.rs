@@ -1654,6 +1654,79 @@ mod tests {
         again.close();
     }
 
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// Append this many entries (one batch) and wait until flushed.
+        Append(u64),
+        /// Truncate after the entry this far from the end (1: drop the last).
+        Truncate(u64),
+        Vote,
+        /// Copy the files as they are, open the copy and go on there.
+        Crash,
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (1u64..6).prop_map(Step::Append),
+            1 => (1u64..4).prop_map(Step::Truncate),
+            1 => Just(Step::Vote),
+            2 => Just(Step::Crash),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+        /// Whatever mix of appends, truncations and votes (with a small journal, so that
+        /// batches also go to durable commits), a crash at any point keeps exactly the
+        /// flushed log: nothing acknowledged is lost and nothing truncated comes back.
+        #[test]
+        fn a_crash_at_any_point_keeps_exactly_the_flushed_log(steps in proptest::collection::vec(step(), 1..40)) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                const CAP: u64 = 1500;
+                let mut dir = tempfile::tempdir().unwrap();
+                let mut store = Store::open_with(dir.path(), None, TAIL_BYTES, CAP).unwrap();
+                let mut model: Vec<(u64, u64)> = Vec::new();
+                let mut term = 1;
+                let mut voted = None;
+                for s in steps {
+                    match s {
+                        Step::Append(n) => {
+                            let next = model.last().map_or(1, |(_, i)| i + 1);
+                            let batch: Vec<Entry> = (next..next + n).map(|i| entry(term, i, 90)).collect();
+                            model.extend(batch.iter().map(|e| (term, e.log_id.index())));
+                            flushed(&mut store, batch).await;
+                        }
+                        Step::Truncate(k) => {
+                            let keep = model.len().saturating_sub(k as usize);
+                            model.truncate(keep);
+                            let after = model.last().map(|(t, i)| log_id(*t, *i));
+                            store.truncate_after(after).await.unwrap();
+                            // A new leader's entries follow a truncation.
+                            term += 1;
+                        }
+                        Step::Vote => {
+                            let v = Vote::new_committed(term, 1);
+                            store.save_vote(&v).await.unwrap();
+                            voted = Some(v);
+                        }
+                        Step::Crash => {
+                            let copy = crash_copy(dir.path());
+                            store.close();
+                            dir = copy;
+                            store = Store::open_with(dir.path(), None, TAIL_BYTES, CAP).unwrap();
+                            let got = store.try_get_log_entries(..).await.unwrap();
+                            assert_eq!(indexes(&got), model, "the log after a crash");
+                            assert_eq!(store.read_vote().await.unwrap(), voted);
+                        }
+                    }
+                }
+                store.close();
+            });
+        }
+    }
+
     #[tokio::test]
     async fn an_idle_writer_retires_the_journal() {
         let dir = tempfile::tempdir().unwrap();
