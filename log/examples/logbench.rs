@@ -58,7 +58,6 @@ fn delta(a: &IoStats, b: &IoStats) -> IoStats {
         inline_appends: b.inline_appends - a.inline_appends,
         durable_commits: b.durable_commits - a.durable_commits,
         durable_commit_us: b.durable_commit_us - a.durable_commit_us,
-        nondurable_commits: b.nondurable_commits - a.nondurable_commits,
         journal_syncs: b.journal_syncs - a.journal_syncs,
         journal_sync_us: b.journal_sync_us - a.journal_sync_us,
         save_committed: b.save_committed - a.save_committed,
@@ -136,7 +135,7 @@ async fn main() {
             let d = delta(a, b);
             println!(
                 "   node{}: appends {} ({} entries, {} us each in core, {} inline), durable txns {} ({} us each), \
-                 journal syncs {} ({} us each, {:.1} entries/sync), nondurable txns {}, save_committed {} ({} us each), reads {} ({} us each, {} from redb)",
+                 journal syncs {} ({} us each, {:.1} entries/sync), save_committed {} ({} us each), reads {} ({} us each, {} from redb)",
                 i + 1,
                 d.appends,
                 d.appended_entries,
@@ -147,7 +146,6 @@ async fn main() {
                 d.journal_syncs,
                 per(d.journal_sync_us, d.journal_syncs),
                 d.appended_entries as f64 / (d.durable_commits + d.journal_syncs).max(1) as f64,
-                d.nondurable_commits,
                 d.save_committed,
                 per(d.save_committed_us, d.save_committed),
                 d.log_reads,

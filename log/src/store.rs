@@ -10,17 +10,20 @@
 //!   openraft's core awaits `append`, and a core blocked on an fsync could neither replicate,
 //!   nor count acknowledgements, nor apply.
 //! - The writer takes every operation queued so far (appends, truncation, vote, committed id,
-//!   purge) and performs them in order in **one** write transaction. A batch of appends
-//!   only (the common case) commits without durability and becomes durable by one write and
-//!   one `fdatasync` of its entries in the journal; any other batch commits durably, which
-//!   also makes the journal's records redundant (it is *retired* in that transaction and
-//!   starts over). Only then does the writer report the appends flushed and answer the
-//!   waiting calls. Appends arriving during a sync share the next one (group commit). A
-//!   durable commit also comes when a batch does not fit in the journal's remaining space,
-//!   and when the writer has been idle for 100 ms with records in the journal. At open, the
-//!   journal's live records go into redb (see `journal.rs` for the format and recovery).
+//!   purge) and performs them in order. A batch of appends only (the common case) becomes
+//!   durable by one write and one `fdatasync` of its entries in the journal, with no redb
+//!   transaction: the entries stay in the tail (unwritten, so never evicted) and in the
+//!   journal's `pending` list. Any other batch is **one** durable write transaction: the
+//!   journal's pending entries first, then the batch's operations; it *retires* the
+//!   journal, which starts over. Only then does the writer report the appends flushed and
+//!   answer the waiting calls. Appends arriving during a sync share the next one (group
+//!   commit). A durable commit also comes when a batch does not fit in the journal's
+//!   remaining space, when the writer has been idle for 100 ms with records in the
+//!   journal, and on close. At open, the journal's live records go into redb (see
+//!   `journal.rs` for the format and recovery).
 //! - `save_committed` only queues the id: a later transaction writes the newest one, at most
-//!   every 100 ms (or after 100 ms without other writes, or on close). Losing it in a crash
+//!   every 100 ms and only with a durable commit (or after 100 ms without other writes, or
+//!   on close). Losing it in a crash
 //!   is allowed by openraft (a restarted node re-applies less at start); it is never ahead
 //!   of the entries it covers, since those were queued before it.
 //! - `save_vote`, `truncate_after` and `purge` wait until the writer has committed them
@@ -117,12 +120,9 @@ pub struct IoStats {
     pub append_us: u64,
     /// Appends committed on the caller's thread (see [`Store::set_inline`]).
     pub inline_appends: u64,
-    /// Durable (fsync'd) write transactions, and their total time.
+    /// Write transactions (all durable: fsync'd), and their total time.
     pub durable_commits: u64,
     pub durable_commit_us: u64,
-    /// Non-durable write transactions (an append-only batch is one, made durable by a
-    /// journal write).
-    pub nondurable_commits: u64,
     /// Journal writes (one write and one fdatasync each), and their total time.
     pub journal_syncs: u64,
     pub journal_sync_us: u64,
@@ -143,7 +143,6 @@ struct Counters {
     append_us: AtomicU64,
     durable_commits: AtomicU64,
     durable_commit_us: AtomicU64,
-    nondurable_commits: AtomicU64,
     journal_syncs: AtomicU64,
     journal_sync_us: AtomicU64,
     save_committed: AtomicU64,
@@ -500,7 +499,6 @@ impl Store {
             inline_appends: g(&c.inline_appends),
             durable_commits: g(&c.durable_commits),
             durable_commit_us: g(&c.durable_commit_us),
-            nondurable_commits: g(&c.nondurable_commits),
             journal_syncs: g(&c.journal_syncs),
             journal_sync_us: g(&c.journal_sync_us),
             save_committed: g(&c.save_committed),
@@ -524,22 +522,10 @@ impl Store {
         {
             let _ = h.join();
         }
-        // Make the last non-durable commits durable in redb, retiring the journal.
-        let mut journal = lock(&self.inner.journal);
-        let retiring = (!journal.is_empty()).then(|| journal.generation());
-        let r = self.write(Durability::Immediate, |txn| {
-            if let Some(g) = retiring {
-                let bytes = postcard::to_stdvec(&g).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
-                txn.open_table(META)?.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
-            }
-            Ok(())
-        });
-        match r {
-            Ok(()) if retiring.is_some() => journal.retired(),
-            Ok(()) => {}
-            Err(e) => tracing::debug!("final flush on close: {e}"),
-        }
-        drop(journal);
+        // One last durable transaction: what the journal holds goes into redb, and the
+        // journal is retired.
+        let committed = lock(&self.inner.committed).take();
+        self.run_batch(Vec::new(), committed, &mut VecDeque::new());
         if let Ok(mut g) = self.inner.db.write() {
             g.take();
         }
@@ -1060,113 +1046,132 @@ struct Purging {
 }
 
 impl Store {
-    /// One write transaction for `work` (in order), the committed id and one chunk of the
-    /// oldest purge in progress. A batch of appends only that fits in the journal commits
-    /// without durability and is then made durable by a journal write; anything else
-    /// commits durably, and retires the journal if it holds records. Then the tail is
-    /// updated and every finished operation answered.
-    fn run_batch(&self, work: Vec<Op>, committed: Option<Vec<u8>>, purges: &mut VecDeque<Purging>) {
+    /// A batch of appends only that fits in the journal: one journal write, no redb
+    /// transaction (the entries stay in the tail and in `Journal::pending` until the
+    /// journal is retired). Anything else: one durable write transaction with what the
+    /// journal holds, then `work` in order, the committed id and one chunk of the oldest
+    /// purge in progress; it retires the journal. Then the tail is updated and every
+    /// finished operation answered.
+    fn run_batch(&self, mut work: Vec<Op>, committed: Option<Vec<u8>>, purges: &mut VecDeque<Purging>) {
         let retention = self.inner.archive_retention;
         let purge = purges.front().map(|p| p.upto);
+        let c = &self.inner.counters;
         let mut journal = lock(&self.inner.journal);
         let appends_only = purge.is_none() && !work.is_empty() && work.iter().all(|op| matches!(op, Op::Append { .. }));
-        let appended = || {
-            work.iter()
-                .filter_map(|op| match op {
-                    Op::Append { entries, .. } => Some(entries),
-                    _ => None,
-                })
-                .flatten()
-        };
         let journaled = appends_only && {
-            let (records, bytes) = appended().fold((0, 0), |(r, b), (_, e)| (r + 1, b + e.len()));
+            let (records, bytes) = work.iter().fold((0, 0), |(r, b), op| match op {
+                Op::Append { entries, .. } => (r + entries.len(), b + entries.iter().map(|(_, e)| e.len()).sum::<usize>()),
+                _ => (r, b),
+            });
             journal.fits(records, bytes)
         };
-        let durable = !journaled;
-        let retiring = (durable && !journal.is_empty()).then(|| journal.generation());
-        let t = Instant::now();
-        let res = self.write(if durable { Durability::Immediate } else { Durability::None }, |txn| {
-            {
-                let mut logs = None;
-                let mut meta = None;
-                for op in &work {
-                    match op {
-                        Op::Append { entries, .. } => {
-                            let logs = match &mut logs {
-                                Some(t) => t,
-                                None => logs.insert(txn.open_table(LOGS)?),
-                            };
-                            for (i, b) in entries {
-                                logs.insert(*i, b.as_slice())?;
-                            }
+        // The newest entry that went into redb from the journal.
+        let mut absorbed = None;
+        let res: io::Result<Option<(bool, u64)>> = if journaled {
+            let t = Instant::now();
+            let records = work.iter().filter_map(|op| match op {
+                Op::Append { entries, .. } => Some(entries.iter().map(|(i, b)| (*i, b.as_slice()))),
+                _ => None,
+            });
+            let r = journal.append(records.flatten());
+            add(&c.journal_syncs, 1);
+            add(&c.journal_sync_us, us_since(t));
+            if r.is_ok() {
+                for op in &mut work {
+                    if let Op::Append { entries, last, .. } = op {
+                        journal.pending.append(entries);
+                        if last.is_some() {
+                            journal.pending_last = *last;
                         }
-                        Op::Truncate { from, .. } => {
-                            let logs = match &mut logs {
-                                Some(t) => t,
-                                None => logs.insert(txn.open_table(LOGS)?),
-                            };
-                            logs.retain_in(*from.., |_, _| false)?;
-                        }
-                        Op::Vote { bytes, .. } => {
-                            let meta = match &mut meta {
-                                Some(t) => t,
-                                None => meta.insert(txn.open_table(META)?),
-                            };
-                            meta.insert(K_VOTE, bytes.as_slice())?;
-                        }
-                        Op::Purge { .. } | Op::Committed { .. } => {}
                     }
                 }
-                if let Some(c) = &committed {
-                    let meta = match &mut meta {
-                        Some(t) => t,
-                        None => meta.insert(txn.open_table(META)?),
-                    };
-                    meta.insert(K_COMMITTED, c.as_slice())?;
-                }
-                if let Some(g) = retiring {
-                    let meta = match &mut meta {
-                        Some(t) => t,
-                        None => meta.insert(txn.open_table(META)?),
-                    };
-                    let bytes = postcard::to_stdvec(&g).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
-                    meta.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
+                // The committed id waits for the next transaction (unless a newer one does).
+                if let Some(bytes) = committed {
+                    lock(&self.inner.committed).get_or_insert(bytes);
                 }
             }
-            match &purge {
-                Some(upto) => Ok(Some(purge_in(txn, upto, retention, PURGE_CHUNK)?)),
-                None => Ok(None),
-            }
-        });
-        let c = &self.inner.counters;
-        if durable {
+            r.map(|()| None)
+        } else {
+            let retiring = (!journal.is_empty()).then(|| journal.generation());
+            let t = Instant::now();
+            let res = self.write(Durability::Immediate, |txn| {
+                {
+                    let mut logs = None;
+                    let mut meta = None;
+                    if !journal.pending.is_empty() {
+                        let logs = logs.insert(txn.open_table(LOGS)?);
+                        for (i, b) in &journal.pending {
+                            logs.insert(*i, b.as_slice())?;
+                        }
+                    }
+                    for op in &work {
+                        match op {
+                            Op::Append { entries, .. } => {
+                                let logs = match &mut logs {
+                                    Some(t) => t,
+                                    None => logs.insert(txn.open_table(LOGS)?),
+                                };
+                                for (i, b) in entries {
+                                    logs.insert(*i, b.as_slice())?;
+                                }
+                            }
+                            Op::Truncate { from, .. } => {
+                                let logs = match &mut logs {
+                                    Some(t) => t,
+                                    None => logs.insert(txn.open_table(LOGS)?),
+                                };
+                                logs.retain_in(*from.., |_, _| false)?;
+                            }
+                            Op::Vote { bytes, .. } => {
+                                let meta = match &mut meta {
+                                    Some(t) => t,
+                                    None => meta.insert(txn.open_table(META)?),
+                                };
+                                meta.insert(K_VOTE, bytes.as_slice())?;
+                            }
+                            Op::Purge { .. } | Op::Committed { .. } => {}
+                        }
+                    }
+                    if let Some(c) = &committed {
+                        let meta = match &mut meta {
+                            Some(t) => t,
+                            None => meta.insert(txn.open_table(META)?),
+                        };
+                        meta.insert(K_COMMITTED, c.as_slice())?;
+                    }
+                    if let Some(g) = retiring {
+                        let meta = match &mut meta {
+                            Some(t) => t,
+                            None => meta.insert(txn.open_table(META)?),
+                        };
+                        let bytes = postcard::to_stdvec(&g).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
+                        meta.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
+                    }
+                }
+                match &purge {
+                    Some(upto) => Ok(Some(purge_in(txn, upto, retention, PURGE_CHUNK)?)),
+                    None => Ok(None),
+                }
+            });
             add(&c.durable_commits, 1);
             add(&c.durable_commit_us, us_since(t));
-        } else {
-            add(&c.nondurable_commits, 1);
-        }
-        let res = match res {
-            Ok(step) if journaled => {
-                let t = Instant::now();
-                let r = journal.append(appended().map(|(i, b)| (*i, b.as_slice())));
-                add(&c.journal_syncs, 1);
-                add(&c.journal_sync_us, us_since(t));
-                r.map(|()| step)
+            if res.is_ok() && retiring.is_some() {
+                absorbed = journal.pending_last;
+                journal.retired();
             }
-            Ok(step) => {
-                if retiring.is_some() {
-                    journal.retired();
-                }
-                Ok(step)
-            }
-            Err(e) => Err(e),
+            res
         };
         drop(journal);
         if let Ok(step) = &res {
             let mut tail = self.tail();
+            if let Some(l) = &absorbed {
+                tail.mark_written(l);
+            }
             for op in &work {
                 if let Op::Append { last: Some(last), .. } = op {
-                    tail.mark_written(last);
+                    if !journaled {
+                        tail.mark_written(last);
+                    }
                     self.inner.flushed_upto.fetch_max(last.index() + 1, Ordering::Relaxed);
                 }
             }
@@ -1532,7 +1537,7 @@ mod tests {
         let mut store = Store::open(dir.path(), None).unwrap();
         let written = |s: &Store| {
             let st = s.io_stats();
-            st.durable_commits + st.nondurable_commits
+            st.durable_commits + st.journal_syncs
         };
         // Inline appends off (a leader): held while this task runs on without yielding.
         let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
@@ -1575,7 +1580,7 @@ mod tests {
         flushed(&mut store, (12..=30).map(|i| entry(1, i, 100)).collect()).await;
         let crashed = crash_copy(dir.path());
         let s = store.io_stats();
-        assert_eq!((s.durable_commits, s.journal_syncs, s.nondurable_commits), (0, 3, 3), "three journal writes and no durable commit");
+        assert_eq!((s.durable_commits, s.journal_syncs), (0, 3), "three journal writes and no redb commit");
 
         let mut again = Store::open(crashed.path(), None).unwrap();
         let got = again.try_get_log_entries(..).await.unwrap();
@@ -1661,6 +1666,8 @@ mod tests {
         /// Truncate after the entry this far from the end (1: drop the last).
         Truncate(u64),
         Vote,
+        /// Purge (archive) the first this many live entries.
+        Purge(u64),
         /// Copy the files as they are, open the copy and go on there.
         Crash,
     }
@@ -1671,37 +1678,43 @@ mod tests {
             4 => (1u64..6).prop_map(Step::Append),
             1 => (1u64..4).prop_map(Step::Truncate),
             1 => Just(Step::Vote),
+            1 => (1u64..8).prop_map(Step::Purge),
             2 => Just(Step::Crash),
         ]
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
-        /// Whatever mix of appends, truncations and votes (with a small journal, so that
-        /// batches also go to durable commits), a crash at any point keeps exactly the
-        /// flushed log: nothing acknowledged is lost and nothing truncated comes back.
+        /// Whatever mix of appends, truncations, votes and purges (with a small journal,
+        /// so that batches also go to durable commits, and a small tail, so that reads go
+        /// to redb), the log reads back as written after every step, and a crash at any
+        /// point keeps exactly the flushed log: nothing acknowledged is lost and nothing
+        /// truncated comes back.
         #[test]
         fn a_crash_at_any_point_keeps_exactly_the_flushed_log(steps in proptest::collection::vec(step(), 1..40)) {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async move {
                 const CAP: u64 = 1500;
+                const TAIL: usize = 600;
                 let mut dir = tempfile::tempdir().unwrap();
-                let mut store = Store::open_with(dir.path(), None, TAIL_BYTES, CAP).unwrap();
-                let mut model: Vec<(u64, u64)> = Vec::new();
+                let mut store = Store::open_with(dir.path(), None, TAIL, CAP).unwrap();
+                // The live log (after the purged part) and the last purged id.
+                let mut live: Vec<(u64, u64)> = Vec::new();
+                let mut purged: Option<LogId> = None;
                 let mut term = 1;
                 let mut voted = None;
                 for s in steps {
                     match s {
                         Step::Append(n) => {
-                            let next = model.last().map_or(1, |(_, i)| i + 1);
+                            let next = live.last().map(|(_, i)| i + 1).or(purged.map(|p| p.index() + 1)).unwrap_or(1);
                             let batch: Vec<Entry> = (next..next + n).map(|i| entry(term, i, 90)).collect();
-                            model.extend(batch.iter().map(|e| (term, e.log_id.index())));
+                            live.extend(batch.iter().map(|e| (term, e.log_id.index())));
                             flushed(&mut store, batch).await;
                         }
                         Step::Truncate(k) => {
-                            let keep = model.len().saturating_sub(k as usize);
-                            model.truncate(keep);
-                            let after = model.last().map(|(t, i)| log_id(*t, *i));
+                            let keep = live.len().saturating_sub(k as usize);
+                            live.truncate(keep);
+                            let after = live.last().map(|(t, i)| log_id(*t, *i)).or(purged);
                             store.truncate_after(after).await.unwrap();
                             // A new leader's entries follow a truncation.
                             term += 1;
@@ -1711,16 +1724,26 @@ mod tests {
                             store.save_vote(&v).await.unwrap();
                             voted = Some(v);
                         }
+                        Step::Purge(k) => {
+                            let k = (k as usize).min(live.len());
+                            if k > 0 {
+                                let (t, i) = live[k - 1];
+                                live.drain(..k);
+                                purged = Some(log_id(t, i));
+                                store.purge(log_id(t, i)).await.unwrap();
+                            }
+                        }
                         Step::Crash => {
                             let copy = crash_copy(dir.path());
                             store.close();
                             dir = copy;
-                            store = Store::open_with(dir.path(), None, TAIL_BYTES, CAP).unwrap();
-                            let got = store.try_get_log_entries(..).await.unwrap();
-                            assert_eq!(indexes(&got), model, "the log after a crash");
+                            store = Store::open_with(dir.path(), None, TAIL, CAP).unwrap();
                             assert_eq!(store.read_vote().await.unwrap(), voted);
+                            assert_eq!(store.get_log_state().await.unwrap().last_purged_log_id, purged);
                         }
                     }
+                    let got = store.try_get_log_entries(..).await.unwrap();
+                    assert_eq!(indexes(&got), live, "the log after {s:?}");
                 }
                 store.close();
             });
@@ -1742,8 +1765,9 @@ mod tests {
     #[tokio::test]
     async fn reads_span_redb_and_the_tail_after_eviction() {
         let dir = tempfile::tempdir().unwrap();
-        // A budget of ~10 entries: most written entries leave the tail.
-        let mut store = Store::open_with(dir.path(), None, 10 * 1100, journal::CAPACITY).unwrap();
+        // A budget of ~10 entries: most written entries leave the tail. A journal of ~30:
+        // every other batch goes to redb with the one before it.
+        let mut store = Store::open_with(dir.path(), None, 10 * 1100, 30 * 1100).unwrap();
         for chunk in 0..10u64 {
             let rx = append(&mut store, (1..=20).map(|i| entry(1, chunk * 20 + i, 1000)).collect()).await;
             rx.await.unwrap().expect("flushed");
