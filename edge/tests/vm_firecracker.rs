@@ -470,6 +470,46 @@ fn a_corrupt_snapshot_is_refused_with_a_clear_error_and_leaves_nothing_behind() 
     assert!(cgroups_left.is_empty(), "cgroups left: {cgroups_left:?}");
 }
 
+/// The parent pid of `pid`, from `/proc/<pid>/stat`.
+fn parent_of(pid: i32) -> i32 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let (_, rest) = stat.rsplit_once(')').unwrap();
+    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_firecracker_process_never_outlives_its_shim_though_the_jailer_changed_its_uid() {
+    let d = driver();
+    let id = unique("orphan");
+    let vm = d.create(&spec(&id), &|m| eprintln!("[{id}] {m}")).unwrap();
+    let _cleanup = Cleanup(vec![vm.clone()]);
+    let mut traces = Traces::of(&vm);
+    let pid = traces.saw(&vm);
+    // Given a Firecracker running as the VM's uid (so without PDEATHSIG) under the
+    // shim's keeper, PID 1 of a namespace of its own,
+    assert_ne!(proc_status(pid, "Uid"), "0\t0\t0\t0");
+    let keeper = parent_of(pid);
+    assert_eq!(proc_status(pid, "NSpid").split_whitespace().last(), Some("2"), "Firecracker is the keeper's child");
+    assert_eq!(proc_status(keeper, "NSpid").split_whitespace().last(), Some("1"), "the keeper is PID 1");
+    let shim = parent_of(keeper);
+    let comm = fs::read_to_string(format!("/proc/{shim}/comm")).unwrap();
+    assert!(comm.starts_with("opendsec-vm-shi"), "the keeper's parent is the shim, not {comm:?}");
+    // when the shim is killed outright,
+    let t = Instant::now();
+    // SAFETY: a signal to a process of this test.
+    assert_eq!(unsafe { libc::kill(shim, libc::SIGKILL) }, 0);
+    // then Firecracker ends with it,
+    while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "Firecracker {pid} outlived its shim");
+    figure("firecracker gone after its shim was killed", ms(t.elapsed()));
+    // the driver sees the VM ended, and deleting it leaves nothing.
+    assert!(matches!(vm.status().unwrap(), VmStatus::Exited(_)), "{:?}", vm.status());
+    vm.delete().unwrap();
+    traces.assert_gone();
+}
+
 /// Cgroup directories named `id` one level under any cpuset parent.
 fn walk_cgroups(id: &str) -> Vec<PathBuf> {
     let roots = ["/sys/fs/cgroup/cpuset", "/sys/fs/cgroup"];

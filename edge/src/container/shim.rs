@@ -27,6 +27,9 @@ use super::{
 };
 
 const STATUS_TIMEOUT_MS: i32 = 60_000;
+/// How long `<runtime> create|run` may take before the shim ends it: shorter than the
+/// edge's wait for the status, so that the edge hears why.
+const RUNTIME_TIMEOUT: Duration = Duration::from_secs(50);
 
 /// The shim's flag for a container created but not started.
 pub const CREATE_ONLY: &std::ffi::CStr = c"--create-only";
@@ -221,12 +224,34 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
         .stdout(Stdio::from(out_w))
         .stderr(Stdio::from(out_w2))
         .current_dir(bundle);
-    let status = cmd.status().map_err(|e| {
+    let mut child = cmd.spawn().map_err(|e| {
         ContainerError::io(format!("running {}", record.runtime.binary.display()), e)
     })?;
     // The command owns our copies of the pipe's write end: drop it, so that EOF on
     // `out_r` means every process of the container has closed its output.
     drop(cmd);
+    let Some(status) = wait_within(&mut child, RUNTIME_TIMEOUT) else {
+        // A runtime that hangs (its bundle removed under it, a wedged mount) must not
+        // leave this shim and itself behind forever: end it and what it made.
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = record
+            .runtime
+            .command(["delete", "--force", record.runtime_id()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        return Err(ContainerError::Runtime {
+            runtime: record.runtime.name(),
+            command: command.into(),
+            message: format!(
+                "did not finish within {} s and was killed; the container was deleted: {}",
+                RUNTIME_TIMEOUT.as_secs(),
+                tail(&runtime_log, 2000)
+            ),
+        });
+    };
     if !status.success() {
         let mut message = tail(&runtime_log, 2000);
         let early = drain_nonblocking(&out_r);
@@ -274,6 +299,35 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
         oom_killed: oom,
     };
     write_json_atomic(&dir.join("exit.json"), &info)
+}
+
+/// The child's exit status, or `None` if it is still running after `limit`. Waits on a
+/// pidfd, so the status is taken the moment the child ends.
+fn wait_within(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    // SAFETY: pidfd_open of our own (not yet reaped) child returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
+    if fd >= 0 {
+        // SAFETY: the fd was just returned to us.
+        let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as RawFd) };
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let mut pfd = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: polling one fd we own.
+            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+            if n > 0 {
+                break;
+            }
+            if n == 0 {
+                return None;
+            }
+            if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break;
+            }
+        }
+    }
+    // Ended (or no pidfd: wait without a limit, as before).
+    child.wait().ok()
 }
 
 fn tail(path: &Path, max: usize) -> String {

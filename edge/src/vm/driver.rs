@@ -1168,6 +1168,7 @@ impl Inner {
             console_cap_bytes: self.cfg.console_cap_bytes,
             pid_file: dir.join("qemu.pid"),
             exit_file: dir.join("exit.json"),
+            keeper: false,
         };
         let launch_file = dir.join("launch.json");
         write_json_atomic(&launch_file, &launch)?;

@@ -8,6 +8,13 @@
 //! nothing runs without someone draining its console); reports `ok <pid>`; copies the
 //! guest console (QEMU's stdout and stderr) into `console.log`, rotated at a cap so a
 //! guest printing forever cannot fill the disk; and writes `exit.json` when QEMU ends.
+//!
+//! A VMM that changes its own uid (Firecracker's jailer drops to the VM's uid before it
+//! execs Firecracker) loses PDEATHSIG with that change, so for it ([`Launch::keeper`])
+//! the shim starts a *keeper* first: a child of the shim that is PID 1 of a new PID
+//! namespace, stays root and keeps PDEATHSIG=SIGKILL, and starts the VMM as its own
+//! child. When the shim dies, the kernel kills the keeper, and with the init of a PID
+//! namespace every process in it: the VMM cannot outlive its shim either.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -42,6 +49,10 @@ pub struct Launch {
     pub console_cap_bytes: u64,
     pub pid_file: PathBuf,
     pub exit_file: PathBuf,
+    /// Start the VMM under a keeper in a PID namespace of its own (see the module doc):
+    /// for a VMM that drops privileges itself.
+    #[serde(default)]
+    pub keeper: bool,
 }
 
 /// How QEMU ended, as the shim saw it.
@@ -233,17 +244,22 @@ fn run(launch: &Launch) -> Result<(), VmError> {
             Ok(())
         });
     }
-    let child = command
-        .spawn()
-        .map_err(io_err(format!("starting {program}")))?;
+    let kept = if launch.keeper {
+        spawn_kept(&mut command, program)?
+    } else {
+        let child = command
+            .spawn()
+            .map_err(io_err(format!("starting {program}")))?;
+        Kept { vmm: child.id() as i32, keeper: None }
+    };
     drop(command);
     drop(tap);
-    let pid = child.id() as i32;
+    let pid = kept.vmm;
     fs::write(&launch.pid_file, pid.to_string()).map_err(io_err("writing the pid file"))?;
     report(&format!("ok {pid}"));
     let (log, cap) = (launch.console_log.clone(), launch.console_cap_bytes);
     let pump = std::thread::spawn(move || pump_output(out_r, &log, cap));
-    let (exit_code, signal) = wait_for(pid);
+    let (exit_code, signal) = kept.wait();
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
     while !pump.is_finished() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
@@ -293,6 +309,167 @@ fn pump_output(fd: OwnedFd, path: &Path, cap: u64) {
             size += chunk.len() as u64;
         }
     }
+}
+
+/// The VMM the shim started, and the keeper between them if there is one.
+struct Kept {
+    /// The VMM's pid (as this shim's PID namespace sees it).
+    vmm: i32,
+    /// The keeper's pid, and the pipe on which it reports.
+    keeper: Option<(i32, File)>,
+}
+
+impl Kept {
+    /// Waits until the VMM has ended; returns its (exit code, signal).
+    fn wait(self) -> (i32, Option<i32>) {
+        let Some((keeper, mut reports)) = self.keeper else {
+            return wait_for(self.vmm);
+        };
+        let ended = wait_for(keeper);
+        // The keeper's last words are how the VMM ended; without them (the keeper was
+        // killed), its own end is all there is.
+        let mut rest = String::new();
+        let _ = reports.read_to_string(&mut rest);
+        rest.lines()
+            .find_map(|l| {
+                let mut w = l.strip_prefix("exit ")?.split(' ');
+                let code = w.next()?.parse().ok()?;
+                let signal = w.next()?.parse().ok().filter(|s: &i32| *s > 0);
+                Some((code, signal))
+            })
+            .unwrap_or(ended)
+    }
+}
+
+/// Starts `command` under a keeper (see the module doc) and returns once the command
+/// has started, or why it could not. The shim must still be single-threaded.
+fn spawn_kept(command: &mut Command, program: &str) -> Result<Kept, VmError> {
+    let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| VmError::io("pipe", e.into()));
+    let (reports_r, reports_w) = pipe()?;
+    // Held open by this shim alone: the keeper sees it closed once the shim is gone.
+    let (life_r, life_w) = pipe()?;
+    // SAFETY: clone without a new stack is fork (into a new PID namespace); this process
+    // has one thread, so the child may run ordinary code.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_NEWPID | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if pid < 0 {
+        return Err(VmError::io(
+            "starting the keeper (clone into a new PID namespace)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if pid == 0 {
+        drop(reports_r);
+        drop(life_w);
+        keeper_main(command, program, life_r, reports_w)
+    }
+    let keeper = pid as i32;
+    drop(reports_w);
+    drop(life_r);
+    // The write end lives as long as this shim: leaked on purpose (close-on-exec).
+    std::mem::forget(life_w);
+    let mut reports = File::from(reports_r);
+    let mut first = Vec::new();
+    let mut byte = [0u8; 1];
+    while reports.read(&mut byte).map(|n| n == 1).unwrap_or(false) && byte[0] != b'\n' {
+        first.push(byte[0]);
+    }
+    let first = String::from_utf8_lossy(&first).into_owned();
+    if first != "ok" {
+        let _ = wait_for(keeper);
+        let why = first.strip_prefix("error ").unwrap_or("the keeper ended without a word");
+        return Err(VmError::io(format!("starting {program} under the keeper"), std::io::Error::other(why.to_string())));
+    }
+    // The keeper's only child is the VMM.
+    let vmm = children_of(keeper).into_iter().next().ok_or_else(|| {
+        VmError::io(format!("finding {program} under the keeper {keeper}"), std::io::Error::other("it has no child"))
+    })?;
+    Ok(Kept { vmm, keeper: Some((keeper, reports)) })
+}
+
+/// The keeper: PID 1 of its namespace. Never returns.
+fn keeper_main(command: &mut Command, program: &str, life: OwnedFd, reports: OwnedFd) -> ! {
+    let mut reports = File::from(reports);
+    // Fd 1 is still the edge's status pipe, which the shim alone answers and closes.
+    if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto fd 1.
+        unsafe { libc::dup2(null.as_raw_fd(), 1) };
+    }
+    // SAFETY: plain syscalls on this process and an fd it owns.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+            let _ = writeln!(reports, "error PR_SET_PDEATHSIG: {}", std::io::Error::last_os_error());
+            libc::_exit(1);
+        }
+        // The shim may have died before PDEATHSIG was set: then no writer is left.
+        let mut pfd = libc::pollfd { fd: life.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        if libc::poll(&mut pfd, 1, 0) != 0 {
+            libc::_exit(1);
+        }
+    }
+    let child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = writeln!(reports, "error starting {program}: {e}");
+            // SAFETY: ending this process.
+            unsafe { libc::_exit(1) }
+        }
+    };
+    let vmm = child.id() as i32;
+    // Drop our copies of the console pipe: the shim sees its end when the VMM's ends.
+    command.stdout(Stdio::null()).stderr(Stdio::null());
+    let _ = writeln!(reports, "ok");
+    // As PID 1, reap whatever ends in the namespace; the VMM's end is the keeper's.
+    loop {
+        let mut status = 0;
+        // SAFETY: waiting for our own children.
+        let got = unsafe { libc::waitpid(-1, &mut status, 0) };
+        if got == vmm {
+            let (code, signal) = if libc::WIFSIGNALED(status) {
+                let sig = libc::WTERMSIG(status);
+                (128 + sig, sig)
+            } else {
+                (libc::WEXITSTATUS(status), 0)
+            };
+            let _ = writeln!(reports, "exit {code} {signal}");
+            break;
+        }
+        if got < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            break;
+        }
+    }
+    // SAFETY: ending this process (and with it the namespace).
+    unsafe { libc::_exit(0) }
+}
+
+/// The pids whose parent is `pid`.
+fn children_of(pid: i32) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(n) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{n}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<i32>().ok());
+        if ppid == Some(pid) {
+            found.push(n);
+        }
+    }
+    found
 }
 
 /// Waits for our child `pid`; returns (exit code, signal).

@@ -227,6 +227,8 @@ impl Inner {
             console_cap_bytes: self.cfg.console_cap_bytes,
             pid_file: dir.join("vmm.pid"),
             exit_file: dir.join("exit.json"),
+            // The jailer's uid change clears PDEATHSIG: the keeper holds it instead.
+            keeper: true,
         };
         let launch_file = dir.join("launch.json");
         let spawned = write_json_atomic(&launch_file, &launch)
