@@ -417,3 +417,29 @@ fn wait_for(pid: i32) -> (i32, Option<i32>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::time::Instant;
+
+    #[test]
+    fn a_runtime_that_ends_is_seen_at_once_and_one_that_hangs_is_given_up_at_the_limit() {
+        // An ending process: its status, without waiting out the limit.
+        let t = Instant::now();
+        let mut quick = Command::new("sh").args(["-c", "exit 3"]).spawn().unwrap();
+        let status = wait_within(&mut quick, Duration::from_secs(30)).expect("it ended");
+        assert_eq!(status.code(), Some(3));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // A hanging one: `None` once the limit has passed, and it still runs (to be killed).
+        let t = Instant::now();
+        let mut hung = Command::new("sleep").arg("30").spawn().unwrap();
+        assert!(wait_within(&mut hung, Duration::from_millis(200)).is_none());
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(5), "{waited:?}");
+        assert!(hung.try_wait().unwrap().is_none(), "still running");
+        hung.kill().unwrap();
+        hung.wait().unwrap();
+    }
+}
