@@ -23,9 +23,9 @@
 //!   `journal.rs` for the format and recovery).
 //! - `save_committed` only queues the id: a later transaction writes the newest one, at most
 //!   every 100 ms and only with a durable commit (or after 100 ms without other writes, or
-//!   on close). Losing it in a crash
-//!   is allowed by openraft (a restarted node re-applies less at start); it is never ahead
-//!   of the entries it covers, since those were queued before it.
+//!   on close). Losing it in a crash is allowed by openraft (a restarted node re-applies
+//!   less at start); it is never ahead of the entries it covers, since those were queued
+//!   before it.
 //! - `save_vote`, `truncate_after` and `purge` wait until the writer has committed them
 //!   durably. (Truncation must be: a journal write after a non-durable truncation would,
 //!   after a crash, replay onto the untruncated log.)
@@ -426,9 +426,9 @@ impl Store {
         let db = Database::create(&path).map_err(|e| LogError::Storage(format!("{}: {e}", path.display())))?;
         let journal_file = journal::open_file(dir, journal_capacity)
             .map_err(|e| LogError::Storage(format!("{}: {e}", dir.join(journal::FILE).display())))?;
-        // The journal's live records (appends acknowledged as durable that redb holds only
-        // in non-durable commits, lost in a crash) go into redb now, durably, and their
-        // generation is retired with them.
+        // The journal's live records (appends acknowledged as durable that redb does not
+        // hold yet: they waited in memory for the next durable commit) go into redb now,
+        // durably, and their generation is retired with them.
         let live = {
             let txn = db.begin_write().map_err(redb::Error::from)?;
             let mut meta = txn.open_table(META).map_err(redb::Error::from)?;
