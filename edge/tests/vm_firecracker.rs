@@ -330,9 +330,19 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     fs::remove_file(&merged).unwrap();
     drop(api);
 
-    // Kill: the process ends at once; the VM stays on disk, exited, without a jail.
+    // Kill: the process ends at once; the VM stays on disk, exited, without a jail, and
+    // its end as the shim's keeper saw it is recorded: that process, by SIGKILL.
+    let killed = running_pid(&a);
     a.kill().unwrap();
-    assert!(matches!(a.status().unwrap(), VmStatus::Exited(_)));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let info = loop {
+        match a.status().unwrap() {
+            VmStatus::Exited(Some(info)) => break info,
+            other if Instant::now() > deadline => panic!("after kill: {other:?}"),
+            _ => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    assert_eq!((info.pid, info.signal, info.exit_code), (killed, Some(libc::SIGKILL), 128 + libc::SIGKILL), "{info:?}");
     assert!(!a_traces.jail.dir().exists());
 
     // Restore the snapshot as a new VM: a Full load into a new jailed process.
