@@ -313,13 +313,18 @@ fn wait_within(child: &mut std::process::Child, limit: Duration) -> Option<std::
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let mut pfd = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // Rounded up: poll's milliseconds never end the wait before the limit.
+            let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
             // SAFETY: polling one fd we own.
-            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
             if n > 0 {
                 break;
             }
             if n == 0 {
-                return None;
+                if left.is_zero() {
+                    return None;
+                }
+                continue;
             }
             if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
                 break;
