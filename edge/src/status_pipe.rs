@@ -1,10 +1,10 @@
 //! What a detached shim (containers' and microVMs') shares: detaching from the edge,
-//! and the one-line status it writes to the edge on its stdout, the pipe the edge reads
-//! until it closes.
+//! the one-line status it writes to the edge on its stdout, the pipe the edge reads
+//! until it closes, and the process plumbing of waiting for what it started.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
 /// Writes the status line on stdout and points stdout at /dev/null, so the edge's read
@@ -17,6 +17,25 @@ pub(crate) fn report(line: &str) {
     if let Ok(null) = OpenOptions::new().write(true).open("/dev/null") {
         // SAFETY: dup2 onto fd 1.
         unsafe { libc::dup2(null.as_raw_fd(), 1) };
+    }
+}
+
+/// A pidfd for `pid` (a process that has not been reaped), or `None`.
+pub(crate) fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: the fd was just returned to us.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A `waitpid` status as (exit code, signal): the code is 128 + the signal when one
+/// ended the process.
+pub(crate) fn exit_of(status: i32) -> (i32, Option<i32>) {
+    if libc::WIFSIGNALED(status) {
+        let sig = libc::WTERMSIG(status);
+        (128 + sig, Some(sig))
+    } else {
+        (libc::WEXITSTATUS(status), None)
     }
 }
 

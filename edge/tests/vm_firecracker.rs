@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use opendsec_edge::images::ImageStore;
 
 mod support;
-use support::{COUNTER, Cleanup, exec_as, figure, ms, require_root, static_agent, store_dir, vm_spec};
+use support::{COUNTER, Cleanup, exec_as, exit_info, figure, ms, require_root, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::firecracker::{InstanceState, JailSpec, SnapshotKind, merge_diff_into_copy};
 use opendsec_edge::vm::{
     Accel, ExecOutput, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus, Vmm, VmmChoice,
@@ -334,14 +334,7 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     // its end as the shim's keeper saw it is recorded: that process, by SIGKILL.
     let killed = running_pid(&a);
     a.kill().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let info = loop {
-        match a.status().unwrap() {
-            VmStatus::Exited(Some(info)) => break info,
-            other if Instant::now() > deadline => panic!("after kill: {other:?}"),
-            _ => std::thread::sleep(Duration::from_millis(10)),
-        }
-    };
+    let info = exit_info(&a, Duration::from_secs(5));
     assert_eq!((info.pid, info.signal, info.exit_code), (killed, Some(libc::SIGKILL), 128 + libc::SIGKILL), "{info:?}");
     assert!(!a_traces.jail.dir().exists());
 

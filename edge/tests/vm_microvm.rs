@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use opendsec_edge::images::ImageStore;
 
 mod support;
-use support::{Cleanup, exec_as, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
+use support::{Cleanup, exec_as, exit_info, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::{
     ExecOutput, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus, detect_accel,
 };
@@ -292,14 +292,7 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
         "guest reboot request to QEMU exit seen (exit fd)",
         ms(t.elapsed()),
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        match vm.status().unwrap() {
-            VmStatus::Exited(Some(info)) => break info,
-            other if Instant::now() > deadline => panic!("status after the guest ended: {other:?}"),
-            _ => std::thread::sleep(Duration::from_millis(10)),
-        }
-    };
+    let status = exit_info(&vm, Duration::from_secs(5));
     eprintln!("exit recorded: {status:?}");
     assert!(!pid_alive(pid));
 }

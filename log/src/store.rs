@@ -1045,6 +1045,18 @@ struct Purging {
     done: oneshot::Sender<io::Result<()>>,
 }
 
+/// `slot`'s table in `txn`, opened the first time it is needed.
+fn opened<'s, 't, K: redb::Key + 'static, V: redb::Value + 'static>(
+    slot: &'s mut Option<redb::Table<'t, K, V>>,
+    txn: &'t redb::WriteTransaction,
+    table: TableDefinition<K, V>,
+) -> Result<&'s mut redb::Table<'t, K, V>, redb::Error> {
+    match slot {
+        Some(t) => Ok(t),
+        None => Ok(slot.insert(txn.open_table(table)?)),
+    }
+}
+
 impl Store {
     /// A batch of appends only that fits in the journal: one journal write, no redb
     /// transaction (the entries stay in the tail and in `Journal::pending` until the
@@ -1098,54 +1110,31 @@ impl Store {
                 {
                     let mut logs = None;
                     let mut meta = None;
-                    if !journal.pending.is_empty() {
-                        let logs = logs.insert(txn.open_table(LOGS)?);
-                        for (i, b) in &journal.pending {
-                            logs.insert(*i, b.as_slice())?;
-                        }
+                    for (i, b) in &journal.pending {
+                        opened(&mut logs, txn, LOGS)?.insert(*i, b.as_slice())?;
                     }
                     for op in &work {
                         match op {
                             Op::Append { entries, .. } => {
-                                let logs = match &mut logs {
-                                    Some(t) => t,
-                                    None => logs.insert(txn.open_table(LOGS)?),
-                                };
                                 for (i, b) in entries {
-                                    logs.insert(*i, b.as_slice())?;
+                                    opened(&mut logs, txn, LOGS)?.insert(*i, b.as_slice())?;
                                 }
                             }
                             Op::Truncate { from, .. } => {
-                                let logs = match &mut logs {
-                                    Some(t) => t,
-                                    None => logs.insert(txn.open_table(LOGS)?),
-                                };
-                                logs.retain_in(*from.., |_, _| false)?;
+                                opened(&mut logs, txn, LOGS)?.retain_in(*from.., |_, _| false)?;
                             }
                             Op::Vote { bytes, .. } => {
-                                let meta = match &mut meta {
-                                    Some(t) => t,
-                                    None => meta.insert(txn.open_table(META)?),
-                                };
-                                meta.insert(K_VOTE, bytes.as_slice())?;
+                                opened(&mut meta, txn, META)?.insert(K_VOTE, bytes.as_slice())?;
                             }
                             Op::Purge { .. } | Op::Committed { .. } => {}
                         }
                     }
                     if let Some(c) = &committed {
-                        let meta = match &mut meta {
-                            Some(t) => t,
-                            None => meta.insert(txn.open_table(META)?),
-                        };
-                        meta.insert(K_COMMITTED, c.as_slice())?;
+                        opened(&mut meta, txn, META)?.insert(K_COMMITTED, c.as_slice())?;
                     }
                     if let Some(g) = retiring {
-                        let meta = match &mut meta {
-                            Some(t) => t,
-                            None => meta.insert(txn.open_table(META)?),
-                        };
                         let bytes = postcard::to_stdvec(&g).map_err(|e| redb::Error::Corrupted(e.to_string()))?;
-                        meta.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
+                        opened(&mut meta, txn, META)?.insert(K_JOURNAL_RETIRED, bytes.as_slice())?;
                     }
                 }
                 match &purge {

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use crate::status_pipe::report;
+use crate::status_pipe::{exit_of, pidfd_open, report};
 
 use super::{
     ContainerError, ExitInfo, SandboxRecord, cgroup, dup_above, read_pid, write_json_atomic,
@@ -304,11 +304,7 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
 /// The child's exit status, or `None` if it is still running after `limit`. Waits on a
 /// pidfd, so the status is taken the moment the child ends.
 fn wait_within(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
-    // SAFETY: pidfd_open of our own (not yet reaped) child returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
-    if fd >= 0 {
-        // SAFETY: the fd was just returned to us.
-        let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as RawFd) };
+    if let Some(pidfd) = pidfd_open(child.id() as i32) {
         let deadline = std::time::Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -403,11 +399,7 @@ fn wait_for(pid: i32) -> (i32, Option<i32>) {
         // SAFETY: waiting for any child; we reap other orphans on the way.
         let got = unsafe { libc::waitpid(-1, &mut status, 0) };
         if got == pid {
-            if libc::WIFSIGNALED(status) {
-                let sig = libc::WTERMSIG(status);
-                return (128 + sig, Some(sig));
-            }
-            return (libc::WEXITSTATUS(status), None);
+            return exit_of(status);
         }
         if got < 0 {
             let err = std::io::Error::last_os_error();

@@ -32,7 +32,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{PermissionsExt, chown};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -55,6 +55,7 @@ use super::shim::{ExitInfo, Launch};
 use super::vmm::{Vmm, VmmChoice, VmmVerdict, choose_vmm};
 use super::{VmError, io_err, lock_file, net, read_json, require_tool, write_json_atomic};
 use crate::images::{Image, ImageStore};
+use crate::status_pipe::pidfd_open;
 
 /// VMs under Firecracker: the same handle, another VMM.
 mod fc;
@@ -815,12 +816,6 @@ fn process_start(pid: i32) -> Option<u64> {
     // The command name may hold spaces and parentheses: fields follow the last ')'.
     let rest = &stat[stat.rfind(')')? + 2..];
     rest.split(' ').nth(19)?.parse().ok()
-}
-
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// Sends SIGKILL to the process behind `pidfd` (never to a recycled pid).

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::status_pipe::report;
+use crate::status_pipe::{exit_of, report};
 
 use serde::{Deserialize, Serialize};
 
@@ -433,13 +433,8 @@ fn keeper_main(command: &mut Command, program: &str, life: OwnedFd, reports: Own
         // SAFETY: waiting for our own children.
         let got = unsafe { libc::waitpid(-1, &mut status, 0) };
         if got == vmm {
-            let (code, signal) = if libc::WIFSIGNALED(status) {
-                let sig = libc::WTERMSIG(status);
-                (128 + sig, sig)
-            } else {
-                (libc::WEXITSTATUS(status), 0)
-            };
-            let _ = writeln!(reports, "exit {code} {signal}");
+            let (code, signal) = exit_of(status);
+            let _ = writeln!(reports, "exit {code} {}", signal.unwrap_or(0));
             break;
         }
         if got < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
@@ -479,11 +474,7 @@ fn wait_for(pid: i32) -> (i32, Option<i32>) {
         // SAFETY: waiting for our own child.
         let got = unsafe { libc::waitpid(pid, &mut status, 0) };
         if got == pid {
-            if libc::WIFSIGNALED(status) {
-                let sig = libc::WTERMSIG(status);
-                return (128 + sig, Some(sig));
-            }
-            return (libc::WEXITSTATUS(status), None);
+            return exit_of(status);
         }
         if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
             return (-1, None);

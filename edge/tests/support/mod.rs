@@ -5,10 +5,11 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use opendsec_edge::images::{Image, ImageStore};
-use opendsec_edge::vm::{ExecOutput, VmError, VmHandle, VmSpec};
+use opendsec_edge::vm::shim::ExitInfo;
+use opendsec_edge::vm::{ExecOutput, VmError, VmHandle, VmSpec, VmStatus};
 
 /// Images are built once per machine and shared (as on an edge).
 pub fn store_dir() -> PathBuf {
@@ -92,6 +93,18 @@ pub fn exec_as(vm: &VmHandle, token: &str, cmd: &str, args: &[&str]) -> ExecOutp
             vm.console_tail(2000)
         )
     })
+}
+
+/// How `vm`'s process ended, once the driver has it on record; panics after `within`.
+pub fn exit_info(vm: &VmHandle, within: Duration) -> ExitInfo {
+    let deadline = Instant::now() + within;
+    loop {
+        match vm.status().unwrap() {
+            VmStatus::Exited(Some(info)) => return info,
+            other if Instant::now() > deadline => panic!("{}: no exit on record within {within:?}: {other:?}", vm.id()),
+            _ => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
 }
 
 pub fn ms(d: Duration) -> String {
