@@ -1403,6 +1403,13 @@ mod tests {
         assert_eq!(store.io_stats().inline_appends, 0);
 
         store.save_committed(Some(log_id(1, 1))).await.unwrap();
+        // Let the writer finish on its own first (idle: it retires the journal with the
+        // committed id), so that it is not busy when the inline appends below come.
+        let quiet = Instant::now() + Duration::from_secs(10);
+        while store.io_stats().durable_commits == 0 && Instant::now() < quiet {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(store.io_stats().durable_commits, 1, "the idle writer retired the journal");
         store.set_inline(Inline::Lone);
         for i in 2..=20 {
             let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
