@@ -3,8 +3,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto = "proto/opendsec/events/v1/events.proto";
     println!("cargo:rerun-if-changed={proto}");
     let fds = protox::compile([proto], ["proto"])?;
-    prost_build::Config::new()
-        .btree_map(["."])
-        .compile_fds(fds)?;
+    prost_build::Config::new().btree_map(["."]).compile_fds(fds)?;
     Ok(())
 }

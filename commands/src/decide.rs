@@ -1,9 +1,12 @@
 //! `decide`: authorise, validate, choose, and say what happened as events.
 
 use crate::inflight::InFlight;
-use crate::placement::{place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
+use crate::placement::{Candidate, DEFAULT_K, Rng, place_power_of_k, sandbox_id};
 use crate::validate::{self, LIMITS};
-use crate::{Caller, Command, Ctx, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, FULLVM_LABEL, FULLVM_MIN_MEMORY_MB, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT, MICROVM_MIN_MEMORY_MB, TASK_LABEL};
+use crate::{
+    Caller, Command, Ctx, FULLVM_LABEL, FULLVM_MIN_MEMORY_MB, MICROVM_LABEL, MICROVM_MAX_FORK_COUNT,
+    MICROVM_MIN_MEMORY_MB, Observation, Rejection, RejectionKind as K, SandboxOptions, SnapshotResult, TASK_LABEL,
+};
 use opendsec_projections::pb;
 use opendsec_projections::schema::{Batch, Denial, Principal};
 use opendsec_projections::state::{limits_to_pb, usage_to_pb};
@@ -44,7 +47,10 @@ impl Who {
         if self.rights.contains(&right) {
             Ok(())
         } else {
-            Err(Rejection::new(K::Forbidden, format!("the caller lacks the right {}", right.as_str())))
+            Err(Rejection::new(
+                K::Forbidden,
+                format!("the caller lacks the right {}", right.as_str()),
+            ))
         }
     }
     fn is_system(&self) -> bool {
@@ -69,7 +75,12 @@ fn resolve(state: &State, inflight: &InFlight, ctx: &Ctx) -> Result<Who, Rejecti
             if t.expires_at_ms.is_some_and(|e| ctx.time_ms >= e) {
                 return Err(unauth("has expired"));
             }
-            Ok(Who { token: Some(id.clone()), project: t.project.clone(), rights: t.rights.clone(), expires_at_ms: t.expires_at_ms })
+            Ok(Who {
+                token: Some(id.clone()),
+                project: t.project.clone(),
+                rights: t.rights.clone(),
+                expires_at_ms: t.expires_at_ms,
+            })
         }
     }
 }
@@ -84,20 +95,36 @@ fn project_in_scope(state: &State, who: &Who, field: &str, project: &str) -> Res
         return Err(not_found(field, "project", project));
     }
     if !state.within(project, &who.project) {
-        return Err(Rejection::field(K::Forbidden, field, format!("project {project} is outside the caller's project {}", who.project)));
+        return Err(Rejection::field(
+            K::Forbidden,
+            field,
+            format!("project {project} is outside the caller's project {}", who.project),
+        ));
     }
     Ok(())
 }
 
 fn live_sandbox<'a>(state: &'a State, who: &Who, id: &str, right: Right) -> Result<&'a Sandbox, Rejection> {
     validate::id("sandbox", id)?;
-    let s = state.sandboxes.sandboxes.get(id).ok_or_else(|| not_found("sandbox", "sandbox", id))?;
+    let s = state
+        .sandboxes
+        .sandboxes
+        .get(id)
+        .ok_or_else(|| not_found("sandbox", "sandbox", id))?;
     who.require(right)?;
     if !state.within(&s.project, &who.project) {
-        return Err(Rejection::field(K::Forbidden, "sandbox", format!("sandbox {id} is outside the caller's project")));
+        return Err(Rejection::field(
+            K::Forbidden,
+            "sandbox",
+            format!("sandbox {id} is outside the caller's project"),
+        ));
     }
     if !s.is_live() {
-        return Err(Rejection::field(K::Conflict, "sandbox", format!("sandbox {id} has ended")));
+        return Err(Rejection::field(
+            K::Conflict,
+            "sandbox",
+            format!("sandbox {id} has ended"),
+        ));
     }
     Ok(s)
 }
@@ -107,20 +134,28 @@ fn require_root(state: &State, who: &Who) -> Result<(), Rejection> {
     if who.is_system() || state.root_project().is_some_and(|r| r.id == who.project) {
         Ok(())
     } else {
-        Err(Rejection::new(K::Forbidden, "edges are managed by the root project's principals only"))
+        Err(Rejection::new(
+            K::Forbidden,
+            "edges are managed by the root project's principals only",
+        ))
     }
 }
 
 fn hex32(field: &str, v: &str) -> Result<Vec<u8>, Rejection> {
     match hex::decode(v) {
         Ok(b) if b.len() == 32 => Ok(b),
-        _ => Err(Rejection::field(K::Invalid, field, format!("{field} must be 64 hex digits (a SHA-256)"))),
+        _ => Err(Rejection::field(
+            K::Invalid,
+            field,
+            format!("{field} must be 64 hex digits (a SHA-256)"),
+        )),
     }
 }
 
 /// Whether `name` has the form of a snapshot id (`snap-` + 16 hex digits).
 fn is_snapshot_id(name: &str) -> bool {
-    name.strip_prefix("snap-").is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+    name.strip_prefix("snap-")
+        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 fn expiry(ctx: &Ctx, seconds: Option<u64>) -> u64 {
@@ -170,7 +205,11 @@ fn place(
     to: Where<'_>,
     isolation: Isolation,
 ) -> Result<Vec<Placed>, Rejection> {
-    let total = Usage { sandboxes: n as u64, cpu_millis: usage.cpu_millis * n as u64, memory_mb: usage.memory_mb * n as u64 };
+    let total = Usage {
+        sandboxes: n as u64,
+        cpu_millis: usage.cpu_millis * n as u64,
+        memory_mb: usage.memory_mb * n as u64,
+    };
     state
         .check_quota(project, &total, &|p| inflight.project_usage(p))
         .map_err(|m| Rejection::new(K::QuotaExceeded, m))?;
@@ -188,8 +227,13 @@ fn place(
                 let mut free = e.free();
                 free.sub(&inflight.edge_usage(&e.id));
                 free.sub(&taken.get(&e.id).copied().unwrap_or_default());
-                let fits = free.sandboxes >= 1 && free.cpu_millis >= usage.cpu_millis && free.memory_mb >= usage.memory_mb;
-                fits.then(|| Candidate { edge: e.id.clone(), ordinal: e.ordinal, free })
+                let fits =
+                    free.sandboxes >= 1 && free.cpu_millis >= usage.cpu_millis && free.memory_mb >= usage.memory_mb;
+                fits.then(|| Candidate {
+                    edge: e.id.clone(),
+                    ordinal: e.ordinal,
+                    free,
+                })
             })
             .collect();
         // The source's edge needs no transfer: it is taken whenever it can be.
@@ -197,23 +241,47 @@ fn place(
             Where::Prefer(p) => cands.iter().find(|c| c.edge == p).map(|c| (vec![c.clone()], 0)),
             _ => None,
         };
-        let (sampled, best) = preferred.or_else(|| place_power_of_k(&cands, DEFAULT_K, rng)).ok_or_else(|| match (to, isolation) {
-            (Where::Only(o), _) if !state.placement.edges.get(o).is_some_and(|e| !e.deregistered) => {
-                Rejection::field(K::NotFound, "edge", format!("edge {o} is not registered"))
-            }
-            (Where::Only(o), Isolation::Container) => Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this sandbox")),
-            (Where::Only(o), machine) => {
-                Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this {} (or runs no {}s)", machine.noun(), machine.noun()))
-            }
-            (_, Isolation::Container) => Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox"),
-            (_, machine) => Rejection::new(K::NoCapacity, format!("no registered edge that runs {}s has room for this sandbox", machine.noun())),
-        })?;
+        let (sampled, best) = preferred
+            .or_else(|| place_power_of_k(&cands, DEFAULT_K, rng))
+            .ok_or_else(|| match (to, isolation) {
+                (Where::Only(o), _) if !state.placement.edges.get(o).is_some_and(|e| !e.deregistered) => {
+                    Rejection::field(K::NotFound, "edge", format!("edge {o} is not registered"))
+                }
+                (Where::Only(o), Isolation::Container) => {
+                    Rejection::field(K::NoCapacity, "edge", format!("edge {o} has no room for this sandbox"))
+                }
+                (Where::Only(o), machine) => Rejection::field(
+                    K::NoCapacity,
+                    "edge",
+                    format!(
+                        "edge {o} has no room for this {} (or runs no {}s)",
+                        machine.noun(),
+                        machine.noun()
+                    ),
+                ),
+                (_, Isolation::Container) => {
+                    Rejection::new(K::NoCapacity, "no registered edge has room for this sandbox")
+                }
+                (_, machine) => Rejection::new(
+                    K::NoCapacity,
+                    format!(
+                        "no registered edge that runs {}s has room for this sandbox",
+                        machine.noun()
+                    ),
+                ),
+            })?;
         let chosen = &sampled[best];
         let mut id = sandbox_id(rng, chosen.ordinal);
-        while state.sandboxes.sandboxes.contains_key(&id) || inflight.sandbox_id_taken(&id) || out.iter().any(|(x, _, _)| x == &id) {
+        while state.sandboxes.sandboxes.contains_key(&id)
+            || inflight.sandbox_id_taken(&id)
+            || out.iter().any(|(x, _, _)| x == &id)
+        {
             id = sandbox_id(rng, chosen.ordinal);
         }
-        taken.entry(chosen.edge.clone()).or_default().add(&Usage { sandboxes: 1, ..usage });
+        taken
+            .entry(chosen.edge.clone())
+            .or_default()
+            .add(&Usage { sandboxes: 1, ..usage });
         let placement = pb::Placement {
             candidates: sampled.iter().map(|c| c.edge.clone()).collect(),
             chosen: chosen.edge.clone(),
@@ -227,7 +295,11 @@ fn place(
 /// The id under which `source_edge` serves a fork's source state to the copies placed on
 /// other edges: named after the first such copy, shared by all of them ("" when none is).
 fn fork_transfer_id(placed: &[Placed], source_edge: &str) -> String {
-    placed.iter().find(|(_, edge, _)| edge != source_edge).map(|(id, _, _)| format!("fork-{id}")).unwrap_or_default()
+    placed
+        .iter()
+        .find(|(_, edge, _)| edge != source_edge)
+        .map(|(id, _, _)| format!("fork-{id}"))
+        .unwrap_or_default()
 }
 
 /// Decides a command against the applied `state` plus the `inflight` overlay.
@@ -237,8 +309,19 @@ pub fn decide(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx) -> R
 
 /// `decide`, placing sandboxes on none of the edges in `refused_by` (edges that refused
 /// them at admission); the refusals are recorded in the placement.
-pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: &Ctx, refused_by: &BTreeSet<String>) -> Result<Decided, Rejection> {
-    if let Command::Bootstrap { project_name, token_name, secret_sha256 } = cmd {
+pub fn decide_excluding(
+    state: &State,
+    inflight: &InFlight,
+    cmd: &Command,
+    ctx: &Ctx,
+    refused_by: &BTreeSet<String>,
+) -> Result<Decided, Rejection> {
+    if let Command::Bootstrap {
+        project_name,
+        token_name,
+        secret_sha256,
+    } = cmd
+    {
         if ctx.caller != Caller::System {
             return Err(Rejection::new(K::Forbidden, "only the system can bootstrap a cluster"));
         }
@@ -253,7 +336,11 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
         let token = format!("{:016x}", rng.next_u64());
         return Ok(Decided {
             events: vec![
-                Event::ProjectCreated(pb::ProjectCreated { id: project.clone(), name: project_name.clone(), parent: String::new() }),
+                Event::ProjectCreated(pb::ProjectCreated {
+                    id: project.clone(),
+                    name: project_name.clone(),
+                    parent: String::new(),
+                }),
                 Event::TokenIssued(pb::TokenIssued {
                     id: token.clone(),
                     project: project.clone(),
@@ -271,7 +358,11 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
 
     let who = resolve(state, inflight, ctx)?;
     let mut rng = Rng::new(ctx.seed);
-    let one = |project: &str, target: &str, ev: Event| Decided { events: vec![ev], project: project.to_string(), target: target.to_string() };
+    let one = |project: &str, target: &str, ev: Event| Decided {
+        events: vec![ev],
+        project: project.to_string(),
+        target: target.to_string(),
+    };
 
     match cmd {
         Command::Bootstrap { .. } => unreachable!("handled above"),
@@ -280,28 +371,60 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             project_in_scope(state, &who, "parent", parent)?;
             who.require(Right::ProjectWrite)?;
             let p = &state.iam.projects[parent];
-            let taken = p.children.iter().any(|c| state.iam.projects.get(c).is_some_and(|x| &x.name == name));
+            let taken = p
+                .children
+                .iter()
+                .any(|c| state.iam.projects.get(c).is_some_and(|x| &x.name == name));
             if taken || inflight.project_name_taken(parent, name) {
-                return Err(Rejection::field(K::Conflict, "name", format!("project {parent} already has a child named {name}")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "name",
+                    format!("project {parent} already has a child named {name}"),
+                ));
             }
             let id = format!("p{:012x}", rng.next_u64() >> 16);
-            Ok(one(parent, &id, Event::ProjectCreated(pb::ProjectCreated { id: id.clone(), name: name.clone(), parent: parent.clone() })))
+            Ok(one(
+                parent,
+                &id,
+                Event::ProjectCreated(pb::ProjectCreated {
+                    id: id.clone(),
+                    name: name.clone(),
+                    parent: parent.clone(),
+                }),
+            ))
         }
         Command::DeleteProject { project } => {
             project_in_scope(state, &who, "project", project)?;
             who.require(Right::ProjectWrite)?;
             if *project == who.project {
-                return Err(Rejection::field(K::Forbidden, "project", "a caller cannot delete its own project"));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "project",
+                    "a caller cannot delete its own project",
+                ));
             }
             let p = &state.iam.projects[project];
             if !p.children.is_empty() {
-                return Err(Rejection::field(K::Conflict, "project", format!("project {project} still has child projects")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "project",
+                    format!("project {project} still has child projects"),
+                ));
             }
-            let live = state.quota.usage.get(project).is_some_and(|u| u.sandboxes > 0) || inflight.project_usage(project).sandboxes > 0;
+            let live = state.quota.usage.get(project).is_some_and(|u| u.sandboxes > 0)
+                || inflight.project_usage(project).sandboxes > 0;
             if live {
-                return Err(Rejection::field(K::Conflict, "project", format!("project {project} still has live sandboxes")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "project",
+                    format!("project {project} still has live sandboxes"),
+                ));
             }
-            Ok(one(project, project, Event::ProjectDeleted(pb::ProjectDeleted { id: project.clone() })))
+            Ok(one(
+                project,
+                project,
+                Event::ProjectDeleted(pb::ProjectDeleted { id: project.clone() }),
+            ))
         }
         Command::SetQuota { project, limits } => {
             for (f, v, max) in [
@@ -319,23 +442,62 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let is_root = p.parent.is_none();
             // Only the root project's admins may set the root's own limits.
             if *project == who.project && !is_root && !who.is_system() {
-                return Err(Rejection::field(K::Forbidden, "project", "a caller cannot raise its own project's quota; ask a parent project's admin"));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "project",
+                    "a caller cannot raise its own project's quota; ask a parent project's admin",
+                ));
             }
             let bound = state.bound_for_child_of(p.parent.as_deref());
             if let Some((res, mine, theirs)) = limits.exceeds(&bound) {
-                let mine = if mine == u64::MAX { "unlimited".into() } else { mine.to_string() };
-                return Err(Rejection::field(K::Invalid, &format!("limits.{res}"), format!("{res} limit {mine} exceeds the parent project's limit {theirs}")));
+                let mine = if mine == u64::MAX {
+                    "unlimited".into()
+                } else {
+                    mine.to_string()
+                };
+                return Err(Rejection::field(
+                    K::Invalid,
+                    &format!("limits.{res}"),
+                    format!("{res} limit {mine} exceeds the parent project's limit {theirs}"),
+                ));
             }
             if let Some((c, res, m)) = state.descendant_limit_above(project, limits) {
-                return Err(Rejection::field(K::Conflict, &format!("limits.{res}"), format!("child project {c} has a {res} limit of {m}, above the new limit")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    &format!("limits.{res}"),
+                    format!("child project {c} has a {res} limit of {m}, above the new limit"),
+                ));
             }
-            let used = state.quota.usage.get(project).copied().unwrap_or_default().plus(&inflight.project_usage(project));
+            let used = state
+                .quota
+                .usage
+                .get(project)
+                .copied()
+                .unwrap_or_default()
+                .plus(&inflight.project_usage(project));
             if let Some((res, limit)) = limits.exceeded_by(&used) {
-                return Err(Rejection::field(K::Conflict, &format!("limits.{res}"), format!("{res} limit {limit} is below the project's current usage")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    &format!("limits.{res}"),
+                    format!("{res} limit {limit} is below the project's current usage"),
+                ));
             }
-            Ok(one(project, project, Event::QuotaSet(pb::QuotaSet { project: project.clone(), limits: Some(limits_to_pb(limits)) })))
+            Ok(one(
+                project,
+                project,
+                Event::QuotaSet(pb::QuotaSet {
+                    project: project.clone(),
+                    limits: Some(limits_to_pb(limits)),
+                }),
+            ))
         }
-        Command::IssueToken { project, name, rights, ttl_seconds, secret_sha256 } => {
+        Command::IssueToken {
+            project,
+            name,
+            rights,
+            ttl_seconds,
+            secret_sha256,
+        } => {
             validate::name("name", name)?;
             let hash = hex32("secret_sha256", secret_sha256)?;
             if let Some(t) = ttl_seconds {
@@ -344,7 +506,11 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             project_in_scope(state, &who, "project", project)?;
             who.require(Right::TokenWrite)?;
             if let Some(r) = rights.iter().find(|r| !who.rights.contains(r)) {
-                return Err(Rejection::field(K::Forbidden, "rights", format!("the caller cannot grant {}: it does not hold it", r.as_str())));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "rights",
+                    format!("the caller cannot grant {}: it does not hold it", r.as_str()),
+                ));
             }
             let mut expires = expiry(ctx, *ttl_seconds);
             if let Some(mine) = who.expires_at_ms {
@@ -372,17 +538,41 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
         Command::RevokeToken { token, reason } => {
             validate::id("token", token)?;
             validate::text("reason", reason, LIMITS.reason_len)?;
-            let t = state.iam.tokens.get(token).ok_or_else(|| not_found("token", "token", token))?;
+            let t = state
+                .iam
+                .tokens
+                .get(token)
+                .ok_or_else(|| not_found("token", "token", token))?;
             who.require(Right::TokenWrite)?;
             if !state.within(&t.project, &who.project) {
-                return Err(Rejection::field(K::Forbidden, "token", format!("token {token} is outside the caller's project")));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "token",
+                    format!("token {token} is outside the caller's project"),
+                ));
             }
             if t.revoked.is_some() || inflight.token_being_revoked(token) {
-                return Err(Rejection::field(K::Conflict, "token", format!("token {token} is already revoked")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "token",
+                    format!("token {token} is already revoked"),
+                ));
             }
-            Ok(one(&t.project, token, Event::TokenRevoked(pb::TokenRevoked { id: token.clone(), reason: reason.clone() })))
+            Ok(one(
+                &t.project,
+                token,
+                Event::TokenRevoked(pb::TokenRevoked {
+                    id: token.clone(),
+                    reason: reason.clone(),
+                }),
+            ))
         }
-        Command::RegisterEdge { edge, address, capacity, labels } => {
+        Command::RegisterEdge {
+            edge,
+            address,
+            capacity,
+            labels,
+        } => {
             validate::name("edge", edge)?;
             validate::text("address", address, 255)?;
             if address.is_empty() {
@@ -397,12 +587,19 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let ordinal = match state.placement.edges.get(edge) {
                 Some(e) => e.ordinal,
                 None if inflight.is_new_edge(edge) => {
-                    return Err(Rejection::field(K::Conflict, "edge", format!("edge {edge} is being registered")));
+                    return Err(Rejection::field(
+                        K::Conflict,
+                        "edge",
+                        format!("edge {edge} is being registered"),
+                    ));
                 }
                 None => state.placement.next_ordinal + inflight.new_edge_count(),
             };
             if ordinal > 0xffff {
-                return Err(Rejection::new(K::NoCapacity, "the cluster has used all 65,536 edge ordinals"));
+                return Err(Rejection::new(
+                    K::NoCapacity,
+                    "the cluster has used all 65,536 edge ordinals",
+                ));
             }
             Ok(one(
                 "",
@@ -423,9 +620,21 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             }
             who.require(Right::EdgeWrite)?;
             require_root(state, &who)?;
-            Ok(one("", edge, Event::EdgeDeregistered(pb::EdgeDeregistered { id: edge.clone() })))
+            Ok(one(
+                "",
+                edge,
+                Event::EdgeDeregistered(pb::EdgeDeregistered { id: edge.clone() }),
+            ))
         }
-        Command::CreateSandbox { project, image, cpu_millis, memory_mb, labels, timeout_seconds, opts } => {
+        Command::CreateSandbox {
+            project,
+            image,
+            cpu_millis,
+            memory_mb,
+            labels,
+            timeout_seconds,
+            opts,
+        } => {
             if image.is_empty() {
                 return Err(Rejection::field(K::Invalid, "image", "image must name an image"));
             }
@@ -433,7 +642,11 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             validate::amount("cpu_millis", *cpu_millis, LIMITS.cpu_millis)?;
             validate::amount("memory_mb", *memory_mb, LIMITS.memory_mb)?;
             if *cpu_millis == 0 || *memory_mb == 0 {
-                return Err(Rejection::field(K::Invalid, if *cpu_millis == 0 { "cpu_millis" } else { "memory_mb" }, "a sandbox needs some CPU and memory"));
+                return Err(Rejection::field(
+                    K::Invalid,
+                    if *cpu_millis == 0 { "cpu_millis" } else { "memory_mb" },
+                    "a sandbox needs some CPU and memory",
+                ));
             }
             validate::labels("labels", labels)?;
             if let Some(t) = timeout_seconds {
@@ -456,14 +669,22 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let from = match state.snapshots.snapshots.get(image) {
                 Some(snap) if state.within(&snap.project, &who.project) => {
                     if snap.state != SnapshotState::Ready {
-                        return Err(Rejection::field(K::Conflict, "image", format!("snapshot {image} is not ready yet")));
+                        return Err(Rejection::field(
+                            K::Conflict,
+                            "image",
+                            format!("snapshot {image} is not ready yet"),
+                        ));
                     }
                     Some(snap)
                 }
                 // Snapshot ids are `snap-` + 16 hex digits: one that is not in the view was
                 // deleted (or never taken), not an image to build.
                 None if is_snapshot_id(image) => {
-                    return Err(Rejection::field(K::NotFound, "image", format!("snapshot {image} does not exist: it was deleted or never taken")));
+                    return Err(Rejection::field(
+                        K::NotFound,
+                        "image",
+                        format!("snapshot {image} does not exist: it was deleted or never taken"),
+                    ));
                 }
                 _ => None,
             };
@@ -473,8 +694,13 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             let isolation = match (opts.isolation, snapshot_kind) {
                 (Some(asked), Some(kind)) if asked != kind => {
                     let why = match kind {
-                        Isolation::Container => format!("snapshot {image} is a container's file system: only a container starts from it"),
-                        machine => format!("snapshot {image} holds a {0}'s memory: what starts from it is a {0}", machine.noun()),
+                        Isolation::Container => {
+                            format!("snapshot {image} is a container's file system: only a container starts from it")
+                        }
+                        machine => format!(
+                            "snapshot {image} holds a {0}'s memory: what starts from it is a {0}",
+                            machine.noun()
+                        ),
                     };
                     return Err(Rejection::field(K::Invalid, "opts.isolation", why));
                 }
@@ -494,9 +720,17 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 Isolation::Vm => FULLVM_MIN_MEMORY_MB,
             };
             if memory < least {
-                return Err(Rejection::field(K::Invalid, "memory_mb", format!("a {} needs at least {least} MB of memory", isolation.noun())));
+                return Err(Rejection::field(
+                    K::Invalid,
+                    "memory_mb",
+                    format!("a {} needs at least {least} MB of memory", isolation.noun()),
+                ));
             }
-            let usage = Usage { sandboxes: 1, cpu_millis: cpu, memory_mb: memory };
+            let usage = Usage {
+                sandboxes: 1,
+                cpu_millis: cpu,
+                memory_mb: memory,
+            };
             // From a snapshot: preferably on the snapshot's edge; elsewhere it is pulled.
             let to = from.map_or(Where::Anywhere, |s| Where::Prefer(&s.edge));
             let placed = place(state, inflight, &mut rng, project, usage, 1, refused_by, to, isolation)?;
@@ -538,24 +772,49 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 validate::id("edge", e)?;
             }
             if *count == 0 || *count > LIMITS.fork_count {
-                return Err(Rejection::field(K::Invalid, "count", format!("count must be 1 to {}", LIMITS.fork_count)));
+                return Err(Rejection::field(
+                    K::Invalid,
+                    "count",
+                    format!("count must be 1 to {}", LIMITS.fork_count),
+                ));
             }
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
             if s.isolation.is_machine() && *count > MICROVM_MAX_FORK_COUNT {
-                return Err(Rejection::field(K::Invalid, "count", format!("a {} forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time", s.isolation.noun())));
+                return Err(Rejection::field(
+                    K::Invalid,
+                    "count",
+                    format!(
+                        "a {} forks into 1 to {MICROVM_MAX_FORK_COUNT} copies at a time",
+                        s.isolation.noun()
+                    ),
+                ));
             }
             // The copies start from the source's file system (and a microVM's memory), which
             // live on its edge: copies go there while it has room; copies placed elsewhere
             // pull that state from it (`transfer`).
             let to = edge.as_deref().map_or(Where::Prefer(&s.edge), Where::Only);
-            let placed = place(state, inflight, &mut rng, &s.project, s.usage(), *count, refused_by, to, s.isolation)?;
+            let placed = place(
+                state,
+                inflight,
+                &mut rng,
+                &s.project,
+                s.usage(),
+                *count,
+                refused_by,
+                to,
+                s.isolation,
+            )?;
             let transfer = fork_transfer_id(&placed, &s.edge);
             let mut events = vec![Event::SandboxForkRequested(pb::SandboxForkRequested {
                 id: sandbox.clone(),
                 children: placed.iter().map(|(id, _, _)| id.clone()).collect(),
             })];
             for (id, copy_edge, placement) in placed {
-                let copy_transfer = if copy_edge == s.edge { String::new() } else { transfer.clone() };
+                let copy_transfer = if copy_edge == s.edge {
+                    String::new()
+                } else {
+                    transfer.clone()
+                };
                 events.push(Event::SandboxCreated(pb::SandboxCreated {
                     id,
                     project: s.project.clone(),
@@ -580,31 +839,67 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     transfer: copy_transfer,
                 }));
             }
-            Ok(Decided { events, project: s.project.clone(), target: sandbox.clone() })
+            Ok(Decided {
+                events,
+                project: s.project.clone(),
+                target: sandbox.clone(),
+            })
         }
         Command::PauseSandbox { sandbox } => {
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            Ok(one(&s.project, sandbox, Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: sandbox.clone() })))
+            Ok(one(
+                &s.project,
+                sandbox,
+                Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: sandbox.clone() }),
+            ))
         }
         Command::ResumeSandbox { sandbox } => {
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            Ok(one(&s.project, sandbox, Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: sandbox.clone() })))
+            Ok(one(
+                &s.project,
+                sandbox,
+                Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: sandbox.clone() }),
+            ))
         }
         Command::KillSandbox { sandbox } => {
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
             let reason = if who.is_system() { "timeout" } else { "user" };
-            Ok(one(&s.project, sandbox, Event::SandboxKillRequested(pb::SandboxKillRequested { id: sandbox.clone(), reason: reason.into() })))
+            Ok(one(
+                &s.project,
+                sandbox,
+                Event::SandboxKillRequested(pb::SandboxKillRequested {
+                    id: sandbox.clone(),
+                    reason: reason.into(),
+                }),
+            ))
         }
-        Command::SetSandboxTimeout { sandbox, timeout_seconds } => {
+        Command::SetSandboxTimeout {
+            sandbox,
+            timeout_seconds,
+        } => {
             validate::amount("timeout_seconds", *timeout_seconds, LIMITS.timeout_seconds)?;
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
             let at = expiry(ctx, Some(*timeout_seconds));
-            Ok(one(&s.project, sandbox, Event::SandboxTimeoutSet(pb::SandboxTimeoutSet { id: sandbox.clone(), expires_at_ms: at })))
+            Ok(one(
+                &s.project,
+                sandbox,
+                Event::SandboxTimeoutSet(pb::SandboxTimeoutSet {
+                    id: sandbox.clone(),
+                    expires_at_ms: at,
+                }),
+            ))
         }
         Command::SetSandboxLabels { sandbox, labels } => {
             validate::labels("labels", labels)?;
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            Ok(one(&s.project, sandbox, Event::SandboxLabelsSet(pb::SandboxLabelsSet { id: sandbox.clone(), labels: labels.clone() })))
+            Ok(one(
+                &s.project,
+                sandbox,
+                Event::SandboxLabelsSet(pb::SandboxLabelsSet {
+                    id: sandbox.clone(),
+                    labels: labels.clone(),
+                }),
+            ))
         }
         Command::AddClusterMember { node_id, address } => {
             if *node_id == 0 {
@@ -616,20 +911,40 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
             }
             who.require(Right::ClusterAdmin)?;
             require_root(state, &who)?;
-            let ev = pb::ClusterMembershipChangeRequested { node_id: *node_id, address: address.clone(), change: "add".into() };
-            Ok(one("", &format!("node:{node_id}"), Event::ClusterMembershipChangeRequested(ev)))
+            let ev = pb::ClusterMembershipChangeRequested {
+                node_id: *node_id,
+                address: address.clone(),
+                change: "add".into(),
+            };
+            Ok(one(
+                "",
+                &format!("node:{node_id}"),
+                Event::ClusterMembershipChangeRequested(ev),
+            ))
         }
         Command::RemoveClusterMember { node_id } => {
             who.require(Right::ClusterAdmin)?;
             require_root(state, &who)?;
-            let ev = pb::ClusterMembershipChangeRequested { node_id: *node_id, address: String::new(), change: "remove".into() };
-            Ok(one("", &format!("node:{node_id}"), Event::ClusterMembershipChangeRequested(ev)))
+            let ev = pb::ClusterMembershipChangeRequested {
+                node_id: *node_id,
+                address: String::new(),
+                change: "remove".into(),
+            };
+            Ok(one(
+                "",
+                &format!("node:{node_id}"),
+                Event::ClusterMembershipChangeRequested(ev),
+            ))
         }
         Command::CreateSnapshot { sandbox, name } => {
             validate::text("name", name, LIMITS.name_len)?;
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
             if s.observed != Observed::Ready && s.observed != Observed::Paused {
-                return Err(Rejection::field(K::Conflict, "sandbox", format!("sandbox {sandbox} is not running yet")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "sandbox",
+                    format!("sandbox {sandbox} is not running yet"),
+                ));
             }
             let mut id = format!("snap-{:016x}", rng.next_u64());
             while state.snapshots.snapshots.contains_key(&id) {
@@ -646,49 +961,107 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                     name: name.clone(),
                     image: s.image.clone(),
                     // A microVM's snapshot holds its whole disk: it stands on no other.
-                    parent: if s.isolation.is_machine() { String::new() } else { s.snapshot.clone().unwrap_or_default() },
+                    parent: if s.isolation.is_machine() {
+                        String::new()
+                    } else {
+                        s.snapshot.clone().unwrap_or_default()
+                    },
                     isolation: s.isolation.to_event(),
                 }),
             ))
         }
         Command::DeleteSnapshot { snapshot } => {
             validate::id("snapshot", snapshot)?;
-            let x = state.snapshots.snapshots.get(snapshot).ok_or_else(|| not_found("snapshot", "snapshot", snapshot))?;
+            let x = state
+                .snapshots
+                .snapshots
+                .get(snapshot)
+                .ok_or_else(|| not_found("snapshot", "snapshot", snapshot))?;
             who.require(Right::SandboxWrite)?;
             if !state.within(&x.project, &who.project) {
-                return Err(Rejection::field(K::Forbidden, "snapshot", format!("snapshot {snapshot} is outside the caller's project")));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "snapshot",
+                    format!("snapshot {snapshot} is outside the caller's project"),
+                ));
             }
-            let in_use = state.snapshots.snapshots.values().any(|o| o.parent.as_deref() == Some(snapshot.as_str()));
+            let in_use = state
+                .snapshots
+                .snapshots
+                .values()
+                .any(|o| o.parent.as_deref() == Some(snapshot.as_str()));
             if in_use {
-                return Err(Rejection::field(K::Conflict, "snapshot", format!("snapshot {snapshot} lies beneath another snapshot; delete that one first")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "snapshot",
+                    format!("snapshot {snapshot} lies beneath another snapshot; delete that one first"),
+                ));
             }
-            Ok(one(&x.project, snapshot, Event::SnapshotDeleted(pb::SnapshotDeleted { id: snapshot.clone(), sandbox: x.sandbox.clone() })))
+            Ok(one(
+                &x.project,
+                snapshot,
+                Event::SnapshotDeleted(pb::SnapshotDeleted {
+                    id: snapshot.clone(),
+                    sandbox: x.sandbox.clone(),
+                }),
+            ))
         }
         Command::ReportSnapshot { snapshot, result } => {
             validate::id("snapshot", snapshot)?;
-            let x = state.snapshots.snapshots.get(snapshot).ok_or_else(|| not_found("snapshot", "snapshot", snapshot))?;
+            let x = state
+                .snapshots
+                .snapshots
+                .get(snapshot)
+                .ok_or_else(|| not_found("snapshot", "snapshot", snapshot))?;
             who.require(Right::EdgeWrite)?;
             if !state.within(&x.project, &who.project) {
-                return Err(Rejection::field(K::Forbidden, "snapshot", format!("snapshot {snapshot} is outside the caller's project")));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "snapshot",
+                    format!("snapshot {snapshot} is outside the caller's project"),
+                ));
             }
             if x.state != SnapshotState::Pending {
-                return Err(Rejection::field(K::Conflict, "snapshot", format!("snapshot {snapshot} was already reported")));
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "snapshot",
+                    format!("snapshot {snapshot} was already reported"),
+                ));
             }
             let ev = match result {
-                SnapshotResult::Ready { size_bytes } => {
-                    Event::SnapshotReady(pb::SnapshotReady { id: snapshot.clone(), sandbox: x.sandbox.clone(), size_bytes: *size_bytes })
-                }
+                SnapshotResult::Ready { size_bytes } => Event::SnapshotReady(pb::SnapshotReady {
+                    id: snapshot.clone(),
+                    sandbox: x.sandbox.clone(),
+                    size_bytes: *size_bytes,
+                }),
                 SnapshotResult::Failed { reason } => {
                     validate::text("result.reason", reason, LIMITS.reason_len)?;
-                    Event::SnapshotFailed(pb::SnapshotFailed { id: snapshot.clone(), sandbox: x.sandbox.clone(), reason: reason.clone() })
+                    Event::SnapshotFailed(pb::SnapshotFailed {
+                        id: snapshot.clone(),
+                        sandbox: x.sandbox.clone(),
+                        reason: reason.clone(),
+                    })
                 }
             };
             Ok(one(&x.project, snapshot, ev))
         }
         Command::SetSandboxNetwork { sandbox, network } => {
-            validate::options("network", &SandboxOptions { network: Some(network.clone()), ..Default::default() })?;
+            validate::options(
+                "network",
+                &SandboxOptions {
+                    network: Some(network.clone()),
+                    ..Default::default()
+                },
+            )?;
             let s = live_sandbox(state, &who, sandbox, Right::SandboxWrite)?;
-            Ok(one(&s.project, sandbox, Event::SandboxNetworkSet(pb::SandboxNetworkSet { id: sandbox.clone(), network: network.clone() })))
+            Ok(one(
+                &s.project,
+                sandbox,
+                Event::SandboxNetworkSet(pb::SandboxNetworkSet {
+                    id: sandbox.clone(),
+                    network: network.clone(),
+                }),
+            ))
         }
         Command::PauseTask { task } | Command::ResumeTask { task } => {
             validate::task("task", task)?;
@@ -702,40 +1075,78 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 .filter(|x| x.labels.get(TASK_LABEL) == Some(task))
                 .collect();
             if members.is_empty() {
-                return Err(Rejection::field(K::NotFound, "task", format!("no live sandbox of project {} is labelled {TASK_LABEL}={task}", who.project)));
+                return Err(Rejection::field(
+                    K::NotFound,
+                    "task",
+                    format!(
+                        "no live sandbox of project {} is labelled {TASK_LABEL}={task}",
+                        who.project
+                    ),
+                ));
             }
             // Those already where they should be are left alone: the command is idempotent.
             let events = members
                 .into_iter()
                 .filter_map(|x| match (pause, x.desired) {
-                    (true, Desired::Running) => Some(Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: x.id.clone() })),
-                    (false, Desired::Paused) => Some(Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: x.id.clone() })),
+                    (true, Desired::Running) => Some(Event::SandboxPauseRequested(pb::SandboxPauseRequested {
+                        id: x.id.clone(),
+                    })),
+                    (false, Desired::Paused) => Some(Event::SandboxResumeRequested(pb::SandboxResumeRequested {
+                        id: x.id.clone(),
+                    })),
                     _ => None,
                 })
                 .collect();
-            Ok(Decided { events, project: who.project.clone(), target: task_target(task) })
+            Ok(Decided {
+                events,
+                project: who.project.clone(),
+                target: task_target(task),
+            })
         }
         Command::ReportSandbox { sandbox, observation } => {
             validate::id("sandbox", sandbox)?;
-            let s = state.sandboxes.sandboxes.get(sandbox).ok_or_else(|| not_found("sandbox", "sandbox", sandbox))?;
+            let s = state
+                .sandboxes
+                .sandboxes
+                .get(sandbox)
+                .ok_or_else(|| not_found("sandbox", "sandbox", sandbox))?;
             who.require(Right::EdgeWrite)?;
             if !state.within(&s.project, &who.project) {
-                return Err(Rejection::field(K::Forbidden, "sandbox", format!("sandbox {sandbox} is outside the caller's project")));
+                return Err(Rejection::field(
+                    K::Forbidden,
+                    "sandbox",
+                    format!("sandbox {sandbox} is outside the caller's project"),
+                ));
             }
             let id = sandbox.clone();
             let ev = match observation {
-                Observation::Ready => Event::SandboxReady(pb::SandboxReady { id, ..Default::default() }),
+                Observation::Ready => Event::SandboxReady(pb::SandboxReady {
+                    id,
+                    ..Default::default()
+                }),
                 Observation::VmReady { vmm, accelerator } => {
                     if !s.isolation.is_machine() {
-                        return Err(Rejection::field(K::Invalid, "observation", format!("sandbox {sandbox} is a container, not a VM")));
+                        return Err(Rejection::field(
+                            K::Invalid,
+                            "observation",
+                            format!("sandbox {sandbox} is a container, not a VM"),
+                        ));
                     }
                     validate::name("observation.vmm", vmm)?;
                     validate::name("observation.accelerator", accelerator)?;
-                    Event::SandboxReady(pb::SandboxReady { id, vmm: vmm.clone(), accelerator: accelerator.clone() })
+                    Event::SandboxReady(pb::SandboxReady {
+                        id,
+                        vmm: vmm.clone(),
+                        accelerator: accelerator.clone(),
+                    })
                 }
                 Observation::TimedOut => {
                     if !s.auto_pause {
-                        return Err(Rejection::field(K::Invalid, "observation", format!("sandbox {sandbox} does not pause at its timeout")));
+                        return Err(Rejection::field(
+                            K::Invalid,
+                            "observation",
+                            format!("sandbox {sandbox} does not pause at its timeout"),
+                        ));
                     }
                     Event::SandboxTimedOut(pb::SandboxTimedOut { id })
                 }
@@ -743,11 +1154,23 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
                 Observation::Resumed => Event::SandboxResumed(pb::SandboxResumed { id }),
                 Observation::Failed { reason } => {
                     validate::text("observation.reason", reason, LIMITS.reason_len)?;
-                    Event::SandboxFailed(pb::SandboxFailed { id, reason: reason.clone() })
+                    Event::SandboxFailed(pb::SandboxFailed {
+                        id,
+                        reason: reason.clone(),
+                    })
                 }
-                Observation::Exited { exit_code, oom_killed, reason } => {
+                Observation::Exited {
+                    exit_code,
+                    oom_killed,
+                    reason,
+                } => {
                     validate::text("observation.reason", reason, LIMITS.reason_len)?;
-                    Event::SandboxExited(pb::SandboxExited { id, exit_code: *exit_code, oom_killed: *oom_killed, reason: reason.clone() })
+                    Event::SandboxExited(pb::SandboxExited {
+                        id,
+                        exit_code: *exit_code,
+                        oom_killed: *oom_killed,
+                        reason: reason.clone(),
+                    })
                 }
             };
             Ok(one(&s.project, sandbox, ev))
@@ -759,7 +1182,11 @@ pub fn decide_excluding(state: &State, inflight: &InFlight, cmd: &Command, ctx: 
 /// (bad input, unknown ids, failed authentication leave the log unchanged).
 pub fn batch_for(cmd: &Command, ctx: &Ctx, state: &State, decided: &Result<Decided, Rejection>) -> Option<Batch> {
     let principal = match &ctx.caller {
-        Caller::System => Principal { kind: "system".into(), id: String::new(), project: String::new() },
+        Caller::System => Principal {
+            kind: "system".into(),
+            id: String::new(),
+            project: String::new(),
+        },
         Caller::Token(id) => Principal {
             kind: "token".into(),
             id: id.clone(),
@@ -787,7 +1214,11 @@ pub fn batch_for(cmd: &Command, ctx: &Ctx, state: &State, decided: &Result<Decid
             let (project, target) = audit_subject(cmd, state);
             batch.project = project;
             batch.target = target;
-            batch.denial = Some(Denial { code: r.kind.code().into(), message: r.message.clone(), field: r.field.clone().unwrap_or_default() });
+            batch.denial = Some(Denial {
+                code: r.kind.code().into(),
+                message: r.message.clone(),
+                field: r.field.clone().unwrap_or_default(),
+            });
         }
         Err(_) => return None,
     }
@@ -801,15 +1232,32 @@ fn task_target(task: &str) -> String {
 
 /// What a refused command was aimed at, for the audit view.
 fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
-    let sandbox_project = |id: &str| state.sandboxes.sandboxes.get(id).map(|s| s.project.clone()).unwrap_or_default();
+    let sandbox_project = |id: &str| {
+        state
+            .sandboxes
+            .sandboxes
+            .get(id)
+            .map(|s| s.project.clone())
+            .unwrap_or_default()
+    };
     match cmd {
         Command::Bootstrap { project_name, .. } => (String::new(), project_name.clone()),
         Command::CreateProject { name, parent } => (parent.clone(), name.clone()),
         Command::DeleteProject { project } | Command::SetQuota { project, .. } => (project.clone(), project.clone()),
         Command::IssueToken { project, name, .. } => (project.clone(), name.clone()),
-        Command::RevokeToken { token, .. } => (state.iam.tokens.get(token).map(|t| t.project.clone()).unwrap_or_default(), token.clone()),
+        Command::RevokeToken { token, .. } => (
+            state
+                .iam
+                .tokens
+                .get(token)
+                .map(|t| t.project.clone())
+                .unwrap_or_default(),
+            token.clone(),
+        ),
         Command::RegisterEdge { edge, .. } | Command::DeregisterEdge { edge } => (String::new(), edge.clone()),
-        Command::AddClusterMember { node_id, .. } | Command::RemoveClusterMember { node_id } => (String::new(), format!("node:{node_id}")),
+        Command::AddClusterMember { node_id, .. } | Command::RemoveClusterMember { node_id } => {
+            (String::new(), format!("node:{node_id}"))
+        }
         Command::CreateSandbox { project, image, .. } => (project.clone(), image.clone()),
         Command::ForkSandbox { sandbox, .. }
         | Command::PauseSandbox { sandbox }
@@ -821,8 +1269,14 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         | Command::CreateSnapshot { sandbox, .. }
         | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
         Command::PauseTask { task } | Command::ResumeTask { task } => (String::new(), task_target(task)),
-        Command::DeleteSnapshot { snapshot } | Command::ReportSnapshot { snapshot, .. } => {
-            (state.snapshots.snapshots.get(snapshot).map(|x| x.project.clone()).unwrap_or_default(), snapshot.clone())
-        }
+        Command::DeleteSnapshot { snapshot } | Command::ReportSnapshot { snapshot, .. } => (
+            state
+                .snapshots
+                .snapshots
+                .get(snapshot)
+                .map(|x| x.project.clone())
+                .unwrap_or_default(),
+            snapshot.clone(),
+        ),
     }
 }

@@ -86,7 +86,11 @@ impl InFlight {
         for ev in events {
             match ev {
                 Event::SandboxCreated(e) => {
-                    let u = Usage { sandboxes: 1, cpu_millis: e.cpu_millis, memory_mb: e.memory_mb };
+                    let u = Usage {
+                        sandboxes: 1,
+                        cpu_millis: e.cpu_millis,
+                        memory_mb: e.memory_mb,
+                    };
                     for p in state.ancestry(&e.project) {
                         r.project_usage.push((p.id.clone(), u));
                     }
@@ -94,7 +98,9 @@ impl InFlight {
                     r.sandbox_ids.push(e.id.clone());
                 }
                 Event::ProjectCreated(e) => r.project_names.push((e.parent.clone(), e.name.clone())),
-                Event::EdgeRegistered(e) if !state.placement.edges.contains_key(&e.id) => r.new_edges.push(e.id.clone()),
+                Event::EdgeRegistered(e) if !state.placement.edges.contains_key(&e.id) => {
+                    r.new_edges.push(e.id.clone())
+                }
                 Event::TokenRevoked(e) => r.revoked_tokens.push(e.id.clone()),
                 _ => {}
             }
@@ -115,7 +121,9 @@ impl InFlight {
 
     /// Forgets a reservation: its batch was applied (and so is in the state) or was lost.
     pub fn release(&mut self, ticket: u64) {
-        let Some(r) = self.reservations.remove(&ticket) else { return };
+        let Some(r) = self.reservations.remove(&ticket) else {
+            return;
+        };
         for (p, u) in &r.project_usage {
             if let Some(x) = self.project_usage.get_mut(p) {
                 x.sub(u);

@@ -11,9 +11,9 @@ mod inflight;
 mod placement;
 mod validate;
 
-pub use decide::{batch_for, decide, decide_excluding, Decided};
+pub use decide::{Decided, batch_for, decide, decide_excluding};
 pub use inflight::InFlight;
-pub use placement::{edge_ordinal_of, place_power_of_k, sandbox_id, Candidate, Rng, DEFAULT_K};
+pub use placement::{Candidate, DEFAULT_K, Rng, edge_ordinal_of, place_power_of_k, sandbox_id};
 pub use validate::LIMITS;
 
 use opendsec_projections::{Isolation, Limits, Right, Usage};
@@ -50,14 +50,26 @@ pub const MICROVM_MAX_FORK_COUNT: u32 = 64;
 #[serde(tag = "command", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Command {
     /// Creates the root project and its first admin token. Legal once, by the system principal.
-    Bootstrap { project_name: String, token_name: String, secret_sha256: String },
+    Bootstrap {
+        project_name: String,
+        token_name: String,
+        secret_sha256: String,
+    },
     /// Creates a project under `parent`. Needs project:write on the parent.
-    CreateProject { name: String, parent: String },
+    CreateProject {
+        name: String,
+        parent: String,
+    },
     /// Deletes an empty project strictly below the principal's own. Needs project:write.
-    DeleteProject { project: String },
+    DeleteProject {
+        project: String,
+    },
     /// Sets a project's limits; a child's can never exceed its parent's. Needs quota:write
     /// on a strict ancestor (or on the root project, for the root itself).
-    SetQuota { project: String, limits: Limits },
+    SetQuota {
+        project: String,
+        limits: Limits,
+    },
     /// Issues a token with rights the issuer holds, in its subtree, expiring no later than it.
     IssueToken {
         project: String,
@@ -68,11 +80,21 @@ pub enum Command {
         secret_sha256: String,
     },
     /// Revokes a token in the principal's subtree. Needs token:write.
-    RevokeToken { token: String, reason: String },
+    RevokeToken {
+        token: String,
+        reason: String,
+    },
     /// Registers or updates an edge. Needs edge:write.
-    RegisterEdge { edge: String, address: String, capacity: Usage, labels: BTreeMap<String, String> },
+    RegisterEdge {
+        edge: String,
+        address: String,
+        capacity: Usage,
+        labels: BTreeMap<String, String>,
+    },
     /// Stops placing on an edge. Needs edge:write.
-    DeregisterEdge { edge: String },
+    DeregisterEdge {
+        edge: String,
+    },
     /// Places a sandbox on an edge (power-of-k over free capacity). Needs sandbox:write.
     CreateSandbox {
         project: String,
@@ -96,34 +118,69 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         edge: Option<String>,
     },
-    PauseSandbox { sandbox: String },
-    ResumeSandbox { sandbox: String },
-    KillSandbox { sandbox: String },
+    PauseSandbox {
+        sandbox: String,
+    },
+    ResumeSandbox {
+        sandbox: String,
+    },
+    KillSandbox {
+        sandbox: String,
+    },
     /// Sets the sandbox's lifetime from now (0 = none).
-    SetSandboxTimeout { sandbox: String, timeout_seconds: u64 },
-    SetSandboxLabels { sandbox: String, labels: BTreeMap<String, String> },
+    SetSandboxTimeout {
+        sandbox: String,
+        timeout_seconds: u64,
+    },
+    SetSandboxLabels {
+        sandbox: String,
+        labels: BTreeMap<String, String>,
+    },
     /// Captures a live sandbox on its edge: a container's file system, or a microVM's
     /// memory, device state and disk. Legal once it has run. Needs sandbox:write.
-    CreateSnapshot { sandbox: String, name: String },
+    CreateSnapshot {
+        sandbox: String,
+        name: String,
+    },
     /// Deletes a snapshot (sandboxes started from it keep running). Needs sandbox:write.
-    DeleteSnapshot { snapshot: String },
+    DeleteSnapshot {
+        snapshot: String,
+    },
     /// What an edge made of a snapshot request. Needs edge:write.
-    ReportSnapshot { snapshot: String, result: SnapshotResult },
+    ReportSnapshot {
+        snapshot: String,
+        result: SnapshotResult,
+    },
     /// Records a sandbox's network settings (stored and reported; enforcement comes with
     /// network policy, and until then no sandbox has egress). Needs sandbox:write.
-    SetSandboxNetwork { sandbox: String, network: String },
+    SetSandboxNetwork {
+        sandbox: String,
+        network: String,
+    },
     /// Pauses every live, running sandbox of the caller's project subtree labelled
     /// `task=<task>` (containers freeze, microVMs snapshot and end their VMM), in one
     /// logged decision. Needs sandbox:write; some such sandbox must exist.
-    PauseTask { task: String },
+    PauseTask {
+        task: String,
+    },
     /// Resumes every paused sandbox of the caller's subtree labelled `task=<task>`.
-    ResumeTask { task: String },
+    ResumeTask {
+        task: String,
+    },
     /// Adds a control node to the Raft cluster. Needs cluster:admin in the root project.
-    AddClusterMember { node_id: u64, address: String },
+    AddClusterMember {
+        node_id: u64,
+        address: String,
+    },
     /// Removes a control node from the Raft cluster. Needs cluster:admin in the root project.
-    RemoveClusterMember { node_id: u64 },
+    RemoveClusterMember {
+        node_id: u64,
+    },
     /// What an edge observed about one of its sandboxes. Needs edge:write.
-    ReportSandbox { sandbox: String, observation: Observation },
+    ReportSandbox {
+        sandbox: String,
+        observation: Observation,
+    },
 }
 
 /// An edge's observation of a sandbox.
@@ -133,13 +190,22 @@ pub enum Observation {
     Ready,
     /// A VM sandbox is ready: [`Observation::Ready`] plus how its edge runs it, the VMM
     /// (`qemu`, `firecracker`) and the accelerator its guest runs under (`kvm`, `tcg`).
-    VmReady { vmm: String, accelerator: String },
+    VmReady {
+        vmm: String,
+        accelerator: String,
+    },
     /// Past its timeout, a sandbox with auto-pause is to pause instead of dying.
     TimedOut,
     Paused,
     Resumed,
-    Failed { reason: String },
-    Exited { exit_code: i32, oom_killed: bool, reason: String },
+    Failed {
+        reason: String,
+    },
+    Exited {
+        exit_code: i32,
+        oom_killed: bool,
+        reason: String,
+    },
 }
 
 impl Command {
@@ -267,15 +333,26 @@ impl RejectionKind {
 
     /// Whether a refusal of this kind is written to the log (and so to the audit view).
     pub fn is_logged(self) -> bool {
-        !matches!(self, RejectionKind::Invalid | RejectionKind::NotFound | RejectionKind::Unauthenticated)
+        !matches!(
+            self,
+            RejectionKind::Invalid | RejectionKind::NotFound | RejectionKind::Unauthenticated
+        )
     }
 }
 
 impl Rejection {
     pub fn new(kind: RejectionKind, message: impl Into<String>) -> Rejection {
-        Rejection { kind, message: message.into(), field: None }
+        Rejection {
+            kind,
+            message: message.into(),
+            field: None,
+        }
     }
     pub fn field(kind: RejectionKind, field: &str, message: impl Into<String>) -> Rejection {
-        Rejection { kind, message: message.into(), field: Some(field.to_string()) }
+        Rejection {
+            kind,
+            message: message.into(),
+            field: Some(field.to_string()),
+        }
     }
 }

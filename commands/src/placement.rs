@@ -78,7 +78,15 @@ mod tests {
     use super::*;
 
     fn cand(edge: &str, ordinal: u32, mem: u64) -> Candidate {
-        Candidate { edge: edge.into(), ordinal, free: Usage { sandboxes: 10, cpu_millis: 1000, memory_mb: mem } }
+        Candidate {
+            edge: edge.into(),
+            ordinal,
+            free: Usage {
+                sandboxes: 10,
+                cpu_millis: 1000,
+                memory_mb: mem,
+            },
+        }
     }
 
     #[test]

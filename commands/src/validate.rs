@@ -46,12 +46,23 @@ fn invalid(field: &str, msg: String) -> Rejection {
 /// A name: 1-63 characters of a-z, 0-9, '-', '_' or '.', starting with a letter or digit.
 pub fn name(field: &str, v: &str) -> Result<(), Rejection> {
     if v.is_empty() || v.len() > LIMITS.name_len {
-        return Err(invalid(field, format!("{field} must be 1 to {} characters long", LIMITS.name_len)));
+        return Err(invalid(
+            field,
+            format!("{field} must be 1 to {} characters long", LIMITS.name_len),
+        ));
     }
-    let ok_first = v.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
-    let ok_rest = v.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'));
+    let ok_first = v
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let ok_rest = v
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'));
     if !ok_first || !ok_rest {
-        return Err(invalid(field, format!("{field} may hold only a-z, 0-9, '-', '_' and '.', and must start with a letter or digit")));
+        return Err(invalid(
+            field,
+            format!("{field} may hold only a-z, 0-9, '-', '_' and '.', and must start with a letter or digit"),
+        ));
     }
     Ok(())
 }
@@ -59,7 +70,10 @@ pub fn name(field: &str, v: &str) -> Result<(), Rejection> {
 /// An id that must be non-empty and short (its existence is checked separately).
 pub fn id(field: &str, v: &str) -> Result<(), Rejection> {
     if v.is_empty() || v.len() > 128 || v.chars().any(|c| c.is_control() || c.is_whitespace()) {
-        return Err(invalid(field, format!("{field} must be a non-empty id without spaces, at most 128 characters")));
+        return Err(invalid(
+            field,
+            format!("{field} must be a non-empty id without spaces, at most 128 characters"),
+        ));
     }
     Ok(())
 }
@@ -70,10 +84,22 @@ pub fn labels(field: &str, l: &BTreeMap<String, String>) -> Result<(), Rejection
     }
     for (k, v) in l {
         if k.is_empty() || k.len() > LIMITS.label_key_len || k.chars().any(|c| c.is_control() || c.is_whitespace()) {
-            return Err(invalid(field, format!("label key {k:?} must be 1 to {} characters without spaces", LIMITS.label_key_len)));
+            return Err(invalid(
+                field,
+                format!(
+                    "label key {k:?} must be 1 to {} characters without spaces",
+                    LIMITS.label_key_len
+                ),
+            ));
         }
         if v.len() > LIMITS.label_value_len || v.chars().any(|c| c.is_control()) {
-            return Err(invalid(field, format!("label {k:?} has a value over {} characters or with control characters", LIMITS.label_value_len)));
+            return Err(invalid(
+                field,
+                format!(
+                    "label {k:?} has a value over {} characters or with control characters",
+                    LIMITS.label_value_len
+                ),
+            ));
         }
     }
     Ok(())
@@ -82,7 +108,10 @@ pub fn labels(field: &str, l: &BTreeMap<String, String>) -> Result<(), Rejection
 /// Create options: environment names are shell-style, values bounded, no NUL anywhere.
 pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> {
     if o.env.len() > LIMITS.env_count {
-        return Err(invalid(&format!("{field}.env"), format!("at most {} environment variables", LIMITS.env_count)));
+        return Err(invalid(
+            &format!("{field}.env"),
+            format!("at most {} environment variables", LIMITS.env_count),
+        ));
     }
     let mut total = 0usize;
     for (k, v) in &o.env {
@@ -90,24 +119,39 @@ pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> 
             && k.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
             && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !ok {
-            return Err(invalid(&format!("{field}.env"), format!("environment variable name {k:?} must match [A-Za-z_][A-Za-z0-9_]*")));
+            return Err(invalid(
+                &format!("{field}.env"),
+                format!("environment variable name {k:?} must match [A-Za-z_][A-Za-z0-9_]*"),
+            ));
         }
         if v.contains('\0') {
-            return Err(invalid(&format!("{field}.env"), format!("environment variable {k} holds a NUL character")));
+            return Err(invalid(
+                &format!("{field}.env"),
+                format!("environment variable {k} holds a NUL character"),
+            ));
         }
         total += k.len() + v.len();
     }
     if total > LIMITS.env_bytes {
-        return Err(invalid(&format!("{field}.env"), format!("the environment is over {} bytes", LIMITS.env_bytes)));
+        return Err(invalid(
+            &format!("{field}.env"),
+            format!("the environment is over {} bytes", LIMITS.env_bytes),
+        ));
     }
     if let Some(k) = &o.idempotency_key {
         if k.is_empty() || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(invalid(&format!("{field}.idempotency_key"), "an idempotency key is 1 to 128 printable ASCII characters".into()));
+            return Err(invalid(
+                &format!("{field}.idempotency_key"),
+                "an idempotency key is 1 to 128 printable ASCII characters".into(),
+            ));
         }
     }
     if let Some(n) = &o.network {
         if n.len() > LIMITS.network_len {
-            return Err(invalid(field, format!("network settings are over {} bytes", LIMITS.network_len)));
+            return Err(invalid(
+                field,
+                format!("network settings are over {} bytes", LIMITS.network_len),
+            ));
         }
         if serde_json::from_str::<serde_json::Value>(n).is_err() {
             return Err(invalid(field, "network settings must be JSON".into()));
@@ -119,7 +163,13 @@ pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> 
 /// A task name: the value of a `task` label, so non-empty and within the label rules.
 pub fn task(field: &str, v: &str) -> Result<(), Rejection> {
     if v.is_empty() || v.len() > LIMITS.label_value_len || v.chars().any(|c| c.is_control()) {
-        return Err(invalid(field, format!("{field} must be 1 to {} characters without control characters", LIMITS.label_value_len)));
+        return Err(invalid(
+            field,
+            format!(
+                "{field} must be 1 to {} characters without control characters",
+                LIMITS.label_value_len
+            ),
+        ));
     }
     Ok(())
 }
@@ -133,7 +183,10 @@ pub fn amount(field: &str, v: u64, max: u64) -> Result<(), Rejection> {
 
 pub fn text(field: &str, v: &str, max: usize) -> Result<(), Rejection> {
     if v.len() > max || v.chars().any(|c| c.is_control() && c != '\n') {
-        return Err(invalid(field, format!("{field} must be at most {max} characters, without control characters")));
+        return Err(invalid(
+            field,
+            format!("{field} must be at most {max} characters, without control characters"),
+        ));
     }
     Ok(())
 }

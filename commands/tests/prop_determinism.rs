@@ -16,16 +16,51 @@ use support::*;
 /// length, against the projects, tokens, sandboxes and edges that exist when it runs.
 #[derive(Clone, Debug)]
 enum Op {
-    Create { caller: usize, project: usize, cpu: u64, mem: u64 },
-    Fork { caller: usize, sandbox: usize, count: u32 },
-    Kill { caller: usize, sandbox: usize },
-    Report { sandbox: usize, what: u8 },
-    Quota { caller: usize, project: usize, sandboxes: Option<u64>, cpu: Option<u64> },
-    Issue { caller: usize, project: usize, rights: u8, ttl: Option<u64> },
-    Revoke { caller: usize, token: usize },
-    RegisterEdge { edge: usize, slots: u64 },
-    DeregisterEdge { edge: usize },
-    Advance { ms: u64 },
+    Create {
+        caller: usize,
+        project: usize,
+        cpu: u64,
+        mem: u64,
+    },
+    Fork {
+        caller: usize,
+        sandbox: usize,
+        count: u32,
+    },
+    Kill {
+        caller: usize,
+        sandbox: usize,
+    },
+    Report {
+        sandbox: usize,
+        what: u8,
+    },
+    Quota {
+        caller: usize,
+        project: usize,
+        sandboxes: Option<u64>,
+        cpu: Option<u64>,
+    },
+    Issue {
+        caller: usize,
+        project: usize,
+        rights: u8,
+        ttl: Option<u64>,
+    },
+    Revoke {
+        caller: usize,
+        token: usize,
+    },
+    RegisterEdge {
+        edge: usize,
+        slots: u64,
+    },
+    DeregisterEdge {
+        edge: usize,
+    },
+    Advance {
+        ms: u64,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -92,7 +127,11 @@ impl Sim {
         let c = w.project(&admin, &root, "c");
         w.set_quota(&admin, &root, at_most(12));
         w.edge(&admin, "e0", capacity(4, 100_000, 100_000));
-        Sim { w, projects: vec![root, a, b, c], tokens: vec![admin] }
+        Sim {
+            w,
+            projects: vec![root, a, b, c],
+            tokens: vec![admin],
+        }
     }
 
     fn sandbox(&self, i: usize) -> String {
@@ -105,9 +144,15 @@ impl Sim {
         let token = |c: &usize| pick(&self.tokens, *c).unwrap();
         let admin = self.tokens[0].clone();
         Some(match op {
-            Op::Create { caller, project, cpu, mem } => (
+            Op::Create {
+                caller,
+                project,
+                cpu,
+                mem,
+            } => (
                 token(caller),
-                Command::CreateSandbox { opts: Default::default(),
+                Command::CreateSandbox {
+                    opts: Default::default(),
                     project: self.projects[*project].clone(),
                     image: "img".into(),
                     cpu_millis: *cpu,
@@ -116,35 +161,107 @@ impl Sim {
                     timeout_seconds: None,
                 },
             ),
-            Op::Fork { caller, sandbox, count } => (token(caller), Command::ForkSandbox { sandbox: self.sandbox(*sandbox), count: *count, edge: None }),
-            Op::Kill { caller, sandbox } => (token(caller), Command::KillSandbox { sandbox: self.sandbox(*sandbox) }),
+            Op::Fork { caller, sandbox, count } => (
+                token(caller),
+                Command::ForkSandbox {
+                    sandbox: self.sandbox(*sandbox),
+                    count: *count,
+                    edge: None,
+                },
+            ),
+            Op::Kill { caller, sandbox } => (
+                token(caller),
+                Command::KillSandbox {
+                    sandbox: self.sandbox(*sandbox),
+                },
+            ),
             Op::Report { sandbox, what } => {
                 let observation = match what {
                     0 => Observation::Ready,
-                    1 => Observation::Exited { exit_code: 0, oom_killed: false, reason: String::new() },
-                    2 => Observation::Failed { reason: "crashed".into() },
-                    _ => Observation::Exited { exit_code: 137, oom_killed: true, reason: "oom".into() },
+                    1 => Observation::Exited {
+                        exit_code: 0,
+                        oom_killed: false,
+                        reason: String::new(),
+                    },
+                    2 => Observation::Failed {
+                        reason: "crashed".into(),
+                    },
+                    _ => Observation::Exited {
+                        exit_code: 137,
+                        oom_killed: true,
+                        reason: "oom".into(),
+                    },
                 };
-                (admin, Command::ReportSandbox { sandbox: self.sandbox(*sandbox), observation })
+                (
+                    admin,
+                    Command::ReportSandbox {
+                        sandbox: self.sandbox(*sandbox),
+                        observation,
+                    },
+                )
             }
-            Op::Quota { caller, project, sandboxes, cpu } => (
+            Op::Quota {
+                caller,
+                project,
+                sandboxes,
+                cpu,
+            } => (
                 token(caller),
-                Command::SetQuota { project: self.projects[*project].clone(), limits: Limits { sandboxes: *sandboxes, cpu_millis: *cpu, memory_mb: None } },
+                Command::SetQuota {
+                    project: self.projects[*project].clone(),
+                    limits: Limits {
+                        sandboxes: *sandboxes,
+                        cpu_millis: *cpu,
+                        memory_mb: None,
+                    },
+                },
             ),
-            Op::Issue { caller, project, rights, ttl } => {
-                let rights = Right::ALL.iter().enumerate().filter(|(i, _)| rights & (1 << i) != 0).map(|(_, r)| *r).collect();
+            Op::Issue {
+                caller,
+                project,
+                rights,
+                ttl,
+            } => {
+                let rights = Right::ALL
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| rights & (1 << i) != 0)
+                    .map(|(_, r)| *r)
+                    .collect();
                 let name = format!("t{}", self.w.seed);
                 (
                     token(caller),
-                    Command::IssueToken { project: self.projects[*project].clone(), name: name.clone(), rights, ttl_seconds: *ttl, secret_sha256: secret_hash(&name) },
+                    Command::IssueToken {
+                        project: self.projects[*project].clone(),
+                        name: name.clone(),
+                        rights,
+                        ttl_seconds: *ttl,
+                        secret_sha256: secret_hash(&name),
+                    },
                 )
             }
-            Op::Revoke { caller, token: t } => (token(caller), Command::RevokeToken { token: token(t), reason: "rotated".into() }),
+            Op::Revoke { caller, token: t } => (
+                token(caller),
+                Command::RevokeToken {
+                    token: token(t),
+                    reason: "rotated".into(),
+                },
+            ),
             Op::RegisterEdge { edge, slots } => (
                 admin,
-                Command::RegisterEdge { edge: format!("e{edge}"), address: format!("e{edge}:7401"), capacity: capacity(*slots, 100_000, 100_000), labels: BTreeMap::new() },
+                Command::RegisterEdge {
+                    edge: format!("e{edge}"),
+                    address: format!("e{edge}:7401"),
+                    capacity: capacity(*slots, 100_000, 100_000),
+                    labels: BTreeMap::new(),
+                },
             ),
-            Op::DeregisterEdge { edge } => (admin, Command::DeregisterEdge { edge: format!("e{edge}") }),
+            Op::DeregisterEdge { edge } => (
+                admin,
+                Command::DeregisterEdge {
+                    edge: format!("e{edge}"),
+                },
+            ),
             Op::Advance { ms } => {
                 self.w.advance(*ms);
                 return None;
@@ -155,7 +272,11 @@ impl Sim {
     /// Remembers tokens once their issue has been applied.
     fn learn(&mut self, decided: &Result<opendsec_commands::Decided, opendsec_commands::Rejection>) {
         if let Ok(d) = decided {
-            if d.events.iter().any(|e| matches!(e, opendsec_projections::Event::TokenIssued(_))) && self.w.state.iam.tokens.contains_key(&d.target) {
+            if d.events
+                .iter()
+                .any(|e| matches!(e, opendsec_projections::Event::TokenIssued(_)))
+                && self.w.state.iam.tokens.contains_key(&d.target)
+            {
                 self.tokens.push(d.target.clone());
             }
         }
@@ -203,7 +324,13 @@ fn check_invariants(w: &World) -> Result<(), TestCaseError> {
         for a in s.ancestry(p) {
             if let Some(l) = s.quota.limits.get(&a.id) {
                 let over = l.exceeded_by(&usage);
-                prop_assert!(over.is_none(), "project {} is over the limit of {}: {:?}", p, a.id, over);
+                prop_assert!(
+                    over.is_none(),
+                    "project {} is over the limit of {}: {:?}",
+                    p,
+                    a.id,
+                    over
+                );
             }
         }
     }

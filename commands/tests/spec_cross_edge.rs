@@ -5,14 +5,25 @@
 
 mod support;
 
-use opendsec_commands::{decide_excluding, Caller, Command, Observation, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL};
+use opendsec_commands::{
+    Caller, Command, MICROVM_LABEL, Observation, RejectionKind as K, SandboxOptions, SnapshotResult, decide_excluding,
+};
 use opendsec_projections::pb::SandboxCreated;
 use opendsec_projections::{Event, Isolation};
 use std::collections::{BTreeMap, BTreeSet};
 use support::*;
 
 fn created(events: &[Event]) -> Vec<SandboxCreated> {
-    events.iter().filter_map(|e| if let Event::SandboxCreated(c) = e { Some(c.clone()) } else { None }).collect()
+    events
+        .iter()
+        .filter_map(|e| {
+            if let Event::SandboxCreated(c) = e {
+                Some(c.clone())
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// (edge, transfer) of each copy, in order.
@@ -28,7 +39,10 @@ fn create(project: &str, image: &str, isolation: Option<Isolation>) -> Command {
         memory_mb: 256,
         labels: BTreeMap::new(),
         timeout_seconds: None,
-        opts: SandboxOptions { isolation, ..Default::default() },
+        opts: SandboxOptions {
+            isolation,
+            ..Default::default()
+        },
     }
 }
 
@@ -47,7 +61,11 @@ fn source_on_a(a_room: u64, isolation: Option<Isolation>) -> (World, String, Str
 }
 
 fn fork(sandbox: &str, count: u32, edge: Option<&str>) -> Command {
-    Command::ForkSandbox { sandbox: sandbox.into(), count, edge: edge.map(str::to_string) }
+    Command::ForkSandbox {
+        sandbox: sandbox.into(),
+        count,
+        edge: edge.map(str::to_string),
+    }
 }
 
 #[test]
@@ -61,17 +79,28 @@ fn fork_copies_fill_the_source_s_edge_first_and_the_rest_pull_from_it_under_one_
         let transfer = format!("fork-{}", copies[2].id);
         assert_eq!(
             at,
-            vec![("a".into(), "".into()), ("a".into(), "".into()), ("b".into(), transfer.clone()), ("b".into(), transfer)],
+            vec![
+                ("a".into(), "".into()),
+                ("a".into(), "".into()),
+                ("b".into(), transfer.clone()),
+                ("b".into(), transfer)
+            ],
             "{isolation:?}"
         );
         for c in &copies {
             assert_eq!((c.source_edge.as_str(), c.fork_of.as_str()), ("a", src.as_str()));
             // The id still names the edge that runs it (invariant 4).
-            assert_eq!(opendsec_commands::edge_ordinal_of(&c.id), Some(w.state.placement.edges[&c.edge].ordinal));
+            assert_eq!(
+                opendsec_commands::edge_ordinal_of(&c.id),
+                Some(w.state.placement.edges[&c.edge].ordinal)
+            );
         }
         // The views show it, and a replay of the log gives the same state.
         let v = &w.state.sandboxes.sandboxes[&copies[3].id];
-        assert_eq!((v.source_edge.as_deref(), v.transfer.as_deref()), (Some("a"), Some(format!("fork-{}", copies[2].id).as_str())));
+        assert_eq!(
+            (v.source_edge.as_deref(), v.transfer.as_deref()),
+            (Some("a"), Some(format!("fork-{}", copies[2].id).as_str()))
+        );
         assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
     }
 }
@@ -82,35 +111,65 @@ fn an_edge_asked_for_takes_every_copy_and_a_bad_one_is_refused_naming_the_field(
     let ran = w.run(&admin, fork(&src, 2, Some("b"))).unwrap();
     let copies = created(&ran.decided.events);
     let transfer = format!("fork-{}", copies[0].id);
-    assert_eq!(where_each(&ran.decided.events), vec![("b".into(), transfer.clone()), ("b".into(), transfer)]);
+    assert_eq!(
+        where_each(&ran.decided.events),
+        vec![("b".into(), transfer.clone()), ("b".into(), transfer)]
+    );
     // Asking for the source's own edge needs no transfer.
     let ran = w.run(&admin, fork(&src, 1, Some("a"))).unwrap();
     assert_eq!(where_each(&ran.decided.events), vec![("a".into(), "".into())]);
 
     let before = w.log.len();
     let err = w.run(&admin, fork(&src, 1, Some("nowhere"))).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::NotFound, Some("edge")), "{}", err.message);
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::NotFound, Some("edge")),
+        "{}",
+        err.message
+    );
     let err = w.run(&admin, fork(&src, 1, Some("bad name!"))).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("edge")), "{}", err.message);
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Invalid, Some("edge")),
+        "{}",
+        err.message
+    );
     assert_eq!(w.log.len(), before, "bad input is not logged");
     // An edge that runs no microVMs cannot take a microVM's copy: a logged denial naming it.
     w.edge(&admin, "plain", capacity(100, 100_000, 100_000));
     let err = w.run(&admin, fork(&src, 1, Some("plain"))).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::NoCapacity, Some("edge")), "{}", err.message);
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::NoCapacity, Some("edge")),
+        "{}",
+        err.message
+    );
     assert!(err.message.contains("plain"), "{}", err.message);
 }
 
 #[test]
 fn when_the_source_s_edge_refuses_at_admission_the_copies_are_placed_on_another_edge() {
     let (w, admin, src) = source_on_a(10, None);
-    let ctx = opendsec_commands::Ctx { time_ms: 1, seed: 7, request_id: "r".into(), caller: Caller::Token(admin) };
+    let ctx = opendsec_commands::Ctx {
+        time_ms: 1,
+        seed: 7,
+        request_id: "r".into(),
+        caller: Caller::Token(admin),
+    };
     let refused: BTreeSet<String> = ["a".to_string()].into();
     let d = decide_excluding(&w.state, &w.inflight, &fork(&src, 2, None), &ctx, &refused).unwrap();
     let copies = created(&d.events);
-    assert!(copies.iter().all(|c| c.edge == "b" && c.source_edge == "a" && c.transfer == format!("fork-{}", copies[0].id)));
+    assert!(
+        copies
+            .iter()
+            .all(|c| c.edge == "b" && c.source_edge == "a" && c.transfer == format!("fork-{}", copies[0].id))
+    );
     assert_eq!(copies[0].placement.as_ref().unwrap().refused_by, vec!["a".to_string()]);
     // The same inputs decide the same way.
-    assert_eq!(decide_excluding(&w.state, &w.inflight, &fork(&src, 2, None), &ctx, &refused).unwrap(), d);
+    assert_eq!(
+        decide_excluding(&w.state, &w.inflight, &fork(&src, 2, None), &ctx, &refused).unwrap(),
+        d
+    );
 }
 
 #[test]
@@ -120,16 +179,41 @@ fn a_sandbox_from_a_snapshot_whose_edge_is_full_starts_elsewhere_and_pulls_the_s
         // snapshot goes there, the second elsewhere.
         let (mut w, admin, src) = source_on_a(2, isolation);
         let root = w.root.clone();
-        let snap = w.run(&admin, Command::CreateSnapshot { sandbox: src.clone(), name: "s".into() }).unwrap().decided.target;
-        w.run(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 1 } }).unwrap();
+        let snap = w
+            .run(
+                &admin,
+                Command::CreateSnapshot {
+                    sandbox: src.clone(),
+                    name: "s".into(),
+                },
+            )
+            .unwrap()
+            .decided
+            .target;
+        w.run(
+            &admin,
+            Command::ReportSnapshot {
+                snapshot: snap.clone(),
+                result: SnapshotResult::Ready { size_bytes: 1 },
+            },
+        )
+        .unwrap();
         let first = w.run(&admin, create(&root, &snap, None)).unwrap();
         assert_eq!(where_each(&first.decided.events), vec![("a".into(), "".into())]);
         let second = w.run(&admin, create(&root, &snap, None)).unwrap();
-        assert_eq!(where_each(&second.decided.events), vec![("b".into(), snap.clone())], "{isolation:?}");
+        assert_eq!(
+            where_each(&second.decided.events),
+            vec![("b".into(), snap.clone())],
+            "{isolation:?}"
+        );
         let [c] = created(&second.decided.events).try_into().unwrap();
         assert_eq!((c.source_edge.as_str(), c.snapshot.as_str()), ("a", snap.as_str()));
         // A sandbox from an image has no source edge.
         let plain = w.run(&admin, create(&root, "base", None)).unwrap();
-        assert!(created(&plain.decided.events).iter().all(|c| c.source_edge.is_empty() && c.transfer.is_empty()));
+        assert!(
+            created(&plain.decided.events)
+                .iter()
+                .all(|c| c.source_edge.is_empty() && c.transfer.is_empty())
+        );
     }
 }

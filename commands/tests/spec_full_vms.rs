@@ -3,7 +3,9 @@
 
 mod support;
 
-use opendsec_commands::{Command, Observation, RejectionKind as K, SandboxOptions, SnapshotResult, FULLVM_LABEL, MICROVM_LABEL};
+use opendsec_commands::{
+    Command, FULLVM_LABEL, MICROVM_LABEL, Observation, RejectionKind as K, SandboxOptions, SnapshotResult,
+};
 use opendsec_projections::{AuditResult, Event, Isolation, SnapshotState};
 use support::*;
 
@@ -15,7 +17,10 @@ fn create(project: &str, image: &str, memory_mb: u64, isolation: Option<Isolatio
         memory_mb,
         labels: Default::default(),
         timeout_seconds: None,
-        opts: SandboxOptions { isolation, ..Default::default() },
+        opts: SandboxOptions {
+            isolation,
+            ..Default::default()
+        },
     }
 }
 
@@ -23,14 +28,34 @@ fn create(project: &str, image: &str, memory_mb: u64, isolation: Option<Isolatio
 fn three_kinds_of_edge() -> (World, String) {
     let mut w = World::new();
     let admin = w.bootstrap();
-    w.edge_labelled(&admin, "full", capacity(100, 100_000, 100_000), labels(&[(MICROVM_LABEL, "qemu"), (FULLVM_LABEL, "q35")]));
-    w.edge_labelled(&admin, "micro", capacity(100, 100_000, 100_000), labels(&[(MICROVM_LABEL, "qemu")]));
+    w.edge_labelled(
+        &admin,
+        "full",
+        capacity(100, 100_000, 100_000),
+        labels(&[(MICROVM_LABEL, "qemu"), (FULLVM_LABEL, "q35")]),
+    );
+    w.edge_labelled(
+        &admin,
+        "micro",
+        capacity(100, 100_000, 100_000),
+        labels(&[(MICROVM_LABEL, "qemu")]),
+    );
     w.edge(&admin, "plain", capacity(100, 100_000, 100_000));
     (w, admin)
 }
 
 fn created(ran: &support::Ran) -> Vec<opendsec_projections::pb::SandboxCreated> {
-    ran.decided.events.iter().filter_map(|e| if let Event::SandboxCreated(c) = e { Some(c.clone()) } else { None }).collect()
+    ran.decided
+        .events
+        .iter()
+        .filter_map(|e| {
+            if let Event::SandboxCreated(c) = e {
+                Some(c.clone())
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 #[test]
@@ -44,7 +69,12 @@ fn a_full_vm_goes_only_to_an_edge_labelled_for_full_vms_and_its_event_says_vm() 
         assert_eq!(w.state.sandboxes.sandboxes[&c.id].isolation, Isolation::Vm);
     }
     let view = w.state.view_json("sandboxes").unwrap();
-    let vms = view["sandboxes"].as_object().unwrap().values().filter(|s| s["isolation"] == "vm").count();
+    let vms = view["sandboxes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter(|s| s["isolation"] == "vm")
+        .count();
     assert_eq!(vms, 8, "the view names the isolation");
 }
 
@@ -52,9 +82,16 @@ fn a_full_vm_goes_only_to_an_edge_labelled_for_full_vms_and_its_event_says_vm() 
 fn without_an_edge_that_runs_full_vms_a_full_vm_is_refused_and_the_refusal_logged() {
     let mut w = World::new();
     let admin = w.bootstrap();
-    w.edge_labelled(&admin, "micro", capacity(100, 100_000, 100_000), labels(&[(MICROVM_LABEL, "qemu")]));
+    w.edge_labelled(
+        &admin,
+        "micro",
+        capacity(100, 100_000, 100_000),
+        labels(&[(MICROVM_LABEL, "qemu")]),
+    );
     let root = w.root.clone();
-    let err = w.run(&admin, create(&root, "base", 512, Some(Isolation::Vm))).unwrap_err();
+    let err = w
+        .run(&admin, create(&root, "base", 512, Some(Isolation::Vm)))
+        .unwrap_err();
     assert_eq!(err.kind, K::NoCapacity);
     assert!(err.message.contains("full VM"), "{}", err.message);
     assert!(matches!(w.last_audit().result, AuditResult::Denied { .. }));
@@ -65,7 +102,9 @@ fn a_full_vm_needs_memory_for_its_firmware_kernel_and_agent() {
     let (mut w, admin) = three_kinds_of_edge();
     let root = w.root.clone();
     let before = w.log.len();
-    let err = w.run(&admin, create(&root, "base", 96, Some(Isolation::Vm))).unwrap_err();
+    let err = w
+        .run(&admin, create(&root, "base", 96, Some(Isolation::Vm)))
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("memory_mb")));
     assert!(err.message.contains("full VM needs at least 128"), "{}", err.message);
     assert_eq!(w.log.len(), before, "bad input is not logged");
@@ -75,17 +114,59 @@ fn a_full_vm_needs_memory_for_its_firmware_kernel_and_agent() {
 fn forks_and_snapshots_of_a_full_vm_are_full_vms_on_its_edge() {
     let (mut w, admin) = three_kinds_of_edge();
     let root = w.root.clone();
-    let src = w.run(&admin, create(&root, "base", 512, Some(Isolation::Vm))).unwrap().decided.target;
+    let src = w
+        .run(&admin, create(&root, "base", 512, Some(Isolation::Vm)))
+        .unwrap()
+        .decided
+        .target;
     w.report(&admin, &src, Observation::Ready);
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 2, edge: None }).unwrap();
+    let ran = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: src.clone(),
+                count: 2,
+                edge: None,
+            },
+        )
+        .unwrap();
     for c in created(&ran) {
-        assert_eq!((c.edge.as_str(), c.isolation.as_str(), c.fork_of.as_str()), ("full", "vm", src.as_str()));
+        assert_eq!(
+            (c.edge.as_str(), c.isolation.as_str(), c.fork_of.as_str()),
+            ("full", "vm", src.as_str())
+        );
     }
-    let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 65, edge: None }).unwrap_err();
+    let err = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: src.clone(),
+                count: 65,
+                edge: None,
+            },
+        )
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("count")));
 
-    let snap = w.run(&admin, Command::CreateSnapshot { sandbox: src.clone(), name: "warm".into() }).unwrap().decided.target;
-    w.run(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 1 << 20 } }).unwrap();
+    let snap = w
+        .run(
+            &admin,
+            Command::CreateSnapshot {
+                sandbox: src.clone(),
+                name: "warm".into(),
+            },
+        )
+        .unwrap()
+        .decided
+        .target;
+    w.run(
+        &admin,
+        Command::ReportSnapshot {
+            snapshot: snap.clone(),
+            result: SnapshotResult::Ready { size_bytes: 1 << 20 },
+        },
+    )
+    .unwrap();
     let x = &w.state.snapshots.snapshots[&snap];
     assert_eq!((x.isolation, x.state), (Isolation::Vm, SnapshotState::Ready));
 
@@ -93,10 +174,17 @@ fn forks_and_snapshots_of_a_full_vm_are_full_vms_on_its_edge() {
     // another isolation is refused, naming the field.
     let ran = w.run(&admin, create(&root, &snap, 256, None)).unwrap();
     let [c] = created(&ran).try_into().unwrap();
-    assert_eq!((c.edge.as_str(), c.isolation.as_str(), c.memory_mb), ("full", "vm", 512));
+    assert_eq!(
+        (c.edge.as_str(), c.isolation.as_str(), c.memory_mb),
+        ("full", "vm", 512)
+    );
     for other in [Isolation::Microvm, Isolation::Container] {
         let err = w.run(&admin, create(&root, &snap, 512, Some(other))).unwrap_err();
-        assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("opts.isolation")), "{other:?}");
+        assert_eq!(
+            (err.kind, err.field.as_deref()),
+            (K::Invalid, Some("opts.isolation")),
+            "{other:?}"
+        );
         assert!(err.message.contains("full VM's memory"), "{}", err.message);
     }
 }

@@ -7,7 +7,11 @@ use opendsec_projections::{AuditResult, Outcome, Right};
 use support::*;
 
 fn bootstrap_cmd() -> Command {
-    Command::Bootstrap { project_name: "again".into(), token_name: "admin2".into(), secret_sha256: secret_hash("x") }
+    Command::Bootstrap {
+        project_name: "again".into(),
+        token_name: "admin2".into(),
+        secret_sha256: secret_hash("x"),
+    }
 }
 
 #[test]
@@ -21,7 +25,11 @@ fn bootstrap_creates_the_root_project_and_an_admin_token_holding_every_right() {
     assert_eq!(tok.project, w.root);
     assert_eq!(tok.rights.iter().copied().collect::<Vec<_>>(), Right::ALL.to_vec());
     assert_eq!((tok.expires_at_ms, tok.issued_by.as_ref()), (None, None));
-    assert_eq!(tok.secret_sha256, secret_hash("admin"), "only the hash of the secret is kept");
+    assert_eq!(
+        tok.secret_sha256,
+        secret_hash("admin"),
+        "only the hash of the secret is kept"
+    );
     assert_eq!(w.last_audit().principal, "system:");
     assert_eq!(w.last_audit().action, "cluster.bootstrap");
 }
@@ -48,7 +56,11 @@ fn only_the_system_may_bootstrap() {
 #[test]
 fn two_bootstraps_in_flight_cannot_both_win() {
     let mut w = World::new();
-    let cmd = |name: &str| Command::Bootstrap { project_name: name.into(), token_name: "admin".into(), secret_sha256: secret_hash("s") };
+    let cmd = |name: &str| Command::Bootstrap {
+        project_name: name.into(),
+        token_name: "admin".into(),
+        secret_sha256: secret_hash("s"),
+    };
     // Same name: the overlay already refuses the second one.
     let a = w.propose_as(Caller::System, cmd("root"), Overlay::Used);
     let b = w.propose_as(Caller::System, cmd("root"), Overlay::Used);
@@ -88,7 +100,15 @@ fn sibling_projects_have_distinct_names_but_cousins_may_share_one() {
     let b = w.project(&admin, &root, "b");
     w.project(&admin, &a, "web");
     w.project(&admin, &b, "web");
-    let err = w.run(&admin, Command::CreateProject { name: "web".into(), parent: a.clone() }).unwrap_err();
+    let err = w
+        .run(
+            &admin,
+            Command::CreateProject {
+                name: "web".into(),
+                parent: a.clone(),
+            },
+        )
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("name")));
 }
 
@@ -110,17 +130,67 @@ fn a_token_acts_only_within_its_project_subtree() {
     w.sandbox(&a_token, &a_child);
 
     let outside: Vec<(Command, &str)> = vec![
-        (Command::CreateProject { name: "x".into(), parent: b.clone() }, "parent"),
-        (Command::CreateProject { name: "x".into(), parent: root.clone() }, "parent"),
+        (
+            Command::CreateProject {
+                name: "x".into(),
+                parent: b.clone(),
+            },
+            "parent",
+        ),
+        (
+            Command::CreateProject {
+                name: "x".into(),
+                parent: root.clone(),
+            },
+            "parent",
+        ),
         (create_in(&b), "project"),
-        (Command::SetQuota { project: b.clone(), limits: at_most(1) }, "project"),
+        (
+            Command::SetQuota {
+                project: b.clone(),
+                limits: at_most(1),
+            },
+            "project",
+        ),
         (Command::DeleteProject { project: b.clone() }, "project"),
         (Command::KillSandbox { sandbox: in_b.clone() }, "sandbox"),
         (Command::PauseSandbox { sandbox: in_b.clone() }, "sandbox"),
-        (Command::ForkSandbox { sandbox: in_b.clone(), count: 1, edge: None }, "sandbox"),
-        (Command::ReportSandbox { sandbox: in_b.clone(), observation: Observation::Exited { exit_code: 0, oom_killed: false, reason: String::new() } }, "sandbox"),
-        (Command::RevokeToken { token: b_token.clone(), reason: String::new() }, "token"),
-        (Command::IssueToken { project: b.clone(), name: "x".into(), rights: vec![], ttl_seconds: None, secret_sha256: secret_hash("x") }, "project"),
+        (
+            Command::ForkSandbox {
+                sandbox: in_b.clone(),
+                count: 1,
+                edge: None,
+            },
+            "sandbox",
+        ),
+        (
+            Command::ReportSandbox {
+                sandbox: in_b.clone(),
+                observation: Observation::Exited {
+                    exit_code: 0,
+                    oom_killed: false,
+                    reason: String::new(),
+                },
+            },
+            "sandbox",
+        ),
+        (
+            Command::RevokeToken {
+                token: b_token.clone(),
+                reason: String::new(),
+            },
+            "token",
+        ),
+        (
+            Command::IssueToken {
+                project: b.clone(),
+                name: "x".into(),
+                rights: vec![],
+                ttl_seconds: None,
+                secret_sha256: secret_hash("x"),
+            },
+            "project",
+        ),
     ];
     for (cmd, field) in outside {
         let before = w.state.clone();
@@ -128,7 +198,10 @@ fn a_token_acts_only_within_its_project_subtree() {
         assert_eq!((err.kind, err.field.as_deref()), (K::Forbidden, Some(field)), "{cmd:?}");
         assert_eq!(w.state.sandboxes, before.sandboxes, "{cmd:?} changed nothing");
         assert_eq!(w.state.iam, before.iam, "{cmd:?} changed nothing");
-        assert!(matches!(w.last_audit().result, AuditResult::Denied { .. }), "{cmd:?} is audited as denied");
+        assert!(
+            matches!(w.last_audit().result, AuditResult::Denied { .. }),
+            "{cmd:?} is audited as denied"
+        );
     }
 }
 
@@ -153,7 +226,9 @@ fn a_principal_cannot_grant_a_right_it_lacks() {
     let ok = w.issue(&lead, &team, &[Right::SandboxWrite], None);
     assert_eq!(w.state.iam.tokens[&ok].issued_by.as_deref(), Some(lead.as_str()));
 
-    let err = w.try_issue(&lead, &team, &[Right::SandboxWrite, Right::QuotaWrite], None).unwrap_err();
+    let err = w
+        .try_issue(&lead, &team, &[Right::SandboxWrite, Right::QuotaWrite], None)
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Forbidden, Some("rights")));
     assert!(err.message.contains("quota:write"), "{}", err.message);
 }
@@ -185,7 +260,12 @@ fn a_delegated_token_never_outlives_its_issuer() {
     assert_eq!(lead_expiry, w.now_ms + 60_000);
 
     // (requested ttl, expected expiry)
-    let cases = [(None, lead_expiry), (Some(0), lead_expiry), (Some(3600), lead_expiry), (Some(10), w.now_ms + 10_000)];
+    let cases = [
+        (None, lead_expiry),
+        (Some(0), lead_expiry),
+        (Some(3600), lead_expiry),
+        (Some(10), w.now_ms + 10_000),
+    ];
     for (ttl, expected) in cases {
         let t = w.issue(&lead, &root, &[], ttl);
         assert_eq!(w.state.iam.tokens[&t].expires_at_ms, Some(expected), "ttl {ttl:?}");
@@ -198,7 +278,14 @@ fn a_revoked_token_is_refused_as_unauthenticated_and_nothing_is_logged() {
     let root = w.root.clone();
     let t = w.issue(&admin, &root, &[Right::SandboxWrite], None);
     w.sandbox(&t, &root);
-    w.run(&admin, Command::RevokeToken { token: t.clone(), reason: "leaked".into() }).unwrap();
+    w.run(
+        &admin,
+        Command::RevokeToken {
+            token: t.clone(),
+            reason: "leaked".into(),
+        },
+    )
+    .unwrap();
     assert_eq!(w.state.iam.tokens[&t].revoked.as_ref().unwrap().reason, "leaked");
 
     let log_len = w.log.len();
@@ -206,7 +293,15 @@ fn a_revoked_token_is_refused_as_unauthenticated_and_nothing_is_logged() {
     assert_eq!(err.kind, K::Unauthenticated);
     assert_eq!(w.log.len(), log_len);
 
-    let again = w.run(&admin, Command::RevokeToken { token: t.clone(), reason: "twice".into() }).unwrap_err();
+    let again = w
+        .run(
+            &admin,
+            Command::RevokeToken {
+                token: t.clone(),
+                reason: "twice".into(),
+            },
+        )
+        .unwrap_err();
     assert_eq!((again.kind, again.field.as_deref()), (K::Conflict, Some("token")));
 }
 
@@ -227,7 +322,10 @@ fn an_expired_token_is_refused_from_the_moment_it_expires() {
 fn an_unknown_token_is_refused_as_unauthenticated() {
     let (mut w, _) = World::with_admin_and_edge();
     let root = w.root.clone();
-    assert_eq!(w.try_sandbox("feedfacefeedface", &root).unwrap_err().kind, K::Unauthenticated);
+    assert_eq!(
+        w.try_sandbox("feedfacefeedface", &root).unwrap_err().kind,
+        K::Unauthenticated
+    );
 }
 
 #[test]
@@ -236,12 +334,26 @@ fn a_revocation_in_flight_already_refuses_the_token() {
     let root = w.root.clone();
     let t = w.issue(&admin, &root, &[Right::SandboxWrite], None);
 
-    let revoke = w.propose(&admin, Command::RevokeToken { token: t.clone(), reason: "leaked".into() }, Overlay::Used);
+    let revoke = w.propose(
+        &admin,
+        Command::RevokeToken {
+            token: t.clone(),
+            reason: "leaked".into(),
+        },
+        Overlay::Used,
+    );
     assert!(revoke.decided.is_ok());
     let attempt = w.propose(&t, create_in(&root), Overlay::Used);
     assert_eq!(attempt.decided.unwrap_err().kind, K::Unauthenticated);
     assert!(attempt.batch.is_none());
-    let second = w.propose(&admin, Command::RevokeToken { token: t.clone(), reason: "again".into() }, Overlay::Used);
+    let second = w.propose(
+        &admin,
+        Command::RevokeToken {
+            token: t.clone(),
+            reason: "again".into(),
+        },
+        Overlay::Used,
+    );
     assert_eq!(second.decided.as_ref().unwrap_err().kind, K::Conflict);
 
     w.commit(revoke);

@@ -4,7 +4,9 @@
 
 mod support;
 
-use opendsec_commands::{Command, Observation, RejectionKind as K, SandboxOptions, SnapshotResult, MICROVM_LABEL, TASK_LABEL};
+use opendsec_commands::{
+    Command, MICROVM_LABEL, Observation, RejectionKind as K, SandboxOptions, SnapshotResult, TASK_LABEL,
+};
 use opendsec_projections::{AuditResult, Desired, Event, Isolation, Right};
 use support::*;
 
@@ -16,7 +18,10 @@ fn create(project: &str, image: &str, memory_mb: u64, isolation: Option<Isolatio
         memory_mb,
         labels: task.map(|t| labels(&[(TASK_LABEL, t)])).unwrap_or_default(),
         timeout_seconds: None,
-        opts: SandboxOptions { isolation, ..Default::default() },
+        opts: SandboxOptions {
+            isolation,
+            ..Default::default()
+        },
     }
 }
 
@@ -28,23 +33,59 @@ fn microvm(project: &str) -> Command {
 fn two_kinds_of_edge() -> (World, String) {
     let mut w = World::new();
     let admin = w.bootstrap();
-    w.edge_labelled(&admin, "vm", capacity(100, 100_000, 100_000), labels(&[(MICROVM_LABEL, "qemu")]));
+    w.edge_labelled(
+        &admin,
+        "vm",
+        capacity(100, 100_000, 100_000),
+        labels(&[(MICROVM_LABEL, "qemu")]),
+    );
     w.edge(&admin, "plain", capacity(100, 100_000, 100_000));
     (w, admin)
 }
 
 fn created(ran: &support::Ran) -> Vec<opendsec_projections::pb::SandboxCreated> {
-    ran.decided.events.iter().filter_map(|e| if let Event::SandboxCreated(c) = e { Some(c.clone()) } else { None }).collect()
+    ran.decided
+        .events
+        .iter()
+        .filter_map(|e| {
+            if let Event::SandboxCreated(c) = e {
+                Some(c.clone())
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// A running microVM and a ready snapshot of it: (world, admin, sandbox, snapshot).
 fn microvm_snapshot() -> (World, String, String, String) {
     let (mut w, admin) = two_kinds_of_edge();
     let root = w.root.clone();
-    let id = w.run(&admin, create(&root, "base", 384, Some(Isolation::Microvm), None)).unwrap().decided.target;
+    let id = w
+        .run(&admin, create(&root, "base", 384, Some(Isolation::Microvm), None))
+        .unwrap()
+        .decided
+        .target;
     w.report(&admin, &id, Observation::Ready);
-    let snap = w.run(&admin, Command::CreateSnapshot { sandbox: id.clone(), name: "warm".into() }).unwrap().decided.target;
-    w.run(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 1 << 20 } }).unwrap();
+    let snap = w
+        .run(
+            &admin,
+            Command::CreateSnapshot {
+                sandbox: id.clone(),
+                name: "warm".into(),
+            },
+        )
+        .unwrap()
+        .decided
+        .target;
+    w.run(
+        &admin,
+        Command::ReportSnapshot {
+            snapshot: snap.clone(),
+            result: SnapshotResult::Ready { size_bytes: 1 << 20 },
+        },
+    )
+    .unwrap();
     (w, admin, id, snap)
 }
 
@@ -68,9 +109,24 @@ fn a_create_may_ask_for_a_microvm_and_it_goes_only_to_an_edge_that_runs_them() {
     }
     assert_eq!(edges.len(), 2, "containers are placed on both edges");
     let view = w.state.view_json("sandboxes").unwrap();
-    let isolations: Vec<_> = view["sandboxes"].as_object().unwrap().values().map(|s| s.get("isolation").cloned()).collect();
-    assert_eq!(isolations.iter().filter(|i| i.is_none()).count(), 16, "containers' views leave the field out");
-    assert_eq!(isolations.iter().filter(|i| i.as_ref().is_some_and(|v| v == "microvm")).count(), 8);
+    let isolations: Vec<_> = view["sandboxes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|s| s.get("isolation").cloned())
+        .collect();
+    assert_eq!(
+        isolations.iter().filter(|i| i.is_none()).count(),
+        16,
+        "containers' views leave the field out"
+    );
+    assert_eq!(
+        isolations
+            .iter()
+            .filter(|i| i.as_ref().is_some_and(|v| v == "microvm"))
+            .count(),
+        8
+    );
 }
 
 #[test]
@@ -88,7 +144,9 @@ fn a_microvm_needs_enough_memory_for_its_kernel() {
     let (mut w, admin) = two_kinds_of_edge();
     let root = w.root.clone();
     let before = w.log.len();
-    let err = w.run(&admin, create(&root, "base", 32, Some(Isolation::Microvm), None)).unwrap_err();
+    let err = w
+        .run(&admin, create(&root, "base", 32, Some(Isolation::Microvm), None))
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("memory_mb")));
     assert_eq!(w.log.len(), before, "bad input is not logged");
 }
@@ -99,17 +157,42 @@ fn forks_of_a_microvm_are_microvms_on_its_edge() {
     let root = w.root.clone();
     let src = w.run(&admin, microvm(&root)).unwrap().decided.target;
     w.report(&admin, &src, Observation::Ready);
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count: 4, edge: None }).unwrap();
+    let ran = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: src.clone(),
+                count: 4,
+                edge: None,
+            },
+        )
+        .unwrap();
     let copies = created(&ran);
     assert_eq!(copies.len(), 4);
     for c in copies {
-        assert_eq!((c.edge.as_str(), c.isolation.as_str(), c.fork_of.as_str(), c.memory_mb), ("vm", "microvm", src.as_str(), 256));
+        assert_eq!(
+            (c.edge.as_str(), c.isolation.as_str(), c.fork_of.as_str(), c.memory_mb),
+            ("vm", "microvm", src.as_str(), 256)
+        );
     }
     // Bad counts are refused, naming the field, and change nothing.
     let before = w.log.len();
     for count in [0, 65, 10_000] {
-        let err = w.run(&admin, Command::ForkSandbox { sandbox: src.clone(), count, edge: None }).unwrap_err();
-        assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("count")), "count {count}");
+        let err = w
+            .run(
+                &admin,
+                Command::ForkSandbox {
+                    sandbox: src.clone(),
+                    count,
+                    edge: None,
+                },
+            )
+            .unwrap_err();
+        assert_eq!(
+            (err.kind, err.field.as_deref()),
+            (K::Invalid, Some("count")),
+            "count {count}"
+        );
     }
     assert_eq!(w.log.len(), before);
 }
@@ -123,14 +206,38 @@ fn a_microvm_snapshot_holds_its_machine_and_what_starts_from_it_is_that_machine(
     // Without asking, with any size: a microVM of its source's size, on its edge.
     let ran = w.run(&admin, create(&root, &snap, 999, None, None)).unwrap();
     let [c] = created(&ran).try_into().unwrap();
-    assert_eq!((c.isolation.as_str(), c.snapshot.as_str(), c.edge.as_str(), c.memory_mb, c.cpu_millis), ("microvm", snap.as_str(), "vm", 384, 1000));
-    assert_eq!(w.state.sandboxes.sandboxes[&c.id].memory_mb, 384, "quota counts what it really takes");
+    assert_eq!(
+        (
+            c.isolation.as_str(),
+            c.snapshot.as_str(),
+            c.edge.as_str(),
+            c.memory_mb,
+            c.cpu_millis
+        ),
+        ("microvm", snap.as_str(), "vm", 384, 1000)
+    );
+    assert_eq!(
+        w.state.sandboxes.sandboxes[&c.id].memory_mb, 384,
+        "quota counts what it really takes"
+    );
     // A snapshot of a sandbox started from a snapshot stands on its own.
     w.report(&admin, &c.id, Observation::Ready);
-    let again = w.run(&admin, Command::CreateSnapshot { sandbox: c.id.clone(), name: String::new() }).unwrap().decided.target;
+    let again = w
+        .run(
+            &admin,
+            Command::CreateSnapshot {
+                sandbox: c.id.clone(),
+                name: String::new(),
+            },
+        )
+        .unwrap()
+        .decided
+        .target;
     assert_eq!(w.state.snapshots.snapshots[&again].parent, None);
     // Asking for a container from it is refused, naming the field.
-    let err = w.run(&admin, create(&root, &snap, 256, Some(Isolation::Container), None)).unwrap_err();
+    let err = w
+        .run(&admin, create(&root, &snap, 256, Some(Isolation::Container), None))
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("opts.isolation")));
     let _ = src;
 }
@@ -139,12 +246,35 @@ fn a_microvm_snapshot_holds_its_machine_and_what_starts_from_it_is_that_machine(
 fn a_container_s_file_system_snapshot_starts_only_containers() {
     let (mut w, admin) = two_kinds_of_edge();
     let root = w.root.clone();
-    let id = w.run(&admin, create(&root, "base", 256, None, None)).unwrap().decided.target;
+    let id = w
+        .run(&admin, create(&root, "base", 256, None, None))
+        .unwrap()
+        .decided
+        .target;
     w.report(&admin, &id, Observation::Ready);
-    let snap = w.run(&admin, Command::CreateSnapshot { sandbox: id, name: String::new() }).unwrap().decided.target;
+    let snap = w
+        .run(
+            &admin,
+            Command::CreateSnapshot {
+                sandbox: id,
+                name: String::new(),
+            },
+        )
+        .unwrap()
+        .decided
+        .target;
     assert_eq!(w.state.snapshots.snapshots[&snap].isolation, Isolation::Container);
-    w.run(&admin, Command::ReportSnapshot { snapshot: snap.clone(), result: SnapshotResult::Ready { size_bytes: 1 } }).unwrap();
-    let err = w.run(&admin, create(&root, &snap, 256, Some(Isolation::Microvm), None)).unwrap_err();
+    w.run(
+        &admin,
+        Command::ReportSnapshot {
+            snapshot: snap.clone(),
+            result: SnapshotResult::Ready { size_bytes: 1 },
+        },
+    )
+    .unwrap();
+    let err = w
+        .run(&admin, create(&root, &snap, 256, Some(Isolation::Microvm), None))
+        .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("opts.isolation")));
 }
 
@@ -157,33 +287,81 @@ fn a_task_pause_pauses_every_running_sandbox_of_the_task_in_the_caller_s_subtree
     let lead = w.issue(&admin, &team, &[Right::SandboxWrite, Right::SandboxRead], None);
     let mut task = Vec::new();
     for isolation in [None, None, Some(Isolation::Microvm)] {
-        task.push(w.run(&lead, create(&team, "base", 256, isolation, Some("t1"))).unwrap().decided.target);
+        task.push(
+            w.run(&lead, create(&team, "base", 256, isolation, Some("t1")))
+                .unwrap()
+                .decided
+                .target,
+        );
     }
-    let elsewhere = w.run(&admin, create(&other, "base", 256, None, Some("t1"))).unwrap().decided.target;
-    let other_task = w.run(&lead, create(&team, "base", 256, None, Some("t2"))).unwrap().decided.target;
+    let elsewhere = w
+        .run(&admin, create(&other, "base", 256, None, Some("t1")))
+        .unwrap()
+        .decided
+        .target;
+    let other_task = w
+        .run(&lead, create(&team, "base", 256, None, Some("t2")))
+        .unwrap()
+        .decided
+        .target;
     // One of them was paused on its own already: it is left alone.
-    w.run(&lead, Command::PauseSandbox { sandbox: task[0].clone() }).unwrap();
+    w.run(
+        &lead,
+        Command::PauseSandbox {
+            sandbox: task[0].clone(),
+        },
+    )
+    .unwrap();
 
     let ran = w.run(&lead, Command::PauseTask { task: "t1".into() }).unwrap();
-    let paused: Vec<_> = ran.decided.events.iter().map(|e| match e {
-        Event::SandboxPauseRequested(p) => p.id.clone(),
-        other => panic!("unexpected {other:?}"),
-    }).collect();
-    assert_eq!(paused, { let mut v = task[1..].to_vec(); v.sort(); v });
+    let paused: Vec<_> = ran
+        .decided
+        .events
+        .iter()
+        .map(|e| match e {
+            Event::SandboxPauseRequested(p) => p.id.clone(),
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(paused, {
+        let mut v = task[1..].to_vec();
+        v.sort();
+        v
+    });
     let audit = w.last_audit();
-    assert_eq!((audit.action.as_str(), audit.target.as_str(), audit.project.as_str()), ("task.pause", "task:t1", team.as_str()));
+    assert_eq!(
+        (audit.action.as_str(), audit.target.as_str(), audit.project.as_str()),
+        ("task.pause", "task:t1", team.as_str())
+    );
     for id in &task {
         assert_eq!(w.state.sandboxes.sandboxes[id].desired, Desired::Paused);
     }
     for id in [&elsewhere, &other_task] {
-        assert_eq!(w.state.sandboxes.sandboxes[id].desired, Desired::Running, "{id} is not part of this task");
+        assert_eq!(
+            w.state.sandboxes.sandboxes[id].desired,
+            Desired::Running,
+            "{id} is not part of this task"
+        );
     }
 
     let ran = w.run(&lead, Command::ResumeTask { task: "t1".into() }).unwrap();
-    assert_eq!(ran.decided.events.len(), 3, "all three resume, the one paused on its own too");
-    assert!(task.iter().all(|id| w.state.sandboxes.sandboxes[id].desired == Desired::Running));
+    assert_eq!(
+        ran.decided.events.len(),
+        3,
+        "all three resume, the one paused on its own too"
+    );
+    assert!(
+        task.iter()
+            .all(|id| w.state.sandboxes.sandboxes[id].desired == Desired::Running)
+    );
     // Again: nothing to do, and that is fine.
-    assert!(w.run(&lead, Command::ResumeTask { task: "t1".into() }).unwrap().decided.events.is_empty());
+    assert!(
+        w.run(&lead, Command::ResumeTask { task: "t1".into() })
+            .unwrap()
+            .decided
+            .events
+            .is_empty()
+    );
 }
 
 #[test]
@@ -198,7 +376,12 @@ fn a_task_nobody_works_for_is_not_found_and_a_caller_without_the_right_is_denied
     assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("task")));
     assert_eq!(w.log.len(), before, "neither is logged");
     let reader = w.issue(&admin, &root, &[Right::SandboxRead], None);
-    assert_eq!(w.run(&reader, Command::PauseTask { task: "t1".into() }).unwrap_err().kind, K::Forbidden);
+    assert_eq!(
+        w.run(&reader, Command::PauseTask { task: "t1".into() })
+            .unwrap_err()
+            .kind,
+        K::Forbidden
+    );
     assert_eq!(w.last_audit().target, "task:t1", "a denial is audited against the task");
 }
 
@@ -208,7 +391,15 @@ fn replaying_microvms_snapshots_and_task_pauses_gives_the_same_state() {
     let root = w.root.clone();
     w.run(&admin, create(&root, &snap, 256, None, Some("t"))).unwrap();
     w.run(&admin, create(&root, "base", 256, None, Some("t"))).unwrap();
-    w.run(&admin, Command::ForkSandbox { sandbox: src, count: 2, edge: None }).unwrap();
+    w.run(
+        &admin,
+        Command::ForkSandbox {
+            sandbox: src,
+            count: 2,
+            edge: None,
+        },
+    )
+    .unwrap();
     w.run(&admin, Command::PauseTask { task: "t".into() }).unwrap();
     w.run(&admin, Command::ResumeTask { task: "t".into() }).unwrap();
     assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());

@@ -16,8 +16,20 @@ fn three_levels() -> (World, String, [String; 3]) {
     (w, admin, [root, team, sub])
 }
 
-fn set_quota(w: &mut World, token: &str, project: &str, l: opendsec_projections::Limits) -> Result<(), opendsec_commands::Rejection> {
-    w.run(token, Command::SetQuota { project: project.into(), limits: l }).map(|_| ())
+fn set_quota(
+    w: &mut World,
+    token: &str,
+    project: &str,
+    l: opendsec_projections::Limits,
+) -> Result<(), opendsec_commands::Rejection> {
+    w.run(
+        token,
+        Command::SetQuota {
+            project: project.into(),
+            limits: l,
+        },
+    )
+    .map(|_| ())
 }
 
 #[test]
@@ -36,7 +48,12 @@ fn a_childs_limit_can_never_exceed_its_parents_and_the_refusal_names_the_field()
     ];
     for (l, field) in cases {
         let err = set_quota(&mut w, &admin, &sub, l).unwrap_err();
-        assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some(field)), "{l:?}: {}", err.message);
+        assert_eq!(
+            (err.kind, err.field.as_deref()),
+            (K::Invalid, Some(field)),
+            "{l:?}: {}",
+            err.message
+        );
     }
     assert!(!w.state.quota.limits.contains_key(&sub));
     w.set_quota(&admin, &sub, limits(Some(5), Some(4_000), Some(2_048)));
@@ -50,10 +67,16 @@ fn a_parent_cannot_be_lowered_below_a_childs_limit() {
     w.set_quota(&admin, &sub, at_most(6));
 
     let err = set_quota(&mut w, &admin, &team, at_most(5)).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("limits.sandboxes")));
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Conflict, Some("limits.sandboxes"))
+    );
     // Not even from two levels up.
     let err = set_quota(&mut w, &admin, &root, at_most(5)).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("limits.sandboxes")));
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Conflict, Some("limits.sandboxes"))
+    );
     w.set_quota(&admin, &team, at_most(6));
     assert_eq!(w.state.quota.limits[&team].sandboxes, Some(6));
 }
@@ -64,7 +87,12 @@ fn a_parent_cannot_be_lowered_below_a_grandchilds_limit_on_any_resource() {
     // `sub` limits CPU only, while nothing above it is limited yet.
     w.set_quota(&admin, &sub, limits(None, Some(5_000), None));
     let err = set_quota(&mut w, &admin, &team, limits(Some(5), Some(1_000), None)).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("limits.cpu_millis")), "{}", err.message);
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Conflict, Some("limits.cpu_millis")),
+        "{}",
+        err.message
+    );
     w.set_quota(&admin, &team, limits(Some(5), Some(5_000), None));
 }
 
@@ -89,9 +117,16 @@ fn a_parent_cannot_be_lowered_below_its_usage() {
     w.sandbox(&admin, &team);
 
     let err = set_quota(&mut w, &admin, &team, at_most(2)).unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("limits.sandboxes")));
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Conflict, Some("limits.sandboxes"))
+    );
     let err = set_quota(&mut w, &admin, &team, limits(Some(5), Some(1_000), None)).unwrap_err();
-    assert_eq!(err.field.as_deref(), Some("limits.cpu_millis"), "3 x 500 mCPU are in use");
+    assert_eq!(
+        err.field.as_deref(),
+        Some("limits.cpu_millis"),
+        "3 x 500 mCPU are in use"
+    );
     w.set_quota(&admin, &team, at_most(3));
 }
 
@@ -100,7 +135,11 @@ fn usage_counts_against_every_ancestor() {
     let (mut w, admin, [root, team, sub]) = three_levels();
     w.sandbox(&admin, &sub);
     w.sandbox(&admin, &team);
-    let one = Usage { sandboxes: 1, cpu_millis: 500, memory_mb: 256 };
+    let one = Usage {
+        sandboxes: 1,
+        cpu_millis: 500,
+        memory_mb: 256,
+    };
     let two = one.plus(&one);
     assert_eq!([w.usage(&root), w.usage(&team), w.usage(&sub)], [two, two, one]);
 }
@@ -114,7 +153,11 @@ fn a_grandchild_create_is_refused_by_the_grandparents_limit() {
 
     let err = w.try_sandbox(&admin, &sub).unwrap_err();
     assert_eq!(err.kind, K::QuotaExceeded);
-    assert!(err.message.contains(&root), "names the project whose limit is hit: {}", err.message);
+    assert!(
+        err.message.contains(&root),
+        "names the project whose limit is hit: {}",
+        err.message
+    );
     assert!(matches!(&w.last_audit().result, AuditResult::Denied { code, .. } if code == "quota_exceeded"));
     assert_eq!(w.usage(&sub), Usage::default());
 }
@@ -130,8 +173,22 @@ fn ending_a_sandbox_gives_its_quota_back_exactly_once() {
     assert_eq!([w.usage(&root), w.usage(&team), w.usage(&sub)], [Usage::default(); 3]);
     // The edge then reports it gone; that must not give the quota back a second time.
     let held = w.sandbox(&admin, &team);
-    w.report(&admin, &s, Observation::Exited { exit_code: 137, oom_killed: false, reason: "killed".into() });
-    w.report(&admin, &s, Observation::Failed { reason: "late report".into() });
+    w.report(
+        &admin,
+        &s,
+        Observation::Exited {
+            exit_code: 137,
+            oom_killed: false,
+            reason: "killed".into(),
+        },
+    );
+    w.report(
+        &admin,
+        &s,
+        Observation::Failed {
+            reason: "late report".into(),
+        },
+    );
     assert_eq!(w.usage(&team).sandboxes, 1, "{held} still counts");
     assert_eq!(w.usage(&root).sandboxes, 1);
     assert_eq!(w.state.placement.edges["edge-a"].assigned.sandboxes, 1);
@@ -142,7 +199,15 @@ fn a_sandbox_that_exits_on_its_own_gives_its_quota_back() {
     let (mut w, admin, [_, team, _]) = three_levels();
     w.set_quota(&admin, &team, at_most(1));
     let s = w.sandbox(&admin, &team);
-    w.report(&admin, &s, Observation::Exited { exit_code: 0, oom_killed: false, reason: String::new() });
+    w.report(
+        &admin,
+        &s,
+        Observation::Exited {
+            exit_code: 0,
+            oom_killed: false,
+            reason: String::new(),
+        },
+    );
     assert_eq!(w.usage(&team), Usage::default());
     w.sandbox(&admin, &team);
     let err = w.run(&admin, Command::KillSandbox { sandbox: s }).unwrap_err();

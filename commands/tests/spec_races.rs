@@ -23,20 +23,36 @@ fn without_the_overlay_the_loser_of_a_race_for_the_last_unit_is_rejected_at_appl
     let (mut w, admin, team) = one_unit_left();
     let first = w.propose(&admin, create_in(&team), Overlay::Ignored);
     let second = w.propose(&admin, create_in(&team), Overlay::Ignored);
-    assert!(first.decided.is_ok() && second.decided.is_ok(), "both look fine against the stale state");
+    assert!(
+        first.decided.is_ok() && second.decided.is_ok(),
+        "both look fine against the stale state"
+    );
     let loser = second.decided.as_ref().unwrap().target.clone();
 
     let (_, a) = w.commit(first).unwrap();
     let (i, b) = w.commit(second).unwrap();
     assert!(matches!(a, Outcome::Applied { .. }));
-    let Outcome::Rejected { index, message } = b else { panic!("expected a rejection, got {b:?}") };
+    let Outcome::Rejected { index, message } = b else {
+        panic!("expected a rejection, got {b:?}")
+    };
     assert_eq!(index, i);
     assert!(message.contains("quota"), "{message}");
 
     let rec = w.last_audit();
-    assert_eq!((rec.index, rec.action.as_str(), rec.project.as_str(), rec.target.as_str()), (i, "sandbox.create", team.as_str(), loser.as_str()));
+    assert_eq!(
+        (
+            rec.index,
+            rec.action.as_str(),
+            rec.project.as_str(),
+            rec.target.as_str()
+        ),
+        (i, "sandbox.create", team.as_str(), loser.as_str())
+    );
     assert!(matches!(&rec.result, AuditResult::Rejected { message } if message.contains("quota")));
-    assert!(!w.state.sandboxes.sandboxes.contains_key(&loser), "the loser left no sandbox behind");
+    assert!(
+        !w.state.sandboxes.sandboxes.contains_key(&loser),
+        "the loser left no sandbox behind"
+    );
     assert_eq!(w.usage(&team).sandboxes, 2, "usage never exceeds the limit");
     assert_eq!(w.state.placement.edges["edge-a"].assigned.sandboxes, 2);
 }
@@ -68,19 +84,36 @@ fn once_the_winner_is_applied_and_released_the_overlay_holds_nothing_back() {
     assert_eq!(w.inflight.project_usage(&team).sandboxes, 1);
     w.commit(first);
     assert_eq!(w.inflight.project_usage(&team).sandboxes, 0);
-    w.run(&admin, Command::SetQuota { project: team.clone(), limits: at_most(3) }).unwrap();
+    w.run(
+        &admin,
+        Command::SetQuota {
+            project: team.clone(),
+            limits: at_most(3),
+        },
+    )
+    .unwrap();
     w.sandbox(&admin, &team);
 }
 
 #[test]
 fn a_quota_cut_decided_before_a_create_landed_is_rejected_when_applied() {
     let (mut w, admin, team) = one_unit_left();
-    let cut = w.propose(&admin, Command::SetQuota { project: team.clone(), limits: at_most(1) }, Overlay::Ignored);
+    let cut = w.propose(
+        &admin,
+        Command::SetQuota {
+            project: team.clone(),
+            limits: at_most(1),
+        },
+        Overlay::Ignored,
+    );
     let create = w.propose(&admin, create_in(&team), Overlay::Ignored);
     assert!(cut.decided.is_ok());
     w.commit(create);
     let (_, out) = w.commit(cut).unwrap();
-    assert!(matches!(&out, Outcome::Rejected { message, .. } if message.contains("usage")), "{out:?}");
+    assert!(
+        matches!(&out, Outcome::Rejected { message, .. } if message.contains("usage")),
+        "{out:?}"
+    );
     assert_eq!(w.state.quota.limits[&team].sandboxes, Some(2));
 }
 
@@ -88,7 +121,14 @@ fn a_quota_cut_decided_before_a_create_landed_is_rejected_when_applied() {
 fn with_the_overlay_a_quota_cut_sees_creates_in_flight() {
     let (mut w, admin, team) = one_unit_left();
     let create = w.propose(&admin, create_in(&team), Overlay::Used);
-    let cut = w.propose(&admin, Command::SetQuota { project: team.clone(), limits: at_most(1) }, Overlay::Used);
+    let cut = w.propose(
+        &admin,
+        Command::SetQuota {
+            project: team.clone(),
+            limits: at_most(1),
+        },
+        Overlay::Used,
+    );
     assert_eq!(cut.decided.as_ref().unwrap_err().kind, K::Conflict);
     w.commit(create);
     w.commit(cut);
@@ -105,11 +145,23 @@ fn the_last_slot_of_an_edge_goes_to_one_sandbox_only() {
     let b = w.propose(&admin, create_in(&root), Overlay::Ignored);
     let c = w.propose(&admin, create_in(&root), Overlay::Used);
     let d = w.propose(&admin, create_in(&root), Overlay::Used);
-    assert_eq!(d.decided.as_ref().unwrap_err().kind, K::NoCapacity, "c's reservation filled the edge");
+    assert_eq!(
+        d.decided.as_ref().unwrap_err().kind,
+        K::NoCapacity,
+        "c's reservation filled the edge"
+    );
     let outcomes: Vec<_> = [a, b, c, d].into_iter().map(|p| w.commit(p).unwrap().1).collect();
     assert!(matches!(outcomes[0], Outcome::Applied { .. }));
-    assert!(matches!(&outcomes[1], Outcome::Rejected { message, .. } if message.contains("no room")), "{:?}", outcomes[1]);
-    assert!(matches!(&outcomes[2], Outcome::Rejected { message, .. } if message.contains("no room")), "{:?}", outcomes[2]);
+    assert!(
+        matches!(&outcomes[1], Outcome::Rejected { message, .. } if message.contains("no room")),
+        "{:?}",
+        outcomes[1]
+    );
+    assert!(
+        matches!(&outcomes[2], Outcome::Rejected { message, .. } if message.contains("no room")),
+        "{:?}",
+        outcomes[2]
+    );
     assert!(matches!(&outcomes[3], Outcome::Denied { code, .. } if code == "no_capacity"));
     assert_eq!(w.state.placement.edges["tiny"].assigned.sandboxes, 1);
     assert_eq!(w.state.sandboxes.sandboxes.len(), 1);
@@ -119,18 +171,36 @@ fn the_last_slot_of_an_edge_goes_to_one_sandbox_only() {
 fn two_new_edges_decided_together_get_distinct_ordinals_only_through_the_overlay() {
     let mut w = World::new();
     let admin = w.bootstrap();
-    let reg = |name: &str| Command::RegisterEdge { edge: name.into(), address: "h:1".into(), capacity: capacity(1, 1, 1), labels: labels(&[]) };
+    let reg = |name: &str| Command::RegisterEdge {
+        edge: name.into(),
+        address: "h:1".into(),
+        capacity: capacity(1, 1, 1),
+        labels: labels(&[]),
+    };
     let a = w.propose(&admin, reg("a"), Overlay::Used);
     let b = w.propose(&admin, reg("b"), Overlay::Used);
     let a_again = w.propose(&admin, reg("a"), Overlay::Used);
-    assert_eq!(a_again.decided.as_ref().unwrap_err().kind, K::Conflict, "a is being registered");
+    assert_eq!(
+        a_again.decided.as_ref().unwrap_err().kind,
+        K::Conflict,
+        "a is being registered"
+    );
     let c = w.propose(&admin, reg("c"), Overlay::Ignored);
     for p in [a, b, a_again] {
         w.commit(p);
     }
     let (_, out) = w.commit(c).unwrap();
-    assert!(matches!(&out, Outcome::Rejected { message, .. } if message.contains("ordinal")), "{out:?}");
-    let ordinals: Vec<_> = w.state.placement.edges.values().map(|e| (e.id.as_str(), e.ordinal)).collect();
+    assert!(
+        matches!(&out, Outcome::Rejected { message, .. } if message.contains("ordinal")),
+        "{out:?}"
+    );
+    let ordinals: Vec<_> = w
+        .state
+        .placement
+        .edges
+        .values()
+        .map(|e| (e.id.as_str(), e.ordinal))
+        .collect();
     assert_eq!(ordinals, [("a", 0), ("b", 1)]);
 }
 
@@ -139,7 +209,10 @@ fn two_projects_of_the_same_name_in_flight_under_one_parent() {
     let mut w = World::new();
     let admin = w.bootstrap();
     let root = w.root.clone();
-    let mk = || Command::CreateProject { name: "web".into(), parent: root.clone() };
+    let mk = || Command::CreateProject {
+        name: "web".into(),
+        parent: root.clone(),
+    };
     let a = w.propose(&admin, mk(), Overlay::Ignored);
     let b = w.propose(&admin, mk(), Overlay::Ignored);
     let c = w.propose(&admin, mk(), Overlay::Used);
@@ -147,6 +220,9 @@ fn two_projects_of_the_same_name_in_flight_under_one_parent() {
     assert_eq!(d.decided.as_ref().unwrap_err().kind, K::Conflict);
     let outcomes: Vec<_> = [a, b, c, d].into_iter().map(|p| w.commit(p).unwrap().1).collect();
     assert!(matches!(outcomes[0], Outcome::Applied { .. }));
-    assert!(outcomes[1..3].iter().all(|o| matches!(o, Outcome::Rejected { .. })), "{outcomes:?}");
+    assert!(
+        outcomes[1..3].iter().all(|o| matches!(o, Outcome::Rejected { .. })),
+        "{outcomes:?}"
+    );
     assert_eq!(w.state.iam.projects[&root].children.len(), 1);
 }

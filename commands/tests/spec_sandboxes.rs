@@ -3,7 +3,7 @@
 
 mod support;
 
-use opendsec_commands::{edge_ordinal_of, Command, Observation, RejectionKind as K};
+use opendsec_commands::{Command, Observation, RejectionKind as K, edge_ordinal_of};
 use opendsec_projections::{AuditResult, Desired, Event, Observed, Outcome};
 use std::collections::BTreeMap;
 use support::*;
@@ -40,7 +40,9 @@ fn a_create_records_the_sampled_candidates_and_the_chosen_edge() {
         w.edge(&admin, e, capacity(10, 10_000, 10_000));
     }
     let ran = w.run(&admin, create_in(&root)).unwrap();
-    let [Event::SandboxCreated(created)] = ran.decided.events.as_slice() else { panic!("{:?}", ran.decided.events) };
+    let [Event::SandboxCreated(created)] = ran.decided.events.as_slice() else {
+        panic!("{:?}", ran.decided.events)
+    };
     let placement = created.placement.as_ref().unwrap();
     assert_eq!(placement.candidates.len(), opendsec_commands::DEFAULT_K);
     assert!(placement.candidates.contains(&placement.chosen));
@@ -62,7 +64,10 @@ fn power_of_k_spreads_sandboxes_evenly_over_roomy_edges() {
     let loads: Vec<u64> = w.state.placement.edges.values().map(|e| e.assigned.sandboxes).collect();
     let (lo, hi) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
     assert_eq!(loads.iter().sum::<u64>(), 40);
-    assert!(hi - lo <= 2, "sampling two edges and taking the emptier keeps them level: {loads:?}");
+    assert!(
+        hi - lo <= 2,
+        "sampling two edges and taking the emptier keeps them level: {loads:?}"
+    );
 }
 
 #[test]
@@ -77,11 +82,17 @@ fn power_of_k_fills_edges_to_capacity_and_never_beyond() {
     let mut per_edge: BTreeMap<String, u64> = BTreeMap::new();
     for _ in 0..20 {
         let s = w.sandbox(&admin, &root);
-        *per_edge.entry(w.state.sandboxes.sandboxes[&s].edge.clone()).or_default() += 1;
+        *per_edge
+            .entry(w.state.sandboxes.sandboxes[&s].edge.clone())
+            .or_default() += 1;
     }
     assert_eq!(per_edge.values().copied().collect::<Vec<_>>(), [5, 5, 5, 5]);
     for e in w.state.placement.edges.values() {
-        assert_eq!(e.assigned.sandboxes, e.capacity.sandboxes, "edge {} is exactly full", e.id);
+        assert_eq!(
+            e.assigned.sandboxes, e.capacity.sandboxes,
+            "edge {} is exactly full",
+            e.id
+        );
     }
     assert_eq!(w.try_sandbox(&admin, &root).unwrap_err().kind, K::NoCapacity);
 }
@@ -124,18 +135,52 @@ fn fork_creates_count_sandboxes_each_remembering_its_origin() {
     let (mut w, admin) = World::with_admin_and_edge();
     let root = w.root.clone();
     let origin = w.sandbox(&admin, &root);
-    w.run(&admin, Command::SetSandboxLabels { sandbox: origin.clone(), labels: labels(&[("app", "web")]) }).unwrap();
-    let ran = w.run(&admin, Command::ForkSandbox { sandbox: origin.clone(), count: 3, edge: None }).unwrap();
+    w.run(
+        &admin,
+        Command::SetSandboxLabels {
+            sandbox: origin.clone(),
+            labels: labels(&[("app", "web")]),
+        },
+    )
+    .unwrap();
+    let ran = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: origin.clone(),
+                count: 3,
+                edge: None,
+            },
+        )
+        .unwrap();
     assert!(matches!(ran.outcome, Outcome::Applied { .. }));
 
-    let Event::SandboxForkRequested(req) = &ran.decided.events[0] else { panic!() };
+    let Event::SandboxForkRequested(req) = &ran.decided.events[0] else {
+        panic!()
+    };
     assert_eq!(req.children.len(), 3);
-    let created: Vec<_> = ran.decided.events[1..].iter().filter_map(|e| if let Event::SandboxCreated(c) = e { Some(c.id.clone()) } else { None }).collect();
+    let created: Vec<_> = ran.decided.events[1..]
+        .iter()
+        .filter_map(|e| {
+            if let Event::SandboxCreated(c) = e {
+                Some(c.id.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
     assert_eq!(created, req.children);
     for child in &req.children {
         let c = &w.state.sandboxes.sandboxes[child];
         assert_eq!(c.fork_of.as_deref(), Some(origin.as_str()));
-        assert_eq!((c.project.as_str(), c.image.as_str(), c.labels.get("app").map(String::as_str)), (root.as_str(), "python:3.12", Some("web")));
+        assert_eq!(
+            (
+                c.project.as_str(),
+                c.image.as_str(),
+                c.labels.get("app").map(String::as_str)
+            ),
+            (root.as_str(), "python:3.12", Some("web"))
+        );
     }
     assert_eq!(w.usage(&root).sandboxes, 4);
 }
@@ -147,7 +192,16 @@ fn a_fork_that_does_not_fit_the_quota_creates_nothing() {
     let team = w.project(&admin, &root, "team");
     w.set_quota(&admin, &team, at_most(3));
     let origin = w.sandbox(&admin, &team);
-    let err = w.run(&admin, Command::ForkSandbox { sandbox: origin, count: 3, edge: None }).unwrap_err();
+    let err = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: origin,
+                count: 3,
+                edge: None,
+            },
+        )
+        .unwrap_err();
     assert_eq!(err.kind, K::QuotaExceeded);
     assert_eq!(w.state.sandboxes.sandboxes.len(), 1);
 }
@@ -166,17 +220,38 @@ fn commands_change_the_desired_state_and_reports_the_observed_state() {
     // (what happens, then (desired, observed))
     type Step = fn(&mut World, &str, &str);
     let steps: [(Step, (Desired, Observed)); 6] = [
-        (|w, a, s| drop(w.report(a, s, Observation::Ready)), (Desired::Running, Observed::Ready)),
-        (|w, a, s| drop(w.run(a, Command::PauseSandbox { sandbox: s.into() }).unwrap()), (Desired::Paused, Observed::Ready)),
-        (|w, a, s| drop(w.report(a, s, Observation::Paused)), (Desired::Paused, Observed::Paused)),
-        (|w, a, s| drop(w.run(a, Command::ResumeSandbox { sandbox: s.into() }).unwrap()), (Desired::Running, Observed::Paused)),
-        (|w, a, s| drop(w.report(a, s, Observation::Resumed)), (Desired::Running, Observed::Ready)),
-        (|w, a, s| drop(w.run(a, Command::KillSandbox { sandbox: s.into() }).unwrap()), (Desired::Killed, Observed::Ready)),
+        (
+            |w, a, s| drop(w.report(a, s, Observation::Ready)),
+            (Desired::Running, Observed::Ready),
+        ),
+        (
+            |w, a, s| drop(w.run(a, Command::PauseSandbox { sandbox: s.into() }).unwrap()),
+            (Desired::Paused, Observed::Ready),
+        ),
+        (
+            |w, a, s| drop(w.report(a, s, Observation::Paused)),
+            (Desired::Paused, Observed::Paused),
+        ),
+        (
+            |w, a, s| drop(w.run(a, Command::ResumeSandbox { sandbox: s.into() }).unwrap()),
+            (Desired::Running, Observed::Paused),
+        ),
+        (
+            |w, a, s| drop(w.report(a, s, Observation::Resumed)),
+            (Desired::Running, Observed::Ready),
+        ),
+        (
+            |w, a, s| drop(w.run(a, Command::KillSandbox { sandbox: s.into() }).unwrap()),
+            (Desired::Killed, Observed::Ready),
+        ),
     ];
     for (i, (step, expected)) in steps.into_iter().enumerate() {
         step(&mut w, &admin, &s);
         assert_eq!(state(&w), expected, "after step {i}");
-        assert_eq!(w.state.sandboxes.sandboxes[&s].index, w.state.index, "the sandbox remembers the index that changed it");
+        assert_eq!(
+            w.state.sandboxes.sandboxes[&s].index, w.state.index,
+            "the sandbox remembers the index that changed it"
+        );
     }
     let x = &w.state.sandboxes.sandboxes[&s];
     assert_eq!((x.released, x.reason.as_deref()), (true, Some("user")));
@@ -188,15 +263,50 @@ fn set_timeout_and_set_labels_change_the_sandbox() {
     let root = w.root.clone();
     let s = w.sandbox(&admin, &root);
     w.advance(5_000);
-    w.run(&admin, Command::SetSandboxTimeout { sandbox: s.clone(), timeout_seconds: 60 }).unwrap();
+    w.run(
+        &admin,
+        Command::SetSandboxTimeout {
+            sandbox: s.clone(),
+            timeout_seconds: 60,
+        },
+    )
+    .unwrap();
     assert_eq!(w.state.sandboxes.sandboxes[&s].expires_at_ms, Some(w.now_ms + 60_000));
     assert_eq!(w.state.sandboxes.sandboxes[&s].updated_at_ms, w.now_ms);
-    w.run(&admin, Command::SetSandboxTimeout { sandbox: s.clone(), timeout_seconds: 0 }).unwrap();
-    assert_eq!(w.state.sandboxes.sandboxes[&s].expires_at_ms, None, "0 means no timeout");
+    w.run(
+        &admin,
+        Command::SetSandboxTimeout {
+            sandbox: s.clone(),
+            timeout_seconds: 0,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        w.state.sandboxes.sandboxes[&s].expires_at_ms, None,
+        "0 means no timeout"
+    );
 
-    w.run(&admin, Command::SetSandboxLabels { sandbox: s.clone(), labels: labels(&[("a", "1"), ("b", "2")]) }).unwrap();
-    w.run(&admin, Command::SetSandboxLabels { sandbox: s.clone(), labels: labels(&[("b", "3")]) }).unwrap();
-    assert_eq!(w.state.sandboxes.sandboxes[&s].labels, labels(&[("b", "3")]), "labels are replaced, not merged");
+    w.run(
+        &admin,
+        Command::SetSandboxLabels {
+            sandbox: s.clone(),
+            labels: labels(&[("a", "1"), ("b", "2")]),
+        },
+    )
+    .unwrap();
+    w.run(
+        &admin,
+        Command::SetSandboxLabels {
+            sandbox: s.clone(),
+            labels: labels(&[("b", "3")]),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        w.state.sandboxes.sandboxes[&s].labels,
+        labels(&[("b", "3")]),
+        "labels are replaced, not merged"
+    );
 }
 
 #[test]
@@ -206,10 +316,21 @@ fn a_create_with_a_timeout_expires_that_long_after_it_was_decided() {
     let ran = w
         .run(
             &admin,
-            Command::CreateSandbox { opts: Default::default(), project: root, image: "img".into(), cpu_millis: 1, memory_mb: 1, labels: labels(&[]), timeout_seconds: Some(300) },
+            Command::CreateSandbox {
+                opts: Default::default(),
+                project: root,
+                image: "img".into(),
+                cpu_millis: 1,
+                memory_mb: 1,
+                labels: labels(&[]),
+                timeout_seconds: Some(300),
+            },
         )
         .unwrap();
-    assert_eq!(w.state.sandboxes.sandboxes[&ran.decided.target].expires_at_ms, Some(w.now_ms + 300_000));
+    assert_eq!(
+        w.state.sandboxes.sandboxes[&ran.decided.target].expires_at_ms,
+        Some(w.now_ms + 300_000)
+    );
 }
 
 #[test]
@@ -218,16 +339,30 @@ fn an_oom_kill_reported_by_the_edge_shows_in_the_view() {
     let root = w.root.clone();
     let s = w.sandbox(&admin, &root);
     w.report(&admin, &s, Observation::Ready);
-    w.report(&admin, &s, Observation::Exited { exit_code: 137, oom_killed: true, reason: "out of memory".into() });
+    w.report(
+        &admin,
+        &s,
+        Observation::Exited {
+            exit_code: 137,
+            oom_killed: true,
+            reason: "out of memory".into(),
+        },
+    );
     let x = &w.state.sandboxes.sandboxes[&s];
-    assert_eq!((x.observed, x.exit_code, x.oom_killed, x.reason.as_deref()), (Observed::Exited, Some(137), true, Some("out of memory")));
+    assert_eq!(
+        (x.observed, x.exit_code, x.oom_killed, x.reason.as_deref()),
+        (Observed::Exited, Some(137), true, Some("out of memory"))
+    );
     assert!(x.released);
     assert_eq!(w.usage(&root).sandboxes, 0);
     // A late "ready" does not bring an exited sandbox back.
     w.report(&admin, &s, Observation::Ready);
     assert_eq!(w.state.sandboxes.sandboxes[&s].observed, Observed::Exited);
     // And an ended sandbox cannot be paused.
-    assert_eq!(w.run(&admin, Command::PauseSandbox { sandbox: s }).unwrap_err().kind, K::Conflict);
+    assert_eq!(
+        w.run(&admin, Command::PauseSandbox { sandbox: s }).unwrap_err().kind,
+        K::Conflict
+    );
 }
 
 #[test]
@@ -235,9 +370,18 @@ fn a_failure_reported_by_the_edge_ends_the_sandbox() {
     let (mut w, admin) = World::with_admin_and_edge();
     let root = w.root.clone();
     let s = w.sandbox(&admin, &root);
-    w.report(&admin, &s, Observation::Failed { reason: "image pull failed".into() });
+    w.report(
+        &admin,
+        &s,
+        Observation::Failed {
+            reason: "image pull failed".into(),
+        },
+    );
     let x = &w.state.sandboxes.sandboxes[&s];
-    assert_eq!((x.observed, x.reason.as_deref(), x.released), (Observed::Failed, Some("image pull failed"), true));
+    assert_eq!(
+        (x.observed, x.reason.as_deref(), x.released),
+        (Observed::Failed, Some("image pull failed"), true)
+    );
     assert_eq!(w.state.placement.edges["edge-a"].assigned.sandboxes, 0);
 }
 
@@ -246,7 +390,11 @@ fn the_system_kills_for_timeout_and_the_reason_says_so() {
     let (mut w, admin) = World::with_admin_and_edge();
     let root = w.root.clone();
     let s = w.sandbox(&admin, &root);
-    w.run_as(opendsec_commands::Caller::System, Command::KillSandbox { sandbox: s.clone() }).unwrap();
+    w.run_as(
+        opendsec_commands::Caller::System,
+        Command::KillSandbox { sandbox: s.clone() },
+    )
+    .unwrap();
     assert_eq!(w.state.sandboxes.sandboxes[&s].reason.as_deref(), Some("timeout"));
     assert_eq!(w.last_audit().principal, "system:");
 }

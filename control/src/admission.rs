@@ -21,7 +21,9 @@ pub struct AdmitRequest {
 /// Asks the edge at `address`; `Err` carries why it did not admit.
 pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<(), String> {
     let call = async {
-        let tcp = tokio::net::TcpStream::connect(address).await.map_err(|e| format!("edge unreachable: {e}"))?;
+        let tcp = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(|e| format!("edge unreachable: {e}"))?;
         let _ = tcp.set_nodelay(true);
         let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
             .await
@@ -34,9 +36,17 @@ pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<()
             .header("x-opendsec-edge-key", edge_key)
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| e.to_string())?;
-        let resp = send.send_request(request).await.map_err(|e| format!("edge admission call: {e}"))?;
+        let resp = send
+            .send_request(request)
+            .await
+            .map_err(|e| format!("edge admission call: {e}"))?;
         let status = resp.status();
-        let text = resp.into_body().collect().await.map(|b| String::from_utf8_lossy(&b.to_bytes()).to_string()).unwrap_or_default();
+        let text = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).to_string())
+            .unwrap_or_default();
         if status.is_success() {
             Ok(())
         } else {

@@ -47,7 +47,10 @@ fn put_frame(out: &mut Vec<u8>, msg: &impl Message) {
 }
 
 /// Writes what `rx` yields, as frames, each batch of queued messages in one call.
-async fn write_frames<M: Message>(mut w: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<M>) -> String {
+async fn write_frames<M: Message>(
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<M>,
+) -> String {
     let mut buf = Vec::new();
     while let Some(first) = rx.recv().await {
         buf.clear();
@@ -91,7 +94,10 @@ pub fn serve(node: ControlNode, conn: TcpStream) {
             let (node, tx) = (node.clone(), tx.clone());
             tokio::spawn(async move {
                 let reply = crate::peer::submit_forwarded(&node, m.request.unwrap_or_default()).await;
-                let _ = tx.send(StreamedReply { id: m.id, reply: Some(reply) });
+                let _ = tx.send(StreamedReply {
+                    id: m.id,
+                    reply: Some(reply),
+                });
             });
         }
         // Replies still being decided go out as they come; the writer ends with the last.
@@ -138,26 +144,45 @@ impl RawForwarder {
             return Err(ForwardError::Unsupported);
         }
         let (tx, rx) = oneshot::channel();
-        self.queue.send((req, tx)).map_err(|_| ForwardError::Failed("the connection to the leader is closed".into()))?;
-        rx.await.map_err(|_| ForwardError::Failed("the connection to the leader closed before its reply".into()))?
+        self.queue
+            .send((req, tx))
+            .map_err(|_| ForwardError::Failed("the connection to the leader is closed".into()))?;
+        rx.await
+            .map_err(|_| ForwardError::Failed("the connection to the leader closed before its reply".into()))?
     }
 }
 
 /// Connects and exchanges the magic; `Err((true, _))` if the leader does not speak the protocol.
 async fn connect(addr: &str) -> Result<TcpStream, (bool, String)> {
     let handshake = async {
-        let mut conn = TcpStream::connect(addr).await.map_err(|e| (false, format!("connecting to the leader {addr}: {e}")))?;
+        let mut conn = TcpStream::connect(addr)
+            .await
+            .map_err(|e| (false, format!("connecting to the leader {addr}: {e}")))?;
         let _ = conn.set_nodelay(true);
-        conn.write_all(&MAGIC).await.map_err(|e| (false, format!("writing to the leader {addr}: {e}")))?;
+        conn.write_all(&MAGIC)
+            .await
+            .map_err(|e| (false, format!("writing to the leader {addr}: {e}")))?;
         let mut answer = [0u8; 4];
         match conn.read_exact(&mut answer).await {
             Ok(_) if answer == MAGIC => Ok(conn),
-            Err(e) if e.kind() != std::io::ErrorKind::UnexpectedEof => Err((false, format!("reading from the leader {addr}: {e}"))),
+            Err(e) if e.kind() != std::io::ErrorKind::UnexpectedEof => {
+                Err((false, format!("reading from the leader {addr}: {e}")))
+            }
             // An HTTP/2 server answers with its own frames, or closes.
-            _ => Err((true, format!("the leader {addr} does not forward over plain connections"))),
+            _ => Err((
+                true,
+                format!("the leader {addr} does not forward over plain connections"),
+            )),
         }
     };
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await.unwrap_or_else(|_| Err((false, format!("the leader {addr} did not answer within {HANDSHAKE_TIMEOUT:?}"))))
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+        .await
+        .unwrap_or_else(|_| {
+            Err((
+                false,
+                format!("the leader {addr} did not answer within {HANDSHAKE_TIMEOUT:?}"),
+            ))
+        })
 }
 
 async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>, state: Arc<AtomicU8>) {
@@ -168,7 +193,11 @@ async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waite
             state.store(if unsupported { UNSUPPORTED } else { CLOSED }, Ordering::Release);
             rx.close();
             while let Ok((_, w)) = rx.try_recv() {
-                let _ = w.send(Err(if unsupported { ForwardError::Unsupported } else { ForwardError::Failed(why.clone()) }));
+                let _ = w.send(Err(if unsupported {
+                    ForwardError::Unsupported
+                } else {
+                    ForwardError::Failed(why.clone())
+                }));
             }
             return;
         }
@@ -183,7 +212,13 @@ async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waite
         while let Some((req, waiter)) = rx.recv().await {
             next_id += 1;
             filing.lock().unwrap_or_else(|e| e.into_inner()).insert(next_id, waiter);
-            if out.send(StreamedSubmit { id: next_id, request: Some(req) }).is_err() {
+            if out
+                .send(StreamedSubmit {
+                    id: next_id,
+                    request: Some(req),
+                })
+                .is_err()
+            {
                 break;
             }
         }
@@ -216,7 +251,12 @@ async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waite
     };
     state.store(CLOSED, Ordering::Release);
     rx.close();
-    let mut left: Vec<Waiter> = pending.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, w)| w).collect();
+    let mut left: Vec<Waiter> = pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .map(|(_, w)| w)
+        .collect();
     left.extend(std::iter::from_fn(|| rx.try_recv().ok().map(|(_, w)| w)));
     for w in left {
         let _ = w.send(Err(ForwardError::Failed(format!("leader {addr}: {why}"))));

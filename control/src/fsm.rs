@@ -1,12 +1,12 @@
 //! The state machine the Raft log applies: the projections' `State`, plus periodic
 //! checkpoints of it that make replay cost proportional to the distance replayed.
 
+use opendsec_commands::InFlight;
 use opendsec_log::StateMachine;
 use opendsec_projections::State;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use std::path::Path;
 use std::sync::mpsc;
-use opendsec_commands::InFlight;
 use std::sync::{Arc, Mutex};
 
 /// index -> the encoded State as of that index, without its audit records (they are
@@ -43,7 +43,11 @@ pub struct Fsm {
 }
 
 impl Fsm {
-    pub fn new(checkpoint_every: u64, checkpoints: Option<&Checkpoints>, inflight: Option<Arc<Mutex<InFlight>>>) -> Fsm {
+    pub fn new(
+        checkpoint_every: u64,
+        checkpoints: Option<&Checkpoints>,
+        inflight: Option<Arc<Mutex<InFlight>>>,
+    ) -> Fsm {
         Fsm {
             state: State::new(),
             checkpoint_every: checkpoint_every.max(1),
@@ -67,7 +71,12 @@ impl Fsm {
             .collect();
         self.state.audit.records = records;
         self.audit_saved = self.audit_saved.max(self.state.index);
-        CheckpointWork { index: self.state.index, time_ms: self.state.time_ms, core, audit }
+        CheckpointWork {
+            index: self.state.index,
+            time_ms: self.state.time_ms,
+            core,
+            audit,
+        }
     }
 }
 
@@ -129,7 +138,10 @@ impl Checkpoints {
         tx.open_table(CHECKPOINT_TIMES)?;
         let audit_saved = tx.open_table(AUDIT)?.last()?.map(|(k, _)| k.value()).unwrap_or(0);
         tx.commit()?;
-        Ok(Checkpoints { db: Arc::new(db), audit_saved })
+        Ok(Checkpoints {
+            db: Arc::new(db),
+            audit_saved,
+        })
     }
 
     fn writer(&self) -> mpsc::Sender<CheckpointWork> {
@@ -161,7 +173,8 @@ impl Checkpoints {
         let audit = rx.open_table(AUDIT).map_err(|e| e.to_string())?;
         for row in audit.range(..=state.index).map_err(|e| e.to_string())? {
             let (_, v) = row.map_err(|e| e.to_string())?;
-            let record = serde_json::from_slice(v.value()).map_err(|e| format!("an audit record in the checkpoint file does not decode: {e}"))?;
+            let record = serde_json::from_slice(v.value())
+                .map_err(|e| format!("an audit record in the checkpoint file does not decode: {e}"))?;
             state.audit.records.push(record);
         }
         Ok(Some(state))
@@ -300,7 +313,10 @@ mod tests {
         {
             let db = Database::create(&path).unwrap();
             let tx = db.begin_write().unwrap();
-            tx.open_table(CHECKPOINTS_V1).unwrap().insert(5, b"{\"whole\":\"state\"}".as_slice()).unwrap();
+            tx.open_table(CHECKPOINTS_V1)
+                .unwrap()
+                .insert(5, b"{\"whole\":\"state\"}".as_slice())
+                .unwrap();
             tx.open_table(CHECKPOINT_TIMES).unwrap().insert(5, 1).unwrap();
             tx.commit().unwrap();
         }

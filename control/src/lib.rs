@@ -63,13 +63,19 @@ impl Principal {
 
 impl std::fmt::Debug for Principal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Principal").field("token_id", &self.token_id).field("project", &self.project).finish_non_exhaustive()
+        f.debug_struct("Principal")
+            .field("token_id", &self.token_id)
+            .field("project", &self.project)
+            .finish_non_exhaustive()
     }
 }
 
 /// Wall-clock milliseconds since the Unix epoch (the IO shell's clock; `decide` gets it in `Ctx`).
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// A fresh token secret and its SHA-256 (hex). Only the hash is ever logged.
@@ -149,10 +155,18 @@ pub fn write_private(path: &std::path::Path, content: &str) -> Result<(), String
     let err = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
     // Whole or not at all: a reader (`opendsec init` reading the key a starting node
     // writes) never sees a created but still empty file. Written beside, synced, renamed.
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
     let written = (|| {
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
         f.write_all(content.as_bytes())?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
@@ -179,8 +193,12 @@ pub async fn serve_peer(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let extra = tonic::transport::Server::builder()
-        .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(node.clone())))
-        .add_service(pb::edge_slice_server::EdgeSliceServer::new(slice::EdgeSliceService::new(node.clone())));
+        .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(
+            node.clone(),
+        )))
+        .add_service(pb::edge_slice_server::EdgeSliceServer::new(
+            slice::EdgeSliceService::new(node.clone()),
+        ));
     let forwarding = node.clone();
     let side = opendsec_log::SideProtocol {
         magic: forward::MAGIC,
@@ -202,7 +220,11 @@ mod write_private_tests {
         write_private(&path, "second").unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "second");
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
-        let names: Vec<String> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
         assert_eq!(names, vec!["cluster.key".to_string()]);
         let err = write_private(&dir.path().join("missing/dir/key"), "x").unwrap_err();
         assert!(err.contains("missing/dir/key"), "{err}");

@@ -3,16 +3,18 @@
 //! answered once applied; a follower forwards them to the leader. Reads are served
 //! from the locally applied state.
 
+use crate::admission::AdmitRequest;
 use crate::forward::{ForwardError, RawForwarder};
 use crate::fsm::{Checkpoints, Fsm};
-use crate::pb::control_client::ControlClient;
 use crate::pb::SubmitRequest;
-use crate::{now_ms, Credential, Principal};
-use crate::admission::AdmitRequest;
-use opendsec_commands::{batch_for, decide_excluding, Caller, Command, Ctx, Decided, InFlight, Rejection, RejectionKind, ADMISSION_LABEL};
-use opendsec_projections::Event;
+use crate::pb::control_client::ControlClient;
+use crate::{Credential, Principal, now_ms};
+use opendsec_commands::{
+    ADMISSION_LABEL, Caller, Command, Ctx, Decided, InFlight, Rejection, RejectionKind, batch_for, decide_excluding,
+};
 use opendsec_log::{LogConfig, LogNode, ProposeError};
-use opendsec_projections::replay::{fold, Until};
+use opendsec_projections::Event;
+use opendsec_projections::replay::{Until, fold};
 use opendsec_projections::schema::{self, Batch};
 use opendsec_projections::{Outcome, State};
 use serde::Serialize;
@@ -42,7 +44,12 @@ pub struct ControlConfig {
 }
 
 impl ControlConfig {
-    pub fn new(node_id: u64, data_dir: impl Into<PathBuf>, peer_addr: impl Into<String>, cluster_key: impl Into<String>) -> Self {
+    pub fn new(
+        node_id: u64,
+        data_dir: impl Into<PathBuf>,
+        peer_addr: impl Into<String>,
+        cluster_key: impl Into<String>,
+    ) -> Self {
         ControlConfig {
             node_id,
             data_dir: data_dir.into(),
@@ -176,14 +183,19 @@ impl ControlNode {
 
     /// Waits until this node has applied `index` (read-your-writes on any node).
     pub async fn wait_applied(&self, index: u64, timeout: Duration) -> Result<(), SubmitError> {
-        self.inner.log.wait_applied(index, timeout).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
+        self.inner
+            .log
+            .wait_applied(index, timeout)
+            .await
+            .map_err(|e| SubmitError::Unavailable(e.to_string()))
     }
 
     /// Checks a bearer token (`odsec_<id>.<secret>`) against the IAM view.
     pub fn authenticate(&self, bearer: &str) -> Result<Principal, Rejection> {
         let unauth = |m: &str| Rejection::new(RejectionKind::Unauthenticated, m);
-        let (id, secret) =
-            crate::split_bearer(bearer).ok_or_else(|| unauth("the token is not an OpenDsec token (odsec_<id>.<secret>) nor an E2B key (e2b_ + 40 hex)"))?;
+        let (id, secret) = crate::split_bearer(bearer).ok_or_else(|| {
+            unauth("the token is not an OpenDsec token (odsec_<id>.<secret>) nor an E2B key (e2b_ + 40 hex)")
+        })?;
         let hash = hex::encode(Sha256::digest(secret.as_bytes()));
         let now = now_ms();
         self.read(|s| {
@@ -227,10 +239,16 @@ impl ControlNode {
                     }
                 }
                 (Some(_), Credential::System) => {
-                    return Err(SubmitError::Unavailable("system commands run on the leader only".into()))
+                    return Err(SubmitError::Unavailable(
+                        "system commands run on the leader only".into(),
+                    ));
                 }
                 (None, _) if tokio::time::Instant::now() < deadline => {}
-                (None, _) => return Err(SubmitError::Unavailable("no leader is elected; check that a majority of the nodes run".into())),
+                (None, _) => {
+                    return Err(SubmitError::Unavailable(
+                        "no leader is elected; check that a majority of the nodes run".into(),
+                    ));
+                }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -243,9 +261,16 @@ impl ControlNode {
         }
         let caller = match cred {
             Credential::System => Caller::System,
-            Credential::Bearer(b) => Caller::Token(self.authenticate(b).map_err(|r| NotHere::Failed(r.into()))?.token_id),
+            Credential::Bearer(b) => {
+                Caller::Token(self.authenticate(b).map_err(|r| NotHere::Failed(r.into()))?.token_id)
+            }
         };
-        let ctx = Ctx { time_ms: now_ms(), seed: rand::random(), request_id: request_id.to_string(), caller };
+        let ctx = Ctx {
+            time_ms: now_ms(),
+            seed: rand::random(),
+            request_id: request_id.to_string(),
+            caller,
+        };
         // Decide; if an edge chosen for a new sandbox refuses it at admission, decide
         // again without that edge (each edge has the final word on what it runs).
         let mut refused_by = BTreeSet::new();
@@ -283,19 +308,26 @@ impl ControlNode {
             Ok(a) => a,
             Err(ProposeError::ForwardToLeader { leader_addr, .. }) => return Err(NotHere::Leader(leader_addr)),
             Err(e @ ProposeError::Unknown { .. }) => {
-                return Err(NotHere::Failed(SubmitError::Unavailable(format!("{e}; look for request id {request_id} in the audit view before retrying"))))
+                return Err(NotHere::Failed(SubmitError::Unavailable(format!(
+                    "{e}; look for request id {request_id} in the audit view before retrying"
+                ))));
             }
             Err(e) => return Err(NotHere::Failed(SubmitError::Unavailable(e.to_string()))),
         };
         let outcome: Outcome = serde_json::from_slice(&applied.response).map_err(|e| NotHere::Failed(internal(e)))?;
         match (outcome, decided) {
             (Outcome::Applied { index }, Ok(decided)) => Ok(Submitted { index, decided }),
-            (Outcome::Denied { index, .. }, Err(rejection)) => Err(NotHere::Failed(SubmitError::Rejected { rejection, index: Some(index) })),
+            (Outcome::Denied { index, .. }, Err(rejection)) => Err(NotHere::Failed(SubmitError::Rejected {
+                rejection,
+                index: Some(index),
+            })),
             (Outcome::Rejected { index, message }, _) => Err(NotHere::Failed(SubmitError::Rejected {
                 rejection: Rejection::new(RejectionKind::Conflict, format!("lost a race when applied: {message}")),
                 index: Some(index),
             })),
-            (o, _) => Err(NotHere::Failed(internal(format!("the log applied an unexpected outcome {o:?}")))),
+            (o, _) => Err(NotHere::Failed(internal(format!(
+                "the log applied an unexpected outcome {o:?}"
+            )))),
         }
     }
 
@@ -311,7 +343,16 @@ impl ControlNode {
                     Event::SandboxCreated(c) => {
                         let edge = s.placement.edges.get(&c.edge)?;
                         (edge.labels.get(ADMISSION_LABEL).map(String::as_str) == Some("http")).then(|| {
-                            (c.edge.clone(), edge.address.clone(), AdmitRequest { sandbox: c.id.clone(), cpu_millis: c.cpu_millis, memory_mb: c.memory_mb, isolation: c.isolation.clone() })
+                            (
+                                c.edge.clone(),
+                                edge.address.clone(),
+                                AdmitRequest {
+                                    sandbox: c.id.clone(),
+                                    cpu_millis: c.cpu_millis,
+                                    memory_mb: c.memory_mb,
+                                    isolation: c.isolation.clone(),
+                                },
+                            )
                         })
                     }
                     _ => None,
@@ -327,7 +368,13 @@ impl ControlNode {
         None
     }
 
-    async fn forward(&self, leader: &str, bearer: &str, request_id: &str, cmd: &Command) -> Result<Submitted, SubmitError> {
+    async fn forward(
+        &self,
+        leader: &str,
+        bearer: &str,
+        request_id: &str,
+        cmd: &Command,
+    ) -> Result<Submitted, SubmitError> {
         let req = SubmitRequest {
             bearer: bearer.to_string(),
             request_id: request_id.to_string(),
@@ -396,7 +443,10 @@ impl ControlNode {
         // The log's applied index bounds what `read_entries` returns.
         let applied = self.inner.log.applied_index().borrow().unwrap_or(0);
         let (from, last) = match until {
-            Until::Index(i) => (self.inner.checkpoints.at_or_before_index(i).map_err(internal)?, i.min(applied)),
+            Until::Index(i) => (
+                self.inner.checkpoints.at_or_before_index(i).map_err(internal)?,
+                i.min(applied),
+            ),
             Until::Time(t) => (self.inner.checkpoints.at_or_before_time(t).map_err(internal)?, applied),
         };
         let from = from.unwrap_or_default();
@@ -453,27 +503,60 @@ impl ControlNode {
 
     /// Adds a node as a voter (it first catches up as a learner). The change is authorised
     /// and audited through the log first, then carried out by this node (the leader).
-    pub async fn add_member(&self, cred: Credential, request_id: String, id: u64, addr: String) -> Result<(), SubmitError> {
-        self.submit(cred, request_id, Command::AddClusterMember { node_id: id, address: addr.clone() }).await?;
+    pub async fn add_member(
+        &self,
+        cred: Credential,
+        request_id: String,
+        id: u64,
+        addr: String,
+    ) -> Result<(), SubmitError> {
+        self.submit(
+            cred,
+            request_id,
+            Command::AddClusterMember {
+                node_id: id,
+                address: addr.clone(),
+            },
+        )
+        .await?;
         let log = &self.inner.log;
-        log.add_learner(id, addr).await.map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+        log.add_learner(id, addr)
+            .await
+            .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
         let mut voters = log.status().voters;
         voters.insert(id);
-        log.change_membership(voters).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
+        log.change_membership(voters)
+            .await
+            .map_err(|e| SubmitError::Unavailable(e.to_string()))
     }
 
     /// Removes a node from the cluster, audited through the log first. Leader only.
     pub async fn remove_member(&self, cred: Credential, request_id: String, id: u64) -> Result<(), SubmitError> {
-        self.submit(cred, request_id, Command::RemoveClusterMember { node_id: id }).await?;
-        self.inner.log.remove_node(id).await.map_err(|e| SubmitError::Unavailable(e.to_string()))
+        self.submit(cred, request_id, Command::RemoveClusterMember { node_id: id })
+            .await?;
+        self.inner
+            .log
+            .remove_node(id)
+            .await
+            .map_err(|e| SubmitError::Unavailable(e.to_string()))
     }
 
     pub fn record_heartbeat(&self, hb: EdgeHeartbeat) {
-        self.inner.heartbeats.lock().expect("heartbeats lock").insert(hb.edge.clone(), hb);
+        self.inner
+            .heartbeats
+            .lock()
+            .expect("heartbeats lock")
+            .insert(hb.edge.clone(), hb);
     }
 
     pub fn edge_heartbeats(&self) -> Vec<EdgeHeartbeat> {
-        self.inner.heartbeats.lock().expect("heartbeats lock").values().cloned().collect()
+        self.inner
+            .heartbeats
+            .lock()
+            .expect("heartbeats lock")
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// Whether `key` is this cluster's key (compared in constant time).
@@ -489,7 +572,10 @@ impl ControlNode {
     /// Encoded batches of `from..=to` (history for replays and edge watches).
     pub fn read_batches(&self, from: u64, to: u64) -> Result<Vec<(u64, Batch)>, SubmitError> {
         let entries = self.inner.log.read_entries(from, to).map_err(internal)?;
-        entries.into_iter().map(|(i, b)| schema::decode_batch(&b).map(|b| (i, b)).map_err(internal)).collect()
+        entries
+            .into_iter()
+            .map(|(i, b)| schema::decode_batch(&b).map(|b| (i, b)).map_err(internal))
+            .collect()
     }
 
     pub async fn shutdown(&self) {

@@ -6,17 +6,17 @@
 //! costs no per-write stream set-up and concurrent writes share frames and syscalls.
 //! A leader without the stream (an older node) is called with unary `Submit`.
 
+use crate::Credential;
 use crate::node::{ControlNode, SubmitError, Submitted};
 use crate::pb::control_client::ControlClient;
-use crate::pb::{control_server::Control, BootstrapRequest, StreamedReply, StreamedSubmit, SubmitReply, SubmitRequest};
-use crate::Credential;
+use crate::pb::{BootstrapRequest, StreamedReply, StreamedSubmit, SubmitReply, SubmitRequest, control_server::Control};
 use opendsec_commands::{Command, Decided, Rejection, RejectionKind};
 use opendsec_projections::schema::{self, Batch};
 use prost::Message;
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -36,14 +36,22 @@ impl ControlService {
 /// Encodes a submit result for the wire.
 pub fn result_to_reply(r: Result<Submitted, SubmitError>, batch: Option<Batch>) -> SubmitReply {
     match r {
-        Ok(s) => SubmitReply { index: s.index, batch: batch.map(|b| b.encode_to_vec()).unwrap_or_default(), logged: true, ..Default::default() },
+        Ok(s) => SubmitReply {
+            index: s.index,
+            batch: batch.map(|b| b.encode_to_vec()).unwrap_or_default(),
+            logged: true,
+            ..Default::default()
+        },
         Err(SubmitError::Rejected { rejection, index }) => SubmitReply {
             index: index.unwrap_or(0),
             logged: index.is_some(),
             rejection_json: serde_json::to_string(&rejection).unwrap_or_default(),
             ..Default::default()
         },
-        Err(e) => SubmitReply { error: e.to_string(), ..Default::default() },
+        Err(e) => SubmitReply {
+            error: e.to_string(),
+            ..Default::default()
+        },
     }
 }
 
@@ -53,12 +61,23 @@ pub fn reply_to_result(r: SubmitReply) -> Result<Submitted, SubmitError> {
         return Err(SubmitError::Unavailable(r.error));
     }
     if !r.rejection_json.is_empty() {
-        let rejection: Rejection = serde_json::from_str(&r.rejection_json).map_err(|e| SubmitError::Internal(e.to_string()))?;
-        return Err(SubmitError::Rejected { rejection, index: r.logged.then_some(r.index) });
+        let rejection: Rejection =
+            serde_json::from_str(&r.rejection_json).map_err(|e| SubmitError::Internal(e.to_string()))?;
+        return Err(SubmitError::Rejected {
+            rejection,
+            index: r.logged.then_some(r.index),
+        });
     }
     let batch = schema::decode_batch(&r.batch).map_err(|e| SubmitError::Internal(e.to_string()))?;
     let events = schema::batch_events(&batch).map_err(|e| SubmitError::Internal(e.to_string()))?;
-    Ok(Submitted { index: r.index, decided: Decided { events, project: batch.project, target: batch.target } })
+    Ok(Submitted {
+        index: r.index,
+        decided: Decided {
+            events,
+            project: batch.project,
+            target: batch.target,
+        },
+    })
 }
 
 fn batch_of(s: &Submitted) -> Batch {
@@ -104,7 +123,10 @@ impl Control for ControlService {
                 let (node, tx) = (node.clone(), tx.clone());
                 tokio::spawn(async move {
                     let reply = submit_forwarded(&node, m.request.unwrap_or_default()).await;
-                    let _ = tx.send(Ok(StreamedReply { id: m.id, reply: Some(reply) }));
+                    let _ = tx.send(Ok(StreamedReply {
+                        id: m.id,
+                        reply: Some(reply),
+                    }));
                 });
             }
         });
@@ -116,7 +138,11 @@ impl Control for ControlService {
         if !self.node.cluster_key_matches(&req.cluster_key) {
             return Err(Status::permission_denied("wrong cluster key"));
         }
-        let cmd = Command::Bootstrap { project_name: req.project_name, token_name: req.token_name, secret_sha256: req.secret_sha256 };
+        let cmd = Command::Bootstrap {
+            project_name: req.project_name,
+            token_name: req.token_name,
+            secret_sha256: req.secret_sha256,
+        };
         let result = self.node.submit(Credential::System, req.request_id, cmd).await;
         let batch = result.as_ref().ok().map(batch_of);
         Ok(Response::new(result_to_reply(result, batch)))
@@ -127,7 +153,11 @@ type Waiter = oneshot::Sender<Result<SubmitReply, String>>;
 
 /// One write by unary `Submit`.
 async fn unary(mut client: ControlClient<Channel>, req: SubmitRequest) -> Result<SubmitReply, String> {
-    client.submit(req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string())
+    client
+        .submit(req)
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| s.message().to_string())
 }
 
 /// A follower's one stream of forwarded writes to one leader. Cloning shares it.
@@ -146,7 +176,12 @@ pub struct Forwarder {
 impl Forwarder {
     pub fn new(client: ControlClient<Channel>) -> Forwarder {
         let (queue, rx) = mpsc::unbounded_channel();
-        let f = Forwarder { client, queue, closed: Arc::new(AtomicBool::new(false)), unary: Arc::new(AtomicBool::new(false)) };
+        let f = Forwarder {
+            client,
+            queue,
+            closed: Arc::new(AtomicBool::new(false)),
+            unary: Arc::new(AtomicBool::new(false)),
+        };
         tokio::spawn(f.clone().run(rx));
         f
     }
@@ -161,8 +196,11 @@ impl Forwarder {
             return unary(self.client.clone(), req).await;
         }
         let (tx, rx) = oneshot::channel();
-        self.queue.send((req, tx)).map_err(|_| "the stream to the leader is closed".to_string())?;
-        rx.await.map_err(|_| "the stream to the leader closed before its reply".to_string())?
+        self.queue
+            .send((req, tx))
+            .map_err(|_| "the stream to the leader is closed".to_string())?;
+        rx.await
+            .map_err(|_| "the stream to the leader closed before its reply".to_string())?
     }
 
     async fn run(self, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>) {
@@ -190,18 +228,28 @@ impl Forwarder {
     /// Runs the stream until it breaks; returns why.
     async fn pump(&self, rx: &mut mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>) -> String {
         // Nothing is opened before the first write.
-        let Some(first) = rx.recv().await else { return "the node is closing".into() };
+        let Some(first) = rx.recv().await else {
+            return "the node is closing".into();
+        };
         let (out, out_rx) = mpsc::unbounded_channel::<StreamedSubmit>();
         let mut pending: HashMap<u64, Waiter> = HashMap::new();
         let mut next_id = 0u64;
         let mut send = |(req, waiter): (SubmitRequest, Waiter), pending: &mut HashMap<u64, Waiter>| {
             next_id += 1;
             pending.insert(next_id, waiter);
-            let _ = out.send(StreamedSubmit { id: next_id, request: Some(req) });
+            let _ = out.send(StreamedSubmit {
+                id: next_id,
+                request: Some(req),
+            });
         };
         let (first_req, first_waiter) = first;
         send((first_req.clone(), first_waiter), &mut pending);
-        let mut inbound = match self.client.clone().submit_stream(UnboundedReceiverStream::new(out_rx)).await {
+        let mut inbound = match self
+            .client
+            .clone()
+            .submit_stream(UnboundedReceiverStream::new(out_rx))
+            .await
+        {
             Ok(r) => r.into_inner(),
             Err(s) if s.code() == tonic::Code::Unimplemented => {
                 self.unary.store(true, Ordering::Release);
@@ -262,7 +310,11 @@ mod tests {
     struct TestNode(Kind);
 
     fn answer(req: &SubmitRequest) -> SubmitReply {
-        SubmitReply { index: req.request_id.parse().unwrap_or(0), logged: true, ..Default::default() }
+        SubmitReply {
+            index: req.request_id.parse().unwrap_or(0),
+            logged: true,
+            ..Default::default()
+        }
     }
 
     #[tonic::async_trait]
@@ -273,7 +325,10 @@ mod tests {
 
         type SubmitStreamStream = ReplyStream;
 
-        async fn submit_stream(&self, req: Request<Streaming<StreamedSubmit>>) -> Result<Response<ReplyStream>, Status> {
+        async fn submit_stream(
+            &self,
+            req: Request<Streaming<StreamedSubmit>>,
+        ) -> Result<Response<ReplyStream>, Status> {
             let mut inbound = req.into_inner();
             let (tx, rx) = mpsc::unbounded_channel();
             match self.0 {
@@ -292,7 +347,10 @@ mod tests {
                             if window.len() == 5 {
                                 for m in window.drain(..).rev() {
                                     let reply = answer(m.request.as_ref().unwrap());
-                                    let _ = tx.send(Ok(StreamedReply { id: m.id, reply: Some(reply) }));
+                                    let _ = tx.send(Ok(StreamedReply {
+                                        id: m.id,
+                                        reply: Some(reply),
+                                    }));
                                 }
                             }
                         }
@@ -315,12 +373,18 @@ mod tests {
                 .add_service(ControlServer::new(TestNode(kind)))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
         );
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy();
         Forwarder::new(ControlClient::new(ch))
     }
 
     fn write(n: u64) -> SubmitRequest {
-        SubmitRequest { bearer: "b".into(), request_id: n.to_string(), command_json: "{}".into() }
+        SubmitRequest {
+            bearer: "b".into(),
+            request_id: n.to_string(),
+            command_json: "{}".into(),
+        }
     }
 
     #[tokio::test]
@@ -333,7 +397,10 @@ mod tests {
             })
             .collect();
         for call in calls {
-            let (n, reply) = tokio::time::timeout(Duration::from_secs(10), call).await.unwrap().unwrap();
+            let (n, reply) = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .unwrap()
+                .unwrap();
             assert_eq!(reply.unwrap().index, n, "write {n} got another write's reply");
         }
         assert!(!f.is_closed());
@@ -352,13 +419,22 @@ mod tests {
     #[tokio::test]
     async fn a_broken_stream_fails_its_writes_and_is_replaced() {
         let f = serve(Kind::Breaks).await;
-        let err = tokio::time::timeout(Duration::from_secs(10), f.submit(write(1))).await.unwrap().unwrap_err();
+        let err = tokio::time::timeout(Duration::from_secs(10), f.submit(write(1)))
+            .await
+            .unwrap()
+            .unwrap_err();
         assert!(err.contains("going away") || err.contains("closed"), "{err}");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while !f.is_closed() {
-            assert!(tokio::time::Instant::now() < deadline, "the forwarder never noticed the break");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the forwarder never noticed the break"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert!(f.submit(write(2)).await.is_err(), "a closed forwarder takes no more writes");
+        assert!(
+            f.submit(write(2)).await.is_err(),
+            "a closed forwarder takes no more writes"
+        );
     }
 }

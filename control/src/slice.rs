@@ -10,10 +10,10 @@
 use crate::node::{ControlNode, EdgeHeartbeat, SubmitError};
 use crate::pb::edge_slice_server::EdgeSlice;
 use crate::pb::{
-    slice_message::Body, HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest,
-    SliceEdge, SliceEntry, SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, WatchRequest,
+    HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest, SliceEdge,
+    SliceEntry, SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, WatchRequest, slice_message::Body,
 };
-use crate::{now_ms, Principal};
+use crate::{Principal, now_ms};
 use opendsec_commands::{Command, Observation};
 use opendsec_projections::schema::{self, Batch};
 use opendsec_projections::{Event, Right, State, Usage};
@@ -41,7 +41,10 @@ impl EdgeSliceService {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .ok_or_else(|| Status::unauthenticated("send `authorization: Bearer <edge token>`"))?;
-        let p = self.node.authenticate(bearer).map_err(|r| Status::unauthenticated(r.message))?;
+        let p = self
+            .node
+            .authenticate(bearer)
+            .map_err(|r| Status::unauthenticated(r.message))?;
         if !p.has(Right::EdgeWrite) {
             return Err(Status::permission_denied("the token lacks the right edge:write"));
         }
@@ -65,13 +68,17 @@ fn to_status(e: SubmitError) -> Status {
 
 /// The events of `batch` that belong to `edge`'s slice.
 pub fn slice_events(state: &State, edge: &str, batch: &Batch) -> Vec<opendsec_projections::schema::Envelope> {
-    let Ok(events) = schema::batch_events(batch) else { return vec![] };
+    let Ok(events) = schema::batch_events(batch) else {
+        return vec![];
+    };
     let mut out = Vec::new();
     for (ev, env) in events.iter().zip(&batch.events) {
         let mine = match ev {
             Event::SandboxCreated(e) => e.edge == edge || (e.source_edge == edge && !e.transfer.is_empty()),
             Event::EdgeRegistered(_) | Event::EdgeDeregistered(_) => true,
-            other => other.sandbox_id().is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
+            other => other
+                .sandbox_id()
+                .is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
         };
         if mine {
             out.push(env.clone());
@@ -89,8 +96,14 @@ fn slice_sandbox(s: &opendsec_projections::Sandbox) -> SliceSandbox {
         memory_mb: s.memory_mb,
         labels: s.labels.clone(),
         expires_at_ms: s.expires_at_ms.unwrap_or(0),
-        desired: serde_json::to_value(s.desired).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
-        observed: serde_json::to_value(s.observed).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        desired: serde_json::to_value(s.desired)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        observed: serde_json::to_value(s.observed)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
         fork_of: s.fork_of.clone().unwrap_or_default(),
         env: s.env.clone(),
         auto_pause: s.auto_pause,
@@ -103,7 +116,13 @@ fn slice_sandbox(s: &opendsec_projections::Sandbox) -> SliceSandbox {
 }
 
 fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
-    let sandboxes = state.sandboxes.sandboxes.values().filter(|s| s.edge == edge && s.is_live()).map(slice_sandbox).collect();
+    let sandboxes = state
+        .sandboxes
+        .sandboxes
+        .values()
+        .filter(|s| s.edge == edge && s.is_live())
+        .map(slice_sandbox)
+        .collect();
     let served = state
         .sandboxes
         .sandboxes
@@ -112,7 +131,16 @@ fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
         .filter(|s| s.source_edge.as_deref() == Some(edge) && s.transfer.is_some())
         .map(slice_sandbox)
         .collect();
-    let edges = state.placement.edges.values().filter(|e| !e.deregistered).map(|e| SliceEdge { id: e.id.clone(), address: e.address.clone() }).collect();
+    let edges = state
+        .placement
+        .edges
+        .values()
+        .filter(|e| !e.deregistered)
+        .map(|e| SliceEdge {
+            id: e.id.clone(),
+            address: e.address.clone(),
+        })
+        .collect();
     let snapshots = state
         .snapshots
         .snapshots
@@ -123,17 +151,32 @@ fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             sandbox: x.sandbox.clone(),
             image: x.image.clone(),
             parent: x.parent.clone().unwrap_or_default(),
-            state: serde_json::to_value(x.state).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            state: serde_json::to_value(x.state)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default(),
             isolation: x.isolation.to_event(),
         })
         .collect();
-    SliceSnapshot { index: state.index, sandboxes, snapshots, served, edges }
+    SliceSnapshot {
+        index: state.index,
+        sandboxes,
+        snapshots,
+        served,
+        edges,
+    }
 }
 
 type SliceStream = Pin<Box<dyn Stream<Item = Result<SliceMessage, Status>> + Send>>;
 
 /// Streams one edge's slice from `next` on into `tx` until the receiver goes away.
-async fn follow(node: ControlNode, edge: String, mut next: u64, mut applied_rx: watch::Receiver<Option<u64>>, tx: mpsc::Sender<Result<SliceMessage, Status>>) {
+async fn follow(
+    node: ControlNode,
+    edge: String,
+    mut next: u64,
+    mut applied_rx: watch::Receiver<Option<u64>>,
+    tx: mpsc::Sender<Result<SliceMessage, Status>>,
+) {
     let send = |m: Body| {
         let tx = tx.clone();
         async move { tx.send(Ok(SliceMessage { body: Some(m) })).await.is_ok() }
@@ -171,7 +214,13 @@ async fn follow(node: ControlNode, edge: String, mut next: u64, mut applied_rx: 
                     }
                 } else {
                     skipped = 0;
-                    if !send(Body::Entry(SliceEntry { index, time_ms: batch.time_ms, events })).await {
+                    if !send(Body::Entry(SliceEntry {
+                        index,
+                        time_ms: batch.time_ms,
+                        events,
+                    }))
+                    .await
+                    {
                         return;
                     }
                 }
@@ -202,12 +251,26 @@ impl EdgeSlice for EdgeSliceService {
         let cmd = Command::RegisterEdge {
             edge: r.edge.clone(),
             address: r.address,
-            capacity: Usage { sandboxes: cap.sandboxes, cpu_millis: cap.cpu_millis, memory_mb: cap.memory_mb },
+            capacity: Usage {
+                sandboxes: cap.sandboxes,
+                cpu_millis: cap.cpu_millis,
+                memory_mb: cap.memory_mb,
+            },
             labels: r.labels,
         };
-        let s = self.node.submit(p.credential(), uuid::Uuid::new_v4().to_string(), cmd).await.map_err(to_status)?;
-        let ordinal = self.node.read(|st| st.placement.edges.get(&r.edge).map(|e| e.ordinal)).unwrap_or_default();
-        Ok(Response::new(RegisterReply { ordinal, index: s.index }))
+        let s = self
+            .node
+            .submit(p.credential(), uuid::Uuid::new_v4().to_string(), cmd)
+            .await
+            .map_err(to_status)?;
+        let ordinal = self
+            .node
+            .read(|st| st.placement.edges.get(&r.edge).map(|e| e.ordinal))
+            .unwrap_or_default();
+        Ok(Response::new(RegisterReply {
+            ordinal,
+            index: s.index,
+        }))
     }
 
     type WatchStream = SliceStream;
@@ -228,15 +291,25 @@ impl EdgeSlice for EdgeSliceService {
     async fn report(&self, req: Request<ReportRequest>) -> Result<Response<ReportReply>, Status> {
         let p = self.edge_principal(&req)?;
         let r = req.into_inner();
-        let request_id = if r.request_id.is_empty() { uuid::Uuid::new_v4().to_string() } else { r.request_id };
+        let request_id = if r.request_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            r.request_id
+        };
         let cmd = if r.snapshot.is_empty() {
-            let observation: Observation =
-                serde_json::from_str(&r.observation_json).map_err(|e| Status::invalid_argument(format!("observation_json: {e}")))?;
-            Command::ReportSandbox { sandbox: r.sandbox, observation }
+            let observation: Observation = serde_json::from_str(&r.observation_json)
+                .map_err(|e| Status::invalid_argument(format!("observation_json: {e}")))?;
+            Command::ReportSandbox {
+                sandbox: r.sandbox,
+                observation,
+            }
         } else {
             let result: opendsec_commands::SnapshotResult = serde_json::from_str(&r.snapshot_result_json)
                 .map_err(|e| Status::invalid_argument(format!("snapshot_result_json: {e}")))?;
-            Command::ReportSnapshot { snapshot: r.snapshot, result }
+            Command::ReportSnapshot {
+                snapshot: r.snapshot,
+                result,
+            }
         };
         let s = self
             .node

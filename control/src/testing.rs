@@ -2,7 +2,7 @@
 //! a data directory of its own, initialised and bootstrapped. No mocks.
 
 use crate::node::{ControlConfig, ControlNode};
-use crate::{format_token, new_cluster_key, new_token_secret, serve_peer, Credential};
+use crate::{Credential, format_token, new_cluster_key, new_token_secret, serve_peer};
 use opendsec_commands::Command;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -28,10 +28,16 @@ impl TestNode {
 }
 
 /// Starts a node's peer server on a fresh loopback port.
-pub async fn start(cfg_for: impl FnOnce(String) -> ControlConfig) -> (ControlNode, String, tokio::sync::oneshot::Sender<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+pub async fn start(
+    cfg_for: impl FnOnce(String) -> ControlConfig,
+) -> (ControlNode, String, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
     let addr = listener.local_addr().expect("local addr").to_string();
-    let node = ControlNode::open(cfg_for(addr.clone())).await.expect("open control node");
+    let node = ControlNode::open(cfg_for(addr.clone()))
+        .await
+        .expect("open control node");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let n = node.clone();
     tokio::spawn(async move {
@@ -46,8 +52,15 @@ pub async fn start(cfg_for: impl FnOnce(String) -> ControlConfig) -> (ControlNod
 /// Bootstraps a cluster through `node` (its leader); returns (admin token, root project id).
 pub async fn bootstrap(node: &ControlNode) -> (String, String) {
     let (secret, hash) = new_token_secret();
-    let cmd = Command::Bootstrap { project_name: "root".into(), token_name: "admin".into(), secret_sha256: hash };
-    let s = node.submit(Credential::System, "bootstrap".into(), cmd).await.expect("bootstrap");
+    let cmd = Command::Bootstrap {
+        project_name: "root".into(),
+        token_name: "admin".into(),
+        secret_sha256: hash,
+    };
+    let s = node
+        .submit(Credential::System, "bootstrap".into(), cmd)
+        .await
+        .expect("bootstrap");
     (format_token(&s.decided.target, &secret), s.decided.project)
 }
 
@@ -61,10 +74,19 @@ pub async fn single_node_with(tune: impl FnOnce(&mut ControlConfig)) -> TestNode
         cfg
     })
     .await;
-    node.initialize(BTreeMap::from([(1, peer_addr.clone())])).await.expect("initialise");
+    node.initialize(BTreeMap::from([(1, peer_addr.clone())]))
+        .await
+        .expect("initialise");
     wait_for_leader(&node).await;
     let (admin_token, root_project) = bootstrap(&node).await;
-    TestNode { node, peer_addr, admin_token, root_project, dir, stop: Some(stop) }
+    TestNode {
+        node,
+        peer_addr,
+        admin_token,
+        root_project,
+        dir,
+        stop: Some(stop),
+    }
 }
 
 pub async fn single_node() -> TestNode {

@@ -23,7 +23,10 @@ async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_w
     let f = RawForwarder::new(t.peer_addr.clone());
     let calls: Vec<_> = (0..40)
         .map(|n| {
-            let (f, req) = (f.clone(), create_project(&t.admin_token, &format!("team-{n}"), &t.root_project));
+            let (f, req) = (
+                f.clone(),
+                create_project(&t.admin_token, &format!("team-{n}"), &t.root_project),
+            );
             tokio::spawn(async move { f.submit(req).await })
         })
         .collect();
@@ -31,7 +34,14 @@ async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_w
     for (n, call) in calls.into_iter().enumerate() {
         let reply = call.await.unwrap().expect("forwarded");
         let submitted = reply_to_result(reply).expect("decided");
-        assert!(submitted.decided.events.iter().any(|e| format!("{e:?}").contains(&format!("team-{n}"))), "write {n} got another write's reply");
+        assert!(
+            submitted
+                .decided
+                .events
+                .iter()
+                .any(|e| format!("{e:?}").contains(&format!("team-{n}"))),
+            "write {n} got another write's reply"
+        );
         indexes.push(submitted.index);
     }
     indexes.sort();
@@ -45,7 +55,10 @@ async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
     let t = single_node().await;
     let before = t.node.applied_index();
     let f = RawForwarder::new(t.peer_addr.clone());
-    let reply = f.submit(create_project("odsec_0123456789abcdef.forged", "x", &t.root_project)).await.expect("answered");
+    let reply = f
+        .submit(create_project("odsec_0123456789abcdef.forged", "x", &t.root_project))
+        .await
+        .expect("answered");
     assert!(reply.rejection_json.contains("unauthenticated"), "{reply:?}");
     assert_eq!(t.node.applied_index(), before, "nothing was logged");
 }
@@ -57,14 +70,25 @@ async fn a_leader_without_the_protocol_is_found_out_before_a_write_is_sent() {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
-    let log = opendsec_log::LogNode::open(opendsec_log::LogConfig::new(1, dir.path(), addr.clone()), opendsec_control::fsm::Fsm::new(1000, None, None)).await.unwrap();
+    let log = opendsec_log::LogNode::open(
+        opendsec_log::LogConfig::new(1, dir.path(), addr.clone()),
+        opendsec_control::fsm::Fsm::new(1000, None, None),
+    )
+    .await
+    .unwrap();
     let served = log.clone();
     tokio::spawn(async move { opendsec_log::serve_peer(l, &served, None, std::future::pending()).await });
     let f = RawForwarder::new(addr);
-    let err = f.submit(create_project("t", "x", "p")).await.expect_err("not spoken there");
+    let err = f
+        .submit(create_project("t", "x", "p"))
+        .await
+        .expect_err("not spoken there");
     assert_eq!(err, ForwardError::Unsupported);
     assert!(f.is_unsupported() && f.is_closed());
-    assert_eq!(f.submit(create_project("t", "y", "p")).await.expect_err("still not"), ForwardError::Unsupported);
+    assert_eq!(
+        f.submit(create_project("t", "y", "p")).await.expect_err("still not"),
+        ForwardError::Unsupported
+    );
     log.shutdown().await.unwrap();
 }
 

@@ -6,21 +6,29 @@
 use opendsec_control::pb::control_client::ControlClient;
 use opendsec_control::pb::{BootstrapRequest, SubmitRequest};
 use opendsec_control::testing::single_node;
-use opendsec_log::pb::raft_service_client::RaftServiceClient;
 use opendsec_log::pb::RaftMessage;
+use opendsec_log::pb::raft_service_client::RaftServiceClient;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raft_rpcs_without_the_cluster_key_are_refused() {
     let t = single_node().await;
-    let mut raft = RaftServiceClient::connect(format!("http://{}", t.peer_addr)).await.unwrap();
+    let mut raft = RaftServiceClient::connect(format!("http://{}", t.peer_addr))
+        .await
+        .unwrap();
     for key in ["", "not-the-key"] {
         let err = raft
-            .vote(RaftMessage { payload: vec![1, 2, 3], cluster_key: key.into() })
+            .vote(RaftMessage {
+                payload: vec![1, 2, 3],
+                cluster_key: key.into(),
+            })
             .await
             .expect_err("a vote without the key is refused");
         assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
         let err = raft
-            .append_entries(RaftMessage { payload: vec![], cluster_key: key.into() })
+            .append_entries(RaftMessage {
+                payload: vec![],
+                cluster_key: key.into(),
+            })
             .await
             .expect_err("appends without the key are refused");
         assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
@@ -33,7 +41,13 @@ async fn bootstrap_needs_the_cluster_key_and_forwarded_writes_need_a_valid_token
     let t = single_node().await;
     let mut control = ControlClient::connect(format!("http://{}", t.peer_addr)).await.unwrap();
     let err = control
-        .bootstrap(BootstrapRequest { cluster_key: "guess".into(), project_name: "x".into(), token_name: "y".into(), secret_sha256: "0".repeat(64), request_id: "r".into() })
+        .bootstrap(BootstrapRequest {
+            cluster_key: "guess".into(),
+            project_name: "x".into(),
+            token_name: "y".into(),
+            secret_sha256: "0".repeat(64),
+            request_id: "r".into(),
+        })
         .await
         .expect_err("wrong key");
     assert_eq!(err.code(), tonic::Code::PermissionDenied);
@@ -64,7 +78,9 @@ async fn plain_replication_connections_without_the_cluster_key_are_closed_unansw
         opendsec_log::frames::put(&mut hello, &[0u8; 64]);
         conn.write_all(&hello).await.unwrap();
         let mut answer = Vec::new();
-        let read = tokio::time::timeout(std::time::Duration::from_secs(5), conn.read_to_end(&mut answer)).await.expect("closed");
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), conn.read_to_end(&mut answer))
+            .await
+            .expect("closed");
         assert!(read.is_err() || answer.is_empty(), "answered {answer:?}");
     }
     assert_eq!(t.node.cluster_status().term, 1, "nothing disturbed the node's term");

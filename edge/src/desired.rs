@@ -5,7 +5,7 @@
 //! It is rebuilt from slice messages alone (entries, or a snapshot when history is gone)
 //! and carries the index to resume the watch from, so it can be persisted and reloaded.
 
-use opendsec_control::pb::{slice_message::Body, SliceMessage};
+use opendsec_control::pb::{SliceMessage, slice_message::Body};
 use opendsec_projections::{Desired, Event, Isolation, Observed};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -146,19 +146,26 @@ fn parse_observed(s: &str) -> Observed {
 
 impl SliceState {
     pub fn new(edge: &str) -> SliceState {
-        SliceState { edge: edge.to_string(), next_index: 1, ..Default::default() }
+        SliceState {
+            edge: edge.to_string(),
+            next_index: 1,
+            ..Default::default()
+        }
     }
 
     /// Records that sandbox `sandbox`, placed on `edge`, starts from state this edge
     /// serves as `transfer`.
     fn serve(&mut self, transfer: &str, source: TransferSource, isolation: Isolation, sandbox: &str, edge: &str) {
-        let t = self.served.entry(transfer.to_string()).or_insert_with(|| ServedTransfer {
-            id: transfer.to_string(),
-            source,
-            isolation,
-            destinations: BTreeMap::new(),
-            pulled: Default::default(),
-        });
+        let t = self
+            .served
+            .entry(transfer.to_string())
+            .or_insert_with(|| ServedTransfer {
+                id: transfer.to_string(),
+                source,
+                isolation,
+                destinations: BTreeMap::new(),
+                pulled: Default::default(),
+            });
         t.destinations.insert(sandbox.to_string(), edge.to_string());
     }
 
@@ -217,7 +224,13 @@ impl SliceState {
                     .collect();
                 for (id, old) in &self.snapshots {
                     if !snapshots.contains_key(id) {
-                        snapshots.insert(id.clone(), DesiredSnapshot { phase: SnapshotPhase::Deleted, ..old.clone() });
+                        snapshots.insert(
+                            id.clone(),
+                            DesiredSnapshot {
+                                phase: SnapshotPhase::Deleted,
+                                ..old.clone()
+                            },
+                        );
                     }
                 }
                 self.snapshots = snapshots;
@@ -231,7 +244,8 @@ impl SliceState {
                         t.pulled = o.pulled.clone();
                     }
                 }
-                self.edges.extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
+                self.edges
+                    .extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
                 self.next_index = self.next_index.max(snap.index + 1);
             }
             Some(Body::Entry(entry)) => {
@@ -251,13 +265,31 @@ impl SliceState {
         }
     }
 
-    fn serve_created(&mut self, transfer: &str, snapshot: &str, fork_of: &str, isolation: &str, sandbox: &str, edge: &str) {
+    fn serve_created(
+        &mut self,
+        transfer: &str,
+        snapshot: &str,
+        fork_of: &str,
+        isolation: &str,
+        sandbox: &str,
+        edge: &str,
+    ) {
         let source = if !snapshot.is_empty() && transfer == snapshot {
-            TransferSource::Snapshot { snapshot: snapshot.to_string() }
+            TransferSource::Snapshot {
+                snapshot: snapshot.to_string(),
+            }
         } else {
-            TransferSource::Fork { sandbox: fork_of.to_string() }
+            TransferSource::Fork {
+                sandbox: fork_of.to_string(),
+            }
         };
-        self.serve(transfer, source, Isolation::from_event(isolation).unwrap_or_default(), sandbox, edge);
+        self.serve(
+            transfer,
+            source,
+            Isolation::from_event(isolation).unwrap_or_default(),
+            sandbox,
+            edge,
+        );
     }
 
     fn apply_event(&mut self, ev: &Event) {
@@ -335,7 +367,9 @@ impl SliceState {
             }
             _ => {}
         }
-        let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else { return };
+        let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else {
+            return;
+        };
         match ev {
             Event::SandboxPauseRequested(_) if s.desired == Desired::Running => s.desired = Desired::Paused,
             Event::SandboxResumeRequested(_) if s.desired == Desired::Paused => s.desired = Desired::Running,

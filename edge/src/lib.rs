@@ -2,16 +2,16 @@
 //! edge registers, follows its slice of the log (resuming after disconnects) and
 //! reports what it observes. Sandbox runtimes and reconciliation build on it.
 
+pub mod container;
 pub mod desired;
+pub mod images;
+pub mod microvms;
 pub mod node;
+mod ns;
 pub mod proxy;
 pub mod reconcile;
 pub mod slice;
+mod status_pipe;
 pub mod testing;
 pub mod transfer;
-pub mod images;
-pub mod microvms;
-pub mod container;
 pub mod vm;
-mod ns;
-mod status_pipe;

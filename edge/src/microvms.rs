@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use opendsec_control::{sandbox_token, SandboxTokenKind};
+use opendsec_control::{SandboxTokenKind, sandbox_token};
 
 use crate::desired::DesiredSandbox;
 use crate::images::{Image, ImageStore};
@@ -62,7 +62,12 @@ impl MicroVms {
     /// accelerator verdict probed once per host boot and kept in the image store) and
     /// brings every VM left by an earlier run of the edge back to a known state.
     pub fn open(cfg: MicroVmsConfig) -> Result<MicroVms, VmError> {
-        let mut vm = VmConfig::new(&cfg.root, cfg.images.clone(), cfg.agent_binary.clone(), cfg.shim.clone());
+        let mut vm = VmConfig::new(
+            &cfg.root,
+            cfg.images.clone(),
+            cfg.agent_binary.clone(),
+            cfg.shim.clone(),
+        );
         vm.accel_cache = Some(cfg.images.root().join("accel.json"));
         let driver = MicroVmDriver::new(vm, &|m| tracing::info!(microvm = %m, "preparing microVMs"))?;
         for handle in driver.list()? {
@@ -72,7 +77,11 @@ impl MicroVms {
                 Err(e) => tracing::warn!(sandbox = %handle.id(), error = %e, "cannot recover a microVM"),
             }
         }
-        Ok(MicroVms { driver, edge_key: cfg.edge_key, disk_mb: cfg.disk_mb })
+        Ok(MicroVms {
+            driver,
+            edge_key: cfg.edge_key,
+            disk_mb: cfg.disk_mb,
+        })
     }
 
     /// KVM or TCG, and why.
@@ -122,7 +131,9 @@ impl MicroVms {
             let seen = match vm.status() {
                 Ok(VmStatus::Running { .. }) => Running::Running,
                 Ok(VmStatus::Paused) => Running::Paused,
-                Ok(VmStatus::Exited(info)) => Running::Failed { reason: end_reason(&vm, info.as_ref()) },
+                Ok(VmStatus::Exited(info)) => Running::Failed {
+                    reason: end_reason(&vm, info.as_ref()),
+                },
                 Err(e) => {
                     tracing::warn!(sandbox = %vm.id(), error = %e, "cannot read a microVM's state");
                     continue;
@@ -139,12 +150,21 @@ impl MicroVms {
         let spec = self.spec(d, image);
         let progress = |m: &str| tracing::info!(sandbox = %d.id, step = %m, "creating a microVM");
         // A full VM is a q35 PC booting the image's disk; a restore takes its snapshot's machine.
-        let machine = if d.isolation == Isolation::Vm { Machine::Q35 } else { Machine::Microvm };
+        let machine = if d.isolation == Isolation::Vm {
+            Machine::Q35
+        } else {
+            Machine::Microvm
+        };
         let (vm, source) = match from {
             None => (self.driver.create_machine(&spec, machine, &progress)?, None),
-            Some(snap) => (self.driver.restore_snapshot(&spec, snap.dir, &progress)?.0, Some(snap.source)),
+            Some(snap) => (
+                self.driver.restore_snapshot(&spec, snap.dir, &progress)?.0,
+                Some(snap.source),
+            ),
         };
-        let ready = vm.wait_agent(AGENT_READY_TIMEOUT).and_then(|_| self.ensure_token(&d.id, source));
+        let ready = vm
+            .wait_agent(AGENT_READY_TIMEOUT)
+            .and_then(|_| self.ensure_token(&d.id, source));
         if let Err(e) = ready {
             // A guest that never answered is of no use: leave nothing behind.
             let _ = vm.delete();
@@ -159,15 +179,23 @@ impl MicroVms {
     /// `image` is the copies' (their source's) image; `scratch` is a directory name this
     /// call may use (and removes). Returns how long the source stopped. On failure no
     /// copy is left.
-    pub fn fork(&self, source: &str, copies: &[&DesiredSandbox], image: &Image, scratch: &Path) -> Result<Duration, VmError> {
+    pub fn fork(
+        &self,
+        source: &str,
+        copies: &[&DesiredSandbox],
+        image: &Image,
+        scratch: &Path,
+    ) -> Result<Duration, VmError> {
         let ids: Vec<String> = copies.iter().map(|c| c.id.clone()).collect();
-        let made = self.make_copies(source, copies, &ids, image, scratch).and_then(|paused| {
-            for id in &ids {
-                self.handle(id)?.wait_agent(AGENT_READY_TIMEOUT)?;
-                self.ensure_token(id, Some(source))?;
-            }
-            Ok(paused)
-        });
+        let made = self
+            .make_copies(source, copies, &ids, image, scratch)
+            .and_then(|paused| {
+                for id in &ids {
+                    self.handle(id)?.wait_agent(AGENT_READY_TIMEOUT)?;
+                    self.ensure_token(id, Some(source))?;
+                }
+                Ok(paused)
+            });
         if made.is_err() {
             for id in &ids {
                 let _ = self.remove(id);
@@ -176,18 +204,33 @@ impl MicroVms {
         made
     }
 
-    fn make_copies(&self, source: &str, copies: &[&DesiredSandbox], ids: &[String], image: &Image, scratch: &Path) -> Result<Duration, VmError> {
+    fn make_copies(
+        &self,
+        source: &str,
+        copies: &[&DesiredSandbox],
+        ids: &[String],
+        image: &Image,
+        scratch: &Path,
+    ) -> Result<Duration, VmError> {
         let src = self.handle(source)?;
         match src.status()? {
             VmStatus::Running { .. } => Ok(src.fork(ids)?.source_paused),
             VmStatus::Paused => {
                 let _ = std::fs::remove_dir_all(scratch);
                 src.snapshot_to(scratch)?;
-                let restored = copies.iter().try_for_each(|copy| self.driver.restore_snapshot(&self.spec(copy, image), scratch, &|_| {}).map(|_| ()));
+                let restored = copies.iter().try_for_each(|copy| {
+                    self.driver
+                        .restore_snapshot(&self.spec(copy, image), scratch, &|_| {})
+                        .map(|_| ())
+                });
                 let _ = std::fs::remove_dir_all(scratch);
                 restored.map(|()| Duration::ZERO)
             }
-            VmStatus::Exited(_) => Err(VmError::BadState { id: source.into(), state: "exited".into(), operation: "fork" }),
+            VmStatus::Exited(_) => Err(VmError::BadState {
+                id: source.into(),
+                state: "exited".into(),
+                operation: "fork",
+            }),
         }
     }
 
@@ -198,11 +241,19 @@ impl MicroVms {
     pub fn ensure_token(&self, id: &str, source: Option<&str>) -> Result<(), VmError> {
         let channel = self.handle(id)?.agent()?;
         let own = self.token(id);
-        let ask = |current: &str| channel.rekey(current, &own, REKEY_TIMEOUT).map_err(|e| VmError::Agent(format!("re-keying the agent of {id}: {e}")));
+        let ask = |current: &str| {
+            channel
+                .rekey(current, &own, REKEY_TIMEOUT)
+                .map_err(|e| VmError::Agent(format!("re-keying the agent of {id}: {e}")))
+        };
         match ask(&own)? {
             204 => return Ok(()),
             401 => {}
-            other => return Err(VmError::Agent(format!("re-keying the agent of {id}: it answered {other}"))),
+            other => {
+                return Err(VmError::Agent(format!(
+                    "re-keying the agent of {id}: it answered {other}"
+                )));
+            }
         }
         let Some(source) = source else {
             return Err(VmError::Agent(format!("the agent of {id} refuses its own token")));
@@ -212,7 +263,9 @@ impl MicroVms {
                 tracing::info!(sandbox = %id, %source, "re-keyed the agent restored from another sandbox's memory");
                 Ok(())
             }
-            other => Err(VmError::Agent(format!("the agent of {id} takes neither its own token nor that of {source} (it answered {other})"))),
+            other => Err(VmError::Agent(format!(
+                "the agent of {id} takes neither its own token nor that of {source} (it answered {other})"
+            ))),
         }
     }
 
@@ -260,7 +313,10 @@ impl MicroVms {
         let vm = self.handle(id).ok()?;
         let files = vm.files().ok()?;
         let (cpu_usec, mem_used) = match vm.status().ok()? {
-            VmStatus::Running { pid } => (process_cpu_usec(pid).unwrap_or(0), vm.memory().map(|m| m.rss_kb * 1024).unwrap_or(0)),
+            VmStatus::Running { pid } => (
+                process_cpu_usec(pid).unwrap_or(0),
+                vm.memory().map(|m| m.rss_kb * 1024).unwrap_or(0),
+            ),
             _ => (0, 0),
         };
         let disk_used = {

@@ -6,14 +6,14 @@
 //! running and a restarted one re-adopts them.
 
 use crate::container::warm::{Claim, WARM_ID_PREFIX, WarmPool};
-use crate::container::{BindMount, ContainerBackend, ContainerConfig, Limits, SandboxStatus, SandboxSpec};
+use crate::container::{BindMount, ContainerBackend, ContainerConfig, Limits, SandboxSpec, SandboxStatus};
 use crate::desired::{DesiredSandbox, SliceState};
 use crate::images::ImageStore;
 use crate::microvms::{FromSnapshot, MicroVms, MicroVmsConfig};
 use crate::proxy::{self, AgentAddr, Resolver};
-use crate::reconcile::{plan, plan_snapshots, plan_transfers, Action, Running};
-use crate::transfer::{self, Manifest};
+use crate::reconcile::{Action, Running, plan, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
+use crate::transfer::{self, Manifest};
 use opendsec_commands::Observation;
 use opendsec_control::pb::{Capacity, HeartbeatRequest};
 use opendsec_projections::Isolation;
@@ -184,7 +184,9 @@ impl Edge {
     fn vms(&self) -> Result<Arc<MicroVms>, EdgeError> {
         match &*self.vms.lock().expect("vms lock") {
             VmsState::Ready(v) => Ok(v.clone()),
-            VmsState::Preparing => Err(EdgeError::NoMicroVms("this edge is still preparing its microVM driver".into())),
+            VmsState::Preparing => Err(EdgeError::NoMicroVms(
+                "this edge is still preparing its microVM driver".into(),
+            )),
             VmsState::Unavailable(why) => Err(EdgeError::NoMicroVms(format!("this edge runs no microVMs: {why}"))),
         }
     }
@@ -195,7 +197,13 @@ impl Edge {
 
     /// Whether sandbox `id` is a microVM: the slice says so, or (an orphan) the driver has it.
     fn is_vm(&self, id: &str) -> bool {
-        let in_slice = self.slice.lock().expect("slice lock").sandboxes.get(id).map(|d| d.isolation.is_machine());
+        let in_slice = self
+            .slice
+            .lock()
+            .expect("slice lock")
+            .sandboxes
+            .get(id)
+            .map(|d| d.isolation.is_machine());
         match in_slice {
             Some(v) => v,
             None => self.vms().is_ok_and(|v| v.has(id)),
@@ -237,7 +245,10 @@ impl Edge {
             // count: an OOM is never reported as a plain exit.
             let oom_known = || oom_now() || self.oom_seen.lock().expect("oom lock").contains(&h.id);
             let running = match (st.status, st.exit) {
-                (_, Some(exit)) => Running::Exited { exit_code: exit.exit_code, oom_killed: exit.oom_killed || oom_known() },
+                (_, Some(exit)) => Running::Exited {
+                    exit_code: exit.exit_code,
+                    oom_killed: exit.oom_killed || oom_known(),
+                },
                 (SandboxStatus::Paused, None) => Running::Paused,
                 (SandboxStatus::Created | SandboxStatus::Running, None) => {
                     if oom_now() {
@@ -248,7 +259,10 @@ impl Edge {
                     }
                 }
                 // Ended before its shim wrote why (e.g. just killed for its OOM).
-                (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited { exit_code: 137, oom_killed: oom_known() },
+                (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited {
+                    exit_code: 137,
+                    oom_killed: oom_known(),
+                },
             };
             out.insert(h.id, running);
         }
@@ -300,7 +314,9 @@ impl Edge {
         let mut next = Some(snapshot.to_string());
         while let Some(id) = next {
             if chain.len() > 64 {
-                return Err(EdgeError::Store(format!("snapshot {snapshot} has a parent chain over 64 deep")));
+                return Err(EdgeError::Store(format!(
+                    "snapshot {snapshot} has a parent chain over 64 deep"
+                )));
             }
             let dir = self.snapshots_dir().join(&id);
             if !dir.is_dir() {
@@ -326,17 +342,33 @@ impl Edge {
     /// listening socket at [`Self::socket_path`] (returned: keep it open until the
     /// container is created), its binary and [`Self::config_dir`] bound read-only, and
     /// `limits`. The same for a sandbox and for a warm container.
-    fn agent_spec(&self, id: &str, image: &crate::images::Image, limits: Limits) -> Result<(SandboxSpec, std::os::unix::net::UnixListener), EdgeError> {
+    fn agent_spec(
+        &self,
+        id: &str,
+        image: &crate::images::Image,
+        limits: Limits,
+    ) -> Result<(SandboxSpec, std::os::unix::net::UnixListener), EdgeError> {
         let sock = self.socket_path(id);
         let _ = std::fs::remove_file(&sock);
         // The socket lives outside the sandbox; the agent gets only the listening fd.
         let listener = std::os::unix::net::UnixListener::bind(&sock)?;
-        let mut args = vec![AGENT_PATH_IN_SANDBOX.into(), "serve".into(), "--listen-fd".into(), "3".into()];
+        let mut args = vec![
+            AGENT_PATH_IN_SANDBOX.into(),
+            "serve".into(),
+            "--listen-fd".into(),
+            "3".into(),
+        ];
         args.extend(agent_args(image));
         let mut spec = SandboxSpec::from_image(id.to_string(), &self.images, image, args)?;
         spec.limits = limits;
-        spec.binds.push(BindMount { host_path: self.cfg.agent_binary.clone(), container_path: AGENT_PATH_IN_SANDBOX.into() });
-        spec.binds.push(BindMount { host_path: self.config_dir(id), container_path: AGENT_CONFIG_IN_SANDBOX.into() });
+        spec.binds.push(BindMount {
+            host_path: self.cfg.agent_binary.clone(),
+            container_path: AGENT_PATH_IN_SANDBOX.into(),
+        });
+        spec.binds.push(BindMount {
+            host_path: self.config_dir(id),
+            container_path: AGENT_CONFIG_IN_SANDBOX.into(),
+        });
         spec.extra_fds.push(listener.as_raw_fd());
         Ok((spec, listener))
     }
@@ -347,10 +379,15 @@ impl Edge {
         use std::os::unix::fs::OpenOptionsExt;
         let write = |name: &str, bytes: &[u8]| -> std::io::Result<()> {
             use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(dir.join(name))?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(dir.join(name))?;
             f.write_all(bytes)
         };
-        let token = opendsec_control::sandbox_token(&self.cfg.edge_key, opendsec_control::SandboxTokenKind::Agent, &d.id);
+        let token =
+            opendsec_control::sandbox_token(&self.cfg.edge_key, opendsec_control::SandboxTokenKind::Agent, &d.id);
         write("token", token.as_bytes())?;
         write("env.json", &serde_json::to_vec(&d.env).map_err(store_err)?)?;
         if let Some(start) = &image.config.start {
@@ -362,12 +399,21 @@ impl Edge {
     /// Runs `f` on sandbox `sandbox`'s file system (its overlay upper dir) while the
     /// sandbox is frozen, so what `f` reads is consistent; it is thawed again unless it
     /// was paused.
-    fn with_frozen_upper<T>(&self, sandbox: &str, f: impl FnOnce(&std::path::Path) -> Result<T, EdgeError>) -> Result<T, EdgeError> {
+    fn with_frozen_upper<T>(
+        &self,
+        sandbox: &str,
+        f: impl FnOnce(&std::path::Path) -> Result<T, EdgeError>,
+    ) -> Result<T, EdgeError> {
         let upper = self.upper_dir(sandbox);
         if !upper.is_dir() {
-            return Err(EdgeError::Store(format!("sandbox {sandbox} has no file system on this edge")));
+            return Err(EdgeError::Store(format!(
+                "sandbox {sandbox} has no file system on this edge"
+            )));
         }
-        let was_running = matches!(self.backend.quick_state(sandbox).map(|s| s.status), Ok(crate::container::SandboxStatus::Running));
+        let was_running = matches!(
+            self.backend.quick_state(sandbox).map(|s| s.status),
+            Ok(crate::container::SandboxStatus::Running)
+        );
         if was_running {
             self.backend.pause(sandbox)?;
         }
@@ -402,7 +448,14 @@ impl Edge {
     /// a stored snapshot's chain); then the manifest with each file's digest.
     fn make_transfer(&self, id: &str) -> Result<u64, EdgeError> {
         use crate::desired::TransferSource;
-        let t = self.slice.lock().expect("slice lock").served.get(id).cloned().ok_or_else(|| EdgeError::Store(format!("transfer {id} is no longer served")))?;
+        let t = self
+            .slice
+            .lock()
+            .expect("slice lock")
+            .served
+            .get(id)
+            .cloned()
+            .ok_or_else(|| EdgeError::Store(format!("transfer {id} is no longer served")))?;
         let dest = self.transfers_dir().join(id);
         let tmp = self.transfers_dir().join(format!(".tmp-{id}"));
         let _ = std::fs::remove_dir_all(&tmp);
@@ -425,7 +478,14 @@ impl Edge {
                             }
                         }
                     }
-                    let source = self.slice.lock().expect("slice lock").snapshots.get(snapshot).map(|x| x.sandbox.clone()).unwrap_or_default();
+                    let source = self
+                        .slice
+                        .lock()
+                        .expect("slice lock")
+                        .snapshots
+                        .get(snapshot)
+                        .map(|x| x.sandbox.clone())
+                        .unwrap_or_default();
                     (source, vec![])
                 }
                 (TransferSource::Fork { sandbox }, Isolation::Container) => {
@@ -433,7 +493,14 @@ impl Edge {
                     // Its own layers beneath (snapshots it started from, a fork's copy),
                     // then what it wrote: everything but the image, which every edge has.
                     let images = self.images.root().to_path_buf();
-                    let below: Vec<PathBuf> = self.backend.get(sandbox)?.record.layers.into_iter().filter(|l| !l.starts_with(&images)).collect();
+                    let below: Vec<PathBuf> = self
+                        .backend
+                        .get(sandbox)?
+                        .record
+                        .layers
+                        .into_iter()
+                        .filter(|l| !l.starts_with(&images))
+                        .collect();
                     let mut names = Vec::new();
                     for (k, layer) in below.iter().enumerate() {
                         let name = format!("layer-{k}.tar");
@@ -453,7 +520,14 @@ impl Edge {
                         tar_create(layer, &tmp.join(&name))?;
                         names.push(name);
                     }
-                    let source = self.slice.lock().expect("slice lock").snapshots.get(snapshot).map(|x| x.sandbox.clone()).unwrap_or_default();
+                    let source = self
+                        .slice
+                        .lock()
+                        .expect("slice lock")
+                        .snapshots
+                        .get(snapshot)
+                        .map(|x| x.sandbox.clone())
+                        .unwrap_or_default();
                     (source, names)
                 }
             };
@@ -492,11 +566,16 @@ impl Edge {
     fn present_transfers(&self) -> BTreeSet<String> {
         let mut out = BTreeSet::new();
         for e in std::fs::read_dir(self.transfers_dir()).into_iter().flatten().flatten() {
-            let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+            let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
             if name.starts_with('.') {
                 continue;
             }
-            let stale = e.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().is_ok_and(|age| age > TRANSFER_TTL));
+            let stale = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > TRANSFER_TTL));
             let id = name.strip_suffix(".failed").unwrap_or(&name).to_string();
             if stale {
                 tracing::warn!(transfer = %id, "removing a transfer no edge pulled in time");
@@ -516,20 +595,40 @@ impl Edge {
     /// transfer: the copies of one fork share it): its directory and manifest.
     fn import(&self, d: &DesiredSandbox) -> Result<(PathBuf, Manifest), EdgeError> {
         let (Some(id), Some(source_edge)) = (d.transfer.as_deref(), d.source_edge.as_deref()) else {
-            return Err(EdgeError::Store(format!("sandbox {} starts from no other edge's state", d.id)));
+            return Err(EdgeError::Store(format!(
+                "sandbox {} starts from no other edge's state",
+                d.id
+            )));
         };
         if !transfer::valid_transfer(id) {
             return Err(EdgeError::Store(format!("transfer id {id:?} is malformed")));
         }
-        let lock = self.import_locks.lock().expect("import locks").entry(id.to_string()).or_default().clone();
+        let lock = self
+            .import_locks
+            .lock()
+            .expect("import locks")
+            .entry(id.to_string())
+            .or_default()
+            .clone();
         let _one = lock.lock().expect("import lock");
         let dir = self.imports_dir().join(id);
         if let Ok(m) = transfer::read_manifest(&dir) {
             return Ok((dir, m));
         }
         let address = self.slice.lock().expect("slice lock").edges.get(source_edge).cloned();
-        let address = address.ok_or_else(|| EdgeError::Store(format!("edge {source_edge}, which holds the state sandbox {} starts from, is not registered", d.id)))?;
-        let req = transfer::PullRequest { transfer: id, source_edge, address: &address, me: &self.cfg.name, cluster_key: &self.cfg.edge_key };
+        let address = address.ok_or_else(|| {
+            EdgeError::Store(format!(
+                "edge {source_edge}, which holds the state sandbox {} starts from, is not registered",
+                d.id
+            ))
+        })?;
+        let req = transfer::PullRequest {
+            transfer: id,
+            source_edge,
+            address: &address,
+            me: &self.cfg.name,
+            cluster_key: &self.cfg.edge_key,
+        };
         let pulled = self.rt.block_on(transfer::pull(&req, &dir))?;
         let data: u64 = pulled.manifest.files.iter().map(|f| f.data_bytes).sum();
         tracing::info!(
@@ -546,19 +645,27 @@ impl Edge {
 
     /// Removes pulled state no sandbox still waits to start from.
     fn sweep_imports(&self, observed: &BTreeMap<String, Running>) {
-        let Ok(entries) = std::fs::read_dir(self.imports_dir()) else { return };
+        let Ok(entries) = std::fs::read_dir(self.imports_dir()) else {
+            return;
+        };
         let creating = self.creating.lock().expect("creating lock").clone();
         let failed = self.failed.lock().expect("failed lock").clone();
         let slice = self.slice.lock().expect("slice lock");
         for e in entries.flatten() {
-            let Some(id) = e.file_name().to_str().map(str::to_string) else { continue };
-            let waiting = slice.sandboxes.values().filter(|d| d.transfer.as_deref() == Some(id.as_str())).any(|d| {
-                creating.contains(&d.id)
-                    || (d.observed == opendsec_projections::Observed::Pending
-                        && d.desired == opendsec_projections::Desired::Running
-                        && !failed.contains(&d.id)
-                        && !observed.contains_key(&d.id))
-            });
+            let Some(id) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let waiting = slice
+                .sandboxes
+                .values()
+                .filter(|d| d.transfer.as_deref() == Some(id.as_str()))
+                .any(|d| {
+                    creating.contains(&d.id)
+                        || (d.observed == opendsec_projections::Observed::Pending
+                            && d.desired == opendsec_projections::Desired::Running
+                            && !failed.contains(&d.id)
+                            && !observed.contains_key(&d.id))
+                });
             if !waiting {
                 tracing::info!(transfer = %id, "removing pulled state no sandbox waits for");
                 let _ = std::fs::remove_dir_all(e.path());
@@ -568,7 +675,10 @@ impl Edge {
     }
 
     fn create(self: &Arc<Self>, d: &DesiredSandbox) -> Result<(), EdgeError> {
-        let image = self.images.ensure(&d.image, &|p| tracing::info!(image = %d.image, progress = ?p, "building image"))?;
+        let image = self.images.ensure(
+            &d.image,
+            &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
+        )?;
         // A plain create from an image claims a warm container of that image if one is
         // ready; either way the image is kept warm for the next create.
         let plain = d.transfer.is_none() && d.snapshot.is_none() && d.fork_of.is_none();
@@ -586,7 +696,9 @@ impl Edge {
                         self.refill_warm();
                         return Ok(());
                     }
-                    Err(e) => tracing::warn!(sandbox = %d.id, %warm, error = %e, "cannot claim a warm container; creating one"),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %d.id, %warm, error = %e, "cannot claim a warm container; creating one")
+                    }
                 }
             }
         }
@@ -632,7 +744,14 @@ impl Edge {
         if let (Some(source), None) = (&d.fork_of, &d.transfer) {
             let dir = self.fork_layer(&d.id);
             let source_forks = self.fork_layer(source);
-            let inherited: Vec<PathBuf> = self.backend.get(source)?.record.layers.into_iter().filter(|l| l.starts_with(&source_forks)).collect();
+            let inherited: Vec<PathBuf> = self
+                .backend
+                .get(source)?
+                .record
+                .layers
+                .into_iter()
+                .filter(|l| l.starts_with(&source_forks))
+                .collect();
             for (k, from) in inherited.iter().enumerate() {
                 let layer = dir.join(k.to_string());
                 if !layer.is_dir() {
@@ -662,13 +781,21 @@ impl Edge {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let wid = format!("{WARM_ID_PREFIX}{}-{n}", std::process::id());
-        let image = self.images.ensure(image_name, &|p| tracing::info!(image = %image_name, progress = ?p, "building image"))?;
+        let image = self.images.ensure(
+            image_name,
+            &|p| tracing::info!(image = %image_name, progress = ?p, "building image"),
+        )?;
         let made = (|| {
             let config = self.config_dir(&wid);
             let _ = std::fs::remove_dir_all(&config);
             make_private_dir(&config)?;
             // Memory and CPU are the default's until a sandbox claims it and sets its own.
-            let limits = Limits { pids: self.cfg.pids, io_weight: Some(100), disk_bytes: self.cfg.disk_bytes, ..Limits::default() };
+            let limits = Limits {
+                pids: self.cfg.pids,
+                io_weight: Some(100),
+                disk_bytes: self.cfg.disk_bytes,
+                ..Limits::default()
+            };
             let (spec, _listener) = self.agent_spec(&wid, &image, limits)?;
             let _one_at_a_time = self.create_lock.lock().expect("create lock");
             self.backend.create_unstarted(&spec)?;
@@ -700,7 +827,10 @@ impl Edge {
         };
         if !same_image {
             self.discard_warm(wid);
-            return Err(EdgeError::Store(format!("warm container {wid} is not of image {}'s current layers", d.image)));
+            return Err(EdgeError::Store(format!(
+                "warm container {wid} is not of image {}'s current layers",
+                d.image
+            )));
         }
         let config = self.config_dir(&d.id);
         let sock = self.socket_path(&d.id);
@@ -711,7 +841,14 @@ impl Edge {
             let _ = std::fs::remove_file(&sock);
             std::fs::rename(self.socket_path(wid), &sock)?;
             let limits = self.limits(d);
-            self.backend.claim(wid, &Claim { id: &d.id, limits: &limits, labels: &d.labels })?;
+            self.backend.claim(
+                wid,
+                &Claim {
+                    id: &d.id,
+                    limits: &limits,
+                    labels: &d.labels,
+                },
+            )?;
             Ok::<(), EdgeError>(())
         })();
         if claimed.is_err() {
@@ -731,42 +868,44 @@ impl Edge {
             return;
         }
         let edge = self.clone();
-        let spawned = std::thread::Builder::new().name("warm-containers".into()).spawn(move || {
-            crate::container::lower_priority();
-            loop {
-                // Quiet first: creates in flight (a burst) have the machine to themselves.
-                let mut idle_since = Instant::now();
+        let spawned = std::thread::Builder::new()
+            .name("warm-containers".into())
+            .spawn(move || {
+                crate::container::lower_priority();
                 loop {
-                    if !edge.creating.lock().expect("creating lock").is_empty() {
-                        idle_since = Instant::now();
-                    } else if idle_since.elapsed() >= WARM_QUIET {
-                        break;
+                    // Quiet first: creates in flight (a burst) have the machine to themselves.
+                    let mut idle_since = Instant::now();
+                    loop {
+                        if !edge.creating.lock().expect("creating lock").is_empty() {
+                            idle_since = Instant::now();
+                        } else if idle_since.elapsed() >= WARM_QUIET {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
                     }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                let Some(image) = edge.warm.next_job() else {
-                    edge.warm.filler_done();
-                    // A take between `next_job` and `filler_done` would find no filler.
-                    if edge.warm.next_job().is_some() && edge.warm.start_filling() {
-                        continue;
-                    }
-                    return;
-                };
-                match edge.make_warm(&image) {
-                    Ok(wid) => {
-                        if !edge.warm.add(&image, wid.clone()) {
-                            edge.discard_warm(&wid);
+                    let Some(image) = edge.warm.next_job() else {
+                        edge.warm.filler_done();
+                        // A take between `next_job` and `filler_done` would find no filler.
+                        if edge.warm.next_job().is_some() && edge.warm.start_filling() {
+                            continue;
+                        }
+                        return;
+                    };
+                    match edge.make_warm(&image) {
+                        Ok(wid) => {
+                            if !edge.warm.add(&image, wid.clone()) {
+                                edge.discard_warm(&wid);
+                            }
+                        }
+                        Err(e) => {
+                            // Creates make their own containers meanwhile; the next one retries.
+                            tracing::warn!(%image, error = %e, "cannot make a warm container");
+                            edge.warm.filler_done();
+                            return;
                         }
                     }
-                    Err(e) => {
-                        // Creates make their own containers meanwhile; the next one retries.
-                        tracing::warn!(%image, error = %e, "cannot make a warm container");
-                        edge.warm.filler_done();
-                        return;
-                    }
                 }
-            }
-        });
+            });
         if spawned.is_err() {
             self.warm.filler_done();
         }
@@ -795,7 +934,11 @@ impl Edge {
             for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
                 if entry.file_name().to_string_lossy().starts_with(WARM_ID_PREFIX) {
                     let p = entry.path();
-                    let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+                    let _ = if p.is_dir() {
+                        std::fs::remove_dir_all(&p)
+                    } else {
+                        std::fs::remove_file(&p)
+                    };
                 }
             }
         }
@@ -815,7 +958,9 @@ impl Edge {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Err(format!("the start command did not become ready within {START_TIMEOUT:?}: {last}"))
+        Err(format!(
+            "the start command did not become ready within {START_TIMEOUT:?}: {last}"
+        ))
     }
 
     /// Takes snapshot `id` of `sandbox` (unless its files exist already) and returns its size.
@@ -846,7 +991,10 @@ impl Edge {
     /// Creates a microVM sandbox: cold boot, or a restore of the snapshot it starts from.
     fn create_vm(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
         let vms = self.vms()?;
-        let image = self.images.ensure(&d.image, &|p| tracing::info!(image = %d.image, progress = ?p, "building image"))?;
+        let image = self.images.ensure(
+            &d.image,
+            &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
+        )?;
         let source = match &d.snapshot {
             None => None,
             // On another edge: pulled from there.
@@ -855,8 +1003,15 @@ impl Edge {
                 Some((dir, manifest.source_sandbox))
             }
             Some(snap) => {
-                let source = self.slice.lock().expect("slice lock").snapshots.get(snap).map(|x| x.sandbox.clone());
-                let source = source.ok_or_else(|| EdgeError::Store(format!("snapshot {snap} is unknown to this edge")))?;
+                let source = self
+                    .slice
+                    .lock()
+                    .expect("slice lock")
+                    .snapshots
+                    .get(snap)
+                    .map(|x| x.sandbox.clone());
+                let source =
+                    source.ok_or_else(|| EdgeError::Store(format!("snapshot {snap} is unknown to this edge")))?;
                 Some((self.snapshots_dir().join(snap), source))
             }
         };
@@ -871,13 +1026,19 @@ impl Edge {
     fn fork_vms(&self, source: &str, copies: &[DesiredSandbox]) -> Result<(), EdgeError> {
         let vms = self.vms()?;
         let image_name = &copies[0].image;
-        let image = self.images.ensure(image_name, &|p| tracing::info!(image = %image_name, progress = ?p, "building image"))?;
+        let image = self.images.ensure(
+            image_name,
+            &|p| tracing::info!(image = %image_name, progress = ?p, "building image"),
+        )?;
         if copies[0].transfer.is_some() {
             let t = Instant::now();
             let (dir, manifest) = self.import(&copies[0])?;
             let mut made: Vec<&str> = Vec::new();
             for c in copies {
-                let from = FromSnapshot { dir: &dir, source: &manifest.source_sandbox };
+                let from = FromSnapshot {
+                    dir: &dir,
+                    source: &manifest.source_sandbox,
+                };
                 if let Err(e) = vms.create(c, &image, Some(from)) {
                     for id in made {
                         let _ = vms.remove(id);
@@ -889,7 +1050,11 @@ impl Edge {
             tracing::info!(%source, copies = copies.len(), took_ms = t.elapsed().as_millis() as u64, "made microVM fork copies from state pulled from another edge");
             return Ok(());
         }
-        let scratch = self.cfg.data_dir.join("vm-scratch").join(format!("{source}-{}", opendsec_control::now_ms()));
+        let scratch = self
+            .cfg
+            .data_dir
+            .join("vm-scratch")
+            .join(format!("{source}-{}", opendsec_control::now_ms()));
         std::fs::create_dir_all(scratch.parent().expect("a scratch dir has a parent"))?;
         let refs: Vec<&DesiredSandbox> = copies.iter().collect();
         let paused = vms.fork(source, &refs, &image, &scratch)?;
@@ -901,7 +1066,9 @@ impl Edge {
         let result: Result<(), EdgeError> = match action {
             Action::Create { id } => {
                 tracing::debug!(sandbox = %id, "create: start");
-                let Some(d) = self.slice.lock().expect("slice lock").sandboxes.get(&id).cloned() else { return };
+                let Some(d) = self.slice.lock().expect("slice lock").sandboxes.get(&id).cloned() else {
+                    return;
+                };
                 if self.failed.lock().expect("failed lock").contains(&id) {
                     return; // its failure is reported; it is not retried
                 }
@@ -946,7 +1113,13 @@ impl Edge {
                         Ok(Err(e)) => {
                             tracing::warn!(sandbox = %d.id, error = %e, "create failed");
                             edge.failed.lock().expect("failed lock").insert(d.id.clone());
-                            edge.report(&d.id, Observation::Failed { reason: format!("create failed: {e}") }).await;
+                            edge.report(
+                                &d.id,
+                                Observation::Failed {
+                                    reason: format!("create failed: {e}"),
+                                },
+                            )
+                            .await;
                         }
                         Err(e) => tracing::error!(sandbox = %d.id, error = %e, "create task panicked"),
                     }
@@ -980,7 +1153,13 @@ impl Edge {
                 match resumed {
                     Err(e) if tries >= MAX_RESUME_TRIES => {
                         self.failed.lock().expect("failed lock").insert(id.clone());
-                        self.report(&id, Observation::Failed { reason: format!("the microVM could not be restored ({tries} tries): {e}") }).await;
+                        self.report(
+                            &id,
+                            Observation::Failed {
+                                reason: format!("the microVM could not be restored ({tries} tries): {e}"),
+                            },
+                        )
+                        .await;
                         Ok(())
                     }
                     other => other,
@@ -1004,7 +1183,10 @@ impl Edge {
                 })
                 .await
             }
-            Action::Resume { id } => self.blocking(move |e| e.backend.resume(&id).map_err(EdgeError::from)).await,
+            Action::Resume { id } => {
+                self.blocking(move |e| e.backend.resume(&id).map_err(EdgeError::from))
+                    .await
+            }
             Action::Stop { id, reason } => {
                 tracing::info!(sandbox = %id, %reason, "stopping");
                 self.blocking(move |e| {
@@ -1030,19 +1212,29 @@ impl Edge {
                     return; // under way
                 }
                 let (e, sid) = (self.clone(), id.clone());
-                let isolation = self.slice.lock().expect("slice lock").snapshots.get(&id).map(|x| x.isolation).unwrap_or_default();
+                let isolation = self
+                    .slice
+                    .lock()
+                    .expect("slice lock")
+                    .snapshots
+                    .get(&id)
+                    .map(|x| x.isolation)
+                    .unwrap_or_default();
                 let taken = tokio::task::spawn_blocking(move || e.take_snapshot(&sid, &sandbox, isolation)).await;
                 self.snapshotting.lock().expect("snapshot lock").remove(&id);
                 let result = match taken {
                     Ok(Ok(size_bytes)) => opendsec_commands::SnapshotResult::Ready { size_bytes },
                     Ok(Err(e)) => opendsec_commands::SnapshotResult::Failed { reason: e.to_string() },
-                    Err(e) => opendsec_commands::SnapshotResult::Failed { reason: format!("snapshot task failed: {e}") },
+                    Err(e) => opendsec_commands::SnapshotResult::Failed {
+                        reason: format!("snapshot task failed: {e}"),
+                    },
                 };
                 self.report_snapshot(&id, result).await;
                 Ok(())
             }
             Action::FailSnapshot { id, reason } => {
-                self.report_snapshot(&id, opendsec_commands::SnapshotResult::Failed { reason }).await;
+                self.report_snapshot(&id, opendsec_commands::SnapshotResult::Failed { reason })
+                    .await;
                 Ok(())
             }
             Action::RemoveSnapshot { id } => {
@@ -1063,12 +1255,19 @@ impl Edge {
                 tokio::spawn(async move {
                     let (e, tid) = (edge.clone(), id.clone());
                     let t = Instant::now();
-                    let made = tokio::task::spawn_blocking(move || e.make_transfer(&tid)).await.unwrap_or_else(|p| Err(EdgeError::Store(format!("the task panicked: {p}"))));
+                    let made = tokio::task::spawn_blocking(move || e.make_transfer(&tid))
+                        .await
+                        .unwrap_or_else(|p| Err(EdgeError::Store(format!("the task panicked: {p}"))));
                     match made {
-                        Ok(bytes) => tracing::info!(transfer = %id, bytes, took_ms = t.elapsed().as_millis() as u64, "prepared state for another edge to pull"),
+                        Ok(bytes) => {
+                            tracing::info!(transfer = %id, bytes, took_ms = t.elapsed().as_millis() as u64, "prepared state for another edge to pull")
+                        }
                         Err(e) => {
                             tracing::warn!(transfer = %id, error = %e, "cannot prepare state for another edge");
-                            let _ = std::fs::write(edge.transfer_failure(&id), format!("the source edge cannot provide it: {e}"));
+                            let _ = std::fs::write(
+                                edge.transfer_failure(&id),
+                                format!("the source edge cannot provide it: {e}"),
+                            );
                         }
                     }
                     edge.preparing.lock().expect("preparing lock").remove(&id);
@@ -1078,7 +1277,9 @@ impl Edge {
             }
             Action::FailTransfer { id, reason } => {
                 tracing::warn!(transfer = %id, %reason, "state another edge is to pull cannot be had");
-                std::fs::create_dir_all(self.transfers_dir()).and_then(|()| std::fs::write(self.transfer_failure(&id), reason)).map_err(EdgeError::from)
+                std::fs::create_dir_all(self.transfers_dir())
+                    .and_then(|()| std::fs::write(self.transfer_failure(&id), reason))
+                    .map_err(EdgeError::from)
             }
             Action::RemoveTransfer { id } => self.blocking(move |e| e.remove_transfer(&id)).await,
             Action::Report { id, mut observation } => {
@@ -1089,18 +1290,29 @@ impl Edge {
                     let source = {
                         let slice = self.slice.lock().expect("slice lock");
                         slice.sandboxes.get(&id).and_then(|d| {
-                            d.fork_of.clone().map(Some).or_else(|| d.snapshot.as_ref().map(|snap| slice.snapshots.get(snap).map(|x| x.sandbox.clone())))
+                            d.fork_of.clone().map(Some).or_else(|| {
+                                d.snapshot
+                                    .as_ref()
+                                    .map(|snap| slice.snapshots.get(snap).map(|x| x.sandbox.clone()))
+                            })
                         })
                     };
                     if let Some(source) = source {
                         let sid = id.clone();
-                        if let Err(e) = self.blocking(move |e| Ok(e.vms()?.ensure_token(&sid, source.as_deref())?)).await {
+                        if let Err(e) = self
+                            .blocking(move |e| Ok(e.vms()?.ensure_token(&sid, source.as_deref())?))
+                            .await
+                        {
                             tracing::warn!(sandbox = %id, error = %e, "the microVM's agent does not take its token yet; retried on the next round");
                             return;
                         }
                     }
                     // And it says how it runs: its VMM and accelerator (from its record).
-                    match self.vms().map_err(|e| e.to_string()).and_then(|v| v.runtime(&id).map_err(|e| e.to_string())) {
+                    match self
+                        .vms()
+                        .map_err(|e| e.to_string())
+                        .and_then(|v| v.runtime(&id).map_err(|e| e.to_string()))
+                    {
                         Ok((vmm, accelerator)) => observation = Observation::VmReady { vmm, accelerator },
                         Err(e) => {
                             tracing::warn!(sandbox = %id, error = %e, "cannot read how the microVM runs; retried on the next round");
@@ -1126,7 +1338,10 @@ impl Edge {
             Some(src) => {
                 let creating = self.creating.lock().expect("creating lock").clone();
                 let slice = self.slice.lock().expect("slice lock");
-                let source_pending = slice.sandboxes.get(src).is_some_and(|s| s.observed == opendsec_projections::Observed::Pending && s.desired == opendsec_projections::Desired::Running);
+                let source_pending = slice.sandboxes.get(src).is_some_and(|s| {
+                    s.observed == opendsec_projections::Observed::Pending
+                        && s.desired == opendsec_projections::Desired::Running
+                });
                 if creating.contains(src) || source_pending {
                     return; // the source is not up yet: the next round tries again
                 }
@@ -1134,8 +1349,15 @@ impl Edge {
                 slice
                     .sandboxes
                     .values()
-                    .filter(|c| c.fork_of.as_deref() == Some(src.as_str()) && c.isolation.is_machine() && c.transfer == d.transfer)
-                    .filter(|c| c.observed == opendsec_projections::Observed::Pending && c.desired == opendsec_projections::Desired::Running)
+                    .filter(|c| {
+                        c.fork_of.as_deref() == Some(src.as_str())
+                            && c.isolation.is_machine()
+                            && c.transfer == d.transfer
+                    })
+                    .filter(|c| {
+                        c.observed == opendsec_projections::Observed::Pending
+                            && c.desired == opendsec_projections::Desired::Running
+                    })
                     .filter(|c| !creating.contains(&c.id) && !failed.contains(&c.id) && !observed.contains_key(&c.id))
                     .take(crate::vm::MAX_FORK_COUNT)
                     .cloned()
@@ -1170,12 +1392,20 @@ impl Edge {
                 edge.creating.lock().expect("creating lock").remove(&c.id);
             }
             match made {
-                Ok(()) => tracing::info!(sandboxes = ?claimed.iter().map(|c| &c.id).collect::<Vec<_>>(), "created microVMs"),
+                Ok(()) => {
+                    tracing::info!(sandboxes = ?claimed.iter().map(|c| &c.id).collect::<Vec<_>>(), "created microVMs")
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "microVM create failed");
                     for c in &claimed {
                         edge.failed.lock().expect("failed lock").insert(c.id.clone());
-                        edge.report(&c.id, Observation::Failed { reason: format!("create failed: {e}") }).await;
+                        edge.report(
+                            &c.id,
+                            Observation::Failed {
+                                reason: format!("create failed: {e}"),
+                            },
+                        )
+                        .await;
                     }
                 }
             }
@@ -1183,9 +1413,14 @@ impl Edge {
         });
     }
 
-    async fn blocking(self: &Arc<Self>, f: impl FnOnce(&Edge) -> Result<(), EdgeError> + Send + 'static) -> Result<(), EdgeError> {
+    async fn blocking(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Edge) -> Result<(), EdgeError> + Send + 'static,
+    ) -> Result<(), EdgeError> {
         let e = self.clone();
-        tokio::task::spawn_blocking(move || f(&e)).await.unwrap_or_else(|p| Err(EdgeError::Store(format!("task panicked: {p}"))))
+        tokio::task::spawn_blocking(move || f(&e))
+            .await
+            .unwrap_or_else(|p| Err(EdgeError::Store(format!("task panicked: {p}"))))
     }
 
     /// The edge's final word on admission, from what really runs here: the sandboxes the
@@ -1203,20 +1438,35 @@ impl Edge {
     /// top of the writable disk every sandbox gets. A full VM counts as a microVM (its
     /// disk is an overlay that holds what it writes) and needs a driver that can build
     /// boot disks.
-    fn admit_usage(&self, id: &str, cpu_millis: u64, memory_mb: u64, isolation: Isolation, observed: &BTreeMap<String, Running>) -> Result<(), String> {
+    fn admit_usage(
+        &self,
+        id: &str,
+        cpu_millis: u64,
+        memory_mb: u64,
+        isolation: Isolation,
+        observed: &BTreeMap<String, Running>,
+    ) -> Result<(), String> {
         if isolation.is_machine()
             && let VmsState::Unavailable(why) = &*self.vms.lock().expect("vms lock")
         {
             return Err(format!("admission: edge {} runs no microVMs: {why}", self.cfg.name));
         }
         if isolation == Isolation::Vm && !crate::vm::host_can_build_boot_disks() {
-            return Err(format!("admission: edge {} runs no full VMs: extlinux, syslinux's mbr.bin or qemu-img is missing", self.cfg.name));
+            return Err(format!(
+                "admission: edge {} runs no full VMs: extlinux, syslinux's mbr.bin or qemu-img is missing",
+                self.cfg.name
+            ));
         }
         let disk_need = self.cfg.disk_bytes + if isolation.is_machine() { memory_mb << 20 } else { 0 };
         if let Ok(v) = nix::sys::statvfs::statvfs(&self.cfg.data_dir) {
             let avail = v.blocks_available() * v.fragment_size();
             if avail < disk_need {
-                return Err(format!("admission: edge {} has {} MB of disk left, the sandbox needs {} MB", self.cfg.name, avail >> 20, disk_need >> 20));
+                return Err(format!(
+                    "admission: edge {} has {} MB of disk left, the sandbox needs {} MB",
+                    self.cfg.name,
+                    avail >> 20,
+                    disk_need >> 20
+                ));
             }
         }
         let slice = self.slice.lock().expect("slice lock");
@@ -1229,27 +1479,49 @@ impl Edge {
             .filter(|s| s.id != id)
             .filter(|s| {
                 let committed = !s.is_terminal() && s.desired != opendsec_projections::Desired::Killed;
-                committed || creating.contains(&s.id) || matches!(observed.get(&s.id), Some(Running::Running | Running::Paused | Running::OutOfMemory))
+                committed
+                    || creating.contains(&s.id)
+                    || matches!(
+                        observed.get(&s.id),
+                        Some(Running::Running | Running::Paused | Running::OutOfMemory)
+                    )
             })
             .map(|s| (s.cpu_millis, s.memory_mb))
-            .chain(admitted.iter().filter(|(k, _)| k.as_str() != id).map(|(_, (c, m, _))| (*c, *m)))
+            .chain(
+                admitted
+                    .iter()
+                    .filter(|(k, _)| k.as_str() != id)
+                    .map(|(_, (c, m, _))| (*c, *m)),
+            )
             .collect();
         let cap = &self.cfg.capacity;
         let mem: u64 = here.iter().map(|(_, m)| m).sum::<u64>() + memory_mb;
         let cpu: u64 = here.iter().map(|(c, _)| c).sum::<u64>() + cpu_millis;
         let d = (memory_mb, cpu_millis);
         if here.len() as u64 + 1 > cap.sandboxes {
-            return Err(format!("admission: edge {} already runs its maximum of {} sandboxes", self.cfg.name, cap.sandboxes));
+            return Err(format!(
+                "admission: edge {} already runs its maximum of {} sandboxes",
+                self.cfg.name, cap.sandboxes
+            ));
         }
         if mem > cap.memory_mb {
-            return Err(format!("admission: edge {} has no room for {} MB of memory", self.cfg.name, d.0));
+            return Err(format!(
+                "admission: edge {} has no room for {} MB of memory",
+                self.cfg.name, d.0
+            ));
         }
         if cpu > cap.cpu_millis {
-            return Err(format!("admission: edge {} has no room for {} millicores", self.cfg.name, d.1));
+            return Err(format!(
+                "admission: edge {} has no room for {} millicores",
+                self.cfg.name, d.1
+            ));
         }
         if let Some(avail) = host_mem_available_mb() {
             if avail < d.0 / 4 {
-                return Err(format!("admission: host of edge {} has only {avail} MB of memory available", self.cfg.name));
+                return Err(format!(
+                    "admission: host of edge {} has only {avail} MB of memory available",
+                    self.cfg.name
+                ));
             }
         }
         Ok(())
@@ -1269,7 +1541,10 @@ impl Edge {
         match client.report(id, &observation, &request_id).await {
             Ok(index) => {
                 tracing::info!(sandbox = %id, ?observation, index, "reported");
-                self.reported.lock().expect("reported lock").insert(id.to_string(), (observation, Instant::now()));
+                self.reported
+                    .lock()
+                    .expect("reported lock")
+                    .insert(id.to_string(), (observation, Instant::now()));
             }
             Err(e) => tracing::warn!(sandbox = %id, error = %e, "report failed; retried on the next round"),
         }
@@ -1285,7 +1560,10 @@ impl Edge {
         let (disk_used, disk_total) = nix::sys::statvfs::statvfs(&h.dir.join("disk"))
             .map(|v| {
                 let f = v.fragment_size() as u64;
-                (v.blocks().saturating_sub(v.blocks_free()) as u64 * f, v.blocks() as u64 * f)
+                (
+                    v.blocks().saturating_sub(v.blocks_free()) as u64 * f,
+                    v.blocks() as u64 * f,
+                )
             })
             .unwrap_or((0, self.cfg.disk_bytes));
         Some(proxy::Sample {
@@ -1301,12 +1579,17 @@ impl Edge {
     }
 
     fn has_start_command(&self, image: &str) -> bool {
-        self.images.get(image).map(|i| i.config.start.is_some()).unwrap_or(false)
+        self.images
+            .get(image)
+            .map(|i| i.config.start.is_some())
+            .unwrap_or(false)
     }
 
     async fn report_snapshot(&self, id: &str, result: opendsec_commands::SnapshotResult) {
         let key = format!("snapshot:{id}");
-        let as_obs = Observation::Failed { reason: format!("{result:?}") };
+        let as_obs = Observation::Failed {
+            reason: format!("{result:?}"),
+        };
         {
             let reported = self.reported.lock().expect("reported lock");
             if let Some((last, at)) = reported.get(&key) {
@@ -1316,10 +1599,16 @@ impl Edge {
             }
         }
         let mut client = self.client.clone();
-        match client.report_snapshot(id, &result, &format!("{}:{key}", self.cfg.name)).await {
+        match client
+            .report_snapshot(id, &result, &format!("{}:{key}", self.cfg.name))
+            .await
+        {
             Ok(index) => {
                 tracing::info!(snapshot = %id, ?result, index, "reported");
-                self.reported.lock().expect("reported lock").insert(key, (as_obs, Instant::now()));
+                self.reported
+                    .lock()
+                    .expect("reported lock")
+                    .insert(key, (as_obs, Instant::now()));
             }
             Err(e) => tracing::warn!(snapshot = %id, error = %e, "snapshot report failed; retried on the next round"),
         }
@@ -1372,7 +1661,11 @@ impl Edge {
             let caught_up = slice.next_index > self.registered_at;
             let mut a = plan(slice, &observed, opendsec_control::now_ms(), caught_up);
             a.extend(plan_snapshots(slice, &observed, &present));
-            a.extend(plan_transfers(slice, &observed, &served).into_iter().filter(|x| !matches!(x, Action::MakeTransfer { id } if preparing.contains(id))));
+            a.extend(
+                plan_transfers(slice, &observed, &served)
+                    .into_iter()
+                    .filter(|x| !matches!(x, Action::MakeTransfer { id } if preparing.contains(id))),
+            );
             a
         };
         self.sweep_imports(&observed);
@@ -1409,14 +1702,25 @@ impl Edge {
 /// owners, modes, xattrs (opaque-dir marks), whiteout devices, sparse files.
 fn tar_create(dir: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeError> {
     let out = std::process::Command::new("tar")
-        .args(["--create", "--sparse", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--file"])
+        .args([
+            "--create",
+            "--sparse",
+            "--xattrs",
+            "--xattrs-include=*",
+            "--numeric-owner",
+            "--file",
+        ])
         .arg(dest)
         .arg("--directory")
         .arg(dir)
         .arg(".")
         .output()?;
     if !out.status.success() {
-        return Err(EdgeError::Store(format!("archiving {}: {}", dir.display(), String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(EdgeError::Store(format!(
+            "archiving {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     Ok(())
 }
@@ -1424,18 +1728,33 @@ fn tar_create(dir: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeE
 /// Unpacks an archive of [`tar_create`] into `dest` (made beside and renamed, so a crash
 /// leaves no half layer).
 fn tar_extract(archive: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeError> {
-    let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("layer")));
+    let tmp = dest.with_file_name(format!(
+        ".tmp-{}",
+        dest.file_name().and_then(|n| n.to_str()).unwrap_or("layer")
+    ));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;
     let out = std::process::Command::new("tar")
-        .args(["--extract", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--same-owner", "--same-permissions", "--file"])
+        .args([
+            "--extract",
+            "--xattrs",
+            "--xattrs-include=*",
+            "--numeric-owner",
+            "--same-owner",
+            "--same-permissions",
+            "--file",
+        ])
         .arg(archive)
         .arg("--directory")
         .arg(&tmp)
         .output()?;
     if !out.status.success() {
         let _ = std::fs::remove_dir_all(&tmp);
-        return Err(EdgeError::Store(format!("unpacking {}: {}", archive.display(), String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(EdgeError::Store(format!(
+            "unpacking {}: {}",
+            archive.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     std::fs::rename(&tmp, dest)?;
     Ok(())
@@ -1460,7 +1779,13 @@ fn dir_size(dir: &std::path::Path) -> u64 {
 /// Bytes allocated on disk by the files directly in `dir` (sparse files count their data).
 fn dir_allocated(dir: &std::path::Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    std::fs::read_dir(dir).into_iter().flatten().flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum()
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.blocks() * 512)
+        .sum()
 }
 
 /// MemAvailable of the host, in MB.
@@ -1475,15 +1800,27 @@ fn host_mem_available_mb() -> Option<u64> {
 /// only complete). `cp -a` keeps owners, modes, xattrs (overlay's opaque-dir marks) and
 /// the whiteout devices that record deletions of lower files.
 fn copy_tree(from: &std::path::Path, dest: &std::path::Path) -> Result<(), EdgeError> {
-    let tmp = dest.with_file_name(format!(".tmp-{}", dest.file_name().and_then(|n| n.to_str()).unwrap_or("copy")));
+    let tmp = dest.with_file_name(format!(
+        ".tmp-{}",
+        dest.file_name().and_then(|n| n.to_str()).unwrap_or("copy")
+    ));
     let _ = std::fs::remove_dir_all(&tmp);
     if let Some(parent) = tmp.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    let out = std::process::Command::new("cp").arg("-a").arg("--").arg(from).arg(&tmp).output()?;
+    let out = std::process::Command::new("cp")
+        .arg("-a")
+        .arg("--")
+        .arg(from)
+        .arg(&tmp)
+        .output()?;
     if !out.status.success() {
         let _ = std::fs::remove_dir_all(&tmp);
-        return Err(EdgeError::Store(format!("copying {}: {}", from.display(), String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(EdgeError::Store(format!(
+            "copying {}: {}",
+            from.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     std::fs::rename(&tmp, dest)?;
     Ok(())
@@ -1496,11 +1833,16 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let saved: Option<SliceState> = {
         let tx = db.begin_read().map_err(store_err)?;
         match tx.open_table(STATE) {
-            Ok(t) => t.get("slice").map_err(store_err)?.and_then(|v| serde_json::from_slice(v.value()).ok()),
+            Ok(t) => t
+                .get("slice")
+                .map_err(store_err)?
+                .and_then(|v| serde_json::from_slice(v.value()).ok()),
             Err(_) => None,
         }
     };
-    let slice = saved.filter(|s| s.edge == cfg.name).unwrap_or_else(|| SliceState::new(&cfg.name));
+    let slice = saved
+        .filter(|s| s.edge == cfg.name)
+        .unwrap_or_else(|| SliceState::new(&cfg.name));
     let backend = ContainerBackend::new(cfg.container.clone())?;
     let images = ImageStore::open(&cfg.images_dir)?;
     let mut client = SliceClient::connect(&cfg.control_peer, &cfg.token)?;
@@ -1518,7 +1860,10 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
                 labels.insert(opendsec_commands::FULLVM_LABEL.to_string(), "q35".to_string());
             }
         }
-        match client.register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels).await {
+        match client
+            .register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels)
+            .await
+        {
             Ok((ordinal, index)) => {
                 tracing::info!(edge = %cfg.name, ordinal, index, "registered");
                 break index;
@@ -1553,7 +1898,11 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         preparing: Mutex::new(BTreeSet::new()),
         import_locks: Mutex::new(BTreeMap::new()),
         rt: tokio::runtime::Handle::current(),
-        vms: Mutex::new(if cfg.microvm.is_some() { VmsState::Preparing } else { VmsState::Unavailable("it was started without microVM support".into()) }),
+        vms: Mutex::new(if cfg.microvm.is_some() {
+            VmsState::Preparing
+        } else {
+            VmsState::Unavailable("it was started without microVM support".into())
+        }),
         cfg,
     });
     // Warm containers a killed edge left are not claimable (their filler is gone).
@@ -1605,9 +1954,14 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let judge = edge.clone();
     let admitter: proxy::Admitter = Arc::new(move |ask| {
         let observed = judge.last_observed.lock().expect("observed lock").clone();
-        let isolation = Isolation::from_event(&ask.isolation).ok_or_else(|| format!("admission: isolation {:?} is unknown to this edge", ask.isolation))?;
+        let isolation = Isolation::from_event(&ask.isolation)
+            .ok_or_else(|| format!("admission: isolation {:?} is unknown to this edge", ask.isolation))?;
         judge.admit_usage(&ask.sandbox, ask.cpu_millis, ask.memory_mb, isolation, &observed)?;
-        judge.admitted.lock().expect("admitted lock").insert(ask.sandbox.clone(), (ask.cpu_millis, ask.memory_mb, Instant::now()));
+        judge
+            .admitted
+            .lock()
+            .expect("admitted lock")
+            .insert(ask.sandbox.clone(), (ask.cpu_millis, ask.memory_mb, Instant::now()));
         Ok(())
     });
     let sampled = edge.clone();
@@ -1618,26 +1972,38 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         false => reader.backend.read_log(id, max).ok(),
     });
     let server = edge.clone();
-    let lookup: Arc<dyn Fn(&str, &str) -> Result<PathBuf, (u16, String)> + Send + Sync> = Arc::new(move |id: &str, to: &str| {
-        {
-            let slice = server.slice.lock().expect("slice lock");
-            let Some(t) = slice.served.get(id) else { return Err((404, format!("edge {} serves no transfer {id}", server.cfg.name))) };
-            if !t.sends_to(to) {
-                return Err((403, format!("transfer {id} is not for edge {to}")));
+    let lookup: Arc<dyn Fn(&str, &str) -> Result<PathBuf, (u16, String)> + Send + Sync> =
+        Arc::new(move |id: &str, to: &str| {
+            {
+                let slice = server.slice.lock().expect("slice lock");
+                let Some(t) = slice.served.get(id) else {
+                    return Err((404, format!("edge {} serves no transfer {id}", server.cfg.name)));
+                };
+                if !t.sends_to(to) {
+                    return Err((403, format!("transfer {id} is not for edge {to}")));
+                }
             }
-        }
-        if let Ok(why) = std::fs::read_to_string(server.transfer_failure(id)) {
-            return Err((410, why));
-        }
-        let dir = server.transfers_dir().join(id);
-        if dir.join(transfer::MANIFEST).is_file() { Ok(dir) } else { Err((503, format!("transfer {id} is being prepared"))) }
-    });
+            if let Ok(why) = std::fs::read_to_string(server.transfer_failure(id)) {
+                return Err((410, why));
+            }
+            let dir = server.transfers_dir().join(id);
+            if dir.join(transfer::MANIFEST).is_file() {
+                Ok(dir)
+            } else {
+                Err((503, format!("transfer {id} is being prepared")))
+            }
+        });
     let done = edge.clone();
     let pulled: Arc<dyn Fn(&str, &str) + Send + Sync> = Arc::new(move |id: &str, to: &str| {
         {
             let mut slice = done.slice.lock().expect("slice lock");
             if let Some(t) = slice.served.get_mut(id) {
-                let theirs: Vec<String> = t.destinations.iter().filter(|(_, e)| e.as_str() == to).map(|(s, _)| s.clone()).collect();
+                let theirs: Vec<String> = t
+                    .destinations
+                    .iter()
+                    .filter(|(_, e)| e.as_str() == to)
+                    .map(|(s, _)| s.clone())
+                    .collect();
                 t.pulled.extend(theirs);
             }
         }
@@ -1648,7 +2014,12 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         done.wake.notify_one();
     });
     let transfers = proxy::Transfers { lookup, pulled };
-    let hooks = proxy::Hooks { admitter: Some(admitter), sampler: Some(sampler), logs: Some(logs), transfers: Some(transfers) };
+    let hooks = proxy::Hooks {
+        admitter: Some(admitter),
+        sampler: Some(sampler),
+        logs: Some(logs),
+        transfers: Some(transfers),
+    };
     let proxy_task = tokio::spawn(proxy::serve_with(listener, edge.cfg.edge_key.clone(), resolve, hooks));
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,

@@ -8,7 +8,7 @@
 //! (`transfer.rs`); those requests carry a per-transfer token instead of the edge key.
 
 use bytes::Bytes;
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use std::path::PathBuf;
@@ -61,7 +61,11 @@ pub enum AgentStream {
 }
 
 impl tokio::io::AsyncRead for AgentStream {
-    fn poll_read(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         match self.get_mut() {
             AgentStream::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
             AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
@@ -70,19 +74,29 @@ impl tokio::io::AsyncRead for AgentStream {
 }
 
 impl tokio::io::AsyncWrite for AgentStream {
-    fn poll_write(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &[u8]) -> std::task::Poll<std::io::Result<usize>> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
         match self.get_mut() {
             AgentStream::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
             AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
         }
     }
-    fn poll_flush(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         match self.get_mut() {
             AgentStream::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
             AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
         }
     }
-    fn poll_shutdown(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         match self.get_mut() {
             AgentStream::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
             AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
@@ -114,18 +128,38 @@ fn key_matches(expected: &str, got: Option<&str>) -> bool {
 
 async fn admit(req: Request<Incoming>, admitter: Option<Admitter>) -> Response<Body> {
     let Some(admitter) = admitter else {
-        return json_error(StatusCode::NOT_FOUND, "not_found", "this edge does not answer admission requests");
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "this edge does not answer admission requests",
+        );
     };
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("admission body: {e}")),
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_argument",
+                &format!("admission body: {e}"),
+            );
+        }
     };
     let ask: opendsec_control::admission::AdmitRequest = match serde_json::from_slice(&body) {
         Ok(a) => a,
-        Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("admission body: {e}")),
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_argument",
+                &format!("admission body: {e}"),
+            );
+        }
     };
     match admitter(&ask) {
-        Ok(()) => Response::new(Full::new(Bytes::from_static(b"{}")).map_err(|never| match never {}).boxed()),
+        Ok(()) => Response::new(
+            Full::new(Bytes::from_static(b"{}"))
+                .map_err(|never| match never {})
+                .boxed(),
+        ),
         Err(why) => json_error(StatusCode::CONFLICT, "refused", &why),
     }
 }
@@ -163,7 +197,11 @@ async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers
     let path = req.uri().path().trim_start_matches("/transfer/").to_string();
     let (id, rest) = path.split_once('/').unwrap_or((path.as_str(), ""));
     if !t::valid_transfer(id) {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "the transfer id in the path is malformed");
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_argument",
+            "the transfer id in the path is malformed",
+        );
     }
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
     let edge = match t::check_token(key, id, header(t::EDGE_HEADER), header(t::TOKEN_HEADER)) {
@@ -184,12 +222,19 @@ async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers
             Err((code, why)) if code == 403 || code == 404 => json_error(status(code), word(code), &why),
             _ => {
                 (transfers.pulled)(id, &edge);
-                Response::builder().status(StatusCode::NO_CONTENT).body(empty()).expect("valid response")
+                Response::builder()
+                    .status(StatusCode::NO_CONTENT)
+                    .body(empty())
+                    .expect("valid response")
             }
         };
     }
     if req.method() != hyper::Method::GET {
-        return json_error(StatusCode::METHOD_NOT_ALLOWED, "invalid_argument", "transfers are read with GET and ended with DELETE");
+        return json_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_argument",
+            "transfers are read with GET and ended with DELETE",
+        );
     }
     let dir = match (transfers.lookup)(id, &edge) {
         Ok(dir) => dir,
@@ -198,13 +243,23 @@ async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers
     let file = if rest == "manifest" {
         t::MANIFEST.to_string()
     } else if let Some(name) = rest.strip_prefix("files/") {
-        let listed = t::read_manifest(&dir).map(|m| m.files.iter().any(|f| f.name == name)).unwrap_or(false);
+        let listed = t::read_manifest(&dir)
+            .map(|m| m.files.iter().any(|f| f.name == name))
+            .unwrap_or(false);
         if !t::valid_name(name) || !listed {
-            return json_error(StatusCode::NOT_FOUND, "not_found", &format!("transfer {id} has no file {name:?}"));
+            return json_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!("transfer {id} has no file {name:?}"),
+            );
         }
         name.to_string()
     } else {
-        return json_error(StatusCode::NOT_FOUND, "not_found", "use /transfer/{id}/manifest or /transfer/{id}/files/{name}");
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "use /transfer/{id}/manifest or /transfer/{id}/files/{name}",
+        );
     };
     if file == t::MANIFEST {
         return match std::fs::read(dir.join(t::MANIFEST)) {
@@ -212,7 +267,11 @@ async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
                 .expect("valid response"),
-            Err(e) => json_error(StatusCode::SERVICE_UNAVAILABLE, "not_ready", &format!("the manifest of transfer {id}: {e}")),
+            Err(e) => json_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_ready",
+                &format!("the manifest of transfer {id}: {e}"),
+            ),
         };
     }
     tracing::info!(transfer = %id, %file, to = %edge, "serving a transfer file");
@@ -254,10 +313,18 @@ fn empty() -> Body {
 
 /// `GET /health` of the agent at `addr`: its HTTP status.
 pub async fn agent_health(addr: &AgentAddr) -> Result<u16, String> {
-    let stream = addr.connect().await.map_err(|e| format!("connecting to the agent: {e}"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(|e| format!("agent handshake: {e}"))?;
+    let stream = addr
+        .connect()
+        .await
+        .map_err(|e| format!("connecting to the agent: {e}"))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("agent handshake: {e}"))?;
     tokio::spawn(conn);
-    let req = Request::get("/health").header(hyper::header::HOST, "agent").body(empty()).expect("static request");
+    let req = Request::get("/health")
+        .header(hyper::header::HOST, "agent")
+        .body(empty())
+        .expect("static request");
     let resp = tokio::time::timeout(std::time::Duration::from_secs(5), sender.send_request(req))
         .await
         .map_err(|_| "the agent did not answer /health within 5 s".to_string())?
@@ -268,13 +335,22 @@ pub async fn agent_health(addr: &AgentAddr) -> Result<u16, String> {
 /// Opens a byte stream to `port` inside the sandbox through its agent
 /// (`GET /.opendsec/tunnel`, upgraded). On refusal, the agent's answer is returned.
 async fn open_tunnel(addr: &AgentAddr, token: &str, port: u16) -> Result<hyper::upgrade::Upgraded, Response<Body>> {
-    let stream = addr
-        .connect()
-        .await
-        .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox's agent does not answer: {e}")))?;
+    let stream = addr.connect().await.map_err(|e| {
+        json_error(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            &format!("the sandbox's agent does not answer: {e}"),
+        )
+    })?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
         .await
-        .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("agent handshake failed: {e}")))?;
+        .map_err(|e| {
+            json_error(
+                StatusCode::BAD_GATEWAY,
+                "unavailable",
+                &format!("agent handshake failed: {e}"),
+            )
+        })?;
     tokio::spawn(conn.with_upgrades());
     let req = Request::get(format!("/.opendsec/tunnel?port={port}"))
         .header(hyper::header::HOST, "agent")
@@ -283,14 +359,23 @@ async fn open_tunnel(addr: &AgentAddr, token: &str, port: u16) -> Result<hyper::
         .header("x-access-token", token)
         .body(empty())
         .expect("valid tunnel request");
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox's agent failed: {e}")))?;
+    let resp = sender.send_request(req).await.map_err(|e| {
+        json_error(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            &format!("the sandbox's agent failed: {e}"),
+        )
+    })?;
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         return Err(resp.map(|b| b.boxed()));
     }
-    hyper::upgrade::on(resp).await.map_err(|e| json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("tunnel upgrade failed: {e}")))
+    hyper::upgrade::on(resp).await.map_err(|e| {
+        json_error(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            &format!("tunnel upgrade failed: {e}"),
+        )
+    })
 }
 
 /// Forwards `req` over `io` (HTTP/1.1), carrying protocol upgrades (WebSocket) through.
@@ -300,7 +385,13 @@ where
 {
     let (mut sender, conn) = match hyper::client::conn::http1::handshake(io).await {
         Ok(x) => x,
-        Err(e) => return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("handshake failed: {e}")),
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_GATEWAY,
+                "unavailable",
+                &format!("handshake failed: {e}"),
+            );
+        }
     };
     tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
@@ -311,7 +402,13 @@ where
     let client_side = wants_upgrade.then(|| hyper::upgrade::on(&mut req));
     let mut resp = match sender.send_request(req).await {
         Ok(r) => r,
-        Err(e) => return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the sandbox failed: {e}")),
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_GATEWAY,
+                "unavailable",
+                &format!("the sandbox failed: {e}"),
+            );
+        }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_side) = client_side {
@@ -333,14 +430,19 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
         return json_error(StatusCode::NOT_FOUND, "not_found", "this edge does not serve metrics");
     };
     let Some(a) = sampler(id) else {
-        return json_error(StatusCode::NOT_FOUND, "not_found", &format!("The sandbox {id} was not found on this edge"));
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!("The sandbox {id} was not found on this edge"),
+        );
     };
     let window = std::time::Duration::from_millis(100);
     tokio::time::sleep(window).await;
     let a_cpu_usec = a.cpu_usec;
     let b = sampler(id).unwrap_or(a);
     let cpus = b.cpu_count.max(1) as f64;
-    let pct = (b.cpu_usec.saturating_sub(a_cpu_usec) as f64 / window.as_micros() as f64 / cpus * 100.0).clamp(0.0, 100.0);
+    let pct =
+        (b.cpu_usec.saturating_sub(a_cpu_usec) as f64 / window.as_micros() as f64 / cpus * 100.0).clamp(0.0, 100.0);
     let mut body = serde_json::json!({
         "cpu_count": b.cpu_count,
         "cpu_used_pct": (pct * 100.0).round() / 100.0,
@@ -356,7 +458,11 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
     }
     Response::builder()
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())).map_err(|never| match never {}).boxed())
+        .body(
+            Full::new(Bytes::from(body.to_string()))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
         .expect("valid response")
 }
 
@@ -367,7 +473,11 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
     }
     let got = req.headers().get(EDGE_KEY_HEADER).and_then(|v| v.to_str().ok());
     if !key_matches(&key, got) {
-        return json_error(StatusCode::UNAUTHORIZED, "unauthenticated", "the edge proxy needs the edge key");
+        return json_error(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "the edge proxy needs the edge key",
+        );
     }
     if req.uri().path() == "/admit" && req.method() == hyper::Method::POST {
         return admit(req, hooks.admitter).await;
@@ -392,7 +502,11 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
                     .header("content-type", "text/plain; charset=utf-8")
                     .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
                     .expect("valid response"),
-                None => json_error(StatusCode::NOT_FOUND, "not_found", &format!("The sandbox {id} was not found on this edge")),
+                None => json_error(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    &format!("The sandbox {id} was not found on this edge"),
+                ),
             };
         }
     }
@@ -400,15 +514,32 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
         return json_error(StatusCode::NOT_FOUND, "not_found", "use /sandboxes/{id}/{agent path}");
     };
-    let (id, tail) = rest.split_once('/').map(|(a, b)| (a.to_string(), format!("/{b}"))).unwrap_or((rest.to_string(), "/".to_string()));
+    let (id, tail) = rest
+        .split_once('/')
+        .map(|(a, b)| (a.to_string(), format!("/{b}")))
+        .unwrap_or((rest.to_string(), "/".to_string()));
     let id = id.as_str();
     let Some(agent) = resolve(id) else {
-        return json_error(StatusCode::BAD_GATEWAY, "not_found", &format!("The sandbox {id} was not found on this edge"));
+        return json_error(
+            StatusCode::BAD_GATEWAY,
+            "not_found",
+            &format!("The sandbox {id} was not found on this edge"),
+        );
     };
-    let port = match req.headers().get(PORT_HEADER).map(|v| v.to_str().ok().and_then(|p| p.parse::<u16>().ok())) {
+    let port = match req
+        .headers()
+        .get(PORT_HEADER)
+        .map(|v| v.to_str().ok().and_then(|p| p.parse::<u16>().ok()))
+    {
         None => AGENT_PORT,
         Some(Some(p)) if p != 0 => p,
-        Some(_) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "x-opendsec-port must be a port number (1-65535)"),
+        Some(_) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_argument",
+                "x-opendsec-port must be a port number (1-65535)",
+            );
+        }
     };
     let path_and_query = match req.uri().query() {
         Some(q) => format!("{tail}?{q}"),
@@ -426,11 +557,16 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
         let stream = match agent.connect().await {
             Ok(s) => s,
             Err(e) => {
-                return json_error(StatusCode::BAD_GATEWAY, "unavailable", &format!("the agent of sandbox {id} does not answer: {e}"));
+                return json_error(
+                    StatusCode::BAD_GATEWAY,
+                    "unavailable",
+                    &format!("the agent of sandbox {id} does not answer: {e}"),
+                );
             }
         };
         let mut req = req;
-        req.headers_mut().insert(hyper::header::HOST, hyper::header::HeaderValue::from_static("agent"));
+        req.headers_mut()
+            .insert(hyper::header::HOST, hyper::header::HeaderValue::from_static("agent"));
         return forward_over(hyper_util::rt::TokioIo::new(stream), req).await;
     }
     // Any other port: through the agent's tunnel to that port inside the sandbox.
@@ -448,7 +584,16 @@ pub async fn serve(listener: TcpListener, key: String, resolve: Resolver) {
 
 /// Serves the proxy, answering `POST /admit` with `admitter` when given.
 pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: Resolver, admitter: Option<Admitter>) {
-    serve_with(listener, key, resolve, Hooks { admitter, ..Hooks::default() }).await
+    serve_with(
+        listener,
+        key,
+        resolve,
+        Hooks {
+            admitter,
+            ..Hooks::default()
+        },
+    )
+    .await
 }
 
 /// Serves the proxy with its optional abilities.
@@ -470,7 +615,9 @@ pub async fn serve_with(listener: TcpListener, key: String, resolve: Resolver, h
                 let (key, resolve, hooks) = (key.clone(), resolve.clone(), hooks.clone());
                 async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, hooks).await) }
             });
-            let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), svc).with_upgrades();
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc)
+                .with_upgrades();
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "edge proxy connection ended");
             }

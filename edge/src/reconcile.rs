@@ -30,31 +30,63 @@ pub enum Running {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Prepare storage and network and start the sandbox.
-    Create { id: String },
-    Pause { id: String },
-    Resume { id: String },
+    Create {
+        id: String,
+    },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
     /// Stop its processes (the sandbox then shows as exited).
-    Stop { id: String, reason: String },
+    Stop {
+        id: String,
+        reason: String,
+    },
     /// Free everything it holds on this machine.
-    Remove { id: String },
+    Remove {
+        id: String,
+    },
     /// Tell the control plane what was observed.
-    Report { id: String, observation: Observation },
+    Report {
+        id: String,
+        observation: Observation,
+    },
     /// Capture sandbox `sandbox`'s file system as snapshot `id`, and report it.
-    TakeSnapshot { id: String, sandbox: String },
+    TakeSnapshot {
+        id: String,
+        sandbox: String,
+    },
     /// Remove a deleted snapshot's files.
-    RemoveSnapshot { id: String },
+    RemoveSnapshot {
+        id: String,
+    },
     /// A snapshot cannot be taken (its sandbox ended first).
-    FailSnapshot { id: String, reason: String },
+    FailSnapshot {
+        id: String,
+        reason: String,
+    },
     /// Prepare transfer `id` (state this edge holds) for the edges that pull it.
-    MakeTransfer { id: String },
+    MakeTransfer {
+        id: String,
+    },
     /// The state of transfer `id` cannot be had: say so to the edges that ask.
-    FailTransfer { id: String, reason: String },
+    FailTransfer {
+        id: String,
+        reason: String,
+    },
     /// Every edge has pulled transfer `id`: remove its files.
-    RemoveTransfer { id: String },
+    RemoveTransfer {
+        id: String,
+    },
 }
 
 fn report(id: &str, observation: Observation) -> Action {
-    Action::Report { id: id.to_string(), observation }
+    Action::Report {
+        id: id.to_string(),
+        observation,
+    }
 }
 
 /// The actions for one sandbox of the slice.
@@ -63,11 +95,18 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
     // The log says it ended (reported failed), yet something of it still runs here:
     // end that too, so nothing the log does not count runs on.
     if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused | Running::OutOfMemory)) {
-        return vec![Action::Stop { id, reason: "ended".into() }];
+        return vec![Action::Stop {
+            id,
+            reason: "ended".into(),
+        }];
     }
     let expired = d.expires_at_ms.is_some_and(|at| at <= now_ms);
     // Auto-pause: past its timeout it pauses instead of dying, once the log says so.
-    if expired && d.auto_pause && d.desired == Desired::Running && matches!(seen, Some(Running::Running | Running::Paused)) {
+    if expired
+        && d.auto_pause
+        && d.desired == Desired::Running
+        && matches!(seen, Some(Running::Running | Running::Paused))
+    {
         return vec![report(&id, Observation::TimedOut)];
     }
     let stop_reason = if expired && d.desired != Desired::Killed {
@@ -84,7 +123,14 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
                 vec![Action::Remove { id }]
             } else {
                 let reason = reason.unwrap_or_else(|| if *oom_killed { "oom".into() } else { "exited".into() });
-                vec![report(&id, Observation::Exited { exit_code: *exit_code, oom_killed: *oom_killed, reason })]
+                vec![report(
+                    &id,
+                    Observation::Exited {
+                        exit_code: *exit_code,
+                        oom_killed: *oom_killed,
+                        reason,
+                    },
+                )]
             }
         }
         // Ended on its own: report why once (as an exit, if it was to end anyway), then free it.
@@ -92,27 +138,49 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
             if d.is_terminal() {
                 vec![Action::Remove { id }]
             } else if let Some(reason) = reason {
-                vec![report(&id, Observation::Exited { exit_code: 137, oom_killed: false, reason })]
+                vec![report(
+                    &id,
+                    Observation::Exited {
+                        exit_code: 137,
+                        oom_killed: false,
+                        reason,
+                    },
+                )]
             } else {
                 vec![report(&id, Observation::Failed { reason: why.clone() })]
             }
         }
         // Must end: stop it; its exit is reported on the next round.
         (Some(_), Some(reason)) => vec![Action::Stop { id, reason }],
-        (Some(Running::OutOfMemory), None) => vec![Action::Stop { id, reason: "oom".into() }],
+        (Some(Running::OutOfMemory), None) => vec![Action::Stop {
+            id,
+            reason: "oom".into(),
+        }],
         // Gone, and must end: say so if the log does not know yet.
         (None, Some(reason)) => {
             if d.is_terminal() {
                 vec![]
             } else {
-                vec![report(&id, Observation::Exited { exit_code: 137, oom_killed: false, reason })]
+                vec![report(
+                    &id,
+                    Observation::Exited {
+                        exit_code: 137,
+                        oom_killed: false,
+                        reason,
+                    },
+                )]
             }
         }
         (None, None) => match d.observed {
             Observed::Pending => vec![Action::Create { id }],
             Observed::Exited | Observed::Failed => vec![],
             // It ran here once and is gone (the machine rebooted, someone removed it).
-            Observed::Ready | Observed::Paused => vec![report(&id, Observation::Failed { reason: "lost: the sandbox no longer exists on its edge".into() })],
+            Observed::Ready | Observed::Paused => vec![report(
+                &id,
+                Observation::Failed {
+                    reason: "lost: the sandbox no longer exists on its edge".into(),
+                },
+            )],
         },
         (Some(Running::Running), None) => match (d.desired, d.observed) {
             (Desired::Paused, _) => vec![Action::Pause { id }],
@@ -131,16 +199,29 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
 /// The snapshot actions: take the pending ones whose sandbox still runs here (a snapshot
 /// of a sandbox that ended is reported failed), remove the files of deleted ones.
 /// `present`: the snapshots whose files exist on this machine.
-pub fn plan_snapshots(slice: &SliceState, observed: &BTreeMap<String, Running>, present: &std::collections::BTreeSet<String>) -> Vec<Action> {
+pub fn plan_snapshots(
+    slice: &SliceState,
+    observed: &BTreeMap<String, Running>,
+    present: &std::collections::BTreeSet<String>,
+) -> Vec<Action> {
     use crate::desired::SnapshotPhase;
     let mut out = Vec::new();
     for x in slice.snapshots.values() {
         match x.phase {
             // Taken: (re)report it until the log shows it ready.
-            SnapshotPhase::Pending if present.contains(&x.id) => out.push(Action::TakeSnapshot { id: x.id.clone(), sandbox: x.sandbox.clone() }),
+            SnapshotPhase::Pending if present.contains(&x.id) => out.push(Action::TakeSnapshot {
+                id: x.id.clone(),
+                sandbox: x.sandbox.clone(),
+            }),
             SnapshotPhase::Pending => match observed.get(&x.sandbox) {
-                Some(Running::Running | Running::Paused) => out.push(Action::TakeSnapshot { id: x.id.clone(), sandbox: x.sandbox.clone() }),
-                _ => out.push(Action::FailSnapshot { id: x.id.clone(), reason: format!("sandbox {} ended before its snapshot was taken", x.sandbox) }),
+                Some(Running::Running | Running::Paused) => out.push(Action::TakeSnapshot {
+                    id: x.id.clone(),
+                    sandbox: x.sandbox.clone(),
+                }),
+                _ => out.push(Action::FailSnapshot {
+                    id: x.id.clone(),
+                    reason: format!("sandbox {} ended before its snapshot was taken", x.sandbox),
+                }),
             },
             SnapshotPhase::Deleted if present.contains(&x.id) => out.push(Action::RemoveSnapshot { id: x.id.clone() }),
             _ => {}
@@ -152,7 +233,11 @@ pub fn plan_snapshots(slice: &SliceState, observed: &BTreeMap<String, Running>, 
 /// The actions for the state this edge serves to others: prepare what some edge still has
 /// to pull (a fork's source must run here, a snapshot must be ready), say why it cannot be
 /// had, remove what every edge has pulled. `present`: the transfers prepared or failed.
-pub fn plan_transfers(slice: &SliceState, observed: &BTreeMap<String, Running>, present: &std::collections::BTreeSet<String>) -> Vec<Action> {
+pub fn plan_transfers(
+    slice: &SliceState,
+    observed: &BTreeMap<String, Running>,
+    present: &std::collections::BTreeSet<String>,
+) -> Vec<Action> {
     use crate::desired::{SnapshotPhase, TransferSource};
     let mut out = Vec::new();
     for t in slice.served.values() {
@@ -171,12 +256,18 @@ pub fn plan_transfers(slice: &SliceState, observed: &BTreeMap<String, Running>, 
                 (Some(Running::Running | Running::Paused), _) => out.push(Action::MakeTransfer { id }),
                 // Not created yet here: it will be.
                 (None, Some(d)) if d.observed == Observed::Pending && d.desired != Desired::Killed => {}
-                _ => out.push(Action::FailTransfer { id, reason: format!("sandbox {sandbox}, the fork's source, no longer runs on its edge") }),
+                _ => out.push(Action::FailTransfer {
+                    id,
+                    reason: format!("sandbox {sandbox}, the fork's source, no longer runs on its edge"),
+                }),
             },
             TransferSource::Snapshot { snapshot } => match slice.snapshots.get(snapshot).map(|x| x.phase) {
                 Some(SnapshotPhase::Ready) => out.push(Action::MakeTransfer { id }),
                 Some(SnapshotPhase::Pending) => {}
-                _ => out.push(Action::FailTransfer { id, reason: format!("snapshot {snapshot} no longer exists on its edge") }),
+                _ => out.push(Action::FailTransfer {
+                    id,
+                    reason: format!("snapshot {snapshot} no longer exists on its edge"),
+                }),
             },
         }
     }
@@ -200,8 +291,14 @@ pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u6
         if !slice.sandboxes.contains_key(id) {
             match state {
                 Running::Exited { .. } | Running::Failed { .. } => actions.push(Action::Remove { id: id.clone() }),
-                Running::OutOfMemory => actions.push(Action::Stop { id: id.clone(), reason: "orphan".into() }),
-                _ => actions.push(Action::Stop { id: id.clone(), reason: "orphan".into() }),
+                Running::OutOfMemory => actions.push(Action::Stop {
+                    id: id.clone(),
+                    reason: "orphan".into(),
+                }),
+                _ => actions.push(Action::Stop {
+                    id: id.clone(),
+                    reason: "orphan".into(),
+                }),
             }
         }
     }
@@ -238,21 +335,51 @@ mod tests {
     fn a_sandbox_the_log_says_failed_is_not_left_running_or_resumed() {
         let d = sandbox(Desired::Running, Observed::Failed);
         for seen in [Running::Running, Running::Paused] {
-            assert_eq!(check(d.clone(), Some(seen), 0), vec![Action::Stop { id: "s1".into(), reason: "ended".into() }]);
+            assert_eq!(
+                check(d.clone(), Some(seen), 0),
+                vec![Action::Stop {
+                    id: "s1".into(),
+                    reason: "ended".into()
+                }]
+            );
         }
-        assert_eq!(check(d.clone(), Some(Running::Exited { exit_code: 137, oom_killed: false }), 0), vec![Action::Remove { id: "s1".into() }]);
+        assert_eq!(
+            check(
+                d.clone(),
+                Some(Running::Exited {
+                    exit_code: 137,
+                    oom_killed: false
+                }),
+                0
+            ),
+            vec![Action::Remove { id: "s1".into() }]
+        );
         assert_eq!(check(d, None, 0), vec![]);
     }
 
     #[test]
     fn a_sandbox_that_ended_on_its_own_is_reported_failed_with_why_once_then_freed() {
-        let died = Some(Running::Failed { reason: "the microVM ended: its QEMU exited with code 0".into() });
+        let died = Some(Running::Failed {
+            reason: "the microVM ended: its QEMU exited with code 0".into(),
+        });
         let mut d = sandbox(Desired::Running, Observed::Ready);
-        assert_eq!(check(d.clone(), died.clone(), 0), rep(Observation::Failed { reason: "the microVM ended: its QEMU exited with code 0".into() }));
+        assert_eq!(
+            check(d.clone(), died.clone(), 0),
+            rep(Observation::Failed {
+                reason: "the microVM ended: its QEMU exited with code 0".into()
+            })
+        );
         // Killed on purpose (a stop kills a running VM's QEMU): that is an exit for the asked reason.
         d.desired = Desired::Killed;
         d.kill_reason = Some("user".into());
-        assert_eq!(check(d.clone(), died.clone(), 0), rep(Observation::Exited { exit_code: 137, oom_killed: false, reason: "user".into() }));
+        assert_eq!(
+            check(d.clone(), died.clone(), 0),
+            rep(Observation::Exited {
+                exit_code: 137,
+                oom_killed: false,
+                reason: "user".into()
+            })
+        );
         d.observed = Observed::Exited;
         assert_eq!(check(d, died, 0), vec![Action::Remove { id: "s1".into() }]);
     }
@@ -263,11 +390,17 @@ mod tests {
         d.auto_pause = true;
         d.expires_at_ms = Some(1_000);
         assert_eq!(check(d.clone(), Some(Running::Running), 999), vec![]);
-        assert_eq!(check(d.clone(), Some(Running::Running), 1_000), rep(Observation::TimedOut));
+        assert_eq!(
+            check(d.clone(), Some(Running::Running), 1_000),
+            rep(Observation::TimedOut)
+        );
         // Once the log recorded it (desired paused, timeout spent), it is simply paused.
         d.desired = Desired::Paused;
         d.expires_at_ms = None;
-        assert_eq!(check(d, Some(Running::Running), 5_000), vec![Action::Pause { id: "s1".into() }]);
+        assert_eq!(
+            check(d, Some(Running::Running), 5_000),
+            vec![Action::Pause { id: "s1".into() }]
+        );
     }
 
     #[test]
@@ -275,7 +408,14 @@ mod tests {
         use crate::desired::{DesiredSnapshot, SnapshotPhase};
         use std::collections::BTreeSet;
         let mut slice = SliceState::new("e");
-        let snap = |id: &str, phase| DesiredSnapshot { id: id.into(), sandbox: "s1".into(), image: "busybox".into(), parent: None, phase, isolation: Default::default() };
+        let snap = |id: &str, phase| DesiredSnapshot {
+            id: id.into(),
+            sandbox: "s1".into(),
+            image: "busybox".into(),
+            parent: None,
+            phase,
+            isolation: Default::default(),
+        };
         slice.snapshots.insert("a".into(), snap("a", SnapshotPhase::Pending));
         slice.snapshots.insert("b".into(), snap("b", SnapshotPhase::Deleted));
         slice.snapshots.insert("c".into(), snap("c", SnapshotPhase::Ready));
@@ -283,23 +423,39 @@ mod tests {
         let present: BTreeSet<String> = ["b".to_string(), "c".to_string()].into();
         assert_eq!(
             plan_snapshots(&slice, &running, &present),
-            vec![Action::TakeSnapshot { id: "a".into(), sandbox: "s1".into() }, Action::RemoveSnapshot { id: "b".into() }]
+            vec![
+                Action::TakeSnapshot {
+                    id: "a".into(),
+                    sandbox: "s1".into()
+                },
+                Action::RemoveSnapshot { id: "b".into() }
+            ]
         );
         // Taken (its files exist) but not yet shown ready: reported again, even if its
         // sandbox has ended since (taking is idempotent: existing files are not retaken).
         let taken: BTreeSet<String> = ["a".to_string()].into();
-        assert_eq!(plan_snapshots(&slice, &BTreeMap::new(), &taken), vec![Action::TakeSnapshot { id: "a".into(), sandbox: "s1".into() }]);
+        assert_eq!(
+            plan_snapshots(&slice, &BTreeMap::new(), &taken),
+            vec![Action::TakeSnapshot {
+                id: "a".into(),
+                sandbox: "s1".into()
+            }]
+        );
         // Its sandbox is gone: the snapshot fails rather than waiting for ever.
         let gone = BTreeMap::new();
-        assert!(matches!(&plan_snapshots(&slice, &gone, &BTreeSet::new())[0], Action::FailSnapshot { id, .. } if id == "a"));
+        assert!(
+            matches!(&plan_snapshots(&slice, &gone, &BTreeSet::new())[0], Action::FailSnapshot { id, .. } if id == "a")
+        );
     }
 
     #[test]
     fn served_state_is_prepared_while_an_edge_still_has_to_pull_it_then_removed() {
-        use crate::desired::{ServedTransfer, SnapshotPhase, TransferSource, DesiredSnapshot};
+        use crate::desired::{DesiredSnapshot, ServedTransfer, SnapshotPhase, TransferSource};
         use std::collections::BTreeSet;
         let mut slice = SliceState::new("e1");
-        slice.sandboxes.insert("s1".into(), sandbox(Desired::Running, Observed::Ready));
+        slice
+            .sandboxes
+            .insert("s1".into(), sandbox(Desired::Running, Observed::Ready));
         let served = |id: &str, source| ServedTransfer {
             id: id.into(),
             source,
@@ -307,26 +463,56 @@ mod tests {
             destinations: [("c1".to_string(), "e2".to_string())].into(),
             pulled: BTreeSet::new(),
         };
-        slice.served.insert("fork-c1".into(), served("fork-c1", TransferSource::Fork { sandbox: "s1".into() }));
-        slice.served.insert("snap-1".into(), served("snap-1", TransferSource::Snapshot { snapshot: "snap-1".into() }));
-        slice.snapshots.insert("snap-1".into(), DesiredSnapshot { id: "snap-1".into(), sandbox: "s1".into(), image: "busybox".into(), parent: None, phase: SnapshotPhase::Ready, isolation: Default::default() });
+        slice.served.insert(
+            "fork-c1".into(),
+            served("fork-c1", TransferSource::Fork { sandbox: "s1".into() }),
+        );
+        slice.served.insert(
+            "snap-1".into(),
+            served(
+                "snap-1",
+                TransferSource::Snapshot {
+                    snapshot: "snap-1".into(),
+                },
+            ),
+        );
+        slice.snapshots.insert(
+            "snap-1".into(),
+            DesiredSnapshot {
+                id: "snap-1".into(),
+                sandbox: "s1".into(),
+                image: "busybox".into(),
+                parent: None,
+                phase: SnapshotPhase::Ready,
+                isolation: Default::default(),
+            },
+        );
         let running: BTreeMap<_, _> = [("s1".to_string(), Running::Running)].into();
         let none = BTreeSet::new();
         assert_eq!(
             plan_transfers(&slice, &running, &none),
-            vec![Action::MakeTransfer { id: "fork-c1".into() }, Action::MakeTransfer { id: "snap-1".into() }]
+            vec![
+                Action::MakeTransfer { id: "fork-c1".into() },
+                Action::MakeTransfer { id: "snap-1".into() }
+            ]
         );
         // Prepared: nothing to do until it is pulled; then its files go.
         let both: BTreeSet<String> = ["fork-c1".to_string(), "snap-1".to_string()].into();
         assert_eq!(plan_transfers(&slice, &running, &both), vec![]);
         slice.served.get_mut("fork-c1").unwrap().pulled.insert("c1".into());
-        assert_eq!(plan_transfers(&slice, &running, &both), vec![Action::RemoveTransfer { id: "fork-c1".into() }]);
+        assert_eq!(
+            plan_transfers(&slice, &running, &both),
+            vec![Action::RemoveTransfer { id: "fork-c1".into() }]
+        );
         // A fork whose source ended, a snapshot deleted: the pulling edge is told why.
         slice.served.get_mut("fork-c1").unwrap().pulled.clear();
         slice.snapshots.get_mut("snap-1").unwrap().phase = SnapshotPhase::Deleted;
         let actions = plan_transfers(&slice, &BTreeMap::new(), &none);
-        assert!(matches!(&actions[..], [Action::FailTransfer { id: a, reason: ra }, Action::FailTransfer { id: b, .. }]
-            if a == "fork-c1" && b == "snap-1" && ra.contains("no longer runs")), "{actions:?}");
+        assert!(
+            matches!(&actions[..], [Action::FailTransfer { id: a, reason: ra }, Action::FailTransfer { id: b, .. }]
+            if a == "fork-c1" && b == "snap-1" && ra.contains("no longer runs")),
+            "{actions:?}"
+        );
     }
 
     fn check(d: DesiredSandbox, seen: Option<Running>, now: u64) -> Vec<Action> {
@@ -337,32 +523,75 @@ mod tests {
     }
 
     fn rep(o: Observation) -> Vec<Action> {
-        vec![Action::Report { id: "s1".into(), observation: o }]
+        vec![Action::Report {
+            id: "s1".into(),
+            observation: o,
+        }]
     }
 
     #[test]
     fn a_new_sandbox_is_created_then_reported_ready() {
-        assert_eq!(check(sandbox(Desired::Running, Observed::Pending), None, 0), vec![Action::Create { id: "s1".into() }]);
-        assert_eq!(check(sandbox(Desired::Running, Observed::Pending), Some(Running::Running), 0), rep(Observation::Ready));
-        assert_eq!(check(sandbox(Desired::Running, Observed::Ready), Some(Running::Running), 0), vec![]);
+        assert_eq!(
+            check(sandbox(Desired::Running, Observed::Pending), None, 0),
+            vec![Action::Create { id: "s1".into() }]
+        );
+        assert_eq!(
+            check(sandbox(Desired::Running, Observed::Pending), Some(Running::Running), 0),
+            rep(Observation::Ready)
+        );
+        assert_eq!(
+            check(sandbox(Desired::Running, Observed::Ready), Some(Running::Running), 0),
+            vec![]
+        );
     }
 
     #[test]
     fn pause_and_resume_follow_the_desired_state() {
-        assert_eq!(check(sandbox(Desired::Paused, Observed::Ready), Some(Running::Running), 0), vec![Action::Pause { id: "s1".into() }]);
-        assert_eq!(check(sandbox(Desired::Paused, Observed::Ready), Some(Running::Paused), 0), rep(Observation::Paused));
-        assert_eq!(check(sandbox(Desired::Paused, Observed::Paused), Some(Running::Paused), 0), vec![]);
-        assert_eq!(check(sandbox(Desired::Running, Observed::Paused), Some(Running::Paused), 0), vec![Action::Resume { id: "s1".into() }]);
-        assert_eq!(check(sandbox(Desired::Running, Observed::Paused), Some(Running::Running), 0), rep(Observation::Resumed));
+        assert_eq!(
+            check(sandbox(Desired::Paused, Observed::Ready), Some(Running::Running), 0),
+            vec![Action::Pause { id: "s1".into() }]
+        );
+        assert_eq!(
+            check(sandbox(Desired::Paused, Observed::Ready), Some(Running::Paused), 0),
+            rep(Observation::Paused)
+        );
+        assert_eq!(
+            check(sandbox(Desired::Paused, Observed::Paused), Some(Running::Paused), 0),
+            vec![]
+        );
+        assert_eq!(
+            check(sandbox(Desired::Running, Observed::Paused), Some(Running::Paused), 0),
+            vec![Action::Resume { id: "s1".into() }]
+        );
+        assert_eq!(
+            check(sandbox(Desired::Running, Observed::Paused), Some(Running::Running), 0),
+            rep(Observation::Resumed)
+        );
     }
 
     #[test]
     fn a_kill_stops_reports_once_and_frees() {
         let mut d = sandbox(Desired::Killed, Observed::Ready);
         d.kill_reason = Some("user".into());
-        assert_eq!(check(d.clone(), Some(Running::Running), 0), vec![Action::Stop { id: "s1".into(), reason: "user".into() }]);
-        let exited = Some(Running::Exited { exit_code: 137, oom_killed: false });
-        assert_eq!(check(d.clone(), exited.clone(), 0), rep(Observation::Exited { exit_code: 137, oom_killed: false, reason: "user".into() }));
+        assert_eq!(
+            check(d.clone(), Some(Running::Running), 0),
+            vec![Action::Stop {
+                id: "s1".into(),
+                reason: "user".into()
+            }]
+        );
+        let exited = Some(Running::Exited {
+            exit_code: 137,
+            oom_killed: false,
+        });
+        assert_eq!(
+            check(d.clone(), exited.clone(), 0),
+            rep(Observation::Exited {
+                exit_code: 137,
+                oom_killed: false,
+                reason: "user".into()
+            })
+        );
         d.observed = Observed::Exited;
         assert_eq!(check(d.clone(), exited, 0), vec![Action::Remove { id: "s1".into() }]);
         assert_eq!(check(d, None, 0), vec![]);
@@ -373,10 +602,27 @@ mod tests {
         let mut d = sandbox(Desired::Running, Observed::Ready);
         d.expires_at_ms = Some(1_000);
         assert_eq!(check(d.clone(), Some(Running::Running), 999), vec![]);
-        assert_eq!(check(d.clone(), Some(Running::Running), 1_000), vec![Action::Stop { id: "s1".into(), reason: "timeout".into() }]);
         assert_eq!(
-            check(d, Some(Running::Exited { exit_code: 137, oom_killed: false }), 1_001),
-            rep(Observation::Exited { exit_code: 137, oom_killed: false, reason: "timeout".into() })
+            check(d.clone(), Some(Running::Running), 1_000),
+            vec![Action::Stop {
+                id: "s1".into(),
+                reason: "timeout".into()
+            }]
+        );
+        assert_eq!(
+            check(
+                d,
+                Some(Running::Exited {
+                    exit_code: 137,
+                    oom_killed: false
+                }),
+                1_001
+            ),
+            rep(Observation::Exited {
+                exit_code: 137,
+                oom_killed: false,
+                reason: "timeout".into()
+            })
         );
     }
 
@@ -384,21 +630,44 @@ mod tests {
     fn an_oom_kill_is_reported_as_such() {
         let d = sandbox(Desired::Running, Observed::Ready);
         assert_eq!(
-            check(d, Some(Running::Exited { exit_code: 137, oom_killed: true }), 0),
-            rep(Observation::Exited { exit_code: 137, oom_killed: true, reason: "oom".into() })
+            check(
+                d,
+                Some(Running::Exited {
+                    exit_code: 137,
+                    oom_killed: true
+                }),
+                0
+            ),
+            rep(Observation::Exited {
+                exit_code: 137,
+                oom_killed: true,
+                reason: "oom".into()
+            })
         );
     }
 
     #[test]
     fn a_sandbox_over_its_memory_is_ended_as_a_whole() {
         let d = sandbox(Desired::Running, Observed::Ready);
-        assert_eq!(check(d, Some(Running::OutOfMemory), 0), vec![Action::Stop { id: "s1".into(), reason: "oom".into() }]);
+        assert_eq!(
+            check(d, Some(Running::OutOfMemory), 0),
+            vec![Action::Stop {
+                id: "s1".into(),
+                reason: "oom".into()
+            }]
+        );
     }
 
     #[test]
     fn a_sandbox_that_vanished_is_reported_lost() {
         let actions = check(sandbox(Desired::Running, Observed::Ready), None, 0);
-        assert!(matches!(&actions[..], [Action::Report { observation: Observation::Failed { .. }, .. }]));
+        assert!(matches!(
+            &actions[..],
+            [Action::Report {
+                observation: Observation::Failed { .. },
+                ..
+            }]
+        ));
     }
 
     #[test]
@@ -406,11 +675,23 @@ mod tests {
         let slice = SliceState::new("e");
         let observed = BTreeMap::from([
             ("x".to_string(), Running::Running),
-            ("y".to_string(), Running::Exited { exit_code: 0, oom_killed: false }),
+            (
+                "y".to_string(),
+                Running::Exited {
+                    exit_code: 0,
+                    oom_killed: false,
+                },
+            ),
         ]);
         assert_eq!(
             plan(&slice, &observed, 0, true),
-            vec![Action::Stop { id: "x".into(), reason: "orphan".into() }, Action::Remove { id: "y".into() }]
+            vec![
+                Action::Stop {
+                    id: "x".into(),
+                    reason: "orphan".into()
+                },
+                Action::Remove { id: "y".into() }
+            ]
         );
     }
 
@@ -421,7 +702,13 @@ mod tests {
         let slice = SliceState::new("e");
         let observed = BTreeMap::from([
             ("x".to_string(), Running::Running),
-            ("y".to_string(), Running::Exited { exit_code: 0, oom_killed: false }),
+            (
+                "y".to_string(),
+                Running::Exited {
+                    exit_code: 0,
+                    oom_killed: false,
+                },
+            ),
         ]);
         assert_eq!(plan(&slice, &observed, 0, false), vec![]);
     }

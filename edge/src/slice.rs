@@ -4,7 +4,9 @@
 
 use opendsec_commands::Observation;
 use opendsec_control::pb::edge_slice_client::EdgeSliceClient;
-use opendsec_control::pb::{slice_message::Body, Capacity, HeartbeatRequest, RegisterRequest, ReportRequest, SliceMessage, WatchRequest};
+use opendsec_control::pb::{
+    Capacity, HeartbeatRequest, RegisterRequest, ReportRequest, SliceMessage, WatchRequest, slice_message::Body,
+};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tonic::metadata::MetadataValue;
@@ -38,7 +40,10 @@ impl SliceClient {
             .tcp_nodelay(true)
             .connect_lazy();
         let auth = format!("Bearer {bearer}").parse().map_err(|_| SliceError::BadToken)?;
-        Ok(SliceClient { client: EdgeSliceClient::new(ch), auth })
+        Ok(SliceClient {
+            client: EdgeSliceClient::new(ch),
+            auth,
+        })
     }
 
     fn req<T>(&self, body: T) -> Request<T> {
@@ -48,10 +53,21 @@ impl SliceClient {
     }
 
     /// Registers (or re-registers) the edge; returns its ordinal and the log index.
-    pub async fn register(&mut self, edge: &str, address: &str, capacity: Capacity, labels: BTreeMap<String, String>) -> Result<(u32, u64), SliceError> {
+    pub async fn register(
+        &mut self,
+        edge: &str,
+        address: &str,
+        capacity: Capacity,
+        labels: BTreeMap<String, String>,
+    ) -> Result<(u32, u64), SliceError> {
         let r = self
             .client
-            .register(self.req(RegisterRequest { edge: edge.into(), address: address.into(), capacity: Some(capacity), labels }))
+            .register(self.req(RegisterRequest {
+                edge: edge.into(),
+                address: address.into(),
+                capacity: Some(capacity),
+                labels,
+            }))
             .await?
             .into_inner();
         Ok((r.ordinal, r.index))
@@ -59,22 +75,44 @@ impl SliceClient {
 
     /// Opens the edge's slice from `from_index`.
     pub async fn watch(&mut self, edge: &str, from_index: u64) -> Result<Streaming<SliceMessage>, SliceError> {
-        Ok(self.client.watch(self.req(WatchRequest { edge: edge.into(), from_index })).await?.into_inner())
+        Ok(self
+            .client
+            .watch(self.req(WatchRequest {
+                edge: edge.into(),
+                from_index,
+            }))
+            .await?
+            .into_inner())
     }
 
     /// Reports an observation of one of the edge's sandboxes; returns the log index.
-    pub async fn report(&mut self, sandbox: &str, observation: &Observation, request_id: &str) -> Result<u64, SliceError> {
+    pub async fn report(
+        &mut self,
+        sandbox: &str,
+        observation: &Observation,
+        request_id: &str,
+    ) -> Result<u64, SliceError> {
         let observation_json = serde_json::to_string(observation).expect("observations serialise");
         let r = self
             .client
-            .report(self.req(ReportRequest { sandbox: sandbox.into(), observation_json, request_id: request_id.into(), ..Default::default() }))
+            .report(self.req(ReportRequest {
+                sandbox: sandbox.into(),
+                observation_json,
+                request_id: request_id.into(),
+                ..Default::default()
+            }))
             .await?
             .into_inner();
         Ok(r.index)
     }
 
     /// Reports the result of taking a snapshot.
-    pub async fn report_snapshot(&mut self, snapshot: &str, result: &opendsec_commands::SnapshotResult, request_id: &str) -> Result<u64, SliceError> {
+    pub async fn report_snapshot(
+        &mut self,
+        snapshot: &str,
+        result: &opendsec_commands::SnapshotResult,
+        request_id: &str,
+    ) -> Result<u64, SliceError> {
         let snapshot_result_json = serde_json::to_string(result).expect("snapshot results serialise");
         let r = self
             .client
@@ -107,7 +145,12 @@ pub struct SliceFollower {
 
 impl SliceFollower {
     pub fn new(client: SliceClient, edge: &str, from_index: u64) -> SliceFollower {
-        SliceFollower { client, edge: edge.to_string(), next_index: from_index.max(1), stream: None }
+        SliceFollower {
+            client,
+            edge: edge.to_string(),
+            next_index: from_index.max(1),
+            stream: None,
+        }
     }
 
     /// The first index not yet returned (what an edge persists to resume after a restart).

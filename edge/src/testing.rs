@@ -7,15 +7,29 @@ use std::time::Duration;
 /// `target/<profile>/opendsec-agent`, next to `target/<profile>/deps/<the test>`.
 pub fn agent_binary() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    let bin = exe.parent().and_then(Path::parent).expect("target/<profile>").join("opendsec-agent");
-    assert!(bin.exists(), "{} is missing: build it first with `cargo build --workspace` (or `cargo build -p opendsec-agent`)", bin.display());
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .join("opendsec-agent");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first with `cargo build --workspace` (or `cargo build -p opendsec-agent`)",
+        bin.display()
+    );
     bin
 }
 
 /// Starts an agent (default user root) listening on `socket`; it dies with the handle.
 pub async fn start_agent(socket: &Path) -> tokio::process::Child {
     let child = tokio::process::Command::new(agent_binary())
-        .args(["serve", "--listen", &format!("unix:{}", socket.display()), "--default-user", "root"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("unix:{}", socket.display()),
+            "--default-user",
+            "root",
+        ])
         .kill_on_drop(true)
         .spawn()
         .expect("start opendsec-agent");
@@ -53,7 +67,11 @@ pub fn free_port() -> u16 {
             }
         }
     }
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port").local_addr().expect("its address").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind a loopback port")
+        .local_addr()
+        .expect("its address")
+        .port()
 }
 
 /// A Python program for tests of memory state: a counter that lives only in the memory

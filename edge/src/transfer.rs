@@ -81,13 +81,30 @@ pub enum TransferError {
     Unreachable { edge: String, address: String, why: String },
     /// The source edge answered with a refusal or a failure.
     #[error("the source edge {edge} refused transfer {transfer}: {status} {message}")]
-    Refused { edge: String, transfer: String, status: u16, message: String },
+    Refused {
+        edge: String,
+        transfer: String,
+        status: u16,
+        message: String,
+    },
     #[error("the source edge {edge} did not have transfer {transfer} ready within {within:?}")]
-    NotReady { edge: String, transfer: String, within: Duration },
+    NotReady {
+        edge: String,
+        transfer: String,
+        within: Duration,
+    },
     #[error("file {name} of transfer {transfer} arrived damaged: {why}")]
-    Integrity { transfer: String, name: String, why: String },
+    Integrity {
+        transfer: String,
+        name: String,
+        why: String,
+    },
     #[error("transfer {transfer}: {context}: {source}")]
-    Io { transfer: String, context: String, source: io::Error },
+    Io {
+        transfer: String,
+        context: String,
+        source: io::Error,
+    },
 }
 
 /// True when every byte is zero.
@@ -105,7 +122,11 @@ fn seek(f: &std::fs::File, pos: u64, whence: libc::c_int) -> io::Result<Option<u
     let r = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, whence) };
     if r < 0 {
         let e = io::Error::last_os_error();
-        return if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) };
+        return if e.raw_os_error() == Some(libc::ENXIO) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
     }
     Ok(Some(r as u64))
 }
@@ -121,7 +142,9 @@ pub fn encode_file(path: &Path, mut sink: impl FnMut(Bytes) -> io::Result<()>) -
     let mut buf = vec![0u8; BLOCK as usize];
     while pos < size {
         // Holes read as zeros and would be skipped anyway: jump over them unread.
-        let Some(data) = seek(&f, pos, libc::SEEK_DATA)? else { break };
+        let Some(data) = seek(&f, pos, libc::SEEK_DATA)? else {
+            break;
+        };
         let hole = seek(&f, data, libc::SEEK_HOLE)?.unwrap_or(size).min(size);
         let mut block = data / BLOCK * BLOCK;
         while block < hole {
@@ -164,15 +187,29 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn create(path: &Path) -> io::Result<Decoder> {
-        let file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
-        Ok(Decoder { file, hasher: Sha256::new(), header: Vec::with_capacity(16), data: None, end: None, received: 0 })
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        Ok(Decoder {
+            file,
+            hasher: Sha256::new(),
+            header: Vec::with_capacity(16),
+            data: None,
+            end: None,
+            received: 0,
+        })
     }
 
     pub fn feed(&mut self, mut chunk: &[u8]) -> io::Result<()> {
         self.received += chunk.len() as u64;
         while !chunk.is_empty() {
             if self.end.is_some() {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "bytes after the end of the file"));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "bytes after the end of the file",
+                ));
             }
             match self.data {
                 Some((at, left)) => {
@@ -194,7 +231,10 @@ impl Decoder {
                         if len == 0 {
                             self.end = Some(offset);
                         } else if len > BLOCK || offset % BLOCK != 0 {
-                            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a record of {len} bytes at {offset}")));
+                            return Err(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!("a record of {len} bytes at {offset}"),
+                            ));
                         } else {
                             self.data = Some((offset, len));
                         }
@@ -208,7 +248,10 @@ impl Decoder {
     /// Sets the file's length and returns (digest, size); an encoding cut short is an error.
     pub fn finish(self) -> io::Result<([u8; 32], u64)> {
         let Some(size) = self.end else {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the stream ended before the file did"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the stream ended before the file did",
+            ));
         };
         self.file.set_len(size)?;
         self.file.sync_all()?;
@@ -217,7 +260,13 @@ impl Decoder {
 }
 
 /// Writes the manifest of the files in `dir` (every regular file but the manifest).
-pub fn write_manifest(dir: &Path, transfer: &str, isolation: &str, source_sandbox: &str, layers: Vec<String>) -> io::Result<Manifest> {
+pub fn write_manifest(
+    dir: &Path,
+    transfer: &str,
+    isolation: &str,
+    source_sandbox: &str,
+    layers: Vec<String>,
+) -> io::Result<Manifest> {
     let mut names: Vec<String> = std::fs::read_dir(dir)?
         .flatten()
         .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
@@ -228,25 +277,45 @@ pub fn write_manifest(dir: &Path, transfer: &str, isolation: &str, source_sandbo
     let mut files = Vec::new();
     for name in names {
         let (digest, size, data_bytes) = encode_file(&dir.join(&name), |_| Ok(()))?;
-        files.push(FileEntry { name, size, sha256: hex::encode(digest), data_bytes });
+        files.push(FileEntry {
+            name,
+            size,
+            sha256: hex::encode(digest),
+            data_bytes,
+        });
     }
-    let m = Manifest { transfer: transfer.into(), isolation: isolation.into(), source_sandbox: source_sandbox.into(), layers, files };
+    let m = Manifest {
+        transfer: transfer.into(),
+        isolation: isolation.into(),
+        source_sandbox: source_sandbox.into(),
+        layers,
+        files,
+    };
     std::fs::write(dir.join(MANIFEST), serde_json::to_vec_pretty(&m).expect("serialisable"))?;
     Ok(m)
 }
 
 pub fn read_manifest(dir: &Path) -> io::Result<Manifest> {
-    serde_json::from_slice(&std::fs::read(dir.join(MANIFEST))?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    serde_json::from_slice(&std::fs::read(dir.join(MANIFEST))?)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// A file name a manifest may hold: no paths.
 pub fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 128 && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')) && !name.starts_with('.')
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        && !name.starts_with('.')
 }
 
 /// A transfer id: `snap-…` or `fork-…`, letters, digits and dashes.
 pub fn valid_transfer(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') && !id.starts_with('-')
+    !id.is_empty()
+        && id.len() <= 64
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        && !id.starts_with('-')
 }
 
 /// What a pull brought.
@@ -270,24 +339,43 @@ pub struct PullRequest<'a> {
 
 type ReqBody = http_body_util::Empty<Bytes>;
 
-async fn send(p: &PullRequest<'_>, method: hyper::Method, path: &str) -> Result<hyper::Response<hyper::body::Incoming>, String> {
-    let tcp = tokio::net::TcpStream::connect(p.address).await.map_err(|e| format!("cannot connect: {e}"))?;
+async fn send(
+    p: &PullRequest<'_>,
+    method: hyper::Method,
+    path: &str,
+) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+    let tcp = tokio::net::TcpStream::connect(p.address)
+        .await
+        .map_err(|e| format!("cannot connect: {e}"))?;
     let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, ReqBody>(hyper_util::rt::TokioIo::new(tcp)).await.map_err(|e| format!("handshake: {e}"))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, ReqBody>(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
     tokio::spawn(conn);
     let req = hyper::Request::builder()
         .method(method)
         .uri(path)
         .header(hyper::header::HOST, "edge")
         .header(EDGE_HEADER, p.me)
-        .header(TOKEN_HEADER, opendsec_control::transfer_token(p.cluster_key, p.transfer, p.me))
+        .header(
+            TOKEN_HEADER,
+            opendsec_control::transfer_token(p.cluster_key, p.transfer, p.me),
+        )
         .body(ReqBody::new())
         .map_err(|e| e.to_string())?;
-    sender.send_request(req).await.map_err(|e| format!("request failed: {e}"))
+    sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("request failed: {e}"))
 }
 
 async fn error_message(resp: hyper::Response<hyper::body::Incoming>) -> String {
-    let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v["message"].as_str().map(str::to_string))
@@ -307,34 +395,70 @@ pub async fn pull(p: &PullRequest<'_>, into: &Path) -> Result<Pulled, TransferEr
     // The source edge may drop its copy now; if it never hears this, it drops it later.
     match send(p, hyper::Method::DELETE, &format!("/transfer/{}", p.transfer)).await {
         Ok(r) if r.status().is_success() => {}
-        Ok(r) => tracing::warn!(transfer = %p.transfer, status = %r.status(), "the source edge did not take the end of the transfer"),
+        Ok(r) => {
+            tracing::warn!(transfer = %p.transfer, status = %r.status(), "the source edge did not take the end of the transfer")
+        }
         Err(e) => tracing::warn!(transfer = %p.transfer, error = %e, "cannot tell the source edge the transfer ended"),
     }
-    Ok(Pulled { manifest, wire_bytes, took: t0.elapsed() })
+    Ok(Pulled {
+        manifest,
+        wire_bytes,
+        took: t0.elapsed(),
+    })
 }
 
 async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), TransferError> {
-    let io_err = |context: String| move |source| TransferError::Io { transfer: p.transfer.to_string(), context, source };
+    let io_err = |context: String| {
+        move |source| TransferError::Io {
+            transfer: p.transfer.to_string(),
+            context,
+            source,
+        }
+    };
     let _ = std::fs::remove_dir_all(into);
     std::fs::create_dir_all(into).map_err(io_err(format!("creating {}", into.display())))?;
     let t0 = Instant::now();
     let manifest: Manifest = loop {
         match send(p, hyper::Method::GET, &format!("/transfer/{}/manifest", p.transfer)).await {
-            Err(why) if t0.elapsed() < UNREACHABLE_AFTER => tracing::debug!(transfer = %p.transfer, %why, "source edge not reachable yet"),
-            Err(why) => return Err(TransferError::Unreachable { edge: p.source_edge.into(), address: p.address.into(), why }),
+            Err(why) if t0.elapsed() < UNREACHABLE_AFTER => {
+                tracing::debug!(transfer = %p.transfer, %why, "source edge not reachable yet")
+            }
+            Err(why) => {
+                return Err(TransferError::Unreachable {
+                    edge: p.source_edge.into(),
+                    address: p.address.into(),
+                    why,
+                });
+            }
             Ok(r) if r.status() == hyper::StatusCode::SERVICE_UNAVAILABLE && t0.elapsed() < READY_WITHIN => {}
             Ok(r) if r.status() == hyper::StatusCode::NOT_FOUND && t0.elapsed() < KNOWN_WITHIN => {}
             Ok(r) if r.status() == hyper::StatusCode::SERVICE_UNAVAILABLE => {
-                return Err(TransferError::NotReady { edge: p.source_edge.into(), transfer: p.transfer.into(), within: READY_WITHIN });
+                return Err(TransferError::NotReady {
+                    edge: p.source_edge.into(),
+                    transfer: p.transfer.into(),
+                    within: READY_WITHIN,
+                });
             }
             Ok(r) if r.status().is_success() => {
-                let body = r.into_body().collect().await.map_err(|e| io_err("reading the manifest".into())(io::Error::other(e)))?.to_bytes();
-                break serde_json::from_slice(&body).map_err(|e| io_err("parsing the manifest".into())(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+                let body = r
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| io_err("reading the manifest".into())(io::Error::other(e)))?
+                    .to_bytes();
+                break serde_json::from_slice(&body).map_err(|e| {
+                    io_err("parsing the manifest".into())(io::Error::new(io::ErrorKind::InvalidData, e))
+                })?;
             }
             Ok(r) => {
                 let status = r.status().as_u16();
                 let message = error_message(r).await;
-                return Err(TransferError::Refused { edge: p.source_edge.into(), transfer: p.transfer.into(), status, message });
+                return Err(TransferError::Refused {
+                    edge: p.source_edge.into(),
+                    transfer: p.transfer.into(),
+                    status,
+                    message,
+                });
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -342,16 +466,37 @@ async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), 
     let mut wire = 0;
     for f in &manifest.files {
         if !valid_name(&f.name) {
-            return Err(TransferError::Integrity { transfer: p.transfer.into(), name: f.name.clone(), why: "not a plain file name".into() });
+            return Err(TransferError::Integrity {
+                transfer: p.transfer.into(),
+                name: f.name.clone(),
+                why: "not a plain file name".into(),
+            });
         }
-        let damaged = |why: String| TransferError::Integrity { transfer: p.transfer.into(), name: f.name.clone(), why };
-        let r = send(p, hyper::Method::GET, &format!("/transfer/{}/files/{}", p.transfer, f.name))
-            .await
-            .map_err(|why| TransferError::Unreachable { edge: p.source_edge.into(), address: p.address.into(), why })?;
+        let damaged = |why: String| TransferError::Integrity {
+            transfer: p.transfer.into(),
+            name: f.name.clone(),
+            why,
+        };
+        let r = send(
+            p,
+            hyper::Method::GET,
+            &format!("/transfer/{}/files/{}", p.transfer, f.name),
+        )
+        .await
+        .map_err(|why| TransferError::Unreachable {
+            edge: p.source_edge.into(),
+            address: p.address.into(),
+            why,
+        })?;
         if !r.status().is_success() {
             let status = r.status().as_u16();
             let message = error_message(r).await;
-            return Err(TransferError::Refused { edge: p.source_edge.into(), transfer: p.transfer.into(), status, message });
+            return Err(TransferError::Refused {
+                edge: p.source_edge.into(),
+                transfer: p.transfer.into(),
+                status,
+                message,
+            });
         }
         let path = into.join(&f.name);
         let mut dec = Decoder::create(&path).map_err(io_err(format!("creating {}", path.display())))?;
@@ -365,10 +510,19 @@ async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), 
         wire += dec.received;
         let (digest, size) = dec.finish().map_err(|e| damaged(e.to_string()))?;
         if hex::encode(digest) != f.sha256 || size != f.size {
-            return Err(damaged(format!("sha256 {} and {size} bytes, the manifest says {} and {} bytes", hex::encode(digest), f.sha256, f.size)));
+            return Err(damaged(format!(
+                "sha256 {} and {size} bytes, the manifest says {} and {} bytes",
+                hex::encode(digest),
+                f.sha256,
+                f.size
+            )));
         }
     }
-    std::fs::write(into.join(MANIFEST), serde_json::to_vec_pretty(&manifest).expect("serialisable")).map_err(io_err("writing the manifest".into()))?;
+    std::fs::write(
+        into.join(MANIFEST),
+        serde_json::to_vec_pretty(&manifest).expect("serialisable"),
+    )
+    .map_err(io_err("writing the manifest".into()))?;
     Ok((manifest, wire))
 }
 
@@ -382,8 +536,13 @@ pub struct FileBody {
 impl hyper::body::Body for FileBody {
     type Data = Bytes;
     type Error = std::convert::Infallible;
-    fn poll_frame(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        self.rx.poll_recv(cx).map(|b| b.map(|b| Ok(hyper::body::Frame::data(b))))
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|b| b.map(|b| Ok(hyper::body::Frame::data(b))))
     }
 }
 
@@ -391,7 +550,10 @@ impl hyper::body::Body for FileBody {
 pub fn serve_file(path: PathBuf) -> FileBody {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     tokio::task::spawn_blocking(move || {
-        let sent = encode_file(&path, |b| tx.blocking_send(b).map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the puller went away")));
+        let sent = encode_file(&path, |b| {
+            tx.blocking_send(b)
+                .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the puller went away"))
+        });
         if let Err(e) = sent {
             tracing::warn!(file = %path.display(), error = %e, "serving a transfer file failed");
         }
@@ -400,14 +562,25 @@ pub fn serve_file(path: PathBuf) -> FileBody {
 }
 
 /// Checks the credential of a transfer request: `Err` is (status, message).
-pub fn check_token(cluster_key: &str, transfer: &str, edge: Option<&str>, token: Option<&str>) -> Result<String, (u16, String)> {
+pub fn check_token(
+    cluster_key: &str,
+    transfer: &str,
+    edge: Option<&str>,
+    token: Option<&str>,
+) -> Result<String, (u16, String)> {
     let (Some(edge), Some(token)) = (edge, token) else {
-        return Err((401, format!("a transfer request needs the {EDGE_HEADER} and {TOKEN_HEADER} headers")));
+        return Err((
+            401,
+            format!("a transfer request needs the {EDGE_HEADER} and {TOKEN_HEADER} headers"),
+        ));
     };
     let want = opendsec_control::transfer_token(cluster_key, transfer, edge);
     let same = want.len() == token.len() && want.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
     if !same {
-        return Err((403, format!("the token does not open transfer {transfer} for edge {edge}")));
+        return Err((
+            403,
+            format!("the token does not open transfer {transfer} for edge {edge}"),
+        ));
     }
     Ok(edge.to_string())
 }
@@ -452,7 +625,11 @@ mod tests {
         });
         assert!(same);
         assert_eq!(size, 64 << 20);
-        assert_eq!(data, BLOCK + 2 * BLOCK + BLOCK, "one block for hello, two for the 100 kB, one for the end");
+        assert_eq!(
+            data,
+            BLOCK + 2 * BLOCK + BLOCK,
+            "one block for hello, two for the 100 kB, one for the end"
+        );
     }
 
     #[test]

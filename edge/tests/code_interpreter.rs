@@ -23,10 +23,7 @@ use serde_json::{Value, json};
 
 use opendsec_edge::images::{CODE_INTERPRETER_SERVER_PATH, ImageStore, code_interpreter_start};
 
-const SERVER: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/images/code-interpreter/server.py"
-);
+const SERVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/images/code-interpreter/server.py");
 const PYTHON: &str = "/usr/bin/python3";
 const DATA_PACKAGES: &str = "python3-matplotlib python3-numpy python3-pandas";
 /// Images are built once per machine and shared by the tests (as on an edge).
@@ -58,7 +55,6 @@ fn require_data_stack() {
     );
 }
 
-
 /// A running server process; stopped (SIGTERM, which ends its workers) when dropped.
 struct Server {
     child: Child,
@@ -86,12 +82,7 @@ impl Server {
 
     /// Waits until `/health` answers (the server listens only once its default context
     /// has imported numpy, pandas and matplotlib).
-    async fn ready(
-        mut child: Child,
-        port: u16,
-        cwd: PathBuf,
-        dir: Option<tempfile::TempDir>,
-    ) -> Server {
+    async fn ready(mut child: Child, port: u16, cwd: PathBuf, dir: Option<tempfile::TempDir>) -> Server {
         let addr = format!("127.0.0.1:{port}");
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -101,10 +92,7 @@ impl Server {
             if let Ok((200, _)) = try_call(&addr, "GET", "/health", None).await {
                 break;
             }
-            assert!(
-                Instant::now() < deadline,
-                "the server was not ready in 60 s"
-            );
+            assert!(Instant::now() < deadline, "the server was not ready in 60 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Server {
@@ -146,8 +134,7 @@ fn request(method: &str, path: &str, body: Option<&str>) -> Request<Full<Bytes>>
     if body.is_some() {
         b = b.header("content-type", "application/json");
     }
-    b.body(Full::new(Bytes::from(body.unwrap_or("").to_owned())))
-        .unwrap()
+    b.body(Full::new(Bytes::from(body.unwrap_or("").to_owned()))).unwrap()
 }
 
 async fn try_call(
@@ -238,9 +225,7 @@ async fn execute(addr: &str, body: Value) -> Cell {
 async fn execute_status(addr: &str, body: Value) -> (u16, Cell) {
     let start = Instant::now();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.unwrap();
     tokio::spawn(conn);
     let resp = send
         .send_request(request("POST", "/execute", Some(&body.to_string())))
@@ -258,18 +243,14 @@ async fn execute_status(addr: &str, body: Value) -> (u16, Cell) {
         buf.extend_from_slice(&data);
         while let Some(end) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=end).collect();
-            let value: Value = serde_json::from_slice(&line).unwrap_or_else(|e| {
-                panic!("not a JSON line ({e}): {}", String::from_utf8_lossy(&line))
-            });
+            let value: Value = serde_json::from_slice(&line)
+                .unwrap_or_else(|e| panic!("not a JSON line ({e}): {}", String::from_utf8_lossy(&line)));
             lines.push((start.elapsed(), value));
         }
     }
     if status == 200 {
         assert!(buf.is_empty(), "a partial last line: {buf:?}");
-        assert!(
-            lines.iter().all(|(_, v)| v["type"].is_string()),
-            "{lines:?}"
-        );
+        assert!(lines.iter().all(|(_, v)| v["type"].is_string()), "{lines:?}");
         assert_eq!(
             lines.last().map(|(_, v)| &v["type"]),
             Some(&json!("end_of_execution")),
@@ -379,19 +360,13 @@ async fn state_persists_and_the_last_expression_is_the_main_result() {
     let first = run(&server.addr, "x = 41\nimport math\nprint('hi')").await;
     assert_eq!(first.stdout(), "hi\n");
     assert!(first.results().is_empty(), "an assignment shows nothing");
-    assert_eq!(
-        first.of_type("number_of_executions")[0]["execution_count"],
-        1
-    );
+    assert_eq!(first.of_type("number_of_executions")[0]["execution_count"], 1);
     assert!(first.of_type("stdout")[0]["timestamp"].is_u64());
 
     let second = run(&server.addr, "y = x + 1\nmath.sqrt(y * y)").await;
     assert_eq!(second.main_text(), Some("42.0"));
     assert_eq!(second.results().len(), 1);
-    assert_eq!(
-        second.of_type("number_of_executions")[0]["execution_count"],
-        2
-    );
+    assert_eq!(second.of_type("number_of_executions")[0]["execution_count"], 2);
     // A trailing semicolon hides the value (IPython's rule); None shows nothing.
     assert!(run(&server.addr, "y;  # quiet").await.results().is_empty());
     assert!(run(&server.addr, "None").await.results().is_empty());
@@ -453,10 +428,7 @@ async fn stdout_is_streamed_while_the_cell_runs_in_order() {
         end - first >= Duration::from_millis(500),
         "the first line came {first:?}, the end {end:?}: output was held back"
     );
-    assert!(
-        second - first >= Duration::from_millis(300),
-        "{first:?} {second:?}"
-    );
+    assert!(second - first >= Duration::from_millis(300), "{first:?} {second:?}");
 
     // Output of subprocesses (file descriptor 1) keeps its place among the prints.
     let mixed = run(
@@ -480,11 +452,7 @@ async fn stdout_is_streamed_while_the_cell_runs_in_order() {
 async fn an_exception_is_an_error_and_the_context_keeps_working() {
     let server = Server::start().await;
     run(&server.addr, "kept = 'still here'").await;
-    let failed = run(
-        &server.addr,
-        "def f():\n    return 1 / 0\nprint('before')\nf()",
-    )
-    .await;
+    let failed = run(&server.addr, "def f():\n    return 1 / 0\nprint('before')\nf()").await;
     assert_eq!(failed.stdout(), "before\n");
     let error = failed.error().expect("an error line");
     assert_eq!(error["name"], "ZeroDivisionError");
@@ -532,11 +500,7 @@ async fn matplotlib_figures_become_png_results_and_are_closed() {
     assert_eq!(figure["text"], "<Figure size 640x480 with 1 Axes>");
     assert_eq!(figure["is_main_result"], false);
     let png = base64_decode(figure["png"].as_str().expect("png is base64 text"));
-    assert!(
-        png.starts_with(PNG_MAGIC),
-        "not a PNG: {:?}",
-        &png[..16.min(png.len())]
-    );
+    assert!(png.starts_with(PNG_MAGIC), "not a PNG: {:?}", &png[..16.min(png.len())]);
     assert!(png.len() > 1000);
 
     // plt.show() sends the figure at once (before what follows); two figures, two results.
@@ -555,12 +519,7 @@ async fn matplotlib_figures_become_png_results_and_are_closed() {
             _ => None,
         })
         .collect();
-    assert_eq!(
-        order,
-        ["figure", "stdout", "value", "figure"],
-        "{:?}",
-        shown.lines
-    );
+    assert_eq!(order, ["figure", "stdout", "value", "figure"], "{:?}", shown.lines);
     let closed = run(&server.addr, "len(plt.get_fignums())").await;
     assert_eq!(closed.main_text(), Some("0"), "figures stay open");
     // A figure as the cell's value is the main result, shown once.
@@ -574,10 +533,7 @@ async fn matplotlib_figures_become_png_results_and_are_closed() {
         "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'import matplotlib.pyplot as p; print(p.get_backend())'], capture_output=True, text=True)\n(r.returncode, 'opendsec' in r.stdout, plt.get_backend())",
     )
     .await;
-    assert_eq!(
-        child.main_text(),
-        Some("(0, False, 'module://opendsec_inline')")
-    );
+    assert_eq!(child.main_text(), Some("(0, False, 'module://opendsec_inline')"));
 }
 
 #[tokio::test]
@@ -610,10 +566,7 @@ async fn the_default_context_is_warm_and_the_first_cell_is_fast() {
     let latency = start.elapsed();
     eprintln!("first run_code(\"1 + 1\") after ready: {latency:?}");
     assert_eq!(first.main_text(), Some("2"));
-    assert!(
-        latency < Duration::from_secs(1),
-        "first cell took {latency:?}"
-    );
+    assert!(latency < Duration::from_secs(1), "first cell took {latency:?}");
     let warm = run(
         &server.addr,
         "import sys\nsorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules)",
@@ -626,10 +579,7 @@ async fn the_default_context_is_warm_and_the_first_cell_is_fast() {
     );
     // The default context runs in the server's --cwd (the SDK's /home/user).
     let cwd = run(&server.addr, "import os\nos.getcwd()").await;
-    assert_eq!(
-        cwd.main_text().unwrap(),
-        format!("'{}'", server.cwd.display())
-    );
+    assert_eq!(cwd.main_text().unwrap(), format!("'{}'", server.cwd.display()));
 }
 
 #[tokio::test]
@@ -653,10 +603,7 @@ async fn contexts_are_isolated_listed_restarted_and_deleted() {
         "the default context sees a's state"
     );
     assert_eq!(
-        run_in(addr, a_id, "import os\nos.getcwd()")
-            .await
-            .main_text()
-            .unwrap(),
+        run_in(addr, a_id, "import os\nos.getcwd()").await.main_text().unwrap(),
         format!("'{}'", sub.display())
     );
     // Each context is its own process.
@@ -687,14 +634,8 @@ async fn contexts_are_isolated_listed_restarted_and_deleted() {
     run_in(addr, b_id, "kept = 1").await;
     let (status, _) = call(addr, "POST", &format!("/contexts/{a_id}/restart"), None).await;
     assert_eq!(status, 204);
-    assert_eq!(
-        run_in(addr, a_id, "secret").await.error().unwrap()["name"],
-        "NameError"
-    );
-    assert_ne!(
-        pid(run_in(addr, a_id, "import os\nos.getpid()").await),
-        a_pid
-    );
+    assert_eq!(run_in(addr, a_id, "secret").await.error().unwrap()["name"], "NameError");
+    assert_ne!(pid(run_in(addr, a_id, "import os\nos.getpid()").await), a_pid);
     assert_eq!(run_in(addr, b_id, "kept").await.main_text(), Some("1"));
     assert!(!a_worker.exists(), "the old worker lives on");
 
@@ -724,17 +665,11 @@ async fn a_worker_that_dies_is_replaced_and_others_live_on() {
     let crashed = run(addr, "import os\nprint('bye', flush=True)\nos._exit(3)").await;
     assert_eq!(crashed.stdout(), "bye\n");
     let error = crashed.error().expect("the crash is reported");
-    assert!(
-        error["value"].as_str().unwrap().contains("exit code 3"),
-        "{error}"
-    );
+    assert!(error["value"].as_str().unwrap().contains("exit code 3"), "{error}");
     let fresh = run(addr, "lost").await;
     assert_eq!(fresh.error().unwrap()["name"], "NameError");
     assert_eq!(run(addr, "1 + 2").await.main_text(), Some("3"));
-    assert_eq!(
-        run_in(addr, other_id, "mine").await.main_text(),
-        Some("'safe'")
-    );
+    assert_eq!(run_in(addr, other_id, "mine").await.main_text(), Some("'safe'"));
 }
 
 #[tokio::test]
@@ -749,11 +684,7 @@ async fn env_vars_apply_to_one_call_only() {
     assert_eq!(with.stdout(), "hello\n");
     assert_eq!(with.main_text(), Some("'hello'"));
     let without = run(addr, "import os\nos.environ.get('GREETING')").await;
-    assert!(
-        without.results().is_empty(),
-        "still set: {:?}",
-        without.lines
-    );
+    assert!(without.results().is_empty(), "still set: {:?}", without.lines);
     // A variable the context had comes back after a call that overrode it.
     run(addr, "import os\nos.environ['KEEP'] = 'mine'").await;
     let over = execute(
@@ -762,10 +693,7 @@ async fn env_vars_apply_to_one_call_only() {
     )
     .await;
     assert_eq!(over.main_text(), Some("'call'"));
-    assert_eq!(
-        run(addr, "os.environ['KEEP']").await.main_text(),
-        Some("'mine'")
-    );
+    assert_eq!(run(addr, "os.environ['KEEP']").await.main_text(), Some("'mine'"));
     // The same for shell cells.
     let bash = execute(
         addr,
@@ -779,11 +707,7 @@ async fn env_vars_apply_to_one_call_only() {
 async fn shell_cells_run_in_the_context_directory_and_report_exit_codes() {
     let server = Server::start().await;
     let addr = &server.addr;
-    let ok = execute(
-        addr,
-        json!({"code": "pwd; echo err >&2", "language": "bash"}),
-    )
-    .await;
+    let ok = execute(addr, json!({"code": "pwd; echo err >&2", "language": "bash"})).await;
     assert_eq!(ok.stdout(), format!("{}\n", server.cwd.display()));
     assert_eq!(ok.of_type("stderr")[0]["text"], "err\n");
     assert!(ok.error().is_none());
@@ -797,13 +721,7 @@ async fn shell_cells_run_in_the_context_directory_and_report_exit_codes() {
 async fn bad_requests_get_json_errors() {
     let server = Server::start().await;
     let addr = &server.addr;
-    let (status, body) = call(
-        addr,
-        "POST",
-        "/execute",
-        Some(r#"{"code": "1", "context_id": "nope"}"#),
-    )
-    .await;
+    let (status, body) = call(addr, "POST", "/execute", Some(r#"{"code": "1", "context_id": "nope"}"#)).await;
     assert_eq!(status, 404);
     assert!(body["message"].as_str().unwrap().contains("nope"), "{body}");
     let (status, body) = call(addr, "POST", "/execute", Some("{not json")).await;
@@ -811,18 +729,9 @@ async fn bad_requests_get_json_errors() {
     assert!(body["message"].as_str().unwrap().contains("JSON"), "{body}");
     let (status, _) = call(addr, "POST", "/contexts", Some("[1")).await;
     assert_eq!(status, 400);
-    let (status, body) = call(
-        addr,
-        "POST",
-        "/execute",
-        Some(r#"{"code": "1", "language": "cobol"}"#),
-    )
-    .await;
+    let (status, body) = call(addr, "POST", "/execute", Some(r#"{"code": "1", "language": "cobol"}"#)).await;
     assert_eq!(status, 400);
-    assert!(
-        body["message"].as_str().unwrap().contains("cobol"),
-        "{body}"
-    );
+    assert!(body["message"].as_str().unwrap().contains("cobol"), "{body}");
     let (status, _) = call(addr, "POST", "/execute", Some(r#"{"context_id": null}"#)).await;
     assert_eq!(status, 400, "code is required");
     let (status, _) = call(
@@ -833,13 +742,7 @@ async fn bad_requests_get_json_errors() {
     )
     .await;
     assert_eq!(status, 400);
-    let (status, _) = call(
-        addr,
-        "POST",
-        "/contexts",
-        Some(r#"{"cwd": "/nonexistent/dir"}"#),
-    )
-    .await;
+    let (status, _) = call(addr, "POST", "/contexts", Some(r#"{"cwd": "/nonexistent/dir"}"#)).await;
     assert_eq!(status, 400);
     let (status, _) = call(addr, "DELETE", "/contexts/nope", None).await;
     assert_eq!(status, 404);
@@ -862,16 +765,10 @@ async fn a_client_that_disconnects_interrupts_the_cell() {
         marker.to_str().unwrap()
     );
     let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.unwrap();
     let conn = tokio::spawn(conn);
     let resp = send
-        .send_request(request(
-            "POST",
-            "/execute",
-            Some(&json!({"code": code}).to_string()),
-        ))
+        .send_request(request("POST", "/execute", Some(&json!({"code": code}).to_string())))
         .await
         .unwrap();
     let mut body = resp.into_body();
@@ -893,17 +790,11 @@ async fn a_client_that_disconnects_interrupts_the_cell() {
     let start = Instant::now();
     let after = run(&addr, "state").await;
     assert_eq!(after.main_text(), Some("5"));
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
 
     // Shell cells too: the whole process group goes.
     let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.unwrap();
     let conn = tokio::spawn(conn);
     let shell = json!({"code": "echo $$; sleep 60 | cat", "language": "bash"}).to_string();
     let resp = send
@@ -935,11 +826,7 @@ async fn large_output_is_streamed_in_bounded_pieces() {
     let cell = run(&server.addr, "print('x' * (64 << 20))").await;
     let pieces = cell.of_type("stdout");
     assert!(pieces.len() >= 64, "{} pieces", pieces.len());
-    assert!(
-        pieces
-            .iter()
-            .all(|p| p["text"].as_str().unwrap().len() <= 64 << 10)
-    );
+    assert!(pieces.iter().all(|p| p["text"].as_str().unwrap().len() <= 64 << 10));
     assert_eq!(cell.stdout().len(), (64 << 20) + 1);
     let rss_kib = std::fs::read_to_string(format!("/proc/{}/status", server.child.id()))
         .unwrap()
@@ -947,10 +834,7 @@ async fn large_output_is_streamed_in_bounded_pieces() {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches(" kB").parse::<u64>().ok())
         .unwrap();
-    assert!(
-        rss_kib < 64 * 1024,
-        "the server's peak RSS was {rss_kib} KiB"
-    );
+    assert!(rss_kib < 64 * 1024, "the server's peak RSS was {rss_kib} KiB");
 }
 
 // ---------------------------------------------------------------------------------
@@ -977,19 +861,11 @@ fn require_image_prerequisites() {
 /// `argv` as uid 1000 chrooted into the image's layers (an overlay with a throwaway
 /// upper dir under `scratch`), in a private mount namespace that ends with the process.
 fn in_image(layers: &[PathBuf], scratch: &Path, argv: &[&str]) -> Command {
-    let (upper, work, root) = (
-        scratch.join("upper"),
-        scratch.join("work"),
-        scratch.join("root"),
-    );
+    let (upper, work, root) = (scratch.join("upper"), scratch.join("work"), scratch.join("root"));
     for d in [&upper, &work, &root] {
         std::fs::create_dir_all(d).unwrap();
     }
-    let lower: Vec<String> = layers
-        .iter()
-        .rev()
-        .map(|p| p.display().to_string())
-        .collect();
+    let lower: Vec<String> = layers.iter().rev().map(|p| p.display().to_string()).collect();
     let script = format!(
         "set -e\n\
          mount -t overlay overlay -o lowerdir={},upperdir={},workdir={} {root}\n\
@@ -1003,18 +879,9 @@ fn in_image(layers: &[PathBuf], scratch: &Path, argv: &[&str]) -> Command {
         root = root.display(),
     );
     let mut cmd = Command::new("unshare");
-    cmd.args([
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        &script,
-        "sh",
-    ])
-    .args(argv)
-    .stdin(Stdio::null());
+    cmd.args(["--mount", "--propagation", "private", "--", "sh", "-c", &script, "sh"])
+        .args(argv)
+        .stdin(Stdio::null());
     cmd
 }
 
@@ -1047,11 +914,7 @@ async fn code_interpreter_image_is_base_plus_a_layer_that_runs_the_server() {
     let layer = store.layer_path(image.layers.last().unwrap());
     let server = std::fs::read(layer.join(CODE_INTERPRETER_SERVER_PATH.trim_start_matches('/')))
         .expect("the layer has the server");
-    assert_eq!(
-        server,
-        std::fs::read(SERVER).unwrap(),
-        "a stale server in the layer"
-    );
+    assert_eq!(server, std::fs::read(SERVER).unwrap(), "a stale server in the layer");
     // Cleaned: no package lists or downloads, nothing of the build root's mounts.
     for dir in ["var/lib/apt/lists", "var/cache/apt/archives"] {
         if let Ok(entries) = std::fs::read_dir(layer.join(dir)) {
@@ -1071,10 +934,7 @@ async fn code_interpreter_image_is_base_plus_a_layer_that_runs_the_server() {
         );
     }
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(
-        !mountinfo.contains(TEST_STORE),
-        "build mounts left: {mountinfo}"
-    );
+    assert!(!mountinfo.contains(TEST_STORE), "build mounts left: {mountinfo}");
     let cache = layer.join("home/user/.cache/matplotlib");
     assert_eq!(std::fs::metadata(&cache).expect("font cache").uid(), 1000);
 
@@ -1084,7 +944,11 @@ async fn code_interpreter_image_is_base_plus_a_layer_that_runs_the_server() {
     let out = in_image(
         &dirs,
         &scratch.path().join("imports"),
-        &["/usr/bin/python3", "-c", "import numpy, pandas, matplotlib; print(numpy.__version__, pandas.__version__, matplotlib.__version__)"],
+        &[
+            "/usr/bin/python3",
+            "-c",
+            "import numpy, pandas, matplotlib; print(numpy.__version__, pandas.__version__, matplotlib.__version__)",
+        ],
     )
     .output()
     .unwrap();
@@ -1105,12 +969,7 @@ async fn code_interpreter_image_is_base_plus_a_layer_that_runs_the_server() {
     let port = free_port();
     let mut argv: Vec<String> = vec![start.cmd.clone()];
     argv.extend(start.args.iter().cloned());
-    argv.extend([
-        "--host".into(),
-        "127.0.0.1".into(),
-        "--port".into(),
-        port.to_string(),
-    ]);
+    argv.extend(["--host".into(), "127.0.0.1".into(), "--port".into(), port.to_string()]);
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     let mut child = in_image(&dirs, &scratch.path().join("server"), &argv)
         .stderr(Stdio::piped())
@@ -1133,11 +992,7 @@ async fn code_interpreter_image_is_base_plus_a_layer_that_runs_the_server() {
     )
     .await;
     assert_eq!(who.main_text(), Some("(1000, '/home/user', True)"));
-    let plot = run(
-        &server.addr,
-        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nNone",
-    )
-    .await;
+    let plot = run(&server.addr, "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nNone").await;
     let png = base64_decode(plot.results()[0]["png"].as_str().expect("a figure"));
     assert!(png.starts_with(PNG_MAGIC));
 }

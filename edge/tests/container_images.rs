@@ -15,9 +15,7 @@ fn require_prerequisites() {
         "building images needs root (file ownership)"
     );
     for (bin, package) in [("apt-get", "apt"), ("dpkg-deb", "dpkg")] {
-        let found = ["/usr/bin", "/bin"]
-            .iter()
-            .any(|d| Path::new(d).join(bin).is_file());
+        let found = ["/usr/bin", "/bin"].iter().any(|d| Path::new(d).join(bin).is_file());
         assert!(found, "{bin} is missing: install the {package} package");
     }
 }
@@ -38,9 +36,7 @@ fn busybox_image_builds_once_and_is_reused_from_cache() {
                 s.spawn(move || {
                     store
                         .ensure("busybox", &|p| {
-                            if p.phase == BuildPhase::Download
-                                && p.message.starts_with("apt-get download")
-                            {
+                            if p.phase == BuildPhase::Download && p.message.starts_with("apt-get download") {
                                 *downloads.lock().unwrap() += 1;
                             }
                         })
@@ -56,38 +52,21 @@ fn busybox_image_builds_once_and_is_reused_from_cache() {
     assert_eq!(image.layers.len(), 1);
     let layer = store.layer_path(&image.layers[0]);
     for path in ["bin/busybox", "bin/sh", "etc/passwd", "etc/group"] {
-        assert!(
-            layer.join(path).symlink_metadata().is_ok(),
-            "{path} missing"
-        );
+        assert!(layer.join(path).symlink_metadata().is_ok(), "{path} missing");
     }
     let passwd = std::fs::read_to_string(layer.join("etc/passwd")).unwrap();
-    assert!(
-        passwd.contains("user:x:1000:1000:user:/home/user:/bin/sh"),
-        "{passwd}"
-    );
+    assert!(passwd.contains("user:x:1000:1000:user:/home/user:/bin/sh"), "{passwd}");
     use std::os::unix::fs::MetadataExt;
-    assert_eq!(
-        std::fs::metadata(layer.join("home/user")).unwrap().uid(),
-        1000
-    );
-    assert_eq!(
-        std::fs::metadata(layer.join("tmp")).unwrap().mode() & 0o7777,
-        0o1777
-    );
+    assert_eq!(std::fs::metadata(layer.join("home/user")).unwrap().uid(), 1000);
+    assert_eq!(std::fs::metadata(layer.join("tmp")).unwrap().mode() & 0o7777, 0o1777);
     assert!(
-        std::fs::read_dir(tmp.path().join("tmp"))
-            .unwrap()
-            .next()
-            .is_none(),
+        std::fs::read_dir(tmp.path().join("tmp")).unwrap().next().is_none(),
         "build leftovers in tmp/"
     );
 
     // Cached: the second ensure is instant and builds nothing.
     let start = Instant::now();
-    let again = store
-        .ensure("busybox", &|p| panic!("rebuilt: {p:?}"))
-        .unwrap();
+    let again = store.ensure("busybox", &|p| panic!("rebuilt: {p:?}")).unwrap();
     assert!(
         start.elapsed() < Duration::from_millis(50),
         "cached ensure took {:?}",
@@ -96,13 +75,7 @@ fn busybox_image_builds_once_and_is_reused_from_cache() {
     assert_eq!(&again, image);
     assert_eq!(store.list().unwrap(), vec![again]);
     // A reopened store sees the same.
-    assert_eq!(
-        ImageStore::open(tmp.path())
-            .unwrap()
-            .get("busybox")
-            .unwrap(),
-        *image
-    );
+    assert_eq!(ImageStore::open(tmp.path()).unwrap().get("busybox").unwrap(), *image);
 }
 
 #[test]

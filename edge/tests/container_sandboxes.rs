@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use opendsec_edge::container::{
-    BindMount, ContainerBackend, ContainerConfig, ContainerError, Limits, RuntimeChoice,
-    SandboxSpec, SandboxStatus, is_mounted,
+    BindMount, ContainerBackend, ContainerConfig, ContainerError, Limits, RuntimeChoice, SandboxSpec, SandboxStatus,
+    is_mounted,
 };
 use opendsec_edge::images::{Image, ImageStore};
 
@@ -22,11 +22,7 @@ const TEST_STORE: &str = "/var/tmp/opendsec-test-images";
 
 fn require_prerequisites() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "the container tests need root"
-    );
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the container tests need root");
     for (bin, package) in [
         ("runc", "runc"),
         ("crun", "crun"),
@@ -61,12 +57,7 @@ fn image(name: &str) -> Image {
 
 fn unique_id(tag: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "t{}-{}-{}",
-        std::process::id(),
-        tag,
-        N.fetch_add(1, Ordering::SeqCst)
-    )
+    format!("t{}-{}-{}", std::process::id(), tag, N.fetch_add(1, Ordering::SeqCst))
 }
 
 struct TestBackend {
@@ -107,9 +98,7 @@ fn config_in(root: &Path, runtime: RuntimeChoice) -> ContainerConfig {
 fn backend(runtime: RuntimeChoice) -> TestBackend {
     require_prerequisites();
     let runtime = match (runtime, std::env::var("OPENDSEC_TEST_RUNTIME")) {
-        (RuntimeChoice::Auto, Ok(name)) => name
-            .parse()
-            .expect("OPENDSEC_TEST_RUNTIME is auto, crun or runc"),
+        (RuntimeChoice::Auto, Ok(name)) => name.parse().expect("OPENDSEC_TEST_RUNTIME is auto, crun or runc"),
         (choice, _) => choice,
     };
     let tmp = tempfile::Builder::new()
@@ -122,13 +111,8 @@ fn backend(runtime: RuntimeChoice) -> TestBackend {
 
 fn busybox_spec(id: &str, script: &str) -> SandboxSpec {
     let img = image("busybox");
-    let mut spec = SandboxSpec::from_image(
-        id,
-        &store(),
-        &img,
-        vec!["/bin/sh".into(), "-c".into(), script.into()],
-    )
-    .unwrap();
+    let mut spec =
+        SandboxSpec::from_image(id, &store(), &img, vec!["/bin/sh".into(), "-c".into(), script.into()]).unwrap();
     spec.limits = Limits {
         memory_bytes: 128 << 20,
         cpu_millis: 1000,
@@ -139,10 +123,7 @@ fn busybox_spec(id: &str, script: &str) -> SandboxSpec {
     spec
 }
 
-fn run_to_exit(
-    b: &ContainerBackend,
-    spec: &SandboxSpec,
-) -> (opendsec_edge::container::ExitInfo, String) {
+fn run_to_exit(b: &ContainerBackend, spec: &SandboxSpec) -> (opendsec_edge::container::ExitInfo, String) {
     b.create(spec).expect("create");
     let exit = b
         .wait(&spec.id, Duration::from_secs(30))
@@ -163,10 +144,7 @@ fn assert_gone(b: &ContainerBackend, id: &str) {
         dir.display()
     );
     for ctrl in ["memory", "pids", "cpu", "freezer"] {
-        let cg = Path::new("/sys/fs/cgroup")
-            .join(ctrl)
-            .join("opendsec-test")
-            .join(id);
+        let cg = Path::new("/sys/fs/cgroup").join(ctrl).join("opendsec-test").join(id);
         assert!(!cg.exists(), "cgroup {} left behind", cg.display());
     }
 }
@@ -242,14 +220,8 @@ fn isolation_processes_network_proc_capabilities_seccomp_devices() {
         ps.iter().any(|l| l.trim_start().starts_with("1 ")),
         "sh is not PID 1: {ps:?}"
     );
-    assert!(
-        log.contains("net: lo\n"),
-        "network interfaces other than lo:\n{log}"
-    );
-    assert!(
-        log.contains("kpagecgroup=0\n") && log.contains("kcore=0\n"),
-        "{log}"
-    );
+    assert!(log.contains("net: lo\n"), "network interfaces other than lo:\n{log}");
+    assert!(log.contains("kpagecgroup=0\n") && log.contains("kcore=0\n"), "{log}");
     let cap_eff = log
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
@@ -280,13 +252,10 @@ fn isolation_processes_network_proc_capabilities_seccomp_devices() {
         .split(' ')
         .collect();
     let allowed = [
-        "core", "fd", "full", "mqueue", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin",
-        "stdout", "tty", "urandom", "zero",
+        "core", "fd", "full", "mqueue", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty",
+        "urandom", "zero",
     ];
-    assert!(
-        devs.iter().all(|d| allowed.contains(d)),
-        "unexpected devices: {devs:?}"
-    );
+    assert!(devs.iter().all(|d| allowed.contains(d)), "unexpected devices: {devs:?}");
 }
 
 #[test]
@@ -299,19 +268,15 @@ fn fork_bomb_is_stopped_by_the_pids_limit_and_another_sandbox_stays_responsive()
     b.create(&spec).unwrap();
     // The limit is reached and refusals counted.
     let events = cgroup_file("pids", &bomb, "pids.events");
-    wait_until(
-        "the pids limit to refuse forks",
-        Duration::from_secs(10),
-        || {
-            std::fs::read_to_string(&events)
-                .unwrap_or_default()
-                .split_whitespace()
-                .nth(1)
-                .and_then(|n| n.parse::<u64>().ok())
-                .unwrap_or(0)
-                > 0
-        },
-    );
+    wait_until("the pids limit to refuse forks", Duration::from_secs(10), || {
+        std::fs::read_to_string(&events)
+            .unwrap_or_default()
+            .split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+            > 0
+    });
     let current: u64 = std::fs::read_to_string(cgroup_file("pids", &bomb, "pids.current"))
         .unwrap()
         .trim()
@@ -339,15 +304,9 @@ fn exceeding_the_memory_limit_kills_only_that_sandbox_and_records_oom() {
     b.create(&busybox_spec(&bystander, "sleep 1000")).unwrap();
     let hog = unique_id("hog");
     let mut spec = busybox_spec(&hog, "");
-    spec.process.args = [
-        "/bin/dd",
-        "if=/dev/zero",
-        "of=/dev/null",
-        "bs=256M",
-        "count=1",
-    ]
-    .map(String::from)
-    .to_vec();
+    spec.process.args = ["/bin/dd", "if=/dev/zero", "of=/dev/null", "bs=256M", "count=1"]
+        .map(String::from)
+        .to_vec();
     spec.limits.memory_bytes = 32 << 20;
     let (exit, log) = run_to_exit(&b, &spec);
     assert!(exit.oom_killed, "no OOM recorded: {exit:?} {log}");
@@ -368,10 +327,7 @@ fn writes_stop_at_the_sandbox_disk_limit_and_the_host_is_unaffected() {
     spec.process.user = (1000, 1000);
     spec.limits.disk_bytes = 64 << 20;
     b.create(&spec).unwrap();
-    let exit = b
-        .wait(&id, Duration::from_secs(60))
-        .unwrap()
-        .expect("exits");
+    let exit = b.wait(&id, Duration::from_secs(60)).unwrap().expect("exits");
     let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
     let dir = b.get(&id).unwrap().dir;
     // Everything the sandbox wrote landed in disk.img: the host side of the sandbox (its
@@ -422,18 +378,12 @@ fn pause_freezes_and_resume_thaws() {
     assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Paused);
     let frozen = counter(&b, &id).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(
-        counter(&b, &id).unwrap(),
-        frozen,
-        "the counter advanced while paused"
-    );
+    assert_eq!(counter(&b, &id).unwrap(), frozen, "the counter advanced while paused");
     b.resume(&id).unwrap();
     assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
-    wait_until(
-        "the counter to advance after resume",
-        Duration::from_secs(5),
-        || counter(&b, &id).is_some_and(|c| c > frozen + 2),
-    );
+    wait_until("the counter to advance after resume", Duration::from_secs(5), || {
+        counter(&b, &id).is_some_and(|c| c > frozen + 2)
+    });
     // Deleting a paused sandbox works too.
     b.pause(&id).unwrap();
     b.delete(&id).unwrap();
@@ -462,17 +412,11 @@ fn pid1_gets_extra_fds_and_read_only_host_binds() {
     let (exit, log) = run_to_exit(&b, &spec);
     assert_eq!(exit.exit_code, 0, "{log}");
     let lines: Vec<&str> = log.lines().collect();
-    assert!(
-        lines[0].starts_with("socket:["),
-        "fd 3 is not the socket: {log}"
-    );
+    assert!(lines[0].starts_with("socket:["), "fd 3 is not the socket: {log}");
     assert_eq!(&lines[1..3], &["agent-here", "read-only"], "{log}");
     // 0, 1, 2, 3 and the one `ls` opens for the directory: nothing else leaked in.
     assert_eq!(lines[3].trim(), "5", "unexpected fds in the sandbox: {log}");
-    assert_eq!(
-        std::fs::read_to_string(&agent).unwrap(),
-        "#!/bin/sh\necho agent-here\n"
-    );
+    assert_eq!(std::fs::read_to_string(&agent).unwrap(), "#!/bin/sh\necho agent-here\n");
 }
 
 #[test]
@@ -486,11 +430,8 @@ fn pid1_output_is_capped() {
     config.log_cap_bytes = 64 << 10;
     let b = ContainerBackend::new(config).unwrap();
     let id = unique_id("log");
-    b.create(&busybox_spec(&id, "yes | head -c 3000000; echo END"))
-        .unwrap();
-    b.wait(&id, Duration::from_secs(30))
-        .unwrap()
-        .expect("exits");
+    b.create(&busybox_spec(&id, "yes | head -c 3000000; echo END")).unwrap();
+    b.wait(&id, Duration::from_secs(30)).unwrap().expect("exits");
     let dir = b.get(&id).unwrap().dir;
     let total: u64 = ["output.log", "output.log.1"]
         .iter()
@@ -521,10 +462,7 @@ fn bad_requests_are_refused_and_leave_nothing() {
     // The same id twice.
     let spec = busybox_spec(&unique_id("dup"), "sleep 100");
     b.create(&spec).unwrap();
-    assert!(matches!(
-        b.create(&spec),
-        Err(ContainerError::AlreadyExists(_))
-    ));
+    assert!(matches!(b.create(&spec), Err(ContainerError::AlreadyExists(_))));
     b.delete(&spec.id).unwrap();
     assert!(b.list().unwrap().is_empty());
 }
@@ -578,11 +516,7 @@ fn a_sandbox_survives_the_death_of_its_creator_and_is_readopted() {
     let mut buf = [0u8; 256];
     while !String::from_utf8_lossy(&seen).contains("CREATED") {
         let n = out.read(&mut buf).unwrap();
-        assert!(
-            n > 0,
-            "the creator exited early: {}",
-            String::from_utf8_lossy(&seen)
-        );
+        assert!(n > 0, "the creator exited early: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&buf[..n]);
     }
     // kill -9 the creator (the "edge").
@@ -600,11 +534,9 @@ fn a_sandbox_survives_the_death_of_its_creator_and_is_readopted() {
     let state = b.state(&id).unwrap();
     assert_eq!(state.status, SandboxStatus::Running);
     let before = counter(&b, &id).unwrap_or(0);
-    wait_until(
-        "the orphaned sandbox to keep counting",
-        Duration::from_secs(5),
-        || counter(&b, &id).is_some_and(|c| c > before + 2),
-    );
+    wait_until("the orphaned sandbox to keep counting", Duration::from_secs(5), || {
+        counter(&b, &id).is_some_and(|c| c > before + 2)
+    });
     // Its shim is not a child of anyone we know: its parent is init (or a subreaper).
     let shim_pid: i32 = std::fs::read_to_string(b.get(&id).unwrap().dir.join("shim.pid"))
         .unwrap()
@@ -638,10 +570,7 @@ fn base_image_runs_python_as_user() {
     let found = ["/usr/sbin", "/usr/bin"]
         .iter()
         .any(|d| Path::new(d).join("debootstrap").is_file());
-    assert!(
-        found,
-        "debootstrap is missing: install the debootstrap package"
-    );
+    assert!(found, "debootstrap is missing: install the debootstrap package");
     let start = Instant::now();
     let img = image("base");
     eprintln!("base image ready in {:?}", start.elapsed());
@@ -668,11 +597,19 @@ fn base_image_runs_python_as_user() {
 #[test]
 fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothing() {
     require_prerequisites();
-    let tmp = tempfile::Builder::new().prefix("opendsec-warm").tempdir_in("/var/tmp").unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-warm")
+        .tempdir_in("/var/tmp")
+        .unwrap();
     let root = tmp.path().join("sandboxes");
     let warm_dirs = || -> Vec<PathBuf> {
         std::fs::read_dir(&root)
-            .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(".warm-")).map(|e| e.path()).collect())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(".warm-"))
+                    .map(|e| e.path())
+                    .collect()
+            })
             .unwrap_or_default()
     };
     // A killed edge left a mounted warm disk: the next backend tears it down first.
@@ -684,10 +621,17 @@ fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothin
         // Dropped without drain, as a kill -9 would.
     }
     let left = warm_dirs();
-    assert!(!left.is_empty() && left.iter().all(|d| is_mounted(&d.join("disk"))), "{left:?}");
+    assert!(
+        !left.is_empty() && left.iter().all(|d| is_mounted(&d.join("disk"))),
+        "{left:?}"
+    );
     let b = ContainerBackend::new(cfg).unwrap();
     for d in &left {
-        assert!(!d.exists(), "a warm disk left by the last edge is torn down: {}", d.display());
+        assert!(
+            !d.exists(),
+            "a warm disk left by the last edge is torn down: {}",
+            d.display()
+        );
     }
     wait_until("two warm disks", Duration::from_secs(30), || b.warm_disks_ready() == 2);
 
@@ -699,8 +643,13 @@ fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothin
     let exit = b.wait(&id, Duration::from_secs(60)).unwrap().expect("exits");
     let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
     assert_eq!(exit.exit_code, 0, "{log}");
-    assert!(log.contains("yes=1"), "writes did not stop at the warm disk's limit:\n{log}");
-    wait_until("the pool refilled", Duration::from_secs(30), || b.warm_disks_ready() == 2);
+    assert!(
+        log.contains("yes=1"),
+        "writes did not stop at the warm disk's limit:\n{log}"
+    );
+    wait_until("the pool refilled", Duration::from_secs(30), || {
+        b.warm_disks_ready() == 2
+    });
     b.delete(&id).unwrap();
     assert_gone(&b, &id);
 
@@ -716,7 +665,11 @@ fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothin
     b.drain_warm_disks();
     assert!(warm_dirs().is_empty(), "{:?}", warm_dirs());
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mountinfo.contains(&*root.to_string_lossy()), "mounts left under {}:\n{mountinfo}", root.display());
+    assert!(
+        !mountinfo.contains(&*root.to_string_lossy()),
+        "mounts left under {}:\n{mountinfo}",
+        root.display()
+    );
 }
 
 /// The cgroup directories of runtime id `rid` (v1 controllers, or the v2 group).
@@ -731,7 +684,11 @@ fn cgroup_dirs(rid: &str) -> Vec<PathBuf> {
 fn memory_limit(rid: &str) -> u64 {
     let v1 = cgroup_file("memory", rid, "memory.limit_in_bytes");
     let v2 = Path::new("/sys/fs/cgroup/opendsec-test").join(rid).join("memory.max");
-    std::fs::read_to_string(if v1.exists() { v1 } else { v2 }).expect("memory limit").trim().parse().unwrap()
+    std::fs::read_to_string(if v1.exists() { v1 } else { v2 })
+        .expect("memory limit")
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 #[test]
@@ -743,31 +700,68 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
         let spec = busybox_spec(&warm, "echo started; hostname; sleep 2");
         b.create_unstarted(&spec).unwrap();
         let warm_dir = b.config().sandboxes_root.join(format!(".{warm}"));
-        assert!(warm_dir.join("rootfs/bin/sh").exists(), "{runtime:?}: its root file system is mounted");
+        assert!(
+            warm_dir.join("rootfs/bin/sh").exists(),
+            "{runtime:?}: its root file system is mounted"
+        );
         assert_eq!(b.unstarted(), vec![warm.clone()]);
         assert!(b.list().unwrap().is_empty(), "a warm container is no sandbox");
         std::thread::sleep(Duration::from_millis(200));
         let out = std::fs::read(warm_dir.join("output.log")).unwrap_or_default();
-        assert!(out.is_empty(), "{runtime:?}: PID 1 ran its program before start: {out:?}");
+        assert!(
+            out.is_empty(),
+            "{runtime:?}: PID 1 ran its program before start: {out:?}"
+        );
 
         // Claimed with other memory and CPU limits and labels.
         let id = unique_id("claimed");
-        let limits = Limits { memory_bytes: 96 << 20, cpu_millis: 500, ..spec.limits.clone() };
+        let limits = Limits {
+            memory_bytes: 96 << 20,
+            cpu_millis: 500,
+            ..spec.limits.clone()
+        };
         let labels = [("task".to_string(), "t1".to_string())].into();
-        let h = b.claim(&warm, &Claim { id: &id, limits: &limits, labels: &labels }).unwrap();
+        let h = b
+            .claim(
+                &warm,
+                &Claim {
+                    id: &id,
+                    limits: &limits,
+                    labels: &labels,
+                },
+            )
+            .unwrap();
         assert_eq!(h.dir, b.config().sandboxes_root.join(&id));
         assert!(!warm_dir.exists() && b.unstarted().is_empty());
         let rec = b.get(&id).unwrap().record;
-        assert_eq!((rec.runtime_id(), &rec.labels, rec.limits.memory_bytes), (warm.as_str(), &labels, 96 << 20));
-        assert_eq!(memory_limit(&warm), 96 << 20, "{runtime:?}: the claim's memory limit is the cgroup's");
+        assert_eq!(
+            (rec.runtime_id(), &rec.labels, rec.limits.memory_bytes),
+            (warm.as_str(), &labels, 96 << 20)
+        );
+        assert_eq!(
+            memory_limit(&warm),
+            96 << 20,
+            "{runtime:?}: the claim's memory limit is the cgroup's"
+        );
         assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
         let exit = b.wait(&id, Duration::from_secs(30)).unwrap().expect("exits");
         let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
-        assert_eq!((exit.exit_code, log.as_str()), (0, format!("started\n{id}\n").as_str()), "{runtime:?}: the hostname is the sandbox's id");
+        assert_eq!(
+            (exit.exit_code, log.as_str()),
+            (0, format!("started\n{id}\n").as_str()),
+            "{runtime:?}: the hostname is the sandbox's id"
+        );
         b.delete(&id).unwrap();
         assert_gone(&b, &id);
-        assert!(cgroup_dirs(&warm).is_empty(), "{runtime:?}: cgroups left: {:?}", cgroup_dirs(&warm));
-        assert!(b.runtime().run(&["state", &warm]).is_err(), "{runtime:?}: the runtime forgot it");
+        assert!(
+            cgroup_dirs(&warm).is_empty(),
+            "{runtime:?}: cgroups left: {:?}",
+            cgroup_dirs(&warm)
+        );
+        assert!(
+            b.runtime().run(&["state", &warm]).is_err(),
+            "{runtime:?}: the runtime forgot it"
+        );
     }
 }
 
@@ -775,15 +769,30 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
 fn a_warm_container_that_cannot_be_claimed_or_is_discarded_leaves_nothing() {
     use opendsec_edge::container::warm::{Claim, WARM_ID_PREFIX};
     let b = backend(RuntimeChoice::Auto);
-    assert!(matches!(b.create_unstarted(&busybox_spec("notwarm", "true")), Err(ContainerError::Invalid(_))));
+    assert!(matches!(
+        b.create_unstarted(&busybox_spec("notwarm", "true")),
+        Err(ContainerError::Invalid(_))
+    ));
 
     // Another pids limit than it was made with: refused, and the warm container is gone.
     let warm = format!("{WARM_ID_PREFIX}{}", unique_id("w"));
     let spec = busybox_spec(&warm, "true");
     b.create_unstarted(&spec).unwrap();
     let id = unique_id("refused");
-    let limits = Limits { pids: 7, ..spec.limits.clone() };
-    let err = b.claim(&warm, &Claim { id: &id, limits: &limits, labels: &Default::default() }).unwrap_err();
+    let limits = Limits {
+        pids: 7,
+        ..spec.limits.clone()
+    };
+    let err = b
+        .claim(
+            &warm,
+            &Claim {
+                id: &id,
+                limits: &limits,
+                labels: &Default::default(),
+            },
+        )
+        .unwrap_err();
     assert!(err.to_string().contains("pids"), "{err}");
     assert!(b.unstarted().is_empty() && cgroup_dirs(&warm).is_empty());
     assert_gone(&b, &id);
@@ -797,5 +806,9 @@ fn a_warm_container_that_cannot_be_claimed_or_is_discarded_leaves_nothing() {
     b.discard_unstarted(&warm);
     assert!(!dir.exists() && b.unstarted().is_empty() && cgroup_dirs(&warm).is_empty());
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mountinfo.contains(&*dir.to_string_lossy()), "mounts left under {}", dir.display());
+    assert!(
+        !mountinfo.contains(&*dir.to_string_lossy()),
+        "mounts left under {}",
+        dir.display()
+    );
 }

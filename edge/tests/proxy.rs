@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
-use opendsec_edge::proxy::{self, Resolver, EDGE_KEY_HEADER};
+use opendsec_edge::proxy::{self, EDGE_KEY_HEADER, Resolver};
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +41,9 @@ async fn start(dir: &std::path::Path) -> (Agent, String) {
 
 async fn call(addr: &str, req: Request<Full<Bytes>>) -> (u16, Vec<u8>) {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
     tokio::spawn(conn);
     let resp = send.send_request(req).await.unwrap();
     let status = resp.status().as_u16();
@@ -77,7 +79,10 @@ async fn requests_reach_the_sandboxes_agent_only_with_the_edge_key() {
 
     let (status, body) = call(&addr, get("/sandboxes/nope/health", Some("edge-key"))).await;
     assert_eq!(status, 502);
-    assert!(String::from_utf8_lossy(&body).contains("was not found"), "E2B reads this as a gone sandbox");
+    assert!(
+        String::from_utf8_lossy(&body).contains("was not found"),
+        "E2B reads this as a gone sandbox"
+    );
 
     let (status, _) = call(&addr, get("/sandboxes/sb1/health", Some("edge-key"))).await;
     assert_eq!(status, 204);
@@ -96,5 +101,8 @@ async fn requests_reach_the_sandboxes_agent_only_with_the_edge_key() {
     let text = String::from_utf8_lossy(&body);
     assert!(text.contains("\"start\""), "{text}");
     assert!(text.contains("aGkK"), "stdout \"hi\\n\" in base64: {text}");
-    assert!(text.contains("\"exitCode\"") || text.contains("\"exited\":true"), "{text}");
+    assert!(
+        text.contains("\"exitCode\"") || text.contains("\"exited\":true"),
+        "{text}"
+    );
 }

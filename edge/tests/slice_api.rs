@@ -4,20 +4,25 @@
 //! report observations, and send heartbeats that are never logged.
 
 use opendsec_commands::{Command, Observation};
-use opendsec_control::pb::{slice_message::Body, Capacity, HeartbeatRequest, SliceEntry};
-use opendsec_control::testing::{single_node, single_node_with, TestNode};
 use opendsec_control::Credential;
+use opendsec_control::pb::{Capacity, HeartbeatRequest, SliceEntry, slice_message::Body};
+use opendsec_control::testing::{TestNode, single_node, single_node_with};
 use opendsec_edge::slice::{SliceClient, SliceFollower};
 use opendsec_projections::{Event, Observed};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 fn capacity() -> Capacity {
-    Capacity { sandboxes: 100, cpu_millis: 100_000, memory_mb: 100_000 }
+    Capacity {
+        sandboxes: 100,
+        cpu_millis: 100_000,
+        memory_mb: 100_000,
+    }
 }
 
 async fn create_sandbox(t: &TestNode) -> String {
-    let cmd = Command::CreateSandbox { opts: Default::default(),
+    let cmd = Command::CreateSandbox {
+        opts: Default::default(),
         project: t.root_project.clone(),
         image: "busybox".into(),
         cpu_millis: 100,
@@ -25,13 +30,19 @@ async fn create_sandbox(t: &TestNode) -> String {
         labels: BTreeMap::new(),
         timeout_seconds: None,
     };
-    let s = t.node.submit(Credential::Bearer(t.admin_token.clone()), "create".into(), cmd).await.expect("create sandbox");
+    let s = t
+        .node
+        .submit(Credential::Bearer(t.admin_token.clone()), "create".into(), cmd)
+        .await
+        .expect("create sandbox");
     s.decided.target
 }
 
 async fn next_entry(f: &mut SliceFollower) -> SliceEntry {
     loop {
-        let m = tokio::time::timeout(Duration::from_secs(10), f.next()).await.expect("a slice message within 10 s");
+        let m = tokio::time::timeout(Duration::from_secs(10), f.next())
+            .await
+            .expect("a slice message within 10 s");
         if let Some(Body::Entry(e)) = m.body {
             return e;
         }
@@ -49,7 +60,10 @@ fn created_id(e: &SliceEntry) -> Option<(String, String)> {
 async fn an_edge_registers_watches_its_slice_and_reports() {
     let t = single_node().await;
     let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
-    let (ordinal, _) = client.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.unwrap();
+    let (ordinal, _) = client
+        .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
     assert_eq!(ordinal, 0);
 
     let id = create_sandbox(&t).await;
@@ -70,7 +84,12 @@ async fn an_edge_registers_watches_its_slice_and_reports() {
     // Heartbeats are soft state: held in memory, never logged.
     let before = t.node.applied_index();
     client
-        .heartbeat(HeartbeatRequest { edge: "edge-1".into(), running_sandboxes: 1, cpu_millis_used: 5, memory_mb_used: 7 })
+        .heartbeat(HeartbeatRequest {
+            edge: "edge-1".into(),
+            running_sandboxes: 1,
+            cpu_millis_used: 5,
+            memory_mb_used: 7,
+        })
         .await
         .unwrap();
     assert_eq!(t.node.applied_index(), before);
@@ -82,7 +101,10 @@ async fn an_edge_registers_watches_its_slice_and_reports() {
 async fn a_watch_resumes_after_a_disconnect_without_loss_or_repeat() {
     let t = single_node().await;
     let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
-    client.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.unwrap();
+    client
+        .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
     let mut follower = SliceFollower::new(client.clone(), "edge-1", 1);
     let a = create_sandbox(&t).await;
     next_entry(&mut follower).await; // EdgeRegistered
@@ -99,7 +121,11 @@ async fn a_watch_resumes_after_a_disconnect_without_loss_or_repeat() {
         indexes.push(e.index);
         ids.extend(created_id(&e).map(|c| c.0));
     }
-    assert_eq!(ids, vec![b, c], "after resuming, exactly the entries written meanwhile arrive, once");
+    assert_eq!(
+        ids,
+        vec![b, c],
+        "after resuming, exactly the entries written meanwhile arrive, once"
+    );
     assert!(indexes.windows(2).all(|w| w[0] < w[1]));
 }
 
@@ -107,9 +133,19 @@ async fn a_watch_resumes_after_a_disconnect_without_loss_or_repeat() {
 async fn events_of_other_edges_are_not_in_the_slice() {
     let t = single_node().await;
     let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
-    let one = Capacity { sandboxes: 1, cpu_millis: 1000, memory_mb: 1000 };
-    client.register("edge-1", "127.0.0.1:9", one, BTreeMap::new()).await.unwrap();
-    client.register("edge-2", "127.0.0.1:10", one, BTreeMap::new()).await.unwrap();
+    let one = Capacity {
+        sandboxes: 1,
+        cpu_millis: 1000,
+        memory_mb: 1000,
+    };
+    client
+        .register("edge-1", "127.0.0.1:9", one, BTreeMap::new())
+        .await
+        .unwrap();
+    client
+        .register("edge-2", "127.0.0.1:10", one, BTreeMap::new())
+        .await
+        .unwrap();
     let x = create_sandbox(&t).await;
     let y = create_sandbox(&t).await;
     let edge_of = |id: &str| t.node.read(|s| s.sandboxes.sandboxes[id].edge.clone());
@@ -137,21 +173,35 @@ async fn an_edge_behind_compaction_gets_a_snapshot_of_its_slice_first() {
     })
     .await;
     let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
-    client.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.unwrap();
+    client
+        .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
     let mut ids = vec![];
     for _ in 0..30 {
         ids.push(create_sandbox(&t).await);
     }
-    let kill = Command::KillSandbox { sandbox: ids[0].clone() };
-    t.node.submit(Credential::Bearer(t.admin_token.clone()), "kill".into(), kill).await.unwrap();
+    let kill = Command::KillSandbox {
+        sandbox: ids[0].clone(),
+    };
+    t.node
+        .submit(Credential::Bearer(t.admin_token.clone()), "kill".into(), kill)
+        .await
+        .unwrap();
     t.node.log().trigger_snapshot().await.unwrap();
     let first = t.node.log().first_available_index().unwrap();
     assert!(first > 1, "history was compacted away (first available {first})");
 
     let mut stream = client.watch("edge-1", 1).await.unwrap();
     let m = stream.message().await.unwrap().unwrap();
-    let Some(Body::Snapshot(snap)) = m.body else { panic!("expected a snapshot first, got {m:?}") };
-    assert_eq!(snap.sandboxes.len(), 29, "the live sandboxes of the slice (one was killed)");
+    let Some(Body::Snapshot(snap)) = m.body else {
+        panic!("expected a snapshot first, got {m:?}")
+    };
+    assert_eq!(
+        snap.sandboxes.len(),
+        29,
+        "the live sandboxes of the slice (one was killed)"
+    );
     assert!(snap.index + 1 >= first);
 }
 
@@ -171,9 +221,17 @@ async fn the_slice_api_needs_an_edge_token() {
         ttl_seconds: None,
         secret_sha256: hash,
     };
-    let s = t.node.submit(Credential::Bearer(t.admin_token.clone()), "issue".into(), cmd).await.unwrap();
+    let s = t
+        .node
+        .submit(Credential::Bearer(t.admin_token.clone()), "issue".into(), cmd)
+        .await
+        .unwrap();
     let reader = opendsec_control::format_token(&s.decided.target, &secret);
     let mut c = SliceClient::connect(&t.peer_addr, &reader).unwrap();
-    let err = c.register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new()).await.err().expect("refused");
+    let err = c
+        .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
+        .await
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("edge:write"), "{err}");
 }

@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 use opendsec_edge::images::ImageStore;
 
 mod support;
-use support::{COUNTER, Cleanup, exec_as, exit_info, figure, ms, require_root, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::firecracker::{InstanceState, JailSpec, SnapshotKind, merge_diff_into_copy};
 use opendsec_edge::vm::{
     Accel, ExecOutput, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus, Vmm, VmmChoice,
 };
+use support::{COUNTER, Cleanup, exec_as, exit_info, figure, ms, require_root, static_agent, store_dir, vm_spec};
 
 /// The driver's state for these tests (VMs, jails); every test removes what it made.
 const TEST_ROOT: &str = "/var/tmp/opendsec-fc-tests";
@@ -126,8 +126,18 @@ impl Traces {
             );
         }
         assert!(!self.dir.exists(), "{}: {} is left", self.id, self.dir.display());
-        assert!(!self.netns.exists(), "{}: namespace {} is left", self.id, self.netns.display());
-        assert!(!self.jail.dir().exists(), "{}: chroot {} is left", self.id, self.jail.dir().display());
+        assert!(
+            !self.netns.exists(),
+            "{}: namespace {} is left",
+            self.id,
+            self.netns.display()
+        );
+        assert!(
+            !self.jail.dir().exists(),
+            "{}: chroot {} is left",
+            self.id,
+            self.jail.dir().display()
+        );
         let cgroup = self.jail.cgroup_dir().unwrap();
         assert!(!cgroup.exists(), "{}: cgroup {} is left", self.id, cgroup.display());
         let registry = ImageStore::open(store_dir()).unwrap().root().join("vm-uids");
@@ -147,7 +157,11 @@ impl Traces {
 fn running_pid(vm: &VmHandle) -> i32 {
     match vm.status().unwrap() {
         VmStatus::Running { pid } => pid,
-        other => panic!("{} is {other:?}, not running; console: {}", vm.id(), vm.console_tail(1500)),
+        other => panic!(
+            "{} is {other:?}, not running; console: {}",
+            vm.id(),
+            vm.console_tail(1500)
+        ),
     }
 }
 
@@ -168,19 +182,35 @@ fn assert_jailed(vm: &VmHandle, pid: i32) {
     assert_eq!(proc_status(pid, "Uid"), format!("{uid}\t{uid}\t{uid}\t{uid}"));
     assert_eq!(proc_status(pid, "Seccomp"), "2", "seccomp filter mode");
     // pivot_root in a mount namespace of its own: its `/` is the jail's root.
-    let inode = |p: PathBuf| fs::metadata(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())).ino();
-    assert_ne!(inode(format!("/proc/{pid}/ns/mnt").into()), inode("/proc/self/ns/mnt".into()));
-    assert_eq!(inode(format!("/proc/{pid}/root/api.sock").into()), inode(jail.api_socket()));
+    let inode = |p: PathBuf| {
+        fs::metadata(&p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .ino()
+    };
+    assert_ne!(
+        inode(format!("/proc/{pid}/ns/mnt").into()),
+        inode("/proc/self/ns/mnt".into())
+    );
+    assert_eq!(
+        inode(format!("/proc/{pid}/root/api.sock").into()),
+        inode(jail.api_socket())
+    );
     let ns = fs::metadata(format!("/proc/{pid}/ns/net")).unwrap().ino();
-    assert_eq!(ns, fs::metadata(vm.files().unwrap().netns).unwrap().ino(), "network namespace");
+    assert_eq!(
+        ns,
+        fs::metadata(vm.files().unwrap().netns).unwrap().ino(),
+        "network namespace"
+    );
     let tasks = fs::read_to_string(jail.cgroup_dir().unwrap().join("cgroup.procs")).unwrap();
-    assert!(tasks.lines().any(|l| l.trim() == pid.to_string()), "pid {pid} in its cgroup: {tasks:?}");
+    assert!(
+        tasks.lines().any(|l| l.trim() == pid.to_string()),
+        "pid {pid} in its cgroup: {tasks:?}"
+    );
 }
 
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
     exec_as(vm, TOKEN, cmd, args)
 }
-
 
 fn count(vm: &VmHandle) -> u64 {
     support::count_as(vm, TOKEN)
@@ -251,14 +281,23 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     // Pause: a Diff of every page written since boot (the rest is zero), then the
     // process ends and its jail and cgroup go.
     let paused = a.pause().unwrap();
-    figure("firecracker pause (Diff since boot): vCPUs stopped to snapshot written", ms(paused.snapshot));
-    figure("firecracker pause (Diff since boot): process end and jail removal", ms(paused.exit));
+    figure(
+        "firecracker pause (Diff since boot): vCPUs stopped to snapshot written",
+        ms(paused.snapshot),
+    );
+    figure(
+        "firecracker pause (Diff since boot): process end and jail removal",
+        ms(paused.exit),
+    );
     figure("firecracker pause (Diff since boot): bytes written", paused.ram_bytes);
     assert!(paused.incremental, "a cold-booted VM pauses with a Diff since boot");
     assert!(paused.ram_bytes > 0, "{paused:?}");
     assert_eq!(a.status().unwrap(), VmStatus::Paused);
     assert!(!a_traces.jail.dir().exists(), "a paused VM has no jail");
-    assert!(!a_traces.jail.cgroup_dir().unwrap().exists(), "a paused VM has no cgroup");
+    assert!(
+        !a_traces.jail.cgroup_dir().unwrap().exists(),
+        "a paused VM has no cgroup"
+    );
 
     // Resume: the snapshot loads into a new jailed process.
     let resumed = a.resume().unwrap();
@@ -274,10 +313,19 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     // Pause again: only the pages written since the load (a Diff), merged onto the
     // memory file; the resume loads the merged file.
     let diff_pause = a.pause().unwrap();
-    figure("firecracker pause (Diff): vCPUs stopped to snapshot written", ms(diff_pause.snapshot));
-    figure("firecracker pause (Diff): merge onto the memory file", ms(diff_pause.release));
+    figure(
+        "firecracker pause (Diff): vCPUs stopped to snapshot written",
+        ms(diff_pause.snapshot),
+    );
+    figure(
+        "firecracker pause (Diff): merge onto the memory file",
+        ms(diff_pause.release),
+    );
     figure("firecracker pause (Diff): bytes written", diff_pause.ram_bytes);
-    assert!(diff_pause.incremental, "a VM loaded from its memory file pauses with a Diff");
+    assert!(
+        diff_pause.incremental,
+        "a VM loaded from its memory file pauses with a Diff"
+    );
     assert!(diff_pause.ram_bytes < paused.ram_bytes, "{diff_pause:?} vs {paused:?}");
     let resumed = a.resume().unwrap();
     figure("firecracker resume: snapshot load (merged Diff)", ms(resumed.restore));
@@ -292,7 +340,10 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     let snaps = tempfile::tempdir_in("/var/tmp").unwrap();
     let snap = snaps.path().join("a");
     let taken = a.snapshot_to(&snap).unwrap();
-    figure("firecracker snapshot_to (Diff): source stopped", ms(taken.source_paused));
+    figure(
+        "firecracker snapshot_to (Diff): source stopped",
+        ms(taken.source_paused),
+    );
     assert!(matches!(a.status().unwrap(), VmStatus::Running { .. }));
     let c_id = unique("c");
     let forked = a.fork(std::slice::from_ref(&c_id)).unwrap();
@@ -318,8 +369,10 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     assert!(diff_base.is_file(), "the source keeps its next diff's base");
     let mut api = a.firecracker_api().unwrap();
     api.pause().unwrap();
-    api.snapshot_create(SnapshotKind::Diff, "/t-diff.state", "/t-diff.ram").unwrap();
-    api.snapshot_create(SnapshotKind::Full, "/t-full.state", "/t-full.ram").unwrap();
+    api.snapshot_create(SnapshotKind::Diff, "/t-diff.state", "/t-diff.ram")
+        .unwrap();
+    api.snapshot_create(SnapshotKind::Full, "/t-full.state", "/t-full.ram")
+        .unwrap();
     let a_jail = a.firecracker_jail().unwrap().unwrap();
     let merged = snaps.path().join("a-merged");
     merge_diff_into_copy(&diff_base, &a_jail.host_path("/t-diff.ram"), &merged).unwrap();
@@ -335,7 +388,11 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     let killed = running_pid(&a);
     a.kill().unwrap();
     let info = exit_info(&a, Duration::from_secs(5));
-    assert_eq!((info.pid, info.signal, info.exit_code), (killed, Some(libc::SIGKILL), 128 + libc::SIGKILL), "{info:?}");
+    assert_eq!(
+        (info.pid, info.signal, info.exit_code),
+        (killed, Some(libc::SIGKILL), 128 + libc::SIGKILL),
+        "{info:?}"
+    );
     assert!(!a_traces.jail.dir().exists());
 
     // Restore the snapshot as a new VM: a Full load into a new jailed process.
@@ -362,10 +419,12 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
     figure("firecracker API: PATCH /vm Paused", ms(t.elapsed()));
     assert_eq!(api.state().unwrap(), InstanceState::Paused);
     let t = Instant::now();
-    api.snapshot_create(SnapshotKind::Diff, "/t-diff.state", "/t-diff.ram").unwrap();
+    api.snapshot_create(SnapshotKind::Diff, "/t-diff.state", "/t-diff.ram")
+        .unwrap();
     figure("firecracker API: Diff snapshot create", ms(t.elapsed()));
     let t = Instant::now();
-    api.snapshot_create(SnapshotKind::Full, "/t-full.state", "/t-full.ram").unwrap();
+    api.snapshot_create(SnapshotKind::Full, "/t-full.state", "/t-full.ram")
+        .unwrap();
     figure("firecracker API: Full snapshot create (256 MiB)", ms(t.elapsed()));
     let merged = snaps.path().join("merged");
     let merge = merge_diff_into_copy(&b.files().unwrap().ram, &jail.host_path("/t-diff.ram"), &merged).unwrap();
@@ -407,19 +466,29 @@ fn a_diff_since_boot_holds_every_page_a_cold_booted_vm_wrote() {
     let jail = vm.firecracker_jail().unwrap().unwrap();
     let mut api = vm.firecracker_api().unwrap();
     api.pause().unwrap();
-    api.snapshot_create(SnapshotKind::Diff, "/z-diff.state", "/z-diff.ram").unwrap();
-    api.snapshot_create(SnapshotKind::Full, "/z-full.state", "/z-full.ram").unwrap();
+    api.snapshot_create(SnapshotKind::Diff, "/z-diff.state", "/z-diff.ram")
+        .unwrap();
+    api.snapshot_create(SnapshotKind::Full, "/z-full.state", "/z-full.ram")
+        .unwrap();
     let (diff, full) = (jail.host_path("/z-diff.ram"), jail.host_path("/z-full.ram"));
     let memory = vm.files().unwrap().memory_mb << 20;
     assert_eq!(fs::metadata(&full).unwrap().len(), memory);
     // Pages after the last one written may be left out of the Diff's length.
     let diff_len = fs::metadata(&diff).unwrap().len();
     assert!(diff_len <= memory, "{diff_len}");
-    fs::OpenOptions::new().write(true).open(&diff).unwrap().set_len(memory).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&diff)
+        .unwrap()
+        .set_len(memory)
+        .unwrap();
     let written = fs::metadata(&diff).unwrap().blocks() * 512;
     figure("firecracker Diff since boot: bytes written", written);
     assert!(written > 0 && written < memory, "{written} of {memory} bytes");
-    assert!(files_equal(&diff, &full), "a Diff since boot differs from a Full snapshot");
+    assert!(
+        files_equal(&diff, &full),
+        "a Diff since boot differs from a Full snapshot"
+    );
     drop(api);
     vm.delete().unwrap();
 }
@@ -445,7 +514,10 @@ fn a_corrupt_snapshot_is_refused_with_a_clear_error_and_leaves_nothing_behind() 
     let text = err.to_string();
     eprintln!("refused: {text}");
     assert!(text.contains("loading the snapshot"), "{text}");
-    assert!(!text.contains("Permission denied"), "refused for its content, not access: {text}");
+    assert!(
+        !text.contains("Permission denied"),
+        "refused for its content, not access: {text}"
+    );
     // and the new VM left nothing: no directory, namespace, jail, cgroup or uid.
     assert!(matches!(d.open(&id), Err(VmError::NotFound(_))));
     let probe = JailSpec {
@@ -461,13 +533,20 @@ fn a_corrupt_snapshot_is_refused_with_a_clear_error_and_leaves_nothing_behind() 
     };
     assert!(!probe.dir().exists(), "jail {} is left", probe.dir().display());
     let netns_left: Vec<_> = fs::read_dir("/run/netns")
-        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(&id)).collect())
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(&id))
+                .collect()
+        })
         .unwrap_or_default();
     assert!(netns_left.is_empty(), "namespaces left: {netns_left:?}");
     let registry = ImageStore::open(store_dir()).unwrap().root().join("vm-uids");
     let vm_dir = Path::new(TEST_ROOT).join("vms").join(&id);
     for entry in fs::read_dir(&registry).into_iter().flatten().flatten() {
-        assert_ne!(Path::new(fs::read_to_string(entry.path()).unwrap_or_default().trim()), vm_dir);
+        assert_ne!(
+            Path::new(fs::read_to_string(entry.path()).unwrap_or_default().trim()),
+            vm_dir
+        );
     }
     let cgroups_left: Vec<_> = walk_cgroups(&id);
     assert!(cgroups_left.is_empty(), "cgroups left: {cgroups_left:?}");
@@ -492,11 +571,22 @@ fn a_firecracker_process_never_outlives_its_shim_though_the_jailer_changed_its_u
     // shim's keeper, PID 1 of a namespace of its own,
     assert_ne!(proc_status(pid, "Uid"), "0\t0\t0\t0");
     let keeper = parent_of(pid);
-    assert_eq!(proc_status(pid, "NSpid").split_whitespace().last(), Some("2"), "Firecracker is the keeper's child");
-    assert_eq!(proc_status(keeper, "NSpid").split_whitespace().last(), Some("1"), "the keeper is PID 1");
+    assert_eq!(
+        proc_status(pid, "NSpid").split_whitespace().last(),
+        Some("2"),
+        "Firecracker is the keeper's child"
+    );
+    assert_eq!(
+        proc_status(keeper, "NSpid").split_whitespace().last(),
+        Some("1"),
+        "the keeper is PID 1"
+    );
     let shim = parent_of(keeper);
     let comm = fs::read_to_string(format!("/proc/{shim}/comm")).unwrap();
-    assert!(comm.starts_with("opendsec-vm-shi"), "the keeper's parent is the shim, not {comm:?}");
+    assert!(
+        comm.starts_with("opendsec-vm-shi"),
+        "the keeper's parent is the shim, not {comm:?}"
+    );
     // when the shim is killed outright,
     let t = Instant::now();
     // SAFETY: a signal to a process of this test.
@@ -505,7 +595,10 @@ fn a_firecracker_process_never_outlives_its_shim_though_the_jailer_changed_its_u
     while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "Firecracker {pid} outlived its shim");
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "Firecracker {pid} outlived its shim"
+    );
     figure("firecracker gone after its shim was killed", ms(t.elapsed()));
     // the driver sees the VM ended, and deleting it leaves nothing.
     assert!(matches!(vm.status().unwrap(), VmStatus::Exited(_)), "{:?}", vm.status());
@@ -533,7 +626,9 @@ fn a_driver_told_to_use_firecracker_without_its_binaries_says_how_to_install_the
     let mut cfg = config();
     cfg.root = PathBuf::from(TEST_ROOT).join("no-binaries");
     cfg.firecracker = Some(PathBuf::from("/nonexistent/firecracker"));
-    let err = MicroVmDriver::new(cfg, &|_| {}).err().expect("no driver without firecracker");
+    let err = MicroVmDriver::new(cfg, &|_| {})
+        .err()
+        .expect("no driver without firecracker");
     let text = err.to_string();
     assert!(text.contains("firecracker is missing"), "{text}");
     assert!(text.contains("./ops/test.sh"), "{text}");

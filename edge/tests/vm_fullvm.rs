@@ -18,10 +18,8 @@ use std::time::{Duration, Instant};
 use opendsec_edge::images::{Image, ImageStore};
 
 mod support;
+use opendsec_edge::vm::{ExecOutput, Machine, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus};
 use support::{Cleanup, base_image, exec_as, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
-use opendsec_edge::vm::{
-    ExecOutput, Machine, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus,
-};
 
 /// The driver's state for these tests (its own, beside the microVM tests').
 const TEST_ROOT: &str = "/var/tmp/opendsec-fullvm-tests";
@@ -65,7 +63,12 @@ fn unique(tag: &str) -> String {
 const TOKEN: &str = "fullvm-test-token";
 
 fn spec(id: &str) -> VmSpec {
-    vm_spec(id, TOKEN, 512, BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]))
+    vm_spec(
+        id,
+        TOKEN,
+        512,
+        BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]),
+    )
 }
 
 fn exec_with(vm: &VmHandle, token: &str, cmd: &str, args: &[&str]) -> ExecOutput {
@@ -81,7 +84,6 @@ fn sh(vm: &VmHandle, script: &str) -> String {
     assert_eq!(out.exit_code, 0, "{script}: {out:?}");
     out.stdout_text()
 }
-
 
 fn start_counter(vm: &VmHandle) {
     support::start_counter(vm, TOKEN, Duration::from_secs(60))
@@ -140,7 +142,10 @@ fn a_full_vm_boots_base_through_seabios_and_extlinux_runs_python_and_keeps_its_m
     let rebuilt = driver().boot_disk(&changed, &|_| {}).unwrap();
     assert_ne!(rebuilt.key, disk.key);
     assert_ne!(rebuilt.disk, disk.disk);
-    assert_eq!(rebuilt.layers, busybox.layers, "its manifest records what it is made of");
+    assert_eq!(
+        rebuilt.layers, busybox.layers,
+        "its manifest records what it is made of"
+    );
     assert!(disk.disk.is_file());
     for stale in [&rebuilt.disk, &rebuilt.disk.with_extension("json")] {
         std::fs::remove_file(stale).unwrap();
@@ -254,7 +259,10 @@ fn a_full_vm_boots_base_through_seabios_and_extlinux_runs_python_and_keeps_its_m
     assert_eq!(count(&vm), 2);
     let pause = vm.pause().unwrap();
     assert_eq!(vm.status().unwrap(), VmStatus::Paused);
-    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "QEMU is gone while paused");
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "QEMU is gone while paused"
+    );
     figure("full VM pause: snapshot (stop + device state)", ms(pause.snapshot));
     figure("full VM pause: QEMU exit", ms(pause.exit));
     figure(
@@ -315,9 +323,7 @@ fn a_full_vm_forks_and_restores_from_a_snapshot_with_memory_and_disk() {
     let restored_id = unique("restored");
     let mut restored_spec = spec(&restored_id);
     restored_spec.access_token = "restored-token".into();
-    let (restored, report) = driver()
-        .restore_snapshot(&restored_spec, &snap, &|_| {})
-        .unwrap();
+    let (restored, report) = driver().restore_snapshot(&restored_spec, &snap, &|_| {}).unwrap();
     cleanup.0.push(restored.clone());
     let _ = std::fs::remove_dir_all(&snap);
     figure("full VM restore_snapshot: restore", ms(report.restore));

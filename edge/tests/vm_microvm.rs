@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use opendsec_edge::images::ImageStore;
 
 mod support;
-use support::{Cleanup, exec_as, exit_info, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
 use opendsec_edge::vm::{
     ExecOutput, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus, detect_accel,
 };
+use support::{Cleanup, exec_as, exit_info, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
 
 /// The driver's state for these tests: one directory per machine, so the accelerator
 /// verdict is probed once per host boot; every test removes the VMs it made.
@@ -42,8 +42,7 @@ fn driver() -> MicroVmDriver {
     DRIVER
         .get_or_init(|| {
             let t = Instant::now();
-            let d = MicroVmDriver::new(config(), &|m| eprintln!("[vm] {m}"))
-                .expect("the microVM driver");
+            let d = MicroVmDriver::new(config(), &|m| eprintln!("[vm] {m}")).expect("the microVM driver");
             eprintln!(
                 "driver ready in {} ms: kernel {}, accelerator {} ({}), tsc {:?}",
                 t.elapsed().as_millis(),
@@ -64,7 +63,12 @@ fn unique(tag: &str) -> String {
 const TOKEN: &str = "vm-test-token";
 
 fn spec(id: &str) -> VmSpec {
-    vm_spec(id, TOKEN, 512, BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]))
+    vm_spec(
+        id,
+        TOKEN,
+        512,
+        BTreeMap::from([("GREETING".to_string(), "hello from the host".to_string())]),
+    )
 }
 
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {
@@ -80,7 +84,6 @@ fn boot(id: &str) -> (VmHandle, Duration) {
         .unwrap_or_else(|e| panic!("the agent of {id}: {e}"));
     (vm, t.elapsed())
 }
-
 
 fn start_counter(vm: &VmHandle) {
     support::start_counter(vm, TOKEN, Duration::from_secs(60))
@@ -155,16 +158,9 @@ fn stamps_advance(vm: &VmHandle, passes: u64) {
             let ps = exec(
                 vm,
                 "sh",
-                &[
-                    "-c",
-                    "ps -eo pid,stat,wchan:24,args; cat /tmp/stamps.pass; ls -la /tmp",
-                ],
+                &["-c", "ps -eo pid,stat,wchan:24,args; cat /tmp/stamps.pass; ls -la /tmp"],
             );
-            panic!(
-                "{}: the stamping process stalled: {}",
-                vm.id(),
-                ps.stdout_text()
-            );
+            panic!("{}: the stamping process stalled: {}", vm.id(), ps.stdout_text());
         }
         std::thread::sleep(Duration::from_millis(300));
     }
@@ -212,20 +208,14 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
     assert_eq!(out.stdout_text(), "42\n", "{out:?}");
     assert_eq!(out.exit_code, 0);
     figure("cold boot to agent ready", ms(ready));
-    figure(
-        "cold boot to first command (python3 -c 'print(6*7)')",
-        ms(first),
-    );
+    figure("cold boot to first command (python3 -c 'print(6*7)')", ms(first));
     figure("accelerator", driver().accel().accel.as_str());
 
     // The sandbox's environment reaches processes; the agent wants its token.
     let env = exec(&vm, "sh", &["-c", "echo \"$GREETING\"; id -un; uname -r"]);
     assert_eq!(
         env.stdout_text(),
-        format!(
-            "hello from the host\nuser\n{}\n",
-            driver().guest_boot().kernel.release
-        )
+        format!("hello from the host\nuser\n{}\n", driver().guest_boot().kernel.release)
     );
     let refused = rt().block_on(vm.agent().unwrap().exec("wrong-token", "true", &[]));
     assert!(
@@ -238,18 +228,11 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
         panic!("not running")
     };
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let uid_line = status
-        .lines()
-        .find(|l| l.starts_with("Uid:"))
-        .unwrap()
-        .to_string();
+    let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap().to_string();
     let uid = vm.uid().unwrap();
     assert_ne!(uid, 0);
     assert!(
-        uid_line
-            .split_whitespace()
-            .skip(1)
-            .all(|u| u == uid.to_string()),
+        uid_line.split_whitespace().skip(1).all(|u| u == uid.to_string()),
         "{uid_line}"
     );
     assert_ne!(
@@ -288,10 +271,7 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
     // SAFETY: polling one fd we own.
     let ready = unsafe { libc::poll(&mut pfd, 1, 30_000) };
     assert_eq!(ready, 1, "QEMU did not end after the guest rebooted");
-    figure(
-        "guest reboot request to QEMU exit seen (exit fd)",
-        ms(t.elapsed()),
-    );
+    figure("guest reboot request to QEMU exit seen (exit fd)", ms(t.elapsed()));
     let status = exit_info(&vm, Duration::from_secs(5));
     eprintln!("exit recorded: {status:?}");
     assert!(!pid_alive(pid));
@@ -313,10 +293,7 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     let pause = vm.pause().unwrap();
     assert_eq!(vm.status().unwrap(), VmStatus::Paused);
     assert!(!pid_alive(pid), "the QEMU process is gone while paused");
-    let ram = std::path::Path::new(TEST_ROOT)
-        .join("vms")
-        .join(&id)
-        .join("ram");
+    let ram = std::path::Path::new(TEST_ROOT).join("vms").join(&id).join("ram");
     let resident = resident_bytes(&ram);
     figure("pause: snapshot (stop + device state)", ms(pause.snapshot));
     figure("pause: QEMU exit", ms(pause.exit));
@@ -352,10 +329,7 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
 
     // Bad requests leave the VM as it is.
     assert!(matches!(vm.pause(), Err(VmError::BadState { .. })));
-    assert!(matches!(
-        vm.fork(&[unique("nope")]),
-        Err(VmError::BadState { .. })
-    ));
+    assert!(matches!(vm.fork(&[unique("nope")]), Err(VmError::BadState { .. })));
 
     let t = Instant::now();
     let resume = vm.resume().unwrap();
@@ -363,10 +337,7 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     let first = t.elapsed();
     assert_eq!(n, 4, "the in-memory count continues after resume");
     figure("resume: QEMU spawn to QMP", ms(resume.spawn));
-    figure(
-        "resume: restore (incoming migration + cont)",
-        ms(resume.restore),
-    );
+    figure("resume: restore (incoming migration + cont)", ms(resume.restore));
     figure("resume to first command", ms(first));
     assert!(matches!(vm.resume(), Err(VmError::BadState { .. })));
 
@@ -375,31 +346,19 @@ fn pause_ends_qemu_and_resume_keeps_the_guest_memory() {
     vm.resume().unwrap();
     let again = MicroVmDriver::new(config(), &|_| {}).unwrap();
     let adopted = again.open(&id).unwrap();
-    assert!(matches!(
-        adopted.status().unwrap(),
-        VmStatus::Running { .. }
-    ));
+    assert!(matches!(adopted.status().unwrap(), VmStatus::Running { .. }));
     assert_eq!(count(&adopted), 5);
-    assert!(matches!(
-        again.open("no-such-vm"),
-        Err(VmError::NotFound(_))
-    ));
+    assert!(matches!(again.open("no-such-vm"), Err(VmError::NotFound(_))));
 
     // An edge that died between `stop` and `cont` (a pause or fork under way) left the
     // guest stopped: recover continues it; a running VM needs nothing.
     assert_eq!(adopted.recover().unwrap(), None);
-    let socket = Path::new(TEST_ROOT)
-        .join("vms")
-        .join(&id)
-        .join("run/qmp.sock");
+    let socket = Path::new(TEST_ROOT).join("vms").join(&id).join("run/qmp.sock");
     let mut qmp = opendsec_edge::vm::Qmp::connect(&socket, Duration::from_secs(10)).unwrap();
     qmp.execute("stop", serde_json::json!({})).unwrap();
     drop(qmp);
     let done = adopted.recover().unwrap();
-    assert!(
-        done.as_deref().is_some_and(|d| d.contains("continued")),
-        "{done:?}"
-    );
+    assert!(done.as_deref().is_some_and(|d| d.contains("continued")), "{done:?}");
     assert_eq!(count(&adopted), 6);
 }
 
@@ -434,10 +393,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     let out = exec(&source, "setsid", &["-f", "sh", "-c", DISK_WRITER]);
     assert_eq!(out.exit_code, 0, "{out:?}");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !exec(&source, "ls", &["/home/user"])
-        .stdout_text()
-        .contains("disk-7")
-    {
+    while !exec(&source, "ls", &["/home/user"]).stdout_text().contains("disk-7") {
         assert!(Instant::now() < deadline, "the disk writer never wrote");
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -451,10 +407,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     let [a, b] = [&report.copies[0], &report.copies[1]];
     figure("fork x2: source paused", ms(report.source_paused));
     figure("fork x2: call (both copies restored)", ms(report.total));
-    figure(
-        "fork x2: frozen RAM copied",
-        format!("{} MiB", report.ram_bytes >> 20),
-    );
+    figure("fork x2: frozen RAM copied", format!("{} MiB", report.ram_bytes >> 20));
     figure(
         "fork x2: disk written during the copy, copied again while stopped",
         format!("{} KiB", report.disk_dirty_bytes >> 10),
@@ -494,12 +447,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     assert_eq!(exec(a, "cat", &["/home/user/who"]).stdout_text(), "a\n");
     assert_eq!(exec(b, "cat", &["/home/user/who"]).stdout_text(), "b\n");
     assert_eq!(
-        exec(
-            &source,
-            "sh",
-            &["-c", "cat /home/user/who 2>/dev/null || echo none"]
-        )
-        .stdout_text(),
+        exec(&source, "sh", &["-c", "cat /home/user/who 2>/dev/null || echo none"]).stdout_text(),
         "none\n"
     );
 
@@ -561,10 +509,7 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
     assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
     let grandchild = b.fork(&[unique("copy-b1")]).unwrap();
     cleanup.0.extend(grandchild.copies.iter().cloned());
-    figure(
-        "fork of a fork copy: source paused",
-        ms(grandchild.source_paused),
-    );
+    figure("fork of a fork copy: source paused", ms(grandchild.source_paused));
     assert!(matches!(b.ram_mode().unwrap(), RamMode::Private { .. }));
     assert_eq!(count(&grandchild.copies[0]), 7);
     assert_eq!(count(b), 7);
@@ -577,14 +522,11 @@ fn fork_copies_start_from_the_source_memory_share_pages_and_diverge() {
 fn kvm_detection_reports_its_verdict_and_reason() {
     require_root("microVM");
     let d = driver();
-    let qemu = [
-        "/usr/bin/qemu-system-x86_64",
-        "/usr/local/bin/qemu-system-x86_64",
-    ]
-    .iter()
-    .map(PathBuf::from)
-    .find(|p| p.is_file())
-    .expect("qemu-system-x86_64 (apt-get install qemu-system-x86)");
+    let qemu = ["/usr/bin/qemu-system-x86_64", "/usr/local/bin/qemu-system-x86_64"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect("qemu-system-x86_64 (apt-get install qemu-system-x86)");
     let t = Instant::now();
     let verdict = detect_accel(&qemu, d.guest_boot(), Duration::from_secs(8)).unwrap();
     eprintln!(
@@ -598,20 +540,14 @@ fn kvm_detection_reports_its_verdict_and_reason() {
         format!("{} - {}", verdict.accel.as_str(), verdict.reason),
     );
     if Path::new("/sys/module/kvm_pvm").exists() {
-        assert!(
-            !verdict.kvm_usable(),
-            "PVM cannot run our stock kernel: {verdict:?}"
-        );
+        assert!(!verdict.kvm_usable(), "PVM cannot run our stock kernel: {verdict:?}");
         assert!(verdict.reason.contains("PVM"), "{verdict:?}");
     }
     if verdict.kvm_usable() {
         assert!(verdict.probe_ms.is_some_and(|ms| ms < 8000), "{verdict:?}");
     } else {
         assert!(verdict.reason.starts_with("KVM not usable"), "{verdict:?}");
-        eprintln!(
-            "guest checks under KVM could not run on this host: {}",
-            verdict.reason
-        );
+        eprintln!("guest checks under KVM could not run on this host: {}", verdict.reason);
     }
 }
 
@@ -625,10 +561,7 @@ fn a_root_disk_holds_the_merged_layers_of_an_image() {
     let store = ImageStore::open(tmp.path()).unwrap();
     let lower = store.layer_path("lower-1");
     let upper = store.layer_path("upper-1");
-    for (dir, files) in [
-        (&lower, vec!["a", "b", "dir/x"]),
-        (&upper, vec!["c", "dir/y"]),
-    ] {
+    for (dir, files) in [(&lower, vec!["a", "b", "dir/x"]), (&upper, vec!["c", "dir/y"])] {
         for f in files {
             let p = dir.join(f);
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
@@ -692,14 +625,8 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     // A running VM stops only while its state, RAM and disk are copied.
     let snap = dir.path().join("running");
     let report = vm.snapshot_to(&snap).unwrap();
-    figure(
-        "snapshot of a running VM: source paused",
-        ms(report.source_paused),
-    );
-    figure(
-        "snapshot of a running VM: data",
-        format!("{} MiB", report.bytes >> 20),
-    );
+    figure("snapshot of a running VM: source paused", ms(report.source_paused));
+    figure("snapshot of a running VM: data", format!("{} MiB", report.bytes >> 20));
     assert_eq!(count(&vm), 3, "the source runs on");
     assert!(
         vm.snapshot_to(&snap).is_err(),
@@ -712,9 +639,7 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     let mut copy_spec = spec(&copy_id);
     copy_spec.access_token = "copy-token".into();
     let t = Instant::now();
-    let (copy, resumed) = driver()
-        .restore_snapshot(&copy_spec, &snap, &|_| {})
-        .unwrap();
+    let (copy, resumed) = driver().restore_snapshot(&copy_spec, &snap, &|_| {}).unwrap();
     cleanup.0.push(copy.clone());
     figure("restore from a snapshot: restore", ms(resumed.restore));
     let agent = copy.agent().unwrap();
@@ -722,11 +647,7 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     let ttl = Duration::from_secs(10);
     assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 401);
     assert_eq!(agent.rekey(TOKEN, "copy-token", ttl).unwrap(), 204);
-    assert_eq!(
-        agent.rekey("copy-token", "copy-token", ttl).unwrap(),
-        204,
-        "repeatable"
-    );
+    assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 204, "repeatable");
     let counted = rt()
         .block_on(agent.exec(
             "copy-token",
@@ -734,11 +655,7 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
             &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"],
         ))
         .unwrap();
-    assert_eq!(
-        counted.stdout_text(),
-        "3\n",
-        "the copy continues from the snapshot"
-    );
+    assert_eq!(counted.stdout_text(), "3\n", "the copy continues from the snapshot");
     figure("restore from a snapshot to first command", ms(t.elapsed()));
     let refused = rt().block_on(agent.exec(TOKEN, "true", &[]));
     assert!(
@@ -750,9 +667,7 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     // the first, starts from the snapshot too, and neither writes the snapshot.
     let snapshot_ram = std::fs::read(snap.join("ram")).unwrap();
     let second_id = unique("snap-copy2");
-    let (second, _) = driver()
-        .restore_snapshot(&spec(&second_id), &snap, &|_| {})
-        .unwrap();
+    let (second, _) = driver().restore_snapshot(&spec(&second_id), &snap, &|_| {}).unwrap();
     cleanup.0.push(second.clone());
     let (RamMode::Private { base: base_1 }, RamMode::Private { base: base_2 }) =
         (copy.ram_mode().unwrap(), second.ram_mode().unwrap())
@@ -760,11 +675,7 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
         panic!("restores map the snapshot's RAM privately")
     };
     assert_eq!(base_1, base_2, "one base for every restore of a snapshot");
-    assert_eq!(
-        count(&second),
-        3,
-        "the second restore starts from the snapshot"
-    );
+    assert_eq!(count(&second), 3, "the second restore starts from the snapshot");
     assert_eq!(count(&second), 4);
     assert_eq!(copy.ram_file_bytes(), 0, "no copy of the snapshot's RAM");
     assert!(
@@ -796,9 +707,7 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     // A corrupt snapshot is refused and leaves no VM behind; its source is unharmed.
     std::fs::write(paused.join("state"), b"not a migration stream").unwrap();
     let bad = unique("snap-bad");
-    let err = driver()
-        .restore_snapshot(&spec(&bad), &paused, &|_| {})
-        .unwrap_err();
+    let err = driver().restore_snapshot(&spec(&bad), &paused, &|_| {}).unwrap_err();
     eprintln!("restoring a corrupt snapshot: {err}");
     assert!(matches!(driver().open(&bad), Err(VmError::NotFound(_))));
     assert!(!Path::new(TEST_ROOT).join("vms").join(&bad).exists());
@@ -811,10 +720,6 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     };
     assert!(!paused_base.exists(), "no RAM base left behind");
     std::fs::remove_file(paused.join("snapshot.json")).unwrap();
-    assert!(
-        driver()
-            .restore_snapshot(&spec(&bad), &paused, &|_| {})
-            .is_err()
-    );
+    assert!(driver().restore_snapshot(&spec(&bad), &paused, &|_| {}).is_err());
     assert_eq!(count(&vm), 5);
 }

@@ -1,13 +1,16 @@
 //! From the projections' views to the API's wire types. The views are internal
 //! and may change; these mappings keep the API stable (and never carry a secret hash).
 
-use opendsec_projections::{views, Desired, Observed};
+use opendsec_projections::{Desired, Observed, views};
 use opendsec_sdk::types as api;
 use serde::Serialize;
 
 /// A unit enum's serde name (`running`, `pending`).
 fn word<T: Serialize>(t: &T) -> String {
-    serde_json::to_value(t).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+    serde_json::to_value(t)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
 }
 
 pub fn project(p: &views::Project) -> api::Project {
@@ -21,15 +24,27 @@ pub fn project(p: &views::Project) -> api::Project {
 }
 
 pub fn limits(l: &views::Limits) -> api::Limits {
-    api::Limits { sandboxes: l.sandboxes, cpu_millis: l.cpu_millis, memory_mb: l.memory_mb }
+    api::Limits {
+        sandboxes: l.sandboxes,
+        cpu_millis: l.cpu_millis,
+        memory_mb: l.memory_mb,
+    }
 }
 
 pub fn resources(u: &views::Usage) -> api::Resources {
-    api::Resources { sandboxes: u.sandboxes, cpu_millis: u.cpu_millis, memory_mb: u.memory_mb }
+    api::Resources {
+        sandboxes: u.sandboxes,
+        cpu_millis: u.cpu_millis,
+        memory_mb: u.memory_mb,
+    }
 }
 
 pub fn usage(r: &api::Resources) -> views::Usage {
-    views::Usage { sandboxes: r.sandboxes, cpu_millis: r.cpu_millis, memory_mb: r.memory_mb }
+    views::Usage {
+        sandboxes: r.sandboxes,
+        cpu_millis: r.cpu_millis,
+        memory_mb: r.memory_mb,
+    }
 }
 
 pub fn token(t: &views::Token) -> api::Token {
@@ -41,7 +56,10 @@ pub fn token(t: &views::Token) -> api::Token {
         expires_at_ms: t.expires_at_ms,
         issued_by: t.issued_by.clone(),
         issued_at_ms: t.issued_at_ms,
-        revoked: t.revoked.as_ref().map(|r| api::Revocation { at_ms: r.at_ms, reason: r.reason.clone() }),
+        revoked: t.revoked.as_ref().map(|r| api::Revocation {
+            at_ms: r.at_ms,
+            reason: r.reason.clone(),
+        }),
     }
 }
 
@@ -59,7 +77,9 @@ pub fn sandbox_state(s: &views::Sandbox) -> &'static str {
     }
 }
 
-pub const SANDBOX_STATES: [&str; 8] = ["pending", "running", "pausing", "paused", "resuming", "killed", "failed", "exited"];
+pub const SANDBOX_STATES: [&str; 8] = [
+    "pending", "running", "pausing", "paused", "resuming", "killed", "failed", "exited",
+];
 
 pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
     api::Sandbox {
@@ -85,7 +105,10 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         isolation: isolation(s.isolation),
         snapshot: s.snapshot.clone(),
         source_edge: s.source_edge.clone(),
-        runtime: s.runtime.as_ref().map(|r| api::SandboxRuntime { vmm: r.vmm.clone(), accelerator: r.accelerator.clone() }),
+        runtime: s.runtime.as_ref().map(|r| api::SandboxRuntime {
+            vmm: r.vmm.clone(),
+            accelerator: r.accelerator.clone(),
+        }),
     }
 }
 

@@ -3,7 +3,7 @@
 //! authenticates to every edge with the cluster key.
 
 use axum::body::Body;
-use axum::http::{header, HeaderName, HeaderValue, Request, StatusCode, Uri};
+use axum::http::{HeaderName, HeaderValue, Request, StatusCode, Uri, header};
 use axum::response::Response;
 use std::time::Duration;
 
@@ -17,7 +17,15 @@ pub const PORT_HEADER: &str = "x-opendsec-port";
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Hop-by-hop headers (RFC 9110 7.6.1), dropped when forwarding a response.
-const HOP_BY_HOP: &[&str] = &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "trailer", "upgrade", "te"];
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "trailer",
+    "upgrade",
+    "te",
+];
 
 /// Why an edge could not be reached.
 pub struct Unreachable(pub String);
@@ -31,7 +39,12 @@ async fn connect(host: &str) -> Result<hyper::client::conn::http1::SendRequest<B
     let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(host)).await {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => return Err(Unreachable(format!("cannot reach the edge at {host}: {e}"))),
-        Err(_) => return Err(Unreachable(format!("the edge at {host} did not answer within {} s", CONNECT_TIMEOUT.as_secs()))),
+        Err(_) => {
+            return Err(Unreachable(format!(
+                "the edge at {host} did not answer within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            )));
+        }
     };
     let _ = tcp.set_nodelay(true);
     let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
@@ -50,13 +63,22 @@ async fn connect(host: &str) -> Result<hyper::client::conn::http1::SendRequest<B
 /// and relays an upgrade (101) in both directions.
 pub async fn forward(st: &AppState, address: &str, uri: Uri, mut req: Request<Body>) -> Result<Response, Unreachable> {
     let host = edge_host(address);
-    let host_value = HeaderValue::from_str(&host).map_err(|_| Unreachable(format!("the edge address {host:?} is not a host:port")))?;
-    let key = HeaderValue::from_str(&st.node.config().cluster_key).map_err(|_| Unreachable("the cluster key is not a valid header value".into()))?;
+    let host_value = HeaderValue::from_str(&host)
+        .map_err(|_| Unreachable(format!("the edge address {host:?} is not a host:port")))?;
+    let key = HeaderValue::from_str(&st.node.config().cluster_key)
+        .map_err(|_| Unreachable("the cluster key is not a valid header value".into()))?;
     let wants_upgrade = req.headers().contains_key(header::UPGRADE);
     let client_side = wants_upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     if !wants_upgrade {
-        for h in ["connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"] {
+        for h in [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "te",
+            "trailer",
+            "upgrade",
+        ] {
             parts.headers.remove(h);
         }
     }
@@ -97,6 +119,11 @@ pub async fn get(st: &AppState, address: &str, path: &str) -> Result<(u16, axum:
     let uri: Uri = path.parse().map_err(|_| Unreachable(format!("bad edge path {path}")))?;
     let resp = forward(st, address, uri, Request::new(Body::empty())).await?;
     let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.map_err(|e| Unreachable(format!("reading the edge's answer: {e}")))?.to_bytes();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| Unreachable(format!("reading the edge's answer: {e}")))?
+        .to_bytes();
     Ok((status, body))
 }

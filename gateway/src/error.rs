@@ -1,9 +1,9 @@
 //! The gateway's one error type: every failure becomes `{"code","message","field"?}`
 //! with the status its kind calls for.
 
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
 use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use opendsec_commands::{Rejection, RejectionKind};
 use opendsec_control::SubmitError;
 use opendsec_sdk::types::ErrorBody;
@@ -20,7 +20,15 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &str, message: impl Into<String>) -> ApiError {
-        ApiError { status, body: ErrorBody { code: code.into(), message: message.into(), field: None }, index: None }
+        ApiError {
+            status,
+            body: ErrorBody {
+                code: code.into(),
+                message: message.into(),
+                field: None,
+            },
+            index: None,
+        }
     }
 
     /// A 400 naming the field at fault.
@@ -69,7 +77,11 @@ impl From<Rejection> for ApiError {
     fn from(r: Rejection) -> ApiError {
         ApiError {
             status: status_of(r.kind),
-            body: ErrorBody { code: r.kind.code().into(), message: r.message, field: r.field },
+            body: ErrorBody {
+                code: r.kind.code().into(),
+                message: r.message,
+                field: r.field,
+            },
             index: None,
         }
     }
@@ -78,7 +90,10 @@ impl From<Rejection> for ApiError {
 impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> ApiError {
         match e {
-            SubmitError::Rejected { rejection, index } => ApiError { index, ..ApiError::from(rejection) },
+            SubmitError::Rejected { rejection, index } => ApiError {
+                index,
+                ..ApiError::from(rejection)
+            },
             SubmitError::Unavailable(m) => ApiError::unavailable(m),
             SubmitError::Internal(m) => ApiError::internal(m),
         }
@@ -95,7 +110,8 @@ impl IntoResponse for ApiError {
             resp.headers_mut().insert(INDEX_HEADER, HeaderValue::from(i));
         }
         if self.status == StatusCode::UNAUTHORIZED {
-            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         resp
     }

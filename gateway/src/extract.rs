@@ -6,7 +6,7 @@
 use axum::body::Bytes;
 use axum::extract::{FromRef, FromRequest, FromRequestParts, Path, Request};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::Response;
 use opendsec_control::Principal;
@@ -29,7 +29,10 @@ impl Authed {
         if self.0.rights.contains(&right) {
             Ok(())
         } else {
-            Err(ApiError::forbidden(format!("this token lacks the right {}", right.as_str())))
+            Err(ApiError::forbidden(format!(
+                "this token lacks the right {}",
+                right.as_str()
+            )))
         }
     }
 
@@ -60,11 +63,12 @@ where
         // Wait first: a token issued through another node authenticates only once
         // this node has applied its issue.
         if let Some(v) = parts.headers.get(MIN_INDEX_HEADER) {
-            let index: u64 = v
-                .to_str()
-                .ok()
-                .and_then(|s| s.trim().parse().ok())
-                .ok_or_else(|| ApiError::invalid(MIN_INDEX_HEADER, format!("{MIN_INDEX_HEADER} must be a log index (an unsigned integer)")))?;
+            let index: u64 = v.to_str().ok().and_then(|s| s.trim().parse().ok()).ok_or_else(|| {
+                ApiError::invalid(
+                    MIN_INDEX_HEADER,
+                    format!("{MIN_INDEX_HEADER} must be a log index (an unsigned integer)"),
+                )
+            })?;
             if app.node.applied_index() < index {
                 app.node.wait_applied(index, MIN_INDEX_WAIT).await.map_err(|_| {
                     ApiError::unavailable(format!(
@@ -74,10 +78,9 @@ where
                 })?;
             }
         }
-        let value = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .ok_or_else(|| ApiError::unauthenticated("missing bearer token: send `Authorization: Bearer odsec_<id>.<secret>`"))?;
+        let value = parts.headers.get(header::AUTHORIZATION).ok_or_else(|| {
+            ApiError::unauthenticated("missing bearer token: send `Authorization: Bearer odsec_<id>.<secret>`")
+        })?;
         let token = value
             .to_str()
             .ok()
@@ -98,7 +101,11 @@ impl<S: Send + Sync> FromRequestParts<S> for RequestId {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<RequestId, ApiError> {
-        parts.extensions.get::<RequestId>().cloned().ok_or_else(|| ApiError::internal("request id middleware is missing"))
+        parts
+            .extensions
+            .get::<RequestId>()
+            .cloned()
+            .ok_or_else(|| ApiError::internal("request id middleware is missing"))
     }
 }
 
@@ -110,13 +117,23 @@ fn usable_request_id(v: &HeaderValue) -> Option<String> {
 
 /// Middleware: assigns the request id, opens the request's span, echoes the id.
 pub async fn request_context(mut req: Request, next: Next) -> Response {
-    let id = req.headers().get(REQUEST_ID_HEADER).and_then(usable_request_id).unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let id = req
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(usable_request_id)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     req.extensions_mut().insert(RequestId(id.clone()));
     // The path and method only: never a header, so never a token.
     let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id, principal = tracing::field::Empty);
     let started = std::time::Instant::now();
     let mut resp = next.run(req).instrument(span.clone()).await;
-    span.in_scope(|| tracing::info!(status = resp.status().as_u16(), ms = started.elapsed().as_millis() as u64, "served"));
+    span.in_scope(|| {
+        tracing::info!(
+            status = resp.status().as_u16(),
+            ms = started.elapsed().as_millis() as u64,
+            "served"
+        )
+    });
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
@@ -133,9 +150,17 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
     async fn from_request(req: Request, state: &S) -> Result<JsonBody<T>, ApiError> {
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", format!("the body is over the limit of {} bytes", crate::MAX_BODY_BYTES))
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "payload_too_large",
+                    format!("the body is over the limit of {} bytes", crate::MAX_BODY_BYTES),
+                )
             } else {
-                ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("the body could not be read: {e}"))
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid",
+                    format!("the body could not be read: {e}"),
+                )
             }
         })?;
         decode_json(&bytes).map(JsonBody)
@@ -145,16 +170,27 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
 /// Decodes a JSON body; public so the rules can be tested without HTTP.
 pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let text = std::str::from_utf8(bytes).map_err(|e| {
-        let mut err = ApiError::invalid("body", format!("the body is not valid UTF-8 (bad byte at offset {})", e.valid_up_to()));
+        let mut err = ApiError::invalid(
+            "body",
+            format!("the body is not valid UTF-8 (bad byte at offset {})", e.valid_up_to()),
+        );
         err.body.field = None;
         err
     })?;
     if text.trim().is_empty() {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", "the body is empty; send a JSON object"));
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid",
+            "the body is empty; send a JSON object",
+        ));
     }
     // Every request body is an object; serde would otherwise accept an array positionally.
     if !text.trim_start().starts_with('{') {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", "the body must be a JSON object"));
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid",
+            "the body must be a JSON object",
+        ));
     }
     let mut de = serde_json::Deserializer::from_str(text);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
@@ -181,7 +217,13 @@ pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         err.body.field = field;
         err
     })?;
-    de.end().map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("the body is not valid JSON: trailing data ({e})")))?;
+    de.end().map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid",
+            format!("the body is not valid JSON: trailing data ({e})"),
+        )
+    })?;
     Ok(value)
 }
 
@@ -215,10 +257,19 @@ impl Params {
         for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             // The decoder replaces invalid UTF-8 with U+FFFD: refuse instead of guessing.
             if k.contains('\u{FFFD}') || v.contains('\u{FFFD}') {
-                return Err(ApiError::invalid(&k, format!("query parameter {k:?} is not valid UTF-8")));
+                return Err(ApiError::invalid(
+                    &k,
+                    format!("query parameter {k:?} is not valid UTF-8"),
+                ));
             }
             if !allowed.contains(&k.as_ref()) {
-                return Err(ApiError::invalid(&k, format!("unknown query parameter {k:?}; this endpoint takes: {}", allowed.join(", "))));
+                return Err(ApiError::invalid(
+                    &k,
+                    format!(
+                        "unknown query parameter {k:?}; this endpoint takes: {}",
+                        allowed.join(", ")
+                    ),
+                ));
             }
             pairs.push((k.into_owned(), v.into_owned()));
         }
@@ -230,25 +281,41 @@ impl Params {
         let mut it = self.pairs.iter().filter(|(k, _)| k == name).map(|(_, v)| v.as_str());
         let first = it.next();
         if it.next().is_some() {
-            return Err(ApiError::invalid(name, format!("query parameter {name} is given more than once")));
+            return Err(ApiError::invalid(
+                name,
+                format!("query parameter {name} is given more than once"),
+            ));
         }
         Ok(first.filter(|v| !v.is_empty()))
     }
 
     pub fn all(&self, name: &str) -> impl Iterator<Item = &str> {
-        self.pairs.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.pairs
+            .iter()
+            .filter(move |(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn u64(&self, name: &str) -> Result<Option<u64>, ApiError> {
         self.one(name)?
-            .map(|v| v.parse().map_err(|_| ApiError::invalid(name, format!("{name} must be an unsigned integer, not {v:?}"))))
+            .map(|v| {
+                v.parse()
+                    .map_err(|_| ApiError::invalid(name, format!("{name} must be an unsigned integer, not {v:?}")))
+            })
             .transpose()
     }
 
     /// A point in time: milliseconds since the epoch, or RFC 3339.
     pub fn time_ms(&self, name: &str) -> Result<Option<u64>, ApiError> {
         self.one(name)?
-            .map(|v| parse_time_ms(v).ok_or_else(|| ApiError::invalid(name, format!("{name} must be milliseconds since the epoch or an RFC 3339 time, not {v:?}"))))
+            .map(|v| {
+                parse_time_ms(v).ok_or_else(|| {
+                    ApiError::invalid(
+                        name,
+                        format!("{name} must be milliseconds since the epoch or an RFC 3339 time, not {v:?}"),
+                    )
+                })
+            })
             .transpose()
     }
 }

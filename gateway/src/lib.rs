@@ -97,13 +97,19 @@ pub fn router(node: ControlNode) -> Router {
 /// traffic (E2B routing headers or `{port}-{id}.{domain}` host names).
 pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
     use routes::*;
-    let state = AppState { node, e2b: std::sync::Arc::new(e2b) };
+    let state = AppState {
+        node,
+        e2b: std::sync::Arc::new(e2b),
+    };
     Router::new()
         .route("/health", get(health))
         .route("/v1/openapi.json", get(openapi::serve))
         .route("/v1/projects", post(projects::create).get(projects::list))
         .route("/v1/projects/{id}", get(projects::get).delete(projects::delete))
-        .route("/v1/projects/{id}/quota", put(projects::set_quota).get(projects::get_quota))
+        .route(
+            "/v1/projects/{id}/quota",
+            put(projects::set_quota).get(projects::get_quota),
+        )
         .route("/v1/tokens", post(tokens::issue).get(tokens::list))
         .route("/v1/tokens/{id}", delete(tokens::revoke))
         .route("/v1/whoami", get(tokens::whoami))
@@ -118,7 +124,10 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
         .route("/v1/sandboxes/{id}/metrics", get(sandboxes::metrics))
         // Any method; bodies stream through unbuffered, so no body limit applies.
-        .route("/v1/sandboxes/{id}/agent/{*path}", any(agent::proxy).layer(DefaultBodyLimit::disable()))
+        .route(
+            "/v1/sandboxes/{id}/agent/{*path}",
+            any(agent::proxy).layer(DefaultBodyLimit::disable()),
+        )
         .route("/v1/snapshots", get(snapshots::list))
         .route("/v1/snapshots/{id}", get(snapshots::get).delete(snapshots::delete))
         .route("/v1/tasks/{task}/pause", post(tasks::pause))
@@ -135,7 +144,10 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         // Sandbox traffic is routed before any route matches, and streams without a body limit.
-        .layer(axum::middleware::from_fn_with_state(state.clone(), e2b::route_sandbox_traffic))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            e2b::route_sandbox_traffic,
+        ))
         .layer(axum::middleware::from_fn(extract::request_context))
         .with_state(state)
 }
@@ -148,11 +160,19 @@ pub async fn health() -> Json<opendsec_sdk::types::Health> {
 }
 
 async fn no_route(req: axum::extract::Request) -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no such endpoint: {} {}", req.method(), req.uri().path()))
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no such endpoint: {} {}", req.method(), req.uri().path()),
+    )
 }
 
 async fn wrong_method(req: axum::extract::Request) -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{} is not allowed on {}", req.method(), req.uri().path()))
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
 }
 
 /// A write's response: its status, body, and the log index in `X-Opendsec-Index`.
@@ -174,14 +194,23 @@ impl<T: Serialize> IntoResponse for Written<T> {
 /// the handler can read its result from local state.
 pub(crate) async fn submit(st: &AppState, who: &Authed, rid: &RequestId, cmd: Command) -> Result<Submitted, ApiError> {
     let action = cmd.action();
-    let submitted = st.node.submit(who.credential(), rid.0.clone(), cmd).await.inspect_err(|e| {
-        tracing::info!(action, error = ?error_kind(e), "write refused");
-    })?;
+    let submitted = st
+        .node
+        .submit(who.credential(), rid.0.clone(), cmd)
+        .await
+        .inspect_err(|e| {
+            tracing::info!(action, error = ?error_kind(e), "write refused");
+        })?;
     tracing::info!(action, index = submitted.index, "write applied");
     st.node
         .wait_applied(submitted.index, extract::MIN_INDEX_WAIT)
         .await
-        .map_err(|_| ApiError::unavailable(format!("the write was committed at index {} but this node has not applied it yet", submitted.index)))?;
+        .map_err(|_| {
+            ApiError::unavailable(format!(
+                "the write was committed at index {} but this node has not applied it yet",
+                submitted.index
+            ))
+        })?;
     Ok(submitted)
 }
 
@@ -192,4 +221,3 @@ fn error_kind(e: &opendsec_control::SubmitError) -> &'static str {
         opendsec_control::SubmitError::Internal(_) => "internal",
     }
 }
-

@@ -32,10 +32,16 @@ fn load_or_create_ca(dir: &Path) -> Result<(rcgen::Certificate, KeyPair), String
     std::fs::create_dir_all(dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
     let (crt, key) = (dir.join("ca.crt"), dir.join("ca.key"));
     let mut params = CertificateParams::default();
-    params.distinguished_name.push(DnType::CommonName, "OpenDsec cluster CA");
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "OpenDsec cluster CA");
     params.distinguished_name.push(DnType::OrganizationName, "OpenDsec");
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     params.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(1);
     params.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(3650);
     if crt.exists() && key.exists() {
@@ -57,24 +63,33 @@ fn load_or_create_ca(dir: &Path) -> Result<(rcgen::Certificate, KeyPair), String
 pub fn server_config(s: &TlsSettings) -> Result<Arc<rustls::ServerConfig>, String> {
     let (chain, key) = match &s.cert_and_key {
         Some((c, k)) => {
-            let chain = rustls_pemfile::certs(&mut std::io::BufReader::new(std::fs::File::open(c).map_err(|e| io(&format!("opening {}", c.display()), e))?))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| io(&format!("reading {}", c.display()), e))?;
-            let key = rustls_pemfile::private_key(&mut std::io::BufReader::new(std::fs::File::open(k).map_err(|e| io(&format!("opening {}", k.display()), e))?))
-                .map_err(|e| io(&format!("reading {}", k.display()), e))?
-                .ok_or_else(|| format!("{} holds no private key", k.display()))?;
+            let chain = rustls_pemfile::certs(&mut std::io::BufReader::new(
+                std::fs::File::open(c).map_err(|e| io(&format!("opening {}", c.display()), e))?,
+            ))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| io(&format!("reading {}", c.display()), e))?;
+            let key = rustls_pemfile::private_key(&mut std::io::BufReader::new(
+                std::fs::File::open(k).map_err(|e| io(&format!("opening {}", k.display()), e))?,
+            ))
+            .map_err(|e| io(&format!("reading {}", k.display()), e))?
+            .ok_or_else(|| format!("{} holds no private key", k.display()))?;
             (chain, key)
         }
         None => {
             let (ca, ca_key) = load_or_create_ca(&s.dir)?;
             let domain = s.domain.to_ascii_lowercase();
-            let mut params = CertificateParams::new(vec![domain.clone(), format!("*.{domain}"), "localhost".into()]).map_err(|e| io("certificate names", e))?;
-            params.subject_alt_names.push(SanType::IpAddress(std::net::IpAddr::from([127, 0, 0, 1])));
+            let mut params = CertificateParams::new(vec![domain.clone(), format!("*.{domain}"), "localhost".into()])
+                .map_err(|e| io("certificate names", e))?;
+            params
+                .subject_alt_names
+                .push(SanType::IpAddress(std::net::IpAddr::from([127, 0, 0, 1])));
             params.distinguished_name.push(DnType::CommonName, domain.clone());
             params.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(1);
             params.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(365);
             let leaf_key = KeyPair::generate().map_err(|e| io("generating the server key", e))?;
-            let leaf = params.signed_by(&leaf_key, &ca, &ca_key).map_err(|e| io("signing the server certificate", e))?;
+            let leaf = params
+                .signed_by(&leaf_key, &ca, &ca_key)
+                .map_err(|e| io("signing the server certificate", e))?;
             let key = rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into());
             (vec![leaf.der().clone(), ca.der().clone()], key)
         }
@@ -116,7 +131,9 @@ pub async fn serve(listener: TcpListener, config: Arc<rustls::ServerConfig>, app
                     app.oneshot(req.map(axum::body::Body::new)).await
                 }
             });
-            let conn = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tls), svc).with_upgrades();
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
+                .with_upgrades();
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, error = %e, "TLS connection ended");
             }

@@ -4,12 +4,12 @@
 //!
 //! The agent binary must be built first (`cargo build --workspace`).
 
+use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use axum::Router;
 use http_body_util::BodyExt;
-use opendsec_control::testing::{single_node, TestNode};
-use serde_json::{json, Value};
+use opendsec_control::testing::{TestNode, single_node};
+use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -35,25 +35,47 @@ impl Env {
         let agent = start_agent(&agent_socket).await;
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
         let map = sockets.clone();
-        let resolver: opendsec_edge::proxy::Resolver = Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned().map(Into::into));
+        let resolver: opendsec_edge::proxy::Resolver =
+            Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned().map(Into::into));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let edge_addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(opendsec_edge::proxy::serve(listener, t.node.config().cluster_key.clone(), resolver));
+        tokio::spawn(opendsec_edge::proxy::serve(
+            listener,
+            t.node.config().cluster_key.clone(),
+            resolver,
+        ));
         let app = opendsec_gateway::router(t.node.clone());
-        let env = Env { app, t, sockets, agent_socket, edge_addr, dir, _agent: agent };
+        let env = Env {
+            app,
+            t,
+            sockets,
+            agent_socket,
+            edge_addr,
+            dir,
+            _agent: agent,
+        };
         env.register_edge(&env.edge_addr.clone()).await;
         env
     }
 
     async fn register_edge(&self, address: &str) {
         let body = json!({"edge": "edge-a", "address": address, "capacity": {"sandboxes": 10, "cpu_millis": 64000, "memory_mb": 65536}, "labels": {}});
-        let (s, b) = self.json("POST", "/v1/edges", Some(&self.t.admin_token.clone()), Some(body)).await;
+        let (s, b) = self
+            .json("POST", "/v1/edges", Some(&self.t.admin_token.clone()), Some(body))
+            .await;
         assert_eq!(s, 200, "{b}");
     }
 
     /// Creates a sandbox in the admin's project whose agent is at `socket`.
     async fn sandbox(&self, socket: &Path) -> String {
-        let (s, b) = self.json("POST", "/v1/sandboxes", Some(&self.t.admin_token.clone()), Some(json!({"image": "debian"}))).await;
+        let (s, b) = self
+            .json(
+                "POST",
+                "/v1/sandboxes",
+                Some(&self.t.admin_token.clone()),
+                Some(json!({"image": "debian"})),
+            )
+            .await;
         assert_eq!(s, 201, "{b}");
         let id = b["sandbox"]["id"].as_str().unwrap().to_string();
         self.sockets.lock().unwrap().insert(id.clone(), socket.to_path_buf());
@@ -63,7 +85,11 @@ impl Env {
     async fn send(&self, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
         let resp = self.app.clone().oneshot(req).await.unwrap();
         let (status, headers) = (resp.status(), resp.headers().clone());
-        (status, headers, resp.into_body().collect().await.unwrap().to_bytes().to_vec())
+        (
+            status,
+            headers,
+            resp.into_body().collect().await.unwrap().to_bytes().to_vec(),
+        )
     }
 
     async fn json(&self, method: &str, path: &str, token: Option<&str>, body: Option<Value>) -> (u16, Value) {
@@ -83,7 +109,14 @@ impl Env {
     }
 
     /// Runs `cmd args` through process.Process/Start; returns (status, stdout, stderr, exit code).
-    async fn exec(&self, id: &str, token: Option<&str>, user: Option<&str>, cmd: &str, args: &[&str]) -> (u16, String, String, Option<i64>, Value) {
+    async fn exec(
+        &self,
+        id: &str,
+        token: Option<&str>,
+        user: Option<&str>,
+        cmd: &str,
+        args: &[&str],
+    ) -> (u16, String, String, Option<i64>, Value) {
         let msg = json!({"process": {"cmd": cmd, "args": args, "envs": {}}, "stdin": false}).to_string();
         let mut frame = vec![0u8];
         frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
@@ -101,7 +134,13 @@ impl Env {
         }
         let (status, _, body) = self.send(req.body(Body::from(frame)).unwrap()).await;
         if status != StatusCode::OK {
-            return (status.as_u16(), String::new(), String::new(), None, serde_json::from_slice(&body).unwrap_or(Value::Null));
+            return (
+                status.as_u16(),
+                String::new(),
+                String::new(),
+                None,
+                serde_json::from_slice(&body).unwrap_or(Value::Null),
+            );
         }
         let (mut out, mut err, mut code, mut end) = (Vec::new(), Vec::new(), None, Value::Null);
         let mut rest = &body[..];
@@ -125,7 +164,13 @@ impl Env {
                 code = Some(ev["end"]["exitCode"].as_i64().unwrap_or(0));
             }
         }
-        (200, String::from_utf8_lossy(&out).into(), String::from_utf8_lossy(&err).into(), code, end)
+        (
+            200,
+            String::from_utf8_lossy(&out).into(),
+            String::from_utf8_lossy(&err).into(),
+            code,
+            end,
+        )
     }
 }
 
@@ -139,7 +184,15 @@ async fn exec_runs_through_gateway_edge_and_agent() {
     let env = Env::new().await;
     let id = env.sandbox(&env.agent_socket).await;
     let admin = env.t.admin_token.clone();
-    let (status, out, err, code, end) = env.exec(&id, Some(&admin), None, "/bin/sh", &["-c", "echo hello; echo oops >&2; exit 3"]).await;
+    let (status, out, err, code, end) = env
+        .exec(
+            &id,
+            Some(&admin),
+            None,
+            "/bin/sh",
+            &["-c", "echo hello; echo oops >&2; exit 3"],
+        )
+        .await;
     assert_eq!(status, 200, "{end}");
     assert_eq!(out, "hello\n");
     assert_eq!(err, "oops\n");
@@ -147,22 +200,32 @@ async fn exec_runs_through_gateway_edge_and_agent() {
     assert_eq!(end, json!({}), "the stream ends cleanly");
 
     // X-Opendsec-User picks the user (the agent runs as root and switches).
-    let (_, out, _, code, _) = env.exec(&id, Some(&admin), Some("nobody"), "/bin/sh", &["-c", "id -un"]).await;
+    let (_, out, _, code, _) = env
+        .exec(&id, Some(&admin), Some("nobody"), "/bin/sh", &["-c", "id -un"])
+        .await;
     assert_eq!((out.trim(), code), ("nobody", Some(0)));
 
     // Files round-trip through /files (GET and POST, with the query string forwarded).
     let path = env.dir.path().join("up.txt");
     let uri = format!("/v1/sandboxes/{id}/agent/files?path={}", path.display());
-    let req = Request::builder().method("POST").uri(&uri).header("authorization", format!("Bearer {admin}")).header("content-type", "application/octet-stream");
+    let req = Request::builder()
+        .method("POST")
+        .uri(&uri)
+        .header("authorization", format!("Bearer {admin}"))
+        .header("content-type", "application/octet-stream");
     let (s, _, b) = env.send(req.body(Body::from("payload")).unwrap()).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "payload");
-    let req = Request::builder().uri(&uri).header("authorization", format!("Bearer {admin}"));
+    let req = Request::builder()
+        .uri(&uri)
+        .header("authorization", format!("Bearer {admin}"));
     let (s, _, b) = env.send(req.body(Body::empty()).unwrap()).await;
     assert_eq!((s.as_u16(), b.as_slice()), (200, &b"payload"[..]));
 
     // The agent's own errors pass through as they are.
-    let req = Request::builder().uri(format!("/v1/sandboxes/{id}/agent/files?path=/nonexistent/x")).header("authorization", format!("Bearer {admin}"));
+    let req = Request::builder()
+        .uri(format!("/v1/sandboxes/{id}/agent/files?path=/nonexistent/x"))
+        .header("authorization", format!("Bearer {admin}"));
     let (s, _, _) = env.send(req.body(Body::empty()).unwrap()).await;
     assert_eq!(s, 404);
 }
@@ -176,27 +239,47 @@ async fn the_route_authenticates_scopes_and_checks_the_sandbox() {
     // No token, a forged token.
     let (s, _, _, _, b) = env.exec(&id, None, None, "/bin/true", &[]).await;
     assert_eq!((s, b["code"].as_str()), (401, Some("unauthenticated")));
-    let (s, _, _, _, _) = env.exec(&id, Some("odsec_0123456789abcdef.nope"), None, "/bin/true", &[]).await;
+    let (s, _, _, _, _) = env
+        .exec(&id, Some("odsec_0123456789abcdef.nope"), None, "/bin/true", &[])
+        .await;
     assert_eq!(s, 401);
 
     // A token of another project (a child of root: it does not see root's sandboxes).
-    let (s, p) = env.json("POST", "/v1/projects", Some(&admin), Some(json!({"name": "other"}))).await;
+    let (s, p) = env
+        .json("POST", "/v1/projects", Some(&admin), Some(json!({"name": "other"})))
+        .await;
     assert_eq!(s, 201, "{p}");
     let project = p["project"]["id"].as_str().unwrap();
-    let (s, t) = env.json("POST", "/v1/tokens", Some(&admin), Some(json!({"project": project, "name": "w", "rights": ["sandbox:read", "sandbox:write"]}))).await;
+    let (s, t) = env
+        .json(
+            "POST",
+            "/v1/tokens",
+            Some(&admin),
+            Some(json!({"project": project, "name": "w", "rights": ["sandbox:read", "sandbox:write"]})),
+        )
+        .await;
     assert_eq!(s, 201, "{t}");
     let other = t["token"].as_str().unwrap().to_string();
     let (s, _, _, _, b) = env.exec(&id, Some(&other), None, "/bin/true", &[]).await;
     assert_eq!((s, b["code"].as_str()), (403, Some("forbidden")), "{b}");
 
     // A token without sandbox:write.
-    let (_, t) = env.json("POST", "/v1/tokens", Some(&admin), Some(json!({"name": "r", "rights": ["sandbox:read"]}))).await;
+    let (_, t) = env
+        .json(
+            "POST",
+            "/v1/tokens",
+            Some(&admin),
+            Some(json!({"name": "r", "rights": ["sandbox:read"]})),
+        )
+        .await;
     let reader = t["token"].as_str().unwrap().to_string();
     let (s, _, _, _, b) = env.exec(&id, Some(&reader), None, "/bin/true", &[]).await;
     assert_eq!(s, 403, "{b}");
 
     // An unknown sandbox.
-    let (s, _, _, _, b) = env.exec("00000000000000000000", Some(&admin), None, "/bin/true", &[]).await;
+    let (s, _, _, _, b) = env
+        .exec("00000000000000000000", Some(&admin), None, "/bin/true", &[])
+        .await;
     assert_eq!((s, b["code"].as_str()), (404, Some("not_found")), "{b}");
 
     // The edge is unreachable: 502.
@@ -211,7 +294,9 @@ async fn the_route_authenticates_scopes_and_checks_the_sandbox() {
     assert_eq!((s, code), (200, Some(0)));
 
     // An ended sandbox: 409.
-    let (s, b) = env.json("DELETE", &format!("/v1/sandboxes/{id}"), Some(&admin), None).await;
+    let (s, b) = env
+        .json("DELETE", &format!("/v1/sandboxes/{id}"), Some(&admin), None)
+        .await;
     assert_eq!(s, 200, "{b}");
     let (s, _, _, _, b) = env.exec(&id, Some(&admin), None, "/bin/true", &[]).await;
     assert_eq!((s, b["code"].as_str()), (409, Some("conflict")), "{b}");
@@ -261,7 +346,9 @@ async fn the_bearer_token_never_reaches_the_agent() {
     let (s, h, _) = env.send(req.body(Body::empty()).unwrap()).await;
     assert_eq!(s, 204);
     assert_eq!(h["x-agent"], "fake", "the agent's headers come back");
-    let req = Request::builder().uri(format!("/v1/sandboxes/{id}/agent/health")).header("authorization", format!("Bearer {admin}"));
+    let req = Request::builder()
+        .uri(format!("/v1/sandboxes/{id}/agent/health"))
+        .header("authorization", format!("Bearer {admin}"));
     let (s, _, _) = env.send(req.body(Body::empty()).unwrap()).await;
     assert_eq!(s, 204);
 
@@ -269,11 +356,21 @@ async fn the_bearer_token_never_reaches_the_agent() {
     assert_eq!(heads.len(), 2);
     assert!(heads[0].starts_with("get /health?x=1 http/1.1\r\n"), "{}", heads[0]);
     for head in &heads {
-        assert!(!head.contains(&secret) && !head.contains("bearer") && !head.contains("odsec_"), "the token leaked: {head}");
-        assert!(!head.contains("x-opendsec-edge-key"), "the edge removes its key: {head}");
+        assert!(
+            !head.contains(&secret) && !head.contains("bearer") && !head.contains("odsec_"),
+            "the token leaked: {head}"
+        );
+        assert!(
+            !head.contains("x-opendsec-edge-key"),
+            "the edge removes its key: {head}"
+        );
         assert!(!head.contains("x-opendsec-user"), "{head}");
     }
     // X-Opendsec-User: root becomes Basic base64("root:").
     assert!(heads[0].contains("authorization: basic cm9vddo=\r\n"), "{}", heads[0]);
-    assert!(!heads[1].contains("authorization"), "no user, no Authorization: {}", heads[1]);
+    assert!(
+        !heads[1].contains("authorization"),
+        "no user, no Authorization: {}",
+        heads[1]
+    );
 }

@@ -112,7 +112,11 @@ async fn main() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    println!("{nodes} node(s), leader {}, payload {payload_len} B, data in {}", leader.node_id(), dir.path().display());
+    println!(
+        "{nodes} node(s), leader {}, payload {payload_len} B, data in {}",
+        leader.node_id(),
+        dir.path().display()
+    );
 
     for &c in &concs {
         // Warm-up.
@@ -163,7 +167,10 @@ async fn main() {
 fn write_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/io")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("write_bytes: ").and_then(|v| v.trim().parse().ok())))
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("write_bytes: ").and_then(|v| v.trim().parse().ok()))
+        })
         .unwrap_or(0)
 }
 

@@ -64,7 +64,12 @@ fn checksum(generation: u64, index: u64, payload: &[u8]) -> u32 {
 /// sync flushes data only, never block allocation) when it is shorter than `capacity`.
 pub(crate) fn open_file(dir: &Path, capacity: u64) -> io::Result<File> {
     let path = dir.join(FILE);
-    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)?;
     let len = file.metadata()?.len();
     if len < capacity {
         let zeros = vec![0u8; 1 << 20];
@@ -114,7 +119,16 @@ pub(crate) fn recover(file: &File, live: u64) -> io::Result<Vec<(u64, Vec<u8>)>>
 impl Journal {
     /// A journal over `file` writing generation `generation` from offset 0.
     pub(crate) fn new(file: File, capacity: u64, generation: u64) -> Self {
-        Journal { file, capacity, generation, offset: 0, failed: false, buf: Vec::new(), pending: Vec::new(), pending_last: None }
+        Journal {
+            file,
+            capacity,
+            generation,
+            offset: 0,
+            failed: false,
+            buf: Vec::new(),
+            pending: Vec::new(),
+            pending_last: None,
+        }
     }
 
     /// The generation being written (what a durable commit records as retired).
@@ -139,7 +153,8 @@ impl Journal {
         for (index, payload) in records {
             let n = u32::try_from(payload.len()).map_err(|_| io::Error::other("journal record over 4 GiB"))?;
             self.buf.extend_from_slice(&n.to_le_bytes());
-            self.buf.extend_from_slice(&checksum(self.generation, index, payload).to_le_bytes());
+            self.buf
+                .extend_from_slice(&checksum(self.generation, index, payload).to_le_bytes());
             self.buf.extend_from_slice(&self.generation.to_le_bytes());
             self.buf.extend_from_slice(&index.to_le_bytes());
             self.buf.extend_from_slice(payload);
@@ -147,7 +162,10 @@ impl Journal {
         if self.failed || self.offset + self.buf.len() as u64 > self.capacity {
             return Err(io::Error::other("journal batch does not fit"));
         }
-        let r = self.file.write_all_at(&self.buf, self.offset).and_then(|()| self.file.sync_data());
+        let r = self
+            .file
+            .write_all_at(&self.buf, self.offset)
+            .and_then(|()| self.file.sync_data());
         match r {
             Ok(()) => {
                 self.offset += self.buf.len() as u64;
@@ -185,8 +203,18 @@ mod tests {
         j.append([(12, &b"twelve"[..])]).unwrap();
         assert!(!j.is_empty());
         let got = recover(&file, 7).unwrap();
-        assert_eq!(got, vec![(10, b"ten".to_vec()), (11, b"eleven".to_vec()), (12, b"twelve".to_vec())]);
-        assert!(recover(&file, 8).unwrap().is_empty(), "another generation's records are not live");
+        assert_eq!(
+            got,
+            vec![
+                (10, b"ten".to_vec()),
+                (11, b"eleven".to_vec()),
+                (12, b"twelve".to_vec())
+            ]
+        );
+        assert!(
+            recover(&file, 8).unwrap().is_empty(),
+            "another generation's records are not live"
+        );
 
         // A torn write: the last record's payload is damaged, so it and what follows are
         // not recovered.

@@ -31,9 +31,9 @@
 //! ```
 
 mod config;
-mod journal;
 mod error;
 pub mod frames;
+mod journal;
 mod network;
 mod node;
 mod service;

@@ -80,7 +80,11 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         Conn {
             target,
             channel: self.channel(target, &node.addr),
-            addr: node.addr.trim_start_matches("http://").trim_end_matches('/').to_string(),
+            addr: node
+                .addr
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .to_string(),
             rpc_timeout: self.rpc_timeout,
             cluster_key: self.cluster_key.clone(),
             unary_only: false,
@@ -175,8 +179,16 @@ impl Drop for AbortOnDrop {
 /// Unreachable, if the oldest unanswered request on a replication stream (`sent`: when
 /// each was handed to the transport) has waited `ttl` or more.
 fn overdue(sent: &Mutex<VecDeque<Instant>>, ttl: Duration, target: u64) -> Option<RPCError<TypeConfig>> {
-    let stale = sent.lock().unwrap_or_else(|e| e.into_inner()).front().is_some_and(|t| t.elapsed() >= ttl);
-    stale.then(|| RPCError::Unreachable(Unreachable::from_string(format!("node {target} did not answer an append request within {ttl:?}"))))
+    let stale = sent
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .front()
+        .is_some_and(|t| t.elapsed() >= ttl);
+    stale.then(|| {
+        RPCError::Unreachable(Unreachable::from_string(format!(
+            "node {target} did not answer an append request within {ttl:?}"
+        )))
+    })
 }
 
 type StreamOut<'s> = BoxStream<'s, Result<StreamAppendResult<TypeConfig>, RPCError<TypeConfig>>>;
@@ -186,7 +198,9 @@ impl Conn {
     /// them; answers come back in order. A request unanswered for `rpc_timeout` ends the
     /// stream as unreachable.
     async fn open_append_stream<S>(&mut self, mut input: S) -> Rpc<StreamOut<'static>>
-    where S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static {
+    where
+        S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static,
+    {
         let mut client = self.client()?;
         // When each request was handed to the transport, oldest first (one per unanswered request).
         let sent: Arc<Mutex<VecDeque<Instant>>> = Arc::default();
@@ -203,7 +217,14 @@ impl Conn {
                         }
                     };
                     sent.lock().unwrap_or_else(|e| e.into_inner()).push_back(Instant::now());
-                    if tx.send(pb::RaftMessage { payload, cluster_key: String::new() }).await.is_err() {
+                    if tx
+                        .send(pb::RaftMessage {
+                            payload,
+                            cluster_key: String::new(),
+                        })
+                        .await
+                        .is_err()
+                    {
                         break;
                     }
                 }
@@ -217,7 +238,10 @@ impl Conn {
         let resp = match tokio::time::timeout(ttl, client.append_stream(req)).await {
             Ok(Ok(r)) => r,
             Ok(Err(s)) if s.code() == tonic::Code::Unimplemented => {
-                tracing::info!(target = self.target, "peer has no AppendStream: replicating with unary calls");
+                tracing::info!(
+                    target = self.target,
+                    "peer has no AppendStream: replicating with unary calls"
+                );
                 self.unary_only = true;
                 return Err(status_err(s));
             }
@@ -231,30 +255,27 @@ impl Conn {
         };
         let target = self.target;
         let inbound = resp.into_inner();
-        let out = futures::stream::unfold(
-            Some((inbound, sent, guard)),
-            move |state| async move {
-                let (mut inbound, sent, guard) = state?;
-                loop {
-                    match tokio::time::timeout(ttl / 2, inbound.message()).await {
-                        Ok(Ok(Some(m))) => {
-                            sent.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
-                            return match decode::<StreamAppendResult<TypeConfig>>(&m.payload) {
-                                Ok(r) => Some((Ok(r), Some((inbound, sent, guard)))),
-                                Err(e) => Some((Err(net_err(e)), None)),
-                            };
-                        }
-                        Ok(Ok(None)) => return None,
-                        Ok(Err(s)) => return Some((Err(status_err(s)), None)),
-                        Err(_) => {
-                            if let Some(e) = overdue(&sent, ttl, target) {
-                                return Some((Err(e), None));
-                            }
+        let out = futures::stream::unfold(Some((inbound, sent, guard)), move |state| async move {
+            let (mut inbound, sent, guard) = state?;
+            loop {
+                match tokio::time::timeout(ttl / 2, inbound.message()).await {
+                    Ok(Ok(Some(m))) => {
+                        sent.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+                        return match decode::<StreamAppendResult<TypeConfig>>(&m.payload) {
+                            Ok(r) => Some((Ok(r), Some((inbound, sent, guard)))),
+                            Err(e) => Some((Err(net_err(e)), None)),
+                        };
+                    }
+                    Ok(Ok(None)) => return None,
+                    Ok(Err(s)) => return Some((Err(status_err(s)), None)),
+                    Err(_) => {
+                        if let Some(e) = overdue(&sent, ttl, target) {
+                            return Some((Err(e), None));
                         }
                     }
                 }
-            },
-        );
+            }
+        });
         Ok(Box::pin(out))
     }
 }
@@ -274,13 +295,15 @@ impl Conn {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let ttl = self.rpc_timeout;
         let open = async {
-            let mut conn = tokio::net::TcpStream::connect(&self.addr)
-                .await
-                .map_err(|e| PlainOpen::Unreachable(format!("connecting to node {} at {}: {e}", self.target, self.addr)))?;
+            let mut conn = tokio::net::TcpStream::connect(&self.addr).await.map_err(|e| {
+                PlainOpen::Unreachable(format!("connecting to node {} at {}: {e}", self.target, self.addr))
+            })?;
             let _ = conn.set_nodelay(true);
             let mut hello = crate::service::APPEND_MAGIC.to_vec();
             crate::frames::put(&mut hello, self.cluster_key.as_bytes());
-            conn.write_all(&hello).await.map_err(|e| PlainOpen::Unreachable(format!("writing to node {}: {e}", self.target)))?;
+            conn.write_all(&hello)
+                .await
+                .map_err(|e| PlainOpen::Unreachable(format!("writing to node {}: {e}", self.target)))?;
             let mut answer = [0u8; 4];
             match conn.read_exact(&mut answer).await {
                 Ok(_) if answer == crate::service::APPEND_MAGIC => Ok(conn),
@@ -289,7 +312,10 @@ impl Conn {
         };
         match tokio::time::timeout(ttl, open).await {
             Ok(r) => r,
-            Err(_) => Err(PlainOpen::Unreachable(format!("opening a replication connection to node {} timed out after {ttl:?}", self.target))),
+            Err(_) => Err(PlainOpen::Unreachable(format!(
+                "opening a replication connection to node {} timed out after {ttl:?}",
+                self.target
+            ))),
         }
     }
 
@@ -299,7 +325,9 @@ impl Conn {
     /// control and task hops. Requests ready together go out in one write. A request
     /// unanswered for `rpc_timeout` ends the stream as unreachable.
     fn open_plain_append<S>(&self, conn: tokio::net::TcpStream, input: S) -> StreamOut<'static>
-    where S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static {
+    where
+        S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static,
+    {
         use tokio::io::AsyncWriteExt;
         let (rd, mut wr) = conn.into_split();
         // When each request was handed to the transport, oldest first (one per unanswered request).
@@ -346,7 +374,14 @@ impl Conn {
                         };
                     }
                     Ok(Ok(false)) => return None,
-                    Ok(Err(e)) => return Some((Err(RPCError::Unreachable(Unreachable::from_string(format!("replication connection to node {target}: {e}")))), None)),
+                    Ok(Err(e)) => {
+                        return Some((
+                            Err(RPCError::Unreachable(Unreachable::from_string(format!(
+                                "replication connection to node {target}: {e}"
+                            )))),
+                            None,
+                        ));
+                    }
                     Err(_) => {
                         if let Some(e) = overdue(&sent, ttl, target) {
                             return Some((Err(e), None));
@@ -377,9 +412,14 @@ impl RaftNetworkV2<TypeConfig> for Conn {
             if self.plain {
                 match self.plain_handshake().await {
                     Ok(conn) => return Ok(self.open_plain_append(conn, input)),
-                    Err(PlainOpen::Unreachable(why)) => return Err(RPCError::Unreachable(Unreachable::from_string(why))),
+                    Err(PlainOpen::Unreachable(why)) => {
+                        return Err(RPCError::Unreachable(Unreachable::from_string(why)));
+                    }
                     Err(PlainOpen::NotSpoken) => {
-                        tracing::info!(target = self.target, "peer does not replicate over plain connections: using gRPC");
+                        tracing::info!(
+                            target = self.target,
+                            "peer does not replicate over plain connections: using gRPC"
+                        );
                         self.plain = false;
                     }
                 }
@@ -405,7 +445,8 @@ impl RaftNetworkV2<TypeConfig> for Conn {
 
     async fn pre_vote(&mut self, rpc: VoteRequest<TypeConfig>, option: RPCOption) -> Rpc<VoteResponse<TypeConfig>> {
         let ttl = option.hard_ttl().min(self.rpc_timeout);
-        self.unary(&rpc, ttl, |mut c, m| async move { c.pre_vote(m).await }).await
+        self.unary(&rpc, ttl, |mut c, m| async move { c.pre_vote(m).await })
+            .await
     }
 
     async fn full_snapshot(
@@ -416,7 +457,11 @@ impl RaftNetworkV2<TypeConfig> for Conn {
         _option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let meta = encode(&(vote, snapshot.meta)).map_err(|e| to_streaming(net_err(e)))?;
-        let mut chunks = vec![pb::SnapshotChunk { meta, data: Vec::new(), cluster_key: self.cluster_key.to_string() }];
+        let mut chunks = vec![pb::SnapshotChunk {
+            meta,
+            data: Vec::new(),
+            cluster_key: self.cluster_key.to_string(),
+        }];
         for c in snapshot.snapshot.chunks(SNAPSHOT_CHUNK) {
             chunks.push(pb::SnapshotChunk {
                 meta: Vec::new(),
@@ -429,7 +474,9 @@ impl RaftNetworkV2<TypeConfig> for Conn {
         let call = async move {
             match tokio::time::timeout(ttl, client.install_snapshot(tokio_stream::iter(chunks))).await {
                 Ok(r) => r.map_err(status_err),
-                Err(_) => Err(RPCError::Unreachable(Unreachable::from_string("snapshot transfer timed out"))),
+                Err(_) => Err(RPCError::Unreachable(Unreachable::from_string(
+                    "snapshot transfer timed out",
+                ))),
             }
         };
         let resp = tokio::select! {

@@ -178,9 +178,12 @@ impl<S: StateMachine> LogNode<S> {
         let mut nodes: BTreeMap<u64, BasicNode> =
             members.into_iter().map(|(id, addr)| (id, BasicNode { addr })).collect();
         if nodes.is_empty() {
-            nodes.insert(self.inner.node_id, BasicNode {
-                addr: self.inner.advertise_addr.clone(),
-            });
+            nodes.insert(
+                self.inner.node_id,
+                BasicNode {
+                    addr: self.inner.advertise_addr.clone(),
+                },
+            );
         }
         match raft.initialize(nodes).await {
             Ok(()) => Ok(()),
@@ -259,7 +262,14 @@ impl<S: StateMachine> LogNode<S> {
 
     /// Remove node `id` (voter or learner) from the cluster. Leader only.
     pub async fn remove_node(&self, id: u64) -> Result<(), MembershipError> {
-        let is_voter = self.inner.raft.metrics().borrow_watched().membership_config.voter_ids().any(|v| v == id);
+        let is_voter = self
+            .inner
+            .raft
+            .metrics()
+            .borrow_watched()
+            .membership_config
+            .voter_ids()
+            .any(|v| v == id);
         let change = if is_voter {
             ChangeMembers::RemoveVoters(BTreeSet::from([id]))
         } else {
@@ -275,8 +285,17 @@ impl<S: StateMachine> LogNode<S> {
     pub fn leadership(&self) -> Leadership {
         let metrics = self.inner.raft.metrics();
         let m = metrics.borrow_watched();
-        let leader_addr = m.current_leader.and_then(|id| m.membership_config.nodes().find(|(n, _)| **n == id).map(|(_, node)| node.addr.clone()));
-        Leadership { is_leader: m.state == ServerState::Leader, leader_id: m.current_leader, leader_addr }
+        let leader_addr = m.current_leader.and_then(|id| {
+            m.membership_config
+                .nodes()
+                .find(|(n, _)| **n == id)
+                .map(|(_, node)| node.addr.clone())
+        });
+        Leadership {
+            is_leader: m.state == ServerState::Leader,
+            leader_id: m.current_leader,
+            leader_addr,
+        }
     }
 
     pub fn status(&self) -> Status {

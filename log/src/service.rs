@@ -32,8 +32,8 @@ impl<S: StateMachine> RaftGrpc<S> {
 
 /// Refuses a peer that does not present this cluster's key (compared in constant time).
 fn check_key(expected: &str, got: &str) -> Result<(), Status> {
-    let same = expected.len() == got.len()
-        && expected.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+    let same =
+        expected.len() == got.len() && expected.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
     if same {
         Ok(())
     } else {
@@ -52,7 +52,10 @@ fn stopped(e: impl std::fmt::Display) -> Status {
 
 fn reply<T: serde::Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
     let payload = encode(v).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(Response::new(RaftMessage { payload, cluster_key: String::new() }))
+    Ok(Response::new(RaftMessage {
+        payload,
+        cluster_key: String::new(),
+    }))
 }
 
 /// The request metadata key carrying the cluster key on streaming calls.
@@ -67,7 +70,11 @@ pub(crate) const APPEND_MAGIC: [u8; 4] = *b"ODR1";
 /// the first frame (the magic comes back if it is right), then append requests in and
 /// their results out, in order, as over `AppendStream`. Results ready together go out in
 /// one write.
-pub(crate) fn serve_raw_append<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S>>, cluster_key: std::sync::Arc<str>, conn: tokio::net::TcpStream) {
+pub(crate) fn serve_raw_append<S: StateMachine>(
+    raft: Raft<TypeConfig, SmStore<S>>,
+    cluster_key: std::sync::Arc<str>,
+    conn: tokio::net::TcpStream,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     tokio::spawn(async move {
         let (rd, mut wr) = conn.into_split();
@@ -126,11 +133,12 @@ pub(crate) fn serve_raw_append<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S
 impl<S: StateMachine> RaftService for RaftGrpc<S> {
     type AppendStreamStream = AppendStreamOut;
 
-    async fn append_stream(
-        &self,
-        req: Request<Streaming<RaftMessage>>,
-    ) -> Result<Response<AppendStreamOut>, Status> {
-        let key = req.metadata().get(KEY_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
+    async fn append_stream(&self, req: Request<Streaming<RaftMessage>>) -> Result<Response<AppendStreamOut>, Status> {
+        let key = req
+            .metadata()
+            .get(KEY_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
         check_key(&self.cluster_key, key)?;
         // An undecodable request or a broken stream ends the input; openraft then answers
         // what it received and the leader starts a new stream.
@@ -147,7 +155,10 @@ impl<S: StateMachine> RaftService for RaftGrpc<S> {
         let out = self.raft.stream_append(input).map(|r| match r {
             Ok(res) => {
                 let payload = encode(&res).map_err(|e| Status::internal(e.to_string()))?;
-                Ok(RaftMessage { payload, cluster_key: String::new() })
+                Ok(RaftMessage {
+                    payload,
+                    cluster_key: String::new(),
+                })
             }
             Err(fatal) => Err(stopped(fatal)),
         });
@@ -178,10 +189,7 @@ impl<S: StateMachine> RaftService for RaftGrpc<S> {
         reply(&resp)
     }
 
-    async fn install_snapshot(
-        &self,
-        req: Request<Streaming<SnapshotChunk>>,
-    ) -> Result<Response<RaftMessage>, Status> {
+    async fn install_snapshot(&self, req: Request<Streaming<SnapshotChunk>>) -> Result<Response<RaftMessage>, Status> {
         let mut stream = req.into_inner();
         let first = stream
             .message()
@@ -235,7 +243,9 @@ async fn first_bytes(conn: &tokio::net::TcpStream, n: usize) -> Vec<u8> {
             }
         }
     };
-    let got = tokio::time::timeout(std::time::Duration::from_secs(10), peek).await.unwrap_or(0);
+    let got = tokio::time::timeout(std::time::Duration::from_secs(10), peek)
+        .await
+        .unwrap_or(0);
     buf.truncate(got);
     buf
 }
@@ -287,7 +297,9 @@ pub async fn serve_peer_with<S: StateMachine>(
             });
         }
     });
-    let served = router.serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc_rx), shutdown).await;
+    let served = router
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc_rx), shutdown)
+        .await;
     accept.abort();
     served
 }

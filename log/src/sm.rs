@@ -101,7 +101,9 @@ impl<S: StateMachine> RaftStateMachine<TypeConfig> for SmStore<S> {
     }
 
     async fn apply<Strm>(&mut self, entries: Strm) -> Result<(), io::Error>
-    where Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend {
+    where
+        Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
+    {
         let batch: Vec<EntryResponder<TypeConfig>> = entries.try_collect().await?;
         let mut done = Vec::with_capacity(batch.len());
         {

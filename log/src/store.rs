@@ -56,7 +56,7 @@ use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, mpsc};
 use std::time::{Duration, Instant};
 
@@ -220,7 +220,10 @@ impl Tail {
     fn mark_written(&mut self, last: &LogId) {
         let idx = last.index();
         let same = idx >= self.first
-            && self.entries.get((idx - self.first) as usize).is_some_and(|(e, _)| e.log_id == *last);
+            && self
+                .entries
+                .get((idx - self.first) as usize)
+                .is_some_and(|(e, _)| e.log_id == *last);
         if same && self.written.is_none_or(|w| w < idx) {
             self.written = Some(idx);
         }
@@ -420,7 +423,12 @@ impl Store {
         Self::open_with(dir, archive_retention, TAIL_BYTES, journal::CAPACITY)
     }
 
-    fn open_with(dir: &Path, archive_retention: Option<u64>, tail_bytes: usize, journal_capacity: u64) -> Result<Self, LogError> {
+    fn open_with(
+        dir: &Path,
+        archive_retention: Option<u64>,
+        tail_bytes: usize,
+        journal_capacity: u64,
+    ) -> Result<Self, LogError> {
         std::fs::create_dir_all(dir)?;
         let path = dir.join("log.redb");
         let db = Database::create(&path).map_err(|e| LogError::Storage(format!("{}: {e}", path.display())))?;
@@ -443,15 +451,24 @@ impl Store {
                 for (index, bytes) in &records {
                     let e: Entry = decode(bytes)?;
                     if e.log_id.index() != *index {
-                        return Err(LogError::Storage(format!("journal record {index} holds entry {}", e.log_id.index())));
+                        return Err(LogError::Storage(format!(
+                            "journal record {index} holds entry {}",
+                            e.log_id.index()
+                        )));
                     }
                     logs.insert(*index, bytes.as_slice()).map_err(redb::Error::from)?;
                 }
                 // An append always ends the log: nothing after it survives it.
                 logs.retain_in(last + 1.., |_, _| false).map_err(redb::Error::from)?;
-                tracing::info!(entries = records.len(), first = records[0].0, last, "log: recovered appends from the journal");
+                tracing::info!(
+                    entries = records.len(),
+                    first = records[0].0,
+                    last,
+                    "log: recovered appends from the journal"
+                );
             }
-            meta.insert(K_JOURNAL_RETIRED, encode(&live)?.as_slice()).map_err(redb::Error::from)?;
+            meta.insert(K_JOURNAL_RETIRED, encode(&live)?.as_slice())
+                .map_err(redb::Error::from)?;
             drop((meta, logs));
             txn.open_table(ARCHIVE).map_err(redb::Error::from)?;
             txn.open_table(SNAPSHOT).map_err(redb::Error::from)?;
@@ -467,7 +484,11 @@ impl Store {
             archive_retention,
             tail: Mutex::new(Tail::default()),
             tail_bytes,
-            queue: Mutex::new(Queue { tx: Some(tx), held: Vec::new(), release_scheduled: false }),
+            queue: Mutex::new(Queue {
+                tx: Some(tx),
+                held: Vec::new(),
+                release_scheduled: false,
+            }),
             writer: Mutex::new(None),
             inline: AtomicU8::new(Inline::Off as u8),
             opened: Instant::now(),
@@ -630,7 +651,9 @@ impl Store {
                 // A flush the core has not handled yet (it commits what it flushed, at
                 // once, on a lone node) would wait for this fsync: leave this one to the
                 // writer.
-                Inline::Lone => self.inner.flushed_upto.load(Ordering::Relaxed) > self.inner.committed_upto.load(Ordering::Relaxed),
+                Inline::Lone => {
+                    self.inner.flushed_upto.load(Ordering::Relaxed) > self.inner.committed_upto.load(Ordering::Relaxed)
+                }
                 // Right after an inline batch: this one waited for it in the core's queue.
                 _ => now.saturating_sub(self.inner.inline_end_us.load(Ordering::Relaxed)) < QUEUED_WITHIN_US,
             };
@@ -657,7 +680,9 @@ impl Store {
         // else to do meanwhile (`block_in_place` would hand the worker to another thread,
         // which costs the wake-ups this saves); the runtime's other worker steals tasks.
         self.run_batch(vec![op], committed, &mut VecDeque::new());
-        self.inner.inline_end_us.store(self.inner.opened.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.inner
+            .inline_end_us
+            .store(self.inner.opened.elapsed().as_micros() as u64, Ordering::Relaxed);
         add(&self.inner.counters.inline_appends, 1);
         None
     }
@@ -1005,7 +1030,11 @@ fn writer(inner: std::sync::Weak<Inner>, rx: mpsc::Receiver<Op>, flow: Arc<(Mute
             Some(inner) => {
                 let due = idle || committed_written.elapsed() >= COMMITTED_EVERY;
                 // A lone node's id (see `save_committed`) rides along as the others do.
-                let c = if due { committed.take().or_else(|| lock(&inner.committed).take()) } else { None };
+                let c = if due {
+                    committed.take().or_else(|| lock(&inner.committed).take())
+                } else {
+                    None
+                };
                 if c.is_some() {
                     committed_written = Instant::now();
                 }
@@ -1072,7 +1101,10 @@ impl Store {
         let appends_only = purge.is_none() && !work.is_empty() && work.iter().all(|op| matches!(op, Op::Append { .. }));
         let journaled = appends_only && {
             let (records, bytes) = work.iter().fold((0, 0), |(r, b), op| match op {
-                Op::Append { entries, .. } => (r + entries.len(), b + entries.iter().map(|(_, e)| e.len()).sum::<usize>()),
+                Op::Append { entries, .. } => (
+                    r + entries.len(),
+                    b + entries.iter().map(|(_, e)| e.len()).sum::<usize>(),
+                ),
                 _ => (r, b),
             });
             journal.fits(records, bytes)
@@ -1183,12 +1215,21 @@ impl Store {
         // openraft's flush notification is a watermark (the newest flushed IO id): report only
         // the last append of the batch, so the core wakes once and commits (and applies) the
         // whole batch in one step instead of once per append.
-        let last_notify = work
-            .iter()
-            .rposition(|op| matches!(op, Op::Append { callback: IOFlushed::Notify(_), .. }));
+        let last_notify = work.iter().rposition(|op| {
+            matches!(
+                op,
+                Op::Append {
+                    callback: IOFlushed::Notify(_),
+                    ..
+                }
+            )
+        });
         for (k, op) in work.into_iter().enumerate() {
             match op {
-                Op::Append { callback: IOFlushed::Notify(_), .. } if err.is_none() && Some(k) != last_notify => {}
+                Op::Append {
+                    callback: IOFlushed::Notify(_),
+                    ..
+                } if err.is_none() && Some(k) != last_notify => {}
                 Op::Append { callback, .. } => callback.io_completed(result()),
                 Op::Truncate { done, .. } | Op::Vote { done, .. } | Op::Purge { done, .. } => {
                     let _ = done.send(result());
@@ -1350,7 +1391,9 @@ mod tests_support {
     }
 
     pub fn indexes(v: &[Entry]) -> Vec<(u64, u64)> {
-        v.iter().map(|e| (e.log_id.committed_leader_id().term, e.log_id.index())).collect()
+        v.iter()
+            .map(|e| (e.log_id.committed_leader_id().term, e.log_id.index()))
+            .collect()
     }
 
     pub async fn append(
@@ -1361,7 +1404,6 @@ mod tests_support {
         store.append(entries, IOFlushed::signal(tx)).await.expect("append");
         rx
     }
-
 }
 
 #[cfg(test)]
@@ -1409,7 +1451,11 @@ mod tests {
         while store.io_stats().durable_commits == 0 && Instant::now() < quiet {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(store.io_stats().durable_commits, 1, "the idle writer retired the journal");
+        assert_eq!(
+            store.io_stats().durable_commits,
+            1,
+            "the idle writer retired the journal"
+        );
         store.set_inline(Inline::Lone);
         for i in 2..=20 {
             let mut rx = append(&mut store, vec![entry(1, i, 100)]).await;
@@ -1425,7 +1471,11 @@ mod tests {
         rx.await.unwrap().expect("flushed");
         let rx = append(&mut store, vec![entry(1, 22, 100)]).await;
         rx.await.unwrap().expect("flushed");
-        assert_eq!(store.io_stats().inline_appends, 20, "only the first of the two was inline");
+        assert_eq!(
+            store.io_stats().inline_appends,
+            20,
+            "only the first of the two was inline"
+        );
         store.save_committed(Some(log_id(1, 22))).await.unwrap();
         // A batch of several entries (concurrent writes) goes to the writer.
         let rx = append(&mut store, vec![entry(1, 23, 100), entry(1, 24, 100)]).await;
@@ -1438,7 +1488,10 @@ mod tests {
         let held = Busy::wait(&flow, 0);
         let mut rx = append(&mut store, vec![entry(1, 25, 100)]).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(rx.try_recv().is_err(), "the writer committed while another batch was being written");
+        assert!(
+            rx.try_recv().is_err(),
+            "the writer committed while another batch was being written"
+        );
         drop(held);
         rx.await.unwrap().expect("flushed");
         assert_eq!(store.io_stats().inline_appends, 20);
@@ -1447,7 +1500,11 @@ mod tests {
         drop(store);
         let mut store = Store::open(dir.path(), None).unwrap();
         let got = store.try_get_log_entries(..).await.unwrap();
-        assert_eq!(indexes(&got), (1..=25).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
+        assert_eq!(
+            indexes(&got),
+            (1..=25).map(|i| (1, i)).collect::<Vec<_>>(),
+            "every append is durable"
+        );
         assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(2, 1)));
         store.close();
     }
@@ -1472,7 +1529,11 @@ mod tests {
         store.inner.inline_end_us.store(just_ended(), Ordering::Relaxed);
         let rx = append(&mut store, vec![entry(1, 6, 100)]).await;
         rx.await.unwrap().expect("flushed");
-        assert_eq!(store.io_stats().inline_appends, 5, "an append queued behind an inline one went inline too");
+        assert_eq!(
+            store.io_stats().inline_appends,
+            5,
+            "an append queued behind an inline one went inline too"
+        );
         // A burst: whatever finds the writer busy queues, and the writer shares its fsyncs.
         let mut pending = Vec::new();
         for i in 7..=45 {
@@ -1487,7 +1548,11 @@ mod tests {
         drop(store);
         let mut store = Store::open(dir.path(), None).unwrap();
         let got = store.try_get_log_entries(..).await.unwrap();
-        assert_eq!(indexes(&got), (1..=45).map(|i| (1, i)).collect::<Vec<_>>(), "every append is durable");
+        assert_eq!(
+            indexes(&got),
+            (1..=45).map(|i| (1, i)).collect::<Vec<_>>(),
+            "every append is durable"
+        );
         assert_eq!(store.read_committed().await.unwrap(), Some(log_id(1, 5)));
         store.close();
     }
@@ -1506,11 +1571,18 @@ mod tests {
         // Appends close together (a busy node): an inline fsync would stall the only
         // worker, so each goes to the writer, even when it finds the writer idle.
         for i in 4..=10 {
-            store.inner.last_single_us.store(store.inner.opened.elapsed().as_micros() as u64, Ordering::Relaxed);
+            store
+                .inner
+                .last_single_us
+                .store(store.inner.opened.elapsed().as_micros() as u64, Ordering::Relaxed);
             let rx = append(&mut store, vec![entry(1, i, 100)]).await;
             rx.await.unwrap().expect("flushed");
         }
-        assert_eq!(store.io_stats().inline_appends, 3, "a busy one-worker node committed inline");
+        assert_eq!(
+            store.io_stats().inline_appends,
+            3,
+            "a busy one-worker node committed inline"
+        );
         let got = store.try_get_log_entries(..).await.unwrap();
         assert_eq!(indexes(&got), (1..=10).map(|i| (1, i)).collect::<Vec<_>>());
         store.close();
@@ -1523,7 +1595,11 @@ mod tests {
         store.set_inline(Inline::Lone);
         let rx = append(&mut store, vec![entry(1, 1, 100)]).await;
         rx.await.unwrap().expect("flushed");
-        assert_eq!(store.io_stats().inline_appends, 0, "a current-thread runtime cannot lend its thread");
+        assert_eq!(
+            store.io_stats().inline_appends,
+            0,
+            "a current-thread runtime cannot lend its thread"
+        );
         store.close();
     }
 
@@ -1549,7 +1625,10 @@ mod tests {
         rx.await.unwrap().expect("flushed");
         store.close();
         let mut store = Store::open(dir.path(), None).unwrap();
-        assert_eq!(indexes(&store.try_get_log_entries(..).await.unwrap()), vec![(1, 1), (1, 2)]);
+        assert_eq!(
+            indexes(&store.try_get_log_entries(..).await.unwrap()),
+            vec![(1, 1), (1, 2)]
+        );
         assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new_committed(1, 1)));
         store.close();
     }
@@ -1576,11 +1655,19 @@ mod tests {
         flushed(&mut store, (12..=30).map(|i| entry(1, i, 100)).collect()).await;
         let crashed = crash_copy(dir.path());
         let s = store.io_stats();
-        assert_eq!((s.durable_commits, s.journal_syncs), (0, 3), "three journal writes and no redb commit");
+        assert_eq!(
+            (s.durable_commits, s.journal_syncs),
+            (0, 3),
+            "three journal writes and no redb commit"
+        );
 
         let mut again = Store::open(crashed.path(), None).unwrap();
         let got = again.try_get_log_entries(..).await.unwrap();
-        assert_eq!(indexes(&got), (1..=30).map(|i| (1, i)).collect::<Vec<_>>(), "every flushed append survives");
+        assert_eq!(
+            indexes(&got),
+            (1..=30).map(|i| (1, i)).collect::<Vec<_>>(),
+            "every flushed append survives"
+        );
         assert_eq!(got[20].payload, entry(1, 21, 100).payload);
         assert_eq!(again.get_log_state().await.unwrap().last_log_id, Some(log_id(1, 30)));
         // Recovery retired that journal: a second crash right away finds the same log.
@@ -1601,7 +1688,11 @@ mod tests {
         assert_eq!(store.io_stats().durable_commits, 1);
         flushed(&mut store, vec![entry(2, 6, 100), entry(2, 7, 100)]).await;
         let crashed = crash_copy(dir.path());
-        assert_eq!(store.io_stats().durable_commits, 1, "the new entries are in the journal only");
+        assert_eq!(
+            store.io_stats().durable_commits,
+            1,
+            "the new entries are in the journal only"
+        );
 
         let mut again = Store::open(crashed.path(), None).unwrap();
         let want: Vec<_> = (1..=5).map(|i| (1, i)).chain([(2, 6), (2, 7)]).collect();
@@ -1624,16 +1715,25 @@ mod tests {
         // The third record's last byte never reached the disk.
         {
             use std::os::unix::fs::FileExt;
-            let f = std::fs::OpenOptions::new().write(true).open(crashed.path().join(journal::FILE)).unwrap();
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(crashed.path().join(journal::FILE))
+                .unwrap();
             f.write_all_at(&[0xff], (end - 1) as u64).unwrap();
         }
         let mut again = Store::open(crashed.path(), None).unwrap();
-        assert_eq!(indexes(&again.try_get_log_entries(..).await.unwrap()), vec![(1, 1), (1, 2)]);
+        assert_eq!(
+            indexes(&again.try_get_log_entries(..).await.unwrap()),
+            vec![(1, 1), (1, 2)]
+        );
         flushed(&mut again, vec![entry(2, 3, 50)]).await;
         flushed(&mut again, vec![entry(2, 4, 50)]).await;
         let twice = crash_copy(crashed.path());
         let mut third = Store::open(twice.path(), None).unwrap();
-        assert_eq!(indexes(&third.try_get_log_entries(..).await.unwrap()), vec![(1, 1), (1, 2), (2, 3), (2, 4)]);
+        assert_eq!(
+            indexes(&third.try_get_log_entries(..).await.unwrap()),
+            vec![(1, 1), (1, 2), (2, 3), (2, 4)]
+        );
         again.close();
         third.close();
     }
@@ -1650,7 +1750,10 @@ mod tests {
         assert_eq!(s.durable_commits + s.journal_syncs, 20);
         let crashed = crash_copy(dir.path());
         let mut again = Store::open_with(crashed.path(), None, TAIL_BYTES, 2048).unwrap();
-        assert_eq!(indexes(&again.try_get_log_entries(..).await.unwrap()), (1..=20).map(|i| (1, i)).collect::<Vec<_>>());
+        assert_eq!(
+            indexes(&again.try_get_log_entries(..).await.unwrap()),
+            (1..=20).map(|i| (1, i)).collect::<Vec<_>>()
+        );
         store.close();
         again.close();
     }
@@ -1775,11 +1878,18 @@ mod tests {
         }
         for (a, b) in [(1, 200), (150, 200), (185, 195), (1, 5), (199, 250)] {
             let got = store.try_get_log_entries(a..=b).await.unwrap();
-            assert_eq!(indexes(&got), (a..=b.min(200)).map(|i| (1, i)).collect::<Vec<_>>(), "range {a}..={b}");
+            assert_eq!(
+                indexes(&got),
+                (a..=b.min(200)).map(|i| (1, i)).collect::<Vec<_>>(),
+                "range {a}..={b}"
+            );
         }
         assert_eq!(store.try_get_log_entries(180..).await.unwrap().len(), 21);
         let payloads = store.read_entries(190, 200).unwrap();
-        assert_eq!(payloads.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (190..=200).collect::<Vec<_>>());
+        assert_eq!(
+            payloads.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            (190..=200).collect::<Vec<_>>()
+        );
         store.close();
     }
 
@@ -1792,7 +1902,10 @@ mod tests {
         // Not yet flushed appends, then a truncation in the middle of them.
         drop(append(&mut store, (11..=15).map(|i| entry(1, i, 10)).collect()).await);
         store.truncate_after(Some(log_id(1, 7))).await.unwrap();
-        assert_eq!(indexes(&store.try_get_log_entries(1..=20).await.unwrap()), (1..=7).map(|i| (1, i)).collect::<Vec<_>>());
+        assert_eq!(
+            indexes(&store.try_get_log_entries(1..=20).await.unwrap()),
+            (1..=7).map(|i| (1, i)).collect::<Vec<_>>()
+        );
         let rx = append(&mut store, (8..=9).map(|i| entry(2, i, 10)).collect()).await;
         rx.await.unwrap().unwrap();
         let want: Vec<_> = (1..=7).map(|i| (1, i)).chain([(2, 8), (2, 9)]).collect();
@@ -1816,9 +1929,15 @@ mod tests {
         assert_eq!(store.live_count().unwrap(), 10);
         assert_eq!(store.tail().entries.front().map(|(e, _)| e.log_id.index()), Some(21));
         let all = store.read_entries(1, 30).unwrap();
-        assert_eq!(all.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (1..=30).collect::<Vec<_>>());
+        assert_eq!(
+            all.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            (1..=30).collect::<Vec<_>>()
+        );
         let st = store.get_log_state().await.unwrap();
-        assert_eq!((st.last_purged_log_id, st.last_log_id), (Some(log_id(1, 20)), Some(log_id(1, 30))));
+        assert_eq!(
+            (st.last_purged_log_id, st.last_log_id),
+            (Some(log_id(1, 20)), Some(log_id(1, 30)))
+        );
         store.close();
     }
 
@@ -1846,11 +1965,17 @@ mod tests {
         assert_eq!(st.last_purged_log_id, Some(log_id(1, upto)));
         assert_eq!(store.archived_count().unwrap(), upto);
         let all = store.read_entries(1, i - 1).unwrap();
-        assert_eq!(all.iter().map(|(k, _)| *k).collect::<Vec<_>>(), (1..i).collect::<Vec<_>>());
+        assert_eq!(
+            all.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+            (1..i).collect::<Vec<_>>()
+        );
         store.close();
         drop(store);
         let mut store = Store::open(dir.path(), None).unwrap();
-        assert_eq!(store.get_log_state().await.unwrap().last_purged_log_id, Some(log_id(1, upto)));
+        assert_eq!(
+            store.get_log_state().await.unwrap().last_purged_log_id,
+            Some(log_id(1, upto))
+        );
         assert_eq!(store.try_get_log_entries(..).await.unwrap().len() as u64, i - 1 - upto);
         store.close();
     }

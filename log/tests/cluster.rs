@@ -24,7 +24,10 @@ async fn three_nodes_failover_and_catch_up() {
         last = propose(&refs, payload(i)).await.index;
     }
     for n in &nodes {
-        n.node.wait_applied(last, Duration::from_secs(10)).await.expect("replicated");
+        n.node
+            .wait_applied(last, Duration::from_secs(10))
+            .await
+            .expect("replicated");
     }
     let h0 = nodes[0].hash();
     assert_eq!(h0.0, 200);
@@ -56,7 +59,10 @@ async fn three_nodes_failover_and_catch_up() {
     nodes.push(back);
     let t = Instant::now();
     for n in &nodes {
-        n.node.wait_applied(last, Duration::from_secs(10)).await.expect("caught up");
+        n.node
+            .wait_applied(last, Duration::from_secs(10))
+            .await
+            .expect("caught up");
     }
     eprintln!("restarted node caught up in {:?}", t.elapsed());
     let h = nodes[0].hash();

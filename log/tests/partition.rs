@@ -27,7 +27,9 @@ impl Proxy {
         let (paused, rx) = watch::channel(false);
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
-                let Ok(outbound) = TcpStream::connect(target).await else { continue };
+                let Ok(outbound) = TcpStream::connect(target).await else {
+                    continue;
+                };
                 let _ = inbound.set_nodelay(true);
                 let _ = outbound.set_nodelay(true);
                 let (ri, wi) = inbound.into_split();
@@ -100,21 +102,45 @@ async fn a_partitioned_follower_does_not_stall_writes_and_catches_up() {
     let t = Instant::now();
     for i in 50..150u64 {
         let started = Instant::now();
-        last = nodes[leader].node.propose(payload(i)).await.expect("the majority still commits").index;
-        assert!(started.elapsed() < Duration::from_secs(2), "a write took {:?}", started.elapsed());
+        last = nodes[leader]
+            .node
+            .propose(payload(i))
+            .await
+            .expect("the majority still commits")
+            .index;
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a write took {:?}",
+            started.elapsed()
+        );
     }
     eprintln!("100 writes with a follower cut off: {:?}", t.elapsed());
     let other = 3 - leader - cut;
-    nodes[other].node.wait_applied(last, Duration::from_secs(5)).await.expect("the other follower follows");
-    assert!(nodes[cut].node.status().last_applied.unwrap_or(0) < last, "the cut-off follower got nothing");
+    nodes[other]
+        .node
+        .wait_applied(last, Duration::from_secs(5))
+        .await
+        .expect("the other follower follows");
+    assert!(
+        nodes[cut].node.status().last_applied.unwrap_or(0) < last,
+        "the cut-off follower got nothing"
+    );
     // Longer than the replication stream's timeout on an unanswered request (1 s).
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(nodes[leader].node.status().leader_id, Some(nodes[leader].id), "leadership kept");
+    assert_eq!(
+        nodes[leader].node.status().leader_id,
+        Some(nodes[leader].id),
+        "leadership kept"
+    );
 
     // Heal: the follower catches up and every state is the same.
     proxies[cut].pause(false);
     let t = Instant::now();
-    nodes[cut].node.wait_applied(last, Duration::from_secs(15)).await.expect("caught up after the partition");
+    nodes[cut]
+        .node
+        .wait_applied(last, Duration::from_secs(15))
+        .await
+        .expect("caught up after the partition");
     eprintln!("caught up {:?} after the partition healed", t.elapsed());
     let h = nodes[leader].hash();
     assert_eq!(h.0, 150);

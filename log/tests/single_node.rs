@@ -13,7 +13,10 @@ async fn single_node_propose_restart_continue() {
     let addr = listener.local_addr().expect("addr");
     let n = TestNode::start(config(1, dir.path(), addr), listener).await;
     n.node.initialize(members(&[&n])).await.expect("initialize");
-    n.node.initialize(members(&[&n])).await.expect("initialize is idempotent");
+    n.node
+        .initialize(members(&[&n]))
+        .await
+        .expect("initialize is idempotent");
     wait_leader(&[&n], Duration::from_secs(5)).await;
 
     let t = Instant::now();
@@ -28,10 +31,12 @@ async fn single_node_propose_restart_continue() {
 
     // Concurrent proposals share durable commits; all are applied exactly once.
     let t = Instant::now();
-    let futs: Vec<_> = (1000..1200u64).map(|i| {
-        let node = n.node.clone();
-        tokio::spawn(async move { node.propose(payload(i)).await })
-    }).collect();
+    let futs: Vec<_> = (1000..1200u64)
+        .map(|i| {
+            let node = n.node.clone();
+            tokio::spawn(async move { node.propose(payload(i)).await })
+        })
+        .collect();
     for f in futs {
         let a = f.await.expect("join").expect("propose");
         last_index = last_index.max(a.index);
@@ -67,7 +72,11 @@ async fn single_node_propose_restart_continue() {
         .wait_applied(last_index, Duration::from_secs(10))
         .await
         .expect("restored");
-    assert_eq!(n.hash(), (count, hash), "restored state equals the state before restart");
+    assert_eq!(
+        n.hash(),
+        (count, hash),
+        "restored state equals the state before restart"
+    );
     wait_leader(&[&n], Duration::from_secs(5)).await;
     let a = n.node.propose(payload(6000)).await.expect("propose after restart");
     assert!(a.index > last_index);

@@ -52,7 +52,10 @@ async fn purge_keeps_history_and_learner_installs_snapshot() {
     let addr2 = l2.local_addr().expect("addr");
     let n2 = TestNode::start(config(2, dir.path(), addr2), l2).await;
     n1.node.add_learner(2, addr2.to_string()).await.expect("add learner");
-    n2.node.wait_applied(last, Duration::from_secs(10)).await.expect("learner caught up");
+    n2.node
+        .wait_applied(last, Duration::from_secs(10))
+        .await
+        .expect("learner caught up");
     assert_eq!(n2.hash(), n1.hash());
     assert_eq!(n2.hash().0, 1000);
     // openraft records the installed snapshot (and purges below it) right after the state
@@ -63,14 +66,23 @@ async fn purge_keeps_history_and_learner_installs_snapshot() {
     })
     .await;
     let first2 = n2.node.status().first_available_index;
-    assert!(matches!(n2.node.read_entries(1, last), Err(LogError::NotAvailable { .. })));
+    assert!(matches!(
+        n2.node.read_entries(1, last),
+        Err(LogError::NotAvailable { .. })
+    ));
 
     // New writes reach the learner, and its subscribers.
     let mut sub = n2.node.subscribe();
     let a = n1.node.propose(payload(1000)).await.expect("propose");
-    let ev = tokio::time::timeout(Duration::from_secs(5), sub.recv()).await.expect("event in time").expect("event");
+    let ev = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+        .await
+        .expect("event in time")
+        .expect("event");
     assert_eq!(ev.index, a.index);
-    n2.node.wait_applied(a.index, Duration::from_secs(5)).await.expect("applied");
+    n2.node
+        .wait_applied(a.index, Duration::from_secs(5))
+        .await
+        .expect("applied");
     let tail = n2.node.read_entries(first2, a.index).expect("learner history");
     assert_eq!(tail.last().map(|e| e.1.clone()), Some(payload(1000)));
 
@@ -78,9 +90,15 @@ async fn purge_keeps_history_and_learner_installs_snapshot() {
     let before = n1.hash();
     n1.stop().await;
     let n1 = TestNode::start_on(cfg, addr).await;
-    n1.node.wait_applied(a.index, Duration::from_secs(10)).await.expect("restored");
+    n1.node
+        .wait_applied(a.index, Duration::from_secs(10))
+        .await
+        .expect("restored");
     assert_eq!(n1.hash(), before);
-    assert_eq!(n1.node.read_entries(1, a.index).expect("history after restart").len(), 1001);
+    assert_eq!(
+        n1.node.read_entries(1, a.index).expect("history after restart").len(),
+        1001
+    );
     n2.stop().await;
     n1.stop().await;
 }
@@ -117,10 +135,16 @@ async fn archive_retention_keeps_newest_entries() {
     let (_, archived) = n.node.storage_counts().expect("counts");
     assert_eq!(archived, 100, "only the newest 100 archived entries remain");
     let first = n.node.first_available_index().expect("first");
-    assert_eq!(first, indexes[399] + 1, "history starts right after the newest dropped entry");
+    assert_eq!(
+        first,
+        indexes[399] + 1,
+        "history starts right after the newest dropped entry"
+    );
     let kept = n.node.read_entries(first, last).expect("kept history");
     assert_eq!(kept.len(), 100);
     assert_eq!(kept[0], (indexes[400], payload(400)));
-    assert!(matches!(n.node.read_entries(1, last), Err(LogError::NotAvailable { first_available, .. }) if first_available == first));
+    assert!(
+        matches!(n.node.read_entries(1, last), Err(LogError::NotAvailable { first_available, .. }) if first_available == first)
+    );
     n.stop().await;
 }

@@ -15,7 +15,11 @@ async fn a_cluster_with_a_grpc_only_node_replicates_both_ways() {
         let l = free_listener().await;
         let cfg = config(id, dir.path(), l.local_addr().expect("addr"));
         // Node 3 speaks gRPC only.
-        nodes.push(if id == 3 { TestNode::start_grpc_only(cfg, l).await } else { TestNode::start(cfg, l).await });
+        nodes.push(if id == 3 {
+            TestNode::start_grpc_only(cfg, l).await
+        } else {
+            TestNode::start(cfg, l).await
+        });
     }
     let refs: Vec<&TestNode> = nodes.iter().collect();
     nodes[0].node.initialize(members(&refs)).await.expect("initialize");
@@ -36,7 +40,10 @@ async fn a_cluster_with_a_grpc_only_node_replicates_both_ways() {
         last = nodes[2].node.propose(payload(i)).await.expect("node 3 leads").index;
     }
     for n in &nodes {
-        n.node.wait_applied(last, Duration::from_secs(10)).await.expect("every node applies");
+        n.node
+            .wait_applied(last, Duration::from_secs(10))
+            .await
+            .expect("every node applies");
     }
     let h = nodes[2].hash();
     assert_eq!(h.0, 150);

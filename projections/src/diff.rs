@@ -33,7 +33,11 @@ fn walk(path: &str, a: Option<&Value>, b: Option<&Value>, out: &mut Vec<Change>)
             }
         }
         (a, b) if a == b => {}
-        (a, b) => out.push(Change { path: if path.is_empty() { "/".into() } else { path.to_string() }, before: a.cloned(), after: b.cloned() }),
+        (a, b) => out.push(Change {
+            path: if path.is_empty() { "/".into() } else { path.to_string() },
+            before: a.cloned(),
+            after: b.cloned(),
+        }),
     }
 }
 

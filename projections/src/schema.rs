@@ -143,7 +143,10 @@ pub fn encode_batch(batch: &Batch) -> Vec<u8> {
 
 /// Decodes a batch read from the log.
 pub fn decode_batch(bytes: &[u8]) -> Result<Batch, DecodeError> {
-    Batch::decode(bytes).map_err(|e| DecodeError::Malformed { ty: "Batch".into(), reason: e.to_string() })
+    Batch::decode(bytes).map_err(|e| DecodeError::Malformed {
+        ty: "Batch".into(),
+        reason: e.to_string(),
+    })
 }
 
 /// Decodes every event of a batch, lifting old schema versions.
@@ -171,9 +174,23 @@ mod tests {
 
     #[test]
     fn an_unknown_or_future_event_is_refused_by_name() {
-        let env = Envelope { r#type: "Teleported".into(), schema_version: 1, payload: vec![] };
-        assert_eq!(Event::from_envelope(&env), Err(DecodeError::UnknownType("Teleported".into())));
-        let env = Envelope { r#type: "SandboxReady".into(), schema_version: 99, payload: vec![] };
-        assert!(matches!(Event::from_envelope(&env), Err(DecodeError::FromTheFuture { version: 99, .. })));
+        let env = Envelope {
+            r#type: "Teleported".into(),
+            schema_version: 1,
+            payload: vec![],
+        };
+        assert_eq!(
+            Event::from_envelope(&env),
+            Err(DecodeError::UnknownType("Teleported".into()))
+        );
+        let env = Envelope {
+            r#type: "SandboxReady".into(),
+            schema_version: 99,
+            payload: vec![],
+        };
+        assert!(matches!(
+            Event::from_envelope(&env),
+            Err(DecodeError::FromTheFuture { version: 99, .. })
+        ));
     }
 }

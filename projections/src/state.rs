@@ -6,7 +6,7 @@
 //! recorded as rejected. Every check is a pure function of (state, batch), so every
 //! node reaches the same verdict.
 
-use crate::schema::{self, pb, Batch, Event};
+use crate::schema::{self, Batch, Event, pb};
 use crate::views::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -35,9 +35,19 @@ pub const VIEW_NAMES: [&str; 6] = ["sandboxes", "placement", "quota", "iam", "au
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Outcome {
-    Applied { index: u64 },
-    Denied { index: u64, code: String, message: String, field: String },
-    Rejected { index: u64, message: String },
+    Applied {
+        index: u64,
+    },
+    Denied {
+        index: u64,
+        code: String,
+        message: String,
+        field: String,
+    },
+    Rejected {
+        index: u64,
+        message: String,
+    },
 }
 
 /// Changes earlier events of the same batch make, seen by the checks of later ones.
@@ -68,7 +78,10 @@ impl State {
                 message: d.message.clone(),
                 field: d.field.clone(),
             },
-            (None, Err(e)) => Outcome::Rejected { index, message: e.to_string() },
+            (None, Err(e)) => Outcome::Rejected {
+                index,
+                message: e.to_string(),
+            },
             (None, Ok(events)) => match self.check_all(&events) {
                 Err(message) => Outcome::Rejected { index, message },
                 Ok(()) => {
@@ -97,7 +110,9 @@ impl State {
                     project: String::new(),
                     action: "undecodable".into(),
                     target: String::new(),
-                    result: AuditResult::Rejected { message: message.clone() },
+                    result: AuditResult::Rejected {
+                        message: message.clone(),
+                    },
                     request_id: String::new(),
                 });
                 Outcome::Rejected { index, message }
@@ -142,7 +157,12 @@ impl State {
     /// Every project strictly below `project`.
     pub fn descendants(&self, project: &str) -> Vec<&Project> {
         let mut out = Vec::new();
-        let mut todo: Vec<&str> = self.iam.projects.get(project).map(|p| p.children.iter().map(String::as_str).collect()).unwrap_or_default();
+        let mut todo: Vec<&str> = self
+            .iam
+            .projects
+            .get(project)
+            .map(|p| p.children.iter().map(String::as_str).collect())
+            .unwrap_or_default();
         while let Some(id) = todo.pop() {
             if let Some(p) = self.iam.projects.get(id) {
                 todo.extend(p.children.iter().map(String::as_str));
@@ -157,7 +177,11 @@ impl State {
     pub fn descendant_limit_above(&self, project: &str, limits: &Limits) -> Option<(String, &'static str, u64)> {
         self.descendants(project).into_iter().find_map(|d| {
             let own = self.quota.limits.get(&d.id)?;
-            let own = Usage { sandboxes: own.sandboxes.unwrap_or(0), cpu_millis: own.cpu_millis.unwrap_or(0), memory_mb: own.memory_mb.unwrap_or(0) };
+            let own = Usage {
+                sandboxes: own.sandboxes.unwrap_or(0),
+                cpu_millis: own.cpu_millis.unwrap_or(0),
+                memory_mb: own.memory_mb.unwrap_or(0),
+            };
             let (res, _) = limits.exceeded_by(&own)?;
             let value = match res {
                 "sandboxes" => own.sandboxes,
@@ -174,22 +198,21 @@ impl State {
 
     /// Checks that adding `extra` usage to `project` keeps every ancestor within its limits.
     /// `overlay` returns usage already reserved (in-flight or earlier in the batch) for a project.
-    pub fn check_quota(
-        &self,
-        project: &str,
-        extra: &Usage,
-        overlay: &dyn Fn(&str) -> Usage,
-    ) -> Result<(), String> {
+    pub fn check_quota(&self, project: &str, extra: &Usage, overlay: &dyn Fn(&str) -> Usage) -> Result<(), String> {
         for p in self.ancestry(project) {
             if let Some(limits) = self.quota.limits.get(&p.id) {
                 let used = self.quota.usage.get(&p.id).copied().unwrap_or_default();
                 let total = used.plus(&overlay(&p.id)).plus(extra);
                 if let Some((res, limit)) = limits.exceeded_by(&total) {
-                    return Err(format!("quota of project {} exceeded: {res} would be {} of {limit}", p.id, match res {
-                        "sandboxes" => total.sandboxes,
-                        "cpu_millis" => total.cpu_millis,
-                        _ => total.memory_mb,
-                    }));
+                    return Err(format!(
+                        "quota of project {} exceeded: {res} would be {} of {limit}",
+                        p.id,
+                        match res {
+                            "sandboxes" => total.sandboxes,
+                            "cpu_millis" => total.cpu_millis,
+                            _ => total.memory_mb,
+                        }
+                    ));
                 }
             }
         }
@@ -198,7 +221,12 @@ impl State {
 
     /// Checks that an edge is registered and has room for `extra`.
     pub fn check_edge(&self, edge: &str, extra: &Usage, reserved: &Usage) -> Result<(), String> {
-        let e = self.placement.edges.get(edge).filter(|e| !e.deregistered).ok_or_else(|| format!("edge {edge} is not registered"))?;
+        let e = self
+            .placement
+            .edges
+            .get(edge)
+            .filter(|e| !e.deregistered)
+            .ok_or_else(|| format!("edge {edge} is not registered"))?;
         let need = e.assigned.plus(reserved).plus(extra);
         let cap = Limits {
             sandboxes: Some(e.capacity.sandboxes),
@@ -222,7 +250,10 @@ impl State {
     }
 
     fn sandbox(&self, id: &str) -> Result<&Sandbox, String> {
-        self.sandboxes.sandboxes.get(id).ok_or_else(|| format!("sandbox {id} does not exist"))
+        self.sandboxes
+            .sandboxes
+            .get(id)
+            .ok_or_else(|| format!("sandbox {id} does not exist"))
     }
 
     fn check(&self, ev: &Event, pending: &mut Pending) -> Result<(), String> {
@@ -236,15 +267,26 @@ impl State {
                         return Err("a root project already exists".into());
                     }
                 } else {
-                    let parent = self.iam.projects.get(&e.parent).ok_or_else(|| format!("parent project {} does not exist", e.parent))?;
-                    let taken = parent.children.iter().any(|c| self.iam.projects.get(c).is_some_and(|p| p.name == e.name));
+                    let parent = self
+                        .iam
+                        .projects
+                        .get(&e.parent)
+                        .ok_or_else(|| format!("parent project {} does not exist", e.parent))?;
+                    let taken = parent
+                        .children
+                        .iter()
+                        .any(|c| self.iam.projects.get(c).is_some_and(|p| p.name == e.name));
                     if taken {
                         return Err(format!("project {} already has a child named {}", e.parent, e.name));
                     }
                 }
             }
             Event::ProjectDeleted(e) => {
-                let p = self.iam.projects.get(&e.id).ok_or_else(|| format!("project {} does not exist", e.id))?;
+                let p = self
+                    .iam
+                    .projects
+                    .get(&e.id)
+                    .ok_or_else(|| format!("project {} does not exist", e.id))?;
                 if p.parent.is_none() {
                     return Err("the root project cannot be deleted".into());
                 }
@@ -256,11 +298,19 @@ impl State {
                 }
             }
             Event::QuotaSet(e) => {
-                let p = self.iam.projects.get(&e.project).ok_or_else(|| format!("project {} does not exist", e.project))?;
+                let p = self
+                    .iam
+                    .projects
+                    .get(&e.project)
+                    .ok_or_else(|| format!("project {} does not exist", e.project))?;
                 let limits = limits_from_pb(e.limits.as_ref());
                 let bound = self.bound_for_child_of(p.parent.as_deref());
                 if let Some((res, mine, theirs)) = limits.exceeds(&bound) {
-                    let mine = if mine == u64::MAX { "unlimited".to_string() } else { mine.to_string() };
+                    let mine = if mine == u64::MAX {
+                        "unlimited".to_string()
+                    } else {
+                        mine.to_string()
+                    };
                     return Err(format!("{res} limit {mine} exceeds the parent's limit {theirs}"));
                 }
                 if let Some((c, res, _)) = self.descendant_limit_above(&e.project, &limits) {
@@ -285,9 +335,14 @@ impl State {
                 }
             }
             Event::EdgeRegistered(e) => match self.placement.edges.get(&e.id) {
-                Some(old) if old.ordinal != e.ordinal => return Err(format!("edge {} keeps ordinal {}", e.id, old.ordinal)),
+                Some(old) if old.ordinal != e.ordinal => {
+                    return Err(format!("edge {} keeps ordinal {}", e.id, old.ordinal));
+                }
                 None if e.ordinal != self.placement.next_ordinal => {
-                    return Err(format!("edge ordinal {} was taken; next is {}", e.ordinal, self.placement.next_ordinal))
+                    return Err(format!(
+                        "edge ordinal {} was taken; next is {}",
+                        e.ordinal, self.placement.next_ordinal
+                    ));
                 }
                 _ => {}
             },
@@ -303,12 +358,21 @@ impl State {
                 if !self.iam.projects.contains_key(&e.project) {
                     return Err(format!("project {} does not exist", e.project));
                 }
-                let isolation = Isolation::from_event(&e.isolation).ok_or_else(|| format!("isolation {:?} is unknown", e.isolation))?;
+                let isolation = Isolation::from_event(&e.isolation)
+                    .ok_or_else(|| format!("isolation {:?} is unknown", e.isolation))?;
                 if !e.idempotency_key.is_empty()
-                    && (self.sandboxes.by_idempotency_key(&e.project, &e.idempotency_key).is_some()
-                        || !pending.idempotency_keys.insert((e.project.clone(), e.idempotency_key.clone())))
+                    && (self
+                        .sandboxes
+                        .by_idempotency_key(&e.project, &e.idempotency_key)
+                        .is_some()
+                        || !pending
+                            .idempotency_keys
+                            .insert((e.project.clone(), e.idempotency_key.clone())))
                 {
-                    return Err(format!("a live sandbox of project {} already has idempotency key {}", e.project, e.idempotency_key));
+                    return Err(format!(
+                        "a live sandbox of project {} already has idempotency key {}",
+                        e.project, e.idempotency_key
+                    ));
                 }
                 if !e.snapshot.is_empty() {
                     match self.snapshots.snapshots.get(&e.snapshot) {
@@ -316,13 +380,22 @@ impl State {
                             // A microVM's snapshot holds a whole machine: only a microVM starts
                             // from it; a file-system snapshot is a container's layer.
                             if x.isolation != isolation {
-                                return Err(format!("snapshot {} is of a {}, the sandbox a {}", e.snapshot, x.isolation.as_str(), isolation.as_str()));
+                                return Err(format!(
+                                    "snapshot {} is of a {}, the sandbox a {}",
+                                    e.snapshot,
+                                    x.isolation.as_str(),
+                                    isolation.as_str()
+                                ));
                             }
                         }
                         _ => return Err(format!("snapshot {} is not ready", e.snapshot)),
                     }
                 }
-                let u = Usage { sandboxes: 1, cpu_millis: e.cpu_millis, memory_mb: e.memory_mb };
+                let u = Usage {
+                    sandboxes: 1,
+                    cpu_millis: e.cpu_millis,
+                    memory_mb: e.memory_mb,
+                };
                 let reserved = pending.edge_usage.get(&e.edge).copied().unwrap_or_default();
                 self.check_edge(&e.edge, &u, &reserved)?;
                 let overlay = |p: &str| pending.usage.get(p).copied().unwrap_or_default();
@@ -371,7 +444,13 @@ impl State {
                 }
                 self.iam.projects.insert(
                     e.id.clone(),
-                    Project { id: e.id.clone(), name: e.name.clone(), parent, children: BTreeSet::new(), created_at_ms: t },
+                    Project {
+                        id: e.id.clone(),
+                        name: e.name.clone(),
+                        parent,
+                        children: BTreeSet::new(),
+                        created_at_ms: t,
+                    },
                 );
             }
             Event::ProjectDeleted(e) => {
@@ -384,7 +463,9 @@ impl State {
                 self.quota.usage.remove(&e.id);
             }
             Event::QuotaSet(e) => {
-                self.quota.limits.insert(e.project.clone(), limits_from_pb(e.limits.as_ref()));
+                self.quota
+                    .limits
+                    .insert(e.project.clone(), limits_from_pb(e.limits.as_ref()));
             }
             Event::TokenIssued(e) => {
                 let rights = e.rights.iter().filter_map(|r| Right::parse(r)).collect();
@@ -406,7 +487,10 @@ impl State {
             Event::TokenRevoked(e) => {
                 if let Some(tok) = self.iam.tokens.get_mut(&e.id) {
                     if tok.revoked.is_none() {
-                        tok.revoked = Some(Revocation { at_ms: t, reason: e.reason.clone() });
+                        tok.revoked = Some(Revocation {
+                            at_ms: t,
+                            reason: e.reason.clone(),
+                        });
                     }
                 }
             }
@@ -508,7 +592,9 @@ impl State {
                 s.expires_at_ms = (e.expires_at_ms != 0).then_some(e.expires_at_ms)
             }),
             Event::SandboxLabelsSet(e) => self.touch(&e.id, index, t, |s| s.labels = e.labels.clone()),
-            Event::SandboxNetworkSet(e) => self.touch(&e.id, index, t, |s| s.network = (!e.network.is_empty()).then(|| e.network.clone())),
+            Event::SandboxNetworkSet(e) => self.touch(&e.id, index, t, |s| {
+                s.network = (!e.network.is_empty()).then(|| e.network.clone())
+            }),
             // Past its timeout with auto-pause: it pauses, and its timeout is spent.
             Event::SandboxTimedOut(e) => self.touch(&e.id, index, t, |s| {
                 s.expires_at_ms = None;
@@ -558,7 +644,10 @@ impl State {
                 if !s.released {
                     s.observed = Observed::Ready;
                     if !e.vmm.is_empty() {
-                        s.runtime = Some(Runtime { vmm: e.vmm.clone(), accelerator: e.accelerator.clone() });
+                        s.runtime = Some(Runtime {
+                            vmm: e.vmm.clone(),
+                            accelerator: e.accelerator.clone(),
+                        });
                     }
                 }
             }),
@@ -603,7 +692,9 @@ impl State {
 
     /// Gives a sandbox's quota and edge capacity back, once.
     fn release(&mut self, id: &str) {
-        let Some(s) = self.sandboxes.sandboxes.get_mut(id) else { return };
+        let Some(s) = self.sandboxes.sandboxes.get_mut(id) else {
+            return;
+        };
         if s.released {
             return;
         }
@@ -672,7 +763,11 @@ impl State {
 }
 
 fn audit_record(index: u64, batch: &Batch, outcome: &Outcome) -> AuditRecord {
-    let principal = batch.principal.as_ref().map(|p| format!("{}:{}", p.kind, p.id)).unwrap_or_default();
+    let principal = batch
+        .principal
+        .as_ref()
+        .map(|p| format!("{}:{}", p.kind, p.id))
+        .unwrap_or_default();
     AuditRecord {
         index,
         time_ms: batch.time_ms,
@@ -682,8 +777,13 @@ fn audit_record(index: u64, batch: &Batch, outcome: &Outcome) -> AuditRecord {
         target: batch.target.clone(),
         result: match outcome {
             Outcome::Applied { .. } => AuditResult::Ok,
-            Outcome::Denied { code, message, .. } => AuditResult::Denied { code: code.clone(), message: message.clone() },
-            Outcome::Rejected { message, .. } => AuditResult::Rejected { message: message.clone() },
+            Outcome::Denied { code, message, .. } => AuditResult::Denied {
+                code: code.clone(),
+                message: message.clone(),
+            },
+            Outcome::Rejected { message, .. } => AuditResult::Rejected {
+                message: message.clone(),
+            },
         },
         request_id: batch.request_id.clone(),
     }
@@ -691,11 +791,19 @@ fn audit_record(index: u64, batch: &Batch, outcome: &Outcome) -> AuditRecord {
 
 pub fn limits_from_pb(r: Option<&pb::Resources>) -> Limits {
     let r = r.cloned().unwrap_or_default();
-    Limits { sandboxes: r.sandboxes, cpu_millis: r.cpu_millis, memory_mb: r.memory_mb }
+    Limits {
+        sandboxes: r.sandboxes,
+        cpu_millis: r.cpu_millis,
+        memory_mb: r.memory_mb,
+    }
 }
 
 pub fn limits_to_pb(l: &Limits) -> pb::Resources {
-    pb::Resources { sandboxes: l.sandboxes, cpu_millis: l.cpu_millis, memory_mb: l.memory_mb }
+    pb::Resources {
+        sandboxes: l.sandboxes,
+        cpu_millis: l.cpu_millis,
+        memory_mb: l.memory_mb,
+    }
 }
 
 pub fn usage_from_pb(r: Option<&pb::Resources>) -> Usage {
@@ -708,5 +816,9 @@ pub fn usage_from_pb(r: Option<&pb::Resources>) -> Usage {
 }
 
 pub fn usage_to_pb(u: &Usage) -> pb::Resources {
-    pb::Resources { sandboxes: Some(u.sandboxes), cpu_millis: Some(u.cpu_millis), memory_mb: Some(u.memory_mb) }
+    pb::Resources {
+        sandboxes: Some(u.sandboxes),
+        cpu_millis: Some(u.cpu_millis),
+        memory_mb: Some(u.memory_mb),
+    }
 }

@@ -27,7 +27,10 @@ pub fn to_current(event_type: &str, version: u32, payload: &[u8]) -> Result<Vec<
 /// The chain walk itself, over an explicit step table (tests pass their own).
 pub fn lift_with(steps: &[Step], event_type: &str, version: u32, payload: &[u8]) -> Result<Vec<u8>, DecodeError> {
     if version == 0 {
-        return Err(DecodeError::Malformed { ty: event_type.to_string(), reason: "schema version 0 was never written".into() });
+        return Err(DecodeError::Malformed {
+            ty: event_type.to_string(),
+            reason: "schema version 0 was never written".into(),
+        });
     }
     let mut bytes = payload.to_vec();
     for v in version..CURRENT_SCHEMA_VERSION {

@@ -282,7 +282,11 @@ impl Isolation {
 
     /// From an event's field ("" is a container); `None` for a name this binary does not know.
     pub fn from_event(s: &str) -> Option<Isolation> {
-        if s.is_empty() { Some(Isolation::Container) } else { Isolation::parse(s) }
+        if s.is_empty() {
+            Some(Isolation::Container)
+        } else {
+            Isolation::parse(s)
+        }
     }
 
     pub fn is_container(&self) -> bool {
@@ -358,7 +362,11 @@ pub struct Runtime {
 
 impl Sandbox {
     pub fn usage(&self) -> Usage {
-        Usage { sandboxes: 1, cpu_millis: self.cpu_millis, memory_mb: self.memory_mb }
+        Usage {
+            sandboxes: 1,
+            cpu_millis: self.cpu_millis,
+            memory_mb: self.memory_mb,
+        }
     }
     pub fn is_live(&self) -> bool {
         !self.released
@@ -417,7 +425,9 @@ pub struct SandboxView {
 impl SandboxView {
     /// The live sandbox of `project` created with idempotency key `key`.
     pub fn by_idempotency_key(&self, project: &str, key: &str) -> Option<&Sandbox> {
-        self.sandboxes.values().find(|s| s.is_live() && s.project == project && s.idempotency_key.as_deref() == Some(key))
+        self.sandboxes
+            .values()
+            .find(|s| s.is_live() && s.project == project && s.idempotency_key.as_deref() == Some(key))
     }
 }
 

@@ -1,11 +1,11 @@
 //! Time travel: folding the log to an index or a time, from scratch or from a
 //! checkpoint, and diffing the views between two points.
 
-use expect_test::{expect, Expect};
+use expect_test::{Expect, expect};
 use opendsec_projections::diff::diff;
-use opendsec_projections::replay::{fold, Until};
-use opendsec_projections::schema::{encode_batch, Batch, Denial, Principal};
-use opendsec_projections::{pb, AuditResult, Desired, Event, Observed, Right, State};
+use opendsec_projections::replay::{Until, fold};
+use opendsec_projections::schema::{Batch, Denial, Principal, encode_batch};
+use opendsec_projections::{AuditResult, Desired, Event, Observed, Right, State, pb};
 
 const SANDBOX: &str = "00000000000000a10000";
 const ROOT: &str = "p000000000001";
@@ -14,7 +14,11 @@ fn batch(time_ms: u64, action: &str, target: &str, events: Vec<Event>) -> Batch 
     Batch {
         time_ms,
         request_id: format!("req-{time_ms}"),
-        principal: Some(Principal { kind: "token".into(), id: "tok-admin".into(), project: ROOT.into() }),
+        principal: Some(Principal {
+            kind: "token".into(),
+            id: "tok-admin".into(),
+            project: ROOT.into(),
+        }),
         action: action.into(),
         project: ROOT.into(),
         target: target.into(),
@@ -30,48 +34,114 @@ fn batch(time_ms: u64, action: &str, target: &str, events: Vec<Event>) -> Batch 
 fn the_log() -> Vec<(u64, Vec<u8>)> {
     let id = || SANDBOX.to_string();
     let batches = vec![
-        batch(1_000, "cluster.bootstrap", "tok-admin", vec![
-            Event::ProjectCreated(pb::ProjectCreated { id: ROOT.into(), name: "root".into(), parent: String::new() }),
-            Event::TokenIssued(pb::TokenIssued {
-                id: "tok-admin".into(),
+        batch(
+            1_000,
+            "cluster.bootstrap",
+            "tok-admin",
+            vec![
+                Event::ProjectCreated(pb::ProjectCreated {
+                    id: ROOT.into(),
+                    name: "root".into(),
+                    parent: String::new(),
+                }),
+                Event::TokenIssued(pb::TokenIssued {
+                    id: "tok-admin".into(),
+                    project: ROOT.into(),
+                    name: "admin".into(),
+                    rights: Right::ALL.iter().map(|r| r.as_str().to_string()).collect(),
+                    secret_sha256: vec![7; 32],
+                    expires_at_ms: 0,
+                    issued_by: String::new(),
+                }),
+            ],
+        ),
+        batch(
+            2_000,
+            "edge.register",
+            "edge-a",
+            vec![Event::EdgeRegistered(pb::EdgeRegistered {
+                id: "edge-a".into(),
+                ordinal: 0,
+                address: "edge-a:7401".into(),
+                capacity: Some(pb::Resources {
+                    sandboxes: Some(10),
+                    cpu_millis: Some(10_000),
+                    memory_mb: Some(10_000),
+                }),
+                labels: Default::default(),
+            })],
+        ),
+        batch(
+            3_000,
+            "sandbox.create",
+            SANDBOX,
+            vec![Event::SandboxCreated(pb::SandboxCreated {
+                id: id(),
                 project: ROOT.into(),
-                name: "admin".into(),
-                rights: Right::ALL.iter().map(|r| r.as_str().to_string()).collect(),
-                secret_sha256: vec![7; 32],
+                edge: "edge-a".into(),
+                image: "python:3.12".into(),
+                cpu_millis: 500,
+                memory_mb: 256,
+                labels: Default::default(),
                 expires_at_ms: 0,
-                issued_by: String::new(),
-            }),
-        ]),
-        batch(2_000, "edge.register", "edge-a", vec![Event::EdgeRegistered(pb::EdgeRegistered {
-            id: "edge-a".into(),
-            ordinal: 0,
-            address: "edge-a:7401".into(),
-            capacity: Some(pb::Resources { sandboxes: Some(10), cpu_millis: Some(10_000), memory_mb: Some(10_000) }),
-            labels: Default::default(),
-        })]),
-        batch(3_000, "sandbox.create", SANDBOX, vec![Event::SandboxCreated(pb::SandboxCreated {
-            id: id(),
-            project: ROOT.into(),
-            edge: "edge-a".into(),
-            image: "python:3.12".into(),
-            cpu_millis: 500,
-            memory_mb: 256,
-            labels: Default::default(),
-            expires_at_ms: 0,
-            fork_of: String::new(),
-            placement: Some(pb::Placement { candidates: vec!["edge-a".into()], chosen: "edge-a".into(), refused_by: vec![] }),
-            ..Default::default()
-        })]),
-        batch(4_000, "sandbox.report", SANDBOX, vec![Event::SandboxReady(pb::SandboxReady { id: id(), ..Default::default() })]),
+                fork_of: String::new(),
+                placement: Some(pb::Placement {
+                    candidates: vec!["edge-a".into()],
+                    chosen: "edge-a".into(),
+                    refused_by: vec![],
+                }),
+                ..Default::default()
+            })],
+        ),
+        batch(
+            4_000,
+            "sandbox.report",
+            SANDBOX,
+            vec![Event::SandboxReady(pb::SandboxReady {
+                id: id(),
+                ..Default::default()
+            })],
+        ),
         Batch {
-            denial: Some(Denial { code: "quota_exceeded".into(), message: "quota of project root exceeded".into(), field: String::new() }),
+            denial: Some(Denial {
+                code: "quota_exceeded".into(),
+                message: "quota of project root exceeded".into(),
+                field: String::new(),
+            }),
             ..batch(5_000, "sandbox.create", "python:3.12", vec![])
         },
-        batch(6_000, "sandbox.pause", SANDBOX, vec![Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: id() })]),
-        batch(7_000, "sandbox.kill", SANDBOX, vec![Event::SandboxKillRequested(pb::SandboxKillRequested { id: id(), reason: "user".into() })]),
-        batch(8_000, "sandbox.report", SANDBOX, vec![Event::SandboxExited(pb::SandboxExited { id: id(), exit_code: 137, oom_killed: false, reason: "killed".into() })]),
+        batch(
+            6_000,
+            "sandbox.pause",
+            SANDBOX,
+            vec![Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: id() })],
+        ),
+        batch(
+            7_000,
+            "sandbox.kill",
+            SANDBOX,
+            vec![Event::SandboxKillRequested(pb::SandboxKillRequested {
+                id: id(),
+                reason: "user".into(),
+            })],
+        ),
+        batch(
+            8_000,
+            "sandbox.report",
+            SANDBOX,
+            vec![Event::SandboxExited(pb::SandboxExited {
+                id: id(),
+                exit_code: 137,
+                oom_killed: false,
+                reason: "killed".into(),
+            })],
+        ),
     ];
-    batches.iter().enumerate().map(|(i, b)| (i as u64 + 1, encode_batch(b))).collect()
+    batches
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (i as u64 + 1, encode_batch(b)))
+        .collect()
 }
 
 fn entries(log: &[(u64, Vec<u8>)]) -> impl Iterator<Item = (u64, &[u8])> {
@@ -121,7 +191,16 @@ fn folding_to_an_index_includes_every_batch_up_to_and_including_it() {
 fn folding_to_a_time_includes_every_batch_decided_at_or_before_it() {
     let log = the_log();
     // (until time, batches folded)
-    for (t, n) in [(0, 0), (999, 0), (1_000, 1), (3_500, 3), (4_999, 4), (5_000, 5), (8_000, 8), (u64::MAX, 8)] {
+    for (t, n) in [
+        (0, 0),
+        (999, 0),
+        (1_000, 1),
+        (3_500, 3),
+        (4_999, 4),
+        (5_000, 5),
+        (8_000, 8),
+        (u64::MAX, 8),
+    ] {
         let (s, folded) = fold(State::new(), entries(&log), Until::Time(t));
         assert_eq!(folded, n, "until {t}");
         assert_eq!(s, applied(&log, n as usize), "until {t}");
@@ -134,7 +213,10 @@ fn the_sandbox_as_it_was_at_each_point_of_the_log() {
     let log = the_log();
     let at = |n: u64| {
         let (s, _) = fold(State::new(), entries(&log), Until::Index(n));
-        s.sandboxes.sandboxes.get(SANDBOX).map(|x| (x.desired, x.observed, x.released, s.quota.usage[ROOT].sandboxes))
+        s.sandboxes
+            .sandboxes
+            .get(SANDBOX)
+            .map(|x| (x.desired, x.observed, x.released, s.quota.usage[ROOT].sandboxes))
     };
     // (index, (desired, observed, released, root's sandbox usage))
     let expected = [
@@ -184,7 +266,11 @@ fn an_undecodable_entry_is_recorded_as_rejected_and_the_fold_goes_on() {
     let bad = &s.audit.records[3];
     assert_eq!((bad.index, bad.action.as_str()), (4, "undecodable"));
     assert!(matches!(bad.result, AuditResult::Rejected { .. }));
-    assert_eq!(s.sandboxes.sandboxes[SANDBOX].observed, Observed::Exited, "later batches still applied");
+    assert_eq!(
+        s.sandboxes.sandboxes[SANDBOX].observed,
+        Observed::Exited,
+        "later batches still applied"
+    );
 }
 
 fn check_diff(view: &str, from: u64, to: u64, expect: Expect) {
@@ -194,7 +280,14 @@ fn check_diff(view: &str, from: u64, to: u64, expect: Expect) {
     let changes = diff(&a.view_json(view).unwrap(), &b.view_json(view).unwrap());
     let text: String = changes
         .iter()
-        .map(|c| format!("{}: {} -> {}\n", c.path, c.before.as_ref().map_or("-".into(), |v| v.to_string()), c.after.as_ref().map_or("-".into(), |v| v.to_string())))
+        .map(|c| {
+            format!(
+                "{}: {} -> {}\n",
+                c.path,
+                c.before.as_ref().map_or("-".into(), |v| v.to_string()),
+                c.after.as_ref().map_or("-".into(), |v| v.to_string())
+            )
+        })
         .collect();
     expect.assert_eq(&text);
 }

@@ -5,7 +5,7 @@
 //! Layout (see `README.md`): `golden/v<N>/<scenario>.log` holds the framed entries,
 //! `golden/v<N>/<scenario>.expected/<view>.json` and `state.sha256` the expected result.
 
-use opendsec_projections::replay::{fold, Until};
+use opendsec_projections::replay::{Until, fold};
 use opendsec_projections::{State, VIEW_NAMES};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -53,13 +53,27 @@ pub fn golden_logs_in(root: &Path) -> io::Result<Vec<GoldenLog>> {
         let version = name
             .strip_prefix('v')
             .and_then(|v| v.parse::<u32>().ok())
-            .ok_or_else(|| invalid(format!("{}: golden directories must be named v<N>", dir.path().display())))?;
+            .ok_or_else(|| {
+                invalid(format!(
+                    "{}: golden directories must be named v<N>",
+                    dir.path().display()
+                ))
+            })?;
         for f in std::fs::read_dir(dir.path())? {
             let path = f?.path();
             if path.extension().is_some_and(|e| e == "log") {
-                let scenario = path.file_stem().expect("a .log file has a stem").to_string_lossy().into_owned();
+                let scenario = path
+                    .file_stem()
+                    .expect("a .log file has a stem")
+                    .to_string_lossy()
+                    .into_owned();
                 let expected = path.with_extension("expected");
-                out.push(GoldenLog { schema_version: version, scenario, log: path, expected });
+                out.push(GoldenLog {
+                    schema_version: version,
+                    scenario,
+                    log: path,
+                    expected,
+                });
             }
         }
     }
@@ -93,18 +107,26 @@ pub fn decode_golden_log(mut data: &[u8]) -> io::Result<Vec<(u64, Vec<u8>)>> {
     let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
     while !data.is_empty() {
         if data.len() < HEADER {
-            return Err(invalid(format!("truncated frame header: {} trailing bytes", data.len())));
+            return Err(invalid(format!(
+                "truncated frame header: {} trailing bytes",
+                data.len()
+            )));
         }
         let index = u64::from_le_bytes(data[..8].try_into().expect("8 bytes"));
         let len = u32::from_le_bytes(data[8..HEADER].try_into().expect("4 bytes")) as usize;
         let body = &data[HEADER..];
         if body.len() < len {
-            return Err(invalid(format!("entry {index}: frame says {len} bytes, {} remain", body.len())));
+            return Err(invalid(format!(
+                "entry {index}: frame says {len} bytes, {} remain",
+                body.len()
+            )));
         }
         if let Some((prev, _)) = out.last()
             && index <= *prev
         {
-            return Err(invalid(format!("entry {index} follows entry {prev}: indices must grow")));
+            return Err(invalid(format!(
+                "entry {index} follows entry {prev}: indices must grow"
+            )));
         }
         out.push((index, body[..len].to_vec()));
         data = &body[len..];
@@ -133,12 +155,19 @@ pub fn replay(entries: &[(u64, Vec<u8>)]) -> State {
 
 /// Folds the entries after `from.index` onto `from` (resuming from a checkpoint).
 pub fn replay_from(from: State, entries: &[(u64, Vec<u8>)]) -> State {
-    fold(from, entries.iter().map(|(i, b)| (*i, b.as_slice())), Until::Index(u64::MAX)).0
+    fold(
+        from,
+        entries.iter().map(|(i, b)| (*i, b.as_slice())),
+        Until::Index(u64::MAX),
+    )
+    .0
 }
 
 /// A view as it is stored in an expected file: pretty JSON and a final newline.
 pub fn view_file_text(state: &State, view: &str) -> String {
-    let v = state.view_json(view).unwrap_or_else(|| panic!("{view} is one of VIEW_NAMES"));
+    let v = state
+        .view_json(view)
+        .unwrap_or_else(|| panic!("{view} is one of VIEW_NAMES"));
     let mut s = serde_json::to_string_pretty(&v).expect("a JSON value serialises");
     s.push('\n');
     s

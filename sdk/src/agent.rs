@@ -7,7 +7,7 @@
 
 use base64::Engine;
 use reqwest::{Method, RequestBuilder};
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
 use crate::{ApiError, Client, INDEX_HEADER, MIN_INDEX_HEADER};
@@ -98,13 +98,19 @@ impl PtyControl {
     /// Types `data` into the terminal.
     pub async fn send_input(&self, data: &[u8]) -> Result<(), ApiError> {
         let body = json!({"process": {"pid": self.pid}, "input": {"pty": B64.encode(data)}});
-        self.client.agent_unary(&self.sandbox, "process.Process/SendInput", &body).await.map(drop)
+        self.client
+            .agent_unary(&self.sandbox, "process.Process/SendInput", &body)
+            .await
+            .map(drop)
     }
 
     /// Resizes the terminal.
     pub async fn resize(&self, cols: u16, rows: u16) -> Result<(), ApiError> {
         let body = json!({"process": {"pid": self.pid}, "pty": {"size": {"cols": cols, "rows": rows}}});
-        self.client.agent_unary(&self.sandbox, "process.Process/Update", &body).await.map(drop)
+        self.client
+            .agent_unary(&self.sandbox, "process.Process/Update", &body)
+            .await
+            .map(drop)
     }
 }
 
@@ -129,7 +135,8 @@ impl Frames {
                 let len = u32::from_be_bytes(self.buf[1..5].try_into().expect("4 bytes")) as usize;
                 if self.buf.len() >= 5 + len {
                     let flags = self.buf[0];
-                    let v = serde_json::from_slice(&self.buf[5..5 + len]).map_err(|e| ApiError::local("decode", format!("a stream message does not decode: {e}")))?;
+                    let v = serde_json::from_slice(&self.buf[5..5 + len])
+                        .map_err(|e| ApiError::local("decode", format!("a stream message does not decode: {e}")))?;
                     self.buf.drain(..5 + len);
                     return Ok(Some((flags, v)));
                 }
@@ -137,7 +144,12 @@ impl Frames {
             match self.resp.chunk().await {
                 Ok(Some(c)) => self.buf.extend_from_slice(&c),
                 Ok(None) if self.buf.is_empty() => return Ok(None),
-                Ok(None) => return Err(ApiError::local("unreachable", "the stream was cut off mid-message".into())),
+                Ok(None) => {
+                    return Err(ApiError::local(
+                        "unreachable",
+                        "the stream was cut off mid-message".into(),
+                    ));
+                }
                 Err(e) => return Err(ApiError::local("unreachable", format!("the stream was cut off: {e}"))),
             }
         }
@@ -146,7 +158,10 @@ impl Frames {
 
 async fn next_event(frames: &mut Frames) -> Result<Event, ApiError> {
     let Some((flags, v)) = frames.next().await? else {
-        return Err(ApiError::local("unreachable", "the stream ended before the process did".into()));
+        return Err(ApiError::local(
+            "unreachable",
+            "the stream ended before the process did".into(),
+        ));
     };
     if flags & END_STREAM != 0 {
         return Err(match v.get("error") {
@@ -155,7 +170,10 @@ async fn next_event(frames: &mut Frames) -> Result<Event, ApiError> {
         });
     }
     let ev = &v["event"];
-    let bytes = |s: &Value| B64.decode(s.as_str().unwrap_or("")).map_err(|e| ApiError::local("decode", format!("output is not base64: {e}")));
+    let bytes = |s: &Value| {
+        B64.decode(s.as_str().unwrap_or(""))
+            .map_err(|e| ApiError::local("decode", format!("output is not base64: {e}")))
+    };
     let data = &ev["data"];
     Ok(if data.is_object() {
         if data["stdout"].is_string() {
@@ -173,7 +191,12 @@ async fn next_event(frames: &mut Frames) -> Result<Event, ApiError> {
             Some(c) => Event::End(c as i32),
             // protojson leaves out zero values.
             None if end["error"].is_string() && end["exited"] != json!(true) => {
-                return Err(ApiError { status: 500, code: "process_failed".into(), message: end["error"].as_str().unwrap_or("").into(), field: None })
+                return Err(ApiError {
+                    status: 500,
+                    code: "process_failed".into(),
+                    message: end["error"].as_str().unwrap_or("").into(),
+                    field: None,
+                });
             }
             None => Event::End(0),
         }
@@ -197,7 +220,12 @@ fn connect_error(e: &Value) -> ApiError {
         "deadline_exceeded" => 504,
         _ => 500,
     };
-    ApiError { status, code, message: e["message"].as_str().unwrap_or("").to_string(), field: None }
+    ApiError {
+        status,
+        code,
+        message: e["message"].as_str().unwrap_or("").to_string(),
+        field: None,
+    }
 }
 
 /// The error of a non-2xx answer: the gateway's `{code,message,field}`, the agent's
@@ -208,13 +236,25 @@ async fn error_of(resp: reqwest::Response) -> ApiError {
     let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let code = match &v["code"] {
         Value::String(s) => s.clone(),
-        _ => status.canonical_reason().unwrap_or("http").to_lowercase().replace(' ', "_"),
+        _ => status
+            .canonical_reason()
+            .unwrap_or("http")
+            .to_lowercase()
+            .replace(' ', "_"),
     };
     let message = match v["message"].as_str() {
         Some(m) => m.to_string(),
-        None => format!("HTTP {status}: {}", String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()),
+        None => format!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()
+        ),
     };
-    ApiError { status: status.as_u16(), code, message, field: v["field"].as_str().map(Into::into) }
+    ApiError {
+        status: status.as_u16(),
+        code,
+        message,
+        field: v["field"].as_str().map(Into::into),
+    }
 }
 
 fn start_body(r: &ExecRequest, pty: Option<(u16, u16)>) -> Value {
@@ -231,7 +271,14 @@ fn start_body(r: &ExecRequest, pty: Option<(u16, u16)>) -> Value {
 
 impl Client {
     /// A request to the sandbox's agent at `path` (e.g. `process.Process/Start`).
-    fn agent_request(&self, method: Method, sandbox: &str, path: &str, query: &[(&str, String)], user: Option<&str>) -> RequestBuilder {
+    fn agent_request(
+        &self,
+        method: Method,
+        sandbox: &str,
+        path: &str,
+        query: &[(&str, String)],
+        user: Option<&str>,
+    ) -> RequestBuilder {
         let mut segments = vec!["v1", "sandboxes", sandbox, "agent"];
         segments.extend(path.split('/'));
         let mut req = self.http.request(method, self.url(&segments, query));
@@ -249,8 +296,16 @@ impl Client {
     }
 
     async fn agent_send(&self, req: RequestBuilder) -> Result<reqwest::Response, ApiError> {
-        let resp = req.send().await.map_err(|e| ApiError::local("unreachable", format!("cannot reach {}: {e}", self.base)))?;
-        if let Some(i) = resp.headers().get(INDEX_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()) {
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| ApiError::local("unreachable", format!("cannot reach {}: {e}", self.base)))?;
+        if let Some(i) = resp
+            .headers()
+            .get(INDEX_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+        {
             self.observe_index(i);
         }
         if !resp.status().is_success() {
@@ -266,7 +321,12 @@ impl Client {
             .header("content-type", "application/json")
             .header("connect-protocol-version", "1")
             .body(body.to_string());
-        let bytes = self.agent_send(req).await?.bytes().await.map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
+        let bytes = self
+            .agent_send(req)
+            .await?
+            .bytes()
+            .await
+            .map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
         Ok(serde_json::from_slice(&bytes).unwrap_or(Value::Null))
     }
 
@@ -286,10 +346,15 @@ impl Client {
         let mut frames = Frames { resp, buf: Vec::new() };
         loop {
             let Some((flags, v)) = frames.next().await? else {
-                return Err(ApiError::local("unreachable", "the stream ended before the process started".into()));
+                return Err(ApiError::local(
+                    "unreachable",
+                    "the stream ended before the process started".into(),
+                ));
             };
             if flags & END_STREAM != 0 {
-                return Err(v.get("error").map(connect_error).unwrap_or_else(|| ApiError::local("decode", "the stream ended before the process started".into())));
+                return Err(v.get("error").map(connect_error).unwrap_or_else(|| {
+                    ApiError::local("decode", "the stream ended before the process started".into())
+                }));
             }
             if let Some(pid) = v["event"]["start"]["pid"].as_u64() {
                 return Ok((pid as u32, frames));
@@ -303,8 +368,15 @@ impl Client {
 
     /// Runs a command in the sandbox, handing each stdout/stderr chunk to `on_output`
     /// as it arrives; returns the exit code.
-    pub async fn exec(&self, sandbox: &str, req: &ExecRequest, mut on_output: impl FnMut(ExecOutput)) -> Result<i32, ApiError> {
-        let (_, mut frames) = self.start_process(sandbox, req.user.as_deref(), &start_body(req, None)).await?;
+    pub async fn exec(
+        &self,
+        sandbox: &str,
+        req: &ExecRequest,
+        mut on_output: impl FnMut(ExecOutput),
+    ) -> Result<i32, ApiError> {
+        let (_, mut frames) = self
+            .start_process(sandbox, req.user.as_deref(), &start_body(req, None))
+            .await?;
         loop {
             match next_event(&mut frames).await? {
                 Event::Stdout(b) | Event::Pty(b) => on_output(ExecOutput::Stdout(b)),
@@ -317,18 +389,41 @@ impl Client {
 
     /// Starts an interactive process on a pseudo-terminal of `cols` x `rows`.
     pub async fn pty(&self, sandbox: &str, req: &PtyRequest) -> Result<PtySession, ApiError> {
-        let (pid, frames) = self.start_process(sandbox, req.exec.user.as_deref(), &start_body(&req.exec, Some((req.cols, req.rows)))).await?;
-        Ok(PtySession { frames, control: PtyControl { client: self.clone(), sandbox: sandbox.to_string(), pid } })
+        let (pid, frames) = self
+            .start_process(
+                sandbox,
+                req.exec.user.as_deref(),
+                &start_body(&req.exec, Some((req.cols, req.rows))),
+            )
+            .await?;
+        Ok(PtySession {
+            frames,
+            control: PtyControl {
+                client: self.clone(),
+                sandbox: sandbox.to_string(),
+                pid,
+            },
+        })
     }
 
     /// Writes `data` to `path` in the sandbox (parents are created) as the default user.
     pub async fn upload(&self, sandbox: &str, path: &str, data: impl Into<Vec<u8>>) -> Result<(), ApiError> {
-        self.upload_body(sandbox, path, None, reqwest::Body::from(data.into())).await
+        self.upload_body(sandbox, path, None, reqwest::Body::from(data.into()))
+            .await
     }
 
     /// Writes a streamed body to `path` in the sandbox as `user`.
-    pub async fn upload_body(&self, sandbox: &str, path: &str, user: Option<&str>, body: reqwest::Body) -> Result<(), ApiError> {
-        let req = self.agent_request(Method::POST, sandbox, "files", &[("path", path.to_string())], user).header("content-type", "application/octet-stream").body(body);
+    pub async fn upload_body(
+        &self,
+        sandbox: &str,
+        path: &str,
+        user: Option<&str>,
+        body: reqwest::Body,
+    ) -> Result<(), ApiError> {
+        let req = self
+            .agent_request(Method::POST, sandbox, "files", &[("path", path.to_string())], user)
+            .header("content-type", "application/octet-stream")
+            .body(body);
         let resp = self.agent_send(req).await?;
         let _ = resp.bytes().await;
         Ok(())
@@ -362,14 +457,18 @@ impl Client {
             match resp.chunk().await {
                 Ok(Some(c)) => {
                     done += c.len() as u64;
-                    on_chunk(&c, done, total).map_err(|e| ApiError::local("io", format!("cannot write the download: {e}")))?;
+                    on_chunk(&c, done, total)
+                        .map_err(|e| ApiError::local("io", format!("cannot write the download: {e}")))?;
                 }
                 Ok(None) => break,
                 Err(e) => return Err(ApiError::local("unreachable", format!("the download was cut off: {e}"))),
             }
         }
         if let Some(t) = total.filter(|t| *t != done) {
-            return Err(ApiError::local("unreachable", format!("the download was cut off at {done} of {t} bytes")));
+            return Err(ApiError::local(
+                "unreachable",
+                format!("the download was cut off at {done} of {t} bytes"),
+            ));
         }
         Ok(done)
     }

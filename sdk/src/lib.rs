@@ -11,11 +11,11 @@ pub mod types;
 pub use agent::{ExecOutput, ExecRequest, PtyControl, PtyEvent, PtyRequest, PtySession};
 
 use reqwest::{Method, Url};
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use types::*;
 
 pub const INDEX_HEADER: &str = "x-opendsec-index";
@@ -35,7 +35,12 @@ pub struct ApiError {
 
 impl ApiError {
     fn local(code: &str, message: String) -> ApiError {
-        ApiError { status: 0, code: code.into(), message, field: None }
+        ApiError {
+            status: 0,
+            code: code.into(),
+            message,
+            field: None,
+        }
     }
 }
 
@@ -81,22 +86,34 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("base", &self.base.as_str()).field("token", &self.token.as_ref().map(|_| "<redacted>")).finish()
+        f.debug_struct("Client")
+            .field("base", &self.base.as_str())
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
     }
 }
 
 impl Client {
     /// A client of the API at `base_url` (e.g. `http://127.0.0.1:7400`), authenticating with `token`.
     pub fn new(base_url: &str, token: impl Into<Option<String>>) -> Result<Client, ApiError> {
-        let base = Url::parse(base_url).map_err(|e| ApiError::local("invalid_url", format!("{base_url:?} is not a URL: {e}")))?;
+        let base = Url::parse(base_url)
+            .map_err(|e| ApiError::local("invalid_url", format!("{base_url:?} is not a URL: {e}")))?;
         if base.cannot_be_a_base() {
-            return Err(ApiError::local("invalid_url", format!("{base_url:?} cannot be a base URL")));
+            return Err(ApiError::local(
+                "invalid_url",
+                format!("{base_url:?} cannot be a base URL"),
+            ));
         }
         let http = reqwest::Client::builder()
             .user_agent(concat!("opendsec-sdk/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| ApiError::local("unreachable", e.to_string()))?;
-        Ok(Client { http, base, token: token.into(), seen_index: Arc::new(AtomicU64::new(0)) })
+        Ok(Client {
+            http,
+            base,
+            token: token.into(),
+            seen_index: Arc::new(AtomicU64::new(0)),
+        })
     }
 
     pub fn base_url(&self) -> &str {
@@ -115,7 +132,10 @@ impl Client {
 
     fn url(&self, segments: &[&str], query: &[(&str, String)]) -> Url {
         let mut url = self.base.clone();
-        url.path_segments_mut().expect("checked in new").pop_if_empty().extend(segments);
+        url.path_segments_mut()
+            .expect("checked in new")
+            .pop_if_empty()
+            .extend(segments);
         if !query.is_empty() {
             let mut q = url.query_pairs_mut();
             for (k, v) in query {
@@ -125,13 +145,26 @@ impl Client {
         url
     }
 
-    async fn call<B: Serialize, T: DeserializeOwned>(&self, method: Method, segments: &[&str], query: &[(&str, String)], body: Option<&B>) -> Result<T, ApiError> {
+    async fn call<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        segments: &[&str],
+        query: &[(&str, String)],
+        body: Option<&B>,
+    ) -> Result<T, ApiError> {
         let bytes = self.call_raw(method, segments, query, body).await?;
-        serde_json::from_slice(&bytes).map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
     }
 
     /// A call whose successful answer is returned as it came (errors decoded).
-    async fn call_raw<B: Serialize>(&self, method: Method, segments: &[&str], query: &[(&str, String)], body: Option<&B>) -> Result<Vec<u8>, ApiError> {
+    async fn call_raw<B: Serialize>(
+        &self,
+        method: Method,
+        segments: &[&str],
+        query: &[(&str, String)],
+        body: Option<&B>,
+    ) -> Result<Vec<u8>, ApiError> {
         let url = self.url(segments, query);
         let mut req = self.http.request(method, url);
         if let Some(t) = &self.token {
@@ -144,19 +177,38 @@ impl Client {
         if let Some(b) = body {
             req = req.json(b);
         }
-        let resp = req.send().await.map_err(|e| ApiError::local("unreachable", format!("cannot reach {}: {e}", self.base)))?;
-        if let Some(i) = resp.headers().get(INDEX_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()) {
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| ApiError::local("unreachable", format!("cannot reach {}: {e}", self.base)))?;
+        if let Some(i) = resp
+            .headers()
+            .get(INDEX_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+        {
             self.observe_index(i);
         }
         let status = resp.status();
-        let bytes = resp.bytes().await.map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
         if !status.is_success() {
             return Err(match serde_json::from_slice::<ErrorBody>(&bytes) {
-                Ok(e) => ApiError { status: status.as_u16(), code: e.code, message: e.message, field: e.field },
+                Ok(e) => ApiError {
+                    status: status.as_u16(),
+                    code: e.code,
+                    message: e.message,
+                    field: e.field,
+                },
                 Err(_) => ApiError {
                     status: status.as_u16(),
                     code: "http".into(),
-                    message: format!("HTTP {status}: {}", String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()),
+                    message: format!(
+                        "HTTP {status}: {}",
+                        String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()
+                    ),
                     field: None,
                 },
             });
@@ -182,7 +234,10 @@ impl Client {
     // ---- projects and quotas ----
 
     pub async fn create_project(&self, name: &str, parent: Option<&str>) -> Result<ProjectWritten, ApiError> {
-        let body = CreateProject { name: name.into(), parent: parent.map(Into::into) };
+        let body = CreateProject {
+            name: name.into(),
+            parent: parent.map(Into::into),
+        };
         self.call(Method::POST, &["v1", "projects"], &[], Some(&body)).await
     }
 
@@ -195,11 +250,13 @@ impl Client {
     }
 
     pub async fn delete_project(&self, id: &str) -> Result<Done, ApiError> {
-        self.call::<(), _>(Method::DELETE, &["v1", "projects", id], &[], None).await
+        self.call::<(), _>(Method::DELETE, &["v1", "projects", id], &[], None)
+            .await
     }
 
     pub async fn set_quota(&self, project: &str, limits: &Limits) -> Result<Quota, ApiError> {
-        self.call(Method::PUT, &["v1", "projects", project, "quota"], &[], Some(limits)).await
+        self.call(Method::PUT, &["v1", "projects", project, "quota"], &[], Some(limits))
+            .await
     }
 
     pub async fn get_quota(&self, project: &str) -> Result<Quota, ApiError> {
@@ -219,7 +276,8 @@ impl Client {
 
     pub async fn revoke_token(&self, id: &str, reason: Option<&str>) -> Result<Done, ApiError> {
         let q: Vec<(&str, String)> = reason.map(|r| ("reason", r.to_string())).into_iter().collect();
-        self.call::<(), _>(Method::DELETE, &["v1", "tokens", id], &q, None).await
+        self.call::<(), _>(Method::DELETE, &["v1", "tokens", id], &q, None)
+            .await
     }
 
     pub async fn whoami(&self) -> Result<Whoami, ApiError> {
@@ -253,7 +311,8 @@ impl Client {
     /// The last `max_bytes` of the sandbox's console (its PID 1 output).
     pub async fn sandbox_logs(&self, id: &str, max_bytes: Option<u64>) -> Result<Vec<u8>, ApiError> {
         let q: Vec<(&str, String)> = max_bytes.map(|m| ("max_bytes", m.to_string())).into_iter().collect();
-        self.call_raw::<()>(Method::GET, &["v1", "sandboxes", id, "logs"], &q, None).await
+        self.call_raw::<()>(Method::GET, &["v1", "sandboxes", id, "logs"], &q, None)
+            .await
     }
 
     /// One sample of the sandbox's resources, taken now by its edge.
@@ -262,15 +321,18 @@ impl Client {
     }
 
     pub async fn kill_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
-        self.call::<(), _>(Method::DELETE, &["v1", "sandboxes", id], &[], None).await
+        self.call::<(), _>(Method::DELETE, &["v1", "sandboxes", id], &[], None)
+            .await
     }
 
     pub async fn pause_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
-        self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "pause"], &[], None).await
+        self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "pause"], &[], None)
+            .await
     }
 
     pub async fn resume_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
-        self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "resume"], &[], None).await
+        self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "resume"], &[], None)
+            .await
     }
 
     pub async fn fork_sandbox(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
@@ -279,24 +341,52 @@ impl Client {
 
     /// Forks onto edge `edge` (every copy there), or wherever placement puts them.
     pub async fn fork_sandbox_to(&self, id: &str, count: u32, edge: Option<&str>) -> Result<Forked, ApiError> {
-        let body = ForkSandbox { count, edge: edge.map(str::to_string) };
-        self.call(Method::POST, &["v1", "sandboxes", id, "fork"], &[], Some(&body)).await
+        let body = ForkSandbox {
+            count,
+            edge: edge.map(str::to_string),
+        };
+        self.call(Method::POST, &["v1", "sandboxes", id, "fork"], &[], Some(&body))
+            .await
     }
 
     pub async fn set_sandbox_timeout(&self, id: &str, timeout_seconds: u64) -> Result<SandboxWritten, ApiError> {
-        self.call(Method::PUT, &["v1", "sandboxes", id, "timeout"], &[], Some(&SetTimeout { timeout_seconds })).await
+        self.call(
+            Method::PUT,
+            &["v1", "sandboxes", id, "timeout"],
+            &[],
+            Some(&SetTimeout { timeout_seconds }),
+        )
+        .await
     }
 
-    pub async fn set_sandbox_labels(&self, id: &str, labels: BTreeMap<String, String>) -> Result<SandboxWritten, ApiError> {
-        self.call(Method::PUT, &["v1", "sandboxes", id, "labels"], &[], Some(&SetLabels { labels })).await
+    pub async fn set_sandbox_labels(
+        &self,
+        id: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<SandboxWritten, ApiError> {
+        self.call(
+            Method::PUT,
+            &["v1", "sandboxes", id, "labels"],
+            &[],
+            Some(&SetLabels { labels }),
+        )
+        .await
     }
 
     // ---- snapshots ----
 
     /// Takes a snapshot; it is `pending` until its edge has taken it.
     pub async fn create_snapshot(&self, sandbox: &str, name: Option<&str>) -> Result<SnapshotWritten, ApiError> {
-        let req = CreateSnapshot { name: name.map(str::to_string) };
-        self.call(Method::POST, &["v1", "sandboxes", sandbox, "snapshots"], &[], Some(&req)).await
+        let req = CreateSnapshot {
+            name: name.map(str::to_string),
+        };
+        self.call(
+            Method::POST,
+            &["v1", "sandboxes", sandbox, "snapshots"],
+            &[],
+            Some(&req),
+        )
+        .await
     }
 
     pub async fn get_snapshot(&self, id: &str) -> Result<Snapshot, ApiError> {
@@ -309,19 +399,22 @@ impl Client {
     }
 
     pub async fn delete_snapshot(&self, id: &str) -> Result<Done, ApiError> {
-        self.call::<(), _>(Method::DELETE, &["v1", "snapshots", id], &[], None).await
+        self.call::<(), _>(Method::DELETE, &["v1", "snapshots", id], &[], None)
+            .await
     }
 
     // ---- tasks ----
 
     /// Pauses every running sandbox labelled `task=<task>` in the caller's subtree.
     pub async fn pause_task(&self, task: &str) -> Result<TaskWritten, ApiError> {
-        self.call::<(), _>(Method::POST, &["v1", "tasks", task, "pause"], &[], None).await
+        self.call::<(), _>(Method::POST, &["v1", "tasks", task, "pause"], &[], None)
+            .await
     }
 
     /// Resumes every paused sandbox labelled `task=<task>` in the caller's subtree.
     pub async fn resume_task(&self, task: &str) -> Result<TaskWritten, ApiError> {
-        self.call::<(), _>(Method::POST, &["v1", "tasks", task, "resume"], &[], None).await
+        self.call::<(), _>(Method::POST, &["v1", "tasks", task, "resume"], &[], None)
+            .await
     }
 
     // ---- edges ----
@@ -335,7 +428,8 @@ impl Client {
     }
 
     pub async fn deregister_edge(&self, id: &str) -> Result<EdgeWritten, ApiError> {
-        self.call::<(), _>(Method::DELETE, &["v1", "edges", id], &[], None).await
+        self.call::<(), _>(Method::DELETE, &["v1", "edges", id], &[], None)
+            .await
     }
 
     // ---- audit and replay ----
@@ -379,10 +473,22 @@ impl Client {
     }
 
     pub async fn add_member(&self, id: u64, addr: &str) -> Result<ClusterStatus, ApiError> {
-        self.call(Method::POST, &["v1", "cluster", "members"], &[], Some(&AddMember { id, addr: addr.into() })).await
+        self.call(
+            Method::POST,
+            &["v1", "cluster", "members"],
+            &[],
+            Some(&AddMember { id, addr: addr.into() }),
+        )
+        .await
     }
 
     pub async fn remove_member(&self, id: u64) -> Result<ClusterStatus, ApiError> {
-        self.call::<(), _>(Method::DELETE, &["v1", "cluster", "members", &id.to_string()], &[], None).await
+        self.call::<(), _>(
+            Method::DELETE,
+            &["v1", "cluster", "members", &id.to_string()],
+            &[],
+            None,
+        )
+        .await
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! The agent binary must be built first (`cargo build --workspace`).
 
-use opendsec_control::testing::{single_node, TestNode};
+use opendsec_control::testing::{TestNode, single_node};
 use opendsec_sdk::types::*;
 use opendsec_sdk::{Client, ExecOutput, ExecRequest, PtyEvent, PtyRequest};
 use std::collections::{BTreeMap, HashMap};
@@ -29,10 +29,15 @@ impl Env {
 
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
         let map = sockets.clone();
-        let resolver: opendsec_edge::proxy::Resolver = Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned().map(Into::into));
+        let resolver: opendsec_edge::proxy::Resolver =
+            Arc::new(move |id: &str| map.lock().unwrap().get(id).cloned().map(Into::into));
         let edge = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let edge_addr = edge.local_addr().unwrap().to_string();
-        tokio::spawn(opendsec_edge::proxy::serve(edge, t.node.config().cluster_key.clone(), resolver));
+        tokio::spawn(opendsec_edge::proxy::serve(
+            edge,
+            t.node.config().cluster_key.clone(),
+            resolver,
+        ));
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -40,11 +45,36 @@ impl Env {
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
         let c = Client::new(&url, t.admin_token.clone()).unwrap();
-        let capacity = Resources { sandboxes: 10, cpu_millis: 64000, memory_mb: 65536 };
-        c.register_edge(&RegisterEdge { edge: "edge-a".into(), address: edge_addr, capacity, labels: BTreeMap::new() }).await.unwrap();
-        let id = c.create_sandbox(&CreateSandbox { image: "debian".into(), ..Default::default() }).await.unwrap().sandbox.id;
+        let capacity = Resources {
+            sandboxes: 10,
+            cpu_millis: 64000,
+            memory_mb: 65536,
+        };
+        c.register_edge(&RegisterEdge {
+            edge: "edge-a".into(),
+            address: edge_addr,
+            capacity,
+            labels: BTreeMap::new(),
+        })
+        .await
+        .unwrap();
+        let id = c
+            .create_sandbox(&CreateSandbox {
+                image: "debian".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .sandbox
+            .id;
         sockets.lock().unwrap().insert(id.clone(), socket);
-        Env { url, t, id, dir, _agent: agent }
+        Env {
+            url,
+            t,
+            id,
+            dir,
+            _agent: agent,
+        }
     }
 
     fn client(&self) -> Client {
@@ -69,8 +99,15 @@ impl Env {
         tokio::spawn(async move {
             let _ = input.write_all(&data).await;
         });
-        let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await.expect("opendsecctl finished").unwrap();
-        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+        let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+            .await
+            .expect("opendsecctl finished")
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into(),
+            String::from_utf8_lossy(&out.stderr).into(),
+        )
     }
 }
 
@@ -80,7 +117,10 @@ async fn exec_streams_output_and_returns_the_exit_code() {
     let c = env.client();
     let req = ExecRequest {
         cmd: "/bin/sh".into(),
-        args: vec!["-c".into(), "echo one; echo two >&2; pwd; echo \"$GREETING\"; id -un; exit 7".into()],
+        args: vec![
+            "-c".into(),
+            "echo one; echo two >&2; pwd; echo \"$GREETING\"; id -un; exit 7".into(),
+        ],
         envs: [("GREETING".to_string(), "hi there".to_string())].into(),
         cwd: Some("/tmp".into()),
         user: Some("nobody".into()),
@@ -98,15 +138,34 @@ async fn exec_streams_output_and_returns_the_exit_code() {
     assert_eq!(String::from_utf8(err).unwrap(), "two\n");
 
     // Chunks arrive as they are written, not at the end.
-    let req = ExecRequest { cmd: "/bin/sh".into(), args: vec!["-c".into(), "echo a; sleep 1; echo b".into()], ..Default::default() };
+    let req = ExecRequest {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), "echo a; sleep 1; echo b".into()],
+        ..Default::default()
+    };
     let started = std::time::Instant::now();
     let mut seen = Vec::new();
-    c.exec(&env.id, &req, |o| seen.push((started.elapsed(), o))).await.unwrap();
+    c.exec(&env.id, &req, |o| seen.push((started.elapsed(), o)))
+        .await
+        .unwrap();
     assert_eq!(seen.len(), 2, "{seen:?}");
-    assert!(seen[1].0 - seen[0].0 >= Duration::from_millis(700), "the first chunk came before the sleep: {seen:?}");
+    assert!(
+        seen[1].0 - seen[0].0 >= Duration::from_millis(700),
+        "the first chunk came before the sleep: {seen:?}"
+    );
 
     // A program that does not exist: an error, not an exit code.
-    let e = c.exec(&env.id, &ExecRequest { cmd: "/no/such/program".into(), ..Default::default() }, |_| {}).await.unwrap_err();
+    let e = c
+        .exec(
+            &env.id,
+            &ExecRequest {
+                cmd: "/no/such/program".into(),
+                ..Default::default()
+            },
+            |_| {},
+        )
+        .await
+        .unwrap_err();
     assert!(e.status >= 400, "{e:?}");
     // An unknown sandbox.
     let e = c.exec("00000000000000000000", &req, |_| {}).await.unwrap_err();
@@ -130,7 +189,15 @@ async fn files_upload_and_download() {
 async fn a_pty_session_takes_input_resizes_and_exits() {
     let env = Env::new().await;
     let c = env.client();
-    let req = PtyRequest { exec: ExecRequest { cmd: "/bin/sh".into(), envs: [("PS1".to_string(), "$ ".to_string())].into(), ..Default::default() }, cols: 80, rows: 24 };
+    let req = PtyRequest {
+        exec: ExecRequest {
+            cmd: "/bin/sh".into(),
+            envs: [("PS1".to_string(), "$ ".to_string())].into(),
+            ..Default::default()
+        },
+        cols: 80,
+        rows: 24,
+    };
     let mut s = c.pty(&env.id, &req).await.unwrap();
     assert!(s.pid() > 0);
     let ctl = s.control();
@@ -148,7 +215,9 @@ async fn a_pty_session_takes_input_resizes_and_exits() {
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(10), wait).await.unwrap_or_else(|_| panic!("no {needle:?} in {seen:?}"));
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap_or_else(|_| panic!("no {needle:?} in {seen:?}"));
         seen
     }
 
@@ -175,11 +244,32 @@ async fn opendsecctl_exec_cp_and_shell() {
     let env = Env::new().await;
     let id = env.id.as_str();
 
-    let (code, out, err) = env.ctl(&["sandbox", "exec", id, "--env", "X=y", "--cwd", "/tmp", "--", "sh", "-c", "echo out $X; pwd; echo err >&2; exit 5"], b"").await;
+    let (code, out, err) = env
+        .ctl(
+            &[
+                "sandbox",
+                "exec",
+                id,
+                "--env",
+                "X=y",
+                "--cwd",
+                "/tmp",
+                "--",
+                "sh",
+                "-c",
+                "echo out $X; pwd; echo err >&2; exit 5",
+            ],
+            b"",
+        )
+        .await;
     assert_eq!((code, out.as_str(), err.as_str()), (5, "out y\n/tmp\n", "err\n"));
-    let (code, out, _) = env.ctl(&["sandbox", "exec", id, "--user", "nobody", "id", "-un"], b"").await;
+    let (code, out, _) = env
+        .ctl(&["sandbox", "exec", id, "--user", "nobody", "id", "-un"], b"")
+        .await;
     assert_eq!((code, out.as_str()), (0, "nobody\n"));
-    let (code, _, err) = env.ctl(&["sandbox", "exec", "00000000000000000000", "--", "true"], b"").await;
+    let (code, _, err) = env
+        .ctl(&["sandbox", "exec", "00000000000000000000", "--", "true"], b"")
+        .await;
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("does not exist"), "{err}");
 
@@ -191,22 +281,60 @@ async fn opendsecctl_exec_cp_and_shell() {
     let remote = format!("{id}:{}/", remote_dir.display());
     let (code, out, err) = env.ctl(&["sandbox", "cp", local.to_str().unwrap(), &remote], b"").await;
     assert_eq!(code, 0, "{err}");
-    assert_eq!(out.trim(), format!("copied {} bytes to {id}:{}/local.bin", data.len(), remote_dir.display()));
+    assert_eq!(
+        out.trim(),
+        format!("copied {} bytes to {id}:{}/local.bin", data.len(), remote_dir.display())
+    );
     assert_eq!(std::fs::read(remote_dir.join("local.bin")).unwrap(), data);
     let back = env.dir.path().join("back.bin");
-    let (code, _, err) = env.ctl(&["sandbox", "cp", &format!("{id}:{}/local.bin", remote_dir.display()), back.to_str().unwrap()], b"").await;
+    let (code, _, err) = env
+        .ctl(
+            &[
+                "sandbox",
+                "cp",
+                &format!("{id}:{}/local.bin", remote_dir.display()),
+                back.to_str().unwrap(),
+            ],
+            b"",
+        )
+        .await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(std::fs::read(&back).unwrap(), data);
-    let (code, _, _) = env.ctl(&["sandbox", "cp", "-", &format!("{id}:{}/small.txt", remote_dir.display())], b"from stdin").await;
+    let (code, _, _) = env
+        .ctl(
+            &[
+                "sandbox",
+                "cp",
+                "-",
+                &format!("{id}:{}/small.txt", remote_dir.display()),
+            ],
+            b"from stdin",
+        )
+        .await;
     assert_eq!(code, 0);
-    let (code, out, _) = env.ctl(&["sandbox", "cp", &format!("{id}:{}/small.txt", remote_dir.display()), "-"], b"").await;
+    let (code, out, _) = env
+        .ctl(
+            &[
+                "sandbox",
+                "cp",
+                &format!("{id}:{}/small.txt", remote_dir.display()),
+                "-",
+            ],
+            b"",
+        )
+        .await;
     assert_eq!((code, out.as_str()), (0, "from stdin"));
     let (code, _, err) = env.ctl(&["sandbox", "cp", "a", "b"], b"").await;
     assert_eq!(code, 1);
     assert!(err.contains("one side must be in a sandbox"), "{err}");
 
     // shell with a piped (non-terminal) stdin: input is forwarded, the exit code comes back.
-    let (code, out, err) = env.ctl(&["sandbox", "shell", id, "--cmd", "/bin/sh"], b"echo shell-$((2*3))\nexit 4\n").await;
+    let (code, out, err) = env
+        .ctl(
+            &["sandbox", "shell", id, "--cmd", "/bin/sh"],
+            b"echo shell-$((2*3))\nexit 4\n",
+        )
+        .await;
     assert_eq!(code, 4, "{out} {err}");
     assert!(out.contains("shell-6"), "{out}");
 }

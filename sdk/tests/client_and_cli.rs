@@ -1,7 +1,7 @@
 //! The client and `opendsecctl` against a real node and the real gateway on a
 //! loopback port.
 
-use opendsec_control::testing::{single_node, TestNode};
+use opendsec_control::testing::{TestNode, single_node};
 use opendsec_sdk::types::*;
 use opendsec_sdk::{AuditFilter, Client, ReplayRequest, SandboxFilter};
 use std::collections::BTreeMap;
@@ -32,12 +32,20 @@ struct Run {
 
 async fn ctl(args: &[&str], env: &[(&str, &str)]) -> Run {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_opendsecctl"));
-    cmd.args(args).env_remove("OPENDSEC_URL").env_remove("OPENDSEC_TOKEN").env_remove("OPENDSEC_TOKEN_FILE").env("HOME", "/nonexistent");
+    cmd.args(args)
+        .env_remove("OPENDSEC_URL")
+        .env_remove("OPENDSEC_TOKEN")
+        .env_remove("OPENDSEC_TOKEN_FILE")
+        .env("HOME", "/nonexistent");
     for (k, v) in env {
         cmd.env(k, v);
     }
     let out = cmd.output().await.unwrap();
-    Run { code: out.status.code().unwrap_or(-1), stdout: String::from_utf8_lossy(&out.stdout).into(), stderr: String::from_utf8_lossy(&out.stderr).into() }
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,25 +61,69 @@ async fn the_client_covers_the_api_and_reads_its_writes() {
     assert_eq!(c.seen_index(), p.index, "the client remembers the index of its write");
     assert_eq!(c.get_project(&p.project.id).await.unwrap().name, "team");
     assert_eq!(c.list_projects().await.unwrap().projects.len(), 2);
-    let q = c.set_quota(&p.project.id, &Limits { sandboxes: Some(5), cpu_millis: None, memory_mb: None }).await.unwrap();
+    let q = c
+        .set_quota(
+            &p.project.id,
+            &Limits {
+                sandboxes: Some(5),
+                cpu_millis: None,
+                memory_mb: None,
+            },
+        )
+        .await
+        .unwrap();
     assert_eq!(q.limits.sandboxes, Some(5));
     assert_eq!(c.get_quota(&p.project.id).await.unwrap().effective.sandboxes, Some(5));
 
-    let edge = RegisterEdge { edge: "edge-a".into(), address: "127.0.0.1:7500".into(), capacity: Resources { sandboxes: 10, cpu_millis: 10000, memory_mb: 10000 }, labels: BTreeMap::new() };
+    let edge = RegisterEdge {
+        edge: "edge-a".into(),
+        address: "127.0.0.1:7500".into(),
+        capacity: Resources {
+            sandboxes: 10,
+            cpu_millis: 10000,
+            memory_mb: 10000,
+        },
+        labels: BTreeMap::new(),
+    };
     c.register_edge(&edge).await.unwrap();
     assert_eq!(c.list_edges().await.unwrap().edges.len(), 1);
 
-    let t = c.issue_token(&IssueToken { project: Some(p.project.id.clone()), name: "worker".into(), rights: vec!["sandbox:read".into(), "sandbox:write".into()], ttl_seconds: None, format: None }).await.unwrap();
+    let t = c
+        .issue_token(&IssueToken {
+            project: Some(p.project.id.clone()),
+            name: "worker".into(),
+            rights: vec!["sandbox:read".into(), "sandbox:write".into()],
+            ttl_seconds: None,
+            format: None,
+        })
+        .await
+        .unwrap();
     let worker = Client::new(&s.url, t.token.clone()).unwrap();
     worker.observe_index(c.seen_index());
-    let sb = worker.create_sandbox(&CreateSandbox { image: "debian".into(), labels: Some([("job".into(), "x".into())].into()), ..Default::default() }).await.unwrap();
+    let sb = worker
+        .create_sandbox(&CreateSandbox {
+            image: "debian".into(),
+            labels: Some([("job".into(), "x".into())].into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(sb.sandbox.project, p.project.id, "defaults to the token's project");
-    let listed = worker.list_sandboxes(&SandboxFilter { labels: [("job".into(), "x".into())].into(), ..Default::default() }).await.unwrap();
+    let listed = worker
+        .list_sandboxes(&SandboxFilter {
+            labels: [("job".into(), "x".into())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(listed.sandboxes.len(), 1);
     worker.pause_sandbox(&sb.sandbox.id).await.unwrap();
     worker.resume_sandbox(&sb.sandbox.id).await.unwrap();
     worker.set_sandbox_timeout(&sb.sandbox.id, 60).await.unwrap();
-    worker.set_sandbox_labels(&sb.sandbox.id, BTreeMap::new()).await.unwrap();
+    worker
+        .set_sandbox_labels(&sb.sandbox.id, BTreeMap::new())
+        .await
+        .unwrap();
     let forked = worker.fork_sandbox(&sb.sandbox.id, 2).await.unwrap();
     assert_eq!(forked.sandboxes.len(), 2);
     let killed = worker.kill_sandbox(&sb.sandbox.id).await.unwrap();
@@ -82,40 +134,98 @@ async fn the_client_covers_the_api_and_reads_its_writes() {
     let e = worker.create_project("nope", None).await.unwrap_err();
     assert_eq!((e.status, e.code.as_str()), (403, "forbidden"));
     let e = c.create_project("Bad Name", None).await.unwrap_err();
-    assert_eq!((e.status, e.code.as_str(), e.field.as_deref()), (400, "invalid", Some("name")));
+    assert_eq!(
+        (e.status, e.code.as_str(), e.field.as_deref()),
+        (400, "invalid", Some("name"))
+    );
     let e = c.get_sandbox("missing").await.unwrap_err();
     assert_eq!(e.status, 404);
 
     // audit shows the worker's denied write; replay rebuilds the past
-    let page = c.audit(&AuditFilter { principal: Some(t.id.clone()), action: Some("project.create".into()), ..Default::default() }).await.unwrap();
+    let page = c
+        .audit(&AuditFilter {
+            principal: Some(t.id.clone()),
+            action: Some("project.create".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(page.records.len(), 1);
     assert_eq!(page.records[0].result, "denied");
-    let r = c.replay(&ReplayRequest { to: Some(p.index.to_string()), view: Some("iam".into()), diff_from: None }).await.unwrap();
+    let r = c
+        .replay(&ReplayRequest {
+            to: Some(p.index.to_string()),
+            view: Some("iam".into()),
+            diff_from: None,
+        })
+        .await
+        .unwrap();
     assert_eq!(r.index, p.index);
     assert!(c.cluster_status().await.unwrap().members.contains_key(&1));
 
     c.revoke_token(&t.id, Some("done")).await.unwrap();
     assert_eq!(worker.whoami().await.unwrap_err().status, 401);
-    assert!(c.list_tokens(None).await.unwrap().tokens.iter().any(|x| x.id == t.id && x.revoked.is_some()));
+    assert!(
+        c.list_tokens(None)
+            .await
+            .unwrap()
+            .tokens
+            .iter()
+            .any(|x| x.id == t.id && x.revoked.is_some())
+    );
     let gone = c.deregister_edge("edge-a").await.unwrap();
     assert!(gone.edge.deregistered);
 
-    let unreachable = Client::new("http://127.0.0.1:1", None).unwrap().whoami().await.unwrap_err();
+    let unreachable = Client::new("http://127.0.0.1:1", None)
+        .unwrap()
+        .whoami()
+        .await
+        .unwrap_err();
     assert_eq!((unreachable.status, unreachable.code.as_str()), (0, "unreachable"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opendsecctl_prints_tables_json_and_helpful_errors() {
     let s = serve().await;
-    let env = [("OPENDSEC_URL", s.url.as_str()), ("OPENDSEC_TOKEN", s.t.admin_token.as_str())];
+    let env = [
+        ("OPENDSEC_URL", s.url.as_str()),
+        ("OPENDSEC_TOKEN", s.t.admin_token.as_str()),
+    ];
 
     let r = ctl(&["whoami"], &env).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(r.stdout.starts_with("FIELD") && r.stdout.contains(&s.t.root_project), "{}", r.stdout);
+    assert!(
+        r.stdout.starts_with("FIELD") && r.stdout.contains(&s.t.root_project),
+        "{}",
+        r.stdout
+    );
 
-    let r = ctl(&["edge", "register", "--edge", "edge-a", "--address", "127.0.0.1:7500", "--sandboxes", "4", "--cpu-millis", "8000", "--memory-mb", "8192"], &env).await;
+    let r = ctl(
+        &[
+            "edge",
+            "register",
+            "--edge",
+            "edge-a",
+            "--address",
+            "127.0.0.1:7500",
+            "--sandboxes",
+            "4",
+            "--cpu-millis",
+            "8000",
+            "--memory-mb",
+            "8192",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
-    let r = ctl(&["--output", "json", "sandbox", "create", "--image", "debian", "--label", "job=a"], &env).await;
+    let r = ctl(
+        &[
+            "--output", "json", "sandbox", "create", "--image", "debian", "--label", "job=a",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let created: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
     let r = ctl(&["sandbox", "list", "--label", "job=a"], &env).await;
@@ -125,14 +235,29 @@ async fn opendsecctl_prints_tables_json_and_helpful_errors() {
     // columns line up: STATE starts at the same offset in header and row
     assert_eq!(lines[0].find("STATE"), lines[1].find("pending"));
 
-    let r = ctl(&["token", "issue", "--name", "ci", "--rights", "sandbox:read,sandbox:write"], &env).await;
+    let r = ctl(
+        &[
+            "token",
+            "issue",
+            "--name",
+            "ci",
+            "--rights",
+            "sandbox:read,sandbox:write",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stdout.contains("odsec_") && r.stdout.contains("shown only now"));
 
     let r = ctl(&["audit", "--action", "sandbox.create", "--all"], &env).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stdout.contains(&created.sandbox.id));
-    let r = ctl(&["replay", "--to", "1", "--diff-from", "1", "--view", "sandboxes"], &env).await;
+    let r = ctl(
+        &["replay", "--to", "1", "--diff-from", "1", "--view", "sandboxes"],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let r = ctl(&["cluster", "status"], &env).await;
     assert!(r.code == 0 && r.stdout.contains("state hash"), "{}", r.stderr);
@@ -141,21 +266,48 @@ async fn opendsecctl_prints_tables_json_and_helpful_errors() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("token");
     std::fs::write(&file, format!("{}\n", s.t.admin_token)).unwrap();
-    let r = ctl(&["whoami"], &[("OPENDSEC_URL", &s.url), ("OPENDSEC_TOKEN_FILE", file.to_str().unwrap())]).await;
+    let r = ctl(
+        &["whoami"],
+        &[
+            ("OPENDSEC_URL", &s.url),
+            ("OPENDSEC_TOKEN_FILE", file.to_str().unwrap()),
+        ],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
 
     // failures: exit 1 with a message and a hint
     let r = ctl(&["whoami"], &[("OPENDSEC_URL", &s.url)]).await;
     assert_eq!(r.code, 1);
     assert!(r.stderr.starts_with("error: missing bearer token"), "{}", r.stderr);
-    assert!(r.stderr.contains("hint: check OPENDSEC_TOKEN") && r.stderr.contains("opendsec init"), "{}", r.stderr);
-    let r = ctl(&["quota", "set", &s.t.root_project, "--cpu-millis", "99999999999999"], &env).await;
+    assert!(
+        r.stderr.contains("hint: check OPENDSEC_TOKEN") && r.stderr.contains("opendsec init"),
+        "{}",
+        r.stderr
+    );
+    let r = ctl(
+        &["quota", "set", &s.t.root_project, "--cpu-millis", "99999999999999"],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 1);
-    assert!(r.stderr.contains("field: limits.cpu_millis") && r.stderr.contains("hint: fix `limits.cpu_millis`"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("field: limits.cpu_millis") && r.stderr.contains("hint: fix `limits.cpu_millis`"),
+        "{}",
+        r.stderr
+    );
     let r = ctl(&["sandbox", "get", "nope"], &env).await;
     assert!(r.code == 1 && r.stderr.contains("does not exist"), "{}", r.stderr);
-    let r = ctl(&["whoami"], &[("OPENDSEC_URL", "http://127.0.0.1:1"), ("OPENDSEC_TOKEN", "x")]).await;
-    assert!(r.code == 1 && r.stderr.contains("is the server running"), "{}", r.stderr);
+    let r = ctl(
+        &["whoami"],
+        &[("OPENDSEC_URL", "http://127.0.0.1:1"), ("OPENDSEC_TOKEN", "x")],
+    )
+    .await;
+    assert!(
+        r.code == 1 && r.stderr.contains("is the server running"),
+        "{}",
+        r.stderr
+    );
     // usage errors: exit 2
     let r = ctl(&["sandbox", "create"], &env).await;
     assert_eq!(r.code, 2, "{}", r.stderr);
@@ -166,13 +318,45 @@ async fn opendsecctl_prints_tables_json_and_helpful_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     let s = serve().await;
-    let env = [("OPENDSEC_URL", s.url.as_str()), ("OPENDSEC_TOKEN", s.t.admin_token.as_str())];
+    let env = [
+        ("OPENDSEC_URL", s.url.as_str()),
+        ("OPENDSEC_TOKEN", s.t.admin_token.as_str()),
+    ];
     let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
-    let labels = BTreeMap::from([("opendsec.io/microvm".to_string(), "qemu".to_string()), ("opendsec.io/fullvm".to_string(), "q35".to_string())]);
-    let edge = RegisterEdge { edge: "vm".into(), address: "127.0.0.1:7500".into(), capacity: Resources { sandboxes: 10, cpu_millis: 10000, memory_mb: 10000 }, labels };
+    let labels = BTreeMap::from([
+        ("opendsec.io/microvm".to_string(), "qemu".to_string()),
+        ("opendsec.io/fullvm".to_string(), "q35".to_string()),
+    ]);
+    let edge = RegisterEdge {
+        edge: "vm".into(),
+        address: "127.0.0.1:7500".into(),
+        capacity: Resources {
+            sandboxes: 10,
+            cpu_millis: 10000,
+            memory_mb: 10000,
+        },
+        labels,
+    };
     c.register_edge(&edge).await.unwrap();
 
-    let r = ctl(&["--output", "json", "sandbox", "create", "--image", "base", "--isolation", "microvm", "--memory-mb", "256", "--label", "task=t1"], &env).await;
+    let r = ctl(
+        &[
+            "--output",
+            "json",
+            "sandbox",
+            "create",
+            "--image",
+            "base",
+            "--isolation",
+            "microvm",
+            "--memory-mb",
+            "256",
+            "--label",
+            "task=t1",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let created: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
     assert_eq!(created.sandbox.isolation, Isolation::Microvm);
@@ -180,30 +364,88 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     let r = ctl(&["sandbox", "create", "--image", "base", "--isolation", "gvisor"], &env).await;
     assert_eq!(r.code, 2, "not an isolation: {}", r.stderr);
     // A full VM: the isolation the edge labelled opendsec.io/fullvm runs.
-    let r = ctl(&["--output", "json", "sandbox", "create", "--image", "base", "--isolation", "vm", "--memory-mb", "256"], &env).await;
+    let r = ctl(
+        &[
+            "--output",
+            "json",
+            "sandbox",
+            "create",
+            "--image",
+            "base",
+            "--isolation",
+            "vm",
+            "--memory-mb",
+            "256",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let full: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
-    assert_eq!((full.sandbox.isolation, full.sandbox.edge.as_str()), (Isolation::Vm, "vm"));
+    assert_eq!(
+        (full.sandbox.isolation, full.sandbox.edge.as_str()),
+        (Isolation::Vm, "vm")
+    );
     let r = ctl(&["sandbox", "list"], &env).await;
-    assert!(r.stdout.lines().next().unwrap().contains("ISOLATION") && r.stdout.contains("microvm"), "{}", r.stdout);
+    assert!(
+        r.stdout.lines().next().unwrap().contains("ISOLATION") && r.stdout.contains("microvm"),
+        "{}",
+        r.stdout
+    );
 
     // A snapshot of a sandbox that has not run is refused; once it runs it is logged
     // (pending here: no real edge takes it).
     let r = ctl(&["sandbox", "snapshot", &id, "--no-wait"], &env).await;
     assert!(r.code == 1 && r.stderr.contains("not running yet"), "{}", r.stderr);
-    let ready = opendsec_commands::Command::ReportSandbox { sandbox: id.clone(), observation: opendsec_commands::Observation::Ready };
-    s.t.node.submit(opendsec_control::Credential::System, "ready".into(), ready).await.unwrap();
-    let r = ctl(&["--output", "json", "sandbox", "snapshot", &id, "--name", "warm", "--no-wait"], &env).await;
+    let ready = opendsec_commands::Command::ReportSandbox {
+        sandbox: id.clone(),
+        observation: opendsec_commands::Observation::Ready,
+    };
+    s.t.node
+        .submit(opendsec_control::Credential::System, "ready".into(), ready)
+        .await
+        .unwrap();
+    let r = ctl(
+        &[
+            "--output",
+            "json",
+            "sandbox",
+            "snapshot",
+            &id,
+            "--name",
+            "warm",
+            "--no-wait",
+        ],
+        &env,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let snap: Snapshot = serde_json::from_str(&r.stdout).unwrap();
-    assert_eq!((snap.state.as_str(), snap.isolation, snap.name.as_str()), ("pending", Isolation::Microvm, "warm"));
+    assert_eq!(
+        (snap.state.as_str(), snap.isolation, snap.name.as_str()),
+        ("pending", Isolation::Microvm, "warm")
+    );
     let r = ctl(&["snapshot", "list", "--sandbox", &id], &env).await;
-    assert!(r.code == 0 && r.stdout.contains(&snap.id) && r.stdout.contains("microvm"), "{}", r.stdout);
+    assert!(
+        r.code == 0 && r.stdout.contains(&snap.id) && r.stdout.contains("microvm"),
+        "{}",
+        r.stdout
+    );
 
     let r = ctl(&["task", "pause", "t1"], &env).await;
-    assert!(r.code == 0 && r.stdout.starts_with("task t1: pausing 1 of 1 sandboxes") && r.stdout.contains("pausing"), "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.code == 0 && r.stdout.starts_with("task t1: pausing 1 of 1 sandboxes") && r.stdout.contains("pausing"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
     let r = ctl(&["task", "resume", "t1"], &env).await;
-    assert!(r.code == 0 && r.stdout.starts_with("task t1: resuming 1 of 1 sandboxes"), "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.code == 0 && r.stdout.starts_with("task t1: resuming 1 of 1 sandboxes"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
     let r = ctl(&["task", "pause", "nobody"], &env).await;
     assert!(r.code == 1 && r.stderr.contains("field: task"), "{}", r.stderr);
     let r = ctl(&["snapshot", "delete", &snap.id], &env).await;

@@ -4,7 +4,7 @@
 
 use opendsec_commands::Command;
 use opendsec_control::pb::Capacity;
-use opendsec_control::{format_token, new_token_secret, ControlNode, Credential};
+use opendsec_control::{ControlNode, Credential, format_token, new_token_secret};
 use opendsec_edge::container::{ContainerConfig, RuntimeChoice};
 use opendsec_edge::node::{EdgeConfig, MicroVmEdgeConfig};
 use opendsec_projections::Right;
@@ -74,18 +74,28 @@ pub const CPU_OVERCOMMIT: u64 = 16;
 fn host_memory_mb() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()))
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
         .map(|kb| kb / 1024)
         .unwrap_or(1024)
 }
 
 fn sibling(name: &str) -> PathBuf {
-    std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join(name))).unwrap_or_else(|| PathBuf::from(name))
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join(name)))
+        .unwrap_or_else(|| PathBuf::from(name))
 }
 
 impl EdgeArgs {
     pub fn config(&self, data_dir: &Path, control_peer: String, token: String, edge_key: String) -> EdgeConfig {
-        let cpus = std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1);
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as u64)
+            .unwrap_or(1);
         let container = ContainerConfig {
             sandboxes_root: data_dir.join("sandboxes"),
             runtime_root: data_dir.join("runtime"),
@@ -109,7 +119,11 @@ impl EdgeArgs {
             container,
             images_dir: self.image_dir.clone(),
             // Absolute: it is bind-mounted into sandboxes by a runtime with another cwd.
-            agent_binary: self.agent.clone().map(|p| std::path::absolute(&p).unwrap_or(p)).unwrap_or_else(|| sibling("opendsec-agent")),
+            agent_binary: self
+                .agent
+                .clone()
+                .map(|p| std::path::absolute(&p).unwrap_or(p))
+                .unwrap_or_else(|| sibling("opendsec-agent")),
             disk_bytes: self.disk_mb << 20,
             pids: self.pids,
             microvm: self.microvm_config(),
@@ -118,7 +132,11 @@ impl EdgeArgs {
     }
 
     fn microvm_config(&self) -> Option<MicroVmEdgeConfig> {
-        let shim = self.vm_shim.clone().map(|p| std::path::absolute(&p).unwrap_or(p)).unwrap_or_else(|| sibling("opendsec-vm-shim"));
+        let shim = self
+            .vm_shim
+            .clone()
+            .map(|p| std::path::absolute(&p).unwrap_or(p))
+            .unwrap_or_else(|| sibling("opendsec-vm-shim"));
         let usable = shim.is_file() && opendsec_edge::vm::host_has_qemu();
         match self.microvm {
             MicroVmChoice::Off => None,
@@ -146,8 +164,17 @@ pub async fn embedded_edge_token(node: &ControlNode, edge_dir: &Path) -> Result<
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let (secret, hash) = new_token_secret();
-    let cmd = Command::IssueToken { project: root, name: "embedded-edge".into(), rights: vec![Right::EdgeWrite], ttl_seconds: None, secret_sha256: hash };
-    let issued = node.submit(Credential::System, uuid::Uuid::new_v4().to_string(), cmd).await.map_err(|e| e.to_string())?;
+    let cmd = Command::IssueToken {
+        project: root,
+        name: "embedded-edge".into(),
+        rights: vec![Right::EdgeWrite],
+        ttl_seconds: None,
+        secret_sha256: hash,
+    };
+    let issued = node
+        .submit(Credential::System, uuid::Uuid::new_v4().to_string(), cmd)
+        .await
+        .map_err(|e| e.to_string())?;
     let token = format_token(&issued.decided.target, &secret);
     std::fs::create_dir_all(edge_dir).map_err(|e| e.to_string())?;
     crate::write_private(&path, &token)?;

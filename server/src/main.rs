@@ -9,15 +9,19 @@ mod telemetry;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::{Parser, Subcommand};
-use opendsec_control::pb::{control_client::ControlClient, BootstrapRequest};
-use opendsec_control::{format_token, new_cluster_key, new_token_secret, ControlConfig, ControlNode};
+use opendsec_control::pb::{BootstrapRequest, control_client::ControlClient};
+use opendsec_control::{ControlConfig, ControlNode, format_token, new_cluster_key, new_token_secret};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "opendsec", version, about = "OpenDsec server: control plane, gateway (and, later, edge) in one binary")]
+#[command(
+    name = "opendsec",
+    version,
+    about = "OpenDsec server: control plane, gateway (and, later, edge) in one binary"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -153,22 +157,33 @@ fn parse_members(s: &str) -> Result<BTreeMap<u64, String>, String> {
     s.split(',')
         .filter(|p| !p.is_empty())
         .map(|p| {
-            let (id, addr) = p.split_once('=').ok_or_else(|| format!("member `{p}` is not id=host:port"))?;
+            let (id, addr) = p
+                .split_once('=')
+                .ok_or_else(|| format!("member `{p}` is not id=host:port"))?;
             let id: u64 = id.parse().map_err(|_| format!("member id `{id}` is not a number"))?;
             Ok((id, addr.to_string()))
         })
         .collect()
 }
 
-async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, embedded_edge: Option<edge::EdgeArgs>) -> Result<(), String> {
+async fn run_node(
+    id: u64,
+    args: NodeArgs,
+    init: Option<BTreeMap<u64, String>>,
+    embedded_edge: Option<edge::EdgeArgs>,
+) -> Result<(), String> {
     let key = read_or_create_key(&key_file(&args.data_dir, &args.cluster_key_file))?;
     let advertise = args.advertise_peer.clone().unwrap_or_else(|| args.peer_listen.clone());
     let mut cfg = ControlConfig::new(id, &args.data_dir, advertise.clone(), key.clone());
     cfg.snapshot_every = args.snapshot_every;
     cfg.checkpoint_every = args.checkpoint_every;
     cfg.archive_retention = args.archive_retention;
-    let peer = tokio::net::TcpListener::bind(&args.peer_listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.peer_listen))?;
-    let http = tokio::net::TcpListener::bind(&args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let peer = tokio::net::TcpListener::bind(&args.peer_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.peer_listen))?;
+    let http = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let node = ControlNode::open(cfg).await.map_err(|e| e.to_string())?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let peer_node = node.clone();
@@ -200,7 +215,10 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, 
     let tls_task = match &args.tls_listen {
         None => None,
         Some(addr) => {
-            let domain = args.domain.as_deref().ok_or("--tls-listen needs --domain (the name the certificate is for)")?;
+            let domain = args
+                .domain
+                .as_deref()
+                .ok_or("--tls-listen needs --domain (the name the certificate is for)")?;
             let host = domain.rsplit_once(':').map(|(h, _)| h).unwrap_or(domain).to_string();
             let settings = opendsec_gateway::tls::TlsSettings {
                 dir: args.data_dir.join("tls"),
@@ -208,7 +226,9 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, 
                 cert_and_key: args.tls_cert.clone().zip(args.tls_key.clone()),
             };
             let config = opendsec_gateway::tls::server_config(&settings)?;
-            let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
             tracing::info!(tls = %addr, %domain, ca = %settings.dir.join("ca.crt").display(), "serving TLS");
             Some(tokio::spawn(opendsec_gateway::tls::serve(l, config, app.clone())))
         }
@@ -261,13 +281,27 @@ async fn run_node(id: u64, args: NodeArgs, init: Option<BTreeMap<u64, String>>, 
     Ok(())
 }
 
-async fn run_edge(control: String, token_file: PathBuf, key_file: PathBuf, data_dir: PathBuf, args: edge::EdgeArgs) -> Result<(), String> {
-    let token = std::fs::read_to_string(&token_file).map_err(|e| format!("cannot read the edge token at {}: {e}; issue one with `opendsecctl token issue --rights edge:write`", token_file.display()))?;
-    let key = std::fs::read_to_string(&key_file).map_err(|e| format!("cannot read the cluster key at {}: {e}", key_file.display()))?;
+async fn run_edge(
+    control: String,
+    token_file: PathBuf,
+    key_file: PathBuf,
+    data_dir: PathBuf,
+    args: edge::EdgeArgs,
+) -> Result<(), String> {
+    let token = std::fs::read_to_string(&token_file).map_err(|e| {
+        format!(
+            "cannot read the edge token at {}: {e}; issue one with `opendsecctl token issue --rights edge:write`",
+            token_file.display()
+        )
+    })?;
+    let key = std::fs::read_to_string(&key_file)
+        .map_err(|e| format!("cannot read the cluster key at {}: {e}", key_file.display()))?;
     std::fs::create_dir_all(&data_dir).map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let cfg = args.config(&data_dir, control, token.trim().to_string(), key.trim().to_string());
     tracing::info!(edge = %cfg.name, proxy = %cfg.proxy_listen, "opendsec edge running");
-    opendsec_edge::node::run(cfg, shutdown_signal()).await.map_err(|e| e.to_string())
+    opendsec_edge::node::run(cfg, shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
 }
 
 async fn shutdown_signal() {
@@ -278,7 +312,14 @@ async fn shutdown_signal() {
     }
 }
 
-async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, project_name: String, url: String, token_file: Option<PathBuf>) -> Result<(), String> {
+async fn init(
+    peer: String,
+    data_dir: PathBuf,
+    key_file_arg: Option<PathBuf>,
+    project_name: String,
+    url: String,
+    token_file: Option<PathBuf>,
+) -> Result<(), String> {
     let path = key_file(&data_dir, &key_file_arg);
     // A node that was just started writes its key first thing: give it a moment.
     let mut key = std::fs::read_to_string(&path);
@@ -289,7 +330,12 @@ async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, pr
         tokio::time::sleep(Duration::from_millis(100)).await;
         key = std::fs::read_to_string(&path);
     }
-    let key = key.map_err(|e| format!("cannot read the cluster key at {}: {e}; start the node first (`opendsec up`) or pass --cluster-key-file", path.display()))?;
+    let key = key.map_err(|e| {
+        format!(
+            "cannot read the cluster key at {}: {e}; start the node first (`opendsec up`) or pass --cluster-key-file",
+            path.display()
+        )
+    })?;
     let (secret, hash) = new_token_secret();
     let req = BootstrapRequest {
         cluster_key: key.trim().to_string(),
@@ -313,7 +359,9 @@ async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, pr
         };
         let reply = match client.bootstrap(req.clone()).await {
             Ok(r) => r.into_inner(),
-            Err(s) if s.code() == tonic::Code::PermissionDenied => return Err(format!("bootstrap refused: {}", s.message())),
+            Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                return Err(format!("bootstrap refused: {}", s.message()));
+            }
             Err(s) => {
                 last = s.message().to_string();
                 continue;
@@ -329,7 +377,10 @@ async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, pr
                     write_private(&f, &token)?;
                     eprintln!("admin token written to {}", f.display());
                 }
-                println!("OpenDsec is initialised: root project {}, admin token below (shown once).", s.decided.project);
+                println!(
+                    "OpenDsec is initialised: root project {}, admin token below (shown once).",
+                    s.decided.project
+                );
                 println!();
                 println!("export OPENDSEC_URL={url}");
                 println!("export OPENDSEC_TOKEN={token}");
@@ -337,7 +388,9 @@ async fn init(peer: String, data_dir: PathBuf, key_file_arg: Option<PathBuf>, pr
                 println!("Then try: opendsecctl whoami; opendsecctl project create team-a");
                 return Ok(());
             }
-            Err(opendsec_control::SubmitError::Rejected { rejection, .. }) if rejection.kind == opendsec_commands::RejectionKind::Conflict => {
+            Err(opendsec_control::SubmitError::Rejected { rejection, .. })
+                if rejection.kind == opendsec_commands::RejectionKind::Conflict =>
+            {
                 return Err("this cluster is already initialised; its admin token was printed then. Issue more with `opendsecctl token issue`".into());
             }
             Err(e) => {
@@ -381,14 +434,25 @@ async fn serve(cli: Cli) -> ExitCode {
             let peer = node.advertise_peer.clone().unwrap_or_else(|| node.peer_listen.clone());
             run_node(1, node, Some(BTreeMap::from([(1, peer)])), (!no_edge).then_some(edge)).await
         }
-        Cmd::Edge { control, token_file, cluster_key_file, data_dir, edge } => run_edge(control, token_file, cluster_key_file, data_dir, edge).await,
+        Cmd::Edge {
+            control,
+            token_file,
+            cluster_key_file,
+            data_dir,
+            edge,
+        } => run_edge(control, token_file, cluster_key_file, data_dir, edge).await,
         Cmd::Control { id, node, init_members } => match init_members.as_deref().map(parse_members).transpose() {
             Ok(init) => run_node(id, node, init, None).await,
             Err(e) => Err(e),
         },
-        Cmd::Init { peer, data_dir, cluster_key_file, project_name, url, token_file } => {
-            init(peer, data_dir, cluster_key_file, project_name, url, token_file).await
-        }
+        Cmd::Init {
+            peer,
+            data_dir,
+            cluster_key_file,
+            project_name,
+            url,
+            token_file,
+        } => init(peer, data_dir, cluster_key_file, project_name, url, token_file).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -31,7 +31,13 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
     let count = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for w in 0..CONCURRENCY {
-        let (urls, acked, count, http, token) = (urls.clone(), acked.clone(), count.clone(), cluster.http.clone(), cluster.token.clone());
+        let (urls, acked, count, http, token) = (
+            urls.clone(),
+            acked.clone(),
+            count.clone(),
+            cluster.http.clone(),
+            cluster.token.clone(),
+        );
         workers.push(tokio::spawn(async move {
             let mut attempt = w;
             let deadline = Instant::now() + Duration::from_secs(120);
@@ -39,13 +45,21 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
                 attempt += 1;
                 let url = &urls[attempt % urls.len()];
                 let started = Instant::now();
-                let body = json!({"image": "busybox", "cpu_millis": 10, "memory_mb": 1, "labels": {"worker": w.to_string()}});
+                let body =
+                    json!({"image": "busybox", "cpu_millis": 10, "memory_mb": 1, "labels": {"worker": w.to_string()}});
                 let resp = http.post(url).bearer_auth(&token).json(&body).send().await;
                 match resp {
                     Ok(r) if r.status().is_success() => {
                         let v: serde_json::Value = r.json().await.expect("create answers JSON");
-                        let id = v["sandbox"]["id"].as_str().expect("create answers the sandbox id").to_string();
-                        acked.lock().unwrap().push(Ack { id, started, finished: Instant::now() });
+                        let id = v["sandbox"]["id"]
+                            .as_str()
+                            .expect("create answers the sandbox id")
+                            .to_string();
+                        acked.lock().unwrap().push(Ack {
+                            id,
+                            started,
+                            finished: Instant::now(),
+                        });
                         count.fetch_add(1, Ordering::SeqCst);
                     }
                     // Refused (leader lost mid-flight, no leader yet) or the node is down: try another.
@@ -57,7 +71,11 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
 
     let waiting = Instant::now();
     while count.load(Ordering::SeqCst) < KILL_AFTER {
-        assert!(waiting.elapsed() < Duration::from_secs(60), "only {} writes acknowledged before the kill", count.load(Ordering::SeqCst));
+        assert!(
+            waiting.elapsed() < Duration::from_secs(60),
+            "only {} writes acknowledged before the kill",
+            count.load(Ordering::SeqCst)
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let leader = cluster.leader().await.expect("a leader before the kill");
@@ -77,7 +95,10 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
         .map(|a| a.finished.duration_since(killed_at))
         .min()
         .expect("writes after the kill");
-    assert!(first_after < Duration::from_secs(3), "first write after the kill took {first_after:?}");
+    assert!(
+        first_after < Duration::from_secs(3),
+        "first write after the kill took {first_after:?}"
+    );
 
     // The killed node comes back from its data directory and catches up.
     cluster.restart(leader);
@@ -89,19 +110,41 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
     for i in 0..3 {
         let (status, list) = cluster.get(i, "/v1/sandboxes", &cluster.token).await.unwrap();
         assert_eq!(status, 200, "{list}");
-        let present: std::collections::BTreeSet<&str> =
-            list["sandboxes"].as_array().expect("a sandbox list").iter().filter_map(|s| s["id"].as_str()).collect();
-        let missing: Vec<&str> = acked.iter().map(|a| a.id.as_str()).filter(|id| !present.contains(id)).collect();
-        assert!(missing.is_empty(), "node {} lacks {} acknowledged writes, e.g. {:?}", i + 1, missing.len(), missing.first());
+        let present: std::collections::BTreeSet<&str> = list["sandboxes"]
+            .as_array()
+            .expect("a sandbox list")
+            .iter()
+            .filter_map(|s| s["id"].as_str())
+            .collect();
+        let missing: Vec<&str> = acked
+            .iter()
+            .map(|a| a.id.as_str())
+            .filter(|id| !present.contains(id))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "node {} lacks {} acknowledged writes, e.g. {:?}",
+            i + 1,
+            missing.len(),
+            missing.first()
+        );
     }
-    eprintln!("acknowledged {} writes; first write after the kill answered in {first_after:?}", acked.len());
+    eprintln!(
+        "acknowledged {} writes; first write after the kill answered in {first_after:?}",
+        acked.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_token_is_refused_by_every_node_once_the_revocation_commits() {
     let cluster = Cluster::start(3).await;
     let (s, issued) = cluster
-        .post(1, "/v1/tokens", &cluster.token, json!({"project": root_project(&cluster).await, "name": "ci", "rights": ["sandbox:read"]}))
+        .post(
+            1,
+            "/v1/tokens",
+            &cluster.token,
+            json!({"project": root_project(&cluster).await, "name": "ci", "rights": ["sandbox:read"]}),
+        )
         .await
         .unwrap();
     assert_eq!(s, 201, "{issued}");
@@ -113,7 +156,13 @@ async fn a_revoked_token_is_refused_by_every_node_once_the_revocation_commits() 
         assert_eq!(s, 200, "node {} refused a valid token", i + 1);
     }
 
-    let r = cluster.http.delete(cluster.nodes[2].url(&format!("/v1/tokens/{id}"))).bearer_auth(&cluster.token).send().await.unwrap();
+    let r = cluster
+        .http
+        .delete(cluster.nodes[2].url(&format!("/v1/tokens/{id}")))
+        .bearer_auth(&cluster.token)
+        .send()
+        .await
+        .unwrap();
     assert!(r.status().is_success(), "revoke failed: {}", r.status());
     let index: u64 = r.headers()["x-opendsec-index"].to_str().unwrap().parse().unwrap();
 

@@ -13,13 +13,24 @@ async fn a_node_is_added_catches_up_and_another_is_removed() {
     let mut cluster = Cluster::start(3).await;
     cluster.register_edge("edge-a", 100).await;
     for _ in 0..20 {
-        let (s, v) = cluster.post(0, "/v1/sandboxes", &cluster.token, json!({"image": "busybox"})).await.unwrap();
+        let (s, v) = cluster
+            .post(0, "/v1/sandboxes", &cluster.token, json!({"image": "busybox"}))
+            .await
+            .unwrap();
         assert_eq!(s, 201, "{v}");
     }
     let fourth = cluster.spawn_extra(4).await;
     let leader = cluster.leader().await.expect("a leader");
     let addr = cluster.nodes[fourth].peer.clone();
-    let (s, v) = cluster.post(leader, "/v1/cluster/members", &cluster.token, json!({"id": 4, "addr": addr})).await.unwrap();
+    let (s, v) = cluster
+        .post(
+            leader,
+            "/v1/cluster/members",
+            &cluster.token,
+            json!({"id": 4, "addr": addr}),
+        )
+        .await
+        .unwrap();
     assert!(s < 300, "add member: {s} {v}");
     let statuses = cluster.wait_converged(Duration::from_secs(20)).await;
     assert_eq!(statuses.len(), 4);
@@ -28,15 +39,32 @@ async fn a_node_is_added_catches_up_and_another_is_removed() {
     // Remove node 3 (not the leader, so the request is served where it lands).
     let victim = (0..3).find(|&i| i != leader).unwrap();
     let id = cluster.nodes[victim].id;
-    let r = cluster.http.delete(cluster.nodes[leader].url(&format!("/v1/cluster/members/{id}"))).bearer_auth(&cluster.token).send().await.unwrap();
+    let r = cluster
+        .http
+        .delete(cluster.nodes[leader].url(&format!("/v1/cluster/members/{id}")))
+        .bearer_auth(&cluster.token)
+        .send()
+        .await
+        .unwrap();
     assert!(r.status().is_success(), "remove member: {}", r.status());
     let (_, status) = cluster.get(leader, "/v1/cluster", &cluster.token).await.unwrap();
-    let voters: Vec<u64> = status["voters"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-    assert!(!voters.contains(&id) && voters.contains(&4), "voters after removal: {voters:?}");
+    let voters: Vec<u64> = status["voters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(
+        !voters.contains(&id) && voters.contains(&4),
+        "voters after removal: {voters:?}"
+    );
 
     // Both changes are in the audit view, with who asked and the result.
     for (action, node) in [("cluster.add_member", 4), ("cluster.remove_member", id)] {
-        let (s, page) = cluster.get(leader, &format!("/v1/audit?action={action}"), &cluster.token).await.unwrap();
+        let (s, page) = cluster
+            .get(leader, &format!("/v1/audit?action={action}"), &cluster.token)
+            .await
+            .unwrap();
         assert_eq!(s, 200, "{page}");
         let records = page["records"].as_array().unwrap();
         assert_eq!(records.len(), 1, "{page}");
@@ -46,6 +74,9 @@ async fn a_node_is_added_catches_up_and_another_is_removed() {
     }
 
     // Writes still commit with the new membership.
-    let (s, v) = cluster.post(leader, "/v1/sandboxes", &cluster.token, json!({"image": "busybox"})).await.unwrap();
+    let (s, v) = cluster
+        .post(leader, "/v1/sandboxes", &cluster.token, json!({"image": "busybox"}))
+        .await
+        .unwrap();
     assert_eq!(s, 201, "{v}");
 }

@@ -14,12 +14,12 @@
 #[path = "support/up.rs"]
 mod up;
 
-use serde_json::{json, Value};
+use opendsec_edge::testing::COUNTER;
+use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use opendsec_edge::testing::COUNTER;
-use up::{free_port, send_json, static_agent, Procs};
+use up::{Procs, free_port, send_json, static_agent};
 
 fn figure(name: &str, value: impl std::fmt::Display) {
     eprintln!("figure: {name} = {value}");
@@ -61,20 +61,55 @@ impl Cluster {
     /// Starts a control node; edges are started with [`Cluster::start_edge`].
     async fn start() -> Cluster {
         let procs = Procs::new(&["e1", "e2"]);
-        let (http, peer) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+        let (http, peer) = (
+            format!("127.0.0.1:{}", free_port()),
+            format!("127.0.0.1:{}", free_port()),
+        );
         let data = procs.dir.path().join("control");
         let data_s = data.to_string_lossy().to_string();
-        let mut c = Cluster { procs, http: http.clone(), admin: String::new(), key: String::new(), client: reqwest::Client::new(), edges: vec![] };
-        let args: Vec<String> = ["up", "--no-edge", "--data-dir", &data_s, "--listen", &http, "--peer-listen", &peer].iter().map(|s| s.to_string()).collect();
+        let mut c = Cluster {
+            procs,
+            http: http.clone(),
+            admin: String::new(),
+            key: String::new(),
+            client: reqwest::Client::new(),
+            edges: vec![],
+        };
+        let args: Vec<String> = [
+            "up",
+            "--no-edge",
+            "--data-dir",
+            &data_s,
+            "--listen",
+            &http,
+            "--peer-listen",
+            &peer,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         c.procs.spawn("control", &args);
         let token_file = c.procs.dir.path().join("admin.token");
-        let out = Command::new(env!("CARGO_BIN_EXE_opendsec")).args(["init", "--peer", &peer, "--data-dir", &data_s, "--token-file"]).arg(&token_file).output().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(["init", "--peer", &peer, "--data-dir", &data_s, "--token-file"])
+            .arg(&token_file)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         c.admin = std::fs::read_to_string(&token_file).unwrap().trim().to_string();
-        c.key = std::fs::read_to_string(data.join("cluster.key")).unwrap().trim().to_string();
+        c.key = std::fs::read_to_string(data.join("cluster.key"))
+            .unwrap()
+            .trim()
+            .to_string();
         // Edges act with an edge token (edge:write in the root project).
         let (_, me) = c.send(reqwest::Method::GET, "/v1/whoami", None).await;
-        let (s, issued) = c.send(reqwest::Method::POST, "/v1/tokens", Some(json!({"project": me["project"], "name": "edges", "rights": ["edge:write"]}))).await;
+        let (s, issued) = c
+            .send(
+                reqwest::Method::POST,
+                "/v1/tokens",
+                Some(json!({"project": me["project"], "name": "edges", "rights": ["edge:write"]})),
+            )
+            .await;
         assert!(s < 300, "{s} {issued}");
         std::fs::write(c.procs.dir.path().join("edge.token"), issued["token"].as_str().unwrap()).unwrap();
         let agent = static_agent().to_string_lossy().to_string();
@@ -82,9 +117,27 @@ impl Cluster {
             let edge_dir = c.procs.dir.path().join(name).to_string_lossy().to_string();
             let listen = format!("127.0.0.1:{}", free_port());
             let args: Vec<String> = [
-                "edge", "--control", &peer, "--token-file", &c.procs.dir.path().join("edge.token").to_string_lossy(), "--cluster-key-file",
-                &data.join("cluster.key").to_string_lossy(), "--data-dir", &edge_dir, "--edge-name", name, "--edge-listen", &listen, "--agent", &agent,
-                "--disk-mb", "256", "--edge-sandboxes", "20", "--microvm", "on",
+                "edge",
+                "--control",
+                &peer,
+                "--token-file",
+                &c.procs.dir.path().join("edge.token").to_string_lossy(),
+                "--cluster-key-file",
+                &data.join("cluster.key").to_string_lossy(),
+                "--data-dir",
+                &edge_dir,
+                "--edge-name",
+                name,
+                "--edge-listen",
+                &listen,
+                "--agent",
+                &agent,
+                "--disk-mb",
+                "256",
+                "--edge-sandboxes",
+                "20",
+                "--microvm",
+                "on",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -101,13 +154,24 @@ impl Cluster {
         let deadline = Instant::now() + Duration::from_secs(600);
         loop {
             let (_, v) = self.send(reqwest::Method::GET, "/v1/edges", None).await;
-            let registered = v["edges"].as_array().is_some_and(|es| es.iter().any(|e| e["id"] == name || e["edge"] == name || e["name"] == name));
+            let registered = v["edges"].as_array().is_some_and(|es| {
+                es.iter()
+                    .any(|e| e["id"] == name || e["edge"] == name || e["name"] == name)
+            });
             let log = self.log(name);
             if registered && log.contains("microVMs ready") {
                 return;
             }
-            assert!(!log.contains("cannot run microVMs"), "edge {name} cannot run microVMs:\n{}", self.log_tail(name, 10));
-            assert!(Instant::now() < deadline, "edge {name} was not ready within 600 s:\n{}", self.log_tail(name, 10));
+            assert!(
+                !log.contains("cannot run microVMs"),
+                "edge {name} cannot run microVMs:\n{}",
+                self.log_tail(name, 10)
+            );
+            assert!(
+                Instant::now() < deadline,
+                "edge {name} was not ready within 600 s:\n{}",
+                self.log_tail(name, 10)
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -117,24 +181,37 @@ impl Cluster {
     }
 
     async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        send_json(self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.admin).timeout(Duration::from_secs(60)), body).await
+        send_json(
+            self.client
+                .request(method, format!("http://{}{path}", self.http))
+                .bearer_auth(&self.admin)
+                .timeout(Duration::from_secs(60)),
+            body,
+        )
+        .await
     }
 
     async fn create(&self, body: Value) -> String {
-        let (s, v) = self.send(reqwest::Method::POST, "/v1/sandboxes", Some(body.clone())).await;
+        let (s, v) = self
+            .send(reqwest::Method::POST, "/v1/sandboxes", Some(body.clone()))
+            .await;
         assert_eq!(s, 201, "create {body}: {v}");
         v["sandbox"]["id"].as_str().unwrap().to_string()
     }
 
     /// Forks `id` with `body`; returns the copies as the API shows them.
     async fn fork(&self, id: &str, body: Value) -> Vec<Value> {
-        let (s, v) = self.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/fork"), Some(body)).await;
+        let (s, v) = self
+            .send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/fork"), Some(body))
+            .await;
         assert_eq!(s, 201, "fork: {v}");
         v["sandboxes"].as_array().unwrap().clone()
     }
 
     async fn state(&self, id: &str) -> Value {
-        self.send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None).await.1
+        self.send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await
+            .1
     }
 
     async fn wait_state(&self, id: &str, want: &str, within: Duration) -> Value {
@@ -147,7 +224,10 @@ impl Cluster {
             if want != "failed" && matches!(v["state"].as_str(), Some("failed" | "exited" | "killed")) {
                 panic!("sandbox {id} ended instead of being {want}: {v}");
             }
-            assert!(Instant::now() < deadline, "sandbox {id} was not {want} within {within:?}: {v}");
+            assert!(
+                Instant::now() < deadline,
+                "sandbox {id} was not {want} within {within:?}: {v}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -156,7 +236,10 @@ impl Cluster {
         let body = serde_json::to_vec(&json!({"process": {"cmd": cmd, "args": args}})).unwrap();
         let r = self
             .client
-            .post(format!("http://{}/v1/sandboxes/{id}/agent/process.Process/Start", self.http))
+            .post(format!(
+                "http://{}/v1/sandboxes/{id}/agent/process.Process/Start",
+                self.http
+            ))
             .bearer_auth(&self.admin)
             .header("x-opendsec-user", "root")
             .header("content-type", "application/connect+json")
@@ -165,22 +248,37 @@ impl Cluster {
             .send()
             .await
             .unwrap();
-        let (out, code) = up::read_process_stream(r).await.unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}"));
+        let (out, code) = up::read_process_stream(r)
+            .await
+            .unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}"));
         assert_eq!(code, 0, "{cmd} {args:?} in {id} exited {code}: {out}");
         out
     }
 
     /// (files, bytes on the wire, milliseconds) of the pulls edge `name` logged.
     fn pulls(&self, name: &str) -> Vec<(u64, u64, u64)> {
-        let field = |l: &str, k: &str| l.split(&format!("{k}=")).nth(1).and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next()).and_then(|v| v.parse().ok()).unwrap_or(0);
-        self.log(name).lines().filter(|l| l.contains("pulled a transfer")).map(|l| (field(l, "files"), field(l, "wire_bytes"), field(l, "took_ms"))).collect()
+        let field = |l: &str, k: &str| {
+            l.split(&format!("{k}="))
+                .nth(1)
+                .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        self.log(name)
+            .lines()
+            .filter(|l| l.contains("pulled a transfer"))
+            .map(|l| (field(l, "files"), field(l, "wire_bytes"), field(l, "took_ms")))
+            .collect()
     }
 }
 
-
 async fn count(c: &Cluster, id: &str) -> u64 {
-    let out = c.exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]).await;
-    out.trim().parse().unwrap_or_else(|_| panic!("the counter of {id} said {out:?}"))
+    let out = c
+        .exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"])
+        .await;
+    out.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the counter of {id} said {out:?}"))
 }
 
 /// The command line of the QEMU running sandbox `id` (started as `-name opendsec-<id>`).
@@ -214,11 +312,17 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
 async fn transfers_cleaned(c: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let left: Vec<PathBuf> = ["e1/transfers", "e2/imports"].iter().flat_map(|d| files_under(&c.procs.dir.path().join(d))).collect();
+        let left: Vec<PathBuf> = ["e1/transfers", "e2/imports"]
+            .iter()
+            .flat_map(|d| files_under(&c.procs.dir.path().join(d)))
+            .collect();
         if left.is_empty() {
             return;
         }
-        assert!(Instant::now() < deadline, "transferred files were not removed: {left:?}");
+        assert!(
+            Instant::now() < deadline,
+            "transferred files were not removed: {left:?}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -228,13 +332,26 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     let mut c = Cluster::start().await;
     c.start_edge("e1").await;
     // The source goes to e1, the only edge yet; e2 starts while it boots.
-    let src = c.create(json!({"image": "base", "isolation": "microvm", "memory_mb": 256, "timeout_seconds": 900})).await;
+    let src = c
+        .create(json!({"image": "base", "isolation": "microvm", "memory_mb": 256, "timeout_seconds": 900}))
+        .await;
     c.start_edge("e2").await;
     let v = c.wait_state(&src, "running", Duration::from_secs(180)).await;
     assert_eq!(v["edge"], "e1");
     c.exec(&src, "setsid", &["-f", "python3", "-c", COUNTER]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !c.exec(&src, "bash", &["-c", "(exec 3<>/dev/tcp/127.0.0.1/7777) 2>/dev/null && echo up || echo down"]).await.contains("up") {
+    while !c
+        .exec(
+            &src,
+            "bash",
+            &[
+                "-c",
+                "(exec 3<>/dev/tcp/127.0.0.1/7777) 2>/dev/null && echo up || echo down",
+            ],
+        )
+        .await
+        .contains("up")
+    {
         assert!(Instant::now() < deadline, "the counter never listened");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -245,7 +362,11 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     let copies = c.fork(&src, json!({"count": 2, "edge": "e2"})).await;
     let ids: Vec<String> = copies.iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
     for x in &copies {
-        assert_eq!((x["edge"].as_str(), x["source_edge"].as_str(), x["fork_of"].as_str()), (Some("e2"), Some("e1"), Some(src.as_str())), "{x}");
+        assert_eq!(
+            (x["edge"].as_str(), x["source_edge"].as_str(), x["fork_of"].as_str()),
+            (Some("e2"), Some("e1"), Some(src.as_str())),
+            "{x}"
+        );
     }
     for id in &ids {
         c.wait_state(id, "running", Duration::from_secs(240)).await;
@@ -253,7 +374,11 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     let took = t.elapsed();
     // Each copy continues from the source's memory, then goes its own way; so does the source.
     for id in &ids {
-        assert_eq!(count(&c, id).await, 3, "copy {id} on e2 starts from the source's memory");
+        assert_eq!(
+            count(&c, id).await,
+            3,
+            "copy {id} on e2 starts from the source's memory"
+        );
     }
     assert_eq!(count(&c, &ids[0]).await, 4);
     assert_eq!(count(&c, &ids[0]).await, 5);
@@ -262,13 +387,22 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     // Each copy is a QEMU of e2's (its directory under e2's data), the source one of e1's.
     for (id, edge) in [(&ids[0], "e2"), (&ids[1], "e2"), (&src, "e1")] {
         let cmdline = qemu_cmdline(id).unwrap_or_else(|| panic!("no QEMU runs {id}"));
-        assert!(cmdline.contains(&*c.procs.dir.path().join(edge).join("vms").to_string_lossy()), "{id} runs under {edge}: {cmdline}");
+        assert!(
+            cmdline.contains(&*c.procs.dir.path().join(edge).join("vms").to_string_lossy()),
+            "{id} runs under {edge}: {cmdline}"
+        );
     }
     let pulls = c.pulls("e2");
     assert_eq!(pulls.len(), 1, "one pull for both copies: {pulls:?}");
     let (files, wire, pull_ms) = pulls[0];
-    figure("microVM fork x2 to another edge (REST) to both copies running", format!("{} ms", took.as_millis()));
-    figure("microVM fork transfer e1 -> e2", format!("{files} files, {} MiB on the wire in {pull_ms} ms", wire >> 20));
+    figure(
+        "microVM fork x2 to another edge (REST) to both copies running",
+        format!("{} ms", took.as_millis()),
+    );
+    figure(
+        "microVM fork transfer e1 -> e2",
+        format!("{files} files, {} MiB on the wire in {pull_ms} ms", wire >> 20),
+    );
     assert!(wire > 1 << 20, "the memory travelled: {wire} bytes");
     transfers_cleaned(&c).await;
 
@@ -280,15 +414,42 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     let status = |r: reqwest::Response| r.status().as_u16();
     let r = c.client.get(&url).send().await.unwrap();
     assert_eq!(status(r), 401, "no credential");
-    let r = c.client.get(&url).header("x-opendsec-edge-key", &c.key).send().await.unwrap();
+    let r = c
+        .client
+        .get(&url)
+        .header("x-opendsec-edge-key", &c.key)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(status(r), 401, "the edge key is not a transfer credential");
-    let r = c.client.get(&url).header("x-opendsec-edge", "e2").header("x-opendsec-transfer-token", "0".repeat(64)).send().await.unwrap();
+    let r = c
+        .client
+        .get(&url)
+        .header("x-opendsec-edge", "e2")
+        .header("x-opendsec-transfer-token", "0".repeat(64))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(status(r), 403, "a wrong token");
     let other = opendsec_control::transfer_token(&c.key, "fork-someone-else", "e2");
-    let r = c.client.get(&url).header("x-opendsec-edge", "e2").header("x-opendsec-transfer-token", other).send().await.unwrap();
+    let r = c
+        .client
+        .get(&url)
+        .header("x-opendsec-edge", "e2")
+        .header("x-opendsec-transfer-token", other)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(status(r), 403, "another transfer's token");
     let for_e3 = opendsec_control::transfer_token(&c.key, &id, "e3");
-    let r = c.client.get(&url).header("x-opendsec-edge", "e3").header("x-opendsec-transfer-token", for_e3).send().await.unwrap();
+    let r = c
+        .client
+        .get(&url)
+        .header("x-opendsec-edge", "e3")
+        .header("x-opendsec-transfer-token", for_e3)
+        .send()
+        .await
+        .unwrap();
     let code = status(r);
     assert!(code == 403 || code == 404, "an edge the state was not sent to: {code}");
 }
@@ -297,32 +458,67 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
 async fn a_container_forked_to_another_edge_carries_its_files_and_a_copy_whose_source_edge_is_down_fails_saying_so() {
     let mut c = Cluster::start().await;
     c.start_edge("e1").await;
-    let src = c.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100, "timeout_seconds": 900})).await;
+    let src = c
+        .create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100, "timeout_seconds": 900}))
+        .await;
     c.start_edge("e2").await;
-    assert_eq!(c.wait_state(&src, "running", Duration::from_secs(60)).await["edge"], "e1");
+    assert_eq!(
+        c.wait_state(&src, "running", Duration::from_secs(60)).await["edge"],
+        "e1"
+    );
     // What it wrote, and an image file it deleted (a whiteout in its upper dir).
-    c.exec(&src, "sh", &["-c", "mkdir -p /root/work && echo written-on-e1 > /root/work/state && rm /etc/group"]).await;
+    c.exec(
+        &src,
+        "sh",
+        &[
+            "-c",
+            "mkdir -p /root/work && echo written-on-e1 > /root/work/state && rm /etc/group",
+        ],
+    )
+    .await;
 
     let t = Instant::now();
     let copies = c.fork(&src, json!({"count": 2, "edge": "e2"})).await;
     let ids: Vec<String> = copies.iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
     for id in &ids {
         let v = c.wait_state(id, "running", Duration::from_secs(60)).await;
-        assert_eq!((v["edge"].as_str(), v["source_edge"].as_str()), (Some("e2"), Some("e1")));
+        assert_eq!(
+            (v["edge"].as_str(), v["source_edge"].as_str()),
+            (Some("e2"), Some("e1"))
+        );
     }
-    figure("container fork x2 to another edge (REST) to both copies running", format!("{} ms", t.elapsed().as_millis()));
+    figure(
+        "container fork x2 to another edge (REST) to both copies running",
+        format!("{} ms", t.elapsed().as_millis()),
+    );
     for id in &ids {
-        assert_eq!(c.exec(id, "cat", &["/root/work/state"]).await, "written-on-e1\n", "copy {id} has the source's files");
-        assert_eq!(c.exec(id, "sh", &["-c", "test -e /etc/group && echo present || echo deleted"]).await, "deleted\n", "and its deletions");
+        assert_eq!(
+            c.exec(id, "cat", &["/root/work/state"]).await,
+            "written-on-e1\n",
+            "copy {id} has the source's files"
+        );
+        assert_eq!(
+            c.exec(id, "sh", &["-c", "test -e /etc/group && echo present || echo deleted"])
+                .await,
+            "deleted\n",
+            "and its deletions"
+        );
         assert_eq!(c.exec(id, "hostname", &[]).await.trim(), id);
     }
     // Each goes its own way; the source runs on, unchanged.
-    c.exec(&ids[0], "sh", &["-c", "echo changed-in-copy > /root/work/state"]).await;
+    c.exec(&ids[0], "sh", &["-c", "echo changed-in-copy > /root/work/state"])
+        .await;
     assert_eq!(c.exec(&ids[1], "cat", &["/root/work/state"]).await, "written-on-e1\n");
     assert_eq!(c.exec(&src, "cat", &["/root/work/state"]).await, "written-on-e1\n");
     let pulls = c.pulls("e2");
     assert_eq!(pulls.len(), 1, "{pulls:?}");
-    figure("container fork transfer e1 -> e2", format!("{} files, {} bytes on the wire in {} ms", pulls[0].0, pulls[0].1, pulls[0].2));
+    figure(
+        "container fork transfer e1 -> e2",
+        format!(
+            "{} files, {} bytes on the wire in {} ms",
+            pulls[0].0, pulls[0].1, pulls[0].2
+        ),
+    );
     transfers_cleaned(&c).await;
 
     // The source's edge is down: the copy cannot get its state and fails, saying why.
@@ -332,7 +528,16 @@ async fn a_container_forked_to_another_edge_carries_its_files_and_a_copy_whose_s
     let lost = copies[0]["id"].as_str().unwrap().to_string();
     let v = c.wait_state(&lost, "failed", Duration::from_secs(90)).await;
     let reason = v["reason"].as_str().unwrap_or_default().to_string();
-    eprintln!("a copy whose source edge is down: {reason} (after {} ms)", t.elapsed().as_millis());
-    assert!(reason.contains("source edge e1") && reason.contains("unreachable"), "{v}");
-    assert!(files_under(&c.procs.dir.path().join("e2/imports")).is_empty(), "nothing is left of the failed pull");
+    eprintln!(
+        "a copy whose source edge is down: {reason} (after {} ms)",
+        t.elapsed().as_millis()
+    );
+    assert!(
+        reason.contains("source edge e1") && reason.contains("unreachable"),
+        "{v}"
+    );
+    assert!(
+        files_under(&c.procs.dir.path().join("e2/imports")).is_empty(),
+        "nothing is left of the failed pull"
+    );
 }

@@ -41,13 +41,20 @@ enum Sdk {
 }
 
 fn python(sdk: Sdk) -> PathBuf {
-    let root = std::env::var_os("OPENDSEC_E2B_VENV").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(DEFAULT_VENV));
+    let root = std::env::var_os("OPENDSEC_E2B_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_VENV));
     let venv = root.join(match sdk {
         Sdk::Current => "2.63",
         Sdk::V250 => "2.50",
     });
     let python = venv.join("bin/python");
-    assert!(python.is_file(), "the E2B SDK venv {} is missing: run ./ops/e2b-venv.sh {}", venv.display(), root.display());
+    assert!(
+        python.is_file(),
+        "the E2B SDK venv {} is missing: run ./ops/e2b-venv.sh {}",
+        venv.display(),
+        root.display()
+    );
     python
 }
 
@@ -64,7 +71,10 @@ async fn pytest(python: &Path, module: &str, vars: &[(&str, String)]) {
         .args(["-x", "-q", "--durations=5"])
         .current_dir(workspace())
         .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()))
+        .env(
+            "PATH",
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+        )
         .env("HOME", std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
         .stdin(Stdio::null())
         .kill_on_drop(true);
@@ -75,7 +85,11 @@ async fn pytest(python: &Path, module: &str, vars: &[(&str, String)]) {
         Ok(out) => out.expect("run pytest"),
         Err(_) => panic!("{module} did not finish within {PYTEST_LIMIT:?}"),
     };
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     println!("--- pytest {module} ---\n{text}");
     assert!(out.status.success(), "pytest {module} failed ({}):\n{text}", out.status);
 }
@@ -83,7 +97,11 @@ async fn pytest(python: &Path, module: &str, vars: &[(&str, String)]) {
 /// The three variables that point the SDK at one port for everything.
 fn single_url_vars(up: &Up, key: String) -> Vec<(&'static str, String)> {
     let url = format!("http://{}", up.http);
-    vec![("E2B_API_KEY", key), ("E2B_API_URL", url.clone()), ("E2B_SANDBOX_URL", url)]
+    vec![
+        ("E2B_API_KEY", key),
+        ("E2B_API_URL", url.clone()),
+        ("E2B_SANDBOX_URL", url),
+    ]
 }
 
 async fn run_module(module: &str, sdk: Sdk, images: &[&str]) {
@@ -153,14 +171,22 @@ impl SystemTrust {
                 .is_ok_and(|s| s.success());
             assert!(ok, "could not install the ca-certificates package");
         }
-        let installed = PathBuf::from(format!("/usr/local/share/ca-certificates/opendsec-test-{}.crt", std::process::id()));
+        let installed = PathBuf::from(format!(
+            "/usr/local/share/ca-certificates/opendsec-test-{}.crt",
+            std::process::id()
+        ));
         std::fs::create_dir_all(installed.parent().unwrap()).unwrap();
-        std::fs::copy(ca, &installed).unwrap_or_else(|e| panic!("copy {} to {}: {e}", ca.display(), installed.display()));
+        std::fs::copy(ca, &installed)
+            .unwrap_or_else(|e| panic!("copy {} to {}: {e}", ca.display(), installed.display()));
         let trust = SystemTrust { installed };
         update_ca_certificates();
         let pem = std::fs::read_to_string(ca).unwrap_or_default();
         let bundle = std::fs::read_to_string(SYSTEM_CA_BUNDLE).unwrap_or_default();
-        assert!(!pem.trim().is_empty() && bundle.contains(pem.trim()), "update-ca-certificates did not add {} to {SYSTEM_CA_BUNDLE}", ca.display());
+        assert!(
+            !pem.trim().is_empty() && bundle.contains(pem.trim()),
+            "update-ca-certificates did not add {} to {SYSTEM_CA_BUNDLE}",
+            ca.display()
+        );
         trust
     }
 }
@@ -173,8 +199,14 @@ impl Drop for SystemTrust {
 }
 
 fn update_ca_certificates() {
-    let out = Command::new("update-ca-certificates").output().expect("run update-ca-certificates");
-    assert!(out.status.success() || std::thread::panicking(), "update-ca-certificates: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("update-ca-certificates")
+        .output()
+        .expect("run update-ca-certificates");
+    assert!(
+        out.status.success() || std::thread::panicking(),
+        "update-ca-certificates: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// /etc/hosts lines carrying HOSTS_MARKER, removed (with those the Python side added)

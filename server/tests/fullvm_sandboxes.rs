@@ -28,7 +28,10 @@ async fn start() -> Up {
     let up = vms::start_with_disk(DISK_MB).await;
     let (s, edges) = up.send(Method::GET, "/v1/edges", None).await;
     assert_eq!(s, 200, "{edges}");
-    assert!(edges.to_string().contains("\"opendsec.io/fullvm\":\"q35\""), "the edge says it runs full VMs: {edges}");
+    assert!(
+        edges.to_string().contains("\"opendsec.io/fullvm\":\"q35\""),
+        "the edge says it runs full VMs: {edges}"
+    );
     up
 }
 
@@ -47,44 +50,92 @@ async fn a_full_vm_through_rest_boots_base_from_its_disk_runs_python_and_pauses_
     let up = start().await;
 
     // Bad input is refused before anything is logged, naming the field.
-    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(json!({"image": "base", "isolation": "qemu"}))).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "base", "isolation": "qemu"})),
+        )
+        .await;
     assert_eq!((s, v["field"].as_str()), (400, Some("isolation")), "{v}");
-    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(json!({"image": "base", "isolation": "vm", "memory_mb": 64}))).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "base", "isolation": "vm", "memory_mb": 64})),
+        )
+        .await;
     assert_eq!((s, v["field"].as_str()), (400, Some("memory_mb")), "{v}");
 
     let t = Instant::now();
-    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(json!({"image": "base", "isolation": "vm", "memory_mb": 256, "timeout_seconds": 900}))).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "base", "isolation": "vm", "memory_mb": 256, "timeout_seconds": 900})),
+        )
+        .await;
     assert_eq!(s, 201, "{v}");
     assert_eq!(v["sandbox"]["isolation"], "vm");
     let id = v["sandbox"]["id"].as_str().unwrap().to_string();
     // The first full VM of an image on a machine builds its boot disk (once).
     let v = wait_state(&up, &id, "running", Duration::from_secs(400)).await;
     let ready = t.elapsed();
-    assert_eq!((v["isolation"].as_str(), v["image"].as_str()), (Some("vm"), Some("base")));
+    assert_eq!(
+        (v["isolation"].as_str(), v["image"].as_str()),
+        (Some("vm"), Some("base"))
+    );
     let out = exec(&up, &id, "python3", &["-c", "print(6*7)"]).await;
     assert_eq!(out, "42\n");
     figure("full VM create (REST) to running", ms(ready));
-    figure("full VM create (REST) to python3 -c 'print(6*7)' answered", ms(t.elapsed()));
+    figure(
+        "full VM create (REST) to python3 -c 'print(6*7)' answered",
+        ms(t.elapsed()),
+    );
 
     // A PC with firmware, booted from its own disk by its bootloader.
     let qemu = qemu_cmdline(&id).expect("its QEMU runs");
     assert!(qemu.contains("-M q35,memory-backend=ram0"), "{qemu}");
     assert!(qemu.contains("-sandbox on"), "{qemu}");
-    let guest = exec(&up, &id, "sh", &["-c", "cat /sys/class/dmi/id/bios_vendor /proc/cmdline; awk '$2 == \"/\" {print $1}' /proc/mounts"]).await;
+    let guest = exec(
+        &up,
+        &id,
+        "sh",
+        &[
+            "-c",
+            "cat /sys/class/dmi/id/bios_vendor /proc/cmdline; awk '$2 == \"/\" {print $1}' /proc/mounts",
+        ],
+    )
+    .await;
     let lines: Vec<&str> = guest.lines().collect();
     assert_eq!(lines[0], "SeaBIOS", "{guest}");
-    assert!(lines[1].starts_with("BOOT_IMAGE=/boot/vmlinuz-") && lines[1].contains("root=UUID="), "{guest}");
+    assert!(
+        lines[1].starts_with("BOOT_IMAGE=/boot/vmlinuz-") && lines[1].contains("root=UUID="),
+        "{guest}"
+    );
     assert_eq!(lines[2], "/dev/vda1", "{guest}");
 
     // Its disk is the edge's size, larger than the image's: the root partition and file
     // system were grown to fill it at boot.
-    let sizes = exec(&up, &id, "sh", &["-c", "cat /sys/block/vda/size /sys/block/vda/vda1/size; df -k / | tail -1"]).await;
+    let sizes = exec(
+        &up,
+        &id,
+        "sh",
+        &[
+            "-c",
+            "cat /sys/block/vda/size /sys/block/vda/vda1/size; df -k / | tail -1",
+        ],
+    )
+    .await;
     let words: Vec<&str> = sizes.split_whitespace().collect();
     let (disk, part): (u64, u64) = (words[0].parse().unwrap(), words[1].parse().unwrap());
     let fs_kib: u64 = words[3].parse().unwrap();
     assert_eq!(disk * 512, DISK_MB << 20, "{sizes}");
     assert_eq!(part, disk - 2048, "the partition reaches the end of the disk: {sizes}");
-    assert!(fs_kib > (DISK_MB << 10) * 9 / 10, "the root file system fills the partition: {sizes}");
+    assert!(
+        fs_kib > (DISK_MB << 10) * 9 / 10,
+        "the root file system fills the partition: {sizes}"
+    );
 
     // Pause and resume through REST: the QEMU ends and a new one continues the guest.
     start_counter(&up, &id).await;

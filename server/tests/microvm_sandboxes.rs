@@ -18,9 +18,9 @@ mod up;
 mod vms;
 
 use reqwest::Method;
-use serde_json::{json, Value};
-use tokio::sync::Mutex;
+use serde_json::{Value, json};
 use std::time::{Duration, Instant};
+use tokio::sync::Mutex;
 use up::Up;
 use vms::{count, exec, figure, ms, start, start_counter, wait_state};
 
@@ -56,7 +56,13 @@ fn qemu_pid(id: &str) -> Option<i32> {
 /// (RSS, PSS) of a process in KiB.
 fn rss_pss_kb(pid: i32) -> (u64, u64) {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    let field = |name: &str| text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
     (field("Rss:"), field("Pss:"))
 }
 
@@ -70,7 +76,14 @@ fn resident_bytes(path: &std::path::Path) -> u64 {
     }
     let map = unsafe {
         // SAFETY: a read-only shared mapping of a file held open; unmapped below.
-        nix::libc::mmap(std::ptr::null_mut(), len, nix::libc::PROT_READ, nix::libc::MAP_SHARED, file.as_raw_fd(), 0)
+        nix::libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            nix::libc::PROT_READ,
+            nix::libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
     };
     assert_ne!(map, nix::libc::MAP_FAILED);
     let mut pages = vec![0u8; len.div_ceil(4096)];
@@ -100,7 +113,10 @@ async fn a_microvm_from_base_runs_python_through_the_agent_route() {
     let id = create_vm(&up, json!({})).await;
     let v = wait_state(&up, &id, "running", Duration::from_secs(180)).await;
     let ready = t.elapsed();
-    assert_eq!((v["isolation"].as_str(), v["image"].as_str()), (Some("microvm"), Some("base")));
+    assert_eq!(
+        (v["isolation"].as_str(), v["image"].as_str()),
+        (Some("microvm"), Some("base"))
+    );
     let out = exec(&up, &id, "python3", &["-c", "print(6*7)"]).await;
     assert_eq!(out, "42\n");
     figure("microVM create (REST) to running", ms(ready));
@@ -110,10 +126,20 @@ async fn a_microvm_from_base_runs_python_through_the_agent_route() {
     assert_eq!(v["runtime"], json!({"vmm": vmm, "accelerator": accelerator}), "{v}");
     let (s, m) = up.send(Method::GET, &format!("/v1/sandboxes/{id}/metrics"), None).await;
     assert_eq!(s, 200, "{m}");
-    assert_eq!((m["vmm"].as_str(), m["accelerator"].as_str()), (Some(vmm.as_str()), Some(accelerator.as_str())), "{m}");
+    assert_eq!(
+        (m["vmm"].as_str(), m["accelerator"].as_str()),
+        (Some(vmm.as_str()), Some(accelerator.as_str())),
+        "{m}"
+    );
     assert_eq!(m["mem_total"], json!(256u64 << 20), "{m}");
-    assert!(m["mem_used"].as_u64().unwrap() > 0, "a running VM's QEMU uses memory: {m}");
-    figure("microVM create (REST) to python3 -c 'print(6*7)' answered", ms(t.elapsed()));
+    assert!(
+        m["mem_used"].as_u64().unwrap() > 0,
+        "a running VM's QEMU uses memory: {m}"
+    );
+    figure(
+        "microVM create (REST) to python3 -c 'print(6*7)' answered",
+        ms(t.elapsed()),
+    );
     // The guest has its own kernel, and QEMU runs for it.
     let kernel = exec(&up, &id, "uname", &["-r"]).await;
     let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
@@ -163,17 +189,32 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
     // back) dropped from the page cache.
     let ram = up.data_dir().join("edge/vms/vms").join(&id).join("ram");
     let resident = resident_bytes(&ram);
-    figure("running microVM: QEMU RSS / PSS", format!("{} / {} MiB", rss / 1024, pss / 1024));
+    figure(
+        "running microVM: QEMU RSS / PSS",
+        format!("{} / {} MiB", rss / 1024, pss / 1024),
+    );
     figure(
         "paused microVM: memory held on the node",
-        format!("no process (0 MiB RSS); RAM file resident in the page cache {} MiB, its data on disk {} MiB", resident >> 20, allocated_bytes(&ram) >> 20),
+        format!(
+            "no process (0 MiB RSS); RAM file resident in the page cache {} MiB, its data on disk {} MiB",
+            resident >> 20,
+            allocated_bytes(&ram) >> 20
+        ),
     );
-    assert!(resident < 16 << 20, "the paused VM's RAM is not released: {resident} bytes resident");
+    assert!(
+        resident < 16 << 20,
+        "the paused VM's RAM is not released: {resident} bytes resident"
+    );
 
     // A request to it through E2B's traffic path resumes it (auto-resume): the count
     // goes on from where it was, in a new QEMU process.
     let t = Instant::now();
-    let frame = up::connect_frame(&serde_json::to_vec(&json!({"process": {"cmd": "bash", "args": ["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]}})).unwrap());
+    let frame = up::connect_frame(
+        &serde_json::to_vec(
+            &json!({"process": {"cmd": "bash", "args": ["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]}}),
+        )
+        .unwrap(),
+    );
     let r = up
         .client
         .post(format!("http://{}/process.Process/Start", up.http))
@@ -186,17 +227,33 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
         .await
         .unwrap();
     let (out, code) = up::read_process_stream(r).await.unwrap();
-    assert_eq!((out.trim(), code), ("3", 0), "the in-memory count continues after an auto-resume");
-    figure("paused -> request through E2B's traffic path answered (auto-resume)", ms(t.elapsed()));
+    assert_eq!(
+        (out.trim(), code),
+        ("3", 0),
+        "the in-memory count continues after an auto-resume"
+    );
+    figure(
+        "paused -> request through E2B's traffic path answered (auto-resume)",
+        ms(t.elapsed()),
+    );
     let resumed = qemu_pid(&id).expect("a new QEMU runs it");
     assert_ne!(resumed, pid);
-    assert_eq!(wait_state(&up, &id, "running", Duration::from_secs(10)).await["state"], "running");
+    assert_eq!(
+        wait_state(&up, &id, "running", Duration::from_secs(10)).await["state"],
+        "running"
+    );
 
     // A snapshot holds memory, device state and disk; a sandbox started from it continues
     // where the source was, with a token of its own.
     exec(&up, &id, "sh", &["-c", "echo before-snapshot > /home/user/mark"]).await;
     let t = Instant::now();
-    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/snapshots"), Some(json!({"name": "warm"}))).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/snapshots"),
+            Some(json!({"name": "warm"})),
+        )
+        .await;
     assert_eq!(s, 201, "{v}");
     assert_eq!(v["snapshot"]["isolation"], "microvm");
     let snap = v["snapshot"]["id"].as_str().unwrap().to_string();
@@ -206,21 +263,41 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
         match x["state"].as_str() {
             Some("ready") => break x,
             Some("failed") => panic!("the snapshot failed: {x}"),
-            _ => assert!(Instant::now() < deadline, "the snapshot was not taken within 120 s: {x}"),
+            _ => assert!(
+                Instant::now() < deadline,
+                "the snapshot was not taken within 120 s: {x}"
+            ),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    figure("snapshot (REST) to ready", format!("{} ({} MiB of data)", ms(t.elapsed()), taken["size_bytes"].as_u64().unwrap() >> 20));
+    figure(
+        "snapshot (REST) to ready",
+        format!(
+            "{} ({} MiB of data)",
+            ms(t.elapsed()),
+            taken["size_bytes"].as_u64().unwrap() >> 20
+        ),
+    );
     assert_eq!(count(&up, &id).await, 4, "the source runs on");
 
     let t = Instant::now();
     let restored = create(&up, json!({"image": snap, "memory_mb": 999})).await;
     let v = wait_state(&up, &restored, "running", Duration::from_secs(120)).await;
     figure("create from a microVM snapshot (REST) to running", ms(t.elapsed()));
-    assert_eq!((v["isolation"].as_str(), v["memory_mb"].as_u64(), v["snapshot"].as_str()), (Some("microvm"), Some(256), Some(snap.as_str())));
-    assert_eq!(count(&up, &restored).await, 4, "the restored guest continues from the snapshot's memory");
+    assert_eq!(
+        (v["isolation"].as_str(), v["memory_mb"].as_u64(), v["snapshot"].as_str()),
+        (Some("microvm"), Some(256), Some(snap.as_str()))
+    );
+    assert_eq!(
+        count(&up, &restored).await,
+        4,
+        "the restored guest continues from the snapshot's memory"
+    );
     assert_eq!(count(&up, &id).await, 5, "and the two go their own ways");
-    assert_eq!(exec(&up, &restored, "cat", &["/home/user/mark"]).await, "before-snapshot\n");
+    assert_eq!(
+        exec(&up, &restored, "cat", &["/home/user/mark"]).await,
+        "before-snapshot\n"
+    );
     // Its agent was re-keyed: the source's token no longer opens it.
     let r = up
         .client
@@ -232,15 +309,27 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status().as_u16(), 401, "the restored guest refuses its source's token");
+    assert_eq!(
+        r.status().as_u16(),
+        401,
+        "the restored guest refuses its source's token"
+    );
 
     // A paused VM whose snapshot was damaged cannot come back: after a few tries it is
     // reported failed, saying why, and the others are unharmed.
-    let (s, _) = up.send(Method::POST, &format!("/v1/sandboxes/{restored}/pause"), None).await;
+    let (s, _) = up
+        .send(Method::POST, &format!("/v1/sandboxes/{restored}/pause"), None)
+        .await;
     assert_eq!(s, 200);
     wait_state(&up, &restored, "paused", Duration::from_secs(60)).await;
-    std::fs::write(up.data_dir().join("edge/vms/vms").join(&restored).join("state"), b"not a migration stream").unwrap();
-    let (s, _) = up.send(Method::POST, &format!("/v1/sandboxes/{restored}/resume"), None).await;
+    std::fs::write(
+        up.data_dir().join("edge/vms/vms").join(&restored).join("state"),
+        b"not a migration stream",
+    )
+    .unwrap();
+    let (s, _) = up
+        .send(Method::POST, &format!("/v1/sandboxes/{restored}/resume"), None)
+        .await;
     assert_eq!(s, 200);
     let deadline = Instant::now() + Duration::from_secs(60);
     let failed = loop {
@@ -248,11 +337,17 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
         if v["state"] == "failed" {
             break v;
         }
-        assert!(Instant::now() < deadline, "a VM with a damaged snapshot was not reported failed: {v}");
+        assert!(
+            Instant::now() < deadline,
+            "a VM with a damaged snapshot was not reported failed: {v}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     eprintln!("a damaged snapshot: {}", failed["reason"]);
-    assert!(failed["reason"].as_str().unwrap().contains("could not be restored"), "{failed}");
+    assert!(
+        failed["reason"].as_str().unwrap().contains("could not be restored"),
+        "{failed}"
+    );
     assert!(qemu_pid(&restored).is_none());
     assert_eq!(count(&up, &id).await, 6, "the source is unharmed");
 }
@@ -269,28 +364,58 @@ async fn fork_of_a_microvm_gives_copies_with_its_memory_that_share_pages_and_div
     let (one_rss, one_pss) = rss_pss_kb(parent_pid);
 
     let t = Instant::now();
-    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{parent}/fork"), Some(json!({"count": 4}))).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            &format!("/v1/sandboxes/{parent}/fork"),
+            Some(json!({"count": 4})),
+        )
+        .await;
     assert_eq!(s, 201, "{v}");
-    let copies: Vec<String> = v["sandboxes"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().to_string()).collect();
+    let copies: Vec<String> = v["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(copies.len(), 4);
     for c in &copies {
         let v = wait_state(&up, c, "running", Duration::from_secs(120)).await;
-        assert_eq!((v["isolation"].as_str(), v["fork_of"].as_str()), (Some("microvm"), Some(parent.as_str())));
+        assert_eq!(
+            (v["isolation"].as_str(), v["fork_of"].as_str()),
+            (Some("microvm"), Some(parent.as_str()))
+        );
     }
     figure("fork x4 (REST) to all copies running", ms(t.elapsed()));
     // Every copy starts with the parent's memory: its next count is 3.
     for c in &copies {
         assert_eq!(count(&up, c).await, 3, "copy {c} starts from the parent's memory");
     }
-    figure("fork x4 (REST) to all copies answered from the parent's memory", ms(t.elapsed()));
+    figure(
+        "fork x4 (REST) to all copies answered from the parent's memory",
+        ms(t.elapsed()),
+    );
     // Then each goes its own way; the parent ran on all along, in the same process.
     assert_eq!(count(&up, &copies[0]).await, 4);
     assert_eq!(count(&up, &copies[0]).await, 5);
     assert_eq!(count(&up, &copies[1]).await, 4);
     assert_eq!(count(&up, &parent).await, 3);
-    assert_eq!(qemu_pid(&parent), Some(parent_pid), "the parent keeps running in its QEMU");
+    assert_eq!(
+        qemu_pid(&parent),
+        Some(parent_pid),
+        "the parent keeps running in its QEMU"
+    );
     exec(&up, &copies[2], "sh", &["-c", "echo mine > /home/user/who"]).await;
-    assert_eq!(exec(&up, &copies[3], "sh", &["-c", "cat /home/user/who 2>/dev/null || echo none"]).await, "none\n");
+    assert_eq!(
+        exec(
+            &up,
+            &copies[3],
+            "sh",
+            &["-c", "cat /home/user/who 2>/dev/null || echo none"]
+        )
+        .await,
+        "none\n"
+    );
 
     // Copies on one node share the parent's frozen RAM: they cost far less than 4 VMs.
     let (mut rss_sum, mut pss_sum) = (0, 0);
@@ -299,22 +424,53 @@ async fn fork_of_a_microvm_gives_copies_with_its_memory_that_share_pages_and_div
         rss_sum += r;
         pss_sum += p;
     }
-    figure("one microVM (the parent before the fork): RSS / PSS", format!("{} / {} MiB", one_rss / 1024, one_pss / 1024));
-    figure("fork x4: copies' RSS sum (shared pages counted in each)", format!("{} MiB", rss_sum / 1024));
-    figure("fork x4: copies' PSS sum (shared pages counted once)", format!("{} MiB = {:.2}x one VM", pss_sum / 1024, pss_sum as f64 / one_rss as f64));
-    assert!(pss_sum < 2 * one_rss, "4 copies should cost well below 4 VMs: PSS sum {pss_sum} KiB, one VM {one_rss} KiB");
+    figure(
+        "one microVM (the parent before the fork): RSS / PSS",
+        format!("{} / {} MiB", one_rss / 1024, one_pss / 1024),
+    );
+    figure(
+        "fork x4: copies' RSS sum (shared pages counted in each)",
+        format!("{} MiB", rss_sum / 1024),
+    );
+    figure(
+        "fork x4: copies' PSS sum (shared pages counted once)",
+        format!(
+            "{} MiB = {:.2}x one VM",
+            pss_sum / 1024,
+            pss_sum as f64 / one_rss as f64
+        ),
+    );
+    assert!(
+        pss_sum < 2 * one_rss,
+        "4 copies should cost well below 4 VMs: PSS sum {pss_sum} KiB, one VM {one_rss} KiB"
+    );
 
     // A paused parent forks too (its copy is restored from a snapshot of it); the parent
     // stays paused.
-    let (s, _) = up.send(Method::POST, &format!("/v1/sandboxes/{parent}/pause"), None).await;
+    let (s, _) = up
+        .send(Method::POST, &format!("/v1/sandboxes/{parent}/pause"), None)
+        .await;
     assert_eq!(s, 200);
     wait_state(&up, &parent, "paused", Duration::from_secs(60)).await;
-    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{parent}/fork"), Some(json!({"count": 1}))).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            &format!("/v1/sandboxes/{parent}/fork"),
+            Some(json!({"count": 1})),
+        )
+        .await;
     assert_eq!(s, 201, "{v}");
     let late = v["sandboxes"][0]["id"].as_str().unwrap().to_string();
     wait_state(&up, &late, "running", Duration::from_secs(120)).await;
-    assert_eq!(count(&up, &late).await, 4, "the copy of the paused parent has its memory");
-    assert_eq!(wait_state(&up, &parent, "paused", Duration::from_secs(5)).await["state"], "paused");
+    assert_eq!(
+        count(&up, &late).await,
+        4,
+        "the copy of the paused parent has its memory"
+    );
+    assert_eq!(
+        wait_state(&up, &parent, "paused", Duration::from_secs(5)).await["state"],
+        "paused"
+    );
     assert!(qemu_pid(&parent).is_none());
 }
 
@@ -329,17 +485,30 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
         ids.push((create_vm(&up, json!({"labels": labels})).await, true));
     }
     for _ in 0..7 {
-        ids.push((create(&up, json!({"image": "busybox", "memory_mb": 64, "labels": labels, "timeout_seconds": 900})).await, false));
+        ids.push((
+            create(
+                &up,
+                json!({"image": "busybox", "memory_mb": 64, "labels": labels, "timeout_seconds": 900}),
+            )
+            .await,
+            false,
+        ));
     }
     // Another task's sandbox is left alone.
-    let bystander = create(&up, json!({"image": "busybox", "memory_mb": 64, "labels": {"task": "other"}})).await;
+    let bystander = create(
+        &up,
+        json!({"image": "busybox", "memory_mb": 64, "labels": {"task": "other"}}),
+    )
+    .await;
     for (id, _) in &ids {
         wait_state(&up, id, "running", Duration::from_secs(240)).await;
     }
     let b = wait_state(&up, &bystander, "running", Duration::from_secs(60)).await;
     // A container has no VMM: neither it nor its metrics name one.
     assert!(b.get("runtime").is_none(), "{b}");
-    let (s, m) = up.send(Method::GET, &format!("/v1/sandboxes/{bystander}/metrics"), None).await;
+    let (s, m) = up
+        .send(Method::GET, &format!("/v1/sandboxes/{bystander}/metrics"), None)
+        .await;
     assert_eq!(s, 200, "{m}");
     assert!(m.get("vmm").is_none() && m.get("accelerator").is_none(), "{m}");
     assert_eq!(m["mem_total"], json!(64u64 << 20), "{m}");
@@ -353,7 +522,9 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
         let up = &up;
         async move {
             let out = exec(up, &id, "sh", &["-c", "cat $HOME/n"]).await;
-            out.trim().parse::<u64>().unwrap_or_else(|_| panic!("the counter file of {id} holds {out:?}"))
+            out.trim()
+                .parse::<u64>()
+                .unwrap_or_else(|_| panic!("the counter file of {id} holds {out:?}"))
         }
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -371,7 +542,10 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
     for (id, _) in &ids {
         wait_state(&up, id, "paused", Duration::from_secs(120)).await;
     }
-    figure("task pause of 10 sandboxes (3 microVMs, 7 containers): call to all paused", ms(t.elapsed()));
+    figure(
+        "task pause of 10 sandboxes (3 microVMs, 7 containers): call to all paused",
+        ms(t.elapsed()),
+    );
     for (id, vm) in &ids {
         if *vm {
             assert!(qemu_pid(id).is_none(), "paused microVM {id} has no QEMU");
@@ -380,7 +554,11 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
     let (_, b) = up.send(Method::GET, &format!("/v1/sandboxes/{bystander}"), None).await;
     assert_eq!(b["state"], "running", "another task's sandbox runs on");
     let (_, audit) = up.send(Method::GET, "/v1/audit?action=task.pause", None).await;
-    assert_eq!(audit["records"].as_array().unwrap().len(), 1, "one call, one audit record: {audit}");
+    assert_eq!(
+        audit["records"].as_array().unwrap().len(),
+        1,
+        "one call, one audit record: {audit}"
+    );
 
     let t = Instant::now();
     let (s, v) = up.send(Method::POST, &format!("/v1/tasks/{task}/resume"), None).await;
@@ -396,8 +574,19 @@ async fn a_task_pause_pauses_ten_sandboxes_of_both_kinds_in_one_call_and_all_con
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for (i, (id, vm)) in ids.iter().enumerate() {
         let later = read(id.clone()).await;
-        assert!(after[i] >= at_pause[i], "{id} ({}) lost its count: {} before the pause, {} after", if *vm { "microVM" } else { "container" }, at_pause[i], after[i]);
-        assert!(later > after[i], "{id} ({}) does not count on after the resume: {} then {later}", if *vm { "microVM" } else { "container" }, after[i]);
+        assert!(
+            after[i] >= at_pause[i],
+            "{id} ({}) lost its count: {} before the pause, {} after",
+            if *vm { "microVM" } else { "container" },
+            at_pause[i],
+            after[i]
+        );
+        assert!(
+            later > after[i],
+            "{id} ({}) does not count on after the resume: {} then {later}",
+            if *vm { "microVM" } else { "container" },
+            after[i]
+        );
     }
 }
 
@@ -416,8 +605,15 @@ async fn a_microvm_outlives_kill_9_of_its_edge_and_the_restarted_edge_adopts_it(
     assert_eq!(qemu_pid(&id), Some(pid), "the VM runs on without its edge");
     let t = Instant::now();
     up.restart().await;
-    assert_eq!(wait_state(&up, &id, "running", Duration::from_secs(60)).await["isolation"], "microvm");
-    assert_eq!(count(&up, &id).await, 3, "the same guest, its memory intact, answers through the restarted edge");
+    assert_eq!(
+        wait_state(&up, &id, "running", Duration::from_secs(60)).await["isolation"],
+        "microvm"
+    );
+    assert_eq!(
+        count(&up, &id).await,
+        3,
+        "the same guest, its memory intact, answers through the restarted edge"
+    );
     figure("restart of opendsec up to exec in the adopted microVM", ms(t.elapsed()));
     assert_eq!(qemu_pid(&id), Some(pid), "adopted, not restarted");
     // And the restarted edge steers it: pause and resume.

@@ -6,7 +6,7 @@
 #[path = "support/up.rs"]
 mod up;
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,7 +32,11 @@ impl Drop for Up {
                 if e.file_name().to_string_lossy().starts_with("up-") {
                     let text = std::fs::read_to_string(e.path()).unwrap_or_default();
                     let tail: Vec<&str> = text.lines().filter(|l| !l.contains(" served ")).collect();
-                    eprintln!("--- {} (last lines) ---\n{}", e.path().display(), tail[tail.len().saturating_sub(40)..].join("\n"));
+                    eprintln!(
+                        "--- {} (last lines) ---\n{}",
+                        e.path().display(),
+                        tail[tail.len().saturating_sub(40)..].join("\n")
+                    );
                 }
             }
         }
@@ -48,7 +52,14 @@ impl Up {
         let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
             .args(["up", "--data-dir"])
             .arg(self.dir.path().join("data"))
-            .args(["--listen", &self.http, "--peer-listen", &self.peer, "--edge-listen", &self.edge])
+            .args([
+                "--listen",
+                &self.http,
+                "--peer-listen",
+                &self.peer,
+                "--edge-listen",
+                &self.edge,
+            ])
             .arg("--agent")
             .arg(static_agent())
             .args(["--edge-sandboxes", "40", "--disk-mb", "64"])
@@ -77,7 +88,10 @@ impl Up {
             child: None,
             token: String::new(),
             key: String::new(),
-            client: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap(),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .unwrap(),
         };
         up.spawn();
         let token_file = up.dir.path().join("token");
@@ -90,18 +104,39 @@ impl Up {
             .unwrap();
         assert!(out.status.success(), "init: {}", String::from_utf8_lossy(&out.stderr));
         up.token = std::fs::read_to_string(token_file).unwrap();
-        up.key = std::fs::read_to_string(up.dir.path().join("data/cluster.key")).unwrap().trim().to_string();
-        up.wait_for(|v| v["edges"].as_array().is_some_and(|e| !e.is_empty()), "/v1/edges", Duration::from_secs(30)).await;
+        up.key = std::fs::read_to_string(up.dir.path().join("data/cluster.key"))
+            .unwrap()
+            .trim()
+            .to_string();
+        up.wait_for(
+            |v| v["edges"].as_array().is_some_and(|e| !e.is_empty()),
+            "/v1/edges",
+            Duration::from_secs(30),
+        )
+        .await;
         up
     }
 
     async fn get(&self, path: &str) -> Value {
-        let r = self.client.get(format!("http://{}{path}", self.http)).bearer_auth(&self.token).send().await.unwrap();
+        let r = self
+            .client
+            .get(format!("http://{}{path}", self.http))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .unwrap();
         r.json().await.unwrap()
     }
 
     async fn send(&self, method: reqwest::Method, path: &str, body: Value) -> (u16, Value) {
-        let r = self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token).json(&body).send().await.unwrap();
+        let r = self
+            .client
+            .request(method, format!("http://{}{path}", self.http))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         let s = r.status().as_u16();
         (s, r.json().await.unwrap_or(Value::Null))
     }
@@ -109,7 +144,13 @@ impl Up {
     async fn wait_for(&self, ok: impl Fn(&Value) -> bool, path: &str, within: Duration) -> Value {
         let deadline = Instant::now() + within;
         loop {
-            if let Ok(r) = self.client.get(format!("http://{}{path}", self.http)).bearer_auth(&self.token).send().await {
+            if let Ok(r) = self
+                .client
+                .get(format!("http://{}{path}", self.http))
+                .bearer_auth(&self.token)
+                .send()
+                .await
+            {
                 if let Ok(v) = r.json::<Value>().await {
                     if ok(&v) {
                         return v;
@@ -131,12 +172,19 @@ impl Up {
     }
 
     async fn wait_state(&self, id: &str, state: &str) -> Value {
-        self.wait_for(|v| v["state"] == state, &format!("/v1/sandboxes/{id}"), Duration::from_secs(60)).await
+        self.wait_for(
+            |v| v["state"] == state,
+            &format!("/v1/sandboxes/{id}"),
+            Duration::from_secs(60),
+        )
+        .await
     }
 
     /// Runs `sh -c cmd` in the sandbox through its edge's proxy; returns (stdout, exit code).
     async fn exec(&self, id: &str, cmd: &str) -> (String, i64) {
-        self.try_exec(id, cmd).await.unwrap_or_else(|e| panic!("exec in {id}: {e}"))
+        self.try_exec(id, cmd)
+            .await
+            .unwrap_or_else(|e| panic!("exec in {id}: {e}"))
     }
 
     /// Like `exec`, but a stream cut short (the sandbox died under it) is an error.
@@ -153,7 +201,10 @@ impl Up {
                 .post(format!("http://{}/sandboxes/{id}/process.Process/Start", self.edge))
                 .header("x-opendsec-edge-key", &self.key)
                 // The agent answers only with the sandbox's own access token.
-                .header("x-access-token", opendsec_control::sandbox_token(&self.key, opendsec_control::SandboxTokenKind::Agent, id))
+                .header(
+                    "x-access-token",
+                    opendsec_control::sandbox_token(&self.key, opendsec_control::SandboxTokenKind::Agent, id),
+                )
                 .header("content-type", "application/connect+json")
                 .header("connect-protocol-version", "1")
                 .body(frame.clone())
@@ -161,7 +212,9 @@ impl Up {
                 .await;
             match sent {
                 Ok(r) => break r,
-                Err(e) if e.is_connect() && Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(e) if e.is_connect() && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
                 Err(e) => panic!("exec in {id}: {e}"),
             }
         };
@@ -176,7 +229,9 @@ impl Up {
             i += 5 + n;
             if let Some(d) = m["event"]["data"]["stdout"].as_str() {
                 use base64::Engine;
-                out.push_str(&String::from_utf8_lossy(&base64::engine::general_purpose::STANDARD.decode(d).unwrap()));
+                out.push_str(&String::from_utf8_lossy(
+                    &base64::engine::general_purpose::STANDARD.decode(d).unwrap(),
+                ));
             }
             if let Some(c) = m["event"]["end"]["exitCode"].as_i64() {
                 code = c;
@@ -203,7 +258,9 @@ impl Up {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
     let up = Up::start().await;
-    let id = up.create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500})).await;
+    let id = up
+        .create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500}))
+        .await;
     up.wait_state(&id, "running").await;
 
     let (out, code) = up.exec(&id, "echo $((6*7)); id -un; hostname").await;
@@ -223,26 +280,41 @@ async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 401);
     // Its console (PID 1's output) is readable through the API, as text.
-    let r = up.client.get(format!("http://{}/v1/sandboxes/{id}/logs?max_bytes=4096", up.http)).bearer_auth(&up.token).send().await.unwrap();
+    let r = up
+        .client
+        .get(format!("http://{}/v1/sandboxes/{id}/logs?max_bytes=4096", up.http))
+        .bearer_auth(&up.token)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
     assert!(r.bytes().await.unwrap().len() <= 4096);
 
-    let (s, _) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/pause"), json!({})).await;
+    let (s, _) = up
+        .send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/pause"), json!({}))
+        .await;
     assert!(s < 300);
     up.wait_state(&id, "paused").await;
-    let (s, _) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), json!({})).await;
+    let (s, _) = up
+        .send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), json!({}))
+        .await;
     assert!(s < 300);
     up.wait_state(&id, "running").await;
     assert_eq!(up.exec(&id, "echo back").await.0, "back\n");
 
-    let (s, _) = up.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), json!({})).await;
+    let (s, _) = up
+        .send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), json!({}))
+        .await;
     assert!(s < 300);
     let v = up.wait_state(&id, "exited").await;
     assert_eq!(v["reason"], "user", "{v}");
     let deadline = Instant::now() + Duration::from_secs(20);
     while up.containers_on_disk() > 0 {
-        assert!(Instant::now() < deadline, "the killed sandbox's resources were not freed");
+        assert!(
+            Instant::now() < deadline,
+            "the killed sandbox's resources were not freed"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -250,7 +322,9 @@ async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_past_its_timeout_is_stopped_by_the_edge_and_the_log_says_so() {
     let up = Up::start().await;
-    let id = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200, "timeout_seconds": 2})).await;
+    let id = up
+        .create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200, "timeout_seconds": 2}))
+        .await;
     up.wait_state(&id, "running").await;
     let v = up.wait_state(&id, "exited").await;
     assert_eq!(v["reason"], "timeout", "{v}");
@@ -262,7 +336,10 @@ async fn sandboxes_survive_a_kill_9_of_their_edge_and_control_plane_and_are_re_a
     let mut up = Up::start().await;
     let mut ids = Vec::new();
     for _ in 0..N {
-        ids.push(up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 50})).await);
+        ids.push(
+            up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 50}))
+                .await,
+        );
     }
     for id in &ids {
         up.wait_state(id, "running").await;
@@ -280,11 +357,20 @@ async fn sandboxes_survive_a_kill_9_of_their_edge_and_control_plane_and_are_re_a
 
     up.kill9();
     up.spawn();
-    up.wait_for(|v| v["sandboxes"].as_array().is_some_and(|s| s.len() == N), "/v1/sandboxes", Duration::from_secs(30)).await;
+    up.wait_for(
+        |v| v["sandboxes"].as_array().is_some_and(|s| s.len() == N),
+        "/v1/sandboxes",
+        Duration::from_secs(30),
+    )
+    .await;
     for (id, before) in ids.iter().zip(&pids_before) {
         up.wait_state(id, "running").await;
         let (after, code) = up.exec(id, "pidof sleep").await;
-        assert_eq!((after.as_str(), code), (before.as_str(), 0), "sandbox {id} lost its process");
+        assert_eq!(
+            (after.as_str(), code),
+            (before.as_str(), 0),
+            "sandbox {id} lost its process"
+        );
     }
     assert_eq!(up.containers_on_disk(), N, "nothing duplicated, nothing orphaned");
     let list = up.get("/v1/sandboxes").await;
@@ -294,13 +380,19 @@ async fn sandboxes_survive_a_kill_9_of_their_edge_and_control_plane_and_are_re_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_over_its_memory_limit_is_ended_alone_and_the_log_says_oom() {
     let up = Up::start().await;
-    let hog = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200})).await;
-    let bystander = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200})).await;
+    let hog = up
+        .create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200}))
+        .await;
+    let bystander = up
+        .create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 200}))
+        .await;
     up.wait_state(&hog, "running").await;
     up.wait_state(&bystander, "running").await;
 
     // `tail` keeps the one endless "line" of zeros in memory: far past 64 MB.
-    let _ = up.try_exec(&hog, "head -c 300000000 /dev/zero | tail > /dev/null").await;
+    let _ = up
+        .try_exec(&hog, "head -c 300000000 /dev/zero | tail > /dev/null")
+        .await;
     let v = up.wait_state(&hog, "exited").await;
     assert_eq!(v["oom_killed"], true, "{v}");
     assert_eq!(v["reason"], "oom", "{v}");
@@ -312,8 +404,12 @@ async fn a_sandbox_over_its_memory_limit_is_ended_alone_and_the_log_says_oom() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     let up = Up::start().await;
-    let a = up.create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500})).await;
-    let b = up.create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500})).await;
+    let a = up
+        .create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500}))
+        .await;
+    let b = up
+        .create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500}))
+        .await;
     up.wait_state(&a, "running").await;
     up.wait_state(&b, "running").await;
     up.exec(&b, "echo secret > /home/user/b-only").await;
@@ -321,7 +417,10 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     let checks = [
         // Only its own processes: besides this shell and ps, just the agent (PID 1, its
         // session-holding supervisor, and the server it runs).
-        ("ps -o comm= > /tmp/ps; grep -vxE 'ps|sh' /tmp/ps | sort | uniq -c | awk '{print $1, $2}'", "2 agent\n"),
+        (
+            "ps -o comm= > /tmp/ps; grep -vxE 'ps|sh' /tmp/ps | sort | uniq -c | awk '{print $1, $2}'",
+            "2 agent\n",
+        ),
         ("ls /proc/$(pgrep -x agent | grep -vx 1)/fd 2>/dev/null | wc -l", "0\n"),
         // No network but loopback.
         ("ls /sys/class/net", "lo\n"),
@@ -341,7 +440,12 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     }
 
     // Writing past the sandbox's disk (64 MiB here) fails inside the sandbox only.
-    let (out, _) = up.exec(&a, "yes > /home/user/fill 2>/dev/null; echo done; df -m /home/user | tail -1 | awk '{print $4}'").await;
+    let (out, _) = up
+        .exec(
+            &a,
+            "yes > /home/user/fill 2>/dev/null; echo done; df -m /home/user | tail -1 | awk '{print $4}'",
+        )
+        .await;
     assert!(out.starts_with("done\n"), "{out}");
     assert!(out.trim_end().ends_with('0'), "the sandbox's disk is full: {out}");
     let (out, code) = up.exec(&b, "echo fine").await;
@@ -352,37 +456,75 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
 async fn a_fork_of_a_fork_has_every_generation_of_files_and_outlives_its_parents() {
     let up = Up::start().await;
     let fork = async |id: &str| -> String {
-        let (s, v) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/fork"), json!({"count": 1})).await;
+        let (s, v) = up
+            .send(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/fork"),
+                json!({"count": 1}),
+            )
+            .await;
         assert_eq!(s, 201, "fork: {v}");
         v["sandboxes"][0]["id"].as_str().unwrap().to_string()
     };
-    let a = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100})).await;
+    let a = up
+        .create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100}))
+        .await;
     up.wait_state(&a, "running").await;
-    assert_eq!(up.exec(&a, "echo one > /home/user/a && echo doomed > /home/user/gone && echo from-a > /home/user/kept").await.1, 0);
+    assert_eq!(
+        up.exec(
+            &a,
+            "echo one > /home/user/a && echo doomed > /home/user/gone && echo from-a > /home/user/kept"
+        )
+        .await
+        .1,
+        0
+    );
 
     let b = fork(&a).await;
     up.wait_state(&b, "running").await;
-    assert_eq!(up.exec(&b, "cat /home/user/gone && echo two > /home/user/b && echo changed > /home/user/a && rm /home/user/gone").await, ("doomed\n".to_string(), 0));
+    assert_eq!(
+        up.exec(
+            &b,
+            "cat /home/user/gone && echo two > /home/user/b && echo changed > /home/user/a && rm /home/user/gone"
+        )
+        .await,
+        ("doomed\n".to_string(), 0)
+    );
 
     let c = fork(&b).await;
     up.wait_state(&c, "running").await;
-    let seen = "cat /home/user/kept /home/user/a /home/user/b; test -e /home/user/gone && echo gone-is-back || echo gone";
-    assert_eq!(up.exec(&c, seen).await.0, "from-a\nchanged\ntwo\ngone\n", "the grandchild has what both generations wrote and deleted");
+    let seen =
+        "cat /home/user/kept /home/user/a /home/user/b; test -e /home/user/gone && echo gone-is-back || echo gone";
+    assert_eq!(
+        up.exec(&c, seen).await.0,
+        "from-a\nchanged\ntwo\ngone\n",
+        "the grandchild has what both generations wrote and deleted"
+    );
 
     // Its parents go; what it was forked from stays its own.
     for id in [&a, &b] {
-        let (s, _) = up.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), json!({})).await;
+        let (s, _) = up
+            .send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), json!({}))
+            .await;
         assert!(s < 300);
         up.wait_state(id, "exited").await;
     }
     assert_eq!(up.exec(&c, seen).await.0, "from-a\nchanged\ntwo\ngone\n");
-    assert_eq!(up.exec(&c, "echo three >> /home/user/b && cat /home/user/b").await.0, "two\nthree\n");
+    assert_eq!(
+        up.exec(&c, "echo three >> /home/user/b && cat /home/user/b").await.0,
+        "two\nthree\n"
+    );
 }
 
 /// The warm containers (made ahead, not yet claimed) in the edge's sandboxes directory.
 fn warm_on_disk(up: &Up) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(up.dir.path().join("data/edge/sandboxes"))
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().to_string()).filter(|n| n.starts_with(".warmc-")).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| n.starts_with(".warmc-"))
+                .collect()
+        })
         .unwrap_or_default();
     v.sort();
     v
@@ -392,47 +534,93 @@ fn warm_on_disk(up: &Up) -> Vec<String> {
 async fn a_create_claims_a_warm_container_which_becomes_that_sandbox_and_a_killed_edge_leaves_none() {
     let mut up = Up::start().await;
     // The first create of an image is made from scratch; the edge then keeps two warm.
-    let first = up.create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100})).await;
+    let first = up
+        .create(json!({"image": "busybox", "memory_mb": 64, "cpu_millis": 100}))
+        .await;
     up.wait_state(&first, "running").await;
     let deadline = Instant::now() + Duration::from_secs(60);
     while warm_on_disk(&up).len() < 2 {
-        assert!(Instant::now() < deadline, "no two warm containers within 60 s: {:?}", warm_on_disk(&up));
+        assert!(
+            Instant::now() < deadline,
+            "no two warm containers within 60 s: {:?}",
+            warm_on_disk(&up)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let warm_before = warm_on_disk(&up);
 
     // The next create claims one: it has the sandbox's token (the exec is authenticated
     // by it), hostname, labels and memory limit (its environment: the E2B tests).
-    let id = up.create(json!({"image": "busybox", "memory_mb": 80, "cpu_millis": 100, "labels": {"task": "t7"}})).await;
+    let id = up
+        .create(json!({"image": "busybox", "memory_mb": 80, "cpu_millis": 100, "labels": {"task": "t7"}}))
+        .await;
     up.wait_state(&id, "running").await;
-    let rec: Value = serde_json::from_slice(&std::fs::read(up.dir.path().join("data/edge/sandboxes").join(&id).join("sandbox.json")).unwrap()).unwrap();
+    let rec: Value = serde_json::from_slice(
+        &std::fs::read(up.dir.path().join("data/edge/sandboxes").join(&id).join("sandbox.json")).unwrap(),
+    )
+    .unwrap();
     let runtime_id = rec["runtime_id"].as_str().unwrap_or_default().to_string();
-    assert!(warm_before.contains(&format!(".{runtime_id}")), "sandbox {id} was not made from a warm container: {rec}");
+    assert!(
+        warm_before.contains(&format!(".{runtime_id}")),
+        "sandbox {id} was not made from a warm container: {rec}"
+    );
     assert_eq!(rec["labels"], json!({"task": "t7"}));
-    let (out, code) = up.exec(&id, "hostname; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max").await;
+    let (out, code) = up
+        .exec(
+            &id,
+            "hostname; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max",
+        )
+        .await;
     assert_eq!((out.as_str(), code), (format!("{id}\n{}\n", 80u64 << 20).as_str(), 0));
 
     // kill -9: the warm containers it left are discarded by the next edge (which makes
     // its own); the claimed sandbox is a sandbox like any other and runs on.
     let deadline = Instant::now() + Duration::from_secs(60);
     while warm_on_disk(&up).len() < 2 {
-        assert!(Instant::now() < deadline, "the pool did not refill: {:?}", warm_on_disk(&up));
+        assert!(
+            Instant::now() < deadline,
+            "the pool did not refill: {:?}",
+            warm_on_disk(&up)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let left = warm_on_disk(&up);
     up.kill9();
     up.spawn();
-    up.wait_for(|v| v["edges"].as_array().is_some_and(|e| !e.is_empty()), "/v1/edges", Duration::from_secs(30)).await;
+    up.wait_for(
+        |v| v["edges"].as_array().is_some_and(|e| !e.is_empty()),
+        "/v1/edges",
+        Duration::from_secs(30),
+    )
+    .await;
     let deadline = Instant::now() + Duration::from_secs(60);
     while warm_on_disk(&up).iter().any(|w| left.contains(w)) {
-        assert!(Instant::now() < deadline, "warm containers of the killed edge are still there: {:?}", warm_on_disk(&up));
+        assert!(
+            Instant::now() < deadline,
+            "warm containers of the killed edge are still there: {:?}",
+            warm_on_disk(&up)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for w in &left {
         let wid = w.trim_start_matches('.');
-        assert!(!up.dir.path().join("data/edge/agents").join(format!("{wid}.sock")).exists(), "{wid}'s socket is left");
-        assert!(!up.dir.path().join("data/edge/config").join(wid).exists(), "{wid}'s config is left");
-        assert!(!Path::new("/sys/fs/cgroup/memory/opendsec").join(wid).exists() && !Path::new("/sys/fs/cgroup/opendsec").join(wid).exists(), "{wid}'s cgroup is left");
+        assert!(
+            !up.dir
+                .path()
+                .join("data/edge/agents")
+                .join(format!("{wid}.sock"))
+                .exists(),
+            "{wid}'s socket is left"
+        );
+        assert!(
+            !up.dir.path().join("data/edge/config").join(wid).exists(),
+            "{wid}'s config is left"
+        );
+        assert!(
+            !Path::new("/sys/fs/cgroup/memory/opendsec").join(wid).exists()
+                && !Path::new("/sys/fs/cgroup/opendsec").join(wid).exists(),
+            "{wid}'s cgroup is left"
+        );
     }
     up.wait_state(&id, "running").await;
     assert_eq!(up.exec(&id, "hostname").await, (format!("{id}\n"), 0));

@@ -7,10 +7,10 @@
 mod up;
 
 use opendsec_sdk::{Client, ExecRequest};
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use up::{static_agent, Procs};
+use up::{Procs, static_agent};
 
 use opendsec_edge::testing::free_port;
 
@@ -26,7 +26,13 @@ async fn wait<T>(within: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
 }
 
 async fn exec_echo(client: &Client, id: &str) -> Result<String, String> {
-    let req = ExecRequest { cmd: "/bin/sh".into(), args: vec!["-c".into(), "echo hi from $(hostname)".into()], envs: Default::default(), cwd: None, user: None };
+    let req = ExecRequest {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), "echo hi from $(hostname)".into()],
+        envs: Default::default(),
+        cwd: None,
+        user: None,
+    };
     let mut out = Vec::new();
     let code = client
         .exec(id, &req, |o| {
@@ -54,10 +60,25 @@ struct Setup {
 /// A control node (`up --no-edge`) and two `opendsec edge` processes, e1 and e2.
 async fn setup(e1_sandboxes: &str) -> Setup {
     let mut p = Procs::new(&["e1", "e2"]);
-    let (http, peer) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let (http, peer) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
     let data = p.dir.path().join("control");
     let data_s = data.to_string_lossy().to_string();
-    p.spawn("control", &["up", "--no-edge", "--data-dir", &data_s, "--listen", &http, "--peer-listen", &peer]);
+    p.spawn(
+        "control",
+        &[
+            "up",
+            "--no-edge",
+            "--data-dir",
+            &data_s,
+            "--listen",
+            &http,
+            "--peer-listen",
+            &peer,
+        ],
+    );
     let token_file = p.dir.path().join("admin.token");
     let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
         .args(["init", "--peer", &peer, "--data-dir", &data_s, "--token-file"])
@@ -70,7 +91,15 @@ async fn setup(e1_sandboxes: &str) -> Setup {
 
     // An edge token: edge:write in the root project.
     let http_client = reqwest::Client::new();
-    let me: Value = http_client.get(format!("http://{http}/v1/whoami")).bearer_auth(&admin).send().await.unwrap().json().await.unwrap();
+    let me: Value = http_client
+        .get(format!("http://{http}/v1/whoami"))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let issued: Value = http_client
         .post(format!("http://{http}/v1/tokens"))
         .bearer_auth(&admin)
@@ -92,8 +121,25 @@ async fn setup(e1_sandboxes: &str) -> Setup {
         let dir = p.dir.path().join(name).to_string_lossy().to_string();
         let listen = format!("127.0.0.1:{}", free_port());
         let args: Vec<String> = [
-            "edge", "--control", &peer, "--token-file", &tok, "--cluster-key-file", &key, "--data-dir", &dir, "--edge-name", name, "--edge-listen",
-            &listen, "--agent", &agent, "--disk-mb", "64", "--edge-sandboxes", if name == "e1" { e1_sandboxes } else { "20" },
+            "edge",
+            "--control",
+            &peer,
+            "--token-file",
+            &tok,
+            "--cluster-key-file",
+            &key,
+            "--data-dir",
+            &dir,
+            "--edge-name",
+            name,
+            "--edge-listen",
+            &listen,
+            "--agent",
+            &agent,
+            "--disk-mb",
+            "64",
+            "--edge-sandboxes",
+            if name == "e1" { e1_sandboxes } else { "20" },
         ]
         .iter()
         .map(|s| s.to_string())
@@ -103,12 +149,27 @@ async fn setup(e1_sandboxes: &str) -> Setup {
         edge_args.push((name, args, listen));
     }
     wait(Duration::from_secs(30), async || {
-        let v: Value = http_client.get(format!("http://{http}/v1/edges")).bearer_auth(&admin).send().await.ok()?.json().await.ok()?;
+        let v: Value = http_client
+            .get(format!("http://{http}/v1/edges"))
+            .bearer_auth(&admin)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
         (v["edges"].as_array()?.len() == 2).then_some(())
     })
     .await;
 
-    Setup { p, http, admin, client, http_client, edge_args }
+    Setup {
+        p,
+        http,
+        admin,
+        client,
+        http_client,
+        edge_args,
+    }
 }
 
 /// What sandbox `id` prints for `echo hi from $(hostname)`, once it answers within 60 s;
@@ -119,7 +180,13 @@ async fn answer(s: &Setup, id: &str) -> String {
         match exec_echo(&s.client, id).await {
             Ok(out) => return out,
             Err(e) if Instant::now() >= deadline => {
-                let shown = s.http_client.get(format!("http://{}/v1/sandboxes/{id}", s.http)).bearer_auth(&s.admin).send().await.map(|r| r.text());
+                let shown = s
+                    .http_client
+                    .get(format!("http://{}/v1/sandboxes/{id}", s.http))
+                    .bearer_auth(&s.admin)
+                    .send()
+                    .await
+                    .map(|r| r.text());
                 let shown = match shown {
                     Ok(t) => t.await.unwrap_or_default(),
                     Err(e) => e.to_string(),
@@ -143,7 +210,10 @@ async fn create(s: &Setup) -> (String, String) {
         .json()
         .await
         .unwrap();
-    (v["sandbox"]["id"].as_str().unwrap().to_string(), v["sandbox"]["edge"].as_str().unwrap().to_string())
+    (
+        v["sandbox"]["id"].as_str().unwrap().to_string(),
+        v["sandbox"]["edge"].as_str().unwrap().to_string(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,7 +224,10 @@ async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
         ids.push(create(&s).await);
     }
     let on_e1 = ids.iter().filter(|(_, e)| e == "e1").count();
-    assert!(on_e1 > 0 && on_e1 < 10, "power-of-k used both edges: {on_e1} of 10 on e1");
+    assert!(
+        on_e1 > 0 && on_e1 < 10,
+        "power-of-k used both edges: {on_e1} of 10 on e1"
+    );
     for (id, edge) in &ids {
         let out = answer(&s, id).await;
         assert_eq!(out, format!("hi from {id}\n"), "sandbox {id} on {edge}");
@@ -163,7 +236,10 @@ async fn two_edges_share_the_sandboxes_and_a_killed_edge_leaves_them_running() {
     // kill -9 of e1: its sandboxes keep running; traffic resumes when it is back.
     s.p.kill9("e1");
     let (victim, _) = ids.iter().find(|(_, e)| e == "e1").unwrap().clone();
-    assert!(exec_echo(&s.client, &victim).await.is_err(), "the edge is down: no route");
+    assert!(
+        exec_echo(&s.client, &victim).await.is_err(),
+        "the edge is down: no route"
+    );
     let (name, args, _) = &s.edge_args[0];
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     s.p.spawn(name, &refs);

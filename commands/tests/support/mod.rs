@@ -7,8 +7,8 @@
 //! before any of them is applied, with or without the overlay.
 #![allow(dead_code)]
 
-use opendsec_commands::{batch_for, decide, Caller, Command, Ctx, Decided, InFlight, Observation, Rejection};
-use opendsec_projections::schema::{encode_batch, Batch};
+use opendsec_commands::{Caller, Command, Ctx, Decided, InFlight, Observation, Rejection, batch_for, decide};
+use opendsec_projections::schema::{Batch, encode_batch};
 use opendsec_projections::{AuditRecord, Limits, Outcome, Right, State, Usage};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -62,7 +62,11 @@ pub fn secret_hash(secret: &str) -> String {
 }
 
 pub fn limits(sandboxes: Option<u64>, cpu_millis: Option<u64>, memory_mb: Option<u64>) -> Limits {
-    Limits { sandboxes, cpu_millis, memory_mb }
+    Limits {
+        sandboxes,
+        cpu_millis,
+        memory_mb,
+    }
 }
 
 /// Limits on the number of sandboxes only.
@@ -71,7 +75,11 @@ pub fn at_most(sandboxes: u64) -> Limits {
 }
 
 pub fn capacity(sandboxes: u64, cpu_millis: u64, memory_mb: u64) -> Usage {
-    Usage { sandboxes, cpu_millis, memory_mb }
+    Usage {
+        sandboxes,
+        cpu_millis,
+        memory_mb,
+    }
 }
 
 pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -80,7 +88,8 @@ pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 
 /// A small sandbox (500 mCPU, 256 MB) in `project`.
 pub fn create_in(project: &str) -> Command {
-    Command::CreateSandbox { opts: Default::default(),
+    Command::CreateSandbox {
+        opts: Default::default(),
         project: project.into(),
         image: "python:3.12".into(),
         cpu_millis: 500,
@@ -92,7 +101,14 @@ pub fn create_in(project: &str) -> Command {
 
 impl World {
     pub fn new() -> World {
-        World { state: State::new(), inflight: InFlight::new(), now_ms: T0, seed: 0, log: Vec::new(), root: String::new() }
+        World {
+            state: State::new(),
+            inflight: InFlight::new(),
+            now_ms: T0,
+            seed: 0,
+            log: Vec::new(),
+            root: String::new(),
+        }
     }
 
     /// A world with a root project, its admin token, and one roomy edge.
@@ -130,7 +146,11 @@ impl World {
         let decided = p.decided.clone();
         let applied = self.commit(p);
         match (decided, applied) {
-            (Ok(decided), Some((index, outcome))) => Ok(Ran { decided, outcome, index }),
+            (Ok(decided), Some((index, outcome))) => Ok(Ran {
+                decided,
+                outcome,
+                index,
+            }),
             (Ok(_), None) => unreachable!("an accepted command always has a log entry"),
             (Err(r), _) => Err(r),
         }
@@ -145,7 +165,11 @@ impl World {
     pub fn propose_as(&mut self, caller: Caller, cmd: Command, overlay: Overlay) -> Proposal {
         let ctx = self.ctx(caller);
         let empty = InFlight::new();
-        let view = if overlay == Overlay::Used { &self.inflight } else { &empty };
+        let view = if overlay == Overlay::Used {
+            &self.inflight
+        } else {
+            &empty
+        };
         let decided = decide(&self.state, view, &cmd, &ctx);
         let batch = batch_for(&cmd, &ctx, &self.state, &decided);
         let ticket = match (&batch, &decided, overlay) {
@@ -182,17 +206,31 @@ impl World {
         let ran = self
             .run_as(
                 Caller::System,
-                Command::Bootstrap { project_name: "root".into(), token_name: "admin".into(), secret_sha256: secret_hash("admin") },
+                Command::Bootstrap {
+                    project_name: "root".into(),
+                    token_name: "admin".into(),
+                    secret_sha256: secret_hash("admin"),
+                },
             )
             .expect("bootstrap is accepted");
-        assert!(matches!(ran.outcome, Outcome::Applied { .. }), "bootstrap applies: {:?}", ran.outcome);
+        assert!(
+            matches!(ran.outcome, Outcome::Applied { .. }),
+            "bootstrap applies: {:?}",
+            ran.outcome
+        );
         self.root = ran.decided.project.clone();
         ran.decided.target
     }
 
     pub fn project(&mut self, token: &str, parent: &str, name: &str) -> String {
         let ran = self
-            .run(token, Command::CreateProject { name: name.into(), parent: parent.into() })
+            .run(
+                token,
+                Command::CreateProject {
+                    name: name.into(),
+                    parent: parent.into(),
+                },
+            )
             .unwrap_or_else(|r| panic!("project {name} under {parent}: {r:?}"));
         assert!(matches!(ran.outcome, Outcome::Applied { .. }), "{:?}", ran.outcome);
         ran.decided.target
@@ -200,16 +238,29 @@ impl World {
 
     pub fn set_quota(&mut self, token: &str, project: &str, l: Limits) {
         let ran = self
-            .run(token, Command::SetQuota { project: project.into(), limits: l })
+            .run(
+                token,
+                Command::SetQuota {
+                    project: project.into(),
+                    limits: l,
+                },
+            )
             .unwrap_or_else(|r| panic!("quota of {project}: {r:?}"));
         assert!(matches!(ran.outcome, Outcome::Applied { .. }), "{:?}", ran.outcome);
     }
 
     pub fn issue(&mut self, token: &str, project: &str, rights: &[Right], ttl_seconds: Option<u64>) -> String {
-        self.try_issue(token, project, rights, ttl_seconds).unwrap_or_else(|r| panic!("token in {project}: {r:?}"))
+        self.try_issue(token, project, rights, ttl_seconds)
+            .unwrap_or_else(|r| panic!("token in {project}: {r:?}"))
     }
 
-    pub fn try_issue(&mut self, token: &str, project: &str, rights: &[Right], ttl_seconds: Option<u64>) -> Result<String, Rejection> {
+    pub fn try_issue(
+        &mut self,
+        token: &str,
+        project: &str,
+        rights: &[Right],
+        ttl_seconds: Option<u64>,
+    ) -> Result<String, Rejection> {
         let name = format!("t{}", self.seed + 1);
         self.run(
             token,
@@ -230,7 +281,15 @@ impl World {
 
     pub fn edge_labelled(&mut self, token: &str, name: &str, cap: Usage, labels: BTreeMap<String, String>) -> u32 {
         let ran = self
-            .run(token, Command::RegisterEdge { edge: name.into(), address: format!("{name}:7401"), capacity: cap, labels })
+            .run(
+                token,
+                Command::RegisterEdge {
+                    edge: name.into(),
+                    address: format!("{name}:7401"),
+                    capacity: cap,
+                    labels,
+                },
+            )
             .unwrap_or_else(|r| panic!("edge {name}: {r:?}"));
         assert!(matches!(ran.outcome, Outcome::Applied { .. }), "{:?}", ran.outcome);
         self.state.placement.edges[name].ordinal
@@ -238,7 +297,8 @@ impl World {
 
     /// Creates a small sandbox; returns its id.
     pub fn sandbox(&mut self, token: &str, project: &str) -> String {
-        self.try_sandbox(token, project).unwrap_or_else(|r| panic!("sandbox in {project}: {r:?}"))
+        self.try_sandbox(token, project)
+            .unwrap_or_else(|r| panic!("sandbox in {project}: {r:?}"))
     }
 
     pub fn try_sandbox(&mut self, token: &str, project: &str) -> Result<String, Rejection> {
@@ -248,7 +308,14 @@ impl World {
     }
 
     pub fn report(&mut self, token: &str, sandbox: &str, observation: Observation) -> Ran {
-        self.run(token, Command::ReportSandbox { sandbox: sandbox.into(), observation }).expect("report accepted")
+        self.run(
+            token,
+            Command::ReportSandbox {
+                sandbox: sandbox.into(),
+                observation,
+            },
+        )
+        .expect("report accepted")
     }
 
     // ---- what the views say ----

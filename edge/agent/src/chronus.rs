@@ -162,13 +162,9 @@ pub fn recv(sock: RawFd, nonblocking: bool) -> io::Result<Option<(Value, Vec<Own
         return Ok(None);
     }
     if mh.msg_flags & libc::MSG_TRUNC != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "packet too large",
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "packet too large"));
     }
-    let v = serde_json::from_slice(&data[..n])
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let v = serde_json::from_slice(&data[..n]).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     Ok(Some((v, fds)))
 }
 
@@ -323,10 +319,7 @@ impl Link {
     pub fn save_state(&self, part: &str, value: Value) {
         let mut parts = self.state.lock().unwrap();
         parts.insert(part.to_string(), value);
-        self.send(
-            json!({"op": "state", "state": Value::Object(parts.clone())}),
-            &[],
-        );
+        self.send(json!({"op": "state", "state": Value::Object(parts.clone())}), &[]);
     }
 
     /// Exit statuses of adopted processes, as the supervisor reaps them.
@@ -335,9 +328,8 @@ impl Link {
             return;
         };
         // SAFETY: the AsyncFd owns the duplicate for the rest of its life.
-        let Ok(afd) = (unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE)
-        }) else {
+        let Ok(afd) = (unsafe { tokio::io::unix::AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) })
+        else {
             return;
         };
         loop {
@@ -417,10 +409,7 @@ impl Supervisor {
             Ok(p) => p,
             Err(e) => return self.retry_later(&format!("socketpair: {e}")),
         };
-        let (listen, control) = match (
-            dup_high(self.listen.as_raw_fd()),
-            dup_high(theirs.as_raw_fd()),
-        ) {
+        let (listen, control) = match (dup_high(self.listen.as_raw_fd()), dup_high(theirs.as_raw_fd())) {
             (Ok(l), Ok(c)) => (l, c),
             (Err(e), _) | (_, Err(e)) => return self.retry_later(&format!("dup: {e}")),
         };
@@ -497,8 +486,7 @@ impl Supervisor {
         let pid = msg["pid"].as_u64().unwrap_or(0) as u32;
         match msg["op"].as_str() {
             Some("register") => {
-                let roles: Vec<FdRole> =
-                    serde_json::from_value(msg["meta"]["fds"].clone()).unwrap_or_default();
+                let roles: Vec<FdRole> = serde_json::from_value(msg["meta"]["fds"].clone()).unwrap_or_default();
                 if roles.len() != fds.len() || pid == 0 {
                     return log(&format!("session {pid}: fds do not match their roles"));
                 }

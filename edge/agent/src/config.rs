@@ -28,10 +28,7 @@ fn check_env(env: &BTreeMap<String, String>, file: &Path) -> Result<(), String> 
             ));
         }
         if v.contains('\0') {
-            return Err(format!(
-                "{}: the value of {k} contains a NUL byte",
-                file.display()
-            ));
+            return Err(format!("{}: the value of {k} contains a NUL byte", file.display()));
         }
     }
     Ok(())
@@ -102,13 +99,7 @@ mod tests {
 
     #[test]
     fn env_file_rejects_other_shapes_and_bad_names() {
-        for bad in [
-            r#"["A"]"#,
-            r#"{"A": 1}"#,
-            r#"{"A=B": "x"}"#,
-            r#"{"": "x"}"#,
-            "not json",
-        ] {
+        for bad in [r#"["A"]"#, r#"{"A": 1}"#, r#"{"A=B": "x"}"#, r#"{"": "x"}"#, "not json"] {
             let f = file(bad);
             let e = load_env(f.path()).unwrap_err();
             assert!(e.contains(&f.path().display().to_string()), "{bad}: {e}");
@@ -119,8 +110,7 @@ mod tests {
 
     #[test]
     fn start_file_fields_and_defaults() {
-        let f =
-            file(r#"{"cmd": "/usr/bin/python3", "args": ["-m", "server"], "ready_port": 49999}"#);
+        let f = file(r#"{"cmd": "/usr/bin/python3", "args": ["-m", "server"], "ready_port": 49999}"#);
         let s = load_start(f.path()).unwrap();
         assert_eq!(s.cmd, "/usr/bin/python3");
         assert_eq!(s.args, ["-m", "server"]);

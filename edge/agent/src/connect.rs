@@ -116,9 +116,7 @@ impl RpcError {
     pub fn io(e: std::io::Error, what: &str) -> Self {
         use std::io::ErrorKind as K;
         let code = match (e.kind(), e.raw_os_error()) {
-            (_, Some(libc::ENOTDIR)) | (_, Some(libc::EISDIR)) | (_, Some(libc::ENOTEMPTY)) => {
-                Code::InvalidArgument
-            }
+            (_, Some(libc::ENOTDIR)) | (_, Some(libc::EISDIR)) | (_, Some(libc::ENOTEMPTY)) => Code::InvalidArgument,
             (_, Some(libc::ENOSPC)) | (_, Some(libc::EDQUOT)) => Code::ResourceExhausted,
             (K::NotFound, _) => Code::NotFound,
             (K::PermissionDenied, _) => Code::PermissionDenied,
@@ -160,10 +158,7 @@ impl hyper::body::Body for Body {
     type Data = Bytes;
     type Error = std::convert::Infallible;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match &mut *self {
             Body::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             Body::Chan(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
@@ -262,14 +257,10 @@ pub async fn read_unary<T: DeserializeOwned>(body: Incoming) -> Result<T, RpcErr
     let mut buf = BytesMut::new();
     let mut body = body;
     while let Some(frame) = body.frame().await {
-        let frame =
-            frame.map_err(|e| RpcError::new(Code::Canceled, format!("reading request: {e}")))?;
+        let frame = frame.map_err(|e| RpcError::new(Code::Canceled, format!("reading request: {e}")))?;
         if let Ok(d) = frame.into_data() {
             if buf.len() + d.len() > MAX_MESSAGE {
-                return Err(RpcError::new(
-                    Code::ResourceExhausted,
-                    "request message too large",
-                ));
+                return Err(RpcError::new(Code::ResourceExhausted, "request message too large"));
             }
             buf.put(d);
         }
@@ -299,13 +290,9 @@ impl EnvelopeReader {
         loop {
             if self.buf.len() >= 5 {
                 let flags = self.buf[0];
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
-                    as usize;
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
                 if len > MAX_MESSAGE {
-                    return Err(RpcError::new(
-                        Code::ResourceExhausted,
-                        "request message too large",
-                    ));
+                    return Err(RpcError::new(Code::ResourceExhausted, "request message too large"));
                 }
                 if self.buf.len() >= 5 + len {
                     self.buf.advance(5);
@@ -335,10 +322,7 @@ impl EnvelopeReader {
                     return Ok(None);
                 }
                 Some(Err(e)) => {
-                    return Err(RpcError::new(
-                        Code::Canceled,
-                        format!("reading request: {e}"),
-                    ));
+                    return Err(RpcError::new(Code::Canceled, format!("reading request: {e}")));
                 }
                 Some(Ok(f)) => {
                     if let Ok(d) = f.into_data() {

@@ -24,10 +24,7 @@ pub fn http_error(e: &RpcError) -> Response<Body> {
         Code::ResourceExhausted => StatusCode::INSUFFICIENT_STORAGE,
         c => c.http_status(),
     };
-    json_response(
-        status,
-        &json!({"code": status.as_u16(), "message": e.message}),
-    )
+    json_response(status, &json!({"code": status.as_u16(), "message": e.message}))
 }
 
 pub async fn get(user: User, path: &str, headers: &HeaderMap) -> Result<Response<Body>, RpcError> {
@@ -48,15 +45,11 @@ pub async fn get(user: User, path: &str, headers: &HeaderMap) -> Result<Response
         .get_all("accept-encoding")
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .any(|v| {
-            v.split(',')
-                .any(|t| t.trim().split(';').next() == Some("gzip"))
-        });
+        .any(|v| v.split(',').any(|t| t.trim().split(';').next() == Some("gzip")));
     let (tx, rx) = mpsc::channel::<Bytes>(4);
     tokio::task::spawn_blocking(move || {
         let mut buf = vec![0u8; READ_CHUNK];
-        let mut enc =
-            gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
+        let mut enc = gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
         loop {
             let n = match file.read(&mut buf) {
                 Ok(0) => break,
@@ -99,9 +92,7 @@ pub async fn get(user: User, path: &str, headers: &HeaderMap) -> Result<Response
             format!("attachment; filename=\"{}\"", name.replace('"', "")),
         );
     if gzip {
-        b = b
-            .header("content-encoding", "gzip")
-            .header("vary", "Accept-Encoding");
+        b = b.header("content-encoding", "gzip").header("vary", "Accept-Encoding");
     } else {
         b = b.header("content-length", len);
     }
@@ -114,19 +105,13 @@ struct Sink {
     done: tokio::task::JoinHandle<Result<(), RpcError>>,
 }
 
-async fn open_sink(
-    user: &User,
-    path: PathBuf,
-    gunzip: bool,
-    meta: &Metadata,
-) -> Result<Sink, RpcError> {
+async fn open_sink(user: &User, path: PathBuf, gunzip: bool, meta: &Metadata) -> Result<Sink, RpcError> {
     let p = path.clone();
     let meta = meta.clone();
     let file = users::blocking_as(user, move || {
         let s = p.display().to_string();
         if let Some(parent) = p.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| RpcError::io(e, &parent.display().to_string()))?;
+            std::fs::create_dir_all(parent).map_err(|e| RpcError::io(e, &parent.display().to_string()))?;
         }
         if std::fs::metadata(&p).map(|m| m.is_dir()).unwrap_or(false) {
             return Err(RpcError::invalid(format!("path '{s}' is a directory")));
@@ -171,9 +156,7 @@ impl Sink {
     }
     async fn finish(self) -> Result<(), RpcError> {
         drop(self.tx);
-        self.done
-            .await
-            .map_err(|e| RpcError::internal(e.to_string()))?
+        self.done.await.map_err(|e| RpcError::internal(e.to_string()))?
     }
 }
 
@@ -215,10 +198,7 @@ pub async fn post(
             .ok_or_else(|| RpcError::invalid("multipart body without boundary"))?;
         multipart(&user, path, &boundary, gunzip, &meta, body).await?
     } else {
-        let path = users::resolve_path(
-            &user,
-            path.ok_or_else(|| RpcError::invalid("path is required"))?,
-        )?;
+        let path = users::resolve_path(&user, path.ok_or_else(|| RpcError::invalid("path is required"))?)?;
         let sink = open_sink(&user, path.clone(), gunzip, &meta).await?;
         let mut body = body;
         let mut res = Ok(());
@@ -230,10 +210,7 @@ pub async fn post(
                     }
                 }
                 Err(e) => {
-                    res = Err(RpcError::new(
-                        Code::Canceled,
-                        format!("reading upload: {e}"),
-                    ));
+                    res = Err(RpcError::new(Code::Canceled, format!("reading upload: {e}")));
                     break;
                 }
             }

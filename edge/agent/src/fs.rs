@@ -87,11 +87,7 @@ fn perm_string(mode: u32, type_char: char) -> String {
     s.push(type_char);
     let bits = ['r', 'w', 'x'];
     for i in (0..9).rev() {
-        s.push(if mode & (1 << i) != 0 {
-            bits[(8 - i) % 3]
-        } else {
-            '-'
-        });
+        s.push(if mode & (1 << i) != 0 { bits[(8 - i) % 3] } else { '-' });
     }
     s
 }
@@ -141,9 +137,7 @@ pub fn entry_info(path: &Path, names: &Names) -> std::io::Result<Value> {
     if is_link {
         v["isSymlink"] = json!(true);
         let target = std::fs::canonicalize(path)
-            .or_else(|_| {
-                std::fs::read_link(path).map(|t| path.parent().unwrap_or(Path::new("/")).join(t))
-            })
+            .or_else(|_| std::fs::read_link(path).map(|t| path.parent().unwrap_or(Path::new("/")).join(t)))
             .unwrap_or_default();
         v["symlinkTarget"] = json!(target.to_string_lossy());
     }
@@ -155,8 +149,7 @@ pub fn entry_info(path: &Path, names: &Names) -> std::io::Result<Value> {
 pub async fn stat(user: &User, req: PathRequest) -> Result<Value, RpcError> {
     let path = users::resolve_path(user, &req.path)?;
     users::blocking_as(user, move || {
-        let e = entry_info(&path, &Names::load())
-            .map_err(|e| RpcError::io(e, &path.display().to_string()))?;
+        let e = entry_info(&path, &Names::load()).map_err(|e| RpcError::io(e, &path.display().to_string()))?;
         Ok(json!({ "entry": e }))
     })
     .await
@@ -194,14 +187,11 @@ pub async fn rename(user: &User, req: MoveRequest) -> Result<Value, RpcError> {
     users::blocking_as(user, move || {
         std::fs::symlink_metadata(&src).map_err(|e| RpcError::io(e, &src.display().to_string()))?;
         if let Some(parent) = dst.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| RpcError::io(e, &parent.display().to_string()))?;
+            std::fs::create_dir_all(parent).map_err(|e| RpcError::io(e, &parent.display().to_string()))?;
         }
-        std::fs::rename(&src, &dst).map_err(|e| {
-            RpcError::io(e, &format!("moving {} to {}", src.display(), dst.display()))
-        })?;
-        let e = entry_info(&dst, &Names::load())
-            .map_err(|e| RpcError::io(e, &dst.display().to_string()))?;
+        std::fs::rename(&src, &dst)
+            .map_err(|e| RpcError::io(e, &format!("moving {} to {}", src.display(), dst.display())))?;
+        let e = entry_info(&dst, &Names::load()).map_err(|e| RpcError::io(e, &dst.display().to_string()))?;
         Ok(json!({ "entry": e }))
     })
     .await
@@ -306,8 +296,7 @@ impl Watch {
             return Err(RpcError::io(std::io::Error::last_os_error(), "inotify"));
         }
         // SAFETY: inotify_init1 returned a fresh descriptor.
-        let fd = Fd::new(unsafe { OwnedFd::from_raw_fd(raw) })
-            .map_err(|e| RpcError::io(e, "inotify"))?;
+        let fd = Fd::new(unsafe { OwnedFd::from_raw_fd(raw) }).map_err(|e| RpcError::io(e, "inotify"))?;
         let mut w = Watch {
             fd,
             root: root.clone(),
@@ -323,12 +312,9 @@ impl Watch {
 
     /// Runs with the user's credentials (caller's duty).
     fn add_tree(&mut self, abs: &Path, rel: PathBuf, top: bool) -> std::io::Result<()> {
-        let c = std::ffi::CString::new(abs.as_os_str().as_bytes())
-            .map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        let c = std::ffi::CString::new(abs.as_os_str().as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
         // SAFETY: valid C string.
-        let wd = unsafe {
-            libc::inotify_add_watch(self.fd.raw(), c.as_ptr(), WATCH_MASK | libc::IN_ONLYDIR)
-        };
+        let wd = unsafe { libc::inotify_add_watch(self.fd.raw(), c.as_ptr(), WATCH_MASK | libc::IN_ONLYDIR) };
         if wd < 0 {
             let e = std::io::Error::last_os_error();
             return if top { Err(e) } else { Ok(()) };
@@ -359,13 +345,9 @@ impl Watch {
         let hdr = std::mem::size_of::<libc::inotify_event>();
         while off + hdr <= n {
             // SAFETY: the kernel wrote whole events; read_unaligned copes with alignment.
-            let ev: libc::inotify_event =
-                unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
+            let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
             let name_bytes = &buf[off + hdr..(off + hdr + ev.len as usize).min(n)];
-            let name_end = name_bytes
-                .iter()
-                .position(|&b| b == 0)
-                .unwrap_or(name_bytes.len());
+            let name_end = name_bytes.iter().position(|&b| b == 0).unwrap_or(name_bytes.len());
             let name = std::ffi::OsStr::from_bytes(&name_bytes[..name_end]).to_owned();
             off += hdr + ev.len as usize;
 
@@ -414,9 +396,7 @@ impl Watch {
                 // A subdirectory's own removal is also reported by its parent.
                 continue;
             }
-            for (rel, ty) in std::iter::once((rel, ty))
-                .chain(found.into_iter().map(|r| (r, "EVENT_TYPE_CREATE")))
-            {
+            for (rel, ty) in std::iter::once((rel, ty)).chain(found.into_iter().map(|r| (r, "EVENT_TYPE_CREATE"))) {
                 let mut v = json!({"name": rel.to_string_lossy(), "type": ty});
                 if self.include_entry && ty != "EVENT_TYPE_REMOVE" && ty != "EVENT_TYPE_RENAME" {
                     let abs = self.root.join(&rel);

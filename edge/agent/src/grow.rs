@@ -28,7 +28,10 @@ pub fn split_partition(dev: &str) -> Option<(String, usize)> {
         return None;
     }
     let (disk, n) = dev.split_at(dev.len() - digits);
-    let disk = disk.strip_suffix('p').filter(|d| d.ends_with(|c: char| c.is_ascii_digit())).unwrap_or(disk);
+    let disk = disk
+        .strip_suffix('p')
+        .filter(|d| d.ends_with(|c: char| c.is_ascii_digit()))
+        .unwrap_or(disk);
     Some((disk.to_string(), n.parse().ok()?))
 }
 
@@ -77,19 +80,33 @@ pub fn grown_mbr(mbr: &[u8; 512], n: usize, disk_sectors: u64) -> Result<Option<
 
 pub fn grow_partition(part: &str) -> Result<String, String> {
     let (disk, n) = split_partition(part).ok_or_else(|| format!("{part} is not a partition device"))?;
-    let mut f = OpenOptions::new().read(true).write(true).open(&disk).map_err(|e| format!("opening {disk}: {e}"))?;
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&disk)
+        .map_err(|e| format!("opening {disk}: {e}"))?;
     let sectors = size_bytes(&f).map_err(|e| format!("the size of {disk}: {e}"))? / SECTOR;
     let mut mbr = [0u8; 512];
-    f.read_exact(&mut mbr).map_err(|e| format!("reading {disk}'s MBR: {e}"))?;
+    f.read_exact(&mut mbr)
+        .map_err(|e| format!("reading {disk}'s MBR: {e}"))?;
     let Some(grown) = grown_mbr(&mbr, n, sectors)? else {
         return Ok(format!("{part} already fills {disk}"));
     };
-    f.seek(SeekFrom::Start(0)).and_then(|_| f.write_all(&grown)).and_then(|_| f.sync_all()).map_err(|e| format!("writing {disk}'s MBR: {e}"))?;
+    f.seek(SeekFrom::Start(0))
+        .and_then(|_| f.write_all(&grown))
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("writing {disk}'s MBR: {e}"))?;
     // SAFETY: BLKRRPART takes no argument.
     if unsafe { libc::ioctl(f.as_raw_fd(), BLKRRPART as _, 0) } != 0 {
-        return Err(format!("re-reading {disk}'s partitions: {}", std::io::Error::last_os_error()));
+        return Err(format!(
+            "re-reading {disk}'s partitions: {}",
+            std::io::Error::last_os_error()
+        ));
     }
-    Ok(format!("{part} grown to the end of {disk} ({} MiB)", sectors * SECTOR >> 20))
+    Ok(format!(
+        "{part} grown to the end of {disk} ({} MiB)",
+        sectors * SECTOR >> 20
+    ))
 }
 
 pub fn grow_fs(mountpoint: &str, part: &str) -> Result<String, String> {
@@ -138,15 +155,30 @@ mod tests {
         assert_eq!(&g[..458], &m[..458]);
         assert_eq!(&g[462..], &m[462..]);
         assert_eq!(grown_mbr(&g, 1, 1_000_000).unwrap(), None, "already at the end");
-        assert_eq!(grown_mbr(&m, 1, 50_000).unwrap(), None, "a smaller disk shrinks nothing");
+        assert_eq!(
+            grown_mbr(&m, 1, 50_000).unwrap(),
+            None,
+            "a smaller disk shrinks nothing"
+        );
     }
 
     #[test]
     fn a_partition_followed_by_another_a_gpt_disk_or_no_table_is_left_alone() {
-        assert_eq!(grown_mbr(&mbr(&[(0x83, 2048, 1000), (0x82, 4096, 1000)]), 1, 1_000_000).unwrap(), None);
-        assert!(grown_mbr(&mbr(&[(0xEE, 1, 1000)]), 1, 1_000_000).unwrap_err().contains("GPT"));
+        assert_eq!(
+            grown_mbr(&mbr(&[(0x83, 2048, 1000), (0x82, 4096, 1000)]), 1, 1_000_000).unwrap(),
+            None
+        );
+        assert!(
+            grown_mbr(&mbr(&[(0xEE, 1, 1000)]), 1, 1_000_000)
+                .unwrap_err()
+                .contains("GPT")
+        );
         assert!(grown_mbr(&[0u8; 512], 1, 1_000_000).unwrap_err().contains("no MBR"));
-        assert!(grown_mbr(&mbr(&[(0x83, 2048, 1000)]), 2, 1_000_000).unwrap_err().contains("empty"));
+        assert!(
+            grown_mbr(&mbr(&[(0x83, 2048, 1000)]), 2, 1_000_000)
+                .unwrap_err()
+                .contains("empty")
+        );
     }
 
     #[test]

@@ -20,10 +20,7 @@ pub fn opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error>
             .and_then(|v| u32::try_from(v).ok())
             .map(Some)
             .ok_or_else(|| D::Error::custom("expected uint32")),
-        Some(serde_json::Value::String(s)) => s
-            .parse()
-            .map(Some)
-            .map_err(|_| D::Error::custom("expected uint32")),
+        Some(serde_json::Value::String(s)) => s.parse().map(Some).map_err(|_| D::Error::custom("expected uint32")),
         Some(_) => Err(D::Error::custom("expected uint32")),
     }
 }

@@ -139,9 +139,7 @@ fn parse_args() -> Args {
         match flag.as_str() {
             "--listen-fd" => {
                 listen = Some(Listen::Fd(
-                    val()
-                        .parse()
-                        .unwrap_or_else(|_| die("--listen-fd needs a number")),
+                    val().parse().unwrap_or_else(|_| die("--listen-fd needs a number")),
                 ))
             }
             "--listen" => {
@@ -149,20 +147,13 @@ fn parse_args() -> Args {
                 listen = Some(if let Some(p) = v.strip_prefix("unix:") {
                     Listen::Unix(PathBuf::from(p))
                 } else if let Some(a) = v.strip_prefix("tcp:") {
-                    Listen::Tcp(
-                        a.parse()
-                            .unwrap_or_else(|_| die("--listen tcp: needs IP:PORT")),
-                    )
+                    Listen::Tcp(a.parse().unwrap_or_else(|_| die("--listen tcp: needs IP:PORT")))
                 } else {
                     die("--listen takes unix:/path or tcp:IP:PORT")
                 });
             }
             "--control-fd" if role == Role::Server => {
-                control_fd = Some(
-                    val()
-                        .parse()
-                        .unwrap_or_else(|_| die("--control-fd needs a number")),
-                )
+                control_fd = Some(val().parse().unwrap_or_else(|_| die("--control-fd needs a number")))
             }
             "--access-token-file" => token_file = Some(PathBuf::from(val())),
             "--default-user" => default_user = val(),
@@ -199,8 +190,7 @@ fn main() {
     // the sandbox at boot with a clear message, each server because it is
     // the one that uses them (and an upgrade may bring a new reading).
     let token = args.token_file.as_ref().map(|f| {
-        let t = std::fs::read_to_string(f)
-            .unwrap_or_else(|e| die(&format!("reading {}: {e}", f.display())));
+        let t = std::fs::read_to_string(f).unwrap_or_else(|e| die(&format!("reading {}: {e}", f.display())));
         let t = t.trim().to_string();
         if t.is_empty() {
             die("the access token file is empty");
@@ -217,14 +207,8 @@ fn main() {
         .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
     if args.role == Role::Supervisor {
         let listen = bind(&args.listen).unwrap_or_else(|e| die(&format!("listen: {e}")));
-        let mut server_args = vec![
-            "--listen-fd".to_string(),
-            chronus::SERVER_LISTEN_FD.to_string(),
-        ];
-        server_args.extend([
-            "--control-fd".to_string(),
-            chronus::SERVER_CONTROL_FD.to_string(),
-        ]);
+        let mut server_args = vec!["--listen-fd".to_string(), chronus::SERVER_LISTEN_FD.to_string()];
+        server_args.extend(["--control-fd".to_string(), chronus::SERVER_CONTROL_FD.to_string()]);
         server_args.extend(args.passthrough.iter().cloned());
         chronus::supervise(listen, server_args);
     }
@@ -381,10 +365,7 @@ async fn run(
     let p2 = procs.clone();
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
             return;
         };
         tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
@@ -426,8 +407,7 @@ where
 {
     let conn = Arc::new(server::ConnFd(s.as_fd().try_clone_to_owned().ok()));
     tokio::spawn(async move {
-        let svc =
-            hyper::service::service_fn(move |req| server::handle(state.clone(), conn.clone(), req));
+        let svc = hyper::service::service_fn(move |req| server::handle(state.clone(), conn.clone(), req));
         let _ = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .keep_alive(true)

@@ -112,8 +112,7 @@ pub fn write(file: &std::fs::File, m: &Metadata) -> Result<(), RpcError> {
         }
     }
     for (k, v) in m {
-        let c = CString::new(format!("{XATTR_PREFIX}{k}"))
-            .map_err(|_| RpcError::invalid("metadata key with NUL"))?;
+        let c = CString::new(format!("{XATTR_PREFIX}{k}")).map_err(|_| RpcError::invalid("metadata key with NUL"))?;
         // SAFETY: valid C string and value buffer.
         if unsafe { libc::fsetxattr(fd, c.as_ptr(), v.as_ptr().cast(), v.len(), 0) } < 0 {
             let e = std::io::Error::last_os_error();
@@ -144,9 +143,7 @@ pub fn read(path: &Path) -> Option<Metadata> {
             continue;
         };
         // SAFETY: valid C strings; buffer pointer and size come from `list`.
-        let Ok(value) =
-            list(|p, n| unsafe { libc::getxattr(c.as_ptr(), cname.as_ptr(), p.cast(), n) })
-        else {
+        let Ok(value) = list(|p, n| unsafe { libc::getxattr(c.as_ptr(), cname.as_ptr(), p.cast(), n) }) else {
             continue;
         };
         if let Ok(v) = String::from_utf8(value) {
@@ -181,10 +178,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             m.into_iter().collect::<Vec<_>>(),
-            [
-                ("build".into(), "42".into()),
-                ("owner".into(), "Alice Smith".into())
-            ]
+            [("build".into(), "42".into()), ("owner".into(), "Alice Smith".into())]
         );
     }
 
@@ -192,9 +186,7 @@ mod tests {
     fn bad_metadata_is_refused() {
         let long_key = format!("x-metadata-{}", "k".repeat(MAX_KEY + 1));
         let big = "v".repeat(1000);
-        let too_big: Vec<(String, &str)> = (0..5)
-            .map(|i| (format!("x-metadata-k{i}"), big.as_str()))
-            .collect();
+        let too_big: Vec<(String, &str)> = (0..5).map(|i| (format!("x-metadata-k{i}"), big.as_str())).collect();
         let too_big: Vec<(&str, &str)> = too_big.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         for h in [
             headers(&[(long_key.as_str(), "v")]),

@@ -185,8 +185,7 @@ impl Ev {
                 json!({"data": {key: crate::json::b64(b)}})
             }
             Ev::End(e) => {
-                let mut end =
-                    json!({"exitCode": e.exit_code, "exited": e.exited, "status": e.status});
+                let mut end = json!({"exitCode": e.exit_code, "exited": e.exited, "status": e.status});
                 if let Some(err) = &e.error {
                     end["error"] = json!(err);
                 }
@@ -305,22 +304,15 @@ impl Proc {
                 "stdin is not open for this process",
             ));
         };
-        fd.write_all(data)
-            .await
-            .map_err(|e| RpcError::io(e, "writing stdin"))
+        fd.write_all(data).await.map_err(|e| RpcError::io(e, "writing stdin"))
     }
 
     pub async fn write_pty(&self, data: &[u8]) -> Result<(), RpcError> {
         let Some(fd) = &self.pty else {
-            return Err(RpcError::new(
-                Code::FailedPrecondition,
-                "process has no PTY",
-            ));
+            return Err(RpcError::new(Code::FailedPrecondition, "process has no PTY"));
         };
         let _g = self.pty_write.lock().await;
-        fd.write_all(data)
-            .await
-            .map_err(|e| RpcError::io(e, "writing pty"))
+        fd.write_all(data).await.map_err(|e| RpcError::io(e, "writing pty"))
     }
 
     pub async fn close_stdin(&self) {
@@ -333,18 +325,12 @@ impl Proc {
 
     pub fn resize(&self, size: &PtySize) -> Result<(), RpcError> {
         let Some(fd) = &self.pty else {
-            return Err(RpcError::new(
-                Code::FailedPrecondition,
-                "process has no PTY",
-            ));
+            return Err(RpcError::new(Code::FailedPrecondition, "process has no PTY"));
         };
         let ws = winsize(size);
         // SAFETY: TIOCSWINSZ reads a winsize struct.
         if unsafe { libc::ioctl(fd.raw(), libc::TIOCSWINSZ, &ws) } < 0 {
-            return Err(RpcError::io(
-                std::io::Error::last_os_error(),
-                "resizing pty",
-            ));
+            return Err(RpcError::io(std::io::Error::last_os_error(), "resizing pty"));
         }
         Ok(())
     }
@@ -372,11 +358,7 @@ impl Proc {
 
 fn winsize(s: &PtySize) -> libc::winsize {
     let clamp = |v: u32, d: u16| {
-        if v == 0 {
-            d
-        } else {
-            v.min(u16::MAX as u32) as u16
-        }
+        if v == 0 { d } else { v.min(u16::MAX as u32) as u16 }
     };
     libc::winsize {
         ws_row: clamp(s.rows, 24),
@@ -555,9 +537,9 @@ impl Manager {
         let mut o = p.out.lock().unwrap();
         if o.ended {
             drop(o);
-            return self.claim(sel).ok_or_else(|| {
-                RpcError::not_found(format!("process with pid {} not found", p.pid))
-            });
+            return self
+                .claim(sel)
+                .ok_or_else(|| RpcError::not_found(format!("process with pid {} not found", p.pid)));
         }
         let (tx, rx) = mpsc::channel(SUB_CAPACITY);
         let mut first = vec![Ev::Start(p.pid)];
@@ -576,12 +558,7 @@ impl Manager {
             let mut u = self.unclaimed.lock().unwrap();
             let pid = match (sel.pid, &sel.tag) {
                 (Some(pid), _) => pid,
-                (None, Some(tag)) => {
-                    u.values()
-                        .find(|(p, _)| p.tag.as_deref() == Some(tag))?
-                        .0
-                        .pid
-                }
+                (None, Some(tag)) => u.values().find(|(p, _)| p.tag.as_deref() == Some(tag))?.0.pid,
                 (None, None) => return None,
             };
             let (p, (end, _)) = u.remove(&pid)?;
@@ -617,10 +594,7 @@ impl Manager {
             Ok(true) => cwd,
             _ if cfg.cwd.as_deref().is_none_or(|c| c.is_empty()) => std::path::PathBuf::from("/"),
             Ok(false) => {
-                return Err(RpcError::invalid(format!(
-                    "cwd '{}' is not a directory",
-                    cwd.display()
-                )));
+                return Err(RpcError::invalid(format!("cwd '{}' is not a directory", cwd.display())));
             }
             Err(e) => return Err(RpcError::io(e, &format!("cwd '{}'", cwd.display()))),
         };
@@ -641,8 +615,7 @@ impl Manager {
         let switch = unsafe { libc::geteuid() } == 0 && user.uid != 0;
         let (uid, gid) = (user.uid, user.gid);
         let groups: Vec<libc::gid_t> = user.groups.clone();
-        let cwd_c = CString::new(cwd.as_os_str().as_bytes())
-            .map_err(|_| RpcError::invalid("cwd has a NUL byte"))?;
+        let cwd_c = CString::new(cwd.as_os_str().as_bytes()).map_err(|_| RpcError::invalid("cwd has a NUL byte"))?;
         // SAFETY: the closure runs in the forked child before exec and only
         // makes async-signal-safe system calls on pre-allocated data.
         unsafe {
@@ -655,10 +628,7 @@ impl Manager {
                 // Out of memory, the kernel must pick a sandbox process, never the agent
                 // (PID 1, whose death ends the sandbox): raise the child's OOM score.
                 // Raising needs no privilege; failing to is harmless.
-                let fd = libc::open(
-                    c"/proc/self/oom_score_adj".as_ptr(),
-                    libc::O_WRONLY | libc::O_CLOEXEC,
-                );
+                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                 if fd >= 0 {
                     libc::write(fd, b"500".as_ptr().cast(), 3);
                     libc::close(fd);
@@ -690,17 +660,11 @@ impl Manager {
         let mut stdin_w = None;
         let mut master = None;
         if use_pty {
-            let size = req
-                .pty
-                .as_ref()
-                .and_then(|p| p.size.clone())
-                .unwrap_or_default();
+            let size = req.pty.as_ref().and_then(|p| p.size.clone()).unwrap_or_default();
             let ws = winsize(&size);
             let (mut m, mut s) = (0, 0);
             // SAFETY: out-pointers are valid; winsize is read only.
-            if unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), &ws) }
-                < 0
-            {
+            if unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), &ws) } < 0 {
                 return Err(io_err(std::io::Error::last_os_error()));
             }
             // SAFETY: openpty returned two fresh descriptors.
@@ -871,8 +835,7 @@ impl Manager {
                     };
                     a.in_flight.fetch_add(1, Ordering::Relaxed);
                     a.touch();
-                    p.deliver(Ev::Data(kind, Bytes::copy_from_slice(&buf[..n])))
-                        .await;
+                    p.deliver(Ev::Data(kind, Bytes::copy_from_slice(&buf[..n]))).await;
                     a.touch();
                     a.in_flight.fetch_sub(1, Ordering::Relaxed);
                 }
@@ -937,8 +900,7 @@ impl Manager {
             });
         }
         for s in subs {
-            let _ =
-                tokio::time::timeout(Duration::from_secs(60), s.send(Ev::End(end.clone()))).await;
+            let _ = tokio::time::timeout(Duration::from_secs(60), s.send(Ev::End(end.clone()))).await;
         }
     }
 
@@ -947,10 +909,7 @@ impl Manager {
         let signo = parse_signal(sig)?;
         // SAFETY: kill has no memory preconditions.
         if unsafe { libc::kill(p.pid as i32, signo) } < 0 {
-            return Err(RpcError::io(
-                std::io::Error::last_os_error(),
-                "sending signal",
-            ));
+            return Err(RpcError::io(std::io::Error::last_os_error(), "sending signal"));
         }
         Ok(())
     }

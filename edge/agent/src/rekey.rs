@@ -37,10 +37,7 @@ impl AccessToken {
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
-    json_response(
-        status,
-        &json!({"code": status.as_u16(), "message": message.into()}),
-    )
+    json_response(status, &json!({"code": status.as_u16(), "message": message.into()}))
 }
 
 /// Serves an already authorised rekey request.
@@ -48,28 +45,18 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
     if req.method() != hyper::Method::POST {
         return error(StatusCode::METHOD_NOT_ALLOWED, "use POST");
     }
-    let body = match http_body_util::Limited::new(req.into_body(), 4096)
-        .collect()
-        .await
-    {
+    let body = match http_body_util::Limited::new(req.into_body(), 4096).collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("reading the body: {e}")),
     };
     let new = match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(v) => v
-            .get("access_token")
-            .and_then(|t| t.as_str())
-            .map(str::to_string),
+        Ok(v) => v.get("access_token").and_then(|t| t.as_str()).map(str::to_string),
         Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("the body is not JSON: {e}"),
-            );
+            return error(StatusCode::BAD_REQUEST, format!("the body is not JSON: {e}"));
         }
     };
-    let Some(new) = new.filter(|t| {
-        !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic())
-    }) else {
+    let Some(new) = new.filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic()))
+    else {
         return error(
             StatusCode::BAD_REQUEST,
             format!("access_token must be 1 to {MAX_TOKEN} printable characters"),

@@ -11,9 +11,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::connect::{
-    self, Body, Code, EnvelopeReader, RpcError, stream_error, stream_response, unary_response,
-};
+use crate::connect::{self, Body, Code, EnvelopeReader, RpcError, stream_error, stream_response, unary_response};
 use crate::files;
 use crate::fs;
 use crate::process::{self, Manager};
@@ -55,8 +53,7 @@ fn percent_decode(s: &str) -> String {
         match b[i] {
             b'+' => out.push(b' '),
             b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
-                {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
                     Ok(v) => {
                         out.push(v);
                         i += 2;
@@ -92,8 +89,9 @@ impl State {
     fn user_of(&self, req: &Request<Incoming>, explicit: Option<String>) -> Result<User, RpcError> {
         let name = match explicit.filter(|n| !n.is_empty()) {
             Some(n) => n,
-            None => users::name_from_basic_auth(header(req, "authorization"))?
-                .unwrap_or_else(|| self.default_user.clone()),
+            None => {
+                users::name_from_basic_auth(header(req, "authorization"))?.unwrap_or_else(|| self.default_user.clone())
+            }
         };
         users::resolve(&name)
     }
@@ -175,23 +173,14 @@ fn authorize<B>(state: &State, req: &Request<B>, path: &str) -> Result<(), RpcEr
 /// (`e2b/sandbox/signature.py`): `v1_` + unpadded standard base64 of
 /// SHA-256(`path:operation:username:token[:expiration]`), where `username`
 /// is empty when the URL names none (the default user).
-pub fn file_signature(
-    token: &str,
-    path: &str,
-    operation: &str,
-    username: &str,
-    expiration: Option<i64>,
-) -> String {
+pub fn file_signature(token: &str, path: &str, operation: &str, username: &str, expiration: Option<i64>) -> String {
     use base64::Engine;
     let raw = match expiration {
         None => format!("{path}:{operation}:{username}:{token}"),
         Some(e) => format!("{path}:{operation}:{username}:{token}:{e}"),
     };
     let digest = crate::sha256::digest(raw.as_bytes());
-    format!(
-        "v1_{}",
-        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
-    )
+    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
 }
 
 pub async fn handle(
@@ -230,9 +219,7 @@ pub async fn handle(
         return Ok(tunnel::open(req).await);
     }
     if path == "/files" {
-        return Ok(files_route(state, req)
-            .await
-            .unwrap_or_else(|e| files::http_error(&e)));
+        return Ok(files_route(state, req).await.unwrap_or_else(|e| files::http_error(&e)));
     }
     if req.method() != Method::POST {
         let message = format!("{} {path} is not served", req.method());
@@ -250,17 +237,11 @@ pub async fn handle(
     Ok(match (service.as_str(), method.as_str()) {
         ("process.Process", m) => process_rpc(state, conn, m, req).await,
         ("filesystem.Filesystem", m) => filesystem_rpc(state, m, req).await,
-        _ => connect::unary_error(&RpcError::new(
-            Code::Unimplemented,
-            format!("{path} is not served"),
-        )),
+        _ => connect::unary_error(&RpcError::new(Code::Unimplemented, format!("{path} is not served"))),
     })
 }
 
-async fn files_route(
-    state: Arc<State>,
-    req: Request<Incoming>,
-) -> Result<Response<Body>, RpcError> {
+async fn files_route(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, RpcError> {
     let user = state.user_of(&req, query_param(&req, "username"))?;
     let path = query_param(&req, "path");
     match *req.method() {
@@ -273,10 +254,7 @@ async fn files_route(
             let body = req.into_body();
             files::post(user, path.as_deref(), &headers, body).await
         }
-        _ => Err(RpcError::new(
-            Code::Unimplemented,
-            "method not allowed on /files",
-        )),
+        _ => Err(RpcError::new(Code::Unimplemented, "method not allowed on /files")),
     }
 }
 
@@ -316,12 +294,7 @@ async fn stream_request<T: serde::de::DeserializeOwned>(body: Incoming) -> Resul
     connect::decode(&msg)
 }
 
-async fn process_rpc(
-    state: Arc<State>,
-    conn: Arc<ConnFd>,
-    method: &str,
-    req: Request<Incoming>,
-) -> Response<Body> {
+async fn process_rpc(state: Arc<State>, conn: Arc<ConnFd>, method: &str, req: Request<Incoming>) -> Response<Body> {
     let procs = state.procs.clone();
     match method {
         "Start" | "Connect" => {
@@ -434,9 +407,9 @@ async fn stream_input(procs: &Manager, body: Incoming) -> Result<(), RpcError> {
             target = Some(procs.find(s.process.as_ref())?);
         }
         if let Some(d) = m.data {
-            let p = target.as_ref().ok_or_else(|| {
-                RpcError::new(Code::FailedPrecondition, "data before start in StreamInput")
-            })?;
+            let p = target
+                .as_ref()
+                .ok_or_else(|| RpcError::new(Code::FailedPrecondition, "data before start in StreamInput"))?;
             write_input(p, d.input.as_ref()).await?;
         }
     }
@@ -446,19 +419,10 @@ async fn stream_input(procs: &Manager, body: Incoming) -> Result<(), RpcError> {
 /// Copies a process's events to a client's stream, with keepalives, then
 /// the end-of-stream frame. When the client goes away the process keeps
 /// running and the output the client did not get goes back to its backlog.
-async fn forward_process(
-    mut a: process::Attached,
-    tx: mpsc::Sender<Bytes>,
-    ka: Duration,
-    conn: Arc<ConnFd>,
-) {
+async fn forward_process(mut a: process::Attached, tx: mpsc::Sender<Bytes>, ka: Duration, conn: Arc<ConnFd>) {
     let first = std::mem::take(&mut a.first);
     for ev in first {
-        if tx
-            .send(connect::message_frame(&ev.to_json()))
-            .await
-            .is_err()
-        {
+        if tx.send(connect::message_frame(&ev.to_json())).await.is_err() {
             return a.detach(None);
         }
     }
@@ -530,15 +494,9 @@ async fn filesystem_rpc(state: Arc<State>, method: &str, req: Request<Incoming>)
             "Move" => fs::rename(&user, connect::read_unary(body).await?).await,
             "ListDir" => fs::list_dir(&user, connect::read_unary(body).await?).await,
             "Remove" => fs::remove(&user, connect::read_unary(body).await?).await,
-            "CreateWatcher" => state
-                .watchers
-                .create(&user, connect::read_unary(body).await?),
-            "GetWatcherEvents" => state
-                .watchers
-                .events(&user, connect::read_unary(body).await?),
-            "RemoveWatcher" => state
-                .watchers
-                .remove(&user, connect::read_unary(body).await?),
+            "CreateWatcher" => state.watchers.create(&user, connect::read_unary(body).await?),
+            "GetWatcherEvents" => state.watchers.events(&user, connect::read_unary(body).await?),
+            "RemoveWatcher" => state.watchers.remove(&user, connect::read_unary(body).await?),
             m => Err(RpcError::new(
                 Code::Unimplemented,
                 format!("filesystem.Filesystem/{m} is not served"),
@@ -550,11 +508,7 @@ async fn filesystem_rpc(state: Arc<State>, method: &str, req: Request<Incoming>)
 }
 
 async fn forward_watch(mut w: fs::Watch, tx: mpsc::Sender<Bytes>, ka: Duration) {
-    if tx
-        .send(connect::message_frame(&json!({"start": {}})))
-        .await
-        .is_err()
-    {
+    if tx.send(connect::message_frame(&json!({"start": {}}))).await.is_err() {
         return;
     }
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + ka, ka);

@@ -25,10 +25,7 @@ const RETRY_EVERY: Duration = Duration::from_millis(15);
 const BUF: usize = 64 * 1024;
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
-    json_response(
-        status,
-        &json!({"code": status.as_u16(), "message": message.into()}),
-    )
+    json_response(status, &json!({"code": status.as_u16(), "message": message.into()}))
 }
 
 fn has_token(req: &Request<Incoming>, header: &str, token: &str) -> bool {

@@ -97,24 +97,20 @@ impl Names {
 pub fn name_from_basic_auth(header: Option<&str>) -> Result<Option<String>, RpcError> {
     use base64::Engine;
     let Some(h) = header else { return Ok(None) };
-    let Some(rest) = h
-        .strip_prefix("Basic ")
-        .or_else(|| h.strip_prefix("basic "))
-    else {
+    let Some(rest) = h.strip_prefix("Basic ").or_else(|| h.strip_prefix("basic ")) else {
         return Ok(None);
     };
     let raw = base64::engine::general_purpose::STANDARD
         .decode(rest.trim())
         .map_err(|_| RpcError::new(Code::Unauthenticated, "malformed Basic authorization"))?;
-    let s = String::from_utf8(raw)
-        .map_err(|_| RpcError::new(Code::Unauthenticated, "malformed Basic authorization"))?;
+    let s =
+        String::from_utf8(raw).map_err(|_| RpcError::new(Code::Unauthenticated, "malformed Basic authorization"))?;
     let name = s.split(':').next().unwrap_or("").to_string();
     Ok(if name.is_empty() { None } else { Some(name) })
 }
 
 pub fn resolve(name: &str) -> Result<User, RpcError> {
-    lookup(name)
-        .ok_or_else(|| RpcError::new(Code::Unauthenticated, format!("invalid user: '{name}'")))
+    lookup(name).ok_or_else(|| RpcError::new(Code::Unauthenticated, format!("invalid user: '{name}'")))
 }
 
 /// Resolves a request path: relative paths (and `~`) are taken from the

@@ -29,12 +29,8 @@ async fn kill_server(a: &Agent) -> u32 {
 }
 
 async fn connect(a: &Agent, pid: u64) -> Stream {
-    a.stream(
-        "/process.Process/Connect",
-        json!({"process": {"pid": pid}}),
-        &[],
-    )
-    .await
+    a.stream("/process.Process/Connect", json!({"process": {"pid": pid}}), &[])
+        .await
 }
 
 /// The counter values in some stdout.
@@ -56,9 +52,7 @@ async fn a_counter_continues_after_kill_9_of_the_server_and_its_exit_code_arrive
     let mut before = String::new();
     while numbers(&before).len() < 5 {
         let e = s.event().await;
-        before.push_str(&String::from_utf8_lossy(&unb64(
-            e["data"]["stdout"].as_str().unwrap(),
-        )));
+        before.push_str(&String::from_utf8_lossy(&unb64(e["data"]["stdout"].as_str().unwrap())));
     }
     kill_server(&a).await;
     drop(s);
@@ -71,10 +65,7 @@ async fn a_counter_continues_after_kill_9_of_the_server_and_its_exit_code_arrive
     assert_eq!(end["status"], json!("exit status 3"));
     let (b, n) = (numbers(&before), numbers(&after));
     // Everything printed after the restart arrived, in order, to the end.
-    assert!(
-        n.windows(2).all(|w| w[1] == w[0] + 1),
-        "gap after the restart: {n:?}"
-    );
+    assert!(n.windows(2).all(|w| w[1] == w[0] + 1), "gap after the restart: {n:?}");
     assert_eq!(*n.last().unwrap(), 59);
     // At most what the dead server held in flight is missing.
     let gap = n[0] as i64 - *b.last().unwrap() as i64;
@@ -141,8 +132,7 @@ async fn a_pty_session_survives_and_can_be_typed_into_and_resized() {
     });
     let mut s = a.stream(START, msg, &[]).await;
     let pid = s.event().await["start"]["pid"].as_u64().unwrap();
-    let input =
-        |text: &str| json!({"process": {"pid": pid}, "input": {"pty": b64(text.as_bytes())}});
+    let input = |text: &str| json!({"process": {"pid": pid}, "input": {"pty": b64(text.as_bytes())}});
     a.unary("/process.Process/SendInput", input("one\n")).await;
     pty_until(&mut s, "24 80").await;
     kill_server(&a).await;
@@ -172,12 +162,8 @@ async fn stdin_survives_and_close_stdin_still_ends_the_input() {
     let mut s = a.stream(START, msg, &[]).await;
     let pid = s.event().await["start"]["pid"].as_u64().unwrap();
     let send = |t: &str| json!({"process": {"pid": pid}, "input": {"stdin": b64(t.as_bytes())}});
-    a.unary("/process.Process/SendInput", send("before\n"))
-        .await;
-    assert_eq!(
-        unb64(s.event().await["data"]["stdout"].as_str().unwrap()),
-        b"before\n"
-    );
+    a.unary("/process.Process/SendInput", send("before\n")).await;
+    assert_eq!(unb64(s.event().await["data"]["stdout"].as_str().unwrap()), b"before\n");
     kill_server(&a).await;
     drop(s);
     let mut c = connect(&a, pid).await;
@@ -185,16 +171,11 @@ async fn stdin_survives_and_close_stdin_still_ends_the_input() {
     let (st, v) = a.unary("/process.Process/SendInput", send("after\n")).await;
     assert_eq!(st, 200, "{v}");
     let e = c.event().await;
-    let out = e["data"]["stdout"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{e}"));
+    let out = e["data"]["stdout"].as_str().unwrap_or_else(|| panic!("{e}"));
     assert_eq!(unb64(out), b"after\n");
     // cat ends only if no copy of its stdin's write end is left open anywhere.
     let (st, v) = a
-        .unary(
-            "/process.Process/CloseStdin",
-            json!({"process": {"pid": pid}}),
-        )
+        .unary("/process.Process/CloseStdin", json!({"process": {"pid": pid}}))
         .await;
     assert_eq!(st, 200, "{v}");
     let (_, _, _, end) = c.collect().await;
@@ -245,21 +226,11 @@ async fn the_start_command_runs_once_across_restarts_and_readiness_carries_over(
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["message"], format!("starting: waiting for port {port}"));
     let (_, v) = a.unary("/process.Process/List", json!({})).await;
-    assert_eq!(
-        start_pid(&v),
-        first,
-        "the start command must not start again"
-    );
+    assert_eq!(start_pid(&v), first, "the start command must not start again");
     // The new server notices the port.
     let _l = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while a
-        .raw("GET", "/health", &[], bytes::Bytes::new())
-        .await
-        .unwrap()
-        .0
-        != 204
-    {
+    while a.raw("GET", "/health", &[], bytes::Bytes::new()).await.unwrap().0 != 204 {
         assert!(Instant::now() < deadline, "never ready");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -282,10 +253,7 @@ async fn sighup_restarts_the_server_and_sigterm_still_ends_everything() {
     unsafe { libc::kill(a.pid() as i32, libc::SIGHUP) };
     let deadline = Instant::now() + Duration::from_secs(10);
     while a.server_pid().await == old {
-        assert!(
-            Instant::now() < deadline,
-            "SIGHUP did not restart the server"
-        );
+        assert!(Instant::now() < deadline, "SIGHUP did not restart the server");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     drop(s);
@@ -309,10 +277,7 @@ async fn a_rekeyed_token_replaces_the_old_one_and_survives_a_server_restart() {
     let rekey = |token: &str| bytes::Bytes::from(json!({"access_token": token}).to_string());
     // Only a caller that knows the current token may replace it.
     a.token = Some("guess".into());
-    let (status, _, _) = a
-        .raw("POST", "/.opendsec/rekey", &[], rekey("mine"))
-        .await
-        .unwrap();
+    let (status, _, _) = a.raw("POST", "/.opendsec/rekey", &[], rekey("mine")).await.unwrap();
     assert_eq!(status, 401);
     a.token = Some("parent-token".into());
     for bad in [
@@ -321,12 +286,7 @@ async fn a_rekeyed_token_replaces_the_old_one_and_survives_a_server_restart() {
         json!({"access_token": "has space"}),
     ] {
         let (status, _, body) = a
-            .raw(
-                "POST",
-                "/.opendsec/rekey",
-                &[],
-                bytes::Bytes::from(bad.to_string()),
-            )
+            .raw("POST", "/.opendsec/rekey", &[], bytes::Bytes::from(bad.to_string()))
             .await
             .unwrap();
         assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
@@ -338,9 +298,7 @@ async fn a_rekeyed_token_replaces_the_old_one_and_survives_a_server_restart() {
     assert_eq!(status, 204);
     // The old token is refused from now on, the new one works, and asking again with
     // the new token changes nothing.
-    let (status, _) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
-        .await;
+    let (status, _) = a.unary("/filesystem.Filesystem/Stat", json!({"path": "/"})).await;
     assert_eq!(status, 401);
     a.token = Some("copy-token".into());
     let (status, _, _) = a
@@ -348,20 +306,14 @@ async fn a_rekeyed_token_replaces_the_old_one_and_survives_a_server_restart() {
         .await
         .unwrap();
     assert_eq!(status, 204);
-    let (status, _) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
-        .await;
+    let (status, _) = a.unary("/filesystem.Filesystem/Stat", json!({"path": "/"})).await;
     assert_eq!(status, 200);
     // A new server (the old one crashed) keeps the new token, not the file's.
     kill_server(&a).await;
-    let (status, _) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
-        .await;
+    let (status, _) = a.unary("/filesystem.Filesystem/Stat", json!({"path": "/"})).await;
     assert_eq!(status, 200, "{}", a.stderr());
     a.token = Some("parent-token".into());
-    let (status, _) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": "/"}))
-        .await;
+    let (status, _) = a.unary("/filesystem.Filesystem/Stat", json!({"path": "/"})).await;
     assert_eq!(status, 401);
 }
 

@@ -51,11 +51,7 @@ async fn bad_env_file_stops_the_agent_with_a_message() {
     let dir = tempfile::tempdir().unwrap();
     let cases = [
         ("missing.json", None, "reading"),
-        (
-            "list.json",
-            Some(r#"["A=1"]"#),
-            "is not a JSON object of string values",
-        ),
+        ("list.json", Some(r#"["A=1"]"#), "is not a JSON object of string values"),
         (
             "number.json",
             Some(r#"{"A": 1}"#),
@@ -82,22 +78,13 @@ async fn bad_env_file_stops_the_agent_with_a_message() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{name}: {err}");
-        assert!(
-            err.contains("--env-file") && err.contains(expect),
-            "{name}: {err}"
-        );
-        assert!(
-            !dir.path().join("a.sock").exists(),
-            "{name}: it must not serve"
-        );
+        assert!(err.contains("--env-file") && err.contains(expect), "{name}: {err}");
+        assert!(!dir.path().join("a.sock").exists(), "{name}: it must not serve");
     }
 }
 
 async fn health(a: &Agent) -> (u16, serde_json::Value) {
-    let (st, _, b) = a
-        .raw("GET", "/health", &[], bytes::Bytes::new())
-        .await
-        .unwrap();
+    let (st, _, b) = a.raw("GET", "/health", &[], bytes::Bytes::new()).await.unwrap();
     let v = if b.is_empty() {
         json!(null)
     } else {
@@ -122,18 +109,12 @@ async fn health_becomes(a: &Agent, status: u16) -> serde_json::Value {
     }
 }
 
-
 async fn start_agent(start_json: serde_json::Value) -> Agent {
     let dir = tempfile::tempdir().unwrap();
     Agent::start_in(
         dir,
         None,
-        &[
-            "--env-file",
-            "{dir}/env.json",
-            "--start-file",
-            "{dir}/start.json",
-        ],
+        &["--env-file", "{dir}/env.json", "--start-file", "{dir}/start.json"],
         |d| {
             std::fs::write(d.join("env.json"), r#"{"FROM_ENV_FILE": "yes"}"#).unwrap();
             std::fs::write(d.join("start.json"), start_json.to_string()).unwrap();
@@ -163,11 +144,7 @@ async fn start_command_is_a_managed_process_tagged_start() {
     assert_eq!(p["config"]["cmd"], "/bin/sh");
     // Its output waited in its backlog; Connect by tag gets it.
     let mut s = a
-        .stream(
-            "/process.Process/Connect",
-            json!({"process": {"tag": "start"}}),
-            &[],
-        )
+        .stream("/process.Process/Connect", json!({"process": {"tag": "start"}}), &[])
         .await;
     assert_eq!(s.event().await["start"]["pid"], p["pid"]);
     let data = s.event().await;
@@ -195,9 +172,7 @@ async fn health_is_503_until_the_ready_port_accepts() {
     // Other endpoints already answer.
     let (st, _) = a.unary("/process.Process/List", json!({})).await;
     assert_eq!(st, 200);
-    let l = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .unwrap();
+    let l = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
     assert_eq!(health_becomes(&a, 204).await, json!(null));
     // Once ready, ready for good: the port closing later changes nothing.
     drop(l);
@@ -232,10 +207,7 @@ async fn start_command_that_cannot_start_fails_health() {
     let (st, v) = health(&a).await;
     assert_eq!(st, 503);
     let msg = v["message"].as_str().unwrap();
-    assert!(
-        msg.contains("'/nonexistent/server' could not start"),
-        "{msg}"
-    );
+    assert!(msg.contains("'/nonexistent/server' could not start"), "{msg}");
     assert!(a.stderr().contains(msg));
 }
 
@@ -254,8 +226,5 @@ async fn bad_start_file_stops_the_agent_with_a_message() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(
-        err.contains("--start-file") && err.contains("start.json"),
-        "{err}"
-    );
+    assert!(err.contains("--start-file") && err.contains("start.json"), "{err}");
 }

@@ -31,12 +31,7 @@ fn envd_version_is_printed() {
     assert_eq!(String::from_utf8(out.stdout).unwrap(), "0.6.4\n");
 }
 
-async fn upload(
-    a: &Agent,
-    path: &str,
-    headers: &[(&str, String)],
-    body: &'static [u8],
-) -> (u16, Value) {
+async fn upload(a: &Agent, path: &str, headers: &[(&str, String)], body: &'static [u8]) -> (u16, Value) {
     let mut h = vec![("content-type", "application/octet-stream".to_string())];
     h.extend(headers.iter().cloned());
     let (st, _, b) = a
@@ -58,10 +53,7 @@ async fn file_metadata_is_stored_returned_and_replaced() {
     let (st, v) = upload(
         &a,
         &p,
-        &[
-            ("x-metadata-Owner", "alice".into()),
-            ("x-metadata-build", "42".into()),
-        ],
+        &[("x-metadata-Owner", "alice".into()), ("x-metadata-build", "42".into())],
         b"data",
     )
     .await;
@@ -72,13 +64,8 @@ async fn file_metadata_is_stored_returned_and_replaced() {
                 "metadata": {"owner": "alice", "build": "42"}}])
     );
     // Stored as user.e2b.* extended attributes, seen by Stat and ListDir.
-    let (_, v) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": p}))
-        .await;
-    assert_eq!(
-        v["entry"]["metadata"],
-        json!({"owner": "alice", "build": "42"})
-    );
+    let (_, v) = a.unary("/filesystem.Filesystem/Stat", json!({"path": p})).await;
+    assert_eq!(v["entry"]["metadata"], json!({"owner": "alice", "build": "42"}));
     let (_, v) = a
         .unary(
             "/filesystem.Filesystem/ListDir",
@@ -95,15 +82,11 @@ async fn file_metadata_is_stored_returned_and_replaced() {
     // A new upload replaces the whole set; one without metadata clears it.
     let (_, v) = upload(&a, &p, &[("x-metadata-owner", "bob".into())], b"data").await;
     assert_eq!(v[0]["metadata"], json!({"owner": "bob"}));
-    let (_, v) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": p}))
-        .await;
+    let (_, v) = a.unary("/filesystem.Filesystem/Stat", json!({"path": p})).await;
     assert_eq!(v["entry"]["metadata"], json!({"owner": "bob"}));
     let (_, v) = upload(&a, &p, &[], b"data").await;
     assert!(v[0].get("metadata").is_none(), "{v}");
-    let (_, v) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": p}))
-        .await;
+    let (_, v) = a.unary("/filesystem.Filesystem/Stat", json!({"path": p})).await;
     assert!(v["entry"].get("metadata").is_none(), "{v}");
     // Bad metadata is a 400 and writes nothing.
     let p2 = a.path("not-written.txt");
@@ -147,9 +130,7 @@ impl SmallFs {
 
 impl Drop for SmallFs {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg(self.0.path())
-            .status();
+        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
     }
 }
 
@@ -188,51 +169,31 @@ async fn status_codes_the_sdk_maps() {
     // Missing file: 404 on /files, not_found on the RPCs.
     let missing = a.path("no-such-file");
     let (st, _, b) = a
-        .raw(
-            "GET",
-            &format!("/files?path={}", q(&missing)),
-            &[],
-            Bytes::new(),
-        )
+        .raw("GET", &format!("/files?path={}", q(&missing)), &[], Bytes::new())
         .await
         .unwrap();
     let v: Value = serde_json::from_slice(&b).unwrap();
     assert_eq!((st, v["code"].as_u64()), (404, Some(404)), "{v}");
-    let (st, v) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": missing}))
-        .await;
+    let (st, v) = a.unary("/filesystem.Filesystem/Stat", json!({"path": missing})).await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
-    let (st, v) = a
-        .unary("/filesystem.Filesystem/Remove", json!({"path": missing}))
-        .await;
+    let (st, v) = a.unary("/filesystem.Filesystem/Remove", json!({"path": missing})).await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
     // A directory where a file is wanted, and a file where a directory is: invalid_argument / 400.
     let (st, _, _) = a
-        .raw(
-            "GET",
-            &format!("/files?path={}", q(&a.path(""))),
-            &[],
-            Bytes::new(),
-        )
+        .raw("GET", &format!("/files?path={}", q(&a.path(""))), &[], Bytes::new())
         .await
         .unwrap();
     assert_eq!(st, 400);
     std::fs::write(a.path("plain"), "x").unwrap();
     let (st, v) = a
-        .unary(
-            "/filesystem.Filesystem/ListDir",
-            json!({"path": a.path("plain")}),
-        )
+        .unary("/filesystem.Filesystem/ListDir", json!({"path": a.path("plain")}))
         .await;
     assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")));
     // An unknown user: 401 on /files, unauthenticated on the RPCs.
     let (st, _, _) = a
         .raw(
             "GET",
-            &format!(
-                "/files?path={}&username=no-such-user-xyz",
-                q(&a.path("plain"))
-            ),
+            &format!("/files?path={}&username=no-such-user-xyz", q(&a.path("plain"))),
             &[],
             Bytes::new(),
         )
@@ -260,10 +221,7 @@ async fn relative_paths_cannot_climb_out_of_a_users_permissions() {
     let (st, _, b) = a
         .raw(
             "POST",
-            &format!(
-                "/files?path={}&username={user}",
-                q("../../../etc/odagent-traversal")
-            ),
+            &format!("/files?path={}&username={user}", q("../../../etc/odagent-traversal")),
             &[("content-type", "application/octet-stream".into())],
             Bytes::from_static(b"nope"),
         )
@@ -302,16 +260,10 @@ async fn recursive_watch_reports_what_a_new_directory_already_holds() {
     let mut created = std::collections::BTreeSet::new();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while created.len() < 3 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "created so far: {created:?}"
-        );
+        assert!(std::time::Instant::now() < deadline, "created so far: {created:?}");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         let (_, v) = a
-            .unary(
-                "/filesystem.Filesystem/GetWatcherEvents",
-                json!({"watcherId": id}),
-            )
+            .unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id}))
             .await;
         for e in v["events"].as_array().unwrap() {
             if e["type"] == "EVENT_TYPE_CREATE" {
@@ -319,8 +271,5 @@ async fn recursive_watch_reports_what_a_new_directory_already_holds() {
             }
         }
     }
-    assert_eq!(
-        created.into_iter().collect::<Vec<_>>(),
-        ["x", "x/y", "x/y/f"]
-    );
+    assert_eq!(created.into_iter().collect::<Vec<_>>(), ["x", "x/y", "x/y/f"]);
 }

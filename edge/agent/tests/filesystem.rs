@@ -30,9 +30,7 @@ fn gzip(data: &[u8]) -> Vec<u8> {
 
 fn gunzip(data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    flate2::read::GzDecoder::new(data)
-        .read_to_end(&mut out)
-        .unwrap();
+    flate2::read::GzDecoder::new(data).read_to_end(&mut out).unwrap();
     out
 }
 
@@ -99,22 +97,12 @@ async fn upload_and_download() {
 
     // missing file and directory
     let (st, _, body) = a
-        .raw(
-            "GET",
-            &format!("/files?path={}", q(&a.path("nope"))),
-            &[],
-            Bytes::new(),
-        )
+        .raw("GET", &format!("/files?path={}", q(&a.path("nope"))), &[], Bytes::new())
         .await
         .unwrap();
     assert_eq!(st, 404, "{}", String::from_utf8_lossy(&body));
     let (st, _, _) = a
-        .raw(
-            "GET",
-            &format!("/files?path={}", q(&a.path("up"))),
-            &[],
-            Bytes::new(),
-        )
+        .raw("GET", &format!("/files?path={}", q(&a.path("up"))), &[], Bytes::new())
         .await
         .unwrap();
     assert_eq!(st, 400);
@@ -126,10 +114,7 @@ async fn multipart_upload_several_files_and_relative_path() {
     let (p1, p2) = (a.path("m/one.txt"), a.path("m/two.txt"));
     let boundary = "XbOuNdArYx";
     let mut body = Vec::new();
-    for (p, data) in [
-        (&p1, &b"first\r\n--Xb not a boundary"[..]),
-        (&p2, &b"second"[..]),
-    ] {
+    for (p, data) in [(&p1, &b"first\r\n--Xb not a boundary"[..]), (&p2, &b"second"[..])] {
         write!(body, "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{p}\"\r\nContent-Type: application/octet-stream\r\n\r\n").unwrap();
         body.extend_from_slice(data);
         body.extend_from_slice(b"\r\n");
@@ -139,10 +124,7 @@ async fn multipart_upload_several_files_and_relative_path() {
         .raw(
             "POST",
             "/files",
-            &[(
-                "content-type",
-                format!("multipart/form-data; boundary={boundary}"),
-            )],
+            &[("content-type", format!("multipart/form-data; boundary={boundary}"))],
             Bytes::from(body),
         )
         .await
@@ -181,10 +163,7 @@ async fn stat_list_mkdir_move_remove() {
     std::os::unix::fs::symlink(format!("{root}/f.txt"), format!("{root}/link")).unwrap();
 
     let (st, v) = a
-        .unary(
-            "/filesystem.Filesystem/Stat",
-            json!({"path": format!("{root}/f.txt")}),
-        )
+        .unary("/filesystem.Filesystem/Stat", json!({"path": format!("{root}/f.txt")}))
         .await;
     assert_eq!(st, 200, "{v}");
     let e = &v["entry"];
@@ -194,25 +173,16 @@ async fn stat_list_mkdir_move_remove() {
     assert_eq!(e["owner"], "root");
     assert_eq!(e["permissions"].as_str().unwrap().len(), 10);
     let mt = e["modifiedTime"].as_str().unwrap();
-    assert!(
-        mt.len() >= 20 && mt.ends_with('Z') && mt.as_bytes()[10] == b'T',
-        "{mt}"
-    );
+    assert!(mt.len() >= 20 && mt.ends_with('Z') && mt.as_bytes()[10] == b'T', "{mt}");
 
     let (_, v) = a
-        .unary(
-            "/filesystem.Filesystem/Stat",
-            json!({"path": format!("{root}/link")}),
-        )
+        .unary("/filesystem.Filesystem/Stat", json!({"path": format!("{root}/link")}))
         .await;
     assert_eq!(v["entry"]["isSymlink"], json!(true));
     assert_eq!(v["entry"]["symlinkTarget"], json!(format!("{root}/f.txt")));
 
     let (st, v) = a
-        .unary(
-            "/filesystem.Filesystem/ListDir",
-            json!({"path": root, "depth": 1}),
-        )
+        .unary("/filesystem.Filesystem/ListDir", json!({"path": root, "depth": 1}))
         .await;
     assert_eq!(st, 200);
     let names: Vec<&str> = v["entries"]
@@ -223,10 +193,7 @@ async fn stat_list_mkdir_move_remove() {
         .collect();
     assert_eq!(names, ["d1", "f.txt", "link"]);
     let (_, v) = a
-        .unary(
-            "/filesystem.Filesystem/ListDir",
-            json!({"path": root, "depth": 2}),
-        )
+        .unary("/filesystem.Filesystem/ListDir", json!({"path": root, "depth": 2}))
         .await;
     let paths: Vec<String> = v["entries"]
         .as_array()
@@ -245,11 +212,7 @@ async fn stat_list_mkdir_move_remove() {
         )
         .await;
     assert_eq!(st, 200, "{v}");
-    assert!(
-        std::fs::metadata(format!("{root}/new/a/b"))
-            .unwrap()
-            .is_dir()
-    );
+    assert!(std::fs::metadata(format!("{root}/new/a/b")).unwrap().is_dir());
     let (st, v) = a
         .unary(
             "/filesystem.Filesystem/MakeDir",
@@ -258,24 +221,23 @@ async fn stat_list_mkdir_move_remove() {
         .await;
     assert_eq!((st, v["code"].as_str()), (409, Some("already_exists")));
 
-    let (st, v) = a.unary("/filesystem.Filesystem/Move", json!({"source": format!("{root}/f.txt"), "destination": format!("{root}/new/moved.txt")})).await;
+    let (st, v) = a
+        .unary(
+            "/filesystem.Filesystem/Move",
+            json!({"source": format!("{root}/f.txt"), "destination": format!("{root}/new/moved.txt")}),
+        )
+        .await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["entry"]["name"], "moved.txt");
     assert!(!exists(std::path::Path::new(&format!("{root}/f.txt"))));
 
     let (st, _) = a
-        .unary(
-            "/filesystem.Filesystem/Remove",
-            json!({"path": format!("{root}/d1")}),
-        )
+        .unary("/filesystem.Filesystem/Remove", json!({"path": format!("{root}/d1")}))
         .await;
     assert_eq!(st, 200);
     assert!(!exists(std::path::Path::new(&format!("{root}/d1"))));
     let (st, v) = a
-        .unary(
-            "/filesystem.Filesystem/Stat",
-            json!({"path": format!("{root}/d1")}),
-        )
+        .unary("/filesystem.Filesystem/Stat", json!({"path": format!("{root}/d1")}))
         .await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
     let (st, v) = a
@@ -355,10 +317,7 @@ async fn polled_watcher() {
         assert!(Instant::now() < deadline, "{evs:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
         let (st, v) = a
-            .unary(
-                "/filesystem.Filesystem/GetWatcherEvents",
-                json!({"watcherId": id}),
-            )
+            .unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id}))
             .await;
         assert_eq!(st, 200);
         evs.extend(v["events"].as_array().unwrap().iter().cloned());
@@ -366,17 +325,11 @@ async fn polled_watcher() {
     assert_eq!(evs[0]["type"], "EVENT_TYPE_CREATE");
     assert_eq!(evs[0]["name"], "x.txt");
     let (st, _) = a
-        .unary(
-            "/filesystem.Filesystem/RemoveWatcher",
-            json!({"watcherId": id}),
-        )
+        .unary("/filesystem.Filesystem/RemoveWatcher", json!({"watcherId": id}))
         .await;
     assert_eq!(st, 200);
     let (st, _) = a
-        .unary(
-            "/filesystem.Filesystem/GetWatcherEvents",
-            json!({"watcherId": id}),
-        )
+        .unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id}))
         .await;
     assert_eq!(st, 404);
 }
@@ -447,17 +400,11 @@ async fn file_ops_use_the_users_permissions() {
 
     // RPCs take the user from the Authorization header.
     a.user = Some(user.into());
-    let (st, v) = a
-        .unary("/filesystem.Filesystem/Stat", json!({"path": secret}))
-        .await;
+    let (st, v) = a.unary("/filesystem.Filesystem/Stat", json!({"path": secret})).await;
     assert_eq!(st, 200, "stat needs only search permission: {v}");
-    let (st, v) = a
-        .unary("/filesystem.Filesystem/Remove", json!({"path": secret}))
-        .await;
+    let (st, v) = a.unary("/filesystem.Filesystem/Remove", json!({"path": secret})).await;
     assert_eq!((st, v["code"].as_str()), (403, Some("permission_denied")));
-    let (st, v) = a
-        .unary("/filesystem.Filesystem/ListDir", json!({"path": "up"}))
-        .await;
+    let (st, v) = a.unary("/filesystem.Filesystem/ListDir", json!({"path": "up"})).await;
     assert_eq!(st, 200);
     assert_eq!(v["entries"][0]["owner"], json!(user));
     std::fs::remove_dir_all(format!("/home/{user}/up")).unwrap();
@@ -476,21 +423,13 @@ fn sign(token: &str, path: &str, op: &str, user: &str, exp: Option<i64>) -> Stri
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(raw.as_bytes())
-        .unwrap();
+    child.stdin.take().unwrap().write_all(raw.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let hex = String::from_utf8(out.stdout).unwrap();
     let digest: Vec<u8> = (0..32)
         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
         .collect();
-    format!(
-        "v1_{}",
-        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
-    )
+    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
 }
 
 async fn get(a: &Agent, query: String) -> (u16, Bytes) {
@@ -524,11 +463,7 @@ async fn signed_urls_read_and_write_files_without_the_token_header() {
 
     // A named user is part of what is signed.
     let sig = sign(TOKEN, &file, "read", "root", None);
-    let (st, _) = get(
-        &a,
-        format!("path={}&username=root&signature={}", q(&file), q(&sig)),
-    )
-    .await;
+    let (st, _) = get(&a, format!("path={}&username=root&signature={}", q(&file), q(&sig))).await;
     assert_eq!(st, 200);
     let (st, _) = get(&a, format!("path={}&signature={}", q(&file), q(&sig))).await;
     assert_eq!(st, 401, "signed for root, used without a username");
@@ -538,11 +473,7 @@ async fn signed_urls_read_and_write_files_without_the_token_header() {
     let sig = sign(TOKEN, &file, "read", "", Some(exp));
     let (st, _) = get(
         &a,
-        format!(
-            "path={}&signature={}&signature_expiration={exp}",
-            q(&file),
-            q(&sig)
-        ),
+        format!("path={}&signature={}&signature_expiration={exp}", q(&file), q(&sig)),
     )
     .await;
     assert_eq!(st, 200);
@@ -561,11 +492,7 @@ async fn signed_urls_read_and_write_files_without_the_token_header() {
     let sig = sign(TOKEN, &file, "read", "", Some(past));
     let (st, body) = get(
         &a,
-        format!(
-            "path={}&signature={}&signature_expiration={past}",
-            q(&file),
-            q(&sig)
-        ),
+        format!("path={}&signature={}&signature_expiration={past}", q(&file), q(&sig)),
     )
     .await;
     assert_eq!(st, 401);
@@ -618,10 +545,7 @@ async fn signed_urls_read_and_write_files_without_the_token_header() {
 
     // A signature opens /files only, and a wrong header token beats a good signature.
     let (st, _) = a
-        .unary(
-            &format!("/process.Process/List?signature={}", q(&sig)),
-            json!({}),
-        )
+        .unary(&format!("/process.Process/List?signature={}", q(&sig)), json!({}))
         .await;
     assert_eq!(st, 401);
     a.token = Some("wrong".into());

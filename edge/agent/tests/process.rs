@@ -13,14 +13,9 @@ const START: &str = "/process.Process/Start";
 #[tokio::test]
 async fn echo_hello_start_data_end() {
     let a = Agent::start().await;
-    let mut s = a
-        .stream(START, start_msg("/bin/echo", &["hello"]), &[])
-        .await;
+    let mut s = a.stream(START, start_msg("/bin/echo", &["hello"]), &[]).await;
     let first = s.event().await;
-    assert!(
-        first["start"]["pid"].as_u64().unwrap() > 0,
-        "start first: {first}"
-    );
+    assert!(first["start"]["pid"].as_u64().unwrap() > 0, "start first: {first}");
     let (out, err, _, end) = s.collect().await;
     assert_eq!(out, "hello\n");
     assert_eq!(err, "");
@@ -59,9 +54,7 @@ async fn env_and_cwd() {
 #[tokio::test]
 async fn start_errors() {
     let a = Agent::start().await;
-    let mut s = a
-        .stream(START, start_msg("/nonexistent/cmd", &[]), &[])
-        .await;
+    let mut s = a.stream(START, start_msg("/nonexistent/cmd", &[]), &[]).await;
     match s.next().await {
         Some(Frame::End(v)) => assert_eq!(v["error"]["code"], json!("not_found"), "{v}"),
         _ => panic!("expected an error end frame"),
@@ -78,11 +71,7 @@ async fn start_errors() {
         _ => panic!("expected an error end frame"),
     }
     let mut s = a
-        .stream(
-            "/process.Process/Connect",
-            json!({"process": {"pid": 999999}}),
-            &[],
-        )
+        .stream("/process.Process/Connect", json!({"process": {"pid": 999999}}), &[])
         .await;
     match s.next().await {
         Some(Frame::End(v)) => assert_eq!(v["error"]["code"], json!("not_found")),
@@ -103,11 +92,7 @@ async fn start_errors() {
 async fn stdin_send_input_then_close() {
     let a = Agent::start().await;
     let mut s = a
-        .stream(
-            START,
-            json!({"process": {"cmd": "/bin/cat"}, "stdin": true}),
-            &[],
-        )
+        .stream(START, json!({"process": {"cmd": "/bin/cat"}, "stdin": true}), &[])
         .await;
     let pid = s.event().await["start"]["pid"].as_u64().unwrap();
     let (st, _) = a
@@ -120,10 +105,7 @@ async fn stdin_send_input_then_close() {
     let ev = s.event().await;
     assert_eq!(unb64(ev["data"]["stdout"].as_str().unwrap()), b"abc\n");
     let (st, _) = a
-        .unary(
-            "/process.Process/CloseStdin",
-            json!({"process": {"pid": pid}}),
-        )
+        .unary("/process.Process/CloseStdin", json!({"process": {"pid": pid}}))
         .await;
     assert_eq!(st, 200);
     let (_, _, _, end) = s.collect().await;
@@ -142,47 +124,31 @@ async fn stream_input_client_stream() {
         .await;
     let pid = s.event().await["start"]["pid"].as_u64().unwrap();
     // A chunked request body, sent frame by frame.
-    let (mut tx, body) =
-        http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(4);
+    let (mut tx, body) = http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(4);
     let h = [("content-type", "application/connect+json".to_string())];
     let fut = a.send("POST", "/process.Process/StreamInput", &h, body.boxed());
     let sender = async move {
         tx.send_data(envelope(0, &json!({"start": {"process": {"pid": pid}}})))
             .await
             .unwrap();
-        tx.send_data(envelope(
-            0,
-            &json!({"data": {"input": {"stdin": b64(b"one\n")}}}),
-        ))
-        .await
-        .unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        tx.send_data(envelope(0, &json!({"keepalive": {}})))
+        tx.send_data(envelope(0, &json!({"data": {"input": {"stdin": b64(b"one\n")}}})))
             .await
             .unwrap();
-        tx.send_data(envelope(
-            0,
-            &json!({"data": {"input": {"stdin": b64(b"two\n")}}}),
-        ))
-        .await
-        .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        tx.send_data(envelope(0, &json!({"keepalive": {}}))).await.unwrap();
+        tx.send_data(envelope(0, &json!({"data": {"input": {"stdin": b64(b"two\n")}}})))
+            .await
+            .unwrap();
         drop(tx);
     };
     let (resp, ()) = tokio::join!(fut, sender);
     let resp = resp.unwrap();
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(
-        body.last_chunk::<2>(),
-        Some(b"{}"),
-        "end frame closes the response"
-    );
+    assert_eq!(body.last_chunk::<2>(), Some(b"{}"), "end frame closes the response");
     // Close stdin by tag.
     let (st, _) = a
-        .unary(
-            "/process.Process/CloseStdin",
-            json!({"process": {"tag": "cat-1"}}),
-        )
+        .unary("/process.Process/CloseStdin", json!({"process": {"tag": "cat-1"}}))
         .await;
     assert_eq!(st, 200);
     let (out, _, _, _) = s.collect().await;
@@ -192,9 +158,7 @@ async fn stream_input_client_stream() {
 #[tokio::test]
 async fn send_signal_kills_sleep() {
     let a = Agent::start().await;
-    let mut s = a
-        .stream(START, start_msg("/bin/sleep", &["100"]), &[])
-        .await;
+    let mut s = a.stream(START, start_msg("/bin/sleep", &["100"]), &[]).await;
     let pid = s.event().await["start"]["pid"].as_u64().unwrap();
     let t = Instant::now();
     let (st, _) = a
@@ -222,19 +186,12 @@ async fn list_and_connect_reattach() {
     let (st, v) = a.unary("/process.Process/List", json!({})).await;
     assert_eq!(st, 200);
     let procs = v["processes"].as_array().unwrap();
-    let p = procs
-        .iter()
-        .find(|p| p["pid"] == json!(pid))
-        .expect("listed");
+    let p = procs.iter().find(|p| p["pid"] == json!(pid)).expect("listed");
     assert_eq!(p["tag"], json!("job"));
     assert_eq!(p["config"]["cmd"], json!("/bin/sh"));
 
     let mut c = a
-        .stream(
-            "/process.Process/Connect",
-            json!({"process": {"pid": pid}}),
-            &[],
-        )
+        .stream("/process.Process/Connect", json!({"process": {"pid": pid}}), &[])
         .await;
     assert_eq!(c.event().await["start"]["pid"], json!(pid));
     a.unary(
@@ -243,18 +200,11 @@ async fn list_and_connect_reattach() {
     )
     .await;
     let ev = c.event().await;
-    assert_eq!(
-        unb64(ev["data"]["stdout"].as_str().unwrap()),
-        b"later now\n"
-    );
+    assert_eq!(unb64(ev["data"]["stdout"].as_str().unwrap()), b"later now\n");
 
     // A second client by tag sees the end too.
     let mut c2 = a
-        .stream(
-            "/process.Process/Connect",
-            json!({"process": {"tag": "job"}}),
-            &[],
-        )
+        .stream("/process.Process/Connect", json!({"process": {"tag": "job"}}), &[])
         .await;
     assert_eq!(c2.event().await["start"]["pid"], json!(pid));
     a.unary(
@@ -287,18 +237,11 @@ async fn backlog_delivered_on_connect() {
     drop(s);
     tokio::time::sleep(Duration::from_millis(800)).await;
     let mut c = a
-        .stream(
-            "/process.Process/Connect",
-            json!({"process": {"pid": pid2}}),
-            &[],
-        )
+        .stream("/process.Process/Connect", json!({"process": {"pid": pid2}}), &[])
         .await;
     c.event().await;
     let ev = c.event().await;
-    assert_eq!(
-        unb64(ev["data"]["stdout"].as_str().unwrap()),
-        b"while-detached\n"
-    );
+    assert_eq!(unb64(ev["data"]["stdout"].as_str().unwrap()), b"while-detached\n");
     for p in [pid, pid2] {
         a.unary(
             "/process.Process/SendSignal",
@@ -333,10 +276,7 @@ async fn pty_echo_and_resize() {
     async fn read_until(s: &mut Stream, seen: &mut String, needle: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while !seen.contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "never saw {needle:?} in {seen:?}"
-            );
+            assert!(Instant::now() < deadline, "never saw {needle:?} in {seen:?}");
             let ev = s.event().await;
             let d = ev["data"]["pty"]
                 .as_str()
@@ -402,10 +342,7 @@ async fn access_token_required() {
         .await
         .unwrap();
     assert_eq!(st, 401);
-    let (st, _, _) = a
-        .raw("GET", "/health", &[], bytes::Bytes::new())
-        .await
-        .unwrap();
+    let (st, _, _) = a.raw("GET", "/health", &[], bytes::Bytes::new()).await.unwrap();
     assert_eq!(st, 204);
     a.token = Some("wrong".into());
     let (st, _) = a.unary("/process.Process/List", json!({})).await;
@@ -470,9 +407,7 @@ async fn runaway_output_without_client_stays_bounded() {
 #[tokio::test]
 async fn large_output_streams_completely() {
     let a = Agent::start().await;
-    let mut s = a
-        .stream(START, sh("head -c 3000000 /dev/zero | tr '\\0' x"), &[])
-        .await;
+    let mut s = a.stream(START, sh("head -c 3000000 /dev/zero | tr '\\0' x"), &[]).await;
     s.event().await;
     let (out, _, _, end) = s.collect().await;
     assert_eq!(out.len(), 3_000_000);
@@ -496,8 +431,7 @@ async fn start_request_body_still_open_and_large_output() {
     // As the Python SDK does: the Start request body is chunked and its end
     // arrives after the agent has begun answering.
     let a = Agent::start().await;
-    let (mut tx, body) =
-        http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(4);
+    let (mut tx, body) = http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(4);
     tx.send_data(envelope(0, &sh("head -c 1300000 /dev/zero | tr '\\0' y")))
         .await
         .unwrap();
@@ -545,13 +479,7 @@ async fn inherited_listen_fd_is_not_leaked_to_children() {
     let fd = l.as_raw_fd();
     unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }; // inheritable, as the edge hands it over
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_opendsec-agent"))
-        .args([
-            "serve",
-            "--listen-fd",
-            &fd.to_string(),
-            "--default-user",
-            "root",
-        ])
+        .args(["serve", "--listen-fd", &fd.to_string(), "--default-user", "root"])
         .spawn()
         .unwrap();
     drop(l);
@@ -575,11 +503,7 @@ async fn inherited_listen_fd_is_not_leaked_to_children() {
     }
     // A sandbox process sees its stdio only: no socket, nothing the agent inherited.
     let mut s = a
-        .stream(
-            START,
-            sh("for f in /proc/self/fd/*; do readlink $f; done"),
-            &[],
-        )
+        .stream(START, sh("for f in /proc/self/fd/*; do readlink $f; done"), &[])
         .await;
     s.event().await;
     let (out, _, _, _) = s.collect().await;

@@ -30,7 +30,6 @@ async fn echo_server() -> u16 {
     port
 }
 
-
 enum Opened {
     Tunnel(TokioIo<hyper::upgrade::Upgraded>),
     Refused(u16, Value),
@@ -48,9 +47,7 @@ async fn open(a: &Agent, query: &str, upgrade_headers: bool) -> Opened {
     });
     let mut b = Request::get(format!("/.opendsec/tunnel?{query}")).header("host", "localhost");
     if upgrade_headers {
-        b = b
-            .header("connection", "Upgrade")
-            .header("upgrade", "opendsec-tcp");
+        b = b.header("connection", "Upgrade").header("upgrade", "opendsec-tcp");
     }
     if let Some(t) = &a.token {
         b = b.header("x-access-token", t);
@@ -163,11 +160,7 @@ async fn wait_ms_waits_for_a_listener_that_comes_up_later() {
     });
     let t0 = Instant::now();
     let mut t = tunnel(&a, &format!("port={port}&wait_ms=5000")).await;
-    assert!(
-        t0.elapsed() >= Duration::from_millis(190),
-        "{:?}",
-        t0.elapsed()
-    );
+    assert!(t0.elapsed() >= Duration::from_millis(190), "{:?}", t0.elapsed());
     let mut got = [0u8; 10];
     t.read_exact(&mut got).await.unwrap();
     assert_eq!(&got, b"late hello");
@@ -180,18 +173,11 @@ async fn closed_port_is_502_after_the_wait() {
     let (st, v) = refused(&a, &format!("port={port}"), true).await;
     assert_eq!(st, 502);
     assert_eq!(v["code"], 502);
-    assert_eq!(
-        v["message"],
-        format!("port {port} is not open in the sandbox")
-    );
+    assert_eq!(v["message"], format!("port {port} is not open in the sandbox"));
     let t0 = Instant::now();
     let (st, _) = refused(&a, &format!("port={port}&wait_ms=300"), true).await;
     assert_eq!(st, 502);
-    assert!(
-        t0.elapsed() >= Duration::from_millis(280),
-        "{:?}",
-        t0.elapsed()
-    );
+    assert!(t0.elapsed() >= Duration::from_millis(280), "{:?}", t0.elapsed());
 }
 
 #[tokio::test]

@@ -33,12 +33,7 @@ fn main() {
             std::process::exit(1)
         }
     };
-    let result = match args
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
+    let result = match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
         ["build", name] => build(&store, name),
         ["list"] => store.list().map(|images| {
             for image in images {

@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 
 use opendsec_edge::images::{DEFAULT_STORE, ImageStore};
 use opendsec_edge::vm::{
-    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec, netns,
-    sparse_copy,
+    AgentChannel, GUEST_MAC, MicroVmDriver, Qmp, TAP, VmConfig, VmFiles, VmHandle, VmSpec, netns, sparse_copy,
 };
 use serde_json::{Value, json};
 
@@ -55,17 +54,9 @@ fn parse_args() -> Args {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
-        };
-        let mut number = |what: &str| -> usize {
-            value()
-                .parse()
-                .ok()
-                .filter(|n| *n > 0)
-                .unwrap_or_else(|| usage(what))
-        };
+        let mut value = || it.next().unwrap_or_else(|| usage(&format!("{flag} needs a value")));
+        let mut number =
+            |what: &str| -> usize { value().parse().ok().filter(|n| *n > 0).unwrap_or_else(|| usage(what)) };
         match flag.as_str() {
             "--store" => args.store = value().into(),
             "--root" => args.root = value().into(),
@@ -109,17 +100,11 @@ fn median(v: &[f64]) -> f64 {
 
 fn row(what: &str, ours: &[f64], raw: &[f64]) {
     let (o, r) = (median(ours), median(raw));
-    println!(
-        "{what}: opendsec {o:.1} ms | raw qemu {r:.1} ms ({:.2}x)",
-        o / r
-    );
+    println!("{what}: opendsec {o:.1} ms | raw qemu {r:.1} ms ({:.2}x)", o / r);
 }
 
 fn verdict(goal: &str, pass: bool, detail: String) {
-    println!(
-        "goal {goal}: {} ({detail})",
-        if pass { "PASS" } else { "MISS" }
-    );
+    println!("goal {goal}: {} ({detail})", if pass { "PASS" } else { "MISS" });
 }
 
 /// Runs `true` in the guest through its agent.
@@ -155,15 +140,7 @@ enum RawStart {
     Incoming,
 }
 
-fn raw_qemu(
-    files: &VmFiles,
-    ns: &str,
-    rw: &Path,
-    ram: &Path,
-    share: bool,
-    sock: &Path,
-    start: RawStart,
-) -> RawVm {
+fn raw_qemu(files: &VmFiles, ns: &str, rw: &Path, ram: &Path, share: bool, sock: &Path, start: RawStart) -> RawVm {
     let mem = format!("{}K", files.guest_ram_kb);
     let mut append = String::from("console=ttyS0 panic=-1 quiet random.trust_cpu=on");
     if let Some(khz) = files.tsc_khz {
@@ -208,20 +185,12 @@ fn raw_qemu(
         "id=root,file={},format=raw,if=none,readonly=on",
         files.root_disk.display()
     ))
-    .args([
-        "-device",
-        "virtio-blk-device,drive=root,serial=opendsec-root",
-    ])
+    .args(["-device", "virtio-blk-device,drive=root,serial=opendsec-root"])
     .arg("-drive")
-    .arg(format!(
-        "id=rw,file={},format=raw,if=none,discard=unmap",
-        rw.display()
-    ))
+    .arg(format!("id=rw,file={},format=raw,if=none,discard=unmap", rw.display()))
     .args(["-device", "virtio-blk-device,drive=rw,serial=opendsec-rw"])
     .arg("-netdev")
-    .arg(format!(
-        "tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off"
-    ))
+    .arg(format!("tap,id=net0,ifname={TAP},script=no,downscript=no,vhost=off"))
     .arg("-device")
     .arg(format!("virtio-net-device,netdev=net0,mac={GUEST_MAC}"))
     .arg("-qmp")
@@ -367,20 +336,12 @@ struct Bench<'a> {
 fn main() {
     let args = parse_args();
     let store = ok("image store", ImageStore::open(&args.store));
-    let mut cfg = VmConfig::new(
-        &args.root,
-        store.clone(),
-        args.agent.clone(),
-        args.shim.clone(),
-    );
+    let mut cfg = VmConfig::new(&args.root, store.clone(), args.agent.clone(), args.shim.clone());
     cfg.console_cap_bytes = 1 << 20;
     // The figures stand beside raw QEMU on the same files (QEMU's snapshot format): the
     // Firecracker driver's figures are printed by `tests/vm_firecracker.rs`.
     cfg.vmm = opendsec_edge::vm::VmmChoice::Qemu;
-    let driver = ok(
-        "driver",
-        MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}")),
-    );
+    let driver = ok("driver", MicroVmDriver::new(cfg, &|m| eprintln!("[driver] {m}")));
     let image = ok(
         "base image",
         store.ensure("base", &|p| eprintln!("[base] {}", p.message)),
@@ -489,10 +450,7 @@ impl Bench<'_> {
                 &s.join("cold.sock"),
                 RawStart::Boot,
             );
-            ok(
-                "raw boot",
-                raw.agent.wait_ready(Duration::from_secs(300), &|| true),
-            );
+            ok("raw boot", raw.agent.wait_ready(Duration::from_secs(300), &|| true));
             first_command(&raw.agent);
             cold.1.push(ms(t.elapsed()));
             raw.kill();
@@ -562,11 +520,8 @@ impl Bench<'_> {
             let t = Instant::now();
             let (copy, _) = ok(
                 "restore_snapshot",
-                self.driver.restore_snapshot(
-                    &self.spec(format!("{}-r{i}", self.spec.id)),
-                    &snap,
-                    &|_| {},
-                ),
+                self.driver
+                    .restore_snapshot(&self.spec(format!("{}-r{i}", self.spec.id)), &snap, &|_| {}),
             );
             self.vms.push(copy.clone());
             first_command(&ok("agent", copy.agent()));
@@ -580,19 +535,13 @@ impl Bench<'_> {
             raw_restore.push(ms(t.elapsed()));
             raw.kill();
         }
-        row(
-            "restore from snapshot to first command",
-            &restore,
-            &raw_restore,
-        );
+        row("restore from snapshot to first command", &restore, &raw_restore);
 
         // N concurrent restores of one snapshot.
         let n = self.args.restores;
         let mut many = vec![];
         for round in 0..rounds {
-            let ids: Vec<String> = (0..n)
-                .map(|i| format!("{}-m{round}x{i}", self.spec.id))
-                .collect();
+            let ids: Vec<String> = (0..n).map(|i| format!("{}-m{round}x{i}", self.spec.id)).collect();
             let t = Instant::now();
             let copies: Vec<VmHandle> = std::thread::scope(|scope| {
                 let handles: Vec<_> = ids
@@ -602,19 +551,13 @@ impl Bench<'_> {
                         let snap = &snap;
                         let driver = self.driver;
                         scope.spawn(move || {
-                            let (copy, _) = ok(
-                                "restore_snapshot",
-                                driver.restore_snapshot(&spec, snap, &|_| {}),
-                            );
+                            let (copy, _) = ok("restore_snapshot", driver.restore_snapshot(&spec, snap, &|_| {}));
                             first_command(&ok("agent", copy.agent()));
                             copy
                         })
                     })
                     .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("a restore"))
-                    .collect()
+                handles.into_iter().map(|h| h.join().expect("a restore")).collect()
             });
             many.push(ms(t.elapsed()));
             self.vms.extend(copies.iter().cloned());
@@ -633,10 +576,7 @@ impl Bench<'_> {
                         scope.spawn(move || this.raw_restore(files, snap, i))
                     })
                     .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("a raw restore"))
-                    .collect()
+                handles.into_iter().map(|h| h.join().expect("a raw restore")).collect()
             });
             raw_many.push(ms(t.elapsed()));
             for raw in raws {
@@ -658,9 +598,7 @@ impl Bench<'_> {
         let forks = self.args.forks;
         let (mut fork_pause, mut fork_all, mut copies_pss) = (vec![], vec![], 0u64);
         for round in 0..rounds {
-            let ids: Vec<String> = (0..forks)
-                .map(|i| format!("{}-f{round}x{i}", self.spec.id))
-                .collect();
+            let ids: Vec<String> = (0..forks).map(|i| format!("{}-f{round}x{i}", self.spec.id)).collect();
             let t = Instant::now();
             let report = ok("fork", vm.fork(&ids));
             self.vms.extend(report.copies.iter().cloned());
@@ -672,11 +610,7 @@ impl Bench<'_> {
             });
             fork_all.push(ms(t.elapsed()));
             fork_pause.push(ms(report.source_paused));
-            copies_pss = report
-                .copies
-                .iter()
-                .map(|c| ok("memory", c.memory()).pss_kb)
-                .sum();
+            copies_pss = report.copies.iter().map(|c| ok("memory", c.memory()).pss_kb).sum();
             for copy in &report.copies {
                 self.delete(copy);
             }
@@ -712,10 +646,7 @@ impl Bench<'_> {
                         scope.spawn(move || this.raw_restore(files, fork, i + 1))
                     })
                     .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("a raw copy"))
-                    .collect()
+                handles.into_iter().map(|h| h.join().expect("a raw copy")).collect()
             });
             raw_fork_all.push(ms(t.elapsed()));
             raw_pss = raws.iter().map(|r| pss_kb(r.child.id())).sum();
@@ -754,11 +685,7 @@ impl Bench<'_> {
             format!("{restore_ratio:.2}x"),
         );
         let pause = median(&fork_pause);
-        verdict(
-            "fork source pause under 20 ms",
-            pause < 20.0,
-            format!("{pause:.1} ms"),
-        );
+        verdict("fork source pause under 20 ms", pause < 20.0, format!("{pause:.1} ms"));
         let many_ratio = median(&many) / median(&restore);
         verdict(
             &format!("{n} restores with shared pages under 2x the time of one"),
@@ -772,10 +699,7 @@ impl Bench<'_> {
     fn raw_restore(&self, files: &VmFiles, snap: &Path, slot: usize) -> RawVm {
         let dir = self.scratch.join(format!("restore-{slot}"));
         ok("dir", std::fs::create_dir_all(&dir));
-        ok(
-            "copy",
-            sparse_copy(&snap.join("rw.img"), &dir.join("rw.img")),
-        );
+        ok("copy", sparse_copy(&snap.join("rw.img"), &dir.join("rw.img")));
         let mut raw = raw_qemu(
             files,
             &self.namespaces[slot],
@@ -794,8 +718,6 @@ impl Bench<'_> {
 /// The empty writable-disk template the driver copies for new VMs.
 fn driver_template(files: &VmFiles) -> PathBuf {
     let store = files.root_disk.parent().expect("vmdisks dir");
-    let size = std::fs::metadata(&files.rw_disk)
-        .map(|m| m.len() >> 20)
-        .unwrap_or(512);
+    let size = std::fs::metadata(&files.rw_disk).map(|m| m.len() >> 20).unwrap_or(512);
     store.join(format!("empty-{size}M.ext4"))
 }

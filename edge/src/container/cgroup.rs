@@ -18,8 +18,7 @@ pub fn is_unified() -> bool {
 /// controller with a weight file).
 pub fn io_weight_supported() -> bool {
     if is_unified() {
-        let controllers =
-            fs::read_to_string(Path::new(ROOT).join("cgroup.controllers")).unwrap_or_default();
+        let controllers = fs::read_to_string(Path::new(ROOT).join("cgroup.controllers")).unwrap_or_default();
         // runc writes io.weight (or io.bfq.weight); both live in child groups only, so
         // the controller being available is the best we can check here.
         controllers.split_whitespace().any(|c| c == "io")
@@ -31,10 +30,7 @@ pub fn io_weight_supported() -> bool {
 
 /// Whether memory+swap can be limited (v1 needs swap accounting; v2 always can).
 pub fn swap_limit_supported() -> bool {
-    is_unified()
-        || Path::new(ROOT)
-            .join("memory/memory.memsw.limit_in_bytes")
-            .exists()
+    is_unified() || Path::new(ROOT).join("memory/memory.memsw.limit_in_bytes").exists()
 }
 
 /// The number of OOM kills in the sandbox's memory cgroup, if it can be read.
@@ -43,10 +39,7 @@ pub fn oom_kills(cgroups_path: &str) -> Option<u64> {
     let rel = cgroups_path.trim_start_matches('/');
     let candidates: [(PathBuf, &str); 2] = [
         (
-            Path::new(ROOT)
-                .join("memory")
-                .join(rel)
-                .join("memory.oom_control"),
+            Path::new(ROOT).join("memory").join(rel).join("memory.oom_control"),
             "oom_kill",
         ),
         (Path::new(ROOT).join(rel).join("memory.events"), "oom_kill"),
@@ -94,7 +87,9 @@ fn stat_field(p: &Path, key: &str) -> Option<u64> {
     let text = fs::read_to_string(p).ok()?;
     text.lines().find_map(|l| {
         let mut it = l.split_whitespace();
-        (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok())).flatten()
+        (it.next() == Some(key))
+            .then(|| it.next().and_then(|v| v.parse().ok()))
+            .flatten()
     })
 }
 
@@ -115,7 +110,11 @@ pub fn usage(cgroups_path: &str) -> Option<Usage> {
     let cpu_ns = read_u64(&root.join("cpuacct").join(rel).join("cpuacct.usage"))
         .or_else(|| read_u64(&root.join("cpu,cpuacct").join(rel).join("cpuacct.usage")))
         .unwrap_or(0);
-    Some(Usage { cpu_usec: cpu_ns / 1000, memory_bytes, cache_bytes: stat_field(&mem.join("memory.stat"), "cache").unwrap_or(0) })
+    Some(Usage {
+        cpu_usec: cpu_ns / 1000,
+        memory_bytes,
+        cache_bytes: stat_field(&mem.join("memory.stat"), "cache").unwrap_or(0),
+    })
 }
 
 /// Asks the kernel to reclaim a (frozen) sandbox's memory: cgroup v2's `memory.reclaim`

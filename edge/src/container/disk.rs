@@ -86,8 +86,7 @@ impl Storage {
             &self.image,
         )?;
         for dir in [&self.disk_mount, &self.rootfs] {
-            fs::create_dir_all(dir)
-                .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+            fs::create_dir_all(dir).map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
         }
         let (loop_dev, loop_fd) = attach_loop(&self.image, 0, 0)?;
         let mounted = mount(
@@ -109,8 +108,7 @@ impl Storage {
         let upper = self.disk_mount.join("upper");
         let work = self.disk_mount.join("work");
         for dir in [&upper, &work] {
-            fs::create_dir(dir)
-                .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+            fs::create_dir(dir).map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
         }
         // The overlay root takes the upper dir's mode: the usual 0755.
         use std::os::unix::fs::PermissionsExt;
@@ -123,9 +121,7 @@ impl Storage {
         let upper = self.disk_mount.join("upper");
         let work = self.disk_mount.join("work");
         if lower.is_empty() {
-            return Err(ContainerError::Invalid(
-                "an image needs at least one layer".into(),
-            ));
+            return Err(ContainerError::Invalid("an image needs at least one layer".into()));
         }
         // overlayfs lists lower dirs top first.
         let lowerdir = lower
@@ -134,9 +130,7 @@ impl Storage {
             .map(|p| {
                 let s = p.to_string_lossy();
                 if s.contains([':', ',']) {
-                    Err(ContainerError::Invalid(format!(
-                        "layer path {s} contains ':' or ','"
-                    )))
+                    Err(ContainerError::Invalid(format!("layer path {s} contains ':' or ','")))
                 } else {
                     Ok(s.into_owned())
                 }
@@ -155,12 +149,7 @@ impl Storage {
             MsFlags::MS_NODEV,
             Some(options.as_str()),
         )
-        .map_err(|e| {
-            ContainerError::Storage(format!(
-                "mounting overlay on {}: {e}",
-                self.rootfs.display()
-            ))
-        })?;
+        .map_err(|e| ContainerError::Storage(format!("mounting overlay on {}: {e}", self.rootfs.display())))?;
         Ok(())
     }
 
@@ -238,37 +227,35 @@ impl Pool {
             return;
         }
         let pool = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("warm-disks".into())
-            .spawn(move || {
-                // Making disks ahead must not slow the creates it serves: this thread
-                // runs at the lowest CPU priority and in the idle I/O class.
-                lower_priority();
-                loop {
-                    if pool.closed.load(Ordering::SeqCst) || pool.ready() >= pool.target {
-                        break;
-                    }
-                    let n = pool.seq.fetch_add(1, Ordering::SeqCst);
-                    let dir = pool.root.join(format!("{WARM_PREFIX}{}-{n}", std::process::id()));
-                    match make_warm(&dir, pool.size) {
-                        Ok(()) => {
-                            let mut ready = pool.ready.lock().expect("pool lock");
-                            if pool.closed.load(Ordering::SeqCst) {
-                                drop(ready);
-                                discard_warm(&dir);
-                                break;
-                            }
-                            ready.push(dir);
-                        }
-                        Err(e) => {
-                            // Creates make their own disks meanwhile; no retry loop.
-                            tracing::warn!(error = %e, "cannot make a warm disk");
+        let spawned = std::thread::Builder::new().name("warm-disks".into()).spawn(move || {
+            // Making disks ahead must not slow the creates it serves: this thread
+            // runs at the lowest CPU priority and in the idle I/O class.
+            lower_priority();
+            loop {
+                if pool.closed.load(Ordering::SeqCst) || pool.ready() >= pool.target {
+                    break;
+                }
+                let n = pool.seq.fetch_add(1, Ordering::SeqCst);
+                let dir = pool.root.join(format!("{WARM_PREFIX}{}-{n}", std::process::id()));
+                match make_warm(&dir, pool.size) {
+                    Ok(()) => {
+                        let mut ready = pool.ready.lock().expect("pool lock");
+                        if pool.closed.load(Ordering::SeqCst) {
+                            drop(ready);
+                            discard_warm(&dir);
                             break;
                         }
+                        ready.push(dir);
+                    }
+                    Err(e) => {
+                        // Creates make their own disks meanwhile; no retry loop.
+                        tracing::warn!(error = %e, "cannot make a warm disk");
+                        break;
                     }
                 }
-                pool.filling.store(false, Ordering::SeqCst);
-            });
+            }
+            pool.filling.store(false, Ordering::SeqCst);
+        });
         if spawned.is_err() {
             self.filling.store(false, Ordering::SeqCst);
         }
@@ -340,9 +327,19 @@ pub fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
     let (from, to) = (c(from)?, c(to)?);
     // SAFETY: two valid C strings; renameat2 does not keep them.
     let r = unsafe {
-        libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE)
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
     };
-    if r == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// An empty ext4 image of `size` bytes, made once per size under
@@ -350,15 +347,12 @@ pub fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
 /// of metadata is faster than running mkfs each time. Copies share the file system
 /// UUID, which ext4 does not mind.
 fn template(size: u64, sandboxes_root: Option<&Path>) -> Result<PathBuf, ContainerError> {
-    let dir = sandboxes_root
-        .unwrap_or(Path::new("/var/tmp"))
-        .join(".templates");
+    let dir = sandboxes_root.unwrap_or(Path::new("/var/tmp")).join(".templates");
     let path = dir.join(format!("ext4-{size}.img"));
     if path.exists() {
         return Ok(path);
     }
-    fs::create_dir_all(&dir)
-        .map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
+    fs::create_dir_all(&dir).map_err(|e| ContainerError::io(format!("creating {}", dir.display()), e))?;
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!("ext4-{size}.img.tmp{}-{seq}", std::process::id()));
@@ -384,9 +378,7 @@ fn template(size: u64, sandboxes_root: Option<&Path>) -> Result<PathBuf, Contain
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .output()
         .map_err(|e| {
-            ContainerError::Prerequisite(format!(
-                "cannot run mkfs.ext4 (install the e2fsprogs package): {e}"
-            ))
+            ContainerError::Prerequisite(format!("cannot run mkfs.ext4 (install the e2fsprogs package): {e}"))
         })?;
     if !out.status.success() {
         let _ = fs::remove_file(&tmp);
@@ -413,8 +405,7 @@ fn copy_sparse(from: &Path, to: &Path) -> Result<(), ContainerError> {
         .metadata()
         .map_err(|e| ContainerError::io("stat template", e))?
         .len();
-    dst.set_len(len)
-        .map_err(|e| ContainerError::io("sizing disk.img", e))?;
+    dst.set_len(len).map_err(|e| ContainerError::io("sizing disk.img", e))?;
     let (sfd, dfd) = (src.as_raw_fd(), dst.as_raw_fd());
     let mut pos: i64 = 0;
     while (pos as u64) < len {
@@ -449,11 +440,8 @@ pub fn is_mounted(path: &Path) -> bool {
         return false;
     };
     let want = path.to_string_lossy();
-    text.lines().any(|line| {
-        line.split(' ')
-            .nth(4)
-            .is_some_and(|mp| unescape_mountinfo(mp) == want)
-    })
+    text.lines()
+        .any(|line| line.split(' ').nth(4).is_some_and(|mp| unescape_mountinfo(mp) == want))
 }
 
 fn unescape_mountinfo(s: &str) -> String {
@@ -471,22 +459,16 @@ fn unmount(path: &Path) -> Result<(), ContainerError> {
         match umount2(path, MntFlags::empty()) {
             Ok(()) => continue,
             Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => return Ok(()),
-            Err(nix::errno::Errno::EBUSY) if attempt < 19 => {
-                std::thread::sleep(Duration::from_millis(25))
-            }
+            Err(nix::errno::Errno::EBUSY) if attempt < 19 => std::thread::sleep(Duration::from_millis(25)),
             Err(nix::errno::Errno::EBUSY) => {
                 // Something (a dying container's namespace) still holds it: detach lazily;
                 // the kernel frees it when the last user goes.
-                umount2(path, MntFlags::MNT_DETACH).map_err(|e| {
-                    ContainerError::Storage(format!("unmounting {}: {e}", path.display()))
-                })?;
+                umount2(path, MntFlags::MNT_DETACH)
+                    .map_err(|e| ContainerError::Storage(format!("unmounting {}: {e}", path.display())))?;
                 return Ok(());
             }
             Err(e) => {
-                return Err(ContainerError::Storage(format!(
-                    "unmounting {}: {e}",
-                    path.display()
-                )));
+                return Err(ContainerError::Storage(format!("unmounting {}: {e}", path.display())));
             }
         }
     }
@@ -496,11 +478,7 @@ fn unmount(path: &Path) -> Result<(), ContainerError> {
 /// Attaches `image` to a free loop device with autoclear; returns the device and an
 /// open fd that keeps it attached until the caller mounts it. `offset` and `size_limit`
 /// (0: to the end) select a part of the file, such as a partition of a whole disk.
-pub(crate) fn attach_loop(
-    image: &Path,
-    offset: u64,
-    size_limit: u64,
-) -> Result<(PathBuf, File), ContainerError> {
+pub(crate) fn attach_loop(image: &Path, offset: u64, size_limit: u64) -> Result<(PathBuf, File), ContainerError> {
     let backing = OpenOptions::new()
         .read(true)
         .write(true)
@@ -510,17 +488,12 @@ pub(crate) fn attach_loop(
         .read(true)
         .write(true)
         .open("/dev/loop-control")
-        .map_err(|e| {
-            ContainerError::Prerequisite(format!("no loop devices (/dev/loop-control): {e}"))
-        })?;
+        .map_err(|e| ContainerError::Prerequisite(format!("no loop devices (/dev/loop-control): {e}")))?;
     for _ in 0..64 {
         // SAFETY: ioctl without arguments on the loop control device.
         let n = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE as _) };
         if n < 0 {
-            return Err(ContainerError::io(
-                "LOOP_CTL_GET_FREE",
-                std::io::Error::last_os_error(),
-            ));
+            return Err(ContainerError::io("LOOP_CTL_GET_FREE", std::io::Error::last_os_error()));
         }
         let dev = PathBuf::from(format!("/dev/loop{n}"));
         let dev_file = match OpenOptions::new().read(true).write(true).open(&dev) {
@@ -538,13 +511,7 @@ pub(crate) fn attach_loop(
         let len = name.len().min(63);
         config.info.lo_file_name[..len].copy_from_slice(&name.as_bytes()[..len]);
         // SAFETY: config is a valid loop_config for the duration of the call.
-        let rc = unsafe {
-            libc::ioctl(
-                dev_file.as_raw_fd(),
-                LOOP_CONFIGURE as _,
-                &config as *const LoopConfig,
-            )
-        };
+        let rc = unsafe { libc::ioctl(dev_file.as_raw_fd(), LOOP_CONFIGURE as _, &config as *const LoopConfig) };
         if rc == 0 {
             return Ok((dev, dev_file));
         }
@@ -553,12 +520,7 @@ pub(crate) fn attach_loop(
         if err.raw_os_error() == Some(libc::EBUSY) {
             continue;
         }
-        return Err(ContainerError::io(
-            format!("LOOP_CONFIGURE {}", dev.display()),
-            err,
-        ));
+        return Err(ContainerError::io(format!("LOOP_CONFIGURE {}", dev.display()), err));
     }
-    Err(ContainerError::Storage(
-        "no free loop device after 64 attempts".into(),
-    ))
+    Err(ContainerError::Storage("no free loop device after 64 attempts".into()))
 }

@@ -292,9 +292,8 @@ impl ContainerBackend {
                 config.shim.display()
             )));
         }
-        fs::create_dir_all(&config.sandboxes_root).map_err(|e| {
-            ContainerError::io(format!("creating {}", config.sandboxes_root.display()), e)
-        })?;
+        fs::create_dir_all(&config.sandboxes_root)
+            .map_err(|e| ContainerError::io(format!("creating {}", config.sandboxes_root.display()), e))?;
         let runtime = Runtime::resolve(config.runtime, &config.runtime_root)?;
         let host = oci::HostSupport {
             io_weight: cgroup::io_weight_supported(),
@@ -370,7 +369,13 @@ impl ContainerBackend {
         result
     }
 
-    fn create_in(&self, spec: &SandboxSpec, dir: &Path, disk_ready: bool, start: bool) -> Result<Handle, ContainerError> {
+    fn create_in(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        disk_ready: bool,
+        start: bool,
+    ) -> Result<Handle, ContainerError> {
         let cgroups_path = format!("/{}/{}", self.config.cgroup_parent, spec.id);
         let record = SandboxRecord {
             id: spec.id.clone(),
@@ -390,10 +395,9 @@ impl ContainerBackend {
         disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready)?;
         let t1 = Instant::now();
         let oci = oci::build_spec(spec, &cgroups_path, self.host)?;
-        let json = serde_json::to_vec(&oci)
-            .map_err(|e| ContainerError::Invalid(format!("serialising config.json: {e}")))?;
-        fs::write(dir.join("config.json"), json)
-            .map_err(|e| ContainerError::io("writing config.json", e))?;
+        let json =
+            serde_json::to_vec(&oci).map_err(|e| ContainerError::Invalid(format!("serialising config.json: {e}")))?;
+        fs::write(dir.join("config.json"), json).map_err(|e| ContainerError::io("writing config.json", e))?;
         let t2 = Instant::now();
         shim::spawn(&self.config.shim, dir, &spec.id, &spec.extra_fds, !start)?;
         tracing::debug!(id = %spec.id, warm_disk = disk_ready, storage = ?(t1 - t0), spec = ?(t2 - t1), shim = ?t2.elapsed(), "sandbox created");
@@ -418,9 +422,8 @@ impl ContainerBackend {
             }
             Err(e) => return Err(ContainerError::io("reading sandbox.json", e)),
         };
-        let record: SandboxRecord = serde_json::from_slice(&bytes).map_err(|e| {
-            ContainerError::Invalid(format!("corrupt {}/sandbox.json: {e}", dir.display()))
-        })?;
+        let record: SandboxRecord = serde_json::from_slice(&bytes)
+            .map_err(|e| ContainerError::Invalid(format!("corrupt {}/sandbox.json: {e}", dir.display())))?;
         Ok(Handle {
             id: id.into(),
             dir,
@@ -432,9 +435,7 @@ impl ContainerBackend {
     pub fn list(&self) -> Result<Vec<Handle>, ContainerError> {
         let mut out = Vec::new();
         let root = &self.config.sandboxes_root;
-        for entry in fs::read_dir(root)
-            .map_err(|e| ContainerError::io(format!("listing {}", root.display()), e))?
-        {
+        for entry in fs::read_dir(root).map_err(|e| ContainerError::io(format!("listing {}", root.display()), e))? {
             let entry = entry.map_err(|e| ContainerError::io("listing sandboxes", e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             if validate_id(&name).is_err() || !entry.path().join("sandbox.json").exists() {
@@ -478,11 +479,7 @@ impl ContainerBackend {
             Err(_) => (SandboxStatus::Lost, None),
         };
         // The shim's record is the authority on exit (the runtime may lag or be gone).
-        let status = if exit.is_some() {
-            SandboxStatus::Stopped
-        } else {
-            status
-        };
+        let status = if exit.is_some() { SandboxStatus::Stopped } else { status };
         Ok(SandboxState {
             id: id.into(),
             status,
@@ -514,7 +511,12 @@ impl ContainerBackend {
                 _ => return self.state(id),
             }
         };
-        Ok(SandboxState { id: id.into(), status, init_pid: pid, exit })
+        Ok(SandboxState {
+            id: id.into(),
+            status,
+            init_pid: pid,
+            exit,
+        })
     }
 
     /// Sends `signal` (e.g. `libc::SIGTERM`) to PID 1.
@@ -522,7 +524,11 @@ impl ContainerBackend {
     /// shim records its exit, and the next observation sees it.
     pub fn kill(&self, id: &str, signal: i32) -> Result<(), ContainerError> {
         let handle = self.get(id)?;
-        match handle.record.runtime.run(&["kill", handle.record.runtime_id(), &signal.to_string()]) {
+        match handle
+            .record
+            .runtime
+            .run(&["kill", handle.record.runtime_id(), &signal.to_string()])
+        {
             Ok(_) => Ok(()),
             Err(e) if e.to_string().contains("No such process") || e.to_string().contains("not running") => Ok(()),
             Err(e) => Err(e),
@@ -591,16 +597,12 @@ impl ContainerBackend {
         }
         if let Err(e) = rt.run(&["delete", "--force", rid]) {
             let msg = e.to_string();
-            if !(msg.contains("does not exist")
-                || msg.contains("not exist")
-                || msg.contains("not found"))
-            {
+            if !(msg.contains("does not exist") || msg.contains("not exist") || msg.contains("not found")) {
                 return Err(e);
             }
         }
         disk::Storage::in_dir(&handle.dir).teardown()?;
-        fs::remove_dir_all(&handle.dir)
-            .map_err(|e| ContainerError::io(format!("removing {}", handle.dir.display()), e))
+        fs::remove_dir_all(&handle.dir).map_err(|e| ContainerError::io(format!("removing {}", handle.dir.display()), e))
     }
 
     /// The last `max_bytes` of PID 1's output (across the rotated file and the current one).
@@ -621,9 +623,7 @@ impl ContainerBackend {
 fn validate_id(id: &str) -> Result<(), ContainerError> {
     if id.is_empty()
         || id.len() > 63
-        || !id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         || id.starts_with('-')
     {
         return Err(ContainerError::Invalid(format!(
@@ -643,14 +643,10 @@ fn validate(spec: &SandboxSpec) -> Result<(), ContainerError> {
         return Err(ContainerError::Invalid("cpu below 10 millicores".into()));
     }
     if l.pids < 1 {
-        return Err(ContainerError::Invalid(
-            "pids limit must be at least 1".into(),
-        ));
+        return Err(ContainerError::Invalid("pids limit must be at least 1".into()));
     }
     if l.io_weight.is_some_and(|w| !(10..=1000).contains(&w)) {
-        return Err(ContainerError::Invalid(
-            "io weight must be within 10..=1000".into(),
-        ));
+        return Err(ContainerError::Invalid("io weight must be within 10..=1000".into()));
     }
     if l.disk_bytes < (16 << 20) {
         return Err(ContainerError::Invalid("disk below 16 MiB".into()));
@@ -676,9 +672,7 @@ fn validate(spec: &SandboxSpec) -> Result<(), ContainerError> {
                 bind.host_path.display()
             )));
         }
-        if !bind.container_path.starts_with('/')
-            || bind.container_path.split('/').any(|c| c == "..")
-        {
+        if !bind.container_path.starts_with('/') || bind.container_path.split('/').any(|c| c == "..") {
             return Err(ContainerError::Invalid(format!(
                 "bind target {:?} must be absolute, without '..'",
                 bind.container_path
@@ -688,22 +682,16 @@ fn validate(spec: &SandboxSpec) -> Result<(), ContainerError> {
     for &fd in &spec.extra_fds {
         // SAFETY: F_GETFD only queries the descriptor.
         if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-            return Err(ContainerError::Invalid(format!(
-                "extra fd {fd} is not open"
-            )));
+            return Err(ContainerError::Invalid(format!("extra fd {fd} is not open")));
         }
     }
     Ok(())
 }
 
-pub(crate) fn write_json_atomic<T: Serialize>(
-    path: &Path,
-    value: &T,
-) -> Result<(), ContainerError> {
+pub(crate) fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), ContainerError> {
     let tmp = path.with_extension("json.tmp");
     let json = serde_json::to_vec_pretty(value).expect("serialisable");
-    fs::write(&tmp, json)
-        .map_err(|e| ContainerError::io(format!("writing {}", tmp.display()), e))?;
+    fs::write(&tmp, json).map_err(|e| ContainerError::io(format!("writing {}", tmp.display()), e))?;
     fs::rename(&tmp, path).map_err(|e| ContainerError::io(format!("writing {}", path.display()), e))
 }
 

@@ -6,11 +6,10 @@ use std::collections::{HashMap, HashSet};
 
 use oci_spec::runtime::{
     Arch, Capability, LinuxBlockIoBuilder, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder,
-    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder,
-    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccompAction,
-    LinuxSeccompArgBuilder, LinuxSeccompBuilder, LinuxSeccompOperator, LinuxSyscall,
-    LinuxSyscallBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder,
-    RootBuilder, Spec, SpecBuilder, UserBuilder,
+    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType,
+    LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompArgBuilder, LinuxSeccompBuilder,
+    LinuxSeccompOperator, LinuxSyscall, LinuxSyscallBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType,
+    ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
 use super::{ContainerError, SandboxSpec};
@@ -120,11 +119,7 @@ fn invalid(e: impl std::fmt::Display) -> ContainerError {
     ContainerError::Invalid(format!("building the OCI spec: {e}"))
 }
 
-pub fn build_spec(
-    spec: &SandboxSpec,
-    cgroups_path: &str,
-    host: HostSupport,
-) -> Result<Spec, ContainerError> {
+pub fn build_spec(spec: &SandboxSpec, cgroups_path: &str, host: HostSupport) -> Result<Spec, ContainerError> {
     let caps: HashSet<Capability> = CAPABILITIES.iter().copied().collect();
     let capabilities = LinuxCapabilitiesBuilder::default()
         .bounding(caps.clone())
@@ -135,11 +130,7 @@ pub fn build_spec(
         .build()
         .map_err(invalid)?;
     let (uid, gid) = spec.process.user;
-    let user = UserBuilder::default()
-        .uid(uid)
-        .gid(gid)
-        .build()
-        .map_err(invalid)?;
+    let user = UserBuilder::default().uid(uid).gid(gid).build().map_err(invalid)?;
     let nofile = nofile_limit();
     let process = ProcessBuilder::default()
         .terminal(false)
@@ -170,12 +161,7 @@ pub fn build_spec(
         LinuxNamespaceType::Network,
     ]
     .into_iter()
-    .map(|typ| {
-        LinuxNamespaceBuilder::default()
-            .typ(typ)
-            .build()
-            .map_err(invalid)
-    })
+    .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build().map_err(invalid))
     .collect::<Result<Vec<_>, _>>()?;
 
     let limits = &spec.limits;
@@ -202,12 +188,7 @@ pub fn build_spec(
         )
         .devices(device_rules()?);
     if let (Some(weight), true) = (limits.io_weight, host.io_weight) {
-        resources = resources.block_io(
-            LinuxBlockIoBuilder::default()
-                .weight(weight)
-                .build()
-                .map_err(invalid)?,
-        );
+        resources = resources.block_io(LinuxBlockIoBuilder::default().weight(weight).build().map_err(invalid)?);
     }
 
     let linux = LinuxBuilder::default()
@@ -215,18 +196,8 @@ pub fn build_spec(
         .cgroups_path(cgroups_path)
         .resources(resources.build().map_err(invalid)?)
         .seccomp(seccomp()?)
-        .masked_paths(
-            MASKED_PATHS
-                .iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>(),
-        )
-        .readonly_paths(
-            READONLY_PATHS
-                .iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>(),
-        )
+        .masked_paths(MASKED_PATHS.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .readonly_paths(READONLY_PATHS.iter().map(|s| s.to_string()).collect::<Vec<_>>())
         .rootfs_propagation("private")
         .devices(vec![])
         .build()
@@ -239,12 +210,7 @@ pub fn build_spec(
                 .destination(&bind.container_path)
                 .typ("bind")
                 .source(&bind.host_path)
-                .options(vec![
-                    "rbind".into(),
-                    "ro".into(),
-                    "nosuid".into(),
-                    "nodev".into(),
-                ])
+                .options(vec!["rbind".into(), "ro".into(), "nosuid".into(), "nodev".into()])
                 .build()
                 .map_err(invalid)?,
         );
@@ -311,14 +277,7 @@ fn default_mounts() -> Result<Vec<Mount>, ContainerError> {
             "/dev/pts",
             "devpts",
             "devpts",
-            &[
-                "nosuid",
-                "noexec",
-                "newinstance",
-                "ptmxmode=0666",
-                "mode=0620",
-                "gid=5",
-            ],
+            &["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
         )?,
         mount(
             "/dev/shm",
@@ -326,18 +285,8 @@ fn default_mounts() -> Result<Vec<Mount>, ContainerError> {
             "shm",
             &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
         )?,
-        mount(
-            "/dev/mqueue",
-            "mqueue",
-            "mqueue",
-            &["nosuid", "noexec", "nodev"],
-        )?,
-        mount(
-            "/sys",
-            "sysfs",
-            "sysfs",
-            &["nosuid", "noexec", "nodev", "ro"],
-        )?,
+        mount("/dev/mqueue", "mqueue", "mqueue", &["nosuid", "noexec", "nodev"])?,
+        mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
         mount(
             "/sys/fs/cgroup",
             "cgroup",
@@ -387,12 +336,7 @@ fn device_rules() -> Result<Vec<oci_spec::runtime::LinuxDeviceCgroup>, Container
 fn seccomp() -> Result<oci_spec::runtime::LinuxSeccomp, ContainerError> {
     let mut syscalls: Vec<LinuxSyscall> = vec![
         LinuxSyscallBuilder::default()
-            .names(
-                DENIED_SYSCALLS
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect::<Vec<_>>(),
-            )
+            .names(DENIED_SYSCALLS.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .action(LinuxSeccompAction::ScmpActErrno)
             .errno_ret(libc::EPERM as u32)
             .build()
@@ -429,11 +373,7 @@ fn seccomp() -> Result<oci_spec::runtime::LinuxSeccomp, ContainerError> {
     }
     LinuxSeccompBuilder::default()
         .default_action(LinuxSeccompAction::ScmpActAllow)
-        .architectures(vec![
-            Arch::ScmpArchX86_64,
-            Arch::ScmpArchX86,
-            Arch::ScmpArchX32,
-        ])
+        .architectures(vec![Arch::ScmpArchX86_64, Arch::ScmpArchX86, Arch::ScmpArchX32])
         .syscalls(syscalls)
         .build()
         .map_err(invalid)

@@ -86,8 +86,7 @@ impl Runtime {
                 (None, None) => return Err(missing("crun or runc")),
             },
         };
-        fs::create_dir_all(&rt.root)
-            .map_err(|e| ContainerError::io(format!("creating {}", rt.root.display()), e))?;
+        fs::create_dir_all(&rt.root).map_err(|e| ContainerError::io(format!("creating {}", rt.root.display()), e))?;
         Ok(rt)
     }
 

@@ -22,9 +22,7 @@ use std::time::Duration;
 
 use crate::status_pipe::{exit_of, pidfd_open, report};
 
-use super::{
-    ContainerError, ExitInfo, SandboxRecord, cgroup, dup_above, read_pid, write_json_atomic,
-};
+use super::{ContainerError, ExitInfo, SandboxRecord, cgroup, dup_above, read_pid, write_json_atomic};
 
 const STATUS_TIMEOUT_MS: i32 = 60_000;
 /// How long `<runtime> create|run` may take before the shim ends it: shorter than the
@@ -44,10 +42,7 @@ pub(crate) fn spawn(
 ) -> Result<(), ContainerError> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
-    let shim_err = |message: String| ContainerError::Shim {
-        id: id.into(),
-        message,
-    };
+    let shim_err = |message: String| ContainerError::Shim { id: id.into(), message };
 
     // Everything the child needs is prepared before fork: after fork in a threaded
     // process only async-signal-safe calls are allowed.
@@ -62,23 +57,23 @@ pub(crate) fn spawn(
         .write(true)
         .open("/dev/null")
         .map_err(|e| ContainerError::io("/dev/null", e))?;
-    let devnull =
-        dup_above(devnull_low.as_raw_fd(), min).map_err(|e| ContainerError::io("dup", e))?;
-    let (status_r, status_w_low) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| ContainerError::io("pipe", e.into()))?;
-    let status_w =
-        dup_above(status_w_low.as_raw_fd(), min).map_err(|e| ContainerError::io("dup", e))?;
+    let devnull = dup_above(devnull_low.as_raw_fd(), min).map_err(|e| ContainerError::io("dup", e))?;
+    let (status_r, status_w_low) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ContainerError::io("pipe", e.into()))?;
+    let status_w = dup_above(status_w_low.as_raw_fd(), min).map_err(|e| ContainerError::io("dup", e))?;
     drop(devnull_low);
     // Only the shim may hold the write end, or the read below never sees EOF.
     drop(status_w_low);
-    let prog = CString::new(shim.as_os_str().as_bytes())
-        .map_err(|_| shim_err("shim path has a NUL".into()))?;
-    let arg_dir =
-        CString::new(dir.as_os_str().as_bytes()).map_err(|_| shim_err("dir has a NUL".into()))?;
+    let prog = CString::new(shim.as_os_str().as_bytes()).map_err(|_| shim_err("shim path has a NUL".into()))?;
+    let arg_dir = CString::new(dir.as_os_str().as_bytes()).map_err(|_| shim_err("dir has a NUL".into()))?;
     let argv = [
         prog.as_ptr(),
         arg_dir.as_ptr(),
-        if create_only { CREATE_ONLY.as_ptr() } else { std::ptr::null() },
+        if create_only {
+            CREATE_ONLY.as_ptr()
+        } else {
+            std::ptr::null()
+        },
         std::ptr::null(),
     ];
     let envp = [
@@ -188,15 +183,12 @@ pub fn main(dir: &Path, create_only: bool) -> ! {
 }
 
 fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerError> {
-    let bytes = fs::read(dir.join("sandbox.json"))
-        .map_err(|e| ContainerError::io("reading sandbox.json", e))?;
-    let record: SandboxRecord = serde_json::from_slice(&bytes)
-        .map_err(|e| ContainerError::Invalid(format!("sandbox.json: {e}")))?;
-    let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| ContainerError::io("pipe", e.into()))?;
-    let out_w2 = out_w
-        .try_clone()
-        .map_err(|e| ContainerError::io("dup", e))?;
+    let bytes = fs::read(dir.join("sandbox.json")).map_err(|e| ContainerError::io("reading sandbox.json", e))?;
+    let record: SandboxRecord =
+        serde_json::from_slice(&bytes).map_err(|e| ContainerError::Invalid(format!("sandbox.json: {e}")))?;
+    let (out_r, out_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| ContainerError::io("pipe", e.into()))?;
+    let out_w2 = out_w.try_clone().map_err(|e| ContainerError::io("dup", e))?;
     let preserve = record.extra_fds.to_string();
     use std::ffi::OsStr;
     // The runtime gets absolute paths: they are resolved before any rename can happen
@@ -224,9 +216,9 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
         .stdout(Stdio::from(out_w))
         .stderr(Stdio::from(out_w2))
         .current_dir(bundle);
-    let mut child = cmd.spawn().map_err(|e| {
-        ContainerError::io(format!("running {}", record.runtime.binary.display()), e)
-    })?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| ContainerError::io(format!("running {}", record.runtime.binary.display()), e))?;
     // The command owns our copies of the pipe's write end: drop it, so that EOF on
     // `out_r` means every process of the container has closed its output.
     drop(cmd);
@@ -260,9 +252,7 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
             message.push_str(String::from_utf8_lossy(&early).trim());
         }
         if message.contains("hybrid mode") {
-            message.push_str(
-                " (crun needs the hybrid-cgroup workaround: see Runtime::unmount_unified)",
-            );
+            message.push_str(" (crun needs the hybrid-cgroup workaround: see Runtime::unmount_unified)");
         }
         return Err(ContainerError::Runtime {
             runtime: record.runtime.name(),
@@ -308,7 +298,11 @@ fn wait_within(child: &mut std::process::Child, limit: Duration) -> Option<std::
         let deadline = std::time::Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let mut pfd = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut pfd = libc::pollfd {
+                fd: pidfd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // Rounded up: poll's milliseconds never end the wait before the limit.
             let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
             // SAFETY: polling one fd we own.
@@ -434,7 +428,10 @@ mod tests {
         let mut hung = Command::new("sleep").arg("30").spawn().unwrap();
         assert!(wait_within(&mut hung, Duration::from_millis(200)).is_none());
         let waited = t.elapsed();
-        assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(5), "{waited:?}");
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
         assert!(hung.try_wait().unwrap().is_none(), "still running");
         hung.kill().unwrap();
         hung.wait().unwrap();

@@ -19,7 +19,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::{ContainerBackend, ContainerError, Handle, Limits, SandboxSpec, cgroup, disk, read_pid, validate, validate_id, write_json_atomic};
+use super::{
+    ContainerBackend, ContainerError, Handle, Limits, SandboxSpec, cgroup, disk, read_pid, validate, validate_id,
+    write_json_atomic,
+};
 
 /// Runtime ids of warm containers start with this (their directories with a dot before it).
 pub const WARM_ID_PREFIX: &str = "warmc-";
@@ -92,7 +95,8 @@ impl ContainerBackend {
         record.created_unix_ms = super::now_unix_ms();
         let started = (|| {
             write_json_atomic(&dir.join("sandbox.json"), &record)?;
-            if made_with.memory_bytes != record.limits.memory_bytes || made_with.cpu_millis != record.limits.cpu_millis {
+            if made_with.memory_bytes != record.limits.memory_bytes || made_with.cpu_millis != record.limits.cpu_millis
+            {
                 let period = super::oci::CPU_PERIOD_US;
                 cgroup::set_memory_cpu(
                     &record.cgroups_path,
@@ -107,7 +111,11 @@ impl ContainerBackend {
                 .ok_or_else(|| ContainerError::Storage(format!("{} has no init.pid", dir.display())))?;
             set_hostname(pid, claim.id)?;
             record.runtime.run(&["start", warm_id])?;
-            Ok(Handle { id: claim.id.to_string(), dir: dir.clone(), record: record.clone() })
+            Ok(Handle {
+                id: claim.id.to_string(),
+                dir: dir.clone(),
+                record: record.clone(),
+            })
         })();
         if started.is_err() {
             let _ = self.delete(claim.id);
@@ -137,7 +145,11 @@ impl ContainerBackend {
     /// when called before this edge makes its own).
     pub fn unstarted(&self) -> Vec<String> {
         let mut out = Vec::new();
-        for entry in std::fs::read_dir(&self.config.sandboxes_root).into_iter().flatten().flatten() {
+        for entry in std::fs::read_dir(&self.config.sandboxes_root)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let name = entry.file_name().to_string_lossy().into_owned();
             if let Some(id) = name.strip_prefix('.')
                 && id.starts_with(WARM_ID_PREFIX)
@@ -189,7 +201,11 @@ struct Inner {
 
 impl WarmPool {
     pub fn new(per_key: usize, max_keys: usize) -> Self {
-        Self { per_key, max_keys, inner: Mutex::new(Inner::default()) }
+        Self {
+            per_key,
+            max_keys,
+            inner: Mutex::new(Inner::default()),
+        }
     }
 
     pub fn enabled(&self) -> bool {
@@ -221,7 +237,12 @@ impl WarmPool {
     fn touch(&self, g: &mut Inner, key: &str) {
         g.wanted.insert(key.to_string(), Instant::now());
         while g.wanted.len() > self.max_keys {
-            let oldest = g.wanted.iter().min_by_key(|(_, t)| **t).map(|(k, _)| k.clone()).expect("not empty");
+            let oldest = g
+                .wanted
+                .iter()
+                .min_by_key(|(_, t)| **t)
+                .map(|(k, _)| k.clone())
+                .expect("not empty");
             g.wanted.remove(&oldest);
             let dropped = g.ready.remove(&oldest).unwrap_or_default();
             g.evicted.extend(dropped);
@@ -274,7 +295,12 @@ impl WarmPool {
 
     /// How many warm containers are ready for `key`.
     pub fn ready(&self, key: &str) -> usize {
-        self.inner.lock().expect("warm pool lock").ready.get(key).map_or(0, Vec::len)
+        self.inner
+            .lock()
+            .expect("warm pool lock")
+            .ready
+            .get(key)
+            .map_or(0, Vec::len)
     }
 
     /// Closes the pool and returns every ready warm container, for discarding.
@@ -295,7 +321,11 @@ mod tests {
     fn a_pool_hands_out_what_was_added_for_a_key_and_asks_for_the_most_recent_key_first() {
         let pool = WarmPool::new(2, 2);
         assert_eq!(pool.take("base"), None, "nothing is ready at first");
-        assert_eq!(pool.next_job().as_deref(), Some("base"), "a key that was asked for is wanted");
+        assert_eq!(
+            pool.next_job().as_deref(),
+            Some("base"),
+            "a key that was asked for is wanted"
+        );
         assert!(pool.add("base", "warmc-1".into()));
         assert!(pool.add("base", "warmc-2".into()));
         assert_eq!(pool.next_job(), None, "full at two per key");
@@ -333,7 +363,11 @@ mod tests {
         assert!(pool.add("a", "warmc-a".into()));
         std::thread::sleep(std::time::Duration::from_millis(2));
         assert_eq!(pool.take("b"), None, "b has none ready; a is dropped for it");
-        assert_eq!(pool.want("b"), vec!["warmc-a".to_string()], "so that it is discarded, not lost");
+        assert_eq!(
+            pool.want("b"),
+            vec!["warmc-a".to_string()],
+            "so that it is discarded, not lost"
+        );
         assert!(pool.close().is_empty());
     }
 

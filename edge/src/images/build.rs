@@ -37,8 +37,7 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
 /// the image can be built anywhere, and hashed into the layer id.
-pub(super) const CODE_INTERPRETER_SERVER: &[u8] =
-    include_bytes!("../../images/code-interpreter/server.py");
+pub(super) const CODE_INTERPRETER_SERVER: &[u8] = include_bytes!("../../images/code-interpreter/server.py");
 
 /// Where the server lives in the image.
 pub const CODE_INTERPRETER_SERVER_PATH: &str = "/opt/opendsec/code-interpreter/server.py";
@@ -303,9 +302,7 @@ fn run_tool(
             tail.remove(0);
         }
     }
-    let status = child
-        .wait()
-        .map_err(io_err(format!("waiting for {program}")))?;
+    let status = child.wait().map_err(io_err(format!("waiting for {program}")))?;
     let err_lines = stderr_reader.join().unwrap_or_default();
     if status.success() {
         return Ok(());
@@ -322,11 +319,7 @@ fn run_tool(
     Err(fail(
         image,
         phase,
-        format!(
-            "{program} {} failed ({status}): {}",
-            args.join(" "),
-            tail.join(" | ")
-        ),
+        format!("{program} {} failed ({status}): {}", args.join(" "), tail.join(" | ")),
     ))
 }
 
@@ -334,15 +327,13 @@ fn mkdirs(dir: &Path, paths: &[(&str, u32)]) -> Result<(), ImageError> {
     for (path, mode) in paths {
         let p = dir.join(path);
         fs::create_dir_all(&p).map_err(io_err(format!("creating {}", p.display())))?;
-        fs::set_permissions(&p, fs::Permissions::from_mode(*mode))
-            .map_err(io_err(format!("chmod {}", p.display())))?;
+        fs::set_permissions(&p, fs::Permissions::from_mode(*mode)).map_err(io_err(format!("chmod {}", p.display())))?;
     }
     Ok(())
 }
 
 fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), ImageError> {
-    std::os::unix::fs::chown(path, Some(uid), Some(gid))
-        .map_err(io_err(format!("chown {}", path.display())))
+    std::os::unix::fs::chown(path, Some(uid), Some(gid)).map_err(io_err(format!("chown {}", path.display())))
 }
 
 fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), ImageError> {
@@ -361,21 +352,11 @@ fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Im
             &work,
             "apt-get",
             // As root apt wants to drop to the `_apt` user, which cannot write here.
-            &[
-                "-q",
-                "-o",
-                "APT::Sandbox::User=root",
-                "download",
-                "busybox-static",
-            ],
+            &["-q", "-o", "APT::Sandbox::User=root", "download", "busybox-static"],
             progress,
         )
         .map_err(|e| match e {
-            ImageError::Build {
-                image,
-                phase,
-                message,
-            } => ImageError::Build {
+            ImageError::Build { image, phase, message } => ImageError::Build {
                 image,
                 phase,
                 message: format!("{message} (has `apt-get update` run?)"),
@@ -387,13 +368,7 @@ fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Im
             .filter_map(Result::ok)
             .map(|e| e.path())
             .find(|p| p.extension().is_some_and(|x| x == "deb"))
-            .ok_or_else(|| {
-                fail(
-                    IMAGE,
-                    BuildPhase::Download,
-                    "apt-get download produced no .deb",
-                )
-            })?;
+            .ok_or_else(|| fail(IMAGE, BuildPhase::Download, "apt-get download produced no .deb"))?;
         progress(&BuildProgress::new(
             BuildPhase::Extract,
             format!("dpkg-deb -x {}", deb.display()),
@@ -413,11 +388,7 @@ fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Im
         )?;
         let binary = extracted.join("bin/busybox");
         if !binary.is_file() {
-            return Err(fail(
-                IMAGE,
-                BuildPhase::Extract,
-                "the package has no bin/busybox",
-            ));
+            return Err(fail(IMAGE, BuildPhase::Extract, "the package has no bin/busybox"));
         }
 
         progress(&BuildProgress::new(
@@ -453,11 +424,7 @@ fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Im
             .output()
             .map_err(io_err("running busybox --list-full"))?;
         if !out.status.success() {
-            return Err(fail(
-                IMAGE,
-                BuildPhase::Configure,
-                "busybox --list-full failed",
-            ));
+            return Err(fail(IMAGE, BuildPhase::Configure, "busybox --list-full failed"));
         }
         for applet in String::from_utf8_lossy(&out.stdout).lines() {
             let applet = applet.trim().trim_start_matches('/');
@@ -474,8 +441,7 @@ fn build_busybox(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), Im
         }
         write_accounts(dir, "/bin/sh")?;
         chown(&dir.join("home/user"), 1000, 1000)?;
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
-            .map_err(io_err("chmod layer"))?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err("chmod layer"))?;
         Ok(())
     })();
     let _ = super::remove_tree(&work);
@@ -490,14 +456,8 @@ fn write_accounts(dir: &Path, shell: &str) -> Result<(), ImageError> {
                 "root:x:0:0:root:/root:{shell}\nuser:x:1000:1000:user:/home/user:{shell}\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
             ),
         ),
-        (
-            "etc/group",
-            "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n".to_string(),
-        ),
-        (
-            "etc/hosts",
-            "127.0.0.1 localhost\n::1 localhost\n".to_string(),
-        ),
+        ("etc/group", "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n".to_string()),
+        ("etc/hosts", "127.0.0.1 localhost\n::1 localhost\n".to_string()),
     ];
     for (path, content) in files {
         fs::write(dir.join(path), content).map_err(io_err(format!("writing {path}")))?;
@@ -575,10 +535,7 @@ fn drop_apt_caches(root: &Path) {
             }
         }
     }
-    for bin in [
-        "var/cache/apt/pkgcache.bin",
-        "var/cache/apt/srcpkgcache.bin",
-    ] {
+    for bin in ["var/cache/apt/pkgcache.bin", "var/cache/apt/srcpkgcache.bin"] {
         let _ = fs::remove_file(root.join(bin));
     }
 }
@@ -600,10 +557,7 @@ fn build_code_interpreter(
     let _ = super::remove_tree(&scratch);
     progress(&BuildProgress::new(
         BuildPhase::Configure,
-        format!(
-            "overlay of {} lower layer(s) in a private mount namespace",
-            lower.len()
-        ),
+        format!("overlay of {} lower layer(s) in a private mount namespace", lower.len()),
     ));
     build_root::with_build_root(lower, dir, &scratch, progress, |root, progress| {
         let root_arg = root.to_str().expect("utf-8 path");

@@ -48,9 +48,7 @@ where
         for p in rx {
             progress(&p);
         }
-        builder
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        builder.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     });
     let _ = super::remove_tree(scratch);
     result
@@ -76,8 +74,7 @@ impl Mounts {
         flags: MsFlags,
         data: Option<&str>,
     ) -> Result<(), ImageError> {
-        mount(source, target, fstype, flags, data)
-            .map_err(mount_err(format!("mounting {}", target.display())))?;
+        mount(source, target, fstype, flags, data).map_err(mount_err(format!("mounting {}", target.display())))?;
         self.0.push(target.to_path_buf());
         Ok(())
     }
@@ -103,12 +100,7 @@ impl Drop for Mounts {
     }
 }
 
-fn in_private_namespace<T, F>(
-    lower: &[PathBuf],
-    upper: &Path,
-    scratch: &Path,
-    build: F,
-) -> Result<T, ImageError>
+fn in_private_namespace<T, F>(lower: &[PathBuf], upper: &Path, scratch: &Path, build: F) -> Result<T, ImageError>
 where
     F: FnOnce(&Path) -> Result<T, ImageError>,
 {
@@ -202,8 +194,7 @@ where
     }
     let shm = dev.join("shm");
     fs::create_dir(&shm).map_err(io_err("creating /dev/shm"))?;
-    fs::set_permissions(&shm, fs::Permissions::from_mode(0o1777))
-        .map_err(io_err("chmod /dev/shm"))?;
+    fs::set_permissions(&shm, fs::Permissions::from_mode(0o1777)).map_err(io_err("chmod /dev/shm"))?;
 
     // The host's resolver for apt, bound over the image's file so the layer keeps its own.
     let resolv = root.join("etc/resolv.conf");
@@ -264,9 +255,7 @@ mod tests {
     }
 
     fn mounted_anywhere(path: &Path, table: &str) -> bool {
-        fs::read_to_string(table)
-            .unwrap()
-            .contains(path.to_str().unwrap())
+        fs::read_to_string(table).unwrap().contains(path.to_str().unwrap())
     }
 
     fn require_root() {
@@ -290,10 +279,7 @@ mod tests {
                 assert!(root.join("proc/self/status").is_file());
                 let null = fs::metadata(root.join("dev/null")).unwrap();
                 assert!(null.file_type().is_char_device());
-                assert!(
-                    fs::write(root.join("sys/kernel/x"), "").is_err(),
-                    "sys is writable"
-                );
+                assert!(fs::write(root.join("sys/kernel/x"), "").is_err(), "sys is writable");
                 assert_eq!(
                     fs::read(root.join("etc/resolv.conf")).unwrap(),
                     fs::read("/etc/resolv.conf").unwrap()
@@ -306,11 +292,7 @@ mod tests {
             assert!(!scratch.exists(), "scratch left behind");
             let mut left: Vec<String> = walk(&upper);
             left.sort();
-            assert_eq!(
-                left,
-                ["etc", "etc/built"],
-                "with resolv.conf: {with_resolv}"
-            );
+            assert_eq!(left, ["etc", "etc/built"], "with resolv.conf: {with_resolv}");
         }
     }
 
@@ -321,10 +303,7 @@ mod tests {
             out.push(path.file_name().unwrap().to_string_lossy().into_owned());
             if path.is_dir() {
                 for sub in walk(&path) {
-                    out.push(format!(
-                        "{}/{sub}",
-                        path.file_name().unwrap().to_string_lossy()
-                    ));
+                    out.push(format!("{}/{sub}", path.file_name().unwrap().to_string_lossy()));
                 }
             }
         }
@@ -343,9 +322,7 @@ mod tests {
             &upper,
             &scratch,
             &|_| {},
-            |_, _| -> Result<(), ImageError> {
-                Err(ImageError::NotFound("the build's own error".into()))
-            },
+            |_, _| -> Result<(), ImageError> { Err(ImageError::NotFound("the build's own error".into())) },
         );
         assert!(
             matches!(&failed, Err(ImageError::NotFound(m)) if m == "the build's own error"),

@@ -108,10 +108,7 @@ pub enum ImageError {
     #[error("{context}: {source}")]
     Io { context: String, source: io::Error },
     #[error("corrupt image record {path}: {source}")]
-    Corrupt {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    Corrupt { path: PathBuf, source: serde_json::Error },
 }
 
 pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> ImageError {
@@ -181,8 +178,7 @@ impl ImageStore {
             }
             Err(e) => return Err(io_err(format!("reading {}", path.display()))(e)),
         };
-        let image: Image = serde_json::from_slice(&bytes)
-            .map_err(|source| ImageError::Corrupt { path, source })?;
+        let image: Image = serde_json::from_slice(&bytes).map_err(|source| ImageError::Corrupt { path, source })?;
         self.layer_dirs(&image)?;
         Ok(image)
     }
@@ -212,11 +208,7 @@ impl ImageStore {
     /// rebuilt). Concurrent callers (threads or processes) build it once: the others
     /// wait on the lock file and then find it stored. An image with a parent builds
     /// the parent first.
-    pub fn ensure(
-        &self,
-        name: &str,
-        progress: &dyn Fn(&BuildProgress),
-    ) -> Result<Image, ImageError> {
+    pub fn ensure(&self, name: &str, progress: &dyn Fn(&BuildProgress)) -> Result<Image, ImageError> {
         let name = canonical_name(name);
         validate_name(name)?;
         let Some(recipe) = build::recipe(name) else {
@@ -265,10 +257,7 @@ impl ImageStore {
         if let Ok(image) = self.get(name)
             && image == wanted
         {
-            progress(&BuildProgress::new(
-                BuildPhase::Done,
-                "built by another process",
-            ));
+            progress(&BuildProgress::new(BuildPhase::Done, "built by another process"));
             return Ok(image);
         }
         let layer_id = wanted.layers.last().expect("an image has a layer");
@@ -276,13 +265,9 @@ impl ImageStore {
             // Under the lock nobody else builds this layer: scratch of a build that
             // was killed is stale.
             self.remove_stale_scratch(layer_id);
-            let tmp = self
-                .root
-                .join("tmp")
-                .join(format!("{layer_id}.{}", std::process::id()));
+            let tmp = self.root.join("tmp").join(format!("{layer_id}.{}", std::process::id()));
             let result = build::build_layer(&recipe, &lower, &tmp, progress).and_then(|()| {
-                fs::rename(&tmp, self.layer_path(layer_id))
-                    .map_err(io_err(format!("publishing layer {layer_id}")))
+                fs::rename(&tmp, self.layer_path(layer_id)).map_err(io_err(format!("publishing layer {layer_id}")))
             });
             if let Err(e) = result {
                 let _ = remove_tree(&tmp);
@@ -290,10 +275,7 @@ impl ImageStore {
             }
         }
         self.put(&wanted)?;
-        progress(&BuildProgress::new(
-            BuildPhase::Done,
-            format!("image {name} ready"),
-        ));
+        progress(&BuildProgress::new(BuildPhase::Done, format!("image {name} ready")));
         Ok(wanted)
     }
 
@@ -392,10 +374,7 @@ mod tests {
         // Layers already built on edges keep their names (the ids before recipes had
         // files and parents).
         assert_eq!(build::layer_ids("base").unwrap(), ["base-2e93d6b548f8b8b0"]);
-        assert_eq!(
-            build::layer_ids("busybox").unwrap(),
-            ["busybox-ae34b4981a7c75f2"]
-        );
+        assert_eq!(build::layer_ids("busybox").unwrap(), ["busybox-ae34b4981a7c75f2"]);
     }
 
     #[test]
@@ -446,10 +425,7 @@ mod tests {
             store.get("code-interpreter"),
             Err(ImageError::NotFound(n)) if n == "code-interpreter-v1"
         ));
-        assert!(matches!(
-            store.get("other:v2"),
-            Err(ImageError::InvalidName(_))
-        ));
+        assert!(matches!(store.get("other:v2"), Err(ImageError::InvalidName(_))));
     }
 
     #[test]

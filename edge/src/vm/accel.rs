@@ -60,11 +60,7 @@ const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
 /// Decides between KVM and TCG for guests of `boot`, booting a probe guest under KVM
 /// when `/dev/kvm` answers. `bound` is how long the probe may take (hardware KVM needs
 /// well under a second for this kernel; TCG needs several).
-pub fn detect_accel(
-    qemu: &Path,
-    boot: &GuestBoot,
-    bound: Duration,
-) -> Result<AccelVerdict, VmError> {
+pub fn detect_accel(qemu: &Path, boot: &GuestBoot, bound: Duration) -> Result<AccelVerdict, VmError> {
     let tcg = |reason: String| AccelVerdict {
         accel: Accel::Tcg,
         reason,
@@ -149,9 +145,7 @@ pub fn detect_accel(
         if at <= deadline {
             return Ok(AccelVerdict {
                 accel: Accel::Kvm,
-                reason: format!(
-                    "KVM usable: a probe guest reached user space in {ms} ms under -accel kvm{flavour}"
-                ),
+                reason: format!("KVM usable: a probe guest reached user space in {ms} ms under -accel kvm{flavour}"),
                 probe_ms: Some(ms),
             });
         }

@@ -79,11 +79,7 @@ impl AgentChannel {
     }
 
     /// Polls `/health` until it answers 2xx; returns how long that took.
-    pub fn wait_ready(
-        &self,
-        timeout: Duration,
-        alive: &dyn Fn() -> bool,
-    ) -> Result<Duration, VmError> {
+    pub fn wait_ready(&self, timeout: Duration, alive: &dyn Fn() -> bool) -> Result<Duration, VmError> {
         let start = Instant::now();
         let mut last = String::from("no answer yet");
         while start.elapsed() < timeout {
@@ -112,13 +108,7 @@ impl AgentChannel {
     }
 
     /// Like [`exec`](Self::exec), as `user` (E2B's `Authorization: Basic <user>:`).
-    pub async fn exec_as(
-        &self,
-        token: &str,
-        user: &str,
-        cmd: &str,
-        args: &[&str],
-    ) -> Result<ExecOutput, VmError> {
+    pub async fn exec_as(&self, token: &str, user: &str, cmd: &str, args: &[&str]) -> Result<ExecOutput, VmError> {
         self.exec_inner(token, Some(user), cmd, args).await
     }
 
@@ -156,13 +146,8 @@ impl AgentChannel {
                 format!("Basic {}", base64_encode(format!("{user}:").as_bytes())),
             );
         }
-        let request = request
-            .body(Full::new(Bytes::from(body)))
-            .expect("a valid request");
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| agent_err(&e))?;
+        let request = request.body(Full::new(Bytes::from(body))).expect("a valid request");
+        let response = sender.send_request(request).await.map_err(|e| agent_err(&e))?;
         let status = response.status();
         let bytes = response
             .into_body()
@@ -194,8 +179,8 @@ pub(crate) fn parse_start_stream(mut bytes: &[u8]) -> Result<ExecOutput, VmError
             .get(5..5 + len)
             .ok_or_else(|| VmError::Agent("a truncated Connect envelope".into()))?;
         bytes = &bytes[5 + len..];
-        let message: Value = serde_json::from_slice(payload)
-            .map_err(|e| VmError::Agent(format!("a bad Connect message: {e}")))?;
+        let message: Value =
+            serde_json::from_slice(payload).map_err(|e| VmError::Agent(format!("a bad Connect message: {e}")))?;
         if flags & 0x02 != 0 {
             // End of stream: an error, or {} after a normal end.
             if let Some(err) = message.get("error") {
@@ -207,10 +192,7 @@ pub(crate) fn parse_start_stream(mut bytes: &[u8]) -> Result<ExecOutput, VmError
         if let Some(data) = event.get("data") {
             for (key, sink) in [("stdout", &mut out.stdout), ("stderr", &mut out.stderr)] {
                 if let Some(b64) = data.get(key).and_then(Value::as_str) {
-                    sink.extend(
-                        base64_decode(b64)
-                            .ok_or_else(|| VmError::Agent("bad base64 output".into()))?,
-                    );
+                    sink.extend(base64_decode(b64).ok_or_else(|| VmError::Agent("bad base64 output".into()))?);
                 }
             }
         } else if let Some(end) = event.get("end") {
@@ -220,9 +202,7 @@ pub(crate) fn parse_start_stream(mut bytes: &[u8]) -> Result<ExecOutput, VmError
         }
     }
     if !ended {
-        return Err(VmError::Agent(
-            "the process stream closed without an end event".into(),
-        ));
+        return Err(VmError::Agent("the process stream closed without an end event".into()));
     }
     Ok(out)
 }
@@ -232,11 +212,7 @@ pub(crate) fn base64_encode(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
         let n = u32::from_be_bytes([0, b[0], b[1], b[2]]);
         for i in 0..4 {
             if i <= chunk.len() {

@@ -90,16 +90,12 @@ pub fn ensure_boot_disk(
     progress: &dyn Fn(&str),
 ) -> Result<BootDiskManifest, VmError> {
     let extlinux = require_tool("extlinux", "extlinux")?;
-    let mbr = MBR_BIN
-        .iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            VmError::Prerequisite(
-                "syslinux's mbr.bin is missing: install the extlinux package (apt-get install extlinux syslinux-common)"
-                    .into(),
-            )
-        })?;
+    let mbr = MBR_BIN.iter().map(Path::new).find(|p| p.is_file()).ok_or_else(|| {
+        VmError::Prerequisite(
+            "syslinux's mbr.bin is missing: install the extlinux package (apt-get install extlinux syslinux-common)"
+                .into(),
+        )
+    })?;
     let mbr_code = fs::read(mbr).map_err(io_err(format!("reading {}", mbr.display())))?;
     if mbr_code.len() > 440 {
         return Err(build_err(format!(
@@ -140,12 +136,7 @@ pub fn ensure_boot_disk(
     if let Some(m) = cached() {
         return Ok(m);
     }
-    let _lock = lock_file(
-        &store
-            .root()
-            .join("locks")
-            .join(format!("bootdisk-{key}.lock")),
-    )?;
+    let _lock = lock_file(&store.root().join("locks").join(format!("bootdisk-{key}.lock")))?;
     if let Some(m) = cached() {
         return Ok(m);
     }
@@ -154,9 +145,7 @@ pub fn ensure_boot_disk(
     let mkfs = require_tool("mkfs.ext4", "e2fsprogs")?;
     let layers = store.layer_dirs(image)?;
     let root_uuid = uuid_from(&hash);
-    let mut cmdline = format!(
-        "root=UUID={root_uuid} rw console=ttyS0 panic=-1 quiet random.trust_cpu=on"
-    );
+    let mut cmdline = format!("root=UUID={root_uuid} rw console=ttyS0 panic=-1 quiet random.trust_cpu=on");
     if let Some(khz) = tsc_khz {
         cmdline.push_str(&format!(" tsc_early_khz={khz}"));
     }
@@ -271,7 +260,9 @@ pub(crate) fn create_overlay(base: &Path, dest: &Path, min_bytes: u64) -> Result
     let qemu_img = require_tool("qemu-img", "qemu-utils")?;
     let base_bytes = qcow2_virtual_size(base)?;
     let mut cmd = Command::new(&qemu_img);
-    cmd.args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"]).arg(base).arg(dest);
+    cmd.args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(base)
+        .arg(dest);
     if min_bytes > base_bytes {
         cmd.arg(min_bytes.div_ceil(1 << 20).to_string() + "M");
     }
@@ -330,19 +321,12 @@ fn install_boot_files(
     let (dev, dev_file) = crate::container::attach_loop(raw, offset, fs_bytes)
         .map_err(|e| build_err(format!("a loop device over the partition: {e}")))?;
     fs::create_dir_all(mnt).map_err(io_err(format!("creating {}", mnt.display())))?;
-    mount(
-        Some(&dev),
-        mnt,
-        Some("ext4"),
-        MsFlags::MS_NOATIME,
-        None::<&str>,
-    )
-    .map_err(|e| build_err(format!("mounting {} at {}: {e}", dev.display(), mnt.display())))?;
+    mount(Some(&dev), mnt, Some("ext4"), MsFlags::MS_NOATIME, None::<&str>)
+        .map_err(|e| build_err(format!("mounting {} at {}: {e}", dev.display(), mnt.display())))?;
     let installed = (|| {
         let boot = mnt.join("boot");
         let conf_dir = boot.join("extlinux");
-        fs::create_dir_all(&conf_dir)
-            .map_err(io_err(format!("creating {}", conf_dir.display())))?;
+        fs::create_dir_all(&conf_dir).map_err(io_err(format!("creating {}", conf_dir.display())))?;
         let release = &files.release;
         for (source, name, mode) in [
             (&files.vmlinuz, format!("vmlinuz-{release}"), 0o644),
@@ -353,15 +337,14 @@ fn install_boot_files(
             fs::set_permissions(&dest, fs::Permissions::from_mode(mode))
                 .map_err(io_err(format!("chmod {}", dest.display())))?;
         }
-        fs::write(conf_dir.join("extlinux.conf"), files.extlinux_conf())
-            .map_err(io_err("writing extlinux.conf"))?;
+        fs::write(conf_dir.join("extlinux.conf"), files.extlinux_conf()).map_err(io_err("writing extlinux.conf"))?;
         run(
             Command::new(extlinux).arg("--install").arg(&conf_dir),
             "extlinux --install",
         )
     })();
-    let unmounted = umount2(mnt, MntFlags::empty())
-        .map_err(|e| build_err(format!("unmounting {}: {e}", mnt.display())));
+    let unmounted =
+        umount2(mnt, MntFlags::empty()).map_err(|e| build_err(format!("unmounting {}: {e}", mnt.display())));
     drop(dev_file);
     installed?;
     unmounted?;
@@ -434,14 +417,7 @@ fn uuid_from(hex: &str) -> String {
     b[6] = (b[6] & 0x0F) | 0x40;
     b[8] = (b[8] & 0x3F) | 0x80;
     let h = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    format!("{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
 }
 
 fn extlinux_version(extlinux: &Path) -> Result<String, VmError> {
@@ -451,8 +427,7 @@ fn extlinux_version(extlinux: &Path) -> Result<String, VmError> {
         .stdin(Stdio::null())
         .output()
         .map_err(io_err("running extlinux --version"))?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned()
-        + &String::from_utf8_lossy(&out.stderr);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     text.lines()
         .map(str::trim)
         .find(|l| !l.is_empty())
@@ -506,9 +481,7 @@ fn walk(dir: &Path, f: &mut dyn FnMut(&fs::Metadata) -> u64) -> u64 {
 
 /// Whether the tools a boot disk needs are installed (for tests that say what they skip).
 pub fn host_can_build_boot_disks() -> bool {
-    find_tool("extlinux").is_some()
-        && find_tool("qemu-img").is_some()
-        && MBR_BIN.iter().any(|p| Path::new(p).is_file())
+    find_tool("extlinux").is_some() && find_tool("qemu-img").is_some() && MBR_BIN.iter().any(|p| Path::new(p).is_file())
 }
 
 #[cfg(test)]
@@ -524,10 +497,7 @@ mod tests {
         assert_eq!(mbr[446], 0x80, "active");
         assert_eq!(mbr[450], 0x83, "Linux");
         assert_eq!(u32::from_le_bytes(mbr[454..458].try_into().unwrap()), 2048);
-        assert_eq!(
-            u32::from_le_bytes(mbr[458..462].try_into().unwrap()),
-            4_000_000
-        );
+        assert_eq!(u32::from_le_bytes(mbr[458..462].try_into().unwrap()), 4_000_000);
         assert_eq!(&mbr[462..510], &[0u8; 48][..], "no other partition");
         assert_eq!(&mbr[510..], &[0x55, 0xAA]);
     }

@@ -36,13 +36,7 @@ impl<W: Write> CpioWriter<W> {
     }
 
     /// A regular file of `len` bytes read from `data`.
-    pub(crate) fn file_from(
-        &mut self,
-        path: &str,
-        mode: u32,
-        len: u64,
-        data: &mut dyn Read,
-    ) -> io::Result<()> {
+    pub(crate) fn file_from(&mut self, path: &str, mode: u32, len: u64, data: &mut dyn Read) -> io::Result<()> {
         if len > u32::MAX as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -68,13 +62,7 @@ impl<W: Write> CpioWriter<W> {
     }
 
     /// A character device node (the kernel needs `/dev/console` before devtmpfs is up).
-    pub(crate) fn char_device(
-        &mut self,
-        path: &str,
-        mode: u32,
-        major: u32,
-        minor: u32,
-    ) -> io::Result<()> {
+    pub(crate) fn char_device(&mut self, path: &str, mode: u32, major: u32, minor: u32) -> io::Result<()> {
         self.entry(path, S_IFCHR | (mode & 0o7777), 1, 0, (major, minor))
     }
 
@@ -104,11 +92,7 @@ impl<W: Write> CpioWriter<W> {
                 format!("bad archive path {path:?}"),
             ));
         }
-        let ino = if name == "TRAILER!!!" {
-            0
-        } else {
-            self.next_ino
-        };
+        let ino = if name == "TRAILER!!!" { 0 } else { self.next_ino };
         self.next_ino += 1;
         let fields = [
             ino,

@@ -30,11 +30,7 @@ fn build_err(what: &str, message: impl Into<String>) -> VmError {
 }
 
 /// The cached EROFS root disk of `image`, built first if needed.
-pub fn build_root_disk(
-    store: &ImageStore,
-    image: &Image,
-    progress: &dyn Fn(&str),
-) -> Result<PathBuf, VmError> {
+pub fn build_root_disk(store: &ImageStore, image: &Image, progress: &dyn Fn(&str)) -> Result<PathBuf, VmError> {
     let layers = store.layer_dirs(image)?;
     let mut digest = Sha256::new();
     digest.update(format!("erofs root disk v{ROOT_DISK_VERSION}\n"));
@@ -48,23 +44,14 @@ pub fn build_root_disk(
     if path.is_file() {
         return Ok(path);
     }
-    let _lock = lock_file(
-        &store
-            .root()
-            .join("locks")
-            .join(format!("vmdisk-{key}.lock")),
-    )?;
+    let _lock = lock_file(&store.root().join("locks").join(format!("vmdisk-{key}.lock")))?;
     if path.is_file() {
         return Ok(path);
     }
     let mkfs = require_tool("mkfs.erofs", "erofs-utils")?;
     let tmp = dir.join(format!(".{key}.{}.tmp", std::process::id()));
     let _ = fs::remove_file(&tmp);
-    progress(&format!(
-        "mkfs.erofs {} from {} layer(s)",
-        path.display(),
-        layers.len()
-    ));
+    progress(&format!("mkfs.erofs {} from {} layer(s)", path.display(), layers.len()));
     let result = if layers.len() == 1 {
         run_mkfs_erofs(&mkfs, &tmp, &layers[0])
     } else {
@@ -72,9 +59,7 @@ pub fn build_root_disk(
             .root()
             .join("tmp")
             .join(format!("vmdisk-{key}.{}", std::process::id()));
-        let r = with_merged_layers(&layers, &scratch, |merged| {
-            run_mkfs_erofs(&mkfs, &tmp, merged)
-        });
+        let r = with_merged_layers(&layers, &scratch, |merged| run_mkfs_erofs(&mkfs, &tmp, merged));
         let _ = fs::remove_dir_all(&scratch);
         r
     };
@@ -141,8 +126,7 @@ pub(crate) fn with_merged_layers<T: Send>(
                 return f(only);
             }
             let merged = scratch.join("merged");
-            fs::create_dir_all(&merged)
-                .map_err(io_err(format!("creating {}", merged.display())))?;
+            fs::create_dir_all(&merged).map_err(io_err(format!("creating {}", merged.display())))?;
             // overlayfs lists lower dirs top first; without an upper dir it is read-only.
             let lower: Vec<String> = layers
                 .iter()
@@ -200,10 +184,7 @@ fn rw_template(store: &ImageStore, size_mb: u64) -> Result<PathBuf, VmError> {
         let _ = fs::remove_file(&tmp);
         return Err(build_err(
             "the writable disk template",
-            format!(
-                "mkfs.ext4 failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
+            format!("mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr).trim()),
         ));
     }
     fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display())))?;
@@ -254,16 +235,7 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<u64, VmError> {
         let mut off_out = data;
         while off_in < hole {
             // SAFETY: both fds are open; the offsets are ours.
-            let n = unsafe {
-                libc::copy_file_range(
-                    ifd,
-                    &mut off_in,
-                    ofd,
-                    &mut off_out,
-                    (hole - off_in) as usize,
-                    0,
-                )
-            };
+            let n = unsafe { libc::copy_file_range(ifd, &mut off_in, ofd, &mut off_out, (hole - off_in) as usize, 0) };
             if n < 0 {
                 let err = io::Error::last_os_error();
                 if err.kind() == io::ErrorKind::Interrupted {
@@ -307,10 +279,7 @@ mod tests {
         }
         let dst = dir.path().join("dst");
         let copied = sparse_copy(&src, &dst).unwrap();
-        assert!(
-            copied < 1 << 20,
-            "only the data extents are copied: {copied}"
-        );
+        assert!(copied < 1 << 20, "only the data extents are copied: {copied}");
         assert_eq!(fs::read(&src).unwrap(), fs::read(&dst).unwrap());
         assert!(allocated_bytes(&dst) < 1 << 20, "{}", allocated_bytes(&dst));
     }

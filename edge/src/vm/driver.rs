@@ -43,12 +43,10 @@ use serde_json::json;
 
 use super::accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
 use super::agent::AgentChannel;
+use super::bootdisk::{create_overlay, ensure_boot_disk};
 use super::disks::{allocated_bytes, build_root_disk, create_rw_disk, sparse_copy};
 use super::firecracker::{FirecrackerTools, find_firecracker};
-use super::bootdisk::{create_overlay, ensure_boot_disk};
-use super::initramfs::{
-    GuestBoot, GuestConfig, ensure_guest_boot, write_config_disk, write_vm_initrd,
-};
+use super::initramfs::{GuestBoot, GuestConfig, ensure_guest_boot, write_config_disk, write_vm_initrd};
 use super::machine::{Machine, q35_args};
 use super::qmp::{Qmp, QmpError};
 use super::shim::{ExitInfo, Launch};
@@ -106,12 +104,7 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    pub fn new(
-        root: impl Into<PathBuf>,
-        store: ImageStore,
-        agent_binary: PathBuf,
-        shim: PathBuf,
-    ) -> Self {
+    pub fn new(root: impl Into<PathBuf>, store: ImageStore, agent_binary: PathBuf, shim: PathBuf) -> Self {
         Self {
             root: root.into(),
             store,
@@ -381,14 +374,8 @@ impl std::fmt::Debug for VmHandle {
 }
 
 fn validate_id(id: &str) -> Result<(), VmError> {
-    let ok = !id.is_empty()
-        && id.len() <= 64
-        && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
-    if ok {
-        Ok(())
-    } else {
-        Err(VmError::InvalidId(id.into()))
-    }
+    let ok = !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if ok { Ok(()) } else { Err(VmError::InvalidId(id.into())) }
 }
 
 impl MicroVmDriver {
@@ -410,11 +397,7 @@ impl MicroVmDriver {
             fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
         }
         // QEMU runs as other uids: they must traverse (never list) the way to their files.
-        for dir in [
-            cfg.root.clone(),
-            cfg.root.join("vms"),
-            cfg.root.join("forks"),
-        ] {
+        for dir in [cfg.root.clone(), cfg.root.join("vms"), cfg.root.join("forks")] {
             fs::set_permissions(&dir, fs::Permissions::from_mode(0o711))
                 .map_err(io_err(format!("chmod {}", dir.display())))?;
         }
@@ -457,11 +440,7 @@ impl MicroVmDriver {
     }
 
     /// The boot disk full VMs of `image` start from (built once per image and recipe).
-    pub fn boot_disk(
-        &self,
-        image: &Image,
-        progress: &dyn Fn(&str),
-    ) -> Result<super::BootDiskManifest, VmError> {
+    pub fn boot_disk(&self, image: &Image, progress: &dyn Fn(&str)) -> Result<super::BootDiskManifest, VmError> {
         let inner = &self.inner;
         ensure_boot_disk(
             &inner.cfg.store,
@@ -520,9 +499,7 @@ impl MicroVmDriver {
             let record = inner.fresh_record(spec, uid, &netns, root_disk, Vmm::Qemu, machine);
             inner.prepare_dir(&dir, uid)?;
             match machine {
-                Machine::Microvm => {
-                    create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?
-                }
+                Machine::Microvm => create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?,
                 Machine::Q35 => create_overlay(&record.root_disk, &dir.join("rw.img"), spec.disk_mb << 20)?,
             }
             inner.write_guest_config(machine, &dir, spec)?;
@@ -644,8 +621,7 @@ impl MicroVmDriver {
                 inner.write_guest_config(meta.machine, &dir, spec)?;
                 give(&dir.join("initrd"), uid, uid, 0o400)?;
             }
-            fs::copy(snapshot.join("state"), dir.join("state"))
-                .map_err(io_err("copying the snapshot's state"))?;
+            fs::copy(snapshot.join("state"), dir.join("state")).map_err(io_err("copying the snapshot's state"))?;
             sparse_copy(&snapshot.join("rw.img"), &dir.join("rw.img"))?;
             give(&dir.join("rw.img"), uid, uid, 0o600)?;
             net::create(&netns, uid)?;
@@ -732,16 +708,8 @@ fn cached_accel(
         verdict: AccelVerdict,
     }
     let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let key = format!(
-        "{} {} {}",
-        boot_id.trim(),
-        qemu.display(),
-        boot.kernel.release
-    );
-    let path = cfg
-        .accel_cache
-        .clone()
-        .unwrap_or_else(|| cfg.root.join("accel.json"));
+    let key = format!("{} {} {}", boot_id.trim(), qemu.display(), boot.kernel.release);
+    let path = cfg.accel_cache.clone().unwrap_or_else(|| cfg.root.join("accel.json"));
     if let Ok(cached) = read_json::<Cached>(&path)
         && cached.key == key
     {
@@ -773,8 +741,7 @@ fn new_ram_file(path: &Path, mb: u64) -> Result<(), VmError> {
 
 fn give(path: &Path, uid: u32, gid: u32, mode: u32) -> Result<(), VmError> {
     chown(path, Some(uid), Some(gid)).map_err(io_err(format!("chown {}", path.display())))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(mode))
-        .map_err(io_err(format!("chmod {}", path.display())))
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(format!("chmod {}", path.display())))
 }
 
 /// Sums `/proc/<pid>/smaps`, and separately the mapping of `ram_path`.
@@ -821,15 +788,7 @@ fn process_start(pid: i32) -> Option<u64> {
 /// Sends SIGKILL to the process behind `pidfd` (never to a recycled pid).
 fn sigkill(pidfd: &OwnedFd) {
     // SAFETY: signalling through a pidfd we own.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            libc::SIGKILL,
-            0,
-            0,
-        )
-    };
+    unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0, 0) };
 }
 
 /// Waits until the process behind `pidfd` has ended.
@@ -840,13 +799,7 @@ fn wait_pidfd(pidfd: &OwnedFd, timeout: Duration) -> bool {
         revents: 0,
     };
     // SAFETY: polling one fd we own.
-    unsafe {
-        libc::poll(
-            &mut pfd,
-            1,
-            timeout.as_millis().min(i32::MAX as u128) as i32,
-        ) > 0
-    }
+    unsafe { libc::poll(&mut pfd, 1, timeout.as_millis().min(i32::MAX as u128) as i32) > 0 }
 }
 
 impl Inner {
@@ -913,9 +866,7 @@ impl Inner {
         let dir = self.vm_dir(id);
         match fs::create_dir(&dir) {
             Ok(()) => Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                Err(VmError::Exists(id.to_string()))
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(VmError::Exists(id.to_string())),
             Err(e) => Err(VmError::io(format!("creating {}", dir.display()), e)),
         }
     }
@@ -964,12 +915,7 @@ impl Inner {
         for n in 0..UID_SLOTS {
             let uid = base + n;
             let path = dir.join(uid.to_string());
-            let claim = || {
-                fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
-            };
+            let claim = || fs::OpenOptions::new().write(true).create_new(true).open(&path);
             let file = match claim() {
                 Ok(f) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -1057,20 +1003,13 @@ impl Inner {
             "-serial".into(),
             "stdio".into(),
             "-qmp".into(),
-            format!(
-                "unix:{},server=on,wait=off",
-                dir.join("run/qmp.sock").display()
-            ),
+            format!("unix:{},server=on,wait=off", dir.join("run/qmp.sock").display()),
             // No new privileges, no programs, no resource changes, no obsolete syscalls.
             "-sandbox".into(),
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
         ];
         if record.machine == Machine::Q35 {
-            argv.extend(q35_args(
-                dir,
-                super::shim::TAP_FD_PLACEHOLDER,
-                net::GUEST_MAC,
-            ));
+            argv.extend(q35_args(dir, super::shim::TAP_FD_PLACEHOLDER, net::GUEST_MAC));
         } else {
             argv.extend(self.microvm_args(dir, record, append));
         }
@@ -1109,10 +1048,7 @@ impl Inner {
             "-device".into(),
             "virtio-blk-device,drive=rw,serial=opendsec-rw".into(),
             "-netdev".into(),
-            format!(
-                "tap,id=net0,fd={},vhost=off",
-                super::shim::TAP_FD_PLACEHOLDER
-            ),
+            format!("tap,id=net0,fd={},vhost=off", super::shim::TAP_FD_PLACEHOLDER),
             "-device".into(),
             format!("virtio-net-device,netdev=net0,mac={}", net::GUEST_MAC),
         ]
@@ -1120,17 +1056,8 @@ impl Inner {
 
     /// Starts QEMU for `record` under a shim and connects to its QMP socket. The record
     /// is saved with the new pid.
-    fn start_qemu(
-        &self,
-        dir: &Path,
-        record: &mut VmRecord,
-        incoming: bool,
-    ) -> Result<(i32, Qmp), VmError> {
-        let start = if incoming {
-            QemuStart::Restore
-        } else {
-            QemuStart::Boot
-        };
+    fn start_qemu(&self, dir: &Path, record: &mut VmRecord, incoming: bool) -> Result<(i32, Qmp), VmError> {
+        let start = if incoming { QemuStart::Restore } else { QemuStart::Boot };
         let pid = self.spawn_qemu(dir, record, start)?;
         record.pid = Some(pid);
         record.pid_start = process_start(pid);
@@ -1277,8 +1204,7 @@ fn migrate_to_file(qmp: &mut Qmp, dest: &Path) -> Result<u64, VmError> {
     qmp.execute_with_fd("getfd", json!({"fdname": "snapshot"}), file.as_raw_fd())?;
     qmp.execute("migrate", json!({"uri": "fd:snapshot"}))?;
     wait_migration(qmp, "the snapshot")?;
-    file.sync_all()
-        .map_err(io_err(format!("syncing {}", dest.display())))?;
+    file.sync_all().map_err(io_err(format!("syncing {}", dest.display())))?;
     Ok(file.metadata().map(|m| m.len()).unwrap_or(0))
 }
 
@@ -1292,10 +1218,7 @@ fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<(), VmError> {
                 return Err(VmError::Qmp(QmpError::Command {
                     command: "migrate".into(),
                     class: "failed".into(),
-                    desc: format!(
-                        "{what}: {}",
-                        info["error-desc"].as_str().unwrap_or("migration failed")
-                    ),
+                    desc: format!("{what}: {}", info["error-desc"].as_str().unwrap_or("migration failed")),
                 }));
             }
             _ if Instant::now() > deadline => {
@@ -1400,9 +1323,7 @@ impl VmHandle {
     /// loop that marks the sandbox failed when its channel closes).
     pub fn exit_fd(&self) -> Result<OwnedFd, VmError> {
         match self.status()? {
-            VmStatus::Running { pid } => {
-                pidfd_open(pid).ok_or_else(|| self.bad_state("exited", "watch its exit"))
-            }
+            VmStatus::Running { pid } => pidfd_open(pid).ok_or_else(|| self.bad_state("exited", "watch its exit")),
             VmStatus::Paused => Err(self.bad_state("paused", "watch its exit")),
             VmStatus::Exited(_) => Err(self.bad_state("exited", "watch its exit")),
         }
@@ -1423,8 +1344,7 @@ impl VmHandle {
             RamMode::Private { base } => base.clone(),
             _ => self.dir().join("ram"),
         };
-        let text =
-            fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(io_err("reading smaps"))?;
+        let text = fs::read_to_string(format!("/proc/{pid}/smaps")).map_err(io_err("reading smaps"))?;
         Ok(parse_smaps(&text, &ram_path.to_string_lossy()))
     }
 
@@ -1560,8 +1480,8 @@ impl VmHandle {
                 Ok((copied.source_paused, bytes, copied.ram_in_stream))
             }
             VmState::Paused => {
-                let mut bytes = fs::copy(dir.join("state"), dest.join("state"))
-                    .map_err(io_err("copying the VM's snapshot"))?;
+                let mut bytes =
+                    fs::copy(dir.join("state"), dest.join("state")).map_err(io_err("copying the VM's snapshot"))?;
                 let in_stream = record.ram == RamMode::InStream;
                 if !in_stream {
                     bytes += sparse_copy(&dir.join("ram"), &dest.join("ram"))?;
@@ -1597,10 +1517,7 @@ impl VmHandle {
             let _ = fs::remove_dir_all(dest);
             return Err(e);
         }
-        Ok(SnapshotReport {
-            source_paused,
-            bytes,
-        })
+        Ok(SnapshotReport { source_paused, bytes })
     }
 
     /// Resume: a new QEMU process restores the paused VM, which continues where it was.
@@ -1724,10 +1641,8 @@ impl VmHandle {
                 .map(|d| d.as_micros())
                 .unwrap_or(0)
         ));
-        fs::create_dir_all(&fork_dir)
-            .map_err(io_err(format!("creating {}", fork_dir.display())))?;
-        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711))
-            .map_err(io_err("chmod fork dir"))?;
+        fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
+        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711)).map_err(io_err("chmod fork dir"))?;
 
         // Everything that does not need the source's memory is ready before the copy.
         let base = fork_dir.join("ram");
@@ -1781,8 +1696,7 @@ impl VmHandle {
             let step = (|| {
                 sparse_copy(&fork_dir.join("rw.img"), &copy_dir.join("rw.img"))?;
                 give(&copy_dir.join("rw.img"), record.uid, record.uid, 0o600)?;
-                fs::copy(fork_dir.join("state"), copy_dir.join("state"))
-                    .map_err(io_err("copying the snapshot"))?;
+                fs::copy(fork_dir.join("state"), copy_dir.join("state")).map_err(io_err("copying the snapshot"))?;
                 let (_pid, qmp) = inner.start_qemu(copy_dir, record, true)?;
                 Ok::<_, VmError>(qmp)
             })();
@@ -1939,13 +1853,7 @@ impl Inner {
     /// Makes a fork copy's directory, uid, namespace and initrd (everything that does
     /// not need the source's memory); on failure leaves nothing behind. The copy maps
     /// `base` privately and carries its group `gid`.
-    fn prepare_copy(
-        &self,
-        source: &VmRecord,
-        id: &str,
-        base: &Path,
-        gid: u32,
-    ) -> Result<(VmRecord, PathBuf), VmError> {
+    fn prepare_copy(&self, source: &VmRecord, id: &str, base: &Path, gid: u32) -> Result<(VmRecord, PathBuf), VmError> {
         let copy_dir = self.create_vm_dir(id)?;
         let netns = format!("{}{}", self.netns_prefix, id);
         let mut claimed_uid = None;
@@ -1991,8 +1899,7 @@ impl Inner {
             return Ok(());
         }
         fs::copy(&self.boot.initramfs, &initrd).map_err(io_err("copying the initramfs"))?;
-        fs::set_permissions(&initrd, fs::Permissions::from_mode(0o444))
-            .map_err(io_err("chmod the initrd"))
+        fs::set_permissions(&initrd, fs::Permissions::from_mode(0o444)).map_err(io_err("chmod the initrd"))
     }
 
     /// A group of its own for the RAM base in `dir` (recorded in `dir/gid`): the VMs that
@@ -2016,8 +1923,7 @@ impl Inner {
         let forks = self.cfg.root.join("forks");
         let dir = forks.join(format!("snap-{}-{}", meta.dev(), meta.ino()));
         let base = dir.join("ram");
-        let same_file =
-            fs::metadata(&base).is_ok_and(|b| b.dev() == meta.dev() && b.ino() == meta.ino());
+        let same_file = fs::metadata(&base).is_ok_and(|b| b.dev() == meta.dev() && b.ino() == meta.ino());
         let gid = fs::read_to_string(dir.join("gid"))
             .ok()
             .and_then(|g| g.trim().parse::<u32>().ok());
@@ -2080,10 +1986,7 @@ impl Inner {
             for entry in entries.filter_map(Result::ok) {
                 let path = entry.path();
                 // A fork under way has no `ram` yet or holds `state`: leave it.
-                if !used.contains(&path)
-                    && path.join("ram").exists()
-                    && !path.join("state").exists()
-                {
+                if !used.contains(&path) && path.join("ram").exists() && !path.join("state").exists() {
                     let gid = fs::read_to_string(path.join("gid"))
                         .ok()
                         .and_then(|g| g.trim().parse::<u32>().ok());

@@ -59,15 +59,9 @@ pub struct GuestBoot {
 }
 
 /// The kernel (built if needed) and the initramfs for `agent` (built if needed).
-pub fn ensure_guest_boot(
-    store: &ImageStore,
-    agent: &Path,
-    progress: &dyn Fn(&str),
-) -> Result<GuestBoot, VmError> {
+pub fn ensure_guest_boot(store: &ImageStore, agent: &Path, progress: &dyn Fn(&str)) -> Result<GuestBoot, VmError> {
     let kernel = ensure_kernel(store, progress)?;
-    let busybox_image = store.ensure("busybox", &|p| {
-        progress(&format!("busybox image: {}", p.message))
-    })?;
+    let busybox_image = store.ensure("busybox", &|p| progress(&format!("busybox image: {}", p.message)))?;
     let busybox = store
         .layer_dirs(&busybox_image)?
         .last()
@@ -85,10 +79,7 @@ pub fn ensure_guest_boot(
     fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
     let build = |machine: Machine| -> Result<PathBuf, VmError> {
         let mut digest = Sha256::new();
-        digest.update(format!(
-            "layout {LAYOUT_VERSION}\nkernel {}\n",
-            kernel.dir.display()
-        ));
+        digest.update(format!("layout {LAYOUT_VERSION}\nkernel {}\n", kernel.dir.display()));
         digest.update(format!("busybox {busybox_sha}\n"));
         digest.update(format!("agent {agent_sha}\n"));
         digest.update(format!("machine {}\n", machine.as_str()));
@@ -99,9 +90,8 @@ pub fn ensure_guest_boot(
             progress(&format!("writing the initramfs {}", path.display()));
             // Concurrent builders write the same bytes; the rename publishes one of them.
             let tmp = dir.join(format!(".{key}.{}.tmp", std::process::id()));
-            let result = write_initramfs(&tmp, &kernel, machine, &busybox, agent).and_then(|()| {
-                fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display())))
-            });
+            let result = write_initramfs(&tmp, &kernel, machine, &busybox, agent)
+                .and_then(|()| fs::rename(&tmp, &path).map_err(io_err(format!("publishing {}", path.display()))));
             if result.is_err() {
                 let _ = fs::remove_file(&tmp);
             }
@@ -128,19 +118,15 @@ fn write_initramfs(
     let context = format!("writing {}", dest.display());
     let file = fs::File::create(dest).map_err(io_err(context.clone()))?;
     let mut w = CpioWriter::new(BufWriter::new(file));
-    let add_file =
-        |w: &mut CpioWriter<BufWriter<fs::File>>, path: &str, mode: u32, source: &Path| {
-            let mut f =
-                fs::File::open(source).map_err(io_err(format!("reading {}", source.display())))?;
-            let len = f
-                .metadata()
-                .map_err(io_err(format!("reading {}", source.display())))?
-                .len();
-            w.file_from(path, mode, len, &mut f).map_err(io_err(format!(
-                "adding {} to the initramfs",
-                source.display()
-            )))
-        };
+    let add_file = |w: &mut CpioWriter<BufWriter<fs::File>>, path: &str, mode: u32, source: &Path| {
+        let mut f = fs::File::open(source).map_err(io_err(format!("reading {}", source.display())))?;
+        let len = f
+            .metadata()
+            .map_err(io_err(format!("reading {}", source.display())))?
+            .len();
+        w.file_from(path, mode, len, &mut f)
+            .map_err(io_err(format!("adding {} to the initramfs", source.display())))
+    };
     let io = |r: std::io::Result<()>| r.map_err(io_err(context.clone()));
     for dir in [
         "bin",
@@ -204,11 +190,7 @@ pub(crate) struct GuestConfig {
 }
 
 /// Writes `dest`: the shared initramfs followed by an archive of this VM's files.
-pub(crate) fn write_vm_initrd(
-    boot: &GuestBoot,
-    dest: &Path,
-    config: &GuestConfig,
-) -> Result<(), VmError> {
+pub(crate) fn write_vm_initrd(boot: &GuestBoot, dest: &Path, config: &GuestConfig) -> Result<(), VmError> {
     let context = format!("writing {}", dest.display());
     fs::copy(&boot.initramfs, dest).map_err(io_err(context.clone()))?;
     let file = fs::OpenOptions::new()
@@ -248,11 +230,7 @@ fn write_config_archive(file: fs::File, dest: &Path, config: &GuestConfig) -> Re
         shell_word(&config.hostname)
     );
     io(w.file("opendsec/vm.conf", 0o644, conf.as_bytes()))?;
-    io(w.file(
-        "opendsec/config/token",
-        0o600,
-        config.access_token.as_bytes(),
-    ))?;
+    io(w.file("opendsec/config/token", 0o600, config.access_token.as_bytes()))?;
     let env = serde_json::to_vec(&config.env).expect("a map serialises");
     io(w.file("opendsec/config/env.json", 0o600, &env))?;
     if let Some(start) = &config.start {
@@ -270,9 +248,5 @@ fn shell_word(s: &str) -> String {
         .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
         .take(63)
         .collect();
-    if word.is_empty() {
-        "sandbox".into()
-    } else {
-        word
-    }
+    if word.is_empty() { "sandbox".into() } else { word }
 }

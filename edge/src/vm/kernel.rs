@@ -39,13 +39,7 @@ pub const GUEST_MODULES: &[&str] = &[
 
 /// The modules a full VM (`-M q35`, `fullvm.rs`) loads: virtio over PCI, its block and
 /// network drivers and the root partition's ext4.
-pub const FULLVM_MODULES: &[&str] = &[
-    "virtio_pci",
-    "virtio_blk",
-    "virtio_net",
-    "crc32c_generic",
-    "ext4",
-];
+pub const FULLVM_MODULES: &[&str] = &["virtio_pci", "virtio_blk", "virtio_net", "crc32c_generic", "ext4"];
 
 /// Bumped when the layout of a kernel directory changes.
 const LAYOUT_VERSION: u32 = 2;
@@ -155,24 +149,17 @@ pub fn ensure_kernel(store: &ImageStore, progress: &dyn Fn(&str)) -> Result<Gues
         progress("built by another process");
         return GuestKernel::load(&dir);
     }
-    let scratch = store
-        .root()
-        .join("tmp")
-        .join(format!("kernel-{}", std::process::id()));
+    let scratch = store.root().join("tmp").join(format!("kernel-{}", std::process::id()));
     let _ = fs::remove_dir_all(&scratch);
     let staged = scratch.join("out");
     let result = (|| {
-        fs::create_dir_all(staged.join("modules"))
-            .map_err(io_err("creating the kernel scratch dir"))?;
+        fs::create_dir_all(staged.join("modules")).map_err(io_err("creating the kernel scratch dir"))?;
         build(&scratch, &staged, &package, &version, &release, progress)?;
         fs::rename(&staged, &dir).map_err(io_err(format!("publishing {}", dir.display())))
     })();
     let _ = fs::remove_dir_all(&scratch);
     result?;
-    progress(&format!(
-        "guest kernel {release} ready in {}",
-        dir.display()
-    ));
+    progress(&format!("guest kernel {release} ready in {}", dir.display()));
     GuestKernel::load(&dir)
 }
 
@@ -201,10 +188,7 @@ fn tool(program: &Path) -> Command {
     let mut command = Command::new(program);
     command
         .env_clear()
-        .env(
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        )
+        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         .env("LANG", "C.UTF-8")
         .stdin(Stdio::null());
     // SAFETY: prctl is async-signal-safe.
@@ -220,9 +204,7 @@ fn tool(program: &Path) -> Command {
 }
 
 fn run(mut command: Command, what: &str) -> Result<Vec<u8>, VmError> {
-    let out = command
-        .output()
-        .map_err(io_err(format!("running {what}")))?;
+    let out = command.output().map_err(io_err(format!("running {what}")))?;
     if !out.status.success() {
         return Err(build_err(format!(
             "{what} failed ({}): {}",
@@ -252,12 +234,7 @@ pub(crate) fn parse_meta_depends(show: &str) -> Option<(String, String)> {
     let depends = show.lines().find_map(|l| l.strip_prefix("Depends:"))?;
     let first = depends.split(',').next()?.split('|').next()?.trim();
     let (name, rest) = first.split_once('(')?;
-    let version = rest
-        .trim()
-        .strip_prefix('=')?
-        .trim()
-        .trim_end_matches(')')
-        .trim();
+    let version = rest.trim().strip_prefix('=')?.trim().trim_end_matches(')').trim();
     let name = name.trim();
     (!name.is_empty() && !version.is_empty()).then(|| (name.to_string(), version.to_string()))
 }
@@ -316,11 +293,9 @@ fn build(
     ));
     let modules_dir = staged.join("modules");
     let mut stage = |name: &str| {
-        let source = index.get(name).ok_or_else(|| {
-            build_err(format!(
-                "module {name} is neither in the package nor built in"
-            ))
-        })?;
+        let source = index
+            .get(name)
+            .ok_or_else(|| build_err(format!("module {name} is neither in the package nor built in")))?;
         let dest = modules_dir.join(format!("{name}.ko"));
         if !dest.is_file() {
             copy_module(source, &dest)?;
@@ -532,9 +507,7 @@ pub(crate) fn bzimage_payload(image: &[u8]) -> Result<&[u8], String> {
     }
     let version = u16::from_le_bytes([image[0x206], image[0x207]]);
     if version < 0x208 {
-        return Err(format!(
-            "boot protocol {version:#x} has no payload fields (need 2.08)"
-        ));
+        return Err(format!("boot protocol {version:#x} has no payload fields (need 2.08)"));
     }
     let setup_sects = match image[0x1f1] {
         0 => 4,
@@ -562,10 +535,7 @@ fn extract_vmlinux(image: &[u8], dest: &Path) -> Result<(), VmError> {
         Compression::Gzip => (payload, None),
         _ if payload.len() > 4 => {
             let (s, size) = payload.split_at(payload.len() - 4);
-            (
-                s,
-                Some(u32::from_le_bytes(size.try_into().expect("4 bytes")) as u64),
-            )
+            (s, Some(u32::from_le_bytes(size.try_into().expect("4 bytes")) as u64))
         }
         _ => return Err(build_err("the kernel payload is empty")),
     };
@@ -597,17 +567,13 @@ fn extract_vmlinux(image: &[u8], dest: &Path) -> Result<(), VmError> {
     let mut file = fs::File::open(dest).map_err(io_err("reading vmlinux"))?;
     std::io::Read::read_exact(&mut file, &mut head).map_err(io_err("reading vmlinux"))?;
     if &head != b"\x7fELF\x02" {
-        return Err(build_err(
-            "the decompressed kernel is not a 64-bit ELF file",
-        ));
+        return Err(build_err("the decompressed kernel is not a 64-bit ELF file"));
     }
     let size = file.metadata().map_err(io_err("vmlinux size"))?.len();
     if let Some(expected) = expected
         && expected != size
     {
-        return Err(build_err(format!(
-            "vmlinux is {size} bytes, the image says {expected}"
-        )));
+        return Err(build_err(format!("vmlinux is {size} bytes, the image says {expected}")));
     }
     Ok(())
 }
@@ -664,18 +630,12 @@ mod tests {
 
     #[test]
     fn payload_formats_are_told_by_their_magic() {
-        assert_eq!(
-            Compression::detect(b"\xfd7zXZ\x00\x00"),
-            Some(Compression::Xz)
-        );
+        assert_eq!(Compression::detect(b"\xfd7zXZ\x00\x00"), Some(Compression::Xz));
         assert_eq!(
             Compression::detect(&[0x28, 0xb5, 0x2f, 0xfd, 0]),
             Some(Compression::Zstd)
         );
-        assert_eq!(
-            Compression::detect(&[0x1f, 0x8b, 8]),
-            Some(Compression::Gzip)
-        );
+        assert_eq!(Compression::detect(&[0x1f, 0x8b, 8]), Some(Compression::Gzip));
         assert_eq!(Compression::detect(b"hello"), None);
         assert!(bzimage_payload(&[0u8; 1024]).unwrap_err().contains("HdrS"));
     }

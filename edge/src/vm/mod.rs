@@ -47,13 +47,12 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 pub use accel::{Accel, AccelVerdict, detect_accel, host_tsc_khz};
-pub use bootdisk::{BootDiskManifest, FREE_SPACE_MB, ensure_boot_disk, host_can_build_boot_disks};
 pub use agent::{AgentChannel, ExecOutput};
+pub use bootdisk::{BootDiskManifest, FREE_SPACE_MB, ensure_boot_disk, host_can_build_boot_disks};
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
-    ForkReport, MAX_FORK_COUNT, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport,
-    SNAPSHOT_META, SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus,
-    agent_channel_at,
+    ForkReport, MAX_FORK_COUNT, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, SNAPSHOT_META,
+    SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus, agent_channel_at,
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};

@@ -30,11 +30,7 @@ fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), VmError> {
     let mut child = Command::new(&program)
         .args(args)
         .env_clear()
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -43,9 +39,7 @@ fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), VmError> {
         pipe.write_all(input.as_bytes())
             .map_err(|e| VmError::io("writing to ip -batch", e))?;
     }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| VmError::io("waiting for ip", e))?;
+    let out = child.wait_with_output().map_err(|e| VmError::io("waiting for ip", e))?;
     if !out.status.success() {
         return Err(VmError::Prerequisite(format!(
             "ip {} failed: {}",
@@ -93,11 +87,7 @@ pub fn agent_addr() -> SocketAddr {
 }
 
 /// Connects to `addr` from inside the network namespace at `netns`.
-pub(crate) fn connect_in(
-    netns: &Path,
-    addr: SocketAddr,
-    timeout: Duration,
-) -> io::Result<TcpStream> {
+pub(crate) fn connect_in(netns: &Path, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
     crate::ns::in_namespace(netns, libc::CLONE_NEWNET, "vm-netns-connect", move || {
         let stream = TcpStream::connect_timeout(&addr, timeout)?;
         stream.set_nodelay(true)?;

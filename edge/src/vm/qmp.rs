@@ -70,11 +70,7 @@ impl Qmp {
     }
 
     /// Connects, retrying until QEMU has created its socket or `deadline` passes.
-    pub fn connect_until(
-        path: &Path,
-        deadline: Instant,
-        alive: &dyn Fn() -> bool,
-    ) -> Result<Self, QmpError> {
+    pub fn connect_until(path: &Path, deadline: Instant, alive: &dyn Fn() -> bool) -> Result<Self, QmpError> {
         loop {
             match Self::connect(path, Duration::from_secs(30)) {
                 Ok(q) => return Ok(q),
@@ -98,21 +94,11 @@ impl Qmp {
     }
 
     /// Runs `command` with `fd` attached (for `getfd` and `add-fd`).
-    pub fn execute_with_fd(
-        &mut self,
-        command: &str,
-        arguments: Value,
-        fd: RawFd,
-    ) -> Result<Value, QmpError> {
+    pub fn execute_with_fd(&mut self, command: &str, arguments: Value, fd: RawFd) -> Result<Value, QmpError> {
         self.execute_inner(command, arguments, Some(fd))
     }
 
-    fn execute_inner(
-        &mut self,
-        command: &str,
-        arguments: Value,
-        fd: Option<RawFd>,
-    ) -> Result<Value, QmpError> {
+    fn execute_inner(&mut self, command: &str, arguments: Value, fd: Option<RawFd>) -> Result<Value, QmpError> {
         let id = self.next_id;
         self.next_id += 1;
         let mut line = json!({"execute": command, "arguments": arguments, "id": id}).to_string();
@@ -183,11 +169,7 @@ impl Qmp {
                         .map_err(|e| QmpError::Protocol(format!("{e}: {}", line.trim())));
                 }
                 Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {
                     return Err(QmpError::Closed);

@@ -80,10 +80,7 @@ const IFF_VNET_HDR: libc::c_short = 0x4000;
 /// Attaches to tap `name` of the current network namespace; the fd is inherited by
 /// the next exec (not close-on-exec).
 fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
-    let tun = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")?;
+    let tun = OpenOptions::new().read(true).write(true).open("/dev/net/tun")?;
     #[repr(C)]
     struct IfReq {
         name: [u8; 16],
@@ -96,9 +93,7 @@ fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
         _pad: [0; 22],
     };
     if name.len() >= req.name.len() {
-        return Err(std::io::Error::other(format!(
-            "tap name {name:?} is too long"
-        )));
+        return Err(std::io::Error::other(format!("tap name {name:?} is too long")));
     }
     req.name[..name.len()].copy_from_slice(name.as_bytes());
     // SAFETY: TUNSETIFF reads a struct ifreq, which IfReq lays out.
@@ -118,17 +113,12 @@ pub(crate) fn spawn(shim: &Path, launch_file: &Path) -> Result<i32, VmError> {
     let mut child = Command::new(shim)
         .arg(launch_file)
         .env_clear()
-        .env(
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        )
+        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| {
-            VmError::Prerequisite(format!("cannot run the VM shim {}: {e}", shim.display()))
-        })?;
+        .map_err(|e| VmError::Prerequisite(format!("cannot run the VM shim {}: {e}", shim.display())))?;
     let mut stdout = child.stdout.take().expect("piped");
     // The first shim process exits as soon as it has forked the detached one.
     let _ = child.wait();
@@ -182,8 +172,7 @@ pub fn main(launch_file: &Path) -> ! {
 }
 
 fn run(launch: &Launch) -> Result<(), VmError> {
-    let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| VmError::io("pipe", e.into()))?;
+    let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| VmError::io("pipe", e.into()))?;
     let out_w2 = out_w.try_clone().map_err(io_err("dup"))?;
     // The whole shim (one thread so far) moves into the VM's namespace: the tap is
     // found there, and QEMU, started from here, lives there.
@@ -201,10 +190,7 @@ fn run(launch: &Launch) -> Result<(), VmError> {
         Some(name) => Some(open_tap(name).map_err(io_err(format!("opening tap {name}")))?),
         None => None,
     };
-    let tap_fd = tap
-        .as_ref()
-        .map(|f| f.as_raw_fd().to_string())
-        .unwrap_or_default();
+    let tap_fd = tap.as_ref().map(|f| f.as_raw_fd().to_string()).unwrap_or_default();
     let argv: Vec<String> = launch
         .argv
         .iter()
@@ -247,10 +233,11 @@ fn run(launch: &Launch) -> Result<(), VmError> {
     let kept = if launch.keeper {
         spawn_kept(&mut command, program)?
     } else {
-        let child = command
-            .spawn()
-            .map_err(io_err(format!("starting {program}")))?;
-        Kept { vmm: child.id() as i32, keeper: None }
+        let child = command.spawn().map_err(io_err(format!("starting {program}")))?;
+        Kept {
+            vmm: child.id() as i32,
+            keeper: None,
+        }
     };
     drop(command);
     drop(tap);
@@ -385,14 +372,25 @@ fn spawn_kept(command: &mut Command, program: &str) -> Result<Kept, VmError> {
     let first = String::from_utf8_lossy(&first).into_owned();
     if first != "ok" {
         let _ = wait_for(keeper);
-        let why = first.strip_prefix("error ").unwrap_or("the keeper ended without a word");
-        return Err(VmError::io(format!("starting {program} under the keeper"), std::io::Error::other(why.to_string())));
+        let why = first
+            .strip_prefix("error ")
+            .unwrap_or("the keeper ended without a word");
+        return Err(VmError::io(
+            format!("starting {program} under the keeper"),
+            std::io::Error::other(why.to_string()),
+        ));
     }
     // The keeper's only child is the VMM.
     let vmm = children_of(keeper).into_iter().next().ok_or_else(|| {
-        VmError::io(format!("finding {program} under the keeper {keeper}"), std::io::Error::other("it has no child"))
+        VmError::io(
+            format!("finding {program} under the keeper {keeper}"),
+            std::io::Error::other("it has no child"),
+        )
     })?;
-    Ok(Kept { vmm, keeper: Some((keeper, reports)) })
+    Ok(Kept {
+        vmm,
+        keeper: Some((keeper, reports)),
+    })
 }
 
 /// The keeper: PID 1 of its namespace. Never returns.
@@ -410,7 +408,11 @@ fn keeper_main(command: &mut Command, program: &str, life: OwnedFd, reports: Own
             libc::_exit(1);
         }
         // The shim may have died before PDEATHSIG was set: then no writer is left.
-        let mut pfd = libc::pollfd { fd: life.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: life.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         if libc::poll(&mut pfd, 1, 0) != 0 {
             libc::_exit(1);
         }

@@ -64,10 +64,7 @@ pub fn choose_vmm(
                 if accel.kvm_usable() {
                     String::new()
                 } else {
-                    format!(
-                        " although guests will not run at hardware speed ({})",
-                        accel.reason
-                    )
+                    format!(" although guests will not run at hardware speed ({})", accel.reason)
                 }
             ),
         ),
@@ -78,10 +75,7 @@ pub fn choose_vmm(
         (VmmChoice::Auto, Err(e)) => verdict(Vmm::Qemu, format!("qemu, since {e}")),
         (VmmChoice::Auto, Ok(t)) => verdict(
             Vmm::Firecracker,
-            format!(
-                "firecracker v{}: KVM is usable ({})",
-                t.version, accel.reason
-            ),
+            format!("firecracker v{}: KVM is usable ({})", t.version, accel.reason),
         ),
     }
 }
@@ -123,11 +117,7 @@ mod tests {
         assert!(no_kvm.reason.contains("PVM"), "{}", no_kvm.reason);
         let no_binaries = pick(true, missing());
         assert_eq!(no_binaries.vmm, Vmm::Qemu);
-        assert!(
-            no_binaries.reason.contains("ops/test.sh"),
-            "{}",
-            no_binaries.reason
-        );
+        assert!(no_binaries.reason.contains("ops/test.sh"), "{}", no_binaries.reason);
     }
 
     #[test]
@@ -136,19 +126,12 @@ mod tests {
         assert!(err.to_string().contains("ops/test.sh"), "{err}");
         let ok = choose_vmm(VmmChoice::Firecracker, &accel(false), &tools()).unwrap();
         assert_eq!(ok.vmm, Vmm::Firecracker);
-        assert!(
-            ok.reason.contains("not run at hardware speed"),
-            "{}",
-            ok.reason
-        );
+        assert!(ok.reason.contains("not run at hardware speed"), "{}", ok.reason);
     }
 
     #[test]
     fn records_without_a_vmm_are_qemu() {
         assert_eq!(Vmm::default(), Vmm::Qemu);
-        assert_eq!(
-            serde_json::to_string(&Vmm::Firecracker).unwrap(),
-            "\"firecracker\""
-        );
+        assert_eq!(serde_json::to_string(&Vmm::Firecracker).unwrap(), "\"firecracker\"");
     }
 }

@@ -23,9 +23,7 @@ pub fn store_dir() -> PathBuf {
 pub fn static_agent() -> PathBuf {
     let p = std::env::var_os("OPENDSEC_TEST_AGENT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent")
-        });
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent"));
     assert!(
         p.is_file(),
         "the static agent {} is missing: run edge/agent/build-static.sh {}",
@@ -129,7 +127,10 @@ pub fn start_counter(vm: &VmHandle, token: &str, within: Duration) {
         if probe.stdout_text().contains("up") {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "the counter never listened: {probe:?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the counter never listened: {probe:?}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }

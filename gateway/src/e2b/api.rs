@@ -12,13 +12,13 @@ use axum::{Json, Router};
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_control::{Credential, Principal, SandboxTokenKind};
 use opendsec_projections::{Desired, Isolation, Observed, Right, Sandbox, SnapshotState};
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use super::{CLIENT_ID, ENVD_VERSION};
-use crate::error::ApiError;
 use crate::AppState;
+use crate::error::ApiError;
 
 /// The default lifetime of an E2B sandbox, in seconds (the SDK's default too).
 pub const DEFAULT_TIMEOUT_SECONDS: u64 = 300;
@@ -58,7 +58,10 @@ pub struct E2bError {
 
 impl E2bError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> E2bError {
-        E2bError { status, message: message.into() }
+        E2bError {
+            status,
+            message: message.into(),
+        }
     }
     fn bad(message: impl Into<String>) -> E2bError {
         E2bError::new(StatusCode::BAD_REQUEST, message)
@@ -74,7 +77,10 @@ impl From<ApiError> for E2bError {
             Some(f) if !e.body.message.contains(f.as_str()) => format!("{f}: {}", e.body.message),
             _ => e.body.message,
         };
-        E2bError { status: e.status, message }
+        E2bError {
+            status: e.status,
+            message,
+        }
     }
 }
 
@@ -89,7 +95,11 @@ impl IntoResponse for E2bError {
         if self.status.is_server_error() {
             tracing::warn!(status = %self.status, message = %self.message, "E2B request failed");
         }
-        (self.status, Json(json!({ "code": self.status.as_u16(), "message": self.message }))).into_response()
+        (
+            self.status,
+            Json(json!({ "code": self.status.as_u16(), "message": self.message })),
+        )
+            .into_response()
     }
 }
 
@@ -97,21 +107,32 @@ type R<T> = Result<T, E2bError>;
 
 /// The caller: an E2B API key in `X-API-KEY`, or an OpenDsec bearer token.
 fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
-    let key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim).filter(|k| !k.is_empty());
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty());
     let bearer = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim);
-    let token = key.or(bearer).ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "missing API key: send X-API-KEY: e2b_…"))?;
-    st.node.authenticate(token).map_err(|r| E2bError::new(StatusCode::UNAUTHORIZED, format!("invalid API key: {}", r.message)))
+    let token = key
+        .or(bearer)
+        .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "missing API key: send X-API-KEY: e2b_…"))?;
+    st.node
+        .authenticate(token)
+        .map_err(|r| E2bError::new(StatusCode::UNAUTHORIZED, format!("invalid API key: {}", r.message)))
 }
 
 fn require(p: &Principal, r: Right) -> R<()> {
     if p.has(r) {
         Ok(())
     } else {
-        Err(E2bError::new(StatusCode::FORBIDDEN, format!("this API key lacks the right {}", r.as_str())))
+        Err(E2bError::new(
+            StatusCode::FORBIDDEN,
+            format!("this API key lacks the right {}", r.as_str()),
+        ))
     }
 }
 
@@ -129,13 +150,27 @@ async fn submit(st: &AppState, who: &Principal, headers: &HeaderMap, cmd: Comman
     submit_as(st, who.credential(), headers, cmd).await
 }
 
-async fn submit_as(st: &AppState, cred: Credential, headers: &HeaderMap, cmd: Command) -> R<opendsec_control::Submitted> {
+async fn submit_as(
+    st: &AppState,
+    cred: Credential,
+    headers: &HeaderMap,
+    cmd: Command,
+) -> R<opendsec_control::Submitted> {
     let action = cmd.action();
-    let s = st.node.submit(cred, request_id(headers), cmd).await.inspect_err(|e| tracing::info!(action, error = %e, "E2B write refused"))?;
+    let s = st
+        .node
+        .submit(cred, request_id(headers), cmd)
+        .await
+        .inspect_err(|e| tracing::info!(action, error = %e, "E2B write refused"))?;
     st.node
         .wait_applied(s.index, crate::extract::MIN_INDEX_WAIT)
         .await
-        .map_err(|_| E2bError::new(StatusCode::SERVICE_UNAVAILABLE, "the write was committed but this node has not applied it yet"))?;
+        .map_err(|_| {
+            E2bError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the write was committed but this node has not applied it yet",
+            )
+        })?;
     Ok(s)
 }
 
@@ -156,7 +191,10 @@ fn body_object(bytes: &Bytes) -> R<Map<String, Value>> {
 fn opt_u64(m: &Map<String, Value>, field: &str) -> R<Option<u64>> {
     match m.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| E2bError::bad(format!("{field} must be a non-negative integer"))),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| E2bError::bad(format!("{field} must be a non-negative integer"))),
     }
 }
 
@@ -193,7 +231,9 @@ fn string_map(m: &Map<String, Value>, field: &str) -> R<BTreeMap<String, String>
 /// Network settings as asked. OpenDsec has no egress yet (network policy is a later
 /// release): a request that would open any is refused rather than silently ignored.
 fn check_network(n: &Value, field: &str) -> R<()> {
-    let Value::Object(o) = n else { return Err(E2bError::bad(format!("{field} must be an object"))) };
+    let Value::Object(o) = n else {
+        return Err(E2bError::bad(format!("{field} must be an object")));
+    };
     let no_egress = |what: &str| {
         E2bError::bad(format!(
             "{field}.{what}: this OpenDsec release gives sandboxes no network egress (network policy is not implemented yet), so it cannot allow any"
@@ -255,7 +295,9 @@ fn template_of(x: &Sandbox) -> String {
         Isolation::Container => return asked,
     };
     if x.snapshot.is_none() {
-        let (name, tag) = asked.split_once(':').map_or((asked.as_str(), None), |(n, t)| (n, Some(t)));
+        let (name, tag) = asked
+            .split_once(':')
+            .map_or((asked.as_str(), None), |(n, t)| (n, Some(t)));
         return match tag {
             Some(t) => format!("{name}{suffix}:{t}"),
             None => format!("{name}{suffix}"),
@@ -334,12 +376,18 @@ async fn wait_for(st: &AppState, id: &str, within: Duration, done: impl Fn(&Sand
     let deadline = Instant::now() + within;
     let mut pause = Duration::from_millis(2);
     loop {
-        let x = st.node.read(|s| s.sandboxes.sandboxes.get(id).cloned()).ok_or_else(|| E2bError::not_found(id))?;
+        let x = st
+            .node
+            .read(|s| s.sandboxes.sandboxes.get(id).cloned())
+            .ok_or_else(|| E2bError::not_found(id))?;
         if let Some(r) = done(&x) {
             return r.map(|_| x);
         }
         if Instant::now() >= deadline {
-            return Err(E2bError::new(StatusCode::GATEWAY_TIMEOUT, format!("sandbox {id} did not get there within {} s", within.as_secs())));
+            return Err(E2bError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("sandbox {id} did not get there within {} s", within.as_secs()),
+            ));
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(20));
@@ -350,7 +398,10 @@ fn ended(x: &Sandbox) -> Option<R<()>> {
     match x.observed {
         Observed::Failed | Observed::Exited => {
             let why = x.reason.clone().unwrap_or_else(|| "it ended".into());
-            Some(Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("sandbox {} failed to start: {why}", x.id))))
+            Some(Err(E2bError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("sandbox {} failed to start: {why}", x.id),
+            )))
         }
         _ if x.desired == Desired::Killed => Some(Err(E2bError::not_found(&x.id))),
         _ => None,
@@ -359,7 +410,10 @@ fn ended(x: &Sandbox) -> Option<R<()>> {
 
 /// Until the edge reports it running.
 pub(crate) async fn wait_ready(st: &AppState, id: &str) -> R<Sandbox> {
-    wait_for(st, id, READY_WAIT, |x| ended(x).or_else(|| (x.observed == Observed::Ready && x.desired == Desired::Running).then_some(Ok(())))).await
+    wait_for(st, id, READY_WAIT, |x| {
+        ended(x).or_else(|| (x.observed == Observed::Ready && x.desired == Desired::Running).then_some(Ok(())))
+    })
+    .await
 }
 
 // ---- handlers ----
@@ -367,7 +421,9 @@ pub(crate) async fn wait_ready(st: &AppState, id: &str) -> R<Sandbox> {
 async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
     let who = caller(&st, &headers)?;
     let m = body_object(&body)?;
-    let template = opt_str(&m, "templateID")?.filter(|t| !t.is_empty()).ok_or_else(|| E2bError::bad("templateID is required"))?;
+    let template = opt_str(&m, "templateID")?
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| E2bError::bad("templateID is required"))?;
     let timeout = opt_u64(&m, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_SECONDS);
     let auto_pause = opt_bool(&m, "autoPause")?.unwrap_or(false);
     let auto_resume = match m.get("autoResume") {
@@ -400,11 +456,18 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     let env = string_map(&m, "envVars")?;
     require(&who, Right::SandboxWrite)?;
     let (image, isolation) = template_image(template);
-    let idempotency_key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::trim).filter(|k| !k.is_empty()).map(str::to_string);
+    let idempotency_key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(str::to_string);
     // A create repeated with its idempotency key (a retry after a lost answer) is the
     // sandbox the first one made.
     if let Some(key) = &idempotency_key {
-        let existing = st.node.read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone()));
+        let existing = st
+            .node
+            .read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone()));
         if let Some(id) = existing {
             let x = wait_ready(&st, &id).await?;
             return Ok(created(sandbox_json(&st, &x)));
@@ -417,14 +480,23 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         memory_mb: crate::routes::sandboxes::DEFAULT_MEMORY_MB,
         labels: metadata,
         timeout_seconds: (timeout > 0).then_some(timeout),
-        opts: SandboxOptions { env, auto_pause, auto_resume, network, idempotency_key: idempotency_key.clone(), isolation },
+        opts: SandboxOptions {
+            env,
+            auto_pause,
+            auto_resume,
+            network,
+            idempotency_key: idempotency_key.clone(),
+            isolation,
+        },
     };
     let s = match submit(&st, &who, &headers, cmd).await {
         Ok(s) => s.decided.target,
         // Two creates with one key raced: the other one's sandbox is the answer.
         Err(e) if e.status == StatusCode::CONFLICT && idempotency_key.is_some() => {
             let key = idempotency_key.as_deref().unwrap_or_default();
-            st.node.read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone())).ok_or(e)?
+            st.node
+                .read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone()))
+                .ok_or(e)?
         }
         Err(e) => return Err(e),
     };
@@ -432,7 +504,8 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
     let mut resp = created(sandbox_json(&st, &x));
     if asked_internet {
         tracing::info!(sandbox = %x.id, "internet access was asked for; this release gives sandboxes no egress");
-        resp.headers_mut().insert("x-opendsec-warning", HeaderValue::from_static(NO_EGRESS_WARNING));
+        resp.headers_mut()
+            .insert("x-opendsec-warning", HeaderValue::from_static(NO_EGRESS_WARNING));
     }
     Ok(resp)
 }
@@ -452,11 +525,21 @@ pub fn template_image(template: &str) -> (String, Option<Isolation>) {
         Some((n, t)) => (n, Some(t)),
         None => (template, None),
     };
-    let asked = [(FULLVM_TEMPLATE_SUFFIX, Isolation::Vm), (MICROVM_TEMPLATE_SUFFIX, Isolation::Microvm)]
-        .into_iter()
-        .find_map(|(suffix, isolation)| name.strip_suffix(suffix).filter(|n| !n.is_empty()).map(|image| (image, isolation)));
+    let asked = [
+        (FULLVM_TEMPLATE_SUFFIX, Isolation::Vm),
+        (MICROVM_TEMPLATE_SUFFIX, Isolation::Microvm),
+    ]
+    .into_iter()
+    .find_map(|(suffix, isolation)| {
+        name.strip_suffix(suffix)
+            .filter(|n| !n.is_empty())
+            .map(|image| (image, isolation))
+    });
     match asked {
-        Some((image, isolation)) => (tag.map_or_else(|| image.to_string(), |t| format!("{image}:{t}")), Some(isolation)),
+        Some((image, isolation)) => (
+            tag.map_or_else(|| image.to_string(), |t| format!("{image}:{t}")),
+            Some(isolation),
+        ),
         None => (template.to_string(), None),
     }
 }
@@ -474,9 +557,20 @@ async fn connect(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
         submit(&st, &who, &headers, Command::ResumeSandbox { sandbox: id.clone() }).await?;
     }
     // A sandbox whose timeout was spent pausing it runs on with a default lifetime.
-    let lifetime = timeout.filter(|t| *t > 0).or_else(|| (resumed && x.expires_at_ms.is_none() && x.auto_pause).then_some(DEFAULT_TIMEOUT_SECONDS));
+    let lifetime = timeout
+        .filter(|t| *t > 0)
+        .or_else(|| (resumed && x.expires_at_ms.is_none() && x.auto_pause).then_some(DEFAULT_TIMEOUT_SECONDS));
     if let Some(t) = lifetime {
-        submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id.clone(), timeout_seconds: t }).await?;
+        submit(
+            &st,
+            &who,
+            &headers,
+            Command::SetSandboxTimeout {
+                sandbox: id.clone(),
+                timeout_seconds: t,
+            },
+        )
+        .await?;
     }
     let x = wait_ready(&st, &id).await?;
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
@@ -492,7 +586,9 @@ async fn detail(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<S
 
 /// Query parameters as (name, value) pairs, percent-decoded.
 fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
-    form_urlencoded::parse(q.unwrap_or("").as_bytes()).into_owned().collect()
+    form_urlencoded::parse(q.unwrap_or("").as_bytes())
+        .into_owned()
+        .collect()
 }
 
 async fn list_v1(st: State<AppState>, headers: HeaderMap, q: RawQuery) -> R<Response> {
@@ -544,7 +640,11 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
                 }
             }
             "limit" => {
-                limit = v.parse::<usize>().ok().filter(|l| (1..=LIST_LIMIT_MAX).contains(l)).ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?;
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|l| (1..=LIST_LIMIT_MAX).contains(l))
+                    .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?;
             }
             "nextToken" => after = Some(v),
             _ => {}
@@ -569,7 +669,11 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
             all.reverse();
         }
         let start = match &after {
-            Some(t) => all.iter().position(|x| token_of(x) == *t).map(|i| i + 1).unwrap_or(all.len()),
+            Some(t) => all
+                .iter()
+                .position(|x| token_of(x) == *t)
+                .map(|i| i + 1)
+                .unwrap_or(all.len()),
             None => 0,
         };
         let rest = &all[start.min(all.len())..];
@@ -595,12 +699,26 @@ async fn kill(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<Str
     Ok(no_content())
 }
 
-async fn set_timeout(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
+async fn set_timeout(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
     let who = caller(&st, &headers)?;
     let m = body_object(&body)?;
     let t = opt_u64(&m, "timeout")?.ok_or_else(|| E2bError::bad("timeout is required (seconds from now)"))?;
     visible(&st, &who, &id)?;
-    submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id, timeout_seconds: t }).await?;
+    submit(
+        &st,
+        &who,
+        &headers,
+        Command::SetSandboxTimeout {
+            sandbox: id,
+            timeout_seconds: t,
+        },
+    )
+    .await?;
     Ok(no_content())
 }
 
@@ -612,7 +730,16 @@ async fn refresh(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     let x = visible(&st, &who, &id)?;
     let wanted = opendsec_control::now_ms() + d * 1000;
     if x.expires_at_ms.is_some_and(|e| e < wanted) {
-        submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: id, timeout_seconds: d }).await?;
+        submit(
+            &st,
+            &who,
+            &headers,
+            Command::SetSandboxTimeout {
+                sandbox: id,
+                timeout_seconds: d,
+            },
+        )
+        .await?;
     }
     Ok(no_content())
 }
@@ -621,10 +748,16 @@ async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<St
     let who = caller(&st, &headers)?;
     let x = visible(&st, &who, &id)?;
     if x.desired == Desired::Paused {
-        return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox {id} is already paused")));
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        ));
     }
     submit(&st, &who, &headers, Command::PauseSandbox { sandbox: id.clone() }).await?;
-    wait_for(&st, &id, ACTION_WAIT, |x| ended(x).or_else(|| (x.observed == Observed::Paused).then_some(Ok(())))).await?;
+    wait_for(&st, &id, ACTION_WAIT, |x| {
+        ended(x).or_else(|| (x.observed == Observed::Paused).then_some(Ok(())))
+    })
+    .await?;
     Ok(no_content())
 }
 
@@ -633,19 +766,41 @@ async fn snapshot(State(st): State<AppState>, headers: HeaderMap, Path(id): Path
     let m = body_object(&body)?;
     let name = opt_str(&m, "name")?.unwrap_or("").to_string();
     visible(&st, &who, &id)?;
-    let s = submit(&st, &who, &headers, Command::CreateSnapshot { sandbox: id, name: name.clone() }).await?;
+    let s = submit(
+        &st,
+        &who,
+        &headers,
+        Command::CreateSnapshot {
+            sandbox: id,
+            name: name.clone(),
+        },
+    )
+    .await?;
     let snap = s.decided.target.clone();
     let deadline = Instant::now() + ACTION_WAIT;
     loop {
-        let state = st.node.read(|s| s.snapshots.snapshots.get(&snap).map(|x| (x.state, x.reason.clone())));
+        let state = st
+            .node
+            .read(|s| s.snapshots.snapshots.get(&snap).map(|x| (x.state, x.reason.clone())));
         match state {
             Some((SnapshotState::Ready, _)) => break,
             Some((SnapshotState::Failed, why)) => {
-                return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("snapshot failed: {}", why.unwrap_or_default())));
+                return Err(E2bError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("snapshot failed: {}", why.unwrap_or_default()),
+                ));
             }
-            None => return Err(E2bError::new(StatusCode::NOT_FOUND, format!("snapshot {snap} was deleted"))),
+            None => {
+                return Err(E2bError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("snapshot {snap} was deleted"),
+                ));
+            }
             Some((SnapshotState::Pending, _)) if Instant::now() >= deadline => {
-                return Err(E2bError::new(StatusCode::GATEWAY_TIMEOUT, format!("snapshot {snap} was not taken within {} s", ACTION_WAIT.as_secs())));
+                return Err(E2bError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("snapshot {snap} was not taken within {} s", ACTION_WAIT.as_secs()),
+                ));
             }
             Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
@@ -663,7 +818,11 @@ async fn list_snapshots(State(st): State<AppState>, headers: HeaderMap, RawQuery
             "sandboxID" => sandbox = Some(v),
             "name" => name = Some(v),
             "limit" => {
-                limit = v.parse::<usize>().ok().filter(|l| (1..=LIST_LIMIT_MAX).contains(l)).ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|l| (1..=LIST_LIMIT_MAX).contains(l))
+                    .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?
             }
             "nextToken" => after = Some(v),
             _ => {}
@@ -697,9 +856,17 @@ async fn list_snapshots(State(st): State<AppState>, headers: HeaderMap, RawQuery
 
 async fn delete_snapshot(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
     let who = caller(&st, &headers)?;
-    let known = st.node.read(|s| s.snapshots.snapshots.get(&id).is_some_and(|x| s.within(&x.project, &who.project)));
+    let known = st.node.read(|s| {
+        s.snapshots
+            .snapshots
+            .get(&id)
+            .is_some_and(|x| s.within(&x.project, &who.project))
+    });
     if !known {
-        return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template or snapshot {id} not found (images cannot be deleted through the E2B API)")));
+        return Err(E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("template or snapshot {id} not found (images cannot be deleted through the E2B API)"),
+        ));
     }
     submit(&st, &who, &headers, Command::DeleteSnapshot { snapshot: id }).await?;
     Ok(no_content())
@@ -710,13 +877,31 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     let who = caller(&st, &headers)?;
     require(&who, Right::SandboxRead)?;
     let x = visible(&st, &who, &id)?;
-    let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
-    let address = address.ok_or_else(|| E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge of sandbox {id} is not registered")))?;
+    let address = st
+        .node
+        .read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
+    let address = address.ok_or_else(|| {
+        E2bError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("the edge of sandbox {id} is not registered"),
+        )
+    })?;
     let (status, body) = super::traffic::edge_get(&st, &address, &format!("/metrics/{id}")).await?;
     if status != 200 {
-        return Err(E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge could not sample sandbox {id}: {}", String::from_utf8_lossy(&body))));
+        return Err(E2bError::new(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "the edge could not sample sandbox {id}: {}",
+                String::from_utf8_lossy(&body)
+            ),
+        ));
     }
-    let m: Value = serde_json::from_slice(&body).map_err(|e| E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge's metrics are malformed: {e}")))?;
+    let m: Value = serde_json::from_slice(&body).map_err(|e| {
+        E2bError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("the edge's metrics are malformed: {e}"),
+        )
+    })?;
     let now = opendsec_control::now_ms();
     Ok(Json(json!([{
         "timestamp": rfc3339(now),
@@ -740,16 +925,38 @@ async fn fork(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<Str
     let count = opt_u64(&m, "count")?.unwrap_or(1);
     let timeout = opt_u64(&m, "timeout")?;
     if count == 0 || count > opendsec_commands::LIMITS.fork_count as u64 {
-        return Err(E2bError::bad(format!("count must be 1 to {}", opendsec_commands::LIMITS.fork_count)));
+        return Err(E2bError::bad(format!(
+            "count must be 1 to {}",
+            opendsec_commands::LIMITS.fork_count
+        )));
     }
     visible(&st, &who, &id)?;
-    let s = submit(&st, &who, &headers, Command::ForkSandbox { sandbox: id, count: count as u32, edge: None }).await?;
+    let s = submit(
+        &st,
+        &who,
+        &headers,
+        Command::ForkSandbox {
+            sandbox: id,
+            count: count as u32,
+            edge: None,
+        },
+    )
+    .await?;
     let children = s.decided.created_sandboxes();
     let mut out = Vec::new();
     for c in children {
         let r = async {
             if let Some(t) = timeout.filter(|t| *t > 0) {
-                submit(&st, &who, &headers, Command::SetSandboxTimeout { sandbox: c.clone(), timeout_seconds: t }).await?;
+                submit(
+                    &st,
+                    &who,
+                    &headers,
+                    Command::SetSandboxTimeout {
+                        sandbox: c.clone(),
+                        timeout_seconds: t,
+                    },
+                )
+                .await?;
             }
             wait_ready(&st, &c).await
         }
@@ -768,7 +975,16 @@ async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     let v = Value::Object(m);
     check_network(&v, "network")?;
     visible(&st, &who, &id)?;
-    submit(&st, &who, &headers, Command::SetSandboxNetwork { sandbox: id, network: v.to_string() }).await?;
+    submit(
+        &st,
+        &who,
+        &headers,
+        Command::SetSandboxNetwork {
+            sandbox: id,
+            network: v.to_string(),
+        },
+    )
+    .await?;
     Ok(no_content())
 }
 
@@ -791,12 +1007,28 @@ pub(crate) async fn ready_for_traffic(st: &AppState, x: &Sandbox) -> R<Option<Sa
 
 pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
     let headers = HeaderMap::new();
-    let spent = st.node.read(|s| s.sandboxes.sandboxes.get(id).is_some_and(|x| x.expires_at_ms.is_none() && x.auto_pause));
-    submit_as(st, Credential::System, &headers, Command::ResumeSandbox { sandbox: id.to_string() }).await?;
+    let spent = st.node.read(|s| {
+        s.sandboxes
+            .sandboxes
+            .get(id)
+            .is_some_and(|x| x.expires_at_ms.is_none() && x.auto_pause)
+    });
+    submit_as(
+        st,
+        Credential::System,
+        &headers,
+        Command::ResumeSandbox {
+            sandbox: id.to_string(),
+        },
+    )
+    .await?;
     // Its timeout was spent pausing it: it runs on with a default lifetime, and pauses
     // again at its end.
     if spent {
-        let cmd = Command::SetSandboxTimeout { sandbox: id.to_string(), timeout_seconds: DEFAULT_TIMEOUT_SECONDS };
+        let cmd = Command::SetSandboxTimeout {
+            sandbox: id.to_string(),
+            timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
+        };
         submit_as(st, Credential::System, &headers, cmd).await?;
     }
     wait_ready(st, id).await
@@ -808,13 +1040,29 @@ mod tests {
 
     #[test]
     fn a_vm_suffix_asks_for_a_microvm_of_the_image() {
-        assert_eq!(template_image("base-vm"), ("base".to_string(), Some(Isolation::Microvm)));
-        assert_eq!(template_image("code-interpreter-v1-vm:latest"), ("code-interpreter-v1:latest".to_string(), Some(Isolation::Microvm)));
+        assert_eq!(
+            template_image("base-vm"),
+            ("base".to_string(), Some(Isolation::Microvm))
+        );
+        assert_eq!(
+            template_image("code-interpreter-v1-vm:latest"),
+            ("code-interpreter-v1:latest".to_string(), Some(Isolation::Microvm))
+        );
         assert_eq!(template_image("base-fullvm"), ("base".to_string(), Some(Isolation::Vm)));
-        assert_eq!(template_image("base-fullvm:latest"), ("base:latest".to_string(), Some(Isolation::Vm)));
+        assert_eq!(
+            template_image("base-fullvm:latest"),
+            ("base:latest".to_string(), Some(Isolation::Vm))
+        );
         assert_eq!(template_image("-fullvm"), ("-fullvm".to_string(), None));
         assert_eq!(template_image("base"), ("base".to_string(), None));
-        assert_eq!(template_image("snap-0123456789abcdef"), ("snap-0123456789abcdef".to_string(), None));
-        assert_eq!(template_image("-vm"), ("-vm".to_string(), None), "a suffix alone names no image");
+        assert_eq!(
+            template_image("snap-0123456789abcdef"),
+            ("snap-0123456789abcdef".to_string(), None)
+        );
+        assert_eq!(
+            template_image("-vm"),
+            ("-vm".to_string(), None),
+            "a suffix alone names no image"
+        );
     }
 }

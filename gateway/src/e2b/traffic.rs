@@ -9,12 +9,12 @@
 //! traffic token. Other ports are public unless the sandbox's network settings say
 //! `allowPublicTraffic: false`, when they need `E2B-Traffic-Access-Token` — E2B's rules.
 
+use axum::Json;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use opendsec_control::SandboxTokenKind;
 use opendsec_projections::Desired;
 use serde_json::json;
@@ -53,20 +53,40 @@ fn target_of(st: &AppState, req: &Request) -> Target {
                     _ => return Target::Bad(format!("{SANDBOX_PORT_HEADER} {p:?} is not a port")),
                 },
             };
-            return Target::Sandbox { id: id.to_string(), port };
+            return Target::Sandbox {
+                id: id.to_string(),
+                port,
+            };
         }
         (None, Some(_)) => return Target::Bad(format!("{SANDBOX_PORT_HEADER} needs {SANDBOX_ID_HEADER}")),
     }
-    let Some(domain) = st.e2b.domain_host() else { return Target::Control };
-    let host = req.headers().get(axum::http::header::HOST).and_then(|v| v.to_str().ok()).or_else(|| req.uri().host()).unwrap_or("");
-    let host = host.rsplit_once(':').filter(|(_, p)| p.chars().all(|c| c.is_ascii_digit())).map(|(h, _)| h).unwrap_or(host).to_ascii_lowercase();
-    let Some(label) = host.strip_suffix(&domain).and_then(|l| l.strip_suffix('.')) else { return Target::Control };
+    let Some(domain) = st.e2b.domain_host() else {
+        return Target::Control;
+    };
+    let host = req
+        .headers()
+        .get(axum::http::header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| req.uri().host())
+        .unwrap_or("");
+    let host = host
+        .rsplit_once(':')
+        .filter(|(_, p)| p.chars().all(|c| c.is_ascii_digit()))
+        .map(|(h, _)| h)
+        .unwrap_or(host)
+        .to_ascii_lowercase();
+    let Some(label) = host.strip_suffix(&domain).and_then(|l| l.strip_suffix('.')) else {
+        return Target::Control;
+    };
     if label.contains('.') {
         return Target::Control;
     }
     match label.split_once('-') {
         Some((port, id)) if port.chars().all(|c| c.is_ascii_digit()) && !port.is_empty() => match port.parse::<u16>() {
-            Ok(p) if p != 0 && valid_id(id) => Target::Sandbox { id: id.to_string(), port: p },
+            Ok(p) if p != 0 && valid_id(id) => Target::Sandbox {
+                id: id.to_string(),
+                port: p,
+            },
             _ => Target::Bad(format!("{host} is not {{port}}-{{sandboxId}}.{domain}")),
         },
         _ => Target::Control,
@@ -75,7 +95,11 @@ fn target_of(st: &AppState, req: &Request) -> Target {
 
 /// E2B's answer for a sandbox that does not exist (the SDK's probes look for "was not found").
 fn not_found(id: &str) -> Response {
-    (StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": "The sandbox was not found", "code": 502 }))).into_response()
+    (
+        StatusCode::BAD_GATEWAY,
+        Json(json!({ "sandboxId": id, "message": "The sandbox was not found", "code": 502 })),
+    )
+        .into_response()
 }
 
 fn token_is(req: &Request, header: &str, expected: &str) -> Option<bool> {
@@ -114,7 +138,9 @@ async fn to_sandbox(st: &AppState, id: String, port: u16, req: Request) -> Resul
 
 /// Whether the request may reach the sandbox's port (the sandbox exists, the tokens fit).
 fn admit(st: &AppState, id: &str, port: u16, req: &Request) -> Result<(), Response> {
-    let found = st.node.read(|s| s.sandboxes.sandboxes.get(id).filter(|x| x.is_live()).cloned());
+    let found = st
+        .node
+        .read(|s| s.sandboxes.sandboxes.get(id).filter(|x| x.is_live()).cloned());
     let Some(x) = found else { return Err(not_found(id)) };
     let agent_token = st.node.sandbox_token(SandboxTokenKind::Agent, id);
     let traffic_token = st.node.sandbox_token(SandboxTokenKind::Traffic, id);
@@ -137,14 +163,22 @@ fn admit(st: &AppState, id: &str, port: u16, req: &Request) -> Result<(), Respon
                 .unwrap_or(true);
             let needs_token = port == CODE_INTERPRETER_PORT || !public;
             if needs_token && !access && !traffic {
-                return Err(E2bError::new(StatusCode::FORBIDDEN, format!("port {port} of sandbox {id} needs its access or traffic token")).into_response());
+                return Err(E2bError::new(
+                    StatusCode::FORBIDDEN,
+                    format!("port {port} of sandbox {id} needs its access or traffic token"),
+                )
+                .into_response());
             }
         }
     }
     // Observed paused while desired running is a resume under way: the request waits
     // for it in forward(), it is not refused.
     if x.desired == Desired::Paused && !x.auto_resume {
-        return Err((StatusCode::BAD_GATEWAY, Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 }))).into_response());
+        return Err((
+            StatusCode::BAD_GATEWAY,
+            Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 })),
+        )
+            .into_response());
     }
     Ok(())
 }
@@ -155,15 +189,26 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
         req.headers_mut().remove(ACCESS_TOKEN_HEADER);
         req.headers_mut().remove(TRAFFIC_TOKEN_HEADER);
     }
-    let found = st.node.read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
+    let found = st
+        .node
+        .read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
     let Some(mut x) = found else { return Err(not_found(&id)) };
     // admit() let a paused one through only with auto-resume: it resumes on this request.
-    if let Some(running) = super::api::ready_for_traffic(st, &x).await.map_err(IntoResponse::into_response)? {
+    if let Some(running) = super::api::ready_for_traffic(st, &x)
+        .await
+        .map_err(IntoResponse::into_response)?
+    {
         x = running;
     }
-    let address = st.node.read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
+    let address = st
+        .node
+        .read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
     let Some(address) = address else {
-        return Err(E2bError::new(StatusCode::BAD_GATEWAY, format!("the edge of sandbox {id} is not registered")).into_response());
+        return Err(E2bError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("the edge of sandbox {id} is not registered"),
+        )
+        .into_response());
     };
     let path_and_query = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let uri: Uri = format!("/sandboxes/{id}{path_and_query}")
@@ -174,7 +219,8 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
     req.headers_mut().remove(crate::edge_client::EDGE_KEY_HEADER);
     req.headers_mut().remove(crate::edge_client::PORT_HEADER);
     if port != ENVD_PORT {
-        req.headers_mut().insert(crate::edge_client::PORT_HEADER, HeaderValue::from(port));
+        req.headers_mut()
+            .insert(crate::edge_client::PORT_HEADER, HeaderValue::from(port));
     }
     let req = req.map(Body::new);
     crate::edge_client::forward(st, &address, uri, req)
@@ -184,5 +230,7 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
 
 /// `GET path` on an edge's proxy, as an E2B result.
 pub(super) async fn edge_get(st: &AppState, address: &str, path: &str) -> Result<(u16, axum::body::Bytes), E2bError> {
-    crate::edge_client::get(st, address, path).await.map_err(|e| E2bError::new(StatusCode::BAD_GATEWAY, e.0))
+    crate::edge_client::get(st, address, path)
+        .await
+        .map_err(|e| E2bError::new(StatusCode::BAD_GATEWAY, e.0))
 }

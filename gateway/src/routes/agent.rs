@@ -7,15 +7,15 @@
 //! `Authorization: Basic base64("<user>:")`. Bodies stream both ways unbuffered.
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderName, HeaderValue, StatusCode, Uri};
+use axum::http::{HeaderName, HeaderValue, StatusCode, Uri, header};
 use axum::response::Response;
 use base64::Engine;
 use opendsec_projections::Right;
 use opendsec_sdk::types as api;
 
+use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::{Authed, PathParam};
-use crate::AppState;
 
 use crate::edge_client::{EDGE_KEY_HEADER, PORT_HEADER};
 /// Names the sandbox user the agent acts as (default: the agent's default user).
@@ -41,7 +41,6 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
     "upgrade",
 ];
 
-
 /// Forwards any request to the sandbox's agent, streaming both ways. Needs sandbox:write
 /// and a live sandbox in the caller's project subtree. `{path}` is the agent's path:
 /// `process.Process/Start` (Connect server stream, `application/connect+json`),
@@ -60,44 +59,79 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
         (status = "4XX", body = api::ErrorBody, description = "401 no token, 403 no sandbox:write or outside the token's project, 404 unknown sandbox, 409 the sandbox has ended"),
         (status = 502, body = api::ErrorBody, description = "The sandbox's edge is unreachable"),
     ))]
-pub async fn proxy(State(st): State<AppState>, who: Authed, PathParam((id, path)): PathParam<(String, String)>, req: Request) -> Result<Response, ApiError> {
+pub async fn proxy(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam((id, path)): PathParam<(String, String)>,
+    req: Request,
+) -> Result<Response, ApiError> {
     who.require(Right::SandboxWrite)?;
     let (address, x) = st.node.read(|s| {
-        let x = s.sandboxes.sandboxes.get(&id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
+        let x = s
+            .sandboxes
+            .sandboxes
+            .get(&id)
+            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
         if !who.sees(s, &x.project) {
-            return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
+            return Err(ApiError::forbidden(format!(
+                "sandbox {id} is outside this token's project {}",
+                who.0.project
+            )));
         }
         if !x.is_live() {
-            return Err(ApiError::new(StatusCode::CONFLICT, "conflict", format!("sandbox {id} has ended")));
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!("sandbox {id} has ended"),
+            ));
         }
-        let edge = s.placement.edges.get(&x.edge).ok_or_else(|| edge_unreachable(format!("the edge {} of sandbox {id} is not registered", x.edge)))?;
+        let edge = s
+            .placement
+            .edges
+            .get(&x.edge)
+            .ok_or_else(|| edge_unreachable(format!("the edge {} of sandbox {id} is not registered", x.edge)))?;
         Ok((edge.address.clone(), x.clone()))
     })?;
     // A paused sandbox created with auto_resume resumes on this request (a microVM is
     // restored into a new VMM meanwhile); a resume under way is waited for.
-    crate::e2b::api::ready_for_traffic(&st, &x).await.map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
+    crate::e2b::api::ready_for_traffic(&st, &x)
+        .await
+        .map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
     let user = match req.headers().get(USER_HEADER) {
         None => None,
         Some(v) => {
-            let name = v.to_str().ok().map(str::trim).filter(|n| !n.is_empty() && !n.contains(':') && n.len() <= 64);
-            Some(name.ok_or_else(|| ApiError::invalid(USER_HEADER, format!("{USER_HEADER} must be a user name")))?.to_string())
+            let name = v
+                .to_str()
+                .ok()
+                .map(str::trim)
+                .filter(|n| !n.is_empty() && !n.contains(':') && n.len() <= 64);
+            Some(
+                name.ok_or_else(|| ApiError::invalid(USER_HEADER, format!("{USER_HEADER} must be a user name")))?
+                    .to_string(),
+            )
         }
     };
     let tail = match req.uri().query() {
         Some(q) => format!("/sandboxes/{id}/{path}?{q}"),
         None => format!("/sandboxes/{id}/{path}"),
     };
-    let uri: Uri = tail.parse().map_err(|_| ApiError::invalid("path", "the agent path is not a valid URI path"))?;
+    let uri: Uri = tail
+        .parse()
+        .map_err(|_| ApiError::invalid("path", "the agent path is not a valid URI path"))?;
     let (mut parts, body) = req.into_parts();
     for h in DROPPED_REQUEST_HEADERS {
         parts.headers.remove(*h);
     }
     // The caller proved itself with its bearer token; the agent wants the sandbox's own.
     let token = st.node.sandbox_token(opendsec_control::SandboxTokenKind::Agent, &id);
-    parts.headers.insert(HeaderName::from_static("x-access-token"), HeaderValue::from_str(&token).map_err(|_| ApiError::internal("bad sandbox token"))?);
+    parts.headers.insert(
+        HeaderName::from_static("x-access-token"),
+        HeaderValue::from_str(&token).map_err(|_| ApiError::internal("bad sandbox token"))?,
+    );
     if let Some(u) = user {
         let basic = base64::engine::general_purpose::STANDARD.encode(format!("{u}:"));
-        let v = HeaderValue::from_str(&format!("Basic {basic}")).map_err(|_| ApiError::invalid(USER_HEADER, "bad user name"))?;
+        let v = HeaderValue::from_str(&format!("Basic {basic}"))
+            .map_err(|_| ApiError::invalid(USER_HEADER, "bad user name"))?;
         parts.headers.insert(header::AUTHORIZATION, v);
     }
     crate::edge_client::forward(&st, &address, uri, axum::http::Request::from_parts(parts, body))

@@ -1,8 +1,8 @@
 //! Edges: the registered machines, with the watcher's soft heartbeat state.
 
+use axum::Json;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
-use axum::Json;
 use opendsec_commands::Command;
 use opendsec_control::EdgeHeartbeat;
 use opendsec_projections::Right;
@@ -11,7 +11,7 @@ use opendsec_sdk::types::{self as api, EdgeList, EdgeWritten, RegisterEdge};
 use crate::convert;
 use crate::error::ApiError;
 use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
-use crate::{submit, AppState, Written};
+use crate::{AppState, Written, submit};
 
 /// Every edge with its capacity, what is assigned to it, and its last heartbeat. Needs sandbox:read.
 #[utoipa::path(get, path = "/v1/edges", tag = "edges",
@@ -20,34 +20,68 @@ pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery
     Params::parse(q.as_deref(), &[])?;
     who.require(Right::SandboxRead)?;
     let beats = heartbeats(&st);
-    let edges = st.node.read(|s| s.placement.edges.values().map(|e| convert::edge(e, heartbeat_of(&beats, &e.id))).collect());
+    let edges = st.node.read(|s| {
+        s.placement
+            .edges
+            .values()
+            .map(|e| convert::edge(e, heartbeat_of(&beats, &e.id)))
+            .collect()
+    });
     Ok(Json(EdgeList { edges }))
 }
 
 /// Registers an edge, or updates its address, capacity and labels. Needs edge:write.
 #[utoipa::path(post, path = "/v1/edges", tag = "edges", request_body = RegisterEdge,
     responses((status = 200, body = EdgeWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn register(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<RegisterEdge>) -> Result<Written<EdgeWritten>, ApiError> {
+pub async fn register(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    JsonBody(req): JsonBody<RegisterEdge>,
+) -> Result<Written<EdgeWritten>, ApiError> {
     let id = req.edge.clone();
-    let cmd = Command::RegisterEdge { edge: req.edge, address: req.address, capacity: convert::usage(&req.capacity), labels: req.labels };
+    let cmd = Command::RegisterEdge {
+        edge: req.edge,
+        address: req.address,
+        capacity: convert::usage(&req.capacity),
+        labels: req.labels,
+    };
     let s = submit(&st, &who, &rid, cmd).await?;
     let edge = read_edge(&st, &id)?;
-    Ok(Written { index: s.index, status: StatusCode::OK, body: EdgeWritten { index: s.index, edge } })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: EdgeWritten { index: s.index, edge },
+    })
 }
 
 /// Stops placing sandboxes on the edge. Needs edge:write.
 #[utoipa::path(delete, path = "/v1/edges/{id}", tag = "edges", params(("id" = String, Path)),
     responses((status = 200, body = EdgeWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn deregister(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<EdgeWritten>, ApiError> {
+pub async fn deregister(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+) -> Result<Written<EdgeWritten>, ApiError> {
     let s = submit(&st, &who, &rid, Command::DeregisterEdge { edge: id.clone() }).await?;
     let edge = read_edge(&st, &id)?;
-    Ok(Written { index: s.index, status: StatusCode::OK, body: EdgeWritten { index: s.index, edge } })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: EdgeWritten { index: s.index, edge },
+    })
 }
 
 fn read_edge(st: &AppState, id: &str) -> Result<api::Edge, ApiError> {
     let beats = heartbeats(st);
     st.node
-        .read(|s| s.placement.edges.get(id).map(|e| convert::edge(e, heartbeat_of(&beats, id))))
+        .read(|s| {
+            s.placement
+                .edges
+                .get(id)
+                .map(|e| convert::edge(e, heartbeat_of(&beats, id)))
+        })
         .ok_or_else(|| ApiError::internal(format!("edge {id} was written but is not in the applied state")))
 }
 

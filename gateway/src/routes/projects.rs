@@ -1,8 +1,8 @@
 //! Projects and their quotas.
 
+use axum::Json;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
-use axum::Json;
 use opendsec_commands::Command;
 use opendsec_projections::{Limits, Right};
 use opendsec_sdk::types::{self as api, CreateProject, Done, ProjectList, ProjectWritten, Quota};
@@ -11,59 +11,127 @@ use super::visible_project;
 use crate::convert;
 use crate::error::ApiError;
 use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
-use crate::{submit, AppState, Written};
+use crate::{AppState, Written, submit};
 
 /// Creates a project under `parent` (default: the caller's project). Needs project:write.
 #[utoipa::path(post, path = "/v1/projects", tag = "projects", request_body = CreateProject,
     responses((status = 201, body = ProjectWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateProject>) -> Result<Written<ProjectWritten>, ApiError> {
+pub async fn create(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    JsonBody(req): JsonBody<CreateProject>,
+) -> Result<Written<ProjectWritten>, ApiError> {
     let parent = req.parent.unwrap_or_else(|| who.0.project.clone());
     let s = submit(&st, &who, &rid, Command::CreateProject { name: req.name, parent }).await?;
-    let project = st.node.read(|state| state.iam.projects.get(&s.decided.target).map(convert::project));
-    let project = project.ok_or_else(|| ApiError::internal("the project was created but is not in the applied state"))?;
-    Ok(Written { index: s.index, status: StatusCode::CREATED, body: ProjectWritten { index: s.index, project } })
+    let project = st
+        .node
+        .read(|state| state.iam.projects.get(&s.decided.target).map(convert::project));
+    let project =
+        project.ok_or_else(|| ApiError::internal("the project was created but is not in the applied state"))?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::CREATED,
+        body: ProjectWritten {
+            index: s.index,
+            project,
+        },
+    })
 }
 
 /// The projects in the caller's subtree. Needs sandbox:read.
 #[utoipa::path(get, path = "/v1/projects", tag = "projects",
     responses((status = 200, body = ProjectList), (status = "4XX", body = api::ErrorBody)))]
-pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery) -> Result<Json<ProjectList>, ApiError> {
+pub async fn list(
+    State(st): State<AppState>,
+    who: Authed,
+    RawQuery(q): RawQuery,
+) -> Result<Json<ProjectList>, ApiError> {
     Params::parse(q.as_deref(), &[])?;
     who.require(Right::SandboxRead)?;
-    let projects = st.node.read(|s| s.iam.projects.values().filter(|p| who.sees(s, &p.id)).map(convert::project).collect());
+    let projects = st.node.read(|s| {
+        s.iam
+            .projects
+            .values()
+            .filter(|p| who.sees(s, &p.id))
+            .map(convert::project)
+            .collect()
+    });
     Ok(Json(ProjectList { projects }))
 }
 
 #[utoipa::path(get, path = "/v1/projects/{id}", tag = "projects", params(("id" = String, Path)),
     responses((status = 200, body = api::Project), (status = "4XX", body = api::ErrorBody)))]
-pub async fn get(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>) -> Result<Json<api::Project>, ApiError> {
+pub async fn get(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+) -> Result<Json<api::Project>, ApiError> {
     who.require(Right::SandboxRead)?;
-    st.node.read(|s| visible_project(s, &who, "id", &id).map(convert::project)).map(Json)
+    st.node
+        .read(|s| visible_project(s, &who, "id", &id).map(convert::project))
+        .map(Json)
 }
 
 /// Deletes an empty project strictly below the caller's own. Needs project:write.
 #[utoipa::path(delete, path = "/v1/projects/{id}", tag = "projects", params(("id" = String, Path)),
     responses((status = 200, body = Done), (status = "4XX", body = api::ErrorBody)))]
-pub async fn delete(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<Done>, ApiError> {
+pub async fn delete(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+) -> Result<Written<Done>, ApiError> {
     let s = submit(&st, &who, &rid, Command::DeleteProject { project: id }).await?;
-    Ok(Written { index: s.index, status: StatusCode::OK, body: Done { index: s.index } })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: Done { index: s.index },
+    })
 }
 
 /// Sets the project's own limits (an absent resource: no limit of its own). Needs
 /// quota:write on a strict ancestor; a child's limits never exceed its parent's.
 #[utoipa::path(put, path = "/v1/projects/{id}/quota", tag = "projects", params(("id" = String, Path)), request_body = api::Limits,
     responses((status = 200, body = Quota), (status = "4XX", body = api::ErrorBody)))]
-pub async fn set_quota(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<api::Limits>) -> Result<Written<Quota>, ApiError> {
-    let limits = Limits { sandboxes: req.sandboxes, cpu_millis: req.cpu_millis, memory_mb: req.memory_mb };
-    let s = submit(&st, &who, &rid, Command::SetQuota { project: id.clone(), limits }).await?;
+pub async fn set_quota(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<api::Limits>,
+) -> Result<Written<Quota>, ApiError> {
+    let limits = Limits {
+        sandboxes: req.sandboxes,
+        cpu_millis: req.cpu_millis,
+        memory_mb: req.memory_mb,
+    };
+    let s = submit(
+        &st,
+        &who,
+        &rid,
+        Command::SetQuota {
+            project: id.clone(),
+            limits,
+        },
+    )
+    .await?;
     let quota = st.node.read(|state| quota_of(state, &id));
-    Ok(Written { index: s.index, status: StatusCode::OK, body: quota })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: quota,
+    })
 }
 
 /// The project's own limits, the effective (inherited) limits, and its subtree's usage.
 #[utoipa::path(get, path = "/v1/projects/{id}/quota", tag = "projects", params(("id" = String, Path)),
     responses((status = 200, body = Quota), (status = "4XX", body = api::ErrorBody)))]
-pub async fn get_quota(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>) -> Result<Json<Quota>, ApiError> {
+pub async fn get_quota(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+) -> Result<Json<Quota>, ApiError> {
     who.require(Right::SandboxRead)?;
     st.node.read(|s| {
         visible_project(s, &who, "id", &id)?;

@@ -1,18 +1,20 @@
 //! Sandboxes: create (placed by `decide`), list with filters, and lifecycle requests.
 
+use axum::Json;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
-use axum::Json;
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_projections::Right;
-use opendsec_sdk::types::{self as api, CreateSandbox, ForkSandbox, Forked, SandboxList, SandboxWritten, SetLabels, SetTimeout};
+use opendsec_sdk::types::{
+    self as api, CreateSandbox, ForkSandbox, Forked, SandboxList, SandboxWritten, SetLabels, SetTimeout,
+};
 use std::collections::BTreeMap;
 
 use super::visible_project;
 use crate::convert::{self, SANDBOX_STATES};
 use crate::error::ApiError;
 use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
-use crate::{submit, AppState, Written};
+use crate::{AppState, Written, submit};
 
 pub const DEFAULT_CPU_MILLIS: u64 = 1000;
 pub const DEFAULT_MEMORY_MB: u64 = 512;
@@ -24,7 +26,12 @@ pub const DEFAULT_MEMORY_MB: u64 = 512;
 /// snapshot gives that machine restored where its source was). Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses((status = 201, body = SandboxWritten), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
-pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, JsonBody(req): JsonBody<CreateSandbox>) -> Result<Written<SandboxWritten>, ApiError> {
+pub async fn create(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    JsonBody(req): JsonBody<CreateSandbox>,
+) -> Result<Written<SandboxWritten>, ApiError> {
     let cmd = Command::CreateSandbox {
         project: req.project.unwrap_or_else(|| who.0.project.clone()),
         image: req.image,
@@ -32,7 +39,11 @@ pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, Jso
         memory_mb: req.memory_mb.unwrap_or(DEFAULT_MEMORY_MB),
         labels: req.labels.unwrap_or_default(),
         timeout_seconds: req.timeout_seconds.filter(|t| *t > 0),
-        opts: SandboxOptions { isolation: req.isolation.map(convert::isolation_of), auto_resume: req.auto_resume.unwrap_or(false), ..Default::default() },
+        opts: SandboxOptions {
+            isolation: req.isolation.map(convert::isolation_of),
+            auto_resume: req.auto_resume.unwrap_or(false),
+            ..Default::default()
+        },
     };
     let s = submit(&st, &who, &rid, cmd).await.map_err(|mut e| {
         // The command's create options are this body's top-level fields.
@@ -43,7 +54,14 @@ pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, Jso
     })?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
     tracing::debug!(sandbox = %sandbox.id, index = s.index, "create committed");
-    Ok(Written { index: s.index, status: StatusCode::CREATED, body: SandboxWritten { index: s.index, sandbox } })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::CREATED,
+        body: SandboxWritten {
+            index: s.index,
+            sandbox,
+        },
+    })
 }
 
 /// Sandboxes in the caller's subtree. Without `state`, only live ones. Needs sandbox:read.
@@ -54,17 +72,26 @@ pub async fn create(State(st): State<AppState>, who: Authed, rid: RequestId, Jso
         ("state" = Option<String>, Query, description = "pending, running, pausing, paused, resuming, killed, failed or exited"),
     ),
     responses((status = 200, body = SandboxList), (status = "4XX", body = api::ErrorBody)))]
-pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery) -> Result<Json<SandboxList>, ApiError> {
+pub async fn list(
+    State(st): State<AppState>,
+    who: Authed,
+    RawQuery(q): RawQuery,
+) -> Result<Json<SandboxList>, ApiError> {
     let params = Params::parse(q.as_deref(), &["project", "label", "state"])?;
     who.require(Right::SandboxRead)?;
     let mut labels = BTreeMap::new();
     for l in params.all("label") {
-        let (k, v) = l.split_once('=').ok_or_else(|| ApiError::invalid("label", format!("label filter {l:?} must be key=value")))?;
+        let (k, v) = l
+            .split_once('=')
+            .ok_or_else(|| ApiError::invalid("label", format!("label filter {l:?} must be key=value")))?;
         labels.insert(k.to_string(), v.to_string());
     }
     let state = params.one("state")?;
     if let Some(w) = state.filter(|w| !SANDBOX_STATES.contains(w)) {
-        return Err(ApiError::invalid("state", format!("unknown state {w:?}; states are: {}", SANDBOX_STATES.join(", "))));
+        return Err(ApiError::invalid(
+            "state",
+            format!("unknown state {w:?}; states are: {}", SANDBOX_STATES.join(", ")),
+        ));
     }
     let project = params.one("project")?;
     st.node.read(|s| {
@@ -90,12 +117,23 @@ pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = api::Sandbox), (status = "4XX", body = api::ErrorBody)))]
-pub async fn get(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>) -> Result<Json<api::Sandbox>, ApiError> {
+pub async fn get(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+) -> Result<Json<api::Sandbox>, ApiError> {
     who.require(Right::SandboxRead)?;
     st.node.read(|s| {
-        let x = s.sandboxes.sandboxes.get(&id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
+        let x = s
+            .sandboxes
+            .sandboxes
+            .get(&id)
+            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
         if !who.sees(s, &x.project) {
-            return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
+            return Err(ApiError::forbidden(format!(
+                "sandbox {id} is outside this token's project {}",
+                who.0.project
+            )));
         }
         Ok(Json(convert::sandbox(x)))
     })
@@ -104,34 +142,81 @@ pub async fn get(State(st): State<AppState>, who: Authed, PathParam(id): PathPar
 /// Kills the sandbox; its quota is given back at once. Needs sandbox:write.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn kill(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<SandboxWritten>, ApiError> {
+pub async fn kill(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+) -> Result<Written<SandboxWritten>, ApiError> {
     lifecycle(st, who, rid, id.clone(), Command::KillSandbox { sandbox: id }).await
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn pause(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<SandboxWritten>, ApiError> {
+pub async fn pause(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+) -> Result<Written<SandboxWritten>, ApiError> {
     lifecycle(st, who, rid, id.clone(), Command::PauseSandbox { sandbox: id }).await
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn resume(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>) -> Result<Written<SandboxWritten>, ApiError> {
+pub async fn resume(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+) -> Result<Written<SandboxWritten>, ApiError> {
     lifecycle(st, who, rid, id.clone(), Command::ResumeSandbox { sandbox: id }).await
 }
 
 /// Sets the sandbox's lifetime from now; 0 removes it.
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/timeout", tag = "sandboxes", params(("id" = String, Path)), request_body = SetTimeout,
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn set_timeout(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<SetTimeout>) -> Result<Written<SandboxWritten>, ApiError> {
-    lifecycle(st, who, rid, id.clone(), Command::SetSandboxTimeout { sandbox: id, timeout_seconds: req.timeout_seconds }).await
+pub async fn set_timeout(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<SetTimeout>,
+) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(
+        st,
+        who,
+        rid,
+        id.clone(),
+        Command::SetSandboxTimeout {
+            sandbox: id,
+            timeout_seconds: req.timeout_seconds,
+        },
+    )
+    .await
 }
 
 /// Replaces the sandbox's labels.
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/labels", tag = "sandboxes", params(("id" = String, Path)), request_body = SetLabels,
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn set_labels(st: State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<SetLabels>) -> Result<Written<SandboxWritten>, ApiError> {
-    lifecycle(st, who, rid, id.clone(), Command::SetSandboxLabels { sandbox: id, labels: req.labels }).await
+pub async fn set_labels(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<SetLabels>,
+) -> Result<Written<SandboxWritten>, ApiError> {
+    lifecycle(
+        st,
+        who,
+        rid,
+        id.clone(),
+        Command::SetSandboxLabels {
+            sandbox: id,
+            labels: req.labels,
+        },
+    )
+    .await
 }
 
 /// Creates `count` copies of a live sandbox: a container's copies start from its file
@@ -141,17 +226,56 @@ pub async fn set_labels(st: State<AppState>, who: Authed, rid: RequestId, PathPa
 /// `edge` places them all on one edge. Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", tag = "sandboxes", params(("id" = String, Path)), request_body = ForkSandbox,
     responses((status = 201, body = Forked), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
-pub async fn fork(State(st): State<AppState>, who: Authed, rid: RequestId, PathParam(id): PathParam<String>, JsonBody(req): JsonBody<ForkSandbox>) -> Result<Written<Forked>, ApiError> {
-    let s = submit(&st, &who, &rid, Command::ForkSandbox { sandbox: id, count: req.count, edge: req.edge }).await?;
+pub async fn fork(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<ForkSandbox>,
+) -> Result<Written<Forked>, ApiError> {
+    let s = submit(
+        &st,
+        &who,
+        &rid,
+        Command::ForkSandbox {
+            sandbox: id,
+            count: req.count,
+            edge: req.edge,
+        },
+    )
+    .await?;
     let children = s.decided.created_sandboxes();
-    let sandboxes = children.iter().map(|c| read_sandbox(&st, c)).collect::<Result<_, _>>()?;
-    Ok(Written { index: s.index, status: StatusCode::CREATED, body: Forked { index: s.index, sandboxes } })
+    let sandboxes = children
+        .iter()
+        .map(|c| read_sandbox(&st, c))
+        .collect::<Result<_, _>>()?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::CREATED,
+        body: Forked {
+            index: s.index,
+            sandboxes,
+        },
+    })
 }
 
-async fn lifecycle(State(st): State<AppState>, who: Authed, rid: RequestId, id: String, cmd: Command) -> Result<Written<SandboxWritten>, ApiError> {
+async fn lifecycle(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    id: String,
+    cmd: Command,
+) -> Result<Written<SandboxWritten>, ApiError> {
     let s = submit(&st, &who, &rid, cmd).await?;
     let sandbox = read_sandbox(&st, &id)?;
-    Ok(Written { index: s.index, status: StatusCode::OK, body: SandboxWritten { index: s.index, sandbox } })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: SandboxWritten {
+            index: s.index,
+            sandbox,
+        },
+    })
 }
 
 /// The end of the sandbox's console: its PID 1 output (the agent's log and the
@@ -159,34 +283,75 @@ async fn lifecycle(State(st): State<AppState>, who: Authed, rid: RequestId, id: 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/logs", tag = "sandboxes",
     params(("id" = String, Path), ("max_bytes" = Option<u64>, Query, description = "At most this many of the last bytes (default 65536, at most 16 MiB)")),
     responses((status = 200, description = "The last bytes of the log", content_type = "text/plain"), (status = "4XX", body = api::ErrorBody), (status = 502, body = api::ErrorBody)))]
-pub async fn logs(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>, RawQuery(q): RawQuery) -> Result<axum::response::Response, ApiError> {
+pub async fn logs(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+    RawQuery(q): RawQuery,
+) -> Result<axum::response::Response, ApiError> {
     use axum::response::IntoResponse;
     let params = Params::parse(q.as_deref(), &["max_bytes"])?;
     let max: u64 = match params.one("max_bytes")? {
         None => 64 << 10,
-        Some(v) => v.parse().ok().filter(|m| *m > 0 && *m <= 16 << 20).ok_or_else(|| ApiError::invalid("max_bytes", "max_bytes must be 1 to 16777216"))?,
+        Some(v) => v
+            .parse()
+            .ok()
+            .filter(|m| *m > 0 && *m <= 16 << 20)
+            .ok_or_else(|| ApiError::invalid("max_bytes", "max_bytes must be 1 to 16777216"))?,
     };
-    let body = from_edge(&st, &who, &id, &format!("/logs/{id}?max_bytes={max}"), "has no files on its edge any more (it ended and was removed)").await?;
+    let body = from_edge(
+        &st,
+        &who,
+        &id,
+        &format!("/logs/{id}?max_bytes={max}"),
+        "has no files on its edge any more (it ended and was removed)",
+    )
+    .await?;
     Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response())
 }
 
 /// GETs `path` from the edge of sandbox `id` (visible to `who`, who needs sandbox:read);
 /// the edge not knowing it is a 404 saying the sandbox `gone`.
-async fn from_edge(st: &AppState, who: &Authed, id: &str, path: &str, gone: &str) -> Result<axum::body::Bytes, ApiError> {
+async fn from_edge(
+    st: &AppState,
+    who: &Authed,
+    id: &str,
+    path: &str,
+    gone: &str,
+) -> Result<axum::body::Bytes, ApiError> {
     who.require(Right::SandboxRead)?;
     let address = st.node.read(|s| {
-        let x = s.sandboxes.sandboxes.get(id).ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
+        let x = s
+            .sandboxes
+            .sandboxes
+            .get(id)
+            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} does not exist")))?;
         if !who.sees(s, &x.project) {
-            return Err(ApiError::forbidden(format!("sandbox {id} is outside this token's project {}", who.0.project)));
+            return Err(ApiError::forbidden(format!(
+                "sandbox {id} is outside this token's project {}",
+                who.0.project
+            )));
         }
-        let edge = s.placement.edges.get(&x.edge).ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge {} is not registered", x.edge)))?;
+        let edge = s.placement.edges.get(&x.edge).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "edge_unreachable",
+                format!("the edge {} is not registered", x.edge),
+            )
+        })?;
         Ok(edge.address.clone())
     })?;
-    let (status, body) = crate::edge_client::get(st, &address, path).await.map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", e.0))?;
+    let (status, body) = crate::edge_client::get(st, &address, path)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", e.0))?;
     match status {
         200 => Ok(body),
         404 => Err(ApiError::not_found("id", format!("sandbox {id} {gone}"))),
-        _ => Err(ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge answered {status}: {}", String::from_utf8_lossy(&body)))),
+        _ => Err(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "edge_unreachable",
+            format!("the edge answered {status}: {}", String::from_utf8_lossy(&body)),
+        )),
     }
 }
 
@@ -194,9 +359,26 @@ async fn from_edge(st: &AppState, who: &Authed, id: &str, path: &str, gone: &str
 /// for a VM also its VMM and the accelerator its guest runs under. Needs sandbox:read.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/metrics", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = api::SandboxMetrics), (status = "4XX", body = api::ErrorBody), (status = 502, body = api::ErrorBody)))]
-pub async fn metrics(State(st): State<AppState>, who: Authed, PathParam(id): PathParam<String>) -> Result<Json<api::SandboxMetrics>, ApiError> {
-    let body = from_edge(&st, &who, &id, &format!("/metrics/{id}"), "does not run on its edge (it ended, or is still being created)").await?;
-    let m: api::SandboxMetrics = serde_json::from_slice(&body).map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "edge_unreachable", format!("the edge's metrics are malformed: {e}")))?;
+pub async fn metrics(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+) -> Result<Json<api::SandboxMetrics>, ApiError> {
+    let body = from_edge(
+        &st,
+        &who,
+        &id,
+        &format!("/metrics/{id}"),
+        "does not run on its edge (it ended, or is still being created)",
+    )
+    .await?;
+    let m: api::SandboxMetrics = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "edge_unreachable",
+            format!("the edge's metrics are malformed: {e}"),
+        )
+    })?;
     Ok(Json(m))
 }
 

@@ -11,14 +11,19 @@ use opendsec_sdk::types::{self as api, TaskWritten};
 use crate::convert;
 use crate::error::ApiError;
 use crate::extract::{Authed, PathParam, RequestId};
-use crate::{submit, AppState, Written};
+use crate::{AppState, Written, submit};
 
 /// Pauses every running sandbox of the caller's subtree labelled `task=<task>`. The
 /// answer comes once it is logged; each sandbox's `state` is `pausing` until its edge
 /// has paused it. 404 when no live sandbox carries the label. Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/tasks/{task}/pause", tag = "tasks", params(("task" = String, Path, description = "The value of the sandboxes' `task` label")),
     responses((status = 200, body = TaskWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn pause(st: State<AppState>, who: Authed, rid: RequestId, PathParam(task): PathParam<String>) -> Result<Written<TaskWritten>, ApiError> {
+pub async fn pause(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(task): PathParam<String>,
+) -> Result<Written<TaskWritten>, ApiError> {
     act(st, who, rid, task.clone(), Command::PauseTask { task }).await
 }
 
@@ -26,11 +31,22 @@ pub async fn pause(st: State<AppState>, who: Authed, rid: RequestId, PathParam(t
 /// Needs sandbox:write.
 #[utoipa::path(post, path = "/v1/tasks/{task}/resume", tag = "tasks", params(("task" = String, Path, description = "The value of the sandboxes' `task` label")),
     responses((status = 200, body = TaskWritten), (status = "4XX", body = api::ErrorBody)))]
-pub async fn resume(st: State<AppState>, who: Authed, rid: RequestId, PathParam(task): PathParam<String>) -> Result<Written<TaskWritten>, ApiError> {
+pub async fn resume(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(task): PathParam<String>,
+) -> Result<Written<TaskWritten>, ApiError> {
     act(st, who, rid, task.clone(), Command::ResumeTask { task }).await
 }
 
-async fn act(State(st): State<AppState>, who: Authed, rid: RequestId, task: String, cmd: Command) -> Result<Written<TaskWritten>, ApiError> {
+async fn act(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    task: String,
+    cmd: Command,
+) -> Result<Written<TaskWritten>, ApiError> {
     let s = submit(&st, &who, &rid, cmd).await?;
     let changed = s
         .decided
@@ -51,5 +67,14 @@ async fn act(State(st): State<AppState>, who: Authed, rid: RequestId, task: Stri
             .map(convert::sandbox)
             .collect()
     });
-    Ok(Written { index: s.index, status: StatusCode::OK, body: TaskWritten { index: s.index, task, changed, sandboxes } })
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: TaskWritten {
+            index: s.index,
+            task,
+            changed,
+            sandboxes,
+        },
+    })
 }

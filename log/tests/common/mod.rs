@@ -127,7 +127,13 @@ impl TestNode {
                 opendsec_log::serve_peer(listener, &n2, None, stopped).await
             };
         });
-        TestNode { id, addr, node, stop: Some(tx), server: Some(server) }
+        TestNode {
+            id,
+            addr,
+            node,
+            stop: Some(tx),
+            server: Some(server),
+        }
     }
 
     /// Restart on the same address (the port was released by `stop`).

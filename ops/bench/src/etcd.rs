@@ -46,7 +46,6 @@ impl Drop for EtcdCluster {
     }
 }
 
-
 impl EtcdCluster {
     /// Start `members` members and wait until every one is healthy and a put succeeds.
     pub async fn start(etcd_bin: &str, data_root: &Path, members: usize) -> Result<Self, String> {
@@ -82,17 +81,28 @@ impl EtcdCluster {
             let log = File::create(&log_path).map_err(|e| e.to_string())?;
             let log2 = log.try_clone().map_err(|e| e.to_string())?;
             let mut cmd = Command::new(etcd_bin);
-            cmd.arg("--name").arg(format!("m{i}"))
-                .arg("--data-dir").arg(dir.path().join(format!("m{i}")))
-                .arg("--listen-client-urls").arg(format!("http://127.0.0.1:{}", client(i)))
-                .arg("--advertise-client-urls").arg(format!("http://127.0.0.1:{}", client(i)))
-                .arg("--listen-peer-urls").arg(format!("http://127.0.0.1:{}", peer(i)))
-                .arg("--initial-advertise-peer-urls").arg(format!("http://127.0.0.1:{}", peer(i)))
-                .arg("--initial-cluster").arg(&initial_cluster)
-                .arg("--initial-cluster-state").arg("new")
-                .arg("--initial-cluster-token").arg(format!("opendsec-bench-{}", std::process::id()))
-                .arg("--logger").arg("zap")
-                .arg("--log-level").arg("error")
+            cmd.arg("--name")
+                .arg(format!("m{i}"))
+                .arg("--data-dir")
+                .arg(dir.path().join(format!("m{i}")))
+                .arg("--listen-client-urls")
+                .arg(format!("http://127.0.0.1:{}", client(i)))
+                .arg("--advertise-client-urls")
+                .arg(format!("http://127.0.0.1:{}", client(i)))
+                .arg("--listen-peer-urls")
+                .arg(format!("http://127.0.0.1:{}", peer(i)))
+                .arg("--initial-advertise-peer-urls")
+                .arg(format!("http://127.0.0.1:{}", peer(i)))
+                .arg("--initial-cluster")
+                .arg(&initial_cluster)
+                .arg("--initial-cluster-state")
+                .arg("new")
+                .arg("--initial-cluster-token")
+                .arg(format!("opendsec-bench-{}", std::process::id()))
+                .arg("--logger")
+                .arg("zap")
+                .arg("--log-level")
+                .arg("error")
                 .env("GOMAXPROCS", crate::member_threads(idx.len()).to_string())
                 .stdin(Stdio::null())
                 .stdout(log)
@@ -104,13 +114,18 @@ impl EtcdCluster {
                     Ok(())
                 });
             }
-            let child = cmd.spawn().map_err(|e| format!("spawn {etcd_bin}: {e} (apt-get install etcd-server)"))?;
+            let child = cmd
+                .spawn()
+                .map_err(|e| format!("spawn {etcd_bin}: {e} (apt-get install etcd-server)"))?;
             cluster.children.push(child);
             logs.push(log_path);
         }
         cluster.dir = Some(dir);
 
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().map_err(|e| e.to_string())?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .map_err(|e| e.to_string())?;
         let deadline = Instant::now() + Duration::from_secs(60);
         // 1. every member answers /health with {"health":"true"}.
         for (k, url) in cluster.client_urls.clone().iter().enumerate() {
@@ -120,11 +135,15 @@ impl EtcdCluster {
                 }
                 if let Ok(r) = http.get(format!("{url}/health")).send().await
                     && let Ok(body) = r.text().await
-                        && body.contains("\"health\":\"true\"") {
-                            break;
-                        }
+                    && body.contains("\"health\":\"true\"")
+                {
+                    break;
+                }
                 if Instant::now() > deadline {
-                    return Err(format!("etcd member {url} not healthy after 60 s: {}", log_tail(&logs[k], 5)));
+                    return Err(format!(
+                        "etcd member {url} not healthy after 60 s: {}",
+                        log_tail(&logs[k], 5)
+                    ));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -137,10 +156,11 @@ impl EtcdCluster {
                 .send()
                 .await;
             if let Ok(r) = r
-                && r.status().is_success() {
-                    cluster.prefix = prefix.to_string();
-                    return Ok(cluster);
-                }
+                && r.status().is_success()
+            {
+                cluster.prefix = prefix.to_string();
+                return Ok(cluster);
+            }
         }
         Err("etcd answered neither /v3/kv/put nor /v3beta/kv/put".into())
     }
@@ -192,7 +212,11 @@ impl EtcdTarget {
             .map_err(|e| e.to_string())?;
         Ok(EtcdTarget {
             http,
-            put_urls: cluster.client_urls.iter().map(|u| format!("{u}{}/kv/put", cluster.prefix)).collect(),
+            put_urls: cluster
+                .client_urls
+                .iter()
+                .map(|u| format!("{u}{}/kv/put", cluster.prefix))
+                .collect(),
             members: cluster.client_urls.len(),
         })
     }
@@ -236,7 +260,13 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
 mod tests {
     #[test]
     fn base64_matches_rfc4648() {
-        for (i, o) in [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foobar", "Zm9vYmFy")] {
+        for (i, o) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foobar", "Zm9vYmFy"),
+        ] {
             assert_eq!(super::base64(i.as_bytes()), o);
         }
     }

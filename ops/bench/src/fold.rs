@@ -117,7 +117,8 @@ pub fn run(n: usize) -> Result<FoldResult, String> {
     for _ in 0..SANDBOXES {
         sandboxes.push(b.run(
             tok(),
-            Command::CreateSandbox { opts: Default::default(),
+            Command::CreateSandbox {
+                opts: Default::default(),
                 project: root.clone(),
                 image: "bench:latest".into(),
                 cpu_millis: 100,

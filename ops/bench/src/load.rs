@@ -85,7 +85,12 @@ async fn run_phase(
             (lat, errors, first_error)
         }));
     }
-    let mut phase = Phase { latencies: Vec::new(), errors: 0, first_error: None, elapsed: Duration::ZERO };
+    let mut phase = Phase {
+        latencies: Vec::new(),
+        errors: 0,
+        first_error: None,
+        elapsed: Duration::ZERO,
+    };
     for t in tasks {
         match t.await {
             Ok((lat, errors, first_error)) => {
@@ -175,7 +180,11 @@ mod tests {
             Box::pin(async move {
                 assert_eq!(p.len(), 8);
                 tokio::time::sleep(Duration::from_millis(1)).await;
-                if seq % 10 == 3 { Err(format!("fail {seq}")) } else { Ok(()) }
+                if seq % 10 == 3 {
+                    Err(format!("fail {seq}"))
+                } else {
+                    Ok(())
+                }
             })
         }
     }

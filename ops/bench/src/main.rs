@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use opendsec_bench::report::{self, ReplayRow, Row};
-use opendsec_bench::targets::{SetupCtx, log_targets};
 use opendsec_bench::run_load;
+use opendsec_bench::targets::{SetupCtx, log_targets};
 
 #[derive(Parser)]
 #[command(name = "opendsec-bench", about = "OpenDsec benchmarks")]
@@ -104,7 +104,9 @@ struct LogArgs {
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
-    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("expected key=value, got {s:?}"))
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
 }
 
 #[tokio::main]
@@ -119,12 +121,24 @@ async fn main() {
 
 async fn run_sandboxes(a: SandboxArgs) -> i32 {
     let cwd = std::env::current_dir().expect("cwd");
-    let data_dir = a.data_dir.clone().unwrap_or_else(|| cwd.join("target").join("bench-data"));
-    let data_dir = if data_dir.is_absolute() { data_dir } else { cwd.join(data_dir) };
+    let data_dir = a
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| cwd.join("target").join("bench-data"));
+    let data_dir = if data_dir.is_absolute() {
+        data_dir
+    } else {
+        cwd.join(data_dir)
+    };
     let bin = match a.opendsec_bin.clone() {
         Some(b) => b,
         None => {
-            let ctx = SetupCtx { data_dir: data_dir.clone(), payload_len: 0, etcd_bin: String::new(), opts: BTreeMap::new() };
+            let ctx = SetupCtx {
+                data_dir: data_dir.clone(),
+                payload_len: 0,
+                etcd_bin: String::new(),
+                opts: BTreeMap::new(),
+            };
             match opendsec_bench::opendsec::find_bin(&ctx) {
                 Ok(b) => b,
                 Err(e) => {
@@ -137,7 +151,10 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
     let agent = a.agent.clone().unwrap_or_else(|| bin.with_file_name("opendsec-agent"));
     for (what, p) in [("opendsec", &bin), ("agent", &agent)] {
         if !p.is_file() {
-            eprintln!("the {what} binary {} does not exist (ops/bench.sh sandboxes builds it)", p.display());
+            eprintln!(
+                "the {what} binary {} does not exist (ops/bench.sh sandboxes builds it)",
+                p.display()
+            );
             return 2;
         }
     }
@@ -146,7 +163,12 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mem_gib = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| s.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .next()
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<f64>().ok())
+        })
         .map(|kb| kb / 1048576.0)
         .unwrap_or(0.0);
     eprintln!(
@@ -199,9 +221,10 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
 }
 
 async fn run_log(a: LogArgs) -> i32 {
-    let data_dir = a.data_dir.clone().unwrap_or_else(|| {
-        std::env::current_dir().expect("cwd").join("target").join("bench-data")
-    });
+    let data_dir = a
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| std::env::current_dir().expect("cwd").join("target").join("bench-data"));
     if let Err(e) = std::fs::create_dir_all(&data_dir) {
         eprintln!("cannot create {data_dir:?}: {e}");
         return 2;
@@ -265,7 +288,12 @@ async fn run_log(a: LogArgs) -> i32 {
     // Every target is up at once; the rounds then measure them in turn.
     let mut sessions = Vec::new();
     for spec in &specs {
-        eprintln!("== {} ({} member{}): setting up", spec.name, spec.members, if spec.members == 1 { "" } else { "s" });
+        eprintln!(
+            "== {} ({} member{}): setting up",
+            spec.name,
+            spec.members,
+            if spec.members == 1 { "" } else { "s" }
+        );
         match (spec.setup)(ctx.clone()).await {
             Ok(s) => {
                 if let Some(n) = &s.note
@@ -300,7 +328,10 @@ async fn run_log(a: LogArgs) -> i32 {
                     report::fmt_dur(r.p50),
                     report::fmt_dur(r.p99),
                     r.errors,
-                    r.first_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+                    r.first_error
+                        .as_deref()
+                        .map(|e| format!(" (first: {e})"))
+                        .unwrap_or_default()
                 );
                 measured.entry((i, c)).or_default().push(r);
             }
@@ -308,7 +339,9 @@ async fn run_log(a: LogArgs) -> i32 {
     }
     for (i, (spec, _)) in sessions.iter().enumerate() {
         for &c in &a.concurrency {
-            let Some(mut runs) = measured.remove(&(i, c)) else { continue };
+            let Some(mut runs) = measured.remove(&(i, c)) else {
+                continue;
+            };
             // The median round: by p50 at concurrency 1 (latency is the figure there),
             // else by throughput.
             if c <= 1 {
@@ -320,7 +353,12 @@ async fn run_log(a: LogArgs) -> i32 {
             let (errors, ops) = runs.iter().fold((0, 0), |(e, o), r| (e + r.errors, o + r.ops));
             let mut r = runs.swap_remove(runs.len() / 2);
             (r.errors, r.ops) = (errors, ops);
-            rows.push(Row { target: spec.name.clone(), members: spec.members, family: spec.family.to_string(), report: r });
+            rows.push(Row {
+                target: spec.name.clone(),
+                members: spec.members,
+                family: spec.family.to_string(),
+                report: r,
+            });
         }
     }
     for (_, session) in &sessions {
@@ -375,5 +413,9 @@ async fn run_log(a: LogArgs) -> i32 {
             eprintln!("cannot write {p:?}: {e}");
         }
     }
-    if failed.is_empty() && rows.iter().all(|r| r.report.errors == 0) { 0 } else { 1 }
+    if failed.is_empty() && rows.iter().all(|r| r.report.errors == 0) {
+        0
+    } else {
+        1
+    }
 }

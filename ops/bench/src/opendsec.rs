@@ -44,9 +44,7 @@ pub const MAX_LABEL_VALUE: usize = 255;
 /// The label value length used for a payload of `payload_len` bytes (key + value = payload,
 /// capped at the 255-character value limit).
 pub fn value_len(payload_len: usize) -> usize {
-    payload_len
-        .saturating_sub(LABEL_KEY.len())
-        .clamp(1, MAX_LABEL_VALUE)
+    payload_len.saturating_sub(LABEL_KEY.len()).clamp(1, MAX_LABEL_VALUE)
 }
 
 /// What the output says about how an opendsec write is made.
@@ -124,23 +122,14 @@ impl Drop for OpendsecCluster {
     }
 }
 
-
 async fn call(req: reqwest::RequestBuilder) -> Result<Value, String> {
     let r = req.send().await.map_err(|e| e.to_string())?;
     let st = r.status();
     let body = r.text().await.map_err(|e| e.to_string())?;
     if !st.is_success() {
-        return Err(format!(
-            "{st}: {}",
-            body.chars().take(300).collect::<String>()
-        ));
+        return Err(format!("{st}: {}", body.chars().take(300).collect::<String>()));
     }
-    serde_json::from_str(&body).map_err(|e| {
-        format!(
-            "bad JSON ({e}): {}",
-            body.chars().take(200).collect::<String>()
-        )
-    })
+    serde_json::from_str(&body).map_err(|e| format!("bad JSON ({e}): {}", body.chars().take(200).collect::<String>()))
 }
 
 impl OpendsecCluster {
@@ -204,10 +193,7 @@ impl OpendsecCluster {
                     Ok(())
                 });
             }
-            n.child = Some(
-                cmd.spawn()
-                    .map_err(|e| format!("spawn {}: {e}", bin.display()))?,
-            );
+            n.child = Some(cmd.spawn().map_err(|e| format!("spawn {}: {e}", bin.display()))?);
         }
         let token_file = dir.path().join("admin.token");
         let peers = cluster
@@ -291,12 +277,7 @@ impl WriteTarget for OpendsecTarget {
     fn name(&self) -> String {
         format!("opendsec {}-node", self.urls.len())
     }
-    fn write(
-        &self,
-        worker: usize,
-        _seq: u64,
-        payload: Vec<u8>,
-    ) -> BoxFuture<'_, Result<(), String>> {
+    fn write(&self, worker: usize, _seq: u64, payload: Vec<u8>) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
             let node = &self.urls[worker % self.urls.len()];
             let url = &node[worker % node.len()];
@@ -325,12 +306,7 @@ impl WriteTarget for OpendsecTarget {
                 let st = r.status();
                 Err(format!(
                     "{st}: {}",
-                    r.text()
-                        .await
-                        .unwrap_or_default()
-                        .chars()
-                        .take(300)
-                        .collect::<String>()
+                    r.text().await.unwrap_or_default().chars().take(300).collect::<String>()
                 ))
             }
         })
@@ -363,9 +339,7 @@ impl ReplaySource for ApiReplay {
                     .bearer_auth(&self.token),
             )
             .await?;
-            let to = st["applied_index"]
-                .as_u64()
-                .ok_or("no applied_index in /v1/cluster")?;
+            let to = st["applied_index"].as_u64().ok_or("no applied_index in /v1/cluster")?;
             let v = call(
                 self.http
                     .get(format!("{}/v1/replay?to={to}&view=sandboxes", self.url))
@@ -401,12 +375,15 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
         .map_err(|e| e.to_string())?;
     let base = &cluster.urls[0];
     call(
-        admin.post(format!("{base}/v1/edges")).bearer_auth(&cluster.token).json(&json!({
-            "edge": "bench-edge",
-            "address": "127.0.0.1:1",
-            "capacity": {"sandboxes": 1_000_000u64, "cpu_millis": 1_000_000_000u64, "memory_mb": 1_000_000_000u64},
-            "labels": {}
-        })),
+        admin
+            .post(format!("{base}/v1/edges"))
+            .bearer_auth(&cluster.token)
+            .json(&json!({
+                "edge": "bench-edge",
+                "address": "127.0.0.1:1",
+                "capacity": {"sandboxes": 1_000_000u64, "cpu_millis": 1_000_000_000u64, "memory_mb": 1_000_000_000u64},
+                "labels": {}
+            })),
     )
     .await
     .map_err(|e| format!("register edge: {e}"))?;
@@ -427,23 +404,13 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
         ids.push(id);
     }
     // Wait until every node has applied the setup, so the load starts from a quiet cluster.
-    let want = call(
-        admin
-            .get(format!("{base}/v1/cluster"))
-            .bearer_auth(&cluster.token),
-    )
-    .await?["applied_index"]
+    let want = call(admin.get(format!("{base}/v1/cluster")).bearer_auth(&cluster.token)).await?["applied_index"]
         .as_u64()
         .unwrap_or(0);
     for u in &cluster.urls {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let v = call(
-                admin
-                    .get(format!("{u}/v1/cluster"))
-                    .bearer_auth(&cluster.token),
-            )
-            .await?;
+            let v = call(admin.get(format!("{u}/v1/cluster")).bearer_auth(&cluster.token)).await?;
             if v["applied_index"].as_u64().unwrap_or(0) >= want {
                 break;
             }
@@ -465,11 +432,7 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
         urls: cluster
             .urls
             .iter()
-            .map(|u| {
-                ids.iter()
-                    .map(|id| format!("{u}/v1/sandboxes/{id}/labels"))
-                    .collect()
-            })
+            .map(|u| ids.iter().map(|id| format!("{u}/v1/sandboxes/{id}/labels")).collect())
             .collect(),
         value_len: value_len(ctx.payload_len),
     });

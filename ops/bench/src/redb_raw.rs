@@ -31,7 +31,11 @@ impl RedbRaw {
             .tempdir_in(&ctx.data_dir)
             .map_err(|e| format!("tempdir in {:?}: {e}", ctx.data_dir))?;
         let db = Database::create(dir.path().join("bench.redb")).map_err(|e| e.to_string())?;
-        Ok(RedbRaw { db: Arc::new(db), next_key: AtomicU64::new(0), _dir: dir })
+        Ok(RedbRaw {
+            db: Arc::new(db),
+            next_key: AtomicU64::new(0),
+            _dir: dir,
+        })
     }
 }
 

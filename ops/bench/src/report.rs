@@ -29,7 +29,11 @@ pub struct ReplayRow {
 
 pub fn fmt_dur(d: Duration) -> String {
     let us = d.as_secs_f64() * 1e6;
-    if us < 1000.0 { format!("{us:.0} µs") } else { format!("{:.2} ms", us / 1000.0) }
+    if us < 1000.0 {
+        format!("{us:.0} µs")
+    } else {
+        format!("{:.2} ms", us / 1000.0)
+    }
 }
 
 pub fn fmt_rate(r: f64) -> String {
@@ -109,19 +113,32 @@ pub fn goals(rows: &[Row], replays: &[ReplayRow]) -> String {
         for r in &at {
             let mut rel = Vec::new();
             if r.family != "redb"
-                && let Some(b) = redb {
-                    rel.push(format!("{:.2}x redb raw", r.report.ops_per_sec / b.report.ops_per_sec.max(1e-9)));
-                }
+                && let Some(b) = redb
+            {
+                rel.push(format!(
+                    "{:.2}x redb raw",
+                    r.report.ops_per_sec / b.report.ops_per_sec.max(1e-9)
+                ));
+            }
             if r.family != "etcd"
-                && let Some(e) = at.iter().find(|e| e.family == "etcd" && e.members == r.members) {
-                    rel.push(format!(
-                        "{:.2}x etcd {}-member",
-                        r.report.ops_per_sec / e.report.ops_per_sec.max(1e-9),
-                        e.members
-                    ));
-                }
-            let rel = if rel.is_empty() { String::new() } else { format!(" ({})", rel.join(", ")) };
-            let err = if r.report.errors > 0 { format!(", {} errors", r.report.errors) } else { String::new() };
+                && let Some(e) = at.iter().find(|e| e.family == "etcd" && e.members == r.members)
+            {
+                rel.push(format!(
+                    "{:.2}x etcd {}-member",
+                    r.report.ops_per_sec / e.report.ops_per_sec.max(1e-9),
+                    e.members
+                ));
+            }
+            let rel = if rel.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", rel.join(", "))
+            };
+            let err = if r.report.errors > 0 {
+                format!(", {} errors", r.report.errors)
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 out,
                 "  {} ({} member{}): {} ops/s, p50 {}, p99 {}{}{}",
@@ -168,7 +185,8 @@ pub const LATENCY_VS_REDB: f64 = 2.0;
 pub const REPLAY_EVENTS_PER_SEC: f64 = 200_000.0;
 
 fn find<'a>(rows: &'a [Row], family: &str, members: usize, c: usize) -> Option<&'a Row> {
-    rows.iter().find(|r| r.family == family && r.members == members && r.report.concurrency == c && r.report.ok > 0)
+    rows.iter()
+        .find(|r| r.family == family && r.members == members && r.report.concurrency == c && r.report.ok > 0)
 }
 
 fn verdict(ok: bool) -> &'static str {
@@ -190,7 +208,9 @@ pub fn targets(rows: &[Row], replays: &[ReplayRow]) -> String {
                     o.report.ops_per_sec / e.report.ops_per_sec.max(1e-9)
                 )
             }
-            _ => format!("n/a   c={c}: opendsec 3-node ops/s vs {THROUGHPUT_VS_ETCD}x etcd 3-member (not both measured)"),
+            _ => {
+                format!("n/a   c={c}: opendsec 3-node ops/s vs {THROUGHPUT_VS_ETCD}x etcd 3-member (not both measured)")
+            }
         };
         let _ = writeln!(out, "  {line}");
     }

@@ -62,7 +62,6 @@ fn free_port() -> Result<u16, String> {
     Ok(l.local_addr().map_err(|e| e.to_string())?.port())
 }
 
-
 /// Standard base64 (with or without padding).
 pub fn b64decode(s: &str) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(s.len() * 3 / 4);
@@ -133,7 +132,14 @@ fn runtime_cmd(rt: &str, root: &Path, hybrid: bool) -> Command {
                 if libc::unshare(libc::CLONE_NEWNS) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if libc::mount(c"none".as_ptr(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
+                if libc::mount(
+                    c"none".as_ptr(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) != 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 if libc::umount2(c"/sys/fs/cgroup/unified".as_ptr(), libc::MNT_DETACH) != 0 {
@@ -244,7 +250,14 @@ impl UpGuard {
         cmd.arg("up")
             .arg("--data-dir")
             .arg(&up.data)
-            .args(["--listen", &up.http, "--peer-listen", &up.peer, "--edge-listen", &up.edge])
+            .args([
+                "--listen",
+                &up.http,
+                "--peer-listen",
+                &up.peer,
+                "--edge-listen",
+                &up.edge,
+            ])
             .arg("--agent")
             .arg(&o.agent_bin)
             .arg("--image-dir")
@@ -255,8 +268,15 @@ impl UpGuard {
             .args(["--edge-memory-mb", &(max_sandboxes * 64 + 1024).to_string()])
             .args(["--edge-cpu-millis", &(max_sandboxes * 100 + 1000).to_string()])
             // Extra `opendsec up` flags for experiments (e.g. `--warm-disks 0`).
-            .args(std::env::var("OPENDSEC_BENCH_UP_ARGS").unwrap_or_default().split_whitespace())
-            .env("RUST_LOG", std::env::var("OPENDSEC_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .args(
+                std::env::var("OPENDSEC_BENCH_UP_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
+            .env(
+                "RUST_LOG",
+                std::env::var("OPENDSEC_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
@@ -267,7 +287,10 @@ impl UpGuard {
                 Ok(())
             });
         }
-        up.child = Some(cmd.spawn().map_err(|e| format!("spawn {}: {e}", o.opendsec_bin.display()))?);
+        up.child = Some(
+            cmd.spawn()
+                .map_err(|e| format!("spawn {}: {e}", o.opendsec_bin.display()))?,
+        );
         if let Ok(mut g) = LIVE.lock() {
             *g = Some(up.teardown_info());
         }
@@ -283,9 +306,16 @@ impl UpGuard {
             .await
             .map_err(|e| format!("opendsec init: {e}"))?;
         if !out.status.success() {
-            return Err(format!("opendsec init failed: {}; up.log: {}", String::from_utf8_lossy(&out.stderr).trim(), log_tail(&up.log, 10)));
+            return Err(format!(
+                "opendsec init failed: {}; up.log: {}",
+                String::from_utf8_lossy(&out.stderr).trim(),
+                log_tail(&up.log, 10)
+            ));
         }
-        up.token = std::fs::read_to_string(&token_file).map_err(|e| e.to_string())?.trim().to_string();
+        up.token = std::fs::read_to_string(&token_file)
+            .map_err(|e| e.to_string())?
+            .trim()
+            .to_string();
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Some(Ok(Some(st))) = up.child.as_mut().map(|c| c.try_wait()) {
@@ -297,7 +327,10 @@ impl UpGuard {
                 break;
             }
             if Instant::now() > deadline {
-                return Err(format!("the embedded edge did not register within 60 s: {}", log_tail(&up.log, 10)));
+                return Err(format!(
+                    "the embedded edge did not register within 60 s: {}",
+                    log_tail(&up.log, 10)
+                ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -305,7 +338,10 @@ impl UpGuard {
     }
 
     pub async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<(u16, Value), String> {
-        let mut req = self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token);
+        let mut req = self
+            .client
+            .request(method, format!("http://{}{path}", self.http))
+            .bearer_auth(&self.token);
         if let Some(b) = body {
             req = req.json(&b);
         }
@@ -316,15 +352,25 @@ impl UpGuard {
     }
 
     pub async fn create(&self, body: &Value) -> Result<String, String> {
-        let (st, v) = self.send(reqwest::Method::POST, "/v1/sandboxes", Some(body.clone())).await?;
+        let (st, v) = self
+            .send(reqwest::Method::POST, "/v1/sandboxes", Some(body.clone()))
+            .await?;
         if st != 201 && st != 200 {
-            return Err(format!("create: HTTP {st}: {}", v.to_string().chars().take(300).collect::<String>()));
+            return Err(format!(
+                "create: HTTP {st}: {}",
+                v.to_string().chars().take(300).collect::<String>()
+            ));
         }
-        v["sandbox"]["id"].as_str().map(str::to_string).ok_or_else(|| format!("no sandbox id in {v}"))
+        v["sandbox"]["id"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| format!("no sandbox id in {v}"))
     }
 
     pub async fn state(&self, id: &str) -> Result<String, String> {
-        let (st, v) = self.send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None).await?;
+        let (st, v) = self
+            .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await?;
         if st != 200 {
             return Err(format!("get {id}: HTTP {st}: {v}"));
         }
@@ -361,7 +407,9 @@ impl UpGuard {
         let mut last = String::new();
         let mut resp = loop {
             if Instant::now() > deadline {
-                return Err(format!("exec in {id}: not accepted within {within:?}; last answer: {last}"));
+                return Err(format!(
+                    "exec in {id}: not accepted within {within:?}; last answer: {last}"
+                ));
             }
             let r = self
                 .client
@@ -376,7 +424,10 @@ impl UpGuard {
                 Ok(r) if r.status().is_success() => break r,
                 Ok(r) => {
                     let st = r.status().as_u16();
-                    last = format!("HTTP {st}: {}", r.text().await.unwrap_or_default().chars().take(200).collect::<String>());
+                    last = format!(
+                        "HTTP {st}: {}",
+                        r.text().await.unwrap_or_default().chars().take(200).collect::<String>()
+                    );
                     if st == 409 {
                         // 409 = ended: retry only while it has not really failed.
                         let s = self.state(id).await.unwrap_or_default();
@@ -427,7 +478,9 @@ impl UpGuard {
     }
 
     pub async fn delete(&self, id: &str) -> Result<(), String> {
-        let (st, v) = self.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await?;
+        let (st, v) = self
+            .send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await?;
         if st >= 300 && st != 409 {
             return Err(format!("delete {id}: HTTP {st}: {v}"));
         }
@@ -483,11 +536,29 @@ fn teardown(t: &Teardown, child: Option<&mut Child>) {
         }
     }
     let sandboxes = t.data.join("edge").join("sandboxes");
-    for d in std::fs::read_dir(&sandboxes).into_iter().flatten().flatten().map(|e| e.path()).filter(|p| p.is_dir()) {
+    for d in std::fs::read_dir(&sandboxes)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+    {
         // A claimed warm container keeps its runtime id (`runtime_id` in its record).
-        let rec: Value = std::fs::read(d.join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        let name = d.file_name().unwrap().to_string_lossy().trim_start_matches('.').to_string();
-        let id = rec["runtime_id"].as_str().or(rec["id"].as_str()).unwrap_or(&name).to_string();
+        let rec: Value = std::fs::read(d.join("sandbox.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        let name = d
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_start_matches('.')
+            .to_string();
+        let id = rec["runtime_id"]
+            .as_str()
+            .or(rec["id"].as_str())
+            .unwrap_or(&name)
+            .to_string();
         for rt in ["crun", "runc"] {
             let root = t.data.join("edge").join("runtime").join(rt);
             if root.is_dir() {
@@ -529,7 +600,13 @@ pub fn emergency_teardown() {
 
 impl UpGuard {
     fn teardown_info(&self) -> Teardown {
-        Teardown { pid: self.pid(), dir: self.dir.clone(), data: self.data.clone(), hybrid: self.hybrid, keep: self.keep }
+        Teardown {
+            pid: self.pid(),
+            dir: self.dir.clone(),
+            data: self.data.clone(),
+            hybrid: self.hybrid,
+            keep: self.keep,
+        }
     }
 }
 
@@ -560,22 +637,63 @@ struct RawBundle {
 }
 
 impl RawBundle {
-    fn prepare(base: &Path, rt: &'static str, i: usize, layers: &[PathBuf], config: &Value, hybrid: bool) -> Result<RawBundle, String> {
+    fn prepare(
+        base: &Path,
+        rt: &'static str,
+        i: usize,
+        layers: &[PathBuf],
+        config: &Value,
+        hybrid: bool,
+    ) -> Result<RawBundle, String> {
         let dir = base.join(format!("{rt}-{i}"));
         let id = format!("bench-{}-{rt}-{i}", std::process::id());
-        let b = RawBundle { rootfs: dir.join("rootfs"), root: base.join(format!("state-{rt}")), dir, rt, id, hybrid };
-        for d in [b.rootfs.clone(), b.dir.join("upper"), b.dir.join("work"), b.root.clone()] {
+        let b = RawBundle {
+            rootfs: dir.join("rootfs"),
+            root: base.join(format!("state-{rt}")),
+            dir,
+            rt,
+            id,
+            hybrid,
+        };
+        for d in [
+            b.rootfs.clone(),
+            b.dir.join("upper"),
+            b.dir.join("work"),
+            b.root.clone(),
+        ] {
             std::fs::create_dir_all(&d).map_err(|e| format!("create {d:?}: {e}"))?;
         }
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(b.dir.join("upper"), std::fs::Permissions::from_mode(0o755));
-        let lower = layers.iter().rev().map(|p| p.to_string_lossy().to_string()).collect::<Vec<_>>().join(":");
-        let opts = format!("lowerdir={lower},upperdir={},workdir={}", b.dir.join("upper").display(), b.dir.join("work").display());
+        let lower = layers
+            .iter()
+            .rev()
+            .map(|p| p.to_string_lossy().to_string())
+            .collect::<Vec<_>>()
+            .join(":");
+        let opts = format!(
+            "lowerdir={lower},upperdir={},workdir={}",
+            b.dir.join("upper").display(),
+            b.dir.join("work").display()
+        );
         let c = |s: &str| std::ffi::CString::new(s).unwrap();
         let (src, target, fstype, data) = (c("overlay"), c(&b.rootfs.to_string_lossy()), c("overlay"), c(&opts));
         // SAFETY: valid C strings for the duration of the call.
-        if unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, data.as_ptr() as *const libc::c_void) } != 0 {
-            return Err(format!("mount overlay on {:?}: {}", b.rootfs, std::io::Error::last_os_error()));
+        if unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                0,
+                data.as_ptr() as *const libc::c_void,
+            )
+        } != 0
+        {
+            return Err(format!(
+                "mount overlay on {:?}: {}",
+                b.rootfs,
+                std::io::Error::last_os_error()
+            ));
         }
         let mut cfg = config.clone();
         cfg["root"] = json!({"path": "rootfs", "readonly": false});
@@ -597,7 +715,12 @@ impl RawBundle {
     /// Spawn `rt run` and time it to the first stdout byte; then wait for it to finish.
     fn run(&self) -> Result<Duration, String> {
         let mut cmd = runtime_cmd(self.rt, &self.root, self.hybrid);
-        cmd.args(["run", "--bundle"]).arg(&self.dir).arg(&self.id).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args(["run", "--bundle"])
+            .arg(&self.dir)
+            .arg(&self.id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let t0 = Instant::now();
         let mut child = cmd.spawn().map_err(|e| format!("spawn {}: {e}", self.rt))?;
         let mut stdout = child.stdout.take().unwrap();
@@ -612,7 +735,12 @@ impl RawBundle {
         }
         let st = child.wait().map_err(|e| e.to_string())?;
         if n == 0 || !st.success() {
-            return Err(format!("{} run: {st}, stdout {:?}, stderr {}", self.rt, String::from_utf8_lossy(&byte[..n]), err.trim()));
+            return Err(format!(
+                "{} run: {st}, stdout {:?}, stderr {}",
+                self.rt,
+                String::from_utf8_lossy(&byte[..n]),
+                err.trim()
+            ));
         }
         Ok(el)
     }
@@ -635,7 +763,8 @@ impl Drop for RawBundle {
 
 fn image_layers(image_dir: &Path, image: &str) -> Result<Vec<PathBuf>, String> {
     let p = image_dir.join("images").join(format!("{image}.json"));
-    let v: Value = serde_json::from_slice(&std::fs::read(&p).map_err(|e| format!("read {p:?}: {e}"))?).map_err(|e| format!("{p:?}: {e}"))?;
+    let v: Value = serde_json::from_slice(&std::fs::read(&p).map_err(|e| format!("read {p:?}: {e}"))?)
+        .map_err(|e| format!("{p:?}: {e}"))?;
     let layers: Vec<PathBuf> = v["layers"]
         .as_array()
         .ok_or_else(|| format!("{p:?}: no layers"))?
@@ -649,7 +778,13 @@ fn image_layers(image_dir: &Path, image: &str) -> Result<Vec<PathBuf>, String> {
     Ok(layers)
 }
 
-fn raw_runs(rt: &'static str, base: &Path, layers: &[PathBuf], config: &Value, runs: usize) -> Result<Vec<Duration>, String> {
+fn raw_runs(
+    rt: &'static str,
+    base: &Path,
+    layers: &[PathBuf],
+    config: &Value,
+    runs: usize,
+) -> Result<Vec<Duration>, String> {
     let hybrid = host_is_cgroup_hybrid();
     let mut v = Vec::new();
     // One warm-up (page cache, binary), not counted.
@@ -716,7 +851,10 @@ pub async fn run(o: Options) -> Results {
     let mut failed = false;
     let max_burst = o.bursts.iter().copied().max().unwrap_or(0);
     let capacity = (max_burst + 16) as u64;
-    eprintln!("== starting opendsec up (edge capacity {capacity} sandboxes, 64 MB disks) under {}", o.data_dir.display());
+    eprintln!(
+        "== starting opendsec up (edge capacity {capacity} sandboxes, 64 MB disks) under {}",
+        o.data_dir.display()
+    );
     let up = match UpGuard::start(&o, capacity).await {
         Ok(u) => Arc::new(u),
         Err(e) => {
@@ -727,7 +865,10 @@ pub async fn run(o: Options) -> Results {
     let body = json!({"image": o.image, "memory_mb": 64, "cpu_millis": 100});
 
     // 1. create -> first output, and the raw runtime beside it.
-    eprintln!("== create to first exec output through the REST API, {} runs (+1 warm-up)", o.runs);
+    eprintln!(
+        "== create to first exec output through the REST API, {} runs (+1 warm-up)",
+        o.runs
+    );
     let mut api: Vec<Duration> = Vec::new();
     let mut config: Option<Value> = None;
     let mut errors = Vec::new();
@@ -792,7 +933,10 @@ pub async fn run(o: Options) -> Results {
         (Some(cfg), Ok(layers)) => {
             let rts: &[&'static str] = if o.skip_runc { &["crun"] } else { &["crun", "runc"] };
             for &rt in rts {
-                eprintln!("== raw `{rt} run` of the edge's bundle (overlay of the {} layer, no disk image), {} runs (+1 warm-up)", o.image, o.runs);
+                eprintln!(
+                    "== raw `{rt} run` of the edge's bundle (overlay of the {} layer, no disk image), {} runs (+1 warm-up)",
+                    o.image, o.runs
+                );
                 let (base, layers, cfg, runs) = (raw_base.clone(), layers.clone(), cfg.clone(), o.runs);
                 match tokio::task::spawn_blocking(move || raw_runs(rt, &base, &layers, &cfg, runs)).await {
                     Ok(Ok(v)) => {
@@ -804,7 +948,11 @@ pub async fn run(o: Options) -> Results {
                             &mut lines,
                             format!(
                                 "raw `{rt} run` spawn -> first stdout byte{}: p50 {}, p90 {}, min {}, max {} (n={})",
-                                if rt == "crun" && host_is_cgroup_hybrid() { " (in `unshare -m` without /sys/fs/cgroup/unified)" } else { "" },
+                                if rt == "crun" && host_is_cgroup_hybrid() {
+                                    " (in `unshare -m` without /sys/fs/cgroup/unified)"
+                                } else {
+                                    ""
+                                },
                                 fmt_dur(p50),
                                 fmt_dur(percentile(&v, 0.9)),
                                 fmt_dur(v.first().copied().unwrap_or_default()),
@@ -825,7 +973,10 @@ pub async fn run(o: Options) -> Results {
             }
         }
         (None, _) => {
-            pline(&mut lines, "raw crun/runc: n/a (no sandbox config.json was captured)".into());
+            pline(
+                &mut lines,
+                "raw crun/runc: n/a (no sandbox config.json was captured)".into(),
+            );
             failed = true;
         }
         (_, Err(e)) => {
@@ -851,7 +1002,10 @@ pub async fn run(o: Options) -> Results {
                 ),
             );
         }
-        _ => pline(&mut lines, "n/a   create->first output vs raw crun (not both measured)".into()),
+        _ => pline(
+            &mut lines,
+            "n/a   create->first output vs raw crun (not both measured)".into(),
+        ),
     }
 
     // 2. pause / resume.
@@ -903,7 +1057,11 @@ pub async fn run(o: Options) -> Results {
                         b.mem.sandboxes_at_peak,
                         b.mem.min_mem_available_mb,
                         b.freed.as_secs_f64(),
-                        if b.left_over > 0 { format!(", {} NOT freed", b.left_over) } else { String::new() }
+                        if b.left_over > 0 {
+                            format!(", {} NOT freed", b.left_over)
+                        } else {
+                            String::new()
+                        }
                     ),
                 );
                 for e in b.first_errors.iter().take(3) {
@@ -916,13 +1074,22 @@ pub async fn run(o: Options) -> Results {
                 }
                 if b.left_over > 0 {
                     failed = true;
-                    pline(&mut lines, format!("burst {n}: {} sandboxes not freed within 300 s; larger bursts skipped", b.left_over));
+                    pline(
+                        &mut lines,
+                        format!(
+                            "burst {n}: {} sandboxes not freed within 300 s; larger bursts skipped",
+                            b.left_over
+                        ),
+                    );
                     break;
                 }
                 if b.not_settled > 0 {
                     pline(
                         &mut lines,
-                        format!("burst {n} did not settle within {} s; larger bursts skipped (they cannot settle either)", o.burst_timeout.as_secs()),
+                        format!(
+                            "burst {n} did not settle within {} s; larger bursts skipped (they cannot settle either)",
+                            o.burst_timeout.as_secs()
+                        ),
                     );
                     break;
                 }
@@ -942,9 +1109,14 @@ pub async fn run(o: Options) -> Results {
         },
     );
     let up_log = up.log.clone();
-    let warnings = std::fs::read_to_string(&up_log).map(|s| s.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).count()).unwrap_or(0);
+    let warnings = std::fs::read_to_string(&up_log)
+        .map(|s| s.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).count())
+        .unwrap_or(0);
     if warnings > 0 {
-        eprintln!("(`opendsec up` logged {warnings} warnings/errors; last lines:\n{})", log_tail(&up_log, 5));
+        eprintln!(
+            "(`opendsec up` logged {warnings} warnings/errors; last lines:\n{})",
+            log_tail(&up_log, 5)
+        );
     }
     // Graceful: remove whatever is left through the API first.
     if let Ok((200, v)) = up.send(reqwest::Method::GET, "/v1/sandboxes", None).await {
@@ -965,19 +1137,32 @@ pub async fn run(o: Options) -> Results {
 async fn pause_resume(up: &UpGuard, body: &Value, rounds: usize) -> Result<(Vec<Duration>, Vec<Duration>), String> {
     let id = up.create(body).await?;
     let r = async {
-        up.wait_state(&id, "running", Duration::from_millis(20), Duration::from_secs(60)).await?;
+        up.wait_state(&id, "running", Duration::from_millis(20), Duration::from_secs(60))
+            .await?;
         let (mut p, mut r) = (Vec::new(), Vec::new());
         let poll = Duration::from_millis(5);
         for _ in 0..rounds {
             let t0 = Instant::now();
-            let (st, v) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/pause"), Some(json!({}))).await?;
+            let (st, v) = up
+                .send(
+                    reqwest::Method::POST,
+                    &format!("/v1/sandboxes/{id}/pause"),
+                    Some(json!({})),
+                )
+                .await?;
             if st >= 300 {
                 return Err(format!("pause: HTTP {st}: {v}"));
             }
             up.wait_state(&id, "paused", poll, Duration::from_secs(30)).await?;
             p.push(t0.elapsed());
             let t0 = Instant::now();
-            let (st, v) = up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), Some(json!({}))).await?;
+            let (st, v) = up
+                .send(
+                    reqwest::Method::POST,
+                    &format!("/v1/sandboxes/{id}/resume"),
+                    Some(json!({})),
+                )
+                .await?;
             if st >= 300 {
                 return Err(format!("resume: HTTP {st}: {v}"));
             }
@@ -1013,11 +1198,22 @@ struct Burst {
 }
 
 async fn count_state(up: &UpGuard, label: &str, state: &str) -> Result<Vec<String>, String> {
-    let (st, v) = up.send(reqwest::Method::GET, &format!("/v1/sandboxes?label=burst%3D{label}&state={state}"), None).await?;
+    let (st, v) = up
+        .send(
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes?label=burst%3D{label}&state={state}"),
+            None,
+        )
+        .await?;
     if st != 200 {
         return Err(format!("list: HTTP {st}: {v}"));
     }
-    Ok(v["sandboxes"].as_array().into_iter().flatten().filter_map(|s| s["id"].as_str().map(str::to_string)).collect())
+    Ok(v["sandboxes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["id"].as_str().map(str::to_string))
+        .collect())
 }
 
 async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result<Burst, String> {
@@ -1025,7 +1221,10 @@ async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result
     // Reset the peak RSS (VmHWM) of `opendsec up`.
     let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
     let stop = Arc::new(AtomicBool::new(false));
-    let peak = Arc::new(Mutex::new(MemPeak { min_mem_available_mb: u64::MAX, ..Default::default() }));
+    let peak = Arc::new(Mutex::new(MemPeak {
+        min_mem_available_mb: u64::MAX,
+        ..Default::default()
+    }));
     let up_rss = Arc::new(AtomicU64::new(0));
     let watcher = {
         let (stop, peak, up_rss) = (stop.clone(), peak.clone(), up_rss.clone());
@@ -1043,7 +1242,12 @@ async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result
                 drop(p);
                 if last_scan.elapsed() > Duration::from_secs(1) {
                     last_scan = Instant::now();
-                    let dirs: Vec<PathBuf> = std::fs::read_dir(&sdir).into_iter().flatten().flatten().map(|e| e.path()).collect();
+                    let dirs: Vec<PathBuf> = std::fs::read_dir(&sdir)
+                        .into_iter()
+                        .flatten()
+                        .flatten()
+                        .map(|e| e.path())
+                        .collect();
                     let (sum, k) = sandboxes_rss(&dirs);
                     let mut p = peak.lock().unwrap();
                     if sum > p.sandboxes_rss_kb {
@@ -1092,15 +1296,28 @@ async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result
         failed = f.len() + count_state(up, &label, "exited").await?.len();
         if running + failed >= ids.len() || Instant::now() > deadline {
             if failed > 0
-                && let Ok((200, v)) = up.send(reqwest::Method::GET, &format!("/v1/sandboxes/{}", f.first().cloned().unwrap_or_default()), None).await
+                && let Ok((200, v)) = up
+                    .send(
+                        reqwest::Method::GET,
+                        &format!("/v1/sandboxes/{}", f.first().cloned().unwrap_or_default()),
+                        None,
+                    )
+                    .await
             {
-                first_errors.push(format!("failed sandbox: {}", v.to_string().chars().take(400).collect::<String>()));
+                first_errors.push(format!(
+                    "failed sandbox: {}",
+                    v.to_string().chars().take(400).collect::<String>()
+                ));
             }
             break;
         }
         if last_print.elapsed() > Duration::from_secs(15) {
             last_print = Instant::now();
-            eprintln!("   ... {:.0} s: {running} running, {failed} failed of {}", t0.elapsed().as_secs_f64(), ids.len());
+            eprintln!(
+                "   ... {:.0} s: {running} running, {failed} failed of {}",
+                t0.elapsed().as_secs_f64(),
+                ids.len()
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -1116,7 +1333,10 @@ async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result
         mem.sandboxes_at_peak = k;
     }
     mem.up_hwm_kb = proc_status_kb(pid, "VmHWM:").unwrap_or(0);
-    eprintln!("   settled in {:.1} s: {running} running, {failed} failed, {not_settled} not settled; deleting all", settled.as_secs_f64());
+    eprintln!(
+        "   settled in {:.1} s: {running} running, {failed} failed, {not_settled} not settled; deleting all",
+        settled.as_secs_f64()
+    );
 
     // Delete all (64 requests in flight), then wait until the edge has freed them.
     let t1 = Instant::now();

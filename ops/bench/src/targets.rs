@@ -44,7 +44,12 @@ pub struct Session {
 
 impl Session {
     pub fn new(target: Arc<dyn WriteTarget>) -> Self {
-        Session { target, replay: None, guard: None, note: None }
+        Session {
+            target,
+            replay: None,
+            guard: None,
+            note: None,
+        }
     }
     pub fn with_replay(mut self, r: Arc<dyn ReplaySource>) -> Self {
         self.replay = Some(r);
@@ -79,7 +84,12 @@ impl TargetSpec {
     where
         F: Fn(SetupCtx) -> BoxFuture<'static, Result<Session, String>> + Send + Sync + 'static,
     {
-        TargetSpec { name: name.to_string(), members, family, setup: Arc::new(setup) }
+        TargetSpec {
+            name: name.to_string(),
+            members,
+            family,
+            setup: Arc::new(setup),
+        }
     }
 }
 
@@ -89,7 +99,11 @@ pub fn log_targets() -> Vec<TargetSpec> {
         TargetSpec::new("redb raw", 1, "redb", |ctx| Box::pin(redb_raw::setup(ctx))),
         TargetSpec::new("etcd", 1, "etcd", |ctx| Box::pin(etcd::setup(ctx, 1))),
         TargetSpec::new("etcd", 3, "etcd", |ctx| Box::pin(etcd::setup(ctx, 3))),
-        TargetSpec::new("opendsec 1-node", 1, "opendsec", |ctx| Box::pin(opendsec::setup(ctx, 1))),
-        TargetSpec::new("opendsec 3-node", 3, "opendsec", |ctx| Box::pin(opendsec::setup(ctx, 3))),
+        TargetSpec::new("opendsec 1-node", 1, "opendsec", |ctx| {
+            Box::pin(opendsec::setup(ctx, 1))
+        }),
+        TargetSpec::new("opendsec 3-node", 3, "opendsec", |ctx| {
+            Box::pin(opendsec::setup(ctx, 3))
+        }),
     ]
 }

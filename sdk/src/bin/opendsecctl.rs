@@ -5,7 +5,7 @@
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use opendsec_sdk::types::*;
-use opendsec_sdk::{ApiError, AuditFilter, Client, ExecRequest, ReplayRequest, SandboxFilter, DEFAULT_URL};
+use opendsec_sdk::{ApiError, AuditFilter, Client, DEFAULT_URL, ExecRequest, ReplayRequest, SandboxFilter};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,7 +15,11 @@ use std::process::ExitCode;
 mod remote;
 
 #[derive(Parser)]
-#[command(name = "opendsecctl", version, about = "Manage an OpenDsec cluster: projects, quotas, tokens, sandboxes, edges, audit and time travel")]
+#[command(
+    name = "opendsecctl",
+    version,
+    about = "Manage an OpenDsec cluster: projects, quotas, tokens, sandboxes, edges, audit and time travel"
+)]
 struct Cli {
     /// The API's base URL.
     #[arg(long, global = true, env = "OPENDSEC_URL", default_value = DEFAULT_URL)]
@@ -117,9 +121,13 @@ enum ProjectCmd {
     },
     /// Projects in the token's subtree.
     List,
-    Get { id: String },
+    Get {
+        id: String,
+    },
     /// Deletes an empty project (no children, no live sandboxes).
-    Delete { id: String },
+    Delete {
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -204,9 +212,13 @@ enum SandboxCmd {
         #[arg(long)]
         state: Option<String>,
     },
-    Get { id: String },
+    Get {
+        id: String,
+    },
     /// Kills it; its quota is given back.
-    Kill { id: String },
+    Kill {
+        id: String,
+    },
     /// The end of the sandbox's console: its PID 1 output (the agent's log, a template's
     /// start command).
     Logs {
@@ -217,9 +229,15 @@ enum SandboxCmd {
     },
     /// One sample of its CPU, memory and disk, taken now by its edge; for a VM also its
     /// VMM and the accelerator its guest runs under.
-    Metrics { id: String },
-    Pause { id: String },
-    Resume { id: String },
+    Metrics {
+        id: String,
+    },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
     /// Takes a snapshot (a container's file system; a microVM's memory, device state and
     /// disk) and waits until its edge has taken it. Start sandboxes from it with
     /// `sandbox create --image <snapshot id>`.
@@ -245,7 +263,10 @@ enum SandboxCmd {
         edge: Option<String>,
     },
     /// Sets the lifetime from now; 0 removes it.
-    SetTimeout { id: String, seconds: u64 },
+    SetTimeout {
+        id: String,
+        seconds: u64,
+    },
     /// Replaces every label.
     SetLabels {
         id: String,
@@ -268,7 +289,12 @@ enum SandboxCmd {
         #[arg(long)]
         cwd: Option<String>,
         /// The program and its arguments (after `--`).
-        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+        #[arg(
+            required = true,
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "CMD"
+        )]
         command: Vec<String>,
     },
     /// An interactive shell on a terminal in the sandbox (exits with the shell's code).
@@ -315,9 +341,13 @@ enum SnapshotCmd {
         #[arg(long)]
         sandbox: Option<String>,
     },
-    Get { id: String },
+    Get {
+        id: String,
+    },
     /// Deletes it (sandboxes started from it run on).
-    Delete { id: String },
+    Delete {
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -394,7 +424,9 @@ struct ReplayArgs {
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
-    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("{s:?} is not key=value"))
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not key=value"))
 }
 
 /// The token from the flag/env, else OPENDSEC_TOKEN_FILE, else ~/.config/opendsec/token.
@@ -411,7 +443,10 @@ fn find_token(flag: Option<String>) -> Option<String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
     let url = cli.url.clone();
     match rt.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
@@ -454,7 +489,15 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
     match cli.command {
         Cmd::E2b(E2bCmd::Env { name, ttl_seconds }) => {
             let rights = vec!["sandbox:read".to_string(), "sandbox:write".to_string()];
-            let t = client.issue_token(&IssueToken { project: None, name, rights, ttl_seconds, format: Some("e2b".into()) }).await?;
+            let t = client
+                .issue_token(&IssueToken {
+                    project: None,
+                    name,
+                    rights,
+                    ttl_seconds,
+                    format: Some("e2b".into()),
+                })
+                .await?;
             let base = cli.url.trim_end_matches('/');
             out.show(&t, |t| {
                 format!(
@@ -489,15 +532,27 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
         Cmd::Project(c) => match c {
             ProjectCmd::Create { name, parent } => {
                 let w = client.create_project(&name, parent.as_deref()).await?;
-                out.show(&w, |w| format!("created project {} ({}) at index {}", w.project.id, w.project.name, w.index));
+                out.show(&w, |w| {
+                    format!(
+                        "created project {} ({}) at index {}",
+                        w.project.id, w.project.name, w.index
+                    )
+                });
             }
             ProjectCmd::List => {
                 let l = client.list_projects().await?;
-                out.show(&l, |l| table(&["ID", "NAME", "PARENT", "CREATED"], l.projects.iter().map(project_row).collect()));
+                out.show(&l, |l| {
+                    table(
+                        &["ID", "NAME", "PARENT", "CREATED"],
+                        l.projects.iter().map(project_row).collect(),
+                    )
+                });
             }
             ProjectCmd::Get { id } => {
                 let p = client.get_project(&id).await?;
-                out.show(&p, |p| table(&["ID", "NAME", "PARENT", "CREATED"], vec![project_row(p)]));
+                out.show(&p, |p| {
+                    table(&["ID", "NAME", "PARENT", "CREATED"], vec![project_row(p)])
+                });
             }
             ProjectCmd::Delete { id } => {
                 let d = client.delete_project(&id).await?;
@@ -506,7 +561,23 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
         },
         Cmd::Quota(c) => {
             let q = match c {
-                QuotaCmd::Set { project, sandboxes, cpu_millis, memory_mb } => client.set_quota(&project, &Limits { sandboxes, cpu_millis, memory_mb }).await?,
+                QuotaCmd::Set {
+                    project,
+                    sandboxes,
+                    cpu_millis,
+                    memory_mb,
+                } => {
+                    client
+                        .set_quota(
+                            &project,
+                            &Limits {
+                                sandboxes,
+                                cpu_millis,
+                                memory_mb,
+                            },
+                        )
+                        .await?
+                }
                 QuotaCmd::Get { project } => client.get_quota(&project).await?,
             };
             out.show(&q, |q| {
@@ -514,16 +585,45 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 table(
                     &["RESOURCE", "LIMIT", "EFFECTIVE", "USED"],
                     vec![
-                        vec!["sandboxes".into(), lim(q.limits.sandboxes), lim(q.effective.sandboxes), q.usage.sandboxes.to_string()],
-                        vec!["cpu_millis".into(), lim(q.limits.cpu_millis), lim(q.effective.cpu_millis), q.usage.cpu_millis.to_string()],
-                        vec!["memory_mb".into(), lim(q.limits.memory_mb), lim(q.effective.memory_mb), q.usage.memory_mb.to_string()],
+                        vec![
+                            "sandboxes".into(),
+                            lim(q.limits.sandboxes),
+                            lim(q.effective.sandboxes),
+                            q.usage.sandboxes.to_string(),
+                        ],
+                        vec![
+                            "cpu_millis".into(),
+                            lim(q.limits.cpu_millis),
+                            lim(q.effective.cpu_millis),
+                            q.usage.cpu_millis.to_string(),
+                        ],
+                        vec![
+                            "memory_mb".into(),
+                            lim(q.limits.memory_mb),
+                            lim(q.effective.memory_mb),
+                            q.usage.memory_mb.to_string(),
+                        ],
                     ],
                 )
             });
         }
         Cmd::Token(c) => match c {
-            TokenCmd::Issue { name, project, rights, ttl_seconds, format } => {
-                let t = client.issue_token(&IssueToken { project, name, rights, ttl_seconds, format: Some(format) }).await?;
+            TokenCmd::Issue {
+                name,
+                project,
+                rights,
+                ttl_seconds,
+                format,
+            } => {
+                let t = client
+                    .issue_token(&IssueToken {
+                        project,
+                        name,
+                        rights,
+                        ttl_seconds,
+                        format: Some(format),
+                    })
+                    .await?;
                 out.show(&t, |t| {
                     format!(
                         "issued token {} in project {} (expires {})\n\n  {}\n\nThis secret is shown only now: store it (e.g. in OPENDSEC_TOKEN).",
@@ -545,7 +645,14 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                                 Some(r) => format!("revoked: {}", r.reason),
                                 None => "active".into(),
                             };
-                            vec![t.id.clone(), t.name.clone(), t.project.clone(), t.rights.join(","), t.expires_at_ms.map_or("never".into(), fmt_time), state]
+                            vec![
+                                t.id.clone(),
+                                t.name.clone(),
+                                t.project.clone(),
+                                t.rights.join(","),
+                                t.expires_at_ms.map_or("never".into(), fmt_time),
+                                state,
+                            ]
                         })
                         .collect();
                     table(&["ID", "NAME", "PROJECT", "RIGHTS", "EXPIRES", "STATE"], rows)
@@ -578,8 +685,24 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 let l = client.list_edges().await?;
                 out.show(&l, |l| table(&EDGE_HEADERS, l.edges.iter().map(edge_row).collect()));
             }
-            EdgeCmd::Register { edge, address, sandboxes, cpu_millis, memory_mb, labels } => {
-                let req = RegisterEdge { edge, address, capacity: Resources { sandboxes, cpu_millis, memory_mb }, labels: labels.into_iter().collect() };
+            EdgeCmd::Register {
+                edge,
+                address,
+                sandboxes,
+                cpu_millis,
+                memory_mb,
+                labels,
+            } => {
+                let req = RegisterEdge {
+                    edge,
+                    address,
+                    capacity: Resources {
+                        sandboxes,
+                        cpu_millis,
+                        memory_mb,
+                    },
+                    labels: labels.into_iter().collect(),
+                };
                 let w = client.register_edge(&req).await?;
                 out.show(&w, |w| table(&EDGE_HEADERS, vec![edge_row(&w.edge)]));
             }
@@ -618,10 +741,21 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                             (None, Some(m)) => format!("{}: {m}", r.result),
                             _ => r.result.clone(),
                         };
-                        vec![r.index.to_string(), fmt_time(r.time_ms), r.principal.clone(), r.action.clone(), r.project.clone(), r.target.clone(), result]
+                        vec![
+                            r.index.to_string(),
+                            fmt_time(r.time_ms),
+                            r.principal.clone(),
+                            r.action.clone(),
+                            r.project.clone(),
+                            r.target.clone(),
+                            result,
+                        ]
                     })
                     .collect();
-                let mut s = table(&["INDEX", "TIME", "PRINCIPAL", "ACTION", "PROJECT", "TARGET", "RESULT"], rows);
+                let mut s = table(
+                    &["INDEX", "TIME", "PRINCIPAL", "ACTION", "PROJECT", "TARGET", "RESULT"],
+                    rows,
+                );
                 if let Some(n) = p.next {
                     s.push_str(&format!("\nmore: --after {n} (or --all)"));
                 }
@@ -629,10 +763,19 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
             });
         }
         Cmd::Replay(r) => {
-            let rep = client.replay(&ReplayRequest { to: Some(r.to), view: r.view, diff_from: r.diff_from }).await?;
+            let rep = client
+                .replay(&ReplayRequest {
+                    to: Some(r.to),
+                    view: r.view,
+                    diff_from: r.diff_from,
+                })
+                .await?;
             out.show(&rep, |rep| match (&rep.changes, &rep.views) {
                 (Some(changes), _) => {
-                    let rows = changes.iter().map(|c| vec![c.path.clone(), compact(&c.before), compact(&c.after)]).collect();
+                    let rows = changes
+                        .iter()
+                        .map(|c| vec![c.path.clone(), compact(&c.before), compact(&c.after)])
+                        .collect();
                     format!(
                         "changes from index {} to index {} ({}):\n{}",
                         rep.from_index.unwrap_or(0),
@@ -656,7 +799,15 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
 
 async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, ApiError> {
     let written = match c {
-        SandboxCmd::Create { image, project, cpu_millis, memory_mb, labels, timeout_seconds, isolation } => {
+        SandboxCmd::Create {
+            image,
+            project,
+            cpu_millis,
+            memory_mb,
+            labels,
+            timeout_seconds,
+            isolation,
+        } => {
             let req = CreateSandbox {
                 project,
                 image,
@@ -670,8 +821,16 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             client.create_sandbox(&req).await?
         }
         SandboxCmd::List { project, labels, state } => {
-            let l = client.list_sandboxes(&SandboxFilter { project, labels: labels.into_iter().collect(), state }).await?;
-            out.show(&l, |l| table(&SANDBOX_HEADERS, l.sandboxes.iter().map(sandbox_row).collect()));
+            let l = client
+                .list_sandboxes(&SandboxFilter {
+                    project,
+                    labels: labels.into_iter().collect(),
+                    state,
+                })
+                .await?;
+            out.show(&l, |l| {
+                table(&SANDBOX_HEADERS, l.sandboxes.iter().map(sandbox_row).collect())
+            });
             return Ok(0);
         }
         SandboxCmd::Get { id } => {
@@ -709,10 +868,21 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Fork { id, count, edge } => {
             let f = client.fork_sandbox_to(&id, count, edge.as_deref()).await?;
-            out.show(&f, |f| format!("forked {id} at index {}:\n{}", f.index, table(&SANDBOX_HEADERS, f.sandboxes.iter().map(sandbox_row).collect())));
+            out.show(&f, |f| {
+                format!(
+                    "forked {id} at index {}:\n{}",
+                    f.index,
+                    table(&SANDBOX_HEADERS, f.sandboxes.iter().map(sandbox_row).collect())
+                )
+            });
             return Ok(0);
         }
-        SandboxCmd::Snapshot { id, name, no_wait, wait_seconds } => {
+        SandboxCmd::Snapshot {
+            id,
+            name,
+            no_wait,
+            wait_seconds,
+        } => {
             let w = client.create_snapshot(&id, name.as_deref()).await?;
             let mut snap = w.snapshot;
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_seconds);
@@ -727,15 +897,31 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         SandboxCmd::Pause { id } => client.pause_sandbox(&id).await?,
         SandboxCmd::Resume { id } => client.resume_sandbox(&id).await?,
         SandboxCmd::SetTimeout { id, seconds } => client.set_sandbox_timeout(&id, seconds).await?,
-        SandboxCmd::Exec { id, user, envs, cwd, command } => {
+        SandboxCmd::Exec {
+            id,
+            user,
+            envs,
+            cwd,
+            command,
+        } => {
             let mut words = command.into_iter();
             let cmd = words.next().expect("clap requires a command");
-            let req = ExecRequest { cmd, args: words.collect(), envs: envs.into_iter().collect(), cwd, user };
+            let req = ExecRequest {
+                cmd,
+                args: words.collect(),
+                envs: envs.into_iter().collect(),
+                cwd,
+                user,
+            };
             return remote::exec(client, &id, &req).await;
         }
         SandboxCmd::Shell { id, user, cmd } => return remote::shell(client, &id, user, cmd).await,
         SandboxCmd::Cp { src, dst, user } => return remote::copy(client, out, &src, &dst, user.as_deref()).await,
-        SandboxCmd::SetLabels { id, labels } => client.set_sandbox_labels(&id, labels.into_iter().collect::<BTreeMap<_, _>>()).await?,
+        SandboxCmd::SetLabels { id, labels } => {
+            client
+                .set_sandbox_labels(&id, labels.into_iter().collect::<BTreeMap<_, _>>())
+                .await?
+        }
     };
     out.show(&written, |w| table(&SANDBOX_HEADERS, vec![sandbox_row(&w.sandbox)]));
     Ok(0)
@@ -745,7 +931,9 @@ async fn snapshot(client: &Client, out: Printer, c: SnapshotCmd) -> Result<u8, A
     match c {
         SnapshotCmd::List { sandbox } => {
             let l = client.list_snapshots(sandbox.as_deref()).await?;
-            out.show(&l, |l| table(&SNAPSHOT_HEADERS, l.snapshots.iter().map(snapshot_row).collect()));
+            out.show(&l, |l| {
+                table(&SNAPSHOT_HEADERS, l.snapshots.iter().map(snapshot_row).collect())
+            });
         }
         SnapshotCmd::Get { id } => {
             let x = client.get_snapshot(&id).await?;
@@ -795,7 +983,17 @@ fn snapshot_row(x: &Snapshot) -> Vec<String> {
     ]
 }
 
-const SANDBOX_HEADERS: [&str; 9] = ["ID", "STATE", "ISOLATION", "PROJECT", "EDGE", "IMAGE", "CPU/MEM", "LABELS", "EXPIRES"];
+const SANDBOX_HEADERS: [&str; 9] = [
+    "ID",
+    "STATE",
+    "ISOLATION",
+    "PROJECT",
+    "EDGE",
+    "IMAGE",
+    "CPU/MEM",
+    "LABELS",
+    "EXPIRES",
+];
 
 fn sandbox_row(s: &Sandbox) -> Vec<String> {
     vec![
@@ -815,7 +1013,15 @@ fn sandbox_row(s: &Sandbox) -> Vec<String> {
     ]
 }
 
-const EDGE_HEADERS: [&str; 7] = ["ID", "ADDRESS", "SANDBOXES", "CPU (m)", "MEMORY (MB)", "HEARTBEAT", "STATE"];
+const EDGE_HEADERS: [&str; 7] = [
+    "ID",
+    "ADDRESS",
+    "SANDBOXES",
+    "CPU (m)",
+    "MEMORY (MB)",
+    "HEARTBEAT",
+    "STATE",
+];
 
 fn edge_row(e: &Edge) -> Vec<String> {
     vec![
@@ -825,12 +1031,21 @@ fn edge_row(e: &Edge) -> Vec<String> {
         format!("{}/{}", e.assigned.cpu_millis, e.capacity.cpu_millis),
         format!("{}/{}", e.assigned.memory_mb, e.capacity.memory_mb),
         e.heartbeat.as_ref().map_or("none".into(), |h| fmt_time(h.at_ms)),
-        if e.deregistered { "deregistered".into() } else { "registered".into() },
+        if e.deregistered {
+            "deregistered".into()
+        } else {
+            "registered".into()
+        },
     ]
 }
 
 fn project_row(p: &Project) -> Vec<String> {
-    vec![p.id.clone(), p.name.clone(), p.parent.clone().unwrap_or_else(|| "-".into()), fmt_time(p.created_at_ms)]
+    vec![
+        p.id.clone(),
+        p.name.clone(),
+        p.parent.clone().unwrap_or_else(|| "-".into()),
+        fmt_time(p.created_at_ms),
+    ]
 }
 
 fn labels(l: &BTreeMap<String, String>) -> String {
@@ -842,13 +1057,19 @@ fn labels(l: &BTreeMap<String, String>) -> String {
 
 fn compact(v: &Option<serde_json::Value>) -> String {
     let s = v.as_ref().map_or("-".into(), |v| v.to_string());
-    if s.chars().count() > 60 { format!("{}...", s.chars().take(57).collect::<String>()) } else { s }
+    if s.chars().count() > 60 {
+        format!("{}...", s.chars().take(57).collect::<String>())
+    } else {
+        s
+    }
 }
 
 fn fmt_time(ms: u64) -> String {
     let t = time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000);
     let fmt = time::macros::format_description!("[year]-[month]-[day] [hour]:[minute]:[second]Z");
-    t.ok().and_then(|t| t.format(&fmt).ok()).unwrap_or_else(|| ms.to_string())
+    t.ok()
+        .and_then(|t| t.format(&fmt).ok())
+        .unwrap_or_else(|| ms.to_string())
 }
 
 /// Aligned columns, two spaces apart.

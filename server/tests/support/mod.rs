@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -100,10 +100,23 @@ impl Cluster {
             .arg(&token_file)
             .output()
             .expect("run opendsec init");
-        assert!(out.status.success(), "opendsec init failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "opendsec init failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let token = std::fs::read_to_string(&token_file).unwrap();
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap();
-        let c = Cluster { dir, key_file, nodes, token, http };
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let c = Cluster {
+            dir,
+            key_file,
+            nodes,
+            token,
+            http,
+        };
         for i in 0..c.nodes.len() {
             c.wait_http(i).await;
         }
@@ -143,14 +156,27 @@ impl Cluster {
     }
 
     pub async fn get(&self, i: usize, path: &str, token: &str) -> Result<(u16, Value), String> {
-        let r = self.http.get(self.nodes[i].url(path)).bearer_auth(token).send().await.map_err(|e| e.to_string())?;
+        let r = self
+            .http
+            .get(self.nodes[i].url(path))
+            .bearer_auth(token)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
         let status = r.status().as_u16();
         let body = r.json::<Value>().await.unwrap_or(Value::Null);
         Ok((status, body))
     }
 
     pub async fn post(&self, i: usize, path: &str, token: &str, body: Value) -> Result<(u16, Value), String> {
-        let r = self.http.post(self.nodes[i].url(path)).bearer_auth(token).json(&body).send().await.map_err(|e| e.to_string())?;
+        let r = self
+            .http
+            .post(self.nodes[i].url(path))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
         let status = r.status().as_u16();
         let body = r.json::<Value>().await.unwrap_or(Value::Null);
         Ok((status, body))
@@ -197,7 +223,9 @@ impl Cluster {
                 }
             }
             let same = all.len() == self.nodes.len()
-                && all.windows(2).all(|w| w[0]["applied_index"] == w[1]["applied_index"] && w[0]["state_hash"] == w[1]["state_hash"]);
+                && all.windows(2).all(|w| {
+                    w[0]["applied_index"] == w[1]["applied_index"] && w[0]["state_hash"] == w[1]["state_hash"]
+                });
             if same {
                 return all;
             }

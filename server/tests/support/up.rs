@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,7 +16,12 @@ pub fn static_agent() -> PathBuf {
     let p = std::env::var_os("OPENDSEC_TEST_AGENT")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/agent-static/opendsec-agent"));
-    assert!(p.is_file(), "the static agent {} is missing: run ./ops/test.sh (or edge/agent/build-static.sh {})", p.display(), p.display());
+    assert!(
+        p.is_file(),
+        "the static agent {} is missing: run ./ops/test.sh (or edge/agent/build-static.sh {})",
+        p.display(),
+        p.display()
+    );
     p
 }
 
@@ -57,33 +62,61 @@ impl Drop for Up {
 /// The runtime's id of the container in sandbox directory `dir`: a claimed warm
 /// container keeps the id it was made with (`runtime_id` in its record).
 pub fn runtime_id(dir: &Path) -> String {
-    let rec: Value = std::fs::read(dir.join("sandbox.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-    let name = dir.file_name().map(|n| n.to_string_lossy().trim_start_matches('.').to_string()).unwrap_or_default();
-    rec["runtime_id"].as_str().or(rec["id"].as_str()).unwrap_or(&name).to_string()
+    let rec: Value = std::fs::read(dir.join("sandbox.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().trim_start_matches('.').to_string())
+        .unwrap_or_default();
+    rec["runtime_id"]
+        .as_str()
+        .or(rec["id"].as_str())
+        .unwrap_or(&name)
+        .to_string()
 }
 
 /// Removes what an edge with data directory `root` left running: its containers and
 /// their mounts, its VMs' QEMU processes (not the edge's children) and their network
 /// namespaces.
 pub fn cleanup_edge(root: &Path) {
-    for e in std::fs::read_dir(root.join("sandboxes")).into_iter().flatten().flatten() {
+    for e in std::fs::read_dir(root.join("sandboxes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let id = runtime_id(&e.path());
         for rt in ["crun", "runc"] {
-            let _ = Command::new(rt).arg("--root").arg(root.join("runtime").join(rt)).args(["delete", "--force", &id]).output();
+            let _ = Command::new(rt)
+                .arg("--root")
+                .arg(root.join("runtime").join(rt))
+                .args(["delete", "--force", &id])
+                .output();
         }
         let _ = Command::new("umount").arg("-l").arg(e.path().join("rootfs")).output();
         let _ = Command::new("umount").arg("-l").arg(e.path().join("disk")).output();
     }
-    for e in std::fs::read_dir(root.join("vms").join("vms")).into_iter().flatten().flatten() {
+    for e in std::fs::read_dir(root.join("vms").join("vms"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let dir = e.path();
-        if let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+        if let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
                 // A QEMU this edge started: its command line names the VM's directory.
                 let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
             }
         }
-        let netns = std::fs::read(dir.join("vm.json")).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()).and_then(|v| v["netns"].as_str().map(str::to_string));
+        let netns = std::fs::read(dir.join("vm.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["netns"].as_str().map(str::to_string));
         if let Some(n) = netns {
             let _ = Command::new("ip").args(["netns", "delete", &n]).output();
         }
@@ -102,12 +135,20 @@ pub struct Procs {
 
 impl Procs {
     pub fn new(edges: &[&str]) -> Procs {
-        Procs { dir: tempfile::tempdir().unwrap(), children: vec![], edges: edges.iter().map(|e| e.to_string()).collect() }
+        Procs {
+            dir: tempfile::tempdir().unwrap(),
+            children: vec![],
+            edges: edges.iter().map(|e| e.to_string()).collect(),
+        }
     }
 
     /// Starts `opendsec args` as `name`.
     pub fn spawn<S: AsRef<std::ffi::OsStr>>(&mut self, name: &str, args: &[S]) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join(format!("{name}.log"))).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("{name}.log")))
+            .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_opendsec"))
             .args(args)
             .env("RUST_LOG", "info,openraft=warn")
@@ -136,7 +177,13 @@ impl Drop for Procs {
         }
         if std::thread::panicking() {
             // The temp dir goes away with the test: show what each process said first.
-            let mut logs: Vec<_> = std::fs::read_dir(self.dir.path()).into_iter().flatten().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "log")).collect();
+            let mut logs: Vec<_> = std::fs::read_dir(self.dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .collect();
             logs.sort();
             for log in logs {
                 eprintln!("--- {} (last lines) ---\n{}", log.display(), log_tail(&log, 60));
@@ -152,7 +199,10 @@ impl Drop for Procs {
 /// progress (they drown what went wrong).
 pub fn log_tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let kept: Vec<&str> = text.lines().filter(|l| !l.contains(" served ") && !l.contains("building image")).collect();
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.contains(" served ") && !l.contains("building image"))
+        .collect();
     kept[kept.len().saturating_sub(lines)..].join("\n")
 }
 
@@ -186,11 +236,17 @@ impl Up {
             http: format!("127.0.0.1:{}", free_port()),
             peer: format!("127.0.0.1:{}", free_port()),
             edge: format!("127.0.0.1:{}", free_port()),
-            tls: domain.map(|d| Tls { domain: d.to_string(), listen: format!("127.0.0.1:{}", free_port()) }),
+            tls: domain.map(|d| Tls {
+                domain: d.to_string(),
+                listen: format!("127.0.0.1:{}", free_port()),
+            }),
             dir,
             child: None,
             token: String::new(),
-            client: reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap(),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()
+                .unwrap(),
             disk_mb,
         };
         up.spawn();
@@ -218,8 +274,15 @@ impl Up {
             }
             // A missing prerequisite (the shim, a runtime) stops the edge, not the server.
             let log = std::fs::read_to_string(up.log_path()).unwrap_or_default();
-            assert!(!log.contains("embedded edge stopped"), "the embedded edge stopped:\n{}", up.log_tail(10));
-            assert!(Instant::now() < deadline, "the embedded edge did not register within 60 s: {s} {v}");
+            assert!(
+                !log.contains("embedded edge stopped"),
+                "the embedded edge stopped:\n{}",
+                up.log_tail(10)
+            );
+            assert!(
+                Instant::now() < deadline,
+                "the embedded edge did not register within 60 s: {s} {v}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if up.tls.is_some() {
@@ -227,7 +290,11 @@ impl Up {
             let deadline = Instant::now() + Duration::from_secs(30);
             while !ca.is_file() {
                 up.exited_or_panic();
-                assert!(Instant::now() < deadline, "opendsec up --domain wrote no CA certificate at {}", ca.display());
+                assert!(
+                    Instant::now() < deadline,
+                    "opendsec up --domain wrote no CA certificate at {}",
+                    ca.display()
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -236,11 +303,22 @@ impl Up {
 
     fn spawn(&mut self) {
         // Appended to: a restarted server's log follows the first one's.
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path()).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
         cmd.args(["up", "--data-dir"])
             .arg(self.data_dir())
-            .args(["--listen", &self.http, "--peer-listen", &self.peer, "--edge-listen", &self.edge])
+            .args([
+                "--listen",
+                &self.http,
+                "--peer-listen",
+                &self.peer,
+                "--edge-listen",
+                &self.edge,
+            ])
             .arg("--agent")
             .arg(static_agent())
             // 256 MB of writable disk per sandbox by default: room for the tests, small
@@ -282,7 +360,10 @@ impl Up {
 
     /// The cluster key (the edge key, and what sandbox tokens derive from).
     pub fn cluster_key(&self) -> String {
-        std::fs::read_to_string(self.data_dir().join("cluster.key")).unwrap().trim().to_string()
+        std::fs::read_to_string(self.data_dir().join("cluster.key"))
+            .unwrap()
+            .trim()
+            .to_string()
     }
 
     /// Runs `cmd args` in the sandbox through the gateway's agent route
@@ -291,7 +372,10 @@ impl Up {
         let body = serde_json::to_vec(&json!({"process": {"cmd": cmd, "args": args}})).unwrap();
         let r = self
             .client
-            .post(format!("http://{}/v1/sandboxes/{id}/agent/process.Process/Start", self.http))
+            .post(format!(
+                "http://{}/v1/sandboxes/{id}/agent/process.Process/Start",
+                self.http
+            ))
             .bearer_auth(&self.token)
             .header("content-type", "application/connect+json")
             .header("connect-protocol-version", "1")
@@ -329,7 +413,13 @@ impl Up {
 
     /// A request to the native API as the admin; the body is JSON when there is one.
     pub async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        send_json(self.client.request(method, format!("http://{}{path}", self.http)).bearer_auth(&self.token), body).await
+        send_json(
+            self.client
+                .request(method, format!("http://{}{path}", self.http))
+                .bearer_auth(&self.token),
+            body,
+        )
+        .await
     }
 
     /// Issues an E2B API key (`e2b_` + 40 hex digits) for the admin's project, the way a
@@ -340,7 +430,10 @@ impl Up {
         assert!(s == 200 || s == 201, "POST /v1/tokens with format e2b: {s} {v}");
         let key = v["token"].as_str().unwrap_or_default().to_string();
         let hex = key.strip_prefix("e2b_").unwrap_or_default();
-        assert!(hex.len() == 40 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "an E2B API key is e2b_ + 40 lowercase hex digits, got {v}");
+        assert!(
+            hex.len() == 40 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            "an E2B API key is e2b_ + 40 lowercase hex digits, got {v}"
+        );
         key
     }
 
@@ -350,23 +443,34 @@ impl Up {
     /// with a clear failure, rather than inside an SDK call's timeout.
     pub async fn ensure_image(&self, image: &str, within: Duration) {
         let started = Instant::now();
-        let (s, v) = self.send(reqwest::Method::POST, "/v1/sandboxes", Some(json!({"image": image}))).await;
+        let (s, v) = self
+            .send(reqwest::Method::POST, "/v1/sandboxes", Some(json!({"image": image})))
+            .await;
         assert_eq!(s, 201, "creating a `{image}` sandbox through /v1: {v}");
         let id = v["sandbox"]["id"].as_str().expect("sandbox id").to_string();
         loop {
-            let (_, v) = self.send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+            let (_, v) = self
+                .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+                .await;
             match v["state"].as_str() {
                 Some("running") => break,
-                Some(state @ ("failed" | "exited" | "killed")) => panic!("the `{image}` image is not available: its sandbox is {state}: {v}"),
+                Some(state @ ("failed" | "exited" | "killed")) => {
+                    panic!("the `{image}` image is not available: its sandbox is {state}: {v}")
+                }
                 _ => {}
             }
-            assert!(started.elapsed() < within, "a `{image}` sandbox was not running within {within:?} (image build?): {v}");
+            assert!(
+                started.elapsed() < within,
+                "a `{image}` sandbox was not running within {within:?} (image build?): {v}"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         if started.elapsed() > Duration::from_secs(10) {
             eprintln!("image `{image}` ready after {:?}", started.elapsed());
         }
-        let _ = self.send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+        let _ = self
+            .send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await;
     }
 }
 
@@ -403,7 +507,9 @@ pub async fn read_process_stream(r: reqwest::Response) -> Result<(String, i64), 
         let m: Value = serde_json::from_slice(&bytes[i + 5..i + 5 + n]).map_err(|e| e.to_string())?;
         i += 5 + n;
         if let Some(d) = m["event"]["data"]["stdout"].as_str() {
-            out.push_str(&String::from_utf8_lossy(&base64::engine::general_purpose::STANDARD.decode(d).unwrap()));
+            out.push_str(&String::from_utf8_lossy(
+                &base64::engine::general_purpose::STANDARD.decode(d).unwrap(),
+            ));
         }
         if m["event"]["end"].is_object() {
             // proto3 JSON leaves out a zero exit code.
@@ -413,5 +519,6 @@ pub async fn read_process_stream(r: reqwest::Response) -> Result<(String, i64), 
             return Err(format!("the stream ended with {e}"));
         }
     }
-    code.map(|c| (out, c)).ok_or_else(|| "the process stream closed without an end".to_string())
+    code.map(|c| (out, c))
+        .ok_or_else(|| "the process stream closed without an end".to_string())
 }

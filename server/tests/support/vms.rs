@@ -35,14 +35,23 @@ pub async fn start_with_disk(disk_mb: u64) -> Up {
             let verdict = line.split("accelerator=").nth(1).unwrap_or(line);
             eprintln!("VM accelerator: {verdict}");
             if !verdict.starts_with("\"kvm\"") {
-                eprintln!("KVM is not usable here: guests run under TCG (figures are TCG's, about 15x slower than the host)");
+                eprintln!(
+                    "KVM is not usable here: guests run under TCG (figures are TCG's, about 15x slower than the host)"
+                );
             }
             return up;
         }
-        if let Some(line) = log.lines().find(|l| l.contains("cannot run microVMs") || l.contains("no microVMs on this edge")) {
+        if let Some(line) = log
+            .lines()
+            .find(|l| l.contains("cannot run microVMs") || l.contains("no microVMs on this edge"))
+        {
             panic!("this host cannot run VMs, so these tests could not run: {line}");
         }
-        assert!(Instant::now() < deadline, "the edge's VM driver was not ready within 600 s:\n{}", up.log_tail(20));
+        assert!(
+            Instant::now() < deadline,
+            "the edge's VM driver was not ready within 600 s:\n{}",
+            up.log_tail(20)
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -52,9 +61,15 @@ pub async fn start_with_disk(disk_mb: u64) -> Up {
 #[allow(dead_code)]
 pub fn edge_runtime(up: &Up) -> (String, String) {
     let log = up.log_tail(1_000_000);
-    let line = log.lines().find(|l| l.contains("microVMs ready")).expect("the edge said its VM driver is ready");
+    let line = log
+        .lines()
+        .find(|l| l.contains("microVMs ready"))
+        .expect("the edge said its VM driver is ready");
     let field = |name: &str| {
-        let rest = line.split(&format!(" {name}=\"")).nth(1).unwrap_or_else(|| panic!("no {name} in {line}"));
+        let rest = line
+            .split(&format!(" {name}=\""))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no {name} in {line}"));
         rest.split('"').next().unwrap().to_string()
     };
     (field("vmm"), field("accelerator"))
@@ -71,14 +86,21 @@ pub async fn wait_state(up: &Up, id: &str, want: &str, within: Duration) -> Valu
         if matches!(v["state"].as_str(), Some("failed" | "exited" | "killed")) {
             panic!("sandbox {id} ended instead of being {want}: {v}\n{}", up.log_tail(30));
         }
-        assert!(Instant::now() < deadline, "sandbox {id} was not {want} within {within:?}: {v}\n{}", up.log_tail(30));
+        assert!(
+            Instant::now() < deadline,
+            "sandbox {id} was not {want} within {within:?}: {v}\n{}",
+            up.log_tail(30)
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 /// Runs `cmd args` in sandbox `id` through the API; it must exit 0. Returns stdout.
 pub async fn exec(up: &Up, id: &str, cmd: &str, args: &[&str]) -> String {
-    let (out, code) = up.exec(id, cmd, args).await.unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}\n{}", up.log_tail(20)));
+    let (out, code) = up
+        .exec(id, cmd, args)
+        .await
+        .unwrap_or_else(|e| panic!("exec {cmd} {args:?} in {id}: {e}\n{}", up.log_tail(20)));
     assert_eq!(code, 0, "{cmd} {args:?} in {id} exited {code}: {out}");
     out
 }
@@ -90,7 +112,10 @@ pub async fn start_counter(up: &Up, id: &str) {
     exec(up, id, "setsid", &["-f", "python3", "-c", COUNTER]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let (out, _) = up.exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"]).await.unwrap_or_default();
+        let (out, _) = up
+            .exec(id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"])
+            .await
+            .unwrap_or_default();
         if out.contains("up") {
             return;
         }
@@ -102,5 +127,7 @@ pub async fn start_counter(up: &Up, id: &str) {
 /// One more on the counter of sandbox `id`, as read back.
 pub async fn count(up: &Up, id: &str) -> u64 {
     let out = exec(up, id, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && cat <&3"]).await;
-    out.trim().parse().unwrap_or_else(|_| panic!("the counter of {id} said {out:?}"))
+    out.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("the counter of {id} said {out:?}"))
 }

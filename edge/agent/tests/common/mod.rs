@@ -35,14 +35,7 @@ pub fn test_user() -> Option<&'static str> {
             .unwrap_or(false);
         if !exists {
             let st = Command::new("useradd")
-                .args([
-                    "-m",
-                    "-d",
-                    &format!("/home/{TEST_USER}"),
-                    "-s",
-                    "/bin/sh",
-                    TEST_USER,
-                ])
+                .args(["-m", "-d", &format!("/home/{TEST_USER}"), "-s", "/bin/sh", TEST_USER])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .status();
@@ -52,9 +45,7 @@ pub fn test_user() -> Option<&'static str> {
         }
         let home = format!("/home/{TEST_USER}");
         let _ = std::fs::create_dir_all(&home);
-        let _ = Command::new("chown")
-            .args([&format!("{TEST_USER}:"), &home])
-            .status();
+        let _ = Command::new("chown").args([&format!("{TEST_USER}:"), &home]).status();
         true
     });
     ok.then_some(TEST_USER)
@@ -204,15 +195,11 @@ impl Agent {
                 std::fs::symlink_metadata(&self.sock).map(|m| m.file_type()),
             ),
         };
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
-        let mut b = Request::builder()
-            .method(method)
-            .uri(uri)
-            .header("host", "localhost");
+        let mut b = Request::builder().method(method).uri(uri).header("host", "localhost");
         if let Some(t) = &self.token {
             b = b.header("x-access-token", t);
         }
@@ -232,9 +219,7 @@ impl Agent {
         headers: &[(&str, String)],
         body: Bytes,
     ) -> hyper::Result<(u16, hyper::HeaderMap, Bytes)> {
-        let r = self
-            .send(method, uri, headers, Full::new(body).boxed())
-            .await?;
+        let r = self.send(method, uri, headers, Full::new(body).boxed()).await?;
         let status = r.status().as_u16();
         let h = r.headers().clone();
         let b = r.into_body().collect().await?.to_bytes();
@@ -258,8 +243,7 @@ impl Agent {
         let v = if b.is_empty() {
             json!({})
         } else {
-            serde_json::from_slice(&b)
-                .unwrap_or_else(|_| json!({"raw": String::from_utf8_lossy(&b)}))
+            serde_json::from_slice(&b).unwrap_or_else(|_| json!({"raw": String::from_utf8_lossy(&b)}))
         };
         (s, v)
     }
@@ -366,18 +350,13 @@ impl Stream {
     async fn next_inner(&mut self) -> Option<Frame> {
         loop {
             if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
-                    as usize;
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
                 if self.buf.len() >= 5 + len {
                     let flags = self.buf[0];
                     self.buf.advance(5);
                     let m = self.buf.split_to(len);
                     let v: Value = serde_json::from_slice(&m).unwrap();
-                    return Some(if flags & 2 != 0 {
-                        Frame::End(v)
-                    } else {
-                        Frame::Msg(v)
-                    });
+                    return Some(if flags & 2 != 0 { Frame::End(v) } else { Frame::Msg(v) });
                 }
             }
             match self.body.frame().await {
@@ -462,5 +441,9 @@ pub fn exists(p: &Path) -> bool {
 /// A loopback port nothing listens on (bound, then released).
 #[allow(dead_code)] // not every test crate that shares this module needs it
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }

@@ -146,9 +146,7 @@ impl VmHandle {
 
 impl Inner {
     fn fc_tools(&self) -> Result<&FirecrackerTools, VmError> {
-        self.firecracker
-            .as_ref()
-            .map_err(|e| VmError::Prerequisite(e.clone()))
+        self.firecracker.as_ref().map_err(|e| VmError::Prerequisite(e.clone()))
     }
 
     /// The jail of `record`'s VM. A fork copy runs with its source's group, the only
@@ -274,13 +272,7 @@ impl Inner {
     }
 
     /// Removes what a Firecracker VM that never became whole had.
-    fn discard_firecracker(
-        &self,
-        dir: &Path,
-        record: Option<&VmRecord>,
-        netns: &str,
-        uid: Option<u32>,
-    ) {
+    fn discard_firecracker(&self, dir: &Path, record: Option<&VmRecord>, netns: &str, uid: Option<u32>) {
         if let Some(record) = record {
             let _ = self.stop_firecracker(dir, record);
         }
@@ -312,8 +304,7 @@ impl Inner {
             fs::rename(dir.join("ram.new"), &ram).map_err(io_err("keeping the memory snapshot"))?;
         }
         if dir.join("state.new").exists() {
-            fs::rename(dir.join("state.new"), dir.join("state"))
-                .map_err(io_err("keeping the snapshot"))?;
+            fs::rename(dir.join("state.new"), dir.join("state")).map_err(io_err("keeping the snapshot"))?;
         }
         let _ = fs::remove_file(&diff);
         let _ = fs::remove_file(dir.join(DIFF_BASE));
@@ -345,7 +336,9 @@ impl Inner {
         let onto = match base {
             None => None,
             Some(DiffBase::Zero) => {
-                let len = fs::metadata(snap).map_err(io_err("reading the snapshot's memory"))?.len();
+                let len = fs::metadata(snap)
+                    .map_err(io_err("reading the snapshot's memory"))?
+                    .len();
                 let memory = record.memory_mb << 20;
                 if len > memory {
                     return Err(VmError::Corrupt {
@@ -422,11 +415,7 @@ fn configure_and_start(api: &mut FcApi, record: &VmRecord) -> Result<(), VmError
 
 /// [`MicroVmDriver::create`] under Firecracker: the same disks, initrd, uid and
 /// namespace as QEMU's, then configure and InstanceStart.
-pub(super) fn create(
-    driver: &MicroVmDriver,
-    spec: &VmSpec,
-    progress: &dyn Fn(&str),
-) -> Result<VmHandle, VmError> {
+pub(super) fn create(driver: &MicroVmDriver, spec: &VmSpec, progress: &dyn Fn(&str)) -> Result<VmHandle, VmError> {
     let inner = &driver.inner;
     inner.fc_tools()?;
     if spec.vcpus > 32 || (spec.vcpus > 1 && spec.vcpus % 2 == 1) {
@@ -678,8 +667,8 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
         }
         VmState::Paused => {
             inner.finish_pause(&dir, &mut record)?;
-            let mut bytes = fs::copy(dir.join("state"), dest.join("state"))
-                .map_err(io_err("copying the VM's snapshot"))?;
+            let mut bytes =
+                fs::copy(dir.join("state"), dest.join("state")).map_err(io_err("copying the VM's snapshot"))?;
             bytes += sparse_copy(&inner.memory_file(&dir, &record), &dest.join("ram"))?;
             bytes += sparse_copy(&dir.join("rw.img"), &dest.join("rw.img"))?;
             Ok((Duration::ZERO, bytes))
@@ -712,10 +701,7 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
         let _ = fs::remove_dir_all(dest);
         return Err(e);
     }
-    Ok(SnapshotReport {
-        source_paused,
-        bytes,
-    })
+    Ok(SnapshotReport { source_paused, bytes })
 }
 
 /// Fork with memory: the source stops while a Diff snapshot is written and its disk
@@ -737,8 +723,7 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
             .unwrap_or(0)
     ));
     fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
-    fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711))
-        .map_err(io_err("chmod fork dir"))?;
+    fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711)).map_err(io_err("chmod fork dir"))?;
     let base = fork_dir.join("ram");
     let mut prepared: Vec<(VmRecord, PathBuf)> = Vec::new();
 
@@ -788,8 +773,7 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
         let step = (|| {
             sparse_copy(&fork_dir.join("rw.img"), &copy_dir.join("rw.img"))?;
             give(&copy_dir.join("rw.img"), record.uid, record.uid, 0o600)?;
-            fs::copy(fork_dir.join("state"), copy_dir.join("state"))
-                .map_err(io_err("copying the snapshot"))?;
+            fs::copy(fork_dir.join("state"), copy_dir.join("state")).map_err(io_err("copying the snapshot"))?;
             give(&copy_dir.join("state"), record.uid, record.uid, 0o600)?;
             write_json_atomic(&copy_dir.join("vm.json"), record)?;
             VmHandle {

@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::{
-    Accel, Inner, QemuStart, RamMode, VmRecord, VmState, give, migrate_to_file, new_ram_file,
-    pidfd_open, set_ignore_shared, sigkill, wait_ended,
+    Accel, Inner, QemuStart, RamMode, VmRecord, VmState, give, migrate_to_file, new_ram_file, pidfd_open,
+    set_ignore_shared, sigkill, wait_ended,
 };
 use crate::vm::disks::{allocated_bytes, sparse_copy};
 use crate::vm::qmp::{Qmp, QmpError};
@@ -121,8 +121,7 @@ impl Inner {
     /// partial files. The caller holds the source's lock.
     pub(super) fn live_copy(&self, source: &VmRecord, dest: &Path) -> Result<LiveCopy, VmError> {
         let receivers = self.cfg.root.join("receivers");
-        fs::create_dir_all(&receivers)
-            .map_err(io_err(format!("creating {}", receivers.display())))?;
+        fs::create_dir_all(&receivers).map_err(io_err(format!("creating {}", receivers.display())))?;
         fs::set_permissions(&receivers, fs::Permissions::from_mode(0o711))
             .map_err(io_err(format!("chmod {}", receivers.display())))?;
         let (recv_dir, netns) = self.receiver_of(&source.id);
@@ -186,10 +185,7 @@ impl Inner {
         let mut recv = self.connect_started(recv_dir, &record, recv_pid)?;
 
         let mut qmp = self.qmp(source)?;
-        let _ = qmp.execute(
-            "block-dirty-bitmap-remove",
-            json!({"node": "rw", "name": BITMAP}),
-        );
+        let _ = qmp.execute("block-dirty-bitmap-remove", json!({"node": "rw", "name": BITMAP}));
         qmp.execute(
             "block-dirty-bitmap-add",
             json!({"node": "rw", "name": BITMAP, "granularity": 65536}),
@@ -198,10 +194,7 @@ impl Inner {
         if copied.is_err() {
             cancel_and_continue(&mut qmp);
         }
-        let _ = qmp.execute(
-            "block-dirty-bitmap-remove",
-            json!({"node": "rw", "name": BITMAP}),
-        );
+        let _ = qmp.execute("block-dirty-bitmap-remove", json!({"node": "rw", "name": BITMAP}));
         let _ = qmp.execute(
             "migrate-set-capabilities",
             json!({"capabilities": [{"capability": "pause-before-switchover", "state": false}]}),
@@ -288,10 +281,7 @@ impl Inner {
                 Err(e) => return Err(e.into()),
             }
             if !relaxed && started.elapsed() > CONVERGE_PATIENCE {
-                qmp.execute(
-                    "migrate-set-parameters",
-                    json!({"downtime-limit": RELAXED_DOWNTIME_MS}),
-                )?;
+                qmp.execute("migrate-set-parameters", json!({"downtime-limit": RELAXED_DOWNTIME_MS}))?;
                 relaxed = true;
             }
             if started.elapsed() > STEP_TIMEOUT {
@@ -330,9 +320,7 @@ fn continue_after_migration(qmp: &mut Qmp) -> Result<(), VmError> {
     loop {
         match qmp.execute("cont", json!({})) {
             Ok(_) => return Ok(()),
-            Err(QmpError::Command { desc, .. })
-                if desc.contains("not finalized") && Instant::now() < deadline =>
-            {
+            Err(QmpError::Command { desc, .. }) if desc.contains("not finalized") && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_micros(200));
             }
             Err(e) => return Err(e.into()),
@@ -371,10 +359,7 @@ pub(super) fn cancel_and_continue(qmp: &mut Qmp) {
     while Instant::now() < deadline && migration_under_way(qmp) {
         std::thread::sleep(Duration::from_millis(2));
     }
-    let _ = qmp.execute(
-        "block-job-cancel",
-        json!({"device": DISK_JOB, "force": true}),
-    );
+    let _ = qmp.execute("block-job-cancel", json!({"device": DISK_JOB, "force": true}));
     let _ = qmp.execute("blockdev-del", json!({"node-name": DISK_TARGET}));
     let running = qmp
         .execute("query-status", json!({}))
@@ -408,11 +393,7 @@ fn wait_incoming(recv: &mut Qmp) -> Result<(), VmError> {
 /// Bytes the dirty bitmap of the writable disk marks.
 fn bitmap_dirty_bytes(qmp: &mut Qmp) -> Result<u64, VmError> {
     let blocks = qmp.execute("query-block", json!({}))?;
-    let device = blocks
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|d| d["device"] == "rw");
+    let device = blocks.as_array().into_iter().flatten().find(|d| d["device"] == "rw");
     let bitmaps = device.into_iter().flat_map(|d| {
         [&d["inserted"]["dirty-bitmaps"], &d["dirty-bitmaps"]]
             .into_iter()
@@ -437,11 +418,7 @@ fn copy_dirty_blocks(qmp: &mut Qmp, target: &Path) -> Result<(), VmError> {
         .write(true)
         .open(target)
         .map_err(io_err(format!("opening {}", target.display())))?;
-    let set = qmp.execute_with_fd(
-        "add-fd",
-        json!({"opaque": "opendsec live copy disk"}),
-        file.as_raw_fd(),
-    )?;
+    let set = qmp.execute_with_fd("add-fd", json!({"opaque": "opendsec live copy disk"}), file.as_raw_fd())?;
     let fdset = set["fdset-id"]
         .as_u64()
         .ok_or_else(|| VmError::Qmp(QmpError::Protocol(format!("add-fd answered {set}"))))?;
@@ -496,15 +473,12 @@ pub(super) fn link_or_copy(src: &Path, dst: &Path) -> Result<(), VmError> {
     if fs::hard_link(src, dst).is_ok() {
         return Ok(());
     }
-    fs::copy(src, dst).map(|_| ()).map_err(io_err(format!(
-        "copying {} to {}",
-        src.display(),
-        dst.display()
-    )))
+    fs::copy(src, dst)
+        .map(|_| ())
+        .map_err(io_err(format!("copying {} to {}", src.display(), dst.display())))
 }
 
 fn new_sparse_file(path: &Path, len: u64) -> Result<(), VmError> {
     let file = fs::File::create(path).map_err(io_err(format!("creating {}", path.display())))?;
-    file.set_len(len)
-        .map_err(io_err(format!("sizing {}", path.display())))
+    file.set_len(len).map_err(io_err(format!("sizing {}", path.display())))
 }

@@ -43,9 +43,7 @@ pub struct FcApi {
 
 impl std::fmt::Debug for FcApi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FcApi")
-            .field("socket", &self.socket)
-            .finish()
+        f.debug_struct("FcApi").field("socket", &self.socket).finish()
     }
 }
 
@@ -59,13 +57,8 @@ fn api_error(request: &str, status: Option<u16>, message: impl Into<String>) -> 
 
 impl FcApi {
     pub fn connect(socket: &Path) -> Result<Self, VmError> {
-        let stream = UnixStream::connect(socket).map_err(|e| {
-            api_error(
-                "connect",
-                None,
-                format!("connecting to {}: {e}", socket.display()),
-            )
-        })?;
+        let stream = UnixStream::connect(socket)
+            .map_err(|e| api_error("connect", None, format!("connecting to {}: {e}", socket.display())))?;
         stream
             .set_read_timeout(Some(REQUEST_TIMEOUT))
             .and_then(|()| stream.set_write_timeout(Some(REQUEST_TIMEOUT)))
@@ -77,11 +70,7 @@ impl FcApi {
     }
 
     /// Connects once the process has made its socket, while `alive` says it runs.
-    pub fn connect_until(
-        socket: &Path,
-        deadline: Instant,
-        alive: &dyn Fn() -> bool,
-    ) -> Result<Self, VmError> {
+    pub fn connect_until(socket: &Path, deadline: Instant, alive: &dyn Fn() -> bool) -> Result<Self, VmError> {
         loop {
             if socket.exists()
                 && let Ok(api) = Self::connect(socket)
@@ -92,10 +81,7 @@ impl FcApi {
                 return Err(api_error(
                     "connect",
                     None,
-                    format!(
-                        "the process ended before it listened on {}",
-                        socket.display()
-                    ),
+                    format!("the process ended before it listened on {}", socket.display()),
                 ));
             }
             if Instant::now() > deadline {
@@ -111,16 +97,10 @@ impl FcApi {
 
     /// Sends one request; a 2xx answer's body (JSON, or `null` when empty) comes back,
     /// anything else is an error carrying Firecracker's `fault_message`.
-    pub fn call(
-        &mut self,
-        method: &str,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<Value, VmError> {
+    pub fn call(&mut self, method: &str, path: &str, body: Option<&Value>) -> Result<Value, VmError> {
         let request = format!("{method} {path}");
         let payload = body.map(|b| b.to_string()).unwrap_or_default();
-        let mut head =
-            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n");
+        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n");
         if body.is_some() {
             head.push_str(&format!(
                 "Content-Type: application/json\r\nContent-Length: {}\r\n",
@@ -128,20 +108,14 @@ impl FcApi {
             ));
         }
         head.push_str("\r\n");
-        let io = |e: std::io::Error| {
-            api_error(&request, None, format!("{e} (the process may have ended)"))
-        };
+        let io = |e: std::io::Error| api_error(&request, None, format!("{e} (the process may have ended)"));
         let stream = self.conn.get_mut();
         stream.write_all(head.as_bytes()).map_err(io)?;
         stream.write_all(payload.as_bytes()).map_err(io)?;
 
         let mut status_line = String::new();
         if self.conn.read_line(&mut status_line).map_err(io)? == 0 {
-            return Err(api_error(
-                &request,
-                None,
-                "the connection closed (the process ended)",
-            ));
+            return Err(api_error(&request, None, "the connection closed (the process ended)"));
         }
         let status: u16 = status_line
             .split_whitespace()
@@ -152,11 +126,7 @@ impl FcApi {
         loop {
             let mut line = String::new();
             if self.conn.read_line(&mut line).map_err(io)? == 0 {
-                return Err(api_error(
-                    &request,
-                    Some(status),
-                    "the connection closed mid-answer",
-                ));
+                return Err(api_error(&request, Some(status), "the connection closed mid-answer"));
             }
             let line = line.trim_end();
             if line.is_empty() {
@@ -173,8 +143,7 @@ impl FcApi {
         let value: Value = if body.is_empty() {
             Value::Null
         } else {
-            serde_json::from_slice(&body)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into()))
+            serde_json::from_slice(&body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into()))
         };
         if (200..300).contains(&status) {
             return Ok(value);
@@ -191,12 +160,7 @@ impl FcApi {
     }
 
     /// `PUT /boot-source`. Paths are as the jailed process sees them.
-    pub fn boot_source(
-        &mut self,
-        kernel: &str,
-        initrd: Option<&str>,
-        args: &str,
-    ) -> Result<(), VmError> {
+    pub fn boot_source(&mut self, kernel: &str, initrd: Option<&str>, args: &str) -> Result<(), VmError> {
         let mut body = json!({"kernel_image_path": kernel, "boot_args": args});
         if let Some(initrd) = initrd {
             body["initrd_path"] = json!(initrd);
@@ -205,12 +169,7 @@ impl FcApi {
     }
 
     /// `PUT /machine-config`; `track_dirty_pages` makes Diff snapshots possible.
-    pub fn machine_config(
-        &mut self,
-        vcpus: u32,
-        mem_mib: u64,
-        track_dirty_pages: bool,
-    ) -> Result<(), VmError> {
+    pub fn machine_config(&mut self, vcpus: u32, mem_mib: u64, track_dirty_pages: bool) -> Result<(), VmError> {
         self.put(
             "/machine-config",
             json!({"vcpu_count": vcpus, "mem_size_mib": mem_mib, "smt": false,
@@ -229,12 +188,7 @@ impl FcApi {
 
     /// `PUT /network-interfaces/{id}`: a virtio-net device on tap `tap` of the
     /// process's network namespace.
-    pub fn network_interface(
-        &mut self,
-        id: &str,
-        tap: &str,
-        guest_mac: &str,
-    ) -> Result<(), VmError> {
+    pub fn network_interface(&mut self, id: &str, tap: &str, guest_mac: &str) -> Result<(), VmError> {
         self.put(
             &format!("/network-interfaces/{id}"),
             json!({"iface_id": id, "host_dev_name": tap, "guest_mac": guest_mac}),
@@ -253,24 +207,17 @@ impl FcApi {
 
     /// `PATCH /vm` Paused: stops the vCPUs.
     pub fn pause(&mut self) -> Result<(), VmError> {
-        self.call("PATCH", "/vm", Some(&json!({"state": "Paused"})))
-            .map(drop)
+        self.call("PATCH", "/vm", Some(&json!({"state": "Paused"}))).map(drop)
     }
 
     /// `PATCH /vm` Resumed.
     pub fn resume(&mut self) -> Result<(), VmError> {
-        self.call("PATCH", "/vm", Some(&json!({"state": "Resumed"})))
-            .map(drop)
+        self.call("PATCH", "/vm", Some(&json!({"state": "Resumed"}))).map(drop)
     }
 
     /// `PUT /snapshot/create` of a paused VM: device state to `state_path`, memory (all
     /// of it, or the dirty pages at their offsets in a sparse file) to `mem_path`.
-    pub fn snapshot_create(
-        &mut self,
-        kind: SnapshotKind,
-        state_path: &str,
-        mem_path: &str,
-    ) -> Result<(), VmError> {
+    pub fn snapshot_create(&mut self, kind: SnapshotKind, state_path: &str, mem_path: &str) -> Result<(), VmError> {
         let kind = match kind {
             SnapshotKind::Full => "Full",
             SnapshotKind::Diff => "Diff",

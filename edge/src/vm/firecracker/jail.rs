@@ -99,9 +99,7 @@ impl JailSpec {
 
     /// The cpuset cgroup the jailer makes for the process.
     pub fn cgroup_dir(&self) -> Result<PathBuf, VmError> {
-        Ok(cpuset_mount(self.cgroup)?
-            .join(&self.parent_cgroup)
-            .join(&self.id))
+        Ok(cpuset_mount(self.cgroup)?.join(&self.parent_cgroup).join(&self.id))
     }
 
     /// The jailer's argv (argv[0] is the jailer). The cgroup gets every CPU and memory
@@ -115,11 +113,7 @@ impl JailSpec {
                 .map(|s| s.trim().to_string())
                 .filter(|s| !s.is_empty())
                 .ok_or_else(|| {
-                    VmError::Prerequisite(format!(
-                        "cannot read {} under {}",
-                        names.join(" or "),
-                        mount.display()
-                    ))
+                    VmError::Prerequisite(format!("cannot read {} under {}", names.join(" or "), mount.display()))
                 })
         };
         let cpus = read(&["cpuset.cpus.effective", "cpuset.cpus"])?;
@@ -194,8 +188,7 @@ impl JailSpec {
             && cgroup.exists()
         {
             // rmdir, not remove_dir_all: a cgroup's files are not removable.
-            fs::remove_dir(&cgroup)
-                .map_err(io_err(format!("removing the cgroup {}", cgroup.display())))?;
+            fs::remove_dir(&cgroup).map_err(io_err(format!("removing the cgroup {}", cgroup.display())))?;
         }
         Ok(())
     }

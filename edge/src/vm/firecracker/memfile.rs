@@ -51,8 +51,7 @@ fn data_regions(file: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
 /// Refuses a diff whose size is not the base's, and one on a file system that does not
 /// tell its holes apart (it would write zeros over every clean page).
 pub fn merge_diff(base: &Path, diff: &Path) -> Result<DiffMerge, VmError> {
-    let context =
-        |what: &str| format!("merging {} onto {}: {what}", diff.display(), base.display());
+    let context = |what: &str| format!("merging {} onto {}: {what}", diff.display(), base.display());
     let corrupt = |message: String| VmError::Corrupt {
         path: diff.to_path_buf(),
         message,
@@ -150,9 +149,7 @@ mod tests {
                 _ => 1,
             };
             assert!(
-                merged[page * PAGE..(page + 1) * PAGE]
-                    .iter()
-                    .all(|&b| b == want),
+                merged[page * PAGE..(page + 1) * PAGE].iter().all(|&b| b == want),
                 "page {page}"
             );
         }
@@ -176,11 +173,7 @@ mod tests {
     #[test]
     fn a_merge_into_a_copy_leaves_the_base_as_it_was() {
         let dir = tempfile::tempdir().unwrap();
-        let (base, diff, out) = (
-            dir.path().join("base"),
-            dir.path().join("diff"),
-            dir.path().join("out"),
-        );
+        let (base, diff, out) = (dir.path().join("base"), dir.path().join("diff"), dir.path().join("out"));
         sparse_file(&base, 8, &[(0, 1), (5, 1)]);
         sparse_file(&diff, 8, &[(5, 2)]);
         let before = fs::read(&base).unwrap();

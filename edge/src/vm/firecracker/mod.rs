@@ -36,10 +36,7 @@ const INSTALL_HINT: &str = "run ./ops/test.sh (it installs firecracker and jaile
 
 /// Finds firecracker and jailer (the given paths, else PATH, else /usr/local/bin) and
 /// checks that both are v1.12.x.
-pub fn find_firecracker(
-    firecracker: Option<&Path>,
-    jailer: Option<&Path>,
-) -> Result<FirecrackerTools, VmError> {
+pub fn find_firecracker(firecracker: Option<&Path>, jailer: Option<&Path>) -> Result<FirecrackerTools, VmError> {
     let locate = |given: Option<&Path>, name: &str| -> Result<PathBuf, VmError> {
         let found = match given {
             Some(p) => p.is_file().then(|| p.to_path_buf()),
@@ -96,12 +93,7 @@ fn tool_version(binary: &Path, prefix: &str) -> Result<String, VmError> {
         .arg("--version")
         .env_clear()
         .output()
-        .map_err(|e| {
-            VmError::Prerequisite(format!(
-                "cannot run {}: {e}: {INSTALL_HINT}",
-                binary.display()
-            ))
-        })?;
+        .map_err(|e| VmError::Prerequisite(format!("cannot run {}: {e}: {INSTALL_HINT}", binary.display())))?;
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines()
         .find_map(|l| l.trim().strip_prefix(prefix))

@@ -16,7 +16,10 @@ pub async fn exec(client: &Client, id: &str, req: &ExecRequest) -> Result<u8, Ap
         .exec(id, req, |o| {
             // Best effort: a closed local stdout must not stop the remote process's report.
             let _ = match o {
-                ExecOutput::Stdout(b) => std::io::stdout().lock().write_all(&b).and_then(|_| std::io::stdout().flush()),
+                ExecOutput::Stdout(b) => std::io::stdout()
+                    .lock()
+                    .write_all(&b)
+                    .and_then(|_| std::io::stdout().flush()),
                 ExecOutput::Stderr(b) => std::io::stderr().lock().write_all(&b),
             };
         })
@@ -73,10 +76,32 @@ fn term_size() -> (u16, u16) {
 
 pub async fn shell(client: &Client, id: &str, user: Option<String>, cmd: String) -> Result<u8, ApiError> {
     let (cols, rows) = term_size();
-    let term = std::env::var("TERM").ok().filter(|t| !t.is_empty()).unwrap_or_else(|| "xterm-256color".into());
-    let envs = [("TERM".to_string(), term), ("LANG".into(), "C.UTF-8".into()), ("LC_ALL".into(), "C.UTF-8".into())].into();
-    let args = if cmd.ends_with("sh") { vec!["-i".into(), "-l".into()] } else { vec![] };
-    let req = PtyRequest { exec: ExecRequest { cmd, args, envs, cwd: None, user }, cols, rows };
+    let term = std::env::var("TERM")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| "xterm-256color".into());
+    let envs = [
+        ("TERM".to_string(), term),
+        ("LANG".into(), "C.UTF-8".into()),
+        ("LC_ALL".into(), "C.UTF-8".into()),
+    ]
+    .into();
+    let args = if cmd.ends_with("sh") {
+        vec!["-i".into(), "-l".into()]
+    } else {
+        vec![]
+    };
+    let req = PtyRequest {
+        exec: ExecRequest {
+            cmd,
+            args,
+            envs,
+            cwd: None,
+            user,
+        },
+        cols,
+        rows,
+    };
     let mut session = client.pty(id, &req).await?;
     let ctl = session.control();
 
@@ -152,7 +177,13 @@ impl Progress {
         }
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let line = match total {
-            Some(t) if t > 0 => format!("\r{}: {:.1}/{:.1} MiB ({}%)", self.label, mib(done), mib(t), done * 100 / t),
+            Some(t) if t > 0 => format!(
+                "\r{}: {:.1}/{:.1} MiB ({}%)",
+                self.label,
+                mib(done),
+                mib(t),
+                done * 100 / t
+            ),
             _ => format!("\r{}: {:.1} MiB", self.label, mib(done)),
         };
         eprint!("{line}");
@@ -166,15 +197,32 @@ impl Progress {
 }
 
 pub async fn copy(client: &Client, out: Printer, src: &str, dst: &str, user: Option<&str>) -> Result<u8, ApiError> {
-    let usage = |m: &str| ApiError { status: 400, code: "invalid".into(), message: m.into(), field: Some("src/dst".into()) };
-    let io = |what: &str, e: std::io::Error| ApiError { status: 0, code: "io".into(), message: format!("{what}: {e}"), field: None };
+    let usage = |m: &str| ApiError {
+        status: 400,
+        code: "invalid".into(),
+        message: m.into(),
+        field: Some("src/dst".into()),
+    };
+    let io = |what: &str, e: std::io::Error| ApiError {
+        status: 0,
+        code: "io".into(),
+        message: format!("{what}: {e}"),
+        field: None,
+    };
     let (bytes, summary) = match (remote(src), remote(dst)) {
-        (Some(_), Some(_)) => return Err(usage("both sides are ID:PATH; copy between sandboxes through a local file")),
+        (Some(_), Some(_)) => {
+            return Err(usage(
+                "both sides are ID:PATH; copy between sandboxes through a local file",
+            ));
+        }
         (None, None) => return Err(usage("neither side is ID:PATH; one side must be in a sandbox")),
         (None, Some((id, path))) => {
             // Upload: a path ending in / keeps the local file's name.
             let path = if path.ends_with('/') {
-                let name = std::path::Path::new(src).file_name().and_then(|n| n.to_str()).ok_or_else(|| usage("the source has no file name; give the full remote path"))?;
+                let name = std::path::Path::new(src)
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .ok_or_else(|| usage("the source has no file name; give the full remote path"))?;
                 format!("{path}{name}")
             } else {
                 path.to_string()
@@ -182,8 +230,14 @@ pub async fn copy(client: &Client, out: Printer, src: &str, dst: &str, user: Opt
             let (reader, total): (Box<dyn tokio::io::AsyncRead + Send + Unpin>, Option<u64>) = if src == "-" {
                 (Box::new(tokio::io::stdin()), None)
             } else {
-                let f = tokio::fs::File::open(src).await.map_err(|e| io(&format!("cannot open {src}"), e))?;
-                let len = f.metadata().await.map_err(|e| io(&format!("cannot stat {src}"), e))?.len();
+                let f = tokio::fs::File::open(src)
+                    .await
+                    .map_err(|e| io(&format!("cannot open {src}"), e))?;
+                let len = f
+                    .metadata()
+                    .await
+                    .map_err(|e| io(&format!("cannot stat {src}"), e))?
+                    .len();
                 (Box::new(f), Some(len))
             };
             let progress = std::sync::Arc::new(Progress::new(format!("{src} -> {id}:{path}"), total));
@@ -207,7 +261,9 @@ pub async fn copy(client: &Client, out: Printer, src: &str, dst: &str, user: Opt
                     }
                 }
             });
-            client.upload_body(id, &path, user, reqwest::Body::wrap_stream(stream)).await?;
+            client
+                .upload_body(id, &path, user, reqwest::Body::wrap_stream(stream))
+                .await?;
             progress.finish();
             let n = sent.load(std::sync::atomic::Ordering::Relaxed);
             (n, format!("copied {n} bytes to {id}:{path}"))
@@ -215,7 +271,10 @@ pub async fn copy(client: &Client, out: Printer, src: &str, dst: &str, user: Opt
         (Some((id, path)), None) => {
             let to_stdout = dst == "-";
             let target = if !to_stdout && std::path::Path::new(dst).is_dir() {
-                let name = std::path::Path::new(path).file_name().and_then(|n| n.to_str()).ok_or_else(|| usage("the remote path has no file name"))?;
+                let name = std::path::Path::new(path)
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .ok_or_else(|| usage("the remote path has no file name"))?;
                 std::path::Path::new(dst).join(name)
             } else {
                 std::path::PathBuf::from(dst)
@@ -223,14 +282,19 @@ pub async fn copy(client: &Client, out: Printer, src: &str, dst: &str, user: Opt
             let mut sink: Box<dyn Write> = if to_stdout {
                 Box::new(std::io::stdout().lock())
             } else {
-                Box::new(std::io::BufWriter::new(std::fs::File::create(&target).map_err(|e| io(&format!("cannot create {}", target.display()), e))?))
+                Box::new(std::io::BufWriter::new(
+                    std::fs::File::create(&target)
+                        .map_err(|e| io(&format!("cannot create {}", target.display()), e))?,
+                ))
             };
             let mut progress: Option<Progress> = None;
             let label = format!("{id}:{path} -> {}", target.display());
             let n = client
                 .download_with(id, path, user, |chunk, done, total| {
                     sink.write_all(chunk)?;
-                    progress.get_or_insert_with(|| Progress::new(label.clone(), total)).update(done, total);
+                    progress
+                        .get_or_insert_with(|| Progress::new(label.clone(), total))
+                        .update(done, total);
                     Ok(())
                 })
                 .await?;
