@@ -11,11 +11,13 @@ use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_control::{Credential, Principal, SandboxTokenKind};
-use opendsec_projections::{Desired, Isolation, Observed, Right, Sandbox, SnapshotState};
-use serde_json::{Map, Value, json};
+use opendsec_projections::{Desired, Isolation, Observed, Right, Sandbox};
+use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use super::body::{body_object, check_network, opt_bool, opt_str, opt_u64, string_map, unsupported};
+use super::snapshots::{delete_snapshot, list_snapshots, snapshot};
 use super::{CLIENT_ID, ENVD_VERSION};
 use crate::AppState;
 use crate::error::ApiError;
@@ -26,8 +28,8 @@ pub const DEFAULT_TIMEOUT_SECONDS: u64 = 300;
 pub const READY_WAIT: Duration = Duration::from_secs(120);
 /// How long a pause or snapshot waits for the edge to carry it out.
 pub const ACTION_WAIT: Duration = Duration::from_secs(60);
-const LIST_LIMIT_DEFAULT: usize = 100;
-const LIST_LIMIT_MAX: usize = 1000;
+pub(super) const LIST_LIMIT_DEFAULT: usize = 100;
+pub(super) const LIST_LIMIT_MAX: usize = 1000;
 
 /// The E2B routes, to merge into the gateway's router.
 pub fn routes() -> Router<AppState> {
@@ -63,7 +65,7 @@ impl E2bError {
             message: message.into(),
         }
     }
-    fn bad(message: impl Into<String>) -> E2bError {
+    pub(super) fn bad(message: impl Into<String>) -> E2bError {
         E2bError::new(StatusCode::BAD_REQUEST, message)
     }
     fn not_found(id: &str) -> E2bError {
@@ -103,10 +105,10 @@ impl IntoResponse for E2bError {
     }
 }
 
-type R<T> = Result<T, E2bError>;
+pub(super) type R<T> = Result<T, E2bError>;
 
 /// The caller: an E2B API key in `X-API-KEY`, or an OpenDsec bearer token.
-fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
+pub(super) fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
     let key = headers
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
@@ -125,7 +127,7 @@ fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
         .map_err(|r| E2bError::new(StatusCode::UNAUTHORIZED, format!("invalid API key: {}", r.message)))
 }
 
-fn require(p: &Principal, r: Right) -> R<()> {
+pub(super) fn require(p: &Principal, r: Right) -> R<()> {
     if p.has(r) {
         Ok(())
     } else {
@@ -146,7 +148,12 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
 }
 
-async fn submit(st: &AppState, who: &Principal, headers: &HeaderMap, cmd: Command) -> R<opendsec_control::Submitted> {
+pub(super) async fn submit(
+    st: &AppState,
+    who: &Principal,
+    headers: &HeaderMap,
+    cmd: Command,
+) -> R<opendsec_control::Submitted> {
     submit_as(st, who.credential(), headers, cmd).await
 }
 
@@ -172,97 +179,6 @@ async fn submit_as(
             )
         })?;
     Ok(s)
-}
-
-// ---- request bodies: lenient about unknown fields (SDKs add them), strict about types ----
-
-fn body_object(bytes: &Bytes) -> R<Map<String, Value>> {
-    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
-        return Ok(Map::new());
-    }
-    match serde_json::from_slice::<Value>(bytes) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(Value::Null) => Ok(Map::new()),
-        Ok(_) => Err(E2bError::bad("the body must be a JSON object")),
-        Err(e) => Err(E2bError::bad(format!("the body is not valid JSON: {e}"))),
-    }
-}
-
-fn opt_u64(m: &Map<String, Value>, field: &str) -> R<Option<u64>> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| E2bError::bad(format!("{field} must be a non-negative integer"))),
-    }
-}
-
-fn opt_bool(m: &Map<String, Value>, field: &str) -> R<Option<bool>> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(E2bError::bad(format!("{field} must be a boolean"))),
-    }
-}
-
-fn opt_str<'a>(m: &'a Map<String, Value>, field: &str) -> R<Option<&'a str>> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(E2bError::bad(format!("{field} must be a string"))),
-    }
-}
-
-fn string_map(m: &Map<String, Value>, field: &str) -> R<BTreeMap<String, String>> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(BTreeMap::new()),
-        Some(Value::Object(o)) => o
-            .iter()
-            .map(|(k, v)| match v {
-                Value::String(s) => Ok((k.clone(), s.clone())),
-                _ => Err(E2bError::bad(format!("{field}.{k} must be a string"))),
-            })
-            .collect(),
-        Some(_) => Err(E2bError::bad(format!("{field} must be an object of strings"))),
-    }
-}
-
-/// Network settings as asked. OpenDsec has no egress yet (network policy is a later
-/// release): a request that would open any is refused rather than silently ignored.
-fn check_network(n: &Value, field: &str) -> R<()> {
-    let Value::Object(o) = n else {
-        return Err(E2bError::bad(format!("{field} must be an object")));
-    };
-    let no_egress = |what: &str| {
-        E2bError::bad(format!(
-            "{field}.{what}: this OpenDsec release gives sandboxes no network egress (network policy is not implemented yet), so it cannot allow any"
-        ))
-    };
-    for key in ["allowOut", "rules"] {
-        match o.get(key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(Value::Object(r)) if r.is_empty() => {}
-            Some(_) => return Err(no_egress(key)),
-        }
-    }
-    if o.get("egressProxy").is_some_and(|v| !v.is_null()) {
-        return Err(no_egress("egressProxy"));
-    }
-    if o.get("allow_internet_access") == Some(&Value::Bool(true)) {
-        return Err(no_egress("allow_internet_access"));
-    }
-    Ok(())
-}
-
-fn unsupported(m: &Map<String, Value>, field: &str) -> R<()> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::Array(a)) if a.is_empty() => Ok(()),
-        Some(Value::Object(o)) if o.is_empty() => Ok(()),
-        Some(_) => Err(E2bError::bad(format!("{field} is not supported by OpenDsec yet"))),
-    }
 }
 
 // ---- responses ----
@@ -350,18 +266,18 @@ fn detail_json(st: &AppState, x: &Sandbox) -> Value {
     v
 }
 
-fn created(v: Value) -> Response {
+pub(super) fn created(v: Value) -> Response {
     (StatusCode::CREATED, Json(v)).into_response()
 }
 
-fn no_content() -> Response {
+pub(super) fn no_content() -> Response {
     StatusCode::NO_CONTENT.into_response()
 }
 
 // ---- reading and waiting ----
 
 /// A sandbox the caller may see, that has not ended (E2B forgets ended sandboxes).
-fn visible(st: &AppState, who: &Principal, id: &str) -> R<Sandbox> {
+pub(super) fn visible(st: &AppState, who: &Principal, id: &str) -> R<Sandbox> {
     st.node.read(|s| {
         let x = s.sandboxes.sandboxes.get(id).ok_or_else(|| E2bError::not_found(id))?;
         if !s.within(&x.project, &who.project) || !x.is_live() {
@@ -585,7 +501,7 @@ async fn detail(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<S
 }
 
 /// Query parameters as (name, value) pairs, percent-decoded.
-fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
+pub(super) fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
     form_urlencoded::parse(q.unwrap_or("").as_bytes())
         .into_owned()
         .collect()
@@ -758,117 +674,6 @@ async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<St
         ended(x).or_else(|| (x.observed == Observed::Paused).then_some(Ok(())))
     })
     .await?;
-    Ok(no_content())
-}
-
-async fn snapshot(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, body: Bytes) -> R<Response> {
-    let who = caller(&st, &headers)?;
-    let m = body_object(&body)?;
-    let name = opt_str(&m, "name")?.unwrap_or("").to_string();
-    visible(&st, &who, &id)?;
-    let s = submit(
-        &st,
-        &who,
-        &headers,
-        Command::CreateSnapshot {
-            sandbox: id,
-            name: name.clone(),
-        },
-    )
-    .await?;
-    let snap = s.decided.target.clone();
-    let deadline = Instant::now() + ACTION_WAIT;
-    loop {
-        let state = st
-            .node
-            .read(|s| s.snapshots.snapshots.get(&snap).map(|x| (x.state, x.reason.clone())));
-        match state {
-            Some((SnapshotState::Ready, _)) => break,
-            Some((SnapshotState::Failed, why)) => {
-                return Err(E2bError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("snapshot failed: {}", why.unwrap_or_default()),
-                ));
-            }
-            None => {
-                return Err(E2bError::new(
-                    StatusCode::NOT_FOUND,
-                    format!("snapshot {snap} was deleted"),
-                ));
-            }
-            Some((SnapshotState::Pending, _)) if Instant::now() >= deadline => {
-                return Err(E2bError::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    format!("snapshot {snap} was not taken within {} s", ACTION_WAIT.as_secs()),
-                ));
-            }
-            Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-        }
-    }
-    let names: Vec<String> = if name.is_empty() { vec![] } else { vec![name] };
-    Ok(created(json!({ "snapshotID": snap, "names": names })))
-}
-
-async fn list_snapshots(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQuery) -> R<Response> {
-    let who = caller(&st, &headers)?;
-    require(&who, Right::SandboxRead)?;
-    let (mut sandbox, mut name, mut limit, mut after) = (None, None, LIST_LIMIT_DEFAULT, None);
-    for (k, v) in query_pairs(q.as_deref()) {
-        match k.as_str() {
-            "sandboxID" => sandbox = Some(v),
-            "name" => name = Some(v),
-            "limit" => {
-                limit = v
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|l| (1..=LIST_LIMIT_MAX).contains(l))
-                    .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?
-            }
-            "nextToken" => after = Some(v),
-            _ => {}
-        }
-    }
-    let (page, next) = st.node.read(|s| {
-        let all: Vec<_> = s
-            .snapshots
-            .snapshots
-            .values()
-            .filter(|x| x.state == SnapshotState::Ready && s.within(&x.project, &who.project))
-            .filter(|x| sandbox.as_ref().is_none_or(|w| &x.sandbox == w))
-            .filter(|x| name.as_ref().is_none_or(|w| &x.name == w))
-            .collect();
-        let start = after.as_ref().map(|t| all.iter().position(|x| &x.id == t).map(|i| i + 1).unwrap_or(all.len())).unwrap_or(0);
-        let rest = &all[start..];
-        let page: Vec<Value> = rest
-            .iter()
-            .take(limit)
-            .map(|x| json!({ "snapshotID": x.id, "names": if x.name.is_empty() { vec![] } else { vec![x.name.clone()] } }))
-            .collect();
-        let next = (rest.len() > limit).then(|| rest[limit - 1].id.clone());
-        (page, next)
-    });
-    let mut resp = Json(Value::Array(page)).into_response();
-    if let Some(n) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
-        resp.headers_mut().insert("x-next-token", n);
-    }
-    Ok(resp)
-}
-
-async fn delete_snapshot(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
-    let who = caller(&st, &headers)?;
-    let known = st.node.read(|s| {
-        s.snapshots
-            .snapshots
-            .get(&id)
-            .is_some_and(|x| s.within(&x.project, &who.project))
-    });
-    if !known {
-        return Err(E2bError::new(
-            StatusCode::NOT_FOUND,
-            format!("template or snapshot {id} not found (images cannot be deleted through the E2B API)"),
-        ));
-    }
-    submit(&st, &who, &headers, Command::DeleteSnapshot { snapshot: id }).await?;
     Ok(no_content())
 }
 

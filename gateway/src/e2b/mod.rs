@@ -12,6 +12,8 @@
 //! Error bodies are E2B's: `{"code": <status>, "message": …}`.
 
 pub(crate) mod api;
+mod body;
+mod snapshots;
 mod traffic;
 
 pub use api::routes;
