@@ -72,8 +72,9 @@ OpenDsec runs on http://127.0.0.1:7400 (REST under /v1, OpenAPI at /v1/openapi.j
   export PATH="$BIN:\$PATH"
   export OPENDSEC_URL=http://127.0.0.1:7400
   export OPENDSEC_TOKEN_FILE=$TOKEN_FILE
-  opendsecctl sandbox create --image base
-  opendsecctl sandbox exec <id> -- python3 -c 'print(6*7)'
+  id=\$(opendsecctl sandbox create --image base --output json | jq -r .sandbox.id)
+  opendsecctl sandbox exec \$id -- python3 -c 'print(6*7)'
+More in the README's "Use" section.
 
 E2B SDK code runs against it with these three variables (kept in $E2B_ENV_FILE),
 the SDK itself in the venv $E2B_SDK:
