@@ -72,7 +72,8 @@ NOT_RUN="$(cut -f1 "$OPENDSEC_NOT_RUN_FILE" | sort -u)"
 if [ -n "$NOT_RUN" ]; then
   count="$(printf '%s\n' "$NOT_RUN" | wc -l)"
   [ "$count" -eq 1 ] && checks="check" || checks="checks"
-  echo "  why: $(cut -f2 "$OPENDSEC_NOT_RUN_FILE" | sort -u | head -n 1)"
+  echo "  why here: $(cut -f2 "$OPENDSEC_NOT_RUN_FILE" | sort -u | head -n 1 | cut -c1-160)"
+  echo "  (each check and its reason: $OPENDSEC_NOT_RUN_FILE)"
   echo "$count $checks not run here: need hardware KVM: $(printf '%s\n' "$NOT_RUN" | paste -sd ';' - | sed 's/;/; /g')"
 else
   echo "every check ran (none needed hardware KVM that this host lacks)"

@@ -14,7 +14,7 @@ if [ -e /dev/kvm ]; then
   ensure_firecracker
 fi
 # The E2B SDK for the README's E2B example and your own E2B code.
-E2B_SDK="${OPENDSEC_E2B_SDK:-/var/lib/opendsec/e2b}"
+E2B_SDK=/var/lib/opendsec/e2b
 ./ops/e2b-venv.sh --sdk "$E2B_SDK"
 
 echo "==> building (release)"
