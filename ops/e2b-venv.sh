@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Creates the Python environments the E2B conformance suite (server/tests/e2b_sdk.rs)
-# and the E2B benchmark (ops/bench.sh e2b) run the unmodified E2B SDKs from:
+# Creates the Python environments the unmodified E2B SDKs run from:
 #
-#   ops/e2b-venv.sh [DIR]        (default /var/lib/opendsec/test/e2b)
+#   ops/e2b-venv.sh [DIR]        the E2B conformance suite's (server/tests/e2b_sdk.rs) and
+#                                the E2B benchmark's (ops/bench.sh e2b); default
+#                                /var/lib/opendsec/test/e2b:
+#     DIR/2.63  e2b 2.63.0 + e2b-code-interpreter 2.11.5 + pytest: the current SDK
+#               (POST /v2/sandboxes), sync and async clients, the code interpreter.
+#     DIR/2.50  e2b 2.50.0 + pytest: the last SDK that creates through POST /sandboxes (v1).
 #
-#   DIR/2.63  e2b 2.63.0 + e2b-code-interpreter 2.11.5 + pytest: the current SDK
-#             (POST /v2/sandboxes), sync and async clients, the code interpreter.
-#   DIR/2.50  e2b 2.50.0 + pytest: the last SDK that creates through POST /sandboxes (v1).
+#   ops/e2b-venv.sh --sdk [DIR]  one venv with the current SDK for your own code (what
+#                                ./ops/up.sh makes for the README's example); default
+#                                /var/lib/opendsec/e2b: `. DIR/bin/activate`.
 #
 # Idempotent: a venv whose pinned versions are already installed is left as it is.
 # pip runs with its default configuration (the public index).
@@ -14,10 +18,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
 
-DIR="${1:-${OPENDSEC_E2B_VENV:-/var/lib/opendsec/test/e2b}}"
+SDK_ONLY=""
+if [ "${1:-}" = "--sdk" ]; then
+  SDK_ONLY=1
+  shift
+  DIR="${1:-/var/lib/opendsec/e2b}"
+else
+  DIR="${1:-${OPENDSEC_E2B_VENV:-/var/lib/opendsec/test/e2b}}"
+fi
 
+SDK=(e2b==2.63.0 e2b-code-interpreter==2.11.5)
 PYTEST=(pytest==9.2.0)
-SET_263=(e2b==2.63.0 e2b-code-interpreter==2.11.5 "${PYTEST[@]}" pytest-asyncio==1.5.0)
+SET_263=("${SDK[@]}" "${PYTEST[@]}" pytest-asyncio==1.5.0)
 SET_250=(e2b==2.50.0 "${PYTEST[@]}")
 
 if ! command -v python3 >/dev/null 2>&1; then
@@ -65,6 +77,10 @@ make_venv() {
   echo "==> $venv ready"
 }
 
-make_venv "$DIR/2.63" "${SET_263[@]}"
-make_venv "$DIR/2.50" "${SET_250[@]}"
-echo "==> E2B SDK venvs ready under $DIR (OPENDSEC_E2B_VENV=$DIR)"
+if [ -n "$SDK_ONLY" ]; then
+  make_venv "$DIR" "${SDK[@]}"
+else
+  make_venv "$DIR/2.63" "${SET_263[@]}"
+  make_venv "$DIR/2.50" "${SET_250[@]}"
+  echo "==> E2B SDK venvs ready under $DIR (OPENDSEC_E2B_VENV=$DIR)"
+fi

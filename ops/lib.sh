@@ -35,6 +35,20 @@ ensure_rust() {
   fi
 }
 
+# rustfmt and clippy, the gates ./ops/test.sh runs: added through rustup when missing.
+ensure_rust_gates() {
+  local missing=()
+  cargo fmt --version >/dev/null 2>&1 || missing+=(rustfmt)
+  cargo clippy --version >/dev/null 2>&1 || missing+=(clippy)
+  [ ${#missing[@]} -gt 0 ] || return 0
+  if ! command -v rustup >/dev/null 2>&1; then
+    echo "error: ${missing[*]} missing and no rustup to add them; install them with your Rust toolchain" >&2
+    exit 1
+  fi
+  echo "==> installing ${missing[*]} (rustup component add)"
+  rustup component add "${missing[@]}"
+}
+
 # The packages building and testing OpenDsec needs.
 BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
 # What edges need to run container sandboxes and build their images.
@@ -45,6 +59,10 @@ EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount i
 # boot a whole disk through SeaBIOS (seabios) and extlinux (extlinux, syslinux-common:
 # its MBR and ldlinux); qemu-img (qemu-utils) stores the disk as a qcow2 base.
 VM_PACKAGES=(qemu-system-x86 erofs-utils xz-utils cpio qemu-utils seabios extlinux syslinux-common)
+# What the README's examples use beside OpenDsec: jq reads `opendsecctl --output json`.
+README_PACKAGES=(jq)
+# useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
+AGENT_TEST_PACKAGES=(passwd)
 # What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the
 # host: Debian's python3 with the data stack the code-interpreter-v1 image carries.
 CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas)

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Installs what the tests need, builds, and runs every test of the workspace.
+# Installs what the tests need, builds, runs the gates (rustfmt, clippy) and every test
+# of the workspace (the README's examples included: server/tests/readme.rs), then ends
+# with a summary. A test whose prerequisite is missing fails; the one exception, checks
+# that need hardware KVM, are counted and named in the last lines, never skipped silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
 
 ensure_rust
-ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${CODE_INTERPRETER_TEST_PACKAGES[@]}"
+ensure_rust_gates
+ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" \
+  "${CODE_INTERPRETER_TEST_PACKAGES[@]}" "${AGENT_TEST_PACKAGES[@]}" "${README_PACKAGES[@]}"
 ensure_firecracker
 
 echo "==> building"
@@ -14,14 +19,63 @@ echo "==> building the static agent"
 export OPENDSEC_TEST_AGENT="$PWD/target/agent-static/opendsec-agent"
 build_static_agent "$OPENDSEC_TEST_AGENT"
 
-echo "==> the E2B SDKs (pinned venvs) and the images the suites use"
+echo "==> the E2B SDKs (pinned venvs: the suite's, and the README's) and the images the suites use"
 ./ops/e2b-venv.sh
+./ops/e2b-venv.sh --sdk
 IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
 for image in busybox base code-interpreter-v1; do
   "${CARGO_TARGET_DIR:-$PWD/target}/debug/opendsec-image" build "$image" --store "$IMAGES"
 done
 
-echo "==> testing"
-# One test at a time within a binary: the cluster tests start real Raft nodes and
-# processes whose election timers must not starve on a 2-core machine.
-cargo test --workspace --locked --no-fail-fast -- --test-threads=1
+LOGS="$(mktemp -d /tmp/opendsec-test.XXXXXX)"
+# Tests append `check<TAB>reason` here for each check that needs hardware KVM this host
+# lacks (edge/tests/support: not_run_needs_hardware_kvm); summarised below.
+export OPENDSEC_NOT_RUN_FILE="$LOGS/not-run.tsv"
+: >"$OPENDSEC_NOT_RUN_FILE"
+
+RESULTS=()
+FAILED=0
+# Runs "$@" as the step named $1 and notes its result; every step runs, whatever failed.
+step() {
+  local name="$1"
+  shift
+  echo "==> $name"
+  if "$@"; then
+    RESULTS+=("ok      $name")
+  else
+    RESULTS+=("FAILED  $name")
+    FAILED=1
+  fi
+}
+
+run_tests() {
+  # One test at a time within a binary: the cluster tests start real Raft nodes and
+  # processes whose election timers must not starve on a 2-core machine.
+  cargo test --workspace --locked --no-fail-fast -- --test-threads=1 2>&1 | tee "$LOGS/cargo-test.log"
+}
+
+step "format (cargo fmt --all --check)" cargo fmt --all --check
+step "lints (cargo clippy --workspace --all-targets -- -D warnings)" \
+  cargo clippy --workspace --all-targets --locked -- -D warnings
+step "tests (cargo test --workspace)" run_tests
+
+echo
+echo "==> summary (logs in $LOGS)"
+printf '  %s\n' "${RESULTS[@]}"
+if [ -s "$LOGS/cargo-test.log" ]; then
+  awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+       END { printf "  tests: %d passed, %d failed\n", p, f }' "$LOGS/cargo-test.log"
+  grep -E '^test .* \.\.\. FAILED$' "$LOGS/cargo-test.log" | sed -E 's/^test (.*) \.\.\. FAILED$/    failed: \1/' || true
+  grep -E '^ +`-p .*`$' "$LOGS/cargo-test.log" | sed -E 's/^ +/    in: /' || true
+fi
+NOT_RUN="$(cut -f1 "$OPENDSEC_NOT_RUN_FILE" | sort -u)"
+if [ -n "$NOT_RUN" ]; then
+  count="$(printf '%s\n' "$NOT_RUN" | wc -l)"
+  [ "$count" -eq 1 ] && checks="check" || checks="checks"
+  echo "  why here: $(cut -f2 "$OPENDSEC_NOT_RUN_FILE" | sort -u | head -n 1 | cut -c1-160)"
+  echo "  (each check and its reason: $OPENDSEC_NOT_RUN_FILE)"
+  echo "$count $checks not run here: need hardware KVM: $(printf '%s\n' "$NOT_RUN" | paste -sd ';' - | sed 's/;/; /g')"
+else
+  echo "every check ran (none needed hardware KVM that this host lacks)"
+fi
+exit "$FAILED"

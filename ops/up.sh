@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Installs missing system packages, builds, and starts the embedded single-node
-# OpenDsec (control node + gateway) on 127.0.0.1:7400, then prints how to use it.
+# Installs what every README example needs (containers, QEMU for microVMs and full VMs,
+# Firecracker where /dev/kvm exists, jq, the E2B SDK), builds, and starts the embedded
+# single-node OpenDsec (control node, gateway, edge) on 127.0.0.1:7400, then prints how
+# to use it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
 
 ensure_rust
-ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}"
+ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${README_PACKAGES[@]}"
+# Firecracker runs microVMs only under KVM: without /dev/kvm the edge uses QEMU alone.
+if [ -e /dev/kvm ]; then
+  ensure_firecracker
+fi
+# The E2B SDK for the README's E2B example and your own E2B code.
+E2B_SDK=/var/lib/opendsec/e2b
+./ops/e2b-venv.sh --sdk "$E2B_SDK"
 
 echo "==> building (release)"
 cargo build --release --locked -p opendsec -p opendsec-sdk -p opendsec-edge --bins
@@ -63,9 +72,12 @@ OpenDsec runs on http://127.0.0.1:7400 (REST under /v1, OpenAPI at /v1/openapi.j
   export PATH="$BIN:\$PATH"
   export OPENDSEC_URL=http://127.0.0.1:7400
   export OPENDSEC_TOKEN_FILE=$TOKEN_FILE
-  opendsecctl sandbox create --image base
-  opendsecctl sandbox exec <id> -- python3 -c 'print(6*7)'
+  id=\$(opendsecctl sandbox create --image base --output json | jq -r .sandbox.id)
+  opendsecctl sandbox exec \$id -- python3 -c 'print(6*7)'
+More in the README's "Use" section.
 
-E2B SDK code runs against it with these three variables (kept in $E2B_ENV_FILE):
+E2B SDK code runs against it with these three variables (kept in $E2B_ENV_FILE),
+the SDK itself in the venv $E2B_SDK:
 $(grep '^export' "$E2B_ENV_FILE" | sed 's/^/  /')
+  . $E2B_SDK/bin/activate
 INFO

@@ -5,8 +5,9 @@
 //!
 //! What the guest does (the agent answers, memory survives) can only be checked where
 //! KVM runs guests at hardware speed (`detect_accel`); elsewhere (a PVM host, where a
-//! stock guest kernel never reaches user space) each test prints a `NOT RUN:` line for
-//! those checks and still checks everything Firecracker's API does.
+//! stock guest kernel never reaches user space) the test records those checks as not
+//! run (`support::not_run_needs_hardware_kvm`: `./ops/test.sh` counts and names them in
+//! its last lines) and still checks everything Firecracker's API does.
 //!
 //! Needs root, firecracker and jailer v1.12.x (`./ops/test.sh` installs them), what
 //! `vm_microvm.rs` needs (QEMU for the KVM probe, the `base` image, the static agent).
@@ -29,7 +30,10 @@ use opendsec_edge::vm::firecracker::{InstanceState, JailSpec, SnapshotKind, merg
 use opendsec_edge::vm::{
     Accel, ExecOutput, MicroVmDriver, VmConfig, VmError, VmHandle, VmSpec, VmStatus, Vmm, VmmChoice,
 };
-use support::{COUNTER, Cleanup, exec_as, exit_info, figure, ms, require_root, static_agent, store_dir, vm_spec};
+use support::{
+    COUNTER, Cleanup, exec_as, exit_info, figure, ms, not_run_needs_hardware_kvm, require_root, static_agent,
+    store_dir, vm_spec,
+};
 
 /// The driver's state for these tests (VMs, jails); every test removes what it made.
 const TEST_ROOT: &str = "/var/tmp/opendsec-fc-tests";
@@ -69,13 +73,13 @@ fn driver() -> MicroVmDriver {
         .clone()
 }
 
-/// Whether the guest-side checks run; prints the `NOT RUN:` line when they do not.
+/// Whether the guest-side checks run; records them as not run when they cannot.
 fn guest_checks(test: &str) -> bool {
     let accel = driver().accel().clone();
     if !accel.kvm_usable() {
-        eprintln!(
-            "NOT RUN: guest-side Firecracker checks of {test} need hardware KVM: {}",
-            accel.reason
+        not_run_needs_hardware_kvm(
+            &format!("vm_firecracker: the guest side of {test} (agent answers, memory survives)"),
+            &accel.reason,
         );
     }
     accel.kvm_usable()

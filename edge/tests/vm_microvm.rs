@@ -20,7 +20,10 @@ mod support;
 use opendsec_edge::vm::{
     ExecOutput, MicroVmDriver, RamMode, VmConfig, VmError, VmHandle, VmSpec, VmStatus, detect_accel,
 };
-use support::{Cleanup, exec_as, exit_info, figure, ms, require_root, rt, static_agent, store_dir, vm_spec};
+use support::{
+    Cleanup, exec_as, exit_info, figure, ms, not_run_needs_hardware_kvm, require_root, rt, static_agent, store_dir,
+    vm_spec,
+};
 
 /// The driver's state for these tests: one directory per machine, so the accelerator
 /// verdict is probed once per host boot; every test removes the VMs it made.
@@ -547,7 +550,7 @@ fn kvm_detection_reports_its_verdict_and_reason() {
         assert!(verdict.probe_ms.is_some_and(|ms| ms < 8000), "{verdict:?}");
     } else {
         assert!(verdict.reason.starts_with("KVM not usable"), "{verdict:?}");
-        eprintln!("guest checks under KVM could not run on this host: {}", verdict.reason);
+        not_run_needs_hardware_kvm("vm_microvm: the KVM probe boots a guest within 8 s", &verdict.reason);
     }
 }
 

@@ -143,3 +143,28 @@ pub fn count_as(vm: &VmHandle, token: &str) -> u64 {
         .parse()
         .unwrap_or_else(|_| panic!("the counter of {} said {out:?}", vm.id()))
 }
+
+/// The file, named by `./ops/test.sh`, that collects the checks which could not run on
+/// this host; the script counts and names them in its last lines.
+pub const NOT_RUN_FILE_ENV: &str = "OPENDSEC_NOT_RUN_FILE";
+
+/// Records that `check` did not run here because it needs hardware KVM, the one reason a
+/// check may not run (a host without it, or with only PVM, cannot boot a stock guest
+/// under KVM). Every other missing prerequisite fails its test. Said on stderr past the
+/// test harness's capture, so a passing test still shows it, and appended as
+/// `check<TAB>reason` to the file in `OPENDSEC_NOT_RUN_FILE` when that is set.
+pub fn not_run_needs_hardware_kvm(check: &str, reason: &str) {
+    use std::io::Write;
+    let reason = reason.replace(['\t', '\n'], " ");
+    // io::stderr() itself, not eprintln!: libtest captures only the print macros.
+    let _ = std::io::stderr().write_all(format!("NOT RUN (needs hardware KVM): {check}: {reason}\n").as_bytes());
+    if let Some(path) = std::env::var_os(NOT_RUN_FILE_ENV) {
+        // One short O_APPEND write per line: test processes running at once never interleave.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(format!("{check}\t{reason}\n").as_bytes()))
+            .unwrap_or_else(|e| panic!("cannot record a check not run in {}: {e}", path.to_string_lossy()));
+    }
+}

@@ -23,32 +23,49 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Creates the test user once, if running as root and `useradd` exists.
-pub fn test_user() -> Option<&'static str> {
-    static ONCE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let ok = *ONCE.get_or_init(|| {
+/// The test user, created once. Tests of per-user behaviour need root and `useradd`
+/// (Debian's `passwd`, which `./ops/test.sh` installs): without them such a test fails
+/// and says so, it never passes unchecked.
+pub fn test_user() -> &'static str {
+    static CREATED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    let created = CREATED.get_or_init(|| {
         if !is_root() {
-            return false;
+            return Err(
+                "this test switches to another user, so it needs root: run it as root (./ops/test.sh does)".into(),
+            );
         }
         let exists = std::fs::read_to_string("/etc/passwd")
             .map(|p| p.lines().any(|l| l.starts_with(&format!("{TEST_USER}:"))))
             .unwrap_or(false);
         if !exists {
-            let st = Command::new("useradd")
+            let out = Command::new("useradd")
                 .args(["-m", "-d", &format!("/home/{TEST_USER}"), "-s", "/bin/sh", TEST_USER])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-            if !st.map(|s| s.success()).unwrap_or(false) {
-                return false;
+                .stdin(Stdio::null())
+                .output()
+                .map_err(|e| format!("cannot run useradd ({e}): apt-get install passwd (./ops/test.sh installs it)"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "useradd {TEST_USER} failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
             }
         }
         let home = format!("/home/{TEST_USER}");
-        let _ = std::fs::create_dir_all(&home);
-        let _ = Command::new("chown").args([&format!("{TEST_USER}:"), &home]).status();
-        true
+        std::fs::create_dir_all(&home).map_err(|e| format!("cannot create {home}: {e}"))?;
+        let chown = Command::new("chown")
+            .args([&format!("{TEST_USER}:"), &home])
+            .status()
+            .map_err(|e| format!("cannot run chown: {e}"))?;
+        if !chown.success() {
+            return Err(format!("chown {TEST_USER}: {home} failed ({chown})"));
+        }
+        Ok(())
     });
-    ok.then_some(TEST_USER)
+    if let Err(why) = created {
+        panic!("the test user {TEST_USER} is not available: {why}");
+    }
+    TEST_USER
 }
 
 pub fn basic(user: &str) -> String {
