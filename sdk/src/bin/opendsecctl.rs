@@ -3,431 +3,22 @@
 //! Exit codes: 0 done, 1 the call failed, 2 usage error (clap); `sandbox exec` and
 //! `sandbox shell` exit with the remote process's exit code.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::Parser;
 use opendsec_sdk::types::*;
-use opendsec_sdk::{ApiError, AuditFilter, Client, DEFAULT_URL, ExecRequest, ReplayRequest, SandboxFilter};
-use serde::Serialize;
+use opendsec_sdk::{ApiError, AuditFilter, Client, ExecRequest, ReplayRequest, SandboxFilter};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+#[path = "opendsecctl/args.rs"]
+mod args;
+#[path = "opendsecctl/print.rs"]
+mod print;
 #[path = "opendsecctl/remote.rs"]
 mod remote;
 
-#[derive(Parser)]
-#[command(
-    name = "opendsecctl",
-    version,
-    about = "Manage an OpenDsec cluster: projects, quotas, tokens, sandboxes, edges, audit and time travel"
-)]
-struct Cli {
-    /// The API's base URL.
-    #[arg(long, global = true, env = "OPENDSEC_URL", default_value = DEFAULT_URL)]
-    url: String,
-    /// Bearer token (odsec_...). Else read from OPENDSEC_TOKEN_FILE or ~/.config/opendsec/token.
-    #[arg(long, global = true, env = "OPENDSEC_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// Aligned tables for people, or the API's JSON for scripts.
-    #[arg(long, short, global = true, value_enum, default_value_t = Output::Table)]
-    output: Output,
-    #[command(subcommand)]
-    command: Cmd,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Output {
-    Table,
-    Json,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// Raft cluster status and membership.
-    #[command(subcommand)]
-    Cluster(ClusterCmd),
-    /// Nested projects: create, list, get, delete.
-    #[command(subcommand)]
-    Project(ProjectCmd),
-    /// A project's limits, effective limits and usage.
-    #[command(subcommand)]
-    Quota(QuotaCmd),
-    /// Issue, list and revoke tokens.
-    #[command(subcommand)]
-    Token(TokenCmd),
-    /// Shows the calling token: its project and rights.
-    Whoami,
-    /// Create, inspect and steer sandboxes.
-    #[command(subcommand)]
-    Sandbox(SandboxCmd),
-    /// Snapshots of sandboxes (`sandbox snapshot` takes one): list, get, delete.
-    #[command(subcommand)]
-    Snapshot(SnapshotCmd),
-    /// Every sandbox labelled task=<name> at once: pause, resume.
-    #[command(subcommand)]
-    Task(TaskCmd),
-    /// The machines that run sandboxes.
-    #[command(subcommand)]
-    Edge(EdgeCmd),
-    /// Who did what, when, to what, with what result.
-    Audit(AuditArgs),
-    /// Rebuilds views as they were at a past index or time, or diffs two points.
-    Replay(ReplayArgs),
-    /// E2B compatibility: run code written for the E2B SDK against this cluster.
-    #[command(subcommand)]
-    E2b(E2bCmd),
-}
-
-#[derive(Subcommand)]
-enum E2bCmd {
-    /// Issues an E2B API key for the current project (sandbox:read, sandbox:write) and
-    /// prints the three `export` lines the E2B SDK needs.
-    Env {
-        /// The key's name.
-        #[arg(long, default_value = "e2b")]
-        name: String,
-        /// Lifetime of the key (default: no expiry of its own).
-        #[arg(long)]
-        ttl_seconds: Option<u64>,
-    },
-}
-
-#[derive(Subcommand)]
-enum ClusterCmd {
-    /// Leader, term, indexes, members and the state hash of the node answering.
-    Status,
-    /// Adds a control node (it catches up as a learner, then votes).
-    AddNode {
-        #[arg(long)]
-        id: u64,
-        /// host:port of its peer (Raft) port.
-        #[arg(long)]
-        addr: String,
-    },
-    /// Removes a control node from the cluster.
-    RemoveNode {
-        #[arg(long)]
-        id: u64,
-    },
-}
-
-#[derive(Subcommand)]
-enum ProjectCmd {
-    /// Creates a project under --parent.
-    Create {
-        name: String,
-        /// Parent project id (default: the token's project).
-        #[arg(long)]
-        parent: Option<String>,
-    },
-    /// Projects in the token's subtree.
-    List,
-    Get {
-        id: String,
-    },
-    /// Deletes an empty project (no children, no live sandboxes).
-    Delete {
-        id: String,
-    },
-}
-
-#[derive(Subcommand)]
-enum QuotaCmd {
-    /// Sets a project's limits; a resource left out is unlimited.
-    Set {
-        project: String,
-        #[arg(long)]
-        sandboxes: Option<u64>,
-        #[arg(long)]
-        cpu_millis: Option<u64>,
-        #[arg(long)]
-        memory_mb: Option<u64>,
-    },
-    /// Own limits, effective limits and usage.
-    Get { project: String },
-}
-
-#[derive(Subcommand)]
-enum TokenCmd {
-    /// Issues a token; its secret is printed once.
-    Issue {
-        #[arg(long)]
-        name: String,
-        /// Project id (default: the token's project).
-        #[arg(long)]
-        project: Option<String>,
-        /// Comma-separated, e.g. sandbox:read,sandbox:write.
-        #[arg(long, value_delimiter = ',', required = true)]
-        rights: Vec<String>,
-        #[arg(long)]
-        ttl_seconds: Option<u64>,
-        /// `opendsec` (odsec_…) or `e2b` (an E2B API key, e2b_…).
-        #[arg(long, default_value = "opendsec")]
-        format: String,
-    },
-    /// Tokens of the subtree (never their secrets).
-    List {
-        #[arg(long)]
-        project: Option<String>,
-    },
-    /// Revokes a token at once.
-    Revoke {
-        id: String,
-        #[arg(long)]
-        reason: Option<String>,
-    },
-}
-
-#[derive(Subcommand)]
-enum SandboxCmd {
-    /// Creates a sandbox, placed on an edge with room.
-    Create {
-        #[arg(long)]
-        image: String,
-        #[arg(long)]
-        project: Option<String>,
-        /// Default 1000.
-        #[arg(long)]
-        cpu_millis: Option<u64>,
-        /// Default 512.
-        #[arg(long)]
-        memory_mb: Option<u64>,
-        /// key=value; repeat for several.
-        #[arg(long = "label", value_parser = parse_label)]
-        labels: Vec<(String, String)>,
-        #[arg(long)]
-        timeout_seconds: Option<u64>,
-        /// container (the default), microvm (a QEMU microVM: its pause, snapshots and
-        /// forks carry its memory) or vm (a full VM: a q35 PC booting the image as a
-        /// whole disk; memory carried as a microVM's).
-        #[arg(long, value_enum)]
-        isolation: Option<IsolationArg>,
-    },
-    /// Live sandboxes (or those in --state).
-    List {
-        #[arg(long)]
-        project: Option<String>,
-        #[arg(long = "label", value_parser = parse_label)]
-        labels: Vec<(String, String)>,
-        /// pending, running, pausing, paused, resuming, killed, failed or exited.
-        #[arg(long)]
-        state: Option<String>,
-    },
-    Get {
-        id: String,
-    },
-    /// Kills it; its quota is given back.
-    Kill {
-        id: String,
-    },
-    /// The end of the sandbox's console: its PID 1 output (the agent's log, a template's
-    /// start command).
-    Logs {
-        id: String,
-        /// At most this many of the last bytes.
-        #[arg(long, default_value_t = 65536)]
-        max_bytes: u64,
-    },
-    /// One sample of its CPU, memory and disk, taken now by its edge; for a VM also its
-    /// VMM and the accelerator its guest runs under.
-    Metrics {
-        id: String,
-    },
-    Pause {
-        id: String,
-    },
-    Resume {
-        id: String,
-    },
-    /// Takes a snapshot (a container's file system; a microVM's memory, device state and
-    /// disk) and waits until its edge has taken it. Start sandboxes from it with
-    /// `sandbox create --image <snapshot id>`.
-    Snapshot {
-        id: String,
-        #[arg(long)]
-        name: Option<String>,
-        /// Return as soon as it is logged (pending), without waiting for the edge.
-        #[arg(long)]
-        no_wait: bool,
-        /// How long to wait for the edge at most.
-        #[arg(long, default_value_t = 300)]
-        wait_seconds: u64,
-    },
-    /// Clones a live sandbox --count times (on its edge while it has room, else on others,
-    /// which pull its state from its edge).
-    Fork {
-        id: String,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        /// Place every copy on this edge.
-        #[arg(long)]
-        edge: Option<String>,
-    },
-    /// Sets the lifetime from now; 0 removes it.
-    SetTimeout {
-        id: String,
-        seconds: u64,
-    },
-    /// Replaces every label.
-    SetLabels {
-        id: String,
-        #[arg(long = "label", value_parser = parse_label)]
-        labels: Vec<(String, String)>,
-    },
-    /// Runs a command in the sandbox, streaming its output; exits with its exit code.
-    ///
-    /// The first word is the program, the rest its arguments; there is no shell
-    /// unless you ask for one: `opendsecctl sandbox exec ID -- sh -c 'ls | wc -l'`.
-    Exec {
-        id: String,
-        /// The user in the sandbox (default: the sandbox's default user).
-        #[arg(long)]
-        user: Option<String>,
-        /// KEY=VALUE; repeat for several.
-        #[arg(long = "env", value_parser = parse_label)]
-        envs: Vec<(String, String)>,
-        /// Working directory (default: the user's home).
-        #[arg(long)]
-        cwd: Option<String>,
-        /// The program and its arguments (after `--`).
-        #[arg(
-            required = true,
-            trailing_var_arg = true,
-            allow_hyphen_values = true,
-            value_name = "CMD"
-        )]
-        command: Vec<String>,
-    },
-    /// An interactive shell on a terminal in the sandbox (exits with the shell's code).
-    Shell {
-        id: String,
-        #[arg(long)]
-        user: Option<String>,
-        /// The program to run.
-        #[arg(long, default_value = "/bin/bash")]
-        cmd: String,
-    },
-    /// Copies a file into or out of a sandbox: one side is ID:PATH, the other a local
-    /// path (`-` for stdin/stdout).
-    Cp {
-        src: String,
-        dst: String,
-        #[arg(long)]
-        user: Option<String>,
-    },
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum IsolationArg {
-    Container,
-    Microvm,
-    Vm,
-}
-
-impl From<IsolationArg> for Isolation {
-    fn from(i: IsolationArg) -> Isolation {
-        match i {
-            IsolationArg::Container => Isolation::Container,
-            IsolationArg::Microvm => Isolation::Microvm,
-            IsolationArg::Vm => Isolation::Vm,
-        }
-    }
-}
-
-#[derive(Subcommand)]
-enum SnapshotCmd {
-    /// Snapshots in your project subtree.
-    List {
-        /// Only those of this sandbox.
-        #[arg(long)]
-        sandbox: Option<String>,
-    },
-    Get {
-        id: String,
-    },
-    /// Deletes it (sandboxes started from it run on).
-    Delete {
-        id: String,
-    },
-}
-
-#[derive(Subcommand)]
-enum TaskCmd {
-    /// Pauses every running sandbox labelled task=<TASK> (containers freeze, microVMs
-    /// snapshot and end their VMM), in one logged call.
-    Pause { task: String },
-    /// Resumes every paused sandbox labelled task=<TASK>.
-    Resume { task: String },
-}
-
-#[derive(Subcommand)]
-enum EdgeCmd {
-    /// Edges with capacity, assignment and last heartbeat.
-    List,
-    /// Registers an edge (or updates its address, capacity and labels).
-    Register {
-        #[arg(long)]
-        edge: String,
-        #[arg(long)]
-        address: String,
-        #[arg(long)]
-        sandboxes: u64,
-        #[arg(long)]
-        cpu_millis: u64,
-        #[arg(long)]
-        memory_mb: u64,
-        #[arg(long = "label", value_parser = parse_label)]
-        labels: Vec<(String, String)>,
-    },
-    /// Stops placing sandboxes on an edge.
-    Deregister { id: String },
-}
-
-#[derive(Args)]
-struct AuditArgs {
-    /// token:<id> or a token id.
-    #[arg(long)]
-    principal: Option<String>,
-    #[arg(long)]
-    project: Option<String>,
-    /// e.g. sandbox.create
-    #[arg(long)]
-    action: Option<String>,
-    #[arg(long)]
-    target: Option<String>,
-    /// RFC 3339 or ms since the epoch.
-    #[arg(long)]
-    since: Option<String>,
-    #[arg(long)]
-    until: Option<String>,
-    /// Records per page (default 100, at most 1000).
-    #[arg(long)]
-    limit: Option<u64>,
-    /// Start after this log index (the `next` of a previous page).
-    #[arg(long)]
-    after: Option<u64>,
-    /// Follow the pages to the end.
-    #[arg(long)]
-    all: bool,
-}
-
-#[derive(Args)]
-struct ReplayArgs {
-    /// A log index or an RFC 3339 time.
-    #[arg(long)]
-    to: String,
-    /// sandboxes, placement, quota, iam or audit (default: all).
-    #[arg(long)]
-    view: Option<String>,
-    /// List the changes from this index or time to --to.
-    #[arg(long)]
-    diff_from: Option<String>,
-}
-
-fn parse_label(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .ok_or_else(|| format!("{s:?} is not key=value"))
-}
+use args::*;
+use print::*;
 
 /// The token from the flag/env, else OPENDSEC_TOKEN_FILE, else ~/.config/opendsec/token.
 fn find_token(flag: Option<String>) -> Option<String> {
@@ -464,6 +55,9 @@ fn main() -> ExitCode {
 fn hint(e: &ApiError, url: &str) -> String {
     match (e.status, e.code.as_str()) {
         (0, "invalid_url") => "pass --url (or OPENDSEC_URL) as http://host:port".into(),
+        (0, "not_started") => "`opendsecctl sandbox get <id>` shows its state and reason, `sandbox logs <id>` its output, \
+             `edge list` the edges"
+            .into(),
         (0, "decode") => "the server answered something this client does not understand; are client and server the same version?".into(),
         (0, _) => format!("is the server running at {url}? set --url or OPENDSEC_URL; `opendsec up` starts one"),
         (401, _) => "check OPENDSEC_TOKEN (or --token, OPENDSEC_TOKEN_FILE, ~/.config/opendsec/token); `opendsec init` prints an admin token".into(),
@@ -807,6 +401,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             labels,
             timeout_seconds,
             isolation,
+            wait,
         } => {
             let req = CreateSandbox {
                 project,
@@ -818,7 +413,11 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 isolation: isolation.map(Isolation::from),
                 auto_resume: None,
             };
-            client.create_sandbox(&req).await?
+            let mut written = client.create_sandbox(&req).await?;
+            if let Some(seconds) = wait {
+                written.sandbox = wait_started(client, &written.sandbox.id, seconds).await?;
+            }
+            written
         }
         SandboxCmd::List { project, labels, state } => {
             let l = client
@@ -965,138 +564,45 @@ async fn task(client: &Client, out: Printer, c: TaskCmd) -> Result<u8, ApiError>
     Ok(0)
 }
 
-const SNAPSHOT_HEADERS: [&str; 7] = ["ID", "STATE", "SANDBOX", "ISOLATION", "NAME", "SIZE", "CREATED"];
-
-fn snapshot_row(x: &Snapshot) -> Vec<String> {
-    let state = match &x.reason {
-        Some(r) if x.state == "failed" => format!("failed: {r}"),
-        _ => x.state.clone(),
-    };
-    vec![
-        x.id.clone(),
-        state,
-        x.sandbox.clone(),
-        x.isolation.as_str().into(),
-        if x.name.is_empty() { "-".into() } else { x.name.clone() },
-        format!("{} MB", x.size_bytes >> 20),
-        fmt_time(x.created_at_ms),
-    ]
-}
-
-const SANDBOX_HEADERS: [&str; 9] = [
-    "ID",
-    "STATE",
-    "ISOLATION",
-    "PROJECT",
-    "EDGE",
-    "IMAGE",
-    "CPU/MEM",
-    "LABELS",
-    "EXPIRES",
-];
-
-fn sandbox_row(s: &Sandbox) -> Vec<String> {
-    vec![
-        s.id.clone(),
-        s.state.clone(),
-        match &s.runtime {
-            // How a VM runs: e.g. `microvm (qemu, tcg)`.
-            Some(r) => format!("{} ({}, {})", s.isolation.as_str(), r.vmm, r.accelerator),
-            None => s.isolation.as_str().into(),
-        },
-        s.project.clone(),
-        s.edge.clone(),
-        s.image.clone(),
-        format!("{}m/{}MB", s.cpu_millis, s.memory_mb),
-        labels(&s.labels),
-        s.expires_at_ms.map_or("never".into(), fmt_time),
-    ]
-}
-
-const EDGE_HEADERS: [&str; 7] = [
-    "ID",
-    "ADDRESS",
-    "SANDBOXES",
-    "CPU (m)",
-    "MEMORY (MB)",
-    "HEARTBEAT",
-    "STATE",
-];
-
-fn edge_row(e: &Edge) -> Vec<String> {
-    vec![
-        e.id.clone(),
-        e.address.clone(),
-        format!("{}/{}", e.assigned.sandboxes, e.capacity.sandboxes),
-        format!("{}/{}", e.assigned.cpu_millis, e.capacity.cpu_millis),
-        format!("{}/{}", e.assigned.memory_mb, e.capacity.memory_mb),
-        e.heartbeat.as_ref().map_or("none".into(), |h| fmt_time(h.at_ms)),
-        if e.deregistered {
-            "deregistered".into()
-        } else {
-            "registered".into()
-        },
-    ]
-}
-
-fn project_row(p: &Project) -> Vec<String> {
-    vec![
-        p.id.clone(),
-        p.name.clone(),
-        p.parent.clone().unwrap_or_else(|| "-".into()),
-        fmt_time(p.created_at_ms),
-    ]
-}
-
-fn labels(l: &BTreeMap<String, String>) -> String {
-    if l.is_empty() {
-        return "-".into();
-    }
-    l.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
-}
-
-fn compact(v: &Option<serde_json::Value>) -> String {
-    let s = v.as_ref().map_or("-".into(), |v| v.to_string());
-    if s.chars().count() > 60 {
-        format!("{}...", s.chars().take(57).collect::<String>())
-    } else {
-        s
-    }
-}
-
-fn fmt_time(ms: u64) -> String {
-    let t = time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000);
-    let fmt = time::macros::format_description!("[year]-[month]-[day] [hour]:[minute]:[second]Z");
-    t.ok()
-        .and_then(|t| t.format(&fmt).ok())
-        .unwrap_or_else(|| ms.to_string())
-}
-
-/// Aligned columns, two spaces apart.
-fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
+/// Polls a new sandbox until its edge has started it: `Ok` with it running, or an error
+/// that says how it ended (or that it is still pending after `seconds`).
+async fn wait_started(client: &Client, id: &str, seconds: u64) -> Result<Sandbox, ApiError> {
+    use std::io::{IsTerminal, Write};
+    let started = std::time::Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    loop {
+        let s = client.get_sandbox(id).await?;
+        let waited = started.elapsed().as_secs_f64();
+        if s.state != "pending" {
+            if tty {
+                eprint!("\r\x1b[K");
+            }
+            if s.live && s.state != "killed" {
+                return Ok(s);
+            }
+            let why = s.reason.clone().unwrap_or_else(|| "no reason was reported".into());
+            return Err(not_started(format!(
+                "sandbox {id} did not start: it is {} ({why})",
+                s.state
+            )));
         }
+        if waited >= seconds as f64 {
+            return Err(not_started(format!("sandbox {id} is still pending after {seconds} s")));
+        }
+        if tty {
+            eprint!("\r\x1b[Kwaiting for sandbox {id} to start ... {waited:.1} s");
+            let _ = std::io::stderr().flush();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let line = |cells: Vec<&str>| {
-        let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
-        s.join("  ").trim_end().to_string()
-    };
-    let mut out = vec![line(headers.to_vec())];
-    out.extend(rows.iter().map(|r| line(r.iter().map(String::as_str).collect())));
-    out.join("\n")
 }
 
-#[derive(Clone, Copy)]
-struct Printer(Output);
-
-impl Printer {
-    fn show<T: Serialize>(&self, v: &T, human: impl FnOnce(&T) -> String) {
-        match self.0 {
-            Output::Json => println!("{}", serde_json::to_string_pretty(v).expect("API types serialise")),
-            Output::Table => println!("{}", human(v)),
-        }
+/// An error of `--wait`: the call succeeded, the sandbox did not start.
+fn not_started(message: String) -> ApiError {
+    ApiError {
+        status: 0,
+        code: "not_started".into(),
+        message,
+        field: None,
     }
 }

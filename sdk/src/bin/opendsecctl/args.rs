@@ -1,0 +1,425 @@
+//! The command line's shape: every command, subcommand and flag (clap derive), with the
+//! help text users read. `opendsecctl.rs` runs them.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use opendsec_sdk::DEFAULT_URL;
+use opendsec_sdk::types::Isolation;
+
+#[derive(Parser)]
+#[command(
+    name = "opendsecctl",
+    version,
+    about = "Manage an OpenDsec cluster: projects, quotas, tokens, sandboxes, edges, audit and time travel"
+)]
+pub(crate) struct Cli {
+    /// The API's base URL.
+    #[arg(long, global = true, env = "OPENDSEC_URL", default_value = DEFAULT_URL)]
+    pub(crate) url: String,
+    /// Bearer token (odsec_...). Else read from OPENDSEC_TOKEN_FILE or ~/.config/opendsec/token.
+    #[arg(long, global = true, env = "OPENDSEC_TOKEN", hide_env_values = true)]
+    pub(crate) token: Option<String>,
+    /// Aligned tables for people, or the API's JSON for scripts.
+    #[arg(long, short, global = true, value_enum, default_value_t = Output::Table)]
+    pub(crate) output: Output,
+    #[command(subcommand)]
+    pub(crate) command: Cmd,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Cmd {
+    /// Raft cluster status and membership.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Nested projects: create, list, get, delete.
+    #[command(subcommand)]
+    Project(ProjectCmd),
+    /// A project's limits, effective limits and usage.
+    #[command(subcommand)]
+    Quota(QuotaCmd),
+    /// Issue, list and revoke tokens.
+    #[command(subcommand)]
+    Token(TokenCmd),
+    /// Shows the calling token: its project and rights.
+    Whoami,
+    /// Create, inspect and steer sandboxes.
+    #[command(subcommand)]
+    Sandbox(SandboxCmd),
+    /// Snapshots of sandboxes (`sandbox snapshot` takes one): list, get, delete.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Every sandbox labelled task=<name> at once: pause, resume.
+    #[command(subcommand)]
+    Task(TaskCmd),
+    /// The machines that run sandboxes.
+    #[command(subcommand)]
+    Edge(EdgeCmd),
+    /// Who did what, when, to what, with what result.
+    Audit(AuditArgs),
+    /// Rebuilds views as they were at a past index or time, or diffs two points.
+    Replay(ReplayArgs),
+    /// E2B compatibility: run code written for the E2B SDK against this cluster.
+    #[command(subcommand)]
+    E2b(E2bCmd),
+}
+
+#[derive(Subcommand)]
+pub(crate) enum E2bCmd {
+    /// Issues an E2B API key for the current project (sandbox:read, sandbox:write) and
+    /// prints the three `export` lines the E2B SDK needs.
+    Env {
+        /// The key's name.
+        #[arg(long, default_value = "e2b")]
+        name: String,
+        /// Lifetime of the key (default: no expiry of its own).
+        #[arg(long)]
+        ttl_seconds: Option<u64>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ClusterCmd {
+    /// Leader, term, indexes, members and the state hash of the node answering.
+    Status,
+    /// Adds a control node (it catches up as a learner, then votes).
+    AddNode {
+        #[arg(long)]
+        id: u64,
+        /// host:port of its peer (Raft) port.
+        #[arg(long)]
+        addr: String,
+    },
+    /// Removes a control node from the cluster.
+    RemoveNode {
+        #[arg(long)]
+        id: u64,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ProjectCmd {
+    /// Creates a project under --parent.
+    Create {
+        name: String,
+        /// Parent project id (default: the token's project).
+        #[arg(long)]
+        parent: Option<String>,
+    },
+    /// Projects in the token's subtree.
+    List,
+    Get {
+        id: String,
+    },
+    /// Deletes an empty project (no children, no live sandboxes).
+    Delete {
+        id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum QuotaCmd {
+    /// Sets a project's limits; a resource left out is unlimited.
+    Set {
+        project: String,
+        #[arg(long)]
+        sandboxes: Option<u64>,
+        #[arg(long)]
+        cpu_millis: Option<u64>,
+        #[arg(long)]
+        memory_mb: Option<u64>,
+    },
+    /// Own limits, effective limits and usage.
+    Get { project: String },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum TokenCmd {
+    /// Issues a token; its secret is printed once.
+    Issue {
+        #[arg(long)]
+        name: String,
+        /// Project id (default: the token's project).
+        #[arg(long)]
+        project: Option<String>,
+        /// Comma-separated, e.g. sandbox:read,sandbox:write.
+        #[arg(long, value_delimiter = ',', required = true)]
+        rights: Vec<String>,
+        #[arg(long)]
+        ttl_seconds: Option<u64>,
+        /// `opendsec` (odsec_…) or `e2b` (an E2B API key, e2b_…).
+        #[arg(long, default_value = "opendsec")]
+        format: String,
+    },
+    /// Tokens of the subtree (never their secrets).
+    List {
+        #[arg(long)]
+        project: Option<String>,
+    },
+    /// Revokes a token at once.
+    Revoke {
+        id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum SandboxCmd {
+    /// Creates a sandbox, placed on an edge with room.
+    Create {
+        #[arg(long)]
+        image: String,
+        #[arg(long)]
+        project: Option<String>,
+        /// Default 1000.
+        #[arg(long)]
+        cpu_millis: Option<u64>,
+        /// Default 512.
+        #[arg(long)]
+        memory_mb: Option<u64>,
+        /// key=value; repeat for several.
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        #[arg(long)]
+        timeout_seconds: Option<u64>,
+        /// container (the default), microvm (a QEMU microVM: its pause, snapshots and
+        /// forks carry its memory) or vm (a full VM: a q35 PC booting the image as a
+        /// whole disk; memory carried as a microVM's).
+        #[arg(long, value_enum)]
+        isolation: Option<IsolationArg>,
+        /// Return once the sandbox runs (or say why it did not start), instead of as soon
+        /// as it is placed; waits up to this many seconds (VMs under emulation take long).
+        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "300")]
+        wait: Option<u64>,
+    },
+    /// Live sandboxes (or those in --state).
+    List {
+        #[arg(long)]
+        project: Option<String>,
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// pending, running, pausing, paused, resuming, killed, failed or exited.
+        #[arg(long)]
+        state: Option<String>,
+    },
+    Get {
+        id: String,
+    },
+    /// Kills it; its quota is given back.
+    Kill {
+        id: String,
+    },
+    /// The end of the sandbox's console: its PID 1 output (the agent's log, a template's
+    /// start command).
+    Logs {
+        id: String,
+        /// At most this many of the last bytes.
+        #[arg(long, default_value_t = 65536)]
+        max_bytes: u64,
+    },
+    /// One sample of its CPU, memory and disk, taken now by its edge; for a VM also its
+    /// VMM and the accelerator its guest runs under.
+    Metrics {
+        id: String,
+    },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
+    /// Takes a snapshot (a container's file system; a microVM's memory, device state and
+    /// disk) and waits until its edge has taken it. Start sandboxes from it with
+    /// `sandbox create --image <snapshot id>`.
+    Snapshot {
+        id: String,
+        #[arg(long)]
+        name: Option<String>,
+        /// Return as soon as it is logged (pending), without waiting for the edge.
+        #[arg(long)]
+        no_wait: bool,
+        /// How long to wait for the edge at most.
+        #[arg(long, default_value_t = 300)]
+        wait_seconds: u64,
+    },
+    /// Clones a live sandbox --count times (on its edge while it has room, else on others,
+    /// which pull its state from its edge).
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Place every copy on this edge.
+        #[arg(long)]
+        edge: Option<String>,
+    },
+    /// Sets the lifetime from now; 0 removes it.
+    SetTimeout {
+        id: String,
+        seconds: u64,
+    },
+    /// Replaces every label.
+    SetLabels {
+        id: String,
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+    },
+    /// Runs a command in the sandbox, streaming its output; exits with its exit code.
+    ///
+    /// The first word is the program, the rest its arguments; there is no shell
+    /// unless you ask for one: `opendsecctl sandbox exec ID -- sh -c 'ls | wc -l'`.
+    Exec {
+        id: String,
+        /// The user in the sandbox (default: the sandbox's default user).
+        #[arg(long)]
+        user: Option<String>,
+        /// KEY=VALUE; repeat for several.
+        #[arg(long = "env", value_parser = parse_label)]
+        envs: Vec<(String, String)>,
+        /// Working directory (default: the user's home).
+        #[arg(long)]
+        cwd: Option<String>,
+        /// The program and its arguments (after `--`).
+        #[arg(
+            required = true,
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "CMD"
+        )]
+        command: Vec<String>,
+    },
+    /// An interactive shell on a terminal in the sandbox (exits with the shell's code).
+    Shell {
+        id: String,
+        #[arg(long)]
+        user: Option<String>,
+        /// The program to run.
+        #[arg(long, default_value = "/bin/bash")]
+        cmd: String,
+    },
+    /// Copies a file into or out of a sandbox: one side is ID:PATH, the other a local
+    /// path (`-` for stdin/stdout).
+    Cp {
+        src: String,
+        dst: String,
+        #[arg(long)]
+        user: Option<String>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum IsolationArg {
+    Container,
+    Microvm,
+    Vm,
+}
+
+impl From<IsolationArg> for Isolation {
+    fn from(i: IsolationArg) -> Isolation {
+        match i {
+            IsolationArg::Container => Isolation::Container,
+            IsolationArg::Microvm => Isolation::Microvm,
+            IsolationArg::Vm => Isolation::Vm,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub(crate) enum SnapshotCmd {
+    /// Snapshots in your project subtree.
+    List {
+        /// Only those of this sandbox.
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    Get {
+        id: String,
+    },
+    /// Deletes it (sandboxes started from it run on).
+    Delete {
+        id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum TaskCmd {
+    /// Pauses every running sandbox labelled task=<TASK> (containers freeze, microVMs
+    /// snapshot and end their VMM), in one logged call.
+    Pause { task: String },
+    /// Resumes every paused sandbox labelled task=<TASK>.
+    Resume { task: String },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum EdgeCmd {
+    /// Edges with capacity, assignment and last heartbeat.
+    List,
+    /// Registers an edge (or updates its address, capacity and labels).
+    Register {
+        #[arg(long)]
+        edge: String,
+        #[arg(long)]
+        address: String,
+        #[arg(long)]
+        sandboxes: u64,
+        #[arg(long)]
+        cpu_millis: u64,
+        #[arg(long)]
+        memory_mb: u64,
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+    },
+    /// Stops placing sandboxes on an edge.
+    Deregister { id: String },
+}
+
+#[derive(Args)]
+pub(crate) struct AuditArgs {
+    /// token:<id> or a token id.
+    #[arg(long)]
+    pub(crate) principal: Option<String>,
+    #[arg(long)]
+    pub(crate) project: Option<String>,
+    /// e.g. sandbox.create
+    #[arg(long)]
+    pub(crate) action: Option<String>,
+    #[arg(long)]
+    pub(crate) target: Option<String>,
+    /// RFC 3339 or ms since the epoch.
+    #[arg(long)]
+    pub(crate) since: Option<String>,
+    #[arg(long)]
+    pub(crate) until: Option<String>,
+    /// Records per page (default 100, at most 1000).
+    #[arg(long)]
+    pub(crate) limit: Option<u64>,
+    /// Start after this log index (the `next` of a previous page).
+    #[arg(long)]
+    pub(crate) after: Option<u64>,
+    /// Follow the pages to the end.
+    #[arg(long)]
+    pub(crate) all: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct ReplayArgs {
+    /// A log index or an RFC 3339 time.
+    #[arg(long)]
+    pub(crate) to: String,
+    /// sandboxes, placement, quota, iam or audit (default: all).
+    #[arg(long)]
+    pub(crate) view: Option<String>,
+    /// List the changes from this index or time to --to.
+    #[arg(long)]
+    pub(crate) diff_from: Option<String>,
+}
+
+pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not key=value"))
+}

@@ -1,0 +1,144 @@
+//! What people read: aligned tables of the API's types, and the one switch between
+//! them and the API's JSON (`--output json`).
+
+use opendsec_sdk::types::*;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+use super::args::Output;
+
+pub(crate) const SNAPSHOT_HEADERS: [&str; 7] = ["ID", "STATE", "SANDBOX", "ISOLATION", "NAME", "SIZE", "CREATED"];
+
+pub(crate) fn snapshot_row(x: &Snapshot) -> Vec<String> {
+    let state = match &x.reason {
+        Some(r) if x.state == "failed" => format!("failed: {r}"),
+        _ => x.state.clone(),
+    };
+    vec![
+        x.id.clone(),
+        state,
+        x.sandbox.clone(),
+        x.isolation.as_str().into(),
+        if x.name.is_empty() { "-".into() } else { x.name.clone() },
+        format!("{} MB", x.size_bytes >> 20),
+        fmt_time(x.created_at_ms),
+    ]
+}
+
+pub(crate) const SANDBOX_HEADERS: [&str; 9] = [
+    "ID",
+    "STATE",
+    "ISOLATION",
+    "PROJECT",
+    "EDGE",
+    "IMAGE",
+    "CPU/MEM",
+    "LABELS",
+    "EXPIRES",
+];
+
+pub(crate) fn sandbox_row(s: &Sandbox) -> Vec<String> {
+    vec![
+        s.id.clone(),
+        s.state.clone(),
+        match &s.runtime {
+            // How a VM runs: e.g. `microvm (qemu, tcg)`.
+            Some(r) => format!("{} ({}, {})", s.isolation.as_str(), r.vmm, r.accelerator),
+            None => s.isolation.as_str().into(),
+        },
+        s.project.clone(),
+        s.edge.clone(),
+        s.image.clone(),
+        format!("{}m/{}MB", s.cpu_millis, s.memory_mb),
+        labels(&s.labels),
+        s.expires_at_ms.map_or("never".into(), fmt_time),
+    ]
+}
+
+pub(crate) const EDGE_HEADERS: [&str; 7] = [
+    "ID",
+    "ADDRESS",
+    "SANDBOXES",
+    "CPU (m)",
+    "MEMORY (MB)",
+    "HEARTBEAT",
+    "STATE",
+];
+
+pub(crate) fn edge_row(e: &Edge) -> Vec<String> {
+    vec![
+        e.id.clone(),
+        e.address.clone(),
+        format!("{}/{}", e.assigned.sandboxes, e.capacity.sandboxes),
+        format!("{}/{}", e.assigned.cpu_millis, e.capacity.cpu_millis),
+        format!("{}/{}", e.assigned.memory_mb, e.capacity.memory_mb),
+        e.heartbeat.as_ref().map_or("none".into(), |h| fmt_time(h.at_ms)),
+        if e.deregistered {
+            "deregistered".into()
+        } else {
+            "registered".into()
+        },
+    ]
+}
+
+pub(crate) fn project_row(p: &Project) -> Vec<String> {
+    vec![
+        p.id.clone(),
+        p.name.clone(),
+        p.parent.clone().unwrap_or_else(|| "-".into()),
+        fmt_time(p.created_at_ms),
+    ]
+}
+
+pub(crate) fn labels(l: &BTreeMap<String, String>) -> String {
+    if l.is_empty() {
+        return "-".into();
+    }
+    l.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+pub(crate) fn compact(v: &Option<serde_json::Value>) -> String {
+    let s = v.as_ref().map_or("-".into(), |v| v.to_string());
+    if s.chars().count() > 60 {
+        format!("{}...", s.chars().take(57).collect::<String>())
+    } else {
+        s
+    }
+}
+
+pub(crate) fn fmt_time(ms: u64) -> String {
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000);
+    let fmt = time::macros::format_description!("[year]-[month]-[day] [hour]:[minute]:[second]Z");
+    t.ok()
+        .and_then(|t| t.format(&fmt).ok())
+        .unwrap_or_else(|| ms.to_string())
+}
+
+/// Aligned columns, two spaces apart.
+pub(crate) fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        s.join("  ").trim_end().to_string()
+    };
+    let mut out = vec![line(headers.to_vec())];
+    out.extend(rows.iter().map(|r| line(r.iter().map(String::as_str).collect())));
+    out.join("\n")
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Printer(pub(crate) Output);
+
+impl Printer {
+    pub(crate) fn show<T: Serialize>(&self, v: &T, human: impl FnOnce(&T) -> String) {
+        match self.0 {
+            Output::Json => println!("{}", serde_json::to_string_pretty(v).expect("API types serialise")),
+            Output::Table => println!("{}", human(v)),
+        }
+    }
+}
