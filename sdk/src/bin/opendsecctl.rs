@@ -33,6 +33,12 @@ fn find_token(flag: Option<String>) -> Option<String> {
 }
 
 fn main() -> ExitCode {
+    // Like other command-line tools, end quietly when the reader of stdout goes away
+    // (`opendsecctl sandbox list | head`) instead of panicking on the broken pipe.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
