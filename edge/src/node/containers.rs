@@ -8,6 +8,9 @@
 //! under `<edge data>/snapshots/<id>`; a sandbox started from it stacks the snapshot chain
 //! on its image's layers. Pausing freezes the cgroup and, on cgroup v2 hosts with
 //! `memory.reclaim`, asks the kernel to reclaim the frozen sandbox's memory.
+//!
+//! A sandbox whose memory cgroup OOM-killed a process is ended as a whole and reported
+//! `oom_killed` (the plan stops a sandbox observed [`Running::OutOfMemory`]).
 
 use super::EdgeError;
 use super::files::{copy_tree, dir_size, tar_create};

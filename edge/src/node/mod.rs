@@ -18,6 +18,10 @@
 //! - `adoption.rs`: taking up what an earlier run left (sandboxes, the saved slice).
 //! - `snapshots.rs`, `transfers.rs`: snapshots, and state moving between edges.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
+//!
+//! Not yet: network policy, memory snapshots of containers (CRIU does not work here; a
+//! microVM's snapshots carry its memory), gVisor, TLS on edge-to-edge transfers (bind
+//! edges' proxies to a private network).
 
 mod act;
 mod admission;
@@ -126,8 +130,12 @@ fn store_err(e: impl std::fmt::Display) -> EdgeError {
     EdgeError::Store(e.to_string())
 }
 
+/// The edge's state, shared by the loop and the tasks it runs beside it. The rooms above
+/// each add an `impl Edge` block for their job.
 struct Edge {
     cfg: EdgeConfig,
+    /// The container backend (reached through [`backend::Backend`] for what both
+    /// backends do).
     containers: ContainerBackend,
     images: ImageStore,
     db: Database,
@@ -169,6 +177,7 @@ struct Edge {
 }
 
 impl Edge {
+    /// Saves the slice (with its resume index) in `edge.redb`.
     fn persist(&self) -> Result<(), EdgeError> {
         let bytes = serde_json::to_vec(&*self.slice.lock().expect("slice lock")).map_err(store_err)?;
         let tx = self.db.begin_write().map_err(store_err)?;
@@ -179,6 +188,7 @@ impl Edge {
         tx.commit().map_err(store_err)
     }
 
+    /// Runs `f` on a blocking thread: backend calls block (runtime, QMP, file copies).
     async fn blocking(
         self: &Arc<Self>,
         f: impl FnOnce(&Edge) -> Result<(), EdgeError> + Send + 'static,
@@ -189,6 +199,8 @@ impl Edge {
             .unwrap_or_else(|p| Err(EdgeError::Store(format!("task panicked: {p}"))))
     }
 
+    /// Reports what this edge observes of sandbox `id` to the log (once: a repeat waits
+    /// until the slice has had time to show the first).
     async fn report(&self, id: &str, observation: Observation) {
         {
             let reported = self.reported.lock().expect("reported lock");

@@ -41,6 +41,23 @@
 //! the edge's memory: a restarted edge `open`s each VM from its directory and calls
 //! `recover` (a VM left stopped by an unfinished operation continues; a QEMU whose
 //! snapshot is complete is ended).
+//!
+//! **Architecture Invariant:** each VM's QEMU runs as a uid of its own (files 0600 to it;
+//! VM directories 0711 root). Exception: QEMU 7.2 opens a RAM base read-write (no `rom=on`
+//! before 8.2), so a base is 0660 to a group of its own (an id claimed in the uid
+//! registry, owned by the base's directory, freed with it), which only the VMs that map it
+//! carry: copies of one fork, or restores of one snapshot, could write their shared base,
+//! no other VM can.
+//!
+//! **Architecture Invariant:** a copy of a running VM (fork, snapshot) is the VM at one
+//! instant, RAM and disk alike: it is live only where QEMU's dirty-page log is exact, and
+//! stops the source for the whole copy otherwise. QEMU 7.2 under TCG loses writes when a
+//! RAM block is a multiple of 64 pages, so under TCG a VM's RAM is 8 KiB short of its MiBs
+//! (`ram_trimmed`), which takes QEMU's page-by-page sync; VMs made before are copied
+//! stopped. `edge/tests/vm_microvm.rs` checks it page by page.
+//!
+//! **Architecture Invariant:** `source_paused` is the time the source's vCPUs were
+//! stopped: QEMU's `STOP` to `RESUME` event timestamps, not our calls around them.
 
 use std::collections::BTreeMap;
 use std::fs;

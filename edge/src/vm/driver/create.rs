@@ -1,6 +1,10 @@
 //! Making VMs: the driver prepared (guest kernel and initramfs, accelerator and VMM
 //! verdicts, state directories), a VM booted cold or restored from a snapshot (its RAM
 //! file hard-linked as a shared base, only the disk copied), VMs found again on disk.
+//!
+//! A VM restored from memory (fork copy, restore) never boots again (`-no-reboot`) and
+//! QEMU loads no initrd into an incoming VM's RAM, so its initrd is the shared initramfs,
+//! hard-linked; its configuration is in its memory (the edge re-keys its token).
 
 use super::*;
 
