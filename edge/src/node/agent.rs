@@ -18,7 +18,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The agent's arguments after `serve --listen-fd 3` for a sandbox of `image`: where its
 /// token, environment and (if the image has one) start command are.
-pub(super) fn agent_args(image: &crate::images::Image) -> Vec<String> {
+fn agent_args(image: &crate::images::Image) -> Vec<String> {
     let mut args = vec![
         "--access-token-file".to_string(),
         format!("{AGENT_CONFIG_IN_SANDBOX}/token"),

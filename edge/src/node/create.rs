@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 impl Edge {
-    pub(super) fn create(self: &Arc<Self>, d: &DesiredSandbox) -> Result<(), EdgeError> {
+    /// Creates container sandbox `d`: from a warm container of its image when a plain
+    /// create finds one, otherwise cold; either way a plain create keeps its image warm.
+    fn create_container(self: &Arc<Self>, d: &DesiredSandbox) -> Result<(), EdgeError> {
         let image = self.images.ensure(
             &d.image,
             &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
@@ -52,7 +54,7 @@ impl Edge {
                 }
             }
         }
-        let created = self.create_cold(d, &image);
+        let created = self.create_container_cold(d, &image);
         if plain {
             self.refill_warm();
         }
@@ -70,7 +72,9 @@ impl Edge {
         }
     }
 
-    pub(super) fn create_cold(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<(), EdgeError> {
+    /// Creates container sandbox `d` from scratch: its agent's files, then its spec over
+    /// the layers it starts from (see the module doc).
+    fn create_container_cold(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<(), EdgeError> {
         self.write_agent_config(d, image)?;
         let (mut spec, listener) = self.agent_spec(&d.id, image, self.limits(d))?;
         if d.transfer.is_some() {
@@ -182,8 +186,8 @@ impl Edge {
         tokio::spawn(async move {
             let (e2, batch) = (edge.clone(), claimed.clone());
             let made = tokio::task::spawn_blocking(move || match batch[0].fork_of.clone() {
-                Some(source) => e2.fork_vms(&source, &batch),
-                None => e2.create_vm(&batch[0]),
+                Some(source) => e2.fork_machines(&source, &batch),
+                None => e2.create_machine(&batch[0]),
             })
             .await
             .unwrap_or_else(|p| Err(EdgeError::Store(format!("the create task panicked: {p}"))));
@@ -213,7 +217,7 @@ impl Edge {
     }
 
     /// Creates a microVM sandbox: cold boot, or a restore of the snapshot it starts from.
-    pub(super) fn create_vm(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
+    fn create_machine(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
         let vms = self.machines.ready()?;
         let image = self.images.ensure(
             &d.image,
@@ -247,7 +251,7 @@ impl Edge {
     /// Creates microVM fork copies `copies` of `source` in one fork (they share its RAM),
     /// or, when the source runs on another edge, each from the fork snapshot pulled from
     /// there. On failure no copy is left.
-    pub(super) fn fork_vms(&self, source: &str, copies: &[DesiredSandbox]) -> Result<(), EdgeError> {
+    fn fork_machines(&self, source: &str, copies: &[DesiredSandbox]) -> Result<(), EdgeError> {
         let vms = self.machines.ready()?;
         let image_name = &copies[0].image;
         let image = self.images.ensure(
@@ -308,7 +312,7 @@ impl Edge {
         tokio::spawn(async move {
             let d2 = d.clone();
             let e2 = edge.clone();
-            let r = tokio::task::spawn_blocking(move || e2.create(&d2)).await;
+            let r = tokio::task::spawn_blocking(move || e2.create_container(&d2)).await;
             let r = match r {
                 Ok(Ok(())) if edge.has_start_command(&d.image) => match edge.wait_started(&d.id).await {
                     Ok(()) => Ok(Ok(())),
