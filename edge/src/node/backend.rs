@@ -363,3 +363,50 @@ pub(super) fn agent_addr(agents: &Path, vm_root: &Path, id: &str) -> Option<Agen
     }
     crate::vm::agent_channel_at(vm_root, id).map(AgentAddr::MicroVm)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_edge_without_microvms_refuses_a_machine_at_admission_and_says_why() {
+        let m = Machines::new(VmsState::Unavailable("it was started without microVM support".into()));
+        for isolation in [Isolation::Microvm, Isolation::Vm] {
+            assert_eq!(
+                Backend::Machines(&m).refusal("e1", isolation).as_deref(),
+                Some("admission: edge e1 runs no microVMs: it was started without microVM support")
+            );
+        }
+    }
+
+    #[test]
+    fn a_preparing_driver_refuses_no_microvm_at_admission_but_handles_none_yet() {
+        let m = Machines::new(VmsState::Preparing);
+        assert_eq!(Backend::Machines(&m).refusal("e1", Isolation::Microvm), None);
+        assert!(m.preparing());
+        assert!(matches!(m.ready(), Err(EdgeError::NoMicroVms(why)) if why.contains("still preparing")));
+    }
+
+    #[test]
+    fn a_machine_needs_disk_for_its_ram_file_beside_its_writable_disk() {
+        let m = Machines::new(VmsState::Preparing);
+        assert_eq!(Backend::Machines(&m).disk_need(1 << 30, 512), (1 << 30) + (512 << 20));
+    }
+
+    #[test]
+    fn an_agent_is_found_at_its_container_socket_and_malformed_ids_reach_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (agents, vms) = (dir.path().join("agents"), dir.path().join("vms"));
+        std::fs::create_dir_all(&agents).unwrap();
+        std::fs::write(agents.join("sb-1.sock"), b"").unwrap();
+        std::fs::write(dir.path().join("escape.sock"), b"").unwrap();
+        assert!(matches!(agent_addr(&agents, &vms, "sb-1"), Some(AgentAddr::Unix(p)) if p == agents.join("sb-1.sock")));
+        assert!(
+            agent_addr(&agents, &vms, "sb-2").is_none(),
+            "no socket and no VM record"
+        );
+        for bad in ["", "../escape", "a/b", "a.b"] {
+            assert!(agent_addr(&agents, &vms, bad).is_none(), "{bad:?} must reach nothing");
+        }
+    }
+}
