@@ -1,4 +1,4 @@
-//! The edge's microVM sandboxes: what the edge loop (`node.rs`) does with the QEMU driver
+//! The edge's microVM sandboxes: what the edge loop (`node/`) does with the QEMU driver
 //! (`vm/`) for a sandbox whose isolation is `microvm`, or `vm` (a full VM: the driver's
 //! `q35` machine; everything after the create is the same for both). The driver knows VMs; this layer
 //! knows sandboxes: their agent tokens, where their snapshots live, how a VM's state reads
@@ -7,6 +7,21 @@
 //! Every call blocks (QMP, file copies, a guest booting): the edge runs them beside its
 //! loop. Nothing here lives only in memory: the driver's directories are the truth, so a
 //! restarted edge opens the same VMs.
+//!
+//! - Stop: a running VM's QEMU is killed; a paused VM, having no process, is removed.
+//!   Observation: a QEMU that ended is `Running::Failed` with why (its exit and the
+//!   console's last word: the agent is the guest's PID 1, so its death panics the guest and
+//!   ends QEMU).
+//! - Tokens: a guest restored from another's memory (fork copy, sandbox from a snapshot)
+//!   holds its source's agent token; the edge re-keys it (`/.opendsec/rekey`, proving the
+//!   source's token) before it is reported ready, and checks again before every ready
+//!   report of such a VM, so an edge that died in between finishes the job.
+//! - A full VM (`isolation: vm`) is created with the driver's `q35` machine; every later
+//!   step (pause, resume, snapshot, fork, stop, re-key, observation) is the microVM's,
+//!   since the machine is in the VM's record. Edges with microVMs register with
+//!   `opendsec.io/microvm=qemu` (`opendsec edge|up --microvm auto|on|off`), and also
+//!   `opendsec.io/fullvm=q35` where the boot disk tools are installed
+//!   (`host_can_build_boot_disks`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

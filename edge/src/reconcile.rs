@@ -4,6 +4,16 @@
 //! `plan` is pure: the edge loop observes, plans, acts, and plans again whenever the
 //! slice or the observation changes. Every action is idempotent, so a plan repeated
 //! after a crash (of the edge or of an action) converges to the same place.
+//!
+//! What `plan(slice, observed, now, caught_up)` lists: create, pause, resume, stop,
+//! remove, report; TTL expiry (stopped and reported with reason `timeout`, or with
+//! auto-pause reported `timed_out`, after which the log says paused); lost sandboxes;
+//! orphans, only once the slice is past this run's registration index (`caught_up`: a
+//! restarted edge's saved slice may lack the sandbox it created just before it died); a
+//! sandbox the log says ended while something of it still runs here (stopped).
+//! `plan_snapshots`: take pending snapshots (idempotent: existing files are only reported
+//! again), fail those whose sandbox ended, remove deleted ones. `plan_transfers`: prepare,
+//! fail and remove the state this edge serves to other edges.
 
 use crate::desired::{DesiredSandbox, SliceState};
 use opendsec_commands::Observation;

@@ -2,6 +2,15 @@
 //! overlay upper and work dirs, so whatever a sandbox writes is bounded by that size
 //! (never by the host's free space); the root file system is overlayfs of the image
 //! layers (read-only lower dirs, shared by all sandboxes, never copied) + that upper.
+//!
+//! Warm disks ([`Pool`], `opendsec edge --warm-disks N`, default 4): disks of the edge's
+//! default size are made, loop-attached and mounted ahead of need in
+//! `<sandboxes>/.warm-*`, and a create renames one into its sandbox directory, so it only
+//! mounts its overlay (a fresh ext4 mount is the slow part of storage on a busy host).
+//!
+//! **Architecture Invariant:** a warm disk is either in the pool or being made by its one
+//! filler thread; an edge that stops tears its warm disks down, and one that starts tears
+//! down any a killed edge left.
 
 use std::fs::{self, File, OpenOptions};
 use std::os::fd::AsRawFd;

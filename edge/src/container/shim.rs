@@ -12,6 +12,10 @@
 //! edge's `<runtime> start` (a warm container, see `super::warm`). The shim works in
 //! its directory by relative paths (it `chdir`s there first), so the edge may rename
 //! the directory while the shim runs.
+//!
+//! A hung runtime never leaves a shim behind: the shim gives the runtime's `create`/`run`
+//! [`RUNTIME_TIMEOUT`] (a pidfd wait; the edge waits 60 s for the status), then kills it,
+//! `delete --force`s the container and reports why.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};

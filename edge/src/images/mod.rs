@@ -12,6 +12,26 @@
 //! An image built on another (`code-interpreter-v1` on `base`) lists the parent's
 //! layers and then its own; a layer id hashes its recipe and the layers below it, and
 //! `ensure` rebuilds an image whose stored record no longer matches its recipe.
+//!
+//! The builders: `busybox` (Debian busybox-static), `base` (debootstrap bookworm) and
+//! `code-interpreter-v1` (`base`'s layer plus one: python3-numpy/-pandas/-matplotlib
+//! installed in a build root, `build_root.rs`, and our code-interpreter server,
+//! `edge/images/code-interpreter/server.py`, embedded and hashed into the layer id). An
+//! image's `ImageConfig.start` (`StartSpec`) is the agent's `--start-file`; for the code
+//! interpreter it starts the server as `user` with `ready_port` 49999. Store names are
+//! E2B's template names; `canonical_name` maps the other references SDKs send
+//! (`:latest`/`:default` tags, `code-interpreter`). CLI: `opendsec-image build|list`.
+//!
+//! **Architecture Invariant:** a layer id hashes its recipe (packages, the files it adds)
+//! and the ids of the layers below it; `ensure` rebuilds an image whose stored record
+//! differs from what its recipe gives, so a changed recipe never reuses a stale layer.
+//!
+//! **Architecture Invariant:** a build's mounts exist only in a private mount namespace of
+//! one builder thread (`build_root.rs`); build tools die with the builder (PDEATHSIG).
+//!
+//! **Architecture Invariant:** the code-interpreter server never holds a cell's whole
+//! output: output is cut into pieces of at most 64 KiB and forwarded as it comes, with
+//! backpressure from the client down to the cell's `print`.
 
 mod build;
 mod build_root;

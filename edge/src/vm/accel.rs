@@ -7,6 +7,10 @@
 //!
 //! Also here: the host's TSC frequency, which guests get as `tsc_early_khz=` (under TCG
 //! the guest's TSC is the host's; without it about one boot in six hangs calibrating).
+//!
+//! **Architecture Invariant:** KVM is used only when a probe guest reached user space under
+//! `-accel kvm` within a bound (8 s); `/dev/kvm` alone proves nothing. The verdict and its
+//! reason are reported (in the edge's log and in each VM's runtime).
 
 use std::io::Read;
 use std::os::fd::AsRawFd;

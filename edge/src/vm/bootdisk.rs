@@ -20,6 +20,15 @@
 //! The key hashes everything the disk is made of: the layers, the kernel, the initramfs
 //! (which carries the agent), extlinux's version and MBR, the command line and the
 //! layout; a changed input is a new key, so a changed image or agent rebuilds.
+//!
+//! Root file system: the image's files plus [`FREE_SPACE_MB`] free; when `spec.disk_mb` is
+//! larger, the overlay is made that large and the guest's `init.sh` grows into it before the
+//! agent starts (`opendsec-agent grow-partition`, then `grow-fs`; best effort).
+//!
+//! **Architecture Invariant:** a boot disk's key hashes every input it is made of; a
+//! changed input is a new disk, and a published disk is never rewritten (overlays name
+//! it). A full VM's snapshot is refused when its boot disk is gone: a rebuilt disk is
+//! another file system under the same overlay.
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};

@@ -24,6 +24,26 @@
 //! - `firecracker`: Firecracker and its jailer (API client, jail, Diff merging);
 //!   `driver/fc.rs` runs VMs under it behind the same [`VmHandle`].
 //! - `vmm`: which VMM a driver gives new VMs ([`Vmm`]: QEMU or Firecracker).
+//!
+//! The agent channel: no vsock on these hosts, so each VM has a network namespace of its
+//! own holding one tap; every namespace is identical (guest 169.254.100.2:49983), so a
+//! restored or forked guest's network configuration stays valid. QEMU (`-accel kvm` only
+//! when `accel` says so, else TCG with a 64 MiB translation cache) runs with `-sandbox on`
+//! (no spawn, no new privileges) and `-nodefaults`. Kernel, initramfs and disks are cached
+//! in the image store (`kernels/`, `initramfs/`, `vmdisks/`), built once per machine under
+//! its locks.
+//!
+//! Not yet: full VMs under Firecracker (they always run under QEMU), OVMF/UEFI boot,
+//! iterating the disk's dirty bitmap (a guest that writes its disk fast during a fork makes
+//! the pause longer: its blocks are copied while stopped), a bound on a fork's total time
+//! when a guest dirties RAM faster than it is copied (after 10 s QEMU may stop it for up
+//! to 1 s).
+//!
+//! Tests: `edge/tests/vm_microvm.rs` (real QEMU, a few minutes under TCG: snapshot and
+//! restore, shared restore pages, re-keying, a corrupt snapshot refused with nothing left
+//! behind, forks of a busy guest checked page by page); `edge/tests/vm_fullvm.rs` (real
+//! q35 + SeaBIOS + extlinux); `edge/tests/vm_firecracker.rs`; figures beside raw QEMU:
+//! `sudo ops/vm-bench.sh` (`opendsec-vm-bench`).
 
 mod accel;
 pub mod agent;

@@ -31,6 +31,28 @@
 //! that knows no base (an interrupted snapshot, an older edge's record) takes one Full
 //! snapshot. A fork copy maps its fork's frozen memory privately, so copies share
 //! every page none of them wrote.
+//!
+//! Each run is started by `opendsec-vm-shim` through its keeper (`Launch::keeper`): `jailer
+//! --id <vm> --uid/--gid <the VM's uid> --chroot-base-dir <root>/jails --netns <the VM's>
+//! --cgroup-version 1|2 --parent-cgroup odvm-<hash of root>`, never `--no-seccomp`. The
+//! agent channel is the same tap as QEMU's; the vsock device is configured but unused.
+//!
+//! **Architecture Invariant:** a memory file Firecracker has loaded never changes while a
+//! process maps it: a Diff is merged in place onto `ram` only after the process has ended,
+//! and onto any other base only into a copy. A Diff is only ever merged onto the base the
+//! record named when it was taken: the base is cleared before every snapshot and set again
+//! only once the snapshot's memory is whole. A pause records `pending` once its snapshot is
+//! complete; `resume`/`recover` finish it (each step repeatable).
+//!
+//! **Architecture Invariant:** nothing of a Firecracker run outlives it: `kill`, a failed
+//! start, a failed load and `delete` end the process and remove its chroot and cgroup; a
+//! paused VM has neither; a Firecracker never outlives its shim (the keeper).
+//!
+//! Not here: guests under Firecracker reach user space only with hardware KVM (this host's
+//! PVM never boots a stock kernel); a dirty-block copy of the writable disk in a fork (it
+//! is copied whole, sparse, while the source is stopped); memory limits in the jail's
+//! cgroup; Firecracker's vsock as the agent channel. Binaries: `ops/lib.sh`
+//! `ensure_firecracker` (pinned, checksums checked).
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

@@ -17,6 +17,12 @@
 //! The soft-dirty bits of the QEMU process were the other candidate: this host's kernel
 //! lacks `CONFIG_MEM_SOFT_DIRTY` (`clear_refs` 4 is accepted, pagemap bit 55 never set),
 //! and a page written then evicted before it is read loses its bit anyway.
+//!
+//! Also chosen over copying the writable disk while stopped (ext4 has no reflink; 17 MiB of
+//! an empty disk alone costs more than the pause's budget). Cost: QEMU's migration reads
+//! every page, so the source's page cache holds its whole RAM afterwards (clean zero pages
+//! where it never wrote; reclaimable), and the receiver's start (~100 ms) adds to the
+//! fork's total.
 
 use std::fs;
 use std::os::fd::AsRawFd;

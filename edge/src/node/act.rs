@@ -1,0 +1,91 @@
+//! Carrying out one planned [`Action`]. Every action is idempotent, so after a crash the
+//! same plan runs again and converges; an action that fails is retried on the next round
+//! (the failures that would repeat for ever are reported instead). Sandbox operations go
+//! through the sandbox's backend (`backend.rs`); long ones (creations, transfers) run
+//! beside the loop.
+
+use super::{Edge, EdgeError, Running};
+use crate::reconcile::Action;
+use opendsec_commands::{Observation, SnapshotResult};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+impl Edge {
+    pub(super) async fn act(self: &Arc<Self>, action: Action, observed: &BTreeMap<String, Running>) {
+        let result: Result<(), EdgeError> = match action {
+            Action::Create { id } => {
+                self.act_create(id, observed).await;
+                Ok(())
+            }
+            Action::Pause { id } => self.blocking(move |e| e.backend_of(&id).pause(&id)).await,
+            Action::Resume { id } => self.resume(id).await,
+            Action::Stop { id, reason } => {
+                tracing::info!(sandbox = %id, %reason, "stopping");
+                self.blocking(move |e| e.backend_of(&id).stop(&id)).await
+            }
+            Action::Remove { id } => self.remove(id).await,
+            Action::TakeSnapshot { id, sandbox } => {
+                self.take_snapshot(id, sandbox).await;
+                Ok(())
+            }
+            Action::FailSnapshot { id, reason } => {
+                self.report_snapshot(&id, SnapshotResult::Failed { reason }).await;
+                Ok(())
+            }
+            Action::RemoveSnapshot { id } => self.remove_snapshot(id).await,
+            Action::MakeTransfer { id } => {
+                self.start_making_transfer(id);
+                Ok(())
+            }
+            Action::FailTransfer { id, reason } => self.fail_transfer(&id, reason),
+            Action::RemoveTransfer { id } => self.blocking(move |e| e.remove_transfer(&id)).await,
+            Action::Report { id, observation } => {
+                self.act_report(id, observation).await;
+                Ok(())
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "reconcile action failed; it is retried on the next round");
+        }
+    }
+
+    /// Starts creating sandbox `id` unless its creation failed here before (the failure
+    /// is reported; it is not retried).
+    async fn act_create(self: &Arc<Self>, id: String, observed: &BTreeMap<String, Running>) {
+        tracing::debug!(sandbox = %id, "create: start");
+        let Some(d) = self.slice.lock().expect("slice lock").sandboxes.get(&id).cloned() else {
+            return;
+        };
+        if self.failed.lock().expect("failed lock").contains(&id) {
+            return;
+        }
+        self.start_creation(d, observed).await;
+    }
+
+    /// Removes sandbox `id` from its backend, and the node's own files of it (its agent's
+    /// socket and configuration, a fork's copied layers).
+    async fn remove(self: &Arc<Self>, id: String) -> Result<(), EdgeError> {
+        let sock = self.socket_path(&id);
+        self.blocking(move |e| {
+            let r = e.backend_of(&id).remove(&id);
+            let _ = std::fs::remove_file(sock);
+            let _ = std::fs::remove_dir_all(e.config_dir(&id));
+            let _ = std::fs::remove_dir_all(e.fork_layer(&id));
+            r
+        })
+        .await
+    }
+
+    /// Reports what the plan saw of sandbox `id`; a `Ready` only once the backend
+    /// confirms it (see [`Edge::ready_observation`]).
+    async fn act_report(self: &Arc<Self>, id: String, observation: Observation) {
+        let observation = match observation {
+            Observation::Ready => match self.ready_observation(&id).await {
+                Some(ready) => ready,
+                None => return,
+            },
+            other => other,
+        };
+        self.report(&id, observation).await;
+    }
+}

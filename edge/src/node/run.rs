@@ -1,0 +1,246 @@
+//! The edge's loop. It listens, then registers (with its proxy address and capacity: a
+//! registered edge is asked to admit sandboxes at once), follows its slice, and
+//! reconciles every 500 ms, on every burst of slice messages and whenever an action asks
+//! (observe the backends, `plan`, act, report), then persists the slice in `edge.redb`
+//! (acting first is safe: every action is idempotent, and an edge that dies before
+//! persisting re-reads those events). Heartbeats every 2 s.
+
+use super::backend::{Machines, VmsState, agent_addr};
+use super::{Edge, EdgeConfig, EdgeError, WARM_IMAGES, adoption, store_err};
+use crate::container::ContainerBackend;
+use crate::container::warm::WarmPool;
+use crate::images::ImageStore;
+use crate::proxy::{self, Resolver};
+use crate::reconcile::{Action, plan, plan_snapshots, plan_transfers};
+use crate::slice::{SliceClient, SliceFollower};
+use opendsec_control::pb::HeartbeatRequest;
+use redb::Database;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.
+pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
+    std::fs::create_dir_all(cfg.data_dir.join("agents"))?;
+    let db = Database::create(cfg.data_dir.join("edge.redb")).map_err(store_err)?;
+    let slice = adoption::saved_slice(&db, &cfg)?;
+    let containers = ContainerBackend::new(cfg.container.clone())?;
+    let images = ImageStore::open(&cfg.images_dir)?;
+    let mut client = SliceClient::connect(&cfg.control_peer, &cfg.token)?;
+    // Listening before registering: once registered, the edge is asked to admit
+    // sandboxes and is sent their traffic.
+    let listener = tokio::net::TcpListener::bind(&cfg.proxy_listen).await?;
+    let registered_at = register(&mut client, &cfg).await;
+
+    let next_index = slice.next_index;
+    let machines = Machines::new(if cfg.microvm.is_some() {
+        VmsState::Preparing
+    } else {
+        VmsState::Unavailable("it was started without microVM support".into())
+    });
+    let edge = Arc::new(Edge {
+        containers,
+        machines,
+        images,
+        db,
+        slice: Mutex::new(slice),
+        client: client.clone(),
+        creating: Mutex::new(BTreeSet::new()),
+        failed: Mutex::new(BTreeSet::new()),
+        create_lock: Mutex::new(()),
+        warm: WarmPool::new(cfg.warm_sandboxes, WARM_IMAGES),
+        oom_seen: Mutex::new(BTreeSet::new()),
+        snapshotting: Mutex::new(BTreeSet::new()),
+        last_observed: Mutex::new(BTreeMap::new()),
+        admitted: Mutex::new(BTreeMap::new()),
+        reported: Mutex::new(BTreeMap::new()),
+        wake: tokio::sync::Notify::new(),
+        registered_at,
+        resume_failures: Mutex::new(BTreeMap::new()),
+        preparing: Mutex::new(BTreeSet::new()),
+        import_locks: Mutex::new(BTreeMap::new()),
+        rt: tokio::runtime::Handle::current(),
+        cfg,
+    });
+    // Warm containers a killed edge left are not claimable (their filler is gone).
+    let e = edge.clone();
+    let _ = tokio::task::spawn_blocking(move || e.discard_leftover_warm()).await;
+    edge.start_machines();
+    let proxy_task = tokio::spawn(edge.clone().serve_proxy(listener));
+
+    // The follower runs on its own task: a burst of slice messages is folded as it comes,
+    // and the loop below persists and reconciles once per burst, not once per message.
+    let (slice_tx, mut slice_rx) = tokio::sync::mpsc::channel(1024);
+    let follower_edge = edge.cfg.name.clone();
+    let follower_task = tokio::spawn(async move {
+        let mut follower = SliceFollower::new(client, &follower_edge, next_index);
+        loop {
+            let msg = follower.next().await;
+            if slice_tx.send(msg).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut heartbeat = tokio::time::interval(Duration::from_secs(2));
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(msg) = slice_rx.recv() => {
+                {
+                    let mut slice = edge.slice.lock().expect("slice lock");
+                    slice.apply(&msg);
+                    while let Ok(more) = slice_rx.try_recv() {
+                        slice.apply(&more);
+                    }
+                }
+                // Acting first: what the slice asks is idempotent, so an edge that dies
+                // before persisting re-reads those events from the log and finds them done.
+                edge.reconcile().await;
+                if let Err(e) = edge.persist() {
+                    tracing::error!(error = %e, "cannot persist the slice");
+                }
+            }
+            _ = tick.tick() => edge.reconcile().await,
+            _ = edge.wake.notified() => edge.reconcile().await,
+            _ = heartbeat.tick() => edge.send_heartbeat().await,
+        }
+    }
+    proxy_task.abort();
+    follower_task.abort();
+    // Sandboxes run on; warm containers and disks, which nothing uses yet, do not
+    // outlive the edge.
+    let e = edge.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        e.drain_warm();
+        e.containers.drain_warm_disks()
+    })
+    .await;
+    Ok(())
+}
+
+/// Registers the edge, retrying until the control plane answers, and returns the log
+/// index of this registration. Its labels say what it runs: microVMs, and full VMs where
+/// the boot disk tools are installed.
+async fn register(client: &mut SliceClient, cfg: &EdgeConfig) -> u64 {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
+        if cfg.microvm.is_some() {
+            labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
+            if crate::vm::host_can_build_boot_disks() {
+                labels.insert(opendsec_commands::FULLVM_LABEL.to_string(), "q35".to_string());
+            }
+        }
+        match client
+            .register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels)
+            .await
+        {
+            Ok((ordinal, index)) => {
+                tracing::info!(edge = %cfg.name, ordinal, index, "registered");
+                return index;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot register yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+impl Edge {
+    /// Serves the per-sandbox proxy (`crate::proxy`) with the edge's hooks: where each
+    /// agent listens, admission, metrics, logs and the transfers it serves.
+    async fn serve_proxy(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let agents = self.cfg.data_dir.join("agents");
+        let vm_root = self.cfg.data_dir.join("vms");
+        let resolve: Resolver = Arc::new(move |id: &str| agent_addr(&agents, &vm_root, id));
+        let sampled = self.clone();
+        let sampler: proxy::Sampler = Arc::new(move |id| sampled.backend_of(id).sample(id, sampled.cfg.disk_bytes));
+        let reader = self.clone();
+        let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend_of(id).log(id, max));
+        let hooks = proxy::Hooks {
+            admitter: Some(self.admitter()),
+            sampler: Some(sampler),
+            logs: Some(logs),
+            transfers: Some(self.transfer_hooks()),
+        };
+        proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
+    }
+
+    /// One round: observe, plan, act.
+    async fn reconcile(self: &Arc<Self>) {
+        // One snapshot of the creations under way, taken before observing, serves both
+        // the observation and the plan, so a creation that ends in between is not
+        // mistaken for a missing sandbox.
+        let creating = self.creating.lock().expect("creating lock").clone();
+        let (e, c) = (self.clone(), creating.clone());
+        let observed = match tokio::task::spawn_blocking(move || e.observe(&c)).await {
+            Ok(Ok(o)) => o,
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "cannot observe sandboxes");
+                return;
+            }
+            Err(_) => return,
+        };
+        *self.last_observed.lock().expect("observed lock") = observed.clone();
+        let actions = self.plan(&observed);
+        self.sweep_imports(&observed);
+        let mut changed = false;
+        for a in actions {
+            if let Action::Create { id } = &a
+                && creating.contains(id)
+            {
+                continue;
+            }
+            // Pausing, resuming and stopping change what the next observation sees:
+            // observe again right away rather than at the next tick.
+            changed |= matches!(a, Action::Pause { .. } | Action::Resume { .. } | Action::Stop { .. });
+            self.act(a, &observed).await;
+        }
+        if changed {
+            self.wake.notify_one();
+        }
+    }
+
+    /// What to do about the slice given what runs here: sandboxes, snapshots, transfers.
+    fn plan(&self, observed: &BTreeMap<String, crate::reconcile::Running>) -> Vec<Action> {
+        let present = self.present_snapshots();
+        let served = self.present_transfers();
+        let preparing = self.preparing.lock().expect("preparing lock").clone();
+        let slice = self.slice.lock().expect("slice lock");
+        let containers_only = self.slice_while_preparing(&slice);
+        let slice = containers_only.as_ref().unwrap_or(&slice);
+        let caught_up = slice.next_index > self.registered_at;
+        let mut a = plan(slice, observed, opendsec_control::now_ms(), caught_up);
+        a.extend(plan_snapshots(slice, observed, &present));
+        a.extend(
+            plan_transfers(slice, observed, &served)
+                .into_iter()
+                .filter(|x| !matches!(x, Action::MakeTransfer { id } if preparing.contains(id))),
+        );
+        a
+    }
+
+    async fn send_heartbeat(&self) {
+        let hb = self.heartbeat();
+        let mut c = self.client.clone();
+        if let Err(e) = c.heartbeat(hb).await {
+            tracing::debug!(error = %e, "heartbeat failed");
+        }
+    }
+
+    fn heartbeat(&self) -> HeartbeatRequest {
+        let slice = self.slice.lock().expect("slice lock");
+        let live: Vec<&crate::desired::DesiredSandbox> =
+            slice.sandboxes.values().filter(|s| !s.is_terminal()).collect();
+        HeartbeatRequest {
+            edge: self.cfg.name.clone(),
+            running_sandboxes: live.len() as u64,
+            cpu_millis_used: live.iter().map(|s| s.cpu_millis).sum(),
+            memory_mb_used: live.iter().map(|s| s.memory_mb).sum(),
+        }
+    }
+}
