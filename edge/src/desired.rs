@@ -4,9 +4,17 @@
 //! the observed state the control plane has recorded (from this edge's own reports).
 //! It is rebuilt from slice messages alone (entries, or a snapshot when history is gone)
 //! and carries the index to resume the watch from, so it can be persisted and reloaded.
+//!
+//! A sandbox's desired and observed states move through `opendsec_projections::Lifecycle`,
+//! the transitions the control plane's views use, so the edge and the log agree. A value
+//! this edge does not know (an enum from a newer control plane, an unknown isolation) is
+//! refused and logged, never folded as a guess: a refused snapshot leaves the slice as it
+//! was, a refused event is skipped.
 
-use opendsec_control::pb::{SliceMessage, slice_message::Body};
-use opendsec_projections::{Desired, Event, Isolation, Observed};
+use opendsec_edge_api::UnknownEnum;
+use opendsec_edge_api::convert::{decode_desired, decode_isolation, decode_observed, decode_snapshot_state};
+use opendsec_edge_api::pb::{SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, slice_message::Body};
+use opendsec_projections::{Desired, Event, Isolation, Lifecycle, Observed, SnapshotState};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -106,8 +114,80 @@ pub struct DesiredSnapshot {
 impl DesiredSandbox {
     /// The log already records an end for it: nothing more to report.
     pub fn is_terminal(&self) -> bool {
-        matches!(self.observed, Observed::Exited | Observed::Failed)
+        self.lifecycle().has_ended()
     }
+
+    fn lifecycle(&self) -> Lifecycle {
+        Lifecycle {
+            desired: self.desired,
+            observed: self.observed,
+            expires_at_ms: self.expires_at_ms,
+        }
+    }
+
+    /// Moves it along its lifecycle by `ev` (when `ev` is a transition of it).
+    fn advance(&mut self, ev: &Event) {
+        if let Some(next) = self.lifecycle().next(ev) {
+            self.desired = next.desired;
+            self.observed = next.observed;
+            self.expires_at_ms = next.expires_at_ms;
+        }
+    }
+
+    fn from_snapshot(s: &SliceSandbox) -> Result<DesiredSandbox, UnknownEnum> {
+        Ok(DesiredSandbox {
+            id: s.id.clone(),
+            project: s.project.clone(),
+            image: s.image.clone(),
+            cpu_millis: s.cpu_millis,
+            memory_mb: s.memory_mb,
+            labels: s.labels.clone(),
+            expires_at_ms: (s.expires_at_ms != 0).then_some(s.expires_at_ms),
+            fork_of: (!s.fork_of.is_empty()).then(|| s.fork_of.clone()),
+            desired: decode_desired(s.desired)?,
+            observed: decode_observed(s.observed)?,
+            kill_reason: None,
+            env: s.env.clone(),
+            auto_pause: s.auto_pause,
+            snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
+            isolation: decode_isolation(s.isolation)?,
+            source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
+            transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
+        })
+    }
+}
+
+impl DesiredSnapshot {
+    fn from_snapshot(x: &SliceSnapshotRecord) -> Result<DesiredSnapshot, UnknownEnum> {
+        Ok(DesiredSnapshot {
+            id: x.id.clone(),
+            sandbox: x.sandbox.clone(),
+            image: x.image.clone(),
+            parent: (!x.parent.is_empty()).then(|| x.parent.clone()),
+            phase: match decode_snapshot_state(x.state)? {
+                SnapshotState::Pending => SnapshotPhase::Pending,
+                SnapshotState::Ready => SnapshotPhase::Ready,
+                SnapshotState::Failed => SnapshotPhase::Failed,
+            },
+            isolation: decode_isolation(x.isolation)?,
+        })
+    }
+}
+
+/// What this edge refused to fold from its slice.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum Refused {
+    /// A snapshot with a value this edge does not know: none of it was folded.
+    #[error("the slice snapshot at index {index} is refused, {item}: {source}; upgrade this edge")]
+    Snapshot {
+        index: u64,
+        /// The sandbox or snapshot record carrying the value.
+        item: String,
+        source: UnknownEnum,
+    },
+    /// An event this edge cannot interpret: it was skipped, the rest of its entry folded.
+    #[error("event {event} at index {index} is skipped: {why}; upgrade this edge")]
+    Event { index: u64, event: String, why: String },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -124,24 +204,6 @@ pub struct SliceState {
     /// Every registered edge's proxy address (where its transfers are pulled from).
     #[serde(default)]
     pub edges: BTreeMap<String, String>,
-}
-
-fn parse_desired(s: &str) -> Desired {
-    match s {
-        "paused" => Desired::Paused,
-        "killed" => Desired::Killed,
-        _ => Desired::Running,
-    }
-}
-
-fn parse_observed(s: &str) -> Observed {
-    match s {
-        "ready" => Observed::Ready,
-        "paused" => Observed::Paused,
-        "failed" => Observed::Failed,
-        "exited" => Observed::Exited,
-        _ => Observed::Pending,
-    }
 }
 
 impl SliceState {
@@ -169,100 +231,113 @@ impl SliceState {
         t.destinations.insert(sandbox.to_string(), edge.to_string());
     }
 
-    /// Folds one message of the watch stream.
+    /// Folds one message of the watch stream; what it refuses is logged (see [`Refused`]).
     pub fn apply(&mut self, msg: &SliceMessage) {
-        match &msg.body {
-            Some(Body::Snapshot(snap)) => {
-                // History before the snapshot is gone: the snapshot is the whole truth.
-                self.sandboxes = snap
-                    .sandboxes
-                    .iter()
-                    .map(|s| {
-                        let d = DesiredSandbox {
-                            id: s.id.clone(),
-                            project: s.project.clone(),
-                            image: s.image.clone(),
-                            cpu_millis: s.cpu_millis,
-                            memory_mb: s.memory_mb,
-                            labels: s.labels.clone(),
-                            expires_at_ms: (s.expires_at_ms != 0).then_some(s.expires_at_ms),
-                            fork_of: (!s.fork_of.is_empty()).then(|| s.fork_of.clone()),
-                            desired: parse_desired(&s.desired),
-                            observed: parse_observed(&s.observed),
-                            kill_reason: None,
-                            env: s.env.clone(),
-                            auto_pause: s.auto_pause,
-                            snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
-                            isolation: Isolation::from_event(&s.isolation).unwrap_or_default(),
-                            source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
-                            transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
-                        };
-                        (s.id.clone(), d)
-                    })
-                    .collect();
-                // Snapshots the log no longer has are deleted: keep them as such until
-                // their files are gone.
-                let mut snapshots: BTreeMap<String, DesiredSnapshot> = snap
-                    .snapshots
-                    .iter()
-                    .map(|x| {
-                        let phase = match x.state.as_str() {
-                            "ready" => SnapshotPhase::Ready,
-                            "failed" => SnapshotPhase::Failed,
-                            _ => SnapshotPhase::Pending,
-                        };
-                        let d = DesiredSnapshot {
-                            id: x.id.clone(),
-                            sandbox: x.sandbox.clone(),
-                            image: x.image.clone(),
-                            parent: (!x.parent.is_empty()).then(|| x.parent.clone()),
-                            phase,
-                            isolation: Isolation::from_event(&x.isolation).unwrap_or_default(),
-                        };
-                        (x.id.clone(), d)
-                    })
-                    .collect();
-                for (id, old) in &self.snapshots {
-                    if !snapshots.contains_key(id) {
-                        snapshots.insert(
-                            id.clone(),
-                            DesiredSnapshot {
-                                phase: SnapshotPhase::Deleted,
-                                ..old.clone()
-                            },
-                        );
-                    }
-                }
-                self.snapshots = snapshots;
-                // What is still to be served; what the other edges already pulled stays known.
-                let old = std::mem::take(&mut self.served);
-                for x in &snap.served {
-                    self.serve_created(&x.transfer, &x.snapshot, &x.fork_of, &x.isolation, &x.id, &x.edge);
-                }
-                for (id, t) in &mut self.served {
-                    if let Some(o) = old.get(id) {
-                        t.pulled = o.pulled.clone();
-                    }
-                }
-                self.edges
-                    .extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
-                self.next_index = self.next_index.max(snap.index + 1);
+        if let Err(refused) = self.try_apply(msg) {
+            for r in refused {
+                tracing::error!(edge = %self.edge, "{r}");
             }
+        }
+    }
+
+    /// Folds one message of the watch stream, or says what it refused to fold.
+    pub fn try_apply(&mut self, msg: &SliceMessage) -> Result<(), Vec<Refused>> {
+        match &msg.body {
+            Some(Body::Snapshot(snap)) => self.apply_snapshot(snap).map_err(|r| vec![r]),
             Some(Body::Entry(entry)) => {
+                let mut refused = Vec::new();
                 for env in &entry.events {
                     // An event this binary cannot decode belongs to a newer schema; the
                     // edge must be upgraded, and skipping it is safer than guessing.
-                    if let Ok(ev) = Event::from_envelope(env) {
-                        self.apply_event(&ev);
-                    } else {
-                        tracing::warn!(event = %env.r#type, index = entry.index, "undecodable event in the slice; upgrade this edge");
+                    let folded = Event::from_envelope(env)
+                        .map_err(|e| e.to_string())
+                        .and_then(|ev| self.apply_event(&ev));
+                    if let Err(why) = folded {
+                        refused.push(Refused::Event {
+                            index: entry.index,
+                            event: env.r#type.clone(),
+                            why,
+                        });
                     }
                 }
                 self.next_index = self.next_index.max(entry.index + 1);
+                if refused.is_empty() { Ok(()) } else { Err(refused) }
             }
-            Some(Body::Progress(p)) => self.next_index = self.next_index.max(p.index + 1),
-            None => {}
+            Some(Body::Progress(p)) => {
+                self.next_index = self.next_index.max(p.index + 1);
+                Ok(())
+            }
+            None => Ok(()),
         }
+    }
+
+    fn apply_snapshot(&mut self, snap: &SliceSnapshot) -> Result<(), Refused> {
+        let refused = |item: String| {
+            move |source| Refused::Snapshot {
+                index: snap.index,
+                item,
+                source,
+            }
+        };
+        // Everything is decoded before anything changes: a refused snapshot leaves the
+        // slice as it was.
+        let sandboxes: BTreeMap<String, DesiredSandbox> = snap
+            .sandboxes
+            .iter()
+            .map(|s| {
+                DesiredSandbox::from_snapshot(s)
+                    .map(|d| (s.id.clone(), d))
+                    .map_err(refused(format!("sandbox {}", s.id)))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut snapshots: BTreeMap<String, DesiredSnapshot> = snap
+            .snapshots
+            .iter()
+            .map(|x| {
+                DesiredSnapshot::from_snapshot(x)
+                    .map(|d| (x.id.clone(), d))
+                    .map_err(refused(format!("snapshot {}", x.id)))
+            })
+            .collect::<Result<_, _>>()?;
+        let served: Vec<(&SliceSandbox, Isolation)> = snap
+            .served
+            .iter()
+            .map(|x| {
+                decode_isolation(x.isolation)
+                    .map(|i| (x, i))
+                    .map_err(refused(format!("served sandbox {}", x.id)))
+            })
+            .collect::<Result<_, _>>()?;
+        // History before the snapshot is gone: the snapshot is the whole truth.
+        self.sandboxes = sandboxes;
+        // Snapshots the log no longer has are deleted: keep them as such until their
+        // files are gone.
+        for (id, old) in &self.snapshots {
+            if !snapshots.contains_key(id) {
+                snapshots.insert(
+                    id.clone(),
+                    DesiredSnapshot {
+                        phase: SnapshotPhase::Deleted,
+                        ..old.clone()
+                    },
+                );
+            }
+        }
+        self.snapshots = snapshots;
+        // What is still to be served; what the other edges already pulled stays known.
+        let old = std::mem::take(&mut self.served);
+        for (x, isolation) in served {
+            self.serve_created(&x.transfer, &x.snapshot, &x.fork_of, isolation, &x.id, &x.edge);
+        }
+        for (id, t) in &mut self.served {
+            if let Some(o) = old.get(id) {
+                t.pulled = o.pulled.clone();
+            }
+        }
+        self.edges
+            .extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
+        self.next_index = self.next_index.max(snap.index + 1);
+        Ok(())
     }
 
     fn serve_created(
@@ -270,7 +345,7 @@ impl SliceState {
         transfer: &str,
         snapshot: &str,
         fork_of: &str,
-        isolation: &str,
+        isolation: Isolation,
         sandbox: &str,
         edge: &str,
     ) {
@@ -283,113 +358,81 @@ impl SliceState {
                 sandbox: fork_of.to_string(),
             }
         };
-        self.serve(
-            transfer,
-            source,
-            Isolation::from_event(isolation).unwrap_or_default(),
-            sandbox,
-            edge,
-        );
+        self.serve(transfer, source, isolation, sandbox, edge);
     }
 
-    fn apply_event(&mut self, ev: &Event) {
+    /// Folds one event of the slice; `Err` says why it cannot be (and nothing changed).
+    fn apply_event(&mut self, ev: &Event) -> Result<(), String> {
+        let isolation_of = |name: &str| {
+            Isolation::from_event(name).ok_or_else(|| format!("isolation {name:?} is unknown to this edge"))
+        };
         match ev {
             Event::EdgeRegistered(e) => {
                 self.edges.insert(e.id.clone(), e.address.clone());
-                return;
             }
             // A sandbox of another edge that starts from state held here.
             Event::SandboxCreated(c) if c.edge != self.edge && c.source_edge == self.edge && !c.transfer.is_empty() => {
-                self.serve_created(&c.transfer, &c.snapshot, &c.fork_of, &c.isolation, &c.id, &c.edge);
-                return;
+                let isolation = isolation_of(&c.isolation)?;
+                self.serve_created(&c.transfer, &c.snapshot, &c.fork_of, isolation, &c.id, &c.edge);
             }
-            _ => {}
-        }
-        if let Event::SandboxCreated(c) = ev {
-            if c.edge == self.edge {
-                self.sandboxes.insert(
-                    c.id.clone(),
-                    DesiredSandbox {
-                        id: c.id.clone(),
-                        project: c.project.clone(),
-                        image: c.image.clone(),
-                        cpu_millis: c.cpu_millis,
-                        memory_mb: c.memory_mb,
-                        labels: c.labels.clone(),
-                        expires_at_ms: (c.expires_at_ms != 0).then_some(c.expires_at_ms),
-                        fork_of: (!c.fork_of.is_empty()).then(|| c.fork_of.clone()),
-                        desired: Desired::Running,
-                        observed: Observed::Pending,
-                        kill_reason: None,
-                        env: c.env.clone(),
-                        auto_pause: c.auto_pause,
-                        snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
-                        isolation: Isolation::from_event(&c.isolation).unwrap_or_default(),
-                        source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
-                        transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
-                    },
-                );
+            Event::SandboxCreated(c) if c.edge == self.edge => {
+                let born = Lifecycle::created(c.expires_at_ms);
+                let d = DesiredSandbox {
+                    id: c.id.clone(),
+                    project: c.project.clone(),
+                    image: c.image.clone(),
+                    cpu_millis: c.cpu_millis,
+                    memory_mb: c.memory_mb,
+                    labels: c.labels.clone(),
+                    expires_at_ms: born.expires_at_ms,
+                    fork_of: (!c.fork_of.is_empty()).then(|| c.fork_of.clone()),
+                    desired: born.desired,
+                    observed: born.observed,
+                    kill_reason: None,
+                    env: c.env.clone(),
+                    auto_pause: c.auto_pause,
+                    snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
+                    isolation: isolation_of(&c.isolation)?,
+                    source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
+                    transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
+                };
+                self.sandboxes.insert(c.id.clone(), d);
             }
-            return;
-        }
-        match ev {
+            Event::SandboxCreated(_) => {}
             Event::SnapshotRequested(r) if r.edge == self.edge => {
-                self.snapshots.insert(
-                    r.id.clone(),
-                    DesiredSnapshot {
-                        id: r.id.clone(),
-                        sandbox: r.sandbox.clone(),
-                        image: r.image.clone(),
-                        parent: (!r.parent.is_empty()).then(|| r.parent.clone()),
-                        phase: SnapshotPhase::Pending,
-                        isolation: Isolation::from_event(&r.isolation).unwrap_or_default(),
-                    },
-                );
-                return;
+                let d = DesiredSnapshot {
+                    id: r.id.clone(),
+                    sandbox: r.sandbox.clone(),
+                    image: r.image.clone(),
+                    parent: (!r.parent.is_empty()).then(|| r.parent.clone()),
+                    phase: SnapshotPhase::Pending,
+                    isolation: isolation_of(&r.isolation)?,
+                };
+                self.snapshots.insert(r.id.clone(), d);
             }
-            Event::SnapshotReady(r) => {
-                if let Some(x) = self.snapshots.get_mut(&r.id) {
-                    x.phase = SnapshotPhase::Ready;
+            Event::SnapshotReady(r) => self.set_phase(&r.id, SnapshotPhase::Ready),
+            Event::SnapshotFailed(r) => self.set_phase(&r.id, SnapshotPhase::Failed),
+            Event::SnapshotDeleted(r) => self.set_phase(&r.id, SnapshotPhase::Deleted),
+            _ => {
+                let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else {
+                    return Ok(());
+                };
+                match ev {
+                    Event::SandboxKillRequested(k) => {
+                        s.kill_reason.get_or_insert_with(|| k.reason.clone());
+                    }
+                    Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
+                    _ => {}
                 }
-                return;
+                s.advance(ev);
             }
-            Event::SnapshotFailed(r) => {
-                if let Some(x) = self.snapshots.get_mut(&r.id) {
-                    x.phase = SnapshotPhase::Failed;
-                }
-                return;
-            }
-            Event::SnapshotDeleted(r) => {
-                if let Some(x) = self.snapshots.get_mut(&r.id) {
-                    x.phase = SnapshotPhase::Deleted;
-                }
-                return;
-            }
-            _ => {}
         }
-        let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else {
-            return;
-        };
-        match ev {
-            Event::SandboxPauseRequested(_) if s.desired == Desired::Running => s.desired = Desired::Paused,
-            Event::SandboxResumeRequested(_) if s.desired == Desired::Paused => s.desired = Desired::Running,
-            Event::SandboxKillRequested(k) => {
-                s.desired = Desired::Killed;
-                s.kill_reason.get_or_insert_with(|| k.reason.clone());
-            }
-            Event::SandboxTimeoutSet(t) => s.expires_at_ms = (t.expires_at_ms != 0).then_some(t.expires_at_ms),
-            Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
-            Event::SandboxTimedOut(_) => {
-                s.expires_at_ms = None;
-                if s.desired == Desired::Running {
-                    s.desired = Desired::Paused;
-                }
-            }
-            Event::SandboxReady(_) | Event::SandboxResumed(_) if !s.is_terminal() => s.observed = Observed::Ready,
-            Event::SandboxPaused(_) if !s.is_terminal() => s.observed = Observed::Paused,
-            Event::SandboxFailed(_) => s.observed = Observed::Failed,
-            Event::SandboxExited(_) => s.observed = Observed::Exited,
-            _ => {}
+        Ok(())
+    }
+
+    fn set_phase(&mut self, snapshot: &str, phase: SnapshotPhase) {
+        if let Some(x) = self.snapshots.get_mut(snapshot) {
+            x.phase = phase;
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::reconcile::{Action, Running, plan, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
 use crate::transfer::{self, Manifest};
 use opendsec_commands::Observation;
-use opendsec_control::pb::{Capacity, HeartbeatRequest};
+use opendsec_edge_api::pb::{Capacity, HeartbeatRequest};
 use opendsec_projections::Isolation;
 use redb::{Database, ReadableDatabase, TableDefinition};
 use std::collections::{BTreeMap, BTreeSet};
@@ -387,7 +387,7 @@ impl Edge {
             f.write_all(bytes)
         };
         let token =
-            opendsec_control::sandbox_token(&self.cfg.edge_key, opendsec_control::SandboxTokenKind::Agent, &d.id);
+            opendsec_edge_api::sandbox_token(&self.cfg.edge_key, opendsec_edge_api::SandboxTokenKind::Agent, &d.id);
         write("token", token.as_bytes())?;
         write("env.json", &serde_json::to_vec(&d.env).map_err(store_err)?)?;
         if let Some(start) = &image.config.start {
@@ -1054,7 +1054,7 @@ impl Edge {
             .cfg
             .data_dir
             .join("vm-scratch")
-            .join(format!("{source}-{}", opendsec_control::now_ms()));
+            .join(format!("{source}-{}", opendsec_edge_api::now_ms()));
         std::fs::create_dir_all(scratch.parent().expect("a scratch dir has a parent"))?;
         let refs: Vec<&DesiredSandbox> = copies.iter().collect();
         let paused = vms.fork(source, &refs, &image, &scratch)?;
@@ -1659,7 +1659,7 @@ impl Edge {
                 &*slice
             };
             let caught_up = slice.next_index > self.registered_at;
-            let mut a = plan(slice, &observed, opendsec_control::now_ms(), caught_up);
+            let mut a = plan(slice, &observed, opendsec_edge_api::now_ms(), caught_up);
             a.extend(plan_snapshots(slice, &observed, &present));
             a.extend(
                 plan_transfers(slice, &observed, &served)
