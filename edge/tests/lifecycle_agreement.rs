@@ -52,7 +52,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (any::<bool>(), any::<bool>(), any::<bool>()).prop_map(|(here, timeout, vm)| Op::Create { here, timeout, vm }),
+        3 => (any::<bool>(), any::<bool>(), any::<bool>())
+            .prop_map(|(here, timeout, vm)| Op::Create { here, timeout, vm }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(source, here)| Op::Fork { source, here }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(snapshot, here)| Op::StartFromSnapshot { snapshot, here }),
         10 => (any::<usize>(), 0u8..11).prop_map(|(sandbox, what)| Op::Sandbox { sandbox, what }),
