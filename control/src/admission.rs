@@ -7,16 +7,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use std::time::Duration;
 
-/// What the edge is asked to take.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct AdmitRequest {
-    pub sandbox: String,
-    pub cpu_millis: u64,
-    pub memory_mb: u64,
-    /// "" (a container) or "microvm": a microVM also needs its RAM file's room on disk.
-    #[serde(default)]
-    pub isolation: String,
-}
+pub use opendsec_edge_api::admission::AdmitRequest;
+use opendsec_edge_api::headers::EDGE_KEY_HEADER;
 
 /// Asks the edge at `address`; `Err` carries why it did not admit.
 pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<(), String> {
@@ -33,7 +25,7 @@ pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<()
         let request = hyper::Request::post("/admit")
             .header("host", "edge")
             .header("content-type", "application/json")
-            .header("x-opendsec-edge-key", edge_key)
+            .header(EDGE_KEY_HEADER, edge_key)
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| e.to_string())?;
         let resp = send

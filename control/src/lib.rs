@@ -1,7 +1,7 @@
 //! The control node: the write path (decide on the leader against applied state plus
 //! the in-flight overlay, append to the Raft log, answer once applied), follower
 //! forwarding, replay from checkpoints, and the peer-port gRPC services (`Control`
-//! between nodes, `EdgeSlice` for edges). This is the IO shell around the pure
+//! between nodes, `EdgeSlice` for edges, whose contract is `opendsec_edge_api`). This is the IO shell around the pure
 //! `commands` and `projections` crates.
 
 pub mod admission;
@@ -13,12 +13,16 @@ pub mod slice;
 pub mod testing;
 
 pub use node::{ClusterStatus, ControlConfig, ControlNode, EdgeHeartbeat, SubmitError, Submitted};
+// What the control plane shares with edges lives in the contract crate; re-exported for
+// the gateway and the server, which use them beside the rest of this crate.
+pub use opendsec_edge_api::{SandboxTokenKind, now_ms, sandbox_token, transfer_token};
 
 use opendsec_projections::Right;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 
-/// Generated peer-port types and services.
+/// Generated peer-port types and the `Control` service (the `EdgeSlice` service is
+/// [`opendsec_edge_api::pb`]).
 pub mod pb {
     tonic::include_proto!("opendsec.control.v1");
 }
@@ -70,14 +74,6 @@ impl std::fmt::Debug for Principal {
     }
 }
 
-/// Wall-clock milliseconds since the Unix epoch (the IO shell's clock; `decide` gets it in `Ctx`).
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// A fresh token secret and its SHA-256 (hex). Only the hash is ever logged.
 pub fn new_token_secret() -> (String, String) {
     let bytes: [u8; 24] = rand::random();
@@ -113,39 +109,6 @@ pub fn split_bearer(bearer: &str) -> Option<(&str, &str)> {
     }
     let rest = bearer.strip_prefix("e2b_")?;
     (rest.len() == 40 && rest.bytes().all(|b| b.is_ascii_hexdigit())).then(|| rest.split_at(16))
-}
-
-/// What a per-sandbox access token opens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SandboxTokenKind {
-    /// The agent (E2B `envdAccessToken`, sent as `X-Access-Token`).
-    Agent,
-    /// The sandbox's other ports (E2B `trafficAccessToken`).
-    Traffic,
-}
-
-/// The access token of one sandbox: HMAC-SHA256 under the cluster key, so every node
-/// and the sandbox's edge derive the same token without storing it anywhere.
-pub fn sandbox_token(cluster_key: &str, kind: SandboxTokenKind, sandbox: &str) -> String {
-    use hmac::Mac;
-    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(cluster_key.as_bytes()).expect("HMAC takes any key length");
-    let purpose = match kind {
-        SandboxTokenKind::Agent => "agent",
-        SandboxTokenKind::Traffic => "traffic",
-    };
-    mac.update(format!("opendsec sandbox token v1\0{purpose}\0{sandbox}").as_bytes());
-    hex::encode(&mac.finalize().into_bytes()[..20])
-}
-
-/// The credential an edge presents to pull transfer `transfer` (a snapshot, or a fork's
-/// source state) from the edge that holds it: HMAC-SHA256 under the cluster key of the
-/// transfer and the pulling edge's name, so it opens that one transfer for that one edge,
-/// and both edges derive it without storing or sending anything beforehand.
-pub fn transfer_token(cluster_key: &str, transfer: &str, destination_edge: &str) -> String {
-    use hmac::Mac;
-    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(cluster_key.as_bytes()).expect("HMAC takes any key length");
-    mac.update(format!("opendsec transfer token v1\0{transfer}\0{destination_edge}").as_bytes());
-    hex::encode(mac.finalize().into_bytes())
 }
 
 /// Writes `content` to `path`, readable by the owner only (keys, tokens, certificates' keys).
@@ -196,7 +159,7 @@ pub async fn serve_peer(
         .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(
             node.clone(),
         )))
-        .add_service(pb::edge_slice_server::EdgeSliceServer::new(
+        .add_service(opendsec_edge_api::pb::edge_slice_server::EdgeSliceServer::new(
             slice::EdgeSliceService::new(node.clone()),
         ));
     let forwarding = node.clone();

@@ -1,22 +1,22 @@
-//! The `EdgeSlice` service: an edge registers, follows its slice of the log from any
-//! index (history first, then live entries, resuming after disconnects), reports what
-//! it observes as commands, and sends heartbeats that stay in memory.
+//! The `EdgeSlice` service (its contract: `opendsec_edge_api`): an edge registers,
+//! follows its slice of the log from any index (history first, then live entries,
+//! resuming after disconnects), reports what it observes as commands, and sends
+//! heartbeats that stay in memory.
 //!
-//! An edge's slice is every event about a sandbox placed on it, the creation of sandboxes
-//! placed elsewhere that start from state it holds (it serves them that state), plus the
-//! edge registrations. If the history it asks for is no longer retained, it first gets a
+//! What belongs to an edge's slice is `opendsec_edge_api::slice`'s to say; this module
+//! streams it. If the history an edge asks for is no longer retained, it first gets a
 //! snapshot of its sandboxes, then the entries after that snapshot.
 
 use crate::node::{ControlNode, EdgeHeartbeat, SubmitError};
-use crate::pb::edge_slice_server::EdgeSlice;
-use crate::pb::{
-    HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest, SliceEdge,
-    SliceEntry, SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, WatchRequest, slice_message::Body,
-};
 use crate::{Principal, now_ms};
 use opendsec_commands::{Command, Observation};
-use opendsec_projections::schema::{self, Batch};
-use opendsec_projections::{Event, Right, State, Usage};
+use opendsec_edge_api::pb::edge_slice_server::EdgeSlice;
+use opendsec_edge_api::pb::{
+    HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest, SliceEntry,
+    SliceMessage, WatchRequest, slice_message::Body,
+};
+use opendsec_edge_api::slice::{slice_events, slice_snapshot};
+use opendsec_projections::{Right, Usage};
 use std::pin::Pin;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
@@ -63,107 +63,6 @@ fn to_status(e: SubmitError) -> Status {
         },
         SubmitError::Unavailable(m) => Status::unavailable(m),
         SubmitError::Internal(m) => Status::internal(m),
-    }
-}
-
-/// The events of `batch` that belong to `edge`'s slice.
-pub fn slice_events(state: &State, edge: &str, batch: &Batch) -> Vec<opendsec_projections::schema::Envelope> {
-    let Ok(events) = schema::batch_events(batch) else {
-        return vec![];
-    };
-    let mut out = Vec::new();
-    for (ev, env) in events.iter().zip(&batch.events) {
-        let mine = match ev {
-            Event::SandboxCreated(e) => e.edge == edge || (e.source_edge == edge && !e.transfer.is_empty()),
-            Event::EdgeRegistered(_) | Event::EdgeDeregistered(_) => true,
-            other => other
-                .sandbox_id()
-                .is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
-        };
-        if mine {
-            out.push(env.clone());
-        }
-    }
-    out
-}
-
-fn slice_sandbox(s: &opendsec_projections::Sandbox) -> SliceSandbox {
-    SliceSandbox {
-        id: s.id.clone(),
-        project: s.project.clone(),
-        image: s.image.clone(),
-        cpu_millis: s.cpu_millis,
-        memory_mb: s.memory_mb,
-        labels: s.labels.clone(),
-        expires_at_ms: s.expires_at_ms.unwrap_or(0),
-        desired: serde_json::to_value(s.desired)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default(),
-        observed: serde_json::to_value(s.observed)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default(),
-        fork_of: s.fork_of.clone().unwrap_or_default(),
-        env: s.env.clone(),
-        auto_pause: s.auto_pause,
-        snapshot: s.snapshot.clone().unwrap_or_default(),
-        isolation: s.isolation.to_event(),
-        source_edge: s.source_edge.clone().unwrap_or_default(),
-        transfer: s.transfer.clone().unwrap_or_default(),
-        edge: s.edge.clone(),
-    }
-}
-
-fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
-    let sandboxes = state
-        .sandboxes
-        .sandboxes
-        .values()
-        .filter(|s| s.edge == edge && s.is_live())
-        .map(slice_sandbox)
-        .collect();
-    let served = state
-        .sandboxes
-        .sandboxes
-        .values()
-        .filter(|s| s.is_live() && s.observed == opendsec_projections::Observed::Pending)
-        .filter(|s| s.source_edge.as_deref() == Some(edge) && s.transfer.is_some())
-        .map(slice_sandbox)
-        .collect();
-    let edges = state
-        .placement
-        .edges
-        .values()
-        .filter(|e| !e.deregistered)
-        .map(|e| SliceEdge {
-            id: e.id.clone(),
-            address: e.address.clone(),
-        })
-        .collect();
-    let snapshots = state
-        .snapshots
-        .snapshots
-        .values()
-        .filter(|x| x.edge == edge)
-        .map(|x| SliceSnapshotRecord {
-            id: x.id.clone(),
-            sandbox: x.sandbox.clone(),
-            image: x.image.clone(),
-            parent: x.parent.clone().unwrap_or_default(),
-            state: serde_json::to_value(x.state)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default(),
-            isolation: x.isolation.to_event(),
-        })
-        .collect();
-    SliceSnapshot {
-        index: state.index,
-        sandboxes,
-        snapshots,
-        served,
-        edges,
     }
 }
 

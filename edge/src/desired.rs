@@ -4,9 +4,17 @@
 //! the observed state the control plane has recorded (from this edge's own reports).
 //! It is rebuilt from slice messages alone (entries, or a snapshot when history is gone)
 //! and carries the index to resume the watch from, so it can be persisted and reloaded.
+//!
+//! A sandbox's desired and observed states move through `opendsec_projections::Lifecycle`,
+//! the transitions the control plane's views use, so the edge and the log agree. A value
+//! this edge does not know (an enum from a newer control plane, an unknown isolation) is
+//! refused and logged, never folded as a guess: a refused snapshot leaves the slice as it
+//! was, a refused event is skipped.
 
-use opendsec_control::pb::{SliceMessage, slice_message::Body};
-use opendsec_projections::{Desired, Event, Isolation, Observed};
+use opendsec_edge_api::UnknownEnum;
+use opendsec_edge_api::convert::{decode_desired, decode_isolation, decode_observed, decode_snapshot_state};
+use opendsec_edge_api::pb::{SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, slice_message::Body};
+use opendsec_projections::{Desired, Event, Isolation, Lifecycle, Observed, SnapshotState};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -106,8 +114,80 @@ pub struct DesiredSnapshot {
 impl DesiredSandbox {
     /// The log already records an end for it: nothing more to report.
     pub fn is_terminal(&self) -> bool {
-        matches!(self.observed, Observed::Exited | Observed::Failed)
+        self.lifecycle().has_ended()
     }
+
+    fn lifecycle(&self) -> Lifecycle {
+        Lifecycle {
+            desired: self.desired,
+            observed: self.observed,
+            expires_at_ms: self.expires_at_ms,
+        }
+    }
+
+    /// Moves it along its lifecycle by `ev` (when `ev` is a transition of it).
+    fn advance(&mut self, ev: &Event) {
+        if let Some(next) = self.lifecycle().next(ev) {
+            self.desired = next.desired;
+            self.observed = next.observed;
+            self.expires_at_ms = next.expires_at_ms;
+        }
+    }
+
+    fn from_snapshot(s: &SliceSandbox) -> Result<DesiredSandbox, UnknownEnum> {
+        Ok(DesiredSandbox {
+            id: s.id.clone(),
+            project: s.project.clone(),
+            image: s.image.clone(),
+            cpu_millis: s.cpu_millis,
+            memory_mb: s.memory_mb,
+            labels: s.labels.clone(),
+            expires_at_ms: (s.expires_at_ms != 0).then_some(s.expires_at_ms),
+            fork_of: (!s.fork_of.is_empty()).then(|| s.fork_of.clone()),
+            desired: decode_desired(s.desired)?,
+            observed: decode_observed(s.observed)?,
+            kill_reason: None,
+            env: s.env.clone(),
+            auto_pause: s.auto_pause,
+            snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
+            isolation: decode_isolation(s.isolation)?,
+            source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
+            transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
+        })
+    }
+}
+
+impl DesiredSnapshot {
+    fn from_snapshot(x: &SliceSnapshotRecord) -> Result<DesiredSnapshot, UnknownEnum> {
+        Ok(DesiredSnapshot {
+            id: x.id.clone(),
+            sandbox: x.sandbox.clone(),
+            image: x.image.clone(),
+            parent: (!x.parent.is_empty()).then(|| x.parent.clone()),
+            phase: match decode_snapshot_state(x.state)? {
+                SnapshotState::Pending => SnapshotPhase::Pending,
+                SnapshotState::Ready => SnapshotPhase::Ready,
+                SnapshotState::Failed => SnapshotPhase::Failed,
+            },
+            isolation: decode_isolation(x.isolation)?,
+        })
+    }
+}
+
+/// What this edge refused to fold from its slice.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum Refused {
+    /// A snapshot with a value this edge does not know: none of it was folded.
+    #[error("the slice snapshot at index {index} is refused, {item}: {source}; upgrade this edge")]
+    Snapshot {
+        index: u64,
+        /// The sandbox or snapshot record carrying the value.
+        item: String,
+        source: UnknownEnum,
+    },
+    /// An event this edge cannot interpret: it was skipped, the rest of its entry folded.
+    #[error("event {event} at index {index} is skipped: {why}; upgrade this edge")]
+    Event { index: u64, event: String, why: String },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -124,24 +204,6 @@ pub struct SliceState {
     /// Every registered edge's proxy address (where its transfers are pulled from).
     #[serde(default)]
     pub edges: BTreeMap<String, String>,
-}
-
-fn parse_desired(s: &str) -> Desired {
-    match s {
-        "paused" => Desired::Paused,
-        "killed" => Desired::Killed,
-        _ => Desired::Running,
-    }
-}
-
-fn parse_observed(s: &str) -> Observed {
-    match s {
-        "ready" => Observed::Ready,
-        "paused" => Observed::Paused,
-        "failed" => Observed::Failed,
-        "exited" => Observed::Exited,
-        _ => Observed::Pending,
-    }
 }
 
 impl SliceState {
@@ -169,100 +231,113 @@ impl SliceState {
         t.destinations.insert(sandbox.to_string(), edge.to_string());
     }
 
-    /// Folds one message of the watch stream.
+    /// Folds one message of the watch stream; what it refuses is logged (see [`Refused`]).
     pub fn apply(&mut self, msg: &SliceMessage) {
-        match &msg.body {
-            Some(Body::Snapshot(snap)) => {
-                // History before the snapshot is gone: the snapshot is the whole truth.
-                self.sandboxes = snap
-                    .sandboxes
-                    .iter()
-                    .map(|s| {
-                        let d = DesiredSandbox {
-                            id: s.id.clone(),
-                            project: s.project.clone(),
-                            image: s.image.clone(),
-                            cpu_millis: s.cpu_millis,
-                            memory_mb: s.memory_mb,
-                            labels: s.labels.clone(),
-                            expires_at_ms: (s.expires_at_ms != 0).then_some(s.expires_at_ms),
-                            fork_of: (!s.fork_of.is_empty()).then(|| s.fork_of.clone()),
-                            desired: parse_desired(&s.desired),
-                            observed: parse_observed(&s.observed),
-                            kill_reason: None,
-                            env: s.env.clone(),
-                            auto_pause: s.auto_pause,
-                            snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
-                            isolation: Isolation::from_event(&s.isolation).unwrap_or_default(),
-                            source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
-                            transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
-                        };
-                        (s.id.clone(), d)
-                    })
-                    .collect();
-                // Snapshots the log no longer has are deleted: keep them as such until
-                // their files are gone.
-                let mut snapshots: BTreeMap<String, DesiredSnapshot> = snap
-                    .snapshots
-                    .iter()
-                    .map(|x| {
-                        let phase = match x.state.as_str() {
-                            "ready" => SnapshotPhase::Ready,
-                            "failed" => SnapshotPhase::Failed,
-                            _ => SnapshotPhase::Pending,
-                        };
-                        let d = DesiredSnapshot {
-                            id: x.id.clone(),
-                            sandbox: x.sandbox.clone(),
-                            image: x.image.clone(),
-                            parent: (!x.parent.is_empty()).then(|| x.parent.clone()),
-                            phase,
-                            isolation: Isolation::from_event(&x.isolation).unwrap_or_default(),
-                        };
-                        (x.id.clone(), d)
-                    })
-                    .collect();
-                for (id, old) in &self.snapshots {
-                    if !snapshots.contains_key(id) {
-                        snapshots.insert(
-                            id.clone(),
-                            DesiredSnapshot {
-                                phase: SnapshotPhase::Deleted,
-                                ..old.clone()
-                            },
-                        );
-                    }
-                }
-                self.snapshots = snapshots;
-                // What is still to be served; what the other edges already pulled stays known.
-                let old = std::mem::take(&mut self.served);
-                for x in &snap.served {
-                    self.serve_created(&x.transfer, &x.snapshot, &x.fork_of, &x.isolation, &x.id, &x.edge);
-                }
-                for (id, t) in &mut self.served {
-                    if let Some(o) = old.get(id) {
-                        t.pulled = o.pulled.clone();
-                    }
-                }
-                self.edges
-                    .extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
-                self.next_index = self.next_index.max(snap.index + 1);
+        if let Err(refused) = self.try_apply(msg) {
+            for r in refused {
+                tracing::error!(edge = %self.edge, "{r}");
             }
+        }
+    }
+
+    /// Folds one message of the watch stream, or says what it refused to fold.
+    pub fn try_apply(&mut self, msg: &SliceMessage) -> Result<(), Vec<Refused>> {
+        match &msg.body {
+            Some(Body::Snapshot(snap)) => self.apply_snapshot(snap).map_err(|r| vec![r]),
             Some(Body::Entry(entry)) => {
+                let mut refused = Vec::new();
                 for env in &entry.events {
                     // An event this binary cannot decode belongs to a newer schema; the
                     // edge must be upgraded, and skipping it is safer than guessing.
-                    if let Ok(ev) = Event::from_envelope(env) {
-                        self.apply_event(&ev);
-                    } else {
-                        tracing::warn!(event = %env.r#type, index = entry.index, "undecodable event in the slice; upgrade this edge");
+                    let folded = Event::from_envelope(env)
+                        .map_err(|e| e.to_string())
+                        .and_then(|ev| self.apply_event(&ev));
+                    if let Err(why) = folded {
+                        refused.push(Refused::Event {
+                            index: entry.index,
+                            event: env.r#type.clone(),
+                            why,
+                        });
                     }
                 }
                 self.next_index = self.next_index.max(entry.index + 1);
+                if refused.is_empty() { Ok(()) } else { Err(refused) }
             }
-            Some(Body::Progress(p)) => self.next_index = self.next_index.max(p.index + 1),
-            None => {}
+            Some(Body::Progress(p)) => {
+                self.next_index = self.next_index.max(p.index + 1);
+                Ok(())
+            }
+            None => Ok(()),
         }
+    }
+
+    fn apply_snapshot(&mut self, snap: &SliceSnapshot) -> Result<(), Refused> {
+        let refused = |item: String| {
+            move |source| Refused::Snapshot {
+                index: snap.index,
+                item,
+                source,
+            }
+        };
+        // Everything is decoded before anything changes: a refused snapshot leaves the
+        // slice as it was.
+        let sandboxes: BTreeMap<String, DesiredSandbox> = snap
+            .sandboxes
+            .iter()
+            .map(|s| {
+                DesiredSandbox::from_snapshot(s)
+                    .map(|d| (s.id.clone(), d))
+                    .map_err(refused(format!("sandbox {}", s.id)))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut snapshots: BTreeMap<String, DesiredSnapshot> = snap
+            .snapshots
+            .iter()
+            .map(|x| {
+                DesiredSnapshot::from_snapshot(x)
+                    .map(|d| (x.id.clone(), d))
+                    .map_err(refused(format!("snapshot {}", x.id)))
+            })
+            .collect::<Result<_, _>>()?;
+        let served: Vec<(&SliceSandbox, Isolation)> = snap
+            .served
+            .iter()
+            .map(|x| {
+                decode_isolation(x.isolation)
+                    .map(|i| (x, i))
+                    .map_err(refused(format!("served sandbox {}", x.id)))
+            })
+            .collect::<Result<_, _>>()?;
+        // History before the snapshot is gone: the snapshot is the whole truth.
+        self.sandboxes = sandboxes;
+        // Snapshots the log no longer has are deleted: keep them as such until their
+        // files are gone.
+        for (id, old) in &self.snapshots {
+            if !snapshots.contains_key(id) {
+                snapshots.insert(
+                    id.clone(),
+                    DesiredSnapshot {
+                        phase: SnapshotPhase::Deleted,
+                        ..old.clone()
+                    },
+                );
+            }
+        }
+        self.snapshots = snapshots;
+        // What is still to be served; what the other edges already pulled stays known.
+        let old = std::mem::take(&mut self.served);
+        for (x, isolation) in served {
+            self.serve_created(&x.transfer, &x.snapshot, &x.fork_of, isolation, &x.id, &x.edge);
+        }
+        for (id, t) in &mut self.served {
+            if let Some(o) = old.get(id) {
+                t.pulled = o.pulled.clone();
+            }
+        }
+        self.edges
+            .extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
+        self.next_index = self.next_index.max(snap.index + 1);
+        Ok(())
     }
 
     fn serve_created(
@@ -270,7 +345,7 @@ impl SliceState {
         transfer: &str,
         snapshot: &str,
         fork_of: &str,
-        isolation: &str,
+        isolation: Isolation,
         sandbox: &str,
         edge: &str,
     ) {
@@ -283,113 +358,378 @@ impl SliceState {
                 sandbox: fork_of.to_string(),
             }
         };
-        self.serve(
-            transfer,
-            source,
-            Isolation::from_event(isolation).unwrap_or_default(),
-            sandbox,
-            edge,
-        );
+        self.serve(transfer, source, isolation, sandbox, edge);
     }
 
-    fn apply_event(&mut self, ev: &Event) {
+    /// Folds one event of the slice; `Err` says why it cannot be (and nothing changed).
+    fn apply_event(&mut self, ev: &Event) -> Result<(), String> {
+        let isolation_of = |name: &str| {
+            Isolation::from_event(name).ok_or_else(|| format!("isolation {name:?} is unknown to this edge"))
+        };
         match ev {
             Event::EdgeRegistered(e) => {
                 self.edges.insert(e.id.clone(), e.address.clone());
-                return;
             }
             // A sandbox of another edge that starts from state held here.
             Event::SandboxCreated(c) if c.edge != self.edge && c.source_edge == self.edge && !c.transfer.is_empty() => {
-                self.serve_created(&c.transfer, &c.snapshot, &c.fork_of, &c.isolation, &c.id, &c.edge);
-                return;
+                let isolation = isolation_of(&c.isolation)?;
+                self.serve_created(&c.transfer, &c.snapshot, &c.fork_of, isolation, &c.id, &c.edge);
             }
-            _ => {}
-        }
-        if let Event::SandboxCreated(c) = ev {
-            if c.edge == self.edge {
-                self.sandboxes.insert(
-                    c.id.clone(),
-                    DesiredSandbox {
-                        id: c.id.clone(),
-                        project: c.project.clone(),
-                        image: c.image.clone(),
-                        cpu_millis: c.cpu_millis,
-                        memory_mb: c.memory_mb,
-                        labels: c.labels.clone(),
-                        expires_at_ms: (c.expires_at_ms != 0).then_some(c.expires_at_ms),
-                        fork_of: (!c.fork_of.is_empty()).then(|| c.fork_of.clone()),
-                        desired: Desired::Running,
-                        observed: Observed::Pending,
-                        kill_reason: None,
-                        env: c.env.clone(),
-                        auto_pause: c.auto_pause,
-                        snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
-                        isolation: Isolation::from_event(&c.isolation).unwrap_or_default(),
-                        source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
-                        transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
-                    },
-                );
+            Event::SandboxCreated(c) if c.edge == self.edge => {
+                let born = Lifecycle::created(c.expires_at_ms);
+                let d = DesiredSandbox {
+                    id: c.id.clone(),
+                    project: c.project.clone(),
+                    image: c.image.clone(),
+                    cpu_millis: c.cpu_millis,
+                    memory_mb: c.memory_mb,
+                    labels: c.labels.clone(),
+                    expires_at_ms: born.expires_at_ms,
+                    fork_of: (!c.fork_of.is_empty()).then(|| c.fork_of.clone()),
+                    desired: born.desired,
+                    observed: born.observed,
+                    kill_reason: None,
+                    env: c.env.clone(),
+                    auto_pause: c.auto_pause,
+                    snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
+                    isolation: isolation_of(&c.isolation)?,
+                    source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
+                    transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
+                };
+                self.sandboxes.insert(c.id.clone(), d);
             }
-            return;
-        }
-        match ev {
+            Event::SandboxCreated(_) => {}
             Event::SnapshotRequested(r) if r.edge == self.edge => {
-                self.snapshots.insert(
-                    r.id.clone(),
-                    DesiredSnapshot {
-                        id: r.id.clone(),
-                        sandbox: r.sandbox.clone(),
-                        image: r.image.clone(),
-                        parent: (!r.parent.is_empty()).then(|| r.parent.clone()),
-                        phase: SnapshotPhase::Pending,
-                        isolation: Isolation::from_event(&r.isolation).unwrap_or_default(),
-                    },
-                );
-                return;
+                let d = DesiredSnapshot {
+                    id: r.id.clone(),
+                    sandbox: r.sandbox.clone(),
+                    image: r.image.clone(),
+                    parent: (!r.parent.is_empty()).then(|| r.parent.clone()),
+                    phase: SnapshotPhase::Pending,
+                    isolation: isolation_of(&r.isolation)?,
+                };
+                self.snapshots.insert(r.id.clone(), d);
             }
-            Event::SnapshotReady(r) => {
-                if let Some(x) = self.snapshots.get_mut(&r.id) {
-                    x.phase = SnapshotPhase::Ready;
+            Event::SnapshotReady(r) => self.set_phase(&r.id, SnapshotPhase::Ready),
+            Event::SnapshotFailed(r) => self.set_phase(&r.id, SnapshotPhase::Failed),
+            Event::SnapshotDeleted(r) => self.set_phase(&r.id, SnapshotPhase::Deleted),
+            _ => {
+                let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else {
+                    return Ok(());
+                };
+                match ev {
+                    Event::SandboxKillRequested(k) => {
+                        s.kill_reason.get_or_insert_with(|| k.reason.clone());
+                    }
+                    Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
+                    _ => {}
                 }
-                return;
+                s.advance(ev);
             }
-            Event::SnapshotFailed(r) => {
-                if let Some(x) = self.snapshots.get_mut(&r.id) {
-                    x.phase = SnapshotPhase::Failed;
-                }
-                return;
-            }
-            Event::SnapshotDeleted(r) => {
-                if let Some(x) = self.snapshots.get_mut(&r.id) {
-                    x.phase = SnapshotPhase::Deleted;
-                }
-                return;
-            }
-            _ => {}
         }
-        let Some(s) = ev.sandbox_id().and_then(|id| self.sandboxes.get_mut(id)) else {
-            return;
+        Ok(())
+    }
+
+    fn set_phase(&mut self, snapshot: &str, phase: SnapshotPhase) {
+        if let Some(x) = self.snapshots.get_mut(snapshot) {
+            x.phase = phase;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opendsec_edge_api::pb::{Progress, SliceEdge, SliceEntry};
+    use opendsec_projections::pb;
+
+    const HERE: &str = "e1";
+
+    fn entry(index: u64, events: Vec<Event>) -> SliceMessage {
+        SliceMessage {
+            body: Some(Body::Entry(SliceEntry {
+                index,
+                time_ms: 1_000,
+                events: events.iter().map(Event::to_envelope).collect(),
+            })),
+        }
+    }
+
+    fn created(id: &str, edge: &str) -> pb::SandboxCreated {
+        pb::SandboxCreated {
+            id: id.into(),
+            project: "root".into(),
+            edge: edge.into(),
+            image: "busybox".into(),
+            cpu_millis: 100,
+            memory_mb: 64,
+            ..Default::default()
+        }
+    }
+
+    /// A slice that folded `events`, one entry each, from index 1.
+    fn folded(events: Vec<Event>) -> SliceState {
+        let mut s = SliceState::new(HERE);
+        for (i, ev) in events.into_iter().enumerate() {
+            s.try_apply(&entry(i as u64 + 1, vec![ev])).expect("folds");
+        }
+        s
+    }
+
+    fn kill(id: &str, reason: &str) -> Event {
+        Event::SandboxKillRequested(pb::SandboxKillRequested {
+            id: id.into(),
+            reason: reason.into(),
+        })
+    }
+
+    fn ready(id: &str) -> Event {
+        Event::SandboxReady(pb::SandboxReady {
+            id: id.into(),
+            ..Default::default()
+        })
+    }
+
+    fn slice_sandbox(id: &str) -> SliceSandbox {
+        SliceSandbox {
+            id: id.into(),
+            project: "root".into(),
+            image: "busybox".into(),
+            desired: opendsec_edge_api::pb::Desired::Running.into(),
+            observed: opendsec_edge_api::pb::Observed::Ready.into(),
+            isolation: opendsec_edge_api::pb::Isolation::Microvm.into(),
+            edge: HERE.into(),
+            ..Default::default()
+        }
+    }
+
+    fn snapshot_message(index: u64, sandboxes: Vec<SliceSandbox>) -> SliceMessage {
+        SliceMessage {
+            body: Some(Body::Snapshot(SliceSnapshot {
+                index,
+                sandboxes,
+                edges: vec![SliceEdge {
+                    id: "e2".into(),
+                    address: "e2:1".into(),
+                }],
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn a_sandbox_created_on_this_edge_is_wanted_running_and_not_reported_yet() {
+        let mut c = created("sb1", HERE);
+        c.expires_at_ms = 9_000;
+        c.isolation = "microvm".into();
+        let s = folded(vec![Event::SandboxCreated(c)]);
+        let d = &s.sandboxes["sb1"];
+        assert_eq!((d.desired, d.observed), (Desired::Running, Observed::Pending));
+        assert_eq!((d.expires_at_ms, d.isolation), (Some(9_000), Isolation::Microvm));
+        assert_eq!(s.next_index, 2);
+    }
+
+    #[test]
+    fn a_sandbox_of_another_edge_is_not_run_here_unless_it_starts_from_state_held_here() {
+        let mut served = created("sb2", "e2");
+        served.source_edge = HERE.into();
+        served.fork_of = "sb0".into();
+        served.transfer = "fork-sb2".into();
+        let s = folded(vec![
+            Event::SandboxCreated(created("sb1", "e2")),
+            Event::SandboxCreated(served),
+        ]);
+        assert!(s.sandboxes.is_empty());
+        let t = &s.served["fork-sb2"];
+        assert_eq!(t.source, TransferSource::Fork { sandbox: "sb0".into() });
+        assert!(t.sends_to("e2") && t.is_wanted());
+    }
+
+    #[test]
+    fn a_kill_keeps_its_first_reason_and_makes_later_reports_of_running_stale() {
+        let s = folded(vec![
+            Event::SandboxCreated(created("sb1", HERE)),
+            kill("sb1", "timeout"),
+            kill("sb1", "user"),
+            ready("sb1"),
+        ]);
+        let d = &s.sandboxes["sb1"];
+        assert_eq!(d.kill_reason.as_deref(), Some("timeout"));
+        // As in the control plane's views: the sandbox is released, its report stale.
+        assert_eq!((d.desired, d.observed), (Desired::Killed, Observed::Pending));
+        assert!(!d.is_terminal());
+    }
+
+    #[test]
+    fn an_end_recorded_in_the_log_is_terminal() {
+        let s = folded(vec![
+            Event::SandboxCreated(created("sb1", HERE)),
+            ready("sb1"),
+            Event::SandboxExited(pb::SandboxExited {
+                id: "sb1".into(),
+                ..Default::default()
+            }),
+            ready("sb1"),
+            Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: "sb1".into() }),
+        ]);
+        let d = &s.sandboxes["sb1"];
+        assert_eq!(d.observed, Observed::Exited);
+        assert_eq!(
+            d.desired,
+            Desired::Paused,
+            "a pause request still records what is wanted"
+        );
+        assert!(d.is_terminal());
+    }
+
+    #[test]
+    fn a_timed_out_sandbox_with_auto_pause_is_wanted_paused_and_its_timeout_spent() {
+        let mut c = created("sb1", HERE);
+        c.expires_at_ms = 5_000;
+        c.auto_pause = true;
+        let s = folded(vec![
+            Event::SandboxCreated(c),
+            Event::SandboxTimedOut(pb::SandboxTimedOut { id: "sb1".into() }),
+        ]);
+        let d = &s.sandboxes["sb1"];
+        assert_eq!((d.desired, d.expires_at_ms), (Desired::Paused, None));
+    }
+
+    #[test]
+    fn labels_and_timeouts_follow_the_log() {
+        let s = folded(vec![
+            Event::SandboxCreated(created("sb1", HERE)),
+            Event::SandboxLabelsSet(pb::SandboxLabelsSet {
+                id: "sb1".into(),
+                labels: BTreeMap::from([("team".to_string(), "a".to_string())]),
+            }),
+            Event::SandboxTimeoutSet(pb::SandboxTimeoutSet {
+                id: "sb1".into(),
+                expires_at_ms: 7_000,
+            }),
+        ]);
+        let d = &s.sandboxes["sb1"];
+        assert_eq!(d.labels["team"], "a");
+        assert_eq!(d.expires_at_ms, Some(7_000));
+    }
+
+    #[test]
+    fn a_snapshot_taken_here_goes_from_pending_to_its_result_and_is_deleted_by_the_log() {
+        let requested = |id: &str, edge: &str| {
+            Event::SnapshotRequested(pb::SnapshotRequested {
+                id: id.into(),
+                sandbox: "sb1".into(),
+                edge: edge.into(),
+                isolation: "microvm".into(),
+                ..Default::default()
+            })
         };
-        match ev {
-            Event::SandboxPauseRequested(_) if s.desired == Desired::Running => s.desired = Desired::Paused,
-            Event::SandboxResumeRequested(_) if s.desired == Desired::Paused => s.desired = Desired::Running,
-            Event::SandboxKillRequested(k) => {
-                s.desired = Desired::Killed;
-                s.kill_reason.get_or_insert_with(|| k.reason.clone());
-            }
-            Event::SandboxTimeoutSet(t) => s.expires_at_ms = (t.expires_at_ms != 0).then_some(t.expires_at_ms),
-            Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
-            Event::SandboxTimedOut(_) => {
-                s.expires_at_ms = None;
-                if s.desired == Desired::Running {
-                    s.desired = Desired::Paused;
-                }
-            }
-            Event::SandboxReady(_) | Event::SandboxResumed(_) if !s.is_terminal() => s.observed = Observed::Ready,
-            Event::SandboxPaused(_) if !s.is_terminal() => s.observed = Observed::Paused,
-            Event::SandboxFailed(_) => s.observed = Observed::Failed,
-            Event::SandboxExited(_) => s.observed = Observed::Exited,
-            _ => {}
+        let mut s = folded(vec![
+            Event::SandboxCreated(created("sb1", HERE)),
+            requested("x1", HERE),
+            requested("x2", "e2"),
+        ]);
+        assert_eq!(s.snapshots["x1"].phase, SnapshotPhase::Pending);
+        assert_eq!(s.snapshots["x1"].isolation, Isolation::Microvm);
+        assert!(!s.snapshots.contains_key("x2"));
+        let ready = Event::SnapshotReady(pb::SnapshotReady {
+            id: "x1".into(),
+            sandbox: "sb1".into(),
+            size_bytes: 1,
+        });
+        let deleted = Event::SnapshotDeleted(pb::SnapshotDeleted {
+            id: "x1".into(),
+            sandbox: "sb1".into(),
+        });
+        s.try_apply(&entry(4, vec![ready])).unwrap();
+        assert_eq!(s.snapshots["x1"].phase, SnapshotPhase::Ready);
+        s.try_apply(&entry(5, vec![deleted])).unwrap();
+        assert_eq!(s.snapshots["x1"].phase, SnapshotPhase::Deleted);
+    }
+
+    #[test]
+    fn the_resume_index_follows_entries_progress_and_snapshots_and_never_goes_back() {
+        let mut s = SliceState::new(HERE);
+        assert_eq!(s.next_index, 1);
+        s.try_apply(&SliceMessage {
+            body: Some(Body::Progress(Progress { index: 40 })),
+        })
+        .unwrap();
+        assert_eq!(s.next_index, 41);
+        s.try_apply(&entry(10, vec![])).unwrap();
+        assert_eq!(s.next_index, 41);
+        s.try_apply(&snapshot_message(99, vec![])).unwrap();
+        assert_eq!(s.next_index, 100);
+    }
+
+    #[test]
+    fn a_slice_snapshot_is_the_whole_truth_about_sandboxes_and_keeps_vanished_snapshots_as_deleted() {
+        let mut s = folded(vec![
+            Event::SandboxCreated(created("gone", HERE)),
+            Event::SnapshotRequested(pb::SnapshotRequested {
+                id: "x1".into(),
+                sandbox: "gone".into(),
+                edge: HERE.into(),
+                ..Default::default()
+            }),
+        ]);
+        s.try_apply(&snapshot_message(50, vec![slice_sandbox("sb9")])).unwrap();
+        assert_eq!(s.sandboxes.keys().collect::<Vec<_>>(), ["sb9"]);
+        let d = &s.sandboxes["sb9"];
+        assert_eq!((d.observed, d.isolation), (Observed::Ready, Isolation::Microvm));
+        assert_eq!(s.snapshots["x1"].phase, SnapshotPhase::Deleted);
+        assert_eq!(s.edges["e2"], "e2:1");
+    }
+
+    #[test]
+    fn a_slice_snapshot_with_a_value_this_edge_does_not_know_is_refused_whole() {
+        let mut s = folded(vec![Event::SandboxCreated(created("sb1", HERE))]);
+        let before = s.clone();
+        let mut newer = slice_sandbox("sb9");
+        newer.observed = 42;
+        let refused = s
+            .try_apply(&snapshot_message(50, vec![slice_sandbox("sb8"), newer]))
+            .unwrap_err();
+        assert_eq!(
+            refused,
+            vec![Refused::Snapshot {
+                index: 50,
+                item: "sandbox sb9".into(),
+                source: UnknownEnum {
+                    field: "Observed",
+                    value: 42
+                },
+            }]
+        );
+        assert_eq!(s, before, "nothing of a refused snapshot is folded, its index included");
+        let mut unspecified = slice_sandbox("sb9");
+        unspecified.isolation = 0;
+        assert!(s.try_apply(&snapshot_message(50, vec![unspecified])).is_err());
+        assert_eq!(s, before);
+    }
+
+    #[test]
+    fn an_event_this_edge_cannot_interpret_is_skipped_and_the_rest_of_its_entry_folded() {
+        let mut s = SliceState::new(HERE);
+        let mut unknown = created("sb1", HERE);
+        unknown.isolation = "quantum".into();
+        let mut msg = entry(
+            3,
+            vec![
+                Event::SandboxCreated(unknown),
+                Event::SandboxCreated(created("sb2", HERE)),
+            ],
+        );
+        if let Some(Body::Entry(e)) = &mut msg.body {
+            let mut future = e.events[1].clone();
+            future.schema_version = 99;
+            e.events.push(future);
         }
+        let refused = s.try_apply(&msg).unwrap_err();
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(refused[0].to_string().contains("\"quantum\""), "{}", refused[0]);
+        assert!(matches!(&refused[1], Refused::Event { index: 3, .. }));
+        assert_eq!(s.sandboxes.keys().collect::<Vec<_>>(), ["sb2"]);
+        assert_eq!(s.next_index, 4);
     }
 }

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use opendsec_control::{SandboxTokenKind, sandbox_token};
+use opendsec_edge_api::{SandboxTokenKind, sandbox_token};
 
 use crate::desired::DesiredSandbox;
 use crate::images::{Image, ImageStore};

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use tokio::net::{TcpListener, UnixStream};
 
 /// The header the gateway authenticates to the edge with.
-pub const EDGE_KEY_HEADER: &str = "x-opendsec-edge-key";
+pub use opendsec_edge_api::headers::EDGE_KEY_HEADER;
 
 /// Where a sandbox's agent is reached.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,7 +108,7 @@ impl tokio::io::AsyncWrite for AgentStream {
 pub type Resolver = Arc<dyn Fn(&str) -> Option<AgentAddr> + Send + Sync>;
 
 /// Judges an admission request (`POST /admit`): `Err` says why the edge refuses.
-pub type Admitter = Arc<dyn Fn(&opendsec_control::admission::AdmitRequest) -> Result<(), String> + Send + Sync>;
+pub type Admitter = Arc<dyn Fn(&opendsec_edge_api::admission::AdmitRequest) -> Result<(), String> + Send + Sync>;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -144,7 +144,7 @@ async fn admit(req: Request<Incoming>, admitter: Option<Admitter>) -> Response<B
             );
         }
     };
-    let ask: opendsec_control::admission::AdmitRequest = match serde_json::from_slice(&body) {
+    let ask: opendsec_edge_api::admission::AdmitRequest = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => {
             return json_error(
@@ -303,7 +303,7 @@ pub type Sampler = Arc<dyn Fn(&str) -> Option<Sample> + Send + Sync>;
 
 /// The header naming the port inside the sandbox a request is for (absent or
 /// [`AGENT_PORT`]: the agent itself).
-pub const PORT_HEADER: &str = "x-opendsec-port";
+pub use opendsec_edge_api::headers::PORT_HEADER;
 /// The port the agent answers on, in E2B's numbering (envd).
 pub const AGENT_PORT: u16 = 49983;
 
@@ -570,7 +570,7 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
         return forward_over(hyper_util::rt::TokioIo::new(stream), req).await;
     }
     // Any other port: through the agent's tunnel to that port inside the sandbox.
-    let token = opendsec_control::sandbox_token(&key, opendsec_control::SandboxTokenKind::Agent, id);
+    let token = opendsec_edge_api::sandbox_token(&key, opendsec_edge_api::SandboxTokenKind::Agent, id);
     match open_tunnel(&agent, &token, port).await {
         Ok(io) => forward_over(io, req).await,
         Err(resp) => resp,

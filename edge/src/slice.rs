@@ -3,8 +3,8 @@
 //! disconnects by resuming from the last index it handed out.
 
 use opendsec_commands::Observation;
-use opendsec_control::pb::edge_slice_client::EdgeSliceClient;
-use opendsec_control::pb::{
+use opendsec_edge_api::pb::edge_slice_client::EdgeSliceClient;
+use opendsec_edge_api::pb::{
     Capacity, HeartbeatRequest, RegisterRequest, ReportRequest, SliceMessage, WatchRequest, slice_message::Body,
 };
 use std::collections::BTreeMap;

@@ -16,7 +16,7 @@
 //! lays out holes), so both sides compute it the same way.
 //!
 //! Authentication: every request carries the pulling edge's name (`x-opendsec-edge`) and
-//! a token ([`opendsec_control::transfer_token`]: HMAC of the transfer id and that name
+//! a token ([`opendsec_edge_api::transfer_token`]: HMAC of the transfer id and that name
 //! under the cluster key) that opens this one transfer for that one edge. No token is a
 //! 401; a token for another transfer or edge, or an edge the log did not send the state
 //! to, a 403.
@@ -32,9 +32,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The header naming the edge that pulls.
-pub const EDGE_HEADER: &str = "x-opendsec-edge";
+pub use opendsec_edge_api::headers::EDGE_HEADER;
 /// The header carrying the transfer token.
-pub const TOKEN_HEADER: &str = "x-opendsec-transfer-token";
+pub use opendsec_edge_api::headers::TRANSFER_TOKEN_HEADER as TOKEN_HEADER;
 /// The manifest's file name in a transfer directory.
 pub const MANIFEST: &str = "manifest.json";
 
@@ -359,7 +359,7 @@ async fn send(
         .header(EDGE_HEADER, p.me)
         .header(
             TOKEN_HEADER,
-            opendsec_control::transfer_token(p.cluster_key, p.transfer, p.me),
+            opendsec_edge_api::transfer_token(p.cluster_key, p.transfer, p.me),
         )
         .body(ReqBody::new())
         .map_err(|e| e.to_string())?;
@@ -574,7 +574,7 @@ pub fn check_token(
             format!("a transfer request needs the {EDGE_HEADER} and {TOKEN_HEADER} headers"),
         ));
     };
-    let want = opendsec_control::transfer_token(cluster_key, transfer, edge);
+    let want = opendsec_edge_api::transfer_token(cluster_key, transfer, edge);
     let same = want.len() == token.len() && want.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
     if !same {
         return Err((
@@ -679,7 +679,7 @@ mod tests {
     #[test]
     fn a_token_opens_one_transfer_for_one_edge() {
         let key = "k";
-        let t = opendsec_control::transfer_token(key, "fork-a", "e2");
+        let t = opendsec_edge_api::transfer_token(key, "fork-a", "e2");
         assert_eq!(check_token(key, "fork-a", Some("e2"), Some(&t)), Ok("e2".to_string()));
         assert_eq!(check_token(key, "fork-a", None, None).unwrap_err().0, 401);
         assert_eq!(check_token(key, "fork-b", Some("e2"), Some(&t)).unwrap_err().0, 403);

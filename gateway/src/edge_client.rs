@@ -8,11 +8,8 @@ use axum::response::Response;
 use std::time::Duration;
 
 use crate::AppState;
+use opendsec_edge_api::headers::EDGE_KEY_HEADER;
 
-/// The header the edge proxy authenticates the gateway with.
-pub const EDGE_KEY_HEADER: &str = "x-opendsec-edge-key";
-/// Names the port inside the sandbox a forwarded request is for (absent: the agent).
-pub const PORT_HEADER: &str = "x-opendsec-port";
 /// How long connecting to an edge may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 

@@ -6,6 +6,7 @@
 //! recorded as rejected. Every check is a pure function of (state, batch), so every
 //! node reaches the same verdict.
 
+use crate::lifecycle::Lifecycle;
 use crate::schema::{self, Batch, Event, pb};
 use crate::views::*;
 use serde::{Deserialize, Serialize};
@@ -528,6 +529,7 @@ impl State {
                 }
             }
             Event::SandboxCreated(e) => {
+                let born = Lifecycle::created(e.expires_at_ms);
                 let s = Sandbox {
                     id: e.id.clone(),
                     project: e.project.clone(),
@@ -536,12 +538,12 @@ impl State {
                     cpu_millis: e.cpu_millis,
                     memory_mb: e.memory_mb,
                     labels: e.labels.clone(),
-                    expires_at_ms: (e.expires_at_ms != 0).then_some(e.expires_at_ms),
+                    expires_at_ms: born.expires_at_ms,
                     fork_of: (!e.fork_of.is_empty()).then(|| e.fork_of.clone()),
                     created_at_ms: t,
                     updated_at_ms: t,
-                    desired: Desired::Running,
-                    observed: Observed::Pending,
+                    desired: born.desired,
+                    observed: born.observed,
                     exit_code: None,
                     oom_killed: false,
                     reason: None,
@@ -570,18 +572,14 @@ impl State {
                 self.sandboxes.sandboxes.insert(e.id.clone(), s);
             }
             Event::SandboxPauseRequested(e) => self.touch(&e.id, index, t, |s| {
-                if s.desired == Desired::Running {
-                    s.desired = Desired::Paused
-                }
+                advance(s, ev);
             }),
             Event::SandboxResumeRequested(e) => self.touch(&e.id, index, t, |s| {
-                if s.desired == Desired::Paused {
-                    s.desired = Desired::Running
-                }
+                advance(s, ev);
             }),
             Event::SandboxKillRequested(e) => {
                 self.touch(&e.id, index, t, |s| {
-                    s.desired = Desired::Killed;
+                    advance(s, ev);
                     if s.reason.is_none() {
                         s.reason = Some(e.reason.clone());
                     }
@@ -589,18 +587,14 @@ impl State {
                 self.release(&e.id);
             }
             Event::SandboxTimeoutSet(e) => self.touch(&e.id, index, t, |s| {
-                s.expires_at_ms = (e.expires_at_ms != 0).then_some(e.expires_at_ms)
+                advance(s, ev);
             }),
             Event::SandboxLabelsSet(e) => self.touch(&e.id, index, t, |s| s.labels = e.labels.clone()),
             Event::SandboxNetworkSet(e) => self.touch(&e.id, index, t, |s| {
                 s.network = (!e.network.is_empty()).then(|| e.network.clone())
             }),
-            // Past its timeout with auto-pause: it pauses, and its timeout is spent.
             Event::SandboxTimedOut(e) => self.touch(&e.id, index, t, |s| {
-                s.expires_at_ms = None;
-                if s.desired == Desired::Running {
-                    s.desired = Desired::Paused
-                }
+                advance(s, ev);
             }),
             Event::SnapshotRequested(e) => {
                 self.snapshots.snapshots.insert(
@@ -641,36 +635,29 @@ impl State {
             }
             Event::SandboxForkRequested(e) => self.touch(&e.id, index, t, |_| {}),
             Event::SandboxReady(e) => self.touch(&e.id, index, t, |s| {
-                if !s.released {
-                    s.observed = Observed::Ready;
-                    if !e.vmm.is_empty() {
-                        s.runtime = Some(Runtime {
-                            vmm: e.vmm.clone(),
-                            accelerator: e.accelerator.clone(),
-                        });
-                    }
+                if advance(s, ev) && !e.vmm.is_empty() {
+                    s.runtime = Some(Runtime {
+                        vmm: e.vmm.clone(),
+                        accelerator: e.accelerator.clone(),
+                    });
                 }
             }),
             Event::SandboxPaused(e) => self.touch(&e.id, index, t, |s| {
-                if !s.released {
-                    s.observed = Observed::Paused
-                }
+                advance(s, ev);
             }),
             Event::SandboxResumed(e) => self.touch(&e.id, index, t, |s| {
-                if !s.released {
-                    s.observed = Observed::Ready
-                }
+                advance(s, ev);
             }),
             Event::SandboxFailed(e) => {
                 self.touch(&e.id, index, t, |s| {
-                    s.observed = Observed::Failed;
+                    advance(s, ev);
                     s.reason = Some(e.reason.clone());
                 });
                 self.release(&e.id);
             }
             Event::SandboxExited(e) => {
                 self.touch(&e.id, index, t, |s| {
-                    s.observed = Observed::Exited;
+                    advance(s, ev);
                     s.exit_code = Some(e.exit_code);
                     s.oom_killed = e.oom_killed;
                     if !e.reason.is_empty() {
@@ -760,6 +747,28 @@ impl State {
         }
         Some(v)
     }
+}
+
+/// Moves a sandbox along its lifecycle; whether `ev` was a transition it took.
+fn advance(s: &mut Sandbox, ev: &Event) -> bool {
+    let now = Lifecycle {
+        desired: s.desired,
+        observed: s.observed,
+        expires_at_ms: s.expires_at_ms,
+    };
+    let Some(next) = now.next(ev) else {
+        return false;
+    };
+    debug_assert_eq!(
+        now.is_released(),
+        s.released,
+        "sandbox {}: released is the lifecycle's",
+        s.id
+    );
+    s.desired = next.desired;
+    s.observed = next.observed;
+    s.expires_at_ms = next.expires_at_ms;
+    true
 }
 
 fn audit_record(index: u64, batch: &Batch, outcome: &Outcome) -> AuditRecord {

@@ -3,10 +3,10 @@
 //! data directory.
 
 use opendsec_commands::Command;
-use opendsec_control::pb::Capacity;
 use opendsec_control::{ControlNode, Credential, format_token, new_token_secret};
 use opendsec_edge::container::{ContainerConfig, RuntimeChoice};
 use opendsec_edge::node::{EdgeConfig, MicroVmEdgeConfig};
+use opendsec_edge_api::pb::Capacity;
 use opendsec_projections::Right;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

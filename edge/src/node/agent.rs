@@ -95,7 +95,7 @@ impl Edge {
             f.write_all(bytes)
         };
         let token =
-            opendsec_control::sandbox_token(&self.cfg.edge_key, opendsec_control::SandboxTokenKind::Agent, &d.id);
+            opendsec_edge_api::sandbox_token(&self.cfg.edge_key, opendsec_edge_api::SandboxTokenKind::Agent, &d.id);
         write("token", token.as_bytes())?;
         write("env.json", &serde_json::to_vec(&d.env).map_err(store_err)?)?;
         if let Some(start) = &image.config.start {

@@ -282,7 +282,7 @@ impl Edge {
             .cfg
             .data_dir
             .join("vm-scratch")
-            .join(format!("{source}-{}", opendsec_control::now_ms()));
+            .join(format!("{source}-{}", opendsec_edge_api::now_ms()));
         std::fs::create_dir_all(scratch.parent().expect("a scratch dir has a parent"))?;
         let refs: Vec<&DesiredSandbox> = copies.iter().collect();
         let paused = vms.fork(source, &refs, &image, &scratch)?;

@@ -47,7 +47,7 @@ use crate::reconcile::Running;
 use crate::slice::SliceClient;
 use backend::Machines;
 use opendsec_commands::Observation;
-use opendsec_control::pb::Capacity;
+use opendsec_edge_api::pb::Capacity;
 use redb::{Database, TableDefinition};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

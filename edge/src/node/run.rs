@@ -13,7 +13,7 @@ use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
 use crate::reconcile::{Action, plan, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
-use opendsec_control::pb::HeartbeatRequest;
+use opendsec_edge_api::pb::HeartbeatRequest;
 use redb::Database;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -214,7 +214,7 @@ impl Edge {
         let containers_only = self.slice_while_preparing(&slice);
         let slice = containers_only.as_ref().unwrap_or(&slice);
         let caught_up = slice.next_index > self.registered_at;
-        let mut a = plan(slice, observed, opendsec_control::now_ms(), caught_up);
+        let mut a = plan(slice, observed, opendsec_edge_api::now_ms(), caught_up);
         a.extend(plan_snapshots(slice, observed, &present));
         a.extend(
             plan_transfers(slice, observed, &served)

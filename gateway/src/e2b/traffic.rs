@@ -216,11 +216,11 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
         .map_err(|_| E2bError::new(StatusCode::BAD_REQUEST, "malformed request path").into_response())?;
     req.headers_mut().remove(SANDBOX_ID_HEADER);
     req.headers_mut().remove(SANDBOX_PORT_HEADER);
-    req.headers_mut().remove(crate::edge_client::EDGE_KEY_HEADER);
-    req.headers_mut().remove(crate::edge_client::PORT_HEADER);
+    req.headers_mut().remove(opendsec_edge_api::headers::EDGE_KEY_HEADER);
+    req.headers_mut().remove(opendsec_edge_api::headers::PORT_HEADER);
     if port != ENVD_PORT {
         req.headers_mut()
-            .insert(crate::edge_client::PORT_HEADER, HeaderValue::from(port));
+            .insert(opendsec_edge_api::headers::PORT_HEADER, HeaderValue::from(port));
     }
     let req = req.map(Body::new);
     crate::edge_client::forward(st, &address, uri, req)

@@ -17,7 +17,7 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::{Authed, PathParam};
 
-use crate::edge_client::{EDGE_KEY_HEADER, PORT_HEADER};
+use opendsec_edge_api::headers::{EDGE_KEY_HEADER, PORT_HEADER};
 /// Names the sandbox user the agent acts as (default: the agent's default user).
 pub const USER_HEADER: &str = "x-opendsec-user";
 

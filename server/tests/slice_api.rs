@@ -5,9 +5,9 @@
 
 use opendsec_commands::{Command, Observation};
 use opendsec_control::Credential;
-use opendsec_control::pb::{Capacity, HeartbeatRequest, SliceEntry, slice_message::Body};
 use opendsec_control::testing::{TestNode, single_node, single_node_with};
 use opendsec_edge::slice::{SliceClient, SliceFollower};
+use opendsec_edge_api::pb::{Capacity, HeartbeatRequest, SliceEntry, slice_message::Body};
 use opendsec_projections::{Event, Observed};
 use std::collections::BTreeMap;
 use std::time::Duration;

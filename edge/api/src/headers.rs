@@ -1,0 +1,16 @@
+//! The HTTP header names that cross between the gateway or the control plane and an
+//! edge's proxy, and between edges. Defined here once: a renamed header on one side
+//! only would silently drop what it carries.
+
+/// The cluster key, with which the gateway and the control plane authenticate to an
+/// edge's proxy. The proxy removes it before forwarding anything to a sandbox.
+pub const EDGE_KEY_HEADER: &str = "x-opendsec-edge-key";
+
+/// The port inside the sandbox a forwarded request is for (absent: the agent).
+pub const PORT_HEADER: &str = "x-opendsec-port";
+
+/// The name of the edge pulling a transfer from another edge.
+pub const EDGE_HEADER: &str = "x-opendsec-edge";
+
+/// The pulling edge's transfer token ([`crate::transfer_token`]).
+pub const TRANSFER_TOKEN_HEADER: &str = "x-opendsec-transfer-token";

@@ -1,0 +1,107 @@
+//! What an edge's slice of the log is, as pure functions of the views: the control
+//! plane streams it, and tests fold it exactly as an edge receives it.
+//!
+//! An edge's slice is every event about a sandbox placed on it, the creation of
+//! sandboxes placed elsewhere that start from state it holds (it serves them that
+//! state), plus the edge registrations. When the history an edge asks for is no longer
+//! retained, it gets [`slice_snapshot`] first, then the entries after it.
+
+use crate::pb::{self, SliceEdge, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
+use opendsec_projections::schema::{self, Batch, Envelope};
+use opendsec_projections::{Event, Observed, Sandbox, State};
+
+/// The events of `batch` that belong to `edge`'s slice (`state`: the views the batch
+/// was folded into).
+pub fn slice_events(state: &State, edge: &str, batch: &Batch) -> Vec<Envelope> {
+    let Ok(events) = schema::batch_events(batch) else {
+        return vec![];
+    };
+    let mut out = Vec::new();
+    for (ev, env) in events.iter().zip(&batch.events) {
+        let mine = match ev {
+            Event::SandboxCreated(e) => e.edge == edge || (e.source_edge == edge && !e.transfer.is_empty()),
+            Event::EdgeRegistered(_) | Event::EdgeDeregistered(_) => true,
+            other => other
+                .sandbox_id()
+                .is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
+        };
+        if mine {
+            out.push(env.clone());
+        }
+    }
+    out
+}
+
+/// One sandbox as a slice snapshot carries it.
+pub fn slice_sandbox(s: &Sandbox) -> SliceSandbox {
+    SliceSandbox {
+        id: s.id.clone(),
+        project: s.project.clone(),
+        image: s.image.clone(),
+        cpu_millis: s.cpu_millis,
+        memory_mb: s.memory_mb,
+        labels: s.labels.clone(),
+        expires_at_ms: s.expires_at_ms.unwrap_or(0),
+        desired: pb::Desired::from(s.desired).into(),
+        observed: pb::Observed::from(s.observed).into(),
+        fork_of: s.fork_of.clone().unwrap_or_default(),
+        env: s.env.clone(),
+        auto_pause: s.auto_pause,
+        snapshot: s.snapshot.clone().unwrap_or_default(),
+        isolation: pb::Isolation::from(s.isolation).into(),
+        source_edge: s.source_edge.clone().unwrap_or_default(),
+        transfer: s.transfer.clone().unwrap_or_default(),
+        edge: s.edge.clone(),
+    }
+}
+
+/// `edge`'s slice as of `state.index`: its live sandboxes, its snapshots, the sandboxes
+/// of other edges it still has to serve state to, and every registered edge.
+pub fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
+    let sandboxes = state
+        .sandboxes
+        .sandboxes
+        .values()
+        .filter(|s| s.edge == edge && s.is_live())
+        .map(slice_sandbox)
+        .collect();
+    let served = state
+        .sandboxes
+        .sandboxes
+        .values()
+        .filter(|s| s.is_live() && s.observed == Observed::Pending)
+        .filter(|s| s.source_edge.as_deref() == Some(edge) && s.transfer.is_some())
+        .map(slice_sandbox)
+        .collect();
+    let edges = state
+        .placement
+        .edges
+        .values()
+        .filter(|e| !e.deregistered)
+        .map(|e| SliceEdge {
+            id: e.id.clone(),
+            address: e.address.clone(),
+        })
+        .collect();
+    let snapshots = state
+        .snapshots
+        .snapshots
+        .values()
+        .filter(|x| x.edge == edge)
+        .map(|x| SliceSnapshotRecord {
+            id: x.id.clone(),
+            sandbox: x.sandbox.clone(),
+            image: x.image.clone(),
+            parent: x.parent.clone().unwrap_or_default(),
+            state: pb::SnapshotState::from(x.state).into(),
+            isolation: pb::Isolation::from(x.isolation).into(),
+        })
+        .collect();
+    SliceSnapshot {
+        index: state.index,
+        sandboxes,
+        snapshots,
+        served,
+        edges,
+    }
+}

@@ -1,0 +1,71 @@
+//! Credentials derived from the cluster key. Every control node and every edge derive
+//! the same value from the same inputs, so none of them is stored or sent ahead; a
+//! change here is a change of the wire contract (hence the `v1` in each purpose).
+
+use hmac::Mac;
+use sha2::Sha256;
+
+/// What a per-sandbox access token opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SandboxTokenKind {
+    /// The agent (E2B `envdAccessToken`, sent as `X-Access-Token`).
+    Agent,
+    /// The sandbox's other ports (E2B `trafficAccessToken`).
+    Traffic,
+}
+
+fn keyed(cluster_key: &str) -> hmac::Hmac<Sha256> {
+    hmac::Hmac::<Sha256>::new_from_slice(cluster_key.as_bytes()).expect("HMAC takes any key length")
+}
+
+/// The access token of one sandbox: HMAC-SHA256 under the cluster key, so every node
+/// and the sandbox's edge derive the same token without storing it anywhere.
+pub fn sandbox_token(cluster_key: &str, kind: SandboxTokenKind, sandbox: &str) -> String {
+    let mut mac = keyed(cluster_key);
+    let purpose = match kind {
+        SandboxTokenKind::Agent => "agent",
+        SandboxTokenKind::Traffic => "traffic",
+    };
+    mac.update(format!("opendsec sandbox token v1\0{purpose}\0{sandbox}").as_bytes());
+    hex::encode(&mac.finalize().into_bytes()[..20])
+}
+
+/// The credential an edge presents to pull transfer `transfer` (a snapshot, or a fork's
+/// source state) from the edge that holds it: HMAC-SHA256 under the cluster key of the
+/// transfer and the pulling edge's name, so it opens that one transfer for that one edge,
+/// and both edges derive it without storing or sending anything beforehand.
+pub fn transfer_token(cluster_key: &str, transfer: &str, destination_edge: &str) -> String {
+    let mut mac = keyed(cluster_key);
+    mac.update(format!("opendsec transfer token v1\0{transfer}\0{destination_edge}").as_bytes());
+    hex::encode(mac.finalize().into_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Fixed values: a token derived differently by a node of another version would lock
+    // the gateway out of sandboxes, or an edge out of its transfers.
+    #[test]
+    fn tokens_are_stable_across_versions() {
+        assert_eq!(
+            sandbox_token("key", SandboxTokenKind::Agent, "sb1"),
+            "d47935bb9afa6fb48bb0b27fc66b93a6ab150851"
+        );
+        assert_eq!(
+            transfer_token("key", "t1", "e2"),
+            "6e25db7d29381de8142eb2bbd759dc15b3fe329029abe7bb38e7f93fd3ec5d99"
+        );
+    }
+
+    #[test]
+    fn each_token_opens_one_thing_only() {
+        let agent = sandbox_token("key", SandboxTokenKind::Agent, "sb1");
+        assert_ne!(agent, sandbox_token("key", SandboxTokenKind::Traffic, "sb1"));
+        assert_ne!(agent, sandbox_token("key", SandboxTokenKind::Agent, "sb2"));
+        assert_ne!(agent, sandbox_token("other", SandboxTokenKind::Agent, "sb1"));
+        let t = transfer_token("key", "t1", "e2");
+        assert_ne!(t, transfer_token("key", "t1", "e3"));
+        assert_ne!(t, transfer_token("key", "t2", "e2"));
+    }
+}
