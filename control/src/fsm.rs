@@ -93,7 +93,7 @@ impl StateMachine for Fsm {
             }
             Err(_) => self.state.apply_encoded(index, payload),
         };
-        if index % self.checkpoint_every == 0 && self.checkpoints.is_some() {
+        if index.is_multiple_of(self.checkpoint_every) && self.checkpoints.is_some() {
             // Serialised here (the state must not change under it), written by a
             // background thread so the apply path never waits for a disk commit.
             let work = self.checkpoint();

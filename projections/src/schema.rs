@@ -33,6 +33,9 @@ pub enum DecodeError {
 macro_rules! events {
     ($($variant:ident),* $(,)?) => {
         /// Every event the log can hold. One variant per message in the schema.
+        // Variants hold the decoded messages as they are: an event is decoded once and
+        // folded, so boxing the largest (SandboxCreated) would cost more than its size.
+        #[allow(clippy::large_enum_variant)]
         #[derive(Clone, Debug, PartialEq)]
         pub enum Event { $($variant(pb::$variant),)* }
 

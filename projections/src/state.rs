@@ -455,10 +455,10 @@ impl State {
                 );
             }
             Event::ProjectDeleted(e) => {
-                if let Some(p) = self.iam.projects.remove(&e.id) {
-                    if let Some(parent) = p.parent.as_ref().and_then(|id| self.iam.projects.get_mut(id)) {
-                        parent.children.remove(&e.id);
-                    }
+                if let Some(p) = self.iam.projects.remove(&e.id)
+                    && let Some(parent) = p.parent.as_ref().and_then(|id| self.iam.projects.get_mut(id))
+                {
+                    parent.children.remove(&e.id);
                 }
                 self.quota.limits.remove(&e.id);
                 self.quota.usage.remove(&e.id);
@@ -486,13 +486,13 @@ impl State {
                 );
             }
             Event::TokenRevoked(e) => {
-                if let Some(tok) = self.iam.tokens.get_mut(&e.id) {
-                    if tok.revoked.is_none() {
-                        tok.revoked = Some(Revocation {
-                            at_ms: t,
-                            reason: e.reason.clone(),
-                        });
-                    }
+                if let Some(tok) = self.iam.tokens.get_mut(&e.id)
+                    && tok.revoked.is_none()
+                {
+                    tok.revoked = Some(Revocation {
+                        at_ms: t,
+                        reason: e.reason.clone(),
+                    });
                 }
             }
             Event::EdgeRegistered(e) => {
@@ -736,12 +736,12 @@ impl State {
                 }
             }
         }
-        if name == "iam" {
-            if let Some(tokens) = v.get_mut("tokens").and_then(|t| t.as_object_mut()) {
-                for t in tokens.values_mut() {
-                    if let Some(o) = t.as_object_mut() {
-                        o.remove("secret_sha256");
-                    }
+        if name == "iam"
+            && let Some(tokens) = v.get_mut("tokens").and_then(|t| t.as_object_mut())
+        {
+            for t in tokens.values_mut() {
+                if let Some(o) = t.as_object_mut() {
+                    o.remove("secret_sha256");
                 }
             }
         }

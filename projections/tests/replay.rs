@@ -33,7 +33,7 @@ fn batch(time_ms: u64, action: &str, target: &str, events: Vec<Event>) -> Batch 
 /// 6 it is paused, 7 it is killed, 8 the edge reports it exited.
 fn the_log() -> Vec<(u64, Vec<u8>)> {
     let id = || SANDBOX.to_string();
-    let batches = vec![
+    let batches = [
         batch(
             1_000,
             "cluster.bootstrap",

@@ -150,14 +150,13 @@ impl Up {
                 .bearer_auth(&self.token)
                 .send()
                 .await
+                && let Ok(v) = r.json::<Value>().await
             {
-                if let Ok(v) = r.json::<Value>().await {
-                    if ok(&v) {
-                        return v;
-                    }
-                    if Instant::now() > deadline {
-                        panic!("{path} did not reach the expected state within {within:?}: {v}");
-                    }
+                if ok(&v) {
+                    return v;
+                }
+                if Instant::now() > deadline {
+                    panic!("{path} did not reach the expected state within {within:?}: {v}");
                 }
             }
             assert!(Instant::now() < deadline, "{path} did not answer within {within:?}");

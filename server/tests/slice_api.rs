@@ -209,7 +209,7 @@ async fn an_edge_behind_compaction_gets_a_snapshot_of_its_slice_first() {
 async fn the_slice_api_needs_an_edge_token() {
     let t = single_node().await;
     let mut nobody = SliceClient::connect(&t.peer_addr, "odsec_0000000000000000.nope").unwrap();
-    let err = nobody.watch("edge-1", 1).await.err().expect("refused");
+    let err = nobody.watch("edge-1", 1).await.expect_err("refused");
     assert!(err.to_string().contains("unknown"), "{err}");
 
     // A token without edge:write cannot register, watch or report.
@@ -231,7 +231,6 @@ async fn the_slice_api_needs_an_edge_token() {
     let err = c
         .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(err.to_string().contains("edge:write"), "{err}");
 }

@@ -105,7 +105,7 @@ pub fn grow_partition(part: &str) -> Result<String, String> {
     }
     Ok(format!(
         "{part} grown to the end of {disk} ({} MiB)",
-        sectors * SECTOR >> 20
+        (sectors * SECTOR) >> 20
     ))
 }
 
@@ -127,7 +127,7 @@ pub fn grow_fs(mountpoint: &str, part: &str) -> Result<String, String> {
     if unsafe { libc::ioctl(dir.as_raw_fd(), EXT4_IOC_RESIZE_FS as _, &blocks) } != 0 {
         return Err(format!("growing {mountpoint}: {}", std::io::Error::last_os_error()));
     }
-    Ok(format!("{mountpoint} grown to {} MiB", blocks * block >> 20))
+    Ok(format!("{mountpoint} grown to {} MiB", (blocks * block) >> 20))
 }
 
 #[cfg(test)]

@@ -195,10 +195,10 @@ impl Cluster {
             if self.nodes[i].child.is_none() {
                 continue;
             }
-            if let Some(s) = self.status(i).await {
-                if let Some(id) = s["leader_id"].as_u64() {
-                    return self.nodes.iter().position(|n| n.id == id && n.child.is_some());
-                }
+            if let Some(s) = self.status(i).await
+                && let Some(id) = s["leader_id"].as_u64()
+            {
+                return self.nodes.iter().position(|n| n.id == id && n.child.is_some());
             }
         }
         None
