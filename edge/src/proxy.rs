@@ -6,6 +6,12 @@
 //! `POST /admit` answers the leader's admission requests (the edge's final word on what
 //! it runs). `/transfer/{id}/…` serves state this edge holds to the edges that pull it
 //! (`transfer.rs`); those requests carry a per-transfer token instead of the edge key.
+//!
+//! Requests to agents go through `opendsec_http`: a container's agent through one pooled
+//! client per proxy (connections to its Unix socket kept alive between requests), a
+//! microVM's over a connection of its own, opened from inside the VM's network namespace.
+//! Other ports of a sandbox are reached through the agent's tunnel (an upgraded request),
+//! over which the request is then sent.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};

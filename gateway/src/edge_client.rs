@@ -1,6 +1,8 @@
 //! Talking to edges: forwarding a request to an edge's proxy (streaming both ways,
 //! carrying protocol upgrades such as WebSocket through) and simple GETs. The gateway
-//! authenticates to every edge with the cluster key.
+//! authenticates to every edge with the cluster key. Requests go through the gateway's
+//! one `opendsec_http::Client` (`AppState::edges`), which keeps connections to edges
+//! alive; what to strip from requests and answers (hop-by-hop headers) is decided here.
 
 use axum::body::Body;
 use axum::http::{HeaderName, HeaderValue, Request, StatusCode, Uri, header};

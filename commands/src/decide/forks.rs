@@ -1,5 +1,9 @@
 //! Forks: copies of a live sandbox, placed on its edge while it has room and elsewhere
-//! after, where they pull the source's state from the source's edge under one transfer id.
+//! after, where they pull the source's state from the source's edge under one transfer id
+//! (`fork-<first copy placed off the source edge>`, shared by the fork's copies), recorded
+//! with the source edge in each `SandboxCreated` so a replay shows who served whom.
+//! `edge` puts every copy on that one edge. A machine's copies carry its memory, at most
+//! [`MICROVM_MAX_FORK_COUNT`] at a time.
 
 use super::Decided;
 use super::place::{Placed, Where, place};

@@ -1,6 +1,16 @@
 //! Where a decision's sandboxes go: the quota check for all of them, then one edge
 //! each among those that run their isolation and have room (after in-flight
-//! reservations), by power-of-k or on the edge holding their source state.
+//! reservations and what this decision already placed), by power-of-k or on the edge
+//! holding their source state.
+//!
+//! Every edge runs containers; microVMs go only to edges labelled `opendsec.io/microvm`,
+//! full VMs only to edges labelled `opendsec.io/fullvm`. A sandbox that starts from state
+//! (a fork's copy, a sandbox from a snapshot) goes to the edge holding that state while
+//! it has room and has not refused it at admission (`Where::Prefer`), else anywhere;
+//! `Where::Only` is a caller's placement hint that must be followed. Edges that refused
+//! at admission (`refused_by`) are left out and recorded in the placement. A refusal
+//! names the real cause: an unknown edge, no registered edge running the isolation at
+//! all (with how an edge comes to offer it), or no room.
 
 use super::scope::Scope;
 use crate::placement::{Candidate, DEFAULT_K, Rng, place_power_of_k, sandbox_id};

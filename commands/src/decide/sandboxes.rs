@@ -1,5 +1,11 @@
 //! Sandboxes: created from an image or a snapshot and placed on an edge; paused,
 //! resumed, killed and changed while live; and what their edges report of them.
+//!
+//! The isolation (container by default, microVM or full VM) is chosen at create and
+//! recorded in `SandboxCreated`. A machine's snapshot holds its memory: what starts from
+//! it is that machine again, with its source's size, and asking for another isolation is
+//! invalid; a container's file-system snapshot starts only containers. A machine needs
+//! a least memory for its kernel and agent (`MICROVM_MIN_MEMORY_MB`, `FULLVM_MIN_MEMORY_MB`).
 
 use super::Decided;
 use super::place::{Where, place};

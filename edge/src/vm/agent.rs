@@ -2,7 +2,9 @@
 //! readiness check) and `process.Process/Start` to completion (Connect's envelope
 //! framing, JSON messages; stdout and stderr arrive base64-encoded). The edge's proxy
 //! forwards bytes and needs none of this; the driver's readiness check, the tests and
-//! the benchmark do.
+//! the benchmark do. `exec` goes through `opendsec_http::send_on`; `health` and
+//! `rekey` are blocking probes over std's `TcpStream`, written out because the VM
+//! driver calls them from its own threads, where no async runtime runs.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
