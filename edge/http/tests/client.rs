@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
-use opendsec_http::{Client, Endpoint, Error, TokioIo};
+use opendsec_http::{Client, ConnectError, Endpoint, Error, TokioIo};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -204,7 +204,10 @@ async fn a_refused_connection_is_a_connect_error_naming_the_endpoint() {
     let dir = tempfile::tempdir().unwrap();
     let missing = Endpoint::Unix(dir.path().join("no-agent.sock"));
     let err = Client::new(None).send(&missing, get("/")).await.unwrap_err();
-    assert!(matches!(err, Error::Connect { .. }), "{err}");
+    assert!(
+        matches!(&err, Error::Connect { source: ConnectError::Io(io), .. } if io.kind() == std::io::ErrorKind::NotFound),
+        "the socket's own error, not the pool's wrapper: {err:?}"
+    );
     assert!(err.to_string().contains("no-agent.sock"), "{err}");
     assert!(!err.is_connect_timeout());
 }
@@ -219,4 +222,30 @@ async fn send_on_carries_one_request_over_a_stream_the_caller_opened() {
         .unwrap();
     assert_eq!(text(resp).await, "hello");
     assert_eq!(connections.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_connect_that_does_not_complete_within_the_timeout_says_so() {
+    // A listener that never accepts, with its accept queue full: the kernel drops
+    // further connection attempts, so a connect neither succeeds nor fails.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut queued = Vec::new();
+    for _ in 0..4 {
+        if let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), tokio::net::TcpStream::connect(addr)).await
+        {
+            queued.push(s);
+        }
+    }
+    let client = Client::new(Some(Duration::from_millis(300)));
+    let started = std::time::Instant::now();
+    let err = client
+        .send(&Endpoint::Tcp(addr.to_string()), get("/"))
+        .await
+        .unwrap_err();
+    assert!(err.is_connect_timeout(), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(err.to_string().contains(&addr.to_string()), "{err}");
 }
