@@ -205,7 +205,8 @@ async fn a_refused_connection_is_a_connect_error_naming_the_endpoint() {
     let missing = Endpoint::Unix(dir.path().join("no-agent.sock"));
     let err = Client::new(None).send(&missing, get("/")).await.unwrap_err();
     assert!(
-        matches!(&err, Error::Connect { source: ConnectError::Io(io), .. } if io.kind() == std::io::ErrorKind::NotFound),
+        matches!(&err, Error::Connect { source: ConnectError::Io(io), .. }
+            if io.kind() == std::io::ErrorKind::NotFound),
         "the socket's own error, not the pool's wrapper: {err:?}"
     );
     assert!(err.to_string().contains("no-agent.sock"), "{err}");
