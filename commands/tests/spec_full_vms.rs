@@ -98,6 +98,31 @@ fn without_an_edge_that_runs_full_vms_a_full_vm_is_refused_and_the_refusal_logge
 }
 
 #[test]
+fn when_no_registered_edge_runs_full_vms_the_refusal_names_the_isolation_and_the_tools_it_needs() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge_labelled(
+        &admin,
+        "micro",
+        capacity(100, 100_000, 100_000),
+        labels(&[(MICROVM_LABEL, "qemu")]),
+    );
+    let root = w.root.clone();
+    let err = w
+        .run(&admin, create(&root, "base", 512, Some(Isolation::Vm)))
+        .unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::NoCapacity, Some("isolation")));
+    assert!(
+        err.message.starts_with("no registered edge runs full VMs: "),
+        "{}",
+        err.message
+    );
+    for tool in ["QEMU", "qemu-img", "extlinux", "./ops/up.sh", "restart the edge"] {
+        assert!(err.message.contains(tool), "names {tool}: {}", err.message);
+    }
+}
+
+#[test]
 fn a_full_vm_needs_memory_for_its_firmware_kernel_and_agent() {
     let (mut w, admin) = three_kinds_of_edge();
     let root = w.root.clone();

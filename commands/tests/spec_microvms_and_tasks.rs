@@ -140,6 +140,68 @@ fn without_an_edge_that_runs_microvms_a_microvm_is_refused_and_the_refusal_logge
 }
 
 #[test]
+fn when_no_registered_edge_runs_microvms_the_refusal_names_the_isolation_and_how_to_add_it() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let err = w.run(&admin, microvm(&root)).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::NoCapacity, Some("isolation")));
+    assert!(
+        err.message.starts_with("no registered edge runs microVMs: "),
+        "{}",
+        err.message
+    );
+    assert!(err.message.contains("QEMU is installed"), "{}", err.message);
+    assert!(err.message.contains("./ops/up.sh"), "{}", err.message);
+    assert!(err.message.contains("restart the edge"), "{}", err.message);
+    assert!(
+        matches!(&w.last_audit().result, AuditResult::Denied { code, .. } if code == "no_capacity"),
+        "the refusal is logged as before"
+    );
+}
+
+#[test]
+fn when_the_edges_that_run_microvms_are_full_the_refusal_says_they_have_no_room() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge_labelled(
+        &admin,
+        "vm",
+        capacity(100, 100_000, 128),
+        labels(&[(MICROVM_LABEL, "qemu")]),
+    );
+    w.edge(&admin, "plain", capacity(100, 100_000, 100_000));
+    let root = w.root.clone();
+    let err = w.run(&admin, microvm(&root)).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::NoCapacity, None));
+    assert_eq!(
+        err.message,
+        "no registered edge that runs microVMs has room for this sandbox"
+    );
+}
+
+#[test]
+fn a_deregistered_edge_offers_no_microvms() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge_labelled(
+        &admin,
+        "vm",
+        capacity(100, 100_000, 100_000),
+        labels(&[(MICROVM_LABEL, "qemu")]),
+    );
+    w.edge(&admin, "plain", capacity(100, 100_000, 100_000));
+    w.run(&admin, Command::DeregisterEdge { edge: "vm".into() }).unwrap();
+    let root = w.root.clone();
+    let err = w.run(&admin, microvm(&root)).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::NoCapacity, Some("isolation")));
+    assert!(
+        err.message.starts_with("no registered edge runs microVMs"),
+        "{}",
+        err.message
+    );
+}
+
+#[test]
 fn a_microvm_needs_enough_memory_for_its_kernel() {
     let (mut w, admin) = two_kinds_of_edge();
     let root = w.root.clone();

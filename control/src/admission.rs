@@ -3,35 +3,38 @@
 //! key). The edge judges from what really runs there; a refusal (or no answer) makes the
 //! leader place the sandbox again without that edge.
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 pub use opendsec_edge_api::admission::AdmitRequest;
 use opendsec_edge_api::headers::EDGE_KEY_HEADER;
 
+/// The client every admission request goes through: connections to edges are kept
+/// alive, since every sandbox placed on an admitting edge is asked about first.
+fn client() -> &'static opendsec_http::Client {
+    static CLIENT: OnceLock<opendsec_http::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| opendsec_http::Client::new(None))
+}
+
 /// Asks the edge at `address`; `Err` carries why it did not admit.
 pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<(), String> {
     let call = async {
-        let tcp = tokio::net::TcpStream::connect(address)
-            .await
-            .map_err(|e| format!("edge unreachable: {e}"))?;
-        let _ = tcp.set_nodelay(true);
-        let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .map_err(|e| format!("edge handshake: {e}"))?;
-        tokio::spawn(conn);
         let body = serde_json::to_vec(req).map_err(|e| e.to_string())?;
         let request = hyper::Request::post("/admit")
             .header("host", "edge")
             .header("content-type", "application/json")
             .header(EDGE_KEY_HEADER, edge_key)
-            .body(Full::new(Bytes::from(body)))
+            .body(opendsec_http::full(body))
             .map_err(|e| e.to_string())?;
-        let resp = send
-            .send_request(request)
+        let resp = client()
+            .send(&opendsec_http::Endpoint::Tcp(address.to_string()), request)
             .await
-            .map_err(|e| format!("edge admission call: {e}"))?;
+            .map_err(|e| match e {
+                opendsec_http::Error::Connect { source, .. } => format!("edge unreachable: {source}"),
+                opendsec_http::Error::Handshake { source, .. } => format!("edge handshake: {source}"),
+                other => format!("edge admission call: {other}"),
+            })?;
         let status = resp.status();
         let text = resp
             .into_body()

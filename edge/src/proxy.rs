@@ -6,6 +6,12 @@
 //! `POST /admit` answers the leader's admission requests (the edge's final word on what
 //! it runs). `/transfer/{id}/…` serves state this edge holds to the edges that pull it
 //! (`transfer.rs`); those requests carry a per-transfer token instead of the edge key.
+//!
+//! Requests to agents go through `opendsec_http`: a container's agent through one pooled
+//! client per proxy (connections to its Unix socket kept alive between requests), a
+//! microVM's over a connection of its own, opened from inside the VM's network namespace.
+//! Other ports of a sandbox are reached through the agent's tunnel (an upgraded request),
+//! over which the request is then sent.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -38,9 +44,9 @@ const VM_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5
 
 impl AgentAddr {
     /// A byte stream to the agent.
-    pub async fn connect(&self) -> std::io::Result<AgentStream> {
+    pub async fn connect(&self) -> std::io::Result<opendsec_http::Stream> {
         match self {
-            AgentAddr::Unix(p) => Ok(AgentStream::Unix(UnixStream::connect(p).await?)),
+            AgentAddr::Unix(p) => Ok(opendsec_http::Stream::Unix(UnixStream::connect(p).await?)),
             AgentAddr::MicroVm(channel) => {
                 let channel = channel.clone();
                 // Entering the namespace is a blocking thread's business.
@@ -48,59 +54,43 @@ impl AgentAddr {
                     .await
                     .map_err(std::io::Error::other)??;
                 stream.set_nonblocking(true)?;
-                Ok(AgentStream::Tcp(tokio::net::TcpStream::from_std(stream)?))
+                Ok(opendsec_http::Stream::Tcp(tokio::net::TcpStream::from_std(stream)?))
             }
         }
     }
-}
 
-/// A connection to an agent, over either kind of [`AgentAddr`].
-pub enum AgentStream {
-    Unix(UnixStream),
-    Tcp(tokio::net::TcpStream),
-}
-
-impl tokio::io::AsyncRead for AgentStream {
-    fn poll_read(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+    /// Sends `req` to the agent: a container's through `agents`, the pool of connections
+    /// to agents' Unix sockets; a microVM's over a new connection opened from inside its
+    /// network namespace.
+    async fn send(
+        &self,
+        agents: &opendsec_http::Client,
+        req: Request<opendsec_http::Body>,
+    ) -> Result<Response<Incoming>, opendsec_http::Error> {
+        match self {
+            AgentAddr::Unix(p) => agents.send(&opendsec_http::Endpoint::Unix(p.clone()), req).await,
+            AgentAddr::MicroVm(channel) => {
+                let to = format!("the agent at {} in {}", channel.addr, channel.netns.display());
+                let stream = self.connect().await.map_err(|e| opendsec_http::Error::Connect {
+                    to: to.clone(),
+                    source: opendsec_http::ConnectError::Io(Arc::new(e)),
+                })?;
+                opendsec_http::send_on(&to, opendsec_http::TokioIo::new(stream), req).await
+            }
         }
     }
-}
 
-impl tokio::io::AsyncWrite for AgentStream {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
-            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
-        }
-    }
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
-            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
-        }
-    }
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            AgentStream::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-            AgentStream::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-        }
+    /// [`send`](Self::send) for a request the proxy received: a protocol upgrade the
+    /// agent agrees to is passed through ([`opendsec_http::join_upgrade`]).
+    async fn forward(
+        &self,
+        agents: &opendsec_http::Client,
+        mut req: Request<Incoming>,
+    ) -> Result<Response<Incoming>, opendsec_http::Error> {
+        let client_side = opendsec_http::take_upgrade(&mut req);
+        let mut resp = self.send(agents, req.map(opendsec_http::body)).await?;
+        opendsec_http::join_upgrade(client_side, &mut resp);
+        Ok(resp)
     }
 }
 
@@ -311,118 +301,73 @@ fn empty() -> Body {
     http_body_util::Empty::new().map_err(|never| match never {}).boxed()
 }
 
-/// `GET /health` of the agent at `addr`: its HTTP status.
+/// `GET /health` of the agent at `addr`: its HTTP status. Over a connection of its own,
+/// so that a readiness check leaves no idle connection behind.
 pub async fn agent_health(addr: &AgentAddr) -> Result<u16, String> {
     let stream = addr
         .connect()
         .await
         .map_err(|e| format!("connecting to the agent: {e}"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .map_err(|e| format!("agent handshake: {e}"))?;
-    tokio::spawn(conn);
     let req = Request::get("/health")
         .header(hyper::header::HOST, "agent")
-        .body(empty())
+        .body(opendsec_http::empty())
         .expect("static request");
-    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), sender.send_request(req))
-        .await
-        .map_err(|_| "the agent did not answer /health within 5 s".to_string())?
-        .map_err(|e| format!("agent /health: {e}"))?;
+    let resp = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        opendsec_http::send_on("the agent", opendsec_http::TokioIo::new(stream), req),
+    )
+    .await
+    .map_err(|_| "the agent did not answer /health within 5 s".to_string())?
+    .map_err(|e| match e {
+        opendsec_http::Error::Handshake { source, .. } => format!("agent handshake: {source}"),
+        opendsec_http::Error::Request { source, .. } => format!("agent /health: {source}"),
+        other => other.to_string(),
+    })?;
     Ok(resp.status().as_u16())
+}
+
+fn unavailable(message: &str) -> Response<Body> {
+    json_error(StatusCode::BAD_GATEWAY, "unavailable", message)
 }
 
 /// Opens a byte stream to `port` inside the sandbox through its agent
 /// (`GET /.opendsec/tunnel`, upgraded). On refusal, the agent's answer is returned.
-async fn open_tunnel(addr: &AgentAddr, token: &str, port: u16) -> Result<hyper::upgrade::Upgraded, Response<Body>> {
-    let stream = addr.connect().await.map_err(|e| {
-        json_error(
-            StatusCode::BAD_GATEWAY,
-            "unavailable",
-            &format!("the sandbox's agent does not answer: {e}"),
-        )
-    })?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .map_err(|e| {
-            json_error(
-                StatusCode::BAD_GATEWAY,
-                "unavailable",
-                &format!("agent handshake failed: {e}"),
-            )
-        })?;
-    tokio::spawn(conn.with_upgrades());
+async fn open_tunnel(
+    agents: &opendsec_http::Client,
+    addr: &AgentAddr,
+    token: &str,
+    port: u16,
+) -> Result<hyper::upgrade::Upgraded, Response<Body>> {
     let req = Request::get(format!("/.opendsec/tunnel?port={port}"))
         .header(hyper::header::HOST, "agent")
         .header(hyper::header::CONNECTION, "Upgrade")
         .header(hyper::header::UPGRADE, "opendsec-tcp")
         .header("x-access-token", token)
-        .body(empty())
+        .body(opendsec_http::empty())
         .expect("valid tunnel request");
-    let resp = sender.send_request(req).await.map_err(|e| {
-        json_error(
-            StatusCode::BAD_GATEWAY,
-            "unavailable",
-            &format!("the sandbox's agent failed: {e}"),
-        )
+    let resp = addr.send(agents, req).await.map_err(|e| {
+        unavailable(&match e {
+            opendsec_http::Error::Connect { source, .. } => format!("the sandbox's agent does not answer: {source}"),
+            opendsec_http::Error::Handshake { source, .. } => format!("agent handshake failed: {source}"),
+            other => format!("the sandbox's agent failed: {other}"),
+        })
     })?;
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         return Err(resp.map(|b| b.boxed()));
     }
-    hyper::upgrade::on(resp).await.map_err(|e| {
-        json_error(
-            StatusCode::BAD_GATEWAY,
-            "unavailable",
-            &format!("tunnel upgrade failed: {e}"),
-        )
-    })
+    hyper::upgrade::on(resp)
+        .await
+        .map_err(|e| unavailable(&format!("tunnel upgrade failed: {e}")))
 }
 
-/// Forwards `req` over `io` (HTTP/1.1), carrying protocol upgrades (WebSocket) through.
-async fn forward_over<I>(io: I, mut req: Request<Incoming>) -> Response<Body>
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(io).await {
-        Ok(x) => x,
-        Err(e) => {
-            return json_error(
-                StatusCode::BAD_GATEWAY,
-                "unavailable",
-                &format!("handshake failed: {e}"),
-            );
-        }
-    };
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %e, "sandbox connection ended");
-        }
-    });
-    let wants_upgrade = req.headers().contains_key(hyper::header::UPGRADE);
-    let client_side = wants_upgrade.then(|| hyper::upgrade::on(&mut req));
-    let mut resp = match sender.send_request(req).await {
-        Ok(r) => r,
-        Err(e) => {
-            return json_error(
-                StatusCode::BAD_GATEWAY,
-                "unavailable",
-                &format!("the sandbox failed: {e}"),
-            );
-        }
-    };
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(client_side) = client_side {
-            let server_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                if let (Ok(c), Ok(s)) = (client_side.await, server_side.await) {
-                    let mut c = hyper_util::rt::TokioIo::new(c);
-                    let mut s = hyper_util::rt::TokioIo::new(s);
-                    let _ = tokio::io::copy_bidirectional(&mut c, &mut s).await;
-                }
-            });
-        }
-    }
-    resp.map(|b| b.boxed())
+/// The proxy's answer when forwarding to a sandbox failed.
+fn forwarding_failed(id: &str, e: opendsec_http::Error) -> Response<Body> {
+    unavailable(&match e {
+        opendsec_http::Error::Connect { source, .. } => format!("the agent of sandbox {id} does not answer: {source}"),
+        opendsec_http::Error::Handshake { source, .. } => format!("handshake failed: {source}"),
+        opendsec_http::Error::Request { source, .. } => format!("the sandbox failed: {source}"),
+        other => other.to_string(),
+    })
 }
 
 async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
@@ -466,7 +411,13 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
         .expect("valid response")
 }
 
-async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks: Hooks) -> Response<Body> {
+async fn handle(
+    req: Request<Incoming>,
+    key: Arc<str>,
+    resolve: Resolver,
+    hooks: Hooks,
+    agents: opendsec_http::Client,
+) -> Response<Body> {
     // Another edge pulling state: it proves itself with a token for that one transfer.
     if req.uri().path().starts_with("/transfer/") {
         return transfer(req, &key, hooks.transfers).await;
@@ -552,28 +503,24 @@ async fn handle(req: Request<Incoming>, key: Arc<str>, resolve: Resolver, hooks:
         Ok(u) => u,
         Err(_) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "malformed path"),
     };
-    let req = Request::from_parts(parts, body);
+    let mut req = Request::from_parts(parts, body);
     if port == AGENT_PORT {
-        let stream = match agent.connect().await {
-            Ok(s) => s,
-            Err(e) => {
-                return json_error(
-                    StatusCode::BAD_GATEWAY,
-                    "unavailable",
-                    &format!("the agent of sandbox {id} does not answer: {e}"),
-                );
-            }
-        };
-        let mut req = req;
         req.headers_mut()
             .insert(hyper::header::HOST, hyper::header::HeaderValue::from_static("agent"));
-        return forward_over(hyper_util::rt::TokioIo::new(stream), req).await;
+        return match agent.forward(&agents, req).await {
+            Ok(resp) => resp.map(|b| b.boxed()),
+            Err(e) => forwarding_failed(id, e),
+        };
     }
     // Any other port: through the agent's tunnel to that port inside the sandbox.
     let token = opendsec_edge_api::sandbox_token(&key, opendsec_edge_api::SandboxTokenKind::Agent, id);
-    match open_tunnel(&agent, &token, port).await {
-        Ok(io) => forward_over(io, req).await,
-        Err(resp) => resp,
+    let io = match open_tunnel(&agents, &agent, &token, port).await {
+        Ok(io) => io,
+        Err(resp) => return resp,
+    };
+    match opendsec_http::forward_on(&format!("port {port} of sandbox {id}"), io, req).await {
+        Ok(resp) => resp.map(|b| b.boxed()),
+        Err(e) => forwarding_failed(id, e),
     }
 }
 
@@ -599,6 +546,9 @@ pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: R
 /// Serves the proxy with its optional abilities.
 pub async fn serve_with(listener: TcpListener, key: String, resolve: Resolver, hooks: Hooks) {
     let key: Arc<str> = Arc::from(key);
+    // Containers' agents are reached over their Unix sockets, connections kept alive
+    // between requests (no connect timeout: a local socket answers or refuses at once).
+    let agents = opendsec_http::Client::new(None);
     loop {
         let (tcp, _) = match listener.accept().await {
             Ok(x) => x,
@@ -609,11 +559,11 @@ pub async fn serve_with(listener: TcpListener, key: String, resolve: Resolver, h
             }
         };
         let _ = tcp.set_nodelay(true);
-        let (key, resolve, hooks) = (key.clone(), resolve.clone(), hooks.clone());
+        let (key, resolve, hooks, agents) = (key.clone(), resolve.clone(), hooks.clone(), agents.clone());
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
-                let (key, resolve, hooks) = (key.clone(), resolve.clone(), hooks.clone());
-                async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, hooks).await) }
+                let (key, resolve, hooks, agents) = (key.clone(), resolve.clone(), hooks.clone(), agents.clone());
+                async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, hooks, agents).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc)

@@ -337,21 +337,12 @@ pub struct PullRequest<'a> {
     pub cluster_key: &'a str,
 }
 
-type ReqBody = http_body_util::Empty<Bytes>;
-
 async fn send(
+    client: &opendsec_http::Client,
     p: &PullRequest<'_>,
     method: hyper::Method,
     path: &str,
 ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
-    let tcp = tokio::net::TcpStream::connect(p.address)
-        .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
-    let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, ReqBody>(hyper_util::rt::TokioIo::new(tcp))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    tokio::spawn(conn);
     let req = hyper::Request::builder()
         .method(method)
         .uri(path)
@@ -361,12 +352,17 @@ async fn send(
             TOKEN_HEADER,
             opendsec_edge_api::transfer_token(p.cluster_key, p.transfer, p.me),
         )
-        .body(ReqBody::new())
+        .body(opendsec_http::empty())
         .map_err(|e| e.to_string())?;
-    sender
-        .send_request(req)
+    client
+        .send(&opendsec_http::Endpoint::Tcp(p.address.to_string()), req)
         .await
-        .map_err(|e| format!("request failed: {e}"))
+        .map_err(|e| match e {
+            opendsec_http::Error::Connect { source, .. } => format!("cannot connect: {source}"),
+            opendsec_http::Error::Handshake { source, .. } => format!("handshake: {source}"),
+            opendsec_http::Error::Request { source, .. } => format!("request failed: {source}"),
+            other => other.to_string(),
+        })
 }
 
 async fn error_message(resp: hyper::Response<hyper::body::Incoming>) -> String {
@@ -387,13 +383,16 @@ async fn error_message(resp: hyper::Response<hyper::body::Incoming>) -> String {
 /// failure `into` is removed. Blocking IO on the files: run it on a blocking thread.
 pub async fn pull(p: &PullRequest<'_>, into: &Path) -> Result<Pulled, TransferError> {
     let t0 = Instant::now();
-    let result = pull_into(p, into).await;
+    // One pull's requests (the manifest until it is ready, each file, the end) reuse
+    // their connection; it closes when the pull is done.
+    let client = opendsec_http::Client::new(None);
+    let result = pull_into(&client, p, into).await;
     if result.is_err() {
         let _ = std::fs::remove_dir_all(into);
     }
     let (manifest, wire_bytes) = result?;
     // The source edge may drop its copy now; if it never hears this, it drops it later.
-    match send(p, hyper::Method::DELETE, &format!("/transfer/{}", p.transfer)).await {
+    match send(&client, p, hyper::Method::DELETE, &format!("/transfer/{}", p.transfer)).await {
         Ok(r) if r.status().is_success() => {}
         Ok(r) => {
             tracing::warn!(transfer = %p.transfer, status = %r.status(), "the source edge did not take the end of the transfer")
@@ -407,7 +406,11 @@ pub async fn pull(p: &PullRequest<'_>, into: &Path) -> Result<Pulled, TransferEr
     })
 }
 
-async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), TransferError> {
+async fn pull_into(
+    client: &opendsec_http::Client,
+    p: &PullRequest<'_>,
+    into: &Path,
+) -> Result<(Manifest, u64), TransferError> {
     let io_err = |context: String| {
         move |source| TransferError::Io {
             transfer: p.transfer.to_string(),
@@ -419,7 +422,14 @@ async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), 
     std::fs::create_dir_all(into).map_err(io_err(format!("creating {}", into.display())))?;
     let t0 = Instant::now();
     let manifest: Manifest = loop {
-        match send(p, hyper::Method::GET, &format!("/transfer/{}/manifest", p.transfer)).await {
+        match send(
+            client,
+            p,
+            hyper::Method::GET,
+            &format!("/transfer/{}/manifest", p.transfer),
+        )
+        .await
+        {
             Err(why) if t0.elapsed() < UNREACHABLE_AFTER => {
                 tracing::debug!(transfer = %p.transfer, %why, "source edge not reachable yet")
             }
@@ -478,6 +488,7 @@ async fn pull_into(p: &PullRequest<'_>, into: &Path) -> Result<(Manifest, u64), 
             why,
         };
         let r = send(
+            client,
             p,
             hyper::Method::GET,
             &format!("/transfer/{}/files/{}", p.transfer, f.name),

@@ -1,6 +1,8 @@
 //! Talking to edges: forwarding a request to an edge's proxy (streaming both ways,
 //! carrying protocol upgrades such as WebSocket through) and simple GETs. The gateway
-//! authenticates to every edge with the cluster key.
+//! authenticates to every edge with the cluster key. Requests go through the gateway's
+//! one `opendsec_http::Client` (`AppState::edges`), which keeps connections to edges
+//! alive; what to strip from requests and answers (hop-by-hop headers) is decided here.
 
 use axum::body::Body;
 use axum::http::{HeaderName, HeaderValue, Request, StatusCode, Uri, header};
@@ -32,40 +34,23 @@ pub fn edge_host(address: &str) -> String {
     address.trim_start_matches("http://").trim_end_matches('/').to_string()
 }
 
-async fn connect(host: &str) -> Result<hyper::client::conn::http1::SendRequest<Body>, Unreachable> {
-    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(host)).await {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => return Err(Unreachable(format!("cannot reach the edge at {host}: {e}"))),
-        Err(_) => {
-            return Err(Unreachable(format!(
-                "the edge at {host} did not answer within {} s",
-                CONNECT_TIMEOUT.as_secs()
-            )));
-        }
-    };
-    let _ = tcp.set_nodelay(true);
-    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-        .await
-        .map_err(|e| Unreachable(format!("HTTP handshake with the edge at {host} failed: {e}")))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %e, "edge connection ended");
-        }
-    });
-    Ok(sender)
+/// The client the gateway reaches edges with: connections are kept alive and reused
+/// (every request to a sandbox goes through one), and a connect gives up after
+/// [`CONNECT_TIMEOUT`].
+pub fn client() -> opendsec_http::Client {
+    opendsec_http::Client::new(Some(CONNECT_TIMEOUT))
 }
 
 /// Forwards `req` to `uri` on the edge at `address`. The caller has already removed
 /// the headers the edge must not see and added its own; this sets Host and the edge key,
 /// and relays an upgrade (101) in both directions.
-pub async fn forward(st: &AppState, address: &str, uri: Uri, mut req: Request<Body>) -> Result<Response, Unreachable> {
+pub async fn forward(st: &AppState, address: &str, uri: Uri, req: Request<Body>) -> Result<Response, Unreachable> {
     let host = edge_host(address);
     let host_value = HeaderValue::from_str(&host)
         .map_err(|_| Unreachable(format!("the edge address {host:?} is not a host:port")))?;
     let key = HeaderValue::from_str(&st.node.config().cluster_key)
         .map_err(|_| Unreachable("the cluster key is not a valid header value".into()))?;
     let wants_upgrade = req.headers().contains_key(header::UPGRADE);
-    let client_side = wants_upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     if !wants_upgrade {
         for h in [
@@ -84,22 +69,25 @@ pub async fn forward(st: &AppState, address: &str, uri: Uri, mut req: Request<Bo
     parts.headers.insert(HeaderName::from_static(EDGE_KEY_HEADER), key);
     parts.uri = uri;
     parts.version = axum::http::Version::HTTP_11;
-    let mut sender = connect(&host).await?;
-    let mut resp = sender
-        .send_request(Request::from_parts(parts, body))
+    let to = opendsec_http::Endpoint::Tcp(host.clone());
+    let resp = st
+        .edges
+        .forward(&to, Request::from_parts(parts, body))
         .await
-        .map_err(|e| Unreachable(format!("the edge at {host} failed to answer: {e}")))?;
+        .map_err(|e| {
+            use opendsec_http::{ConnectError, Error};
+            Unreachable(match e {
+                Error::Connect {
+                    source: ConnectError::Timeout(within),
+                    ..
+                } => format!("the edge at {host} did not answer within {} s", within.as_secs()),
+                Error::Connect { source, .. } => format!("cannot reach the edge at {host}: {source}"),
+                Error::BadEndpoint(_) => format!("the edge address {host:?} is not a host:port"),
+                Error::Handshake { source, .. } => format!("HTTP handshake with the edge at {host} failed: {source}"),
+                Error::Request { source, .. } => format!("the edge at {host} failed to answer: {source}"),
+            })
+        })?;
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(client_side) = client_side {
-            let edge_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                if let (Ok(c), Ok(e)) = (client_side.await, edge_side.await) {
-                    let mut c = hyper_util::rt::TokioIo::new(c);
-                    let mut e = hyper_util::rt::TokioIo::new(e);
-                    let _ = tokio::io::copy_bidirectional(&mut c, &mut e).await;
-                }
-            });
-        }
         let (parts, body) = resp.into_parts();
         return Ok(Response::from_parts(parts, Body::new(body)));
     }

@@ -43,6 +43,8 @@ pub const MAX_BODY_BYTES: usize = 1 << 20;
 pub struct AppState {
     pub node: ControlNode,
     pub e2b: std::sync::Arc<e2b::E2bSettings>,
+    /// Requests to edges' proxies go through this one pooled client.
+    pub edges: opendsec_http::Client,
 }
 
 /// Every route, as (method, path): the router and the OpenAPI test both use it.
@@ -100,6 +102,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
     let state = AppState {
         node,
         e2b: std::sync::Arc::new(e2b),
+        edges: edge_client::client(),
     };
     Router::new()
         .route("/health", get(health))

@@ -316,6 +316,46 @@ async fn opendsecctl_prints_tables_json_and_helpful_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opendsecctl_says_how_to_get_microvms_when_no_edge_runs_them() {
+    let s = serve().await;
+    let env = [
+        ("OPENDSEC_URL", s.url.as_str()),
+        ("OPENDSEC_TOKEN", s.t.admin_token.as_str()),
+    ];
+    let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
+    let plain = RegisterEdge {
+        edge: "plain".into(),
+        address: "127.0.0.1:7500".into(),
+        capacity: Resources {
+            sandboxes: 10,
+            cpu_millis: 10000,
+            memory_mb: 10000,
+        },
+        labels: BTreeMap::new(),
+    };
+    c.register_edge(&plain).await.unwrap();
+    let r = ctl(
+        &["sandbox", "create", "--image", "base", "--isolation", "microvm"],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .starts_with("error: no registered edge runs microVMs\n  field: isolation\n"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("hint: an edge offers them when QEMU is installed on its machine"),
+        "{}",
+        r.stderr
+    );
+    assert!(!r.stderr.contains("no edge has room"), "{}", r.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     let s = serve().await;
     let env = [

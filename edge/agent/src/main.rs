@@ -25,7 +25,6 @@ mod metadata;
 mod process;
 mod rekey;
 mod server;
-mod sha256;
 mod start;
 mod tunnel;
 mod users;

@@ -175,11 +175,12 @@ fn authorize<B>(state: &State, req: &Request<B>, path: &str) -> Result<(), RpcEr
 /// is empty when the URL names none (the default user).
 pub fn file_signature(token: &str, path: &str, operation: &str, username: &str, expiration: Option<i64>) -> String {
     use base64::Engine;
+    use sha2::Digest;
     let raw = match expiration {
         None => format!("{path}:{operation}:{username}:{token}"),
         Some(e) => format!("{path}:{operation}:{username}:{token}:{e}"),
     };
-    let digest = crate::sha256::digest(raw.as_bytes());
+    let digest = sha2::Sha256::digest(raw.as_bytes());
     format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
 }
 

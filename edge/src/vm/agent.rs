@@ -2,16 +2,17 @@
 //! readiness check) and `process.Process/Start` to completion (Connect's envelope
 //! framing, JSON messages; stdout and stderr arrive base64-encoded). The edge's proxy
 //! forwards bytes and needs none of this; the driver's readiness check, the tests and
-//! the benchmark do.
+//! the benchmark do. `exec` goes through `opendsec_http::send_on`; `health` and
+//! `rekey` are blocking probes over std's `TcpStream`, written out because the VM
+//! driver calls them from its own threads, where no async runtime runs.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
+use http_body_util::BodyExt;
+use opendsec_http::TokioIo;
 use serde_json::{Value, json};
 
 use super::VmError;
@@ -127,10 +128,6 @@ impl AgentChannel {
             .map_err(|e| agent_err(&format!("connecting: {e}")))?;
         stream.set_nonblocking(true).map_err(|e| agent_err(&e))?;
         let stream = tokio::net::TcpStream::from_std(stream).map_err(|e| agent_err(&e))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| agent_err(&e))?;
-        tokio::spawn(conn);
         let message = json!({"process": {"cmd": cmd, "args": args}}).to_string();
         let mut body = vec![0u8];
         body.extend_from_slice(&(message.len() as u32).to_be_bytes());
@@ -146,8 +143,10 @@ impl AgentChannel {
                 format!("Basic {}", base64_encode(format!("{user}:").as_bytes())),
             );
         }
-        let request = request.body(Full::new(Bytes::from(body))).expect("a valid request");
-        let response = sender.send_request(request).await.map_err(|e| agent_err(&e))?;
+        let request = request.body(opendsec_http::full(body)).expect("a valid request");
+        let response = opendsec_http::send_on("the guest's agent", TokioIo::new(stream), request)
+            .await
+            .map_err(|e| agent_err(&e))?;
         let status = response.status();
         let bytes = response
             .into_body()

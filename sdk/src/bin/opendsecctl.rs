@@ -48,14 +48,25 @@ fn main() -> ExitCode {
     match rt.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {}", e.message);
+            let (message, hint) = match servers_remedy(&e) {
+                Some((what, how)) => (what.to_string(), how.to_string()),
+                None => (e.message.clone(), hint(&e, &url)),
+            };
+            eprintln!("error: {message}");
             if let Some(f) = &e.field {
                 eprintln!("  field: {f}");
             }
-            eprintln!("hint: {}", hint(&e, &url));
+            eprintln!("hint: {hint}");
             ExitCode::from(1)
         }
     }
+}
+
+/// When no edge runs the isolation asked for, the server knows the cause and the next
+/// step better than a generic hint: its message is "<what is missing>: <what to do>".
+fn servers_remedy(e: &ApiError) -> Option<(&str, &str)> {
+    let names_isolation = e.status == 503 && e.code == "no_capacity" && e.field.as_deref() == Some("isolation");
+    names_isolation.then(|| e.message.split_once(": ")).flatten()
 }
 
 fn hint(e: &ApiError, url: &str) -> String {
