@@ -138,13 +138,13 @@ pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> 
             format!("the environment is over {} bytes", LIMITS.env_bytes),
         ));
     }
-    if let Some(k) = &o.idempotency_key {
-        if k.is_empty() || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(invalid(
-                &format!("{field}.idempotency_key"),
-                "an idempotency key is 1 to 128 printable ASCII characters".into(),
-            ));
-        }
+    if let Some(k) = &o.idempotency_key
+        && (k.is_empty() || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        return Err(invalid(
+            &format!("{field}.idempotency_key"),
+            "an idempotency key is 1 to 128 printable ASCII characters".into(),
+        ));
     }
     if let Some(n) = &o.network {
         if n.len() > LIMITS.network_len {

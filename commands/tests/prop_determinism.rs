@@ -271,14 +271,13 @@ impl Sim {
 
     /// Remembers tokens once their issue has been applied.
     fn learn(&mut self, decided: &Result<opendsec_commands::Decided, opendsec_commands::Rejection>) {
-        if let Ok(d) = decided {
-            if d.events
+        if let Ok(d) = decided
+            && d.events
                 .iter()
                 .any(|e| matches!(e, opendsec_projections::Event::TokenIssued(_)))
-                && self.w.state.iam.tokens.contains_key(&d.target)
-            {
-                self.tokens.push(d.target.clone());
-            }
+            && self.w.state.iam.tokens.contains_key(&d.target)
+        {
+            self.tokens.push(d.target.clone());
         }
     }
 

@@ -168,15 +168,18 @@ pub struct Hooks {
     pub transfers: Option<Transfers>,
 }
 
+/// The directory of transfer `id` for pulling edge `edge` once it is prepared, or why
+/// not: (404) unknown here, (403) not for that edge, (503) not prepared yet, (410)
+/// cannot be had.
+pub type TransferLookup = Arc<dyn Fn(&str, &str) -> Result<PathBuf, (u16, String)> + Send + Sync>;
+/// Called with (transfer id, edge) once that edge has pulled the transfer.
+pub type TransferPulled = Arc<dyn Fn(&str, &str) + Send + Sync>;
+
 /// What the edge serves to other edges.
 #[derive(Clone)]
 pub struct Transfers {
-    /// The directory of transfer `id` for pulling edge `edge` once it is prepared, or why
-    /// not: (404) unknown here, (403) not for that edge, (503) not prepared yet, (410)
-    /// cannot be had.
-    pub lookup: Arc<dyn Fn(&str, &str) -> Result<PathBuf, (u16, String)> + Send + Sync>,
-    /// Edge `edge` has pulled transfer `id`.
-    pub pulled: Arc<dyn Fn(&str, &str) + Send + Sync>,
+    pub lookup: TransferLookup,
+    pub pulled: TransferPulled,
 }
 
 async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers>) -> Response<Body> {
@@ -433,33 +436,33 @@ async fn handle(
     if req.uri().path() == "/admit" && req.method() == hyper::Method::POST {
         return admit(req, hooks.admitter).await;
     }
-    if let Some(id) = req.uri().path().strip_prefix("/metrics/") {
-        if req.method() == hyper::Method::GET {
-            return metrics(id, hooks.sampler).await;
-        }
+    if let Some(id) = req.uri().path().strip_prefix("/metrics/")
+        && req.method() == hyper::Method::GET
+    {
+        return metrics(id, hooks.sampler).await;
     }
-    if let Some(id) = req.uri().path().strip_prefix("/logs/") {
-        if req.method() == hyper::Method::GET {
-            let max = req
-                .uri()
-                .query()
-                .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("max_bytes=")))
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(64 << 10)
-                .min(16 << 20);
-            let found = hooks.logs.as_ref().and_then(|read| read(id, max));
-            return match found {
-                Some(bytes) => Response::builder()
-                    .header("content-type", "text/plain; charset=utf-8")
-                    .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
-                    .expect("valid response"),
-                None => json_error(
-                    StatusCode::NOT_FOUND,
-                    "not_found",
-                    &format!("The sandbox {id} was not found on this edge"),
-                ),
-            };
-        }
+    if let Some(id) = req.uri().path().strip_prefix("/logs/")
+        && req.method() == hyper::Method::GET
+    {
+        let max = req
+            .uri()
+            .query()
+            .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("max_bytes=")))
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(64 << 10)
+            .min(16 << 20);
+        let found = hooks.logs.as_ref().and_then(|read| read(id, max));
+        return match found {
+            Some(bytes) => Response::builder()
+                .header("content-type", "text/plain; charset=utf-8")
+                .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
+                .expect("valid response"),
+            None => json_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!("The sandbox {id} was not found on this edge"),
+            ),
+        };
     }
     let path = req.uri().path().to_string();
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
