@@ -10,8 +10,8 @@
 //! authorised again by the leader, as if the caller had come there.
 //!
 //! Why not gRPC: over an HTTP/2 stream each write crossed five tasks and HTTP/2's framing
-//! and flow control both ways; with every client on the leader, a 3-node cluster wrote
-//! about a fifth more than with forwarding through it.
+//! and flow control both ways, and a 3-node cluster with every client on the leader wrote
+//! about a fifth more than one whose followers forwarded that way.
 //!
 //! A leader that speaks none of the versions offered answers with its reason, which
 //! both sides log; the writes waiting fail as unavailable, never sent.
