@@ -1,42 +1,50 @@
-//! Forwarding writes to the leader over a plain framed connection on the peer port.
+//! The write-forwarding protocol: how a follower hands the writes it gets to the
+//! leader, the one way it does.
 //!
-//! A follower forwards every write it gets to the leader. Over gRPC each write crossed
-//! five tasks and HTTP/2's framing and flow control both ways: with every client on the
-//! leader, a 3-node cluster wrote about a fifth more. Here a follower keeps one TCP
-//! connection per leader:
-//! it opens with [`MAGIC`], the leader answers [`MAGIC`], then each side sends
-//! length-prefixed protobuf frames (`StreamedSubmit` one way, `StreamedReply` the
-//! other, matched by id, replies in any order). Writes queued meanwhile go out in one
-//! `write` call. Each write carries its caller's bearer token and is authenticated and
-//! authorised by the leader, as over gRPC.
+//! A follower keeps one TCP connection per leader, on the leader's peer port. It opens
+//! with the versioned handshake of `opendsec_log::handshake` ([`PROTOCOL`], no
+//! credentials: each write carries its own). Then, in version 1, each side sends
+//! length-prefixed protobuf frames (`StreamedSubmit` one way, `StreamedReply` the other,
+//! matched by id, replies in any order). Writes queued meanwhile go out in one `write`
+//! call. Each write carries its caller's bearer token and is authenticated and
+//! authorised again by the leader, as if the caller had come there.
 //!
-//! A leader that does not answer the magic (an older node: gRPC takes the bytes for a bad
-//! HTTP/2 preface and closes) makes [`RawForwarder::submit`] return
-//! [`ForwardError::Unsupported`] for writes it never sent; the caller then uses the gRPC
-//! stream ([`crate::peer::Forwarder`]).
+//! Why not gRPC: over an HTTP/2 stream each write crossed five tasks and HTTP/2's framing
+//! and flow control both ways, and a 3-node cluster with every client on the leader wrote
+//! about a fifth more than one whose followers forwarded that way.
+//!
+//! A leader that speaks none of the versions offered answers with its reason, which
+//! both sides log; the writes waiting fail as unavailable, never sent.
 
 use crate::node::ControlNode;
 use crate::pb::{StreamedReply, StreamedSubmit, SubmitReply, SubmitRequest};
+use opendsec_log::PeerStream;
+use opendsec_log::handshake::{HandshakeError, Protocol};
 use prost::Message;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
-/// The first bytes of a forwarding connection, and the leader's answer to them.
-pub const MAGIC: [u8; 4] = *b"ODF1";
-/// How long connecting and the magic's answer may take.
+/// The write-forwarding protocol's opening: magic `ODFW`, and the versions this build speaks.
+pub const PROTOCOL: Protocol = Protocol {
+    name: "write forwarding",
+    magic: *b"ODFW",
+    versions: &[1],
+};
+/// How long connecting and the handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why a write was not forwarded.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
-    /// The leader does not speak this protocol; the write was not sent.
-    Unsupported,
+    /// The leader speaks none of the versions offered; the write was not sent.
+    #[error("{0}")]
+    Refused(String),
     /// The connection failed (the write's outcome may be unknown).
+    #[error("{0}")]
     Failed(String),
 }
 
@@ -47,10 +55,7 @@ fn put_frame(out: &mut Vec<u8>, msg: &impl Message) {
 }
 
 /// Writes what `rx` yields, as frames, each batch of queued messages in one call.
-async fn write_frames<M: Message>(
-    mut w: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<M>,
-) -> String {
+async fn write_frames<M: Message>(mut w: impl AsyncWrite + Unpin, mut rx: mpsc::UnboundedReceiver<M>) -> String {
     let mut buf = Vec::new();
     while let Some(first) = rx.recv().await {
         buf.clear();
@@ -66,12 +71,19 @@ async fn write_frames<M: Message>(
 }
 
 /// Serves one forwarding connection on the leader (its magic not yet read).
-pub fn serve(node: ControlNode, conn: TcpStream) {
+pub fn serve(node: ControlNode, conn: PeerStream) {
     tokio::spawn(async move {
         let (rd, mut wr) = conn.into_split();
         let mut rd = BufReader::new(rd);
-        let mut magic = [0u8; 4];
-        if rd.read_exact(&mut magic).await.is_err() || magic != MAGIC || wr.write_all(&MAGIC).await.is_err() {
+        let hello = match PROTOCOL.read_hello(&mut rd).await {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!(error = %e, "a forwarding connection ended before its opening");
+                return;
+            }
+        };
+        let choice = PROTOCOL.choose(&hello.versions);
+        if PROTOCOL.answer(&mut wr, &choice).await.is_err() || choice.is_err() {
             return;
         }
         let (tx, rx) = mpsc::unbounded_channel::<StreamedReply>();
@@ -106,98 +118,89 @@ pub fn serve(node: ControlNode, conn: TcpStream) {
     });
 }
 
-const OPEN: u8 = 0;
-const CLOSED: u8 = 1;
-const UNSUPPORTED: u8 = 2;
-
 /// A follower's connection to one leader for forwarding writes. Cloning shares it.
-/// Once it breaks, every write waiting on it fails and [`RawForwarder::is_closed`]
-/// turns true: the node then opens a new one.
+/// Once it breaks (or the leader refused it), every write waiting on it fails and
+/// [`Forwarder::is_closed`] turns true: the node then opens a new one.
 #[derive(Clone)]
-pub struct RawForwarder {
+pub struct Forwarder {
     queue: mpsc::UnboundedSender<(SubmitRequest, Waiter)>,
-    state: Arc<AtomicU8>,
+    /// Why it closed, once it did.
+    closed: Arc<OnceLock<ForwardError>>,
 }
 
-impl RawForwarder {
+impl Forwarder {
     /// Starts connecting to the leader's peer address `addr` (`host:port`).
-    pub fn new(addr: String) -> RawForwarder {
+    pub fn new(addr: String) -> Forwarder {
+        Forwarder::offering(addr, PROTOCOL.versions)
+    }
+
+    /// As [`Forwarder::new`], offering `versions` instead of those this build speaks
+    /// (tests of the negotiation).
+    pub fn offering(addr: String, versions: &'static [u16]) -> Forwarder {
         let (queue, rx) = mpsc::unbounded_channel();
-        let state = Arc::new(AtomicU8::new(OPEN));
-        tokio::spawn(run(addr, rx, state.clone()));
-        RawForwarder { queue, state }
+        let closed = Arc::new(OnceLock::new());
+        tokio::spawn(run(addr, versions, rx, closed.clone()));
+        Forwarder { queue, closed }
     }
 
-    /// Whether it can take no more writes (broken, or the leader does not speak it).
+    /// Whether it can take no more writes.
     pub fn is_closed(&self) -> bool {
-        self.state.load(Ordering::Acquire) != OPEN
-    }
-
-    /// Whether the leader turned out not to speak this protocol.
-    pub fn is_unsupported(&self) -> bool {
-        self.state.load(Ordering::Acquire) == UNSUPPORTED
+        self.closed.get().is_some()
     }
 
     /// Forwards one write and waits for the leader's reply.
     pub async fn submit(&self, req: SubmitRequest) -> Result<SubmitReply, ForwardError> {
-        if self.is_unsupported() {
-            return Err(ForwardError::Unsupported);
-        }
         let (tx, rx) = oneshot::channel();
-        self.queue
-            .send((req, tx))
-            .map_err(|_| ForwardError::Failed("the connection to the leader is closed".into()))?;
+        self.queue.send((req, tx)).map_err(|_| {
+            self.closed
+                .get()
+                .cloned()
+                .unwrap_or_else(|| ForwardError::Failed("closed".into()))
+        })?;
         rx.await
             .map_err(|_| ForwardError::Failed("the connection to the leader closed before its reply".into()))?
     }
 }
 
-/// Connects and exchanges the magic; `Err((true, _))` if the leader does not speak the protocol.
-async fn connect(addr: &str) -> Result<TcpStream, (bool, String)> {
+/// Connects and negotiates the version. A refusal is logged here (the leader logs it too).
+async fn connect(addr: &str, versions: &[u16]) -> Result<TcpStream, ForwardError> {
     let handshake = async {
         let mut conn = TcpStream::connect(addr)
             .await
-            .map_err(|e| (false, format!("connecting to the leader {addr}: {e}")))?;
+            .map_err(|e| ForwardError::Failed(format!("connecting to the leader {addr}: {e}")))?;
         let _ = conn.set_nodelay(true);
-        conn.write_all(&MAGIC)
-            .await
-            .map_err(|e| (false, format!("writing to the leader {addr}: {e}")))?;
-        let mut answer = [0u8; 4];
-        match conn.read_exact(&mut answer).await {
-            Ok(_) if answer == MAGIC => Ok(conn),
-            Err(e) if e.kind() != std::io::ErrorKind::UnexpectedEof => {
-                Err((false, format!("reading from the leader {addr}: {e}")))
+        match PROTOCOL.offer(&mut conn, versions, b"").await {
+            Ok(_version) => Ok(conn),
+            Err(e @ HandshakeError::Refused { .. }) => {
+                tracing::warn!(leader = %addr, error = %e, "the leader refused to take forwarded writes");
+                Err(ForwardError::Refused(format!("the leader {addr}: {e}")))
             }
-            // An HTTP/2 server answers with its own frames, or closes.
-            _ => Err((
-                true,
-                format!("the leader {addr} does not forward over plain connections"),
-            )),
+            Err(e) => Err(ForwardError::Failed(format!("the leader {addr}: {e}"))),
         }
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
         .await
         .unwrap_or_else(|_| {
-            Err((
-                false,
-                format!("the leader {addr} did not answer within {HANDSHAKE_TIMEOUT:?}"),
-            ))
+            Err(ForwardError::Failed(format!(
+                "the leader {addr} did not answer within {HANDSHAKE_TIMEOUT:?}"
+            )))
         })
 }
 
-async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>, state: Arc<AtomicU8>) {
-    let conn = match connect(&addr).await {
+async fn run(
+    addr: String,
+    versions: &'static [u16],
+    mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>,
+    closed: Arc<OnceLock<ForwardError>>,
+) {
+    let conn = match connect(&addr, versions).await {
         Ok(c) => c,
-        Err((unsupported, why)) => {
-            // Nothing was sent: the writes queued meanwhile can go another way.
-            state.store(if unsupported { UNSUPPORTED } else { CLOSED }, Ordering::Release);
+        Err(e) => {
+            // Nothing was sent.
+            let _ = closed.set(e.clone());
             rx.close();
             while let Ok((_, w)) = rx.try_recv() {
-                let _ = w.send(Err(if unsupported {
-                    ForwardError::Unsupported
-                } else {
-                    ForwardError::Failed(why.clone())
-                }));
+                let _ = w.send(Err(e.clone()));
             }
             return;
         }
@@ -249,7 +252,8 @@ async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waite
         w = writer => w,
         w = reader => w,
     };
-    state.store(CLOSED, Ordering::Release);
+    let why = ForwardError::Failed(format!("leader {addr}: {why}"));
+    let _ = closed.set(why.clone());
     rx.close();
     let mut left: Vec<Waiter> = pending
         .lock()
@@ -259,6 +263,6 @@ async fn run(addr: String, mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waite
         .collect();
     left.extend(std::iter::from_fn(|| rx.try_recv().ok().map(|(_, w)| w)));
     for w in left {
-        let _ = w.send(Err(ForwardError::Failed(format!("leader {addr}: {why}"))));
+        let _ = w.send(Err(why.clone()));
     }
 }

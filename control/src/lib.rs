@@ -1,8 +1,8 @@
 //! The control node: the write path (decide on the leader against applied state plus
 //! the in-flight overlay, append to the Raft log, answer once applied), follower
-//! forwarding, replay from checkpoints, and the peer-port gRPC services (`Control`
-//! between nodes, `EdgeSlice` for edges, whose contract is `opendsec_edge_api`). This is the IO shell around the pure
-//! `commands` and `projections` crates.
+//! forwarding (`forward`), replay from checkpoints, and the peer port's services
+//! (`Control` for bootstrap, `EdgeSlice` for edges, whose contract is `opendsec_edge_api`).
+//! This is the IO shell around the pure `commands` and `projections` crates.
 
 pub mod admission;
 pub mod forward;
@@ -149,7 +149,10 @@ pub fn new_cluster_key() -> String {
     hex::encode(rand::random::<[u8; 32]>())
 }
 
-/// Serves the node's peer port: Raft, `Control` and `EdgeSlice`, until `shutdown`.
+/// Serves the node's peer port until `shutdown`: the log's protocols (replication; Raft
+/// votes and snapshots over gRPC), write forwarding ([`forward`]), and the gRPC services
+/// `Control` (bootstrap) and `EdgeSlice`. How connections are sorted between them, and
+/// why that holds under TLS: `opendsec_log::peer_port`.
 pub async fn serve_peer(
     node: ControlNode,
     listener: tokio::net::TcpListener,
@@ -164,7 +167,7 @@ pub async fn serve_peer(
         ));
     let forwarding = node.clone();
     let side = opendsec_log::SideProtocol {
-        magic: forward::MAGIC,
+        magic: forward::PROTOCOL.magic,
         serve: std::sync::Arc::new(move |conn| forward::serve(forwarding.clone(), conn)),
     };
     opendsec_log::serve_peer_with(listener, node.log(), Some(extra), Some(side), shutdown).await

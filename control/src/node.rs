@@ -4,10 +4,9 @@
 //! from the locally applied state.
 
 use crate::admission::AdmitRequest;
-use crate::forward::{ForwardError, RawForwarder};
+use crate::forward::Forwarder;
 use crate::fsm::{Checkpoints, Fsm};
 use crate::pb::SubmitRequest;
-use crate::pb::control_client::ControlClient;
 use crate::{Credential, Principal, now_ms};
 use opendsec_commands::{
     ADMISSION_LABEL, Caller, Command, Ctx, Decided, InFlight, Rejection, RejectionKind, batch_for, decide_excluding,
@@ -118,9 +117,8 @@ struct Inner {
     cfg: ControlConfig,
     inflight: Arc<Mutex<InFlight>>,
     checkpoints: Checkpoints,
-    leaders: Mutex<BTreeMap<String, crate::peer::Forwarder>>,
-    /// Plain forwarding connections per leader address, with when each was opened.
-    raw_leaders: Mutex<BTreeMap<String, (RawForwarder, std::time::Instant)>>,
+    /// Forwarding connections, per leader address.
+    forwarders: Mutex<BTreeMap<String, Forwarder>>,
     heartbeats: Mutex<BTreeMap<String, EdgeHeartbeat>>,
 }
 
@@ -152,8 +150,7 @@ impl ControlNode {
                 cfg,
                 inflight,
                 checkpoints,
-                leaders: Mutex::new(BTreeMap::new()),
-                raw_leaders: Mutex::new(BTreeMap::new()),
+                forwarders: Mutex::new(BTreeMap::new()),
                 heartbeats: Mutex::new(BTreeMap::new()),
             }),
         })
@@ -380,62 +377,24 @@ impl ControlNode {
             request_id: request_id.to_string(),
             command_json: serde_json::to_string(cmd).map_err(internal)?,
         };
-        // A plain connection first (see `forward`); gRPC for a leader without it.
-        if let Some(raw) = self.raw_forwarder(leader) {
-            match raw.submit(req.clone()).await {
-                Ok(reply) => return crate::peer::reply_to_result(reply),
-                Err(ForwardError::Unsupported) => {}
-                // The connection is closed: the next write opens another.
-                Err(ForwardError::Failed(m)) => return Err(SubmitError::Unavailable(m)),
-            }
-        }
-        let forwarder = self.forwarder(leader)?;
-        let reply = forwarder.submit(req).await.map_err(|m| {
-            let mut leaders = self.inner.leaders.lock().expect("leaders lock");
-            if leaders.get(leader).is_some_and(|f| f.is_closed()) {
-                leaders.remove(leader);
-            }
-            SubmitError::Unavailable(format!("leader {leader}: {m}"))
-        })?;
+        // A broken connection is replaced by the next write (see `forwarder`).
+        let reply = self
+            .forwarder(leader)
+            .submit(req)
+            .await
+            .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
         crate::peer::reply_to_result(reply)
     }
 
-    /// The plain forwarding connection to `addr`, opened on first use and again after it
-    /// broke; `None` for a minute after the leader there turned out not to speak it.
-    fn raw_forwarder(&self, addr: &str) -> Option<RawForwarder> {
-        let mut raws = self.inner.raw_leaders.lock().expect("raw leaders lock");
-        if let Some((f, since)) = raws.get(addr) {
-            if f.is_unsupported() && since.elapsed() < Duration::from_secs(60) {
-                return None;
-            }
-            if !f.is_closed() {
-                return Some(f.clone());
-            }
+    /// The forwarding connection to `addr`, opened on first use and again after it broke.
+    fn forwarder(&self, addr: &str) -> Forwarder {
+        let mut forwarders = self.inner.forwarders.lock().expect("forwarders lock");
+        if let Some(f) = forwarders.get(addr).filter(|f| !f.is_closed()) {
+            return f.clone();
         }
-        let f = RawForwarder::new(addr.to_string());
-        raws.insert(addr.to_string(), (f.clone(), std::time::Instant::now()));
-        Some(f)
-    }
-
-    /// The stream of forwarded writes to `addr`, opened on first use and again after it broke.
-    fn forwarder(&self, addr: &str) -> Result<crate::peer::Forwarder, SubmitError> {
-        let mut leaders = self.inner.leaders.lock().expect("leaders lock");
-        if let Some(f) = leaders.get(addr).filter(|f| !f.is_closed()) {
-            return Ok(f.clone());
-        }
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(internal)?
-            .connect_timeout(Duration::from_secs(1))
-            .tcp_nodelay(true)
-            // A leader that stops answering (hung, or cut off without a reset) is noticed
-            // by HTTP/2 pings, which end the stream and fail the writes waiting on it.
-            .http2_keep_alive_interval(Duration::from_secs(5))
-            .keep_alive_timeout(Duration::from_secs(5))
-            .keep_alive_while_idle(true)
-            .connect_lazy();
-        let f = crate::peer::Forwarder::new(ControlClient::new(ch));
-        leaders.insert(addr.to_string(), f.clone());
-        Ok(f)
+        let f = Forwarder::new(addr.to_string());
+        forwarders.insert(addr.to_string(), f.clone());
+        f
     }
 
     /// Rebuilds the state as it was at `until`, from the newest checkpoint before it.

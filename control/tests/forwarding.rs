@@ -1,9 +1,10 @@
-//! Specification: a follower forwards writes to the leader over a plain framed
-//! connection on the peer port. Each write is authenticated again with its caller's
-//! token, replies find their writes whatever their order, and a leader that does not
-//! speak the protocol is found out before any write is sent, so the write can go by gRPC.
+//! Specification: a follower forwards writes to the leader over one framed protocol on
+//! the peer port, opened with a versioned handshake. Each write is authenticated again
+//! with its caller's token, replies find their writes whatever their order, a follower
+//! offering only versions the leader does not speak is refused with a reason before any
+//! write is sent, and a connection that breaks fails its writes and is replaced.
 
-use opendsec_control::forward::{ForwardError, RawForwarder};
+use opendsec_control::forward::{ForwardError, Forwarder, PROTOCOL};
 use opendsec_control::pb::SubmitRequest;
 use opendsec_control::peer::reply_to_result;
 use opendsec_control::testing::single_node;
@@ -20,7 +21,7 @@ fn create_project(bearer: &str, name: &str, parent: &str) -> SubmitRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_with_its_own_reply() {
     let t = single_node().await;
-    let f = RawForwarder::new(t.peer_addr.clone());
+    let f = Forwarder::new(t.peer_addr.clone());
     let calls: Vec<_> = (0..40)
         .map(|n| {
             let (f, req) = (
@@ -54,7 +55,7 @@ async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_w
 async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
     let t = single_node().await;
     let before = t.node.applied_index();
-    let f = RawForwarder::new(t.peer_addr.clone());
+    let f = Forwarder::new(t.peer_addr.clone());
     let reply = f
         .submit(create_project("odsec_0123456789abcdef.forged", "x", &t.root_project))
         .await
@@ -64,32 +65,61 @@ async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_without_the_protocol_is_found_out_before_a_write_is_sent() {
-    // A gRPC-only server, as an older node's peer port: it takes the magic for a bad
-    // HTTP/2 preface.
+async fn a_follower_offering_only_an_unknown_version_is_refused_with_a_reason_and_nothing_is_sent() {
+    let t = single_node().await;
+    let before = t.node.applied_index();
+    let f = Forwarder::offering(t.peer_addr.clone(), &[9_999]);
+    match f.submit(create_project(&t.admin_token, "x", &t.root_project)).await {
+        Err(ForwardError::Refused(why)) => {
+            assert!(why.contains("9999"), "{why}");
+            assert!(why.contains(&format!("{:?}", PROTOCOL.versions)), "{why}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(f.is_closed());
+    assert_eq!(t.node.applied_index(), before, "nothing was logged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_current_version_is_accepted_beside_unknown_newer_ones() {
+    let t = single_node().await;
+    let f = Forwarder::offering(t.peer_addr.clone(), &[1, 9_999]);
+    let reply = f
+        .submit(create_project(&t.admin_token, "team", &t.root_project))
+        .await
+        .expect("forwarded");
+    reply_to_result(reply).expect("decided");
+    assert!(!f.is_closed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_leader_breaks_fails_its_waiting_writes_and_is_replaced() {
+    // A leader that accepts the opening, takes the first write, then goes away.
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let log = opendsec_log::LogNode::open(
-        opendsec_log::LogConfig::new(1, dir.path(), addr.clone()),
-        opendsec_control::fsm::Fsm::new(1000, None, None),
+    tokio::spawn(async move {
+        let (mut conn, _) = l.accept().await.unwrap();
+        let hello = PROTOCOL.read_hello(&mut conn).await.unwrap();
+        PROTOCOL
+            .answer(&mut conn, &PROTOCOL.choose(&hello.versions))
+            .await
+            .unwrap();
+        let mut first = Vec::new();
+        let _ = opendsec_log::frames::read(&mut conn, &mut first).await;
+    });
+    let f = Forwarder::new(addr.clone());
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        f.submit(create_project("t", "x", "p")),
     )
     .await
-    .unwrap();
-    let served = log.clone();
-    tokio::spawn(async move { opendsec_log::serve_peer(l, &served, None, std::future::pending()).await });
-    let f = RawForwarder::new(addr);
-    let err = f
-        .submit(create_project("t", "x", "p"))
-        .await
-        .expect_err("not spoken there");
-    assert_eq!(err, ForwardError::Unsupported);
-    assert!(f.is_unsupported() && f.is_closed());
-    assert_eq!(
-        f.submit(create_project("t", "y", "p")).await.expect_err("still not"),
-        ForwardError::Unsupported
-    );
-    log.shutdown().await.unwrap();
+    .expect("failed in time")
+    {
+        Err(ForwardError::Failed(why)) => assert!(why.contains(&addr), "{why}"),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert!(f.is_closed(), "a broken connection takes no more writes");
+    assert!(f.submit(create_project("t", "y", "p")).await.is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,10 +127,10 @@ async fn an_unreachable_leader_fails_the_write_and_closes_the_connection() {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     drop(l);
-    let f = RawForwarder::new(addr);
+    let f = Forwarder::new(addr);
     match f.submit(create_project("t", "x", "p")).await {
         Err(ForwardError::Failed(why)) => assert!(why.contains("connecting"), "{why}"),
         other => panic!("expected a failure, got {other:?}"),
     }
-    assert!(f.is_closed() && !f.is_unsupported());
+    assert!(f.is_closed());
 }

@@ -2,14 +2,15 @@
 //!
 //! This crate turns an application's deterministic [`StateMachine`] into a replicated one:
 //! payloads proposed on the leader ([`LogNode::propose`]) are appended to a Raft log
-//! (openraft), made durable in a [redb] file, replicated to the peers over tonic gRPC,
-//! and applied in index order on every node.
+//! (openraft), made durable in a [redb] file, replicated to the peers, and applied in
+//! index order on every node.
 //!
 //! What is on disk (one redb file, `<data_dir>/log.redb`):
 //! - the Raft vote, the committed log id and the last purged log id;
-//! - the live Raft log (an append is in a durable commit before openraft is told it is
-//!   flushed; one writer thread commits every queued append with one fsync, while the
-//!   entries are already readable from memory: see [`store`]);
+//! - the live Raft log (an append is durable, in the append journal beside it or in a
+//!   redb commit, before openraft is told it is flushed; one writer thread makes every
+//!   queued append durable with one fsync, while the entries are already readable from
+//!   memory: see [`store`]);
 //! - the latest snapshot (the application's [`StateMachine::snapshot`] bytes plus Raft
 //!   metadata). The application state itself is kept only in memory: after a restart it
 //!   is restored from the latest snapshot, then the committed entries after it are re-applied;
@@ -18,24 +19,29 @@
 //!   transaction, so history is never lost unless a retention is configured
 //!   ([`LogConfig::archive_retention`]). [`LogNode::read_entries`] reads archive + live log.
 //!
-//! The Raft peer transport is a tonic service ([`LogNode::raft_service`]) that the caller adds
-//! to its own tonic router (the peer port can host other services too). Replication to each
-//! follower is pipelined over one bidirectional stream (`AppendStream`):
+//! Peers talk on one port ([`serve_peer`], see [`peer_port`]): appends are pipelined over
+//! the [`replication`] protocol (one framed connection per follower, opened with a
+//! versioned [`handshake`]); votes, pre-votes and snapshot installs go by a small tonic
+//! service ([`LogNode::raft_service`]), added to the caller's router so that the port can
+//! host the application's gRPC services and its own framed protocols too:
 //!
 //! ```no_run
 //! # async fn demo<S: opendsec_log::StateMachine>(node: opendsec_log::LogNode<S>) -> Result<(), Box<dyn std::error::Error>> {
-//! let router = tonic::transport::Server::builder().add_service(node.raft_service());
-//! // .add_service(other_service) ...
-//! router.serve("127.0.0.1:7410".parse()?).await?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:7410").await?;
+//! // `Some(router)` serves the application's own gRPC services on the same port too.
+//! opendsec_log::serve_peer(listener, &node, None, std::future::pending()).await?;
 //! # Ok(()) }
 //! ```
 
 mod config;
 mod error;
 pub mod frames;
+pub mod handshake;
 mod journal;
 mod network;
 mod node;
+pub mod peer_port;
+pub mod replication;
 mod service;
 mod sm;
 pub mod store;
@@ -49,7 +55,8 @@ pub mod pb {
 pub use config::LogConfig;
 pub use error::{LogError, MembershipError, ProposeError};
 pub use node::{Applied, AppliedEntry, Leadership, LogNode, Status};
-pub use service::{RaftGrpc, SideProtocol, serve_peer, serve_peer_with};
+pub use peer_port::{PeerStream, SideProtocol, serve_peer, serve_peer_with};
+pub use service::RaftGrpc;
 pub use sm::SmStore;
 
 /// The `RaftServiceServer` type to add to a tonic router, for a node running state machine `S`.
@@ -100,6 +107,12 @@ pub(crate) mod typ {
     pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
     pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
     pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, Vec<u8>>;
+}
+
+/// Whether `got` is this cluster's key, compared in constant time (an empty `expected`
+/// accepts only an empty key: tests run without one).
+pub(crate) fn cluster_key_matches(expected: &str, got: &[u8]) -> bool {
+    expected.len() == got.len() && expected.bytes().zip(got).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 /// Encode with postcard (the crate's single binary encoding, on disk and on the wire).

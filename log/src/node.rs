@@ -98,7 +98,7 @@ fn fatal(e: impl std::fmt::Display) -> LogError {
 impl<S: StateMachine> LogNode<S> {
     /// Open the node's storage in `cfg.data_dir` and start Raft. The state machine `sm` must be
     /// empty: it is restored from the latest stored snapshot and the committed entries after
-    /// it. Serve [`Self::raft_service`] so the peers can reach this node.
+    /// it. Serve its peer port ([`crate::serve_peer`]) so the peers can reach this node.
     pub async fn open(cfg: LogConfig, sm: S) -> Result<Self, LogError> {
         let raft_cfg = cfg.raft_config().map_err(|e| LogError::Config(e.to_string()))?;
         let store = Store::open(&cfg.data_dir, cfg.archive_retention)?;
@@ -146,8 +146,8 @@ impl<S: StateMachine> LogNode<S> {
         })
     }
 
-    /// The tonic service of the Raft peer protocol; add it to the router serving this node's
-    /// peer port (`Server::builder().add_service(node.raft_service())`).
+    /// The tonic service of Raft's votes and snapshot installs ([`crate::serve_peer`] serves
+    /// it, beside the replication protocol).
     pub fn raft_service(&self) -> RaftServer<S> {
         RaftGrpc::server(self.inner.raft.clone(), self.inner.cluster_key.clone())
     }

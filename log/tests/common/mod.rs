@@ -1,4 +1,4 @@
-//! Shared test harness: a hashing state machine and real nodes served over loopback gRPC.
+//! Shared test harness: a hashing state machine and real nodes serving their peer port on loopback.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -70,7 +70,7 @@ impl StateMachine for TestSm {
     }
 }
 
-/// A running node: the log handle plus its gRPC server.
+/// A running node: the log handle plus its peer port.
 pub struct TestNode {
     pub id: u64,
     pub addr: SocketAddr,
@@ -91,7 +91,7 @@ pub fn config(id: u64, dir: &Path, addr: SocketAddr) -> LogConfig {
 }
 
 impl TestNode {
-    /// Open the node and serve its Raft service on `listener`.
+    /// Open the node and serve its peer port on `listener`.
     pub async fn start(cfg: LogConfig, listener: TcpListener) -> TestNode {
         if std::env::var_os("RUST_LOG").is_some() {
             let _ = tracing_subscriber::fmt()
@@ -99,16 +99,10 @@ impl TestNode {
                 .with_test_writer()
                 .try_init();
         }
-        TestNode::serve(cfg, listener, false).await
+        TestNode::serve(cfg, listener).await
     }
 
-    /// As [`TestNode::start`], serving the Raft gRPC service only, as a node from before
-    /// plain replication connections did.
-    pub async fn start_grpc_only(cfg: LogConfig, listener: TcpListener) -> TestNode {
-        TestNode::serve(cfg, listener, true).await
-    }
-
-    async fn serve(cfg: LogConfig, listener: TcpListener, grpc_only: bool) -> TestNode {
+    async fn serve(cfg: LogConfig, listener: TcpListener) -> TestNode {
         let addr = listener.local_addr().expect("local addr");
         let id = cfg.node_id;
         let node = LogNode::open(cfg, TestSm::default()).await.expect("open node");
@@ -118,14 +112,7 @@ impl TestNode {
             let _ = rx.await;
         };
         let server = tokio::spawn(async move {
-            let _ = if grpc_only {
-                tonic::transport::Server::builder()
-                    .add_service(n2.raft_service())
-                    .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), stopped)
-                    .await
-            } else {
-                opendsec_log::serve_peer(listener, &n2, None, stopped).await
-            };
+            let _ = opendsec_log::serve_peer(listener, &n2, None, stopped).await;
         });
         TestNode {
             id,
