@@ -11,8 +11,14 @@ use super::host::read_pid;
 
 #[derive(Default, Debug, Clone)]
 pub struct MemPeak {
+    /// `opendsec up`'s VmRSS when the watch started (before the burst), KiB.
+    pub up_rss_before_kb: u64,
     /// Max VmRSS seen by polling, KiB.
     pub up_rss_kb: u64,
+    /// AnonHugePages (transparent huge pages) of `opendsec up` at the polled max, KiB.
+    pub up_huge_kb: u64,
+    /// Most threads `opendsec up` had at one poll.
+    pub up_threads: u64,
     /// VmHWM at the end (reset before the burst), KiB.
     pub up_hwm_kb: u64,
     /// Largest summed RSS of shims + agents (PID 1 of each sandbox), KiB, and how many
@@ -22,9 +28,16 @@ pub struct MemPeak {
     pub min_mem_available_mb: u64,
 }
 
-/// A field of `/proc/<pid>/status` given in KiB (`VmRSS:`, `VmHWM:`, ...).
+/// A number field of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:` in KiB, `Threads:`).
 pub(super) fn proc_status_kb(pid: i32, field: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// A field of `/proc/<pid>/smaps_rollup` in KiB (`AnonHugePages:`, ...).
+fn smaps_rollup_kb(pid: i32, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     let line = s.lines().find(|l| l.starts_with(field))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }
@@ -37,6 +50,15 @@ fn mem_available_mb() -> Option<u64> {
 
 pub(super) fn mib(kb: u64) -> String {
     format!("{:.1} MiB", kb as f64 / 1024.0)
+}
+
+impl MemPeak {
+    /// What `opendsec up` grew by per sandbox of an `n`-sandbox burst: (peak RSS - RSS
+    /// before) / n, in KiB; the peak is VmHWM (it sees between polls) or the polled max.
+    pub fn up_growth_per_sandbox_kb(&self, n: usize) -> f64 {
+        let peak = self.up_hwm_kb.max(self.up_rss_kb);
+        peak.saturating_sub(self.up_rss_before_kb) as f64 / n.max(1) as f64
+    }
 }
 
 /// Summed VmRSS of the shim and PID 1 of each sandbox directory, and how many
@@ -73,6 +95,7 @@ impl MemWatch {
         let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
         let stop = Arc::new(AtomicBool::new(false));
         let peak = Arc::new(Mutex::new(MemPeak {
+            up_rss_before_kb: proc_status_kb(pid, "VmRSS:").unwrap_or(0),
             min_mem_available_mb: u64::MAX,
             ..Default::default()
         }));
@@ -82,8 +105,13 @@ impl MemWatch {
                 let mut last_scan = Instant::now() - Duration::from_secs(10);
                 while !stop.load(Ordering::Relaxed) {
                     let rss = proc_status_kb(pid, "VmRSS:").unwrap_or(0);
+                    let threads = proc_status_kb(pid, "Threads:").unwrap_or(0);
                     let mut p = peak.lock().unwrap();
-                    p.up_rss_kb = p.up_rss_kb.max(rss);
+                    if rss > p.up_rss_kb {
+                        p.up_rss_kb = rss;
+                        p.up_huge_kb = smaps_rollup_kb(pid, "AnonHugePages:").unwrap_or(0);
+                    }
+                    p.up_threads = p.up_threads.max(threads);
                     if let Some(a) = mem_available_mb() {
                         p.min_mem_available_mb = p.min_mem_available_mb.min(a);
                     }

@@ -102,7 +102,8 @@ impl Results {
         self.line(format!(
             "burst {n}: all settled in {:.1} s ({} running; failures {f} = {} HTTP errors + {} failed + {} not running after {} s); \
              create requests answered in {:.1} s; \
-             `opendsec up` peak RSS {} (VmHWM; polled VmRSS max {}), shims+agents summed RSS at peak {} over {} sandboxes; \
+             `opendsec up` peak RSS {} (VmHWM; polled VmRSS max {}, of it {} transparent huge pages; {} threads at most) \
+             from {} before = {:.2} MiB per sandbox; shims+agents summed RSS at peak {} over {} sandboxes; \
              host MemAvailable min {} MB; delete all + freed in {:.1} s{}",
             b.settled.as_secs_f64(),
             b.running,
@@ -113,6 +114,10 @@ impl Results {
             b.accepted.as_secs_f64(),
             mib(b.mem.up_hwm_kb),
             mib(b.mem.up_rss_kb),
+            mib(b.mem.up_huge_kb),
+            b.mem.up_threads,
+            mib(b.mem.up_rss_before_kb),
+            b.mem.up_growth_per_sandbox_kb(n) / 1024.0,
             mib(b.mem.sandboxes_rss_kb),
             b.mem.sandboxes_at_peak,
             b.mem.min_mem_available_mb,
