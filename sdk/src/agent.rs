@@ -10,7 +10,7 @@ use reqwest::{Method, RequestBuilder};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
-use crate::{ApiError, Client, INDEX_HEADER, MIN_INDEX_HEADER};
+use crate::{ApiError, Client};
 
 /// Names the user in the sandbox (the gateway turns it into the agent's Basic auth).
 pub const USER_HEADER: &str = "x-opendsec-user";
@@ -229,8 +229,9 @@ fn connect_error(e: &Value) -> ApiError {
 }
 
 /// The error of a non-2xx answer: the gateway's `{code,message,field}`, the agent's
-/// Connect error, or its `/files` error (`{"code": 404, "message"}`).
-async fn error_of(resp: reqwest::Response) -> ApiError {
+/// Connect error, or its `/files` error (`{"code": 404, "message"}`); otherwise its
+/// status and the start of its body.
+pub(crate) async fn error_of(resp: reqwest::Response) -> ApiError {
     let status = resp.status();
     let bytes = resp.bytes().await.unwrap_or_default();
     let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
@@ -281,37 +282,11 @@ impl Client {
     ) -> RequestBuilder {
         let mut segments = vec!["v1", "sandboxes", sandbox, "agent"];
         segments.extend(path.split('/'));
-        let mut req = self.http.request(method, self.url(&segments, query));
-        if let Some(t) = &self.token {
-            req = req.bearer_auth(t);
-        }
-        let seen = self.seen_index();
-        if seen > 0 {
-            req = req.header(MIN_INDEX_HEADER, seen);
-        }
+        let mut req = self.request(method, &segments, query);
         if let Some(u) = user {
             req = req.header(USER_HEADER, u);
         }
         req
-    }
-
-    async fn agent_send(&self, req: RequestBuilder) -> Result<reqwest::Response, ApiError> {
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| ApiError::local("unreachable", format!("cannot reach {}: {e}", self.base)))?;
-        if let Some(i) = resp
-            .headers()
-            .get(INDEX_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok())
-        {
-            self.observe_index(i);
-        }
-        if !resp.status().is_success() {
-            return Err(error_of(resp).await);
-        }
-        Ok(resp)
     }
 
     /// A unary Connect call to the agent.
@@ -322,7 +297,7 @@ impl Client {
             .header("connect-protocol-version", "1")
             .body(body.to_string());
         let bytes = self
-            .agent_send(req)
+            .send(req)
             .await?
             .bytes()
             .await
@@ -342,7 +317,7 @@ impl Client {
             .header("content-type", "application/connect+json")
             .header("connect-protocol-version", "1")
             .body(frame);
-        let resp = self.agent_send(req).await?;
+        let resp = self.send(req).await?;
         let mut frames = Frames { resp, buf: Vec::new() };
         loop {
             let Some((flags, v)) = frames.next().await? else {
@@ -424,7 +399,7 @@ impl Client {
             .agent_request(Method::POST, sandbox, "files", &[("path", path.to_string())], user)
             .header("content-type", "application/octet-stream")
             .body(body);
-        let resp = self.agent_send(req).await?;
+        let resp = self.send(req).await?;
         let _ = resp.bytes().await;
         Ok(())
     }
@@ -450,7 +425,7 @@ impl Client {
         mut on_chunk: impl FnMut(&[u8], u64, Option<u64>) -> std::io::Result<()>,
     ) -> Result<u64, ApiError> {
         let req = self.agent_request(Method::GET, sandbox, "files", &[("path", path.to_string())], user);
-        let mut resp = self.agent_send(req).await?;
+        let mut resp = self.send(req).await?;
         let total = resp.content_length();
         let mut done = 0u64;
         loop {

@@ -10,6 +10,7 @@ pub mod types;
 
 pub use agent::{ExecOutput, ExecRequest, PtyControl, PtyEvent, PtyRequest, PtySession};
 
+use agent::error_of;
 use reqwest::{Method, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -157,16 +158,10 @@ impl Client {
             .map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
     }
 
-    /// A call whose successful answer is returned as it came (errors decoded).
-    async fn call_raw<B: Serialize>(
-        &self,
-        method: Method,
-        segments: &[&str],
-        query: &[(&str, String)],
-        body: Option<&B>,
-    ) -> Result<Vec<u8>, ApiError> {
-        let url = self.url(segments, query);
-        let mut req = self.http.request(method, url);
+    /// A request to `segments` carrying this client's token and the least log index it
+    /// has seen (so a follower answers no older than what this client already read).
+    fn request(&self, method: Method, segments: &[&str], query: &[(&str, String)]) -> reqwest::RequestBuilder {
+        let mut req = self.http.request(method, self.url(segments, query));
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }
@@ -174,9 +169,12 @@ impl Client {
         if seen > 0 {
             req = req.header(MIN_INDEX_HEADER, seen);
         }
-        if let Some(b) = body {
-            req = req.json(b);
-        }
+        req
+    }
+
+    /// Sends `req` and notes the log index its answer was read at; an answer that is
+    /// not a success becomes its decoded error.
+    async fn send(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ApiError> {
         let resp = req
             .send()
             .await
@@ -189,30 +187,30 @@ impl Client {
         {
             self.observe_index(i);
         }
-        let status = resp.status();
-        let bytes = resp
+        if !resp.status().is_success() {
+            return Err(error_of(resp).await);
+        }
+        Ok(resp)
+    }
+
+    /// A call whose successful answer is returned as it came (errors decoded).
+    async fn call_raw<B: Serialize>(
+        &self,
+        method: Method,
+        segments: &[&str],
+        query: &[(&str, String)],
+        body: Option<&B>,
+    ) -> Result<Vec<u8>, ApiError> {
+        let mut req = self.request(method, segments, query);
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let bytes = self
+            .send(req)
+            .await?
             .bytes()
             .await
             .map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
-        if !status.is_success() {
-            return Err(match serde_json::from_slice::<ErrorBody>(&bytes) {
-                Ok(e) => ApiError {
-                    status: status.as_u16(),
-                    code: e.code,
-                    message: e.message,
-                    field: e.field,
-                },
-                Err(_) => ApiError {
-                    status: status.as_u16(),
-                    code: "http".into(),
-                    message: format!(
-                        "HTTP {status}: {}",
-                        String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()
-                    ),
-                    field: None,
-                },
-            });
-        }
         Ok(bytes.to_vec())
     }
 

@@ -103,32 +103,7 @@ impl Runtime {
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--root").arg(&self.root).args(args);
         if self.unmount_unified {
-            // SAFETY: only raw syscalls (async-signal-safe) between fork and exec.
-            unsafe {
-                cmd.pre_exec(|| {
-                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if libc::mount(
-                        c"none".as_ptr(),
-                        c"/".as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_REC | libc::MS_PRIVATE,
-                        std::ptr::null(),
-                    ) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    // Only in this private namespace; the host keeps its mount.
-                    if libc::umount2(c"/sys/fs/cgroup/unified".as_ptr(), libc::MNT_DETACH) != 0 {
-                        let err = std::io::Error::last_os_error();
-                        if err.raw_os_error() != Some(libc::EINVAL) {
-                            return Err(err);
-                        }
-                    }
-                    Ok(())
-                });
-            }
+            hide_unified_cgroup(&mut cmd);
         }
         cmd
     }
@@ -169,6 +144,37 @@ pub(crate) fn find_binary(name: &str) -> Option<PathBuf> {
         .chain(["/usr/sbin", "/usr/bin", "/sbin", "/bin"].map(PathBuf::from))
         .map(|dir| dir.join(name))
         .find(|p| p.is_file())
+}
+
+/// Runs `cmd` in a private mount namespace without the host's `/sys/fs/cgroup/unified`
+/// (crun refuses a host that mixes cgroup v1 controllers with that cgroup2 mount). The
+/// host keeps its mount; only the runtime's namespace loses it.
+pub fn hide_unified_cgroup(cmd: &mut Command) {
+    // SAFETY: only raw syscalls (async-signal-safe) between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::umount2(c"/sys/fs/cgroup/unified".as_ptr(), libc::MNT_DETACH) != 0 {
+                let err = std::io::Error::last_os_error();
+                if err.raw_os_error() != Some(libc::EINVAL) {
+                    return Err(err);
+                }
+            }
+            Ok(())
+        });
+    }
 }
 
 /// True when the host mixes cgroup v1 controllers with a cgroup2 mount (what crun rejects).

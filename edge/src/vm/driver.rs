@@ -381,6 +381,48 @@ struct SnapshotMeta {
 /// The file a snapshot directory is recognised by.
 pub const SNAPSHOT_META: &str = "snapshot.json";
 
+/// Makes a snapshot's directory `dest` (it must not exist), private to the edge.
+fn create_snapshot_dir(dest: &Path) -> Result<(), VmError> {
+    fs::create_dir(dest).map_err(io_err(format!("creating {}", dest.display())))?;
+    fs::set_permissions(dest, fs::Permissions::from_mode(0o700)).map_err(io_err(format!("chmod {}", dest.display())))
+}
+
+/// Ends a snapshot into `dest`: with what was `taken` (how long the source stopped, the
+/// bytes copied, whether its RAM went into the device-state stream), its
+/// [`SNAPSHOT_META`] describing `record`; on any failure `dest` is removed, so a
+/// half-written snapshot is never left to be trusted.
+fn finish_snapshot(
+    dest: &Path,
+    source: &str,
+    record: &VmRecord,
+    taken: Result<(Duration, u64, bool), VmError>,
+) -> Result<SnapshotReport, VmError> {
+    let written = taken.and_then(|(source_paused, bytes, ram_in_stream)| {
+        let meta = SnapshotMeta {
+            source: source.to_string(),
+            image: record.image.clone(),
+            layers: record.layers.clone(),
+            memory_mb: record.memory_mb,
+            vcpus: record.vcpus,
+            disk_mb: record.disk_mb,
+            vmlinux: record.vmlinux.clone(),
+            root_disk: record.root_disk.clone(),
+            accel: record.accel,
+            tsc_khz: record.tsc_khz,
+            ram_trimmed: record.ram_trimmed,
+            ram_in_stream,
+            vmm: record.vmm,
+            machine: record.machine,
+        };
+        write_json_atomic(&dest.join(SNAPSHOT_META), &meta)?;
+        Ok(SnapshotReport { source_paused, bytes })
+    });
+    if written.is_err() {
+        let _ = fs::remove_dir_all(dest);
+    }
+    written
+}
+
 struct Inner {
     cfg: VmConfig,
     qemu: PathBuf,

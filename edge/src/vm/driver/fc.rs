@@ -55,7 +55,6 @@
 //! `ensure_firecracker` (pinned, checksums checked).
 
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -673,9 +672,7 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
     let dir = vm.dir();
     let _lock = lock_file(&dir.join("lock"))?;
     let mut record = inner.record(&vm.id)?;
-    fs::create_dir(dest).map_err(io_err(format!("creating {}", dest.display())))?;
-    fs::set_permissions(dest, fs::Permissions::from_mode(0o700))
-        .map_err(io_err(format!("chmod {}", dest.display())))?;
+    create_snapshot_dir(dest)?;
     let taken = (|| match record.state {
         VmState::Running => {
             if inner.live_pid(&record).is_none() {
@@ -696,34 +693,13 @@ pub(super) fn snapshot_to(vm: &VmHandle, dest: &Path) -> Result<SnapshotReport, 
             Ok((Duration::ZERO, bytes))
         }
     })();
-    let (source_paused, bytes) = match taken {
-        Ok(t) => t,
-        Err(e) => {
-            let _ = fs::remove_dir_all(dest);
-            return Err(e);
-        }
-    };
-    let meta = SnapshotMeta {
-        ram_trimmed: record.ram_trimmed,
-        source: vm.id.clone(),
-        image: record.image.clone(),
-        layers: record.layers.clone(),
-        memory_mb: record.memory_mb,
-        vcpus: record.vcpus,
-        disk_mb: record.disk_mb,
-        vmlinux: record.vmlinux.clone(),
-        root_disk: record.root_disk.clone(),
-        accel: record.accel,
-        tsc_khz: record.tsc_khz,
-        ram_in_stream: false,
-        vmm: Vmm::Firecracker,
-        machine: Machine::Microvm,
-    };
-    if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
-        let _ = fs::remove_dir_all(dest);
-        return Err(e);
-    }
-    Ok(SnapshotReport { source_paused, bytes })
+    // Firecracker keeps RAM in its own memory file, never in the state stream.
+    finish_snapshot(
+        dest,
+        &vm.id,
+        &record,
+        taken.map(|(paused, bytes)| (paused, bytes, false)),
+    )
 }
 
 /// Fork with memory: the source stops while a Diff snapshot is written and its disk
@@ -736,16 +712,7 @@ pub(super) fn fork(vm: &VmHandle, new_ids: &[String]) -> Result<ForkReport, VmEr
     let dir = vm.dir();
     let lock = lock_file(&dir.join("lock"))?;
     let (mut source, _pid) = vm.running_record("fork")?;
-    let fork_dir = inner.cfg.root.join("forks").join(format!(
-        "{}-{}",
-        vm.id,
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_micros())
-            .unwrap_or(0)
-    ));
-    fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
-    fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711)).map_err(io_err("chmod fork dir"))?;
+    let fork_dir = vm.create_fork_dir()?;
     let base = fork_dir.join("ram");
     let mut prepared: Vec<(VmRecord, PathBuf)> = Vec::new();
 

@@ -8,6 +8,19 @@
 use super::*;
 
 impl VmHandle {
+    /// A new directory for one fork's shared base: `forks/<source>-<micros>`, searchable
+    /// (0711) so the copies' jailed users reach their files in it.
+    pub(super) fn create_fork_dir(&self) -> Result<PathBuf, VmError> {
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros())
+            .unwrap_or(0);
+        let fork_dir = self.inner.cfg.root.join("forks").join(format!("{}-{micros}", self.id));
+        fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
+        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711)).map_err(io_err("chmod fork dir"))?;
+        Ok(fork_dir)
+    }
+
     /// The ids of a fork's copies: 1 to [`MAX_FORK_COUNT`] valid ids, none given twice
     /// (nor this VM's), none of a VM that exists.
     pub(super) fn check_fork_ids(&self, new_ids: &[String]) -> Result<(), VmError> {
@@ -51,16 +64,7 @@ impl VmHandle {
         let dir = self.dir();
         let lock = lock_file(&dir.join("lock"))?;
         let (source, _pid) = self.running_record("fork")?;
-        let fork_dir = inner.cfg.root.join("forks").join(format!(
-            "{}-{}",
-            self.id,
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_micros())
-                .unwrap_or(0)
-        ));
-        fs::create_dir_all(&fork_dir).map_err(io_err(format!("creating {}", fork_dir.display())))?;
-        fs::set_permissions(&fork_dir, fs::Permissions::from_mode(0o711)).map_err(io_err("chmod fork dir"))?;
+        let fork_dir = self.create_fork_dir()?;
 
         // Everything that does not need the source's memory is ready before the copy.
         let base = fork_dir.join("ram");

@@ -90,9 +90,7 @@ impl VmHandle {
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let record = self.inner.record(&self.id)?;
-        fs::create_dir(dest).map_err(io_err(format!("creating {}", dest.display())))?;
-        fs::set_permissions(dest, fs::Permissions::from_mode(0o700))
-            .map_err(io_err(format!("chmod {}", dest.display())))?;
+        create_snapshot_dir(dest)?;
         let taken = (|| match record.state {
             VmState::Running => {
                 if self.inner.live_pid(&record).is_none() {
@@ -115,34 +113,7 @@ impl VmHandle {
                 Ok((Duration::ZERO, bytes, in_stream))
             }
         })();
-        let (source_paused, bytes, ram_in_stream) = match taken {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = fs::remove_dir_all(dest);
-                return Err(e);
-            }
-        };
-        let meta = SnapshotMeta {
-            source: self.id.clone(),
-            image: record.image.clone(),
-            layers: record.layers.clone(),
-            memory_mb: record.memory_mb,
-            vcpus: record.vcpus,
-            disk_mb: record.disk_mb,
-            vmlinux: record.vmlinux.clone(),
-            root_disk: record.root_disk.clone(),
-            accel: record.accel,
-            tsc_khz: record.tsc_khz,
-            ram_trimmed: record.ram_trimmed,
-            ram_in_stream,
-            vmm: record.vmm,
-            machine: record.machine,
-        };
-        if let Err(e) = write_json_atomic(&dest.join(SNAPSHOT_META), &meta) {
-            let _ = fs::remove_dir_all(dest);
-            return Err(e);
-        }
-        Ok(SnapshotReport { source_paused, bytes })
+        finish_snapshot(dest, &self.id, &record, taken)
     }
 
     /// Resume: a new QEMU process restores the paused VM, which continues where it was.

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use super::host::b64decode;
 use super::up::UpGuard;
+use base64::Engine as _;
 
 impl UpGuard {
     /// Runs `sh -c cmd` through the gateway's agent route as soon as the sandbox takes it;
@@ -85,7 +85,7 @@ impl UpGuard {
                 }
                 if let Some(d) = m["event"]["data"]["stdout"].as_str() {
                     first.get_or_insert_with(Instant::now);
-                    out.extend(b64decode(d).unwrap_or_default());
+                    out.extend(base64::engine::general_purpose::STANDARD.decode(d).unwrap_or_default());
                 }
             }
         }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-pub use host::{b64decode, mounts_under};
+pub use host::mounts_under;
 pub use report::Results;
 pub use up::{UpGuard, emergency_teardown};
 
