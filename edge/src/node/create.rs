@@ -312,7 +312,14 @@ impl Edge {
         tokio::spawn(async move {
             let d2 = d.clone();
             let e2 = edge.clone();
-            let r = tokio::task::spawn_blocking(move || e2.create_container(&d2)).await;
+            let r = {
+                let _slot = edge
+                    .creation_slots
+                    .acquire()
+                    .await
+                    .expect("the creation slots are never closed");
+                tokio::task::spawn_blocking(move || e2.create_container(&d2)).await
+            };
             let r = match r {
                 Ok(Ok(())) if edge.has_start_command(&d.image) => match edge.wait_started(&d.id).await {
                     Ok(()) => Ok(Ok(())),

@@ -147,6 +147,10 @@ struct Edge {
     failed: Mutex<BTreeSet<String>>,
     /// One creation at a time touches the host's mounts and loop devices.
     create_lock: Mutex<()>,
+    /// How many container creations hold a blocking thread at once; the others wait
+    /// without one. A burst of N creates otherwise parked N threads on `create_lock`,
+    /// each with its own allocator heap (~0.6 MiB of RSS per sandbox in a burst).
+    creation_slots: tokio::sync::Semaphore,
     /// Warm containers ready to be claimed, per image.
     warm: WarmPool,
     /// Snapshots being taken right now.

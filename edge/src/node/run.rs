@@ -19,6 +19,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// Container creations that may hold a blocking thread at once: enough to keep every
+/// core busy with the parts that run in parallel (disks, layers, the agent's files)
+/// while one at a time holds `create_lock`.
+fn creation_slots() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()) * 4
+}
+
 /// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.
 pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
     std::fs::create_dir_all(cfg.data_dir.join("agents"))?;
@@ -48,6 +55,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         creating: Mutex::new(BTreeSet::new()),
         failed: Mutex::new(BTreeSet::new()),
         create_lock: Mutex::new(()),
+        creation_slots: tokio::sync::Semaphore::new(creation_slots()),
         warm: WarmPool::new(cfg.warm_sandboxes, WARM_IMAGES),
         oom_seen: Mutex::new(BTreeSet::new()),
         snapshotting: Mutex::new(BTreeSet::new()),
