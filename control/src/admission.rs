@@ -7,7 +7,7 @@ use http_body_util::BodyExt;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-pub use opendsec_edge_api::admission::AdmitRequest;
+pub use opendsec_edge_api::admission::{AdmitRefusal, AdmitRequest};
 use opendsec_edge_api::headers::EDGE_KEY_HEADER;
 
 /// The client every admission request goes through: connections to edges are kept
@@ -45,11 +45,7 @@ pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<()
         if status.is_success() {
             Ok(())
         } else {
-            let why = serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
-                .and_then(|v| v["message"].as_str().map(str::to_string))
-                .unwrap_or(text);
-            Err(why)
+            Err(serde_json::from_str::<AdmitRefusal>(&text).map_or(text, |r| r.message))
         }
     };
     // Generous: an edge busy creating hundreds of sandboxes still answers, just later.

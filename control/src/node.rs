@@ -15,7 +15,7 @@ use opendsec_log::{LogConfig, LogNode, ProposeError};
 use opendsec_projections::Event;
 use opendsec_projections::replay::{Until, fold};
 use opendsec_projections::schema::{self, Batch};
-use opendsec_projections::{Outcome, State};
+use opendsec_projections::{Isolation, Outcome, State};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -339,18 +339,21 @@ impl ControlNode {
                 .filter_map(|ev| match ev {
                     Event::SandboxCreated(c) => {
                         let edge = s.placement.edges.get(&c.edge)?;
-                        (edge.labels.get(ADMISSION_LABEL).map(String::as_str) == Some("http")).then(|| {
-                            (
-                                c.edge.clone(),
-                                edge.address.clone(),
-                                AdmitRequest {
-                                    sandbox: c.id.clone(),
-                                    cpu_millis: c.cpu_millis,
-                                    memory_mb: c.memory_mb,
-                                    isolation: c.isolation.clone(),
-                                },
-                            )
-                        })
+                        if edge.labels.get(ADMISSION_LABEL).map(String::as_str) != Some("http") {
+                            return None;
+                        }
+                        // `decide` wrote it from a typed isolation, so it always parses.
+                        let isolation = Isolation::from_event(&c.isolation)?;
+                        Some((
+                            c.edge.clone(),
+                            edge.address.clone(),
+                            AdmitRequest {
+                                sandbox: c.id.clone(),
+                                cpu_millis: c.cpu_millis,
+                                memory_mb: c.memory_mb,
+                                isolation,
+                            },
+                        ))
                     }
                     _ => None,
                 })

@@ -127,9 +127,7 @@ impl Edge {
         let judge = self.clone();
         Arc::new(move |ask| {
             let observed = judge.last_observed.lock().expect("observed lock").clone();
-            let isolation = Isolation::from_event(&ask.isolation)
-                .ok_or_else(|| format!("admission: isolation {:?} is unknown to this edge", ask.isolation))?;
-            judge.admit_usage(&ask.sandbox, ask.cpu_millis, ask.memory_mb, isolation, &observed)?;
+            judge.admit_usage(&ask.sandbox, ask.cpu_millis, ask.memory_mb, ask.isolation, &observed)?;
             judge
                 .admitted
                 .lock()
