@@ -102,7 +102,7 @@ async fn follow(
                 }
             };
             for (index, batch) in batches {
-                let events = node.read(|s| slice_events(s, &edge, &batch));
+                let events = node.read(|s| slice_events(s, &edge, index, &batch));
                 if events.is_empty() {
                     skipped += 1;
                     if skipped >= PROGRESS_EVERY {

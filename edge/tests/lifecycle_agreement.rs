@@ -116,7 +116,7 @@ impl World {
         // The generator makes only events valid against the views: the property is
         // about what the log applies.
         assert_eq!(outcome, Outcome::Applied { index }, "{events:?}");
-        let mine = slice_events(&self.state, EDGE, &batch);
+        let mine = slice_events(&self.state, EDGE, index, &batch);
         if !mine.is_empty() {
             let entry = SliceEntry {
                 index,

@@ -476,6 +476,12 @@ pub struct AuditQuery {
 }
 
 impl AuditView {
+    /// What became of the batch at `index`, if it is recorded here.
+    pub fn result_at(&self, index: u64) -> Option<&AuditResult> {
+        let at = self.records.partition_point(|r| r.index < index);
+        self.records.get(at).filter(|r| r.index == index).map(|r| &r.result)
+    }
+
     /// Records matching `q` in log order, at most `q.limit`, and the cursor for the next page.
     pub fn query(&self, q: &AuditQuery) -> (Vec<&AuditRecord>, Option<u64>) {
         let start = match q.after_index {

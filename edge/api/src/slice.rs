@@ -8,11 +8,16 @@
 
 use crate::pb::{self, SliceEdge, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
 use opendsec_projections::schema::{self, Batch, Envelope};
-use opendsec_projections::{Event, Observed, Sandbox, State};
+use opendsec_projections::{AuditResult, Event, Observed, Sandbox, State};
 
-/// The events of `batch` that belong to `edge`'s slice (`state`: the views the batch
-/// was folded into).
-pub fn slice_events(state: &State, edge: &str, batch: &Batch) -> Vec<Envelope> {
+/// The events of `batch`, logged at `index`, that belong to `edge`'s slice (`state`:
+/// the views the batch was folded into). A batch the views did not apply (denied when
+/// decided, or rejected when applied because it lost a race) has none: an edge never
+/// acts on what the views do not hold.
+pub fn slice_events(state: &State, edge: &str, index: u64, batch: &Batch) -> Vec<Envelope> {
+    if state.audit.result_at(index).is_some_and(|r| *r != AuditResult::Ok) {
+        return vec![];
+    }
     let Ok(events) = schema::batch_events(batch) else {
         return vec![];
     };
@@ -103,5 +108,48 @@ pub fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
         snapshots,
         served,
         edges,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opendsec_projections::{Outcome, pb as events};
+
+    fn batch(events: Vec<Event>) -> Batch {
+        Batch {
+            time_ms: 1,
+            events: events.iter().map(Event::to_envelope).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_edge_gets_the_events_the_views_applied_and_none_of_a_rejected_batch() {
+        let mut state = State::new();
+        let registered = batch(vec![Event::EdgeRegistered(events::EdgeRegistered {
+            id: "e1".into(),
+            ordinal: 0,
+            address: "e1:1".into(),
+            ..Default::default()
+        })]);
+        assert_eq!(state.apply_batch(1, &registered), Outcome::Applied { index: 1 });
+        assert_eq!(slice_events(&state, "e1", 1, &registered).len(), 1);
+
+        // A sandbox in a project that does not exist: decided once, rejected when applied.
+        let lost = batch(vec![Event::SandboxCreated(events::SandboxCreated {
+            id: "s1".into(),
+            project: "nowhere".into(),
+            edge: "e1".into(),
+            image: "busybox".into(),
+            cpu_millis: 100,
+            memory_mb: 64,
+            ..Default::default()
+        })]);
+        assert!(matches!(
+            state.apply_batch(2, &lost),
+            Outcome::Rejected { index: 2, .. }
+        ));
+        assert!(slice_events(&state, "e1", 2, &lost).is_empty());
     }
 }
