@@ -15,6 +15,11 @@ pub fn put(out: &mut Vec<u8>, payload: &[u8]) {
 
 /// Reads one frame into `buf`; `Ok(false)` at a clean end between frames.
 pub async fn read<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+    read_at_most(r, buf, MAX_FRAME).await
+}
+
+/// As [`read`], refusing a frame longer than `max` before anything is allocated for it.
+pub async fn read_at_most<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>, max: usize) -> std::io::Result<bool> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
         Ok(_) => {}
@@ -22,10 +27,10 @@ pub async fn read<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> std::io
         Err(e) => return Err(e),
     }
     let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
+    if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("a frame of {len} bytes is over the limit of {MAX_FRAME}"),
+            format!("a frame of {len} bytes is over the limit of {max}"),
         ));
     }
     buf.resize(len, 0);

@@ -24,7 +24,16 @@
 //! from the TCP layer, and could select it by ALPN instead (one ALPN name per protocol,
 //! `opendsec-<protocol>`), the versions still negotiated here.
 
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// How long a server waits for a whole opening: a peer that connects and stays silent
+/// holds a connection no longer than this.
+pub const OPENING_WITHIN: Duration = Duration::from_secs(10);
+
+/// The largest hello a server reads (versions and credentials), checked before anything
+/// is allocated for it: an unauthenticated peer cannot make the node reserve more.
+pub const MAX_HELLO: usize = 4096;
 
 /// One of the peer port's own protocols: its magic, and the versions this build speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,17 +137,38 @@ impl Protocol {
         }
     }
 
-    /// Server side: reads the magic and the hello.
+    /// Server side: reads the magic and the hello, within [`OPENING_WITHIN`].
     pub async fn read_hello<R: AsyncRead + Unpin>(&self, r: &mut R) -> Result<Hello, HandshakeError> {
-        let mut magic = [0u8; 4];
-        r.read_exact(&mut magic).await.map_err(|e| self.io(e))?;
-        if magic != self.magic {
-            return Err(HandshakeError::NotSpoken { protocol: self.name });
-        }
-        let mut hello = Vec::new();
-        if !crate::frames::read(r, &mut hello).await.map_err(|e| self.io(e))? {
-            return Err(self.io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
+        self.read_hello_within(r, OPENING_WITHIN).await
+    }
+
+    /// As [`Self::read_hello`], giving the peer `within` for its whole opening.
+    pub async fn read_hello_within<R: AsyncRead + Unpin>(
+        &self,
+        r: &mut R,
+        within: Duration,
+    ) -> Result<Hello, HandshakeError> {
+        let read = async {
+            let mut magic = [0u8; 4];
+            r.read_exact(&mut magic).await.map_err(|e| self.io(e))?;
+            if magic != self.magic {
+                return Err(HandshakeError::NotSpoken { protocol: self.name });
+            }
+            let mut hello = Vec::new();
+            if !crate::frames::read_at_most(r, &mut hello, MAX_HELLO)
+                .await
+                .map_err(|e| self.io(e))?
+            {
+                return Err(self.io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            Ok(hello)
+        };
+        let hello = tokio::time::timeout(within, read).await.map_err(|_| {
+            self.io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no whole opening within {within:?}"),
+            ))
+        })??;
         let (&count, rest) = hello.split_first().ok_or_else(|| self.malformed("an empty hello"))?;
         let listed = 2 * count as usize;
         if rest.len() < listed {
@@ -209,6 +239,27 @@ mod tests {
         });
         let chosen = TEST.offer(&mut client, offered, b"key").await;
         (chosen, serve.await.expect("server"))
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stays_silent_or_announces_a_huge_hello_is_let_go() {
+        // Silent after the magic: given up on once its time is over.
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        client.write_all(b"ODTT").await.unwrap();
+        let silent = TEST.read_hello_within(&mut server, Duration::from_millis(50)).await;
+        assert!(
+            matches!(&silent, Err(HandshakeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut),
+            "{silent:?}"
+        );
+        // A hello announced at 64 MiB: refused before it is read or allocated.
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        client.write_all(b"ODTT").await.unwrap();
+        client.write_all(&(64u32 << 20).to_be_bytes()).await.unwrap();
+        let huge = TEST.read_hello(&mut server).await;
+        assert!(
+            matches!(&huge, Err(HandshakeError::Io { source, .. }) if source.kind() == std::io::ErrorKind::InvalidData),
+            "{huge:?}"
+        );
     }
 
     #[tokio::test]
