@@ -129,8 +129,13 @@ impl<S: StateMachine> RaftStateMachine<TypeConfig> for SmStore<S> {
                 done.push((index, response, responder, event));
             }
         }
-        let mut last = None;
-        for (index, response, responder, event) in done {
+        // The applied index is published before anyone hears of the entries: a proposer
+        // that reads right after its write returns (`read_entries`, which stops at the
+        // applied index) finds it.
+        if let Some((index, ..)) = done.last() {
+            self.shared.applied_tx.send_replace(Some(*index));
+        }
+        for (_, response, responder, event) in done {
             if let Some(r) = responder {
                 r.send(response);
             }
@@ -138,10 +143,6 @@ impl<S: StateMachine> RaftStateMachine<TypeConfig> for SmStore<S> {
                 // No subscriber is not an error.
                 let _ = self.shared.events.send(ev);
             }
-            last = Some(index);
-        }
-        if last.is_some() {
-            self.shared.applied_tx.send_replace(last);
         }
         Ok(())
     }
