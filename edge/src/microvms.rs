@@ -15,7 +15,10 @@
 //! - Tokens: a guest restored from another's memory (fork copy, sandbox from a snapshot)
 //!   holds its source's agent token; the edge re-keys it (`/.opendsec/rekey`, proving the
 //!   source's token) before it is reported ready, and checks again before every ready
-//!   report of such a VM, so an edge that died in between finishes the job.
+//!   report of such a VM, so an edge that died in between finishes the job. Each re-key
+//!   carries 64 bytes from the host's generator that the guest mixes into its kernel's
+//!   pool and reseeds from, so copies never share random numbers (their source's, or
+//!   each other's); a guest that cannot be reseeded is not reported ready.
 //! - A full VM (`isolation: vm`) is created with the driver's `q35` machine; every later
 //!   step (pause, resume, snapshot, fork, stop, re-key, observation) is the microVM's,
 //!   since the machine is in the VM's record. Edges with microVMs register with
@@ -249,16 +252,23 @@ impl MicroVms {
         }
     }
 
-    /// Makes sure the guest's agent takes this sandbox's own token. A guest restored from
-    /// another's memory holds that one's token (`source`): it is re-keyed with it. Asking
+    /// Makes sure the guest's agent takes this sandbox's own token, and reseeds the guest
+    /// kernel's random number generator from the host's. A guest restored from another's
+    /// memory holds that one's token (`source`): it is re-keyed with it. Asking
     /// with the right token already changes nothing, so this is safe to repeat (after an
     /// edge restart that came between a restore and its re-key, say).
     pub fn ensure_token(&self, id: &str, source: Option<&str>) -> Result<(), VmError> {
         let channel = self.handle(id)?.agent()?;
         let own = self.token(id);
         let ask = |current: &str| {
+            // Fresh bytes each time: the guest's generator is reseeded from them, so a
+            // copy never draws its source's (or a sibling's) random numbers.
+            let mut entropy = [0u8; 64];
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
+                .map_err(|e| VmError::Agent(format!("reading the host's /dev/urandom: {e}")))?;
             channel
-                .rekey(current, &own, REKEY_TIMEOUT)
+                .rekey(current, &own, &entropy, REKEY_TIMEOUT)
                 .map_err(|e| VmError::Agent(format!("re-keying the agent of {id}: {e}")))
         };
         match ask(&own)? {

@@ -648,9 +648,20 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     let agent = copy.agent().unwrap();
     copy.wait_agent(Duration::from_secs(60)).unwrap();
     let ttl = Duration::from_secs(10);
-    assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 401);
-    assert_eq!(agent.rekey(TOKEN, "copy-token", ttl).unwrap(), 204);
-    assert_eq!(agent.rekey("copy-token", "copy-token", ttl).unwrap(), 204, "repeatable");
+    // Each re-key carries bytes the guest reseeds its kernel's generator from.
+    let seed = [0x5a_u8; 64];
+    assert_eq!(agent.rekey("copy-token", "copy-token", &seed, ttl).unwrap(), 401);
+    assert_eq!(agent.rekey(TOKEN, "copy-token", &seed, ttl).unwrap(), 204);
+    assert_eq!(
+        agent.rekey("copy-token", "copy-token", &seed, ttl).unwrap(),
+        204,
+        "repeatable"
+    );
+    assert_eq!(
+        agent.rekey("copy-token", "copy-token", &[], ttl).unwrap(),
+        400,
+        "a re-key without entropy bytes is refused"
+    );
     let counted = rt()
         .block_on(agent.exec(
             "copy-token",

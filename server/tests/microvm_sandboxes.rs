@@ -395,6 +395,29 @@ async fn fork_of_a_microvm_gives_copies_with_its_memory_that_share_pages_and_div
         "fork x4 (REST) to all copies answered from the parent's memory",
         ms(t.elapsed()),
     );
+    // Each copy's random numbers are its own: the edge reseeded every copy's kernel
+    // generator when it re-keyed its agent, so no two copies (nor the parent) draw the
+    // same /dev/urandom bytes or seed Python's `random` alike.
+    let mut urandom = std::collections::BTreeSet::new();
+    let mut python = std::collections::BTreeSet::new();
+    for vm in copies.iter().chain([&parent]) {
+        let bytes = exec(&up, vm, "sh", &["-c", "head -c 16 /dev/urandom | od -An -tx1"]).await;
+        let seed = exec(
+            &up,
+            vm,
+            "python3",
+            &["-c", "import random; print(random.getrandbits(64))"],
+        )
+        .await;
+        assert!(
+            urandom.insert(bytes.clone()),
+            "{vm} drew /dev/urandom bytes another VM drew: {bytes}"
+        );
+        assert!(
+            python.insert(seed.clone()),
+            "{vm}'s Python random seed is another VM's: {seed}"
+        );
+    }
     // Then each goes its own way; the parent ran on all along, in the same process.
     assert_eq!(count(&up, &copies[0]).await, 4);
     assert_eq!(count(&up, &copies[0]).await, 5);

@@ -16,6 +16,7 @@
 mod chronus;
 mod config;
 mod connect;
+mod entropy;
 mod fdio;
 mod files;
 mod fs;

@@ -5,6 +5,12 @@
 //! the copy its own. The new token is handed to every later server of this agent (the
 //! supervisor keeps it in the state it hands over), so a restarted server keeps it.
 //! Asked again with the new token itself, it changes nothing: the edge may repeat it.
+//!
+//! The body may carry `"entropy": "<hex>"`, bytes from the edge's generator: they are
+//! mixed into the guest kernel's pool and its generator reseeded (see `entropy.rs`)
+//! before the token changes, so a copy never draws its source's random numbers. If that
+//! fails the answer is 500 and nothing changes: the edge fails the copy rather than run
+//! it with a generator it shares.
 
 use std::sync::RwLock;
 
@@ -49,12 +55,13 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
         Ok(b) => b.to_bytes(),
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("reading the body: {e}")),
     };
-    let new = match serde_json::from_slice::<serde_json::Value>(&body) {
-        Ok(v) => v.get("access_token").and_then(|t| t.as_str()).map(str::to_string),
+    let body = match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(v) => v,
         Err(e) => {
             return error(StatusCode::BAD_REQUEST, format!("the body is not JSON: {e}"));
         }
     };
+    let new = body.get("access_token").and_then(|t| t.as_str()).map(str::to_string);
     let Some(new) = new.filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic()))
     else {
         return error(
@@ -62,6 +69,21 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
             format!("access_token must be 1 to {MAX_TOKEN} printable characters"),
         );
     };
+    if let Some(entropy) = body.get("entropy") {
+        let Some(bytes) = entropy
+            .as_str()
+            .and_then(|h| hex::decode(h).ok())
+            .filter(|b| !b.is_empty() && b.len() <= crate::entropy::MAX_BYTES)
+        else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("entropy must be 1 to {} bytes in hex", crate::entropy::MAX_BYTES),
+            );
+        };
+        if let Err(e) = crate::entropy::mix_and_reseed(&bytes) {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, format!("entropy: {e}"));
+        }
+    }
     if token.get().as_deref() != Some(new.as_str()) {
         token.set(new.clone());
         if let Some(link) = crate::chronus::link() {

@@ -58,12 +58,14 @@ impl AgentChannel {
     }
 
     /// Gives the agent a new access token (`POST /.opendsec/rekey`), proving the current
-    /// one. Returns the agent's HTTP status: 204 when it took it (or already had it),
-    /// 401 when `current` is not its token.
-    pub fn rekey(&self, current: &str, new: &str, timeout: Duration) -> std::io::Result<u16> {
+    /// one, with `entropy` for the guest kernel's generator (mixed in and reseeded from
+    /// before the token changes). Returns the agent's HTTP status: 204 when it took both
+    /// (or already had the token), 401 when `current` is not its token, 500 when the
+    /// guest could not be reseeded.
+    pub fn rekey(&self, current: &str, new: &str, entropy: &[u8], timeout: Duration) -> std::io::Result<u16> {
         let mut stream = self.connect(timeout)?;
         stream.set_read_timeout(Some(timeout))?;
-        let body = json!({"access_token": new}).to_string();
+        let body = json!({"access_token": new, "entropy": hex::encode(entropy)}).to_string();
         let request = format!(
             "POST /.opendsec/rekey HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\
              X-Access-Token: {current}\r\nContent-Type: application/json\r\n\
