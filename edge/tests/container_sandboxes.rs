@@ -197,6 +197,7 @@ fn isolation_processes_network_proc_capabilities_seccomp_devices() {
         echo net: $(ls /sys/class/net); \
         echo kpagecgroup=$(cat /proc/kpagecgroup 2>/dev/null | wc -c); \
         echo kcore=$(cat /proc/kcore 2>/dev/null | wc -c); \
+        echo core_pattern=$(cat /proc/sys/kernel/core_pattern 2>/dev/null | wc -c); \
         grep -E '^(CapEff|Seccomp|NoNewPrivs):' /proc/self/status; \
         unshare -U true 2>/dev/null; echo unshare=$?; \
         mount -t tmpfs none /mnt 2>/dev/null; echo mount=$?; \
@@ -221,7 +222,10 @@ fn isolation_processes_network_proc_capabilities_seccomp_devices() {
         "sh is not PID 1: {ps:?}"
     );
     assert!(log.contains("net: lo\n"), "network interfaces other than lo:\n{log}");
-    assert!(log.contains("kpagecgroup=0\n") && log.contains("kcore=0\n"), "{log}");
+    assert!(
+        log.contains("kpagecgroup=0\n") && log.contains("kcore=0\n") && log.contains("core_pattern=0\n"),
+        "host-revealing files are masked: {log}"
+    );
     let cap_eff = log
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))

@@ -30,6 +30,8 @@ pub const MASKED_PATHS: &[&str] = &[
     "/proc/kpageflags",
     "/proc/kpagecount",
     "/proc/sysrq-trigger",
+    // The host's core dump handler (a path or a pipe to a host program).
+    "/proc/sys/kernel/core_pattern",
     "/sys/firmware",
     "/sys/devices/virtual/powercap",
 ];
