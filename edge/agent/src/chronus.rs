@@ -5,8 +5,8 @@
 //! owns the listening socket, a duplicate of every session's stdio/PTY fds,
 //! and the exit statuses of sessions whose server died; it runs the server
 //! (`opendsec-agent server`) as its child. The server does all the work
-//! (HTTP, processes, files). When the server dies (crash, `kill -9`, an
-//! upgrade: SIGHUP to the supervisor restarts it), the supervisor starts a
+//! (HTTP, processes, files). When the server dies (crash, `kill -9`, or
+//! SIGHUP to the supervisor, which restarts it), the supervisor starts a
 //! new one and hands it the listening socket (fd 3) and, over a
 //! SOCK_SEQPACKET socketpair (fd 4), every live session: its metadata, its
 //! fds (SCM_RIGHTS) and its exit status if it ended meanwhile. Output
@@ -373,7 +373,6 @@ struct Server {
 }
 
 struct Supervisor {
-    exe: std::path::PathBuf,
     args: Vec<String>,
     listen: OwnedFd,
     sessions: BTreeMap<u32, Session>,
@@ -415,8 +414,16 @@ impl Supervisor {
         };
         drop(theirs);
         let (l, c) = (listen.as_raw_fd(), control.as_raw_fd());
-        let spawn = |exe: &std::path::Path| {
-            let mut cmd = std::process::Command::new(exe);
+        // Always the image this supervisor runs, through the kernel's link to it
+        // (`/proc/self/exe` names the mapped file, not a path looked up again): sandbox
+        // root can rename the agent's directory and plant a program at its path, but
+        // never make the supervisor start it as the agent with the agent's socket.
+        let spawn = || {
+            let mut cmd = std::process::Command::new("/proc/self/exe");
+            // Named as the supervisor was started, for `ps`.
+            if let Some(name) = std::env::args_os().next() {
+                cmd.arg0(name);
+            }
             cmd.arg("server").args(&self.args);
             // SAFETY: dup2 and sigprocmask are async-signal-safe; the
             // sources are open.
@@ -436,9 +443,7 @@ impl Supervisor {
             }
             cmd.spawn()
         };
-        // The binary's path first, so that an upgrade that replaced it takes
-        // effect; the running image if that path is gone.
-        let child = spawn(&self.exe).or_else(|_| spawn(std::path::Path::new("/proc/self/exe")));
+        let child = spawn();
         drop((listen, control));
         let child = match child {
             Ok(c) => c,
@@ -609,7 +614,6 @@ impl Supervisor {
 
 /// Runs the supervisor: never returns.
 pub fn supervise(listen: OwnedFd, args: Vec<String>) -> ! {
-    let exe = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
     // SAFETY: signal-set manipulation on a local set.
     let sfd = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -625,7 +629,6 @@ pub fn supervise(listen: OwnedFd, args: Vec<String>) -> ! {
         std::process::exit(1);
     }
     let mut sup = Supervisor {
-        exe,
         args,
         listen,
         sessions: BTreeMap::new(),

@@ -238,6 +238,43 @@ async fn the_start_command_runs_once_across_restarts_and_readiness_carries_over(
     kill_server(&a).await;
 }
 
+/// The agent swap: sandbox root renames the agent's directory, plants a program at the
+/// agent's path that would run first and then exec the real agent, and kills the
+/// server. The supervisor restarts the agent it runs, never what is at the path now.
+#[tokio::test]
+async fn a_program_planted_at_the_agents_path_is_never_started_as_its_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let exe = bin.join("agent");
+    std::fs::copy(env!("CARGO_BIN_EXE_opendsec-agent"), &exe).unwrap();
+    let a = Agent::start_command(agent_command_of(&exe), dir, None, &[], |_| {}).await;
+
+    let moved = a.dir.path().join("bin.old");
+    std::fs::rename(&bin, &moved).unwrap();
+    std::fs::create_dir(&bin).unwrap();
+    let marker = a.dir.path().join("planted-ran");
+    let planted = format!(
+        "#!/bin/sh\necho ran > {}\nexec {} \"$@\"\n",
+        marker.display(),
+        moved.join("agent").display()
+    );
+    std::fs::write(&exe, planted).unwrap();
+    std::fs::set_permissions(&exe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+
+    let new = kill_server(&a).await;
+    let exe_of_new = std::fs::read_link(format!("/proc/{new}/exe")).unwrap();
+    assert!(!exists(&marker), "the planted program ran");
+    assert_eq!(
+        exe_of_new,
+        moved.join("agent"),
+        "the new server runs the agent's own image"
+    );
+    // And it still answers as the agent.
+    let (out, _, _, end) = a.stream(START, sh("echo still-me"), &[]).await.collect().await;
+    assert_eq!((out.as_str(), &end["exitCode"]), ("still-me\n", &json!(0)));
+}
+
 #[tokio::test]
 async fn sighup_restarts_the_server_and_sigterm_still_ends_everything() {
     let mut a = Agent::start().await;

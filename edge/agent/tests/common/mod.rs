@@ -86,7 +86,12 @@ pub fn unb64(s: &str) -> Vec<u8> {
 /// `opendsec-agent serve` with root as the default user (the host has no
 /// `user`), without a listen address.
 pub fn agent_command() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec-agent"));
+    agent_command_of(Path::new(env!("CARGO_BIN_EXE_opendsec-agent")))
+}
+
+/// As [`agent_command`], running the agent binary at `exe`.
+pub fn agent_command_of(exe: &Path) -> Command {
+    let mut cmd = Command::new(exe);
     cmd.args(["serve", "--default-user", "root"]);
     cmd
 }
@@ -147,9 +152,19 @@ impl Agent {
         extra: &[&str],
         prepare: impl FnOnce(&Path),
     ) -> Agent {
+        Self::start_command(agent_command(), dir, token, extra, prepare).await
+    }
+
+    /// As `start_in`, with the command to start (see [`agent_command_of`]).
+    pub async fn start_command(
+        mut cmd: Command,
+        dir: tempfile::TempDir,
+        token: Option<&str>,
+        extra: &[&str],
+        prepare: impl FnOnce(&Path),
+    ) -> Agent {
         prepare(dir.path());
         let sock = dir.path().join("agent.sock");
-        let mut cmd = agent_command();
         cmd.arg("--listen").arg(format!("unix:{}", sock.display()));
         if let Some(t) = token {
             let f = dir.path().join("token");
