@@ -188,6 +188,13 @@ impl Up {
 
     /// Like `exec`, but a stream cut short (the sandbox died under it) is an error.
     async fn try_exec(&self, id: &str, cmd: &str) -> Result<(String, i64), String> {
+        self.try_exec_as(id, cmd, None).await
+    }
+
+    /// Like `try_exec`, as `user` (E2B's `Authorization: Basic <user:>`), or as the
+    /// sandbox's default user.
+    async fn try_exec_as(&self, id: &str, cmd: &str, user: Option<&str>) -> Result<(String, i64), String> {
+        use base64::Engine;
         let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}})).unwrap();
         let mut frame = vec![0u8];
         frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
@@ -195,9 +202,14 @@ impl Up {
         // The edge may still be starting (after a restart): retry while it refuses connections.
         let deadline = Instant::now() + Duration::from_secs(30);
         let r = loop {
-            let sent = self
+            let mut request = self
                 .client
-                .post(format!("http://{}/sandboxes/{id}/process.Process/Start", self.edge))
+                .post(format!("http://{}/sandboxes/{id}/process.Process/Start", self.edge));
+            if let Some(user) = user {
+                let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
+                request = request.header("authorization", format!("Basic {basic}"));
+            }
+            let sent = request
                 .header("x-opendsec-edge-key", &self.key)
                 // The agent answers only with the sandbox's own access token.
                 .header(
@@ -227,7 +239,6 @@ impl Up {
             let m: Value = serde_json::from_slice(&bytes[i + 5..i + 5 + n]).unwrap();
             i += 5 + n;
             if let Some(d) = m["event"]["data"]["stdout"].as_str() {
-                use base64::Engine;
                 out.push_str(&String::from_utf8_lossy(
                     &base64::engine::general_purpose::STANDARD.decode(d).unwrap(),
                 ));
@@ -420,7 +431,11 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
             "ps -o comm= > /tmp/ps; grep -vxE 'ps|sh' /tmp/ps | sort | uniq -c | awk '{print $1, $2}'",
             "2 agent\n",
         ),
-        ("ls /proc/$(pgrep -x agent | grep -vx 1)/fd 2>/dev/null | wc -l", "0\n"),
+        (
+            "s=$(ps -o pid,ppid,comm | awk '$2 == 1 && $3 == \"agent\" {print $1}'); \
+             test -n \"$s\" && ls /proc/$s/fd 2>/dev/null | wc -l",
+            "0\n",
+        ),
         // No network but loopback.
         ("ls /sys/class/net", "lo\n"),
         // Kernel page data stays hidden.
@@ -449,6 +464,32 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     assert!(out.trim_end().ends_with('0'), "the sandbox's disk is full: {out}");
     let (out, code) = up.exec(&b, "echo fine").await;
     assert_eq!((out.as_str(), code), ("fine\n", 0), "the other sandbox is unaffected");
+
+    // The agent swap: root in the sandbox moves the agent's directory away, plants a
+    // program at the agent's path (it would run, then exec the real agent) and a token
+    // of its own, and kills the agent's server. The supervisor restarts the agent it
+    // runs, with the token it booted with: the planted program never runs, the
+    // sandbox's own token still opens it.
+    let plant = "rm -f /home/user/fill; mv /.opendsec /.od-old && mkdir -p /.opendsec/config && \
+        cp /.od-old/config/* /.opendsec/config/ && echo planted-token > /.opendsec/config/token && \
+        printf '#!/bin/sh\\necho ran > /tmp/planted-ran\\nexec /.od-old/agent \"$@\"\\n' > /.opendsec/agent && \
+        chmod 755 /.opendsec/agent && echo planted as $(id -u)";
+    let (out, _) = up.try_exec_as(&a, plant, Some("root")).await.unwrap();
+    assert_eq!(out, "planted as 0\n", "sandbox root planted its agent");
+    // The stream that kills the server is cut short with it.
+    let kill_server = "kill -9 $(ps -o pid,ppid,comm | awk '$2 == 1 && $3 == \"agent\" {print $1}')";
+    let _ = up.try_exec_as(&a, kill_server, Some("root")).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let out = loop {
+        match up.try_exec(&a, "cat /tmp/planted-ran 2>/dev/null || echo clean").await {
+            Ok((out, 0)) => break out,
+            other => {
+                assert!(Instant::now() < deadline, "the agent did not come back: {other:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(out, "clean\n", "the planted program ran as the agent");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

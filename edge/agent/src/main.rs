@@ -185,6 +185,17 @@ fn main() {
         // reap: to the server, and when the server dies to the supervisor.
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
+    // A server is started through `/proc/self/exe` (see `chronus`), which would name
+    // it `exe`: it takes the name it was given in argv[0], as `ps` shows the agent.
+    if args.role == Role::Server
+        && let Some(name) = std::env::args_os()
+            .next()
+            .and_then(|a| std::path::Path::new(&a).file_name().map(|n| n.to_os_string()))
+        && let Ok(name) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()))
+    {
+        // SAFETY: PR_SET_NAME reads a NUL-terminated string (truncated to 15 bytes).
+        unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+    }
     cloexec_inherited_fds();
     // Both roles read the files: the supervisor so that a bad file stops
     // the sandbox at boot with a clear message, each server because it is
@@ -332,10 +343,17 @@ async fn run(
     let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
     let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
-    // A token given by `rekey` to an earlier server outranks the file's.
+    // A token given by `rekey` to an earlier server outranks the file's, and so does the
+    // one the first server read: it read the file at boot, before any sandbox code ran,
+    // so a later server never takes a token that sandbox root planted at that path.
     let token = match saved.remove("access_token") {
         Some(serde_json::Value::String(t)) => Some(t),
-        _ => token,
+        _ => {
+            if let (Some(link), Some(t)) = (chronus::link(), &token) {
+                link.save_state("access_token", serde_json::json!(t));
+            }
+            token
+        }
     };
     let readiness = match handoff {
         // A restarted server: take over the sessions and the start

@@ -270,9 +270,24 @@ async fn a_program_planted_at_the_agents_path_is_never_started_as_its_server() {
         moved.join("agent"),
         "the new server runs the agent's own image"
     );
+    let comm = std::fs::read_to_string(format!("/proc/{new}/comm")).unwrap();
+    assert_eq!(comm, "agent\n", "the server keeps the agent's name for ps");
     // And it still answers as the agent.
     let (out, _, _, end) = a.stream(START, sh("echo still-me"), &[]).await.collect().await;
     assert_eq!((out.as_str(), &end["exitCode"]), ("still-me\n", &json!(0)));
+}
+
+/// Sandbox root may rewrite the token file the agent booted with; a restarted server
+/// keeps the token the first one read at boot.
+#[tokio::test]
+async fn a_token_planted_in_the_token_file_is_not_taken_by_a_restarted_server() {
+    let mut a = Agent::start_with(Some("boot-token")).await;
+    std::fs::write(a.dir.path().join("token"), "planted").unwrap();
+    kill_server(&a).await;
+    a.token = Some("planted".into());
+    assert_eq!(a.unary("/process.Process/List", json!({})).await.0, 401);
+    a.token = Some("boot-token".into());
+    assert_eq!(a.unary("/process.Process/List", json!({})).await.0, 200);
 }
 
 #[tokio::test]
