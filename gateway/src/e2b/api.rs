@@ -793,23 +793,26 @@ async fn network(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     Ok(no_content())
 }
 
-/// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
-/// gateway acts as the control plane here: the request proved it holds the sandbox's
-/// access token.
 /// Readies sandbox `x` for a request to it: a paused one created with auto-resume is
-/// resumed (through the log), and one whose resume is under way (desired running,
-/// observed paused) is waited for, rather than the request meeting a frozen sandbox.
-/// Returns its state once it runs, or `None` if nothing was needed.
+/// resumed (through the log), and one whose resume or start is under way (desired
+/// running, observed paused or pending) is waited for, rather than the request meeting a
+/// frozen sandbox or one its edge does not run yet. Returns its state once it runs, or
+/// `None` if nothing was needed.
 pub(crate) async fn ready_for_traffic(st: &AppState, x: &Sandbox) -> R<Option<Sandbox>> {
     if x.desired == Desired::Paused && x.auto_resume {
         auto_resume(st, &x.id).await.map(Some)
-    } else if x.desired == Desired::Running && x.observed == Observed::Paused {
+    } else if x.desired == Desired::Running && matches!(x.observed, Observed::Paused | Observed::Pending) {
+        // Resuming, or still starting (a call right after a create or fork that did not
+        // wait): the call waits until the sandbox runs, rather than failing.
         wait_ready(st, &x.id).await.map(Some)
     } else {
         Ok(None)
     }
 }
 
+/// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
+/// gateway acts as the control plane here: the request proved it holds the sandbox's
+/// access token.
 pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
     let headers = HeaderMap::new();
     let spent = st.node.read(|s| {

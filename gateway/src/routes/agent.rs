@@ -93,10 +93,14 @@ pub async fn proxy(
         Ok((edge.address.clone(), x.clone()))
     })?;
     // A paused sandbox created with auto_resume resumes on this request (a microVM is
-    // restored into a new VMM meanwhile); a resume under way is waited for.
-    crate::e2b::api::ready_for_traffic(&st, &x)
-        .await
-        .map_err(|e| ApiError::new(e.status, "unavailable", format!("resuming sandbox {id}: {}", e.message)))?;
+    // restored into a new VMM meanwhile); a resume or a start under way is waited for.
+    crate::e2b::api::ready_for_traffic(&st, &x).await.map_err(|e| {
+        ApiError::new(
+            e.status,
+            "unavailable",
+            format!("waiting for sandbox {id} to run: {}", e.message),
+        )
+    })?;
     let user = match req.headers().get(USER_HEADER) {
         None => None,
         Some(v) => {
