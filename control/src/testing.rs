@@ -93,6 +93,18 @@ pub async fn single_node() -> TestNode {
     single_node_with(|_| {}).await
 }
 
+/// Reports sandbox `id` running, as its edge does once it has started it (tests whose
+/// "edge" is a proxy in front of an agent they started themselves).
+pub async fn report_ready(node: &ControlNode, id: &str) {
+    let ready = Command::ReportSandbox {
+        sandbox: id.to_string(),
+        observation: opendsec_commands::Observation::Ready,
+    };
+    node.submit(Credential::System, format!("ready:{id}"), ready)
+        .await
+        .unwrap_or_else(|e| panic!("reporting {id} ready: {e:?}"));
+}
+
 /// Waits (up to 10 s) until the node knows a leader.
 pub async fn wait_for_leader(node: &ControlNode) {
     for _ in 0..200 {

@@ -79,6 +79,8 @@ impl Env {
         assert_eq!(s, 201, "{b}");
         let id = b["sandbox"]["id"].as_str().unwrap().to_string();
         self.sockets.lock().unwrap().insert(id.clone(), socket.to_path_buf());
+        // Its edge reports it running (a call to a sandbox still starting waits for that).
+        opendsec_control::testing::report_ready(&self.t.node, &id).await;
         id
     }
 

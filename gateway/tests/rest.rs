@@ -769,15 +769,7 @@ async fn microvms_snapshots_and_tasks_through_rest() {
     api.ok("POST", "/v1/edges", &admin, Some(vm_edge), 200).await;
     let ready = |id: String| {
         let node = api.t.node.clone();
-        async move {
-            let cmd = opendsec_commands::Command::ReportSandbox {
-                sandbox: id,
-                observation: opendsec_commands::Observation::Ready,
-            };
-            node.submit(opendsec_control::Credential::System, "ready".into(), cmd)
-                .await
-                .unwrap();
-        }
+        async move { opendsec_control::testing::report_ready(&node, &id).await }
     };
 
     // The isolation is a create option; bad values and sizes are 400s naming the field.

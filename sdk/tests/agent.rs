@@ -68,6 +68,8 @@ impl Env {
             .sandbox
             .id;
         sockets.lock().unwrap().insert(id.clone(), socket);
+        // Its edge reports it running (a call to a sandbox still starting waits for that).
+        opendsec_control::testing::report_ready(&t.node, &id).await;
         Env {
             url,
             t,
