@@ -10,7 +10,6 @@ pub mod types;
 
 pub use agent::{ExecOutput, ExecRequest, PtyControl, PtyEvent, PtyRequest, PtySession};
 
-use agent::error_of;
 use reqwest::{Method, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -488,5 +487,36 @@ impl Client {
             None,
         )
         .await
+    }
+}
+
+/// The error of a non-2xx answer: the gateway's `{code,message,field}`, the agent's
+/// Connect error, or its `/files` error (`{"code": 404, "message"}`); otherwise its
+/// status and the start of its body.
+async fn error_of(resp: reqwest::Response) -> ApiError {
+    use serde_json::Value;
+    let status = resp.status();
+    let bytes = resp.bytes().await.unwrap_or_default();
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let code = match &v["code"] {
+        Value::String(s) => s.clone(),
+        _ => status
+            .canonical_reason()
+            .unwrap_or("http")
+            .to_lowercase()
+            .replace(' ', "_"),
+    };
+    let message = match v["message"].as_str() {
+        Some(m) => m.to_string(),
+        None => format!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&bytes).chars().take(200).collect::<String>()
+        ),
+    };
+    ApiError {
+        status: status.as_u16(),
+        code,
+        message,
+        field: v["field"].as_str().map(Into::into),
     }
 }

@@ -437,14 +437,7 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     // (pending here: no real edge takes it).
     let r = ctl(&["sandbox", "snapshot", &id, "--no-wait"], &env).await;
     assert!(r.code == 1 && r.stderr.contains("not running yet"), "{}", r.stderr);
-    let ready = opendsec_commands::Command::ReportSandbox {
-        sandbox: id.clone(),
-        observation: opendsec_commands::Observation::Ready,
-    };
-    s.t.node
-        .submit(opendsec_control::Credential::System, "ready".into(), ready)
-        .await
-        .unwrap();
+    opendsec_control::testing::report_ready(&s.t.node, &id).await;
     let r = ctl(
         &[
             "--output",
