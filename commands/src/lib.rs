@@ -206,6 +206,13 @@ pub enum Observation {
         oom_killed: bool,
         reason: String,
     },
+    /// The kernel's OOM killer ended a process inside a running sandbox, which lives on:
+    /// `kills` is the count over the sandbox's life (so a repeated report changes
+    /// nothing), `command` the last one's program ("" when the edge could not tell).
+    OomKilled {
+        kills: u64,
+        command: String,
+    },
 }
 
 impl Command {

@@ -334,6 +334,57 @@ fn a_create_with_a_timeout_expires_that_long_after_it_was_decided() {
 }
 
 #[test]
+fn a_process_killed_for_memory_is_counted_and_the_sandbox_lives_on() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let s = w.sandbox(&admin, &root);
+    w.report(&admin, &s, Observation::Ready);
+    w.report(
+        &admin,
+        &s,
+        Observation::OomKilled {
+            kills: 1,
+            command: "python3".into(),
+        },
+    );
+    let x = &w.state.sandboxes.sandboxes[&s];
+    assert_eq!(
+        (x.observed, x.oom_kills, x.last_oom_command.as_deref(), x.released),
+        (Observed::Ready, 1, Some("python3"), false)
+    );
+    assert_eq!(w.usage(&root).sandboxes, 1, "it still holds its quota");
+    // The edge repeats what the log already has (after a restart, say): refused, unchanged.
+    let again = Command::ReportSandbox {
+        sandbox: s.clone(),
+        observation: Observation::OomKilled {
+            kills: 1,
+            command: "python3".into(),
+        },
+    };
+    assert_eq!(w.run(&admin, again).unwrap_err().kind, K::Conflict);
+    // Later kills raise the count; a name the edge could not read is left out.
+    w.report(
+        &admin,
+        &s,
+        Observation::OomKilled {
+            kills: 3,
+            command: String::new(),
+        },
+    );
+    let x = &w.state.sandboxes.sandboxes[&s];
+    assert_eq!((x.oom_kills, x.last_oom_command.as_deref()), (3, None));
+    let zero = Command::ReportSandbox {
+        sandbox: s.clone(),
+        observation: Observation::OomKilled {
+            kills: 0,
+            command: "x".into(),
+        },
+    };
+    let e = w.run(&admin, zero).unwrap_err();
+    assert_eq!((e.kind, e.field.as_deref()), (K::Invalid, Some("observation.kills")));
+}
+
+#[test]
 fn an_oom_kill_reported_by_the_edge_shows_in_the_view() {
     let (mut w, admin) = World::with_admin_and_edge();
     let root = w.root.clone();

@@ -51,6 +51,9 @@ pub struct DesiredSandbox {
     /// When that edge is another one: the transfer to pull the state by.
     #[serde(default)]
     pub transfer: Option<String>,
+    /// OOM kills inside it that the log records (the edge reports when it sees more).
+    #[serde(default)]
+    pub oom_kills: u64,
 }
 
 /// What a served transfer carries.
@@ -153,6 +156,7 @@ impl DesiredSandbox {
             isolation: decode_isolation(s.isolation)?,
             source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
             transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
+            oom_kills: s.oom_kills,
         })
     }
 }
@@ -395,6 +399,7 @@ impl SliceState {
                     isolation: isolation_of(&c.isolation)?,
                     source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
                     transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
+                    oom_kills: 0,
                 };
                 self.sandboxes.insert(c.id.clone(), d);
             }
@@ -422,6 +427,7 @@ impl SliceState {
                         s.kill_reason.get_or_insert_with(|| k.reason.clone());
                     }
                     Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
+                    Event::SandboxOomKilled(o) => s.oom_kills = s.oom_kills.max(o.kills),
                     _ => {}
                 }
                 s.advance(ev);

@@ -358,6 +358,7 @@ impl MicroVms {
             disk_used,
             disk_total,
             runtime: runtime_of(&vm).ok(),
+            oom_kills: 0,
         })
     }
 

@@ -287,6 +287,9 @@ pub struct Sample {
     pub mem_cache: u64,
     pub disk_used: u64,
     pub disk_total: u64,
+    /// Processes the OOM killer ended inside it (a container's memory cgroup counts them;
+    /// 0 for a VM, whose guest kernel kills on its own).
+    pub oom_kills: u64,
     /// A VM's VMM and accelerator (see `MicroVms::runtime`); `None` for a container.
     pub runtime: Option<(String, String)>,
 }
@@ -399,6 +402,7 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
         "mem_cache": b.mem_cache,
         "disk_used": b.disk_used,
         "disk_total": b.disk_total,
+        "oom_kills": b.oom_kills,
     });
     if let Some((vmm, accelerator)) = &b.runtime {
         body["vmm"] = vmm.as_str().into();

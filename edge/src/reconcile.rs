@@ -27,14 +27,19 @@ pub enum Running {
     Running,
     /// Frozen.
     Paused,
-    /// Its main process ended.
+    /// Its main process ended (`oom_killed`: the OOM killer ended it).
     Exited { exit_code: i32, oom_killed: bool },
-    /// Still running, but its memory cgroup has OOM-killed a process: a sandbox that
-    /// exceeded its memory limit is ended as a whole, and the log says why.
-    OutOfMemory,
     /// It ended without being asked to (a microVM whose QEMU died: the guest panicked or
     /// rebooted, its agent is gone, or the process was killed), and why.
     Failed { reason: String },
+}
+
+/// The kernel's OOM killer ended processes inside a sandbox that lives on: how many over
+/// its life, and the last one's program ("" when the edge could not tell).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OomKills {
+    pub kills: u64,
+    pub command: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,7 +109,7 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
     let id = d.id.clone();
     // The log says it ended (reported failed), yet something of it still runs here:
     // end that too, so nothing the log does not count runs on.
-    if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused | Running::OutOfMemory)) {
+    if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused)) {
         return vec![Action::Stop {
             id,
             reason: "ended".into(),
@@ -162,10 +167,6 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
         }
         // Must end: stop it; its exit is reported on the next round.
         (Some(_), Some(reason)) => vec![Action::Stop { id, reason }],
-        (Some(Running::OutOfMemory), None) => vec![Action::Stop {
-            id,
-            reason: "oom".into(),
-        }],
         // Gone, and must end: say so if the log does not know yet.
         (None, Some(reason)) => {
             if d.is_terminal() {
@@ -204,6 +205,25 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
             _ => vec![report(&id, Observation::Paused)],
         },
     }
+}
+
+/// The OOM kills to report: those seen inside a sandbox that the log does not count yet.
+/// The sandbox lives on (as a VM would); one that is ending has nothing more to say.
+pub fn plan_oom(slice: &SliceState, seen: &BTreeMap<String, OomKills>) -> Vec<Action> {
+    seen.iter()
+        .filter_map(|(id, o)| {
+            let d = slice.sandboxes.get(id)?;
+            (o.kills > d.oom_kills && !d.is_terminal() && d.desired != Desired::Killed).then(|| {
+                report(
+                    id,
+                    Observation::OomKilled {
+                        kills: o.kills,
+                        command: o.command.clone(),
+                    },
+                )
+            })
+        })
+        .collect()
 }
 
 /// The snapshot actions: take the pending ones whose sandbox still runs here (a snapshot
@@ -301,10 +321,6 @@ pub fn plan(slice: &SliceState, observed: &BTreeMap<String, Running>, now_ms: u6
         if !slice.sandboxes.contains_key(id) {
             match state {
                 Running::Exited { .. } | Running::Failed { .. } => actions.push(Action::Remove { id: id.clone() }),
-                Running::OutOfMemory => actions.push(Action::Stop {
-                    id: id.clone(),
-                    reason: "orphan".into(),
-                }),
                 _ => actions.push(Action::Stop {
                     id: id.clone(),
                     reason: "orphan".into(),
@@ -338,6 +354,7 @@ mod tests {
             isolation: Default::default(),
             source_edge: None,
             transfer: None,
+            oom_kills: 0,
         }
     }
 
@@ -656,16 +673,55 @@ mod tests {
         );
     }
 
+    fn oom_seen(id: &str, kills: u64, command: &str) -> BTreeMap<String, OomKills> {
+        BTreeMap::from([(
+            id.to_string(),
+            OomKills {
+                kills,
+                command: command.into(),
+            },
+        )])
+    }
+
     #[test]
-    fn a_sandbox_over_its_memory_is_ended_as_a_whole() {
+    fn a_process_killed_for_memory_is_reported_and_the_sandbox_runs_on() {
         let d = sandbox(Desired::Running, Observed::Ready);
+        // Running, with one kill seen: nothing is stopped...
+        assert_eq!(check(d.clone(), Some(Running::Running), 0), vec![]);
+        // ...and the kill is reported until the log counts it.
+        let mut slice = SliceState::default();
+        slice.sandboxes.insert("s1".into(), d);
         assert_eq!(
-            check(d, Some(Running::OutOfMemory), 0),
-            vec![Action::Stop {
-                id: "s1".into(),
-                reason: "oom".into()
-            }]
+            plan_oom(&slice, &oom_seen("s1", 1, "python3")),
+            rep(Observation::OomKilled {
+                kills: 1,
+                command: "python3".into()
+            })
         );
+        slice.sandboxes.get_mut("s1").unwrap().oom_kills = 1;
+        assert_eq!(plan_oom(&slice, &oom_seen("s1", 1, "python3")), vec![]);
+        assert_eq!(
+            plan_oom(&slice, &oom_seen("s1", 3, "node")),
+            rep(Observation::OomKilled {
+                kills: 3,
+                command: "node".into()
+            })
+        );
+    }
+
+    #[test]
+    fn a_sandbox_that_is_ending_reports_no_more_oom_kills() {
+        let mut slice = SliceState::default();
+        slice
+            .sandboxes
+            .insert("s1".into(), sandbox(Desired::Killed, Observed::Ready));
+        assert_eq!(plan_oom(&slice, &oom_seen("s1", 1, "x")), vec![]);
+        slice
+            .sandboxes
+            .insert("s1".into(), sandbox(Desired::Running, Observed::Exited));
+        assert_eq!(plan_oom(&slice, &oom_seen("s1", 1, "x")), vec![]);
+        // Not in the slice at all (an orphan): nothing to report either.
+        assert_eq!(plan_oom(&SliceState::default(), &oom_seen("s1", 1, "x")), vec![]);
     }
 
     #[test]

@@ -100,6 +100,8 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         exit_code: s.exit_code,
         oom_killed: s.oom_killed,
         reason: s.reason.clone(),
+        oom_kills: s.oom_kills,
+        last_oom_command: s.last_oom_command.clone(),
         live: s.is_live(),
         index: s.index,
         isolation: isolation(s.isolation),

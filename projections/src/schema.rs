@@ -96,6 +96,7 @@ events!(
     SnapshotReady,
     SnapshotFailed,
     SnapshotDeleted,
+    SandboxOomKilled,
 );
 
 impl Event {
@@ -129,6 +130,7 @@ impl Event {
             Event::SandboxExited(e) => &e.id,
             Event::SandboxTimedOut(e) => &e.id,
             Event::SandboxNetworkSet(e) => &e.id,
+            Event::SandboxOomKilled(e) => &e.id,
             // A snapshot lives on the edge of the sandbox it was taken from.
             Event::SnapshotRequested(e) => &e.sandbox,
             Event::SnapshotReady(e) => &e.sandbox,

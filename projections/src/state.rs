@@ -560,6 +560,8 @@ impl State {
                     source_edge: (!e.source_edge.is_empty()).then(|| e.source_edge.clone()),
                     transfer: (!e.transfer.is_empty()).then(|| e.transfer.clone()),
                     runtime: None,
+                    oom_kills: 0,
+                    last_oom_command: None,
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {
@@ -640,6 +642,13 @@ impl State {
                         vmm: e.vmm.clone(),
                         accelerator: e.accelerator.clone(),
                     });
+                }
+            }),
+            Event::SandboxOomKilled(e) => self.touch(&e.id, index, t, |s| {
+                // Reports may repeat after an edge restart: the count only grows.
+                if e.kills > s.oom_kills {
+                    s.oom_kills = e.kills;
+                    s.last_oom_command = (!e.command.is_empty()).then(|| e.command.clone());
                 }
             }),
             Event::SandboxPaused(e) => self.touch(&e.id, index, t, |s| {

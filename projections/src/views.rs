@@ -349,6 +349,16 @@ pub struct Sandbox {
     /// How a VM runs, as its edge last reported it ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<Runtime>,
+    /// Processes the kernel's OOM killer ended inside it while it lived on.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub oom_kills: u64,
+    /// The program of the last of them, when its edge could tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_oom_command: Option<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// How an edge runs a VM sandbox.

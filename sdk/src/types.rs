@@ -257,8 +257,16 @@ pub struct Sandbox {
     /// What the edge last reported: pending, ready, paused, failed or exited.
     pub observed: String,
     pub exit_code: Option<i32>,
+    /// It ended because the OOM killer ended its init.
     pub oom_killed: bool,
     pub reason: Option<String>,
+    /// Processes the OOM killer ended inside it while it lived on (as in a VM, one
+    /// process's OOM does not end the sandbox).
+    #[serde(default)]
+    pub oom_kills: u64,
+    /// The program of the last of them, when its edge could tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_oom_command: Option<String>,
     /// False once it has ended and given its quota back.
     pub live: bool,
     /// Log index of the last change.
@@ -299,6 +307,10 @@ pub struct SandboxMetrics {
     pub mem_cache: u64,
     pub disk_used: u64,
     pub disk_total: u64,
+    /// Processes the OOM killer ended inside a container sandbox, which lived on (0 for
+    /// a VM).
+    #[serde(default)]
+    pub oom_kills: u64,
     /// A VM's VMM (`qemu`, `firecracker`); absent for a container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vmm: Option<String>,

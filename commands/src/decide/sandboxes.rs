@@ -323,6 +323,28 @@ pub(super) fn report(s: &Scope, sandbox: &str, observation: &Observation) -> Res
                 reason: reason.clone(),
             })
         }
+        Observation::OomKilled { kills, command } => {
+            validate::text("observation.command", command, LIMITS.reason_len)?;
+            if *kills == 0 {
+                return Err(Rejection::field(
+                    K::Invalid,
+                    "observation.kills",
+                    "an OOM report counts at least one kill",
+                ));
+            }
+            if *kills <= x.oom_kills {
+                return Err(Rejection::field(
+                    K::Conflict,
+                    "observation.kills",
+                    format!("sandbox {sandbox} already has {} OOM kills recorded", x.oom_kills),
+                ));
+            }
+            Event::SandboxOomKilled(pb::SandboxOomKilled {
+                id,
+                kills: *kills,
+                command: command.clone(),
+            })
+        }
         Observation::Exited {
             exit_code,
             oom_killed,

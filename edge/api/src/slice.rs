@@ -57,6 +57,7 @@ pub fn slice_sandbox(s: &Sandbox) -> SliceSandbox {
         source_edge: s.source_edge.clone().unwrap_or_default(),
         transfer: s.transfer.clone().unwrap_or_default(),
         edge: s.edge.clone(),
+        oom_kills: s.oom_kills,
     }
 }
 

@@ -15,6 +15,7 @@
 pub mod cgroup;
 mod disk;
 pub mod oci;
+pub mod oom;
 pub mod runtime;
 pub mod shim;
 pub mod warm;
@@ -168,7 +169,7 @@ pub struct ExitInfo {
     /// The exit code, or 128 + signal when killed by a signal.
     pub exit_code: i32,
     pub signal: Option<i32>,
-    /// The sandbox's memory cgroup recorded an OOM kill.
+    /// Init was killed by SIGKILL and the sandbox's memory cgroup counts OOM kills.
     pub oom_killed: bool,
 }
 

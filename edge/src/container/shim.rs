@@ -6,7 +6,7 @@
 //! subreaper, runs `<runtime> run --detach` (create + start) with PID 1's stdout and
 //! stderr on a pipe it drains into a size-capped log, reports "ok" or the error on the
 //! status pipe, then waits for PID 1 (reparented to it when the runtime exits) and
-//! writes `exit.json` with the exit code, signal and whether the cgroup saw an OOM kill.
+//! writes `exit.json` with the exit code, signal and whether the OOM killer ended it.
 //!
 //! With `--create-only` it runs `<runtime> create` instead: PID 1 then waits for the
 //! edge's `<runtime> start` (a warm container, see `super::warm`). The shim works in
@@ -286,7 +286,10 @@ fn run(dir: &Path, bundle: &Path, create_only: bool) -> Result<(), ContainerErro
     while !pump.is_finished() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
-    let oom = cgroup::oom_kills(&record.cgroups_path).unwrap_or(0) > 0;
+    // Inside its PID namespace nothing can SIGKILL init; from outside, the edge's stop
+    // does (and says why itself) or the OOM killer does, which the cgroup counts. A
+    // process killed earlier for memory does not make init's own end an OOM.
+    let oom = exit.1 == Some(libc::SIGKILL) && cgroup::oom_kills(&record.cgroups_path).unwrap_or(0) > 0;
     let info = ExitInfo {
         exit_code: exit.0,
         signal: exit.1,

@@ -109,7 +109,7 @@ impl Edge {
     /// What runs on this machine, as the backends see it. A sandbox being created is
     /// observed once its creation has finished.
     pub(super) fn observe(&self, creating: &BTreeSet<String>) -> Result<BTreeMap<String, Running>, EdgeError> {
-        let mut out = containers::observe(&self.containers, &self.oom_seen, creating)?;
+        let mut out = containers::observe(&self.containers, &self.oom_seen, &self.oom_log, creating)?;
         if let Ok(vms) = self.machines.ready() {
             out.extend(vms.observe()?.into_iter().filter(|(id, _)| !creating.contains(id)));
         }

@@ -9,28 +9,34 @@
 //! on its image's layers. Pausing freezes the cgroup and, on cgroup v2 hosts with
 //! `memory.reclaim`, asks the kernel to reclaim the frozen sandbox's memory.
 //!
-//! A sandbox whose memory cgroup OOM-killed a process is ended as a whole and reported
-//! `oom_killed` (the plan stops a sandbox observed [`Running::OutOfMemory`]).
+//! A process the OOM killer ends inside a sandbox ends alone: the sandbox lives on, as a
+//! VM does, and its memory cgroup's count of kills (with the last victim's program, from
+//! the kernel log) is reported. The sandbox ends as OOM only when its init (the agent)
+//! was the one killed.
 
 use super::EdgeError;
 use super::files::{copy_tree, dir_size, tar_create};
+use crate::container::oom::OomLog;
 use crate::container::{ContainerBackend, SandboxStatus, cgroup};
 use crate::proxy::Sample;
-use crate::reconcile::Running;
+use crate::reconcile::{OomKills, Running};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// Every container on this machine but those being created (half there: a directory, no
-/// container yet), as the reconciler sees it. `oom_seen` remembers the sandboxes seen out
-/// of memory while running, so their exit is reported as an OOM.
+/// container yet), as the reconciler sees it. `oom` gets the OOM kills counted inside
+/// each running one (the victims named by `oom_log`), and keeps the last count of those
+/// that ended, so that a kill in their last moments is known to be new.
 pub(super) fn observe(
     containers: &ContainerBackend,
-    oom_seen: &Mutex<BTreeSet<String>>,
+    oom: &Mutex<BTreeMap<String, OomKills>>,
+    oom_log: &OomLog,
     creating: &BTreeSet<String>,
 ) -> Result<BTreeMap<String, Running>, EdgeError> {
     let mut out = BTreeMap::new();
+    let mut live_cgroups = BTreeSet::new();
     for h in containers.list()? {
         if creating.contains(&h.id) {
             continue;
@@ -42,32 +48,37 @@ pub(super) fn observe(
                 continue;
             }
         };
-        let oom_now = || cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0) > 0;
-        // The cgroup's counter (while it exists) and what this edge saw before the end
-        // count: an OOM is never reported as a plain exit.
-        let oom_known = || oom_now() || oom_seen.lock().expect("oom lock").contains(&h.id);
+        live_cgroups.insert(h.record.cgroups_path.clone());
+        let kills = cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0);
         let running = match (st.status, st.exit) {
             (_, Some(exit)) => Running::Exited {
                 exit_code: exit.exit_code,
-                oom_killed: exit.oom_killed || oom_known(),
+                oom_killed: exit.oom_killed,
             },
             (SandboxStatus::Paused, None) => Running::Paused,
             (SandboxStatus::Created | SandboxStatus::Running, None) => {
-                if oom_now() {
-                    oom_seen.lock().expect("oom lock").insert(h.id.clone());
-                    Running::OutOfMemory
-                } else {
-                    Running::Running
+                if kills > 0 {
+                    let command = oom_log.last_victim(&h.record.cgroups_path).unwrap_or_default();
+                    oom.lock()
+                        .expect("oom lock")
+                        .insert(h.id.clone(), OomKills { kills, command });
+                }
+                Running::Running
+            }
+            // Ended before its shim wrote why: killed, and by the OOM killer if its
+            // cgroup counted a kill after the last one seen while it ran.
+            (SandboxStatus::Stopped | SandboxStatus::Lost, None) => {
+                let seen = oom.lock().expect("oom lock").get(&h.id).map_or(0, |o| o.kills);
+                Running::Exited {
+                    exit_code: 137,
+                    oom_killed: kills > seen,
                 }
             }
-            // Ended before its shim wrote why (e.g. just killed for its OOM).
-            (SandboxStatus::Stopped | SandboxStatus::Lost, None) => Running::Exited {
-                exit_code: 137,
-                oom_killed: oom_known(),
-            },
         };
         out.insert(h.id, running);
     }
+    oom.lock().expect("oom lock").retain(|id, _| out.contains_key(id));
+    oom_log.retain(|cg| live_cgroups.contains(cg));
     Ok(out)
 }
 
@@ -186,6 +197,7 @@ pub(super) fn sample(containers: &ContainerBackend, id: &str, disk_bytes: u64) -
         })
         .unwrap_or((0, disk_bytes));
     Some(Sample {
+        oom_kills: cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0),
         cpu_usec: u.cpu_usec,
         cpu_count: (h.record.limits.cpu_millis as u64).div_ceil(1000).max(1),
         mem_used: u.memory_bytes,

@@ -155,8 +155,10 @@ struct Edge {
     warm: WarmPool,
     /// Snapshots being taken right now.
     snapshotting: Mutex<BTreeSet<String>>,
-    /// Sandboxes seen out of memory while running (their exit is reported as an OOM).
-    oom_seen: Mutex<BTreeSet<String>>,
+    /// OOM kills counted inside running containers (reported until the log has them).
+    oom_seen: Mutex<BTreeMap<String, crate::reconcile::OomKills>>,
+    /// Who the kernel's OOM killer ended, per memory cgroup.
+    oom_log: Arc<crate::container::oom::OomLog>,
     /// The last observation, for admission requests between two rounds.
     last_observed: Mutex<BTreeMap<String, Running>>,
     /// Sandboxes admitted but not yet in the slice, with when: counted by admission.

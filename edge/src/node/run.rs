@@ -11,7 +11,7 @@ use crate::container::ContainerBackend;
 use crate::container::warm::WarmPool;
 use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
-use crate::reconcile::{Action, plan, plan_snapshots, plan_transfers};
+use crate::reconcile::{Action, plan, plan_oom, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_edge_api::pb::HeartbeatRequest;
 use redb::Database;
@@ -57,7 +57,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         create_lock: Mutex::new(()),
         creation_slots: tokio::sync::Semaphore::new(creation_slots()),
         warm: WarmPool::new(cfg.warm_sandboxes, WARM_IMAGES),
-        oom_seen: Mutex::new(BTreeSet::new()),
+        oom_seen: Mutex::new(BTreeMap::new()),
+        oom_log: crate::container::oom::OomLog::follow(),
         snapshotting: Mutex::new(BTreeSet::new()),
         last_observed: Mutex::new(BTreeMap::new()),
         admitted: Mutex::new(BTreeMap::new()),
@@ -223,6 +224,7 @@ impl Edge {
         let slice = containers_only.as_ref().unwrap_or(&slice);
         let caught_up = slice.next_index > self.registered_at;
         let mut a = plan(slice, observed, opendsec_edge_api::now_ms(), caught_up);
+        a.extend(plan_oom(slice, &self.oom_seen.lock().expect("oom lock")));
         a.extend(plan_snapshots(slice, observed, &present));
         a.extend(
             plan_transfers(slice, observed, &served)

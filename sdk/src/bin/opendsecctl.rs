@@ -451,7 +451,20 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Get { id } => {
             let s = client.get_sandbox(&id).await?;
-            out.show(&s, |s| table(&SANDBOX_HEADERS, vec![sandbox_row(s)]));
+            out.show(&s, |s| {
+                let mut text = table(&SANDBOX_HEADERS, vec![sandbox_row(s)]);
+                if s.oom_kills > 0 {
+                    let last = s
+                        .last_oom_command
+                        .as_deref()
+                        .unwrap_or("a program the edge could not name");
+                    text.push_str(&format!(
+                        "\n{} process(es) ended by the OOM killer; the sandbox lives on (last: {last})",
+                        s.oom_kills
+                    ));
+                }
+                text
+            });
             return Ok(0);
         }
         SandboxCmd::Logs { id, max_bytes } => {
@@ -469,13 +482,22 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                     _ => "container".into(),
                 };
                 table(
-                    &["CPUS", "CPU %", "MEM (MB)", "CACHE (MB)", "DISK (MB)", "RUNS ON"],
+                    &[
+                        "CPUS",
+                        "CPU %",
+                        "MEM (MB)",
+                        "CACHE (MB)",
+                        "DISK (MB)",
+                        "OOM KILLS",
+                        "RUNS ON",
+                    ],
                     vec![vec![
                         m.cpu_count.to_string(),
                         format!("{:.1}", m.cpu_used_pct),
                         format!("{}/{}", mb(m.mem_used), mb(m.mem_total)),
                         mb(m.mem_cache),
                         format!("{}/{}", mb(m.disk_used), mb(m.disk_total)),
+                        m.oom_kills.to_string(),
                         runtime,
                     ]],
                 )
