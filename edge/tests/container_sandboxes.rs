@@ -91,6 +91,7 @@ fn config_in(root: &Path, runtime: RuntimeChoice) -> ContainerConfig {
         log_cap_bytes: 1 << 20,
         warm_disks: 0,
         warm_disk_bytes: 64 << 20,
+        user_namespaces: true,
     }
 }
 
@@ -187,6 +188,79 @@ fn counter(b: &ContainerBackend, id: &str) -> Option<u64> {
         .trim()
         .parse()
         .ok()
+}
+
+/// Reads field `key` of `/proc/<pid>/status` on the host.
+fn host_status(pid: i32, key: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")).map(|v| v.trim().to_string()))
+        .unwrap()
+}
+
+#[test]
+fn root_inside_is_an_unprivileged_id_range_of_its_own_outside_and_layers_keep_their_owners() {
+    let b = backend(RuntimeChoice::Auto);
+    let (x, y) = (unique_id("usx"), unique_id("usy"));
+    let script = "cat /proc/self/uid_map; touch /etc/made-by-root; chown 1000:1000 /etc/made-by-root; \
+        ls -ln /bin/busybox; echo mountinfo:; cat /proc/self/mountinfo; sleep 1000";
+    for id in [&x, &y] {
+        b.create(&busybox_spec(id, script)).unwrap();
+    }
+    let log_of = |id: &str| {
+        wait_until("the script ran", Duration::from_secs(20), || {
+            String::from_utf8_lossy(&b.read_log(id, 1 << 20).unwrap()).contains("mountinfo:")
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        String::from_utf8_lossy(&b.read_log(id, 1 << 20).unwrap()).into_owned()
+    };
+    let base_of = |log: &str| -> u64 {
+        let map: Vec<u64> = log
+            .lines()
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        assert_eq!((map[0], map[2]), (0, 65536), "{log}");
+        map[1]
+    };
+    let (lx, ly) = (log_of(&x), log_of(&y));
+    let (bx, by) = (base_of(&lx), base_of(&ly));
+    assert!(bx >= 1 << 30 && by >= 1 << 30, "ranges above every host id: {bx} {by}");
+    assert_ne!(bx, by, "each sandbox has its own range");
+    // The image's files show their own owners inside (root), though the layer is shared
+    // and was never chowned.
+    assert!(
+        lx.contains(" 0        0 ") || lx.contains(" 0 0 "),
+        "busybox is root's inside: {lx}"
+    );
+    // Outside, the sandbox's root is the first id of its range, with no privilege there.
+    let pid = b.state(&x).unwrap().init_pid.unwrap();
+    assert_eq!(
+        host_status(pid, "Uid").split_whitespace().next().unwrap(),
+        bx.to_string()
+    );
+    // What root and `user` wrote is stored with the sandbox's own ids, so snapshots and
+    // forks carry it to any other range unchanged.
+    let upper = b.config().sandboxes_root.join(&x).join("disk/upper/etc/made-by-root");
+    let meta = std::fs::metadata(&upper).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((meta.uid(), meta.gid()), (1000, 1000));
+    // No host path shows in the mount table.
+    let sandboxes_root = b.config().sandboxes_root.display().to_string();
+    let mountinfo = lx.split("mountinfo:").nth(1).unwrap();
+    assert!(
+        !mountinfo.contains(&sandboxes_root),
+        "host paths in mountinfo:\n{mountinfo}"
+    );
+    assert!(!mountinfo.contains("/var/"), "host paths in mountinfo:\n{mountinfo}");
+    assert!(mountinfo.contains("lowerdir=/proc/self/fd/"), "{mountinfo}");
+    for id in [&x, &y] {
+        b.delete(id).unwrap();
+        assert_gone(&b, id);
+    }
 }
 
 #[test]

@@ -483,17 +483,24 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
     let (out, code) = up.exec(&b, "echo fine").await;
     assert_eq!((out.as_str(), code), ("fine\n", 0), "the other sandbox is unaffected");
 
-    // The agent swap: root in the sandbox moves the agent's directory away, plants a
-    // program at the agent's path (it would run, then exec the real agent) and a token
-    // of its own, and kills the agent's server. The supervisor restarts the agent it
-    // runs, with the token it booted with: the planted program never runs, the
-    // sandbox's own token still opens it.
-    let plant = "rm -f /home/user/fill; mv /.opendsec /.od-old && mkdir -p /.opendsec/config && \
-        cp /.od-old/config/* /.opendsec/config/ && echo planted-token > /.opendsec/config/token && \
-        printf '#!/bin/sh\\necho ran > /tmp/planted-ran\\nexec /.od-old/agent \"$@\"\\n' > /.opendsec/agent && \
-        chmod 755 /.opendsec/agent && echo planted as $(id -u)";
+    // The agent swap: root in the sandbox tries to move the agent's directory away and
+    // plant a program and a token of its own at the agent's paths. `/.opendsec` is a
+    // read-only mount point holding only the agent: it can be neither moved nor written,
+    // and no token rests in any file (the agent read it from a pipe at boot).
+    let plant = "rm -f /home/user/fill; mv /.opendsec /.od-old 2>/dev/null && echo moved; \
+        echo x 2>/dev/null > /.opendsec/agent && echo wrote; \
+        mkdir /.opendsec/config 2>/dev/null && echo planted; \
+        ls -A /.opendsec; grep -rl access_token / --exclude-dir=proc --exclude-dir=sys --exclude-dir=.opendsec \
+        2>/dev/null | wc -l; echo as $(id -u)";
     let (out, _) = up.try_exec_as(&a, plant, Some("root")).await.unwrap();
-    assert_eq!(out, "planted as 0\n", "sandbox root planted its agent");
+    assert_eq!(out, "agent\n0\nas 0\n", "sandbox root changed the agent's directory");
+    // Killing the agent's server brings back the agent it runs, with the token it
+    // booted with: the planted program never runs, the sandbox's own token still opens it.
+    up.exec(
+        &a,
+        "printf '#!/bin/sh\\necho ran > /tmp/planted-ran\\n' > /tmp/agent; chmod 755 /tmp/agent",
+    )
+    .await;
     // The stream that kills the server is cut short with it.
     let kill_server = "kill -9 $(ps -o pid,ppid,comm | awk '$2 == 1 && $3 == \"agent\" {print $1}')";
     let _ = up.try_exec_as(&a, kill_server, Some("root")).await;

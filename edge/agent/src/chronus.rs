@@ -613,7 +613,8 @@ impl Supervisor {
 }
 
 /// Runs the supervisor: never returns.
-pub fn supervise(listen: OwnedFd, args: Vec<String>) -> ! {
+/// `state`: the state the first server takes over (the edge's configuration, or null).
+pub fn supervise(listen: OwnedFd, args: Vec<String>, state: Value) -> ! {
     // SAFETY: signal-set manipulation on a local set.
     let sfd = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -632,7 +633,7 @@ pub fn supervise(listen: OwnedFd, args: Vec<String>) -> ! {
         args,
         listen,
         sessions: BTreeMap::new(),
-        state: Value::Null,
+        state,
         server: None,
         generation: 0,
         respawn_at: None,

@@ -1,8 +1,10 @@
-//! The sandbox's configuration files, which the edge bind-mounts read-only at
-//! `/.opendsec/config/`: `env.json` (`--env-file`, the E2B `envVars` given at
-//! create) and `start.json` (`--start-file`, the template's start command).
-//! Both are read and checked once at boot; a bad file stops the agent with a
-//! message naming the file and the problem.
+//! The sandbox's configuration: its access token, its environment (the E2B
+//! `envVars` given at create) and the template's start command. A container's
+//! edge hands them over a pipe (`--config-fd`, one JSON object [`BootConfig`],
+//! read once by the supervisor at boot, so nothing of it rests in a file sandbox
+//! code could read or replace); a VM's guest reads files (`--access-token-file`,
+//! `--env-file`, `--start-file`). Either is checked once at boot; a bad one stops
+//! the agent with a message naming it and the problem.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -19,16 +21,13 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path, what: &str) -> Result<
     serde_json::from_slice(&text).map_err(|e| format!("{} is not {what}: {e}", path.display()))
 }
 
-fn check_env(env: &BTreeMap<String, String>, file: &Path) -> Result<(), String> {
+fn check_env(env: &BTreeMap<String, String>, source: &str) -> Result<(), String> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') {
-            return Err(format!(
-                "{}: {k:?} is not a valid environment variable name",
-                file.display()
-            ));
+            return Err(format!("{source}: {k:?} is not a valid environment variable name"));
         }
         if v.contains('\0') {
-            return Err(format!("{}: the value of {k} contains a NUL byte", file.display()));
+            return Err(format!("{source}: the value of {k} contains a NUL byte"));
         }
     }
     Ok(())
@@ -37,14 +36,14 @@ fn check_env(env: &BTreeMap<String, String>, file: &Path) -> Result<(), String> 
 /// Reads `--env-file`: a JSON object of string names to string values.
 pub fn load_env(path: &Path) -> Result<SandboxEnv, String> {
     let env: SandboxEnv = read_json(path, "a JSON object of string values")?;
-    check_env(&env, path)?;
+    check_env(&env, &path.display().to_string())?;
     Ok(env)
 }
 
 /// The template's start command (`--start-file`), e.g. the code interpreter's
 /// server. Started once at boot as an ordinary managed process tagged
 /// [`START_TAG`].
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StartCommand {
     pub cmd: String,
@@ -69,14 +68,91 @@ pub const START_TAG: &str = "start";
 /// Reads `--start-file`.
 pub fn load_start(path: &Path) -> Result<StartCommand, String> {
     let s: StartCommand = read_json(path, "a start command object")?;
+    check_start(&s, &path.display().to_string())?;
+    Ok(s)
+}
+
+fn check_start(s: &StartCommand, source: &str) -> Result<(), String> {
     if s.cmd.is_empty() {
-        return Err(format!("{}: cmd is empty", path.display()));
+        return Err(format!("{source}: cmd is empty"));
     }
     if s.ready_port == Some(0) {
-        return Err(format!("{}: ready_port 0 is not a port", path.display()));
+        return Err(format!("{source}: ready_port 0 is not a port"));
     }
-    check_env(&s.envs, path)?;
-    Ok(s)
+    check_env(&s.envs, source)
+}
+
+/// What a container's edge writes on `--config-fd`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BootConfig {
+    pub access_token: String,
+    #[serde(default)]
+    pub env: SandboxEnv,
+    #[serde(default)]
+    pub start: Option<StartCommand>,
+}
+
+/// Largest configuration the edge sends (the environment is capped at 256 KiB).
+const MAX_BOOT_CONFIG: usize = 1 << 20;
+
+/// Reads the configuration from `fd` up to its end, then closes it.
+pub fn read_boot_config(fd: std::os::fd::RawFd) -> Result<BootConfig, String> {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    // SAFETY: the edge handed us this fd for this purpose only; we own it from here.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut bytes = Vec::new();
+    file.take(MAX_BOOT_CONFIG as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("--config-fd {fd}: {e}"))?;
+    if bytes.len() > MAX_BOOT_CONFIG {
+        return Err(format!("--config-fd {fd}: more than {MAX_BOOT_CONFIG} bytes"));
+    }
+    parse_boot_config(&bytes)
+}
+
+pub fn parse_boot_config(bytes: &[u8]) -> Result<BootConfig, String> {
+    let source = "the configuration from the edge";
+    let c: BootConfig = serde_json::from_slice(bytes).map_err(|e| format!("{source} is not valid: {e}"))?;
+    if c.access_token.trim().is_empty() {
+        return Err(format!("{source} has an empty access_token"));
+    }
+    check_env(&c.env, source)?;
+    if let Some(s) = &c.start {
+        check_start(s, source)?;
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_boot_config_carries_token_env_and_start_command() {
+        let c = parse_boot_config(br#"{"access_token":"t","env":{"A":"1"},"start":{"cmd":"sleep","ready_port":8888}}"#)
+            .unwrap();
+        assert_eq!(c.access_token, "t");
+        assert_eq!(c.env["A"], "1");
+        assert_eq!(c.start.unwrap().ready_port, Some(8888));
+    }
+
+    #[test]
+    fn a_bad_boot_config_is_refused_with_its_reason() {
+        for (bytes, says) in [
+            (&br#"{"access_token":""}"#[..], "empty access_token"),
+            (
+                br#"{"access_token":"t","env":{"A=B":"1"}}"#,
+                "not a valid environment variable name",
+            ),
+            (br#"{"access_token":"t","start":{"cmd":""}}"#, "cmd is empty"),
+            (br#"{"access_token":"t","planted":1}"#, "not valid"),
+        ] {
+            let e = parse_boot_config(bytes).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
+    }
 }
 
 #[cfg(test)]

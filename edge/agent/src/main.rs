@@ -10,8 +10,11 @@
 //! Usage:
 //!   opendsec-agent --envd-version      (prints the envd version it implements)
 //!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
-//!                        [--access-token-file F] [--default-user NAME]
-//!                        [--env-file F] [--start-file F]
+//!                        [--config-fd N | --access-token-file F --env-file F --start-file F]
+//!                        [--default-user NAME]
+//!
+//! A container's edge hands the configuration over a pipe (`--config-fd`, see
+//! `config`); a VM's guest reads it from files.
 
 mod chronus;
 mod config;
@@ -72,10 +75,12 @@ struct Args {
     default_user: String,
     env_file: Option<PathBuf>,
     start_file: Option<PathBuf>,
+    /// The pipe the configuration comes on (read by the supervisor only).
+    config_fd: Option<RawFd>,
 }
 
 const USAGE: &str = "usage: opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:ADDR:PORT) \
-[--access-token-file FILE] [--default-user NAME] [--env-file FILE] [--start-file FILE]";
+[--config-fd N | --access-token-file FILE --env-file FILE --start-file FILE] [--default-user NAME]";
 
 fn die(msg: &str) -> ! {
     eprintln!("opendsec-agent: {msg}");
@@ -120,6 +125,7 @@ fn parse_args() -> Args {
     let mut default_user = "user".to_string();
     let mut env_file = None;
     let mut start_file = None;
+    let mut config_fd = None;
     while let Some(a) = it.next() {
         let (flag, inline) = match a.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
@@ -130,7 +136,7 @@ fn parse_args() -> Args {
                 .clone()
                 .or_else(|| it.next())
                 .unwrap_or_else(|| die(&format!("{flag} needs a value")));
-            if !flag.starts_with("--listen") && flag != "--control-fd" {
+            if !flag.starts_with("--listen") && flag != "--control-fd" && flag != "--config-fd" {
                 passthrough.push(flag.clone());
                 passthrough.push(v.clone());
             }
@@ -159,6 +165,9 @@ fn parse_args() -> Args {
             "--default-user" => default_user = val(),
             "--env-file" => env_file = Some(PathBuf::from(val())),
             "--start-file" => start_file = Some(PathBuf::from(val())),
+            "--config-fd" if role == Role::Supervisor => {
+                config_fd = Some(val().parse().unwrap_or_else(|_| die("--config-fd needs a number")))
+            }
             _ => die(USAGE),
         }
     }
@@ -171,6 +180,7 @@ fn parse_args() -> Args {
         default_user,
         env_file,
         start_file,
+        config_fd,
     }
 }
 
@@ -217,11 +227,23 @@ fn main() {
         .as_ref()
         .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
     if args.role == Role::Supervisor {
+        // The configuration from the edge becomes the first part of the state every server
+        // takes over: read once, before any sandbox code runs, and never from a path.
+        let state = match args.config_fd {
+            Some(fd) => {
+                let c = config::read_boot_config(fd).unwrap_or_else(|e| die(&e));
+                serde_json::json!({
+                    "access_token": c.access_token,
+                    "boot": {"env": c.env, "start": c.start},
+                })
+            }
+            None => serde_json::Value::Null,
+        };
         let listen = bind(&args.listen).unwrap_or_else(|e| die(&format!("listen: {e}")));
         let mut server_args = vec!["--listen-fd".to_string(), chronus::SERVER_LISTEN_FD.to_string()];
         server_args.extend(["--control-fd".to_string(), chronus::SERVER_CONTROL_FD.to_string()]);
         server_args.extend(args.passthrough.iter().cloned());
-        chronus::supervise(listen, server_args);
+        chronus::supervise(listen, server_args, state);
     }
     users::init();
     let handoff = args
@@ -323,6 +345,13 @@ fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
     })
 }
 
+/// The `boot` part of the supervisor's state (see `config::BootConfig`).
+#[derive(serde::Deserialize)]
+struct BootParts {
+    env: config::SandboxEnv,
+    start: Option<config::StartCommand>,
+}
+
 async fn run(
     args: Args,
     token: Option<String>,
@@ -340,9 +369,17 @@ async fn run(
     }
     .unwrap_or_else(|e| die(&format!("listen: {e}")));
 
+    let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
+    // The edge's configuration, which the supervisor read from its pipe at boot.
+    let (sandbox_env, start_cmd) = match saved.remove("boot") {
+        Some(boot) => {
+            let boot: BootParts = serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}")));
+            (boot.env, boot.start)
+        }
+        None => (sandbox_env, start_cmd),
+    };
     let procs = Arc::new(process::Manager::new(sandbox_env));
     tokio::spawn(procs.clone().reap_loop());
-    let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
     // A token given by `rekey` to an earlier server outranks the file's, and so does the
     // one the first server read: it read the file at boot, before any sandbox code ran,
     // so a later server never takes a token that sandbox root planted at that path.

@@ -13,7 +13,7 @@
 //! down any a killed edge left.
 
 use std::fs::{self, File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -21,6 +21,7 @@ use std::time::Duration;
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 
 use super::ContainerError;
+use super::idmap::IdRanges;
 
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
@@ -70,17 +71,20 @@ impl Storage {
     /// Creates the disk, mounts it and the overlay; with `disk_ready`, the disk is
     /// already there and mounted (a warm disk from the [`Pool`]) and only the overlay is
     /// mounted. On error, undoes what it did.
+    /// With `ids` (the edge's ranges and the sandbox's base), the overlay is mounted over
+    /// idmapped layers for the sandbox's user namespace (see `idmap.rs`).
     pub fn setup(
         &self,
         size_bytes: u64,
         lower_bottom_first: &[PathBuf],
         disk_ready: bool,
+        ids: Option<(&IdRanges, u32)>,
     ) -> Result<(), ContainerError> {
         let result = (|| {
             if !disk_ready {
                 self.prepare_disk(size_bytes)?;
             }
-            self.mount_overlay(lower_bottom_first)
+            self.mount_overlay(lower_bottom_first, ids)
         })();
         if result.is_err() {
             let _ = self.teardown();
@@ -125,41 +129,43 @@ impl Storage {
         Ok(())
     }
 
-    /// The root file system: the image's layers under the disk's upper dir.
-    fn mount_overlay(&self, lower: &[PathBuf]) -> Result<(), ContainerError> {
-        let upper = self.disk_mount.join("upper");
-        let work = self.disk_mount.join("work");
+    /// The root file system: the image's layers under the disk's upper dir. Layers and
+    /// the disk are named by fds (`/proc/self/fd/N`), so no host path shows in the
+    /// sandbox's mountinfo; with `ids` they are idmapped clones (see `idmap.rs`).
+    fn mount_overlay(&self, lower: &[PathBuf], ids: Option<(&IdRanges, u32)>) -> Result<(), ContainerError> {
         if lower.is_empty() {
             return Err(ContainerError::Invalid("an image needs at least one layer".into()));
         }
+        let open = |p: &Path| -> Result<OwnedFd, ContainerError> {
+            match ids {
+                Some((ranges, base)) => ranges.idmapped(p, base),
+                None => fs::File::open(p)
+                    .map(OwnedFd::from)
+                    .map_err(|e| ContainerError::io(format!("opening {}", p.display()), e)),
+            }
+        };
         // overlayfs lists lower dirs top first.
-        let lowerdir = lower
+        let lowers = lower.iter().rev().map(|p| open(p)).collect::<Result<Vec<_>, _>>()?;
+        let disk = open(&self.disk_mount)?;
+        let lowerdir = lowers
             .iter()
-            .rev()
-            .map(|p| {
-                let s = p.to_string_lossy();
-                if s.contains([':', ',']) {
-                    Err(ContainerError::Invalid(format!("layer path {s} contains ':' or ','")))
-                } else {
-                    Ok(s.into_owned())
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?
+            .map(|fd| format!("/proc/self/fd/{}", fd.as_raw_fd()))
+            .collect::<Vec<_>>()
             .join(":");
-        let options = format!(
-            "lowerdir={lowerdir},upperdir={},workdir={}",
-            upper.display(),
-            work.display()
-        );
-        mount(
-            Some("overlay"),
-            &self.rootfs,
-            Some("overlay"),
-            MsFlags::MS_NODEV,
-            Some(options.as_str()),
-        )
-        .map_err(|e| ContainerError::Storage(format!("mounting overlay on {}: {e}", self.rootfs.display())))?;
-        Ok(())
+        let d = disk.as_raw_fd();
+        let options = format!("lowerdir={lowerdir},upperdir=/proc/self/fd/{d}/upper,workdir=/proc/self/fd/{d}/work");
+        match ids {
+            Some((_, base)) => super::idmap::mount_overlay_as(&self.rootfs, &options, base),
+            None => mount(
+                Some("overlay"),
+                &self.rootfs,
+                Some("overlay"),
+                MsFlags::MS_NODEV | MsFlags::MS_NOSUID,
+                Some(options.as_str()),
+            )
+            .map_err(|e| ContainerError::Storage(format!("mounting overlay on {}: {e}", self.rootfs.display()))),
+        }
+        // The overlay holds its layers now; our fds (and the detached clones) can go.
     }
 
     /// Unmounts the overlay and the disk (the loop device detaches itself). Idempotent.
@@ -187,7 +193,6 @@ pub struct Pool {
     ready: std::sync::Mutex<Vec<PathBuf>>,
     filling: std::sync::atomic::AtomicBool,
     closed: std::sync::atomic::AtomicBool,
-    seq: std::sync::atomic::AtomicU64,
 }
 
 /// The name prefix of warm disk directories in the sandboxes root.
@@ -205,7 +210,6 @@ impl Pool {
             ready: std::sync::Mutex::new(Vec::new()),
             filling: std::sync::atomic::AtomicBool::new(false),
             closed: std::sync::atomic::AtomicBool::new(false),
-            seq: std::sync::atomic::AtomicU64::new(0),
         });
         pool.refill();
         pool
@@ -244,7 +248,10 @@ impl Pool {
                 if pool.closed.load(Ordering::SeqCst) || pool.ready() >= pool.target {
                     break;
                 }
-                let n = pool.seq.fetch_add(1, Ordering::SeqCst);
+                // Unique in the process: a later pool (a restarted backend) never reuses a
+                // name an earlier one left behind.
+                static DISKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = DISKS.fetch_add(1, Ordering::SeqCst);
                 let dir = pool.root.join(format!("{WARM_PREFIX}{}-{n}", std::process::id()));
                 match make_warm(&dir, pool.size) {
                     Ok(()) => {

@@ -14,6 +14,7 @@
 
 pub mod cgroup;
 mod disk;
+pub mod idmap;
 pub mod oci;
 pub mod oom;
 pub mod runtime;
@@ -212,6 +213,10 @@ pub struct SandboxRecord {
     pub extra_fds: usize,
     pub log_cap_bytes: u64,
     pub created_unix_ms: u64,
+    /// The base of its host id range (its user namespace maps 0..65535 there); `None`
+    /// for a container without one (an edge started without user namespaces).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id_base: Option<u32>,
 }
 
 impl SandboxRecord {
@@ -255,6 +260,9 @@ pub struct ContainerConfig {
     pub warm_disk_bytes: u64,
     /// PID 1's output log is rotated at this size (one old file kept).
     pub log_cap_bytes: u64,
+    /// Each container in a user namespace of its own (see [`idmap`]). Off only where an
+    /// operator says so: root inside is then root outside.
+    pub user_namespaces: bool,
 }
 
 impl Default for ContainerConfig {
@@ -274,6 +282,7 @@ impl Default for ContainerConfig {
             log_cap_bytes: 1 << 20,
             warm_disks: 0,
             warm_disk_bytes: Limits::default().disk_bytes,
+            user_namespaces: true,
         }
     }
 }
@@ -283,6 +292,8 @@ pub struct ContainerBackend {
     runtime: Runtime,
     host: oci::HostSupport,
     pool: Option<std::sync::Arc<disk::Pool>>,
+    /// The id ranges of the containers' user namespaces (`None`: the edge runs without).
+    ids: Option<idmap::IdRanges>,
 }
 
 impl ContainerBackend {
@@ -302,12 +313,26 @@ impl ContainerBackend {
         };
         let pool = (config.warm_disks > 0)
             .then(|| disk::Pool::new(&config.sandboxes_root, config.warm_disk_bytes, config.warm_disks));
-        Ok(Self {
+        let mut backend = Self {
             config,
             runtime,
             host,
             pool,
-        })
+            ids: None,
+        };
+        if backend.config.user_namespaces {
+            idmap::probe(&backend.config.sandboxes_root).map_err(|e| {
+                ContainerError::Prerequisite(format!(
+                    "{e}. Sandboxes are not started without a user namespace of their own; \
+                     to run them as host root anyway (unsafe), start the edge with user namespaces off"
+                ))
+            })?;
+            let bases = backend.list()?.into_iter().filter_map(|h| h.record.id_base);
+            backend.ids = Some(idmap::IdRanges::adopt(bases));
+        } else {
+            tracing::warn!("user namespaces are off: root in a sandbox is root on this host");
+        }
+        Ok(backend)
     }
 
     /// Warm disks ready now (0 without a pool).
@@ -378,11 +403,28 @@ impl ContainerBackend {
         start: bool,
     ) -> Result<Handle, ContainerError> {
         let cgroups_path = format!("/{}/{}", self.config.cgroup_parent, spec.id);
+        let id_base = self.ids.as_ref().map(|r| r.allocate()).transpose()?;
+        let result = self.create_with_ids(spec, dir, disk_ready, start, &cgroups_path, id_base);
+        if let (Err(_), Some(r), Some(base)) = (&result, &self.ids, id_base) {
+            r.release(base);
+        }
+        result
+    }
+
+    fn create_with_ids(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        disk_ready: bool,
+        start: bool,
+        cgroups_path: &str,
+        id_base: Option<u32>,
+    ) -> Result<Handle, ContainerError> {
         let record = SandboxRecord {
             id: spec.id.clone(),
             runtime_id: None,
             runtime: self.runtime.clone(),
-            cgroups_path: cgroups_path.clone(),
+            cgroups_path: cgroups_path.to_string(),
             limits: spec.limits.clone(),
             io_weight_applied: spec.limits.io_weight.is_some() && self.host.io_weight,
             layers: spec.layers.clone(),
@@ -390,12 +432,14 @@ impl ContainerBackend {
             extra_fds: spec.extra_fds.len(),
             log_cap_bytes: self.config.log_cap_bytes,
             created_unix_ms: now_unix_ms(),
+            id_base,
         };
         let t0 = Instant::now();
         write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready)?;
+        let ids = self.ids.as_ref().zip(id_base);
+        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready, ids)?;
         let t1 = Instant::now();
-        let oci = oci::build_spec(spec, &cgroups_path, self.host)?;
+        let oci = oci::build_spec(spec, cgroups_path, self.host, id_base)?;
         let json =
             serde_json::to_vec(&oci).map_err(|e| ContainerError::Invalid(format!("serialising config.json: {e}")))?;
         fs::write(dir.join("config.json"), json).map_err(|e| ContainerError::io("writing config.json", e))?;
@@ -603,7 +647,13 @@ impl ContainerBackend {
             }
         }
         disk::Storage::in_dir(&handle.dir).teardown()?;
-        fs::remove_dir_all(&handle.dir).map_err(|e| ContainerError::io(format!("removing {}", handle.dir.display()), e))
+        fs::remove_dir_all(&handle.dir)
+            .map_err(|e| ContainerError::io(format!("removing {}", handle.dir.display()), e))?;
+        // Its processes are gone with it: its ids may serve another sandbox.
+        if let (Some(r), Some(base)) = (&self.ids, handle.record.id_base) {
+            r.release(base);
+        }
+        Ok(())
     }
 
     /// The last `max_bytes` of PID 1's output (across the rotated file and the current one).

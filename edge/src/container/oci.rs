@@ -6,10 +6,10 @@ use std::collections::{HashMap, HashSet};
 
 use oci_spec::runtime::{
     Arch, Capability, LinuxBlockIoBuilder, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder,
-    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType,
-    LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompArgBuilder, LinuxSeccompBuilder,
-    LinuxSeccompOperator, LinuxSyscall, LinuxSyscallBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType,
-    ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespaceBuilder,
+    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompArgBuilder,
+    LinuxSeccompBuilder, LinuxSeccompOperator, LinuxSyscall, LinuxSyscallBuilder, Mount, MountBuilder,
+    PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
 use super::{ContainerError, SandboxSpec};
@@ -121,7 +121,14 @@ fn invalid(e: impl std::fmt::Display) -> ContainerError {
     ContainerError::Invalid(format!("building the OCI spec: {e}"))
 }
 
-pub fn build_spec(spec: &SandboxSpec, cgroups_path: &str, host: HostSupport) -> Result<Spec, ContainerError> {
+/// The spec of `spec`'s container; with `id_base`, in a user namespace of its own that
+/// maps its ids 0..65535 to the host range from `id_base` (see `idmap.rs`).
+pub fn build_spec(
+    spec: &SandboxSpec,
+    cgroups_path: &str,
+    host: HostSupport,
+    id_base: Option<u32>,
+) -> Result<Spec, ContainerError> {
     let caps: HashSet<Capability> = CAPABILITIES.iter().copied().collect();
     let capabilities = LinuxCapabilitiesBuilder::default()
         .bounding(caps.clone())
@@ -153,18 +160,20 @@ pub fn build_spec(spec: &SandboxSpec, cgroups_path: &str, host: HostSupport) -> 
         .build()
         .map_err(invalid)?;
 
-    let namespaces = [
-        LinuxNamespaceType::Pid,
-        LinuxNamespaceType::Mount,
-        LinuxNamespaceType::Ipc,
-        LinuxNamespaceType::Uts,
-        LinuxNamespaceType::Cgroup,
-        // A new, empty network namespace: the runtime brings up `lo`, nothing else exists.
-        LinuxNamespaceType::Network,
-    ]
-    .into_iter()
-    .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build().map_err(invalid))
-    .collect::<Result<Vec<_>, _>>()?;
+    let user_ns = id_base.map(|_| LinuxNamespaceType::User);
+    let namespaces = user_ns
+        .into_iter()
+        .chain([
+            LinuxNamespaceType::Pid,
+            LinuxNamespaceType::Mount,
+            LinuxNamespaceType::Ipc,
+            LinuxNamespaceType::Uts,
+            LinuxNamespaceType::Cgroup,
+            // A new, empty network namespace: the runtime brings up `lo`, nothing else exists.
+            LinuxNamespaceType::Network,
+        ])
+        .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build().map_err(invalid))
+        .collect::<Result<Vec<_>, _>>()?;
 
     let limits = &spec.limits;
     let memory = limits.memory_bytes as i64;
@@ -193,7 +202,17 @@ pub fn build_spec(spec: &SandboxSpec, cgroups_path: &str, host: HostSupport) -> 
         resources = resources.block_io(LinuxBlockIoBuilder::default().weight(weight).build().map_err(invalid)?);
     }
 
-    let linux = LinuxBuilder::default()
+    let mut linux = LinuxBuilder::default();
+    if let Some(base) = id_base {
+        let map = LinuxIdMappingBuilder::default()
+            .container_id(0u32)
+            .host_id(base)
+            .size(super::idmap::RANGE)
+            .build()
+            .map_err(invalid)?;
+        linux = linux.uid_mappings(vec![map]).gid_mappings(vec![map]);
+    }
+    let linux = linux
         .namespaces(namespaces)
         .cgroups_path(cgroups_path)
         .resources(resources.build().map_err(invalid)?)

@@ -63,13 +63,12 @@ impl Edge {
     }
 
     /// Removes sandbox `id` from its backend, and the node's own files of it (its agent's
-    /// socket and configuration, a fork's copied layers).
+    /// socket, a fork's copied layers).
     async fn remove(self: &Arc<Self>, id: String) -> Result<(), EdgeError> {
         let sock = self.socket_path(&id);
         self.blocking(move |e| {
             let r = e.backend_of(&id).remove(&id);
             let _ = std::fs::remove_file(sock);
-            let _ = std::fs::remove_dir_all(e.config_dir(&id));
             let _ = std::fs::remove_dir_all(e.fork_layer(&id));
             r
         })

@@ -75,8 +75,13 @@ impl Edge {
     /// Creates container sandbox `d` from scratch: its agent's files, then its spec over
     /// the layers it starts from (see the module doc).
     fn create_container_cold(&self, d: &DesiredSandbox, image: &crate::images::Image) -> Result<(), EdgeError> {
-        self.write_agent_config(d, image)?;
-        let (mut spec, listener) = self.agent_spec(&d.id, image, self.limits(d))?;
+        let super::agent::AgentLaunch {
+            mut spec,
+            listener,
+            config,
+        } = self.agent_spec(&d.id, image, self.limits(d))?;
+        // Written before the container exists: the pipe holds it until the agent reads it.
+        self.send_agent_config(d, image, config.write)?;
         if d.transfer.is_some() {
             // Its source's layers live on another edge: pulled, then unpacked into its
             // own directory (removed with it), bottom first.
@@ -124,7 +129,8 @@ impl Edge {
             let _one_at_a_time = self.create_lock.lock().expect("create lock");
             self.containers.create(&spec)?;
         }
-        drop(listener); // the agent holds its own copy
+        // The agent holds its own copies.
+        drop((listener, config.read));
         Ok(())
     }
 

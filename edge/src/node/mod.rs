@@ -56,11 +56,11 @@ use std::time::{Duration, Instant};
 
 const STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("edge_state");
 
+/// The agent's directory inside every container: a read-only mount holding only the
+/// agent binary.
+pub const AGENT_DIR_IN_SANDBOX: &str = "/.opendsec";
 /// Where the agent binary appears inside every sandbox (read-only).
 pub const AGENT_PATH_IN_SANDBOX: &str = "/.opendsec/agent";
-/// Where the agent's per-sandbox configuration (token, environment, start command)
-/// appears inside the sandbox (read-only).
-pub const AGENT_CONFIG_IN_SANDBOX: &str = "/.opendsec/config";
 /// Resumes of a microVM tried in a row before it is reported failed.
 const MAX_RESUME_TRIES: u32 = 3;
 
@@ -157,6 +157,10 @@ struct Edge {
     snapshotting: Mutex<BTreeSet<String>>,
     /// OOM kills counted inside running containers (reported until the log has them).
     oom_seen: Mutex<BTreeMap<String, crate::reconcile::OomKills>>,
+    /// The write ends of warm containers' configuration pipes, until a sandbox claims them.
+    warm_config: Mutex<BTreeMap<String, std::os::fd::OwnedFd>>,
+    /// The directory bound read-only at [`AGENT_DIR_IN_SANDBOX`] (see `agent.rs`).
+    agent_dir: PathBuf,
     /// Who the kernel's OOM killer ended, per memory cgroup.
     oom_log: Arc<crate::container::oom::OomLog>,
     /// The last observation, for admission requests between two rounds.

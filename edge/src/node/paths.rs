@@ -1,11 +1,11 @@
 //! Where the node keeps a sandbox's files under its data directory (`<edge data>`):
-//! `agents/<id>.sock` (the agent's socket), `config/<id>/` (the agent's configuration),
-//! `forks/<id>/<k>` (a fork's copies of its source's layers), `snapshots/<id>`,
+//! `agents/<id>.sock` (the agent's socket), `sandbox-files/` (a tmpfs holding the agent
+//! binary every container sees at `/.opendsec`, see `agent.rs`), `forks/<id>/<k>` (a fork's copies of its source's layers), `snapshots/<id>`,
 //! `transfers/<id>` (state prepared for other edges) and `imports/<id>` (state pulled
 //! from them). The container backend keeps the rest under its own root.
 
 use super::Edge;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 impl Edge {
     pub(super) fn socket_path(&self, id: &str) -> PathBuf {
@@ -32,20 +32,8 @@ impl Edge {
         self.cfg.data_dir.join("imports")
     }
 
-    /// The per-sandbox directory bind-mounted read-only at [`AGENT_CONFIG_IN_SANDBOX`].
-    pub(super) fn config_dir(&self, id: &str) -> PathBuf {
-        self.cfg.data_dir.join("config").join(id)
-    }
-
     /// A fork's private copy of its source's file system (its top read-only layer).
     pub(super) fn fork_layer(&self, id: &str) -> PathBuf {
         self.cfg.data_dir.join("forks").join(id)
     }
-}
-
-/// A directory only root may enter (an agent's config directory).
-pub(super) fn make_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }

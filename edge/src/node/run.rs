@@ -29,6 +29,7 @@ fn creation_slots() -> usize {
 /// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.
 pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
     std::fs::create_dir_all(cfg.data_dir.join("agents"))?;
+    let agent_dir = super::agent::prepare_agent_dir(&cfg.data_dir, &cfg.agent_binary)?;
     let db = Database::create(cfg.data_dir.join("edge.redb")).map_err(store_err)?;
     let slice = adoption::saved_slice(&db, &cfg)?;
     let containers = ContainerBackend::new(cfg.container.clone())?;
@@ -59,6 +60,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         warm: WarmPool::new(cfg.warm_sandboxes, WARM_IMAGES),
         oom_seen: Mutex::new(BTreeMap::new()),
         oom_log: crate::container::oom::OomLog::follow(),
+        warm_config: Mutex::new(BTreeMap::new()),
+        agent_dir,
         snapshotting: Mutex::new(BTreeSet::new()),
         last_observed: Mutex::new(BTreeMap::new()),
         admitted: Mutex::new(BTreeMap::new()),
@@ -123,7 +126,8 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let e = edge.clone();
     let _ = tokio::task::spawn_blocking(move || {
         e.drain_warm();
-        e.containers.drain_warm_disks()
+        e.containers.drain_warm_disks();
+        super::agent::release_agent_dir(&e.cfg.data_dir);
     })
     .await;
     Ok(())

@@ -14,7 +14,6 @@
 //! by one thread; an edge that stops discards its warm containers, and one that starts
 //! discards those a killed edge left (`adoption.rs`).
 
-use super::paths::make_private_dir;
 use super::{Edge, EdgeError};
 use crate::container::Limits;
 use crate::container::warm::{Claim, WARM_ID_PREFIX};
@@ -38,9 +37,6 @@ impl Edge {
             &|p| tracing::info!(image = %image_name, progress = ?p, "building image"),
         )?;
         let made = (|| {
-            let config = self.config_dir(&wid);
-            let _ = std::fs::remove_dir_all(&config);
-            make_private_dir(&config)?;
             // Memory and CPU are the default's until a sandbox claims it and sets its own.
             let limits = Limits {
                 pids: self.cfg.pids,
@@ -48,9 +44,16 @@ impl Edge {
                 disk_bytes: self.cfg.disk_bytes,
                 ..Limits::default()
             };
-            let (spec, _listener) = self.agent_spec(&wid, &image, limits)?;
-            let _one_at_a_time = self.create_lock.lock().expect("create lock");
-            self.containers.create_unstarted(&spec)?;
+            let launch = self.agent_spec(&wid, &image, limits)?;
+            {
+                let _one_at_a_time = self.create_lock.lock().expect("create lock");
+                self.containers.create_unstarted(&launch.spec)?;
+            }
+            // The configuration is written at claim, when the sandbox is known.
+            self.warm_config
+                .lock()
+                .expect("warm config lock")
+                .insert(wid.clone(), launch.config.write);
             Ok::<(), EdgeError>(())
         })();
         match made {
@@ -62,11 +65,11 @@ impl Edge {
         }
     }
 
-    /// Deletes warm container `wid` with its agent's socket and config directory.
+    /// Deletes warm container `wid` with its agent's socket and configuration pipe.
     pub(super) fn discard_warm(&self, wid: &str) {
         self.containers.discard_unstarted(wid);
         let _ = std::fs::remove_file(self.socket_path(wid));
-        let _ = std::fs::remove_dir_all(self.config_dir(wid));
+        self.warm_config.lock().expect("warm config lock").remove(wid);
     }
 
     /// Makes warm container `wid` sandbox `d`: its agent's files and socket take the
@@ -89,12 +92,15 @@ impl Edge {
                 d.image
             )));
         }
-        let config = self.config_dir(&d.id);
         let sock = self.socket_path(&d.id);
         let claimed = (|| {
-            let _ = std::fs::remove_dir_all(&config);
-            std::fs::rename(self.config_dir(wid), &config)?;
-            self.write_agent_files(d, image, &config)?;
+            let pipe = self
+                .warm_config
+                .lock()
+                .expect("warm config lock")
+                .remove(wid)
+                .ok_or_else(|| EdgeError::Store(format!("warm container {wid} has no configuration pipe")))?;
+            self.send_agent_config(d, image, pipe)?;
             let _ = std::fs::remove_file(&sock);
             std::fs::rename(self.socket_path(wid), &sock)?;
             let limits = self.limits(d);
@@ -111,7 +117,6 @@ impl Edge {
         if claimed.is_err() {
             // `claim` removed the container on its own error; before it, it is still warm.
             self.discard_warm(wid);
-            let _ = std::fs::remove_dir_all(&config);
             let _ = std::fs::remove_file(&sock);
         }
         claimed
