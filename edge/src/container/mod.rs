@@ -17,6 +17,7 @@ mod disk;
 pub mod oci;
 pub mod oom;
 pub mod runtime;
+pub mod seccomp;
 pub mod shim;
 pub mod warm;
 
