@@ -928,6 +928,10 @@ code = ("import ctypes, mmap; m = mmap.mmap(-1, 4096, prot=7); "
         "print(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))())")
 p = subprocess.run([sys.executable, "-c", code], capture_output=True)
 report("int80", f"signal{-p.returncode}" if p.returncode < 0 else f"exit{p.returncode}")
+# The x32 ABI: getpid with the x32 bit set in the number, in a child.
+code = "import ctypes; ctypes.CDLL(None).syscall(ctypes.c_long(0x40000027))"
+p = subprocess.run([sys.executable, "-c", code], capture_output=True)
+report("x32", f"signal{-p.returncode}" if p.returncode < 0 else f"exit{p.returncode}")
 
 
 # Ordinary work.
@@ -1043,8 +1047,9 @@ fn seccomp_refuses_kernel_interfaces_to_root_and_ordinary_work_runs_on_crun_and_
             ("ioctl_reaches_the_kernel_TCGETS", "ENOTTY"),
             ("ioctl_reaches_the_kernel_TIOCGPTN_sign_extended", "ENOTTY"),
             ("ioctl_reaches_the_kernel_TIOCSTI_plus_one", "ENOTTY"),
-            // The 32-bit ABI is not in the filter: SIGSYS.
+            // The 32-bit x86 and x32 ABIs are not in the filter: SIGSYS.
             ("int80", "signal31"),
+            ("x32", "signal31"),
             // Named by the profile's requirements, so that none can go missing.
             ("eperm_io_uring_setup", "EPERM"),
             ("eperm_userfaultfd", "EPERM"),
