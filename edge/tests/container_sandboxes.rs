@@ -1,7 +1,11 @@
 //! Specification tests of the container backend against the real thing: runc/crun,
-//! namespaces, cgroups, overlayfs, loop-mounted ext4. They need root and the packages
-//! runc, crun, busybox-static (downloaded by the image builder), debootstrap and
-//! e2fsprogs; a missing prerequisite fails the test with the package to install.
+//! namespaces, cgroups, overlayfs, loop-mounted ext4, the seccomp profile. They need root
+//! and the packages runc, crun, busybox-static (downloaded by the image builder),
+//! debootstrap and e2fsprogs; the agent's test also needs the static agent
+//! (`OPENDSEC_TEST_AGENT`, or `edge/agent/build-static.sh`). A missing prerequisite fails
+//! the test with what to install or build.
+
+mod support;
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
@@ -16,6 +20,7 @@ use opendsec_edge::container::{
     is_mounted,
 };
 use opendsec_edge::images::{Image, ImageStore};
+use opendsec_edge::vm::AgentChannel;
 
 /// Images are built once per machine and shared by the tests (as on an edge).
 const TEST_STORE: &str = "/var/tmp/opendsec-test-images";
@@ -889,4 +894,334 @@ fn a_warm_container_that_cannot_be_claimed_or_is_discarded_leaves_nothing() {
         "mounts left under {}",
         dir.display()
     );
+}
+
+/// Probes the seccomp profile from inside a sandbox (python3, as root): one `name=result`
+/// line per check, the result `ok` or the errno's name. `eperm_*` must fail with EPERM,
+/// `ok_*` must succeed; the others are checked one by one.
+const SECCOMP_PROBE: &str = r#"
+import ctypes, errno, os, socket, struct, subprocess, sys
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.syscall.argtypes = [ctypes.c_long] + [ctypes.c_ulong] * 6
+M64 = (1 << 64) - 1
+HIGH = 1 << 32
+
+
+def sc(nr, *args):
+    args = [a & M64 for a in args] + [0] * (6 - len(args))
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, *args)
+    return "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+
+
+def report(name, result):
+    print(f"{name}={result}", flush=True)
+
+
+# Refused. Where the kernel itself would fail the call, the arguments make it fail with
+# another errno than EPERM, so EPERM is the filter's (init_module, kexec_load, mount...
+# fail with EPERM or ENOSYS either way without the capability or the kernel feature).
+me = os.getpid()
+for name, nr, args in [
+    ("io_uring_setup", 425, (1, 0)), ("io_uring_enter", 426, (-1, 0, 0, 0, 0, 0)),
+    ("io_uring_register", 427, (-1, 0, 0, 0)), ("userfaultfd", 323, (0xffffffff,)),
+    ("keyctl", 250, (0xffff, 0, 0, 0, 0)), ("add_key", 248, (0, 0, 0, 0, 0)),
+    ("request_key", 249, (0, 0, 0, 0)), ("perf_event_open", 298, (0, 0, -1, -1, 0)),
+    ("bpf", 321, (9999, 0, 0)), ("init_module", 175, (0, 0, 0)), ("finit_module", 313, (-1, 0, 0)),
+    ("delete_module", 176, (0, 0)), ("kexec_load", 246, (0, 0, 0, 0)),
+    ("kexec_file_load", 320, (-1, -1, 0, 0, 0)), ("mount", 165, (0, 0, 0, 0, 0)),
+    ("umount2", 166, (0, 0)), ("fsopen", 430, (0, 0)), ("fsconfig", 431, (-1, 0, 0, 0, 0)),
+    ("fsmount", 432, (-1, 0, 0)), ("fspick", 433, (-1, 0, 0)), ("move_mount", 429, (-1, 0, -1, 0, 0)),
+    ("open_tree", 428, (-1, 0, 0)), ("mount_setattr", 442, (-1, 0, 0xffffffff, 0, 0)),
+    ("pivot_root", 155, (0, 0)), ("setns", 308, (-1, 0)), ("ptrace", 101, (0x4206, 999999, 0, 0)),
+    ("process_vm_readv", 310, (999999, 0, 0, 0, 0, 1)), ("process_vm_writev", 311, (999999, 0, 0, 0, 0, 1)),
+    ("kcmp", 312, (me, me, 0, 0, 0)), ("pidfd_getfd", 438, (-1, 0, 0)),
+    ("name_to_handle_at", 303, (-1, 0, 0, 0, 0xffffffff)), ("open_by_handle_at", 304, (-1, 0, 0)),
+    ("swapon", 167, (0, 0)), ("swapoff", 168, (0,)), ("reboot", 169, (0, 0, 0, 0)), ("acct", 163, (0,)),
+    ("quotactl", 179, (0, 0, 0, 0)), ("lookup_dcookie", 212, (0, 0, 0)), ("iopl", 172, (3,)),
+    ("ioperm", 173, (0, 1, 1)), ("uselib", 134, (0,)), ("vhangup", 153, ()), ("modify_ldt", 154, (0, 0, 0)),
+    ("syslog", 103, (10, 0, 0)), ("personality_READ_IMPLIES_EXEC", 135, (0x0400000,)),
+    ("personality_ADDR_NO_RANDOMIZE", 135, (0x0040000,)), ("unshare_NEWUSER", 272, (0x10000000,)),
+    ("socket_VSOCK", 41, (40, 1, 0)), ("socket_VSOCK_high_bits", 41, (40 | HIGH, 1, 0)),
+    ("socket_ALG", 41, (38, 5, 0)), ("socket_PACKET", 41, (17, 3, 0)), ("socketpair_INET", 53, (2, 1, 0, 0)),
+]:
+    report(f"eperm_{name}", sc(nr, *args))
+# Each namespace flag: with CLONE_THREAD but not CLONE_SIGHAND (clone) or an invalid bit
+# (unshare), the kernel would say EINVAL.
+CLONE_THREAD, CLONE_FILES = 0x10000, 0x400
+for flag, bit in [("NEWNS", 0x20000), ("NEWCGROUP", 0x2000000), ("NEWUTS", 0x4000000), ("NEWIPC", 0x8000000),
+                  ("NEWUSER", 0x10000000), ("NEWPID", 0x20000000), ("NEWNET", 0x40000000), ("NEWTIME", 0x80)]:
+    report(f"eperm_clone_{flag}", sc(56, bit | CLONE_THREAD, 0, 0, 0, 0))
+    report(f"eperm_unshare_{flag}", sc(272, bit | 1))
+report("clone3", sc(435, 0, 0))
+report("clone_reaches_the_kernel", sc(56, CLONE_THREAD, 0, 0, 0, 0))
+report("unshare_reaches_the_kernel", sc(272, 1))
+report("ok_unshare_CLONE_FILES", sc(272, CLONE_FILES))
+for name, value in [("query", 0xffffffff), ("query_sign_extended", M64), ("linux", 0)]:
+    report(f"ok_personality_{name}", sc(135, value))
+for name, family, kind in [("INET", 2, 1), ("INET_high_bits", 2 | HIGH, 1), ("INET6", 10, 1), ("UNIX", 1, 1),
+                           ("NETLINK", 16, 3)]:
+    report(f"ok_socket_{name}", sc(41, family, kind | 0x80000, 0))
+pair = (ctypes.c_int * 2)()
+report("ok_socketpair_UNIX", sc(53, 1, 1, 0, ctypes.addressof(pair)))
+
+# ioctl: /dev/null is no terminal, so a request that reaches the kernel gets ENOTTY.
+TIOCSTI, TIOCLINUX, TIOCSETD, TCGETS, TIOCGWINSZ, TIOCSWINSZ, TIOCSCTTY, FIONREAD = (
+    0x5412, 0x541C, 0x5423, 0x5401, 0x5413, 0x5414, 0x540E, 0x541B)
+null = os.open("/dev/null", os.O_RDWR)
+buf = ctypes.create_string_buffer(64)
+for name, request in [("TIOCSTI", TIOCSTI), ("TIOCSTI_high_bits", TIOCSTI | HIGH),
+                      ("TIOCSTI_sign_extended", TIOCSTI | 0xffffffff00000000), ("TIOCLINUX", TIOCLINUX),
+                      ("TIOCSETD", TIOCSETD)]:
+    report(f"eperm_ioctl_{name}", sc(16, null, request, ctypes.addressof(buf)))
+for name, request in [("TCGETS", TCGETS), ("TIOCGPTN_sign_extended", 0xffffffff80045430),
+                      ("TIOCSTI_plus_one", TIOCSTI + 1)]:
+    report(f"ioctl_reaches_the_kernel_{name}", sc(16, null, request, ctypes.addressof(buf)))
+master, slave = os.openpty()
+report("eperm_ioctl_pty_TIOCSTI", sc(16, slave, TIOCSTI, ctypes.addressof(ctypes.c_char(b"x"))))
+report("ok_ioctl_pty_TIOCGWINSZ", sc(16, slave, TIOCGWINSZ, ctypes.addressof(buf)))
+size = ctypes.create_string_buffer(struct.pack("HHHH", 30, 100, 0, 0))
+report("ok_ioctl_pty_TIOCSWINSZ", sc(16, master, TIOCSWINSZ, ctypes.addressof(size)))
+report("ok_ioctl_pty_TCGETS", sc(16, slave, TCGETS, ctypes.addressof(buf)))
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    os._exit(0 if libc.ioctl(slave, TIOCSCTTY, 0) == 0 else 1)
+report("ok_ioctl_pty_TIOCSCTTY_after_setsid", "ok" if os.waitpid(pid, 0)[1] == 0 else "failed")
+r, w = os.pipe()
+os.write(w, b"abc")
+n = ctypes.c_int(0)
+result = sc(16, r, FIONREAD, ctypes.addressof(n))
+report("ok_ioctl_pipe_FIONREAD", result if result != "ok" or n.value == 3 else f"read {n.value}")
+
+# The 32-bit x86 ABI: getpid through `int 0x80` from a 64-bit process, in a child.
+code = ("import ctypes, mmap; m = mmap.mmap(-1, 4096, prot=7); "
+        "m.write(bytes([0xb8, 20, 0, 0, 0, 0xcd, 0x80, 0xc3])); "
+        "print(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))())")
+p = subprocess.run([sys.executable, "-c", code], capture_output=True)
+report("int80", f"signal{-p.returncode}" if p.returncode < 0 else f"exit{p.returncode}")
+# The x32 ABI: getpid with the x32 bit set in the number, in a child.
+code = "import ctypes; ctypes.CDLL(None).syscall(ctypes.c_long(0x40000027))"
+p = subprocess.run([sys.executable, "-c", code], capture_output=True)
+report("x32", f"signal{-p.returncode}" if p.returncode < 0 else f"exit{p.returncode}")
+
+
+# Ordinary work.
+def threads():
+    import threading
+    out = []
+    ts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    return sorted(out) == list(range(8))
+
+
+def process_pool():
+    import multiprocessing
+    with multiprocessing.Pool(2) as pool:
+        return pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
+
+
+def shell_pipeline():
+    p = subprocess.run("seq 1 100 | sort -rn | head -1", shell=True, capture_output=True, text=True)
+    return p.stdout == "100\n"
+
+
+def child_as_another_user():
+    p = subprocess.run(["id", "-u"], user=1000, group=1000, extra_groups=[], capture_output=True, text=True)
+    return p.stdout == "1000\n"
+
+
+def tcp_on_loopback():
+    import threading
+    server = socket.create_server(("127.0.0.1", 0))
+    t = threading.Thread(target=lambda: server.accept()[0].sendall(b"hi"))
+    t.start()
+    with socket.create_connection(server.getsockname()) as c:
+        data = c.recv(2)
+    t.join()
+    return data == b"hi"
+
+
+def netlink():
+    names = [name for _, name in socket.if_nameindex()]
+    return names == ["lo"] and len(socket.getaddrinfo("127.0.0.1", 80, flags=socket.AI_ADDRCONFIG)) > 0
+
+
+def event_fds_and_memory():
+    import mmap, select
+    e = os.eventfd(0)
+    ep = select.epoll()
+    ep.register(e, select.EPOLLIN)
+    os.eventfd_write(e, 1)
+    mfd = os.memfd_create("probe")
+    os.ftruncate(mfd, 4096)
+    m = mmap.mmap(mfd, 4096)
+    m[:2] = b"ok"
+    return (ep.poll(1) == [(e, select.EPOLLIN)] and bytes(m[:2]) == b"ok"
+            and os.pidfd_open(os.getpid()) > 0 and len(os.sched_getaffinity(0)) > 0)
+
+
+def posix_spawn():
+    pid = os.posix_spawn("/bin/true", ["true"], {})
+    return os.waitpid(pid, 0)[1] == 0
+
+
+for f in [threads, process_pool, shell_pipeline, child_as_another_user, tcp_on_loopback, netlink,
+          event_fds_and_memory, posix_spawn]:
+    try:
+        report(f"ok_work_{f.__name__}", "ok" if f() else "wrong result")
+    except Exception as e:
+        report(f"ok_work_{f.__name__}", f"{type(e).__name__}: {e}".replace("\n", " "))
+"#;
+
+/// As root in a `base` sandbox: the kernel interfaces the profile refuses fail with EPERM
+/// (where the kernel would answer otherwise, with arguments that make it say another
+/// errno, so the EPERM is the filter's), also with junk in an argument's upper half;
+/// allowed calls reach the kernel; the 32-bit ABI kills; and ordinary work runs.
+#[test]
+fn seccomp_refuses_kernel_interfaces_to_root_and_ordinary_work_runs_on_crun_and_runc() {
+    let img = image("base");
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(runtime);
+        let id = unique_id("seccomp");
+        let script = "echo pipeline=$(seq 1 1000 | sort -rn | head -1); \
+            ulimit -a > /dev/null && echo ulimit=ok; \
+            git init -q /tmp/repo && cd /tmp/repo && echo x > f && git add f && \
+            git -c user.name=t -c user.email=t@t commit -qm x && echo git=$(git rev-list --count HEAD); \
+            grep -E '^Seccomp:' /proc/self/status; \
+            exec python3 -B -c \"$0\"";
+        let mut spec = SandboxSpec::from_image(
+            &id,
+            &store(),
+            &img,
+            vec!["/bin/bash".into(), "-c".into(), script.into(), SECCOMP_PROBE.into()],
+        )
+        .unwrap();
+        spec.process.user = (0, 0);
+        let (exit, log) = run_to_exit(&b, &spec);
+        assert_eq!(exit.exit_code, 0, "{runtime:?}: {log}");
+        assert!(log.contains("Seccomp:\t2\n"), "{runtime:?}: no seccomp filter: {log}");
+        let results: Vec<(&str, &str)> = log.lines().filter_map(|l| l.split_once('=')).collect();
+        let get = |name: &str| results.iter().find(|(n, _)| *n == name).map(|(_, r)| *r);
+        let mut wrong: Vec<String> = results
+            .iter()
+            .filter(|(n, r)| (n.starts_with("eperm_") && *r != "EPERM") || (n.starts_with("ok_") && *r != "ok"))
+            .map(|(n, r)| format!("{n} = {r}"))
+            .collect();
+        for (name, want) in [
+            ("pipeline", "1000"),
+            ("ulimit", "ok"),
+            ("git", "1"),
+            ("clone3", "ENOSYS"),
+            ("clone_reaches_the_kernel", "EINVAL"),
+            ("unshare_reaches_the_kernel", "EINVAL"),
+            ("ioctl_reaches_the_kernel_TCGETS", "ENOTTY"),
+            ("ioctl_reaches_the_kernel_TIOCGPTN_sign_extended", "ENOTTY"),
+            ("ioctl_reaches_the_kernel_TIOCSTI_plus_one", "ENOTTY"),
+            // The 32-bit x86 and x32 ABIs are not in the filter: SIGSYS.
+            ("int80", "signal31"),
+            ("x32", "signal31"),
+            // Named by the profile's requirements, so that none can go missing.
+            ("eperm_io_uring_setup", "EPERM"),
+            ("eperm_userfaultfd", "EPERM"),
+            ("eperm_keyctl", "EPERM"),
+            ("eperm_perf_event_open", "EPERM"),
+            ("eperm_bpf", "EPERM"),
+            ("eperm_init_module", "EPERM"),
+            ("eperm_kexec_load", "EPERM"),
+            ("eperm_unshare_NEWUSER", "EPERM"),
+            ("eperm_mount", "EPERM"),
+            ("eperm_ptrace", "EPERM"),
+            ("eperm_ioctl_TIOCSTI", "EPERM"),
+            ("eperm_ioctl_TIOCSTI_high_bits", "EPERM"),
+            ("ok_work_shell_pipeline", "ok"),
+            ("ok_work_threads", "ok"),
+        ] {
+            if get(name) != Some(want) {
+                wrong.push(format!("{name} = {:?}, want {want}", get(name)));
+            }
+        }
+        let counted = |prefix: &str| results.iter().filter(|(n, _)| n.starts_with(prefix)).count();
+        assert_eq!(
+            (counted("eperm_"), counted("ok_")),
+            (74, 23),
+            "{runtime:?}: the probe did not run through:\n{log}"
+        );
+        assert!(wrong.is_empty(), "{runtime:?}:\n{}\n\n{log}", wrong.join("\n"));
+        assert_gone(&b, &id);
+    }
+}
+
+/// The agent as PID 1 (as every container sandbox runs it) under the profile: it serves,
+/// runs processes as root and as its default user, and they run under the filter too.
+#[test]
+fn the_agent_as_pid1_runs_processes_under_the_seccomp_profile_on_crun_and_runc() {
+    let agent = support::static_agent();
+    let img = image("base");
+    let rt = support::rt();
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(runtime);
+        let id = unique_id("agent");
+        let port = 49983;
+        let mut spec = SandboxSpec::from_image(
+            &id,
+            &store(),
+            &img,
+            vec![
+                "/.opendsec/agent".into(),
+                "serve".into(),
+                "--listen".into(),
+                format!("tcp:127.0.0.1:{port}"),
+            ],
+        )
+        .unwrap();
+        spec.binds.push(BindMount {
+            host_path: agent.clone(),
+            container_path: "/.opendsec/agent".into(),
+        });
+        b.create(&spec).expect("create");
+        let dir = b.get(&id).unwrap().dir;
+        let init: i32 = std::fs::read_to_string(dir.join("init.pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // The agent listens on the sandbox's own loopback: connect from inside its netns.
+        let channel = AgentChannel {
+            netns: format!("/proc/{init}/ns/net").into(),
+            addr: ([127, 0, 0, 1], port).into(),
+        };
+        let log = || String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap_or_default()).into_owned();
+        if let Err(e) = channel.wait_ready(Duration::from_secs(30), &|| {
+            b.state(&id).is_ok_and(|s| s.status == SandboxStatus::Running)
+        }) {
+            panic!("{runtime:?}: the agent never answered: {e}\n{}", log());
+        }
+        let script = "grep -E '^Seccomp:' /proc/1/status; id -u; seq 3 | sort -rn | head -1; \
+            python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True); \
+            print(l.syscall(425, 1, 0), ctypes.get_errno())'";
+        let out = rt
+            .block_on(channel.exec_as("", "root", "bash", &["-c", script]))
+            .unwrap_or_else(|e| panic!("{runtime:?}: exec: {e}\n{}", log()));
+        assert_eq!(
+            (out.exit_code, out.stdout_text().as_str()),
+            (0, "Seccomp:\t2\n0\n3\n-1 1\n"),
+            "{runtime:?}: {out:?}\n{}",
+            log()
+        );
+        let out = rt
+            .block_on(channel.exec("", "bash", &["-c", "id -un; cd && pwd"]))
+            .unwrap_or_else(|e| panic!("{runtime:?}: exec as the default user: {e}\n{}", log()));
+        assert_eq!(
+            (out.exit_code, out.stdout_text().as_str()),
+            (0, "user\n/home/user\n"),
+            "{runtime:?}: {out:?}\n{}",
+            log()
+        );
+        b.delete(&id).unwrap();
+        assert_gone(&b, &id);
+    }
 }

@@ -18,6 +18,7 @@ pub mod idmap;
 pub mod oci;
 pub mod oom;
 pub mod runtime;
+pub mod seccomp;
 pub mod shim;
 pub mod warm;
 

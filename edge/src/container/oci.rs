@@ -1,15 +1,15 @@
 //! The OCI runtime spec (config.json) of a sandbox: its own namespaces (no host
 //! network: only `lo`), cgroup limits, a reduced capability set, no_new_privileges,
-//! a seccomp deny list, masked and read-only /proc paths and only the default devices.
+//! the seccomp allow list of [`super::seccomp`], masked and read-only /proc paths and
+//! only the default devices.
 
 use std::collections::{HashMap, HashSet};
 
 use oci_spec::runtime::{
-    Arch, Capability, LinuxBlockIoBuilder, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder,
-    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespaceBuilder,
-    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompArgBuilder,
-    LinuxSeccompBuilder, LinuxSeccompOperator, LinuxSyscall, LinuxSyscallBuilder, Mount, MountBuilder,
-    PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+    Capability, LinuxBlockIoBuilder, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroupBuilder,
+    LinuxDeviceType, LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType,
+    LinuxPidsBuilder, LinuxResourcesBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder,
+    RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
 use super::{ContainerError, SandboxSpec};
@@ -55,59 +55,6 @@ const CAPABILITIES: &[Capability] = &[
     Capability::Setpcap,
     Capability::Setuid,
     Capability::SysChroot,
-];
-
-/// Syscalls refused with EPERM whatever their arguments.
-const DENIED_SYSCALLS: &[&str] = &[
-    "acct",
-    "add_key",
-    "bpf",
-    "delete_module",
-    "finit_module",
-    "fsconfig",
-    "fsmount",
-    "fsopen",
-    "fspick",
-    "init_module",
-    "ioperm",
-    "iopl",
-    "kexec_file_load",
-    "kexec_load",
-    "keyctl",
-    "lookup_dcookie",
-    "mount",
-    "mount_setattr",
-    "move_mount",
-    "name_to_handle_at",
-    "open_by_handle_at",
-    "open_tree",
-    "perf_event_open",
-    "pivot_root",
-    "process_vm_readv",
-    "process_vm_writev",
-    "ptrace",
-    "quotactl",
-    "reboot",
-    "request_key",
-    "setns",
-    "swapoff",
-    "swapon",
-    "umount2",
-    "userfaultfd",
-    "uselib",
-    "vhangup",
-];
-
-/// Namespace flags that `unshare` and `clone` may not carry.
-const NAMESPACE_FLAGS: &[u64] = &[
-    libc::CLONE_NEWNS as u64,
-    libc::CLONE_NEWCGROUP as u64,
-    libc::CLONE_NEWUTS as u64,
-    libc::CLONE_NEWIPC as u64,
-    libc::CLONE_NEWUSER as u64,
-    libc::CLONE_NEWPID as u64,
-    libc::CLONE_NEWNET as u64,
-    0x80, // CLONE_NEWTIME
 ];
 
 /// What the host supports, decided once by the backend.
@@ -216,7 +163,7 @@ pub fn build_spec(
         .namespaces(namespaces)
         .cgroups_path(cgroups_path)
         .resources(resources.build().map_err(invalid)?)
-        .seccomp(seccomp()?)
+        .seccomp(super::seccomp::profile()?)
         .masked_paths(MASKED_PATHS.iter().map(|s| s.to_string()).collect::<Vec<_>>())
         .readonly_paths(READONLY_PATHS.iter().map(|s| s.to_string()).collect::<Vec<_>>())
         .rootfs_propagation("private")
@@ -348,54 +295,4 @@ fn device_rules() -> Result<Vec<oci_spec::runtime::LinuxDeviceCgroup>, Container
         rules.push(b.build().map_err(invalid)?);
     }
     Ok(rules)
-}
-
-/// The seccomp profile. Default action is ALLOW (a deny list, not an allow list): the
-/// list below removes the kernel interfaces a sandbox has no business with (keyrings,
-/// BPF, perf, modules, kexec, handle-based opens, userfaultfd, mounts, swap, ptrace,
-/// joining or creating namespaces). A strict allow list is a later hardening step.
-fn seccomp() -> Result<oci_spec::runtime::LinuxSeccomp, ContainerError> {
-    let mut syscalls: Vec<LinuxSyscall> = vec![
-        LinuxSyscallBuilder::default()
-            .names(DENIED_SYSCALLS.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-            .action(LinuxSeccompAction::ScmpActErrno)
-            .errno_ret(libc::EPERM as u32)
-            .build()
-            .map_err(invalid)?,
-        // clone3 passes its flags in memory, which seccomp cannot read: make it look
-        // unimplemented so libc falls back to clone, whose flags are checked below.
-        LinuxSyscallBuilder::default()
-            .names(vec!["clone3".to_string()])
-            .action(LinuxSeccompAction::ScmpActErrno)
-            .errno_ret(libc::ENOSYS as u32)
-            .build()
-            .map_err(invalid)?,
-    ];
-    for (name, index) in [("unshare", 0usize), ("clone", 0usize)] {
-        for &flag in NAMESPACE_FLAGS {
-            syscalls.push(
-                LinuxSyscallBuilder::default()
-                    .names(vec![name.to_string()])
-                    .action(LinuxSeccompAction::ScmpActErrno)
-                    .errno_ret(libc::EPERM as u32)
-                    .args(vec![
-                        LinuxSeccompArgBuilder::default()
-                            .index(index)
-                            .value(flag)
-                            .value_two(flag)
-                            .op(LinuxSeccompOperator::ScmpCmpMaskedEq)
-                            .build()
-                            .map_err(invalid)?,
-                    ])
-                    .build()
-                    .map_err(invalid)?,
-            );
-        }
-    }
-    LinuxSeccompBuilder::default()
-        .default_action(LinuxSeccompAction::ScmpActAllow)
-        .architectures(vec![Arch::ScmpArchX86_64, Arch::ScmpArchX86, Arch::ScmpArchX32])
-        .syscalls(syscalls)
-        .build()
-        .map_err(invalid)
 }
