@@ -205,8 +205,13 @@ fn host_status(pid: i32, key: &str) -> String {
 }
 
 #[test]
-fn root_inside_is_an_unprivileged_id_range_of_its_own_outside_and_layers_keep_their_owners() {
-    let b = backend(RuntimeChoice::Auto);
+fn root_inside_is_an_unprivileged_id_range_of_its_own_outside_and_layers_keep_their_owners_on_crun_and_runc() {
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        user_namespace_of_its_own(&backend(runtime));
+    }
+}
+
+fn user_namespace_of_its_own(b: &ContainerBackend) {
     let (x, y) = (unique_id("usx"), unique_id("usy"));
     let script = "cat /proc/self/uid_map; touch /etc/made-by-root; chown 1000:1000 /etc/made-by-root; \
         ls -ln /bin/busybox; echo mountinfo:; cat /proc/self/mountinfo; sleep 1000";

@@ -194,60 +194,7 @@ impl Up {
     /// Like `try_exec`, as `user` (E2B's `Authorization: Basic <user:>`), or as the
     /// sandbox's default user.
     async fn try_exec_as(&self, id: &str, cmd: &str, user: Option<&str>) -> Result<(String, i64), String> {
-        use base64::Engine;
-        let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}})).unwrap();
-        let mut frame = vec![0u8];
-        frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
-        frame.extend_from_slice(&body);
-        // The edge may still be starting (after a restart): retry while it refuses connections.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let r = loop {
-            let mut request = self
-                .client
-                .post(format!("http://{}/sandboxes/{id}/process.Process/Start", self.edge));
-            if let Some(user) = user {
-                let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
-                request = request.header("authorization", format!("Basic {basic}"));
-            }
-            let sent = request
-                .header("x-opendsec-edge-key", &self.key)
-                // The agent answers only with the sandbox's own access token.
-                .header(
-                    "x-access-token",
-                    opendsec_control::sandbox_token(&self.key, opendsec_control::SandboxTokenKind::Agent, id),
-                )
-                .header("content-type", "application/connect+json")
-                .header("connect-protocol-version", "1")
-                .body(frame.clone())
-                .send()
-                .await;
-            match sent {
-                Ok(r) => break r,
-                Err(e) if e.is_connect() && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(100)).await
-                }
-                Err(e) => panic!("exec in {id}: {e}"),
-            }
-        };
-        if r.status().as_u16() != 200 {
-            return Err(format!("status {}", r.status()));
-        }
-        let bytes = r.bytes().await.map_err(|e| e.to_string())?;
-        let (mut out, mut code, mut i) = (String::new(), -1, 0);
-        while i + 5 <= bytes.len() {
-            let n = u32::from_be_bytes(bytes[i + 1..i + 5].try_into().unwrap()) as usize;
-            let m: Value = serde_json::from_slice(&bytes[i + 5..i + 5 + n]).unwrap();
-            i += 5 + n;
-            if let Some(d) = m["event"]["data"]["stdout"].as_str() {
-                out.push_str(&String::from_utf8_lossy(
-                    &base64::engine::general_purpose::STANDARD.decode(d).unwrap(),
-                ));
-            }
-            if let Some(c) = m["event"]["end"]["exitCode"].as_i64() {
-                code = c;
-            }
-        }
-        Ok((out, code))
+        up::edge_exec(&self.client, &self.edge, &self.key, id, cmd, user).await
     }
 
     /// Sandbox directories on the edge's disk (named by their 20-hex-digit ids).

@@ -234,6 +234,36 @@ pub fn mount_overlay_as(target: &Path, options: &str, base: u32) -> Result<(), C
     joined.map_err(|e| ContainerError::Storage(format!("mounting overlay on {}: {e}", target.display())))
 }
 
+/// The host-wide inotify limits, raised to the kernel's maximum. A user namespace charges
+/// its users' inotify instances and watches to its owner in the parent namespace too (the
+/// kernel's ucounts), and every sandbox's namespace is owned by host root: left at the
+/// default (128 instances), one sandbox's `user` could take every instance of every
+/// sandbox and of the host's root. The memory cgroup bounds what each sandbox allocates.
+const INOTIFY_LIMITS: [&str; 2] = [
+    "/proc/sys/fs/inotify/max_user_instances",
+    "/proc/sys/fs/inotify/max_user_watches",
+];
+
+/// Raises the host's inotify limits (see [`INOTIFY_LIMITS`]); says what it changed.
+pub fn raise_shared_limits() -> Result<(), ContainerError> {
+    for path in INOTIFY_LIMITS {
+        let now: i64 = std::fs::read_to_string(path)
+            .map_err(|e| ContainerError::io(format!("reading {path}"), e))?
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        if now < i32::MAX as i64 {
+            std::fs::write(path, (i32::MAX).to_string()).map_err(|e| {
+                ContainerError::Prerequisite(format!(
+                    "cannot raise {path} from {now}: {e}; sandboxes in user namespaces share that limit with host root"
+                ))
+            })?;
+            tracing::info!(%path, from = now, to = i32::MAX, "raised a host-wide inotify limit that user namespaces share");
+        }
+    }
+    Ok(())
+}
+
 /// Whether this host can give containers user namespaces the way [`super::disk`] mounts
 /// them: an overlay over an idmapped layer and an idmapped upper dir, in a scratch
 /// directory under `root` (the sandboxes' file system), mounted and unmounted. Says what

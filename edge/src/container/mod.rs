@@ -328,6 +328,7 @@ impl ContainerBackend {
                      to run them as host root anyway (unsafe), start the edge with user namespaces off"
                 ))
             })?;
+            idmap::raise_shared_limits()?;
             let bases = backend.list()?.into_iter().filter_map(|h| h.record.id_base);
             backend.ids = Some(idmap::IdRanges::adopt(bases));
         } else {

@@ -45,6 +45,8 @@ pub struct Up {
     pub client: reqwest::Client,
     /// The edge's disk size per sandbox (`--disk-mb`).
     disk_mb: u64,
+    /// The edge's OCI runtime (`--runtime`: auto, crun or runc).
+    runtime: String,
 }
 
 impl Drop for Up {
@@ -229,8 +231,17 @@ impl Up {
         Self::start_with_disk(domain, 256).await
     }
 
+    /// As [`Up::start`], with containers run by `runtime` (crun or runc).
+    pub async fn start_on(runtime: &str) -> Up {
+        Self::start_with(None, 256, runtime).await
+    }
+
     /// As [`Up::start`], with `disk_mb` of writable disk per sandbox.
     pub async fn start_with_disk(domain: Option<&str>, disk_mb: u64) -> Up {
+        Self::start_with(domain, disk_mb, "auto").await
+    }
+
+    async fn start_with(domain: Option<&str>, disk_mb: u64, runtime: &str) -> Up {
         let dir = tempfile::tempdir().unwrap();
         let mut up = Up {
             http: format!("127.0.0.1:{}", free_port()),
@@ -248,6 +259,7 @@ impl Up {
                 .build()
                 .unwrap(),
             disk_mb,
+            runtime: runtime.to_string(),
         };
         up.spawn();
 
@@ -324,6 +336,7 @@ impl Up {
             // 256 MB of writable disk per sandbox by default: room for the tests, small
             // enough that filling it (the oversized-upload test) takes a moment.
             .args(["--edge-sandboxes", "40", "--disk-mb", &self.disk_mb.to_string()])
+            .args(["--runtime", &self.runtime])
             .env("RUST_LOG", "info,openraft=warn")
             .stdout(Stdio::null())
             .stderr(log);
@@ -494,6 +507,50 @@ pub fn connect_frame(msg: &[u8]) -> Vec<u8> {
 
 /// Folds a `process.Process/Start` response into (stdout, exit code); an error status or
 /// a stream that ends without the process's end is an `Err`.
+/// Runs `script` with `/bin/sh -c` in sandbox `id` straight through the edge's proxy at
+/// `edge` (as the gateway does: the cluster key and the sandbox's own agent token), as
+/// `user` (E2B's `Authorization: Basic <user:>`) or the sandbox's default user. Retries
+/// while the edge refuses connections (it may be restarting); a stream cut short (the
+/// sandbox died under it) is an error.
+pub async fn edge_exec(
+    client: &reqwest::Client,
+    edge: &str,
+    key: &str,
+    id: &str,
+    script: &str,
+    user: Option<&str>,
+) -> Result<(String, i64), String> {
+    use base64::Engine;
+    let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}})).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let r = loop {
+        let mut request = client.post(format!("http://{edge}/sandboxes/{id}/process.Process/Start"));
+        if let Some(user) = user {
+            let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
+            request = request.header("authorization", format!("Basic {basic}"));
+        }
+        let sent = request
+            .header("x-opendsec-edge-key", key)
+            .header(
+                "x-access-token",
+                opendsec_control::sandbox_token(key, opendsec_control::SandboxTokenKind::Agent, id),
+            )
+            .header("content-type", "application/connect+json")
+            .header("connect-protocol-version", "1")
+            .body(connect_frame(&body))
+            .send()
+            .await;
+        match sent {
+            Ok(r) => break r,
+            Err(e) if e.is_connect() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    read_process_stream(r).await
+}
+
 pub async fn read_process_stream(r: reqwest::Response) -> Result<(String, i64), String> {
     use base64::Engine;
     let status = r.status().as_u16();
