@@ -34,6 +34,7 @@ fn require_prerequisites() {
         ("mkfs.ext4", "e2fsprogs"),
         ("apt-get", "apt"),
         ("dpkg-deb", "dpkg"),
+        ("lxcfs", "lxcfs"),
     ] {
         let found = ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
             .iter()
@@ -97,6 +98,8 @@ fn config_in(root: &Path, runtime: RuntimeChoice) -> ContainerConfig {
         warm_disks: 0,
         warm_disk_bytes: 64 << 20,
         user_namespaces: true,
+        // The machine's lxcfs, as an edge's (started by the first backend that finds none).
+        lxcfs: ContainerConfig::default().lxcfs,
     }
 }
 
@@ -1227,6 +1230,130 @@ fn the_agent_as_pid1_runs_processes_under_the_seccomp_profile_on_crun_and_runc()
             log()
         );
         b.delete(&id).unwrap();
+        assert_gone(&b, &id);
+    }
+}
+
+/// The value after `key` on the line of `text` that starts with it.
+fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .map(|rest| rest.split_whitespace().next().unwrap_or(""))
+}
+
+/// The lines of `log` between `name:` and the next line ending in `:` (a section the
+/// script printed).
+fn section<'a>(log: &'a str, name: &str) -> Vec<&'a str> {
+    log.lines()
+        .skip_while(|l| *l != format!("{name}:"))
+        .skip(1)
+        .take_while(|l| !(l.ends_with(':') && !l.contains(' ')))
+        .collect()
+}
+
+/// Tasks on the host (the total of /proc/loadavg's 4th field).
+fn host_tasks() -> u64 {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap();
+    text.split_whitespace().nth(3).unwrap().split('/').nth(1).unwrap().parse().unwrap()
+}
+
+fn host_uptime() -> f64 {
+    let text = std::fs::read_to_string("/proc/uptime").unwrap();
+    text.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// A sandbox's /proc and /sys (lxcfs's views) and its affinity show its own limits, as a
+/// VM of that size would: memory, `nproc`, CPUs, `/proc/uptime`, `/proc/loadavg`. (Not
+/// busybox's `free`: it reads the `sysinfo` system call, which no file system can answer;
+/// procps's `free`, in every Debian image, reads /proc/meminfo: see the `base` test below.)
+#[test]
+fn a_sandbox_sees_its_own_memory_cpus_uptime_and_load_not_the_hosts_on_crun_and_runc() {
+    let host_cpus = std::thread::available_parallelism().unwrap().get();
+    assert!(host_tasks() > 0 && host_uptime() > 0.0);
+    // `head`, not busybox's `cat`: that one copies with sendfile, which FUSE cuts at the
+    // size it cached from the last reader (up to 0.5 s), another sandbox's view perhaps.
+    let script = "echo meminfo:; head -5 /proc/meminfo; \
+        echo nproc:; nproc; \
+        echo online:; head -n 9 /sys/devices/system/cpu/online; \
+        echo cpuinfo:; grep -c ^processor /proc/cpuinfo; \
+        echo stat:; grep -c '^cpu[0-9]' /proc/stat; \
+        echo uptime:; head -n 9 /proc/uptime; \
+        echo loadavg:; head -n 9 /proc/loadavg; \
+        echo swaps:; head -n 9 /proc/swaps; \
+        echo mountinfo:; cat /proc/self/mountinfo; echo end:";
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(runtime);
+        // One CPU; two where the host has them (its quota then covers every CPU).
+        for cpu_millis in [1000, 2000].into_iter().filter(|m| (*m as usize) <= host_cpus * 1000) {
+            let cpus = (cpu_millis as usize).div_ceil(1000);
+            let id = unique_id("views");
+            let mut spec = busybox_spec(&id, script);
+            spec.limits.cpu_millis = cpu_millis;
+            spec.process.user = (1000, 1000);
+            let (exit, log) = run_to_exit(&b, &spec);
+            let ctx = format!("{runtime:?}, cpu_millis={cpu_millis}:\n{log}");
+            assert_eq!(exit.exit_code, 0, "{ctx}");
+            assert_eq!(field(&log, "MemTotal:"), Some("131072"), "MemTotal is 128 MB: {ctx}");
+            assert_eq!(section(&log, "nproc"), vec![cpus.to_string()], "nproc: {ctx}");
+            let online = if cpus == 1 { "0".to_string() } else { format!("0-{}", cpus - 1) };
+            assert_eq!(section(&log, "online"), vec![online], "cpu/online: {ctx}");
+            assert_eq!(section(&log, "cpuinfo"), vec![cpus.to_string()], "cpuinfo: {ctx}");
+            assert_eq!(section(&log, "stat"), vec![cpus.to_string()], "/proc/stat: {ctx}");
+
+            let uptime: f64 = section(&log, "uptime")[0].split_whitespace().next().unwrap().parse().unwrap();
+            assert!(uptime < 30.0 && uptime < host_uptime(), "a new sandbox's uptime: {ctx}");
+            let loadavg = section(&log, "loadavg");
+            let tasks: u64 = loadavg[0].split_whitespace().nth(3).unwrap().split('/').nth(1).unwrap().parse().unwrap();
+            assert!(
+                tasks < 10 && tasks < host_tasks(),
+                "/proc/loadavg counts the sandbox's tasks, not the host's {}: {ctx}",
+                host_tasks()
+            );
+            let swaps = section(&log, "swaps");
+            assert_eq!(swaps.len(), 1, "no swap (only the header): {ctx}");
+
+            let mountinfo = section(&log, "mountinfo").join("\n");
+            assert!(!mountinfo.contains("/var/"), "host paths in mountinfo:\n{mountinfo}");
+            for view in opendsec_edge::container::lxcfs::VIEWS {
+                assert!(
+                    mountinfo.lines().any(|l| l.contains(&format!(" {view} {view} ")) && l.contains(" ro,")),
+                    "{view} is lxcfs's, read-only: {ctx}"
+                );
+            }
+            assert_gone(&b, &id);
+        }
+    }
+}
+
+/// What a new user of the `base` image tries first: `free`, `top`, `nproc`, `uptime` and
+/// Python's CPU count in a 512 MB, one-CPU sandbox show 512 MB and one CPU, a new
+/// machine's uptime, and its own load.
+#[test]
+fn the_base_images_free_top_nproc_and_python_see_the_sandboxs_limits_on_crun_and_runc() {
+    let img = image("base");
+    let script = "echo free:; free -m; echo nproc:; nproc; \
+        echo python:; python3 -c 'import os; print(os.cpu_count(), len(os.sched_getaffinity(0)))'; \
+        echo top:; top -bn1 | head -5; echo uptime:; uptime; echo end:";
+    for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
+        let b = backend(runtime);
+        let id = unique_id("basev");
+        let mut spec =
+            SandboxSpec::from_image(&id, &store(), &img, vec!["/bin/bash".into(), "-c".into(), script.into()]).unwrap();
+        spec.limits.memory_bytes = 512 << 20;
+        spec.limits.cpu_millis = 1000;
+        spec.process.user = (1000, 1000);
+        let (exit, log) = run_to_exit(&b, &spec);
+        let ctx = format!("{runtime:?}:\n{log}");
+        assert_eq!(exit.exit_code, 0, "{ctx}");
+        eprintln!("{runtime:?}: a 512 MB, 1000 millicore sandbox of the base image:\n{log}");
+        let free = section(&log, "free");
+        assert_eq!(free.iter().find_map(|l| field(l, "Mem:")), Some("512"), "free -m: {ctx}");
+        assert_eq!(section(&log, "nproc"), vec!["1"], "nproc: {ctx}");
+        assert_eq!(section(&log, "python"), vec!["1 1"], "os.cpu_count(), sched_getaffinity: {ctx}");
+        let top = section(&log, "top").join("\n");
+        assert!(top.contains("512.0 total"), "top shows 512 MiB: {ctx}");
+        let uptime = section(&log, "uptime").join("");
+        assert!(uptime.contains("up 0 min"), "uptime of a new sandbox: {ctx}");
         assert_gone(&b, &id);
     }
 }

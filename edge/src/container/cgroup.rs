@@ -177,3 +177,16 @@ pub fn set_memory_cpu(
     fs::write(cpu.join("cpu.cfs_period_us"), cpu_period_us.to_string())?;
     fs::write(cpu.join("cpu.cfs_quota_us"), cpu_quota_us.to_string())
 }
+
+/// Sets a created container's cpuset (`0-1,3`), as the runtime does from the bundle: for
+/// a warm container claimed by a sandbox of another number of CPUs. v1 or v2.
+pub fn set_cpus(cgroups_path: &str, cpus: &str) -> std::io::Result<()> {
+    let rel = cgroups_path.trim_start_matches('/');
+    let root = Path::new(ROOT);
+    let file = [root.join(rel), root.join("cpuset").join(rel)]
+        .into_iter()
+        .map(|d| d.join("cpuset.cpus"))
+        .find(|f| f.exists())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no cpuset cgroup"))?;
+    fs::write(file, cpus)
+}

@@ -13,8 +13,10 @@
 //! its directory or in the runtime's state; [`ContainerBackend::list`] rebuilds it all.
 
 pub mod cgroup;
+pub mod cpus;
 mod disk;
 pub mod idmap;
+pub mod lxcfs;
 pub mod oci;
 pub mod oom;
 pub mod runtime;
@@ -218,6 +220,9 @@ pub struct SandboxRecord {
     /// for a container without one (an edge started without user namespaces).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id_base: Option<u32>,
+    /// Its cpuset (`0-1,3`, see [`cpus`]); `None`: every CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<String>,
 }
 
 impl SandboxRecord {
@@ -264,6 +269,10 @@ pub struct ContainerConfig {
     /// Each container in a user namespace of its own (see [`idmap`]). Off only where an
     /// operator says so: root inside is then root outside.
     pub user_namespaces: bool,
+    /// The directory of the machine's lxcfs (see [`lxcfs`]), whose views of `/proc` and
+    /// `/sys` every container gets; `None` only where an operator says so: sandboxes then
+    /// see the host's memory, load and uptime.
+    pub lxcfs: Option<PathBuf>,
 }
 
 impl Default for ContainerConfig {
@@ -284,6 +293,7 @@ impl Default for ContainerConfig {
             warm_disks: 0,
             warm_disk_bytes: Limits::default().disk_bytes,
             user_namespaces: true,
+            lxcfs: Some(lxcfs::DEFAULT_DIR.into()),
         }
     }
 }
@@ -295,6 +305,10 @@ pub struct ContainerBackend {
     pool: Option<std::sync::Arc<disk::Pool>>,
     /// The id ranges of the containers' user namespaces (`None`: the edge runs without).
     ids: Option<idmap::IdRanges>,
+    /// The views bound into containers (`None`: the edge runs without).
+    lxcfs: Option<lxcfs::Lxcfs>,
+    /// The sandboxes' cpusets.
+    cpus: cpus::CpuSets,
 }
 
 impl ContainerBackend {
@@ -314,13 +328,45 @@ impl ContainerBackend {
         };
         let pool = (config.warm_disks > 0)
             .then(|| disk::Pool::new(&config.sandboxes_root, config.warm_disk_bytes, config.warm_disks));
+        let lxcfs = match &config.lxcfs {
+            Some(dir) => {
+                let lxcfs = lxcfs::Lxcfs::new(dir);
+                let found = lxcfs.ensure()?;
+                tracing::info!(
+                    mount = %lxcfs.mount_dir().display(),
+                    pid = ?lxcfs.pid(),
+                    found = ?found,
+                    "sandboxes get lxcfs views: /proc and /sys show their own memory, CPUs, load and uptime"
+                );
+                Some(lxcfs)
+            }
+            None => {
+                tracing::warn!("lxcfs views are off: sandboxes see the host's memory, CPUs, load and uptime");
+                None
+            }
+        };
         let mut backend = Self {
             config,
             runtime,
             host,
             pool,
             ids: None,
+            lxcfs,
+            cpus: cpus::CpuSets::adopt(cpus::host_cpus(), std::iter::empty()),
         };
+        // Warm containers left behind are discarded at start: their sets count until then.
+        let mut sets: Vec<String> = backend.list()?.into_iter().filter_map(|h| h.record.cpus).collect();
+        sets.extend(
+            backend
+                .unstarted()
+                .iter()
+                .filter_map(|w| backend.unstarted_record(w).ok()?.cpus),
+        );
+        backend.cpus = cpus::CpuSets::adopt(cpus::host_cpus(), sets.iter().map(String::as_str));
+        tracing::info!(
+            host_cpus = %cpus::format(backend.cpus.host()),
+            "each sandbox runs on a cpuset of ceil(cpu_millis / 1000) CPUs, so nproc shows its own"
+        );
         if backend.config.user_namespaces {
             idmap::probe(&backend.config.sandboxes_root).map_err(|e| {
                 ContainerError::Prerequisite(format!(
@@ -404,11 +450,20 @@ impl ContainerBackend {
         disk_ready: bool,
         start: bool,
     ) -> Result<Handle, ContainerError> {
-        let cgroups_path = format!("/{}/{}", self.config.cgroup_parent, spec.id);
+        if let Some(l) = &self.lxcfs {
+            // lxcfs may have died since the last create: then a new one serves from here on.
+            l.ensure()?;
+        }
         let id_base = self.ids.as_ref().map(|r| r.allocate()).transpose()?;
-        let result = self.create_with_ids(spec, dir, disk_ready, start, &cgroups_path, id_base);
-        if let (Err(_), Some(r), Some(base)) = (&result, &self.ids, id_base) {
-            r.release(base);
+        let cpus = self.cpus.allocate(spec.limits.cpu_millis);
+        let result = self.create_with_ids(spec, dir, disk_ready, start, id_base, cpus.clone());
+        if result.is_err() {
+            if let (Some(r), Some(base)) = (&self.ids, id_base) {
+                r.release(base);
+            }
+            if let Some(set) = &cpus {
+                self.cpus.release(set);
+            }
         }
         result
     }
@@ -419,9 +474,10 @@ impl ContainerBackend {
         dir: &Path,
         disk_ready: bool,
         start: bool,
-        cgroups_path: &str,
         id_base: Option<u32>,
+        cpus: Option<String>,
     ) -> Result<Handle, ContainerError> {
+        let cgroups_path = &format!("/{}/{}", self.config.cgroup_parent, spec.id);
         let record = SandboxRecord {
             id: spec.id.clone(),
             runtime_id: None,
@@ -435,13 +491,19 @@ impl ContainerBackend {
             log_cap_bytes: self.config.log_cap_bytes,
             created_unix_ms: now_unix_ms(),
             id_base,
+            cpus,
         };
         let t0 = Instant::now();
         write_json_atomic(&dir.join("sandbox.json"), &record)?;
         let ids = self.ids.as_ref().zip(id_base);
         disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready, ids)?;
         let t1 = Instant::now();
-        let oci = oci::build_spec(spec, cgroups_path, self.host, id_base)?;
+        let placement = oci::Placement {
+            id_base,
+            cpus: record.cpus.as_deref(),
+            views: self.lxcfs.as_ref(),
+        };
+        let oci = oci::build_spec(spec, cgroups_path, self.host, &placement)?;
         let json =
             serde_json::to_vec(&oci).map_err(|e| ContainerError::Invalid(format!("serialising config.json: {e}")))?;
         fs::write(dir.join("config.json"), json).map_err(|e| ContainerError::io("writing config.json", e))?;
@@ -654,6 +716,9 @@ impl ContainerBackend {
         // Its processes are gone with it: its ids may serve another sandbox.
         if let (Some(r), Some(base)) = (&self.ids, handle.record.id_base) {
             r.release(base);
+        }
+        if let Some(set) = &handle.record.cpus {
+            self.cpus.release(set);
         }
         Ok(())
     }

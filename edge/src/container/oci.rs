@@ -1,7 +1,8 @@
 //! The OCI runtime spec (config.json) of a sandbox: its own namespaces (no host
 //! network: only `lo`), cgroup limits, a reduced capability set, no_new_privileges,
-//! the seccomp allow list of [`super::seccomp`], masked and read-only /proc paths and
-//! only the default devices.
+//! the seccomp allow list of [`super::seccomp`], masked and read-only /proc paths, only
+//! the default devices, and lxcfs's views of /proc and /sys (see [`super::lxcfs`]) bound
+//! over the container's own, on a cpuset of its own (see [`super::cpus`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -64,18 +65,30 @@ pub struct HostSupport {
     pub swap_limit: bool,
 }
 
+/// Where a sandbox is placed on this host, decided by the backend when it is made.
+#[derive(Default)]
+pub struct Placement<'a> {
+    /// With a base, the container is in a user namespace of its own that maps its ids
+    /// 0..65535 to the host range from there (see `idmap.rs`).
+    pub id_base: Option<u32>,
+    /// Its cpuset (`None`: every CPU).
+    pub cpus: Option<&'a str>,
+    /// The lxcfs whose views it gets (`None`: it sees the host's /proc and /sys files).
+    pub views: Option<&'a super::lxcfs::Lxcfs>,
+}
+
 fn invalid(e: impl std::fmt::Display) -> ContainerError {
     ContainerError::Invalid(format!("building the OCI spec: {e}"))
 }
 
-/// The spec of `spec`'s container; with `id_base`, in a user namespace of its own that
-/// maps its ids 0..65535 to the host range from `id_base` (see `idmap.rs`).
+/// The spec of `spec`'s container, placed as `placement` says.
 pub fn build_spec(
     spec: &SandboxSpec,
     cgroups_path: &str,
     host: HostSupport,
-    id_base: Option<u32>,
+    placement: &Placement,
 ) -> Result<Spec, ContainerError> {
+    let id_base = placement.id_base;
     let caps: HashSet<Capability> = CAPABILITIES.iter().copied().collect();
     let capabilities = LinuxCapabilitiesBuilder::default()
         .bounding(caps.clone())
@@ -129,15 +142,15 @@ pub fn build_spec(
         // OCI swap = memory + swap: equal to the limit means no swap at all.
         memory_builder = memory_builder.swap(memory);
     }
+    let mut cpu = LinuxCpuBuilder::default()
+        .quota((limits.cpu_millis as u64 * CPU_PERIOD_US / 1000) as i64)
+        .period(CPU_PERIOD_US);
+    if let Some(cpus) = placement.cpus {
+        cpu = cpu.cpus(cpus.to_string());
+    }
     let mut resources = LinuxResourcesBuilder::default()
         .memory(memory_builder.build().map_err(invalid)?)
-        .cpu(
-            LinuxCpuBuilder::default()
-                .quota((limits.cpu_millis as u64 * CPU_PERIOD_US / 1000) as i64)
-                .period(CPU_PERIOD_US)
-                .build()
-                .map_err(invalid)?,
-        )
+        .cpu(cpu.build().map_err(invalid)?)
         .pids(
             LinuxPidsBuilder::default()
                 .limit(limits.pids as i64)
@@ -172,6 +185,25 @@ pub fn build_spec(
         .map_err(invalid)?;
 
     let mut mounts = default_mounts()?;
+    if let Some(lxcfs) = placement.views {
+        for view in super::lxcfs::VIEWS {
+            // A bind of a FUSE file shows its path in the FUSE file system (`/proc/meminfo`)
+            // in the container's mountinfo, never the host's mount point.
+            mounts.push(
+                MountBuilder::default()
+                    .destination(view)
+                    .typ("bind")
+                    .source(lxcfs.source(view))
+                    .options(
+                        ["bind", "ro", "nosuid", "nodev", "noexec"]
+                            .map(String::from)
+                            .to_vec(),
+                    )
+                    .build()
+                    .map_err(invalid)?,
+            );
+        }
+    }
     for bind in &spec.binds {
         mounts.push(
             MountBuilder::default()

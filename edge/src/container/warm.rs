@@ -93,8 +93,29 @@ impl ContainerBackend {
         record.limits.memory_bytes = claim.limits.memory_bytes;
         record.limits.cpu_millis = claim.limits.cpu_millis;
         record.created_unix_ms = super::now_unix_ms();
+        // As many CPUs as the claim's quota: a new cpuset when that is another number.
+        let new_cpus = (super::cpus::count(made_with.cpu_millis) != super::cpus::count(claim.limits.cpu_millis))
+            .then(|| (record.cpus.take(), self.cpus.allocate(claim.limits.cpu_millis)));
+        if let Some((_, cpus)) = &new_cpus {
+            record.cpus = cpus.clone();
+        }
         let started = (|| {
-            write_json_atomic(&dir.join("sandbox.json"), &record)?;
+            if let Err(e) = write_json_atomic(&dir.join("sandbox.json"), &record) {
+                // The delete below releases what the old record holds, not the new set.
+                if let Some((_, Some(set))) = &new_cpus {
+                    self.cpus.release(set);
+                }
+                return Err(e);
+            }
+            // From here on the record holds the new set (the delete below releases it).
+            if let Some((old, cpus)) = &new_cpus {
+                if let Some(set) = old {
+                    self.cpus.release(set);
+                }
+                let list = cpus.clone().unwrap_or_else(|| super::cpus::format(self.cpus.host()));
+                cgroup::set_cpus(&record.cgroups_path, &list)
+                    .map_err(|e| ContainerError::io(format!("setting the cpuset of {}", record.cgroups_path), e))?;
+            }
             if made_with.memory_bytes != record.limits.memory_bytes || made_with.cpu_millis != record.limits.cpu_millis
             {
                 let period = super::oci::CPU_PERIOD_US;

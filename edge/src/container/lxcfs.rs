@@ -1,0 +1,240 @@
+//! What a container sandbox sees of itself: lxcfs's views of `/proc` and `/sys`, bound
+//! read-only over the container's own, so that `free`, `top`, `uptime` and `sysconf`
+//! report the sandbox's memory limit, CPUs, load average and uptime (as a VM would),
+//! not the host's.
+//!
+//! lxcfs (Debian's `lxcfs` package) is a FUSE file system whose files answer for the
+//! process that reads them: it finds the reader's cgroups (memory limit and usage, CFS
+//! quota with `--enable-cfs`, cpuset) and PID namespace (its init's start time is the
+//! uptime; `--enable-loadavg` keeps a load average per cgroup). Its answers depend only
+//! on the reader, so **one lxcfs serves every edge of a machine**: it is mounted at
+//! [`DEFAULT_DIR`]`/mount` (`ContainerConfig::lxcfs`), and the first edge that finds no
+//! live lxcfs there starts one (under a file lock, so that edges and tests starting
+//! together start one). It runs detached, in a session of its own, like the shims:
+//! sandboxes outlive the edge, and so must their views; a restarted edge re-uses the
+//! running lxcfs. Nothing stops it.
+//!
+//! If lxcfs dies, its mount stays behind, dead: reading a view in a sandbox created
+//! before then fails (ENOTCONN) until that sandbox is re-created. Each create checks the
+//! mount (a `statfs`) and starts a new lxcfs over a dead one, so new sandboxes get views
+//! again. lxcfs is a required package: an edge without it refuses to start (as one
+//! without user namespaces), unless its configuration turns the views off.
+//!
+//! `nproc`, and everything that sizes itself from the CPUs it may run on (OpenBLAS,
+//! Go, `make -j$(nproc)`), reads the affinity mask, not a file: lxcfs cannot change it.
+//! That is why each sandbox also gets a cpuset of its own (see [`super::cpus`]).
+
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::ContainerError;
+
+/// Where the edges of a machine keep their lxcfs (its mount is `mount/` inside).
+pub const DEFAULT_DIR: &str = "/var/lib/opendsec/lxcfs";
+
+/// The files bound from lxcfs into every container, at the same path inside.
+/// `/sys/devices/system/cpu/online` is what glibc's `sysconf(_SC_NPROCESSORS_ONLN)`
+/// (Python's `os.cpu_count()`, `getconf`) reads.
+pub const VIEWS: &[&str] = &[
+    "/proc/cpuinfo",
+    "/proc/diskstats",
+    "/proc/loadavg",
+    "/proc/meminfo",
+    "/proc/stat",
+    "/proc/swaps",
+    "/proc/uptime",
+    "/sys/devices/system/cpu/online",
+];
+
+/// The flags lxcfs runs with: CPU views from the CFS quota, a load average per cgroup,
+/// pidfds to follow readers' init processes.
+const FLAGS: &[&str] = &["--foreground", "--enable-cfs", "--enable-loadavg", "--enable-pidfd"];
+
+const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How [`Lxcfs::ensure`] found lxcfs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// A live lxcfs was mounted already (another edge's, or this one's before a restart).
+    Running,
+    /// None was (or only a dead mount): this call started it.
+    Started,
+}
+
+/// The machine's lxcfs, as an edge uses it.
+pub struct Lxcfs {
+    dir: PathBuf,
+    /// One check-and-start at a time in this process (the file lock serialises processes).
+    lock: Mutex<()>,
+}
+
+impl Lxcfs {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// The directory lxcfs is mounted on.
+    pub fn mount_dir(&self) -> PathBuf {
+        self.dir.join("mount")
+    }
+
+    /// The host file that serves `view` (one of [`VIEWS`]).
+    pub fn source(&self, view: &str) -> PathBuf {
+        self.mount_dir().join(view.trim_start_matches('/'))
+    }
+
+    /// The pid of the running lxcfs, from its pid file.
+    pub fn pid(&self) -> Option<i32> {
+        super::read_pid(&self.dir.join("lxcfs.pid"))
+    }
+
+    /// Whether a live lxcfs is mounted (one `statfs`: a dead FUSE mount answers ENOTCONN).
+    pub fn alive(&self) -> bool {
+        matches!(mount_state(&self.mount_dir()), MountState::Live)
+    }
+
+    /// Makes sure a live lxcfs serves the views: the running one, or one started now
+    /// (over a dead mount, which is detached first).
+    pub fn ensure(&self) -> Result<Found, ContainerError> {
+        if self.alive() {
+            return Ok(Found::Running);
+        }
+        let _guard = self.lock.lock().expect("lxcfs lock");
+        fs::create_dir_all(&self.dir).map_err(|e| ContainerError::io(format!("creating {}", self.dir.display()), e))?;
+        let lock_path = self.dir.join("lock");
+        let lock_file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| ContainerError::io(format!("opening {}", lock_path.display()), e))?;
+        // SAFETY: flock on a file we own; released when it is closed.
+        if unsafe { libc::flock(lock_file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(ContainerError::io("locking lxcfs", io::Error::last_os_error()));
+        }
+        let mount = self.mount_dir();
+        match mount_state(&mount) {
+            MountState::Live => return Ok(Found::Running),
+            MountState::Dead => {
+                tracing::warn!(dir = %mount.display(), "lxcfs died: its mount is detached and a new lxcfs started; sandboxes created before keep dead views");
+                // SAFETY: umount2 of a path we name; MNT_DETACH works on a dead FUSE mount.
+                let path = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()).expect("no NUL in a path");
+                if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } != 0 {
+                    return Err(ContainerError::io(
+                        format!("detaching the dead lxcfs mount {}", mount.display()),
+                        io::Error::last_os_error(),
+                    ));
+                }
+            }
+            MountState::None => {}
+        }
+        self.start()?;
+        Ok(Found::Started)
+    }
+
+    fn start(&self) -> Result<(), ContainerError> {
+        let binary = super::runtime::find_binary("lxcfs").ok_or_else(|| {
+            ContainerError::Prerequisite(
+                "lxcfs is not installed: install the lxcfs package (apt-get install lxcfs). It gives each \
+                 sandbox views of its own memory, CPUs, load and uptime in /proc"
+                    .into(),
+            )
+        })?;
+        let mount = self.mount_dir();
+        fs::create_dir_all(&mount).map_err(|e| ContainerError::io(format!("creating {}", mount.display()), e))?;
+        // Containers' root is an unprivileged id on the host: the runtime binds the views
+        // from here as that id, which must be able to walk the path.
+        for d in [&self.dir, &mount] {
+            fs::set_permissions(d, fs::Permissions::from_mode(0o755))
+                .map_err(|e| ContainerError::io(format!("chmod {}", d.display()), e))?;
+        }
+        let log_path = self.dir.join("lxcfs.log");
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| ContainerError::io(format!("opening {}", log_path.display()), e))?;
+        let log2 = log.try_clone().map_err(|e| ContainerError::io("dup", e))?;
+        let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut cmd = Command::new(&binary);
+        cmd.args(FLAGS)
+            .arg("--pidfile")
+            .arg(self.dir.join("lxcfs.pid"))
+            .arg(&mount)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2))
+            .current_dir("/");
+        // SAFETY: only raw syscalls (async-signal-safe) between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                // Detached like the shims: a session of its own, and a grandchild of the
+                // edge (the middle process exits at once), so no edge ever has to reap it
+                // and it outlives the edge.
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                match libc::fork() {
+                    -1 => return Err(io::Error::last_os_error()),
+                    0 => {}
+                    _ => libc::_exit(0),
+                }
+                // Every sandbox's views hang on it: the OOM killer takes it last.
+                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    libc::write(fd, b"-1000".as_ptr().cast(), 5);
+                    libc::close(fd);
+                }
+                Ok(())
+            });
+        }
+        let mut middle = cmd
+            .spawn()
+            .map_err(|e| ContainerError::io(format!("starting {}", binary.display()), e))?;
+        let _ = middle.wait();
+        let deadline = Instant::now() + START_TIMEOUT;
+        while !self.alive() {
+            if Instant::now() >= deadline {
+                let text = fs::read(&log_path).unwrap_or_default();
+                let tail = String::from_utf8_lossy(&text[(log_start as usize).min(text.len())..])
+                    .trim()
+                    .replace('\n', " | ");
+                return Err(ContainerError::Prerequisite(format!(
+                    "lxcfs did not mount {} within {} s (FUSE needs /dev/fuse): {tail}",
+                    mount.display(),
+                    START_TIMEOUT.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+}
+
+enum MountState {
+    /// A FUSE file system answers there.
+    Live,
+    /// Something is mounted there whose server is gone.
+    Dead,
+    None,
+}
+
+fn mount_state(dir: &Path) -> MountState {
+    match nix::sys::statfs::statfs(dir) {
+        Ok(s) if s.filesystem_type().0 as i64 == FUSE_SUPER_MAGIC => MountState::Live,
+        Ok(_) => MountState::None,
+        Err(nix::errno::Errno::ENOTCONN) => MountState::Dead,
+        Err(_) => MountState::None,
+    }
+}
