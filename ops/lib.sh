@@ -51,8 +51,11 @@ ensure_rust_gates() {
 
 # The packages building and testing OpenDsec needs.
 BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
-# What edges need to run container sandboxes and build their images.
-EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2)
+# What edges need to run container sandboxes and build their images. lxcfs gives each
+# container views of its own memory, CPUs, load and uptime (the edge starts it: see
+# edge/src/container/lxcfs.rs; where systemd runs, the package also starts its own
+# service on /var/lib/lxcfs, which the edge leaves alone).
+EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2 lxcfs)
 # What edges need for microVM sandboxes (edge/src/vm): QEMU and the tools that make the
 # guest's disks and kernel (the kernel package itself comes with `apt-get download`);
 # cpio only reads our initramfs back in a test. Full VMs (`q35`, edge/src/vm/fullvm.rs)

@@ -152,7 +152,7 @@ fn assert_gone(b: &ContainerBackend, id: &str) {
         "mounts left under {}:\n{mountinfo}",
         dir.display()
     );
-    for ctrl in ["memory", "pids", "cpu", "freezer"] {
+    for ctrl in ["memory", "pids", "cpu", "cpuset", "freezer"] {
         let cg = Path::new("/sys/fs/cgroup").join(ctrl).join("opendsec-test").join(id);
         assert!(!cg.exists(), "cgroup {} left behind", cg.display());
     }
@@ -272,7 +272,7 @@ fn user_namespace_of_its_own(b: &ContainerBackend) {
     assert!(mountinfo.contains("lowerdir=/proc/self/fd/"), "{mountinfo}");
     for id in [&x, &y] {
         b.delete(id).unwrap();
-        assert_gone(&b, id);
+        assert_gone(b, id);
     }
 }
 
@@ -765,7 +765,7 @@ fn warm_disks_are_made_ahead_used_by_creates_still_bound_writes_and_leave_nothin
 
 /// The cgroup directories of runtime id `rid` (v1 controllers, or the v2 group).
 fn cgroup_dirs(rid: &str) -> Vec<PathBuf> {
-    ["memory", "pids", "cpu", "freezer", ""]
+    ["memory", "pids", "cpu", "cpuset", "freezer", ""]
         .iter()
         .map(|c| Path::new("/sys/fs/cgroup").join(c).join("opendsec-test").join(rid))
         .filter(|p| p.exists())
@@ -788,7 +788,7 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
     for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
         let b = backend(runtime);
         let warm = format!("{WARM_ID_PREFIX}{}", unique_id("w"));
-        let spec = busybox_spec(&warm, "echo started; hostname; sleep 2");
+        let spec = busybox_spec(&warm, "echo started; hostname; nproc; sleep 2");
         b.create_unstarted(&spec).unwrap();
         let warm_dir = b.config().sandboxes_root.join(format!(".{warm}"));
         assert!(
@@ -804,11 +804,14 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
             "{runtime:?}: PID 1 ran its program before start: {out:?}"
         );
 
-        // Claimed with other memory and CPU limits and labels.
+        // Claimed with other memory and CPU limits and labels: two CPUs where the host
+        // has them (made with one: the claim sets its cpuset).
         let id = unique_id("claimed");
+        let host_cpus = std::thread::available_parallelism().unwrap().get();
+        let cpus = host_cpus.min(2);
         let limits = Limits {
             memory_bytes: 96 << 20,
-            cpu_millis: 500,
+            cpu_millis: if cpus == 2 { 1500 } else { 500 },
             ..spec.limits.clone()
         };
         let labels = [("task".to_string(), "t1".to_string())].into();
@@ -834,13 +837,26 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
             96 << 20,
             "{runtime:?}: the claim's memory limit is the cgroup's"
         );
+        let cpuset = ["cpuset/opendsec-test", "opendsec-test"]
+            .iter()
+            .map(|d| Path::new("/sys/fs/cgroup").join(d).join(&warm).join("cpuset.cpus"))
+            .find_map(|f| std::fs::read_to_string(f).ok())
+            .expect("the container's cpuset");
+        let cpuset_cpus = opendsec_edge::container::cpus::parse(&cpuset).len();
+        assert_eq!(
+            cpuset_cpus, cpus,
+            "{runtime:?}: the claim's CPUs are the cgroup's: {cpuset}"
+        );
+        if let Some(set) = &rec.cpus {
+            assert_eq!(set.as_str(), cpuset.trim(), "{runtime:?}: recorded as it is");
+        }
         assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
         let exit = b.wait(&id, Duration::from_secs(30)).unwrap().expect("exits");
         let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
         assert_eq!(
             (exit.exit_code, log.as_str()),
-            (0, format!("started\n{id}\n").as_str()),
-            "{runtime:?}: the hostname is the sandbox's id"
+            (0, format!("started\n{id}\n{cpus}\n").as_str()),
+            "{runtime:?}: the hostname is the sandbox's id, nproc its CPUs"
         );
         b.delete(&id).unwrap();
         assert_gone(&b, &id);
@@ -1229,6 +1245,15 @@ fn the_agent_as_pid1_runs_processes_under_the_seccomp_profile_on_crun_and_runc()
             "{runtime:?}: {out:?}\n{}",
             log()
         );
+        // What a user's first commands see of a 512 MB, one-CPU sandbox (lxcfs's views).
+        let out = rt
+            .block_on(channel.exec("", "bash", &["-c", "free -m | awk '/^Mem:/{print $2}'; nproc"]))
+            .unwrap_or_else(|e| panic!("{runtime:?}: exec free: {e}\n{}", log()));
+        assert_eq!(
+            (out.exit_code, out.stdout_text().as_str()),
+            (0, "512\n1\n"),
+            "{runtime:?}: {out:?}"
+        );
         b.delete(&id).unwrap();
         assert_gone(&b, &id);
     }
@@ -1247,14 +1272,21 @@ fn section<'a>(log: &'a str, name: &str) -> Vec<&'a str> {
     log.lines()
         .skip_while(|l| *l != format!("{name}:"))
         .skip(1)
-        .take_while(|l| !(l.ends_with(':') && !l.contains(' ')))
+        .take_while(|l| !l.ends_with(':') || l.contains(' '))
         .collect()
 }
 
 /// Tasks on the host (the total of /proc/loadavg's 4th field).
 fn host_tasks() -> u64 {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap();
-    text.split_whitespace().nth(3).unwrap().split('/').nth(1).unwrap().parse().unwrap()
+    text.split_whitespace()
+        .nth(3)
+        .unwrap()
+        .split('/')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 fn host_uptime() -> f64 {
@@ -1295,15 +1327,32 @@ fn a_sandbox_sees_its_own_memory_cpus_uptime_and_load_not_the_hosts_on_crun_and_
             assert_eq!(exit.exit_code, 0, "{ctx}");
             assert_eq!(field(&log, "MemTotal:"), Some("131072"), "MemTotal is 128 MB: {ctx}");
             assert_eq!(section(&log, "nproc"), vec![cpus.to_string()], "nproc: {ctx}");
-            let online = if cpus == 1 { "0".to_string() } else { format!("0-{}", cpus - 1) };
+            let online = if cpus == 1 {
+                "0".to_string()
+            } else {
+                format!("0-{}", cpus - 1)
+            };
             assert_eq!(section(&log, "online"), vec![online], "cpu/online: {ctx}");
             assert_eq!(section(&log, "cpuinfo"), vec![cpus.to_string()], "cpuinfo: {ctx}");
             assert_eq!(section(&log, "stat"), vec![cpus.to_string()], "/proc/stat: {ctx}");
 
-            let uptime: f64 = section(&log, "uptime")[0].split_whitespace().next().unwrap().parse().unwrap();
+            let uptime: f64 = section(&log, "uptime")[0]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
             assert!(uptime < 30.0 && uptime < host_uptime(), "a new sandbox's uptime: {ctx}");
             let loadavg = section(&log, "loadavg");
-            let tasks: u64 = loadavg[0].split_whitespace().nth(3).unwrap().split('/').nth(1).unwrap().parse().unwrap();
+            let tasks: u64 = loadavg[0]
+                .split_whitespace()
+                .nth(3)
+                .unwrap()
+                .split('/')
+                .nth(1)
+                .unwrap()
+                .parse()
+                .unwrap();
             assert!(
                 tasks < 10 && tasks < host_tasks(),
                 "/proc/loadavg counts the sandbox's tasks, not the host's {}: {ctx}",
@@ -1316,7 +1365,9 @@ fn a_sandbox_sees_its_own_memory_cpus_uptime_and_load_not_the_hosts_on_crun_and_
             assert!(!mountinfo.contains("/var/"), "host paths in mountinfo:\n{mountinfo}");
             for view in opendsec_edge::container::lxcfs::VIEWS {
                 assert!(
-                    mountinfo.lines().any(|l| l.contains(&format!(" {view} {view} ")) && l.contains(" ro,")),
+                    mountinfo
+                        .lines()
+                        .any(|l| l.contains(&format!(" {view} {view} ")) && l.contains(" ro,")),
                     "{view} is lxcfs's, read-only: {ctx}"
                 );
             }
@@ -1337,8 +1388,13 @@ fn the_base_images_free_top_nproc_and_python_see_the_sandboxs_limits_on_crun_and
     for runtime in [RuntimeChoice::Crun, RuntimeChoice::Runc] {
         let b = backend(runtime);
         let id = unique_id("basev");
-        let mut spec =
-            SandboxSpec::from_image(&id, &store(), &img, vec!["/bin/bash".into(), "-c".into(), script.into()]).unwrap();
+        let mut spec = SandboxSpec::from_image(
+            &id,
+            &store(),
+            &img,
+            vec!["/bin/bash".into(), "-c".into(), script.into()],
+        )
+        .unwrap();
         spec.limits.memory_bytes = 512 << 20;
         spec.limits.cpu_millis = 1000;
         spec.process.user = (1000, 1000);
@@ -1347,13 +1403,142 @@ fn the_base_images_free_top_nproc_and_python_see_the_sandboxs_limits_on_crun_and
         assert_eq!(exit.exit_code, 0, "{ctx}");
         eprintln!("{runtime:?}: a 512 MB, 1000 millicore sandbox of the base image:\n{log}");
         let free = section(&log, "free");
-        assert_eq!(free.iter().find_map(|l| field(l, "Mem:")), Some("512"), "free -m: {ctx}");
+        assert_eq!(
+            free.iter().find_map(|l| field(l, "Mem:")),
+            Some("512"),
+            "free -m: {ctx}"
+        );
         assert_eq!(section(&log, "nproc"), vec!["1"], "nproc: {ctx}");
-        assert_eq!(section(&log, "python"), vec!["1 1"], "os.cpu_count(), sched_getaffinity: {ctx}");
+        assert_eq!(
+            section(&log, "python"),
+            vec!["1 1"],
+            "os.cpu_count(), sched_getaffinity: {ctx}"
+        );
         let top = section(&log, "top").join("\n");
         assert!(top.contains("512.0 total"), "top shows 512 MiB: {ctx}");
         let uptime = section(&log, "uptime").join("");
         assert!(uptime.contains("up 0 min"), "uptime of a new sandbox: {ctx}");
         assert_gone(&b, &id);
     }
+}
+
+/// Ends the lxcfs a test started (by its pid) and whatever it left mounted.
+struct LxcfsGuard(opendsec_edge::container::lxcfs::Lxcfs);
+
+impl Drop for LxcfsGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.pid() {
+            // SAFETY: signalling the lxcfs this test started.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.0.alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.0.mount_dir())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// lxcfs is started detached by the first backend that finds none, re-used by the next,
+/// and started again over a dead mount by the next create (or observation), which binds
+/// the new views into the sandboxes that had the dead ones.
+#[test]
+fn lxcfs_is_started_detached_once_reused_and_restarted_after_it_dies() {
+    use opendsec_edge::container::lxcfs::{Found, Lxcfs};
+    use std::os::unix::fs::PermissionsExt;
+    require_prerequisites();
+    let tmp = tempfile::Builder::new()
+        .prefix("opendsec-lxcfs")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    // Containers' root (an unprivileged id on the host) walks to the views.
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = tmp.path().join("lxcfs");
+    let lxcfs = Lxcfs::new(&dir);
+    assert!(!lxcfs.alive());
+    let _guard = LxcfsGuard(Lxcfs::new(&dir));
+    let mut config = config_in(tmp.path(), RuntimeChoice::Auto);
+    config.lxcfs = Some(dir.clone());
+    let b = TestBackend {
+        backend: ContainerBackend::new(config.clone()).expect("backend"),
+        _tmp: tempfile::tempdir().unwrap(),
+    };
+    assert!(lxcfs.alive(), "the backend started lxcfs");
+    let first = lxcfs.pid().expect("lxcfs's pid file");
+    // SAFETY: getsid only reads.
+    let (its_session, our_session) = unsafe { (libc::getsid(first), libc::getsid(0)) };
+    assert!(
+        its_session > 0 && its_session != our_session,
+        "lxcfs runs in a session of its own"
+    );
+    let stat = std::fs::read_to_string(format!("/proc/{first}/stat")).unwrap();
+    let ppid: i32 = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_ne!(ppid as u32, std::process::id(), "lxcfs is no child of the edge");
+    assert_eq!(Lxcfs::new(&dir).ensure().unwrap(), Found::Running);
+    drop(ContainerBackend::new(config).expect("a second backend"));
+    assert_eq!(lxcfs.pid(), Some(first), "a second backend re-uses the running lxcfs");
+
+    let old = unique_id("lxold");
+    let reader = "while :; do head -1 /proc/meminfo 2>&1; sleep 0.05; done";
+    b.create(&busybox_spec(&old, reader)).unwrap();
+    let log = |id: &str| String::from_utf8_lossy(&b.read_log(id, 1 << 20).unwrap()).into_owned();
+    wait_until("the old sandbox's view", Duration::from_secs(10), || {
+        log(&old).contains("MemTotal:")
+    });
+    assert!(log(&old).contains("131072 kB"), "{}", log(&old));
+
+    // lxcfs dies: its mount stays, dead, and the sandbox's reads fail.
+    // SAFETY: killing the lxcfs this test started.
+    assert_eq!(unsafe { libc::kill(first, libc::SIGKILL) }, 0);
+    wait_until("lxcfs's mount to die", Duration::from_secs(5), || !lxcfs.alive());
+    wait_until("the old sandbox's reads to fail", Duration::from_secs(10), || {
+        log(&old).contains("not connected")
+    });
+
+    // The next create starts a new lxcfs; the new sandbox sees its own memory.
+    let new = unique_id("lxnew");
+    let (exit, out) = run_to_exit(&b, &busybox_spec(&new, "head -1 /proc/meminfo"));
+    assert_eq!(
+        (exit.exit_code, out.split_whitespace().nth(1)),
+        (0, Some("131072")),
+        "{out}"
+    );
+    assert!(lxcfs.alive());
+    assert_ne!(lxcfs.pid(), Some(first), "a new lxcfs serves");
+
+    // The old sandbox has the new lxcfs's views, read-only, and still no host path.
+    wait_until("the old sandbox's views to come back", Duration::from_secs(10), || {
+        let text = log(&old);
+        let after = text.rsplit("not connected").next().unwrap_or("");
+        after.contains("MemTotal:         131072 kB")
+    });
+    let init = b.get(&old).unwrap().init_pid().unwrap();
+    let mountinfo = std::fs::read_to_string(format!("/proc/{init}/mountinfo")).unwrap();
+    assert!(!mountinfo.contains("/var/"), "host paths in mountinfo:\n{mountinfo}");
+    for view in opendsec_edge::container::lxcfs::VIEWS {
+        let lines: Vec<&str> = mountinfo
+            .lines()
+            .filter(|l| l.contains(&format!(" {view} {view} ")))
+            .collect();
+        assert_eq!(lines.len(), 1, "one bind of {view}:\n{mountinfo}");
+        assert!(
+            lines[0].contains(" ro,") && lines[0].contains("nosuid,nodev,noexec"),
+            "{}",
+            lines[0]
+        );
+    }
+    b.delete(&old).unwrap();
+    assert_gone(&b, &old);
 }

@@ -14,19 +14,28 @@
 //! sandboxes outlive the edge, and so must their views; a restarted edge re-uses the
 //! running lxcfs. Nothing stops it.
 //!
-//! If lxcfs dies, its mount stays behind, dead: reading a view in a sandbox created
-//! before then fails (ENOTCONN) until that sandbox is re-created. Each create checks the
-//! mount (a `statfs`) and starts a new lxcfs over a dead one, so new sandboxes get views
-//! again. lxcfs is a required package: an edge without it refuses to start (as one
-//! without user namespaces), unless its configuration turns the views off.
+//! If lxcfs dies, its mount stays behind, dead, and reading a view fails (ENOTCONN). The
+//! edge checks the mount (one `statfs`) before each create and each observation of its
+//! sandboxes (every 500 ms) and when it starts; over a dead mount it starts a new lxcfs
+//! and binds the new views over the dead ones in every running sandbox ([`Lxcfs::rebind`],
+//! from inside the sandbox's mount namespace), so views come back within a second.
+//! lxcfs is a required package: an edge without it refuses to start (as one without user
+//! namespaces), unless its configuration turns the views off.
+//!
+//! lxcfs cannot answer the `sysinfo` system call: busybox's `free` and `uptime` read it
+//! and show the host's memory (procps's `free`, `top` and `uptime`, in every Debian
+//! image, read the files). And a view copied with `sendfile` (busybox's `cat`) within
+//! 0.5 s of another reader's may be cut at the size FUSE cached from that read (lxcfs
+//! 5.0 sets that timeout and no flag changes it); a `read` is never cut.
 //!
 //! `nproc`, and everything that sizes itself from the CPUs it may run on (OpenBLAS,
 //! Go, `make -j$(nproc)`), reads the affinity mask, not a file: lxcfs cannot change it.
 //! That is why each sandbox also gets a cpuset of its own (see [`super::cpus`]).
 
+use std::ffi::CString;
 use std::fs::{self, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -65,8 +74,11 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 pub enum Found {
     /// A live lxcfs was mounted already (another edge's, or this one's before a restart).
     Running,
-    /// None was (or only a dead mount): this call started it.
+    /// None was: this call started it.
     Started,
+    /// Only a dead mount was: this call detached it and started a new lxcfs; running
+    /// sandboxes need their views bound again ([`Lxcfs::rebind`]).
+    Restarted,
 }
 
 /// The machine's lxcfs, as an edge uses it.
@@ -124,23 +136,71 @@ impl Lxcfs {
             return Err(ContainerError::io("locking lxcfs", io::Error::last_os_error()));
         }
         let mount = self.mount_dir();
-        match mount_state(&mount) {
+        let found = match mount_state(&mount) {
             MountState::Live => return Ok(Found::Running),
             MountState::Dead => {
-                tracing::warn!(dir = %mount.display(), "lxcfs died: its mount is detached and a new lxcfs started; sandboxes created before keep dead views");
+                tracing::warn!(dir = %mount.display(), "lxcfs died: its mount is detached and a new lxcfs started");
                 // SAFETY: umount2 of a path we name; MNT_DETACH works on a dead FUSE mount.
-                let path = std::ffi::CString::new(mount.as_os_str().as_encoded_bytes()).expect("no NUL in a path");
+                let path = CString::new(mount.as_os_str().as_encoded_bytes()).expect("no NUL in a path");
                 if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } != 0 {
                     return Err(ContainerError::io(
                         format!("detaching the dead lxcfs mount {}", mount.display()),
                         io::Error::last_os_error(),
                     ));
                 }
+                Found::Restarted
             }
-            MountState::None => {}
-        }
+            MountState::None => Found::Started,
+        };
         self.start()?;
-        Ok(Found::Started)
+        Ok(found)
+    }
+
+    /// Binds the live views over those of the container whose PID 1 is `pid` (dead ones,
+    /// after lxcfs was restarted): clones of the view files are made here, then attached
+    /// from inside the container's mount namespace, read-only, in place of the old binds.
+    pub fn rebind(&self, pid: i32) -> io::Result<()> {
+        let mut trees = Vec::new();
+        for view in VIEWS {
+            trees.push((CString::new(*view).expect("no NUL"), view_clone(&self.source(view))?));
+        }
+        let ns = fs::File::open(format!("/proc/{pid}/ns/mnt"))?;
+        std::thread::Builder::new()
+            .name("lxcfs-rebind".into())
+            .spawn(move || {
+                // SAFETY: this thread leaves the fs context it shares with the process,
+                // then joins the container's mount namespace; nothing else of the edge moves.
+                unsafe {
+                    if libc::unshare(libc::CLONE_FS) != 0 || libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                for (target, tree) in trees {
+                    // SAFETY: umount2 and move_mount with valid C strings and our own fd.
+                    unsafe {
+                        // The dead bind goes (EINVAL: nothing was mounted there).
+                        if libc::umount2(target.as_ptr(), libc::MNT_DETACH) != 0
+                            && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
+                        {
+                            return Err(io::Error::last_os_error());
+                        }
+                        if libc::syscall(
+                            libc::SYS_move_mount,
+                            tree.as_raw_fd(),
+                            c"".as_ptr(),
+                            libc::AT_FDCWD,
+                            target.as_ptr(),
+                            MOVE_MOUNT_F_EMPTY_PATH,
+                        ) != 0
+                        {
+                            return Err(io::Error::last_os_error());
+                        }
+                    }
+                }
+                Ok(())
+            })?
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("the lxcfs-rebind thread panicked")))
     }
 
     fn start(&self) -> Result<(), ContainerError> {
@@ -222,6 +282,61 @@ impl Lxcfs {
     }
 }
 
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// A detached, read-only (nosuid, nodev, noexec) clone of the mount of file `path`.
+fn view_clone(path: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    // SAFETY: open_tree with a valid C path; returns a new fd or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned to us.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr on our detached tree with a struct of the kernel's layout.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(tree)
+}
+
 enum MountState {
     /// A FUSE file system answers there.
     Live,
@@ -232,7 +347,7 @@ enum MountState {
 
 fn mount_state(dir: &Path) -> MountState {
     match nix::sys::statfs::statfs(dir) {
-        Ok(s) if s.filesystem_type().0 as i64 == FUSE_SUPER_MAGIC => MountState::Live,
+        Ok(s) if s.filesystem_type().0 == FUSE_SUPER_MAGIC => MountState::Live,
         Ok(_) => MountState::None,
         Err(nix::errno::Errno::ENOTCONN) => MountState::Dead,
         Err(_) => MountState::None,

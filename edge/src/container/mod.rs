@@ -328,7 +328,7 @@ impl ContainerBackend {
         };
         let pool = (config.warm_disks > 0)
             .then(|| disk::Pool::new(&config.sandboxes_root, config.warm_disk_bytes, config.warm_disks));
-        let lxcfs = match &config.lxcfs {
+        let (lxcfs, found) = match &config.lxcfs {
             Some(dir) => {
                 let lxcfs = lxcfs::Lxcfs::new(dir);
                 let found = lxcfs.ensure()?;
@@ -338,11 +338,11 @@ impl ContainerBackend {
                     found = ?found,
                     "sandboxes get lxcfs views: /proc and /sys show their own memory, CPUs, load and uptime"
                 );
-                Some(lxcfs)
+                (Some(lxcfs), Some(found))
             }
             None => {
                 tracing::warn!("lxcfs views are off: sandboxes see the host's memory, CPUs, load and uptime");
-                None
+                (None, None)
             }
         };
         let mut backend = Self {
@@ -363,6 +363,10 @@ impl ContainerBackend {
                 .filter_map(|w| backend.unstarted_record(w).ok()?.cpus),
         );
         backend.cpus = cpus::CpuSets::adopt(cpus::host_cpus(), sets.iter().map(String::as_str));
+        if found == Some(lxcfs::Found::Restarted) {
+            // The sandboxes a previous edge left had the dead lxcfs's views.
+            backend.rebind_views();
+        }
         tracing::info!(
             host_cpus = %cpus::format(backend.cpus.host()),
             "each sandbox runs on a cpuset of ceil(cpu_millis / 1000) CPUs, so nproc shows its own"
@@ -381,6 +385,46 @@ impl ContainerBackend {
             tracing::warn!("user namespaces are off: root in a sandbox is root on this host");
         }
         Ok(backend)
+    }
+
+    /// Makes sure lxcfs serves the views (one `statfs` when it does): over a dead mount it
+    /// starts a new lxcfs and binds its views into every running sandbox. Called before
+    /// each create and by the edge each time it observes its sandboxes.
+    pub fn keep_views(&self) -> Result<(), ContainerError> {
+        if let Some(l) = &self.lxcfs
+            && l.ensure()? == lxcfs::Found::Restarted
+        {
+            self.rebind_views();
+        }
+        Ok(())
+    }
+
+    /// Binds the live views into every sandbox and warm container whose PID 1 runs.
+    fn rebind_views(&self) {
+        let Some(l) = &self.lxcfs else { return };
+        let mut dirs: Vec<PathBuf> = self.list().unwrap_or_default().into_iter().map(|h| h.dir).collect();
+        dirs.extend(
+            self.unstarted()
+                .iter()
+                .map(|w| self.config.sandboxes_root.join(format!(".{w}"))),
+        );
+        let mut rebound = 0;
+        for dir in dirs {
+            let Some(pid) = read_pid(&dir.join("init.pid")) else {
+                continue;
+            };
+            if exit_info_in(&dir).ok().flatten().is_some() || !process_alive(pid) {
+                continue;
+            }
+            match l.rebind(pid) {
+                Ok(()) => rebound += 1,
+                Err(e) => tracing::warn!(sandbox = %dir.display(), error = %e, "cannot bind the new lxcfs views"),
+            }
+        }
+        tracing::info!(
+            sandboxes = rebound,
+            "the new lxcfs's views are bound into the running sandboxes"
+        );
     }
 
     /// Warm disks ready now (0 without a pool).
@@ -450,10 +494,8 @@ impl ContainerBackend {
         disk_ready: bool,
         start: bool,
     ) -> Result<Handle, ContainerError> {
-        if let Some(l) = &self.lxcfs {
-            // lxcfs may have died since the last create: then a new one serves from here on.
-            l.ensure()?;
-        }
+        // lxcfs may have died since: then a new one serves from here on.
+        self.keep_views()?;
         let id_base = self.ids.as_ref().map(|r| r.allocate()).transpose()?;
         let cpus = self.cpus.allocate(spec.limits.cpu_millis);
         let result = self.create_with_ids(spec, dir, disk_ready, start, id_base, cpus.clone());

@@ -194,11 +194,7 @@ pub fn build_spec(
                     .destination(view)
                     .typ("bind")
                     .source(lxcfs.source(view))
-                    .options(
-                        ["bind", "ro", "nosuid", "nodev", "noexec"]
-                            .map(String::from)
-                            .to_vec(),
-                    )
+                    .options(["bind", "ro", "nosuid", "nodev", "noexec"].map(String::from).to_vec())
                     .build()
                     .map_err(invalid)?,
             );

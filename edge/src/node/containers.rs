@@ -37,6 +37,10 @@ pub(super) fn observe(
 ) -> Result<BTreeMap<String, Running>, EdgeError> {
     let mut out = BTreeMap::new();
     let mut live_cgroups = BTreeSet::new();
+    // lxcfs may have died: a new one, and its views in every sandbox, within a tick.
+    if let Err(e) = containers.keep_views() {
+        tracing::error!(error = %e, "sandboxes' /proc views: cannot restart lxcfs");
+    }
     for h in containers.list()? {
         if creating.contains(&h.id) {
             continue;
