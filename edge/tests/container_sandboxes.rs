@@ -1443,9 +1443,9 @@ impl Drop for LxcfsGuard {
     }
 }
 
-/// lxcfs is started detached by the first backend that finds none, re-used by the next,
-/// and started again over a dead mount by the next create (or observation), which binds
-/// the new views into the sandboxes that had the dead ones.
+/// lxcfs is started detached by the first backend that finds none and re-used by the
+/// next; when it dies, the next backend to look starts a new one over the dead mount, and
+/// each backend binds the new views into its sandboxes that had the dead ones.
 #[test]
 fn lxcfs_is_started_detached_once_reused_and_restarted_after_it_dies() {
     use opendsec_edge::container::lxcfs::{Found, Lxcfs};
@@ -1507,7 +1507,15 @@ fn lxcfs_is_started_detached_once_reused_and_restarted_after_it_dies() {
         log(&old).contains("not connected")
     });
 
-    // The next create starts a new lxcfs; the new sandbox sees its own memory.
+    // Another edge of the machine starts a new lxcfs; this one sees a new mount when it
+    // next looks (each observation), and binds its views into the sandbox that had dead ones.
+    let mut other = config_in(&tmp.path().join("other"), RuntimeChoice::Auto);
+    other.lxcfs = Some(dir.clone());
+    drop(ContainerBackend::new(other).expect("another edge's backend"));
+    assert!(lxcfs.alive());
+    b.keep_views().unwrap();
+
+    // A new sandbox sees its own memory.
     let new = unique_id("lxnew");
     let (exit, out) = run_to_exit(&b, &busybox_spec(&new, "head -1 /proc/meminfo"));
     assert_eq!(

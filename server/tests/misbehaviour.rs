@@ -5,7 +5,7 @@
 //! plane still answers; what the case targets on the host is unchanged).
 //!
 //! Cases: forged requests to the agent, the edge and the gateway; reading the agent's
-//! token; `/proc` and `/sys`; a fork bomb; a memory hog (the sandbox survives, the OOM is
+//! token; `/proc` and `/sys` (and what the sandbox sees of itself); a fork bomb; a memory hog (the sandbox survives, the OOM is
 //! reported); `yes > file`; inotify exhaustion against another sandbox's watches; setuid
 //! planting through a snapshot; the denied kernel interfaces (io_uring and others answer
 //! EPERM); port scans of the host, the gateway and other sandboxes; ptrace of the agent.
@@ -164,6 +164,18 @@ async fn misbehave(runtime: &str) {
     let data = up.data_dir().display().to_string();
     assert!(!rest.contains(&data), "a host path shows in the mount table:\n{rest}");
     scene.others_unharmed("/proc and /sys").await;
+
+    // What it sees of itself: its own memory and CPUs, as a VM of its size would (lxcfs's
+    // views and its cpuset; the default CPU is one core), not the host's.
+    let (out, _) = scene
+        .sh(
+            &bad,
+            None,
+            "free -m | awk '/^Mem:/{print $2}'; nproc; python3 -c 'import os; print(os.cpu_count())'; \
+             grep -c ^processor /proc/cpuinfo",
+        )
+        .await;
+    assert_eq!(out, "256\n1\n1\n1\n", "the sandbox sees the host's memory or CPUs");
 
     // A fork bomb: held by the sandbox's pids limit; it stops multiplying after 5 s and
     // the sandbox answers again once its processes are gone.

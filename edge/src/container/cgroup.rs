@@ -28,6 +28,16 @@ pub fn io_weight_supported() -> bool {
     }
 }
 
+/// Whether sandboxes can get cpusets (v1: the cpuset hierarchy; v2: the cpuset controller).
+pub fn cpuset_supported() -> bool {
+    if is_unified() {
+        let controllers = fs::read_to_string(Path::new(ROOT).join("cgroup.controllers")).unwrap_or_default();
+        controllers.split_whitespace().any(|c| c == "cpuset")
+    } else {
+        Path::new(ROOT).join("cpuset/cpuset.cpus").exists()
+    }
+}
+
 /// Whether memory+swap can be limited (v1 needs swap accounting; v2 always can).
 pub fn swap_limit_supported() -> bool {
     is_unified() || Path::new(ROOT).join("memory/memory.memsw.limit_in_bytes").exists()

@@ -15,10 +15,11 @@
 //! running lxcfs. Nothing stops it.
 //!
 //! If lxcfs dies, its mount stays behind, dead, and reading a view fails (ENOTCONN). The
-//! edge checks the mount (one `statfs`) before each create and each observation of its
-//! sandboxes (every 500 ms) and when it starts; over a dead mount it starts a new lxcfs
-//! and binds the new views over the dead ones in every running sandbox ([`Lxcfs::rebind`],
-//! from inside the sandbox's mount namespace), so views come back within a second.
+//! edge checks the mount (a `statfs` and a `stat`) before each create and each observation
+//! of its sandboxes (every 500 ms); over a dead mount it starts a new lxcfs. Whenever the
+//! mount is a new one (this edge or another started it), and when the edge starts, each
+//! running sandbox whose views are dead gets the new views bound over them
+//! ([`Lxcfs::rebind`], from inside its mount namespace): views come back within a second.
 //! lxcfs is a required package: an edge without it refuses to start (as one without user
 //! namespaces), unless its configuration turns the views off.
 //!
@@ -41,6 +42,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::ContainerError;
@@ -72,12 +74,12 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How [`Lxcfs::ensure`] found lxcfs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Found {
-    /// A live lxcfs was mounted already (another edge's, or this one's before a restart).
+    /// The live lxcfs this [`Lxcfs`] saw last, or (at its first call) a live one.
     Running,
-    /// None was: this call started it.
+    /// None was (at the first call): this call started it.
     Started,
-    /// Only a dead mount was: this call detached it and started a new lxcfs; running
-    /// sandboxes need their views bound again ([`Lxcfs::rebind`]).
+    /// Another lxcfs than the one seen last, or a dead mount, which this call detached
+    /// and replaced: running sandboxes may have dead views ([`Lxcfs::rebind`]).
     Restarted,
 }
 
@@ -86,6 +88,8 @@ pub struct Lxcfs {
     dir: PathBuf,
     /// One check-and-start at a time in this process (the file lock serialises processes).
     lock: Mutex<()>,
+    /// The device number of the mount seen last (0: none yet): each lxcfs mount has its own.
+    seen: AtomicU64,
 }
 
 impl Lxcfs {
@@ -93,6 +97,7 @@ impl Lxcfs {
         Self {
             dir: dir.into(),
             lock: Mutex::new(()),
+            seen: AtomicU64::new(0),
         }
     }
 
@@ -113,14 +118,24 @@ impl Lxcfs {
 
     /// Whether a live lxcfs is mounted (one `statfs`: a dead FUSE mount answers ENOTCONN).
     pub fn alive(&self) -> bool {
-        matches!(mount_state(&self.mount_dir()), MountState::Live)
+        matches!(mount_state(&self.mount_dir()), MountState::Live(_))
+    }
+
+    /// `found`, or `Restarted` when mount `dev` is not the one seen last.
+    fn note(&self, dev: u64, found: Found) -> Found {
+        let before = self.seen.swap(dev, Ordering::SeqCst);
+        if before != 0 && before != dev {
+            Found::Restarted
+        } else {
+            found
+        }
     }
 
     /// Makes sure a live lxcfs serves the views: the running one, or one started now
     /// (over a dead mount, which is detached first).
     pub fn ensure(&self) -> Result<Found, ContainerError> {
-        if self.alive() {
-            return Ok(Found::Running);
+        if let MountState::Live(dev) = mount_state(&self.mount_dir()) {
+            return Ok(self.note(dev, Found::Running));
         }
         let _guard = self.lock.lock().expect("lxcfs lock");
         fs::create_dir_all(&self.dir).map_err(|e| ContainerError::io(format!("creating {}", self.dir.display()), e))?;
@@ -137,7 +152,7 @@ impl Lxcfs {
         }
         let mount = self.mount_dir();
         let found = match mount_state(&mount) {
-            MountState::Live => return Ok(Found::Running),
+            MountState::Live(dev) => return Ok(self.note(dev, Found::Running)),
             MountState::Dead => {
                 tracing::warn!(dir = %mount.display(), "lxcfs died: its mount is detached and a new lxcfs started");
                 // SAFETY: umount2 of a path we name; MNT_DETACH works on a dead FUSE mount.
@@ -152,8 +167,18 @@ impl Lxcfs {
             }
             MountState::None => Found::Started,
         };
-        self.start()?;
-        Ok(found)
+        let dev = self.start()?;
+        Ok(self.note(dev, found))
+    }
+
+    /// Whether the views of the container whose PID 1 is `pid` are dead (their lxcfs is
+    /// gone): read through its root, from here.
+    pub fn dead_in(pid: i32) -> bool {
+        let meminfo = format!("/proc/{pid}/root/proc/meminfo");
+        matches!(
+            nix::sys::statfs::statfs(meminfo.as_str()),
+            Err(nix::errno::Errno::ENOTCONN)
+        )
     }
 
     /// Binds the live views over those of the container whose PID 1 is `pid` (dead ones,
@@ -203,7 +228,8 @@ impl Lxcfs {
             .unwrap_or_else(|_| Err(io::Error::other("the lxcfs-rebind thread panicked")))
     }
 
-    fn start(&self) -> Result<(), ContainerError> {
+    /// Starts lxcfs and returns the device number of its mount.
+    fn start(&self) -> Result<u64, ContainerError> {
         let binary = super::runtime::find_binary("lxcfs").ok_or_else(|| {
             ContainerError::Prerequisite(
                 "lxcfs is not installed: install the lxcfs package (apt-get install lxcfs). It gives each \
@@ -264,7 +290,10 @@ impl Lxcfs {
             .map_err(|e| ContainerError::io(format!("starting {}", binary.display()), e))?;
         let _ = middle.wait();
         let deadline = Instant::now() + START_TIMEOUT;
-        while !self.alive() {
+        loop {
+            if let MountState::Live(dev) = mount_state(&mount) {
+                return Ok(dev);
+            }
             if Instant::now() >= deadline {
                 let text = fs::read(&log_path).unwrap_or_default();
                 let tail = String::from_utf8_lossy(&text[(log_start as usize).min(text.len())..])
@@ -278,7 +307,6 @@ impl Lxcfs {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        Ok(())
     }
 }
 
@@ -338,8 +366,8 @@ fn view_clone(path: &Path) -> io::Result<OwnedFd> {
 }
 
 enum MountState {
-    /// A FUSE file system answers there.
-    Live,
+    /// A FUSE file system answers there; its device number.
+    Live(u64),
     /// Something is mounted there whose server is gone.
     Dead,
     None,
@@ -347,7 +375,11 @@ enum MountState {
 
 fn mount_state(dir: &Path) -> MountState {
     match nix::sys::statfs::statfs(dir) {
-        Ok(s) if s.filesystem_type().0 == FUSE_SUPER_MAGIC => MountState::Live,
+        Ok(s) if s.filesystem_type().0 == FUSE_SUPER_MAGIC => match fs::metadata(dir) {
+            Ok(m) => MountState::Live(std::os::unix::fs::MetadataExt::dev(&m)),
+            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => MountState::Dead,
+            Err(_) => MountState::None,
+        },
         Ok(_) => MountState::None,
         Err(nix::errno::Errno::ENOTCONN) => MountState::Dead,
         Err(_) => MountState::None,

@@ -362,15 +362,22 @@ impl ContainerBackend {
                 .iter()
                 .filter_map(|w| backend.unstarted_record(w).ok()?.cpus),
         );
-        backend.cpus = cpus::CpuSets::adopt(cpus::host_cpus(), sets.iter().map(String::as_str));
-        if found == Some(lxcfs::Found::Restarted) {
-            // The sandboxes a previous edge left had the dead lxcfs's views.
-            backend.rebind_views();
+        // Without the cpuset controller no sandbox gets a cpuset (an empty host list).
+        let cpuset = cgroup::cpuset_supported();
+        let host_cpus = if cpuset { cpus::host_cpus() } else { Vec::new() };
+        backend.cpus = cpus::CpuSets::adopt(host_cpus, sets.iter().map(String::as_str));
+        if found.is_some() {
+            // The sandboxes a previous edge left may have had an lxcfs that died since.
+            backend.rebind_dead_views();
         }
-        tracing::info!(
-            host_cpus = %cpus::format(backend.cpus.host()),
-            "each sandbox runs on a cpuset of ceil(cpu_millis / 1000) CPUs, so nproc shows its own"
-        );
+        if cpuset {
+            tracing::info!(
+                host_cpus = %cpus::format(backend.cpus.host()),
+                "each sandbox runs on a cpuset of ceil(cpu_millis / 1000) CPUs, so nproc shows its own"
+            );
+        } else {
+            tracing::warn!("no cpuset cgroup controller: sandboxes' nproc shows the host's CPUs");
+        }
         if backend.config.user_namespaces {
             idmap::probe(&backend.config.sandboxes_root).map_err(|e| {
                 ContainerError::Prerequisite(format!(
@@ -394,13 +401,14 @@ impl ContainerBackend {
         if let Some(l) = &self.lxcfs
             && l.ensure()? == lxcfs::Found::Restarted
         {
-            self.rebind_views();
+            self.rebind_dead_views();
         }
         Ok(())
     }
 
-    /// Binds the live views into every sandbox and warm container whose PID 1 runs.
-    fn rebind_views(&self) {
+    /// Binds the live views into every sandbox and warm container whose PID 1 runs and
+    /// whose views are dead.
+    fn rebind_dead_views(&self) {
         let Some(l) = &self.lxcfs else { return };
         let mut dirs: Vec<PathBuf> = self.list().unwrap_or_default().into_iter().map(|h| h.dir).collect();
         dirs.extend(
@@ -413,7 +421,7 @@ impl ContainerBackend {
             let Some(pid) = read_pid(&dir.join("init.pid")) else {
                 continue;
             };
-            if exit_info_in(&dir).ok().flatten().is_some() || !process_alive(pid) {
+            if exit_info_in(&dir).ok().flatten().is_some() || !process_alive(pid) || !lxcfs::Lxcfs::dead_in(pid) {
                 continue;
             }
             match l.rebind(pid) {
@@ -421,10 +429,12 @@ impl ContainerBackend {
                 Err(e) => tracing::warn!(sandbox = %dir.display(), error = %e, "cannot bind the new lxcfs views"),
             }
         }
-        tracing::info!(
-            sandboxes = rebound,
-            "the new lxcfs's views are bound into the running sandboxes"
-        );
+        if rebound > 0 {
+            tracing::info!(
+                sandboxes = rebound,
+                "a new lxcfs's views are bound into sandboxes that had dead ones"
+            );
+        }
     }
 
     /// Warm disks ready now (0 without a pool).

@@ -94,8 +94,10 @@ impl ContainerBackend {
         record.limits.cpu_millis = claim.limits.cpu_millis;
         record.created_unix_ms = super::now_unix_ms();
         // As many CPUs as the claim's quota: a new cpuset when that is another number.
-        let new_cpus = (super::cpus::count(made_with.cpu_millis) != super::cpus::count(claim.limits.cpu_millis))
-            .then(|| (record.cpus.take(), self.cpus.allocate(claim.limits.cpu_millis)));
+        // (None where the host has no cpusets: an empty host list.)
+        let new_cpus = (!self.cpus.host().is_empty()
+            && super::cpus::count(made_with.cpu_millis) != super::cpus::count(claim.limits.cpu_millis))
+        .then(|| (record.cpus.take(), self.cpus.allocate(claim.limits.cpu_millis)));
         if let Some((_, cpus)) = &new_cpus {
             record.cpus = cpus.clone();
         }
