@@ -37,6 +37,10 @@ pub use disk::is_mounted;
 pub(crate) use disk::{attach_loop, lower_priority};
 pub use runtime::{Runtime, RuntimeChoice, RuntimeKind};
 
+/// How long [`ContainerBackend::pause`] keeps trying to freeze a sandbox whose tasks are
+/// still exiting.
+pub const FREEZE_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Default directory of sandbox directories on an edge machine.
 pub const DEFAULT_SANDBOXES_ROOT: &str = "/var/lib/opendsec/sandboxes";
 /// Default state directory of the runtimes (tmpfs: runtimes' state dies with a reboot,
@@ -696,10 +700,23 @@ impl ContainerBackend {
         }
     }
 
-    /// Freezes every process of the sandbox (cgroup freezer, through the runtime).
+    /// Freezes every process of the sandbox (cgroup freezer, through the runtime). A task
+    /// still exiting cannot be frozen, and one with much to free (thousands of inotify
+    /// instances, say) exits slowly, the more so on a sandbox's few CPUs: runc then gives
+    /// up ("unable to freeze") and thaws the cgroup again, so the freeze is tried again
+    /// for up to [`FREEZE_PATIENCE`].
     pub fn pause(&self, id: &str) -> Result<(), ContainerError> {
         let r = self.get(id)?.record;
-        r.runtime.run(&["pause", r.runtime_id()]).map(drop)
+        let deadline = Instant::now() + FREEZE_PATIENCE;
+        loop {
+            match r.runtime.run(&["pause", r.runtime_id()]) {
+                Err(e) if e.to_string().contains("unable to freeze") && Instant::now() < deadline => {
+                    tracing::debug!(sandbox = %id, error = %e, "freezing again");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                other => return other.map(drop),
+            }
+        }
     }
 
     pub fn resume(&self, id: &str) -> Result<(), ContainerError> {
