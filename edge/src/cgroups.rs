@@ -233,6 +233,21 @@ impl Cgroup {
         }
     }
 
+    /// The CPU weight against sibling cgroups: v1 `cpu.shares` (2..262144, 1024 the
+    /// kernel's default) or v2 `cpu.weight` (1..10000, 100 the default), given as shares
+    /// and converted as runc does.
+    pub fn set_cpu_shares(&self, shares: u64) -> io::Result<()> {
+        let place = self.require(Controller::Cpu)?;
+        match place.version {
+            Version::V1 => write(&place.dir, "cpu.shares", &shares.clamp(2, 262_144).to_string()),
+            Version::V2 => {
+                let shares = shares.clamp(2, 262_144);
+                let weight = 1 + ((shares - 2) * 9999) / 262_142;
+                write(&place.dir, "cpu.weight", &weight.to_string())
+            }
+        }
+    }
+
     /// The CPU quota as the kernel holds it: (quota, period) in microseconds.
     pub fn cpu_quota(&self) -> Option<(Option<u64>, u64)> {
         let place = self.place(Controller::Cpu)?;

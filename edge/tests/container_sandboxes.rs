@@ -125,6 +125,7 @@ fn busybox_spec(id: &str, script: &str) -> SandboxSpec {
         pids: 128,
         io_weight: Some(100),
         disk_bytes: 64 << 20,
+        best_effort: false,
     };
     spec
 }
@@ -269,7 +270,7 @@ fn user_namespace_of_its_own(b: &ContainerBackend) {
     assert!(mountinfo.contains("lowerdir=/proc/self/fd/"), "{mountinfo}");
     for id in [&x, &y] {
         b.delete(id).unwrap();
-        assert_gone(&b, id);
+        assert_gone(b, id);
     }
 }
 

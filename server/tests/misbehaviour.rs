@@ -391,10 +391,66 @@ async fn misbehave(runtime: &str) {
         )
         .await;
     assert_eq!(out, "0\nchecked\n", "the agent could be inspected");
+    // A best-effort sandbox runs under SCHED_IDLE with the least CPU weight, and root in
+    // it cannot leave (that needs CAP_SYS_NICE); a latency-sensitive one is SCHED_OTHER
+    // at the kernel's default weight. An unknown class is refused, naming the field.
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "base", "cpu_class": "turbo"})),
+        )
+        .await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("cpu_class")), "{v}");
+    let idle = scene
+        .create(json!({"image": "base", "memory_mb": 256, "cpu_class": "best-effort"}))
+        .await;
+    assert_eq!(scene.sandbox(&idle).await["cpu_class"], "best-effort");
+    let policy = python(
+        "import os\n\
+         print(os.sched_getscheduler(0))\n\
+         try:\n\
+         \x20   os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0)); print('left')\n\
+         except PermissionError: print('stayed')",
+    );
+    let (out, _) = scene.sh(&idle, root, &policy).await;
+    assert_eq!(out, format!("{}\nstayed\n", nix::libc::SCHED_IDLE));
+    let (out, _) = scene.sh(&bad, root, &policy).await;
+    assert_eq!(out, format!("{}\nleft\n", nix::libc::SCHED_OTHER));
+    assert_eq!(
+        cpu_weight(up, &idle),
+        2,
+        "a best-effort sandbox has the least CPU weight"
+    );
+    assert_eq!(cpu_weight(up, &bad), 1024);
+    scene.others_unharmed("cpu classes").await;
+
     // The misbehaving sandbox still runs and its agent answers.
     let v = scene.sandbox(&bad).await;
     assert_eq!(v["state"], "running", "{v}");
     scene.others_unharmed("ptrace").await;
+}
+
+/// Sandbox `id`'s CPU weight on the host, as v1 `cpu.shares` (v2's `cpu.weight` read back
+/// in shares), from the cgroup its record names.
+fn cpu_weight(up: &Up, id: &str) -> u64 {
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(up.data_dir().join(format!("edge/sandboxes/{id}/sandbox.json"))).unwrap(),
+    )
+    .unwrap();
+    let path = record["cgroups_path"].as_str().unwrap().trim_start_matches('/');
+    for dir in ["cpu", "cpu,cpuacct"] {
+        if let Ok(v) = std::fs::read_to_string(format!("/sys/fs/cgroup/{dir}/{path}/cpu.shares")) {
+            return v.trim().parse().unwrap();
+        }
+    }
+    let weight: u64 = std::fs::read_to_string(format!("/sys/fs/cgroup/{path}/cpu.weight"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // runc's mapping, inverted for the two values a sandbox can have.
+    if weight == 1 { 2 } else { 1024 }
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

@@ -144,10 +144,12 @@ pub fn set_memory_cpu(
     memory_bytes: u64,
     cpu_quota_us: u64,
     cpu_period_us: u64,
+    cpu_shares: u64,
     swap_limit: bool,
 ) -> std::io::Result<()> {
     use crate::cgroups::{Cgroup, Controller, Layout};
     let cgroup = Cgroup::new(&Layout::host(), cgroups_path, &[Controller::Memory, Controller::Cpu]);
     cgroup.set_memory_limit(memory_bytes, swap_limit)?;
-    cgroup.set_cpu_quota(Some(cpu_quota_us), cpu_period_us)
+    cgroup.set_cpu_quota(Some(cpu_quota_us), cpu_period_us)?;
+    cgroup.set_cpu_shares(cpu_shares)
 }

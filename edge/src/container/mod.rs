@@ -74,6 +74,16 @@ impl ContainerError {
     }
 }
 
+/// Whether this kernel has core scheduling (`PR_SCHED_CORE`), with which each
+/// latency-sensitive sandbox's agent takes a cookie of its own (see the agent's `config`).
+pub fn core_scheduling() -> bool {
+    const PR_SCHED_CORE: libc::c_int = 62;
+    const PR_SCHED_CORE_GET: libc::c_ulong = 0;
+    let mut cookie: u64 = 0;
+    // SAFETY: prctl writes the cookie of this process into the u64 we own.
+    unsafe { libc::prctl(PR_SCHED_CORE, PR_SCHED_CORE_GET, 0, 0, &mut cookie as *mut u64) == 0 }
+}
+
 /// Resource limits of one sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
@@ -88,6 +98,10 @@ pub struct Limits {
     pub io_weight: Option<u16>,
     /// Size of the sandbox's writable disk (all writes to the root file system).
     pub disk_bytes: u64,
+    /// Best-effort CPU class: the least CPU weight (and SCHED_IDLE, which its agent takes
+    /// at boot), so it runs on the time latency-sensitive sandboxes leave.
+    #[serde(default)]
+    pub best_effort: bool,
 }
 
 impl Default for Limits {
@@ -98,6 +112,7 @@ impl Default for Limits {
             pids: 512,
             io_weight: Some(100),
             disk_bytes: 1 << 30,
+            best_effort: false,
         }
     }
 }
@@ -333,6 +348,12 @@ impl ContainerBackend {
             backend.ids = Some(idmap::IdRanges::adopt(bases));
         } else {
             tracing::warn!("user namespaces are off: root in a sandbox is root on this host");
+        }
+        if !core_scheduling() {
+            tracing::warn!(
+                "this kernel has no core scheduling (CONFIG_SCHED_CORE): a latency-sensitive sandbox's threads \
+                 may share SMT siblings with other tenants' threads"
+            );
         }
         Ok(backend)
     }

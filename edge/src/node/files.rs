@@ -196,7 +196,7 @@ mod tests {
         let capped = from.join("bin/capped");
         std::fs::write(&capped, b"x").unwrap();
         // A file capability (v2, cap_setuid in the permitted set), as setcap would write it.
-        let mut cap = vec![0u8; 20];
+        let mut cap = [0u8; 20];
         cap[0..4].copy_from_slice(&0x0200_0000u32.to_le_bytes());
         cap[4..8].copy_from_slice(&(1u32 << 7).to_le_bytes());
         let c = std::ffi::CString::new(capped.to_str().unwrap()).unwrap();
