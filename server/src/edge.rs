@@ -49,6 +49,11 @@ pub struct EdgeArgs {
     /// OCI runtime: auto, crun or runc.
     #[arg(long, default_value = "auto")]
     pub runtime: RuntimeChoice,
+    /// Run containers without user namespaces of their own (root inside is root on this
+    /// host). Only for kernels that cannot idmap the sandboxes' file system, which the
+    /// edge otherwise refuses to start on.
+    #[arg(long)]
+    pub insecure_no_user_namespaces: bool,
     /// The static agent binary (default: opendsec-agent next to this binary).
     #[arg(long)]
     pub agent: Option<PathBuf>,
@@ -102,6 +107,7 @@ impl EdgeArgs {
             runtime: self.runtime,
             warm_disks: self.warm_disks,
             warm_disk_bytes: self.disk_mb << 20,
+            user_namespaces: !self.insecure_no_user_namespaces,
             ..ContainerConfig::default()
         };
         EdgeConfig {

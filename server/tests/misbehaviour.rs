@@ -274,7 +274,14 @@ async fn misbehave(runtime: &str) {
         "another sandbox's file watches broke while {taken} instances were held"
     );
     scene.others_unharmed("inotify exhaustion").await;
-    scene.sh(&bad, root, "pkill -9 -f hog.py; echo stopped").await;
+    let (out, _) = scene
+        .sh(
+            &bad,
+            root,
+            "pkill -9 -f 'hog[.]py'; while pgrep -f 'hog[.]py' >/dev/null; do sleep 0.1; done; echo stopped",
+        )
+        .await;
+    assert_eq!(out, "stopped\n");
 
     // Setuid planting through a snapshot: sandbox root makes a setuid-root shell and
     // snapshots it; neither the host's copy nor a sandbox started from it keeps the bit.

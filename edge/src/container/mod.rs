@@ -340,7 +340,7 @@ impl ContainerBackend {
             idmap::probe(&backend.config.sandboxes_root).map_err(|e| {
                 ContainerError::Prerequisite(format!(
                     "{e}. Sandboxes are not started without a user namespace of their own; \
-                     to run them as host root anyway (unsafe), start the edge with user namespaces off"
+                     to run them as host root anyway (unsafe), start the edge with --insecure-no-user-namespaces"
                 ))
             })?;
             idmap::raise_shared_limits()?;
@@ -604,9 +604,23 @@ impl ContainerBackend {
     }
 
     /// Freezes every process of the sandbox (cgroup freezer, through the runtime).
+    /// Freezes the container. A runtime gives up on a freeze that does not settle within
+    /// its own short loop ("unable to freeze": tasks exiting with many open files, a busy
+    /// host) and thaws again, so a few more tries are safe.
     pub fn pause(&self, id: &str) -> Result<(), ContainerError> {
         let r = self.get(id)?.record;
-        r.runtime.run(&["pause", r.runtime_id()]).map(drop)
+        let mut tries = 0;
+        loop {
+            match r.runtime.run(&["pause", r.runtime_id()]) {
+                Ok(_) => return Ok(()),
+                Err(e) if tries < 5 && e.to_string().contains("unable to freeze") => {
+                    tries += 1;
+                    tracing::debug!(sandbox = %id, tries, "the freeze did not settle; trying again");
+                    std::thread::sleep(Duration::from_millis(50 * tries));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     pub fn resume(&self, id: &str) -> Result<(), ContainerError> {
