@@ -301,16 +301,7 @@ async fn misbehave(runtime: &str) {
         .await;
     assert_eq!(s, 201, "{v}");
     let snap = v["snapshot"]["id"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (_, x) = up.send(Method::GET, &format!("/v1/snapshots/{snap}"), None).await;
-        match x["state"].as_str() {
-            Some("ready") => break,
-            Some("failed") => panic!("the snapshot failed: {x}"),
-            _ => assert!(Instant::now() < deadline, "the snapshot was not taken: {x}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    up.wait_snapshot_ready(&snap, Duration::from_secs(120)).await;
     let planted: Vec<std::path::PathBuf> = walk(&up.data_dir().join("edge/snapshots"))
         .into_iter()
         .filter(|p| p.file_name().is_some_and(|n| n == "rootsh"))
