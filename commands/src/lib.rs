@@ -16,7 +16,7 @@ pub use inflight::InFlight;
 pub use placement::{Candidate, DEFAULT_K, Rng, edge_ordinal_of, place_power_of_k, sandbox_id};
 pub use validate::LIMITS;
 
-use opendsec_projections::{Isolation, Limits, Right, Usage};
+use opendsec_projections::{CpuClass, Isolation, Limits, Right, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -265,6 +265,8 @@ pub struct SandboxOptions {
     /// A client's idempotency key: while a sandbox created with it lives, another create
     /// with the same key in the same project is refused as a conflict naming that sandbox.
     pub idempotency_key: Option<String>,
+    /// Latency-sensitive unless asked otherwise.
+    pub cpu_class: Option<CpuClass>,
 }
 
 /// An edge's answer to a snapshot request.

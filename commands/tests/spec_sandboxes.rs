@@ -4,7 +4,7 @@
 mod support;
 
 use opendsec_commands::{Command, Observation, RejectionKind as K, edge_ordinal_of};
-use opendsec_projections::{AuditResult, Desired, Event, Observed, Outcome};
+use opendsec_projections::{AuditResult, CpuClass, Desired, Event, Observed, Outcome};
 use std::collections::BTreeMap;
 use support::*;
 
@@ -448,4 +448,46 @@ fn the_system_kills_for_timeout_and_the_reason_says_so() {
     .unwrap();
     assert_eq!(w.state.sandboxes.sandboxes[&s].reason.as_deref(), Some("timeout"));
     assert_eq!(w.last_audit().principal, "system:");
+}
+
+#[test]
+fn a_best_effort_sandbox_keeps_its_cpu_class_in_the_log_and_its_forks_inherit_it() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let mut create = create_in(&root);
+    if let Command::CreateSandbox { opts, .. } = &mut create {
+        opts.cpu_class = Some(CpuClass::BestEffort);
+    }
+    let ran = w.run(&admin, create).unwrap();
+    let Event::SandboxCreated(c) = &ran.decided.events[0] else {
+        panic!("{:?}", ran.decided.events)
+    };
+    assert_eq!(c.cpu_class, "best-effort");
+    let s = ran.decided.target.clone();
+    assert_eq!(w.state.sandboxes.sandboxes[&s].cpu_class, CpuClass::BestEffort);
+    w.report(&admin, &s, Observation::Ready);
+    let fork = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: s.clone(),
+                count: 2,
+                edge: None,
+            },
+        )
+        .unwrap();
+    for copy in fork.decided.created_sandboxes() {
+        assert_eq!(w.state.sandboxes.sandboxes[&copy].cpu_class, CpuClass::BestEffort);
+    }
+    // A create that says nothing is latency-sensitive, and its event carries "" as every
+    // event before the field did.
+    let plain = w.run(&admin, create_in(&root)).unwrap();
+    let Event::SandboxCreated(c) = &plain.decided.events[0] else {
+        panic!()
+    };
+    assert_eq!(c.cpu_class, "");
+    assert_eq!(
+        w.state.sandboxes.sandboxes[&plain.decided.target].cpu_class,
+        CpuClass::LatencySensitive
+    );
 }

@@ -12,9 +12,11 @@
 //! was, a refused event is skipped.
 
 use opendsec_edge_api::UnknownEnum;
-use opendsec_edge_api::convert::{decode_desired, decode_isolation, decode_observed, decode_snapshot_state};
+use opendsec_edge_api::convert::{
+    decode_cpu_class, decode_desired, decode_isolation, decode_observed, decode_snapshot_state,
+};
 use opendsec_edge_api::pb::{SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, slice_message::Body};
-use opendsec_projections::{Desired, Event, Isolation, Lifecycle, Observed, SnapshotState};
+use opendsec_projections::{CpuClass, Desired, Event, Isolation, Lifecycle, Observed, SnapshotState};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -54,6 +56,9 @@ pub struct DesiredSandbox {
     /// OOM kills inside it that the log records (the edge reports when it sees more).
     #[serde(default)]
     pub oom_kills: u64,
+    /// How its processes are scheduled.
+    #[serde(default)]
+    pub cpu_class: CpuClass,
 }
 
 /// What a served transfer carries.
@@ -157,6 +162,7 @@ impl DesiredSandbox {
             source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),
             transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
             oom_kills: s.oom_kills,
+            cpu_class: decode_cpu_class(s.cpu_class)?,
         })
     }
 }
@@ -400,6 +406,8 @@ impl SliceState {
                     source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),
                     transfer: (!c.transfer.is_empty()).then(|| c.transfer.clone()),
                     oom_kills: 0,
+                    cpu_class: CpuClass::from_event(&c.cpu_class)
+                        .ok_or_else(|| format!("cpu class {:?} is unknown to this edge", c.cpu_class))?,
                 };
                 self.sandboxes.insert(c.id.clone(), d);
             }
@@ -504,6 +512,7 @@ mod tests {
             desired: opendsec_edge_api::pb::Desired::Running.into(),
             observed: opendsec_edge_api::pb::Observed::Ready.into(),
             isolation: opendsec_edge_api::pb::Isolation::Microvm.into(),
+            cpu_class: opendsec_edge_api::pb::CpuClass::LatencySensitive.into(),
             edge: HERE.into(),
             ..Default::default()
         }

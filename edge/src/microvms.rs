@@ -11,7 +11,11 @@
 //! - Stop: a running VM's QEMU is killed; a paused VM, having no process, is removed.
 //!   Observation: a QEMU that ended is `Running::Failed` with why (its exit and the
 //!   console's last word: the agent is the guest's PID 1, so its death panics the guest and
-//!   ends QEMU).
+//!   ends QEMU); one the host's OOM killer ended at its cgroup's memory limit (guest RAM +
+//!   VMM overhead, `vm/driver/cgroup.rs`) is `Running::Exited` OOM-killed.
+//! - Limits: each VM's VMM runs in a cgroup of its own, held to the sandbox's
+//!   `cpu_millis` once its guest answers (boosted before, see `vm/driver/cgroup.rs`), with
+//!   its memory limit and IO weight; its vCPUs are `ceil(cpu_millis / 1000)`.
 //! - Tokens: a guest restored from another's memory (fork copy, sandbox from a snapshot)
 //!   holds its source's agent token; the edge re-keys it (`/.opendsec/rekey`, proving the
 //!   source's token) before it is reported ready, and checks again before every ready
@@ -125,6 +129,7 @@ impl MicroVms {
             disk_mb: self.disk_mb,
             env: d.env.clone(),
             access_token: self.token(&d.id),
+            cpu_millis: vm_cpu_millis(d),
         }
     }
 
@@ -149,6 +154,18 @@ impl MicroVms {
             let seen = match vm.status() {
                 Ok(VmStatus::Running { .. }) => Running::Running,
                 Ok(VmStatus::Paused) => Running::Paused,
+                // Its VMM went over its cgroup's memory limit: the sandbox ends as OOM.
+                Ok(VmStatus::Exited(_)) if vm.oom_killed() => {
+                    tracing::warn!(
+                        sandbox = %vm.id(),
+                        limit_mib = vm.memory_limit().unwrap_or(0) >> 20,
+                        "the host's OOM killer ended a microVM's VMM at its memory limit (guest RAM + VMM overhead)"
+                    );
+                    Running::Exited {
+                        exit_code: 128 + libc::SIGKILL,
+                        oom_killed: true,
+                    }
+                }
                 Ok(VmStatus::Exited(info)) => Running::Failed {
                     reason: end_reason(&vm, info.as_ref()),
                 },
@@ -208,9 +225,12 @@ impl MicroVms {
         let made = self
             .make_copies(source, copies, &ids, image, scratch)
             .and_then(|paused| {
-                for id in &ids {
-                    self.handle(id)?.wait_agent(AGENT_READY_TIMEOUT)?;
-                    self.ensure_token(id, Some(source))?;
+                for copy in copies {
+                    let vm = self.handle(&copy.id)?;
+                    vm.wait_agent(AGENT_READY_TIMEOUT)?;
+                    self.ensure_token(&copy.id, Some(source))?;
+                    // A running source's copies start with its quota; each has its own.
+                    vm.set_cpu_millis(vm_cpu_millis(copy))?;
                 }
                 Ok(paused)
             });
@@ -369,6 +389,11 @@ impl MicroVms {
         let bytes = std::fs::read(path).ok()?;
         Some(bytes[bytes.len().saturating_sub(max)..].to_vec())
     }
+}
+
+/// The CPU quota of sandbox `d`'s VMM at steady state, in thousandths of a core.
+fn vm_cpu_millis(d: &DesiredSandbox) -> Option<u32> {
+    Some(d.cpu_millis.clamp(1, u64::from(u32::MAX)) as u32)
 }
 
 /// CPU time (user + system) of a process, in microseconds.

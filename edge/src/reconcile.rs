@@ -355,6 +355,7 @@ mod tests {
             source_edge: None,
             transfer: None,
             oom_kills: 0,
+            cpu_class: Default::default(),
         }
     }
 

@@ -128,6 +128,7 @@ fn busybox_spec(id: &str, script: &str) -> SandboxSpec {
         pids: 128,
         io_weight: Some(100),
         disk_bytes: 64 << 20,
+        best_effort: false,
     };
     spec
 }

@@ -99,6 +99,7 @@ struct Traces {
     dir: PathBuf,
     netns: PathBuf,
     jail: JailSpec,
+    cgroup: opendsec_edge::cgroups::Cgroup,
     pids: Vec<i32>,
 }
 
@@ -110,6 +111,7 @@ impl Traces {
             dir: files.dir,
             netns: files.netns,
             jail: vm.firecracker_jail().unwrap().expect("a Firecracker VM"),
+            cgroup: vm.cgroup(),
             pids: Vec::new(),
         }
     }
@@ -144,6 +146,9 @@ impl Traces {
         );
         let cgroup = self.jail.cgroup_dir().unwrap();
         assert!(!cgroup.exists(), "{}: cgroup {} is left", self.id, cgroup.display());
+        for dir in self.cgroup.dirs() {
+            assert!(!dir.exists(), "{}: cgroup {} is left", self.id, dir.display());
+        }
         let registry = ImageStore::open(store_dir()).unwrap().root().join("vm-uids");
         for entry in fs::read_dir(&registry).into_iter().flatten().flatten() {
             let owner = fs::read_to_string(entry.path()).unwrap_or_default();
@@ -178,7 +183,7 @@ fn proc_status(pid: i32, field: &str) -> String {
 }
 
 /// The process runs jailed: the VM's uid, the default seccomp filter, the VM's chroot,
-/// network namespace and cgroup.
+/// network namespace and cgroups (the jail's cpuset, the VM's limits).
 fn assert_jailed(vm: &VmHandle, pid: i32) {
     let jail = vm.firecracker_jail().unwrap().unwrap();
     let uid = vm.uid().unwrap();
@@ -210,6 +215,10 @@ fn assert_jailed(vm: &VmHandle, pid: i32) {
         tasks.lines().any(|l| l.trim() == pid.to_string()),
         "pid {pid} in its cgroup: {tasks:?}"
     );
+    // The VM's own cgroup (CPU, memory, IO), the same as a QEMU VM's, with its limit.
+    let cgroup = vm.cgroup();
+    assert!(cgroup.procs().contains(&pid), "pid {pid} in {}", cgroup.path());
+    assert_eq!(cgroup.memory_limit(), Some(vm.memory_limit().unwrap()));
 }
 
 fn exec(vm: &VmHandle, cmd: &str, args: &[&str]) -> ExecOutput {

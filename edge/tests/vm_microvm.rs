@@ -737,3 +737,210 @@ fn a_snapshot_restores_into_a_new_vm_that_continues_and_a_corrupt_one_leaves_not
     assert!(driver().restore_snapshot(&spec(&bad), &paused, &|_| {}).is_err());
     assert_eq!(count(&vm), 5);
 }
+
+/// CPU time (user + system, all threads) of process `pid`, from `/proc/<pid>/stat`.
+fn process_cpu(pid: i32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<u64> = rest.split(' ').skip(11).take(2).map(|f| f.parse().unwrap()).collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_micros((fields[0] + fields[1]) * 1_000_000 / hz)
+}
+
+/// The cgroup paths of process `pid` (`/proc/<pid>/cgroup`): controller list -> path.
+fn process_cgroups(pid: i32) -> BTreeMap<String, String> {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            Some((controllers.to_string(), path.to_string()))
+        })
+        .collect()
+}
+
+/// The path of the cgroup that holds controller `name` for process `pid` (v1: the
+/// hierarchy that lists it; v2: the unified one).
+fn cgroup_of(pid: i32, name: &str) -> String {
+    let all = process_cgroups(pid);
+    all.iter()
+        .find(|(c, _)| c.split(',').any(|c| c == name))
+        .or_else(|| all.iter().find(|(c, _)| c.is_empty()))
+        .map(|(_, p)| p.clone())
+        .unwrap_or_else(|| panic!("no {name} cgroup for {pid}: {all:?}"))
+}
+
+/// The memory limit of the cgroup at `path`, read from the kernel's file.
+fn memory_limit_file(path: &str) -> u64 {
+    let v1 = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+    let v2 = Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+    let text = std::fs::read_to_string(v1.join("memory.limit_in_bytes"))
+        .or_else(|_| std::fs::read_to_string(v2.join("memory.max")))
+        .unwrap_or_else(|e| panic!("no memory limit for {path}: {e}"));
+    text.trim().parse().unwrap()
+}
+
+fn running(vm: &VmHandle) -> i32 {
+    match vm.status().unwrap() {
+        VmStatus::Running { pid } => pid,
+        other => panic!("{} is {other:?}; console: {}", vm.id(), vm.console_tail(1500)),
+    }
+}
+
+/// Every directory of `vm`'s cgroup is gone.
+fn assert_no_cgroup(vm_cgroup: &opendsec_edge::cgroups::Cgroup, what: &str) {
+    for dir in vm_cgroup.dirs() {
+        assert!(!dir.exists(), "{what}: cgroup {} is left", dir.display());
+    }
+}
+
+#[test]
+fn a_microvm_is_held_to_its_cpu_millis_in_a_cgroup_of_its_own_which_forks_get_too_and_which_goes_with_it() {
+    let id = unique("cg");
+    let mut vm_spec = spec(&id);
+    vm_spec.cpu_millis = Some(100);
+    let t = Instant::now();
+    let vm = driver().create(&vm_spec, &|_| {}).unwrap();
+    let mut cleanup = Cleanup(vec![vm.clone()]);
+    let cgroup = vm.cgroup();
+    // Until the agent answers the boot runs boosted: the VM's vCPU plus one core.
+    assert_eq!(cgroup.cpu_quota(), Some((Some(200_000), 100_000)));
+    vm.wait_agent(Duration::from_secs(180)).unwrap();
+    figure(
+        "cold boot to agent ready at cpu_millis=100 (boot boosted)",
+        ms(t.elapsed()),
+    );
+
+    // Its QEMU is in its own cgroup, in every hierarchy, with its limits read back.
+    let pid = running(&vm);
+    let path = cgroup.path();
+    assert!(path.ends_with(&format!("/{id}")), "{path}");
+    for controller in ["cpu", "memory"] {
+        assert_eq!(cgroup_of(pid, controller), path, "{controller}");
+    }
+    assert_eq!(cgroup.procs(), vec![pid], "QEMU alone is in it");
+    assert_eq!(
+        cgroup.cpu_quota(),
+        Some((Some(10_000), 100_000)),
+        "a tenth of each 100 ms"
+    );
+    let limit = vm.memory_limit().unwrap();
+    assert_eq!(memory_limit_file(&cgroup_of(pid, "memory")), limit);
+    assert_eq!(
+        limit,
+        opendsec_edge::vm::vmm_memory_limit(256, opendsec_edge::vm::Vmm::Qemu, driver().accel().accel)
+    );
+    assert!(limit > 256 << 20, "the limit covers the guest's RAM and more: {limit}");
+    // The IO weight, where the host has a weight file (here BFQ's, v1).
+    let weight = cgroup.io_weight();
+    assert!(matches!(weight, None | Some(100)), "{weight:?}");
+    figure("VMM cgroup IO weight", format!("{weight:?}"));
+    figure(
+        "VMM cgroup memory limit (256 MiB guest)",
+        format!("{} MiB", limit >> 20),
+    );
+    let memory = vm.memory().unwrap();
+    figure(
+        "QEMU overhead after boot: RSS minus guest RAM resident",
+        format!("{} MiB", (memory.rss_kb - memory.guest_ram_rss_kb) / 1024),
+    );
+
+    // A fork's copy gets a cgroup of its own, with its source's quota.
+    let copy_id = unique("cg-copy");
+    let t = Instant::now();
+    let report = vm.fork(std::slice::from_ref(&copy_id)).unwrap();
+    cleanup.0.extend(report.copies.iter().cloned());
+    let copy = report.copies[0].clone();
+    copy.wait_agent(Duration::from_secs(60)).unwrap();
+    figure("fork of a 100-millicore VM to the copy's agent ready", ms(t.elapsed()));
+    let copy_pid = running(&copy);
+    let copy_cgroup = copy.cgroup();
+    assert_ne!(copy_cgroup.path(), path);
+    assert_eq!(cgroup_of(copy_pid, "memory"), copy_cgroup.path());
+    assert_eq!(copy_cgroup.procs(), vec![copy_pid]);
+    assert_eq!(copy_cgroup.cpu_quota(), Some((Some(10_000), 100_000)));
+    assert_eq!(
+        cgroup.cpu_quota(),
+        Some((Some(10_000), 100_000)),
+        "the source is settled again"
+    );
+    assert_eq!(cgroup.procs(), vec![pid]);
+
+    // A busy guest is held to a tenth of a core: QEMU's CPU time over 5 s. (The loop is
+    // started with the quota lifted: one exec at a tenth of a core under TCG takes ~7 s.)
+    vm.set_cpu_millis(None).unwrap();
+    let out = exec(&vm, "setsid", &["-f", "sh", "-c", "while :; do :; done"]);
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    vm.set_cpu_millis(Some(100)).unwrap();
+    assert_eq!(cgroup.cpu_quota(), Some((Some(10_000), 100_000)));
+    std::thread::sleep(Duration::from_secs(1));
+    let (cpu0, usage0, throttled0) = (
+        process_cpu(pid),
+        cgroup.cpu_usage_usec().unwrap(),
+        cgroup.cpu_throttled_periods().unwrap(),
+    );
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(5));
+    let wall = t0.elapsed().as_secs_f64();
+    let share = (process_cpu(pid) - cpu0).as_secs_f64() / wall;
+    let cgroup_share = (cgroup.cpu_usage_usec().unwrap() - usage0) as f64 / 1e6 / wall;
+    let throttled = cgroup.cpu_throttled_periods().unwrap() - throttled0;
+    figure(
+        "busy guest at cpu_millis=100: QEMU CPU share over 5 s (/proc stat; cgroup counter)",
+        format!("{:.1}% ; {:.1}% of one core", share * 100.0, cgroup_share * 100.0),
+    );
+    figure("busy guest at cpu_millis=100: periods throttled in 5 s", throttled);
+    assert!(
+        (0.05..=0.20).contains(&share),
+        "QEMU used {:.1}% of a core",
+        share * 100.0
+    );
+    assert!((0.05..=0.20).contains(&cgroup_share), "{:.1}%", cgroup_share * 100.0);
+    assert!(throttled > 10, "the quota held it back: {throttled} periods");
+
+    // A VMM over its memory limit is ended by the OOM killer, and that is what the VM
+    // says: the copy maps its fork's RAM privately, so each page its guest writes is
+    // memory of its own. Its quota off, its guest starts filling 128 MiB of tmpfs in 3 s
+    // (detached: a request whose guest vanishes is never answered); meanwhile its limit
+    // goes to 32 MiB over what it uses (its translation cache grows as it runs).
+    copy.set_cpu_millis(None).unwrap();
+    assert_eq!(copy_cgroup.cpu_quota().unwrap().0, None);
+    let fill = "sleep 3; head -c 128M /dev/zero > /dev/shm/fill";
+    let out = exec(&copy, "setsid", &["-f", "sh", "-c", fill]);
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let usage = copy_cgroup.memory_usage().unwrap();
+    copy_cgroup.set_memory_limit(usage + (32 << 20), true).unwrap();
+    let ended = exit_info(&copy, Duration::from_secs(60));
+    assert_eq!(ended.signal, Some(libc::SIGKILL), "{ended:?}");
+    assert!(copy.oom_killed(), "the copy's cgroup counted the kill");
+    assert!(!vm.oom_killed());
+    assert_eq!(copy_cgroup.oom_kills(), Some(1));
+    // Deleting the copy removes its cgroup; the source keeps its own.
+    copy.delete().unwrap();
+    assert_no_cgroup(&copy_cgroup, "a deleted copy");
+    assert_eq!(cgroup.procs(), vec![pid]);
+
+    // A paused VM has no process and no cgroup; resumed, it has both again, held.
+    vm.pause().unwrap();
+    assert_no_cgroup(&cgroup, "a paused VM");
+    vm.resume().unwrap();
+    let pid = running(&vm);
+    assert_eq!(cgroup.procs(), vec![pid]);
+    assert_eq!(cgroup.cpu_quota(), Some((Some(10_000), 100_000)));
+
+    // A restarted edge finds the same cgroup and holds the VM to its quota again, even
+    // if the edge that died left it boosted.
+    cgroup.set_cpu_quota(None, 100_000).unwrap();
+    let again = MicroVmDriver::new(config(), &|_| {}).unwrap();
+    let adopted = again.open(&id).unwrap();
+    adopted.recover().unwrap();
+    assert_eq!(adopted.cgroup(), cgroup);
+    assert_eq!(cgroup.cpu_quota(), Some((Some(10_000), 100_000)));
+    assert_eq!(cgroup.procs(), vec![pid]);
+
+    // Deleting the VM removes its cgroup from every hierarchy.
+    vm.delete().unwrap();
+    assert_no_cgroup(&cgroup, "a deleted VM");
+}

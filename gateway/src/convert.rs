@@ -102,6 +102,7 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         reason: s.reason.clone(),
         oom_kills: s.oom_kills,
         last_oom_command: s.last_oom_command.clone(),
+        cpu_class: cpu_class(s.cpu_class),
         live: s.is_live(),
         index: s.index,
         isolation: isolation(s.isolation),
@@ -119,6 +120,20 @@ pub fn isolation(i: views::Isolation) -> api::Isolation {
         views::Isolation::Container => api::Isolation::Container,
         views::Isolation::Microvm => api::Isolation::Microvm,
         views::Isolation::Vm => api::Isolation::Vm,
+    }
+}
+
+pub fn cpu_class(c: views::CpuClass) -> api::CpuClass {
+    match c {
+        views::CpuClass::LatencySensitive => api::CpuClass::LatencySensitive,
+        views::CpuClass::BestEffort => api::CpuClass::BestEffort,
+    }
+}
+
+pub fn cpu_class_of(c: api::CpuClass) -> views::CpuClass {
+    match c {
+        api::CpuClass::LatencySensitive => views::CpuClass::LatencySensitive,
+        api::CpuClass::BestEffort => views::CpuClass::BestEffort,
     }
 }
 

@@ -361,6 +361,7 @@ impl State {
                 }
                 let isolation = Isolation::from_event(&e.isolation)
                     .ok_or_else(|| format!("isolation {:?} is unknown", e.isolation))?;
+                CpuClass::from_event(&e.cpu_class).ok_or_else(|| format!("cpu class {:?} is unknown", e.cpu_class))?;
                 if !e.idempotency_key.is_empty()
                     && (self
                         .sandboxes
@@ -562,6 +563,7 @@ impl State {
                     runtime: None,
                     oom_kills: 0,
                     last_oom_command: None,
+                    cpu_class: CpuClass::from_event(&e.cpu_class).unwrap_or_default(),
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {

@@ -222,6 +222,56 @@ pub enum Observed {
     Exited,
 }
 
+/// How a sandbox's processes are scheduled on its edge's CPUs (the DSec paper's §5.2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CpuClass {
+    /// Interactive and RL rollouts: its quota at normal priority and, where the kernel
+    /// has core scheduling, no other tenant's thread on its cores' SMT siblings.
+    #[default]
+    LatencySensitive,
+    /// Batch work: runs under SCHED_IDLE with the least CPU weight, only on CPU time
+    /// that latency-sensitive sandboxes leave (and never beyond its own quota).
+    BestEffort,
+}
+
+impl CpuClass {
+    pub const ALL: [CpuClass; 2] = [CpuClass::LatencySensitive, CpuClass::BestEffort];
+
+    /// The API's name: `latency-sensitive` or `best-effort`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CpuClass::LatencySensitive => "latency-sensitive",
+            CpuClass::BestEffort => "best-effort",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<CpuClass> {
+        CpuClass::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
+    /// An event's field: "" for latency-sensitive (what every event before it meant).
+    pub fn to_event(self) -> String {
+        match self {
+            CpuClass::LatencySensitive => String::new(),
+            other => other.as_str().to_string(),
+        }
+    }
+
+    /// From an event's field; `None` for a name this binary does not know.
+    pub fn from_event(s: &str) -> Option<CpuClass> {
+        if s.is_empty() {
+            Some(CpuClass::LatencySensitive)
+        } else {
+            CpuClass::parse(s)
+        }
+    }
+
+    pub fn is_default(&self) -> bool {
+        *self == CpuClass::LatencySensitive
+    }
+}
+
 /// How a sandbox is isolated from its host.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -355,6 +405,9 @@ pub struct Sandbox {
     /// The program of the last of them, when its edge could tell.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_oom_command: Option<String>,
+    /// Latency-sensitive unless asked otherwise (left out then).
+    #[serde(default, skip_serializing_if = "CpuClass::is_default")]
+    pub cpu_class: CpuClass,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -177,6 +177,26 @@ pub struct Whoami {
 
 // ---- sandboxes ----
 
+/// How a sandbox's processes are scheduled on its edge's CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(rename_all = "kebab-case")]
+pub enum CpuClass {
+    /// Its CPU quota at normal priority and, where the kernel has core scheduling, no
+    /// other tenant's thread on its cores' SMT siblings. The default.
+    #[default]
+    LatencySensitive,
+    /// Runs under SCHED_IDLE with the least CPU weight: only on CPU time other sandboxes
+    /// leave, never beyond its own quota (batch work, background evaluation).
+    BestEffort,
+}
+
+impl CpuClass {
+    pub fn is_default(&self) -> bool {
+        *self == CpuClass::LatencySensitive
+    }
+}
+
 /// How a sandbox is isolated from its host.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
@@ -229,6 +249,9 @@ pub struct CreateSandbox {
     /// of its source's size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<Isolation>,
+    /// `latency-sensitive` (the default) or `best-effort` (SCHED_IDLE, least CPU weight).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_class: Option<CpuClass>,
     /// While paused, the next request to its agent (`/v1/sandboxes/{id}/agent/...`, or
     /// E2B's traffic path) resumes it first. Default false.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -267,6 +290,9 @@ pub struct Sandbox {
     /// The program of the last of them, when its edge could tell.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_oom_command: Option<String>,
+    /// How its processes are scheduled.
+    #[serde(default, skip_serializing_if = "CpuClass::is_default")]
+    pub cpu_class: CpuClass,
     /// False once it has ended and given its quota back.
     pub live: bool,
     /// Log index of the last change.

@@ -49,6 +49,16 @@ pub struct EdgeArgs {
     /// OCI runtime: auto, crun or runc.
     #[arg(long, default_value = "auto")]
     pub runtime: RuntimeChoice,
+    /// Run containers without user namespaces of their own (root inside is root on this
+    /// host). Only for kernels that cannot idmap the sandboxes' file system, which the
+    /// edge otherwise refuses to start on.
+    #[arg(long)]
+    pub insecure_no_user_namespaces: bool,
+    /// Container sandboxes see the host's memory, CPUs, load and uptime in /proc, not their
+    /// own (no lxcfs views). Only for hosts without lxcfs or FUSE, which the edge
+    /// otherwise refuses to start on.
+    #[arg(long)]
+    pub no_lxcfs_views: bool,
     /// The static agent binary (default: opendsec-agent next to this binary).
     #[arg(long)]
     pub agent: Option<PathBuf>,
@@ -102,6 +112,12 @@ impl EdgeArgs {
             runtime: self.runtime,
             warm_disks: self.warm_disks,
             warm_disk_bytes: self.disk_mb << 20,
+            user_namespaces: !self.insecure_no_user_namespaces,
+            lxcfs: if self.no_lxcfs_views {
+                None
+            } else {
+                ContainerConfig::default().lxcfs
+            },
             ..ContainerConfig::default()
         };
         EdgeConfig {

@@ -256,19 +256,7 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
     assert_eq!(s, 201, "{v}");
     assert_eq!(v["snapshot"]["isolation"], "microvm");
     let snap = v["snapshot"]["id"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let taken = loop {
-        let (_, x) = up.send(Method::GET, &format!("/v1/snapshots/{snap}"), None).await;
-        match x["state"].as_str() {
-            Some("ready") => break x,
-            Some("failed") => panic!("the snapshot failed: {x}"),
-            _ => assert!(
-                Instant::now() < deadline,
-                "the snapshot was not taken within 120 s: {x}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let taken = up.wait_snapshot_ready(&snap, Duration::from_secs(120)).await;
     figure(
         "snapshot (REST) to ready",
         format!(

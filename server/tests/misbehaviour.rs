@@ -286,7 +286,14 @@ async fn misbehave(runtime: &str) {
         "another sandbox's file watches broke while {taken} instances were held"
     );
     scene.others_unharmed("inotify exhaustion").await;
-    scene.sh(&bad, root, "pkill -9 -f hog.py; echo stopped").await;
+    let (out, _) = scene
+        .sh(
+            &bad,
+            root,
+            "pkill -9 -f 'hog[.]py'; while pgrep -f 'hog[.]py' >/dev/null; do sleep 0.1; done; echo stopped",
+        )
+        .await;
+    assert_eq!(out, "stopped\n");
 
     // Setuid planting through a snapshot: sandbox root makes a setuid-root shell and
     // snapshots it; neither the host's copy nor a sandbox started from it keeps the bit.
@@ -306,16 +313,7 @@ async fn misbehave(runtime: &str) {
         .await;
     assert_eq!(s, 201, "{v}");
     let snap = v["snapshot"]["id"].as_str().unwrap().to_string();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (_, x) = up.send(Method::GET, &format!("/v1/snapshots/{snap}"), None).await;
-        match x["state"].as_str() {
-            Some("ready") => break,
-            Some("failed") => panic!("the snapshot failed: {x}"),
-            _ => assert!(Instant::now() < deadline, "the snapshot was not taken: {x}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    up.wait_snapshot_ready(&snap, Duration::from_secs(120)).await;
     let planted: Vec<std::path::PathBuf> = walk(&up.data_dir().join("edge/snapshots"))
         .into_iter()
         .filter(|p| p.file_name().is_some_and(|n| n == "rootsh"))
@@ -403,10 +401,66 @@ async fn misbehave(runtime: &str) {
         )
         .await;
     assert_eq!(out, "0\nchecked\n", "the agent could be inspected");
+    // A best-effort sandbox runs under SCHED_IDLE with the least CPU weight, and root in
+    // it cannot leave (that needs CAP_SYS_NICE); a latency-sensitive one is SCHED_OTHER
+    // at the kernel's default weight. An unknown class is refused, naming the field.
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "base", "cpu_class": "turbo"})),
+        )
+        .await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("cpu_class")), "{v}");
+    let idle = scene
+        .create(json!({"image": "base", "memory_mb": 256, "cpu_class": "best-effort"}))
+        .await;
+    assert_eq!(scene.sandbox(&idle).await["cpu_class"], "best-effort");
+    let policy = python(
+        "import os\n\
+         print(os.sched_getscheduler(0))\n\
+         try:\n\
+         \x20   os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0)); print('left')\n\
+         except PermissionError: print('stayed')",
+    );
+    let (out, _) = scene.sh(&idle, root, &policy).await;
+    assert_eq!(out, format!("{}\nstayed\n", nix::libc::SCHED_IDLE));
+    let (out, _) = scene.sh(&bad, root, &policy).await;
+    assert_eq!(out, format!("{}\nleft\n", nix::libc::SCHED_OTHER));
+    assert_eq!(
+        cpu_weight(up, &idle),
+        2,
+        "a best-effort sandbox has the least CPU weight"
+    );
+    assert_eq!(cpu_weight(up, &bad), 1024);
+    scene.others_unharmed("cpu classes").await;
+
     // The misbehaving sandbox still runs and its agent answers.
     let v = scene.sandbox(&bad).await;
     assert_eq!(v["state"], "running", "{v}");
     scene.others_unharmed("ptrace").await;
+}
+
+/// Sandbox `id`'s CPU weight on the host, as v1 `cpu.shares` (v2's `cpu.weight` read back
+/// in shares), from the cgroup its record names.
+fn cpu_weight(up: &Up, id: &str) -> u64 {
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(up.data_dir().join(format!("edge/sandboxes/{id}/sandbox.json"))).unwrap(),
+    )
+    .unwrap();
+    let path = record["cgroups_path"].as_str().unwrap().trim_start_matches('/');
+    for dir in ["cpu", "cpu,cpuacct"] {
+        if let Ok(v) = std::fs::read_to_string(format!("/sys/fs/cgroup/{dir}/{path}/cpu.shares")) {
+            return v.trim().parse().unwrap();
+        }
+    }
+    let weight: u64 = std::fs::read_to_string(format!("/sys/fs/cgroup/{path}/cpu.weight"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // runc's mapping, inverted for the two values a sandbox can have.
+    if weight == 1 { 2 } else { 1024 }
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

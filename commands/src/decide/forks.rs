@@ -84,6 +84,7 @@ pub(super) fn fork(s: &Scope, sandbox: &str, count: u32, edge: Option<&str>) -> 
             idempotency_key: String::new(),
             source_edge: src.edge.clone(),
             transfer: copy_transfer,
+            cpu_class: src.cpu_class.to_event(),
         }));
     }
     Ok(Decided {

@@ -174,6 +174,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),
             source_edge,
             transfer,
+            cpu_class: opts.cpu_class.unwrap_or_default().to_event(),
         }),
     ))
 }

@@ -91,6 +91,40 @@ pub struct BootConfig {
     pub env: SandboxEnv,
     #[serde(default)]
     pub start: Option<StartCommand>,
+    /// `latency-sensitive` (the default) or `best-effort` (see [`apply_cpu_class`]).
+    #[serde(default)]
+    pub cpu_class: Option<String>,
+}
+
+/// Takes the sandbox's CPU class for this process and so for every process of the
+/// sandbox (they all descend from it): `best-effort` is SCHED_IDLE, which nothing in the
+/// sandbox can leave (that needs CAP_SYS_NICE or an RLIMIT_NICE it does not have);
+/// `latency-sensitive` asks for a core-scheduling cookie of its own, so no other tenant's
+/// thread runs on an SMT sibling of its cores. A kernel without core scheduling says so
+/// (the edge says it too, at start); that is not an error.
+pub fn apply_cpu_class(class: Option<&str>) -> Result<(), String> {
+    match class.unwrap_or("latency-sensitive") {
+        "best-effort" => {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: sched_setscheduler on this process with a valid param.
+            if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+                return Err(format!("SCHED_IDLE: {}", std::io::Error::last_os_error()));
+            }
+            Ok(())
+        }
+        "latency-sensitive" => {
+            const PR_SCHED_CORE: libc::c_int = 62;
+            const PR_SCHED_CORE_CREATE: libc::c_ulong = 1;
+            const PIDTYPE_TGID: libc::c_ulong = 1;
+            // SAFETY: prctl with integer arguments.
+            if unsafe { libc::prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0, PIDTYPE_TGID, 0) } != 0 {
+                let e = std::io::Error::last_os_error();
+                eprintln!("opendsec-agent: no core-scheduling cookie ({e}): this kernel lacks core scheduling");
+            }
+            Ok(())
+        }
+        other => Err(format!("cpu_class {other:?} is not latency-sensitive or best-effort")),
+    }
 }
 
 /// Largest configuration the edge sends (the environment is capped at 256 KiB).
@@ -122,37 +156,14 @@ pub fn parse_boot_config(bytes: &[u8]) -> Result<BootConfig, String> {
     if let Some(s) = &c.start {
         check_start(s, source)?;
     }
+    if let Some(class) = c.cpu_class.as_deref()
+        && !matches!(class, "latency-sensitive" | "best-effort")
+    {
+        return Err(format!(
+            "{source}: cpu_class {class:?} is not latency-sensitive or best-effort"
+        ));
+    }
     Ok(c)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_boot_config_carries_token_env_and_start_command() {
-        let c = parse_boot_config(br#"{"access_token":"t","env":{"A":"1"},"start":{"cmd":"sleep","ready_port":8888}}"#)
-            .unwrap();
-        assert_eq!(c.access_token, "t");
-        assert_eq!(c.env["A"], "1");
-        assert_eq!(c.start.unwrap().ready_port, Some(8888));
-    }
-
-    #[test]
-    fn a_bad_boot_config_is_refused_with_its_reason() {
-        for (bytes, says) in [
-            (&br#"{"access_token":""}"#[..], "empty access_token"),
-            (
-                br#"{"access_token":"t","env":{"A=B":"1"}}"#,
-                "not a valid environment variable name",
-            ),
-            (br#"{"access_token":"t","start":{"cmd":""}}"#, "cmd is empty"),
-            (br#"{"access_token":"t","planted":1}"#, "not valid"),
-        ] {
-            let e = parse_boot_config(bytes).unwrap_err();
-            assert!(e.contains(says), "{e}");
-        }
-    }
 }
 
 #[cfg(test)]
@@ -199,6 +210,32 @@ mod tests {
             r#"{"cmd": "x", "typo": 1}"#,
         ] {
             assert!(load_start(file(bad).path()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_boot_config_carries_token_env_and_start_command() {
+        let c = parse_boot_config(br#"{"access_token":"t","env":{"A":"1"},"start":{"cmd":"sleep","ready_port":8888}}"#)
+            .unwrap();
+        assert_eq!(c.access_token, "t");
+        assert_eq!(c.env["A"], "1");
+        assert_eq!(c.start.unwrap().ready_port, Some(8888));
+    }
+
+    #[test]
+    fn a_bad_boot_config_is_refused_with_its_reason() {
+        for (bytes, says) in [
+            (&br#"{"access_token":""}"#[..], "empty access_token"),
+            (
+                br#"{"access_token":"t","env":{"A=B":"1"}}"#,
+                "not a valid environment variable name",
+            ),
+            (br#"{"access_token":"t","start":{"cmd":""}}"#, "cmd is empty"),
+            (br#"{"access_token":"t","planted":1}"#, "not valid"),
+            (br#"{"access_token":"t","cpu_class":"turbo"}"#, "cpu_class"),
+        ] {
+            let e = parse_boot_config(bytes).unwrap_err();
+            assert!(e.contains(says), "{e}");
         }
     }
 }

@@ -3,7 +3,7 @@
 //! newer control plane's), so a receiver never acts on a guess.
 
 use crate::pb;
-use opendsec_projections::{Desired, Isolation, Observed, SnapshotState};
+use opendsec_projections::{CpuClass, Desired, Isolation, Observed, SnapshotState};
 
 /// An enum value in a slice message that this binary cannot interpret.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -65,6 +65,11 @@ mapping!(decode_isolation, "Isolation", Isolation, Isolation {
     Vm <=> Vm,
 });
 
+mapping!(decode_cpu_class, "CpuClass", CpuClass, CpuClass {
+    LatencySensitive <=> LatencySensitive,
+    BestEffort <=> BestEffort,
+});
+
 mapping!(decode_snapshot_state, "SnapshotState", SnapshotState, SnapshotState {
     Pending <=> Pending,
     Ready <=> Ready,
@@ -95,6 +100,9 @@ mod tests {
         for s in [SnapshotState::Pending, SnapshotState::Ready, SnapshotState::Failed] {
             assert_eq!(decode_snapshot_state(pb::SnapshotState::from(s).into()), Ok(s));
         }
+        for c in CpuClass::ALL {
+            assert_eq!(decode_cpu_class(pb::CpuClass::from(c).into()), Ok(c));
+        }
     }
 
     #[test]
@@ -109,6 +117,7 @@ mod tests {
         assert!(decode_desired(0).is_err());
         assert!(decode_observed(0).is_err());
         assert!(decode_snapshot_state(0).is_err());
+        assert!(decode_cpu_class(0).is_err());
     }
 
     #[test]

@@ -58,6 +58,7 @@ pub fn slice_sandbox(s: &Sandbox) -> SliceSandbox {
         transfer: s.transfer.clone().unwrap_or_default(),
         edge: s.edge.clone(),
         oom_kills: s.oom_kills,
+        cpu_class: pb::CpuClass::from(s.cpu_class).into(),
     }
 }
 

@@ -363,6 +363,8 @@ fn main() {
         disk_mb: 512,
         env: BTreeMap::new(),
         access_token: TOKEN.into(),
+        // No quota: the benchmark measures QEMU beside raw QEMU.
+        cpu_millis: None,
     };
     let scratch = args.root.join(format!("raw-{pid}"));
     ok("scratch", std::fs::create_dir_all(&scratch));

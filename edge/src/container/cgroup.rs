@@ -1,6 +1,8 @@
 //! What the host's cgroups offer (v1, v2 or hybrid) and where a sandbox's counters live.
 //! The runtime writes the limits; we only read OOM counters and decide which optional
-//! limits the host can take (a limit the kernel lacks would make the runtime fail).
+//! limits the host can take (a limit the kernel lacks would make the runtime fail). What
+//! the edge writes itself (a warm container's new limits, each VMM's cgroup) is in
+//! `crate::cgroups`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -145,47 +147,21 @@ pub fn reclaim(cgroups_path: &str) -> Option<u64> {
 
 /// Sets a created container's memory limit (with no swap beyond it where the host can
 /// limit swap) and CPU quota, as the runtime does from the bundle: for a warm container
-/// claimed by a sandbox whose limits differ from those it was made with. v1 or v2.
+/// claimed by a sandbox whose limits differ from those it was made with. v1 or v2; the
+/// writing is `crate::cgroups`' (shared with the VM driver).
 pub fn set_memory_cpu(
     cgroups_path: &str,
     memory_bytes: u64,
     cpu_quota_us: u64,
     cpu_period_us: u64,
+    cpu_shares: u64,
     swap_limit: bool,
 ) -> std::io::Result<()> {
-    let rel = cgroups_path.trim_start_matches('/');
-    let root = Path::new(ROOT);
-    let v2 = root.join(rel);
-    if v2.join("memory.max").exists() {
-        fs::write(v2.join("memory.max"), memory_bytes.to_string())?;
-        if swap_limit && v2.join("memory.swap.max").exists() {
-            fs::write(v2.join("memory.swap.max"), "0")?;
-        }
-        return fs::write(v2.join("cpu.max"), format!("{cpu_quota_us} {cpu_period_us}"));
-    }
-    let mem = root.join("memory").join(rel);
-    let limit = mem.join("memory.limit_in_bytes");
-    let memsw = mem.join("memory.memsw.limit_in_bytes");
-    if swap_limit && memsw.exists() {
-        // memory <= memory+swap at every step: raise memsw first, lower memory first.
-        let current = read_u64(&limit).unwrap_or(0);
-        let value = memory_bytes.to_string();
-        if memory_bytes > current {
-            fs::write(&memsw, &value)?;
-            fs::write(&limit, &value)?;
-        } else {
-            fs::write(&limit, &value)?;
-            fs::write(&memsw, &value)?;
-        }
-    } else {
-        fs::write(&limit, memory_bytes.to_string())?;
-    }
-    let cpu = [root.join("cpu").join(rel), root.join("cpu,cpuacct").join(rel)]
-        .into_iter()
-        .find(|p| p.join("cpu.cfs_quota_us").exists())
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no cpu cgroup"))?;
-    fs::write(cpu.join("cpu.cfs_period_us"), cpu_period_us.to_string())?;
-    fs::write(cpu.join("cpu.cfs_quota_us"), cpu_quota_us.to_string())
+    use crate::cgroups::{Cgroup, Controller, Layout};
+    let cgroup = Cgroup::new(&Layout::host(), cgroups_path, &[Controller::Memory, Controller::Cpu]);
+    cgroup.set_memory_limit(memory_bytes, swap_limit)?;
+    cgroup.set_cpu_quota(Some(cpu_quota_us), cpu_period_us)?;
+    cgroup.set_cpu_shares(cpu_shares)
 }
 
 /// Sets a created container's cpuset (`0-1,3`), as the runtime does from the bundle: for

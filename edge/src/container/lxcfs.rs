@@ -20,8 +20,9 @@
 //! mount is a new one (this edge or another started it), and when the edge starts, each
 //! running sandbox whose views are dead gets the new views bound over them
 //! ([`Lxcfs::rebind`], from inside its mount namespace): views come back within a second.
-//! lxcfs is a required package: an edge without it refuses to start (as one without user
-//! namespaces), unless its configuration turns the views off.
+//! lxcfs is a required package: an edge without it (or without FUSE) refuses to start,
+//! as one without user namespaces does, unless the operator turns the views off
+//! (`opendsec edge --no-lxcfs-views`, `ContainerConfig::lxcfs = None`).
 //!
 //! lxcfs cannot answer the `sysinfo` system call: busybox's `free` and `uptime` read it
 //! and show the host's memory (procps's `free`, `top` and `uptime`, in every Debian
@@ -233,7 +234,8 @@ impl Lxcfs {
         let binary = super::runtime::find_binary("lxcfs").ok_or_else(|| {
             ContainerError::Prerequisite(
                 "lxcfs is not installed: install the lxcfs package (apt-get install lxcfs). It gives each \
-                 sandbox views of its own memory, CPUs, load and uptime in /proc"
+                 sandbox views of its own memory, CPUs, load and uptime in /proc; to let sandboxes see the \
+                 host's instead, start the edge with --no-lxcfs-views"
                     .into(),
             )
         })?;
@@ -300,7 +302,8 @@ impl Lxcfs {
                     .trim()
                     .replace('\n', " | ");
                 return Err(ContainerError::Prerequisite(format!(
-                    "lxcfs did not mount {} within {} s (FUSE needs /dev/fuse): {tail}",
+                    "lxcfs did not mount {} within {} s (FUSE needs /dev/fuse; to let sandboxes see the \
+                     host's /proc instead, start the edge with --no-lxcfs-views): {tail}",
                     mount.display(),
                     START_TIMEOUT.as_secs()
                 )));

@@ -37,10 +37,6 @@ pub use disk::is_mounted;
 pub(crate) use disk::{attach_loop, lower_priority};
 pub use runtime::{Runtime, RuntimeChoice, RuntimeKind};
 
-/// How long [`ContainerBackend::pause`] keeps trying to freeze a sandbox whose tasks are
-/// still exiting.
-pub const FREEZE_PATIENCE: Duration = Duration::from_secs(10);
-
 /// Default directory of sandbox directories on an edge machine.
 pub const DEFAULT_SANDBOXES_ROOT: &str = "/var/lib/opendsec/sandboxes";
 /// Default state directory of the runtimes (tmpfs: runtimes' state dies with a reboot,
@@ -80,6 +76,16 @@ impl ContainerError {
     }
 }
 
+/// Whether this kernel has core scheduling (`PR_SCHED_CORE`), with which each
+/// latency-sensitive sandbox's agent takes a cookie of its own (see the agent's `config`).
+pub fn core_scheduling() -> bool {
+    const PR_SCHED_CORE: libc::c_int = 62;
+    const PR_SCHED_CORE_GET: libc::c_ulong = 0;
+    let mut cookie: u64 = 0;
+    // SAFETY: prctl writes the cookie of this process into the u64 we own.
+    unsafe { libc::prctl(PR_SCHED_CORE, PR_SCHED_CORE_GET, 0, 0, &mut cookie as *mut u64) == 0 }
+}
+
 /// Resource limits of one sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
@@ -94,6 +100,10 @@ pub struct Limits {
     pub io_weight: Option<u16>,
     /// Size of the sandbox's writable disk (all writes to the root file system).
     pub disk_bytes: u64,
+    /// Best-effort CPU class: the least CPU weight (and SCHED_IDLE, which its agent takes
+    /// at boot), so it runs on the time latency-sensitive sandboxes leave.
+    #[serde(default)]
+    pub best_effort: bool,
 }
 
 impl Default for Limits {
@@ -104,6 +114,7 @@ impl Default for Limits {
             pids: 512,
             io_weight: Some(100),
             disk_bytes: 1 << 30,
+            best_effort: false,
         }
     }
 }
@@ -386,7 +397,7 @@ impl ContainerBackend {
             idmap::probe(&backend.config.sandboxes_root).map_err(|e| {
                 ContainerError::Prerequisite(format!(
                     "{e}. Sandboxes are not started without a user namespace of their own; \
-                     to run them as host root anyway (unsafe), start the edge with user namespaces off"
+                     to run them as host root anyway (unsafe), start the edge with --insecure-no-user-namespaces"
                 ))
             })?;
             idmap::raise_shared_limits()?;
@@ -394,6 +405,12 @@ impl ContainerBackend {
             backend.ids = Some(idmap::IdRanges::adopt(bases));
         } else {
             tracing::warn!("user namespaces are off: root in a sandbox is root on this host");
+        }
+        if !core_scheduling() {
+            tracing::warn!(
+                "this kernel has no core scheduling (CONFIG_SCHED_CORE): a latency-sensitive sandbox's threads \
+                 may share SMT siblings with other tenants' threads"
+            );
         }
         Ok(backend)
     }
@@ -700,21 +717,22 @@ impl ContainerBackend {
         }
     }
 
-    /// Freezes every process of the sandbox (cgroup freezer, through the runtime). A task
-    /// still exiting cannot be frozen, and one with much to free (thousands of inotify
-    /// instances, say) exits slowly, the more so on a sandbox's few CPUs: runc then gives
-    /// up ("unable to freeze") and thaws the cgroup again, so the freeze is tried again
-    /// for up to [`FREEZE_PATIENCE`].
+    /// Freezes every process of the sandbox (cgroup freezer, through the runtime).
+    /// Freezes the container. A runtime gives up on a freeze that does not settle within
+    /// its own short loop ("unable to freeze": tasks exiting with many open files, a busy
+    /// host) and thaws again, so a few more tries are safe.
     pub fn pause(&self, id: &str) -> Result<(), ContainerError> {
         let r = self.get(id)?.record;
-        let deadline = Instant::now() + FREEZE_PATIENCE;
+        let mut tries = 0;
         loop {
             match r.runtime.run(&["pause", r.runtime_id()]) {
-                Err(e) if e.to_string().contains("unable to freeze") && Instant::now() < deadline => {
-                    tracing::debug!(sandbox = %id, error = %e, "freezing again");
-                    std::thread::sleep(Duration::from_millis(50));
+                Ok(_) => return Ok(()),
+                Err(e) if tries < 5 && e.to_string().contains("unable to freeze") => {
+                    tries += 1;
+                    tracing::debug!(sandbox = %id, tries, "the freeze did not settle; trying again");
+                    std::thread::sleep(Duration::from_millis(50 * tries));
                 }
-                other => return other.map(drop),
+                Err(e) => return Err(e),
             }
         }
     }

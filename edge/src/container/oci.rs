@@ -16,6 +16,19 @@ use oci_spec::runtime::{
 use super::{ContainerError, SandboxSpec};
 
 pub const CPU_PERIOD_US: u64 = 100_000;
+/// `cpu.shares` of a best-effort sandbox (the kernel's least; v2 weight 1), and of every
+/// other (the kernel's default).
+const BEST_EFFORT_SHARES: u64 = 2;
+const DEFAULT_SHARES: u64 = 1024;
+
+/// A sandbox's CPU weight against the others.
+pub fn cpu_shares(limits: &super::Limits) -> u64 {
+    if limits.best_effort {
+        BEST_EFFORT_SHARES
+    } else {
+        DEFAULT_SHARES
+    }
+}
 
 /// Masked: replaced by /dev/null (files) or an empty read-only tmpfs (dirs).
 pub const MASKED_PATHS: &[&str] = &[
@@ -144,7 +157,8 @@ pub fn build_spec(
     }
     let mut cpu = LinuxCpuBuilder::default()
         .quota((limits.cpu_millis as u64 * CPU_PERIOD_US / 1000) as i64)
-        .period(CPU_PERIOD_US);
+        .period(CPU_PERIOD_US)
+        .shares(cpu_shares(limits));
     if let Some(cpus) = placement.cpus {
         cpu = cpu.cpus(cpus.to_string());
     }

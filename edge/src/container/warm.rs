@@ -30,7 +30,8 @@ pub const WARM_ID_PREFIX: &str = "warmc-";
 /// What a warm container becomes when a sandbox claims it.
 pub struct Claim<'a> {
     pub id: &'a str,
-    /// Memory and CPU are set at claim; pids and disk must equal the warm container's.
+    /// Memory, CPU and CPU class are set at claim; pids and disk must equal the warm
+    /// container's.
     pub limits: &'a Limits,
     pub labels: &'a BTreeMap<String, String>,
 }
@@ -92,6 +93,7 @@ impl ContainerBackend {
         record.labels = claim.labels.clone();
         record.limits.memory_bytes = claim.limits.memory_bytes;
         record.limits.cpu_millis = claim.limits.cpu_millis;
+        record.limits.best_effort = claim.limits.best_effort;
         record.created_unix_ms = super::now_unix_ms();
         // As many CPUs as the claim's quota: a new cpuset when that is another number.
         // (None where the host has no cpusets: an empty host list.)
@@ -118,7 +120,9 @@ impl ContainerBackend {
                 cgroup::set_cpus(&record.cgroups_path, &list)
                     .map_err(|e| ContainerError::io(format!("setting the cpuset of {}", record.cgroups_path), e))?;
             }
-            if made_with.memory_bytes != record.limits.memory_bytes || made_with.cpu_millis != record.limits.cpu_millis
+            if made_with.memory_bytes != record.limits.memory_bytes
+                || made_with.cpu_millis != record.limits.cpu_millis
+                || made_with.best_effort != record.limits.best_effort
             {
                 let period = super::oci::CPU_PERIOD_US;
                 cgroup::set_memory_cpu(
@@ -126,6 +130,7 @@ impl ContainerBackend {
                     record.limits.memory_bytes,
                     record.limits.cpu_millis as u64 * period / 1000,
                     period,
+                    super::oci::cpu_shares(&record.limits),
                     self.host.swap_limit,
                 )
                 .map_err(|e| ContainerError::io(format!("setting the limits of {}", record.cgroups_path), e))?;

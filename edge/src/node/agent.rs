@@ -122,7 +122,7 @@ impl Edge {
     fn agent_config(&self, d: &DesiredSandbox, image: &crate::images::Image) -> serde_json::Value {
         let token =
             opendsec_edge_api::sandbox_token(&self.cfg.edge_key, opendsec_edge_api::SandboxTokenKind::Agent, &d.id);
-        let mut config = serde_json::json!({"access_token": token, "env": d.env});
+        let mut config = serde_json::json!({"access_token": token, "env": d.env, "cpu_class": d.cpu_class.as_str()});
         if let Some(start) = &image.config.start {
             config["start"] = serde_json::to_value(start).unwrap_or_default();
         }

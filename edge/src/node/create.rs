@@ -69,6 +69,7 @@ impl Edge {
             pids: self.cfg.pids,
             io_weight: Some(100),
             disk_bytes: self.cfg.disk_bytes,
+            best_effort: d.cpu_class == opendsec_projections::CpuClass::BestEffort,
         }
     }
 

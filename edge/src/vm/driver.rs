@@ -35,7 +35,8 @@
 //! `records.rs` the VM's directory, record and uid; `qemu.rs` QEMU processes, QMP and the
 //! migration stream; `handle.rs` what a VM is, `recover`, `kill`, `delete`; `suspend.rs`
 //! pause, resume, snapshots; `fork.rs` forks and shared RAM bases; `precopy.rs` live
-//! copies; `fc.rs` the same operations under Firecracker.
+//! copies; `fc.rs` the same operations under Firecracker; `cgroup.rs` each VMM's cgroup
+//! (CPU quota, memory limit, IO weight) and why each is what it is.
 //!
 //! **Architecture Invariant:** QEMU is never the edge's child and nothing lives only in
 //! the edge's memory: a restarted edge `open`s each VM from its directory and calls
@@ -58,6 +59,12 @@
 //!
 //! **Architecture Invariant:** `source_paused` is the time the source's vCPUs were
 //! stopped: QEMU's `STOP` to `RESUME` event timestamps, not our calls around them.
+//!
+//! **Architecture Invariant:** every VMM process (QEMU, a live copy's receiver, the
+//! jailer that becomes Firecracker) runs from before its exec in a cgroup of its own,
+//! named after its VM, with the memory limit guest RAM + VMM overhead; a running VM is
+//! held to its `cpu_millis` except while the driver boots, restores or copies it
+//! (`cgroup.rs`).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -84,6 +91,7 @@ use super::{VmError, io_err, lock_file, net, read_json, require_tool, write_json
 use crate::images::{Image, ImageStore};
 use crate::status_pipe::pidfd_open;
 
+mod cgroup;
 mod create;
 /// VMs under Firecracker: the same handle, another VMM.
 mod fc;
@@ -94,6 +102,8 @@ mod qemu;
 mod records;
 mod suspend;
 
+use cgroup::CpuPhase;
+pub use cgroup::{vmm_memory_limit, vmm_overhead_mb};
 use qemu::{
     console_tail, exit_record, migrate_to_file, release_page_cache, restore, set_ignore_shared, sigkill, wait_ended,
     wait_pidfd,
@@ -177,6 +187,9 @@ pub struct VmSpec {
     pub env: BTreeMap<String, String>,
     /// What every request to the agent must carry (`X-Access-Token`).
     pub access_token: String,
+    /// The CPU the VM is held to once its guest answers, in thousandths of a core (a CFS
+    /// quota on its VMM's cgroup, see `driver/cgroup.rs`); `None`: its vCPUs alone bound it.
+    pub cpu_millis: Option<u32>,
 }
 
 /// Under TCG a VM's RAM is this much short of its whole MiBs (`-m` takes multiples of 8 KiB). QEMU 7.2's live migration
@@ -275,6 +288,10 @@ struct VmRecord {
     /// What only a Firecracker VM has (see `fc.rs`).
     #[serde(default, skip_serializing_if = "fc::FcRecord::is_empty")]
     fc: fc::FcRecord,
+    /// The VMM's CPU quota at steady state, thousandths of a core (see `cgroup.rs`).
+    /// Absent in records written before VMMs had cgroups: no quota.
+    #[serde(default)]
+    cpu_millis: Option<u32>,
 }
 
 /// Memory of one QEMU process (from `/proc/<pid>/smaps_rollup`), in KiB.
@@ -434,6 +451,8 @@ struct Inner {
     /// The VMM new VMs get, and Firecracker's binaries (or why they are not usable).
     vmm: VmmVerdict,
     firecracker: Result<FirecrackerTools, String>,
+    /// Where the host's cgroup controllers are (see `cgroup.rs`).
+    cgroups: crate::cgroups::Layout,
 }
 
 /// The QEMU microVM driver.

@@ -18,7 +18,8 @@
 //! - `qmp`: a small QMP client (capabilities, commands, events, fds over SCM_RIGHTS).
 //! - `shim`: the detached parent of each QEMU process (`opendsec-vm-shim`).
 //! - `accel`: honest KVM detection (a probe guest must reach user space in time).
-//! - `driver`: [`MicroVmDriver`] and [`VmHandle`]: create, pause, resume, fork, kill.
+//! - `driver`: [`MicroVmDriver`] and [`VmHandle`]: create, pause, resume, fork, kill;
+//!   each VMM in a cgroup of its own (`driver/cgroup.rs`: CPU quota, memory, IO weight).
 //! - `agent`: a minimal client of the in-guest agent (health, exec) for readiness checks,
 //!   tests and the benchmark.
 //! - `firecracker`: Firecracker and its jailer (API client, jail, Diff merging);
@@ -72,7 +73,8 @@ pub use bootdisk::{BootDiskManifest, FREE_SPACE_MB, ensure_boot_disk, host_can_b
 pub use disks::{build_root_disk, sparse_copy};
 pub use driver::{
     ForkReport, MAX_FORK_COUNT, MemoryUsage, MicroVmDriver, PauseReport, RamMode, ResumeReport, SNAPSHOT_META,
-    SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus, agent_channel_at,
+    SnapshotReport, VmConfig, VmFiles, VmHandle, VmSpec, VmState, VmStatus, agent_channel_at, vmm_memory_limit,
+    vmm_overhead_mb,
 };
 pub use initramfs::{GuestBoot, ensure_guest_boot};
 pub use kernel::{GuestKernel, ensure_kernel};

@@ -3,8 +3,8 @@
 //! The driver writes `launch.json` ([`Launch`]) and runs `opendsec-vm-shim <launch.json>`
 //! with a status pipe on stdout. The shim forks, calls setsid and forks again, so it is
 //! neither the edge's child nor in its session (a killed or restarted edge leaves VMs
-//! running); it starts QEMU inside the VM's network namespace under the VM's uid, with
-//! no inherited fds beyond stdio and with PDEATHSIG (QEMU never outlives its shim, so
+//! running); it starts QEMU inside the VM's network namespace and cgroup under the VM's
+//! uid, with no inherited fds beyond stdio and with PDEATHSIG (QEMU never outlives its shim, so
 //! nothing runs without someone draining its console); reports `ok <pid>`; copies the
 //! guest console (QEMU's stdout and stderr) into `console.log`, rotated at a cap so a
 //! guest printing forever cannot fill the disk; and writes `exit.json` when QEMU ends.
@@ -53,6 +53,10 @@ pub struct Launch {
     /// for a VMM that drops privileges itself.
     #[serde(default)]
     pub keeper: bool,
+    /// The directories of the cgroup the VMM runs in (one per hierarchy): it joins them
+    /// before it drops privileges and before it execs, so all of its life is inside.
+    #[serde(default)]
+    pub cgroups: Vec<PathBuf>,
 }
 
 /// How QEMU ended, as the shim saw it.
@@ -197,6 +201,20 @@ fn run(launch: &Launch) -> Result<(), VmError> {
         .map(|a| a.replace(TAP_FD_PLACEHOLDER, &tap_fd))
         .collect();
     let (uid, gid, groups) = (launch.uid, launch.gid, launch.groups.clone());
+    // Opened here, written in the child: "0" moves the writer itself (v1 and v2 alike).
+    let cgroup_procs = launch
+        .cgroups
+        .iter()
+        .map(|dir| {
+            let procs = dir.join("cgroup.procs");
+            OpenOptions::new()
+                .write(true)
+                .open(&procs)
+                .map(OwnedFd::from)
+                .map_err(io_err(format!("opening {}", procs.display())))
+        })
+        .collect::<Result<Vec<OwnedFd>, VmError>>()?;
+    let join_fds: Vec<i32> = cgroup_procs.iter().map(|fd| fd.as_raw_fd()).collect();
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| VmError::Invalid("empty argv".into()))?;
@@ -214,6 +232,12 @@ fn run(launch: &Launch) -> Result<(), VmError> {
         command.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            // Into the VM's cgroup while still root (the files are root's).
+            for &fd in &join_fds {
+                if libc::write(fd, c"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             if uid != 0 {
                 if libc::setgroups(groups.len(), groups.as_ptr()) != 0
@@ -241,6 +265,7 @@ fn run(launch: &Launch) -> Result<(), VmError> {
     };
     drop(command);
     drop(tap);
+    drop(cgroup_procs);
     let pid = kept.vmm;
     fs::write(&launch.pid_file, pid.to_string()).map_err(io_err("writing the pid file"))?;
     report(&format!("ok {pid}"));

@@ -46,7 +46,8 @@ pub fn base_image() -> Image {
         .expect("the base image")
 }
 
-/// A VM of `base` with 256 MiB, one vCPU, a `disk_mb` writable disk and agent token `token`.
+/// A VM of `base` with 256 MiB, one vCPU (no CPU quota beyond it), a `disk_mb` writable
+/// disk and agent token `token`.
 pub fn vm_spec(id: &str, token: &str, disk_mb: u64, env: BTreeMap<String, String>) -> VmSpec {
     VmSpec {
         id: id.into(),
@@ -56,6 +57,7 @@ pub fn vm_spec(id: &str, token: &str, disk_mb: u64, env: BTreeMap<String, String
         disk_mb,
         env,
         access_token: token.into(),
+        cpu_millis: None,
     }
 }
 

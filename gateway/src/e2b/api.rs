@@ -403,6 +403,7 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
             network,
             idempotency_key: idempotency_key.clone(),
             isolation,
+            cpu_class: None,
         },
     };
     let s = match submit(&st, &who, &headers, cmd).await {

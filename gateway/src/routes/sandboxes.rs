@@ -41,6 +41,7 @@ pub async fn create(
         timeout_seconds: req.timeout_seconds.filter(|t| *t > 0),
         opts: SandboxOptions {
             isolation: req.isolation.map(convert::isolation_of),
+            cpu_class: req.cpu_class.map(convert::cpu_class_of),
             auto_resume: req.auto_resume.unwrap_or(false),
             ..Default::default()
         },

@@ -639,6 +639,7 @@ async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
             network: network.map(str::to_string),
             idempotency_key: None,
             isolation: None,
+            cpu_class: None,
         },
     };
     // A sandbox with an environment (its values never show in views), auto-pause, auto-resume.

@@ -418,6 +418,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             labels,
             timeout_seconds,
             isolation,
+            cpu_class,
             wait,
         } => {
             let req = CreateSandbox {
@@ -428,6 +429,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 labels: (!labels.is_empty()).then(|| labels.into_iter().collect()),
                 timeout_seconds,
                 isolation: isolation.map(Isolation::from),
+                cpu_class: cpu_class.map(CpuClass::from),
                 auto_resume: None,
             };
             let mut written = client.create_sandbox(&req).await?;

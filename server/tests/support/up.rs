@@ -450,6 +450,26 @@ impl Up {
         key
     }
 
+    /// Waits until snapshot `snap` is ready (panics if it failed or took longer than
+    /// `within`) and returns its view.
+    pub async fn wait_snapshot_ready(&self, snap: &str, within: Duration) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let (_, x) = self
+                .send(reqwest::Method::GET, &format!("/v1/snapshots/{snap}"), None)
+                .await;
+            match x["state"].as_str() {
+                Some("ready") => return x,
+                Some("failed") => panic!("the snapshot failed: {x}"),
+                _ => assert!(
+                    Instant::now() < deadline,
+                    "the snapshot was not taken within {within:?}: {x}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Makes sure `image` exists in the image store, building it if this machine never
     /// did, by running one sandbox of it through the native API. A first build (a
     /// debootstrap, or the code interpreter's packages) takes minutes: it happens here,

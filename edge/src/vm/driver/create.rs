@@ -47,7 +47,8 @@ impl MicroVmDriver {
         };
         let firecracker = find_firecracker(cfg.firecracker.as_deref(), cfg.jailer.as_deref());
         let vmm = choose_vmm(cfg.vmm, &accel, &firecracker)?;
-        Ok(Self {
+        let cgroups = cgroup::host_layout()?;
+        let driver = Self {
             inner: Arc::new(Inner {
                 tsc_khz: host_tsc_khz(),
                 cfg,
@@ -57,8 +58,11 @@ impl MicroVmDriver {
                 netns_prefix,
                 vmm,
                 firecracker: firecracker.map_err(|e| e.to_string()),
+                cgroups,
             }),
-        })
+        };
+        driver.inner.gc_cgroups();
+        Ok(driver)
     }
 
     pub fn accel(&self) -> &AccelVerdict {
@@ -240,6 +244,7 @@ impl MicroVmDriver {
                 vmm: meta.vmm,
                 machine: meta.machine,
                 fc: Default::default(),
+                cpu_millis: spec.cpu_millis,
             };
             inner.prepare_dir(&dir, uid)?;
             if meta.machine == Machine::Microvm {

@@ -50,8 +50,9 @@
 //!
 //! Not here: guests under Firecracker reach user space only with hardware KVM (this host's
 //! PVM never boots a stock kernel); a dirty-block copy of the writable disk in a fork (it
-//! is copied whole, sparse, while the source is stopped); memory limits in the jail's
-//! cgroup; Firecracker's vsock as the agent channel. Binaries: `ops/lib.sh`
+//! is copied whole, sparse, while the source is stopped); Firecracker's vsock as the
+//! agent channel. CPU, memory and IO limits are the VM's cgroup's (`cgroup.rs`), which
+//! the jailer joins before it execs Firecracker. Binaries: `ops/lib.sh`
 //! `ensure_firecracker` (pinned, checksums checked).
 
 use std::fs;
@@ -248,6 +249,13 @@ impl Inner {
             exit_file: dir.join("exit.json"),
             // The jailer's uid change clears PDEATHSIG: the keeper holds it instead.
             keeper: true,
+            cgroups: match self.prepare_cgroup(&self.vm_cgroup(&record.id), record) {
+                Ok(dirs) => dirs,
+                Err(e) => {
+                    let _ = jail.cleanup();
+                    return Err(e);
+                }
+            },
         };
         let launch_file = dir.join("launch.json");
         let spawned = write_json_atomic(&launch_file, &launch)
@@ -273,7 +281,8 @@ impl Inner {
         }
     }
 
-    /// Ends `record`'s Firecracker process (if it still runs) and removes its jail.
+    /// Ends `record`'s Firecracker process (if it still runs) and removes its jail and
+    /// cgroup.
     fn stop_firecracker(&self, dir: &Path, record: &VmRecord) -> Result<(), VmError> {
         if let Some(pid) = self.live_pid(record)
             && let Some(pidfd) = pidfd_open(pid)
@@ -289,7 +298,8 @@ impl Inner {
                 });
             }
         }
-        self.jail(record).cleanup()
+        self.jail(record).cleanup()?;
+        self.remove_vm_cgroup(&record.id)
     }
 
     /// Removes what a Firecracker VM that never became whole had.

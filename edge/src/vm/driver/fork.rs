@@ -49,6 +49,7 @@ impl VmHandle {
     /// has written.
     pub fn fork(&self, new_ids: &[String]) -> Result<ForkReport, VmError> {
         if self.on_firecracker()? {
+            let _boost = self.boost_cpu()?;
             return fc::fork(self, new_ids);
         }
         let started = Instant::now();
@@ -60,6 +61,8 @@ impl VmHandle {
             self.pause()?;
             self.resume()?;
         }
+        // The source's copy is the platform's work: boosted, then settled again.
+        let _boost = self.boost_cpu()?;
         let inner = &self.inner;
         let dir = self.dir();
         let lock = lock_file(&dir.join("lock"))?;
@@ -143,8 +146,16 @@ impl VmHandle {
             discard_all(&prepared, Some(gid));
             return Err(e);
         }
-        for (_, copy_dir) in &prepared {
+        for (record, copy_dir) in &prepared {
             let _ = fs::remove_file(copy_dir.join("state"));
+            // Each copy restored boosted; from here it is held to its own quota.
+            let settled = inner
+                .record(&record.id)
+                .and_then(|running| inner.set_cpu_phase(&running, CpuPhase::Steady));
+            if let Err(e) = settled {
+                discard_all(&prepared, Some(gid));
+                return Err(e);
+            }
         }
         let _ = fs::remove_file(fork_dir.join("rw.img"));
         let _ = fs::remove_file(fork_dir.join("state"));

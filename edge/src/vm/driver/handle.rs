@@ -102,17 +102,20 @@ impl VmHandle {
         allocated_bytes(&self.dir().join("ram"))
     }
 
-    /// Waits until the guest's agent answers `/health`.
+    /// Waits until the guest's agent answers `/health`; from then on the VM is held to
+    /// its `cpu_millis` (a cold boot runs boosted until here: see `cgroup.rs`).
     pub fn wait_agent(&self, timeout: Duration) -> Result<Duration, VmError> {
         let agent = self.agent()?;
         let me = self.clone();
         let alive = move || matches!(me.status(), Ok(VmStatus::Running { .. }));
-        agent.wait_ready(timeout, &alive).map_err(|e| match e {
+        let waited = agent.wait_ready(timeout, &alive).map_err(|e| match e {
             VmError::Agent(m) | VmError::Timeout { what: m, .. } => {
                 VmError::Agent(format!("{m}; console: {}", self.console_tail(1500)))
             }
             other => other,
-        })
+        })?;
+        self.settle_cpu()?;
+        Ok(waited)
     }
 
     pub(super) fn bad_state(&self, state: &str, operation: &'static str) -> VmError {
@@ -140,10 +143,19 @@ impl VmHandle {
     /// cancelled and its receiver ended; a QEMU whose snapshot was
     /// already taken (the VM is paused) is ended; a QEMU still waiting for an incoming
     /// snapshot is ended and the VM stays paused. Returns what it did, if anything.
+    /// A running VM is held to its steady CPU quota afterwards (whatever boost the
+    /// edge's last run left on it).
     pub fn recover(&self) -> Result<Option<String>, VmError> {
-        if self.on_firecracker()? {
-            return fc::recover(self);
-        }
+        let done = if self.on_firecracker()? {
+            fc::recover(self)?
+        } else {
+            self.recover_qemu()?
+        };
+        self.settle_cpu()?;
+        Ok(done)
+    }
+
+    fn recover_qemu(&self) -> Result<Option<String>, VmError> {
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let mut record = self.inner.record(&self.id)?;
@@ -196,7 +208,7 @@ impl VmHandle {
     }
 
     /// Ends the QEMU process at once (the guest gets no say); the VM stays on disk,
-    /// [`VmStatus::Exited`].
+    /// [`VmStatus::Exited`]. A QEMU VM keeps its cgroup until it is deleted.
     pub fn kill(&self) -> Result<(), VmError> {
         if self.on_firecracker()? {
             return fc::kill(self);
@@ -211,12 +223,14 @@ impl VmHandle {
         Ok(())
     }
 
-    /// Kills the VM if it runs and removes everything it had: files, namespace, uid.
+    /// Kills the VM if it runs and removes everything it had: files, cgroup, namespace,
+    /// uid.
     pub fn delete(&self) -> Result<(), VmError> {
         let dir = self.dir();
         let record = self.inner.record(&self.id)?;
         let _lock = lock_file(&dir.join("lock"))?;
         self.kill()?;
+        self.inner.remove_vm_cgroup(&self.id)?;
         net::delete(&record.netns)?;
         self.inner.release_uid(record.uid);
         if dir.exists() {

@@ -187,7 +187,8 @@ impl Inner {
             pid_start: None,
             ..source.clone()
         };
-        let recv_pid = self.spawn_qemu(recv_dir, &record, QemuStart::Receive)?;
+        // A cgroup of its own: it holds a whole copy of the RAM, beyond the source's limit.
+        let recv_pid = self.spawn_qemu(recv_dir, &record, QemuStart::Receive, &self.receiver_cgroup(&source.id))?;
         let mut recv = self.connect_started(recv_dir, &record, recv_pid)?;
 
         let mut qmp = self.qmp(source)?;

@@ -101,7 +101,7 @@ impl Inner {
     /// is saved with the new pid.
     pub(super) fn start_qemu(&self, dir: &Path, record: &mut VmRecord, incoming: bool) -> Result<(i32, Qmp), VmError> {
         let start = if incoming { QemuStart::Restore } else { QemuStart::Boot };
-        let pid = self.spawn_qemu(dir, record, start)?;
+        let pid = self.spawn_qemu(dir, record, start, &self.vm_cgroup(&record.id))?;
         record.pid = Some(pid);
         record.pid_start = process_start(pid);
         record.state = VmState::Running;
@@ -109,8 +109,15 @@ impl Inner {
         Ok((pid, self.connect_started(dir, record, pid)?))
     }
 
-    /// Starts QEMU for `record` in `dir` under a shim; returns its pid.
-    pub(super) fn spawn_qemu(&self, dir: &Path, record: &VmRecord, start: QemuStart) -> Result<i32, VmError> {
+    /// Starts QEMU for `record` in `dir` under a shim, in `cgroup` (made for this run,
+    /// boosted: see `cgroup.rs`); returns its pid.
+    pub(super) fn spawn_qemu(
+        &self,
+        dir: &Path,
+        record: &VmRecord,
+        start: QemuStart,
+        cgroup: &crate::cgroups::Cgroup,
+    ) -> Result<i32, VmError> {
         let socket = dir.join("run/qmp.sock");
         if socket.as_os_str().len() > 100 {
             return Err(VmError::Invalid(format!(
@@ -134,6 +141,7 @@ impl Inner {
             pid_file: dir.join("qemu.pid"),
             exit_file: dir.join("exit.json"),
             keeper: false,
+            cgroups: self.prepare_cgroup(cgroup, record)?,
         };
         let launch_file = dir.join("launch.json");
         write_json_atomic(&launch_file, &launch)?;

@@ -61,6 +61,7 @@ impl Inner {
             vmm,
             machine,
             fc: Default::default(),
+            cpu_millis: spec.cpu_millis,
         }
     }
 
@@ -166,8 +167,8 @@ impl Inner {
         give(&run, uid, uid, 0o700)
     }
 
-    /// Removes what a VM that never became whole had: its QEMU (if started), namespace,
-    /// uid and directory.
+    /// Removes what a VM that never became whole had: its QEMU (if started), cgroup,
+    /// namespace, uid and directory.
     pub(super) fn discard(&self, dir: &Path, netns: Option<&str>, uid: Option<u32>) {
         if let Some(pid) = fs::read_to_string(dir.join("qemu.pid"))
             .ok()
@@ -181,6 +182,9 @@ impl Inner {
                 sigkill(&pidfd);
                 wait_pidfd(&pidfd, Duration::from_secs(10));
             }
+        }
+        if let Some(cgroup) = self.cgroup_of_dir(dir) {
+            let _ = cgroup.remove();
         }
         if let Some(netns) = netns {
             let _ = net::delete(netns);

@@ -14,6 +14,8 @@ impl VmHandle {
     /// shared RAM the stream holds only device state (the RAM file is the memory); a
     /// fork copy's RAM (private pages over the fork's base) goes into the stream.
     pub fn pause(&self) -> Result<PauseReport, VmError> {
+        // The snapshot is the platform's work: boosted (a failed pause runs on, settled).
+        let _boost = self.boost_cpu()?;
         if self.on_firecracker()? {
             return fc::pause(self);
         }
@@ -61,6 +63,8 @@ impl VmHandle {
         record.pid = None;
         record.pid_start = None;
         self.inner.save(&record)?;
+        // A paused VM has no process, and no cgroup.
+        let _ = self.inner.remove_vm_cgroup(&self.id);
         if old_base.is_some() {
             self.inner.gc_forks();
         }
@@ -84,6 +88,7 @@ impl VmHandle {
     /// during the copy and its device state; a paused one is copied as it lies.
     /// On failure `dest` is gone and the VM is as it was.
     pub fn snapshot_to(&self, dest: &Path) -> Result<SnapshotReport, VmError> {
+        let _boost = self.boost_cpu()?;
         if self.on_firecracker()? {
             return fc::snapshot_to(self, dest);
         }
@@ -117,10 +122,18 @@ impl VmHandle {
     }
 
     /// Resume: a new QEMU process restores the paused VM, which continues where it was.
+    /// The restore runs boosted; the VM is held to its `cpu_millis` once it runs.
     pub fn resume(&self) -> Result<ResumeReport, VmError> {
-        if self.on_firecracker()? {
-            return fc::resume(self);
-        }
+        let report = if self.on_firecracker()? {
+            fc::resume(self)?
+        } else {
+            self.resume_qemu()?
+        };
+        self.settle_cpu()?;
+        Ok(report)
+    }
+
+    fn resume_qemu(&self) -> Result<ResumeReport, VmError> {
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let mut record = self.inner.record(&self.id)?;
@@ -166,6 +179,7 @@ impl VmHandle {
             record.pid = None;
             record.pid_start = None;
             self.inner.save(&record)?;
+            let _ = self.inner.remove_vm_cgroup(&self.id);
             return Err(VmError::Qemu {
                 id: self.id.clone(),
                 message: format!(

@@ -55,6 +55,13 @@ impl RawBundle {
         }
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(b.dir.join("upper"), std::fs::Permissions::from_mode(0o755));
+        // The edge's bundle runs in a user namespace of its own: the overlay's root (the
+        // upper dir) belongs to the namespace's root, as the edge's idmapped one does, so
+        // the runtime can make the bundle's mount points in it.
+        if let Some(host_root) = config["linux"]["uidMappings"][0]["hostID"].as_u64() {
+            std::os::unix::fs::chown(b.dir.join("upper"), Some(host_root as u32), Some(host_root as u32))
+                .map_err(|e| format!("chown the raw bundle's upper dir: {e}"))?;
+        }
         let lower = layers
             .iter()
             .rev()
@@ -90,11 +97,6 @@ impl RawBundle {
         cfg["process"]["args"] = json!(["/bin/sh", "-c", "echo hi"]);
         cfg["process"]["terminal"] = json!(false);
         cfg["linux"]["cgroupsPath"] = json!(format!("/opendsec-bench/{}", b.id));
-        // The agent's per-sandbox configuration went with the sandbox the bundle was
-        // captured from; `echo hi` needs none of it.
-        if let Some(mounts) = cfg["mounts"].as_array_mut() {
-            mounts.retain(|m| m["destination"] != "/.opendsec/config");
-        }
         if let Some(o) = cfg.as_object_mut() {
             o.remove("annotations");
         }

@@ -3,7 +3,7 @@
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use opendsec_sdk::DEFAULT_URL;
-use opendsec_sdk::types::Isolation;
+use opendsec_sdk::types::{CpuClass, Isolation};
 
 #[derive(Parser)]
 #[command(
@@ -192,6 +192,10 @@ pub(crate) enum SandboxCmd {
         /// whole disk; memory carried as a microVM's).
         #[arg(long, value_enum)]
         isolation: Option<IsolationArg>,
+        /// latency-sensitive (the default: its quota at normal priority) or best-effort
+        /// (SCHED_IDLE and the least CPU weight: only CPU time others leave).
+        #[arg(long, value_enum)]
+        cpu_class: Option<CpuClassArg>,
         /// Return once the sandbox runs (or say why it did not start), instead of as soon
         /// as it is placed; waits up to this many seconds (VMs under emulation take long).
         #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "300")]
@@ -312,6 +316,21 @@ pub(crate) enum SandboxCmd {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum CpuClassArg {
+    LatencySensitive,
+    BestEffort,
+}
+
+impl From<CpuClassArg> for CpuClass {
+    fn from(c: CpuClassArg) -> CpuClass {
+        match c {
+            CpuClassArg::LatencySensitive => CpuClass::LatencySensitive,
+            CpuClassArg::BestEffort => CpuClass::BestEffort,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub(crate) enum IsolationArg {
     Container,
     Microvm,
