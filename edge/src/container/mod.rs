@@ -415,9 +415,10 @@ impl ContainerBackend {
         Ok(backend)
     }
 
-    /// Makes sure lxcfs serves the views (one `statfs` when it does): over a dead mount it
-    /// starts a new lxcfs and binds its views into every running sandbox. Called before
-    /// each create and by the edge each time it observes its sandboxes.
+    /// Makes sure lxcfs serves the views (a `statfs` and a `stat` when it does): over a
+    /// dead mount it starts a new lxcfs, and whenever the mount is a new one (this edge or
+    /// another started it) it binds the new views into every sandbox whose views are dead.
+    /// Called before each create and by the edge each time it observes its sandboxes.
     pub fn keep_views(&self) -> Result<(), ContainerError> {
         if let Some(l) = &self.lxcfs
             && l.ensure()? == lxcfs::Found::Restarted
