@@ -36,6 +36,10 @@ pub const FIRST_BASE: u32 = 1 << 30;
 /// Ranges available (up to 2^31 - 1, the largest id the kernel's maps take safely).
 pub const SLOTS: u32 = ((1u64 << 31) - FIRST_BASE as u64) as u32 / RANGE - 1;
 
+pub(super) const MOUNT_ATTR_RDONLY: u64 = 0x1;
+pub(super) const MOUNT_ATTR_NOSUID: u64 = 0x2;
+pub(super) const MOUNT_ATTR_NODEV: u64 = 0x4;
+pub(super) const MOUNT_ATTR_NOEXEC: u64 = 0x8;
 const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const SECBIT_NO_SETUID_FIXUP: libc::c_ulong = 1 << 2;
@@ -155,6 +159,14 @@ fn new_userns(base: u32) -> std::io::Result<OwnedFd> {
 }
 
 fn idmapped_clone(path: &Path, userns: &OwnedFd) -> std::io::Result<OwnedFd> {
+    detached_clone(path, MOUNT_ATTR_IDMAP, Some(userns))
+}
+
+/// A detached clone (`open_tree(OPEN_TREE_CLONE)`) of the mount at `path`, with mount
+/// attributes `attr_set` (`MOUNT_ATTR_*`) and, for `MOUNT_ATTR_IDMAP`, the user namespace
+/// whose mapping it shows. The one place the edge makes detached mounts (idmapped
+/// layers here, lxcfs's read-only views in `lxcfs.rs`).
+pub(super) fn detached_clone(path: &Path, attr_set: u64, userns: Option<&OwnedFd>) -> std::io::Result<OwnedFd> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
     // SAFETY: open_tree with a valid C path; returns a new fd or -1.
     let fd = unsafe {
@@ -171,10 +183,10 @@ fn idmapped_clone(path: &Path, userns: &OwnedFd) -> std::io::Result<OwnedFd> {
     // SAFETY: fd was just returned to us.
     let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     let attr = MountAttr {
-        attr_set: MOUNT_ATTR_IDMAP,
+        attr_set,
         attr_clr: 0,
         propagation: 0,
-        userns_fd: userns.as_raw_fd() as u64,
+        userns_fd: userns.map_or(0, |u| u.as_raw_fd() as u64),
     };
     // SAFETY: mount_setattr on our detached tree with a struct of the kernel's layout.
     let rc = unsafe {

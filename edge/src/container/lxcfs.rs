@@ -37,7 +37,7 @@
 use std::ffi::CString;
 use std::fs::{self, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -313,59 +313,16 @@ impl Lxcfs {
     }
 }
 
-const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-const MOUNT_ATTR_RDONLY: u64 = 0x1;
-const MOUNT_ATTR_NOSUID: u64 = 0x2;
-const MOUNT_ATTR_NODEV: u64 = 0x4;
-const MOUNT_ATTR_NOEXEC: u64 = 0x8;
-
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
 
 /// A detached, read-only (nosuid, nodev, noexec) clone of the mount of file `path`.
 fn view_clone(path: &Path) -> io::Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
-    // SAFETY: open_tree with a valid C path; returns a new fd or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just returned to us.
-    let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let attr = MountAttr {
-        attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    // SAFETY: mount_setattr on our detached tree with a struct of the kernel's layout.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(tree)
+    use super::idmap::{MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY, detached_clone};
+    detached_clone(
+        path,
+        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        None,
+    )
 }
 
 enum MountState {
