@@ -1173,7 +1173,7 @@ fn seccomp_refuses_kernel_interfaces_to_root_and_ordinary_work_runs_on_crun_and_
         assert_eq!(
             (counted("eperm_"), counted("ok_")),
             (74, 23),
-            "{runtime:?}: the probe did not run through:\n{log}"
+            "{runtime:?}: the probe stopped before its last check:\n{log}"
         );
         assert!(wrong.is_empty(), "{runtime:?}:\n{}\n\n{log}", wrong.join("\n"));
         assert_gone(&b, &id);

@@ -91,9 +91,27 @@ pub struct BootConfig {
     pub env: SandboxEnv,
     #[serde(default)]
     pub start: Option<StartCommand>,
-    /// `latency-sensitive` (the default) or `best-effort` (see [`apply_cpu_class`]).
-    #[serde(default)]
-    pub cpu_class: Option<String>,
+    #[serde(default, deserialize_with = "cpu_class")]
+    pub cpu_class: CpuClass,
+}
+
+/// How the sandbox's processes are scheduled (see [`apply_cpu_class`]); any other name
+/// is refused when the configuration is read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CpuClass {
+    #[default]
+    LatencySensitive,
+    BestEffort,
+}
+
+fn cpu_class<'de, D: serde::Deserializer<'de>>(d: D) -> Result<CpuClass, D::Error> {
+    match String::deserialize(d)?.as_str() {
+        "latency-sensitive" => Ok(CpuClass::LatencySensitive),
+        "best-effort" => Ok(CpuClass::BestEffort),
+        other => Err(serde::de::Error::custom(format!(
+            "cpu_class {other:?} is not latency-sensitive or best-effort"
+        ))),
+    }
 }
 
 /// Takes the sandbox's CPU class for this process and so for every process of the
@@ -102,9 +120,9 @@ pub struct BootConfig {
 /// `latency-sensitive` asks for a core-scheduling cookie of its own, so no other tenant's
 /// thread runs on an SMT sibling of its cores. A kernel without core scheduling says so
 /// (the edge says it too, at start); that is not an error.
-pub fn apply_cpu_class(class: Option<&str>) -> Result<(), String> {
-    match class.unwrap_or("latency-sensitive") {
-        "best-effort" => {
+pub fn apply_cpu_class(class: CpuClass) -> Result<(), String> {
+    match class {
+        CpuClass::BestEffort => {
             let param = libc::sched_param { sched_priority: 0 };
             // SAFETY: sched_setscheduler on this process with a valid param.
             if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
@@ -112,7 +130,7 @@ pub fn apply_cpu_class(class: Option<&str>) -> Result<(), String> {
             }
             Ok(())
         }
-        "latency-sensitive" => {
+        CpuClass::LatencySensitive => {
             const PR_SCHED_CORE: libc::c_int = 62;
             const PR_SCHED_CORE_CREATE: libc::c_ulong = 1;
             const PIDTYPE_TGID: libc::c_ulong = 1;
@@ -123,7 +141,6 @@ pub fn apply_cpu_class(class: Option<&str>) -> Result<(), String> {
             }
             Ok(())
         }
-        other => Err(format!("cpu_class {other:?} is not latency-sensitive or best-effort")),
     }
 }
 
@@ -155,13 +172,6 @@ pub fn parse_boot_config(bytes: &[u8]) -> Result<BootConfig, String> {
     check_env(&c.env, source)?;
     if let Some(s) = &c.start {
         check_start(s, source)?;
-    }
-    if let Some(class) = c.cpu_class.as_deref()
-        && !matches!(class, "latency-sensitive" | "best-effort")
-    {
-        return Err(format!(
-            "{source}: cpu_class {class:?} is not latency-sensitive or best-effort"
-        ));
     }
     Ok(c)
 }

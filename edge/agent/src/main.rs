@@ -232,7 +232,7 @@ fn main() {
         let state = match args.config_fd {
             Some(fd) => {
                 let c = config::read_boot_config(fd).unwrap_or_else(|e| die(&e));
-                config::apply_cpu_class(c.cpu_class.as_deref()).unwrap_or_else(|e| die(&e));
+                config::apply_cpu_class(c.cpu_class).unwrap_or_else(|e| die(&e));
                 serde_json::json!({
                     "access_token": c.access_token,
                     "boot": {"env": c.env, "start": c.start},

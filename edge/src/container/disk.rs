@@ -21,7 +21,7 @@ use std::time::Duration;
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 
 use super::ContainerError;
-use super::idmap::IdRanges;
+use super::idmap;
 
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
@@ -71,20 +71,20 @@ impl Storage {
     /// Creates the disk, mounts it and the overlay; with `disk_ready`, the disk is
     /// already there and mounted (a warm disk from the [`Pool`]) and only the overlay is
     /// mounted. On error, undoes what it did.
-    /// With `ids` (the edge's ranges and the sandbox's base), the overlay is mounted over
-    /// idmapped layers for the sandbox's user namespace (see `idmap.rs`).
+    /// With `id_base` (the sandbox's id range), the overlay is mounted over idmapped
+    /// layers for the sandbox's user namespace (see `idmap.rs`).
     pub fn setup(
         &self,
         size_bytes: u64,
         lower_bottom_first: &[PathBuf],
         disk_ready: bool,
-        ids: Option<(&IdRanges, u32)>,
+        id_base: Option<u32>,
     ) -> Result<(), ContainerError> {
         let result = (|| {
             if !disk_ready {
                 self.prepare_disk(size_bytes)?;
             }
-            self.mount_overlay(lower_bottom_first, ids)
+            self.mount_overlay(lower_bottom_first, id_base)
         })();
         if result.is_err() {
             let _ = self.teardown();
@@ -131,14 +131,16 @@ impl Storage {
 
     /// The root file system: the image's layers under the disk's upper dir. Layers and
     /// the disk are named by fds (`/proc/self/fd/N`), so no host path shows in the
-    /// sandbox's mountinfo; with `ids` they are idmapped clones (see `idmap.rs`).
-    fn mount_overlay(&self, lower: &[PathBuf], ids: Option<(&IdRanges, u32)>) -> Result<(), ContainerError> {
+    /// sandbox's mountinfo; with `id_base` they are idmapped clones (see `idmap.rs`).
+    pub(super) fn mount_overlay(&self, lower: &[PathBuf], id_base: Option<u32>) -> Result<(), ContainerError> {
         if lower.is_empty() {
             return Err(ContainerError::Invalid("an image needs at least one layer".into()));
         }
+        // One user namespace for all of this mount's idmapped clones, dropped after it.
+        let userns = id_base.map(idmap::user_namespace).transpose()?;
         let open = |p: &Path| -> Result<OwnedFd, ContainerError> {
-            match ids {
-                Some((ranges, base)) => ranges.idmapped(p, base),
+            match &userns {
+                Some(userns) => idmap::idmapped(p, userns),
                 None => fs::File::open(p)
                     .map(OwnedFd::from)
                     .map_err(|e| ContainerError::io(format!("opening {}", p.display()), e)),
@@ -154,8 +156,8 @@ impl Storage {
             .join(":");
         let d = disk.as_raw_fd();
         let options = format!("lowerdir={lowerdir},upperdir=/proc/self/fd/{d}/upper,workdir=/proc/self/fd/{d}/work");
-        match ids {
-            Some((_, base)) => super::idmap::mount_overlay_as(&self.rootfs, &options, base),
+        match id_base {
+            Some(base) => idmap::mount_overlay_as(&self.rootfs, &options, base),
             None => mount(
                 Some("overlay"),
                 &self.rootfs,

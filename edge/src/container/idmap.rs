@@ -20,12 +20,12 @@
 //! idmapped layers 5.19. [`probe`] checks at start that the host can do it on the
 //! directories the edge uses; an edge that cannot isolate refuses to start (fail closed).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use super::ContainerError;
 
@@ -52,12 +52,10 @@ struct MountAttr {
     userns_fd: u64,
 }
 
-/// The id ranges of this edge's sandboxes, and a user namespace per range in use (kept
-/// open: idmapping a mount needs one).
+/// The id ranges of this edge's sandboxes.
 #[derive(Default)]
 pub struct IdRanges {
     used: Mutex<BTreeSet<u32>>,
-    userns: Mutex<HashMap<u32, Arc<OwnedFd>>>,
 }
 
 impl IdRanges {
@@ -65,7 +63,6 @@ impl IdRanges {
     pub fn adopt(bases: impl IntoIterator<Item = u32>) -> Self {
         Self {
             used: Mutex::new(bases.into_iter().collect()),
-            userns: Mutex::default(),
         }
     }
 
@@ -83,23 +80,19 @@ impl IdRanges {
     /// Gives range `base` back (its sandbox is gone).
     pub fn release(&self, base: u32) {
         self.used.lock().expect("id ranges lock").remove(&base);
-        self.userns.lock().expect("id ranges lock").remove(&base);
     }
+}
 
-    fn userns(&self, base: u32) -> Result<Arc<OwnedFd>, ContainerError> {
-        if let Some(fd) = self.userns.lock().expect("id ranges lock").get(&base) {
-            return Ok(fd.clone());
-        }
-        let fd = Arc::new(new_userns(base).map_err(|e| ContainerError::io("making a user namespace", e))?);
-        self.userns.lock().expect("id ranges lock").insert(base, fd.clone());
-        Ok(fd)
-    }
+/// A user namespace that maps range `base` (needed only while its sandbox's mounts are
+/// idmapped: drop it after).
+pub fn user_namespace(base: u32) -> Result<OwnedFd, ContainerError> {
+    new_userns(base).map_err(|e| ContainerError::io("making a user namespace", e))
+}
 
-    /// A detached clone of the mount at `path` that shows ids shifted into range `base`.
-    pub fn idmapped(&self, path: &Path, base: u32) -> Result<OwnedFd, ContainerError> {
-        let userns = self.userns(base)?;
-        idmapped_clone(path, &userns).map_err(|e| ContainerError::io(format!("idmapping {}", path.display()), e))
-    }
+/// A detached clone of the mount at `path` that shows ids as `userns` maps them.
+pub fn idmapped(path: &Path, userns: &OwnedFd) -> Result<OwnedFd, ContainerError> {
+    detached_clone(path, MOUNT_ATTR_IDMAP, Some(userns))
+        .map_err(|e| ContainerError::io(format!("idmapping {}", path.display()), e))
 }
 
 /// A user namespace mapping 0..RANGE to `base`..: made by a child that unshares one and
@@ -156,10 +149,6 @@ fn new_userns(base: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: reaping the child we forked.
     unsafe { libc::waitpid(pid, &mut status, 0) };
     result
-}
-
-fn idmapped_clone(path: &Path, userns: &OwnedFd) -> std::io::Result<OwnedFd> {
-    detached_clone(path, MOUNT_ATTR_IDMAP, Some(userns))
 }
 
 /// A detached clone (`open_tree(OPEN_TREE_CLONE)`) of the mount at `path`, with mount
@@ -284,9 +273,9 @@ pub fn probe(root: &Path) -> Result<(), String> {
     let scratch = root.join(format!(".idmap-probe-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     let result = probe_in(&scratch);
-    let merged = scratch.join("merged");
-    if super::disk::is_mounted(&merged) {
-        let _ = nix::mount::umount2(&merged, nix::mount::MntFlags::MNT_DETACH);
+    let rootfs = scratch.join("rootfs");
+    if super::disk::is_mounted(&rootfs) {
+        let _ = nix::mount::umount2(&rootfs, nix::mount::MntFlags::MNT_DETACH);
     }
     let _ = std::fs::remove_dir_all(&scratch);
     result.map_err(|e| {
@@ -299,21 +288,16 @@ pub fn probe(root: &Path) -> Result<(), String> {
 }
 
 fn probe_in(scratch: &Path) -> Result<(), String> {
-    for d in ["lower", "disk/upper", "disk/work", "merged"] {
+    for d in ["lower", "disk/upper", "disk/work", "rootfs"] {
         std::fs::create_dir_all(scratch.join(d)).map_err(|e| format!("creating the scratch directory: {e}"))?;
     }
-    let ranges = IdRanges::default();
-    let lower = ranges
-        .idmapped(&scratch.join("lower"), FIRST_BASE)
+    // Mounted as a sandbox's root file system is (the storage's own layout and mount).
+    let storage = super::disk::Storage::in_dir(scratch);
+    storage
+        .mount_overlay(&[scratch.join("lower")], Some(FIRST_BASE))
         .map_err(|e| e.to_string())?;
-    let disk = ranges
-        .idmapped(&scratch.join("disk"), FIRST_BASE)
-        .map_err(|e| e.to_string())?;
-    let (l, d) = (lower.as_raw_fd(), disk.as_raw_fd());
-    let options = format!("lowerdir=/proc/self/fd/{l},upperdir=/proc/self/fd/{d}/upper,workdir=/proc/self/fd/{d}/work");
-    mount_overlay_as(&scratch.join("merged"), &options, FIRST_BASE).map_err(|e| e.to_string())?;
     // Mounted read-write (overlayfs falls back to read-only when its upper is unusable).
-    let st = nix::sys::statvfs::statvfs(&scratch.join("merged")).map_err(|e| e.to_string())?;
+    let st = nix::sys::statvfs::statvfs(&storage.rootfs).map_err(|e| e.to_string())?;
     if st.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY) {
         return Err("the overlay came up read-only".into());
     }

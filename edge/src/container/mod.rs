@@ -367,20 +367,21 @@ impl ContainerBackend {
             pool,
             ids: None,
             lxcfs,
-            cpus: cpus::CpuSets::adopt(cpus::host_cpus(), std::iter::empty()),
+            cpus: cpus::CpuSets::adopt(Vec::new(), std::iter::empty()),
         };
-        // Warm containers left behind are discarded at start: their sets count until then.
-        let mut sets: Vec<String> = backend.list()?.into_iter().filter_map(|h| h.record.cpus).collect();
-        sets.extend(
+        // What the sandboxes here hold (CPUs, id ranges), read once. Warm containers left
+        // behind are discarded at start: what they hold counts until then.
+        let mut held: Vec<SandboxRecord> = backend.list()?.into_iter().map(|h| h.record).collect();
+        held.extend(
             backend
                 .unstarted()
                 .iter()
-                .filter_map(|w| backend.unstarted_record(w).ok()?.cpus),
+                .filter_map(|w| backend.unstarted_record(w).ok()),
         );
         // Without the cpuset controller no sandbox gets a cpuset (an empty host list).
         let cpuset = cgroup::cpuset_supported();
         let host_cpus = if cpuset { cpus::host_cpus() } else { Vec::new() };
-        backend.cpus = cpus::CpuSets::adopt(host_cpus, sets.iter().map(String::as_str));
+        backend.cpus = cpus::CpuSets::adopt(host_cpus, held.iter().filter_map(|r| r.cpus.as_deref()));
         if found.is_some() {
             // The sandboxes a previous edge left may have had an lxcfs that died since.
             backend.rebind_dead_views();
@@ -401,8 +402,7 @@ impl ContainerBackend {
                 ))
             })?;
             idmap::raise_shared_limits()?;
-            let bases = backend.list()?.into_iter().filter_map(|h| h.record.id_base);
-            backend.ids = Some(idmap::IdRanges::adopt(bases));
+            backend.ids = Some(idmap::IdRanges::adopt(held.iter().filter_map(|r| r.id_base)));
         } else {
             tracing::warn!("user namespaces are off: root in a sandbox is root on this host");
         }
@@ -569,8 +569,7 @@ impl ContainerBackend {
         };
         let t0 = Instant::now();
         write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        let ids = self.ids.as_ref().zip(id_base);
-        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready, ids)?;
+        disk::Storage::in_dir(dir).setup(spec.limits.disk_bytes, &spec.layers, disk_ready, id_base)?;
         let t1 = Instant::now();
         let placement = oci::Placement {
             id_base,

@@ -57,8 +57,8 @@
 //! not hold), doubles every rule under other numbers, and the compat entry path has had
 //! its own share of kernel bugs.
 //!
-//! **The runtime's libseccomp resolves names.** A name it does not know is skipped, so
-//! that syscall stays refused: Debian 12's libseccomp (2.5.4-1+deb12u1) knows up to
+//! **The runtime's libseccomp resolves names.** A name it does not know is left out of
+//! the filter, so that syscall stays refused: Debian 12's libseccomp (2.5.4-1+deb12u1) knows up to
 //! `futex_requeue` (456), so `mseal`, the `*xattrat` family and `file_getattr`/
 //! `file_setattr` get EPERM under crun and ENOSYS under runc (which answers ENOSYS for
 //! numbers above the highest it knows). A newer libseccomp enables them with no change

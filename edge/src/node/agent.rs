@@ -78,7 +78,7 @@ fn send_config(pipe: OwnedFd, config: &serde_json::Value) -> Result<(), EdgeErro
 /// mounted) and puts the current agent binary in it: `<tmpfs>/opendsec/agent`, the
 /// directory every container sees read-only at `/.opendsec`. Returns that directory.
 pub(super) fn prepare_agent_dir(data_dir: &Path, agent_binary: &Path) -> Result<PathBuf, EdgeError> {
-    let root = data_dir.join("sandbox-files");
+    let root = sandbox_files(data_dir);
     std::fs::create_dir_all(&root)?;
     if !crate::container::is_mounted(&root) {
         use nix::mount::{MsFlags, mount};
@@ -108,10 +108,15 @@ pub(super) fn prepare_agent_dir(data_dir: &Path, agent_binary: &Path) -> Result<
     Ok(dir)
 }
 
+/// Where the edge mounts its sandbox-files tmpfs.
+fn sandbox_files(data_dir: &Path) -> PathBuf {
+    data_dir.join("sandbox-files")
+}
+
 /// Unmounts the sandbox-files tmpfs when the edge stops (running sandboxes keep their
 /// own bind of it).
 pub(super) fn release_agent_dir(data_dir: &Path) {
-    let root = data_dir.join("sandbox-files");
+    let root = sandbox_files(data_dir);
     if crate::container::is_mounted(&root) {
         let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
     }
