@@ -24,6 +24,15 @@ pub async fn exec(client: &Client, id: &str, req: &ExecRequest) -> Result<u8, Ap
             };
         })
         .await?;
+    if code < 0 {
+        // The agent reports a process ended by a signal as -1 (as E2B's envd does); a
+        // shell says 128 + 9, and the likeliest signal is the OOM killer's.
+        eprintln!(
+            "opendsecctl: the process was killed by a signal; if it ran out of memory, \
+             `opendsecctl sandbox get {id}` counts it among the sandbox's OOM kills"
+        );
+        return Ok(137);
+    }
     Ok(exit_code(code))
 }
 
