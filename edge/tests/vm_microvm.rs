@@ -582,7 +582,7 @@ fn a_root_disk_holds_the_merged_layers_of_an_image() {
     let image = opendsec_edge::images::Image {
         name: "two-layers".into(),
         layers: vec!["lower-1".into(), "upper-1".into()],
-        config: Default::default(),
+        ..Default::default()
     };
     store.put(&image).unwrap();
     let disk = opendsec_edge::vm::build_root_disk(&store, &image, &|m| eprintln!("{m}")).unwrap();

@@ -209,6 +209,7 @@ impl Recipe {
             workdir: "/home/user".into(),
             shell: self.shell.into(),
             start: self.start.map(|start| start()),
+            ..ImageConfig::default()
         }
     }
 }

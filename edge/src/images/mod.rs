@@ -1,13 +1,26 @@
 //! The local image store: layers are complete, read-only directory trees and an image is
 //! an ordered list of layers (bottom first) plus a small run config. The container
-//! backend stacks the layers with overlayfs, so nothing is copied per sandbox; OCI
-//! import can later add layers (one per OCI diff) without changing this layout.
+//! backend stacks the layers with overlayfs, so nothing is copied per sandbox. Images
+//! come from two sources: the project's own builders (`build.rs`) and OCI images, pulled
+//! from a registry (`registry.rs`) or imported from a `docker save` or OCI-layout tarball
+//! (`import.rs`), one layer per OCI diff.
 //!
 //! Layout under the store root:
-//! - `layers/<id>/`: one finished tree; only ever created by an atomic rename.
-//! - `images/<name>.json`: [`Image`].
-//! - `tmp/`: layers under construction (removed on failure).
-//! - `locks/<name>.lock`: serialises builds of one image across processes.
+//! - `layers/<id>/`: one finished tree; only ever created by an atomic rename. Built
+//!   layers are named `<recipe>-<hash>`; OCI layers `sha256-<hex>`, `<hex>` being the
+//!   layer's diff_id (the SHA-256 of its uncompressed tar), so one layer shared by many
+//!   images, or pulled by many edges sharing the store, is stored once.
+//! - `images/<name>.json`: [`Image`]. A store name is its own file name; a registry
+//!   reference is stored under its canonical form (`host/repo:tag`), every byte outside
+//!   `[A-Za-z0-9._-]` written `%XX` (`localhost%3A5000%2Fapp%3Av1.json`): injective, and
+//!   never equal to a store name (which has no `%`).
+//! - `tmp/`: work under way: builds (`<layer>.<pid>`), OCI pulls and imports
+//!   (`pull.<pid>.<random>.<host>/`, `import.…`) and image records before their rename
+//!   (`record.…`). A pull's leftovers are removed by the next pull on the same host once
+//!   their process is gone.
+//! - `locks/<name>.lock`: serialises builds of one image across processes;
+//!   `locks/sha256-<hex>.lock` the unpacking of one OCI layer (flock: several edges on
+//!   one shared file system unpack a layer once; the others wait and then find it).
 //!
 //! An image built on another (`code-interpreter-v1` on `base`) lists the parent's
 //! layers and then its own; a layer id hashes its recipe and the layers below it, and
@@ -22,9 +35,25 @@
 //! E2B's template names; `canonical_name` maps the other references SDKs send
 //! (`:latest`/`:default` tags, `code-interpreter`). CLI: `opendsec-image build|list`.
 //!
+//! OCI images: [`ImageStore::pull`] and [`ImageStore::import`] (`layers.rs` says how a
+//! pull stages, locks and publishes; `unpack.rs` how a layer's tar is written).
+//!
 //! **Architecture Invariant:** a layer id hashes its recipe (packages, the files it adds)
 //! and the ids of the layers below it; `ensure` rebuilds an image whose stored record
 //! differs from what its recipe gives, so a changed recipe never reuses a stale layer.
+//! An OCI layer's id is its verified diff_id.
+//!
+//! **Architecture Invariant:** nothing half-written is ever visible under `layers/` or
+//! `images/`: layers are renamed in once complete (and synced), records are written in
+//! `tmp/` and renamed. An OCI pull publishes only after every blob matched its digest
+//! (manifest, config, compressed layers) and every layer's contents its diff_id; a
+//! failed pull leaves `layers/`, `images/` and `tmp/` as they were.
+//!
+//! **Architecture Invariant:** unpacking an image's layer never writes outside the layer
+//! directory: paths are walked from the layer's root without following symlinks, `..`
+//! and links leaving the layer are refused, and nothing the image carries can make
+//! overlayfs metadata (whiteouts and opaque marks are made by us from OCI's `.wh.`
+//! names; `trusted.*` xattrs and device files from images are refused or dropped).
 //!
 //! **Architecture Invariant:** a build's mounts exist only in a private mount namespace of
 //! one builder thread (`build_root.rs`); build tools die with the builder (PDEATHSIG).
@@ -35,6 +64,11 @@
 
 mod build;
 mod build_root;
+mod import;
+mod layers;
+mod oci;
+mod registry;
+mod unpack;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -48,17 +82,30 @@ pub use build::{
     BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH, builder_names,
     code_interpreter_start,
 };
+pub use layers::PullProgress;
+pub use registry::{PullOptions, RegistryAuth};
 
 /// Default location of the store on an edge machine.
 pub const DEFAULT_STORE: &str = "/var/lib/opendsec/images";
 
 /// An image: layers bottom first, and how to run a process in it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Image {
+    /// A store name (`base`) or, for a pulled image, its canonical reference
+    /// (`registry.example:5000/app:v1`).
     pub name: String,
     /// Layer ids, bottom (base) layer first.
     pub layers: Vec<String>,
     pub config: ImageConfig,
+    /// The registry reference the image was pulled from, canonical (absent for built
+    /// and imported images).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    /// The digest (`sha256:…`) of the image manifest it was made from: for a reference
+    /// naming an index, the linux/amd64 manifest's (absent for built images and
+    /// `docker save` archives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// Defaults for processes started in an image.
@@ -74,6 +121,18 @@ pub struct ImageConfig {
     /// interpreter's server); absent for plain images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<StartSpec>,
+    /// An OCI image's Entrypoint, as in its config (empty for none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entrypoint: Vec<String>,
+    /// An OCI image's Cmd (the entrypoint's default arguments, or the command).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cmd: Vec<String>,
+    /// An OCI image's ExposedPorts (`8080/tcp`), sorted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exposed_ports: Vec<String>,
+    /// An OCI image's labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
 }
 
 /// How the agent starts a template's process at boot. Serialised, it is exactly the
@@ -129,6 +188,42 @@ pub enum ImageError {
     Io { context: String, source: io::Error },
     #[error("corrupt image record {path}: {source}")]
     Corrupt { path: PathBuf, source: serde_json::Error },
+    /// `reference` cannot be pulled or stored as given.
+    #[error("invalid image reference {reference:?}: {reason}")]
+    InvalidReference { reference: String, reason: String },
+    /// The registry wants other credentials (or some, where none were given).
+    #[error("registry {registry} refused {who}: {hint}")]
+    Unauthorized {
+        registry: String,
+        who: String,
+        hint: String,
+    },
+    /// The registry could not be reached or answered with an error.
+    #[error("pulling {reference}: {message}")]
+    Registry { reference: String, message: String },
+    /// A blob (manifest, config, layer) or a layer's contents are not what its digest says.
+    #[error("{what} does not match its digest: expected {expected}, got {actual}")]
+    DigestMismatch {
+        what: String,
+        expected: String,
+        actual: String,
+    },
+    /// The image is malformed, unsupported or over a limit.
+    #[error("image {image}: {reason}")]
+    BadImage { image: String, reason: String },
+    /// A layer's tar stream is malformed or over a limit.
+    #[error("layer {layer}: {reason}")]
+    BadLayer { layer: String, reason: String },
+    /// A layer's entry would write outside the layer or make something we refuse.
+    #[error("layer {layer}: refusing entry {entry:?}: {reason}")]
+    UnsafeEntry {
+        layer: String,
+        entry: String,
+        reason: String,
+    },
+    /// A concurrent pull of the same reference, which this call waited for, failed.
+    #[error("pulling {reference} (the pull this call waited for) failed: {message}")]
+    SharedPull { reference: String, message: String },
 }
 
 pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> ImageError {
@@ -136,10 +231,12 @@ pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> Im
     move |source| ImageError::Io { context, source }
 }
 
-/// A store rooted at one directory; cheap to clone, safe to share between processes.
+/// A store rooted at one directory; cheap to clone, safe to share between processes
+/// (and machines, on a shared file system). Clones share one set of pulls in flight.
 #[derive(Clone, Debug)]
 pub struct ImageStore {
     root: PathBuf,
+    pulls: std::sync::Arc<layers::Flights>,
 }
 
 impl ImageStore {
@@ -150,7 +247,18 @@ impl ImageStore {
             let dir = root.join(sub);
             fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
         }
-        Ok(Self { root })
+        Ok(Self {
+            root,
+            pulls: Default::default(),
+        })
+    }
+
+    /// Whether `name` is a registry reference (`host[:port]/repo[:tag][@digest]`, or
+    /// anything with `@sha256:`) rather than a store name like `base`: its first path
+    /// component is a host (has a `.` or a `:`, or is `localhost`). `ubuntu:22.04` and
+    /// `library/ubuntu` are not: name their registry (`docker.io/library/ubuntu:22.04`).
+    pub fn is_reference(name: &str) -> bool {
+        oci::is_reference(name)
     }
 
     pub fn root(&self) -> &Path {
@@ -181,26 +289,38 @@ impl ImageStore {
             .collect()
     }
 
-    fn record_path(&self, name: &str) -> PathBuf {
-        self.root.join("images").join(format!("{name}.json"))
+    /// The image's name in the store (a canonical store name or reference) and the path
+    /// of its record.
+    fn record_path(&self, name: &str) -> Result<(String, PathBuf), ImageError> {
+        let (name, file) = oci::record_file(name)?;
+        Ok((name, self.root.join("images").join(file)))
     }
 
-    /// The stored image `name` (or an alias of it, see [`canonical_name`]), with all
-    /// its layers present.
+    /// The stored image `name` (a store name or an alias of one, see [`canonical_name`],
+    /// or a registry reference it was pulled or imported as), with all its layers present.
     pub fn get(&self, name: &str) -> Result<Image, ImageError> {
-        let name = canonical_name(name);
-        validate_name(name)?;
-        let path = self.record_path(name);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(ImageError::NotFound(name.to_string()));
+        let (name, path) = self.record_path(name)?;
+        match self.read_record(&path)? {
+            Some(image) => {
+                self.layer_dirs(&image)?;
+                Ok(image)
             }
+            None => Err(ImageError::NotFound(name)),
+        }
+    }
+
+    fn read_record(&self, path: &Path) -> Result<Option<Image>, ImageError> {
+        let bytes = match fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_err(format!("reading {}", path.display()))(e)),
         };
-        let image: Image = serde_json::from_slice(&bytes).map_err(|source| ImageError::Corrupt { path, source })?;
-        self.layer_dirs(&image)?;
-        Ok(image)
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|source| ImageError::Corrupt {
+                path: path.to_path_buf(),
+                source,
+            })
     }
 
     /// All stored images, sorted by name.
@@ -209,14 +329,17 @@ impl ImageStore {
         let mut out = Vec::new();
         for entry in fs::read_dir(&dir).map_err(io_err(format!("listing {}", dir.display())))? {
             let entry = entry.map_err(io_err("listing images"))?;
-            let file = entry.file_name().to_string_lossy().into_owned();
-            if let Some(name) = file.strip_suffix(".json") {
-                match self.get(name) {
-                    Ok(image) => out.push(image),
-                    // A record whose layer vanished is not usable: leave it out of the list.
-                    Err(ImageError::MissingLayer { .. }) => {}
-                    Err(e) => return Err(e),
-                }
+            if entry.path().extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let Some(image) = self.read_record(&entry.path())? else {
+                continue; // removed meanwhile
+            };
+            match self.layer_dirs(&image) {
+                Ok(_) => out.push(image),
+                // A record whose layer vanished is not usable: leave it out of the list.
+                Err(ImageError::MissingLayer { .. }) => {}
+                Err(e) => return Err(e),
             }
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -244,6 +367,7 @@ impl ImageStore {
             name: name.to_string(),
             layers: build::layer_ids(name).expect("a recipe's parents have recipes"),
             config: recipe.config(),
+            ..Image::default()
         };
         match self.get(name) {
             Ok(image) if image == wanted => return Ok(image),
@@ -311,19 +435,25 @@ impl ImageStore {
         }
     }
 
-    /// Writes an image record atomically.
+    /// Writes an image record atomically (written and synced in `tmp/`, then renamed
+    /// into `images/`). Its name is a store name or a registry reference.
     pub fn put(&self, image: &Image) -> Result<(), ImageError> {
-        validate_name(&image.name)?;
+        let (_, path) = self.record_path(&image.name)?;
         self.layer_dirs(image)?;
-        let path = self.record_path(&image.name);
-        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
         let json = serde_json::to_vec_pretty(image).expect("image serialises");
-        fs::write(&tmp, json).map_err(io_err(format!("writing {}", tmp.display())))?;
-        fs::rename(&tmp, &path).map_err(io_err(format!("writing {}", path.display())))
+        let tmp = layers::TmpPath::new(self, "record");
+        let write = || -> io::Result<()> {
+            use std::io::Write;
+            let mut file = fs::File::create(tmp.path())?;
+            file.write_all(&json)?;
+            file.sync_all()
+        };
+        write().map_err(io_err(format!("writing {}", tmp.path().display())))?;
+        fs::rename(tmp.path(), &path).map_err(io_err(format!("writing {}", path.display())))
     }
 }
 
-fn validate_name(name: &str) -> Result<(), ImageError> {
+pub(super) fn validate_name(name: &str) -> Result<(), ImageError> {
     let ok = !name.is_empty()
         && name.len() <= 128
         && !name.starts_with('.')
@@ -458,6 +588,7 @@ mod tests {
             name: "busybox".into(),
             layers: vec!["busybox-old".into()],
             config: build::recipe("busybox").unwrap().config(),
+            ..Image::default()
         };
         store.put(&stale).unwrap();
         let current = build::layer_ids("busybox").unwrap();
