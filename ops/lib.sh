@@ -64,6 +64,11 @@ EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount i
 VM_PACKAGES=(qemu-system-x86 erofs-utils xz-utils cpio qemu-utils seabios extlinux syslinux-common)
 # What the README's examples use beside OpenDsec: jq reads `opendsecctl --output json`.
 README_PACKAGES=(jq)
+# What the OCI image tests (edge/tests/oci_images.rs) run: a registry on loopback
+# (docker-registry), skopeo to seed it and write docker-archives, htpasswd (apache2-utils)
+# for the registry's basic auth. (Where systemd runs, the package starts its own registry
+# on port 5000; the tests start theirs on free loopback ports.)
+IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
 # What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the

@@ -157,7 +157,7 @@ pub(super) fn sha256_hex<'a>(image: &str, what: &str, digest: &'a str) -> Result
 /// A manifest as a registry or layout serves it: one image, or an index of several.
 pub(super) enum Manifest {
     Image(Box<ImageManifest>),
-    Index(ImageIndex),
+    Index(Box<ImageIndex>),
 }
 
 /// Parses a manifest or an index (after its digest was checked).
@@ -194,7 +194,7 @@ pub(super) fn parse_manifest(image: &str, bytes: &[u8]) -> Result<Manifest, Imag
     };
     if is_index {
         serde_json::from_slice(bytes)
-            .map(Manifest::Index)
+            .map(|i| Manifest::Index(Box::new(i)))
             .map_err(|e| bad(format!("malformed index: {e}")))
     } else {
         serde_json::from_slice(bytes)

@@ -164,8 +164,7 @@ struct Remote {
 impl Remote {
     fn new(reference: &Reference, opts: &PullOptions) -> Result<Self, ImageError> {
         let registry = reference.resolve_registry().to_string();
-        let plain_http =
-            oci::is_loopback_registry(&registry) || opts.insecure_http_registries.iter().any(|r| *r == registry);
+        let plain_http = oci::is_loopback_registry(&registry) || opts.insecure_http_registries.contains(&registry);
         let protocol = match plain_http {
             true => ClientProtocol::HttpsExcept(vec![registry.clone()]),
             false => ClientProtocol::Https,
