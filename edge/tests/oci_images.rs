@@ -326,6 +326,46 @@ fn hostile_layers_fail_the_pull_naming_the_entry_and_store_nothing() {
     assert_eq!(contents(tmp.path()), empty);
 }
 
+#[test]
+fn an_index_is_resolved_to_its_linux_amd64_image_when_pulled_and_imported() {
+    require("index");
+    let registry = Registry::start();
+    let arm = TestImage::new(vec![LayerTar::new().file("arch", b"arm64").bytes()]);
+    let amd = TestImage::new(vec![LayerTar::new().file("arch", b"amd64").bytes()]);
+    // arm64 first: the choice is by platform, not by position.
+    let layout = write_layout_of_index(&[("arm64", &arm), ("amd64", &amd)]);
+    let reference = registry.push(layout.dir.path(), "multi", "v1");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = ImageStore::open(tmp.path()).unwrap();
+    let pulled = pull(&store, &reference).unwrap();
+    assert_eq!(
+        pulled.digest.as_deref(),
+        Some(layout.manifest.as_str()),
+        "not the amd64 manifest"
+    );
+    let layer = &store.layer_dirs(&pulled).unwrap()[0];
+    assert_eq!(std::fs::read(layer.join("arch")).unwrap(), b"amd64");
+
+    // The same layout as a tarball.
+    let tarball = tmp.path().join("multi.tar");
+    let mut builder = tar::Builder::new(std::fs::File::create(&tarball).unwrap());
+    builder.append_dir_all(".", layout.dir.path()).unwrap();
+    builder.finish().unwrap();
+    drop(builder);
+    let imported = store.import(&tarball, "multi", &|_| {}).unwrap();
+    assert_eq!(imported.layers, pulled.layers);
+    assert_eq!(imported.digest, pulled.digest);
+
+    // An index without linux/amd64 is refused, naming what it has.
+    let only_arm = write_layout_of_index(&[("arm64", &arm)]);
+    let reference = registry.push(only_arm.dir.path(), "armonly", "v1");
+    let err = pull(&store, &reference).unwrap_err().to_string();
+    assert!(
+        err.contains("no linux/amd64 image") && err.contains("linux/arm64"),
+        "{err}"
+    );
+}
+
 /// An image big enough that concurrent pulls overlap: two layers of 8 MiB.
 fn big_image(registry: &Registry) -> (String, Vec<String>) {
     let noise = |seed: u8| -> Vec<u8> {

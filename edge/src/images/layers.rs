@@ -69,6 +69,9 @@ pub(super) struct ImagePlan {
 /// and digest; reports the bytes received since its last report.
 pub(super) type FetchBlob<'a> = dyn FnMut(&LayerPlan, &mut File, &dyn Fn(u64)) -> Result<(), ImageError> + 'a;
 
+/// Fetched bytes between two progress reports.
+const PROGRESS_BYTES: u64 = 1 << 20;
+
 /// The store's id of an OCI layer: `sha256-<hex>` of its diff_id.
 pub(super) fn layer_id(diff_id: &str) -> String {
     diff_id.replacen(':', "-", 1)
@@ -131,13 +134,17 @@ impl ImageStore {
                 .map_err(io_err(format!("creating {}", blob_path.display())))?;
             state.current = format!("fetching layer {} ({} bytes)", layer.blob, layer.size);
             progress(&state);
-            let done = Cell::new(state.bytes_done);
+            let (done, reported) = (Cell::new(state.bytes_done), Cell::new(state.bytes_done));
             fetch(layer, &mut blob, &|n| {
                 done.set(done.get() + n);
-                progress(&PullProgress {
-                    bytes_done: done.get(),
-                    ..state.clone()
-                });
+                // At most one report per MiB (and the last), whatever the chunk size.
+                if done.get() - reported.get() >= PROGRESS_BYTES || done.get() == state.bytes_total {
+                    reported.set(done.get());
+                    progress(&PullProgress {
+                        bytes_done: done.get(),
+                        ..state.clone()
+                    });
+                }
             })?;
             state.bytes_done = done.get();
 

@@ -164,8 +164,7 @@ struct Remote {
 impl Remote {
     fn new(reference: &Reference, opts: &PullOptions) -> Result<Self, ImageError> {
         let registry = reference.resolve_registry().to_string();
-        let plain_http = oci::is_loopback_registry(&registry) || opts.insecure_http_registries.contains(&registry);
-        let protocol = match plain_http {
+        let protocol = match plain_http(&registry, &opts.insecure_http_registries) {
             true => ClientProtocol::HttpsExcept(vec![registry.clone()]),
             false => ClientProtocol::Https,
         };
@@ -330,6 +329,12 @@ impl Remote {
     }
 }
 
+/// Whether `registry` (`host[:port]`) is spoken to over plain HTTP: on loopback, or
+/// named by the operator; every other registry over HTTPS.
+fn plain_http(registry: &str, insecure_http_registries: &[String]) -> bool {
+    oci::is_loopback_registry(registry) || insecure_http_registries.iter().any(|r| r == registry)
+}
+
 /// An error and its sources, `a: b: c` (reqwest hides the useful part, "Connection
 /// refused", in a source).
 fn chain(e: &dyn std::error::Error) -> String {
@@ -344,4 +349,36 @@ fn chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registries_get_https_unless_on_loopback_or_named_insecure_by_the_operator() {
+        let named = vec!["registry.lan:5000".to_string()];
+        assert!(plain_http("127.0.0.1:5000", &[]));
+        assert!(plain_http("localhost:5000", &[]));
+        assert!(plain_http("registry.lan:5000", &named));
+        assert!(!plain_http("registry.lan:5000", &[]));
+        assert!(!plain_http("registry.lan", &named), "another port is another registry");
+        assert!(!plain_http("index.docker.io", &named));
+    }
+
+    #[test]
+    fn credentials_never_show_in_debug_output() {
+        let auth = RegistryAuth::Basic {
+            username: "u".into(),
+            password: "hunter2".into(),
+        };
+        let shown = format!(
+            "{:?}",
+            PullOptions {
+                auth,
+                ..PullOptions::default()
+            }
+        );
+        assert!(shown.contains("\"u\"") && !shown.contains("hunter2"), "{shown}");
+    }
 }

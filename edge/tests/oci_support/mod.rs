@@ -123,7 +123,14 @@ impl Registry {
     pub fn push(&self, layout: &Path, repo: &str, tag: &str) -> String {
         let reference = format!("{}/{repo}:{tag}", self.host());
         let mut command = Command::new("skopeo");
-        command.args(["copy", "--quiet", "--insecure-policy", "--dest-tls-verify=false"]);
+        // --all: an index is copied with every image it names.
+        command.args([
+            "copy",
+            "--all",
+            "--quiet",
+            "--insecure-policy",
+            "--dest-tls-verify=false",
+        ]);
         if let Some((user, password)) = &self.creds {
             command.arg(format!("--dest-creds={user}:{password}"));
         }
@@ -243,13 +250,75 @@ pub struct Layout {
 
 pub fn write_layout(image: &TestImage) -> Layout {
     let dir = tempfile::tempdir().unwrap();
-    let blobs_dir = dir.path().join("blobs/sha256");
-    std::fs::create_dir_all(&blobs_dir).unwrap();
-    let put = |bytes: &[u8]| {
-        let digest = sha256(bytes);
-        std::fs::write(blobs_dir.join(&digest[7..]), bytes).unwrap();
-        (digest, bytes.len())
-    };
+    let (manifest, written) = write_image(dir.path(), image, "amd64");
+    let index = json!({
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest.0, "size": manifest.1,
+            "annotations": {"org.opencontainers.image.ref.name": "v1"},
+        }],
+    });
+    finish_layout(dir.path(), &index);
+    Layout { dir, ..written }
+}
+
+/// An OCI layout whose tag `v1` names an index of the images given, by architecture
+/// (all linux); the layout returned describes the amd64 one (else the last).
+pub fn write_layout_of_index(images: &[(&str, &TestImage)]) -> Layout {
+    let dir = tempfile::tempdir().unwrap();
+    let mut entries = Vec::new();
+    let mut amd64 = None;
+    for (arch, image) in images {
+        let ((digest, size), written) = write_image(dir.path(), image, arch);
+        entries.push(json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": digest, "size": size,
+            "platform": {"os": "linux", "architecture": arch},
+        }));
+        if *arch == "amd64" || amd64.is_none() {
+            amd64 = Some(written);
+        }
+    }
+    let inner = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": entries,
+    }))
+    .unwrap();
+    let digest = put_blob(dir.path(), &inner);
+    let index = json!({
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "digest": digest, "size": inner.len(),
+            "annotations": {"org.opencontainers.image.ref.name": "v1"},
+        }],
+    });
+    finish_layout(dir.path(), &index);
+    Layout {
+        dir,
+        ..amd64.expect("at least one image")
+    }
+}
+
+fn put_blob(layout: &Path, bytes: &[u8]) -> String {
+    let digest = sha256(bytes);
+    let blobs = layout.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::write(blobs.join(&digest[7..]), bytes).unwrap();
+    digest
+}
+
+fn finish_layout(layout: &Path, index: &serde_json::Value) {
+    std::fs::write(layout.join("index.json"), serde_json::to_vec(index).unwrap()).unwrap();
+    std::fs::write(layout.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+}
+
+/// Writes an image's blobs into a layout; returns its manifest's (digest, size) and
+/// what it wrote (with a placeholder `dir`).
+fn write_image(layout: &Path, image: &TestImage, arch: &str) -> ((String, usize), Layout) {
+    let put = |bytes: &[u8]| (put_blob(layout, bytes), bytes.len());
     let mut descriptors = Vec::new();
     let mut blobs = Vec::new();
     for layer in &image.layers {
@@ -260,7 +329,7 @@ pub fn write_layout(image: &TestImage) -> Layout {
     }
     let diff_ids: Vec<String> = image.layers.iter().map(|l| sha256(l)).collect();
     let config = json!({
-        "architecture": "amd64",
+        "architecture": arch,
         "os": "linux",
         "config": image.run,
         "rootfs": {"type": "layers", "diff_ids": image.diff_ids.clone().unwrap_or_else(|| diff_ids.clone())},
@@ -272,24 +341,15 @@ pub fn write_layout(image: &TestImage) -> Layout {
         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_size},
         "layers": descriptors,
     });
-    let (manifest_digest, manifest_size) = put(&serde_json::to_vec(&manifest).unwrap());
-    let index = json!({
-        "schemaVersion": 2,
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": manifest_digest, "size": manifest_size,
-            "annotations": {"org.opencontainers.image.ref.name": "v1"},
-        }],
-    });
-    std::fs::write(dir.path().join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
-    std::fs::write(dir.path().join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
-    Layout {
-        dir,
-        manifest: manifest_digest,
+    let manifest = put(&serde_json::to_vec(&manifest).unwrap());
+    let written = Layout {
+        dir: tempfile::tempdir().unwrap(),
+        manifest: manifest.0.clone(),
         config: config_digest,
         blobs,
         diff_ids,
-    }
+    };
+    (manifest, written)
 }
 
 /// Pushes a one-layer image to `registry` as `<repo>:v1`.
