@@ -24,7 +24,7 @@
 use std::collections::HashSet;
 use std::ffi::{CString, OsStr};
 use std::fs::{self, File};
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -49,6 +49,8 @@ pub(super) const MAX_IMAGE_BYTES: u64 = 64 << 30;
 pub(super) const MAX_LAYER_ENTRIES: u64 = 2_000_000;
 /// Bytes of one entry's path (Linux's PATH_MAX).
 const MAX_PATH_BYTES: usize = 4096;
+/// Bytes copied at a time into a layer's file.
+const COPY_BUFFER: usize = 256 << 10;
 
 /// What one layer may unpack to.
 #[derive(Clone, Copy, Debug)]
@@ -127,6 +129,7 @@ pub(super) fn unpack_layer(
         whiteouts: HashSet::new(),
         dir_times: Vec::new(),
         cached_dir: None,
+        buffer: Vec::new(),
     };
     let over_limit = |hashing: &Hashing<_>| ImageError::BadLayer {
         layer: layer.to_string(),
@@ -205,6 +208,8 @@ struct Unpacker<'a> {
     dir_times: Vec<(PathBuf, i64)>,
     /// The last parent directory walked to (tar streams list a directory's files together).
     cached_dir: Option<(PathBuf, OwnedFd)>,
+    /// Reused to copy file contents.
+    buffer: Vec<u8>,
 }
 
 impl Unpacker<'_> {
@@ -427,22 +432,29 @@ impl Unpacker<'_> {
         let fd = openat(&parent, name, flags, Mode::from_bits_truncate(0o600))
             .map_err(|e| self.failed(raw, "creating", e))?;
         let mut file = File::from(fd);
-        let room = self.limits.bytes.saturating_sub(self.written);
-        let n = io::copy(&mut entry.take(room.saturating_add(1)), &mut file).map_err(|e| {
-            if e.kind() == io::ErrorKind::Other {
-                // The tar stream failed (or passed its limit): judged by the caller.
-                self.stream_error(e)
-            } else {
-                self.failed(raw, "writing", e)
+        // Read errors are the tar stream's (or its limit's), write errors the disk's.
+        let mut buffer = std::mem::take(&mut self.buffer);
+        buffer.resize(COPY_BUFFER, 0);
+        let copied = loop {
+            let n = match entry.read(&mut buffer) {
+                Ok(0) => break Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => break Err(self.stream_error(e)),
+            };
+            self.written += n as u64;
+            if self.written > self.limits.bytes {
+                break Err(ImageError::BadLayer {
+                    layer: self.layer.to_string(),
+                    reason: format!("its files pass the limit of {} bytes", self.limits.bytes),
+                });
             }
-        })?;
-        self.written += n;
-        if self.written > self.limits.bytes {
-            return Err(ImageError::BadLayer {
-                layer: self.layer.to_string(),
-                reason: format!("its files pass the limit of {} bytes", self.limits.bytes),
-            });
-        }
+            if let Err(e) = file.write_all(&buffer[..n]) {
+                break Err(self.failed(raw, "writing", e));
+            }
+        };
+        self.buffer = buffer;
+        copied?;
         let fd = OwnedFd::from(file);
         self.apply(raw, &fd, meta)?;
         self.present.insert(path.to_path_buf());
