@@ -421,6 +421,8 @@ mod tests {
         );
         // Among sandbox processes everything is allowed, named by the whole stack.
         assert!(text.contains(&format!("signal (send,receive) peer=\"{SANDBOX_LABEL}\",")));
+        // The kernel names a stack by its profiles in sorted order: this is that name.
+        assert!(AGENT_PROFILE < SANDBOX_PROFILE);
         assert_eq!(SANDBOX_LABEL, format!("{AGENT_PROFILE}//&{SANDBOX_PROFILE}"));
         // The only rules that mention the agent's files deny them.
         assert!(
