@@ -223,7 +223,12 @@ fn base_image_runs_python_pip_node_npm_and_sudo_as_user() {
     check(4, user, "node --version", "v");
     check(5, user, "npm --version", ".");
     check(6, user, "sudo -n true && sudo -n id -u", "0");
-    check(7, "0:0", "visudo -cf /etc/sudoers.d/user && visudo -c", "parsed OK");
+    check(
+        7,
+        "0:0",
+        "/usr/sbin/visudo -cf /etc/sudoers.d/user && /usr/sbin/visudo -c",
+        "parsed OK",
+    );
     // PEP 668 does not stop pip: `pip install --user` of a local package (no network).
     check(
         8,

@@ -130,10 +130,7 @@ fn create(
         }
         add.push_str(&format!("{USER}:x:{gid}:\n"));
         append(etc, "group", group.as_deref(), &add).map_err(|e| format!("/etc/group: {e}"))?;
-        if let Some(gshadow) = read_small(etc, "gshadow").ok().flatten() {
-            append(etc, "gshadow", Some(&gshadow), &format!("{USER}:!::\n"))
-                .map_err(|e| format!("/etc/gshadow: {e}"))?;
-        }
+        append_if_present(etc, "gshadow", &format!("{USER}:!::\n"), report);
     }
     let mut add = String::new();
     if passwd.is_none() {
@@ -141,16 +138,9 @@ fn create(
     }
     add.push_str(&format!("{USER}:x:{uid}:{gid}::/home/{USER}:{shell}\n"));
     append(etc, "passwd", passwd, &add).map_err(|e| format!("/etc/passwd: {e}"))?;
-    if let Some(shadow) = read_small(etc, "shadow").ok().flatten() {
-        // `!`: no password (sessions come through the agent, not a login).
-        append(
-            etc,
-            "shadow",
-            Some(&shadow),
-            &format!("{USER}:!:{}:0:99999:7:::\n", days_since_epoch()),
-        )
-        .map_err(|e| format!("/etc/shadow: {e}"))?;
-    }
+    // `!`: no password (sessions come through the agent, not a login).
+    let shadow = format!("{USER}:!:{}:0:99999:7:::\n", days_since_epoch());
+    append_if_present(etc, "shadow", &shadow, report);
     report.done.push(format!(
         "added the account {USER:?} (uid {uid}, gid {gid}, shell {shell})"
     ));
@@ -393,6 +383,19 @@ fn check(result: libc::c_int) -> io::Result<()> {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+/// Appends `add` to a shadow file the image has (one it lacks is not made: the image
+/// keeps no passwords there). A problem is reported, not fatal: the account is in passwd.
+fn append_if_present(etc: &OwnedFd, name: &str, add: &str, report: &mut Report) {
+    let done = match read_small(etc, name) {
+        Ok(Some(text)) => append(etc, name, Some(&text), add),
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = done {
+        report.problems.push(format!("/etc/{name}: {e}"));
     }
 }
 
@@ -714,6 +717,13 @@ mod tests {
             !read(root.path(), "etc/passwd").contains("user:"),
             "passwd written without its group"
         );
+
+        // /etc/shadow a link: the account is added, the link's target left alone.
+        let root = debian_like(&[]);
+        fs::remove_file(root.path().join("etc/shadow")).unwrap();
+        symlink(o.join("passwd"), root.path().join("etc/shadow")).unwrap();
+        check("/etc/shadow", root.path(), "/etc/shadow");
+        assert!(read(root.path(), "etc/passwd").contains("\nuser:x:1000:1000:"));
 
         // /home/user (or /home) a link to /etc or elsewhere: the account is added, the
         // link's target keeps its owner, and the sudoers entry still comes.

@@ -35,6 +35,9 @@ const BASE_PACKAGES: &str = "bash,coreutils,python3,curl,git,ca-certificates,pro
 const BASE_APT_PACKAGES: &[&str] = &["python-is-python3", "python3-pip", "sudo", "nodejs", "npm"];
 
 /// `user` has passwordless sudo, as in E2B's sandboxes (checked with `visudo -c` at build).
+/// A container sandbox runs with no_new_privileges on a nosuid overlay
+/// (`container/oci.rs`), where sudo cannot become root and says so; the entry serves
+/// where setuid works (the image itself, machines).
 const BASE_SUDOERS: &[u8] = b"user ALL=(ALL:ALL) NOPASSWD: ALL\n";
 
 /// E2B's images let `pip install x` (and `pip install --user x`) just work; Debian marks
