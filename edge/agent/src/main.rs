@@ -15,7 +15,11 @@
 //!
 //! A container's edge hands the configuration over a pipe (`--config-fd`, see
 //! `config`); a VM's guest reads it from files.
+//!
+//! At boot, as PID 1 and before anything else, the supervisor gives an image without
+//! E2B's account `user` one (`accounts`).
 
+mod accounts;
 mod apparmor;
 mod chronus;
 mod config;
@@ -228,6 +232,12 @@ fn main() {
         .as_ref()
         .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
     if args.role == Role::Supervisor {
+        // Only as a sandbox's init: an agent started by hand or by tests on a host must
+        // never edit the host's accounts. Before the configuration, so that a warm
+        // container has it done before a sandbox takes it.
+        if std::process::id() == 1 {
+            accounts::ensure_user(std::path::Path::new("/")).log();
+        }
         // The configuration from the edge becomes the first part of the state every server
         // takes over: read once, before any sandbox code runs, and never from a path.
         let state = match args.config_fd {
