@@ -30,16 +30,17 @@
 //! that its children died. The agent may signal and read its children.
 //!
 //! Peer rules and the stack: AppArmor matches a stacked peer first whole
-//! (`opendsec-agent//&opendsec-sandbox`) and only if that allows nothing, component by
-//! component, where a deny of any component denies. Signals and ptrace among sandbox
+//! (`opendsec-agent//&opendsec-sandbox`) and, only where that does not allow the request,
+//! component by component, where a deny of any component denies. Signals and ptrace among sandbox
 //! processes are therefore allowed by rules that name the whole stack, and the deny rules
 //! name `opendsec-agent` alone, which the whole stack does not match.
 //!
 //! The host: AppArmor is on where `/sys/kernel/security/apparmor` exists and
 //! `/sys/module/apparmor/parameters/enabled` says `Y` (runc decides the same way). There
 //! the edge writes both profiles under `<data>/apparmor/` and loads them with
-//! `apparmor_parser --replace --skip-cache`, and refuses to start if it cannot (an
-//! operator may run sandboxes without them: `--insecure-no-apparmor`). Where the kernel
+//! `apparmor_parser --replace --skip-cache`, and refuses to start if it cannot (no parser,
+//! a parser that fails, AppArmor on but securityfs not mounted; an operator may run
+//! sandboxes without them: `--insecure-no-apparmor`). Where the kernel
 //! has no AppArmor, or it is disabled, the edge says so once at start and nothing else
 //! changes: no profile in the spec, none asked for by the agent.
 //!
