@@ -71,6 +71,10 @@ README_PACKAGES=(jq)
 IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
+# apparmor_parser (and the 3.0 ABI file), with which the tests compile the sandboxes'
+# AppArmor profiles (edge/src/container/apparmor.rs) on any host, AppArmor in its kernel
+# or not. An edge on a host whose kernel has AppArmor loads them with it (such hosts ship it).
+APPARMOR_TEST_PACKAGES=(apparmor)
 # What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the
 # host: Debian's python3 with the data stack the code-interpreter-v1 image carries.
 CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas)

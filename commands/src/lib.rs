@@ -7,6 +7,7 @@
 //! Architecture invariant: no IO, no clock, no randomness of its own.
 
 mod decide;
+pub mod images;
 mod inflight;
 mod placement;
 mod validate;
@@ -176,6 +177,26 @@ pub enum Command {
     RemoveClusterMember {
         node_id: u64,
     },
+    /// Registers image `name` in `project` (its descendants' sandboxes start from it too)
+    /// and has one edge (`edge`, or one chosen) pull it from `reference`. Pulling a name
+    /// the project already has pulls it again (a moved tag). Needs sandbox:write.
+    PullImage {
+        project: String,
+        name: String,
+        reference: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        edge: Option<String>,
+    },
+    /// Removes a registered image's name (sandboxes running it keep their files; edges
+    /// collect its layers once nothing uses them). Needs sandbox:write.
+    DeleteImage {
+        name: String,
+    },
+    /// What an edge made of a pull. Needs edge:write.
+    ReportImage {
+        name: String,
+        result: ImageResult,
+    },
     /// What an edge observed about one of its sandboxes. Needs edge:write.
     ReportSandbox {
         sandbox: String,
@@ -243,6 +264,9 @@ impl Command {
             Command::ResumeTask { .. } => "task.resume",
             Command::AddClusterMember { .. } => "cluster.add_member",
             Command::RemoveClusterMember { .. } => "cluster.remove_member",
+            Command::PullImage { .. } => "image.pull",
+            Command::DeleteImage { .. } => "image.delete",
+            Command::ReportImage { .. } => "image.report",
         }
     }
 }
@@ -275,6 +299,21 @@ pub struct SandboxOptions {
 pub enum SnapshotResult {
     Ready { size_bytes: u64 },
     Failed { reason: String },
+}
+
+/// An edge's answer to a pull.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ImageResult {
+    Ready {
+        /// The manifest's digest (`sha256:...`).
+        digest: String,
+        size_bytes: u64,
+        layers: u32,
+    },
+    Failed {
+        reason: String,
+    },
 }
 
 /// Who is asking. Authentication (checking a secret) happens before `decide`; `decide`

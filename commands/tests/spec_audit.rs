@@ -50,7 +50,7 @@ fn a_denied_write_is_audited_with_the_code_and_reason() {
             format!("token:{reader}").as_str(),
             team.as_str(),
             "sandbox.create",
-            "python:3.12",
+            "base",
             w.now_ms
         )
     );

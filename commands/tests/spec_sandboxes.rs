@@ -179,7 +179,7 @@ fn fork_creates_count_sandboxes_each_remembering_its_origin() {
                 c.image.as_str(),
                 c.labels.get("app").map(String::as_str)
             ),
-            (root.as_str(), "python:3.12", Some("web"))
+            (root.as_str(), "base", Some("web"))
         );
     }
     assert_eq!(w.usage(&root).sandboxes, 4);
@@ -319,7 +319,7 @@ fn a_create_with_a_timeout_expires_that_long_after_it_was_decided() {
             Command::CreateSandbox {
                 opts: Default::default(),
                 project: root,
-                image: "img".into(),
+                image: "busybox".into(),
                 cpu_millis: 1,
                 memory_mb: 1,
                 labels: labels(&[]),

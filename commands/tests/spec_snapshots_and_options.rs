@@ -114,7 +114,7 @@ fn a_sandbox_started_from_a_snapshot_runs_on_the_snapshot_s_edge_with_its_image(
             panic!()
         };
         assert_eq!(c.edge, edge, "the snapshot's files live on its edge");
-        assert_eq!(c.image, "python:3.12", "beneath the snapshot is the source's image");
+        assert_eq!(c.image, "base", "beneath the snapshot is the source's image");
         assert_eq!(c.snapshot, snap);
         assert_eq!(c.template, snap);
     }

@@ -100,6 +100,8 @@ fn config_in(root: &Path, runtime: RuntimeChoice) -> ContainerConfig {
         user_namespaces: true,
         // The machine's lxcfs, as an edge's (started by the first backend that finds none).
         lxcfs: ContainerConfig::default().lxcfs,
+        // Loaded where the kernel has AppArmor, as an edge's.
+        apparmor: Some(root.join("apparmor")),
     }
 }
 

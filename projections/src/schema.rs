@@ -97,6 +97,10 @@ events!(
     SnapshotFailed,
     SnapshotDeleted,
     SandboxOomKilled,
+    ImageRequested,
+    ImageReady,
+    ImageFailed,
+    ImageDeleted,
 );
 
 impl Event {

@@ -27,10 +27,12 @@ pub struct State {
     pub audit: AuditView,
     #[serde(default, skip_serializing_if = "SnapshotView::is_empty")]
     pub snapshots: SnapshotView,
+    #[serde(default, skip_serializing_if = "ImageView::is_empty")]
+    pub images: ImageView,
 }
 
 /// The names of the views, as the API and the CLI call them.
-pub const VIEW_NAMES: [&str; 6] = ["sandboxes", "placement", "quota", "iam", "audit", "snapshots"];
+pub const VIEW_NAMES: [&str; 7] = ["sandboxes", "placement", "quota", "iam", "audit", "snapshots", "images"];
 
 /// What applying one batch did.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -418,6 +420,16 @@ impl State {
                     return Err(format!("sandbox {} is no longer running", e.sandbox));
                 }
             }
+            Event::ImageRequested(e) => {
+                if !self.iam.projects.contains_key(&e.project) {
+                    return Err(format!("project {} does not exist", e.project));
+                }
+                if let Some(x) = self.images.images.get(&e.name)
+                    && x.project != e.project
+                {
+                    return Err(format!("image name {} is taken by another project", e.name));
+                }
+            }
             Event::SandboxForkRequested(e) => {
                 let s = self.sandbox(&e.id)?;
                 if !s.is_live() {
@@ -637,6 +649,45 @@ impl State {
             Event::SnapshotDeleted(e) => {
                 self.snapshots.snapshots.remove(&e.id);
             }
+            Event::ImageRequested(e) => {
+                self.images.images.insert(
+                    e.name.clone(),
+                    Image {
+                        name: e.name.clone(),
+                        project: e.project.clone(),
+                        reference: e.reference.clone(),
+                        edge: e.edge.clone(),
+                        state: ImageState::Pending,
+                        digest: None,
+                        size_bytes: 0,
+                        layers: 0,
+                        reason: None,
+                        created_at_ms: t,
+                        index,
+                    },
+                );
+            }
+            Event::ImageReady(e) => {
+                // A report from an edge the name has since moved from is stale.
+                if let Some(x) = self.images.images.get_mut(&e.name).filter(|x| x.edge == e.edge) {
+                    x.state = ImageState::Ready;
+                    x.digest = Some(e.digest.clone());
+                    x.size_bytes = e.size_bytes;
+                    x.layers = e.layers;
+                    x.reason = None;
+                    x.index = index;
+                }
+            }
+            Event::ImageFailed(e) => {
+                if let Some(x) = self.images.images.get_mut(&e.name).filter(|x| x.edge == e.edge) {
+                    x.state = ImageState::Failed;
+                    x.reason = Some(e.reason.clone());
+                    x.index = index;
+                }
+            }
+            Event::ImageDeleted(e) => {
+                self.images.images.remove(&e.name);
+            }
             Event::SandboxForkRequested(e) => self.touch(&e.id, index, t, |_| {}),
             Event::SandboxReady(e) => self.touch(&e.id, index, t, |s| {
                 if advance(s, ev) && !e.vmm.is_empty() {
@@ -732,6 +783,7 @@ impl State {
             "iam" => serde_json::to_value(&self.iam),
             "audit" => serde_json::to_value(&self.audit),
             "snapshots" => serde_json::to_value(&self.snapshots),
+            "images" => serde_json::to_value(&self.images),
             _ => return None,
         }
         .ok()?;

@@ -479,6 +479,61 @@ impl SnapshotView {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageState {
+    /// Its edge is pulling it.
+    Pending,
+    Ready,
+    Failed,
+}
+
+/// An image registered by a project: pulled from a registry by one edge, and fetched by
+/// any other edge from the same reference pinned to its digest. Sandboxes of the project
+/// and of its descendants start from it by name.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Image {
+    /// A store name (`my-env`) or an OCI reference (`registry:5000/python:3.12-slim`).
+    pub name: String,
+    pub project: String,
+    /// Where it is pulled from.
+    pub reference: String,
+    /// The edge that pulls it.
+    pub edge: String,
+    pub state: ImageState,
+    /// The manifest's digest, once pulled.
+    pub digest: Option<String>,
+    /// What its layers take unpacked.
+    pub size_bytes: u64,
+    pub layers: u32,
+    pub reason: Option<String>,
+    pub created_at_ms: u64,
+    pub index: u64,
+}
+
+impl Image {
+    /// What another edge pulls to get exactly this image: the reference pinned to its
+    /// digest once known (a tag may move), else the reference itself.
+    pub fn source(&self) -> String {
+        match &self.digest {
+            Some(d) => format!("{}@{d}", self.reference.split('@').next().unwrap_or(&self.reference)),
+            None => self.reference.clone(),
+        }
+    }
+}
+
+/// Registered images (deleted ones leave only their audit records).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageView {
+    pub images: BTreeMap<String, Image>,
+}
+
+impl ImageView {
+    pub fn is_empty(&self) -> bool {
+        self.images.is_empty()
+    }
+}
+
 /// Every sandbox, with its desired and observed state.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SandboxView {

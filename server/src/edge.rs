@@ -54,6 +54,12 @@ pub struct EdgeArgs {
     /// edge otherwise refuses to start on.
     #[arg(long)]
     pub insecure_no_user_namespaces: bool,
+    /// Run container sandboxes without their AppArmor profiles (sandbox code is then kept
+    /// off the agent's files and process by everything but AppArmor). Only for hosts whose
+    /// kernel has AppArmor but cannot load them, which the edge otherwise refuses to start
+    /// on; where the kernel has no AppArmor, the edge says so and needs no flag.
+    #[arg(long)]
+    pub insecure_no_apparmor: bool,
     /// Container sandboxes see the host's memory, CPUs, load and uptime in /proc, not their
     /// own (no lxcfs views). Only for hosts without lxcfs or FUSE, which the edge
     /// otherwise refuses to start on.
@@ -118,6 +124,7 @@ impl EdgeArgs {
             } else {
                 ContainerConfig::default().lxcfs
             },
+            apparmor: (!self.insecure_no_apparmor).then(|| data_dir.join("apparmor")),
             ..ContainerConfig::default()
         };
         EdgeConfig {

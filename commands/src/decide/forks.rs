@@ -85,6 +85,7 @@ pub(super) fn fork(s: &Scope, sandbox: &str, count: u32, edge: Option<&str>) -> 
             source_edge: src.edge.clone(),
             transfer: copy_transfer,
             cpu_class: src.cpu_class.to_event(),
+            image_source: super::images::source_of(s.state, &src.image),
         }));
     }
     Ok(Decided {

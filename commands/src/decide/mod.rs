@@ -2,13 +2,14 @@
 //!
 //! `decide_excluding` resolves the caller and dispatches each command to its family's
 //! module (projects and quotas, tokens, edges, cluster membership, sandboxes, forks,
-//! tasks, snapshots); each family decides in a `Scope` (state, in-flight overlay,
+//! tasks, snapshots, images); each family decides in a `Scope` (state, in-flight overlay,
 //! context, caller) and places sandboxes through `place`. `batch_for` turns the outcome
 //! into the log entry, accepted or denied.
 
 mod cluster;
 mod edges;
 mod forks;
+mod images;
 mod place;
 mod projects;
 mod sandboxes;
@@ -142,6 +143,14 @@ pub fn decide_excluding(
         Command::CreateSnapshot { sandbox, name } => snapshots::create(&s, sandbox, name),
         Command::DeleteSnapshot { snapshot } => snapshots::delete(&s, snapshot),
         Command::ReportSnapshot { snapshot, result } => snapshots::report(&s, snapshot, result),
+        Command::PullImage {
+            project,
+            name,
+            reference,
+            edge,
+        } => images::pull(&s, project, name, reference, edge.as_deref()),
+        Command::DeleteImage { name } => images::delete(&s, name),
+        Command::ReportImage { name, result } => images::report(&s, name, result),
     }
 }
 
@@ -231,6 +240,16 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         | Command::CreateSnapshot { sandbox, .. }
         | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
         Command::PauseTask { task } | Command::ResumeTask { task } => (String::new(), tasks::task_target(task)),
+        Command::PullImage { project, name, .. } => (project.clone(), name.clone()),
+        Command::DeleteImage { name } | Command::ReportImage { name, .. } => (
+            state
+                .images
+                .images
+                .get(name)
+                .map(|x| x.project.clone())
+                .unwrap_or_default(),
+            name.clone(),
+        ),
         Command::DeleteSnapshot { snapshot } | Command::ReportSnapshot { snapshot, .. } => (
             state
                 .snapshots

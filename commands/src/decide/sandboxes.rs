@@ -98,6 +98,10 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
         }
         _ => None,
     };
+    let image_source = match from {
+        Some(snap) => super::images::source_of(state, &snap.image),
+        None => super::images::resolve(s, project, image)?,
+    };
     // A microVM's snapshot is a whole machine: what starts from it is that
     // machine again, with its size; a file-system snapshot is a container's layer.
     let snapshot_kind = from.map(|x| x.isolation);
@@ -175,6 +179,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             source_edge,
             transfer,
             cpu_class: opts.cpu_class.unwrap_or_default().to_event(),
+            image_source,
         }),
     ))
 }

@@ -91,7 +91,7 @@ pub fn create_in(project: &str) -> Command {
     Command::CreateSandbox {
         opts: Default::default(),
         project: project.into(),
-        image: "python:3.12".into(),
+        image: "base".into(),
         cpu_millis: 500,
         memory_mb: 256,
         labels: BTreeMap::new(),

@@ -1,5 +1,6 @@
 //! The sandbox's configuration: its access token, its environment (the E2B
-//! `envVars` given at create) and the template's start command. A container's
+//! `envVars` given at create), the template's start command, its CPU class and
+//! the AppArmor profile it stacks on the processes it starts. A container's
 //! edge hands them over a pipe (`--config-fd`, one JSON object [`BootConfig`],
 //! read once by the supervisor at boot, so nothing of it rests in a file sandbox
 //! code could read or replace); a VM's guest reads files (`--access-token-file`,
@@ -93,6 +94,10 @@ pub struct BootConfig {
     pub start: Option<StartCommand>,
     #[serde(default, deserialize_with = "cpu_class")]
     pub cpu_class: CpuClass,
+    /// The AppArmor profile stacked on every process the agent starts (see
+    /// `apparmor.rs`); sent only by an edge that loaded it.
+    #[serde(default)]
+    pub apparmor_profile: Option<String>,
 }
 
 /// How the sandbox's processes are scheduled (see [`apply_cpu_class`]); any other name
@@ -173,6 +178,11 @@ pub fn parse_boot_config(bytes: &[u8]) -> Result<BootConfig, String> {
     if let Some(s) = &c.start {
         check_start(s, source)?;
     }
+    if let Some(p) = &c.apparmor_profile
+        && (p.is_empty() || !p.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)))
+    {
+        return Err(format!("{source}: apparmor_profile {p:?} is not a profile name"));
+    }
     Ok(c)
 }
 
@@ -230,6 +240,9 @@ mod tests {
         assert_eq!(c.access_token, "t");
         assert_eq!(c.env["A"], "1");
         assert_eq!(c.start.unwrap().ready_port, Some(8888));
+        assert_eq!(c.apparmor_profile, None);
+        let c = parse_boot_config(br#"{"access_token":"t","apparmor_profile":"opendsec-sandbox"}"#).unwrap();
+        assert_eq!(c.apparmor_profile.as_deref(), Some("opendsec-sandbox"));
     }
 
     #[test]
@@ -243,6 +256,8 @@ mod tests {
             (br#"{"access_token":"t","start":{"cmd":""}}"#, "cmd is empty"),
             (br#"{"access_token":"t","planted":1}"#, "not valid"),
             (br#"{"access_token":"t","cpu_class":"turbo"}"#, "cpu_class"),
+            (br#"{"access_token":"t","apparmor_profile":"a b"}"#, "apparmor_profile"),
+            (br#"{"access_token":"t","apparmor_profile":""}"#, "apparmor_profile"),
         ] {
             let e = parse_boot_config(bytes).unwrap_err();
             assert!(e.contains(says), "{e}");

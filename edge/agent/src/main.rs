@@ -15,7 +15,12 @@
 //!
 //! A container's edge hands the configuration over a pipe (`--config-fd`, see
 //! `config`); a VM's guest reads it from files.
+//!
+//! At boot, as PID 1 and before anything else, the supervisor gives an image without
+//! E2B's account `user` one (`accounts`).
 
+mod accounts;
+mod apparmor;
 mod chronus;
 mod config;
 mod connect;
@@ -227,6 +232,12 @@ fn main() {
         .as_ref()
         .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
     if args.role == Role::Supervisor {
+        // Only as a sandbox's init: an agent started by hand or by tests on a host must
+        // never edit the host's accounts. Before the configuration, so that a warm
+        // container has it done before a sandbox takes it.
+        if std::process::id() == 1 {
+            accounts::ensure_user(std::path::Path::new("/")).log();
+        }
         // The configuration from the edge becomes the first part of the state every server
         // takes over: read once, before any sandbox code runs, and never from a path.
         let state = match args.config_fd {
@@ -235,7 +246,7 @@ fn main() {
                 config::apply_cpu_class(c.cpu_class).unwrap_or_else(|e| die(&e));
                 serde_json::json!({
                     "access_token": c.access_token,
-                    "boot": {"env": c.env, "start": c.start},
+                    "boot": {"env": c.env, "start": c.start, "apparmor_profile": c.apparmor_profile},
                 })
             }
             None => serde_json::Value::Null,
@@ -351,6 +362,8 @@ fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
 struct BootParts {
     env: config::SandboxEnv,
     start: Option<config::StartCommand>,
+    #[serde(default)]
+    apparmor_profile: Option<String>,
 }
 
 async fn run(
@@ -372,14 +385,15 @@ async fn run(
 
     let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
     // The edge's configuration, which the supervisor read from its pipe at boot.
-    let (sandbox_env, start_cmd) = match saved.remove("boot") {
+    let (sandbox_env, start_cmd, apparmor_profile) = match saved.remove("boot") {
         Some(boot) => {
             let boot: BootParts = serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}")));
-            (boot.env, boot.start)
+            (boot.env, boot.start, boot.apparmor_profile)
         }
-        None => (sandbox_env, start_cmd),
+        None => (sandbox_env, start_cmd, None),
     };
-    let procs = Arc::new(process::Manager::new(sandbox_env));
+    let on_exec = apparmor::OnExec::new(apparmor_profile.as_deref());
+    let procs = Arc::new(process::Manager::new(sandbox_env, on_exec));
     tokio::spawn(procs.clone().reap_loop());
     // A token given by `rekey` to an earlier server outranks the file's, and so does the
     // one the first server read: it read the file at boot, before any sandbox code ran,

@@ -426,6 +426,8 @@ pub struct Manager {
     table: Mutex<HashMap<u32, Arc<Proc>>>,
     /// The sandbox's own variables (`--env-file`), given to every process.
     sandbox_env: crate::config::SandboxEnv,
+    /// The AppArmor profile stacked on every process started (see `apparmor.rs`).
+    on_exec: Option<crate::apparmor::OnExec>,
     /// Exit-status waiters by pid. Its lock is also the spawn lock: a child
     /// is registered before the reaper can collect it, and the reaper never
     /// reaps a child std's spawn() still has to wait for (failed exec).
@@ -436,10 +438,11 @@ pub struct Manager {
 }
 
 impl Manager {
-    pub fn new(sandbox_env: crate::config::SandboxEnv) -> Manager {
+    pub fn new(sandbox_env: crate::config::SandboxEnv, on_exec: Option<crate::apparmor::OnExec>) -> Manager {
         Manager {
             table: Mutex::new(HashMap::new()),
             sandbox_env,
+            on_exec,
             waiters: Mutex::new(HashMap::new()),
             unclaimed: Mutex::new(HashMap::new()),
         }
@@ -616,6 +619,7 @@ impl Manager {
         let (uid, gid) = (user.uid, user.gid);
         let groups: Vec<libc::gid_t> = user.groups.clone();
         let cwd_c = CString::new(cwd.as_os_str().as_bytes()).map_err(|_| RpcError::invalid("cwd has a NUL byte"))?;
+        let on_exec = self.on_exec.clone();
         // SAFETY: the closure runs in the forked child before exec and only
         // makes async-signal-safe system calls on pre-allocated data.
         unsafe {
@@ -632,6 +636,11 @@ impl Manager {
                 if fd >= 0 {
                     libc::write(fd, b"500".as_ptr().cast(), 3);
                     libc::close(fd);
+                }
+                // The sandbox's AppArmor profile, stacked at the exec below; while the
+                // agent's profile still allows it (as root, before the user switch).
+                if let Some(on_exec) = &on_exec {
+                    on_exec.apply()?;
                 }
                 if use_pty {
                     if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
@@ -691,7 +700,10 @@ impl Manager {
             }
         }
         let child = cmd.spawn().map_err(|e| {
-            let what = format!("starting '{}'", cfg.cmd);
+            let what = match &self.on_exec {
+                Some(o) => format!("starting '{}' under the AppArmor profile {}", cfg.cmd, o.profile()),
+                None => format!("starting '{}'", cfg.cmd),
+            };
             RpcError::io(e, &what)
         })?;
         let pid = child.id();

@@ -12,6 +12,7 @@
 //! **Architecture Invariant**: the edge keeps no state about a sandbox that is not in
 //! its directory or in the runtime's state; [`ContainerBackend::list`] rebuilds it all.
 
+pub mod apparmor;
 pub mod cgroup;
 pub mod cpus;
 mod disk;
@@ -288,6 +289,10 @@ pub struct ContainerConfig {
     /// `/sys` every container gets; `None` only where an operator says so: sandboxes then
     /// see the host's memory, load and uptime.
     pub lxcfs: Option<PathBuf>,
+    /// Where the sandboxes' AppArmor profiles are written before they are loaded, on
+    /// hosts whose kernel has AppArmor (see [`apparmor`]); `None` only where an operator
+    /// says so: sandbox code is then kept off the agent by everything but AppArmor.
+    pub apparmor: Option<PathBuf>,
 }
 
 impl Default for ContainerConfig {
@@ -309,6 +314,7 @@ impl Default for ContainerConfig {
             warm_disk_bytes: Limits::default().disk_bytes,
             user_namespaces: true,
             lxcfs: Some(lxcfs::DEFAULT_DIR.into()),
+            apparmor: Some(apparmor::DEFAULT_DIR.into()),
         }
     }
 }
@@ -337,9 +343,20 @@ impl ContainerBackend {
         fs::create_dir_all(&config.sandboxes_root)
             .map_err(|e| ContainerError::io(format!("creating {}", config.sandboxes_root.display()), e))?;
         let runtime = Runtime::resolve(config.runtime, &config.runtime_root)?;
+        let apparmor = match &config.apparmor {
+            Some(dir) => apparmor::enable(Path::new(apparmor::SYS), dir)?,
+            None => {
+                tracing::warn!(
+                    "AppArmor is off (--insecure-no-apparmor): sandboxes run without a profile that keeps their \
+                     code off the agent's files and process"
+                );
+                false
+            }
+        };
         let host = oci::HostSupport {
             io_weight: cgroup::io_weight_supported(),
             swap_limit: cgroup::swap_limit_supported(),
+            apparmor,
         };
         let pool = (config.warm_disks > 0)
             .then(|| disk::Pool::new(&config.sandboxes_root, config.warm_disk_bytes, config.warm_disks));
@@ -473,6 +490,13 @@ impl ContainerBackend {
 
     pub fn runtime(&self) -> &Runtime {
         &self.runtime
+    }
+
+    /// The AppArmor profile the agent stacks on every process it starts, where the edge
+    /// loaded the profiles (see [`apparmor`]); its containers' PID 1 runs under
+    /// [`apparmor::AGENT_PROFILE`] then.
+    pub fn sandbox_profile(&self) -> Option<&'static str> {
+        self.host.apparmor.then_some(apparmor::SANDBOX_PROFILE)
     }
 
     pub fn config(&self) -> &ContainerConfig {

@@ -2,7 +2,8 @@
 //! network: only `lo`), cgroup limits, a reduced capability set, no_new_privileges,
 //! the seccomp allow list of [`super::seccomp`], masked and read-only /proc paths, only
 //! the default devices, and lxcfs's views of /proc and /sys (see [`super::lxcfs`]) bound
-//! over the container's own, on a cpuset of its own (see [`super::cpus`]).
+//! over the container's own, on a cpuset of its own (see [`super::cpus`]); where the host
+//! has AppArmor, PID 1 (the agent) runs under [`super::apparmor::AGENT_PROFILE`].
 
 use std::collections::{HashMap, HashSet};
 
@@ -76,6 +77,8 @@ const CAPABILITIES: &[Capability] = &[
 pub struct HostSupport {
     pub io_weight: bool,
     pub swap_limit: bool,
+    /// The sandboxes' AppArmor profiles are loaded (see [`super::apparmor`]).
+    pub apparmor: bool,
 }
 
 /// Where a sandbox is placed on this host, decided by the backend when it is made.
@@ -114,7 +117,7 @@ pub fn build_spec(
     let (uid, gid) = spec.process.user;
     let user = UserBuilder::default().uid(uid).gid(gid).build().map_err(invalid)?;
     let nofile = nofile_limit();
-    let process = ProcessBuilder::default()
+    let mut process = ProcessBuilder::default()
         .terminal(false)
         .user(user)
         .args(spec.process.args.clone())
@@ -132,6 +135,9 @@ pub fn build_spec(
         ])
         .build()
         .map_err(invalid)?;
+    if host.apparmor {
+        process.set_apparmor_profile(Some(super::apparmor::AGENT_PROFILE.into()));
+    }
 
     let user_ns = id_base.map(|_| LinuxNamespaceType::User);
     let namespaces = user_ns
@@ -337,4 +343,49 @@ fn device_rules() -> Result<Vec<oci_spec::runtime::LinuxDeviceCgroup>, Container
         rules.push(b.build().map_err(invalid)?);
     }
     Ok(rules)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec_json(apparmor: bool) -> serde_json::Value {
+        let spec = SandboxSpec {
+            id: "s1".into(),
+            layers: vec!["/layer".into()],
+            process: super::super::ProcessSpec {
+                args: vec!["/.opendsec/agent".into()],
+                env: vec![],
+                cwd: "/".into(),
+                user: (0, 0),
+            },
+            limits: super::super::Limits::default(),
+            binds: vec![],
+            extra_fds: vec![],
+            labels: Default::default(),
+        };
+        let host = HostSupport {
+            io_weight: true,
+            swap_limit: true,
+            apparmor,
+        };
+        let mut v =
+            serde_json::to_value(build_spec(&spec, "/opendsec/s1", host, &Placement::default()).unwrap()).unwrap();
+        // Capability sets come out in hash order.
+        for set in v["process"]["capabilities"].as_object_mut().unwrap().values_mut() {
+            set.as_array_mut().unwrap().sort_by_key(|c| c.to_string());
+        }
+        v
+    }
+
+    #[test]
+    fn pid_1_runs_under_the_agents_apparmor_profile_only_where_it_is_loaded() {
+        assert_eq!(spec_json(true)["process"]["apparmorProfile"], "opendsec-agent");
+        let off = spec_json(false);
+        assert!(off["process"].get("apparmorProfile").is_none(), "{}", off["process"]);
+        // Everything else is the same either way.
+        let mut on = spec_json(true);
+        on["process"].as_object_mut().unwrap().remove("apparmorProfile");
+        assert_eq!(on, off);
+    }
 }

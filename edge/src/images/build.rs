@@ -1,7 +1,8 @@
 //! The project's own image builders: `busybox` (one static binary, for fast tests),
-//! `base` (Debian bookworm via debootstrap) and `code-interpreter-v1` (`base` plus one
-//! layer: numpy, pandas, matplotlib and the code-interpreter server). Each builds one
-//! layer into a scratch directory; the store publishes it with a rename. Builders run
+//! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
+//! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
+//! numpy, pandas, matplotlib and the code-interpreter server). Each builds one layer
+//! into a scratch directory; the store publishes it with a rename. Builders run
 //! the host tools under `env -i` so that host settings (proxies for pip, locales) do not
 //! leak into images, and use the tools' default package sources (for apt inside an
 //! image, the sources debootstrap wrote): no registry host appears here.
@@ -22,8 +23,46 @@ use super::{ImageConfig, ImageError, StartSpec, build_root, io_err};
 /// PATH given to the build tools (nothing else of the caller's environment is passed).
 const BUILD_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// Packages that `base` adds to debootstrap's minbase.
+/// Packages that `base` adds to debootstrap's minbase (debootstrap follows Depends
+/// only: nothing merely recommended comes with them).
 const BASE_PACKAGES: &str = "bash,coreutils,python3,curl,git,ca-certificates,procps";
+
+/// What E2B code calls beside those: `python` (python-is-python3), `pip`, `sudo`, `node`
+/// and `npm`. apt installs them after debootstrap, with `--no-install-recommends` (pip
+/// would recommend build-essential and python3-dev, npm git and node-tap): debootstrap's
+/// own resolver cannot settle npm's dependencies and leaves dozens of node-* packages
+/// unconfigured.
+const BASE_APT_PACKAGES: &[&str] = &["python-is-python3", "python3-pip", "sudo", "nodejs", "npm"];
+
+/// `user` has passwordless sudo, as in E2B's sandboxes (checked with `visudo -c` at build).
+/// A container sandbox runs with no_new_privileges on a nosuid overlay
+/// (`container/oci.rs`), where sudo cannot become root and says so; the entry serves
+/// where setuid works (the image itself, machines).
+const BASE_SUDOERS: &[u8] = b"user ALL=(ALL:ALL) NOPASSWD: ALL\n";
+
+/// E2B's images let `pip install x` (and `pip install --user x`) just work; Debian marks
+/// its Python externally managed (PEP 668), so pip would refuse both and point to a
+/// venv. pip's own setting lifts that for every user and survives upgrades of python3
+/// (deleting the EXTERNALLY-MANAGED marker would not). It is safe enough here: Debian's
+/// pip installs into /usr/local or ~/.local and never removes or overwrites a file of a
+/// Debian package, so apt's packages stay whole; what pip installs is the sandbox's own.
+const BASE_PIP_CONF: &[u8] = b"# E2B-style: `pip install` works without a venv (see PEP 668). pip writes only to\n\
+# /usr/local (as root) or ~/.local (--user) and leaves Debian's packages untouched.\n\
+[global]\n\
+break-system-packages = true\n";
+
+const BASE_FILES: &[LayerFile] = &[
+    LayerFile {
+        path: "/etc/sudoers.d/user",
+        contents: BASE_SUDOERS,
+        mode: 0o440,
+    },
+    LayerFile {
+        path: "/etc/pip.conf",
+        contents: BASE_PIP_CONF,
+        mode: 0o644,
+    },
+];
 
 /// Packages the code-interpreter layer installs with apt on top of `base`. munkres
 /// settles fonttools' `python3-scipy | python3-munkres` dependency: apt would pick
@@ -133,9 +172,9 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         }),
         "base" => Some(Recipe {
             name: "base",
-            version: 1,
-            inputs: BASE_PACKAGES.into(),
-            files: &[],
+            version: 2,
+            inputs: format!("{BASE_PACKAGES};apt {}", BASE_APT_PACKAGES.join(",")),
+            files: BASE_FILES,
             parent: None,
             shell: "/bin/bash",
             start: None,
@@ -224,7 +263,7 @@ pub(super) fn build_layer(
 ) -> Result<(), ImageError> {
     match recipe.name {
         "busybox" => build_busybox(dir, progress),
-        "base" => build_base(dir, progress),
+        "base" => build_base(recipe, dir, progress),
         "code-interpreter-v1" => build_code_interpreter(recipe, lower, dir, progress),
         other => Err(ImageError::UnknownImage(other.into())),
     }
@@ -466,54 +505,94 @@ fn write_accounts(dir: &Path, shell: &str) -> Result<(), ImageError> {
     Ok(())
 }
 
-fn build_base(dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), ImageError> {
-    const IMAGE: &str = "base";
+/// debootstrap's minbase with [`BASE_PACKAGES`], then, in a build root bound over that
+/// same tree, apt's [`BASE_APT_PACKAGES`], the account `user` and the recipe's files.
+fn build_base(recipe: &Recipe, dir: &Path, progress: &dyn Fn(&BuildProgress)) -> Result<(), ImageError> {
+    let image = recipe.name;
     fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
     let target = dir.to_str().expect("utf-8 path");
     progress(&BuildProgress::new(
         BuildPhase::Bootstrap,
-        format!("debootstrap --variant=minbase --include={BASE_PACKAGES} bookworm (1-2 minutes)"),
+        format!("debootstrap --variant=minbase --include={BASE_PACKAGES} bookworm (about a minute)"),
     ));
     let include = format!("--include={BASE_PACKAGES}");
     run_tool(
-        IMAGE,
+        image,
         BuildPhase::Bootstrap,
         dir.parent().unwrap_or(Path::new("/")),
         "debootstrap",
         &["--variant=minbase", &include, "bookworm", target],
         progress,
     )?;
-    progress(&BuildProgress::new(
-        BuildPhase::Configure,
-        "useradd user (uid 1000, /home/user, bash)",
-    ));
-    run_tool(
-        IMAGE,
-        BuildPhase::Configure,
-        Path::new("/"),
-        "chroot",
-        &[
-            target,
-            "useradd",
-            "--create-home",
-            "--home-dir",
-            "/home/user",
-            "--uid",
-            "1000",
-            "--user-group",
-            "--shell",
-            "/bin/bash",
-            "user",
-        ],
-        progress,
-    )?;
-    progress(&BuildProgress::new(
-        BuildPhase::Cleanup,
-        "dropping apt caches and lists",
-    ));
-    drop_apt_caches(dir);
-    // Runtimes bind their own files over these; an empty hostname avoids the build host's.
-    let _ = fs::write(dir.join("etc/hostname"), "");
+    let scratch = dir.with_extension("root");
+    let _ = super::remove_tree(&scratch);
+    build_root::with_build_root(&[], dir, &scratch, progress, |root, progress| {
+        let root_arg = root.to_str().expect("utf-8 path");
+        let in_root = |phase: BuildPhase, args: &[&str]| {
+            let mut argv = vec![root_arg];
+            argv.extend_from_slice(args);
+            run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
+        };
+        progress(&BuildProgress::new(
+            BuildPhase::Download,
+            "apt-get update (the sources debootstrap wrote)",
+        ));
+        in_root(BuildPhase::Download, &["apt-get", "-q", "update"])?;
+        progress(&BuildProgress::new(
+            BuildPhase::Install,
+            format!(
+                "apt-get install --no-install-recommends {} (about a minute)",
+                BASE_APT_PACKAGES.join(" ")
+            ),
+        ));
+        let mut install = vec!["apt-get", "-q", "install", "-y", "--no-install-recommends"];
+        install.extend_from_slice(BASE_APT_PACKAGES);
+        in_root(BuildPhase::Install, &install)?;
+
+        progress(&BuildProgress::new(
+            BuildPhase::Configure,
+            "useradd user (uid 1000, /home/user, bash), sudoers, pip.conf",
+        ));
+        in_root(
+            BuildPhase::Configure,
+            &[
+                "useradd",
+                "--create-home",
+                "--home-dir",
+                "/home/user",
+                "--uid",
+                "1000",
+                "--user-group",
+                "--shell",
+                "/bin/bash",
+                "user",
+            ],
+        )?;
+        write_files(root, recipe.files)?;
+        // A sudoers file sudo cannot parse would break sudo for everyone: never publish one.
+        in_root(BuildPhase::Configure, &["visudo", "--check"])?;
+
+        progress(&BuildProgress::new(
+            BuildPhase::Cleanup,
+            "dropping apt caches and lists",
+        ));
+        drop_apt_caches(root);
+        // Runtimes bind their own files over these; an empty hostname avoids the build host's.
+        let _ = fs::write(root.join("etc/hostname"), "");
+        Ok(())
+    })
+}
+
+/// Writes a recipe's files into the tree at `root` (owned by root, with their modes).
+fn write_files(root: &Path, files: &[LayerFile]) -> Result<(), ImageError> {
+    for file in files {
+        let path = root.join(file.path.trim_start_matches('/'));
+        let parent = path.parent().expect("a file path has a parent");
+        fs::create_dir_all(parent).map_err(io_err(format!("creating {}", parent.display())))?;
+        fs::write(&path, file.contents).map_err(io_err(format!("writing {}", file.path)))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(file.mode))
+            .map_err(io_err(format!("chmod {}", file.path)))?;
+    }
     Ok(())
 }
 
@@ -587,14 +666,7 @@ fn build_code_interpreter(
             BuildPhase::Configure,
             format!("{CODE_INTERPRETER_SERVER_PATH}, matplotlib font cache"),
         ));
-        for file in files {
-            let path = root.join(file.path.trim_start_matches('/'));
-            let parent = path.parent().expect("a file path has a parent");
-            fs::create_dir_all(parent).map_err(io_err(format!("creating {}", parent.display())))?;
-            fs::write(&path, file.contents).map_err(io_err(format!("writing {}", file.path)))?;
-            fs::set_permissions(&path, fs::Permissions::from_mode(file.mode))
-                .map_err(io_err(format!("chmod {}", file.path)))?;
-        }
+        write_files(root, files)?;
         // As the sandbox user, so the cache lands in its home with its ownership.
         run_tool(
             image,

@@ -1,6 +1,7 @@
 //! A writable root for building one layer on top of others: an overlay of the lower
 //! layers with a fresh upper dir (which becomes the new layer), plus /proc, a minimal
-//! /dev, a read-only /sys and the host's resolv.conf. Everything is mounted in a
+//! /dev, a read-only /sys and the host's resolv.conf. With no lower layers the root is
+//! the layer itself, bound in place (`base` finishes debootstrap's tree this way). Everything is mounted in a
 //! private mount namespace owned by one thread, so whatever happens (an error, a panic,
 //! the process killed) the mounts end with that namespace and never appear on the host;
 //! on the normal path they are also unmounted explicitly before the thread returns.
@@ -21,7 +22,8 @@ use super::{BuildProgress, ImageError, io_err};
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 
 /// Runs `build(root, progress)` with `root` an overlay of `lower` (bottom first) and
-/// `upper`, on a thread of its own; its progress reports reach `progress` on the
+/// `upper` (or, when `lower` is empty, a bind mount of `upper` itself), on a thread of
+/// its own; its progress reports reach `progress` on the
 /// calling thread. `scratch` holds the overlay's work and mount-point dirs; it is
 /// removed afterwards. Commands `build` spawns inherit the private namespace (run them
 /// with `chroot root ...`).
@@ -121,37 +123,37 @@ where
     for dir in [&work, &root] {
         fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
     }
-    if lower.is_empty() {
-        return Err(ImageError::Io {
-            context: "building on top of nothing".into(),
-            source: io::Error::new(io::ErrorKind::InvalidInput, "no lower layers"),
-        });
-    }
-    let mut lowerdir = Vec::with_capacity(lower.len());
-    // overlayfs lists lower dirs top first.
-    for dir in lower.iter().rev() {
-        let s = dir.to_str().filter(|s| !s.contains([':', ',']));
-        lowerdir.push(s.ok_or_else(|| ImageError::Io {
-            context: format!("layer path {}", dir.display()),
-            source: io::Error::new(io::ErrorKind::InvalidInput, "not UTF-8 or has ':' or ','"),
-        })?);
-    }
-    // No redirects, metacopy or index: the upper dir must be a plain layer that any
-    // later overlay can stack (whiteouts and opaque dirs only).
-    let options = format!(
-        "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
-        lowerdir.join(":"),
-        upper.display(),
-        work.display()
-    );
     let mut mounts = Mounts(Vec::new());
-    mounts.add(
-        Some(Path::new("overlay")),
-        &root,
-        Some("overlay"),
-        MsFlags::empty(),
-        Some(&options),
-    )?;
+    if lower.is_empty() {
+        // A bottom layer is its own root: the build writes into it directly, and the
+        // mounts below cover its /proc, /dev and /sys only in this namespace.
+        mounts.add(Some(upper), &root, None, MsFlags::MS_BIND, None)?;
+    } else {
+        let mut lowerdir = Vec::with_capacity(lower.len());
+        // overlayfs lists lower dirs top first.
+        for dir in lower.iter().rev() {
+            let s = dir.to_str().filter(|s| !s.contains([':', ',']));
+            lowerdir.push(s.ok_or_else(|| ImageError::Io {
+                context: format!("layer path {}", dir.display()),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "not UTF-8 or has ':' or ','"),
+            })?);
+        }
+        // No redirects, metacopy or index: the upper dir must be a plain layer that any
+        // later overlay can stack (whiteouts and opaque dirs only).
+        let options = format!(
+            "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
+            lowerdir.join(":"),
+            upper.display(),
+            work.display()
+        );
+        mounts.add(
+            Some(Path::new("overlay")),
+            &root,
+            Some("overlay"),
+            MsFlags::empty(),
+            Some(&options),
+        )?;
+    }
 
     mounts.add(
         Some(Path::new("proc")),
@@ -221,8 +223,8 @@ where
     mounts.read_only(&resolv)?;
 
     let result = build(&root);
-    // Everything but the overlay goes first; then the placeholder resolv.conf (if the
-    // image had none) is removed through the overlay, leaving no trace in the layer.
+    // Everything but the root mount goes first; then the placeholder resolv.conf (if the
+    // image had none) is removed through it, leaving no trace in the layer.
     let overlay = mounts.0.remove(0);
     drop(mounts);
     if created_resolv {
@@ -294,6 +296,37 @@ mod tests {
             left.sort();
             assert_eq!(left, ["etc", "etc/built"], "with resolv.conf: {with_resolv}");
         }
+    }
+
+    #[test]
+    fn with_no_lower_layer_the_build_writes_into_the_layer_itself() {
+        require_root();
+        let tmp = tempfile::tempdir().unwrap();
+        // A bottom layer as debootstrap leaves it, without a resolv.conf of its own.
+        let layer = lower_layer(tmp.path(), false);
+        fs::write(layer.join("etc/os-release"), "ID=debian\n").unwrap();
+        let scratch = tmp.path().join("scratch");
+        with_build_root(&[], &layer, &scratch, &|_| {}, |root, _| {
+            assert!(!mounted_anywhere(&layer, "/proc/self/mountinfo"));
+            assert!(root.join("proc/self/status").is_file());
+            assert_eq!(fs::read_to_string(root.join("etc/os-release")).unwrap(), "ID=debian\n");
+            assert_eq!(
+                fs::read(root.join("etc/resolv.conf")).unwrap(),
+                fs::read("/etc/resolv.conf").unwrap()
+            );
+            fs::write(root.join("etc/built"), "yes").unwrap();
+            Ok(())
+        })
+        .unwrap();
+        assert!(!mounted_anywhere(&scratch, "/proc/self/mountinfo"));
+        assert!(!scratch.exists(), "scratch left behind");
+        let mut left = walk(&layer);
+        left.sort();
+        assert_eq!(
+            left,
+            ["dev", "etc", "etc/built", "etc/os-release", "proc", "sys", "tmp"],
+            "the placeholder resolv.conf or a mount's contents stayed"
+        );
     }
 
     fn walk(dir: &Path) -> Vec<String> {

@@ -26,7 +26,9 @@
 //! layers and then its own; a layer id hashes its recipe and the layers below it, and
 //! `ensure` rebuilds an image whose stored record no longer matches its recipe.
 //!
-//! The builders: `busybox` (Debian busybox-static), `base` (debootstrap bookworm) and
+//! The builders: `busybox` (Debian busybox-static), `base` (debootstrap bookworm, then
+//! apt's python-is-python3, python3-pip, sudo, nodejs and npm in a build root bound over
+//! that tree; `user` has passwordless sudo and pip may install outside a venv) and
 //! `code-interpreter-v1` (`base`'s layer plus one: python3-numpy/-pandas/-matplotlib
 //! installed in a build root, `build_root.rs`, and our code-interpreter server,
 //! `edge/images/code-interpreter/server.py`, embedded and hashed into the layer id). An
@@ -522,8 +524,9 @@ mod tests {
     #[test]
     fn existing_layer_ids_are_unchanged() {
         // Layers already built on edges keep their names (the ids before recipes had
-        // files and parents).
-        assert_eq!(build::layer_ids("base").unwrap(), ["base-2e93d6b548f8b8b0"]);
+        // files and parents). `base` changed on purpose (version 2: python, pip, sudo,
+        // node, npm): edges build it anew once, beside the old `base-2e93d6b548f8b8b0`.
+        assert_eq!(build::layer_ids("base").unwrap(), ["base-57d8053fdb7d4f18"]);
         assert_eq!(build::layer_ids("busybox").unwrap(), ["busybox-ae34b4981a7c75f2"]);
     }
 

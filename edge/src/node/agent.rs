@@ -1,5 +1,7 @@
 //! What a sandbox's agent is given: its command line; its configuration (access token,
-//! environment, the image's start command) as one JSON object written into a pipe whose
+//! environment, the image's start command, its CPU class and, where the edge loaded the
+//! sandboxes' AppArmor profiles, the one it stacks on every process it starts: see
+//! `container/apparmor.rs`) as one JSON object written into a pipe whose
 //! read end is the agent's fd 4 (read once by its supervisor at boot: it never rests in
 //! a file sandbox code could read or replace); and the agent binary, the only file of
 //! the read-only `/.opendsec`. That directory is bound from `<edge data>/sandbox-files`,
@@ -130,6 +132,9 @@ impl Edge {
         let mut config = serde_json::json!({"access_token": token, "env": d.env, "cpu_class": d.cpu_class.as_str()});
         if let Some(start) = &image.config.start {
             config["start"] = serde_json::to_value(start).unwrap_or_default();
+        }
+        if let Some(profile) = self.containers.sandbox_profile() {
+            config["apparmor_profile"] = profile.into();
         }
         config
     }

@@ -1,0 +1,181 @@
+//! Images: registered by a project under a name, pulled by one edge, reported by that
+//! edge, deleted by name. Which image a create names is decided in `sandboxes` through
+//! [`resolve`].
+
+use super::Decided;
+use super::scope::{Scope, not_found};
+use crate::images::{Reference, check_name, is_builtin, names_a_registry};
+use crate::validate::{self, LIMITS};
+use crate::{ImageResult, Rejection, RejectionKind as K};
+use opendsec_projections::pb;
+use opendsec_projections::{Event, Image, ImageState, Right};
+
+/// `PullImage`.
+pub(super) fn pull(
+    s: &Scope,
+    project: &str,
+    name: &str,
+    reference: &str,
+    edge: Option<&str>,
+) -> Result<Decided, Rejection> {
+    let parsed = Reference::parse(reference).map_err(|e| Rejection::field(K::Invalid, "reference", e))?;
+    check_name(name).map_err(|e| Rejection::field(K::Invalid, "name", e))?;
+    s.project_in_scope("project", project)?;
+    s.who.require(Right::SandboxWrite)?;
+    if let Some(x) = s.state.images.images.get(name)
+        && x.project != project
+    {
+        return Err(Rejection::field(
+            K::Conflict,
+            "name",
+            format!("image name {name} is taken by another project"),
+        ));
+    }
+    let edges: Vec<&str> = s
+        .state
+        .placement
+        .edges
+        .values()
+        .filter(|e| !e.deregistered)
+        .map(|e| e.id.as_str())
+        .collect();
+    let edge = match edge {
+        Some(asked) if edges.contains(&asked) => asked.to_string(),
+        Some(asked) => return Err(not_found("edge", "edge", asked)),
+        None if edges.is_empty() => {
+            return Err(Rejection::field(
+                K::NoCapacity,
+                "edge",
+                "no edge is registered to pull the image: start one (opendsec edge)",
+            ));
+        }
+        None => edges[(s.rng().next_u64() % edges.len() as u64) as usize].to_string(),
+    };
+    Ok(Decided::one(
+        project,
+        name,
+        Event::ImageRequested(pb::ImageRequested {
+            name: name.to_string(),
+            project: project.to_string(),
+            reference: parsed.to_string(),
+            edge,
+        }),
+    ))
+}
+
+/// `DeleteImage`.
+pub(super) fn delete(s: &Scope, name: &str) -> Result<Decided, Rejection> {
+    let x = image_in_scope(s, name, Right::SandboxWrite)?;
+    Ok(Decided::one(
+        &x.project,
+        name,
+        Event::ImageDeleted(pb::ImageDeleted {
+            name: name.to_string(),
+            edge: x.edge.clone(),
+        }),
+    ))
+}
+
+/// `ReportImage`: what the pulling edge made of the request.
+pub(super) fn report(s: &Scope, name: &str, result: &ImageResult) -> Result<Decided, Rejection> {
+    let x = image_in_scope(s, name, Right::EdgeWrite)?;
+    if x.state != ImageState::Pending {
+        return Err(Rejection::field(
+            K::Conflict,
+            "name",
+            format!("image {name} was already reported"),
+        ));
+    }
+    let ev = match result {
+        ImageResult::Ready {
+            digest,
+            size_bytes,
+            layers,
+        } => {
+            let pinned = format!("x.invalid/x@{digest}");
+            if Reference::parse(&pinned).is_err() {
+                return Err(Rejection::field(
+                    K::Invalid,
+                    "result.digest",
+                    "digest must be sha256:<64 lowercase hex digits>",
+                ));
+            }
+            Event::ImageReady(pb::ImageReady {
+                name: name.to_string(),
+                edge: x.edge.clone(),
+                digest: digest.clone(),
+                size_bytes: *size_bytes,
+                layers: *layers,
+            })
+        }
+        ImageResult::Failed { reason } => {
+            validate::text("result.reason", reason, LIMITS.reason_len)?;
+            Event::ImageFailed(pb::ImageFailed {
+                name: name.to_string(),
+                edge: x.edge.clone(),
+                reason: reason.clone(),
+            })
+        }
+    };
+    Ok(Decided::one(&x.project, name, ev))
+}
+
+/// The image `name` of the caller's subtree, once the caller holds `right`.
+fn image_in_scope<'a>(s: &Scope<'a>, name: &str, right: Right) -> Result<&'a Image, Rejection> {
+    validate::text("name", name, LIMITS.image_len)?;
+    let x = s
+        .state
+        .images
+        .images
+        .get(name)
+        .ok_or_else(|| not_found("name", "image", name))?;
+    s.who.require(right)?;
+    if !s.state.within(&x.project, &s.who.project) {
+        return Err(Rejection::field(
+            K::Forbidden,
+            "name",
+            format!("image {name} is outside the caller's project"),
+        ));
+    }
+    Ok(x)
+}
+
+/// Where an edge fetches the image a create of `project` names, if it must: the
+/// registered image's pinned reference, "" for a built-in image or a reference that names
+/// its registry (the edge builds or pulls it by the name itself). An image registered by
+/// the project or an ancestor is usable once it has not failed; any other name is 404.
+pub(super) fn resolve(s: &Scope, project: &str, image: &str) -> Result<String, Rejection> {
+    if let Some(x) = s.state.images.images.get(image)
+        && s.state.within(project, &x.project)
+    {
+        return match x.state {
+            ImageState::Failed => Err(Rejection::field(
+                K::Conflict,
+                "image",
+                format!(
+                    "image {image} failed to pull: {}; pull it again (opendsecctl image pull)",
+                    x.reason.as_deref().unwrap_or("no reason given")
+                ),
+            )),
+            ImageState::Pending | ImageState::Ready => Ok(x.source()),
+        };
+    }
+    if is_builtin(image) || names_a_registry(image) {
+        return Ok(String::new());
+    }
+    Err(Rejection::field(
+        K::NotFound,
+        "image",
+        format!(
+            "no image named {image}: the built-in images are busybox, base and code-interpreter-v1; \
+             pull others with `opendsecctl image pull <reference>`, or name a registry (host[:port]/repository[:tag])"
+        ),
+    ))
+}
+
+/// Where an edge fetches `image` (the image under a snapshot or a fork's source) if its
+/// store lacks it: the registered image's pinned reference, else "" (built by the edge,
+/// pulled by its own name, or gone: the source's edge still serves its layers).
+pub(super) fn source_of(state: &opendsec_projections::State, image: &str) -> String {
+    state.images.images.get(image).map(Image::source).unwrap_or_default()
+}
