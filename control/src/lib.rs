@@ -12,7 +12,7 @@ pub mod peer;
 pub mod slice;
 pub mod testing;
 
-pub use node::{ClusterStatus, ControlConfig, ControlNode, EdgeHeartbeat, SubmitError, Submitted};
+pub use node::{ClusterStatus, ControlConfig, ControlNode, EdgeHeartbeat, PullProgress, SubmitError, Submitted};
 // What the control plane shares with edges lives in the contract crate; re-exported for
 // the gateway and the server, which use them beside the rest of this crate.
 pub use opendsec_edge_api::{SandboxTokenKind, now_ms, sandbox_token, transfer_token};

@@ -110,6 +110,35 @@ pub struct EdgeHeartbeat {
     pub running_sandboxes: u64,
     pub cpu_millis_used: u64,
     pub memory_mb_used: u64,
+    /// Pulls under way on the edge.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pulls: Vec<PullProgress>,
+}
+
+/// How far one image pull on an edge has come (from its last heartbeat).
+#[derive(Clone, Debug, Serialize)]
+pub struct PullProgress {
+    pub name: String,
+    pub layers_total: u32,
+    pub layers_done: u32,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    pub phase: String,
+    pub started_ms: u64,
+}
+
+impl From<opendsec_edge_api::pb::ImagePull> for PullProgress {
+    fn from(p: opendsec_edge_api::pb::ImagePull) -> Self {
+        PullProgress {
+            name: p.name,
+            layers_total: p.layers_total,
+            layers_done: p.layers_done,
+            bytes_total: p.bytes_total,
+            bytes_done: p.bytes_done,
+            phase: p.phase,
+            started_ms: p.started_ms,
+        }
+    }
 }
 
 struct Inner {

@@ -195,7 +195,11 @@ impl EdgeSlice for EdgeSliceService {
         } else {
             r.request_id
         };
-        let cmd = if r.snapshot.is_empty() {
+        let cmd = if !r.image.is_empty() {
+            let result: opendsec_commands::ImageResult = serde_json::from_str(&r.image_result_json)
+                .map_err(|e| Status::invalid_argument(format!("image_result_json: {e}")))?;
+            Command::ReportImage { name: r.image, result }
+        } else if r.snapshot.is_empty() {
             let observation: Observation = serde_json::from_str(&r.observation_json)
                 .map_err(|e| Status::invalid_argument(format!("observation_json: {e}")))?;
             Command::ReportSandbox {
@@ -227,6 +231,7 @@ impl EdgeSlice for EdgeSliceService {
             running_sandboxes: r.running_sandboxes,
             cpu_millis_used: r.cpu_millis_used,
             memory_mb_used: r.memory_mb_used,
+            pulls: r.pulls.into_iter().map(Into::into).collect(),
         });
         Ok(Response::new(HeartbeatReply {}))
     }

@@ -59,6 +59,10 @@ pub struct DesiredSandbox {
     /// How its processes are scheduled.
     #[serde(default)]
     pub cpu_class: CpuClass,
+    /// Where to fetch its image when the store lacks it (a registered image's pinned
+    /// reference); none for built-in images and references pulled by their own name.
+    #[serde(default)]
+    pub image_source: Option<String>,
 }
 
 /// What a served transfer carries.
@@ -163,6 +167,7 @@ impl DesiredSandbox {
             transfer: (!s.transfer.is_empty()).then(|| s.transfer.clone()),
             oom_kills: s.oom_kills,
             cpu_class: decode_cpu_class(s.cpu_class)?,
+            image_source: (!s.image_source.is_empty()).then(|| s.image_source.clone()),
         })
     }
 }
@@ -214,6 +219,9 @@ pub struct SliceState {
     /// Every registered edge's proxy address (where its transfers are pulled from).
     #[serde(default)]
     pub edges: BTreeMap<String, String>,
+    /// Images this edge is to pull and report, by name: their reference.
+    #[serde(default)]
+    pub pulls: BTreeMap<String, String>,
 }
 
 impl SliceState {
@@ -346,6 +354,11 @@ impl SliceState {
         }
         self.edges
             .extend(snap.edges.iter().map(|e| (e.id.clone(), e.address.clone())));
+        self.pulls = snap
+            .pulls
+            .iter()
+            .map(|p| (p.name.clone(), p.reference.clone()))
+            .collect();
         self.next_index = self.next_index.max(snap.index + 1);
         Ok(())
     }
@@ -408,6 +421,7 @@ impl SliceState {
                     oom_kills: 0,
                     cpu_class: CpuClass::from_event(&c.cpu_class)
                         .ok_or_else(|| format!("cpu class {:?} is unknown to this edge", c.cpu_class))?,
+                    image_source: (!c.image_source.is_empty()).then(|| c.image_source.clone()),
                 };
                 self.sandboxes.insert(c.id.clone(), d);
             }
@@ -422,6 +436,18 @@ impl SliceState {
                     isolation: isolation_of(&r.isolation)?,
                 };
                 self.snapshots.insert(r.id.clone(), d);
+            }
+            Event::ImageRequested(r) if r.edge == self.edge => {
+                self.pulls.insert(r.name.clone(), r.reference.clone());
+            }
+            Event::ImageReady(r) => {
+                self.pulls.remove(&r.name);
+            }
+            Event::ImageFailed(r) => {
+                self.pulls.remove(&r.name);
+            }
+            Event::ImageDeleted(r) => {
+                self.pulls.remove(&r.name);
             }
             Event::SnapshotReady(r) => self.set_phase(&r.id, SnapshotPhase::Ready),
             Event::SnapshotFailed(r) => self.set_phase(&r.id, SnapshotPhase::Failed),

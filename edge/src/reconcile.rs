@@ -13,7 +13,8 @@
 //! sandbox the log says ended while something of it still runs here (stopped).
 //! `plan_snapshots`: take pending snapshots (idempotent: existing files are only reported
 //! again), fail those whose sandbox ended, remove deleted ones. `plan_transfers`: prepare,
-//! fail and remove the state this edge serves to other edges.
+//! fail and remove the state this edge serves to other edges. `plan_pulls`: pull the images
+//! the log has this edge pull.
 
 use crate::desired::{DesiredSandbox, SliceState};
 use opendsec_commands::Observation;
@@ -67,6 +68,11 @@ pub enum Action {
     Report {
         id: String,
         observation: Observation,
+    },
+    /// Pull image `name` from `reference` into the store, and report the result.
+    PullImage {
+        name: String,
+        reference: String,
     },
     /// Capture sandbox `sandbox`'s file system as snapshot `id`, and report it.
     TakeSnapshot {
@@ -226,6 +232,22 @@ pub fn plan_oom(slice: &SliceState, seen: &BTreeMap<String, OomKills>) -> Vec<Ac
         .collect()
 }
 
+/// The pulls this edge is to make: every image the log has it pull and that has not been
+/// reported, unless it is already being pulled (`pulling`). A pull that failed here is
+/// reported failed and leaves the slice; one whose report was lost is made again (its
+/// layers are stored, so that is quick).
+pub fn plan_pulls(slice: &SliceState, pulling: &std::collections::BTreeSet<String>) -> Vec<Action> {
+    slice
+        .pulls
+        .iter()
+        .filter(|(name, _)| !pulling.contains(*name))
+        .map(|(name, reference)| Action::PullImage {
+            name: name.clone(),
+            reference: reference.clone(),
+        })
+        .collect()
+}
+
 /// The snapshot actions: take the pending ones whose sandbox still runs here (a snapshot
 /// of a sandbox that ended is reported failed), remove the files of deleted ones.
 /// `present`: the snapshots whose files exist on this machine.
@@ -356,6 +378,7 @@ mod tests {
             transfer: None,
             oom_kills: 0,
             cpu_class: Default::default(),
+            image_source: None,
         }
     }
 
@@ -429,6 +452,25 @@ mod tests {
             check(d, Some(Running::Running), 5_000),
             vec![Action::Pause { id: "s1".into() }]
         );
+    }
+
+    #[test]
+    fn requested_pulls_are_made_once_at_a_time_until_reported() {
+        let mut slice = SliceState::new("e1");
+        slice
+            .pulls
+            .insert("py".into(), "127.0.0.1:5000/python:3.12-slim".into());
+        slice.pulls.insert("env".into(), "127.0.0.1:5000/env:1".into());
+        let pulling: std::collections::BTreeSet<String> = ["env".to_string()].into();
+        assert_eq!(
+            plan_pulls(&slice, &pulling),
+            vec![Action::PullImage {
+                name: "py".into(),
+                reference: "127.0.0.1:5000/python:3.12-slim".into()
+            }]
+        );
+        slice.pulls.clear();
+        assert_eq!(plan_pulls(&slice, &Default::default()), vec![]);
     }
 
     #[test]

@@ -127,6 +127,27 @@ impl SliceClient {
         Ok(r.index)
     }
 
+    /// Reports what came of pulling image `name`.
+    pub async fn report_image(
+        &mut self,
+        name: &str,
+        result: &opendsec_commands::ImageResult,
+        request_id: &str,
+    ) -> Result<u64, SliceError> {
+        let image_result_json = serde_json::to_string(result).expect("image results serialise");
+        let r = self
+            .client
+            .report(self.req(ReportRequest {
+                image: name.into(),
+                image_result_json,
+                request_id: request_id.into(),
+                ..Default::default()
+            }))
+            .await?
+            .into_inner();
+        Ok(r.index)
+    }
+
     /// Soft state: liveness and usage, kept in the control node's memory only.
     pub async fn heartbeat(&mut self, hb: HeartbeatRequest) -> Result<(), SliceError> {
         self.client.heartbeat(self.req(hb)).await?;

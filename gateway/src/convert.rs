@@ -163,6 +163,32 @@ pub fn snapshot(x: &views::Snapshot) -> api::Snapshot {
     }
 }
 
+pub fn image(x: &views::Image, progress: Option<&opendsec_control::PullProgress>) -> api::Image {
+    api::Image {
+        name: x.name.clone(),
+        project: x.project.clone(),
+        reference: x.reference.clone(),
+        edge: x.edge.clone(),
+        state: word(&x.state),
+        digest: x.digest.clone(),
+        size_bytes: x.size_bytes,
+        layers: x.layers,
+        reason: x.reason.clone(),
+        created_at_ms: x.created_at_ms,
+        index: x.index,
+        progress: progress
+            .filter(|_| x.state == views::ImageState::Pending)
+            .map(|p| api::PullProgress {
+                layers_total: p.layers_total,
+                layers_done: p.layers_done,
+                bytes_total: p.bytes_total,
+                bytes_done: p.bytes_done,
+                phase: p.phase.clone(),
+                started_ms: p.started_ms,
+            }),
+    }
+}
+
 pub fn edge(e: &views::Edge, heartbeat: Option<&opendsec_control::EdgeHeartbeat>) -> api::Edge {
     api::Edge {
         id: e.id.clone(),

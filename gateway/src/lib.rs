@@ -133,6 +133,9 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         )
         .route("/v1/snapshots", get(snapshots::list))
         .route("/v1/snapshots/{id}", get(snapshots::get).delete(snapshots::delete))
+        .route("/v1/images", post(images::pull).get(images::list))
+        // Image names may hold '/' (references are names too).
+        .route("/v1/images/{*name}", get(images::get).delete(images::delete))
         .route("/v1/tasks/{task}/pause", post(tasks::pause))
         .route("/v1/tasks/{task}/resume", post(tasks::resume))
         .route("/v1/edges", get(edges::list).post(edges::register))

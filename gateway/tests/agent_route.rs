@@ -73,7 +73,7 @@ impl Env {
                 "POST",
                 "/v1/sandboxes",
                 Some(&self.t.admin_token.clone()),
-                Some(json!({"image": "debian"})),
+                Some(json!({"image": "base"})),
             )
             .await;
         assert_eq!(s, 201, "{b}");

@@ -212,8 +212,8 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
         expect![[r#"400 {"code":"invalid","message":"the body must be a JSON object"}"#]],
     )
     .await;
-    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"debian","cpu_millis":"lots"}"#, expect![[r#"400 {"code":"invalid","field":"cpu_millis","message":"cpu_millis: invalid type: string \"lots\", expected u64 at line 1 column 37"}"#]]).await;
-    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"debian","labels":{"team":1}}"#, expect![[r#"400 {"code":"invalid","field":"labels.team","message":"labels.team: invalid type: integer `1`, expected a string at line 1 column 36"}"#]]).await;
+    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"base","cpu_millis":"lots"}"#, expect![[r#"400 {"code":"invalid","field":"cpu_millis","message":"cpu_millis: invalid type: string \"lots\", expected u64 at line 1 column 37"}"#]]).await;
+    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"base","labels":{"team":1}}"#, expect![[r#"400 {"code":"invalid","field":"labels.team","message":"labels.team: invalid type: integer `1`, expected a string at line 1 column 36"}"#]]).await;
     check_bad(&api, "POST", "/v1/edges", br#"{"edge":"e","address":"h:1","capacity":{"sandboxes":1,"cpu_millis":1}}"#, expect![[r#"400 {"code":"invalid","field":"capacity.memory_mb","message":"capacity.memory_mb: missing field `memory_mb` at line 1 column 69"}"#]]).await;
     // names and amounts that decide() refuses
     let long = format!(r#"{{"name":"{}"}}"#, "a".repeat(64));
@@ -233,7 +233,7 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
         &api,
         "POST",
         "/v1/sandboxes",
-        br#"{"image":"debian","memory_mb":0}"#,
+        br#"{"image":"base","memory_mb":0}"#,
         expect![[r#"400 {"code":"invalid","field":"memory_mb","message":"a sandbox needs some CPU and memory"}"#]],
     )
     .await;
@@ -319,7 +319,7 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
         &api,
         "POST",
         "/v1/sandboxes",
-        br#"{"image":"debian","project":"pnope"}"#,
+        br#"{"image":"base","project":"pnope"}"#,
         expect![[r#"404 {"code":"not_found","field":"project","message":"project pnope does not exist"}"#]],
     )
     .await;
@@ -588,7 +588,7 @@ async fn sandbox_lifecycle_filters_fork_and_quota() {
     let admin = api.admin().to_string();
     let root = api.root().to_string();
     let r = api
-        .call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "debian"})))
+        .call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base"})))
         .await;
     assert_eq!(
         (r.status.as_u16(), r.body["code"].as_str()),
@@ -606,7 +606,7 @@ async fn sandbox_lifecycle_filters_fork_and_quota() {
             "POST",
             "/v1/sandboxes",
             &admin,
-            Some(json!({"image": "debian", "labels": {"job": "rl-1"}, "timeout_seconds": 600})),
+            Some(json!({"image": "base", "labels": {"job": "rl-1"}, "timeout_seconds": 600})),
         )
         .await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
@@ -626,7 +626,7 @@ async fn sandbox_lifecycle_filters_fork_and_quota() {
         "POST",
         "/v1/sandboxes",
         &admin,
-        Some(json!({"image": "alpine", "cpu_millis": 250, "memory_mb": 128, "labels": {"job": "other"}})),
+        Some(json!({"image": "busybox", "cpu_millis": 250, "memory_mb": 128, "labels": {"job": "other"}})),
         201,
     )
     .await;
@@ -746,7 +746,7 @@ async fn sandbox_lifecycle_filters_fork_and_quota() {
         .await;
     assert_eq!(q["usage"]["sandboxes"], 3);
     let r = api
-        .call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "debian"})))
+        .call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base"})))
         .await;
     assert_eq!(
         (r.status.as_u16(), r.body["code"].as_str()),
@@ -1048,7 +1048,7 @@ async fn replay_shows_views_at_a_past_index_and_diffs_two_points() {
     api.register_edge("edge-a", 10).await;
     let before = api.t.node.applied_index();
     let created = api
-        .ok("POST", "/v1/sandboxes", &admin, Some(json!({"image": "debian"})), 201)
+        .ok("POST", "/v1/sandboxes", &admin, Some(json!({"image": "base"})), 201)
         .await;
     let id = created["sandbox"]["id"].as_str().unwrap().to_string();
     api.ok("POST", &format!("/v1/sandboxes/{id}/pause"), &admin, None, 200)

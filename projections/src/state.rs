@@ -576,6 +576,7 @@ impl State {
                     oom_kills: 0,
                     last_oom_command: None,
                     cpu_class: CpuClass::from_event(&e.cpu_class).unwrap_or_default(),
+                    image_source: (!e.image_source.is_empty()).then(|| e.image_source.clone()),
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {

@@ -408,6 +408,9 @@ pub struct Sandbox {
     /// Latency-sensitive unless asked otherwise (left out then).
     #[serde(default, skip_serializing_if = "CpuClass::is_default")]
     pub cpu_class: CpuClass,
+    /// Where its edge fetches its image if the store lacks it (`SandboxCreated.image_source`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_source: Option<String>,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -400,6 +400,27 @@ impl Client {
             .await
     }
 
+    // ---- images ----
+
+    /// Registers an image and has an edge pull it; it is `pending` until pulled.
+    pub async fn pull_image(&self, req: &PullImage) -> Result<ImageWritten, ApiError> {
+        self.call(Method::POST, &["v1", "images"], &[], Some(req)).await
+    }
+
+    /// One image, with the pull's progress while it is pending.
+    pub async fn get_image(&self, name: &str) -> Result<Image, ApiError> {
+        self.get(&["v1", "images", name], &[]).await
+    }
+
+    pub async fn list_images(&self) -> Result<ImageList, ApiError> {
+        self.get(&["v1", "images"], &[]).await
+    }
+
+    pub async fn delete_image(&self, name: &str) -> Result<Done, ApiError> {
+        self.call::<(), _>(Method::DELETE, &["v1", "images", name], &[], None)
+            .await
+    }
+
     // ---- tasks ----
 
     /// Pauses every running sandbox labelled `task=<task>` in the caller's subtree.

@@ -441,6 +441,76 @@ pub struct SnapshotList {
     pub snapshots: Vec<Snapshot>,
 }
 
+// ---- images ----
+
+/// `POST /v1/images`: register an image and have an edge pull it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PullImage {
+    /// An OCI reference: `[registry[:port]/]repository[:tag][@sha256:digest]`. Without a
+    /// registry, Docker Hub; a registry on loopback is spoken to over plain HTTP.
+    pub reference: String,
+    /// The name sandboxes start it by (default: the reference as given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The project it belongs to (default: the token's); its descendants use it too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+    /// The edge that pulls it (default: one chosen).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edge: Option<String>,
+}
+
+/// How far a pull has come, as its edge last said (soft state, not logged).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct PullProgress {
+    pub layers_total: u32,
+    pub layers_done: u32,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    /// What the edge is doing now.
+    pub phase: String,
+    pub started_ms: u64,
+}
+
+/// A registered image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Image {
+    pub name: String,
+    pub project: String,
+    pub reference: String,
+    /// The edge that pulls it.
+    pub edge: String,
+    /// pending, ready or failed.
+    pub state: String,
+    /// The manifest's digest, once pulled.
+    pub digest: Option<String>,
+    pub size_bytes: u64,
+    pub layers: u32,
+    pub reason: Option<String>,
+    pub created_at_ms: u64,
+    pub index: u64,
+    /// While pending: how far its edge has come.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<PullProgress>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ImageWritten {
+    pub index: u64,
+    pub image: Image,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ImageList {
+    pub images: Vec<Image>,
+}
+
 // ---- tasks ----
 
 /// The answer to a task pause or resume.

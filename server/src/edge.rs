@@ -5,7 +5,7 @@
 use opendsec_commands::Command;
 use opendsec_control::{ControlNode, Credential, format_token, new_token_secret};
 use opendsec_edge::container::{ContainerConfig, RuntimeChoice};
-use opendsec_edge::node::{EdgeConfig, MicroVmEdgeConfig};
+use opendsec_edge::node::{EdgeConfig, MicroVmEdgeConfig, RegistrySettings};
 use opendsec_edge_api::pb::Capacity;
 use opendsec_projections::Right;
 use std::path::{Path, PathBuf};
@@ -75,6 +75,14 @@ pub struct EdgeArgs {
     /// The microVM shim (default: opendsec-vm-shim next to this binary).
     #[arg(long)]
     pub vm_shim: Option<PathBuf>,
+    /// A registry (host[:port]) to pull images from over plain HTTP although it is not on
+    /// loopback (registries on loopback need no flag). Repeat for several.
+    #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
+    pub insecure_registries: Vec<String>,
+    /// Registry credentials for image pulls: a Docker client config.json (what `docker
+    /// login` writes: {"auths": {"<host>": {"auth": base64(user:password)}}}).
+    #[arg(long, env = "OPENDSEC_REGISTRY_AUTH", value_name = "FILE")]
+    pub registry_auth: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,7 +116,33 @@ fn sibling(name: &str) -> PathBuf {
 }
 
 impl EdgeArgs {
-    pub fn config(&self, data_dir: &Path, control_peer: String, token: String, edge_key: String) -> EdgeConfig {
+    /// The registry settings the flags name; an unreadable credentials file is an error
+    /// at start, not at the first pull.
+    pub fn registries(&self) -> Result<RegistrySettings, String> {
+        for r in &self.insecure_registries {
+            if r.is_empty() || r.contains('/') {
+                return Err(format!(
+                    "--insecure-registry {r:?}: give host[:port], without a scheme or path"
+                ));
+            }
+        }
+        Ok(RegistrySettings {
+            insecure: self.insecure_registries.clone(),
+            auths: match &self.registry_auth {
+                Some(path) => RegistrySettings::read_auth_file(path).map_err(|e| format!("--registry-auth: {e}"))?,
+                None => Default::default(),
+            },
+        })
+    }
+
+    pub fn config(
+        &self,
+        data_dir: &Path,
+        control_peer: String,
+        token: String,
+        edge_key: String,
+        registries: RegistrySettings,
+    ) -> EdgeConfig {
         let cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u64)
             .unwrap_or(1);
@@ -151,6 +185,7 @@ impl EdgeArgs {
             pids: self.pids,
             microvm: self.microvm_config(),
             warm_sandboxes: self.warm_sandboxes,
+            registries,
         }
     }
 

@@ -247,6 +247,10 @@ async fn run_node(
             })
             .await
     });
+    let registries = match &embedded_edge {
+        Some(e) => e.registries()?,
+        None => Default::default(),
+    };
     let edge_task = embedded_edge.map(|edge_args| {
         let (node, mut rx) = (node.clone(), stop_rx.clone());
         let edge_dir = args.data_dir.join("edge");
@@ -258,7 +262,7 @@ async fn run_node(
                     return;
                 }
             };
-            let cfg = edge_args.config(&edge_dir, advertise, token, key);
+            let cfg = edge_args.config(&edge_dir, advertise, token, key, registries);
             if let Err(e) = opendsec_edge::node::run(cfg, async move {
                 let _ = rx.changed().await;
             })
@@ -299,7 +303,14 @@ async fn run_edge(
     let key = std::fs::read_to_string(&key_file)
         .map_err(|e| format!("cannot read the cluster key at {}: {e}", key_file.display()))?;
     std::fs::create_dir_all(&data_dir).map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
-    let cfg = args.config(&data_dir, control, token.trim().to_string(), key.trim().to_string());
+    let registries = args.registries()?;
+    let cfg = args.config(
+        &data_dir,
+        control,
+        token.trim().to_string(),
+        key.trim().to_string(),
+        registries,
+    );
     tracing::info!(edge = %cfg.name, proxy = %cfg.proxy_listen, "opendsec edge running");
     opendsec_edge::node::run(cfg, shutdown_signal())
         .await

@@ -89,6 +89,7 @@ async fn an_edge_registers_watches_its_slice_and_reports() {
             running_sandboxes: 1,
             cpu_millis_used: 5,
             memory_mb_used: 7,
+            pulls: vec![],
         })
         .await
         .unwrap();

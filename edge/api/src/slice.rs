@@ -3,12 +3,12 @@
 //!
 //! An edge's slice is every event about a sandbox placed on it, the creation of
 //! sandboxes placed elsewhere that start from state it holds (it serves them that
-//! state), plus the edge registrations. When the history an edge asks for is no longer
+//! state), the images it is to pull, plus the edge registrations. When the history an edge asks for is no longer
 //! retained, it gets [`slice_snapshot`] first, then the entries after it.
 
-use crate::pb::{self, SliceEdge, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
+use crate::pb::{self, SliceEdge, SliceImage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
 use opendsec_projections::schema::{self, Batch, Envelope};
-use opendsec_projections::{AuditResult, Event, Observed, Sandbox, State};
+use opendsec_projections::{AuditResult, Event, ImageState, Observed, Sandbox, State};
 
 /// The events of `batch`, logged at `index`, that belong to `edge`'s slice (`state`:
 /// the views the batch was folded into). A batch the views did not apply (denied when
@@ -26,6 +26,10 @@ pub fn slice_events(state: &State, edge: &str, index: u64, batch: &Batch) -> Vec
         let mine = match ev {
             Event::SandboxCreated(e) => e.edge == edge || (e.source_edge == edge && !e.transfer.is_empty()),
             Event::EdgeRegistered(_) | Event::EdgeDeregistered(_) => true,
+            Event::ImageRequested(e) => e.edge == edge,
+            Event::ImageReady(e) => e.edge == edge,
+            Event::ImageFailed(e) => e.edge == edge,
+            Event::ImageDeleted(e) => e.edge == edge,
             other => other
                 .sandbox_id()
                 .is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
@@ -59,6 +63,7 @@ pub fn slice_sandbox(s: &Sandbox) -> SliceSandbox {
         edge: s.edge.clone(),
         oom_kills: s.oom_kills,
         cpu_class: pb::CpuClass::from(s.cpu_class).into(),
+        image_source: s.image_source.clone().unwrap_or_default(),
     }
 }
 
@@ -104,12 +109,23 @@ pub fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             isolation: pb::Isolation::from(x.isolation).into(),
         })
         .collect();
+    let pulls = state
+        .images
+        .images
+        .values()
+        .filter(|x| x.edge == edge && x.state == ImageState::Pending)
+        .map(|x| SliceImage {
+            name: x.name.clone(),
+            reference: x.reference.clone(),
+        })
+        .collect();
     SliceSnapshot {
         index: state.index,
         sandboxes,
         snapshots,
         served,
         edges,
+        pulls,
     }
 }
 

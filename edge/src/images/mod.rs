@@ -152,21 +152,9 @@ pub struct StartSpec {
     pub ready_port: Option<u16>,
 }
 
-/// The store's name for an image reference. E2B clients ask for templates by the names
-/// the builders already use (`base`, `code-interpreter-v1`, the SDKs' defaults); a
-/// reference may also carry the tag `latest` or `default` (`base:latest`), or be one of
-/// the few other names E2B has used for the same template.
-pub fn canonical_name(reference: &str) -> &str {
-    const ALIASES: &[(&str, &str)] = &[("code-interpreter", "code-interpreter-v1")];
-    let name = reference
-        .strip_suffix(":latest")
-        .or_else(|| reference.strip_suffix(":default"))
-        .unwrap_or(reference);
-    ALIASES
-        .iter()
-        .find(|(alias, _)| *alias == name)
-        .map_or(name, |(_, canonical)| canonical)
-}
+/// The store's name for an image reference (E2B's template names and aliases): one
+/// definition, shared with the control plane.
+pub use opendsec_commands::images::canonical_name;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -273,11 +261,17 @@ impl ImageStore {
     }
 
     /// The image's layer directories, bottom first; fails if one is missing.
+    ///
+    /// A layer an image lists twice (two identical diffs) is stacked once, at its upper
+    /// place: overlayfs refuses a lower directory given twice, and the lower copy can
+    /// change nothing the upper one does not decide again.
     pub fn layer_dirs(&self, image: &Image) -> Result<Vec<PathBuf>, ImageError> {
         image
             .layers
             .iter()
-            .map(|id| {
+            .enumerate()
+            .filter(|(i, id)| !image.layers[i + 1..].contains(id))
+            .map(|(_, id)| {
                 let path = self.layer_path(id);
                 if path.is_dir() {
                     Ok(path)
@@ -461,11 +455,29 @@ pub(super) fn validate_name(name: &str) -> Result<(), ImageError> {
         && !name.starts_with('.')
         && name
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'));
     if ok {
         Ok(())
     } else {
         Err(ImageError::InvalidName(name.to_string()))
+    }
+}
+
+impl Image {
+    /// The image's name as part of a file name: references hold '/', which a file name
+    /// cannot (every byte outside `[A-Za-z0-9._-]` becomes '_'; file names that use it
+    /// also carry a key of the image's contents).
+    pub fn file_stem(&self) -> String {
+        self.name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
     }
 }
 
@@ -560,6 +572,30 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_listed_twice_is_stacked_once_at_its_upper_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        for id in ["a", "b"] {
+            fs::create_dir_all(store.layer_path(id)).unwrap();
+        }
+        let image = Image {
+            name: "twice".into(),
+            layers: vec!["a".into(), "b".into(), "a".into()],
+            ..Image::default()
+        };
+        assert_eq!(
+            store.layer_dirs(&image).unwrap(),
+            vec![store.layer_path("b"), store.layer_path("a")]
+        );
+        assert_eq!(image.file_stem(), "twice");
+        let pulled = Image {
+            name: "127.0.0.1:5000/python:3.12-slim".into(),
+            ..Image::default()
+        };
+        assert_eq!(pulled.file_stem(), "127.0.0.1_5000_python_3.12-slim");
+    }
+
+    #[test]
     fn e2b_template_references_resolve_to_store_names() {
         for (reference, name) in [
             ("base", "base"),
@@ -578,7 +614,8 @@ mod tests {
             store.get("code-interpreter"),
             Err(ImageError::NotFound(n)) if n == "code-interpreter-v1"
         ));
-        assert!(matches!(store.get("other:v2"), Err(ImageError::InvalidName(_))));
+        assert!(matches!(store.get("other:v2"), Err(ImageError::NotFound(_))));
+        assert!(matches!(store.get("../x"), Err(ImageError::InvalidName(_))));
     }
 
     #[test]

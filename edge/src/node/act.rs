@@ -39,6 +39,10 @@ impl Edge {
             }
             Action::FailTransfer { id, reason } => self.fail_transfer(&id, reason),
             Action::RemoveTransfer { id } => self.blocking(move |e| e.remove_transfer(&id)).await,
+            Action::PullImage { name, reference } => {
+                self.start_pull(name, reference);
+                Ok(())
+            }
             Action::Report { id, observation } => {
                 self.act_report(id, observation).await;
                 Ok(())

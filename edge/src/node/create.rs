@@ -27,10 +27,7 @@ impl Edge {
     /// Creates container sandbox `d`: from a warm container of its image when a plain
     /// create finds one, otherwise cold; either way a plain create keeps its image warm.
     fn create_container(self: &Arc<Self>, d: &DesiredSandbox) -> Result<(), EdgeError> {
-        let image = self.images.ensure(
-            &d.image,
-            &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
-        )?;
+        let image = self.image_for(d)?;
         // A plain create from an image claims a warm container of that image if one is
         // ready; either way the image is kept warm for the next create.
         let plain = d.transfer.is_none() && d.snapshot.is_none() && d.fork_of.is_none();
@@ -226,10 +223,7 @@ impl Edge {
     /// Creates a microVM sandbox: cold boot, or a restore of the snapshot it starts from.
     fn create_machine(&self, d: &DesiredSandbox) -> Result<(), EdgeError> {
         let vms = self.machines.ready()?;
-        let image = self.images.ensure(
-            &d.image,
-            &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
-        )?;
+        let image = self.image_for(d)?;
         let source = match &d.snapshot {
             None => None,
             // On another edge: pulled from there.
@@ -260,11 +254,7 @@ impl Edge {
     /// there. On failure no copy is left.
     fn fork_machines(&self, source: &str, copies: &[DesiredSandbox]) -> Result<(), EdgeError> {
         let vms = self.machines.ready()?;
-        let image_name = &copies[0].image;
-        let image = self.images.ensure(
-            image_name,
-            &|p| tracing::info!(image = %image_name, progress = ?p, "building image"),
-        )?;
+        let image = self.image_for(&copies[0])?;
         if copies[0].transfer.is_some() {
             let t = Instant::now();
             let (dir, manifest) = self.import(&copies[0])?;

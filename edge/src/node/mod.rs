@@ -32,11 +32,13 @@ mod containers;
 mod create;
 mod files;
 mod paths;
+mod pulls;
 mod run;
 mod snapshots;
 mod transfers;
 mod warm;
 
+pub use pulls::RegistrySettings;
 pub use run::run;
 
 use crate::container::warm::WarmPool;
@@ -92,6 +94,8 @@ pub struct EdgeConfig {
     /// Warm containers kept per image, for the two images created from most recently
     /// (see `container::warm`); 0 keeps none.
     pub warm_sandboxes: usize,
+    /// Plain-HTTP registries and credentials for image pulls.
+    pub registries: RegistrySettings,
 }
 
 /// Images whose warm containers are kept at once (the most recently used).
@@ -184,6 +188,8 @@ struct Edge {
     import_locks: Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
     /// The runtime, for the async pulls that blocking creations make.
     rt: tokio::runtime::Handle,
+    /// Image pulls under way (`pulls.rs`).
+    pulls: pulls::Pulls,
 }
 
 impl Edge {

@@ -11,7 +11,7 @@ use crate::container::ContainerBackend;
 use crate::container::warm::WarmPool;
 use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
-use crate::reconcile::{Action, plan, plan_oom, plan_snapshots, plan_transfers};
+use crate::reconcile::{Action, plan, plan_oom, plan_pulls, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_edge_api::pb::HeartbeatRequest;
 use redb::Database;
@@ -72,6 +72,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         preparing: Mutex::new(BTreeSet::new()),
         import_locks: Mutex::new(BTreeMap::new()),
         rt: tokio::runtime::Handle::current(),
+        pulls: Default::default(),
         cfg,
     });
     // Warm containers a killed edge left are not claimable (their filler is gone).
@@ -230,6 +231,7 @@ impl Edge {
         let mut a = plan(slice, observed, opendsec_edge_api::now_ms(), caught_up);
         a.extend(plan_oom(slice, &self.oom_seen.lock().expect("oom lock")));
         a.extend(plan_snapshots(slice, observed, &present));
+        a.extend(plan_pulls(slice, &self.pulls.names()));
         a.extend(
             plan_transfers(slice, observed, &served)
                 .into_iter()
@@ -255,6 +257,7 @@ impl Edge {
             running_sandboxes: live.len() as u64,
             cpu_millis_used: live.iter().map(|s| s.cpu_millis).sum(),
             memory_mb_used: live.iter().map(|s| s.memory_mb).sum(),
+            pulls: self.pulls.progress(),
         }
     }
 }

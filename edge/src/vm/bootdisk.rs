@@ -136,8 +136,8 @@ pub fn ensure_boot_disk(
     let key = hash[..16].to_string();
     let dir = store.root().join("vmdisks");
     fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
-    let disk = dir.join(format!("{}-{key}.qcow2", image.name));
-    let manifest_path = dir.join(format!("{}-{key}.json", image.name));
+    let disk = dir.join(format!("{}-{key}.qcow2", image.file_stem()));
+    let manifest_path = dir.join(format!("{}-{key}.json", image.file_stem()));
     let cached = || -> Option<BootDiskManifest> {
         let m: BootDiskManifest = read_json(&manifest_path).ok()?;
         (m.key == key && disk.is_file()).then_some(m)

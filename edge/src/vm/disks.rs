@@ -40,7 +40,7 @@ pub fn build_root_disk(store: &ImageStore, image: &Image, progress: &dyn Fn(&str
     let key = &hex::encode(digest.finalize())[..16];
     let dir = store.root().join("vmdisks");
     fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
-    let path = dir.join(format!("{}-{key}.erofs", image.name));
+    let path = dir.join(format!("{}-{key}.erofs", image.file_stem()));
     if path.is_file() {
         return Ok(path);
     }

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod audit;
 pub mod cluster;
 pub mod edges;
+pub mod images;
 pub mod projects;
 pub mod replay;
 pub mod sandboxes;

@@ -12,6 +12,8 @@ use std::process::ExitCode;
 
 #[path = "opendsecctl/args.rs"]
 mod args;
+#[path = "opendsecctl/images.rs"]
+mod images;
 #[path = "opendsecctl/print.rs"]
 mod print;
 #[path = "opendsecctl/remote.rs"]
@@ -289,6 +291,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
             });
         }
         Cmd::Sandbox(c) => return sandbox(&client, out, c).await,
+        Cmd::Image(c) => return images::run(&client, out, c).await,
         Cmd::Snapshot(c) => return snapshot(&client, out, c).await,
         Cmd::Task(c) => return task(&client, out, c).await,
         Cmd::Edge(c) => match c {

@@ -50,6 +50,9 @@ pub(crate) enum Cmd {
     /// Create, inspect and steer sandboxes.
     #[command(subcommand)]
     Sandbox(SandboxCmd),
+    /// Images from OCI registries: pull, list, get, rm. Sandboxes start them by name.
+    #[command(subcommand)]
+    Image(ImageCmd),
     /// Snapshots of sandboxes (`sandbox snapshot` takes one): list, get, delete.
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
@@ -361,6 +364,43 @@ pub(crate) enum SnapshotCmd {
     /// Deletes it (sandboxes started from it run on).
     Delete {
         id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ImageCmd {
+    /// Registers an image and has an edge pull it, showing the pull's progress.
+    /// REFERENCE is [registry[:port]/]repository[:tag][@sha256:digest]; without a
+    /// registry, Docker Hub. A registry on loopback is spoken to over plain HTTP; other
+    /// plain-HTTP registries, and credentials, are set on the edges (opendsec edge
+    /// --insecure-registry, --registry-auth).
+    Pull {
+        reference: String,
+        /// The name sandboxes start it by (default: REFERENCE).
+        #[arg(long)]
+        name: Option<String>,
+        /// The project it belongs to (default: the token's); its descendants use it too.
+        #[arg(long)]
+        project: Option<String>,
+        /// The edge that pulls it (default: one chosen).
+        #[arg(long)]
+        edge: Option<String>,
+        /// Return once it is registered, without waiting for the pull.
+        #[arg(long)]
+        no_wait: bool,
+        /// How long to wait for the pull.
+        #[arg(long, default_value_t = 1800)]
+        wait_seconds: u64,
+    },
+    /// Images your sandboxes can start from (your subtree's and your ancestors').
+    /// The built-in images busybox, base and code-interpreter-v1 are not listed.
+    List,
+    Get {
+        name: String,
+    },
+    /// Removes an image's name: creates of it fail from then on; running sandboxes keep it.
+    Rm {
+        name: String,
     },
 }
 

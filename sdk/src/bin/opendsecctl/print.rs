@@ -25,6 +25,28 @@ pub(crate) fn snapshot_row(x: &Snapshot) -> Vec<String> {
     ]
 }
 
+pub(crate) const IMAGE_HEADERS: [&str; 7] = ["NAME", "STATE", "REFERENCE", "DIGEST", "LAYERS", "SIZE", "CREATED"];
+
+pub(crate) fn image_row(x: &Image) -> Vec<String> {
+    let state = match &x.reason {
+        Some(r) if x.state == "failed" => format!("failed: {r}"),
+        _ => x.state.clone(),
+    };
+    let digest = x.digest.as_deref().map_or("-".to_string(), |d| {
+        let hex = d.strip_prefix("sha256:").unwrap_or(d);
+        format!("sha256:{}", &hex[..hex.len().min(12)])
+    });
+    vec![
+        x.name.clone(),
+        state,
+        x.reference.clone(),
+        digest,
+        x.layers.to_string(),
+        format!("{} MB", x.size_bytes >> 20),
+        fmt_time(x.created_at_ms),
+    ]
+}
+
 pub(crate) const SANDBOX_HEADERS: [&str; 9] = [
     "ID",
     "STATE",

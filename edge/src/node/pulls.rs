@@ -1,0 +1,240 @@
+//! Images from registries: the pulls the log asks this edge to make (`ImageRequested`,
+//! reported as `ReportImage`), and the image a sandbox names when the store lacks it.
+//!
+//! A pull runs on a thread of its own beside the loop; its progress is kept here and
+//! sent with each heartbeat (soft state: `GET /v1/images/{name}` shows it). Concurrent
+//! pulls of one reference share one download (the store's single-flight), whether they
+//! come from the log or from creates. Registry settings (plain-HTTP registries the
+//! operator names, credentials per registry) are the edge's own: they never enter the log.
+
+use super::{Edge, EdgeError};
+use crate::desired::DesiredSandbox;
+use crate::images::{Image, ImageStore, PullOptions, PullProgress, RegistryAuth};
+use opendsec_commands::ImageResult;
+use opendsec_commands::images::{Reference, is_builtin, names_a_registry};
+use opendsec_edge_api::pb::ImagePull;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+
+/// The edge's registry settings.
+#[derive(Clone, Debug, Default)]
+pub struct RegistrySettings {
+    /// `host[:port]` of registries spoken to over plain HTTP although not on loopback.
+    pub insecure: Vec<String>,
+    /// Credentials per registry host, from a Docker `config.json` (`auths`).
+    pub auths: BTreeMap<String, (String, String)>,
+}
+
+impl RegistrySettings {
+    /// Reads credentials from a Docker client configuration file (what `docker login`
+    /// writes): `{"auths": {"<host>": {"auth": base64("user:password")}}}`, or
+    /// `username`/`password` fields instead of `auth`.
+    pub fn read_auth_file(path: &Path) -> Result<BTreeMap<String, (String, String)>, String> {
+        use base64::Engine;
+        #[derive(serde::Deserialize)]
+        struct File {
+            #[serde(default)]
+            auths: BTreeMap<String, Entry>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Entry {
+            auth: Option<String>,
+            username: Option<String>,
+            password: Option<String>,
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let file: File = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut out = BTreeMap::new();
+        for (host, e) in file.auths {
+            let pair = match (e.auth, e.username, e.password) {
+                (Some(auth), _, _) => {
+                    let raw = base64::engine::general_purpose::STANDARD
+                        .decode(auth.trim())
+                        .map_err(|_| format!("{}: auths.{host}.auth is not base64", path.display()))?;
+                    let raw = String::from_utf8(raw)
+                        .map_err(|_| format!("{}: auths.{host}.auth is not UTF-8", path.display()))?;
+                    let (u, p) = raw
+                        .split_once(':')
+                        .ok_or_else(|| format!("{}: auths.{host}.auth is not user:password", path.display()))?;
+                    (u.to_string(), p.to_string())
+                }
+                (None, Some(u), Some(p)) => (u, p),
+                _ => {
+                    return Err(format!(
+                        "{}: auths.{host} has neither auth nor username and password",
+                        path.display()
+                    ));
+                }
+            };
+            // Docker writes Docker Hub as a URL; the rest as host[:port].
+            let host = host
+                .trim_start_matches("https://")
+                .trim_start_matches("http://")
+                .split('/')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            let host = if host == "index.docker.io" {
+                "docker.io".to_string()
+            } else {
+                host
+            };
+            out.insert(host, pair);
+        }
+        Ok(out)
+    }
+
+    /// What a pull of `reference` is made with.
+    pub fn options_for(&self, reference: &str) -> PullOptions {
+        let registry = Reference::parse(reference).map(|r| r.registry).unwrap_or_default();
+        PullOptions {
+            auth: match self.auths.get(&registry) {
+                Some((u, p)) => RegistryAuth::Basic {
+                    username: u.clone(),
+                    password: p.clone(),
+                },
+                None => RegistryAuth::Anonymous,
+            },
+            insecure_http_registries: self.insecure.clone(),
+        }
+    }
+}
+
+/// The pulls under way here, by image name.
+#[derive(Default)]
+pub(super) struct Pulls {
+    active: std::sync::Mutex<BTreeMap<String, ImagePull>>,
+}
+
+impl Pulls {
+    pub(super) fn names(&self) -> BTreeSet<String> {
+        self.active.lock().expect("pulls lock").keys().cloned().collect()
+    }
+
+    /// Progress of every pull, for the heartbeat.
+    pub(super) fn progress(&self) -> Vec<ImagePull> {
+        self.active.lock().expect("pulls lock").values().cloned().collect()
+    }
+
+    fn begin(&self, name: &str) -> bool {
+        let mut active = self.active.lock().expect("pulls lock");
+        if active.contains_key(name) {
+            return false;
+        }
+        active.insert(
+            name.to_string(),
+            ImagePull {
+                name: name.to_string(),
+                phase: "resolving".into(),
+                started_ms: opendsec_edge_api::now_ms(),
+                ..Default::default()
+            },
+        );
+        true
+    }
+
+    fn update(&self, name: &str, p: &PullProgress) {
+        if let Some(x) = self.active.lock().expect("pulls lock").get_mut(name) {
+            x.layers_total = p.layers_total as u32;
+            x.layers_done = p.layers_done as u32;
+            x.bytes_total = p.bytes_total;
+            x.bytes_done = p.bytes_done;
+            x.phase = p.current.clone();
+        }
+    }
+
+    fn end(&self, name: &str) {
+        self.active.lock().expect("pulls lock").remove(name);
+    }
+}
+
+impl Edge {
+    /// Starts pulling image `name` from `reference` (unless it is already being pulled);
+    /// the result is reported to the log.
+    pub(super) fn start_pull(self: &Arc<Self>, name: String, reference: String) {
+        if !self.pulls.begin(&name) {
+            return;
+        }
+        let edge = self.clone();
+        std::thread::Builder::new()
+            .name(format!("pull {name}"))
+            .spawn(move || {
+                tracing::info!(image = %name, %reference, "pulling");
+                let progress = |p: &PullProgress| edge.pulls.update(&name, p);
+                let result = match edge.pull_as(&name, &reference, &progress) {
+                    Ok(image) => ImageResult::Ready {
+                        digest: image.digest.clone().unwrap_or_default(),
+                        size_bytes: image_bytes(&edge.images, &image),
+                        layers: image.layers.len() as u32,
+                    },
+                    Err(e) => ImageResult::Failed { reason: e.to_string() },
+                };
+                tracing::info!(image = %name, ?result, "pull done");
+                edge.rt.block_on(edge.report_image(&name, &result));
+                edge.pulls.end(&name);
+                edge.wake.notify_one();
+            })
+            .expect("spawning a pull thread");
+    }
+
+    /// Pulls `reference` and stores it under `name` too (a registered name for it).
+    fn pull_as(&self, name: &str, reference: &str, progress: &dyn Fn(&PullProgress)) -> Result<Image, EdgeError> {
+        let image = self
+            .images
+            .pull(reference, &self.cfg.registries.options_for(reference), progress)?;
+        if image.name != name {
+            let mut named = image.clone();
+            named.name = name.to_string();
+            self.images.put(&named)?;
+            return Ok(named);
+        }
+        Ok(image)
+    }
+
+    async fn report_image(&self, name: &str, result: &ImageResult) {
+        let mut client = self.client.clone();
+        let key = format!("{}:image:{name}", self.cfg.name);
+        match client.report_image(name, result, &key).await {
+            Ok(index) => tracing::info!(image = %name, index, "reported"),
+            // The log still has the pull pending: the next round pulls (from the store,
+            // quickly) and reports again.
+            Err(e) => tracing::warn!(image = %name, error = %e, "cannot report a pull; it is made again"),
+        }
+    }
+
+    /// The image sandbox `d` runs: a built-in one (built here if need be), the store's,
+    /// or pulled now from where the log says (or from the name itself when it names a
+    /// registry). Creates of one image that is not here wait for one pull.
+    pub(super) fn image_for(&self, d: &DesiredSandbox) -> Result<Image, EdgeError> {
+        if is_builtin(&d.image) {
+            return Ok(self.images.ensure(
+                &d.image,
+                &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
+            )?);
+        }
+        if let Ok(image) = self.images.get(&d.image) {
+            return Ok(image);
+        }
+        let source = match &d.image_source {
+            Some(s) => s.clone(),
+            None if names_a_registry(&d.image) => d.image.clone(),
+            None => {
+                return Err(EdgeError::Images(crate::images::ImageError::NotFound(d.image.clone())));
+            }
+        };
+        self.pull_as(
+            &d.image,
+            &source,
+            &|p| tracing::debug!(image = %d.image, done = p.bytes_done, total = p.bytes_total, "pulling for a create"),
+        )
+    }
+}
+
+/// What an image's layers take on disk (apparent sizes; shared layers counted in full).
+fn image_bytes(store: &ImageStore, image: &Image) -> u64 {
+    store
+        .layer_dirs(image)
+        .map(|dirs| dirs.iter().map(|d| super::files::dir_size(d)).sum())
+        .unwrap_or(0)
+}

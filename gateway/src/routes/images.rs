@@ -1,0 +1,125 @@
+//! Images a project brings: pulled from an OCI registry by an edge and started by name
+//! (`image` in a create). The built-in images (`busybox`, `base`, `code-interpreter-v1`)
+//! are every edge's own and are not listed here.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use opendsec_commands::Command;
+use opendsec_projections::{Right, State as Views};
+use opendsec_sdk::types::{self as api, ImageList, ImageWritten, PullImage};
+
+use crate::convert;
+use crate::error::ApiError;
+use crate::extract::{Authed, RequestId, decode_json};
+use crate::{AppState, Written, submit};
+
+/// Registers an image and has an edge pull it. The answer comes once it is logged:
+/// `state` is `pending` while the edge pulls (with `progress`), then `ready` (with its
+/// digest) or `failed` (with the reason); poll `GET /v1/images/{name}`. Sandboxes may be
+/// created from it at once: their edge pulls it too if it must. Pulling a name the
+/// project has again pulls it again (a moved tag). Needs sandbox:write.
+#[utoipa::path(post, path = "/v1/images", tag = "images", request_body = PullImage,
+    responses((status = 201, body = ImageWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn pull(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    body: Bytes,
+) -> Result<Written<ImageWritten>, ApiError> {
+    let req: PullImage = decode_json(&body)?;
+    let cmd = Command::PullImage {
+        project: req.project.unwrap_or_else(|| who.0.project.clone()),
+        name: req.name.unwrap_or_else(|| req.reference.clone()),
+        reference: req.reference,
+        edge: req.edge,
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let image = read(&st, &s.decided.target)
+        .ok_or_else(|| ApiError::internal("the image was written but is not in the applied state"))?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::CREATED,
+        body: ImageWritten { index: s.index, image },
+    })
+}
+
+/// The images the caller's sandboxes can start from: its subtree's and its ancestors'.
+/// Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/images", tag = "images",
+    responses((status = 200, body = ImageList), (status = "4XX", body = api::ErrorBody)))]
+pub async fn list(State(st): State<AppState>, who: Authed) -> Result<Json<ImageList>, ApiError> {
+    who.require(Right::SandboxRead)?;
+    let beats = st.node.edge_heartbeats();
+    let images = st.node.read(|s| {
+        s.images
+            .images
+            .values()
+            .filter(|x| usable(s, &who, &x.project))
+            .map(|x| convert::image(x, progress_of(&beats, &x.edge, &x.name)))
+            .collect()
+    });
+    Ok(Json(ImageList { images }))
+}
+
+/// One image. A name may hold `/` (references are names too): `GET /v1/images/127.0.0.1:5000/python:3.12`.
+#[utoipa::path(get, path = "/v1/images/{name}", tag = "images", params(("name" = String, Path)),
+    responses((status = 200, body = api::Image), (status = "4XX", body = api::ErrorBody)))]
+pub async fn get(
+    State(st): State<AppState>,
+    who: Authed,
+    Path(name): Path<String>,
+) -> Result<Json<api::Image>, ApiError> {
+    who.require(Right::SandboxRead)?;
+    let beats = st.node.edge_heartbeats();
+    st.node.read(|s| {
+        let x = s
+            .images
+            .images
+            .get(&name)
+            .filter(|x| usable(s, &who, &x.project))
+            .ok_or_else(|| ApiError::not_found("name", format!("no image named {name} is visible to this token")))?;
+        Ok(Json(convert::image(x, progress_of(&beats, &x.edge, &x.name))))
+    })
+}
+
+/// Removes an image's name: creates of it are 404 from then on. Sandboxes running it keep
+/// their files. Needs sandbox:write in the image's project.
+#[utoipa::path(delete, path = "/v1/images/{name}", tag = "images", params(("name" = String, Path)),
+    responses((status = 200, body = api::Done), (status = "4XX", body = api::ErrorBody)))]
+pub async fn delete(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    Path(name): Path<String>,
+) -> Result<Written<api::Done>, ApiError> {
+    let s = submit(&st, &who, &rid, Command::DeleteImage { name }).await?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: api::Done { index: s.index },
+    })
+}
+
+/// Whether the caller's sandboxes may start from an image of `project`: it is in the
+/// caller's subtree, or an ancestor's.
+fn usable(s: &Views, who: &Authed, project: &str) -> bool {
+    who.sees(s, project) || s.within(&who.0.project, project)
+}
+
+fn progress_of<'a>(
+    beats: &'a [opendsec_control::EdgeHeartbeat],
+    edge: &str,
+    name: &str,
+) -> Option<&'a opendsec_control::PullProgress> {
+    beats
+        .iter()
+        .find(|b| b.edge == edge)
+        .and_then(|b| b.pulls.iter().find(|p| p.name == name))
+}
+
+fn read(st: &AppState, name: &str) -> Option<api::Image> {
+    st.node
+        .read(|s| s.images.images.get(name).map(|x| convert::image(x, None)))
+}

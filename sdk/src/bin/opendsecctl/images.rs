@@ -1,0 +1,108 @@
+//! `opendsecctl image`: pull (with a progress bar fed by the pulling edge's reports),
+//! list, get, rm.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use opendsec_sdk::types::{Image, PullImage};
+use opendsec_sdk::{ApiError, Client};
+use std::time::{Duration, Instant};
+
+use super::args::ImageCmd;
+use super::print::{IMAGE_HEADERS, Printer, image_row, table};
+
+pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8, ApiError> {
+    match c {
+        ImageCmd::Pull {
+            reference,
+            name,
+            project,
+            edge,
+            no_wait,
+            wait_seconds,
+        } => {
+            let req = PullImage {
+                reference,
+                name,
+                project,
+                edge,
+            };
+            let w = client.pull_image(&req).await?;
+            let image = if no_wait {
+                w.image
+            } else {
+                wait_pulled(client, w.image, Duration::from_secs(wait_seconds)).await?
+            };
+            out.show(&image, |x| table(&IMAGE_HEADERS, vec![image_row(x)]));
+            if image.state == "failed" {
+                eprintln!(
+                    "hint: see the reason above; fix the reference, or the edge's registry settings \
+                     (opendsec edge --insecure-registry / --registry-auth), then pull again"
+                );
+                return Ok(1);
+            }
+            if image.state == "pending" && !no_wait {
+                eprintln!(
+                    "the pull is still running after {wait_seconds} s; follow it with `opendsecctl image get {}`",
+                    image.name
+                );
+                return Ok(1);
+            }
+        }
+        ImageCmd::List => {
+            let l = client.list_images().await?;
+            out.show(&l, |l| table(&IMAGE_HEADERS, l.images.iter().map(image_row).collect()));
+        }
+        ImageCmd::Get { name } => {
+            let x = client.get_image(&name).await?;
+            out.show(&x, |x| {
+                let mut s = table(&IMAGE_HEADERS, vec![image_row(x)]);
+                if let Some(p) = &x.progress {
+                    s.push_str(&format!(
+                        "\npulling on {}: {} of {} layers, {} of {} MB, {}",
+                        x.edge,
+                        p.layers_done,
+                        p.layers_total,
+                        p.bytes_done >> 20,
+                        p.bytes_total >> 20,
+                        p.phase
+                    ));
+                }
+                s
+            });
+        }
+        ImageCmd::Rm { name } => {
+            let d = client.delete_image(&name).await?;
+            out.show(&d, |d| format!("image {name} removed at index {}", d.index));
+        }
+    }
+    Ok(0)
+}
+
+/// Polls the image until its edge has pulled it (or failed, or `limit` passed), drawing
+/// the edge's progress on stderr when it is a terminal.
+async fn wait_pulled(client: &Client, mut image: Image, limit: Duration) -> Result<Image, ApiError> {
+    let started = Instant::now();
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} {prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed} {wide_msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("pulling {}", image.name));
+    bar.enable_steady_tick(Duration::from_millis(120));
+    while image.state == "pending" && started.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        image = client.get_image(&image.name).await?;
+        match &image.progress {
+            Some(p) => {
+                bar.set_length(p.bytes_total.max(p.bytes_done));
+                bar.set_position(p.bytes_done);
+                bar.set_message(format!("layers {}/{} {}", p.layers_done, p.layers_total, p.phase));
+            }
+            None => bar.set_message(format!("waiting for edge {}", image.edge)),
+        }
+    }
+    bar.finish_and_clear();
+    Ok(image)
+}
