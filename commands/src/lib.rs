@@ -192,7 +192,19 @@ pub enum Command {
     DeleteImage {
         name: String,
     },
-    /// What an edge made of a pull. Needs edge:write.
+    /// Registers image `name` in the sandbox's project, made by the sandbox's edge from
+    /// the sandbox's writable layer on top of its image (residue and the `scrub` paths
+    /// left out). Legal for a live container sandbox that has run (running or paused); a
+    /// microVM's or full VM's disk is not a layer (snapshot it instead). Needs
+    /// sandbox:write. Its edge reports it with `ReportImage`.
+    PackSandbox {
+        sandbox: String,
+        name: String,
+        /// Absolute paths to leave out too (files, or directories with all they hold).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        scrub: Vec<String>,
+    },
+    /// What an edge made of a pull or a pack. Needs edge:write.
     ReportImage {
         name: String,
         result: ImageResult,
@@ -266,6 +278,7 @@ impl Command {
             Command::RemoveClusterMember { .. } => "cluster.remove_member",
             Command::PullImage { .. } => "image.pull",
             Command::DeleteImage { .. } => "image.delete",
+            Command::PackSandbox { .. } => "image.pack",
             Command::ReportImage { .. } => "image.report",
         }
     }
@@ -301,12 +314,13 @@ pub enum SnapshotResult {
     Failed { reason: String },
 }
 
-/// An edge's answer to a pull.
+/// An edge's answer to a pull or a pack.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ImageResult {
     Ready {
-        /// The manifest's digest (`sha256:...`).
+        /// The manifest's digest (`sha256:...`); for a packed image, of the image record
+        /// its edge wrote.
         digest: String,
         size_bytes: u64,
         layers: u32,

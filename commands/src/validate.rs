@@ -20,6 +20,9 @@ pub struct InputLimits {
     pub env_count: usize,
     pub env_bytes: usize,
     pub network_len: usize,
+    /// Paths one pack may scrub, and the bytes of each.
+    pub scrub_count: usize,
+    pub scrub_path_len: usize,
 }
 
 pub const LIMITS: InputLimits = InputLimits {
@@ -37,6 +40,8 @@ pub const LIMITS: InputLimits = InputLimits {
     env_count: 256,
     env_bytes: 256 * 1024,
     network_len: 16 * 1024,
+    scrub_count: 64,
+    scrub_path_len: 4096,
 };
 
 fn invalid(field: &str, msg: String) -> Rejection {
@@ -187,6 +192,35 @@ pub fn text(field: &str, v: &str, max: usize) -> Result<(), Rejection> {
             field,
             format!("{field} must be at most {max} characters, without control characters"),
         ));
+    }
+    Ok(())
+}
+
+/// Paths a pack leaves out: at most `scrub_count`, each absolute, at most
+/// `scrub_path_len` bytes, with no empty, `.` or `..` component (so each names one place
+/// in the sandbox's file system, matched exactly by the edge) and no control characters.
+pub fn scrub(field: &str, paths: &[String]) -> Result<(), Rejection> {
+    if paths.len() > LIMITS.scrub_count {
+        return Err(invalid(
+            field,
+            format!("{field} lists {} paths; at most {}", paths.len(), LIMITS.scrub_count),
+        ));
+    }
+    for p in paths {
+        let ok = p.len() <= LIMITS.scrub_path_len
+            && !p.chars().any(char::is_control)
+            && p.strip_prefix('/')
+                .is_some_and(|rest| rest.split('/').all(|c| !matches!(c, "" | "." | "..")));
+        if !ok {
+            return Err(invalid(
+                field,
+                format!(
+                    "{field}: {p:?} is not an absolute path of at most {} bytes without '.', '..' or \
+                     empty components (e.g. /etc/token)",
+                    LIMITS.scrub_path_len
+                ),
+            ));
+        }
     }
     Ok(())
 }

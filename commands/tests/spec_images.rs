@@ -1,10 +1,11 @@
 //! Images a project brings: registered by name with `PullImage`, pulled by one edge,
 //! reported by it, used by creates of the project and its descendants, deleted by name;
-//! and which names a create may use at all.
+//! which names a create may use at all; and images packed from a container sandbox with
+//! `PackSandbox` (made by its edge, started there).
 
 mod support;
 
-use opendsec_commands::{Command, ImageResult, RejectionKind as K};
+use opendsec_commands::{Command, ImageResult, Observation, RejectionKind as K};
 use opendsec_projections::{Event, ImageState, Outcome, Right, schema};
 use std::collections::BTreeMap;
 use support::*;
@@ -275,4 +276,273 @@ fn a_docker_hub_shorthand_is_pulled_by_its_full_name() {
     );
     // Registered under the short name, a create may now use it.
     w.run(&admin, create(&root, "python:3.12-slim")).unwrap();
+}
+
+// ---- packing a sandbox into an image (`PackSandbox`) ----
+
+fn pack(sandbox: &str, name: &str, scrub: &[&str]) -> Command {
+    Command::PackSandbox {
+        sandbox: sandbox.into(),
+        name: name.into(),
+        scrub: scrub.iter().map(|p| p.to_string()).collect(),
+    }
+}
+
+/// The `SandboxCreated` of the last log entry.
+fn last_created(w: &World) -> opendsec_projections::pb::SandboxCreated {
+    let (_, bytes) = w.log.last().expect("an entry");
+    let batch = schema::decode_batch(bytes).unwrap();
+    match schema::batch_events(&batch).unwrap().into_iter().next() {
+        Some(Event::SandboxCreated(e)) => e,
+        other => panic!("the last entry is not a create: {other:?}"),
+    }
+}
+
+/// Edges `a` (room for `a_room` sandboxes) and `b`, and a running container sandbox of
+/// project `team` on `a`: (world, admin, team, sandbox).
+fn running_on_a(a_room: u64) -> (World, String, String, String) {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge(&admin, "a", capacity(a_room, 100_000, 100_000));
+    let root = w.root.clone();
+    let team = w.project(&admin, &root, "team");
+    let id = w.sandbox(&admin, &team);
+    w.edge(&admin, "b", capacity(100, 100_000, 100_000));
+    w.report(&admin, &id, Observation::Ready);
+    (w, admin, team, id)
+}
+
+#[test]
+fn a_running_container_is_packed_by_its_edge_into_an_image_of_its_project() {
+    let (mut w, admin, team, id) = running_on_a(10);
+    let ran = w.run(&admin, pack(&id, "swe-env", &["/etc/token"])).unwrap();
+    assert!(matches!(ran.outcome, Outcome::Applied { .. }));
+    match &ran.decided.events[..] {
+        [Event::ImageRequested(e)] => assert_eq!(
+            (
+                e.name.as_str(),
+                e.project.as_str(),
+                e.reference.as_str(),
+                e.edge.as_str(),
+                e.source_sandbox.as_str(),
+                e.scrub.clone()
+            ),
+            (
+                "swe-env",
+                team.as_str(),
+                "",
+                "a",
+                id.as_str(),
+                vec!["/etc/token".to_string()]
+            )
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(w.last_audit().action, "image.pack");
+    let x = &w.state.images.images["swe-env"];
+    assert_eq!(
+        (x.state, x.source_sandbox.as_deref(), x.edge.as_str(), x.source()),
+        (ImageState::Pending, Some(id.as_str()), "a", String::new())
+    );
+
+    // The same report as a pull's ends it.
+    w.run(&admin, ready("swe-env")).unwrap();
+    let x = &w.state.images.images["swe-env"];
+    assert_eq!(
+        (x.state, x.digest.as_deref(), x.source()),
+        (ImageState::Ready, Some(DIGEST), String::new())
+    );
+    // Packing again under the same name makes it anew (its sandbox has changed since).
+    w.run(&admin, pack(&id, "swe-env", &[])).unwrap();
+    assert_eq!(w.state.images.images["swe-env"].state, ImageState::Pending);
+}
+
+#[test]
+fn creates_of_a_packed_image_go_to_the_edge_holding_it_which_is_named_as_their_source() {
+    let (mut w, admin, team, id) = running_on_a(3);
+    w.run(&admin, pack(&id, "swe-env", &[])).unwrap();
+    w.run(&admin, ready("swe-env")).unwrap();
+    let sub = w.project(&admin, &team, "rl");
+    for project in [&team, &sub] {
+        w.run(&admin, create(project, "swe-env")).unwrap();
+        let c = last_created(&w);
+        assert_eq!(
+            (
+                c.edge.as_str(),
+                c.image.as_str(),
+                c.image_source.as_str(),
+                c.source_edge.as_str(),
+                c.transfer.as_str()
+            ),
+            ("a", "swe-env", "", "a", "")
+        );
+    }
+    // `a` is full: the create goes elsewhere, still naming `a` as where the image is, so
+    // that edge can say why it cannot start it.
+    w.run(&admin, create(&team, "swe-env")).unwrap();
+    let c = last_created(&w);
+    assert_eq!(
+        (c.edge.as_str(), c.source_edge.as_str(), c.transfer.as_str()),
+        ("b", "a", "")
+    );
+    // A pulled image names no source edge.
+    w.run(&admin, pull(&team, "py", "127.0.0.1:5000/python:3.12-slim"))
+        .unwrap();
+    w.run(&admin, create(&team, "py")).unwrap();
+    assert_eq!(last_created(&w).source_edge, "");
+}
+
+#[test]
+fn a_packed_image_starts_nothing_until_it_is_ready_and_nothing_once_it_failed() {
+    let (mut w, admin, team, id) = running_on_a(10);
+    w.run(&admin, pack(&id, "swe-env", &[])).unwrap();
+    let err = w.run(&admin, create(&team, "swe-env")).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("image")));
+    assert!(err.message.contains("still being packed on edge a"), "{}", err.message);
+
+    w.run(
+        &admin,
+        Command::ReportImage {
+            name: "swe-env".into(),
+            result: ImageResult::Failed {
+                reason: "no space left on device".into(),
+            },
+        },
+    )
+    .unwrap();
+    let err = w.run(&admin, create(&team, "swe-env")).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("image")));
+    assert!(
+        err.message.contains("failed to pack: no space left on device") && err.message.contains("sandbox pack"),
+        "{}",
+        err.message
+    );
+}
+
+#[test]
+fn only_a_container_that_has_run_and_lives_can_be_packed() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge_labelled(
+        &admin,
+        "a",
+        capacity(100, 100_000, 100_000),
+        labels(&[(opendsec_commands::MICROVM_LABEL, "qemu")]),
+    );
+    let root = w.root.clone();
+    // Not running yet.
+    let fresh = w.sandbox(&admin, &root);
+    let err = w.run(&admin, pack(&fresh, "env", &[])).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("sandbox")));
+    // Paused is fine: it stays paused.
+    w.report(&admin, &fresh, Observation::Ready);
+    w.run(&admin, Command::PauseSandbox { sandbox: fresh.clone() }).unwrap();
+    w.report(&admin, &fresh, Observation::Paused);
+    w.run(&admin, pack(&fresh, "env", &[])).unwrap();
+    // Ended.
+    w.run(&admin, Command::KillSandbox { sandbox: fresh.clone() }).unwrap();
+    let err = w.run(&admin, pack(&fresh, "env2", &[])).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("sandbox")));
+    // A microVM's disk is not a layer: snapshot it.
+    let mut vm = create(&root, "base");
+    if let Command::CreateSandbox { opts, .. } = &mut vm {
+        opts.isolation = Some(opendsec_projections::Isolation::Microvm);
+    }
+    let vm = w.run(&admin, vm).unwrap().decided.target;
+    w.report(&admin, &vm, Observation::Ready);
+    let before = w.log.len();
+    let err = w.run(&admin, pack(&vm, "env3", &[])).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("sandbox")));
+    assert!(err.message.contains("snapshot it instead"), "{}", err.message);
+    assert_eq!(w.log.len(), before);
+    let err = w.run(&admin, pack("0123456789abcdef0001", "env3", &[])).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::NotFound, Some("sandbox")));
+}
+
+#[test]
+fn bad_packs_are_refused_naming_the_field_and_leave_the_log_unchanged() {
+    let (mut w, admin, _, id) = running_on_a(10);
+    let before = w.log.len();
+    let long = format!("/{}", "a".repeat(4096));
+    let many: Vec<String> = (0..65).map(|i| format!("/p{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    for (name, scrub, field) in [
+        ("base", &[][..], "name"),
+        ("Upper", &[][..], "name"),
+        ("my-vm", &[][..], "name"),
+        ("snap-0123456789abcdef", &[][..], "name"),
+        ("env", &["etc/token"][..], "scrub"),
+        ("env", &["/"][..], "scrub"),
+        ("env", &["/a/../etc/shadow"][..], "scrub"),
+        ("env", &["/a//b"][..], "scrub"),
+        ("env", &["/a/./b"][..], "scrub"),
+        ("env", &["/a/"][..], "scrub"),
+        ("env", &["/a\nb"][..], "scrub"),
+        ("env", &[long.as_str()][..], "scrub"),
+        ("env", &many[..], "scrub"),
+    ] {
+        let err = w.run(&admin, pack(&id, name, scrub)).unwrap_err();
+        assert_eq!(
+            (err.kind, err.field.as_deref()),
+            (K::Invalid, Some(field)),
+            "{name} {scrub:?}: {}",
+            err.message
+        );
+    }
+    assert_eq!(w.log.len(), before);
+    // The most it takes.
+    let most: Vec<String> = (0..64).map(|i| format!("/home/user/p{i}")).collect();
+    let most: Vec<&str> = most.iter().map(String::as_str).collect();
+    w.run(&admin, pack(&id, "env", &most)).unwrap();
+    w.run(&admin, pack(&id, "env", &[&format!("/{}", "a".repeat(4095))]))
+        .unwrap();
+}
+
+#[test]
+fn a_sandbox_is_packed_only_by_its_projects_and_never_under_another_projects_name() {
+    let (mut w, admin, team, id) = running_on_a(10);
+    let root = w.root.clone();
+    let other = w.project(&admin, &root, "other");
+    let outsider = w.issue(&admin, &other, &[Right::SandboxWrite], None);
+    let err = w.run(&outsider, pack(&id, "env", &[])).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Forbidden, Some("sandbox")));
+    let reader = w.issue(&admin, &team, &[Right::SandboxRead], None);
+    let err = w.run(&reader, pack(&id, "env", &[])).unwrap_err();
+    assert_eq!(err.kind, K::Forbidden);
+
+    w.run(&admin, pull(&other, "theirs", "127.0.0.1:5000/x:1")).unwrap();
+    let err = w.run(&admin, pack(&id, "theirs", &[])).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("name")));
+    assert_eq!(w.state.images.images["theirs"].source_sandbox, None);
+    // A denial is logged against the sandbox's project.
+    assert_eq!(
+        (w.last_audit().action.as_str(), w.last_audit().project.as_str()),
+        ("image.pack", team.as_str())
+    );
+}
+
+#[test]
+fn a_pack_decided_before_its_sandbox_ended_is_rejected_when_applied() {
+    let (mut w, admin, _, id) = running_on_a(10);
+    let p = w.propose(&admin, pack(&id, "env", &[]), Overlay::Used);
+    assert!(p.decided.is_ok());
+    w.run(&admin, Command::KillSandbox { sandbox: id.clone() }).unwrap();
+    assert!(matches!(w.commit(p), Some((_, Outcome::Rejected { .. }))));
+    assert!(w.state.images.images.is_empty());
+}
+
+#[test]
+fn replaying_packs_gives_the_same_state_and_a_pulled_image_s_view_is_unchanged() {
+    let (mut w, admin, team, id) = running_on_a(10);
+    w.run(&admin, pull(&team, "py", "127.0.0.1:5000/python:3.12-slim"))
+        .unwrap();
+    w.run(&admin, pack(&id, "env", &["/etc/token"])).unwrap();
+    w.run(&admin, ready("env")).unwrap();
+    w.run(&admin, create(&team, "env")).unwrap();
+    assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
+    let view = serde_json::to_value(&w.state.images).unwrap();
+    // A pulled image serialises as it did before packs existed (older logs replay to the
+    // same bytes); a packed one says where it came from.
+    assert!(view["images"]["py"].get("source_sandbox").is_none(), "{view}");
+    assert_eq!(view["images"]["env"]["source_sandbox"], id.as_str());
 }

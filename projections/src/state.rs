@@ -429,6 +429,9 @@ impl State {
                 {
                     return Err(format!("image name {} is taken by another project", e.name));
                 }
+                if !e.source_sandbox.is_empty() && !self.sandbox(&e.source_sandbox)?.is_live() {
+                    return Err(format!("sandbox {} is no longer running", e.source_sandbox));
+                }
             }
             Event::SandboxForkRequested(e) => {
                 let s = self.sandbox(&e.id)?;
@@ -658,6 +661,7 @@ impl State {
                         project: e.project.clone(),
                         reference: e.reference.clone(),
                         edge: e.edge.clone(),
+                        source_sandbox: (!e.source_sandbox.is_empty()).then(|| e.source_sandbox.clone()),
                         state: ImageState::Pending,
                         digest: None,
                         size_bytes: 0,

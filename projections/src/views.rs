@@ -390,7 +390,8 @@ pub struct Sandbox {
     /// The client's idempotency key, if it gave one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
-    /// The edge holding the state it started from (its fork source's, or its snapshot's).
+    /// The edge holding the state it started from (its fork source's, its snapshot's, or
+    /// its packed image's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_edge: Option<String>,
     /// When that edge is not its own: the id under which the state was served to its edge.
@@ -492,17 +493,22 @@ pub enum ImageState {
 }
 
 /// An image registered by a project: pulled from a registry by one edge, and fetched by
-/// any other edge from the same reference pinned to its digest. Sandboxes of the project
+/// any other edge from the same reference pinned to its digest; or packed by one edge
+/// from a sandbox's file system, and then only on that edge. Sandboxes of the project
 /// and of its descendants start from it by name.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Image {
     /// A store name (`my-env`) or an OCI reference (`registry:5000/python:3.12-slim`).
     pub name: String,
     pub project: String,
-    /// Where it is pulled from.
+    /// Where it is pulled from ("" for a packed image).
     pub reference: String,
-    /// The edge that pulls it.
+    /// The edge that pulls (or packs) it, and holds it.
     pub edge: String,
+    /// The sandbox it was packed from (left out for a pulled image, so older views read
+    /// the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_sandbox: Option<String>,
     pub state: ImageState,
     /// The manifest's digest, once pulled.
     pub digest: Option<String>,
@@ -516,12 +522,21 @@ pub struct Image {
 
 impl Image {
     /// What another edge pulls to get exactly this image: the reference pinned to its
-    /// digest once known (a tag may move), else the reference itself.
+    /// digest once known (a tag may move), else the reference itself; "" for a packed
+    /// image, which no registry has.
     pub fn source(&self) -> String {
+        if self.is_packed() {
+            return String::new();
+        }
         match &self.digest {
             Some(d) => format!("{}@{d}", self.reference.split('@').next().unwrap_or(&self.reference)),
             None => self.reference.clone(),
         }
+    }
+
+    /// Whether it was packed from a sandbox (it exists only in its edge's store).
+    pub fn is_packed(&self) -> bool {
+        self.source_sandbox.is_some()
     }
 }
 

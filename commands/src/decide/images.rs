@@ -1,6 +1,8 @@
-//! Images: registered by a project under a name, pulled by one edge, reported by that
-//! edge, deleted by name. Which image a create names is decided in `sandboxes` through
-//! [`resolve`].
+//! Images: registered by a project under a name, pulled by one edge (or packed by one
+//! edge from a container sandbox's writable layer), reported by that edge, deleted by
+//! name. Which image a create names is decided in `sandboxes` through [`resolve`]; a
+//! packed image lives only in its edge's store, so its creates prefer that edge
+//! ([`packed_edge`]).
 
 use super::Decided;
 use super::scope::{Scope, not_found};
@@ -8,7 +10,7 @@ use crate::images::{Reference, check_name, is_builtin, names_a_registry};
 use crate::validate::{self, LIMITS};
 use crate::{ImageResult, Rejection, RejectionKind as K};
 use opendsec_projections::pb;
-use opendsec_projections::{Event, Image, ImageState, Right};
+use opendsec_projections::{Event, Image, ImageState, Observed, Right};
 
 /// `PullImage`.
 pub(super) fn pull(
@@ -59,6 +61,54 @@ pub(super) fn pull(
             project: project.to_string(),
             reference: parsed.to_string(),
             edge,
+            source_sandbox: String::new(),
+            scrub: vec![],
+        }),
+    ))
+}
+
+/// `PackSandbox`: the sandbox's edge makes the image; it belongs to the sandbox's project.
+pub(super) fn pack(s: &Scope, sandbox: &str, name: &str, scrub: &[String]) -> Result<Decided, Rejection> {
+    check_name(name).map_err(|e| Rejection::field(K::Invalid, "name", e))?;
+    validate::scrub("scrub", scrub)?;
+    let src = s.live_sandbox(sandbox, Right::SandboxWrite)?;
+    if src.isolation.is_machine() {
+        return Err(Rejection::field(
+            K::Invalid,
+            "sandbox",
+            format!(
+                "sandbox {sandbox} is a {}: its disk is not a layer to pack; snapshot it instead \
+                 (opendsecctl sandbox snapshot {sandbox}) and start sandboxes from the snapshot",
+                src.isolation.noun()
+            ),
+        ));
+    }
+    if src.observed != Observed::Ready && src.observed != Observed::Paused {
+        return Err(Rejection::field(
+            K::Conflict,
+            "sandbox",
+            format!("sandbox {sandbox} is not running yet"),
+        ));
+    }
+    if let Some(x) = s.state.images.images.get(name)
+        && x.project != src.project
+    {
+        return Err(Rejection::field(
+            K::Conflict,
+            "name",
+            format!("image name {name} is taken by another project"),
+        ));
+    }
+    Ok(Decided::one(
+        &src.project,
+        name,
+        Event::ImageRequested(pb::ImageRequested {
+            name: name.to_string(),
+            project: src.project.clone(),
+            reference: String::new(),
+            edge: src.edge.clone(),
+            source_sandbox: sandbox.to_string(),
+            scrub: scrub.to_vec(),
         }),
     ))
 }
@@ -142,22 +192,41 @@ fn image_in_scope<'a>(s: &Scope<'a>, name: &str, right: Right) -> Result<&'a Ima
 
 /// Where an edge fetches the image a create of `project` names, if it must: the
 /// registered image's pinned reference, "" for a built-in image or a reference that names
-/// its registry (the edge builds or pulls it by the name itself). An image registered by
-/// the project or an ancestor is usable once it has not failed; any other name is 404.
+/// its registry (the edge builds or pulls it by the name itself), or a packed image (its
+/// edge holds it). An image registered by the project or an ancestor is usable once it
+/// has not failed (a packed one once it is ready); any other name is 404.
 pub(super) fn resolve(s: &Scope, project: &str, image: &str) -> Result<String, Rejection> {
     if let Some(x) = s.state.images.images.get(image)
         && s.state.within(project, &x.project)
     {
-        return match x.state {
-            ImageState::Failed => Err(Rejection::field(
+        let reason = || x.reason.as_deref().unwrap_or("no reason given").to_string();
+        return match (x.state, x.is_packed()) {
+            (ImageState::Failed, false) => Err(Rejection::field(
                 K::Conflict,
                 "image",
                 format!(
                     "image {image} failed to pull: {}; pull it again (opendsecctl image pull)",
-                    x.reason.as_deref().unwrap_or("no reason given")
+                    reason()
                 ),
             )),
-            ImageState::Pending | ImageState::Ready => Ok(x.source()),
+            (ImageState::Failed, true) => Err(Rejection::field(
+                K::Conflict,
+                "image",
+                format!(
+                    "image {image} failed to pack: {}; pack it again (opendsecctl sandbox pack)",
+                    reason()
+                ),
+            )),
+            (ImageState::Pending, true) => Err(Rejection::field(
+                K::Conflict,
+                "image",
+                format!(
+                    "image {image} is still being packed on edge {}; wait until it is ready \
+                     (opendsecctl image get {image})",
+                    x.edge
+                ),
+            )),
+            (ImageState::Pending | ImageState::Ready, _) => Ok(x.source()),
         };
     }
     if is_builtin(image) || names_a_registry(image) {
@@ -171,6 +240,18 @@ pub(super) fn resolve(s: &Scope, project: &str, image: &str) -> Result<String, R
              pull others with `opendsecctl image pull <reference>`, or name a registry (host[:port]/repository[:tag])"
         ),
     ))
+}
+
+/// The edge holding `image` when a create of `project` names a packed image: no other
+/// edge has it, so the create goes there while it has room (elsewhere it fails, saying
+/// why).
+pub(super) fn packed_edge<'a>(s: &Scope<'a>, project: &str, image: &str) -> Option<&'a str> {
+    s.state
+        .images
+        .images
+        .get(image)
+        .filter(|x| x.is_packed() && s.state.within(project, &x.project))
+        .map(|x| x.edge.as_str())
 }
 
 /// Where an edge fetches `image` (the image under a snapshot or a fork's source) if its

@@ -149,6 +149,7 @@ pub fn decide_excluding(
             reference,
             edge,
         } => images::pull(&s, project, name, reference, edge.as_deref()),
+        Command::PackSandbox { sandbox, name, scrub } => images::pack(&s, sandbox, name, scrub),
         Command::DeleteImage { name } => images::delete(&s, name),
         Command::ReportImage { name, result } => images::report(&s, name, result),
     }
@@ -240,6 +241,7 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         | Command::CreateSnapshot { sandbox, .. }
         | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
         Command::PauseTask { task } | Command::ResumeTask { task } => (String::new(), tasks::task_target(task)),
+        Command::PackSandbox { sandbox, name, .. } => (sandbox_project(sandbox), name.clone()),
         Command::PullImage { project, name, .. } => (project.clone(), name.clone()),
         Command::DeleteImage { name } | Command::ReportImage { name, .. } => (
             state

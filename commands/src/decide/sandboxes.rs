@@ -145,11 +145,25 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
         cpu_millis: cpu,
         memory_mb: memory,
     };
-    // From a snapshot: preferably on the snapshot's edge; elsewhere it is pulled.
-    let to = from.map_or(Where::Anywhere, |snap| Where::Prefer(&snap.edge));
+    // From a snapshot: preferably on the snapshot's edge; elsewhere it is pulled. From a
+    // packed image: preferably on the edge holding it; elsewhere the create fails, saying
+    // so (packed images do not move between edges yet).
+    let packed = from
+        .is_none()
+        .then(|| super::images::packed_edge(s, project, image))
+        .flatten();
+    let to = match (from, packed) {
+        (Some(snap), _) => Where::Prefer(&snap.edge),
+        (None, Some(holder)) => Where::Prefer(holder),
+        (None, None) => Where::Anywhere,
+    };
     let placed = place(s, &mut s.rng(), project, usage, 1, to, isolation)?;
     let (id, edge, placement) = placed.into_iter().next().expect("place returns one per request");
-    let source_edge = from.map(|snap| snap.edge.clone()).unwrap_or_default();
+    let source_edge = from
+        .map(|snap| snap.edge.as_str())
+        .or(packed)
+        .unwrap_or_default()
+        .to_string();
     let transfer = match from {
         Some(snap) if snap.edge != edge => snap.id.clone(),
         _ => String::new(),
