@@ -110,6 +110,14 @@ pub enum SnapshotPhase {
     Deleted,
 }
 
+/// An image this edge is to pack from one of its container sandboxes (`PackSandbox`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DesiredPack {
+    pub sandbox: String,
+    /// The caller's paths to leave out, beside the residue every pack leaves out.
+    pub scrub: Vec<String>,
+}
+
 /// A snapshot this edge is to take, keeps or is to remove.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DesiredSnapshot {
@@ -222,6 +230,9 @@ pub struct SliceState {
     /// Images this edge is to pull and report, by name: their reference.
     #[serde(default)]
     pub pulls: BTreeMap<String, String>,
+    /// Images this edge is to pack and report, by name.
+    #[serde(default)]
+    pub packs: BTreeMap<String, DesiredPack>,
 }
 
 impl SliceState {
@@ -357,7 +368,20 @@ impl SliceState {
         self.pulls = snap
             .pulls
             .iter()
+            .filter(|p| p.source_sandbox.is_empty())
             .map(|p| (p.name.clone(), p.reference.clone()))
+            .collect();
+        self.packs = snap
+            .pulls
+            .iter()
+            .filter(|p| !p.source_sandbox.is_empty())
+            .map(|p| {
+                let pack = DesiredPack {
+                    sandbox: p.source_sandbox.clone(),
+                    scrub: p.scrub.clone(),
+                };
+                (p.name.clone(), pack)
+            })
             .collect();
         self.next_index = self.next_index.max(snap.index + 1);
         Ok(())
@@ -437,17 +461,30 @@ impl SliceState {
                 };
                 self.snapshots.insert(r.id.clone(), d);
             }
-            Event::ImageRequested(r) if r.edge == self.edge => {
+            // A second request of a name replaces the first, a pull by a pack or back.
+            Event::ImageRequested(r) if r.edge == self.edge && r.source_sandbox.is_empty() => {
+                self.packs.remove(&r.name);
                 self.pulls.insert(r.name.clone(), r.reference.clone());
+            }
+            Event::ImageRequested(r) if r.edge == self.edge => {
+                self.pulls.remove(&r.name);
+                let pack = DesiredPack {
+                    sandbox: r.source_sandbox.clone(),
+                    scrub: r.scrub.clone(),
+                };
+                self.packs.insert(r.name.clone(), pack);
             }
             Event::ImageReady(r) => {
                 self.pulls.remove(&r.name);
+                self.packs.remove(&r.name);
             }
             Event::ImageFailed(r) => {
                 self.pulls.remove(&r.name);
+                self.packs.remove(&r.name);
             }
             Event::ImageDeleted(r) => {
                 self.pulls.remove(&r.name);
+                self.packs.remove(&r.name);
             }
             Event::SnapshotReady(r) => self.set_phase(&r.id, SnapshotPhase::Ready),
             Event::SnapshotFailed(r) => self.set_phase(&r.id, SnapshotPhase::Failed),
@@ -556,6 +593,87 @@ mod tests {
                 ..Default::default()
             })),
         }
+    }
+
+    #[test]
+    fn packs_are_folded_apart_from_pulls_until_reported_and_a_slice_saved_before_packs_loads() {
+        let requested = |name: &str, edge: &str, sandbox: &str| {
+            Event::ImageRequested(pb::ImageRequested {
+                name: name.into(),
+                project: "root".into(),
+                reference: if sandbox.is_empty() {
+                    "127.0.0.1:5000/py:1".into()
+                } else {
+                    String::new()
+                },
+                edge: edge.into(),
+                source_sandbox: sandbox.into(),
+                scrub: if sandbox.is_empty() {
+                    vec![]
+                } else {
+                    vec!["/etc/token".into()]
+                },
+            })
+        };
+        let mut s = folded(vec![
+            requested("py", HERE, ""),
+            requested("env", HERE, "sb1"),
+            requested("theirs", "e2", "sb7"),
+        ]);
+        assert_eq!(s.pulls.keys().collect::<Vec<_>>(), ["py"]);
+        assert_eq!(
+            s.packs,
+            [(
+                "env".to_string(),
+                DesiredPack {
+                    sandbox: "sb1".into(),
+                    scrub: vec!["/etc/token".into()]
+                }
+            )]
+            .into()
+        );
+        // What the edge saved before packs existed still loads, with none.
+        let mut saved = serde_json::to_value(&s).unwrap();
+        saved.as_object_mut().unwrap().remove("packs");
+        let loaded: SliceState = serde_json::from_value(saved).unwrap();
+        assert_eq!((loaded.pulls.clone(), loaded.packs.len()), (s.pulls.clone(), 0));
+
+        // A pull of the name replaces its pack, and the other way round.
+        s.try_apply(&entry(4, vec![requested("env", HERE, "")])).unwrap();
+        assert!(s.packs.is_empty() && s.pulls.contains_key("env"));
+        s.try_apply(&entry(5, vec![requested("env", HERE, "sb1")])).unwrap();
+        assert!(s.packs.contains_key("env") && !s.pulls.contains_key("env"));
+        s.try_apply(&entry(
+            6,
+            vec![Event::ImageFailed(pb::ImageFailed {
+                name: "env".into(),
+                edge: HERE.into(),
+                reason: "no room".into(),
+            })],
+        ))
+        .unwrap();
+        assert!(s.packs.is_empty());
+
+        // A slice snapshot lists pulls and packs together.
+        let mut snap = snapshot_message(50, vec![]);
+        if let Some(Body::Snapshot(x)) = &mut snap.body {
+            x.pulls = vec![
+                opendsec_edge_api::pb::SliceImage {
+                    name: "py".into(),
+                    reference: "127.0.0.1:5000/py:1".into(),
+                    ..Default::default()
+                },
+                opendsec_edge_api::pb::SliceImage {
+                    name: "env".into(),
+                    source_sandbox: "sb1".into(),
+                    scrub: vec!["/root/notes".into()],
+                    ..Default::default()
+                },
+            ];
+        }
+        s.try_apply(&snap).unwrap();
+        assert_eq!(s.pulls.keys().collect::<Vec<_>>(), ["py"]);
+        assert_eq!(s.packs["env"].scrub, ["/root/notes"]);
     }
 
     #[test]

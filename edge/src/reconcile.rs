@@ -14,7 +14,8 @@
 //! `plan_snapshots`: take pending snapshots (idempotent: existing files are only reported
 //! again), fail those whose sandbox ended, remove deleted ones. `plan_transfers`: prepare,
 //! fail and remove the state this edge serves to other edges. `plan_pulls`: pull the images
-//! the log has this edge pull.
+//! the log has this edge pull. `plan_packs`: pack the images the log has this edge make
+//! from its sandboxes (failed when the sandbox no longer runs here).
 
 use crate::desired::{DesiredSandbox, SliceState};
 use opendsec_commands::Observation;
@@ -73,6 +74,18 @@ pub enum Action {
     PullImage {
         name: String,
         reference: String,
+    },
+    /// Make image `name` from sandbox `sandbox`'s writable layer (residue and `scrub` left
+    /// out) on top of its image, and report the result.
+    PackImage {
+        name: String,
+        sandbox: String,
+        scrub: Vec<String>,
+    },
+    /// Image `name` cannot be made here: report it failed.
+    FailImage {
+        name: String,
+        reason: String,
     },
     /// Capture sandbox `sandbox`'s file system as snapshot `id`, and report it.
     TakeSnapshot {
@@ -244,6 +257,33 @@ pub fn plan_pulls(slice: &SliceState, pulling: &std::collections::BTreeSet<Strin
         .map(|(name, reference)| Action::PullImage {
             name: name.clone(),
             reference: reference.clone(),
+        })
+        .collect()
+}
+
+/// The packs this edge is to make: every image the log has it pack from one of its
+/// sandboxes and that has not been reported, unless it is under way (`under_way`, shared
+/// with pulls: one name is made once at a time). A pack whose sandbox is neither running
+/// nor paused here is reported failed. One whose report was lost is made again.
+pub fn plan_packs(
+    slice: &SliceState,
+    observed: &BTreeMap<String, Running>,
+    under_way: &std::collections::BTreeSet<String>,
+) -> Vec<Action> {
+    slice
+        .packs
+        .iter()
+        .filter(|(name, _)| !under_way.contains(*name))
+        .map(|(name, p)| match observed.get(&p.sandbox) {
+            Some(Running::Running | Running::Paused) => Action::PackImage {
+                name: name.clone(),
+                sandbox: p.sandbox.clone(),
+                scrub: p.scrub.clone(),
+            },
+            _ => Action::FailImage {
+                name: name.clone(),
+                reason: format!("sandbox {} ended before it was packed", p.sandbox),
+            },
         })
         .collect()
 }
@@ -471,6 +511,52 @@ mod tests {
         );
         slice.pulls.clear();
         assert_eq!(plan_pulls(&slice, &Default::default()), vec![]);
+    }
+
+    #[test]
+    fn requested_packs_are_made_once_at_a_time_while_their_sandbox_runs_here() {
+        use crate::desired::DesiredPack;
+        let mut slice = SliceState::new("e1");
+        for (name, sandbox) in [("env", "s1"), ("busy", "s2"), ("late", "s3"), ("gone", "s4")] {
+            let pack = DesiredPack {
+                sandbox: sandbox.into(),
+                scrub: vec!["/etc/token".into()],
+            };
+            slice.packs.insert(name.into(), pack);
+        }
+        let observed: BTreeMap<String, Running> = [
+            ("s1".to_string(), Running::Paused),
+            ("s2".to_string(), Running::Running),
+            (
+                "s3".to_string(),
+                Running::Exited {
+                    exit_code: 0,
+                    oom_killed: false,
+                },
+            ),
+        ]
+        .into();
+        let under_way: std::collections::BTreeSet<String> = ["busy".to_string()].into();
+        assert_eq!(
+            plan_packs(&slice, &observed, &under_way),
+            vec![
+                Action::PackImage {
+                    name: "env".into(),
+                    sandbox: "s1".into(),
+                    scrub: vec!["/etc/token".into()]
+                },
+                Action::FailImage {
+                    name: "gone".into(),
+                    reason: "sandbox s4 ended before it was packed".into()
+                },
+                Action::FailImage {
+                    name: "late".into(),
+                    reason: "sandbox s3 ended before it was packed".into()
+                },
+            ]
+        );
+        slice.packs.clear();
+        assert_eq!(plan_packs(&slice, &observed, &Default::default()), vec![]);
     }
 
     #[test]

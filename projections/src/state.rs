@@ -662,6 +662,7 @@ impl State {
                         reference: e.reference.clone(),
                         edge: e.edge.clone(),
                         source_sandbox: (!e.source_sandbox.is_empty()).then(|| e.source_sandbox.clone()),
+                        scrub: e.scrub.clone(),
                         state: ImageState::Pending,
                         digest: None,
                         size_bytes: 0,

@@ -509,6 +509,9 @@ pub struct Image {
     /// the same).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_sandbox: Option<String>,
+    /// What its pack was asked to leave out beside the usual residue (left out when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scrub: Vec<String>,
     pub state: ImageState,
     /// The manifest's digest, once pulled.
     pub digest: Option<String>,

@@ -3,7 +3,7 @@
 //!
 //! An edge's slice is every event about a sandbox placed on it, the creation of
 //! sandboxes placed elsewhere that start from state it holds (it serves them that
-//! state), the images it is to pull, plus the edge registrations. When the history an edge asks for is no longer
+//! state), the images it is to pull or pack, plus the edge registrations. When the history an edge asks for is no longer
 //! retained, it gets [`slice_snapshot`] first, then the entries after it.
 
 use crate::pb::{self, SliceEdge, SliceImage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
@@ -117,6 +117,8 @@ pub fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
         .map(|x| SliceImage {
             name: x.name.clone(),
             reference: x.reference.clone(),
+            source_sandbox: x.source_sandbox.clone().unwrap_or_default(),
+            scrub: x.scrub.clone(),
         })
         .collect();
     SliceSnapshot {

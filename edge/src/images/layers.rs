@@ -198,7 +198,7 @@ impl ImageStore {
     }
 
     /// Holds `locks/<id>.lock` exclusively until the file is dropped.
-    fn lock_layer(&self, id: &str) -> Result<File, ImageError> {
+    pub(super) fn lock_layer(&self, id: &str) -> Result<File, ImageError> {
         let path = self.root.join("locks").join(format!("{id}.lock"));
         let file = fs::OpenOptions::new()
             .create(true)
@@ -221,13 +221,13 @@ impl ImageStore {
 
 /// Flushes the file system holding `dir`, so that a layer renamed into `layers/` after
 /// it is whole on disk even after a crash.
-fn sync_file_system(dir: &Path) -> Result<(), ImageError> {
+pub(super) fn sync_file_system(dir: &Path) -> Result<(), ImageError> {
     let fd = File::open(dir).map_err(io_err(format!("opening {}", dir.display())))?;
     nix::unistd::syncfs(&fd).map_err(|e| io_err(format!("syncing {}", dir.display()))(e.into()))
 }
 
 /// The kinds of `tmp/` entries made here; see [`TmpPath`].
-const TMP_KINDS: &[&str] = &["pull", "import", "record"];
+const TMP_KINDS: &[&str] = &["pull", "import", "record", "pack"];
 
 /// A private path in `tmp/`, `<kind>.<pid>.<random>.<host>`, removed (file or tree)
 /// when dropped. The pid and host let a later process tell leftovers of dead processes

@@ -15,8 +15,8 @@
 //!   `[A-Za-z0-9._-]` written `%XX` (`localhost%3A5000%2Fapp%3Av1.json`): injective, and
 //!   never equal to a store name (which has no `%`).
 //! - `tmp/`: work under way: builds (`<layer>.<pid>`), OCI pulls and imports
-//!   (`pull.<pid>.<random>.<host>/`, `import.…`) and image records before their rename
-//!   (`record.…`). A pull's leftovers are removed by the next pull on the same host once
+//!   (`pull.<pid>.<random>.<host>/`, `import.…`), packs (`pack.…`) and image records
+//!   before their rename (`record.…`). A pull's leftovers are removed by the next pull on the same host once
 //!   their process is gone.
 //! - `locks/<name>.lock`: serialises builds of one image across processes;
 //!   `locks/sha256-<hex>.lock` the unpacking of one OCI layer (flock: several edges on
@@ -38,7 +38,9 @@
 //! (`:latest`/`:default` tags, `code-interpreter`). CLI: `opendsec-image build|list`.
 //!
 //! OCI images: [`ImageStore::pull`] and [`ImageStore::import`] (`layers.rs` says how a
-//! pull stages, locks and publishes; `unpack.rs` how a layer's tar is written).
+//! pull stages, locks and publishes; `unpack.rs` how a layer's tar is written). Layers
+//! made here from a sandbox's files (a pack): [`write_layer`] and
+//! [`ImageStore::add_layer`] (`pack.rs`), stored as OCI layers are.
 //!
 //! **Architecture Invariant:** a layer id hashes its recipe (packages, the files it adds)
 //! and the ids of the layers below it; `ensure` rebuilds an image whose stored record
@@ -69,6 +71,7 @@ mod build_root;
 mod import;
 mod layers;
 mod oci;
+mod pack;
 mod registry;
 mod unpack;
 
@@ -85,6 +88,7 @@ pub use build::{
     code_interpreter_start,
 };
 pub use layers::PullProgress;
+pub use pack::{LayerTar, ScratchDir, write_layer};
 pub use registry::{PullOptions, RegistryAuth};
 
 /// Default location of the store on an edge machine.

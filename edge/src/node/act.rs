@@ -43,6 +43,15 @@ impl Edge {
                 self.start_pull(name, reference);
                 Ok(())
             }
+            Action::PackImage { name, sandbox, scrub } => {
+                self.start_pack(name, sandbox, scrub);
+                Ok(())
+            }
+            Action::FailImage { name, reason } => {
+                self.report_image(&name, &opendsec_commands::ImageResult::Failed { reason })
+                    .await;
+                Ok(())
+            }
             Action::Report { id, observation } => {
                 self.act_report(id, observation).await;
                 Ok(())

@@ -3,8 +3,9 @@
 //! a microVM or a full VM (`crate::microvms` over the driver in `crate::vm`, QEMU or
 //! Firecracker). What the node does to a sandbox that both can do (create, pause,
 //! resume, stop, remove, snapshot, export for another edge, observe, metrics, console
-//! log, the agent's address, what admission needs) goes through [`Backend`]; the rest of
-//! the node never asks which isolation a sandbox has.
+//! log, the agent's address, what admission needs) goes through [`Backend`], and so does
+//! what only one can do (a pack: a container's layers); the rest of the node never asks
+//! which isolation a sandbox has.
 //!
 //! The microVM driver is prepared beside the loop at start (the first start on a machine
 //! builds the kernel and initramfs; the KVM verdict is kept in the image store for the
@@ -262,6 +263,23 @@ impl Backend<'_> {
                 }
                 Ok(super::files::dir_allocated(dest))
             }
+        }
+    }
+
+    /// A pack of `sandbox` (see `packs.rs`): the image store's layers it stacks (ids, bottom
+    /// first), and what `read` made of each layer of its own, bottom first, its writable
+    /// layer last (read frozen). A VM's disk is not a layer: refused.
+    pub(super) fn pack_layers<T>(
+        &self,
+        sandbox: &str,
+        store_layers: &Path,
+        read: &mut dyn FnMut(&Path) -> Result<T, EdgeError>,
+    ) -> Result<(Vec<String>, Vec<T>), EdgeError> {
+        match self {
+            Backend::Containers(c) => containers::pack_layers(c, sandbox, store_layers, read),
+            Backend::Machines(_) => Err(EdgeError::Store(format!(
+                "sandbox {sandbox} is a VM: its disk is not a layer to pack; snapshot it instead"
+            ))),
         }
     }
 

@@ -1,7 +1,7 @@
 //! The node's side of the container backend (`crate::container`), as [`super::backend`]
 //! calls it: how a container's state reads as an observation (an OOM is never reported
 //! as a plain exit), pausing with memory reclaim, stopping, metrics, and the sandbox's
-//! file system read frozen for snapshots, forks and transfers.
+//! file system read frozen for snapshots, forks, transfers and packs.
 //!
 //! Sandbox files: a snapshot is a copy (`cp -a`, keeping whiteouts and opaque-dir xattrs)
 //! of the sandbox's overlay upper dir, taken while its cgroup is frozen, kept as a layer
@@ -187,6 +187,36 @@ pub(super) fn export_fork(
     with_frozen_upper(containers, sandbox, |upper| tar_create(upper, &dir.join(&top)))?;
     names.push(top);
     Ok(names)
+}
+
+/// A container's file system as layers, for a pack: the ids of the image store's layers it
+/// stacks (the directories in `store_layers`, bottom first), and what `read` made of each
+/// layer of its own, bottom first: those it starts from (a snapshot's chain, a fork's
+/// copies), then what it wrote, read frozen (it is thawed again unless it was paused).
+pub(super) fn pack_layers<T>(
+    containers: &ContainerBackend,
+    sandbox: &str,
+    store_layers: &Path,
+    read: &mut dyn FnMut(&Path) -> Result<T, EdgeError>,
+) -> Result<(Vec<String>, Vec<T>), EdgeError> {
+    let mut ids = Vec::new();
+    let mut own = Vec::new();
+    for layer in containers.get(sandbox)?.record.layers {
+        let id = (layer.parent() == Some(store_layers))
+            .then(|| layer.file_name().and_then(|n| n.to_str()).map(str::to_string))
+            .flatten();
+        match id {
+            Some(id) if own.is_empty() => ids.push(id),
+            Some(id) => {
+                return Err(EdgeError::Store(format!(
+                    "sandbox {sandbox} stacks store layer {id} above layers of its own: it cannot be packed"
+                )));
+            }
+            None => own.push(read(&layer)?),
+        }
+    }
+    own.push(with_frozen_upper(containers, sandbox, |upper| read(upper))?);
+    Ok((ids, own))
 }
 
 /// A container's counters for the metrics endpoint: its cgroup's CPU and memory, and its

@@ -17,6 +17,8 @@
 //! - `admission.rs`: the edge's final word on admission.
 //! - `adoption.rs`: taking up what an earlier run left (sandboxes, the saved slice).
 //! - `snapshots.rs`, `transfers.rs`: snapshots, and state moving between edges.
+//! - `pulls.rs`, `packs.rs`: images pulled from registries, and images packed from this
+//!   edge's container sandboxes (their writable layer, residue left out).
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
 //! Not yet: network policy, memory snapshots of containers (CRIU does not work here; a
@@ -31,6 +33,7 @@ mod backend;
 mod containers;
 mod create;
 mod files;
+mod packs;
 mod paths;
 mod pulls;
 mod run;
@@ -128,6 +131,13 @@ pub enum EdgeError {
     Transfer(#[from] crate::transfer::TransferError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// A create names an image packed on another edge (packed images stay where they were
+    /// made), or packed here and since removed from the store.
+    #[error(
+        "image {image} was packed on edge {edge} and is not in this edge's store; packed images start only \
+         on the edge that packed them: make room there, or pack the image again from a sandbox on this edge"
+    )]
+    PackedElsewhere { image: String, edge: String },
 }
 
 fn store_err(e: impl std::fmt::Display) -> EdgeError {
@@ -188,7 +198,7 @@ struct Edge {
     import_locks: Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
     /// The runtime, for the async pulls that blocking creations make.
     rt: tokio::runtime::Handle,
-    /// Image pulls under way (`pulls.rs`).
+    /// Image pulls and packs under way (`pulls.rs`, `packs.rs`).
     pulls: pulls::Pulls,
 }
 

@@ -101,7 +101,7 @@ impl RegistrySettings {
     }
 }
 
-/// The pulls under way here, by image name.
+/// The pulls (and packs, `packs.rs`) under way here, by image name.
 #[derive(Default)]
 pub(super) struct Pulls {
     active: std::sync::Mutex<BTreeMap<String, ImagePull>>,
@@ -117,7 +117,7 @@ impl Pulls {
         self.active.lock().expect("pulls lock").values().cloned().collect()
     }
 
-    fn begin(&self, name: &str) -> bool {
+    pub(super) fn begin(&self, name: &str) -> bool {
         let mut active = self.active.lock().expect("pulls lock");
         if active.contains_key(name) {
             return false;
@@ -134,7 +134,7 @@ impl Pulls {
         true
     }
 
-    fn update(&self, name: &str, p: &PullProgress) {
+    pub(super) fn update(&self, name: &str, p: &PullProgress) {
         if let Some(x) = self.active.lock().expect("pulls lock").get_mut(name) {
             x.layers_total = p.layers_total as u32;
             x.layers_done = p.layers_done as u32;
@@ -144,7 +144,7 @@ impl Pulls {
         }
     }
 
-    fn end(&self, name: &str) {
+    pub(super) fn end(&self, name: &str) {
         self.active.lock().expect("pulls lock").remove(name);
     }
 }
@@ -192,7 +192,7 @@ impl Edge {
         Ok(image)
     }
 
-    async fn report_image(&self, name: &str, result: &ImageResult) {
+    pub(super) async fn report_image(&self, name: &str, result: &ImageResult) {
         let mut client = self.client.clone();
         let key = format!("{}:image:{name}", self.cfg.name);
         match client.report_image(name, result, &key).await {
@@ -215,6 +215,12 @@ impl Edge {
         }
         if let Ok(image) = self.images.get(&d.image) {
             return Ok(image);
+        }
+        if let Some(holder) = super::packs::packed_on(d) {
+            return Err(EdgeError::PackedElsewhere {
+                image: d.image.clone(),
+                edge: holder.to_string(),
+            });
         }
         let source = match &d.image_source {
             Some(s) => s.clone(),

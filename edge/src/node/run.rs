@@ -11,7 +11,7 @@ use crate::container::ContainerBackend;
 use crate::container::warm::WarmPool;
 use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
-use crate::reconcile::{Action, plan, plan_oom, plan_pulls, plan_snapshots, plan_transfers};
+use crate::reconcile::{Action, plan, plan_oom, plan_packs, plan_pulls, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_edge_api::pb::HeartbeatRequest;
 use redb::Database;
@@ -231,7 +231,9 @@ impl Edge {
         let mut a = plan(slice, observed, opendsec_edge_api::now_ms(), caught_up);
         a.extend(plan_oom(slice, &self.oom_seen.lock().expect("oom lock")));
         a.extend(plan_snapshots(slice, observed, &present));
-        a.extend(plan_pulls(slice, &self.pulls.names()));
+        let under_way = self.pulls.names();
+        a.extend(plan_pulls(slice, &under_way));
+        a.extend(plan_packs(slice, observed, &under_way));
         a.extend(
             plan_transfers(slice, observed, &served)
                 .into_iter()
