@@ -169,6 +169,8 @@ pub fn image(x: &views::Image, progress: Option<&opendsec_control::PullProgress>
         project: x.project.clone(),
         reference: x.reference.clone(),
         edge: x.edge.clone(),
+        source_sandbox: x.source_sandbox.clone(),
+        scrub: x.scrub.clone(),
         state: word(&x.state),
         digest: x.digest.clone(),
         size_bytes: x.size_bytes,

@@ -69,6 +69,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/resume"),
     ("post", "/v1/sandboxes/{id}/fork"),
     ("post", "/v1/sandboxes/{id}/snapshots"),
+    ("post", "/v1/sandboxes/{id}/pack"),
     ("put", "/v1/sandboxes/{id}/timeout"),
     ("put", "/v1/sandboxes/{id}/labels"),
     ("get", "/v1/sandboxes/{id}/logs"),
@@ -122,6 +123,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/fork", post(sandboxes::fork))
         .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/v1/sandboxes/{id}/pack", post(images::pack))
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))

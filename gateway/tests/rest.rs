@@ -1238,3 +1238,78 @@ async fn the_openapi_document_covers_every_route_and_its_schemas() {
         assert!(isolation.contains(name), "{name} missing from {isolation}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_is_packed_into_an_image_through_rest() {
+    let api = Api::new().await;
+    let admin = api.admin().to_string();
+    api.register_edge("edge-a", 10).await;
+    let created = api
+        .ok("POST", "/v1/sandboxes", &admin, Some(json!({"image": "busybox"})), 201)
+        .await;
+    let id = created["sandbox"]["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/sandboxes/{id}/pack");
+
+    // Not running yet: a conflict; then bad bodies are 400s naming the field, not logged.
+    let r = api.call("POST", &path, &admin, Some(json!({"name": "env"}))).await;
+    assert_eq!(
+        (r.status, r.body["field"].as_str()),
+        (StatusCode::CONFLICT, Some("sandbox"))
+    );
+    opendsec_control::testing::report_ready(&api.t.node, &id).await;
+    check_bad(&api, "POST", &path, br#"{"name":"env","scrub":["etc/token"]}"#, expect![[r#"400 {"code":"invalid","field":"scrub","message":"scrub: \"etc/token\" is not an absolute path of at most 4096 bytes without '.', '..' or empty components (e.g. /etc/token)"}"#]]).await;
+    check_bad(
+        &api,
+        "POST",
+        &path,
+        br#"{"name":"base"}"#,
+        expect![[r#"400 {"code":"invalid","field":"name","message":"\"base\" is a built-in image"}"#]],
+    )
+    .await;
+    check_bad(&api, "POST", &path, br#"{"name":"env","paths":[]}"#, expect![[r#"400 {"code":"invalid","field":"paths","message":"paths: unknown field `paths`, expected `name` or `scrub` at line 1 column 21"}"#]]).await;
+
+    let w = api
+        .ok(
+            "POST",
+            &path,
+            &admin,
+            Some(json!({"name": "env", "scrub": ["/etc/token"]})),
+            201,
+        )
+        .await;
+    let image = &w["image"];
+    assert_eq!(
+        (
+            image["state"].as_str(),
+            image["reference"].as_str(),
+            image["edge"].as_str(),
+            image["source_sandbox"].as_str(),
+            image["scrub"].clone()
+        ),
+        (
+            Some("pending"),
+            Some(""),
+            Some("edge-a"),
+            Some(id.as_str()),
+            json!(["/etc/token"])
+        ),
+        "{w}"
+    );
+    let got = api.ok("GET", "/v1/images/env", &admin, None, 200).await;
+    assert_eq!(got["source_sandbox"], id.as_str());
+    // Until its edge has made it, nothing starts from it.
+    let r = api
+        .call("POST", "/v1/sandboxes", &admin, Some(json!({"image": "env"})))
+        .await;
+    assert_eq!(
+        (r.status, r.body["field"].as_str()),
+        (StatusCode::CONFLICT, Some("image")),
+        "{}",
+        r.body
+    );
+    assert!(
+        r.body["message"].as_str().unwrap().contains("still being packed"),
+        "{}",
+        r.body
+    );
+}

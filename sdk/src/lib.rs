@@ -407,6 +407,14 @@ impl Client {
         self.call(Method::POST, &["v1", "images"], &[], Some(req)).await
     }
 
+    /// Makes image `req.name` of container sandbox `sandbox` (its writable layer on top of
+    /// its image, residue and `req.scrub` left out), on the sandbox's edge; it is `pending`
+    /// until made (poll [`Client::get_image`]). Sandboxes start from it by name, on that edge.
+    pub async fn pack_sandbox(&self, sandbox: &str, req: &PackSandbox) -> Result<ImageWritten, ApiError> {
+        self.call(Method::POST, &["v1", "sandboxes", sandbox, "pack"], &[], Some(req))
+            .await
+    }
+
     /// One image, with the pull's progress while it is pending.
     pub async fn get_image(&self, name: &str) -> Result<Image, ApiError> {
         self.get(&["v1", "images", name], &[]).await

@@ -462,6 +462,21 @@ pub struct PullImage {
     pub edge: Option<String>,
 }
 
+/// `POST /v1/sandboxes/{id}/pack`: make an image of a container sandbox's file system (its
+/// writable layer on top of its image), made and kept by the sandbox's edge.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PackSandbox {
+    /// The name sandboxes (and E2B templates) start it by, in the sandbox's project.
+    pub name: String,
+    /// Absolute paths to leave out (a file, or a directory with all it holds), beside the
+    /// residue every pack leaves out: the agent's files, what `/tmp`, `/var/tmp` and `/run`
+    /// hold, shell histories, caches. At most 64.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scrub: Vec<String>,
+}
+
 /// How far a pull has come, as its edge last said (soft state, not logged).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
@@ -481,12 +496,19 @@ pub struct PullProgress {
 pub struct Image {
     pub name: String,
     pub project: String,
+    /// Where it is pulled from ("" for a packed image).
     pub reference: String,
-    /// The edge that pulls it.
+    /// The edge that pulls (or packs) it. A packed image starts only there.
     pub edge: String,
+    /// The sandbox it was packed from (absent for a pulled image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_sandbox: Option<String>,
+    /// The paths its pack was asked to leave out (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scrub: Vec<String>,
     /// pending, ready or failed.
     pub state: String,
-    /// The manifest's digest, once pulled.
+    /// The manifest's digest, once pulled (a packed image's: its edge's image record's).
     pub digest: Option<String>,
     pub size_bytes: u64,
     pub layers: u32,

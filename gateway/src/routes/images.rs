@@ -1,5 +1,6 @@
-//! Images a project brings: pulled from an OCI registry by an edge and started by name
-//! (`image` in a create). The built-in images (`busybox`, `base`, `code-interpreter-v1`)
+//! Images a project brings: pulled from an OCI registry by an edge, or packed from one of
+//! its container sandboxes by that sandbox's edge, and started by name (`image` in a
+//! create). The built-in images (`busybox`, `base`, `code-interpreter-v1`)
 //! are every edge's own and are not listed here.
 
 use axum::Json;
@@ -8,11 +9,11 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use opendsec_commands::Command;
 use opendsec_projections::{Right, State as Views};
-use opendsec_sdk::types::{self as api, ImageList, ImageWritten, PullImage};
+use opendsec_sdk::types::{self as api, ImageList, ImageWritten, PackSandbox, PullImage};
 
 use crate::convert;
 use crate::error::ApiError;
-use crate::extract::{Authed, RequestId, decode_json};
+use crate::extract::{Authed, PathParam, RequestId, decode_json};
 use crate::{AppState, Written, submit};
 
 /// Registers an image and has an edge pull it. The answer comes once it is logged:
@@ -34,6 +35,40 @@ pub async fn pull(
         name: req.name.unwrap_or_else(|| req.reference.clone()),
         reference: req.reference,
         edge: req.edge,
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let image = read(&st, &s.decided.target)
+        .ok_or_else(|| ApiError::internal("the image was written but is not in the applied state"))?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::CREATED,
+        body: ImageWritten { index: s.index, image },
+    })
+}
+
+/// Makes an image of a container sandbox that has run (running or paused): its writable
+/// layer becomes a layer on top of its image, made and kept by the sandbox's edge (a
+/// running sandbox is frozen while its files are read). Left out: the agent's files, what
+/// `/tmp`, `/var/tmp` and `/run` hold, shell histories, caches (`~/.cache`, apt's, Python's
+/// `__pycache__`), and the `scrub` paths; setuid bits and file capabilities are dropped.
+/// The answer comes once it is logged: `pending`, then `ready` or `failed`; poll
+/// `GET /v1/images/{name}`. Sandboxes of the project and its descendants (and E2B
+/// templates) start from it by name, on that edge. A microVM or full VM is refused
+/// (snapshot it instead). Needs sandbox:write.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pack", tag = "images", params(("id" = String, Path)), request_body = PackSandbox,
+    responses((status = 201, body = ImageWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn pack(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    body: Bytes,
+) -> Result<Written<ImageWritten>, ApiError> {
+    let req: PackSandbox = decode_json(&body)?;
+    let cmd = Command::PackSandbox {
+        sandbox: id,
+        name: req.name,
+        scrub: req.scrub,
     };
     let s = submit(&st, &who, &rid, cmd).await?;
     let image = read(&st, &s.decided.target)

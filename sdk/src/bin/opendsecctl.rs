@@ -520,6 +520,13 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             });
             return Ok(0);
         }
+        SandboxCmd::Pack {
+            id,
+            name,
+            scrub,
+            no_wait,
+            wait_seconds,
+        } => return images::pack(&client, out, &id, PackSandbox { name, scrub }, no_wait, wait_seconds).await,
         SandboxCmd::Snapshot {
             id,
             name,

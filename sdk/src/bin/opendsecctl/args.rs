@@ -254,6 +254,26 @@ pub(crate) enum SandboxCmd {
         #[arg(long, default_value_t = 300)]
         wait_seconds: u64,
     },
+    /// Makes an image of a container sandbox: its writable layer on top of its image, made
+    /// and kept by its edge, and waits until it is made. Left out: the agent's files, what
+    /// /tmp, /var/tmp and /run hold, shell histories, caches, and every --scrub path.
+    /// Start sandboxes (or E2B templates) from it with `sandbox create --image <NAME>`.
+    Pack {
+        id: String,
+        /// The image's name (in the sandbox's project).
+        #[arg(long)]
+        name: String,
+        /// An absolute path to leave out too (a file, or a directory with all it holds);
+        /// repeat for several.
+        #[arg(long = "scrub", value_name = "PATH")]
+        scrub: Vec<String>,
+        /// Return as soon as it is logged (pending), without waiting for the edge.
+        #[arg(long)]
+        no_wait: bool,
+        /// How long to wait for the edge at most.
+        #[arg(long, default_value_t = 1800)]
+        wait_seconds: u64,
+    },
     /// Clones a live sandbox --count times (on its edge while it has room, else on others,
     /// which pull its state from its edge).
     Fork {

@@ -1,8 +1,8 @@
 //! `opendsecctl image`: pull (with a progress bar fed by the pulling edge's reports),
-//! list, get, rm.
+//! list, get, rm; and `sandbox pack`, which waits the same way.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use opendsec_sdk::types::{Image, PullImage};
+use opendsec_sdk::types::{Image, PackSandbox, PullImage};
 use opendsec_sdk::{ApiError, Client};
 use std::time::{Duration, Instant};
 
@@ -77,9 +77,40 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
     Ok(0)
 }
 
-/// Polls the image until its edge has pulled it (or failed, or `limit` passed), drawing
-/// the edge's progress on stderr when it is a terminal.
-async fn wait_pulled(client: &Client, mut image: Image, limit: Duration) -> Result<Image, ApiError> {
+/// `sandbox pack`: asks for the image and, unless `no_wait`, waits until the sandbox's
+/// edge has made it (1 when it failed or is still being made at `wait_seconds`).
+pub(crate) async fn pack(
+    client: &Client,
+    out: Printer,
+    sandbox: &str,
+    req: PackSandbox,
+    no_wait: bool,
+    wait_seconds: u64,
+) -> Result<u8, ApiError> {
+    let w = client.pack_sandbox(sandbox, &req).await?;
+    let image = if no_wait {
+        w.image
+    } else {
+        wait_pulled(client, w.image, Duration::from_secs(wait_seconds)).await?
+    };
+    out.show(&image, |x| table(&IMAGE_HEADERS, vec![image_row(x)]));
+    if image.state == "failed" {
+        eprintln!("hint: see the reason above; a path the pack cannot hold can be left out with --scrub PATH");
+        return Ok(1);
+    }
+    if image.state == "pending" && !no_wait {
+        eprintln!(
+            "the pack is still running after {wait_seconds} s; follow it with `opendsecctl image get {}`",
+            image.name
+        );
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+/// Polls the image until its edge has pulled (or packed) it, or failed, or `limit` passed,
+/// drawing the edge's progress on stderr when it is a terminal.
+pub(crate) async fn wait_pulled(client: &Client, mut image: Image, limit: Duration) -> Result<Image, ApiError> {
     let started = Instant::now();
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
     bar.set_style(
@@ -89,7 +120,12 @@ async fn wait_pulled(client: &Client, mut image: Image, limit: Duration) -> Resu
         .expect("a valid template")
         .progress_chars("=> "),
     );
-    bar.set_prefix(format!("pulling {}", image.name));
+    let doing = if image.source_sandbox.is_some() {
+        "packing"
+    } else {
+        "pulling"
+    };
+    bar.set_prefix(format!("{doing} {}", image.name));
     bar.enable_steady_tick(Duration::from_millis(120));
     while image.state == "pending" && started.elapsed() < limit {
         tokio::time::sleep(Duration::from_millis(250)).await;

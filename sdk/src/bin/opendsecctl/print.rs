@@ -39,7 +39,10 @@ pub(crate) fn image_row(x: &Image) -> Vec<String> {
     vec![
         x.name.clone(),
         state,
-        x.reference.clone(),
+        match &x.source_sandbox {
+            Some(sandbox) => format!("packed from {sandbox} on {}", x.edge),
+            None => x.reference.clone(),
+        },
         digest,
         x.layers.to_string(),
         format!("{} MB", x.size_bytes >> 20),
