@@ -1,7 +1,8 @@
 //! Specification (the DSec paper's §6.1, pack_diff): a sandbox installs a package, is
 //! packed into an image, and a new sandbox from the packed image has the package and none
-//! of the scrubbed residue. Through the whole path with a real `opendsec up` (REST and the
-//! SDK -> log -> edge -> crun/runc -> agent). Needs root, crun or runc, the built `busybox`
+//! of the scrubbed residue; E2B clients start it as a template. Through the whole path
+//! with a real `opendsec up` (the SDK, REST and E2B's API -> log -> edge -> crun/runc ->
+//! agent). Needs root, crun or runc, the built `busybox`
 //! image and the static agent (`./ops/test.sh` installs and builds them).
 
 #[path = "support/up.rs"]
@@ -201,6 +202,22 @@ async fn a_packed_sandbox_starts_new_sandboxes_with_its_package_and_none_of_its_
         "residue, the scrubbed path or the deleted file came back, or setuid stayed"
     );
 
+    // An E2B client starts it as a template, by name.
+    let key = up.issue_e2b_key().await;
+    let (status, v) = up::send_json(
+        up.client
+            .post(format!("http://{}/sandboxes", up.http))
+            .header("x-api-key", &key),
+        Some(serde_json::json!({"templateID": name})),
+    )
+    .await;
+    assert_eq!(status, 201, "E2B create from the packed template: {v}");
+    assert_eq!(v["templateID"], name.as_str(), "{v}");
+    let from_e2b = v["sandboxID"].as_str().expect("sandboxID").to_string();
+    wait_state(&client, &from_e2b, "running").await;
+    let (code, out) = root_sh(&client, &from_e2b, "hello").await;
+    assert_eq!((code, out.trim()), (0, word.as_str()));
+
     // A paused sandbox is packed too, and stays paused.
     client.pause_sandbox(&src).await.unwrap();
     wait_state(&client, &src, "paused").await;
@@ -218,7 +235,7 @@ async fn a_packed_sandbox_starts_new_sandboxes_with_its_package_and_none_of_its_
     let (_, out) = root_sh(&client, &third, "cat /etc/token; [ -e /tmp/secret ] || echo no-secret").await;
     assert_eq!(out.split_whitespace().collect::<Vec<_>>(), ["t0ken", "no-secret"]);
 
-    for id in [&src, &new, &third] {
+    for id in [&src, &new, &from_e2b, &third] {
         let _ = client.kill_sandbox(id).await;
     }
     for n in [&name, &paused_name] {
