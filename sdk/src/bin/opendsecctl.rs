@@ -526,7 +526,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             scrub,
             no_wait,
             wait_seconds,
-        } => return images::pack(&client, out, &id, PackSandbox { name, scrub }, no_wait, wait_seconds).await,
+        } => return images::pack(client, out, &id, PackSandbox { name, scrub }, no_wait, wait_seconds).await,
         SandboxCmd::Snapshot {
             id,
             name,
