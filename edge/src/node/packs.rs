@@ -130,7 +130,12 @@ impl Edge {
             .get(sandbox)
             .cloned()
             .ok_or_else(|| EdgeError::Store(format!("sandbox {sandbox} is not on this edge")))?;
-        let parent = self.image_for(&d)?;
+        // Only its config is taken: the stored record as it is (a built-in image whose
+        // recipe changed since is not rebuilt for it), else whatever a create would use.
+        let parent = match self.images.get(&d.image) {
+            Ok(image) => image,
+            Err(_) => self.image_for(&d)?,
+        };
         let residue = Residue::new(scrub);
         let skip = |p: &Path| residue.skips(p);
         let scratch = self.images.scratch_dir()?;
