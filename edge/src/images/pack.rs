@@ -66,14 +66,14 @@ impl ImageStore {
     /// `layers/sha256-<hex>` (unless it is there already) and returns its id.
     pub fn add_layer(&self, tar: &Path, diff_id: &str) -> Result<String, ImageError> {
         let id = layer_id(diff_id);
-        if !id.starts_with("sha256-") || self.layer_path(&id).is_dir() {
-            return match id.starts_with("sha256-") {
-                true => Ok(id),
-                false => Err(ImageError::BadLayer {
-                    layer: diff_id.to_string(),
-                    reason: "a diff_id is sha256:<hex>".into(),
-                }),
-            };
+        if !id.starts_with("sha256-") {
+            return Err(ImageError::BadLayer {
+                layer: diff_id.to_string(),
+                reason: "a diff_id is sha256:<hex>".into(),
+            });
+        }
+        if self.layer_path(&id).is_dir() {
+            return Ok(id);
         }
         let _lock = self.lock_layer(&id)?;
         if self.layer_path(&id).is_dir() {
