@@ -168,7 +168,9 @@ impl Edge {
                         size_bytes: image_bytes(&edge.images, &image),
                         layers: image.layers.len() as u32,
                     },
-                    Err(e) => ImageResult::Failed { reason: e.to_string() },
+                    Err(e) => ImageResult::Failed {
+                        reason: super::fit_reason(&e.to_string()),
+                    },
                 };
                 tracing::info!(image = %name, ?result, "pull done");
                 edge.rt.block_on(edge.report_image(&name, &result));
