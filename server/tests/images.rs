@@ -122,6 +122,9 @@ async fn an_image_pulled_by_name_runs_with_its_config_and_an_account_for_user() 
         ("hello from the-image-config in /srv/app", 0),
         "the image's Env and WorkingDir hold for commands"
     );
+    // E2B's SDKs run commands as `/bin/bash -l -c`: an image without bash runs them in sh.
+    let (out, code) = up.exec(&id, "/bin/bash", &["-l", "-c", "hello"]).await.unwrap();
+    assert_eq!((out.trim(), code), ("hello from the-image-config in /srv/app", 0));
     // The image had no `user`: the agent made one as E2B's template build does.
     let (out, _) = up.exec(&id, "id", &["-un"]).await.unwrap();
     assert_eq!(out.trim(), "user");

@@ -618,7 +618,18 @@ impl Manager {
             Err(e) => return Err(RpcError::io(e, &format!("cwd '{}'", cwd.display()))),
         };
 
-        let mut cmd = Command::new(&cfg.cmd);
+        // E2B's SDKs run every command as `/bin/bash -l -c ...`; an image without bash
+        // (alpine, busybox, distroless-ish) runs it with its POSIX shell, which takes the
+        // same `-l -c` arguments.
+        let program = if cfg.cmd == "/bin/bash"
+            && !std::path::Path::new("/bin/bash").exists()
+            && std::path::Path::new("/bin/sh").exists()
+        {
+            "/bin/sh"
+        } else {
+            cfg.cmd.as_str()
+        };
+        let mut cmd = Command::new(program);
         cmd.args(&cfg.args);
         cmd.env_clear();
         cmd.env("PATH", DEFAULT_PATH);
