@@ -215,7 +215,16 @@ impl Edge {
                 &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
             )?);
         }
-        if let Ok(image) = self.images.get(&d.image) {
+        // The stored record serves unless the log pins another digest (the name was
+        // pulled again and its tag had moved).
+        let pinned = d
+            .image_source
+            .as_deref()
+            .and_then(|s| s.rsplit_once('@'))
+            .map(|(_, digest)| digest);
+        if let Ok(image) = self.images.get(&d.image)
+            && pinned.is_none_or(|p| image.digest.as_deref() == Some(p))
+        {
             return Ok(image);
         }
         let source = match &d.image_source {
