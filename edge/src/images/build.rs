@@ -666,10 +666,13 @@ fn build_code_interpreter(
     })
 }
 
+/// Runs a tool in a build root (a chroot) in a phase of a build.
+type InRoot<'a> = dyn Fn(BuildPhase, &[&str]) -> Result<(), ImageError> + 'a;
+
 /// `apt-get update` from `sources` (said in the progress line), then `apt-get install`
 /// of `packages` without recommends, each run by `in_root` (a chroot into a build root).
 fn apt_get_install(
-    in_root: &dyn Fn(BuildPhase, &[&str]) -> Result<(), ImageError>,
+    in_root: &InRoot<'_>,
     sources: &str,
     packages: &[&str],
     progress: &dyn Fn(&BuildProgress),
