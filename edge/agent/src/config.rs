@@ -98,6 +98,10 @@ pub struct BootConfig {
     /// `apparmor.rs`); sent only by an edge that loaded it.
     #[serde(default)]
     pub apparmor_profile: Option<String>,
+    /// Where processes start when they name no directory: the image's WorkingDir (the
+    /// user's home when absent, or when the directory does not exist).
+    #[serde(default)]
+    pub workdir: Option<String>,
 }
 
 /// How the sandbox's processes are scheduled (see [`apply_cpu_class`]); any other name

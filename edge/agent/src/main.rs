@@ -246,7 +246,12 @@ fn main() {
                 config::apply_cpu_class(c.cpu_class).unwrap_or_else(|e| die(&e));
                 serde_json::json!({
                     "access_token": c.access_token,
-                    "boot": {"env": c.env, "start": c.start, "apparmor_profile": c.apparmor_profile},
+                    "boot": {
+                        "env": c.env,
+                        "start": c.start,
+                        "apparmor_profile": c.apparmor_profile,
+                        "workdir": c.workdir,
+                    },
                 })
             }
             None => serde_json::Value::Null,
@@ -364,6 +369,8 @@ struct BootParts {
     start: Option<config::StartCommand>,
     #[serde(default)]
     apparmor_profile: Option<String>,
+    #[serde(default)]
+    workdir: Option<String>,
 }
 
 async fn run(
@@ -385,15 +392,15 @@ async fn run(
 
     let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
     // The edge's configuration, which the supervisor read from its pipe at boot.
-    let (sandbox_env, start_cmd, apparmor_profile) = match saved.remove("boot") {
+    let (sandbox_env, start_cmd, apparmor_profile, workdir) = match saved.remove("boot") {
         Some(boot) => {
             let boot: BootParts = serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}")));
-            (boot.env, boot.start, boot.apparmor_profile)
+            (boot.env, boot.start, boot.apparmor_profile, boot.workdir)
         }
-        None => (sandbox_env, start_cmd, None),
+        None => (sandbox_env, start_cmd, None, None),
     };
     let on_exec = apparmor::OnExec::new(apparmor_profile.as_deref());
-    let procs = Arc::new(process::Manager::new(sandbox_env, on_exec));
+    let procs = Arc::new(process::Manager::new(sandbox_env, on_exec).with_workdir(workdir));
     tokio::spawn(procs.clone().reap_loop());
     // A token given by `rekey` to an earlier server outranks the file's, and so does the
     // one the first server read: it read the file at boot, before any sandbox code ran,

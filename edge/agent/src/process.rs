@@ -428,6 +428,9 @@ pub struct Manager {
     sandbox_env: crate::config::SandboxEnv,
     /// The AppArmor profile stacked on every process started (see `apparmor.rs`).
     on_exec: Option<crate::apparmor::OnExec>,
+    /// Where a process that names no directory starts (the image's WorkingDir), if it
+    /// exists; else the user's home.
+    workdir: Option<std::path::PathBuf>,
     /// Exit-status waiters by pid. Its lock is also the spawn lock: a child
     /// is registered before the reaper can collect it, and the reaper never
     /// reaps a child std's spawn() still has to wait for (failed exec).
@@ -438,11 +441,19 @@ pub struct Manager {
 }
 
 impl Manager {
+    /// Processes that name no directory start in `workdir` (an absolute path) when it is
+    /// a directory the user can enter.
+    pub fn with_workdir(mut self, workdir: Option<String>) -> Manager {
+        self.workdir = workdir.filter(|w| w.starts_with('/')).map(std::path::PathBuf::from);
+        self
+    }
+
     pub fn new(sandbox_env: crate::config::SandboxEnv, on_exec: Option<crate::apparmor::OnExec>) -> Manager {
         Manager {
             table: Mutex::new(HashMap::new()),
             sandbox_env,
             on_exec,
+            workdir: None,
             waiters: Mutex::new(HashMap::new()),
             unclaimed: Mutex::new(HashMap::new()),
         }
@@ -590,7 +601,12 @@ impl Manager {
         }
         let cwd = match cfg.cwd.as_deref().filter(|c| !c.is_empty()) {
             Some(c) => users::resolve_path(user, c)?,
-            None => user.home.clone(),
+            None => match &self.workdir {
+                Some(w) if users::as_user(user, || std::fs::metadata(w).map(|m| m.is_dir())).unwrap_or(false) => {
+                    w.clone()
+                }
+                _ => user.home.clone(),
+            },
         };
         let cwd_ok = users::as_user(user, || std::fs::metadata(&cwd).map(|m| m.is_dir()));
         let cwd = match cwd_ok {
@@ -602,7 +618,18 @@ impl Manager {
             Err(e) => return Err(RpcError::io(e, &format!("cwd '{}'", cwd.display()))),
         };
 
-        let mut cmd = Command::new(&cfg.cmd);
+        // E2B's SDKs run every command as `/bin/bash -l -c ...`; an image without bash
+        // (alpine, busybox, distroless-ish) runs it with its POSIX shell, which takes the
+        // same `-l -c` arguments.
+        let program = if cfg.cmd == "/bin/bash"
+            && !std::path::Path::new("/bin/bash").exists()
+            && std::path::Path::new("/bin/sh").exists()
+        {
+            "/bin/sh"
+        } else {
+            cfg.cmd.as_str()
+        };
+        let mut cmd = Command::new(program);
         cmd.args(&cfg.args);
         cmd.env_clear();
         cmd.env("PATH", DEFAULT_PATH);

@@ -533,21 +533,7 @@ fn build_base(recipe: &Recipe, dir: &Path, progress: &dyn Fn(&BuildProgress)) ->
             argv.extend_from_slice(args);
             run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
         };
-        progress(&BuildProgress::new(
-            BuildPhase::Download,
-            "apt-get update (the sources debootstrap wrote)",
-        ));
-        in_root(BuildPhase::Download, &["apt-get", "-q", "update"])?;
-        progress(&BuildProgress::new(
-            BuildPhase::Install,
-            format!(
-                "apt-get install --no-install-recommends {} (about a minute)",
-                BASE_APT_PACKAGES.join(" ")
-            ),
-        ));
-        let mut install = vec!["apt-get", "-q", "install", "-y", "--no-install-recommends"];
-        install.extend_from_slice(BASE_APT_PACKAGES);
-        in_root(BuildPhase::Install, &install)?;
+        apt_get_install(&in_root, "the sources debootstrap wrote", BASE_APT_PACKAGES, progress)?;
 
         progress(&BuildProgress::new(
             BuildPhase::Configure,
@@ -646,21 +632,7 @@ fn build_code_interpreter(
             argv.extend_from_slice(args);
             run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
         };
-        progress(&BuildProgress::new(
-            BuildPhase::Download,
-            "apt-get update (the image's own sources)",
-        ));
-        in_root(BuildPhase::Download, &["apt-get", "-q", "update"])?;
-        progress(&BuildProgress::new(
-            BuildPhase::Install,
-            format!(
-                "apt-get install --no-install-recommends {} (about a minute)",
-                CODE_INTERPRETER_PACKAGES.join(" ")
-            ),
-        ));
-        let mut install = vec!["apt-get", "-q", "install", "-y", "--no-install-recommends"];
-        install.extend_from_slice(CODE_INTERPRETER_PACKAGES);
-        in_root(BuildPhase::Install, &install)?;
+        apt_get_install(&in_root, "the image's own sources", CODE_INTERPRETER_PACKAGES, progress)?;
 
         progress(&BuildProgress::new(
             BuildPhase::Configure,
@@ -692,4 +664,32 @@ fn build_code_interpreter(
         drop_apt_caches(root);
         Ok(())
     })
+}
+
+/// Runs a tool in a build root (a chroot) in a phase of a build.
+type InRoot<'a> = dyn Fn(BuildPhase, &[&str]) -> Result<(), ImageError> + 'a;
+
+/// `apt-get update` from `sources` (said in the progress line), then `apt-get install`
+/// of `packages` without recommends, each run by `in_root` (a chroot into a build root).
+fn apt_get_install(
+    in_root: &InRoot<'_>,
+    sources: &str,
+    packages: &[&str],
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    progress(&BuildProgress::new(
+        BuildPhase::Download,
+        format!("apt-get update ({sources})"),
+    ));
+    in_root(BuildPhase::Download, &["apt-get", "-q", "update"])?;
+    progress(&BuildProgress::new(
+        BuildPhase::Install,
+        format!(
+            "apt-get install --no-install-recommends {} (about a minute)",
+            packages.join(" ")
+        ),
+    ));
+    let mut install = vec!["apt-get", "-q", "install", "-y", "--no-install-recommends"];
+    install.extend_from_slice(packages);
+    in_root(BuildPhase::Install, &install)
 }

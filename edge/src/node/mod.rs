@@ -140,6 +140,23 @@ pub enum EdgeError {
     PackedElsewhere { image: String, edge: String },
 }
 
+/// A reason as the log takes it: control characters (from a hostile image's bytes, a
+/// tool's output) shown as U+FFFD and the text cut to the log's limit. A reason the log
+/// refuses would be retried for ever and the sandbox never reported.
+pub(crate) fn fit_reason(reason: &str) -> String {
+    let max = opendsec_commands::LIMITS.reason_len;
+    let mut out = String::with_capacity(reason.len().min(max));
+    for c in reason.chars() {
+        let c = if c.is_control() && c != '\n' { '\u{fffd}' } else { c };
+        if out.len() + c.len_utf8() > max - 3 {
+            out.push_str("...");
+            break;
+        }
+        out.push(c);
+    }
+    out
+}
+
 fn store_err(e: impl std::fmt::Display) -> EdgeError {
     EdgeError::Store(e.to_string())
 }
@@ -228,6 +245,21 @@ impl Edge {
     /// Reports what this edge observes of sandbox `id` to the log (once: a repeat waits
     /// until the slice has had time to show the first).
     async fn report(&self, id: &str, observation: Observation) {
+        let observation = match observation {
+            Observation::Failed { reason } => Observation::Failed {
+                reason: fit_reason(&reason),
+            },
+            Observation::Exited {
+                exit_code,
+                oom_killed,
+                reason,
+            } => Observation::Exited {
+                exit_code,
+                oom_killed,
+                reason: fit_reason(&reason),
+            },
+            other => other,
+        };
         {
             let reported = self.reported.lock().expect("reported lock");
             if let Some((last, at)) = reported.get(id)
@@ -249,5 +281,21 @@ impl Edge {
             }
             Err(e) => tracing::warn!(sandbox = %id, error = %e, "report failed; retried on the next round"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_reason;
+
+    #[test]
+    fn a_reason_with_a_hostile_images_bytes_still_fits_the_log() {
+        let hostile = format!("malformed: \u{1b}[31m\u{0}{}", "x".repeat(5000));
+        let fitted = fit_reason(&hostile);
+        assert!(fitted.len() <= opendsec_commands::LIMITS.reason_len, "{}", fitted.len());
+        assert!(!fitted.chars().any(|c| c.is_control() && c != '\n'), "{fitted:?}");
+        assert!(fitted.starts_with("malformed: \u{fffd}[31m\u{fffd}x"), "{fitted:?}");
+        assert!(fitted.ends_with("..."));
+        assert_eq!(fit_reason("line one\nline two"), "line one\nline two");
     }
 }

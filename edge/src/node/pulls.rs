@@ -168,7 +168,9 @@ impl Edge {
                         size_bytes: image_bytes(&edge.images, &image),
                         layers: image.layers.len() as u32,
                     },
-                    Err(e) => ImageResult::Failed { reason: e.to_string() },
+                    Err(e) => ImageResult::Failed {
+                        reason: super::fit_reason(&e.to_string()),
+                    },
                 };
                 tracing::info!(image = %name, ?result, "pull done");
                 edge.rt.block_on(edge.report_image(&name, &result));
@@ -213,7 +215,16 @@ impl Edge {
                 &|p| tracing::info!(image = %d.image, progress = ?p, "building image"),
             )?);
         }
-        if let Ok(image) = self.images.get(&d.image) {
+        // The stored record serves unless the log pins another digest (the name was
+        // pulled again and its tag had moved).
+        let pinned = d
+            .image_source
+            .as_deref()
+            .and_then(|s| s.rsplit_once('@'))
+            .map(|(_, digest)| digest);
+        if let Ok(image) = self.images.get(&d.image)
+            && pinned.is_none_or(|p| image.digest.as_deref() == Some(p))
+        {
             return Ok(image);
         }
         if let Some(holder) = super::packs::packed_on(d) {

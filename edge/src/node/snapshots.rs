@@ -100,7 +100,9 @@ impl Edge {
         self.snapshotting.lock().expect("snapshot lock").remove(&id);
         let result = match taken {
             Ok(Ok(size_bytes)) => SnapshotResult::Ready { size_bytes },
-            Ok(Err(e)) => SnapshotResult::Failed { reason: e.to_string() },
+            Ok(Err(e)) => SnapshotResult::Failed {
+                reason: super::fit_reason(&e.to_string()),
+            },
             Err(e) => SnapshotResult::Failed {
                 reason: format!("snapshot task failed: {e}"),
             },

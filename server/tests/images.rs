@@ -1,0 +1,196 @@
+//! Specification: images from a registry, through the whole path (REST -> log -> edge
+//! pull -> overlayfs -> agent), against Debian's `docker-registry` on loopback seeded by
+//! `skopeo` with an image this test builds: the busybox image's files under a layer of
+//! its own (a program, an `/etc/passwd` without E2B's `user`, a config with Env,
+//! WorkingDir and Cmd). Needs root, crun or runc, busybox-static, docker-registry, skopeo
+//! and the static agent (`./ops/test.sh` installs and builds them).
+
+#[path = "../../edge/tests/oci_support/mod.rs"]
+mod oci_support;
+#[path = "support/up.rs"]
+mod up;
+
+use oci_support::{LayerTar, Registry, TestImage, write_layout};
+use reqwest::Method;
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+use up::Up;
+
+/// The busybox image's files as one layer, then a layer that adds `hello`, replaces
+/// `/etc/passwd` with one that has no `user`, and a directory for the WorkingDir.
+async fn hello_image(up: &Up, registry: &Registry, repo: &str) -> String {
+    up.ensure_image("busybox", Duration::from_secs(300)).await;
+    let store = opendsec_edge::images::ImageStore::open(opendsec_edge::images::DEFAULT_STORE).unwrap();
+    let busybox = store.get("busybox").unwrap();
+    let mut base = tar::Builder::new(Vec::new());
+    base.follow_symlinks(false);
+    base.append_dir_all(".", store.layer_path(&busybox.layers[0])).unwrap();
+    let base = base.into_inner().unwrap();
+    let top = LayerTar::new()
+        .entry(
+            tar::EntryType::Regular,
+            "usr/local/bin/hello",
+            "",
+            b"#!/bin/sh\necho \"hello from $GREETING in $(pwd)\"\n",
+            0o755,
+        )
+        .entry(
+            tar::EntryType::Regular,
+            "etc/passwd",
+            "",
+            b"root:x:0:0:root:/root:/bin/sh\n",
+            0o644,
+        )
+        .dir("srv/app")
+        .bytes();
+    let mut image = TestImage::new(vec![base, top]);
+    image.run = json!({
+        "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=the-image-config"],
+        "WorkingDir": "/srv/app",
+        "Cmd": ["/usr/local/bin/hello"],
+    });
+    let layout = write_layout(&image);
+    registry.push(layout.dir.path(), repo, "v1");
+    format!("{}/{repo}:v1", registry.host())
+}
+
+async fn wait_image(up: &Up, name: &str, within: Duration) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let (s, v) = up.send(Method::GET, &format!("/v1/images/{name}"), None).await;
+        assert_eq!(s, 200, "GET /v1/images/{name}: {v}");
+        if v["state"] != "pending" {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "the pull did not end within {within:?}: {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn running_sandbox(up: &Up, image: &str) -> String {
+    let (s, v) = up
+        .send(Method::POST, "/v1/sandboxes", Some(json!({"image": image})))
+        .await;
+    assert_eq!(s, 201, "creating a sandbox of {image}: {v}");
+    let id = v["sandbox"]["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        match v["state"].as_str() {
+            Some("running") => return id,
+            Some("pending") => assert!(Instant::now() < deadline, "not running after 120 s: {v}"),
+            _ => panic!("the sandbox of {image} did not start: {v}\n{}", up.log_tail(30)),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_pulled_by_name_runs_with_its_config_and_an_account_for_user() {
+    oci_support::require("the registry suite");
+    let registry = Registry::start();
+    let up = Up::start(None).await;
+    let reference = hello_image(&up, &registry, "e2e/hello").await;
+
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/images",
+            Some(json!({"reference": reference, "name": "hello-env"})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["image"]["state"], "pending");
+    let x = wait_image(&up, "hello-env", Duration::from_secs(120)).await;
+    assert_eq!(x["state"], "ready", "{x}");
+    assert_eq!(x["layers"], 2);
+    assert!(x["digest"].as_str().unwrap().starts_with("sha256:"), "{x}");
+    let (_, listed) = up.send(Method::GET, "/v1/images", None).await;
+    assert!(
+        listed["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["name"] == "hello-env"),
+        "{listed}"
+    );
+
+    let id = running_sandbox(&up, "hello-env").await;
+    let (out, code) = up.exec(&id, "hello", &[]).await.unwrap();
+    assert_eq!(
+        (out.trim(), code),
+        ("hello from the-image-config in /srv/app", 0),
+        "the image's Env and WorkingDir hold for commands"
+    );
+    // E2B's SDKs run commands as `/bin/bash -l -c`: an image without bash runs them in sh.
+    let (out, code) = up.exec(&id, "/bin/bash", &["-l", "-c", "hello"]).await.unwrap();
+    assert_eq!((out.trim(), code), ("hello from the-image-config in /srv/app", 0));
+    // The image had no `user`: the agent made one as E2B's template build does.
+    let (out, _) = up.exec(&id, "id", &["-un"]).await.unwrap();
+    assert_eq!(out.trim(), "user");
+    let (out, _) = up.exec(&id, "sh", &["-c", "echo ~"]).await.unwrap();
+    assert_eq!(out.trim(), "/home/user");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reference_naming_its_registry_is_pulled_at_create_and_unknown_names_are_404() {
+    oci_support::require("the registry suite");
+    let registry = Registry::start();
+    let up = Up::start(None).await;
+    let reference = hello_image(&up, &registry, "e2e/direct").await;
+
+    // Not registered: the edge pulls it at create, once for both sandboxes.
+    let (a, b) = tokio::join!(running_sandbox(&up, &reference), running_sandbox(&up, &reference));
+    for id in [a, b] {
+        let (out, _) = up.exec(&id, "hello", &[]).await.unwrap();
+        assert_eq!(out.trim(), "hello from the-image-config in /srv/app");
+    }
+
+    for (image, field) in [("no-such-image", "image"), ("python:3.12", "image")] {
+        let (s, v) = up
+            .send(Method::POST, "/v1/sandboxes", Some(json!({"image": image})))
+            .await;
+        assert_eq!((s, v["field"].as_str()), (404, Some(field)), "{image}: {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_pull_says_why_and_a_deleted_image_is_gone() {
+    oci_support::require("the registry suite");
+    let registry = Registry::start();
+    let up = Up::start(None).await;
+    let missing = format!("{}/e2e/nothing:v1", registry.host());
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/images",
+            Some(json!({"reference": missing, "name": "nothing"})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let x = wait_image(&up, "nothing", Duration::from_secs(60)).await;
+    assert_eq!(x["state"], "failed", "{x}");
+    assert!(!x["reason"].as_str().unwrap_or_default().is_empty(), "{x}");
+    let (s, v) = up
+        .send(Method::POST, "/v1/sandboxes", Some(json!({"image": "nothing"})))
+        .await;
+    assert_eq!((s, v["field"].as_str()), (409, Some("image")), "{v}");
+
+    for (body, field) in [
+        (json!({"reference": "Bad Ref"}), "reference"),
+        (json!({"reference": missing, "name": "base"}), "name"),
+        (json!({"reference": 7}), "reference"),
+    ] {
+        let (s, v) = up.send(Method::POST, "/v1/images", Some(body.clone())).await;
+        assert_eq!((s, v["field"].as_str()), (400, Some(field)), "{body}: {v}");
+    }
+
+    let (s, v) = up.send(Method::DELETE, "/v1/images/nothing", None).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, _) = up.send(Method::GET, "/v1/images/nothing", None).await;
+    assert_eq!(s, 404);
+    let (s, v) = up
+        .send(Method::POST, "/v1/sandboxes", Some(json!({"image": "nothing"})))
+        .await;
+    assert_eq!(s, 404, "{v}");
+}
