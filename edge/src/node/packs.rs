@@ -110,7 +110,10 @@ impl Edge {
                             .unwrap_or(0),
                         layers: image.layers.len() as u32,
                     },
-                    Err(e) => ImageResult::Failed { reason: e.to_string() },
+                    // A path in the sandbox may be in the reason: fitted to what the log takes.
+                    Err(e) => ImageResult::Failed {
+                        reason: super::fit_reason(&e.to_string()),
+                    },
                 };
                 tracing::info!(image = %name, ?result, "pack done");
                 edge.rt.block_on(edge.report_image(&name, &result));
