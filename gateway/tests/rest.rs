@@ -123,7 +123,7 @@ impl Api {
 async fn every_endpoint_but_health_and_openapi_requires_a_valid_token() {
     let api = Api::new().await;
     for (method, path) in ROUTES {
-        let path = path.replace("{id}", "x1");
+        let path = path.replace("{id}", "x1").replace("{name}", "x1");
         let body = if matches!(*method, "post" | "put") {
             b"{}".to_vec()
         } else {
@@ -212,8 +212,8 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
         expect![[r#"400 {"code":"invalid","message":"the body must be a JSON object"}"#]],
     )
     .await;
-    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"base","cpu_millis":"lots"}"#, expect![[r#"400 {"code":"invalid","field":"cpu_millis","message":"cpu_millis: invalid type: string \"lots\", expected u64 at line 1 column 37"}"#]]).await;
-    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"base","labels":{"team":1}}"#, expect![[r#"400 {"code":"invalid","field":"labels.team","message":"labels.team: invalid type: integer `1`, expected a string at line 1 column 36"}"#]]).await;
+    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"base","cpu_millis":"lots"}"#, expect![[r#"400 {"code":"invalid","field":"cpu_millis","message":"cpu_millis: invalid type: string \"lots\", expected u64 at line 1 column 35"}"#]]).await;
+    check_bad(&api, "POST", "/v1/sandboxes", br#"{"image":"base","labels":{"team":1}}"#, expect![[r#"400 {"code":"invalid","field":"labels.team","message":"labels.team: invalid type: integer `1`, expected a string at line 1 column 34"}"#]]).await;
     check_bad(&api, "POST", "/v1/edges", br#"{"edge":"e","address":"h:1","capacity":{"sandboxes":1,"cpu_millis":1}}"#, expect![[r#"400 {"code":"invalid","field":"capacity.memory_mb","message":"capacity.memory_mb: missing field `memory_mb` at line 1 column 69"}"#]]).await;
     // names and amounts that decide() refuses
     let long = format!(r#"{{"name":"{}"}}"#, "a".repeat(64));
@@ -363,7 +363,7 @@ async fn bad_input_is_a_4xx_json_naming_the_problem_and_the_log_is_unchanged() {
         expect![[r#"400 {"code":"invalid","field":"label","message":"label filter \"novalue\" must be key=value"}"#]],
     )
     .await;
-    check_bad(&api, "GET", "/v1/replay?view=everything", b"", expect![[r#"400 {"code":"invalid","field":"view","message":"unknown view \"everything\"; views are: sandboxes, placement, quota, iam, audit, snapshots"}"#]]).await;
+    check_bad(&api, "GET", "/v1/replay?view=everything", b"", expect![[r#"400 {"code":"invalid","field":"view","message":"unknown view \"everything\"; views are: sandboxes, placement, quota, iam, audit, snapshots, images"}"#]]).await;
     check_bad(
         &api,
         "GET",

@@ -60,7 +60,7 @@ impl Env {
         .unwrap();
         let id = c
             .create_sandbox(&CreateSandbox {
-                image: "debian".into(),
+                image: "busybox".into(),
                 ..Default::default()
             })
             .await

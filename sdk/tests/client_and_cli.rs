@@ -102,7 +102,7 @@ async fn the_client_covers_the_api_and_reads_its_writes() {
     worker.observe_index(c.seen_index());
     let sb = worker
         .create_sandbox(&CreateSandbox {
-            image: "debian".into(),
+            image: "busybox".into(),
             labels: Some([("job".into(), "x".into())].into()),
             ..Default::default()
         })
@@ -221,7 +221,7 @@ async fn opendsecctl_prints_tables_json_and_helpful_errors() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let r = ctl(
         &[
-            "--output", "json", "sandbox", "create", "--image", "debian", "--label", "job=a",
+            "--output", "json", "sandbox", "create", "--image", "busybox", "--label", "job=a",
         ],
         &env,
     )

@@ -393,7 +393,7 @@ pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
             admin
                 .post(format!("{base}/v1/sandboxes"))
                 .bearer_auth(&cluster.token)
-                .json(&json!({"image": "bench:latest", "cpu_millis": 100, "memory_mb": 64, "labels": {"n": i.to_string()}})),
+                .json(&json!({"image": "busybox", "cpu_millis": 100, "memory_mb": 64, "labels": {"n": i.to_string()}})),
         )
         .await
         .map_err(|e| format!("create sandbox {i}: {e}"))?;
