@@ -127,7 +127,7 @@ impl MicroVms {
             memory_mb: d.memory_mb,
             vcpus: d.cpu_millis.div_ceil(1000).clamp(1, 64) as u32,
             disk_mb: self.disk_mb,
-            env: d.env.clone(),
+            env: image.env_with(&d.env),
             access_token: self.token(&d.id),
             cpu_millis: vm_cpu_millis(d),
         }

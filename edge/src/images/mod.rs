@@ -468,6 +468,20 @@ pub(super) fn validate_name(name: &str) -> Result<(), ImageError> {
 }
 
 impl Image {
+    /// The environment of a sandbox of this image: the image's Env (`KEY=value`), with
+    /// the sandbox's own variables over it.
+    pub fn env_with(&self, own: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+        let mut env: BTreeMap<String, String> = self
+            .config
+            .env
+            .iter()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        env.extend(own.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env
+    }
+
     /// The image's name as part of a file name: references hold '/', which a file name
     /// cannot (every byte outside `[A-Za-z0-9._-]` becomes '_'; file names that use it
     /// also carry a key of the image's contents).

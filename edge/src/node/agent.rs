@@ -130,9 +130,7 @@ impl Edge {
         let token =
             opendsec_edge_api::sandbox_token(&self.cfg.edge_key, opendsec_edge_api::SandboxTokenKind::Agent, &d.id);
         // The image's Env first, the sandbox's own variables over it.
-        let mut env: std::collections::BTreeMap<&str, &str> =
-            image.config.env.iter().filter_map(|kv| kv.split_once('=')).collect();
-        env.extend(d.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let env = image.env_with(&d.env);
         let mut config = serde_json::json!({"access_token": token, "env": env, "cpu_class": d.cpu_class.as_str()});
         if !image.config.workdir.is_empty() {
             config["workdir"] = image.config.workdir.clone().into();
