@@ -59,7 +59,7 @@ struct ImageArgs {
     /// with the raw tools); medians are printed.
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Warm create -> first output runs per image (the pulled one and base, interleaved).
+    /// Warm create -> first output runs per image (the pulled one and base, interleaved; 0: skip).
     #[arg(long, default_value_t = 20)]
     warm_runs: usize,
     /// Sandboxes of the image run at once for the disk measurement (0: skip it).

@@ -16,12 +16,13 @@
 //! every run alike (they were just pushed); `sync` runs before each timed step so that
 //! no step pays for an earlier one's dirty pages.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use super::cpu::{children_cpu, process_cpu, run_queue_wait};
 use super::{IMAGE_NAME, Options, du, sandbox_body};
 use crate::sandboxes::host::{host_is_cgroup_hybrid, runtime_cmd};
 use crate::sandboxes::raw::{remove_bench_cgroups, time_first_stdout};
@@ -40,6 +41,13 @@ pub(super) struct Registered {
     pub(super) create: Duration,
     /// The image's size as the API reports it.
     pub(super) size_bytes: u64,
+    /// The pull's steps as `GET` showed them (the edge reports them with its heartbeat,
+    /// every 2 s): when each was first seen.
+    pub(super) steps: Vec<(Duration, String)>,
+    /// CPU time `opendsec up` used during the pull, and the time its threads waited
+    /// for a CPU meanwhile (the pull's thread is gone by then: only the others count).
+    pub(super) cpu: Duration,
+    pub(super) cpu_wait: Duration,
 }
 
 /// One run of the raw tools.
@@ -48,6 +56,13 @@ pub(super) struct Raw {
     pub(super) copy: Duration,
     pub(super) unpack: Duration,
     pub(super) sync: Duration,
+    /// The floor of unpacking: GNU `tar -xzf` of the same layer blobs (from skopeo's
+    /// layout, bottom first; whiteouts left as files) into a fresh directory, then syncfs.
+    pub(super) tar: Duration,
+    /// CPU time (children's) of skopeo copy, umoci unpack and tar -xzf.
+    pub(super) copy_cpu: Duration,
+    pub(super) unpack_cpu: Duration,
+    pub(super) tar_cpu: Duration,
     /// `crun run` spawn to its first stdout byte.
     pub(super) run: Duration,
     /// `du` of umoci's bundle: what each container costs when every one gets its own.
@@ -99,8 +114,12 @@ impl UpGuard {
     }
 
     /// `POST /v1/images` of `reference` as `name`, then `GET` every 20 ms until it is
-    /// ready: the time that took and the image's record.
-    pub(super) async fn pull_image(&self, reference: &str, name: &str) -> Result<(Duration, Value), String> {
+    /// ready: the time that took, the image's record, and the pull's steps as seen.
+    pub(super) async fn pull_image(
+        &self,
+        reference: &str,
+        name: &str,
+    ) -> Result<(Duration, Value, Vec<(Duration, String)>), String> {
         let t0 = Instant::now();
         let (st, v) = self
             .send(
@@ -112,6 +131,7 @@ impl UpGuard {
         if st >= 300 {
             return Err(format!("POST /v1/images: HTTP {st}: {v}"));
         }
+        let mut steps: Vec<(Duration, String)> = Vec::new();
         loop {
             let (st, v) = self
                 .send(reqwest::Method::GET, &format!("/v1/images/{name}"), None)
@@ -119,9 +139,19 @@ impl UpGuard {
             if st != 200 {
                 return Err(format!("GET /v1/images/{name}: HTTP {st}: {v}"));
             }
-            match v["state"].as_str() {
-                Some("ready") => return Ok((t0.elapsed(), v)),
-                Some("failed") => return Err(format!("the pull failed: {}", v["reason"])),
+            let state = v["state"].as_str().unwrap_or("?");
+            // A step is its first word ("fetching", "unpacking", "publishing"): the byte
+            // counts in the rest change all along.
+            let step = match v["progress"]["phase"].as_str() {
+                Some(p) => format!("{state}: {}", p.split_whitespace().next().unwrap_or("")),
+                None => state.to_string(),
+            };
+            if steps.last().is_none_or(|(_, s)| *s != step) {
+                steps.push((t0.elapsed(), step));
+            }
+            match state {
+                "ready" => return Ok((t0.elapsed(), v, steps)),
+                "failed" => return Err(format!("the pull failed: {}", v["reason"])),
                 _ => {}
             }
             if t0.elapsed() > PULL_TIMEOUT {
@@ -137,7 +167,10 @@ pub(super) async fn registered(o: &Options, work: &Path, reference: &str, run: u
     let up = fresh_up(o, work, &format!("cold-{run}-registered")).await?;
     sync_all();
     let r = async {
-        let (pull, image) = up.pull_image(reference, IMAGE_NAME).await?;
+        let pid = up.pid().ok_or("opendsec up is not running")?;
+        let (cpu0, wait0) = (process_cpu(pid), run_queue_wait(pid));
+        let (pull, image, steps) = up.pull_image(reference, IMAGE_NAME).await?;
+        let (cpu, cpu_wait) = (process_cpu(pid) - cpu0, run_queue_wait(pid).saturating_sub(wait0));
         let (id, created) = up
             .create_then_echo(&sandbox_body(IMAGE_NAME), Duration::from_secs(120))
             .await;
@@ -148,6 +181,9 @@ pub(super) async fn registered(o: &Options, work: &Path, reference: &str, run: u
             pull,
             create: created?,
             size_bytes: image["size_bytes"].as_u64().unwrap_or(0),
+            steps,
+            cpu,
+            cpu_wait,
         })
     }
     .await;
@@ -193,6 +229,57 @@ fn run_tool(cmd: &mut Command, what: &str) -> Result<Duration, String> {
     Ok(t0.elapsed())
 }
 
+/// How long a syncfs of the file system holding `path` takes.
+fn syncfs(path: &Path) -> Result<Duration, String> {
+    let t0 = Instant::now();
+    let f = std::fs::File::open(path).map_err(|e| format!("open {path:?}: {e}"))?;
+    // SAFETY: syncfs on an fd we hold.
+    if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)) } != 0 {
+        return Err(format!("syncfs: {}", std::io::Error::last_os_error()));
+    }
+    Ok(t0.elapsed())
+}
+
+/// GNU tar's extraction of the layout's layers (tag `x`, bottom first) into `dest`, as
+/// root with numeric owners and xattrs, then syncfs: the least any unpacker must do.
+/// The layout is skopeo's copy, already on disk (untimed here), and the result is removed.
+fn tar_floor(layout: &Path, dest: &Path) -> Result<Duration, String> {
+    let read_json = |p: PathBuf| -> Result<Value, String> {
+        serde_json::from_slice(&std::fs::read(&p).map_err(|e| format!("read {p:?}: {e}"))?)
+            .map_err(|e| format!("{p:?}: {e}"))
+    };
+    let blob = |digest: &str| layout.join("blobs").join(digest.replacen(':', "/", 1));
+    let index = read_json(layout.join("index.json"))?;
+    let manifest = index["manifests"][0]["digest"]
+        .as_str()
+        .ok_or("skopeo's index.json names no manifest")?;
+    let manifest = read_json(blob(manifest))?;
+    let layers: Vec<PathBuf> = manifest["layers"]
+        .as_array()
+        .ok_or("the manifest has no layers")?
+        .iter()
+        .filter_map(|l| l["digest"].as_str())
+        .map(blob)
+        .collect();
+    std::fs::create_dir_all(dest).map_err(|e| format!("create {dest:?}: {e}"))?;
+    sync_all();
+    let t0 = Instant::now();
+    for layer in &layers {
+        run_tool(
+            Command::new("tar").args(["-xzf"]).arg(layer).arg("-C").arg(dest).args([
+                "--numeric-owner",
+                "--xattrs",
+                "--xattrs-include=*",
+            ]),
+            "tar -xzf",
+        )?;
+    }
+    syncfs(dest)?;
+    let took = t0.elapsed();
+    let _ = std::fs::remove_dir_all(dest);
+    Ok(took)
+}
+
 /// The raw tools on a fresh directory `work/raw-<run>` (removed afterwards).
 pub(super) fn raw(work: &Path, reference: &str, run: usize) -> Result<Raw, String> {
     let dir = work.join(format!("raw-{run}"));
@@ -204,6 +291,7 @@ pub(super) fn raw(work: &Path, reference: &str, run: usize) -> Result<Raw, Strin
     let r = (|| {
         let (layout, bundle) = (dir.join("oci"), dir.join("bundle"));
         sync_all();
+        let cpu0 = children_cpu();
         let copy = run_tool(
             Command::new("skopeo")
                 .args(["copy", "--quiet", "--insecure-policy", "--src-tls-verify=false"])
@@ -211,7 +299,9 @@ pub(super) fn raw(work: &Path, reference: &str, run: usize) -> Result<Raw, Strin
                 .arg(format!("oci:{}:x", layout.display())),
             "skopeo copy",
         )?;
+        let copy_cpu = children_cpu() - cpu0;
         sync_all();
+        let cpu0 = children_cpu();
         let unpack = run_tool(
             Command::new("umoci")
                 .args(["unpack", "--image"])
@@ -219,13 +309,11 @@ pub(super) fn raw(work: &Path, reference: &str, run: usize) -> Result<Raw, Strin
                 .arg(&bundle),
             "umoci unpack",
         )?;
-        let t0 = Instant::now();
-        let f = std::fs::File::open(&bundle).map_err(|e| format!("open {bundle:?}: {e}"))?;
-        // SAFETY: syncfs on an fd we hold.
-        if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)) } != 0 {
-            return Err(format!("syncfs: {}", std::io::Error::last_os_error()));
-        }
-        let sync = t0.elapsed();
+        let unpack_cpu = children_cpu() - cpu0;
+        let sync = syncfs(&bundle)?;
+        let cpu0 = children_cpu();
+        let tar = tar_floor(&layout, &dir.join("tar"))?;
+        let tar_cpu = children_cpu() - cpu0;
         // umoci's config runs an interactive `sh`: run `echo hi` instead, without a
         // terminal, in a cgroup the benchmark removes afterwards.
         let config_path = bundle.join("config.json");
@@ -244,6 +332,10 @@ pub(super) fn raw(work: &Path, reference: &str, run: usize) -> Result<Raw, Strin
             copy,
             unpack,
             sync,
+            tar,
+            copy_cpu,
+            unpack_cpu,
+            tar_cpu,
             run,
             bundle_bytes: du(&[bundle])?,
         })

@@ -15,6 +15,7 @@
 //! benchmark added there are removed at the end. [`report`] prints the table and the JSON.
 
 mod cold;
+mod cpu;
 mod disk;
 mod layout;
 mod registry;
@@ -181,7 +182,9 @@ pub async fn run(o: Options) -> Report {
     if let Err(e) = r {
         report.fail(e);
     }
-    if crate::sandboxes::mounts_under(&work).is_empty() {
+    if std::env::var_os("OPENDSEC_BENCH_KEEP").is_some() {
+        eprintln!("kept {} (OPENDSEC_BENCH_KEEP)", work.display());
+    } else if crate::sandboxes::mounts_under(&work).is_empty() {
         let _ = std::fs::remove_dir_all(&work);
     } else {
         report.fail(format!("mounts left under {}; not removed", work.display()));
@@ -282,25 +285,28 @@ async fn warm_and_disk(o: &Options, work: &Path, reference: &str, report: &mut R
         .await?,
     );
     up.wait_warm_disks().await;
-    let (pull, _) = up.pull_image(reference, IMAGE_NAME).await?;
+    let (pull, _, steps) = up.pull_image(reference, IMAGE_NAME).await?;
     let store = ImageStore::open(&o.image_dir).map_err(|e| e.to_string())?;
     let image_layers = store
         .get(IMAGE_NAME)
         .and_then(|i| store.layer_dirs(&i))
         .map_err(|e| e.to_string())?;
     eprintln!(
-        "   pulled into it in {:.1} s: {} layer(s), {} on disk",
+        "   pulled into it in {:.1} s ({}): {} layer(s), {} on disk",
         pull.as_secs_f64(),
+        report::fmt_steps(&steps),
         image_layers.len(),
         report::fmt_bytes(du(&image_layers).unwrap_or(0))
     );
     report.unpacked(du(&image_layers).unwrap_or(0), du_apparent(&image_layers).unwrap_or(0));
 
-    eprintln!(
-        "== warm: create -> first output, {IMAGE_NAME} and {BASE} interleaved, {} runs each (+1 warm-up)",
-        o.warm_runs
-    );
-    report.warm(warm::warm(&up, o.warm_runs).await);
+    if o.warm_runs > 0 {
+        eprintln!(
+            "== warm: create -> first output, {IMAGE_NAME} and {BASE} interleaved, {} runs each (+1 warm-up)",
+            o.warm_runs
+        );
+        report.warm(warm::warm(&up, o.warm_runs).await);
+    }
 
     if o.sandboxes > 0 {
         eprintln!("== disk: {} sandboxes of {IMAGE_NAME} at once", o.sandboxes);

@@ -53,10 +53,24 @@ fn fmt_long(d: Duration) -> String {
     }
 }
 
+/// A pull's steps: `pending: fetching at 0.0 s, ...`.
+pub(super) fn fmt_steps(steps: &[(Duration, String)]) -> String {
+    steps
+        .iter()
+        .map(|(t, s)| format!("{s} at {:.1} s", t.as_secs_f64()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The median (the mean of the middle two for an even count).
 fn median(v: impl IntoIterator<Item = Duration>) -> Option<Duration> {
     let mut v: Vec<Duration> = v.into_iter().collect();
     v.sort_unstable();
-    (!v.is_empty()).then(|| percentile(&v, 0.5))
+    match v.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(v[n / 2]),
+        n => Some((v[n / 2 - 1] + v[n / 2]) / 2),
+    }
 }
 
 fn median_u64(v: impl IntoIterator<Item = u64>) -> Option<u64> {
@@ -70,10 +84,10 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn ratio(ours: f64, beside: f64) -> String {
-    if beside > 0.0 {
-        format!("{:.2}x", ours / beside)
-    } else {
-        String::new()
+    match ours / beside {
+        r if !r.is_finite() => String::new(),
+        r if r < 0.01 => format!("{r:.5}x"),
+        r => format!("{r:.2}x"),
     }
 }
 
@@ -114,8 +128,11 @@ impl Report {
         match r {
             Ok(r) => {
                 eprintln!(
-                    "   POST /v1/images -> ready {}, then create -> first output {}: {}",
+                    "   POST /v1/images -> ready {} ({}; opendsec up used {} of CPU, its threads waited {} for one), then create -> first output {}: {}",
                     fmt_long(r.pull),
+                    fmt_steps(&r.steps),
+                    fmt_long(r.cpu),
+                    fmt_long(r.cpu_wait),
                     fmt_long(r.create),
                     fmt_long(r.pull + r.create)
                 );
@@ -139,10 +156,14 @@ impl Report {
         match r {
             Ok(r) => {
                 eprintln!(
-                    "   skopeo copy {}, umoci unpack {}, syncfs {}, crun run -> first byte {}; bundle {}",
+                    "   skopeo copy {} (CPU {}), umoci unpack {} (CPU {}), syncfs {}, (tar -xzf + syncfs {}, CPU {}), crun run -> first byte {}; bundle {}",
                     fmt_long(r.copy),
+                    fmt_long(r.copy_cpu),
                     fmt_long(r.unpack),
+                    fmt_long(r.unpack_cpu),
                     fmt_long(r.sync),
+                    fmt_long(r.tar),
+                    fmt_long(r.tar_cpu),
                     fmt_dur(r.run),
                     fmt_bytes(r.bundle_bytes)
                 );
@@ -194,8 +215,9 @@ impl Report {
         self.disk = Some(d);
     }
 
+    /// skopeo copy + umoci unpack + syncfs (our pull syncs before it publishes).
     fn raw_pull(r: &Raw) -> Duration {
-        r.copy + r.unpack
+        r.copy + r.unpack + r.sync
     }
 
     /// The figures as a table with notes.
@@ -219,44 +241,49 @@ impl Report {
         let reg_total = median(self.registered.iter().map(|r| r.pull + r.create));
         let by_ref = median(self.by_reference.iter().copied());
         let raw_pull = median(self.raw.iter().map(Self::raw_pull));
-        let raw_synced = median(self.raw.iter().map(|r| Self::raw_pull(r) + r.sync));
         let raw_run = median(self.raw.iter().map(|r| r.run));
         let raw_total = median(self.raw.iter().map(|r| Self::raw_pull(r) + r.run));
-        let raw_total_synced = median(self.raw.iter().map(|r| Self::raw_pull(r) + r.sync + r.run));
+        let tar_floor = median(self.raw.iter().map(|r| r.copy + r.tar));
+        let of = |f: fn(&Raw) -> Duration| median(self.raw.iter().map(f)).map(fmt_long).unwrap_or_default();
         let mut rows = vec![
             dur_row(
-                "cold: pull + unpack (POST /v1/images until ready | skopeo copy + umoci unpack)",
+                "cold: pull + unpack (POST /v1/images until ready | skopeo copy + umoci unpack + syncfs)",
                 reg_pull,
                 raw_pull,
             ),
             vec![
-                "  of which skopeo copy | umoci unpack".into(),
+                "  of which skopeo copy + umoci unpack + syncfs".into(),
                 String::new(),
-                format!(
-                    "{} | {}",
-                    median(self.raw.iter().map(|r| r.copy))
-                        .map(fmt_long)
-                        .unwrap_or_default(),
-                    median(self.raw.iter().map(|r| r.unpack))
-                        .map(fmt_long)
-                        .unwrap_or_default()
-                ),
+                format!("{} + {} + {}", of(|r| r.copy), of(|r| r.unpack), of(|r| r.sync)),
                 String::new(),
             ],
-            dur_row("  the same, raw + syncfs of the bundle", reg_pull, raw_synced),
+            dur_row(
+                "  the floor: skopeo copy + GNU tar -xzf + syncfs (no umoci)",
+                reg_pull,
+                tar_floor,
+            ),
+            dur_row(
+                "  CPU time of it (opendsec up | skopeo + umoci)",
+                median(self.registered.iter().map(|r| r.cpu)),
+                median(self.raw.iter().map(|r| r.copy_cpu + r.unpack_cpu)),
+            ),
+            dur_row(
+                "  CPU time of it (opendsec up | skopeo + GNU tar and gzip)",
+                median(self.registered.iter().map(|r| r.cpu)),
+                median(self.raw.iter().map(|r| r.copy_cpu + r.tar_cpu)),
+            ),
             dur_row(
                 "cold: then create -> first output (REST + agent | crun run of umoci's bundle)",
                 reg_create,
                 raw_run,
             ),
             dur_row(
-                "cold: image to first output, registered (POST /v1/images ... echo hi | the 3 tools)",
+                "cold: image to first output, registered (POST /v1/images ... echo hi | all of the raw)",
                 reg_total,
                 raw_total,
             ),
-            dur_row("  the same, raw + syncfs", reg_total, raw_total_synced),
             dur_row(
-                "cold: image to first output, create naming the reference | the 3 tools",
+                "cold: image to first output, create naming the reference | all of the raw",
                 by_ref,
                 raw_total,
             ),
@@ -319,8 +346,10 @@ impl Report {
         out.push_str(&markdown_table(&["measurement", "opendsec", "beside", "ratio"], &rows));
         out.push_str(
             "notes: cold runs each start on an empty store (a fresh `opendsec up` and image store; a fresh directory for the raw tools), \
-             in a rotated order, after a `sync`; our pull syncs the file system before it publishes a layer, skopeo and umoci do not \
-             (hence the + syncfs rows); the raw `crun run` is umoci's bundle as root (no user namespace, no disk image, no agent).\n",
+             in a rotated order, after a `sync`; our pull syncs the file system before it publishes a layer, skopeo and umoci do not, \
+             so the raw side gets a syncfs of the bundle; umoci also hashes the whole unpacked tree into an mtree manifest (for a \
+             later repack), which the floor row leaves out; the raw `crun run` is umoci's bundle as root (no user namespace, no \
+             disk image, no agent).\n",
         );
         if let Some(d) = &self.disk {
             let _ = writeln!(
@@ -358,11 +387,14 @@ impl Report {
                 "registered": self.registered.iter().map(|r| json!({
                     "pull_ms": ms(r.pull), "create_ms": ms(r.create), "total_ms": ms(r.pull + r.create),
                     "size_bytes": r.size_bytes,
+                    "cpu_ms": ms(r.cpu), "cpu_wait_ms": ms(r.cpu_wait),
+                    "steps": r.steps.iter().map(|(t, s)| json!({"at_ms": ms(*t), "step": s})).collect::<Vec<_>>(),
                 })).collect::<Vec<_>>(),
                 "by_reference_ms": self.by_reference.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
                 "raw": self.raw.iter().map(|r| json!({
                     "skopeo_copy_ms": ms(r.copy), "umoci_unpack_ms": ms(r.unpack), "syncfs_ms": ms(r.sync),
-                    "crun_run_ms": ms(r.run), "bundle_bytes": r.bundle_bytes,
+                    "tar_xzf_syncfs_ms": ms(r.tar),
+                    "skopeo_copy_cpu_ms": ms(r.copy_cpu), "umoci_unpack_cpu_ms": ms(r.unpack_cpu), "tar_xzf_cpu_ms": ms(r.tar_cpu), "crun_run_ms": ms(r.run), "bundle_bytes": r.bundle_bytes,
                 })).collect::<Vec<_>>(),
             },
             "warm": self.warm.as_ref().map(|w| json!({
