@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two benchmarks, each one command:
+# Four benchmarks, each one command:
 #
 #   ops/bench.sh [log] [log options]
 #     Builds the `opendsec` server and the harness in release, then runs
@@ -15,6 +15,23 @@
 #     pause/resume latency, and bursts of concurrent creates (total time, failures, peak
 #     memory). Needs root, crun/runc and the busybox image (`opendsec-image build busybox`
 #     or a first `opendsec up` builds it). Installs the edge packages if missing.
+#
+#   sudo ops/bench.sh images [--runs 3] [--warm-runs 20] [--sandboxes 100] [--json out.json] [--data-dir D] [--image-dir S]
+#     Builds `opendsec`, `opendsec-shim`, the static agent and the harness in release,
+#     then runs opendsec-bench images (issue 16) with a ~500 MB OCI image made from the
+#     store's own `base` (built first if the store lacks it: debootstrap and apt, minutes),
+#     tarred, gzipped, written as an OCI layout and pushed with skopeo to Debian's
+#     docker-registry on a free loopback port. Cold (each run on an empty store):
+#     POST /v1/images until ready, then create -> first output of `echo hi`; a create
+#     naming the registry reference; beside them `skopeo copy` + `umoci unpack` (+ syncfs)
+#     + `crun run`. Warm: create -> first output from the stored image beside `base`.
+#     Disk: --sandboxes sandboxes of the image at once, `du -sx` of the store's layers
+#     (stored once: they do not grow) and of the sandboxes' directories, beside that many
+#     umoci bundles. Medians; --json writes every figure. Needs root; installs the edge
+#     and image packages (docker-registry, skopeo, umoci) if missing. The image is pulled
+#     into the store S (default /var/lib/opendsec/images) for the warm and disk steps and
+#     removed from it afterwards. About 10 minutes with the defaults (first try
+#     `--runs 1 --warm-runs 5 --sandboxes 10`).
 #
 #   sudo ops/bench.sh e2b [--runs 20] [--json out.json] [--data-dir D]
 #     Builds `opendsec`, `opendsec-shim` and the static agent in release, makes the E2B
@@ -49,6 +66,22 @@ if [ "${1:-}" = "sandboxes" ]; then
   AGENT="$(CARGO_TARGET_DIR="$TARGET_DIR" bash edge/agent/build-static.sh | tail -n 1)"
   echo "==> running opendsec-bench sandboxes $*"
   exec "$TARGET_DIR/release/opendsec-bench" sandboxes \
+    --opendsec-bin "$TARGET_DIR/release/opendsec" --agent "$AGENT" "$@"
+fi
+
+if [ "${1:-}" = "images" ]; then
+  shift
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "error: the images benchmark runs containers and writes layers as root: run it as root" >&2
+    exit 1
+  fi
+  ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${IMAGE_BENCH_PACKAGES[@]}"
+  echo "==> building opendsec, opendsec-shim, opendsec-bench (release, into $TARGET_DIR)"
+  cargo build --release --locked -p opendsec -p opendsec-edge -p opendsec-bench --bins
+  echo "==> building the static agent"
+  AGENT="$(CARGO_TARGET_DIR="$TARGET_DIR" bash edge/agent/build-static.sh | tail -n 1)"
+  echo "==> running opendsec-bench images $*"
+  exec "$TARGET_DIR/release/opendsec-bench" images \
     --opendsec-bin "$TARGET_DIR/release/opendsec" --agent "$AGENT" "$@"
 fi
 

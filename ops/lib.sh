@@ -69,6 +69,9 @@ README_PACKAGES=(jq)
 # for the registry's basic auth. (Where systemd runs, the package starts its own registry
 # on port 5000; the tests start theirs on free loopback ports.)
 IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils)
+# What the images benchmark (ops/bench.sh images) runs beside OpenDsec: the same registry
+# and skopeo, and umoci, which unpacks the image into a bundle the raw way.
+IMAGE_BENCH_PACKAGES=(docker-registry skopeo umoci)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
 # apparmor_parser (and the 3.0 ABI file), with which the tests compile the sandboxes'

@@ -12,9 +12,13 @@
 //! * [`report`]: the result table and the goals section.
 //! * [`sandboxes`]: `opendsec-bench sandboxes`: container sandboxes through a real
 //!   `opendsec up` beside raw `crun run`, pause/resume, concurrent-create bursts.
+//! * [`images`]: `opendsec-bench images`: a ~500 MB OCI image through a real
+//!   `opendsec up` (cold pull and create, warm create, disk of many sandboxes) beside
+//!   `skopeo copy` + `umoci unpack` + `crun run`.
 
 pub mod etcd;
 pub mod fold;
+pub mod images;
 pub mod load;
 pub mod opendsec;
 pub mod redb_raw;

@@ -2,6 +2,8 @@
 //! beside a raw durable redb commit and etcd. See `opendsec_bench::targets::log_targets`.
 //! `opendsec-bench sandboxes`: container sandboxes through the REST API of a real
 //! `opendsec up`, beside raw `crun run`. See `opendsec_bench::sandboxes`.
+//! `opendsec-bench images`: a ~500 MB OCI image through a real `opendsec up`, beside
+//! `skopeo copy` + `umoci unpack` + `crun run`. See `opendsec_bench::images`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -27,6 +29,47 @@ enum Cmd {
     /// release binaries and the static agent): create -> first exec output beside raw
     /// `crun run`/`runc run`, pause/resume latency, concurrent-create bursts.
     Sandboxes(SandboxArgs),
+    /// A ~500 MB OCI image (made from the store's `base`) through a real `opendsec up`
+    /// (needs root, docker-registry, skopeo, umoci, crun, the release binaries and the
+    /// static agent): cold pull + create beside `skopeo copy` + `umoci unpack` + `crun
+    /// run`, warm create beside `base`, the disk many sandboxes of it take.
+    Images(ImageArgs),
+}
+
+/// Where a benchmark that runs `opendsec up` finds its binaries and keeps its data.
+#[derive(clap::Args)]
+struct UpArgs {
+    /// Where `opendsec up` keeps its data (removed afterwards) [default: ./target/bench-data].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The `opendsec` executable [default: $CARGO_TARGET_DIR/release/opendsec or target/release/opendsec].
+    #[arg(long)]
+    opendsec_bin: Option<PathBuf>,
+    /// The static `opendsec-agent` [default: opendsec-agent next to the opendsec binary].
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The image store (`opendsec up --image-dir`).
+    #[arg(long, env = "OPENDSEC_IMAGE_DIR", default_value = "/var/lib/opendsec/images")]
+    image_dir: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct ImageArgs {
+    /// Cold runs (each pulls the whole image three times: two ways through OpenDsec, once
+    /// with the raw tools); medians are printed.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Warm create -> first output runs per image (the pulled one and base, interleaved; 0: skip).
+    #[arg(long, default_value_t = 20)]
+    warm_runs: usize,
+    /// Sandboxes of the image run at once for the disk measurement (0: skip it).
+    #[arg(long, default_value_t = 100)]
+    sandboxes: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    up: UpArgs,
 }
 
 #[derive(clap::Args)]
@@ -43,18 +86,8 @@ struct SandboxArgs {
     /// Image of every sandbox.
     #[arg(long, default_value = "busybox")]
     image: String,
-    /// Where `opendsec up` keeps its data (removed afterwards) [default: ./target/bench-data].
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    /// The `opendsec` executable [default: $CARGO_TARGET_DIR/release/opendsec or target/release/opendsec].
-    #[arg(long)]
-    opendsec_bin: Option<PathBuf>,
-    /// The static `opendsec-agent` [default: opendsec-agent next to the opendsec binary].
-    #[arg(long)]
-    agent: Option<PathBuf>,
-    /// The image store (`opendsec up --image-dir`).
-    #[arg(long, env = "OPENDSEC_IMAGE_DIR", default_value = "/var/lib/opendsec/images")]
-    image_dir: PathBuf,
+    #[command(flatten)]
+    up: UpArgs,
     /// Seconds a burst may take to have every sandbox running or failed.
     #[arg(long, default_value_t = 240)]
     burst_timeout: u64,
@@ -115,11 +148,13 @@ async fn main() {
     let code = match cli.cmd {
         Cmd::Log(a) => run_log(a).await,
         Cmd::Sandboxes(a) => run_sandboxes(a).await,
+        Cmd::Images(a) => run_images(a).await,
     };
     std::process::exit(code);
 }
 
-async fn run_sandboxes(a: SandboxArgs) -> i32 {
+/// What `opendsec up` runs with, resolved: (data dir, opendsec, agent).
+fn resolve_up(a: &UpArgs, subcommand: &str) -> Result<(PathBuf, PathBuf, PathBuf), String> {
     let cwd = std::env::current_dir().expect("cwd");
     let data_dir = a
         .data_dir
@@ -139,25 +174,23 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
                 etcd_bin: String::new(),
                 opts: BTreeMap::new(),
             };
-            match opendsec_bench::opendsec::find_bin(&ctx) {
-                Ok(b) => b,
-                Err(e) => {
-                    eprintln!("{e}");
-                    return 2;
-                }
-            }
+            opendsec_bench::opendsec::find_bin(&ctx)?
         }
     };
     let agent = a.agent.clone().unwrap_or_else(|| bin.with_file_name("opendsec-agent"));
     for (what, p) in [("opendsec", &bin), ("agent", &agent)] {
         if !p.is_file() {
-            eprintln!(
-                "the {what} binary {} does not exist (ops/bench.sh sandboxes builds it)",
+            return Err(format!(
+                "the {what} binary {} does not exist (ops/bench.sh {subcommand} builds it)",
                 p.display()
-            );
-            return 2;
+            ));
         }
     }
+    Ok((data_dir, bin, agent))
+}
+
+/// This host, for the report: cores, memory in GiB, the 1-minute load average.
+fn host_info() -> (usize, f64, String) {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let load1 = load.split_whitespace().next().unwrap_or("?").to_string();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -171,6 +204,72 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
         })
         .map(|kb| kb / 1048576.0)
         .unwrap_or(0.0);
+    (cores, mem_gib, load1)
+}
+
+async fn run_images(a: ImageArgs) -> i32 {
+    let (data_dir, bin, agent) = match resolve_up(&a.up, "images") {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let (cores, mem_gib, load1) = host_info();
+    eprintln!(
+        "opendsec-bench images: {} cold runs, {} warm runs, {} sandboxes; {cores} cores, {mem_gib:.1} GiB, load {load1}; data under {}, store {}",
+        a.runs,
+        a.warm_runs,
+        a.sandboxes,
+        data_dir.display(),
+        a.up.image_dir.display()
+    );
+    let started = Instant::now();
+    let o = opendsec_bench::images::Options {
+        runs: a.runs,
+        warm_runs: a.warm_runs,
+        sandboxes: a.sandboxes,
+        data_dir,
+        opendsec_bin: bin,
+        agent_bin: agent,
+        image_dir: a.up.image_dir.clone(),
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    let r = tokio::select! {
+        r = opendsec_bench::images::run(o) => r,
+        _ = tokio::signal::ctrl_c() => {
+            opendsec_bench::sandboxes::emergency_teardown();
+            return 130;
+        }
+        _ = term.recv() => {
+            opendsec_bench::sandboxes::emergency_teardown();
+            return 143;
+        }
+    };
+    println!();
+    println!(
+        "images (sandboxes: memory_mb 64, cpu_millis 100, 64 MB disk; {cores} cores, {mem_gib:.1} GiB, load average {load1} at start; {:.0} s total):",
+        started.elapsed().as_secs_f64()
+    );
+    print!("{}", r.summary());
+    if let Some(p) = &a.json
+        && let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&r.json()).unwrap())
+    {
+        eprintln!("cannot write {p:?}: {e}");
+        return 1;
+    }
+    if r.failed() { 1 } else { 0 }
+}
+
+async fn run_sandboxes(a: SandboxArgs) -> i32 {
+    let (data_dir, bin, agent) = match resolve_up(&a.up, "sandboxes") {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let (cores, mem_gib, load1) = host_info();
     eprintln!(
         "opendsec-bench sandboxes: image {}, {} runs, bursts {:?}; {cores} cores, {mem_gib:.1} GiB, load {load1}; data under {}",
         a.image,
@@ -187,7 +286,7 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
         data_dir: data_dir.clone(),
         opendsec_bin: bin,
         agent_bin: agent,
-        image_dir: a.image_dir.clone(),
+        image_dir: a.up.image_dir.clone(),
         burst_timeout: std::time::Duration::from_secs(a.burst_timeout),
         skip_runc: a.skip_runc,
     };

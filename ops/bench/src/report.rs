@@ -51,10 +51,10 @@ pub fn fmt_rate(r: f64) -> String {
 
 pub fn table(rows: &[Row]) -> String {
     let head = ["target", "members", "concurrency", "ops/s", "p50", "p99", "errors"];
-    let cells: Vec<[String; 7]> = rows
+    let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            [
+            vec![
                 r.target.clone(),
                 r.members.to_string(),
                 r.report.concurrency.to_string(),
@@ -65,34 +65,44 @@ pub fn table(rows: &[Row]) -> String {
             ]
         })
         .collect();
-    let mut w = head.map(|h| h.chars().count());
-    for c in &cells {
-        for i in 0..7 {
-            w[i] = w[i].max(c[i].chars().count());
+    markdown_table(&head, &cells)
+}
+
+/// A Markdown table: the first column left-aligned, the others right-aligned; a row
+/// shorter than the head is padded with empty cells.
+pub fn markdown_table(head: &[&str], rows: &[Vec<String>]) -> String {
+    let n = head.len();
+    let cell = |r: &[String], i: usize| r.get(i).cloned().unwrap_or_default();
+    let mut w: Vec<usize> = head.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, width) in w.iter_mut().enumerate() {
+            *width = (*width).max(cell(r, i).chars().count());
         }
     }
     let line = |c: &[String]| {
         let mut s = String::from("|");
-        for i in 0..7 {
-            let pad = w[i] - c[i].chars().count();
+        for (i, width) in w.iter().enumerate() {
+            let text = cell(c, i);
+            let pad = " ".repeat(width - text.chars().count());
             if i == 0 {
-                let _ = write!(s, " {}{} |", c[i], " ".repeat(pad));
+                let _ = write!(s, " {text}{pad} |");
             } else {
-                let _ = write!(s, " {}{} |", " ".repeat(pad), c[i]);
+                let _ = write!(s, " {pad}{text} |");
             }
         }
         s
     };
-    let mut out = line(&head.map(String::from));
+    let head: Vec<String> = head.iter().map(|h| h.to_string()).collect();
+    let mut out = line(&head);
     out.push('\n');
     out.push('|');
-    for (i, width) in w.iter().enumerate() {
+    for (i, width) in w.iter().enumerate().take(n) {
         out.push_str(&"-".repeat(width + 1));
         out.push_str(if i == 0 { "-|" } else { ":|" });
     }
     out.push('\n');
-    for c in &cells {
-        out.push_str(&line(c));
+    for r in rows {
+        out.push_str(&line(r));
         out.push('\n');
     }
     out

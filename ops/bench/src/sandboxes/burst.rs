@@ -1,6 +1,8 @@
-//! Bursts: N concurrent `POST /v1/sandboxes` (N tokio tasks), then polling the list
-//! until every sandbox is running or has failed, with [`MemWatch`] sampling memory all
-//! along; then delete them all (64 requests in flight) and wait until the edge freed them.
+//! Bursts: N concurrent `POST /v1/sandboxes` (N tokio tasks, [`create_many`]), then
+//! polling the list until every sandbox is running or has failed ([`settle`]), with
+//! [`MemWatch`] sampling memory all along; then delete them all (64 requests in flight)
+//! and wait until the edge freed them ([`delete_all`]). The images benchmark's disk
+//! measurement uses the same three steps.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,13 +45,25 @@ async fn count_state(up: &UpGuard, label: &str, state: &str) -> Result<Vec<Strin
         .collect())
 }
 
-pub(super) async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result<Burst, String> {
-    let pid = up.pid().ok_or("opendsec up is not running")?;
-    let watch = MemWatch::start(pid, up.sandboxes_dir());
-    let label = format!("{n}-{}", std::process::id());
+/// What [`settle`] saw last.
+pub(crate) struct Settled {
+    pub(crate) running: usize,
+    /// Failed or exited.
+    pub(crate) failed: usize,
+    /// One failed sandbox's record, abridged, if any failed.
+    pub(crate) first_failure: Option<String>,
+}
+
+/// `n` concurrent creates of `body` labelled `burst=<label>`: the ids accepted, and the
+/// first errors of those refused with how many were.
+pub(crate) async fn create_many(
+    up: &Arc<UpGuard>,
+    body: &Value,
+    label: &str,
+    n: usize,
+) -> (Vec<String>, usize, Vec<String>) {
     let mut b = body.clone();
     b["labels"] = json!({"burst": label});
-    let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(n);
     for _ in 0..n {
         let (up, b) = (up.clone(), b.clone());
@@ -73,15 +87,20 @@ pub(super) async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize
             }
         }
     }
-    let accepted = t0.elapsed();
-    let deadline = t0 + o.burst_timeout;
-    let (mut running, mut failed);
+    (ids, http_errors, first_errors)
+}
+
+/// Polls the sandboxes labelled `burst=<label>` until `n` are running or have failed, or
+/// `deadline` passes; says how far it is every 15 s.
+pub(crate) async fn settle(up: &UpGuard, label: &str, n: usize, deadline: Instant) -> Result<Settled, String> {
+    let t0 = Instant::now();
     let mut last_print = Instant::now();
     loop {
-        running = count_state(up, &label, "running").await?.len();
-        let f = count_state(up, &label, "failed").await?;
-        failed = f.len() + count_state(up, &label, "exited").await?.len();
-        if running + failed >= ids.len() || Instant::now() > deadline {
+        let running = count_state(up, label, "running").await?.len();
+        let f = count_state(up, label, "failed").await?;
+        let failed = f.len() + count_state(up, label, "exited").await?.len();
+        if running + failed >= n || Instant::now() > deadline {
+            let mut first_failure = None;
             if failed > 0
                 && let Ok((200, v)) = up
                     .send(
@@ -91,36 +110,31 @@ pub(super) async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize
                     )
                     .await
             {
-                first_errors.push(format!(
-                    "failed sandbox: {}",
-                    v.to_string().chars().take(400).collect::<String>()
-                ));
+                first_failure = Some(v.to_string().chars().take(400).collect::<String>());
             }
-            break;
+            return Ok(Settled {
+                running,
+                failed,
+                first_failure,
+            });
         }
         if last_print.elapsed() > Duration::from_secs(15) {
             last_print = Instant::now();
             eprintln!(
-                "   ... {:.0} s: {running} running, {failed} failed of {}",
-                t0.elapsed().as_secs_f64(),
-                ids.len()
+                "   ... {:.0} s: {running} running, {failed} failed of {n}",
+                t0.elapsed().as_secs_f64()
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let settled = t0.elapsed();
-    let not_settled = ids.len() - running - failed;
-    let mem = watch.finish(&up.sandbox_dirs());
-    eprintln!(
-        "   settled in {:.1} s: {running} running, {failed} failed, {not_settled} not settled; deleting all",
-        settled.as_secs_f64()
-    );
+}
 
-    // Delete all (64 requests in flight), then wait until the edge has freed them.
-    let t1 = Instant::now();
+/// Deletes `ids` (64 requests in flight), then waits up to 300 s until the edge has
+/// freed them; returns how many it had not, and adds errors to `errors`.
+pub(crate) async fn delete_all(up: &Arc<UpGuard>, ids: &[String], errors: &mut Vec<String>) -> usize {
     let sem = Arc::new(tokio::sync::Semaphore::new(64));
     let mut tasks = Vec::new();
-    for id in ids.clone() {
+    for id in ids.iter().cloned() {
         let (up, sem) = (up.clone(), sem.clone());
         tasks.push(tokio::spawn(async move {
             let _p = sem.acquire().await;
@@ -129,18 +143,38 @@ pub(super) async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize
     }
     for t in tasks {
         if let Ok(Err(e)) = t.await {
-            first_errors.push(e);
+            errors.push(e);
         }
     }
     let deadline = Instant::now() + Duration::from_secs(300);
-    let mut left_over;
     loop {
-        left_over = ids.iter().filter(|id| up.sandboxes_dir().join(id).exists()).count();
+        let left_over = ids.iter().filter(|id| up.sandboxes_dir().join(id).exists()).count();
         if left_over == 0 || Instant::now() > deadline {
-            break;
+            return left_over;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+pub(super) async fn burst(up: &Arc<UpGuard>, o: &Options, body: &Value, n: usize) -> Result<Burst, String> {
+    let pid = up.pid().ok_or("opendsec up is not running")?;
+    let watch = MemWatch::start(pid, up.sandboxes_dir());
+    let label = format!("{n}-{}", std::process::id());
+    let t0 = Instant::now();
+    let (ids, http_errors, mut first_errors) = create_many(up, body, &label, n).await;
+    let accepted = t0.elapsed();
+    let s = settle(up, &label, ids.len(), t0 + o.burst_timeout).await?;
+    first_errors.extend(s.first_failure.map(|f| format!("failed sandbox: {f}")));
+    let (running, failed) = (s.running, s.failed);
+    let settled = t0.elapsed();
+    let not_settled = ids.len().saturating_sub(running + failed);
+    let mem = watch.finish(&up.sandbox_dirs());
+    eprintln!(
+        "   settled in {:.1} s: {running} running, {failed} failed, {not_settled} not settled; deleting all",
+        settled.as_secs_f64()
+    );
+    let t1 = Instant::now();
+    let left_over = delete_all(up, &ids, &mut first_errors).await;
     Ok(Burst {
         accepted,
         settled,

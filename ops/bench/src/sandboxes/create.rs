@@ -103,6 +103,31 @@ pub(super) struct CreateRuns {
     pub(super) errors: Vec<String>,
 }
 
+impl UpGuard {
+    /// Creates a sandbox of `body` and runs `echo hi` in it as soon as it takes it: the
+    /// sandbox's id (when the create was accepted, so the caller can remove it) and the
+    /// time from the create request to the first stdout bytes.
+    pub async fn create_then_echo(&self, body: &Value, within: Duration) -> (Option<String>, Result<Duration, String>) {
+        let t0 = Instant::now();
+        let id = match self.create(body).await {
+            Ok(id) => id,
+            Err(e) => return (None, Err(e)),
+        };
+        let r = match self.exec_first_output(&id, "echo hi", within).await {
+            Ok((_, out)) if out != "hi\n" => Err(format!("stdout {out:?}, expected \"hi\\n\"")),
+            Ok((first, _)) => Ok(first - t0),
+            Err(e) => Err(e),
+        };
+        (Some(id), r)
+    }
+
+    /// Deletes sandbox `id` and waits until the edge has freed it.
+    pub async fn remove(&self, id: &str) -> Result<(), String> {
+        self.delete(id).await?;
+        self.wait_freed(id, Duration::from_secs(60)).await
+    }
+}
+
 /// `runs` creates (+1 warm-up) of `body`, each timed to the first output of `echo hi`,
 /// then deleted and freed; stops early after more than 5 errors.
 pub(super) async fn first_output_runs(up: &UpGuard, body: &Value, runs: usize) -> CreateRuns {
@@ -110,34 +135,19 @@ pub(super) async fn first_output_runs(up: &UpGuard, body: &Value, runs: usize) -
     let mut config: Option<Value> = None;
     let mut errors = Vec::new();
     for i in 0..=runs {
-        let t0 = Instant::now();
-        let id = match up.create(body).await {
-            Ok(id) => id,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        match up.exec_first_output(&id, "echo hi", Duration::from_secs(60)).await {
-            Ok((first, out)) => {
-                let d = first - t0;
-                if out != "hi\n" {
-                    errors.push(format!("run {i}: stdout {out:?}, expected \"hi\\n\""));
-                } else if i > 0 {
-                    api.push(d);
-                }
-            }
+        let (id, r) = up.create_then_echo(body, Duration::from_secs(60)).await;
+        match r {
+            Ok(d) if i > 0 => api.push(d),
+            Ok(_) => {}
             Err(e) => errors.push(format!("run {i}: {e}")),
         }
+        let Some(id) = id else { continue };
         if config.is_none()
             && let Ok(b) = std::fs::read(up.sandboxes_dir().join(&id).join("config.json"))
         {
             config = serde_json::from_slice(&b).ok();
         }
-        if let Err(e) = up.delete(&id).await {
-            errors.push(e);
-        }
-        if let Err(e) = up.wait_freed(&id, Duration::from_secs(60)).await {
+        if let Err(e) = up.remove(&id).await {
             errors.push(e);
         }
         if errors.len() > 5 {

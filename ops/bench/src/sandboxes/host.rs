@@ -5,21 +5,21 @@
 use std::path::Path;
 use std::process::Command;
 
-pub(super) use opendsec_edge::container::is_mounted;
-pub(super) use opendsec_edge::container::runtime::{hide_unified_cgroup, host_is_cgroup_hybrid};
+pub(crate) use opendsec_edge::container::is_mounted;
+pub(crate) use opendsec_edge::container::runtime::{hide_unified_cgroup, host_is_cgroup_hybrid};
 
-pub(super) fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
     Ok(l.local_addr().map_err(|e| e.to_string())?.port())
 }
 
-pub(super) fn read_pid(p: &Path) -> Option<i32> {
+pub(crate) fn read_pid(p: &Path) -> Option<i32> {
     std::fs::read_to_string(p).ok()?.trim().parse().ok()
 }
 
 /// `rt --root ROOT args...`; for crun on a hybrid host, in a private mount namespace
 /// without /sys/fs/cgroup/unified (the same workaround as the edge's runtime).
-pub(super) fn runtime_cmd(rt: &str, root: &Path, hybrid: bool) -> Command {
+pub(crate) fn runtime_cmd(rt: &str, root: &Path, hybrid: bool) -> Command {
     let mut cmd = Command::new(rt);
     cmd.arg("--root").arg(root);
     if rt == "crun" && hybrid {
@@ -28,7 +28,7 @@ pub(super) fn runtime_cmd(rt: &str, root: &Path, hybrid: bool) -> Command {
     cmd
 }
 
-pub(super) fn umount_detach(p: &Path) {
+pub(crate) fn umount_detach(p: &Path) {
     if let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) {
         // SAFETY: plain syscall on a path we own.
         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };

@@ -11,12 +11,12 @@
 //! [`report`] turns each measurement into a summary line. Everything it starts is torn
 //! down by [`up::UpGuard`] and the raw bundles on drop (also on error).
 
-mod burst;
+pub(crate) mod burst;
 mod create;
-mod host;
+pub(crate) mod host;
 mod memory;
 mod pause;
-mod raw;
+pub(crate) mod raw;
 mod report;
 mod up;
 
@@ -28,7 +28,7 @@ use serde_json::json;
 
 pub use host::mounts_under;
 pub use report::Results;
-pub use up::{UpGuard, emergency_teardown};
+pub use up::{UpConfig, UpGuard, emergency_teardown};
 
 use crate::log_tail;
 
@@ -57,7 +57,14 @@ pub async fn run(o: Options) -> Results {
         "== starting opendsec up (edge capacity {capacity} sandboxes, 64 MB disks) under {}",
         o.data_dir.display()
     );
-    let up = match UpGuard::start(&o, capacity).await {
+    let up_config = UpConfig {
+        dir: o.data_dir.join(format!("sandboxes-{}", std::process::id())),
+        opendsec_bin: o.opendsec_bin.clone(),
+        agent_bin: o.agent_bin.clone(),
+        image_dir: o.image_dir.clone(),
+        extra_args: Vec::new(),
+    };
+    let up = match UpGuard::start(&up_config, capacity).await {
         Ok(u) => Arc::new(u),
         Err(e) => {
             report.lines.push(format!("FAILED: {e}"));

@@ -107,35 +107,36 @@ impl RawBundle {
     /// Spawn `rt run` and time it to the first stdout byte; then wait for it to finish.
     fn run(&self) -> Result<Duration, String> {
         let mut cmd = runtime_cmd(self.rt, &self.root, self.hybrid);
-        cmd.args(["run", "--bundle"])
-            .arg(&self.dir)
-            .arg(&self.id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let t0 = Instant::now();
-        let mut child = cmd.spawn().map_err(|e| format!("spawn {}: {e}", self.rt))?;
-        let mut stdout = child.stdout.take().unwrap();
-        let mut byte = [0u8; 64];
-        let n = stdout.read(&mut byte).map_err(|e| e.to_string())?;
-        let el = t0.elapsed();
-        let mut rest = Vec::new();
-        let _ = stdout.read_to_end(&mut rest);
-        let mut err = String::new();
-        if let Some(mut e) = child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
-        let st = child.wait().map_err(|e| e.to_string())?;
-        if n == 0 || !st.success() {
-            return Err(format!(
-                "{} run: {st}, stdout {:?}, stderr {}",
-                self.rt,
-                String::from_utf8_lossy(&byte[..n]),
-                err.trim()
-            ));
-        }
-        Ok(el)
+        cmd.args(["run", "--bundle"]).arg(&self.dir).arg(&self.id);
+        time_first_stdout(cmd, self.rt)
     }
+}
+
+/// Spawns `cmd` (stdin closed) and times it to its first stdout byte; then waits for it
+/// to finish, which it must do successfully.
+pub(crate) fn time_first_stdout(mut cmd: std::process::Command, what: &str) -> Result<Duration, String> {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().map_err(|e| format!("spawn {what}: {e}"))?;
+    let mut stdout = child.stdout.take().unwrap();
+    let mut byte = [0u8; 64];
+    let n = stdout.read(&mut byte).map_err(|e| e.to_string())?;
+    let el = t0.elapsed();
+    let mut rest = Vec::new();
+    let _ = stdout.read_to_end(&mut rest);
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    let st = child.wait().map_err(|e| e.to_string())?;
+    if n == 0 || !st.success() {
+        return Err(format!(
+            "{what} run: {st}, stdout {:?}, stderr {}",
+            String::from_utf8_lossy(&byte[..n]),
+            err.trim()
+        ));
+    }
+    Ok(el)
 }
 
 impl Drop for RawBundle {
@@ -229,9 +230,15 @@ pub(super) async fn baseline(
         (_, Err(e)) => report.failure(format!("raw crun/runc: n/a ({e})")),
     }
     let _ = std::fs::remove_dir_all(base);
-    // The runtimes remove each container's cgroup but not the (empty) parent.
+    remove_bench_cgroups();
+    crun_p50
+}
+
+/// The raw runs' containers live in cgroups under `/opendsec-bench`: the runtimes remove
+/// each container's cgroup but not that (empty) parent, removed here.
+pub(crate) fn remove_bench_cgroups() {
     for c in std::fs::read_dir("/sys/fs/cgroup").into_iter().flatten().flatten() {
         let _ = std::fs::remove_dir(c.path().join("opendsec-bench"));
     }
-    crun_p50
+    let _ = std::fs::remove_dir("/sys/fs/cgroup/opendsec-bench");
 }

@@ -13,9 +13,21 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::Options;
 use super::host::{free_port, host_is_cgroup_hybrid, mounts_under, read_pid, runtime_cmd, umount_detach};
 use crate::log_tail;
+
+/// What an `opendsec up` is started with.
+#[derive(Clone, Debug)]
+pub struct UpConfig {
+    /// The run's own directory (emptied first, removed on drop): `data/`, `up.log`, the token.
+    pub dir: PathBuf,
+    pub opendsec_bin: PathBuf,
+    pub agent_bin: PathBuf,
+    /// The image store (`--image-dir`); it may lie inside `dir`.
+    pub image_dir: PathBuf,
+    /// More `opendsec up` flags (after those of `OPENDSEC_BENCH_UP_ARGS`).
+    pub extra_args: Vec<String>,
+}
 
 /// A running `opendsec up`. Drop stops it and removes every sandbox, mount and file it left.
 pub struct UpGuard {
@@ -56,9 +68,8 @@ impl UpGuard {
             .unwrap_or_default()
     }
 
-    pub async fn start(o: &Options, max_sandboxes: u64) -> Result<UpGuard, String> {
-        std::fs::create_dir_all(&o.data_dir).map_err(|e| format!("create {:?}: {e}", o.data_dir))?;
-        let dir = o.data_dir.join(format!("sandboxes-{}", std::process::id()));
+    pub async fn start(o: &UpConfig, max_sandboxes: u64) -> Result<UpGuard, String> {
+        let dir = o.dir.clone();
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("create {dir:?}: {e}"))?;
         let mut up = UpGuard {
@@ -106,6 +117,7 @@ impl UpGuard {
                     .unwrap_or_default()
                     .split_whitespace(),
             )
+            .args(&o.extra_args)
             .env(
                 "RUST_LOG",
                 std::env::var("OPENDSEC_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".into()),
