@@ -36,14 +36,7 @@ pub async fn pull(
         reference: req.reference,
         edge: req.edge,
     };
-    let s = submit(&st, &who, &rid, cmd).await?;
-    let image = read(&st, &s.decided.target)
-        .ok_or_else(|| ApiError::internal("the image was written but is not in the applied state"))?;
-    Ok(Written {
-        index: s.index,
-        status: StatusCode::CREATED,
-        body: ImageWritten { index: s.index, image },
-    })
+    register(&st, &who, &rid, cmd).await
 }
 
 /// Makes an image of a container sandbox that has run (running or paused): its writable
@@ -70,14 +63,7 @@ pub async fn pack(
         name: req.name,
         scrub: req.scrub,
     };
-    let s = submit(&st, &who, &rid, cmd).await?;
-    let image = read(&st, &s.decided.target)
-        .ok_or_else(|| ApiError::internal("the image was written but is not in the applied state"))?;
-    Ok(Written {
-        index: s.index,
-        status: StatusCode::CREATED,
-        body: ImageWritten { index: s.index, image },
-    })
+    register(&st, &who, &rid, cmd).await
 }
 
 /// The images the caller's sandboxes can start from: its subtree's and its ancestors'.
@@ -157,4 +143,22 @@ fn progress_of<'a>(
 fn read(st: &AppState, name: &str) -> Option<api::Image> {
     st.node
         .read(|s| s.images.images.get(name).map(|x| convert::image(x, None)))
+}
+
+/// Submits a command that registers an image (a pull, a pack) and answers 201 with the
+/// image as applied.
+async fn register(
+    st: &AppState,
+    who: &Authed,
+    rid: &RequestId,
+    cmd: Command,
+) -> Result<Written<ImageWritten>, ApiError> {
+    let s = submit(st, who, rid, cmd).await?;
+    let image = read(st, &s.decided.target)
+        .ok_or_else(|| ApiError::internal("the image was written but is not in the applied state"))?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::CREATED,
+        body: ImageWritten { index: s.index, image },
+    })
 }

@@ -234,17 +234,9 @@ async fn run_images(a: ImageArgs) -> i32 {
         agent_bin: agent,
         image_dir: a.up.image_dir.clone(),
     };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-    let r = tokio::select! {
-        r = opendsec_bench::images::run(o) => r,
-        _ = tokio::signal::ctrl_c() => {
-            opendsec_bench::sandboxes::emergency_teardown();
-            return 130;
-        }
-        _ = term.recv() => {
-            opendsec_bench::sandboxes::emergency_teardown();
-            return 143;
-        }
+    let r = match until_signal(opendsec_bench::images::run(o)).await {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     println!();
     println!(
@@ -290,17 +282,9 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
         burst_timeout: std::time::Duration::from_secs(a.burst_timeout),
         skip_runc: a.skip_runc,
     };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-    let r = tokio::select! {
-        r = opendsec_bench::sandboxes::run(o) => r,
-        _ = tokio::signal::ctrl_c() => {
-            opendsec_bench::sandboxes::emergency_teardown();
-            return 130;
-        }
-        _ = term.recv() => {
-            opendsec_bench::sandboxes::emergency_teardown();
-            return 143;
-        }
+    let r = match until_signal(opendsec_bench::sandboxes::run(o)).await {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     println!();
     println!(
@@ -517,4 +501,17 @@ async fn run_log(a: LogArgs) -> i32 {
     } else {
         1
     }
+}
+
+/// Runs a benchmark that starts sandboxes; on Ctrl-C or SIGTERM it tears down what the
+/// run started and gives the exit code to end with (130, 143).
+async fn until_signal<T>(run: impl std::future::Future<Output = T>) -> Result<T, i32> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    let code = tokio::select! {
+        r = run => return Ok(r),
+        _ = tokio::signal::ctrl_c() => 130,
+        _ = term.recv() => 143,
+    };
+    opendsec_bench::sandboxes::emergency_teardown();
+    Err(code)
 }
