@@ -353,7 +353,10 @@ impl ImageStore {
     /// the parent first.
     pub fn ensure(&self, name: &str, progress: &dyn Fn(&BuildProgress)) -> Result<Image, ImageError> {
         let name = canonical_name(name);
-        validate_name(name)?;
+        // A reference names no recipe: only what is stored (`get` checks it).
+        if !Self::is_reference(name) {
+            validate_name(name)?;
+        }
         let Some(recipe) = build::recipe(name) else {
             // Not one of ours: only what is stored.
             return match self.get(name) {
@@ -587,6 +590,26 @@ mod tests {
             build::CODE_INTERPRETER_SERVER,
             include_bytes!("../../images/code-interpreter/server.py")
         );
+    }
+
+    #[test]
+    fn ensure_returns_a_stored_pulled_image_by_its_reference() {
+        // Warm containers of an image created by its reference are made through `ensure`.
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        fs::create_dir_all(store.layer_path("sha256-00")).unwrap();
+        let pulled = Image {
+            name: "127.0.0.1:5000/bench/base:500m".into(),
+            layers: vec!["sha256-00".into()],
+            ..Image::default()
+        };
+        store.put(&pulled).unwrap();
+        let got = store.ensure("127.0.0.1:5000/bench/base:500m", &|_| {}).unwrap();
+        assert_eq!(got.layers, pulled.layers);
+        assert!(matches!(
+            store.ensure("127.0.0.1:5000/not/here:1", &|_| {}),
+            Err(ImageError::UnknownImage(_))
+        ));
     }
 
     #[test]
