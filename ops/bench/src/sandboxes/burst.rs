@@ -134,8 +134,8 @@ pub(crate) async fn settle(up: &UpGuard, label: &str, n: usize, deadline: Instan
 pub(crate) async fn delete_all(up: &Arc<UpGuard>, ids: &[String], errors: &mut Vec<String>) -> usize {
     let sem = Arc::new(tokio::sync::Semaphore::new(64));
     let mut tasks = Vec::new();
-    for id in ids.iter().cloned() {
-        let (up, sem) = (up.clone(), sem.clone());
+    for id in ids {
+        let (up, sem, id) = (up.clone(), sem.clone(), id.clone());
         tasks.push(tokio::spawn(async move {
             let _p = sem.acquire().await;
             up.delete(&id).await
