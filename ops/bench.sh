@@ -30,8 +30,11 @@
 #     umoci bundles. Medians; --json writes every figure. Needs root; installs the edge
 #     and image packages (docker-registry, skopeo, umoci) if missing. The image is pulled
 #     into the store S (default /var/lib/opendsec/images) for the warm and disk steps and
-#     removed from it afterwards. About 10 minutes with the defaults (first try
-#     `--runs 1 --warm-runs 5 --sandboxes 10`).
+#     removed from it afterwards. About 5 minutes with the defaults on 2 cores (first
+#     try `--runs 1 --warm-runs 5 --sandboxes 10`). Put --data-dir and --image-dir on a
+#     journaled file system: on ext4 without a journal, creating files costs CPU in
+#     proportion to the files deleted there in the last 12 hours, and the cold figures
+#     measure that (the benchmark warns; ops/bench/src/images/mod.rs says more).
 #
 #   sudo ops/bench.sh e2b [--runs 20] [--json out.json] [--data-dir D]
 #     Builds `opendsec`, `opendsec-shim` and the static agent in release, makes the E2B

@@ -261,3 +261,20 @@ pub fn targets(rows: &[Row], replays: &[ReplayRow]) -> String {
     let _ = writeln!(out, "  {line}");
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn markdown_table_aligns_the_first_column_left_and_pads_short_rows() {
+        let t = markdown_table(
+            &["what", "ours"],
+            &[vec!["cold".into(), "1.5 s".into()], vec!["warm-up".into()]],
+        );
+        assert_eq!(
+            t,
+            "| what    |  ours |\n|---------|------:|\n| cold    | 1.5 s |\n| warm-up |       |\n"
+        );
+    }
+}

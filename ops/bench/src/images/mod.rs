@@ -13,6 +13,13 @@
 //! Steps 3 and 4 run on one `opendsec up` over the store given (`--image-dir`, where
 //! `base` is); the image is pulled into it for them, and the records and layers the
 //! benchmark added there are removed at the end. [`report`] prints the table and the JSON.
+//!
+//! Where the figures come from matters more than usual here: unpacking 20,000 files is
+//! mostly the kernel's work, and on ext4 without a journal that work grows with every
+//! file deleted on the machine in the last 12 hours ([`cpu::journalless_ext4`]; seen
+//! here: the same `tar -xzf` took 6 s of CPU on a fresh ext4 and 40 s on a busy root
+//! file system). The report warns when `--data-dir` or `--image-dir` is on one; give
+//! both a journaled (or fresh) file system for figures that compare across runs.
 
 mod cold;
 mod cpu;
@@ -193,6 +200,17 @@ pub async fn run(o: Options) -> Report {
 }
 
 async fn run_in(o: &Options, work: &Path, report: &mut Report) -> Result<(), String> {
+    for (what, dir) in [("--data-dir", work), ("--image-dir", o.image_dir.as_path())] {
+        if let Some(device) = cpu::journalless_ext4(dir) {
+            report.warn(format!(
+                "{what} {} is on {device}, ext4 without a journal: creating files there passes over every inode \
+                 deleted in the last vm.dirtytime_expire_seconds, so unpacking costs CPU in proportion to the \
+                 machine's recent file churn (see opendsec_bench::images); use a journaled file system for stable \
+                 cold and disk figures",
+                dir.display()
+            ));
+        }
+    }
     // 1. The image.
     eprintln!(
         "== base from the store {} (built if missing or stale)",

@@ -29,6 +29,8 @@ pub struct Report {
     raw: Vec<Raw>,
     warm: Option<Warm>,
     disk: Option<Disk>,
+    /// Warnings about the machine that change what the figures mean.
+    warnings: Vec<String>,
     pub failures: Vec<String>,
 }
 
@@ -112,6 +114,11 @@ impl Report {
     pub(super) fn fail(&mut self, s: String) {
         eprintln!("   FAILED: {s}");
         self.failures.push(s);
+    }
+
+    pub(super) fn warn(&mut self, s: String) {
+        eprintln!("   WARNING: {s}");
+        self.warnings.push(s);
     }
 
     pub(super) fn image(&mut self, reference: &str, made: &Made, base_apparent: u64) {
@@ -247,7 +254,7 @@ impl Report {
         let of = |f: fn(&Raw) -> Duration| median(self.raw.iter().map(f)).map(fmt_long).unwrap_or_default();
         let mut rows = vec![
             dur_row(
-                "cold: pull + unpack (POST /v1/images until ready | skopeo copy + umoci unpack + syncfs)",
+                "cold: pull + unpack (POST /v1/images until ready vs skopeo copy + umoci unpack + syncfs)",
                 reg_pull,
                 raw_pull,
             ),
@@ -263,39 +270,39 @@ impl Report {
                 tar_floor,
             ),
             dur_row(
-                "  CPU time of it (opendsec up | skopeo + umoci)",
+                "  CPU time of it (opendsec up vs skopeo + umoci)",
                 median(self.registered.iter().map(|r| r.cpu)),
                 median(self.raw.iter().map(|r| r.copy_cpu + r.unpack_cpu)),
             ),
             dur_row(
-                "  CPU time of it (opendsec up | skopeo + GNU tar and gzip)",
+                "  CPU time of it (opendsec up vs skopeo + GNU tar and gzip)",
                 median(self.registered.iter().map(|r| r.cpu)),
                 median(self.raw.iter().map(|r| r.copy_cpu + r.tar_cpu)),
             ),
             dur_row(
-                "cold: then create -> first output (REST + agent | crun run of umoci's bundle)",
+                "cold: then create -> first output (REST + agent vs crun run of umoci's bundle)",
                 reg_create,
                 raw_run,
             ),
             dur_row(
-                "cold: image to first output, registered (POST /v1/images ... echo hi | all of the raw)",
+                "cold: image to first output, registered (POST /v1/images ... echo hi vs all of the raw)",
                 reg_total,
                 raw_total,
             ),
             dur_row(
-                "cold: image to first output, create naming the reference | all of the raw",
+                "cold: image to first output, create naming the reference vs all of the raw",
                 by_ref,
                 raw_total,
             ),
         ];
         if let Some(w) = &self.warm {
             rows.push(dur_row(
-                &format!("warm: create -> first output, p50 ({IMAGE_NAME} | {BASE})"),
+                &format!("warm: create -> first output, p50 ({IMAGE_NAME} vs {BASE})"),
                 (!w.pulled.is_empty()).then(|| percentile(&w.pulled, 0.5)),
                 (!w.base.is_empty()).then(|| percentile(&w.base, 0.5)),
             ));
             rows.push(dur_row(
-                &format!("warm: create -> first output, p90 ({IMAGE_NAME} | {BASE})"),
+                &format!("warm: create -> first output, p90 ({IMAGE_NAME} vs {BASE})"),
                 (!w.pulled.is_empty()).then(|| percentile(&w.pulled, 0.9)),
                 (!w.base.is_empty()).then(|| percentile(&w.base, 0.9)),
             ));
@@ -312,23 +319,23 @@ impl Report {
                 ]
             };
             rows.push(bytes_row(
-                format!("disk: per sandbox, {n} running (its directory | one umoci bundle)"),
+                format!("disk: per sandbox, {n} running (its directory vs one umoci bundle)"),
                 d.per_sandbox(),
                 bundle,
             ));
             rows.push(bytes_row(
-                format!("disk: {n} sandboxes + the image's layers once | {n} umoci bundles"),
+                format!("disk: {n} sandboxes + the image's layers once vs {n} umoci bundles"),
                 d.sandboxes_bytes + d.image_layers_after,
                 bundle.map(|b| b * n),
             ));
             rows.push(vec![
-                format!("disk: store layers/ before | with {n} sandboxes running"),
+                format!("disk: store layers/ before vs with {n} sandboxes running"),
                 fmt_bytes(d.store_layers_before),
                 fmt_bytes(d.store_layers_after),
                 String::new(),
             ]);
             rows.push(vec![
-                format!("disk: the image's layers before | with {n} sandboxes running"),
+                format!("disk: the image's layers before vs with {n} sandboxes running"),
                 fmt_bytes(d.image_layers_before),
                 fmt_bytes(d.image_layers_after),
                 String::new(),
@@ -364,6 +371,9 @@ impl Report {
                 d.layer_dirs_after,
                 d.running
             );
+        }
+        for w in &self.warnings {
+            let _ = writeln!(out, "WARNING: {w}");
         }
         for f in &self.failures {
             let _ = writeln!(out, "FAILED: {f}");
@@ -412,7 +422,39 @@ impl Report {
                 "edge_dir_before_bytes": d.edge_dir_before, "edge_dir_after_bytes": d.edge_dir_after,
                 "left_over": d.left_over,
             })),
+            "warnings": self.warnings,
             "failed": self.failures,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median([ms(4), ms(1), ms(3), ms(2)]), Some(Duration::from_micros(2500)));
+        assert_eq!(median([ms(9), ms(1), ms(5)]), Some(ms(5)));
+        assert_eq!(median(Vec::new()), None);
+    }
+
+    #[test]
+    fn ratios_keep_small_figures_readable() {
+        assert_eq!(ratio(1.0, 4.0), "0.25x");
+        assert_eq!(ratio(364.0, 600_000.0), "0.00061x");
+        assert_eq!(ratio(1.0, 0.0), "");
+    }
+
+    #[test]
+    fn a_row_missing_a_side_says_so_and_has_no_ratio() {
+        assert_eq!(
+            dur_row("warm", Some(ms(1500)), None),
+            vec!["warm".to_string(), "1.50 s".into(), "n/a".into(), String::new()]
+        );
     }
 }
