@@ -116,8 +116,8 @@ impl Edge {
                     },
                 };
                 tracing::info!(image = %name, ?result, "pack done");
-                edge.rt.block_on(edge.report_image(&name, &result));
-                edge.pulls.end(&name);
+                let reported = edge.rt.block_on(edge.report_image(&name, &result));
+                edge.pulls.end(&name, reported);
                 edge.wake.notify_one();
             })
             .expect("spawning a pack thread");

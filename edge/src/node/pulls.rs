@@ -105,11 +105,23 @@ impl RegistrySettings {
 #[derive(Default)]
 pub(super) struct Pulls {
     active: std::sync::Mutex<BTreeMap<String, ImagePull>>,
+    /// Pulls and packs reported lately, with when: not made again until the slice has
+    /// had time to show the report (a pack made twice would store a second, different
+    /// record under a name the log says is the first).
+    reported: std::sync::Mutex<BTreeMap<String, std::time::Instant>>,
 }
 
+/// How long a reported pull or pack is not made again while the slice catches up.
+const REPORTED_QUIET: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl Pulls {
+    /// The pulls and packs under way, or reported within [`REPORTED_QUIET`].
     pub(super) fn names(&self) -> BTreeSet<String> {
-        self.active.lock().expect("pulls lock").keys().cloned().collect()
+        let mut names: BTreeSet<String> = self.active.lock().expect("pulls lock").keys().cloned().collect();
+        let mut reported = self.reported.lock().expect("pulls lock");
+        reported.retain(|_, at| at.elapsed() < REPORTED_QUIET);
+        names.extend(reported.keys().cloned());
+        names
     }
 
     /// Progress of every pull, for the heartbeat.
@@ -144,7 +156,14 @@ impl Pulls {
         }
     }
 
-    pub(super) fn end(&self, name: &str) {
+    /// The pull or pack of `name` ended; `reported`: the log has its result.
+    pub(super) fn end(&self, name: &str, reported: bool) {
+        if reported {
+            self.reported
+                .lock()
+                .expect("pulls lock")
+                .insert(name.to_string(), std::time::Instant::now());
+        }
         self.active.lock().expect("pulls lock").remove(name);
     }
 }
@@ -173,8 +192,8 @@ impl Edge {
                     },
                 };
                 tracing::info!(image = %name, ?result, "pull done");
-                edge.rt.block_on(edge.report_image(&name, &result));
-                edge.pulls.end(&name);
+                let reported = edge.rt.block_on(edge.report_image(&name, &result));
+                edge.pulls.end(&name, reported);
                 edge.wake.notify_one();
             })
             .expect("spawning a pull thread");
@@ -194,14 +213,21 @@ impl Edge {
         Ok(image)
     }
 
-    pub(super) async fn report_image(&self, name: &str, result: &ImageResult) {
+    /// Reports a pull's or pack's result; whether the log took it.
+    pub(super) async fn report_image(&self, name: &str, result: &ImageResult) -> bool {
         let mut client = self.client.clone();
         let key = format!("{}:image:{name}", self.cfg.name);
         match client.report_image(name, result, &key).await {
-            Ok(index) => tracing::info!(image = %name, index, "reported"),
+            Ok(index) => {
+                tracing::info!(image = %name, index, "reported");
+                true
+            }
             // The log still has the pull pending: the next round pulls (from the store,
             // quickly) and reports again.
-            Err(e) => tracing::warn!(image = %name, error = %e, "cannot report a pull; it is made again"),
+            Err(e) => {
+                tracing::warn!(image = %name, error = %e, "cannot report a pull; it is made again");
+                false
+            }
         }
     }
 
@@ -254,4 +280,21 @@ fn image_bytes(store: &ImageStore, image: &Image) -> u64 {
         .layer_dirs(image)
         .map(|dirs| dirs.iter().map(|d| super::files::dir_size(d)).sum())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pulls;
+
+    #[test]
+    fn a_reported_pull_or_pack_is_not_made_again_while_the_slice_catches_up() {
+        let pulls = Pulls::default();
+        assert!(pulls.begin("packed"));
+        assert!(!pulls.begin("packed"), "one at a time");
+        pulls.end("packed", true);
+        assert!(pulls.names().contains("packed"), "reported just now: left alone");
+        assert!(pulls.begin("failed-report"));
+        pulls.end("failed-report", false);
+        assert!(!pulls.names().contains("failed-report"), "not reported: made again");
+    }
 }
