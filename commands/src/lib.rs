@@ -10,7 +10,7 @@ mod decide;
 pub mod images;
 mod inflight;
 mod placement;
-mod validate;
+pub mod validate;
 
 pub use decide::{Decided, batch_for, decide, decide_excluding};
 pub use inflight::InFlight;
@@ -203,6 +203,60 @@ pub enum Command {
         /// Absolute paths to leave out too (files, or directories with all they hold).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         scrub: Vec<String>,
+        /// What the image's config changes from its parent's (a template build's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        config: Option<opendsec_projections::ConfigOverride>,
+    },
+    /// Asks for a build of a template of `project` (E2B's `POST /v3/templates`): of the
+    /// template named `name` if the project has one, else of a new template (named
+    /// `name` when given: unique among templates and images). The build waits for its
+    /// steps (`StartTemplateBuild`); once ready it takes `tags` (the default tag when
+    /// none). Needs sandbox:write.
+    RequestTemplateBuild {
+        project: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tags: Vec<String>,
+        #[serde(default)]
+        cpu_count: u32,
+        #[serde(default)]
+        memory_mb: u32,
+    },
+    /// The build's steps came and run: it will pack image `image` from a sandbox of
+    /// `from`. Legal for a waiting build. Needs sandbox:write in the template's project.
+    StartTemplateBuild {
+        template: String,
+        build: String,
+        from: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_cmd: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ready_cmd: Option<String>,
+        steps: u32,
+    },
+    /// The build ended: ready (`error` none; its image is packed and ready) or failed
+    /// at `error_step`. Legal for a build that has not ended. Needs sandbox:write.
+    FinishTemplateBuild {
+        template: String,
+        build: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error_step: Option<String>,
+    },
+    /// Points `tags` of a template (named `name` or by id) at build `build` (a ready
+    /// one), or (`build` none) removes them. Needs sandbox:write.
+    SetTemplateTags {
+        template: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        build: Option<String>,
+        tags: Vec<String>,
+    },
+    /// Removes a template and its names, and the images of its builds. Needs
+    /// sandbox:write.
+    DeleteTemplate {
+        template: String,
     },
     /// What an edge made of a pull or a pack. Needs edge:write.
     ReportImage {
@@ -280,6 +334,11 @@ impl Command {
             Command::DeleteImage { .. } => "image.delete",
             Command::PackSandbox { .. } => "image.pack",
             Command::ReportImage { .. } => "image.report",
+            Command::RequestTemplateBuild { .. } => "template.request_build",
+            Command::StartTemplateBuild { .. } => "template.start_build",
+            Command::FinishTemplateBuild { .. } => "template.finish_build",
+            Command::SetTemplateTags { .. } => "template.set_tags",
+            Command::DeleteTemplate { .. } => "template.delete",
         }
     }
 }

@@ -111,38 +111,69 @@ pub fn labels(field: &str, l: &BTreeMap<String, String>) -> Result<(), Rejection
 }
 
 /// Create options: environment names are shell-style, values bounded, no NUL anywhere.
-pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> {
-    if o.env.len() > LIMITS.env_count {
+/// Environment variables: names `[A-Za-z_][A-Za-z0-9_]*`, no NUL, within the limits.
+pub fn env(field: &str, env: &BTreeMap<String, String>) -> Result<(), Rejection> {
+    if env.len() > LIMITS.env_count {
         return Err(invalid(
-            &format!("{field}.env"),
+            field,
             format!("at most {} environment variables", LIMITS.env_count),
         ));
     }
     let mut total = 0usize;
-    for (k, v) in &o.env {
+    for (k, v) in env {
         let ok = k.len() <= 255
             && k.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
             && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !ok {
             return Err(invalid(
-                &format!("{field}.env"),
+                field,
                 format!("environment variable name {k:?} must match [A-Za-z_][A-Za-z0-9_]*"),
             ));
         }
         if v.contains('\0') {
-            return Err(invalid(
-                &format!("{field}.env"),
-                format!("environment variable {k} holds a NUL character"),
-            ));
+            return Err(invalid(field, format!("environment variable {k} holds a NUL character")));
         }
         total += k.len() + v.len();
     }
     if total > LIMITS.env_bytes {
+        return Err(invalid(field, format!("the environment is over {} bytes", LIMITS.env_bytes)));
+    }
+    Ok(())
+}
+
+/// A packed image's config changes: variables as [`env`], an absolute working
+/// directory, a user name, and start and ready commands of at most 16 KiB.
+pub fn config_override(field: &str, c: &opendsec_projections::ConfigOverride) -> Result<(), Rejection> {
+    env(&format!("{field}.env"), &c.env)?;
+    if !c.workdir.is_empty() && (!c.workdir.starts_with('/') || c.workdir.len() > 4096 || c.workdir.contains('\0')) {
         return Err(invalid(
-            &format!("{field}.env"),
-            format!("the environment is over {} bytes", LIMITS.env_bytes),
+            &format!("{field}.workdir"),
+            "the working directory is an absolute path of at most 4096 bytes".into(),
         ));
     }
+    let user_ok = c.user.len() <= 64
+        && c.user
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+    if !user_ok {
+        return Err(invalid(
+            &format!("{field}.user"),
+            format!("user {:?} must be a user name (or uid), as in an image's config", c.user),
+        ));
+    }
+    for (f, cmd) in [("start_cmd", &c.start_cmd), ("ready_cmd", &c.ready_cmd)] {
+        if cmd.len() > 16 * 1024 || cmd.contains('\0') {
+            return Err(invalid(
+                &format!("{field}.{f}"),
+                "a command is at most 16 KiB, without NUL characters".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> {
+    env(&format!("{field}.env"), &o.env)?;
     if let Some(k) = &o.idempotency_key
         && (k.is_empty() || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()))
     {

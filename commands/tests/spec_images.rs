@@ -285,6 +285,7 @@ fn pack(sandbox: &str, name: &str, scrub: &[&str]) -> Command {
         sandbox: sandbox.into(),
         name: name.into(),
         scrub: scrub.iter().map(|p| p.to_string()).collect(),
+        config: None,
     }
 }
 

@@ -116,6 +116,9 @@ pub struct DesiredPack {
     pub sandbox: String,
     /// The caller's paths to leave out, beside the residue every pack leaves out.
     pub scrub: Vec<String>,
+    /// What the image's config changes from its parent's (a template build's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<opendsec_projections::ConfigOverride>,
 }
 
 /// A snapshot this edge is to take, keeps or is to remove.
@@ -379,6 +382,7 @@ impl SliceState {
                 let pack = DesiredPack {
                     sandbox: p.source_sandbox.clone(),
                     scrub: p.scrub.clone(),
+                    config: opendsec_projections::ConfigOverride::from_event(p.config.as_ref()),
                 };
                 (p.name.clone(), pack)
             })
@@ -471,6 +475,7 @@ impl SliceState {
                 let pack = DesiredPack {
                     sandbox: r.source_sandbox.clone(),
                     scrub: r.scrub.clone(),
+                    config: opendsec_projections::ConfigOverride::from_event(r.config.as_ref()),
                 };
                 self.packs.insert(r.name.clone(), pack);
             }
@@ -613,6 +618,7 @@ mod tests {
                 } else {
                     vec!["/etc/token".into()]
                 },
+                config: None,
             })
         };
         let mut s = folded(vec![
@@ -627,7 +633,8 @@ mod tests {
                 "env".to_string(),
                 DesiredPack {
                     sandbox: "sb1".into(),
-                    scrub: vec!["/etc/token".into()]
+                    scrub: vec!["/etc/token".into()],
+                    config: None,
                 }
             )]
             .into()

@@ -521,6 +521,7 @@ mod tests {
             let pack = DesiredPack {
                 sandbox: sandbox.into(),
                 scrub: vec!["/etc/token".into()],
+                config: None,
             };
             slice.packs.insert(name.into(), pack);
         }

@@ -45,6 +45,8 @@ pub struct AppState {
     pub e2b: std::sync::Arc<e2b::E2bSettings>,
     /// Requests to edges' proxies go through this one pooled client.
     pub edges: opendsec_http::Client,
+    /// The template builds this node runs (their logs and uploaded files).
+    pub builds: std::sync::Arc<e2b::templates::Builds>,
 }
 
 /// Every route, as (method, path): the router and the OpenAPI test both use it.
@@ -104,10 +106,14 @@ pub fn router(node: ControlNode) -> Router {
 /// traffic (E2B routing headers or `{port}-{id}.{domain}` host names).
 pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
     use routes::*;
+    let files = e2b.template_files.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("opendsec-template-files-{}", std::process::id()))
+    });
     let state = AppState {
         node,
         e2b: std::sync::Arc::new(e2b),
         edges: edge_client::client(),
+        builds: std::sync::Arc::new(e2b::templates::Builds::new(files)),
     };
     Router::new()
         .route("/health", get(health))

@@ -101,6 +101,11 @@ events!(
     ImageReady,
     ImageFailed,
     ImageDeleted,
+    TemplateBuildRequested,
+    TemplateBuildStarted,
+    TemplateBuildFinished,
+    TemplateTagsSet,
+    TemplateDeleted,
 );
 
 impl Event {

@@ -259,6 +259,20 @@ impl State {
             .ok_or_else(|| format!("sandbox {id} does not exist"))
     }
 
+    fn template_build(&self, template: &str, build: &str) -> Result<&TemplateBuild, String> {
+        self.images
+            .templates
+            .get(template)
+            .ok_or_else(|| format!("template {template} does not exist"))?
+            .builds
+            .get(build)
+            .ok_or_else(|| format!("build {build} of template {template} does not exist"))
+    }
+
+    fn template_build_mut(&mut self, template: &str, build: &str) -> Option<&mut TemplateBuild> {
+        self.images.templates.get_mut(template)?.builds.get_mut(build)
+    }
+
     fn check(&self, ev: &Event, pending: &mut Pending) -> Result<(), String> {
         match ev {
             Event::ProjectCreated(e) => {
@@ -431,6 +445,50 @@ impl State {
                 }
                 if !e.source_sandbox.is_empty() && !self.sandbox(&e.source_sandbox)?.is_live() {
                     return Err(format!("sandbox {} is no longer running", e.source_sandbox));
+                }
+            }
+            Event::TemplateBuildRequested(e) => {
+                if !self.iam.projects.contains_key(&e.project) {
+                    return Err(format!("project {} does not exist", e.project));
+                }
+                if let Some(t) = self.images.templates.get(&e.template_id) {
+                    if t.project != e.project {
+                        return Err(format!("template {} belongs to another project", e.template_id));
+                    }
+                    if t.builds.contains_key(&e.build_id) {
+                        return Err(format!("build {} already exists", e.build_id));
+                    }
+                }
+                if !e.name.is_empty()
+                    && let Some(t) = self.images.template_named(&e.name)
+                    && t.id != e.template_id
+                {
+                    return Err(format!("template name {} is taken", e.name));
+                }
+            }
+            Event::TemplateBuildStarted(e) => {
+                if self.template_build(&e.template_id, &e.build_id)?.status != BuildStatus::Waiting {
+                    return Err(format!("build {} has started already", e.build_id));
+                }
+            }
+            Event::TemplateBuildFinished(e) => {
+                if matches!(
+                    self.template_build(&e.template_id, &e.build_id)?.status,
+                    BuildStatus::Ready | BuildStatus::Error
+                ) {
+                    return Err(format!("build {} has ended already", e.build_id));
+                }
+            }
+            Event::TemplateTagsSet(e) => {
+                if !e.build_id.is_empty() {
+                    self.template_build(&e.template_id, &e.build_id)?;
+                } else if !self.images.templates.contains_key(&e.template_id) {
+                    return Err(format!("template {} does not exist", e.template_id));
+                }
+            }
+            Event::TemplateDeleted(e) => {
+                if !self.images.templates.contains_key(&e.template_id) {
+                    return Err(format!("template {} does not exist", e.template_id));
                 }
             }
             Event::SandboxForkRequested(e) => {
@@ -663,6 +721,7 @@ impl State {
                         edge: e.edge.clone(),
                         source_sandbox: (!e.source_sandbox.is_empty()).then(|| e.source_sandbox.clone()),
                         scrub: e.scrub.clone(),
+                        config: ConfigOverride::from_event(e.config.as_ref()),
                         state: ImageState::Pending,
                         digest: None,
                         size_bytes: 0,
@@ -693,6 +752,95 @@ impl State {
             }
             Event::ImageDeleted(e) => {
                 self.images.images.remove(&e.name);
+            }
+            Event::TemplateBuildRequested(e) => {
+                let template = self
+                    .images
+                    .templates
+                    .entry(e.template_id.clone())
+                    .or_insert_with(|| Template {
+                        id: e.template_id.clone(),
+                        project: e.project.clone(),
+                        name: None,
+                        cpu_count: 0,
+                        memory_mb: 0,
+                        builds: BTreeMap::new(),
+                        tags: BTreeMap::new(),
+                        created_at_ms: t,
+                        index,
+                    });
+                if !e.name.is_empty() {
+                    template.name = Some(e.name.clone());
+                }
+                template.cpu_count = e.cpu_count;
+                template.memory_mb = e.memory_mb;
+                template.index = index;
+                template.builds.insert(
+                    e.build_id.clone(),
+                    TemplateBuild {
+                        id: e.build_id.clone(),
+                        status: BuildStatus::Waiting,
+                        tags: e.tags.clone(),
+                        image: None,
+                        from: None,
+                        start_cmd: None,
+                        ready_cmd: None,
+                        steps: 0,
+                        error: None,
+                        error_step: None,
+                        created_at_ms: t,
+                        finished_at_ms: 0,
+                        index,
+                    },
+                );
+            }
+            Event::TemplateBuildStarted(e) => {
+                let some = |v: &String| (!v.is_empty()).then(|| v.clone());
+                if let Some(b) = self.template_build_mut(&e.template_id, &e.build_id) {
+                    b.status = BuildStatus::Building;
+                    b.image = some(&e.image);
+                    b.from = some(&e.from);
+                    b.start_cmd = some(&e.start_cmd);
+                    b.ready_cmd = some(&e.ready_cmd);
+                    b.steps = e.steps;
+                    b.index = index;
+                }
+            }
+            Event::TemplateBuildFinished(e) => {
+                let Some(template) = self.images.templates.get_mut(&e.template_id) else {
+                    return;
+                };
+                let Some(b) = template.builds.get_mut(&e.build_id) else {
+                    return;
+                };
+                b.finished_at_ms = t;
+                b.index = index;
+                if e.error.is_empty() {
+                    b.status = BuildStatus::Ready;
+                    for tag in b.tags.clone() {
+                        template.tags.insert(tag, e.build_id.clone());
+                    }
+                } else {
+                    b.status = BuildStatus::Error;
+                    b.error = Some(e.error.clone());
+                    b.error_step = (!e.error_step.is_empty()).then(|| e.error_step.clone());
+                }
+                template.index = index;
+            }
+            Event::TemplateTagsSet(e) => {
+                if let Some(template) = self.images.templates.get_mut(&e.template_id) {
+                    for tag in &e.tags {
+                        if e.build_id.is_empty() {
+                            template.tags.remove(tag);
+                        } else {
+                            template.tags.insert(tag.clone(), e.build_id.clone());
+                        }
+                    }
+                    template.index = index;
+                }
+            }
+            Event::TemplateDeleted(e) => {
+                self.images.templates.remove(&e.template_id);
             }
             Event::SandboxForkRequested(e) => self.touch(&e.id, index, t, |_| {}),
             Event::SandboxReady(e) => self.touch(&e.id, index, t, |s| {

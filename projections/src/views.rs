@@ -512,6 +512,9 @@ pub struct Image {
     /// What its pack was asked to leave out beside the usual residue (left out when none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub scrub: Vec<String>,
+    /// What a packed image's config changes from its parent's (left out when nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<ConfigOverride>,
     pub state: ImageState,
     /// The manifest's digest, once pulled.
     pub digest: Option<String>,
@@ -543,16 +546,149 @@ impl Image {
     }
 }
 
-/// Registered images (deleted ones leave only their audit records).
+/// What a packed image's config changes from the image it was packed on (a template
+/// build's ENV, WORKDIR, USER, start and ready commands); "" leaves the parent's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigOverride {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub workdir: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub user: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub start_cmd: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ready_cmd: String,
+}
+
+impl ConfigOverride {
+    pub fn is_empty(&self) -> bool {
+        *self == ConfigOverride::default()
+    }
+
+    /// From the event's message; `None` when it changes nothing.
+    pub fn from_event(m: Option<&crate::pb::ImageConfigOverride>) -> Option<ConfigOverride> {
+        let m = m?;
+        let c = ConfigOverride {
+            env: m.env.clone().into_iter().collect(),
+            workdir: m.workdir.clone(),
+            user: m.user.clone(),
+            start_cmd: m.start_cmd.clone(),
+            ready_cmd: m.ready_cmd.clone(),
+        };
+        (!c.is_empty()).then_some(c)
+    }
+
+    /// As the event's message.
+    pub fn to_event(&self) -> crate::pb::ImageConfigOverride {
+        crate::pb::ImageConfigOverride {
+            env: self.env.clone().into_iter().collect(),
+            workdir: self.workdir.clone(),
+            user: self.user.clone(),
+            start_cmd: self.start_cmd.clone(),
+            ready_cmd: self.ready_cmd.clone(),
+        }
+    }
+}
+
+/// Registered images (deleted ones leave only their audit records), and the templates
+/// built into images (E2B's template builds).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImageView {
     pub images: BTreeMap<String, Image>,
+    /// By template id; left out when there are none, so older views read the same.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub templates: BTreeMap<String, Template>,
 }
 
 impl ImageView {
     pub fn is_empty(&self) -> bool {
-        self.images.is_empty()
+        self.images.is_empty() && self.templates.is_empty()
     }
+
+    /// The template named `name` (its name, or its id).
+    pub fn template_named(&self, name: &str) -> Option<&Template> {
+        self.templates
+            .get(name)
+            .or_else(|| self.templates.values().find(|t| t.name.as_deref() == Some(name)))
+    }
+}
+
+/// The tag a template name without one means (E2B's: `my-template` is `my-template:default`).
+pub const DEFAULT_TEMPLATE_TAG: &str = "default";
+
+/// A template of a project: a name, builds (each an image packed from a sandbox that ran
+/// the build's steps), and tags naming builds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    pub id: String,
+    pub project: String,
+    /// Its name (E2B's alias), unique among templates and images.
+    pub name: Option<String>,
+    /// The size its sandboxes get when a create does not say (0: the defaults).
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub builds: BTreeMap<String, TemplateBuild>,
+    /// Tag -> build id.
+    pub tags: BTreeMap<String, String>,
+    pub created_at_ms: u64,
+    pub index: u64,
+}
+
+impl Template {
+    /// The ready build a reference to this template means: the build `tag` names (the
+    /// default tag when none is given, else the newest ready build), if it is ready.
+    pub fn build_for(&self, tag: Option<&str>) -> Option<&TemplateBuild> {
+        let ready = |id: &String| self.builds.get(id).filter(|b| b.status == BuildStatus::Ready);
+        match tag {
+            Some(t) => self.tags.get(t).and_then(ready),
+            None => self.tags.get(DEFAULT_TEMPLATE_TAG).and_then(ready).or_else(|| {
+                self.builds
+                    .values()
+                    .filter(|b| b.status == BuildStatus::Ready)
+                    .max_by_key(|b| (b.finished_at_ms, b.index))
+            }),
+        }
+    }
+
+    /// The tags naming build `id`.
+    pub fn tags_of(&self, id: &str) -> Vec<String> {
+        self.tags.iter().filter(|(_, b)| *b == id).map(|(t, _)| t.clone()).collect()
+    }
+}
+
+/// E2B's build statuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildStatus {
+    /// Asked for; its steps have not come yet.
+    Waiting,
+    Building,
+    Ready,
+    Error,
+}
+
+/// One build of a template.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateBuild {
+    pub id: String,
+    pub status: BuildStatus,
+    /// The tags it takes once ready.
+    pub tags: Vec<String>,
+    /// The image it makes (named once its steps are given).
+    pub image: Option<String>,
+    /// What it starts from (an image or another template).
+    pub from: Option<String>,
+    pub start_cmd: Option<String>,
+    pub ready_cmd: Option<String>,
+    pub steps: u32,
+    pub error: Option<String>,
+    /// Where it failed, as E2B's SDK reads it (`base`, `finalize` or a step number).
+    pub error_step: Option<String>,
+    pub created_at_ms: u64,
+    pub finished_at_ms: u64,
+    pub index: u64,
 }
 
 /// Every sandbox, with its desired and observed state.

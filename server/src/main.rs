@@ -212,6 +212,7 @@ async fn run_node(
     let e2b = opendsec_gateway::e2b::E2bSettings {
         domain: reported_domain,
         disk_size_mb: embedded_edge.as_ref().map(|e| e.disk_mb).unwrap_or(0),
+        template_files: Some(args.data_dir.join("template-files")),
     };
     let app = opendsec_gateway::router_with(node.clone(), e2b);
     let tls_task = match &args.tls_listen {

@@ -10,7 +10,7 @@ use crate::images::{Reference, check_name, is_builtin, names_a_registry};
 use crate::validate::{self, LIMITS};
 use crate::{ImageResult, Rejection, RejectionKind as K};
 use opendsec_projections::pb;
-use opendsec_projections::{Event, Image, ImageState, Observed, Right};
+use opendsec_projections::{ConfigOverride, Event, Image, ImageState, Observed, Right};
 
 /// `PullImage`.
 pub(super) fn pull(
@@ -23,6 +23,7 @@ pub(super) fn pull(
     let parsed = Reference::parse(reference).map_err(|e| Rejection::field(K::Invalid, "reference", e))?;
     check_name(name).map_err(|e| Rejection::field(K::Invalid, "name", e))?;
     s.project_in_scope("project", project)?;
+    super::templates::not_a_template(s, name, "name")?;
     s.who.require(Right::SandboxWrite)?;
     if let Some(x) = s.state.images.images.get(name)
         && x.project != project
@@ -63,14 +64,25 @@ pub(super) fn pull(
             edge,
             source_sandbox: String::new(),
             scrub: vec![],
+            config: None,
         }),
     ))
 }
 
 /// `PackSandbox`: the sandbox's edge makes the image; it belongs to the sandbox's project.
-pub(super) fn pack(s: &Scope, sandbox: &str, name: &str, scrub: &[String]) -> Result<Decided, Rejection> {
+pub(super) fn pack(
+    s: &Scope,
+    sandbox: &str,
+    name: &str,
+    scrub: &[String],
+    config: Option<&ConfigOverride>,
+) -> Result<Decided, Rejection> {
     check_name(name).map_err(|e| Rejection::field(K::Invalid, "name", e))?;
     validate::scrub("scrub", scrub)?;
+    if let Some(c) = config {
+        validate::config_override("config", c)?;
+    }
+    super::templates::not_a_template(s, name, "name")?;
     let src = s.live_sandbox(sandbox, Right::SandboxWrite)?;
     if src.isolation.is_machine() {
         return Err(Rejection::field(
@@ -109,6 +121,7 @@ pub(super) fn pack(s: &Scope, sandbox: &str, name: &str, scrub: &[String]) -> Re
             edge: src.edge.clone(),
             source_sandbox: sandbox.to_string(),
             scrub: scrub.to_vec(),
+            config: config.filter(|c| !c.is_empty()).map(ConfigOverride::to_event),
         }),
     ))
 }

@@ -16,6 +16,7 @@ mod sandboxes;
 mod scope;
 mod snapshots;
 mod tasks;
+mod templates;
 mod tokens;
 
 use crate::inflight::InFlight;
@@ -149,9 +150,45 @@ pub fn decide_excluding(
             reference,
             edge,
         } => images::pull(&s, project, name, reference, edge.as_deref()),
-        Command::PackSandbox { sandbox, name, scrub } => images::pack(&s, sandbox, name, scrub),
+        Command::PackSandbox {
+            sandbox,
+            name,
+            scrub,
+            config,
+        } => images::pack(&s, sandbox, name, scrub, config.as_ref()),
         Command::DeleteImage { name } => images::delete(&s, name),
         Command::ReportImage { name, result } => images::report(&s, name, result),
+        Command::RequestTemplateBuild {
+            project,
+            name,
+            tags,
+            cpu_count,
+            memory_mb,
+        } => templates::request(&s, project, name.as_deref(), tags, *cpu_count, *memory_mb),
+        Command::StartTemplateBuild {
+            template,
+            build,
+            from,
+            start_cmd,
+            ready_cmd,
+            steps,
+        } => templates::start(
+            &s,
+            template,
+            build,
+            from,
+            start_cmd.as_deref(),
+            ready_cmd.as_deref(),
+            *steps,
+        ),
+        Command::FinishTemplateBuild {
+            template,
+            build,
+            error,
+            error_step,
+        } => templates::finish(&s, template, build, error.as_deref(), error_step.as_deref()),
+        Command::SetTemplateTags { template, build, tags } => templates::set_tags(&s, template, build.as_deref(), tags),
+        Command::DeleteTemplate { template } => templates::delete(&s, template),
     }
 }
 
@@ -251,6 +288,18 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
                 .map(|x| x.project.clone())
                 .unwrap_or_default(),
             name.clone(),
+        ),
+        Command::RequestTemplateBuild { project, name, .. } => (project.clone(), name.clone().unwrap_or_default()),
+        Command::StartTemplateBuild { template, .. }
+        | Command::FinishTemplateBuild { template, .. }
+        | Command::SetTemplateTags { template, .. }
+        | Command::DeleteTemplate { template } => (
+            state
+                .images
+                .template_named(template)
+                .map(|t| t.project.clone())
+                .unwrap_or_default(),
+            template.clone(),
         ),
         Command::DeleteSnapshot { snapshot } | Command::ReportSnapshot { snapshot, .. } => (
             state

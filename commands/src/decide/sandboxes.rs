@@ -98,6 +98,13 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
         }
         _ => None,
     };
+    // A template's name (`name[:tag]`, or its id) means the image of the build it names.
+    let asked = image;
+    let built = match from {
+        None => super::templates::image_for(s, project, image)?,
+        Some(_) => None,
+    };
+    let image = built.as_deref().unwrap_or(image);
     let image_source = match from {
         Some(snap) => super::images::source_of(state, &snap.image),
         None => super::images::resolve(s, project, image)?,
@@ -186,7 +193,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             auto_pause: opts.auto_pause,
             auto_resume: opts.auto_resume,
             snapshot: from.map(|snap| snap.id.clone()).unwrap_or_default(),
-            template: image.to_string(),
+            template: asked.to_string(),
             network: opts.network.clone().unwrap_or_default(),
             isolation: isolation.to_event(),
             idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),

@@ -61,6 +61,10 @@ pub struct StartCommand {
     /// until then `/health` answers 503.
     #[serde(default)]
     pub ready_port: Option<u16>,
+    /// A shell command (`/bin/bash -l -c`, as the start command's user and in its
+    /// directory) run every 200 ms until it exits 0; until then `/health` answers 503.
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
 }
 
 /// The tag of the start command's process in `process.List`.
@@ -79,6 +83,9 @@ fn check_start(s: &StartCommand, source: &str) -> Result<(), String> {
     }
     if s.ready_port == Some(0) {
         return Err(format!("{source}: ready_port 0 is not a port"));
+    }
+    if s.ready_cmd.as_deref().is_some_and(|c| c.trim().is_empty()) {
+        return Err(format!("{source}: ready_cmd is empty"));
     }
     check_env(&s.envs, source)
 }

@@ -181,6 +181,48 @@ async fn health_is_503_until_the_ready_port_accepts() {
 }
 
 #[tokio::test]
+async fn health_is_503_until_the_ready_command_exits_0() {
+    let flag = tempfile::tempdir().unwrap();
+    let ready = flag.path().join("ready");
+    let a = start_agent(json!({
+        "cmd": "/bin/sleep", "args": ["30"], "user": "root",
+        "ready_cmd": format!("[ -f {} ]", ready.display()),
+    }))
+    .await;
+    let (st, v) = health(&a).await;
+    assert_eq!(st, 503);
+    assert!(v["message"].as_str().unwrap().contains("ready command"), "{v}");
+    // It is run again and again until it succeeds.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(health(&a).await.0, 503);
+    std::fs::write(&ready, "").unwrap();
+    assert_eq!(health_becomes(&a, 204).await, json!(null));
+    // Once ready, ready for good.
+    std::fs::remove_file(&ready).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(health(&a).await.0, 204);
+}
+
+#[tokio::test]
+async fn start_command_that_ends_before_its_ready_command_succeeds_fails_health() {
+    let a = start_agent(json!({
+        "cmd": "/bin/sh", "args": ["-c", "sleep 1; exit 3"], "user": "root", "ready_cmd": "false",
+    }))
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = health(&a).await.1;
+        let msg = v["message"].as_str().unwrap_or_default().to_string();
+        if msg.contains("exit code 3") {
+            assert!(msg.contains("ready command"), "{msg}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
 async fn start_command_that_ends_before_ready_fails_health_with_its_exit_code() {
     let port = free_port();
     let a = start_agent(json!({

@@ -119,6 +119,7 @@ pub fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             reference: x.reference.clone(),
             source_sandbox: x.source_sandbox.clone().unwrap_or_default(),
             scrub: x.scrub.clone(),
+            config: x.config.as_ref().map(|c| c.to_event()),
         })
         .collect();
     SliceSnapshot {

@@ -40,6 +40,16 @@ pub fn transfer_token(cluster_key: &str, transfer: &str, destination_edge: &str)
     hex::encode(mac.finalize().into_bytes())
 }
 
+/// The signature of a template file upload URL (E2B's SDK uploads a build's files to
+/// the URL it is given, with no other credential): HMAC-SHA256 under the cluster key of
+/// the template, the files' hash and the URL's expiry (Unix seconds), so any gateway
+/// node checks it and it opens one upload, until it expires.
+pub fn upload_signature(cluster_key: &str, template: &str, hash: &str, expires: u64) -> String {
+    let mut mac = keyed(cluster_key);
+    mac.update(format!("opendsec template upload v1\0{template}\0{hash}\0{expires}").as_bytes());
+    hex::encode(mac.finalize().into_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

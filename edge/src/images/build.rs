@@ -205,6 +205,7 @@ pub fn code_interpreter_start() -> StartSpec {
         cwd: "/home/user".into(),
         user: "user".into(),
         ready_port: Some(CODE_INTERPRETER_PORT),
+        ready_cmd: None,
     }
 }
 

@@ -154,6 +154,44 @@ pub struct StartSpec {
     pub user: String,
     /// A port on 127.0.0.1 that accepts connections once the process is ready.
     pub ready_port: Option<u16>,
+    /// A shell command run (as `user`, in `cwd`) until it exits 0: then the process is
+    /// ready (a template's `readyCmd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
+}
+
+impl ImageConfig {
+    /// The config a packed image gets from its parent's and a template build's changes:
+    /// variables set over the parent's, the working directory and user replaced where
+    /// given, and the start command (run by `/bin/bash -l -c`, as E2B runs commands,
+    /// `/bin/sh` where the image has no bash) with its ready command.
+    pub fn apply(&mut self, c: &opendsec_projections::ConfigOverride) {
+        for (k, v) in &c.env {
+            let prefix = format!("{k}=");
+            self.env.retain(|e| !e.starts_with(&prefix));
+            self.env.push(format!("{k}={v}"));
+        }
+        if !c.workdir.is_empty() {
+            self.workdir = c.workdir.clone();
+        }
+        if !c.user.is_empty() {
+            self.user = c.user.clone();
+        }
+        let ready = (!c.ready_cmd.is_empty()).then(|| c.ready_cmd.clone());
+        if !c.start_cmd.is_empty() {
+            self.start = Some(StartSpec {
+                cmd: "/bin/bash".into(),
+                args: vec!["-l".into(), "-c".into(), c.start_cmd.clone()],
+                envs: BTreeMap::new(),
+                cwd: self.workdir.clone(),
+                user: self.user.clone(),
+                ready_port: None,
+                ready_cmd: ready,
+            });
+        } else if let (Some(start), Some(ready)) = (self.start.as_mut(), ready) {
+            start.ready_cmd = Some(ready);
+        }
+    }
 }
 
 /// The store's name for an image reference (E2B's template names and aliases): one

@@ -159,6 +159,16 @@ impl Edge {
             std::fs::remove_file(tar)?;
         }
         let mut config = parent.config.clone();
+        let changes = self
+            .slice
+            .lock()
+            .expect("slice lock")
+            .packs
+            .get(name)
+            .and_then(|p| p.config.clone());
+        if let Some(c) = &changes {
+            config.apply(c);
+        }
         config.labels.extend([
             ("org.opendsec.pack.sandbox".to_string(), sandbox.to_string()),
             ("org.opendsec.pack.image".to_string(), d.image.clone()),

@@ -49,6 +49,7 @@ pub fn routes() -> Router<AppState> {
         .route("/sandboxes/{id}/network", put(network))
         .route("/snapshots", get(list_snapshots))
         .route("/templates/{id}", delete(delete_snapshot))
+        .merge(super::templates::routes())
 }
 
 /// An error as the E2B SDK reads it: `{"code": <status>, "message": …}`.
@@ -183,7 +184,7 @@ async fn submit_as(
 
 // ---- responses ----
 
-fn rfc3339(ms: u64) -> String {
+pub(super) fn rfc3339(ms: u64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
         .ok()
         .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
@@ -389,11 +390,25 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
             return Ok(created(sandbox_json(&st, &x)));
         }
     }
+    // A template built with a size gives its sandboxes that size.
+    let (cpu_count, memory_mb) = st.node.read(|s| {
+        let name = image.split_once(':').map_or(image.as_str(), |(n, _)| n);
+        s.images
+            .template_named(name)
+            .filter(|t| s.within(&who.project, &t.project))
+            .map_or((0, 0), |t| (t.cpu_count, t.memory_mb))
+    });
     let cmd = Command::CreateSandbox {
         project: who.project.clone(),
         image,
-        cpu_millis: crate::routes::sandboxes::DEFAULT_CPU_MILLIS,
-        memory_mb: crate::routes::sandboxes::DEFAULT_MEMORY_MB,
+        cpu_millis: match cpu_count {
+            0 => crate::routes::sandboxes::DEFAULT_CPU_MILLIS,
+            n => n as u64 * 1000,
+        },
+        memory_mb: match memory_mb {
+            0 => crate::routes::sandboxes::DEFAULT_MEMORY_MB,
+            n => n as u64,
+        },
         labels: metadata,
         timeout_seconds: (timeout > 0).then_some(timeout),
         opts: SandboxOptions {

@@ -13,7 +13,9 @@
 
 pub(crate) mod api;
 mod body;
+mod builder;
 mod snapshots;
+pub mod templates;
 mod traffic;
 
 pub use api::routes;
@@ -37,6 +39,9 @@ pub struct E2bSettings {
     pub domain: Option<String>,
     /// The size of every sandbox's writable disk, reported as `diskSizeMB`.
     pub disk_size_mb: u64,
+    /// Where the files template builds upload are kept (default: a directory of this
+    /// process under the system's temporary directory).
+    pub template_files: Option<std::path::PathBuf>,
 }
 
 impl E2bSettings {

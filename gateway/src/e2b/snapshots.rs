@@ -126,6 +126,9 @@ pub(super) async fn delete_snapshot(
     Path(id): Path<String>,
 ) -> R<Response> {
     let who = caller(&st, &headers)?;
+    if super::templates::is_template(&st, &who, &id) {
+        return super::templates::delete_template(&st, &who, &headers, &id).await;
+    }
     let known = st.node.read(|s| {
         s.snapshots
             .snapshots
@@ -135,7 +138,7 @@ pub(super) async fn delete_snapshot(
     if !known {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,
-            format!("template or snapshot {id} not found (images cannot be deleted through the E2B API)"),
+            format!("template or snapshot {id} not found (images cannot be deleted through the E2B API: opendsecctl image rm)"),
         ));
     }
     submit(&st, &who, &headers, Command::DeleteSnapshot { snapshot: id }).await?;

@@ -62,6 +62,7 @@ pub async fn pack(
         sandbox: id,
         name: req.name,
         scrub: req.scrub,
+        config: None,
     };
     register(&st, &who, &rid, cmd).await
 }
