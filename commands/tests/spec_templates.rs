@@ -282,7 +282,8 @@ fn names_are_checked_and_never_shared_by_templates_images_or_projects() {
     .unwrap();
     let err = w.run(&admin, request(&root, Some("py312"), &[])).unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("name")));
-    w.run(&admin, request(&root, Some("env"), &[])).unwrap();
+    let team = w.project(&admin, &root, "team");
+    w.run(&admin, request(&team, Some("env"), &[])).unwrap();
     let err = w
         .run(
             &admin,
@@ -296,7 +297,8 @@ fn names_are_checked_and_never_shared_by_templates_images_or_projects() {
         .unwrap_err();
     assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("name")));
 
-    // Another project cannot build under the name, see the template or start from it.
+    // Another project (a sibling) cannot build under the name, tag the template or start
+    // from it; descendants could, as they use their ancestors' images.
     let other = w.project(&admin, &root, "other");
     let theirs = w.issue(&admin, &other, &[opendsec_projections::Right::SandboxWrite], None);
     let err = w.run(&theirs, request(&other, Some("env"), &[])).unwrap_err();
@@ -313,7 +315,7 @@ fn names_are_checked_and_never_shared_by_templates_images_or_projects() {
         .unwrap_err();
     assert_eq!(err.kind, K::Forbidden);
     let err = w.run(&theirs, create(&other, "env")).unwrap_err();
-    assert_eq!(err.kind, K::NotFound, "another project's template is no image to it");
+    assert_eq!(err.kind, K::NotFound, "another project's template is no image to it: {err:?}");
 }
 
 #[test]
