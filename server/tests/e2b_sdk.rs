@@ -146,6 +146,12 @@ async fn e2b_sdk_microvm() {
     run_module("test_microvm.py", Sdk::Current, &["base"]).await;
 }
 
+/// Templates built with the SDK's `Template` builder, then started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_templates() {
+    run_module("test_templates.py", Sdk::Current, &["base"]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdk_code_interpreter() {
     run_module("test_code_interpreter.py", Sdk::Current, &["code-interpreter-v1"]).await;
