@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
 
+# Incremental state doubles the target directory and buys nothing in a one-off build.
+export CARGO_INCREMENTAL=0
+
 ensure_rust
 ensure_rust_gates
 ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" \

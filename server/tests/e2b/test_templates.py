@@ -154,3 +154,64 @@ def test_deleting_a_template_removes_its_name():
     assert Sandbox.delete_snapshot(info.template_id)
     assert not Template.exists(name)
     assert not Sandbox.delete_snapshot(info.template_id)
+
+
+def test_bad_build_requests_are_refused_naming_what_is_wrong():
+    """The calls the SDK makes, sent by hand with bad input: each a 4xx whose message
+    says what is wrong, and nothing is built."""
+    import httpx
+
+    api = os.environ["E2B_API_URL"]
+    headers = {"X-API-KEY": os.environ["E2B_API_KEY"]}
+    with httpx.Client(base_url=api, headers=headers, timeout=30) as c:
+        r = c.post("/v3/templates", json={"name": "Bad Name"})
+        assert r.status_code == 400 and "template name" in r.json()["message"], r.text
+        r = c.post("/v3/templates", json={"name": unique("ok"), "tags": ["no spaces"]})
+        assert r.status_code == 400 and "tag" in r.json()["message"], r.text
+        r = c.post("/v3/templates", json={"name": unique("ok"), "cpuCount": "two"})
+        assert r.status_code == 400 and "cpuCount" in r.json()["message"], r.text
+
+        name = unique("by-hand")
+        r = c.post("/v3/templates", json={"name": name})
+        assert r.status_code == 202, r.text
+        t, b = r.json()["templateID"], r.json()["buildID"]
+        for body, says in [
+            ({"fromImage": "base", "fromTemplate": "base", "steps": []}, "not both"),
+            ({"fromTemplate": "base", "steps": [{"type": "FROB", "args": []}]}, "steps[0]"),
+            ({"fromTemplate": "base", "steps": [{"type": "ENV", "args": ["A"]}]}, "pairs"),
+            ({"fromTemplate": "base", "steps": [{"type": "ENV", "args": ["1A", "x"]}]}, "environment variable"),
+            (
+                {"fromTemplate": "base", "steps": [{"type": "COPY", "args": ["a", "/a", "", ""], "filesHash": "0" * 64}]},
+                "were not uploaded",
+            ),
+            (
+                {"fromTemplate": "base", "fromImageRegistry": {"type": "registry", "username": "u", "password": "p"}},
+                "fromImageRegistry",
+            ),
+        ]:
+            r = c.post(f"/v2/templates/{t}/builds/{b}", json=body)
+            assert r.status_code == 400 and says in r.json()["message"], (body, r.text)
+        # Nothing started: the build still waits for its steps.
+        r = c.get(f"/templates/{t}/builds/{b}/status")
+        assert r.status_code == 200 and r.json()["status"] == "waiting", r.text
+
+        assert c.get(f"/templates/{t}/builds/{uuid.uuid4()}/status").status_code == 404
+        assert c.get(f"/templates/{unique('nope')}/builds/{b}/status").status_code == 404
+        r = c.get(f"/templates/{t}/files/not-a-hash")
+        assert r.status_code == 400 and "filesHash" in r.json()["message"], r.text
+
+        # The upload URL opens one upload; a forged or expired one opens none.
+        r = c.get(f"/templates/{t}/files/{'a' * 64}")
+        assert r.status_code == 201 and r.json()["present"] is False, r.text
+        url = r.json()["url"]
+        forged = url.replace("signature=", "signature=0")
+        assert httpx.put(forged, content=b"x").status_code == 401
+        expired = url.replace("expires=", "expires=1")
+        assert httpx.put(expired, content=b"x").status_code == 401
+        assert httpx.put(url, content=b"not a tar").status_code == 200
+        r = c.get(f"/templates/{t}/files/{'a' * 64}")
+        assert r.json()["present"] is True, r.text
+
+    # Without a key: nothing.
+    r = httpx.post(f"{api}/v3/templates", json={"name": unique("anon")})
+    assert r.status_code == 401, r.text
