@@ -131,12 +131,18 @@ pub fn env(field: &str, env: &BTreeMap<String, String>) -> Result<(), Rejection>
             ));
         }
         if v.contains('\0') {
-            return Err(invalid(field, format!("environment variable {k} holds a NUL character")));
+            return Err(invalid(
+                field,
+                format!("environment variable {k} holds a NUL character"),
+            ));
         }
         total += k.len() + v.len();
     }
     if total > LIMITS.env_bytes {
-        return Err(invalid(field, format!("the environment is over {} bytes", LIMITS.env_bytes)));
+        return Err(invalid(
+            field,
+            format!("the environment is over {} bytes", LIMITS.env_bytes),
+        ));
     }
     Ok(())
 }
@@ -158,7 +164,10 @@ pub fn config_override(field: &str, c: &opendsec_projections::ConfigOverride) ->
     if !user_ok {
         return Err(invalid(
             &format!("{field}.user"),
-            format!("user {:?} must be a user name (or uid), as in an image's config", c.user),
+            format!(
+                "user {:?} must be a user name (or uid), as in an image's config",
+                c.user
+            ),
         ));
     }
     for (f, cmd) in [("start_cmd", &c.start_cmd), ("ready_cmd", &c.ready_cmd)] {

@@ -131,8 +131,20 @@ fn a_build_waits_for_its_steps_runs_and_is_ready_once_its_packed_image_is() {
     assert_eq!(uuid_version(&b), 4, "E2B's SDK parses build ids as UUIDs: {b}");
     let x = &w.state.images.templates[&t];
     assert_eq!(
-        (x.name.as_deref(), x.cpu_count, x.memory_mb, x.builds[&b].status, x.builds[&b].tags.clone()),
-        (Some("py-env"), 2, 1024, BuildStatus::Waiting, vec!["default".to_string()])
+        (
+            x.name.as_deref(),
+            x.cpu_count,
+            x.memory_mb,
+            x.builds[&b].status,
+            x.builds[&b].tags.clone()
+        ),
+        (
+            Some("py-env"),
+            2,
+            1024,
+            BuildStatus::Waiting,
+            vec!["default".to_string()]
+        )
     );
     assert_eq!(w.last_audit().action, "template.request_build");
 
@@ -242,7 +254,10 @@ fn a_template_without_a_ready_build_refuses_creates_and_a_failed_build_says_wher
         (x.status, x.error.as_deref(), x.error_step.as_deref()),
         (BuildStatus::Error, Some("RUN exit 3: exited with code 3"), Some("1"))
     );
-    assert!(w.state.images.templates[&t].tags.is_empty(), "a failed build takes no tag");
+    assert!(
+        w.state.images.templates[&t].tags.is_empty(),
+        "a failed build takes no tag"
+    );
     // An ended build ends once.
     let again = Command::FinishTemplateBuild {
         template: t,
@@ -315,7 +330,11 @@ fn names_are_checked_and_never_shared_by_templates_images_or_projects() {
         .unwrap_err();
     assert_eq!(err.kind, K::Forbidden);
     let err = w.run(&theirs, create(&other, "env")).unwrap_err();
-    assert_eq!(err.kind, K::NotFound, "another project's template is no image to it: {err:?}");
+    assert_eq!(
+        err.kind,
+        K::NotFound,
+        "another project's template is no image to it: {err:?}"
+    );
 }
 
 #[test]
@@ -324,8 +343,18 @@ fn deleting_a_template_deletes_its_names_and_its_builds_images() {
     let root = w.root.clone();
     let (t, _, image) = build(&mut w, &admin, &root, "gone", &[]);
     assert_eq!(w.state.images.images[&image].state, ImageState::Ready);
-    let ran = w.run(&admin, Command::DeleteTemplate { template: "gone".into() }).unwrap();
-    assert!(matches!(ran.decided.events[..], [Event::TemplateDeleted(_), Event::ImageDeleted(_)]));
+    let ran = w
+        .run(
+            &admin,
+            Command::DeleteTemplate {
+                template: "gone".into(),
+            },
+        )
+        .unwrap();
+    assert!(matches!(
+        ran.decided.events[..],
+        [Event::TemplateDeleted(_), Event::ImageDeleted(_)]
+    ));
     assert!(!w.state.images.templates.contains_key(&t));
     assert!(!w.state.images.images.contains_key(&image));
     let err = w.run(&admin, create(&root, "gone")).unwrap_err();
@@ -338,6 +367,10 @@ fn deleting_a_template_deletes_its_names_and_its_builds_images() {
 
 fn uuid_version(id: &str) -> u8 {
     let parts: Vec<&str> = id.split('-').collect();
-    assert_eq!(parts.iter().map(|p| p.len()).collect::<Vec<_>>(), [8, 4, 4, 4, 12], "{id}");
+    assert_eq!(
+        parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+        [8, 4, 4, 4, 12],
+        "{id}"
+    );
     u8::from_str_radix(&parts[2][..1], 16).unwrap()
 }

@@ -106,9 +106,10 @@ pub fn router(node: ControlNode) -> Router {
 /// traffic (E2B routing headers or `{port}-{id}.{domain}` host names).
 pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
     use routes::*;
-    let files = e2b.template_files.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("opendsec-template-files-{}", std::process::id()))
-    });
+    let files = e2b
+        .template_files
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("opendsec-template-files-{}", std::process::id())));
     let state = AppState {
         node,
         e2b: std::sync::Arc::new(e2b),

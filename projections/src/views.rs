@@ -654,7 +654,11 @@ impl Template {
 
     /// The tags naming build `id`.
     pub fn tags_of(&self, id: &str) -> Vec<String> {
-        self.tags.iter().filter(|(_, b)| *b == id).map(|(t, _)| t.clone()).collect()
+        self.tags
+            .iter()
+            .filter(|(_, b)| *b == id)
+            .map(|(t, _)| t.clone())
+            .collect()
     }
 }
 

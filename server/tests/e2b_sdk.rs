@@ -9,15 +9,17 @@
 //! (`./ops/e2b-venv.sh`, or `OPENDSEC_E2B_VENV`) and the `base` and
 //! `code-interpreter-v1` images (built on first use into /var/lib/opendsec/images).
 
+#[path = "support/e2b_py.rs"]
+mod e2b_py;
 #[path = "support/up.rs"]
 mod up;
 
+use e2b_py::{Sdk, pytest, python, workspace};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use up::Up;
 
-const DEFAULT_VENV: &str = "/var/lib/opendsec/test/e2b";
 /// Where the TLS test's host names live; they resolve through /etc/hosts only.
 const TEST_DOMAIN: &str = "e2b-test.opendsec.internal";
 /// Marks the /etc/hosts lines of the TLS test (the Python side adds some too).
@@ -26,73 +28,10 @@ const HOSTS_MARKER: &str = "# opendsec-e2b-test";
 const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// A first build of an image (debootstrap, the code interpreter's packages) is slow.
 const IMAGE_BUILD_LIMIT: Duration = Duration::from_secs(30 * 60);
-const PYTEST_LIMIT: Duration = Duration::from_secs(15 * 60);
 
 /// One module at a time, whatever `--test-threads` says: each starts a server with
 /// sandboxes, and two at once on a 2-core machine would make every timing a guess.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-#[derive(Clone, Copy)]
-enum Sdk {
-    /// e2b 2.63.0 + e2b-code-interpreter 2.11.5 (`POST /v2/sandboxes`).
-    Current,
-    /// e2b 2.50.0 (`POST /sandboxes`).
-    V250,
-}
-
-fn python(sdk: Sdk) -> PathBuf {
-    let root = std::env::var_os("OPENDSEC_E2B_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_VENV));
-    let venv = root.join(match sdk {
-        Sdk::Current => "2.63",
-        Sdk::V250 => "2.50",
-    });
-    let python = venv.join("bin/python");
-    assert!(
-        python.is_file(),
-        "the E2B SDK venv {} is missing: run ./ops/e2b-venv.sh {}",
-        venv.display(),
-        root.display()
-    );
-    python
-}
-
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// Runs one module of tests/e2b with exactly `vars` (plus PATH and HOME) and fails with
-/// pytest's output unless every test passed.
-async fn pytest(python: &Path, module: &str, vars: &[(&str, String)]) {
-    let mut cmd = tokio::process::Command::new(python);
-    cmd.args(["-B", "-m", "pytest"])
-        .arg(format!("server/tests/e2b/{module}"))
-        .args(["-x", "-q", "--durations=5"])
-        .current_dir(workspace())
-        .env_clear()
-        .env(
-            "PATH",
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
-        )
-        .env("HOME", std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    for (k, v) in vars {
-        cmd.env(k, v);
-    }
-    let out = match tokio::time::timeout(PYTEST_LIMIT, cmd.output()).await {
-        Ok(out) => out.expect("run pytest"),
-        Err(_) => panic!("{module} did not finish within {PYTEST_LIMIT:?}"),
-    };
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    println!("--- pytest {module} ---\n{text}");
-    assert!(out.status.success(), "pytest {module} failed ({}):\n{text}", out.status);
-}
 
 /// The three variables that point the SDK at one port for everything.
 fn single_url_vars(up: &Up, key: String) -> Vec<(&'static str, String)> {

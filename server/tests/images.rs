@@ -5,6 +5,8 @@
 //! WorkingDir and Cmd). Needs root, crun or runc, busybox-static, docker-registry, skopeo
 //! and the static agent (`./ops/test.sh` installs and builds them).
 
+#[path = "support/e2b_py.rs"]
+mod e2b_py;
 #[path = "../../edge/tests/oci_support/mod.rs"]
 mod oci_support;
 #[path = "support/up.rs"]
@@ -83,6 +85,26 @@ async fn running_sandbox(up: &Up, image: &str) -> String {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The E2B SDK's `Template.build` from an image in a registry (`from_image`): the
+/// pytest module is the specification.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_e2b_template_is_built_from_a_registry_image_with_the_unmodified_sdk() {
+    oci_support::require("the registry suite");
+    let registry = Registry::start();
+    let up = Up::start(None).await;
+    let reference = hello_image(&up, &registry, "e2e/template-base").await;
+    let key = up.issue_e2b_key().await;
+    let url = format!("http://{}", up.http);
+    let vars = [
+        ("E2B_API_KEY", key),
+        ("E2B_API_URL", url.clone()),
+        ("E2B_SANDBOX_URL", url),
+        ("OPENDSEC_TEST_IMAGE", reference),
+    ];
+    let python = e2b_py::python(e2b_py::Sdk::Current);
+    e2b_py::pytest(&python, "test_template_from_image.py", &vars).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

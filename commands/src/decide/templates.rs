@@ -98,10 +98,7 @@ pub(super) fn start(
     steps: u32,
 ) -> Result<Decided, Rejection> {
     let t = template_in_scope(s, template)?;
-    let b = t
-        .builds
-        .get(build)
-        .ok_or_else(|| not_found("build", "build", build))?;
+    let b = t.builds.get(build).ok_or_else(|| not_found("build", "build", build))?;
     if b.status != BuildStatus::Waiting {
         return Err(Rejection::field(
             K::Conflict,
@@ -110,7 +107,11 @@ pub(super) fn start(
         ));
     }
     if from.is_empty() {
-        return Err(Rejection::field(K::Invalid, "fromImage", "a build starts from an image or a template"));
+        return Err(Rejection::field(
+            K::Invalid,
+            "fromImage",
+            "a build starts from an image or a template",
+        ));
     }
     validate::text("fromImage", from, LIMITS.image_len)?;
     for (field, cmd) in [("startCmd", start_cmd), ("readyCmd", ready_cmd)] {
@@ -143,10 +144,7 @@ pub(super) fn finish(
     error_step: Option<&str>,
 ) -> Result<Decided, Rejection> {
     let t = template_in_scope(s, template)?;
-    let b = t
-        .builds
-        .get(build)
-        .ok_or_else(|| not_found("build", "build", build))?;
+    let b = t.builds.get(build).ok_or_else(|| not_found("build", "build", build))?;
     if matches!(b.status, BuildStatus::Ready | BuildStatus::Error) {
         return Err(Rejection::field(
             K::Conflict,
@@ -180,7 +178,10 @@ pub(super) fn finish(
         Event::TemplateBuildFinished(pb::TemplateBuildFinished {
             template_id: t.id.clone(),
             build_id: build.to_string(),
-            error: error.map(|e| if e.is_empty() { "the build failed" } else { e }).unwrap_or_default().to_string(),
+            error: error
+                .map(|e| if e.is_empty() { "the build failed" } else { e })
+                .unwrap_or_default()
+                .to_string(),
             error_step: error_step.unwrap_or_default().to_string(),
         }),
     ))
@@ -289,7 +290,11 @@ pub(super) fn not_a_template(s: &Scope, name: &str, field: &str) -> Result<(), R
 fn name_is_free(s: &Scope, name: &str, field: &str) -> Result<(), Rejection> {
     not_a_template(s, name, field)?;
     if s.state.images.images.contains_key(name) {
-        return Err(Rejection::field(K::Conflict, field, format!("{name} is an image's name")));
+        return Err(Rejection::field(
+            K::Conflict,
+            field,
+            format!("{name} is an image's name"),
+        ));
     }
     Ok(())
 }
@@ -335,16 +340,13 @@ fn check_template_name(name: &str) -> Result<(), Rejection> {
 
 fn check_tags(field: &str, tags: &[String]) -> Result<(), Rejection> {
     if tags.len() > MAX_TAGS {
-        return Err(Rejection::field(
-            K::Invalid,
-            field,
-            format!("at most {MAX_TAGS} tags"),
-        ));
+        return Err(Rejection::field(K::Invalid, field, format!("at most {MAX_TAGS} tags")));
     }
     for t in tags {
         let ok = !t.is_empty()
             && t.len() <= 128
-            && t.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            && t.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
         if !ok {
             return Err(Rejection::field(
                 K::Invalid,

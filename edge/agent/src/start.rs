@@ -46,9 +46,9 @@ impl Readiness {
         match self {
             Readiness::Ready => None,
             Readiness::Waiting { port, .. } => Some(format!("starting: waiting for port {port}")),
-            Readiness::WaitingFor { ready_cmd, .. } => {
-                Some(format!("starting: waiting for its ready command ({ready_cmd}) to succeed"))
-            }
+            Readiness::WaitingFor { ready_cmd, .. } => Some(format!(
+                "starting: waiting for its ready command ({ready_cmd}) to succeed"
+            )),
             Readiness::Failed { message } => Some(message.clone()),
         }
     }

@@ -39,8 +39,17 @@ const MAX_LINE: usize = 4096;
 /// One step, as E2B's SDK sends it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
-    Run { cmd: String, user: Option<String> },
-    Copy { src: String, dest: String, owner: String, mode: String, hash: String },
+    Run {
+        cmd: String,
+        user: Option<String>,
+    },
+    Copy {
+        src: String,
+        dest: String,
+        owner: String,
+        mode: String,
+        hash: String,
+    },
     Env(Vec<(String, String)>),
     Workdir(String),
     User(String),
@@ -113,14 +122,20 @@ impl Plan {
             };
             steps.push(match ty {
                 "RUN" => {
-                    arity((1..=2).contains(&args.len()) && !args[0].trim().is_empty(), "a command and maybe a user")?;
+                    arity(
+                        (1..=2).contains(&args.len()) && !args[0].trim().is_empty(),
+                        "a command and maybe a user",
+                    )?;
                     Step::Run {
                         cmd: args[0].clone(),
                         user: args.get(1).filter(|u| !u.is_empty()).cloned(),
                     }
                 }
                 "COPY" => {
-                    arity(args.len() >= 2 && !args[1].is_empty(), "a source, a destination, an owner and a mode")?;
+                    arity(
+                        args.len() >= 2 && !args[1].is_empty(),
+                        "a source, a destination, an owner and a mode",
+                    )?;
                     let hash = s
                         .get("filesHash")
                         .and_then(Value::as_str)
@@ -128,7 +143,9 @@ impl Plan {
                         .to_string();
                     let mode = args.get(3).cloned().unwrap_or_default();
                     if !mode.is_empty() && (mode.len() > 4 || !mode.bytes().all(|b| (b'0'..=b'7').contains(&b))) {
-                        return Err(E2bError::bad(format!("{field}: mode {mode:?} must be octal, e.g. 0755")));
+                        return Err(E2bError::bad(format!(
+                            "{field}: mode {mode:?} must be octal, e.g. 0755"
+                        )));
                     }
                     Step::Copy {
                         src: args[0].clone(),
@@ -140,8 +157,7 @@ impl Plan {
                 }
                 "ENV" => {
                     arity(!args.is_empty() && args.len() % 2 == 0, "names and values in pairs")?;
-                    let pairs: Vec<(String, String)> =
-                        args.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
+                    let pairs: Vec<(String, String)> = args.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
                     let env: BTreeMap<String, String> = pairs.iter().cloned().collect();
                     opendsec_commands::validate::env(&format!("{field}.args"), &env)
                         .map_err(|r| E2bError::bad(r.message))?;
@@ -228,11 +244,17 @@ pub async fn run(st: AppState, r: Run) {
     }
     let (error, error_step) = match result {
         Ok(()) => {
-            st.builds.log(&r.build, "info", Some("finalize"), format!("build ready: image {}", r.image));
+            st.builds.log(
+                &r.build,
+                "info",
+                Some("finalize"),
+                format!("build ready: image {}", r.image),
+            );
             (None, None)
         }
         Err(f) => {
-            st.builds.log(&r.build, "error", Some(&f.step), format!("build failed: {}", f.message));
+            st.builds
+                .log(&r.build, "error", Some(&f.step), format!("build failed: {}", f.message));
             (Some(f.message), Some(f.step))
         }
     };
@@ -313,11 +335,15 @@ async fn build(st: &AppState, r: &Run, sandbox: &mut Option<String>) -> Result<(
     };
     for (n, step) in r.plan.steps.iter().enumerate() {
         let number = (n + 1).to_string();
-        run_step(st, r, &id, &mut cx, step, &number).await.map_err(at(number.clone()))?;
+        run_step(st, r, &id, &mut cx, step, &number)
+            .await
+            .map_err(at(number.clone()))?;
     }
     let start_user = cx.user.clone();
     if r.plan.start_cmd.is_some() || r.plan.ready_cmd.is_some() {
-        check_start(st, r, &id, &cx, &start_user).await.map_err(at("finalize"))?;
+        check_start(st, r, &id, &cx, &start_user)
+            .await
+            .map_err(at("finalize"))?;
     }
     log("info", "finalize", format!("packing image {}", r.image));
     let config = ConfigOverride {
@@ -333,12 +359,10 @@ async fn build(st: &AppState, r: &Run, sandbox: &mut Option<String>) -> Result<(
         scrub: vec![],
         config: Some(config),
     };
-    submit(st, &r.who, &none, pack)
-        .await
-        .map_err(|e| Failure {
-            message: format!("packing the image was refused: {}", e.message),
-            step: "finalize".into(),
-        })?;
+    submit(st, &r.who, &none, pack).await.map_err(|e| Failure {
+        message: format!("packing the image was refused: {}", e.message),
+        step: "finalize".into(),
+    })?;
     wait_image(st, &r.image).await.map_err(at("finalize"))
 }
 
@@ -370,13 +394,19 @@ async fn run_step(st: &AppState, r: &Run, id: &str, cx: &mut Context, step: &Ste
             }
             let inside = format!("/tmp/.opendsec-copy-{number}-{}", &hash[..16]);
             upload(st, id, &archive, &inside).await?;
-            let owner = if owner.is_empty() { cx.user.clone() } else { owner.clone() };
+            let owner = if owner.is_empty() {
+                cx.user.clone()
+            } else {
+                owner.clone()
+            };
             let script = copy_script(&inside, gzip, &tops, &cx.absolute(dest), &owner, mode);
             let mut out = Lines::new(|line| st.builds.log(&r.build, "info", Some(number), line));
             let code = exec(st, id, "root", &script, &BTreeMap::new(), None, &mut out).await?;
             out.flush();
             if code != 0 {
-                return Err(format!("COPY {src} {dest}: failed with code {code} (the image needs tar and cp)"));
+                return Err(format!(
+                    "COPY {src} {dest}: failed with code {code} (the image needs tar and cp)"
+                ));
             }
         }
         Step::Env(pairs) => {
@@ -389,7 +419,16 @@ async fn run_step(st: &AppState, r: &Run, id: &str, cx: &mut Context, step: &Ste
             let path = cx.absolute(path);
             log(format!("WORKDIR {path}"));
             let mut out = Lines::new(|line| st.builds.log(&r.build, "info", Some(number), line));
-            let code = exec(st, id, "root", &format!("mkdir -p {}", quote(&path)), &BTreeMap::new(), None, &mut out).await?;
+            let code = exec(
+                st,
+                id,
+                "root",
+                &format!("mkdir -p {}", quote(&path)),
+                &BTreeMap::new(),
+                None,
+                &mut out,
+            )
+            .await?;
             out.flush();
             if code != 0 {
                 return Err(format!("WORKDIR {path}: could not make it (code {code})"));
@@ -475,7 +514,10 @@ async fn wait_running(st: &AppState, id: &str) -> Result<(), String> {
             _ => {}
         }
         if Instant::now() >= deadline {
-            return Err(format!("the build's sandbox did not start within {} s", START_WAIT.as_secs()));
+            return Err(format!(
+                "the build's sandbox did not start within {} s",
+                START_WAIT.as_secs()
+            ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -615,7 +657,10 @@ fn agent_request(st: &AppState, id: &str, user: &str, path: &str) -> Result<(Str
         .map_err(|_| format!("bad agent path {path}"))?;
     let mut h = HeaderMap::new();
     let token = st.node.sandbox_token(SandboxTokenKind::Agent, id);
-    h.insert("x-access-token", HeaderValue::from_str(&token).map_err(|e| e.to_string())?);
+    h.insert(
+        "x-access-token",
+        HeaderValue::from_str(&token).map_err(|e| e.to_string())?,
+    );
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
     h.insert(
         header::AUTHORIZATION,
@@ -628,7 +673,9 @@ fn agent_request(st: &AppState, id: &str, user: &str, path: &str) -> Result<(Str
 async fn upload(st: &AppState, id: &str, from: &Path, to: &str) -> Result<(), String> {
     use http_body_util::BodyExt;
     use tokio::io::AsyncReadExt;
-    let q: String = form_urlencoded::Serializer::new(String::new()).append_pair("path", to).finish();
+    let q: String = form_urlencoded::Serializer::new(String::new())
+        .append_pair("path", to)
+        .finish();
     let (address, uri, headers) = agent_request(st, id, "root", &format!("files?{q}"))?;
     let file = tokio::fs::File::open(from)
         .await
@@ -648,13 +695,20 @@ async fn upload(st: &AppState, id: &str, from: &Path, to: &str) -> Result<(), St
         .body(Body::from_stream(stream))
         .map_err(|e| e.to_string())?;
     *req.headers_mut() = headers;
-    req.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
     let resp = crate::edge_client::forward(st, &address, uri, req)
         .await
         .map_err(|e| format!("uploading the files: {}", e.0))?;
     let status = resp.status();
-    let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     if status != StatusCode::OK {
         return Err(format!(
             "uploading the files into the sandbox: {status}: {}",
@@ -672,7 +726,10 @@ struct Lines<F: FnMut(String)> {
 
 impl<F: FnMut(String)> Lines<F> {
     fn new(out: F) -> Self {
-        Lines { out, partial: Vec::new() }
+        Lines {
+            out,
+            partial: Vec::new(),
+        }
     }
 
     fn push(&mut self, data: &[u8]) {
@@ -686,7 +743,9 @@ impl<F: FnMut(String)> Lines<F> {
     }
 
     fn emit(&mut self) {
-        let line = String::from_utf8_lossy(&self.partial).trim_end_matches('\r').to_string();
+        let line = String::from_utf8_lossy(&self.partial)
+            .trim_end_matches('\r')
+            .to_string();
         self.partial.clear();
         (self.out)(line);
     }
@@ -720,10 +779,14 @@ async fn exec<F: FnMut(String)>(
     frame.push(0);
     frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
     frame.extend_from_slice(msg.as_bytes());
-    let mut req = Request::post(uri.clone()).body(Body::from(frame)).map_err(|e| e.to_string())?;
+    let mut req = Request::post(uri.clone())
+        .body(Body::from(frame))
+        .map_err(|e| e.to_string())?;
     *req.headers_mut() = headers;
-    req.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/connect+json"));
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/connect+json"),
+    );
     req.headers_mut()
         .insert("connect-protocol-version", HeaderValue::from_static("1"));
     let resp = crate::edge_client::forward(st, &address, uri, req)
@@ -816,12 +879,26 @@ mod tests {
         assert!(s.contains("cp -a \"$S\"/'app'/. '/app'/"), "{s}");
         assert!(s.contains("chown -R 'user' '/app'"), "{s}");
         // A file to a path that ends in '/': into it.
-        let s = copy_script("/tmp/a", false, &[("src/index.js".into(), false)], "/w/src/", "", "0755");
+        let s = copy_script(
+            "/tmp/a",
+            false,
+            &[("src/index.js".into(), false)],
+            "/w/src/",
+            "",
+            "0755",
+        );
         assert!(s.contains("tar -xof"), "{s}");
         assert!(s.contains("cp -a \"$S\"/'src/index.js' '/w/src'/"), "{s}");
         assert!(s.contains("chmod -R '0755' '/w/src/index.js'"), "{s}");
         // A file to a name: to it, or into it if it is a directory.
-        let s = copy_script("/tmp/a", false, &[("config.json".into(), false)], "/etc/app/config.json", "", "");
+        let s = copy_script(
+            "/tmp/a",
+            false,
+            &[("config.json".into(), false)],
+            "/etc/app/config.json",
+            "",
+            "",
+        );
         assert!(s.contains("if [ -d '/etc/app/config.json' ]"), "{s}");
         // Quotes in names stay words.
         let s = copy_script("/tmp/a", false, &[("it's".into(), false)], "/x/", "", "");

@@ -138,7 +138,9 @@ pub(super) async fn delete_snapshot(
     if !known {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,
-            format!("template or snapshot {id} not found (images cannot be deleted through the E2B API: opendsecctl image rm)"),
+            format!(
+                "template or snapshot {id} not found (images cannot be deleted through the E2B API: opendsecctl image rm)"
+            ),
         ));
     }
     submit(&st, &who, &headers, Command::DeleteSnapshot { snapshot: id }).await?;

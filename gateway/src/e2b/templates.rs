@@ -153,7 +153,11 @@ async fn request_build(State(st): State<AppState>, headers: HeaderMap, body: Byt
         None | Some(Value::Null) => vec![],
         Some(Value::Array(a)) => a
             .iter()
-            .map(|t| t.as_str().map(str::to_string).ok_or_else(|| E2bError::bad("tags must be strings")))
+            .map(|t| {
+                t.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| E2bError::bad("tags must be strings"))
+            })
             .collect::<R<_>>()?,
         Some(_) => return Err(E2bError::bad("tags must be a list of strings")),
     };
@@ -178,7 +182,10 @@ async fn request_build(State(st): State<AppState>, headers: HeaderMap, body: Byt
     };
     let done = submit(&st, &who, &headers, cmd).await?;
     let Some(Event::TemplateBuildRequested(e)) = done.decided.events.first() else {
-        return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, "the build was not requested"));
+        return Err(E2bError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the build was not requested",
+        ));
     };
     st.builds.log(
         &e.build_id,
@@ -261,7 +268,10 @@ async fn upload(
     let expected = opendsec_edge_api::tokens::upload_signature(&st.node.config().cluster_key, &id, &hash, expires);
     let given = q.get("signature").map(String::as_str).unwrap_or_default();
     if !constant_time_eq(given.as_bytes(), expected.as_bytes()) {
-        return Err(E2bError::new(StatusCode::UNAUTHORIZED, "the upload URL's signature is wrong"));
+        return Err(E2bError::new(
+            StatusCode::UNAUTHORIZED,
+            "the upload URL's signature is wrong",
+        ));
     }
     if opendsec_edge_api::now_ms() / 1000 > expires {
         return Err(E2bError::new(
@@ -275,9 +285,13 @@ async fn upload(
     }
     let dir = path.parent().expect("a file path has a parent").to_path_buf();
     let io = |what: &str, e: std::io::Error| E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{what}: {e}"));
-    tokio::fs::create_dir_all(&dir).await.map_err(|e| io("keeping the upload", e))?;
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| io("keeping the upload", e))?;
     let part = dir.join(format!(".{hash}.{}", uuid::Uuid::new_v4()));
-    let mut file = tokio::fs::File::create(&part).await.map_err(|e| io("keeping the upload", e))?;
+    let mut file = tokio::fs::File::create(&part)
+        .await
+        .map_err(|e| io("keeping the upload", e))?;
     let mut body = body;
     let mut size = 0u64;
     let result: R<()> = async {
@@ -295,7 +309,9 @@ async fn upload(
             }
         }
         file.sync_all().await.map_err(|e| io("keeping the upload", e))?;
-        tokio::fs::rename(&part, &path).await.map_err(|e| io("keeping the upload", e))
+        tokio::fs::rename(&part, &path)
+            .await
+            .map_err(|e| io("keeping the upload", e))
     }
     .await;
     if result.is_err() {
@@ -321,7 +337,10 @@ async fn start_build(
     let m = body_object(&body)?;
     let t = template(&st, &who, &id)?;
     if !t.builds.contains_key(&build) {
-        return Err(E2bError::new(StatusCode::NOT_FOUND, format!("build {build} of template {id} not found")));
+        return Err(E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("build {build} of template {id} not found"),
+        ));
     }
     let plan = super::builder::Plan::parse(&st, &who, &m)?;
     for (n, step) in plan.steps.iter().enumerate() {
@@ -343,7 +362,10 @@ async fn start_build(
     };
     let done = submit(&st, &who, &headers, cmd).await?;
     let Some(Event::TemplateBuildStarted(e)) = done.decided.events.first() else {
-        return Err(E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, "the build did not start"));
+        return Err(E2bError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the build did not start",
+        ));
     };
     let run = super::builder::Run {
         template: t.clone(),
@@ -366,10 +388,12 @@ async fn status(
     let who = caller(&st, &headers)?;
     require(&who, Right::SandboxRead)?;
     let t = template(&st, &who, &id)?;
-    let b = t
-        .builds
-        .get(&build)
-        .ok_or_else(|| E2bError::new(StatusCode::NOT_FOUND, format!("build {build} of template {id} not found")))?;
+    let b = t.builds.get(&build).ok_or_else(|| {
+        E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("build {build} of template {id} not found"),
+        )
+    })?;
     let q: HashMap<String, String> = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
         .into_owned()
         .collect();
@@ -425,7 +449,10 @@ async fn alias(State(st): State<AppState>, headers: HeaderMap, Path(name): Path<
             StatusCode::FORBIDDEN,
             format!("template name {name} belongs to another project"),
         )),
-        _ => Err(E2bError::new(StatusCode::NOT_FOUND, format!("template {name} not found"))),
+        _ => Err(E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("template {name} not found"),
+        )),
     })
 }
 
@@ -450,7 +477,11 @@ fn tag_list(m: &Map<String, Value>) -> R<Vec<String>> {
     match m.get("tags") {
         Some(Value::Array(a)) => a
             .iter()
-            .map(|t| t.as_str().map(str::to_string).ok_or_else(|| E2bError::bad("tags must be strings")))
+            .map(|t| {
+                t.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| E2bError::bad("tags must be strings"))
+            })
             .collect(),
         _ => Err(E2bError::bad("tags must be a list of strings")),
     }
