@@ -16,7 +16,7 @@ mod up;
 
 use e2b_py::{Sdk, pytest, python, workspace};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 use up::Up;
 
