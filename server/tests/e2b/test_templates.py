@@ -215,3 +215,30 @@ def test_bad_build_requests_are_refused_naming_what_is_wrong():
     # Without a key: nothing.
     r = httpx.post(f"{api}/v3/templates", json={"name": unique("anon")})
     assert r.status_code == 401, r.text
+
+
+def test_a_dockerfile_is_built_as_its_steps(tmp_path):
+    """`from_dockerfile`: the SDK turns the Dockerfile into steps (FROM, USER, WORKDIR,
+    RUN, ENV, COPY with --chown); the build runs them as Docker would."""
+    (tmp_path / "conf.ini").write_text("[x]\ny=1\n")
+    dockerfile = "\n".join(
+        [
+            f"FROM {BASE_TEMPLATE}",
+            "ENV MODE=docker",
+            "WORKDIR /srv/site",
+            "RUN echo from-dockerfile > index.txt && id -un > who.txt",
+            "COPY --chown=user:user conf.ini ./conf/",
+            "USER user",
+            "WORKDIR /home/user",
+        ]
+    )
+    name = unique("dockerfile")
+    Template.build(Template(file_context_path=str(tmp_path)).from_dockerfile(dockerfile), name)
+    sbx = Sandbox.create(name)
+    try:
+        out = sbx.commands.run("cat /srv/site/index.txt /srv/site/who.txt; echo $MODE; pwd").stdout.split()
+        assert out == ["from-dockerfile", "root", "docker", "/home/user"]
+        assert sbx.commands.run("stat -c %U:%G /srv/site/conf/conf.ini").stdout.strip() == "user:user"
+        assert sbx.commands.run("cat /srv/site/conf/conf.ini").stdout == "[x]\ny=1\n"
+    finally:
+        sbx.kill()
