@@ -234,6 +234,9 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ready_cmd: Option<String>,
         steps: u32,
+        /// Who runs the steps: `<control node id>/<that gateway process's run id>`.
+        #[serde(default)]
+        runner: String,
     },
     /// The build ended: ready (`error` none; its image is packed and ready) or failed
     /// at `error_step`. Legal for a build that has not ended. Needs sandbox:write.

@@ -68,6 +68,7 @@ fn build(w: &mut World, admin: &str, project: &str, name: &str, tags: &[&str]) -
                 start_cmd: Some("python3 -m http.server 8000".into()),
                 ready_cmd: Some("curl -sf localhost:8000".into()),
                 steps: 3,
+                runner: "1/run".into(),
             },
         )
         .unwrap();
@@ -158,6 +159,7 @@ fn a_build_waits_for_its_steps_runs_and_is_ready_once_its_packed_image_is() {
             start_cmd: None,
             ready_cmd: None,
             steps: 0,
+            runner: "1/run".into(),
         },
     )
     .unwrap();
@@ -181,6 +183,7 @@ fn a_build_waits_for_its_steps_runs_and_is_ready_once_its_packed_image_is() {
         start_cmd: None,
         ready_cmd: None,
         steps: 0,
+        runner: "1/run".into(),
     };
     assert_eq!(w.run(&admin, again).unwrap_err().kind, K::Conflict);
 }

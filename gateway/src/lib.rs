@@ -110,12 +110,14 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .template_files
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("opendsec-template-files-{}", std::process::id())));
+    let node_id = node.config().node_id;
     let state = AppState {
         node,
         e2b: std::sync::Arc::new(e2b),
         edges: edge_client::client(),
-        builds: std::sync::Arc::new(e2b::templates::Builds::new(files)),
+        builds: std::sync::Arc::new(e2b::templates::Builds::new(files, node_id)),
     };
+    e2b::templates::fail_interrupted_builds(state.clone());
     Router::new()
         .route("/health", get(health))
         .route("/v1/openapi.json", get(openapi::serve))

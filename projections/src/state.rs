@@ -786,6 +786,7 @@ impl State {
                         start_cmd: None,
                         ready_cmd: None,
                         steps: 0,
+                        runner: String::new(),
                         error: None,
                         error_step: None,
                         created_at_ms: t,
@@ -803,6 +804,7 @@ impl State {
                     b.start_cmd = some(&e.start_cmd);
                     b.ready_cmd = some(&e.ready_cmd);
                     b.steps = e.steps;
+                    b.runner = e.runner.clone();
                     b.index = index;
                 }
             }

@@ -687,6 +687,8 @@ pub struct TemplateBuild {
     pub start_cmd: Option<String>,
     pub ready_cmd: Option<String>,
     pub steps: u32,
+    /// Who runs its steps: `<control node id>/<that gateway process's run id>`.
+    pub runner: String,
     pub error: Option<String>,
     /// Where it failed, as E2B's SDK reads it (`base`, `finalize` or a step number).
     pub error_step: Option<String>,

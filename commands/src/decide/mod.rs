@@ -172,14 +172,18 @@ pub fn decide_excluding(
             start_cmd,
             ready_cmd,
             steps,
+            runner,
         } => templates::start(
             &s,
             template,
             build,
-            from,
-            start_cmd.as_deref(),
-            ready_cmd.as_deref(),
-            *steps,
+            templates::Start {
+                from,
+                start_cmd: start_cmd.as_deref(),
+                ready_cmd: ready_cmd.as_deref(),
+                steps: *steps,
+                runner,
+            },
         ),
         Command::FinishTemplateBuild {
             template,

@@ -87,16 +87,24 @@ pub(super) fn request(
     ))
 }
 
+/// What `StartTemplateBuild` says of a build.
+pub(super) struct Start<'a> {
+    pub from: &'a str,
+    pub start_cmd: Option<&'a str>,
+    pub ready_cmd: Option<&'a str>,
+    pub steps: u32,
+    pub runner: &'a str,
+}
+
 /// `StartTemplateBuild`.
-pub(super) fn start(
-    s: &Scope,
-    template: &str,
-    build: &str,
-    from: &str,
-    start_cmd: Option<&str>,
-    ready_cmd: Option<&str>,
-    steps: u32,
-) -> Result<Decided, Rejection> {
+pub(super) fn start(s: &Scope, template: &str, build: &str, st: Start<'_>) -> Result<Decided, Rejection> {
+    let Start {
+        from,
+        start_cmd,
+        ready_cmd,
+        steps,
+        runner,
+    } = st;
     let t = template_in_scope(s, template)?;
     let b = t.builds.get(build).ok_or_else(|| not_found("build", "build", build))?;
     if b.status != BuildStatus::Waiting {
@@ -120,6 +128,7 @@ pub(super) fn start(
         }
     }
     validate::amount("steps", steps as u64, 10_000)?;
+    validate::text("runner", runner, 128)?;
     Ok(Decided::one(
         &t.project,
         &t.id,
@@ -131,6 +140,7 @@ pub(super) fn start(
             start_cmd: start_cmd.unwrap_or_default().to_string(),
             ready_cmd: ready_cmd.unwrap_or_default().to_string(),
             steps,
+            runner: runner.to_string(),
         }),
     ))
 }

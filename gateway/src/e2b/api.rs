@@ -158,7 +158,7 @@ pub(super) async fn submit(
     submit_as(st, who.credential(), headers, cmd).await
 }
 
-async fn submit_as(
+pub(super) async fn submit_as(
     st: &AppState,
     cred: Credential,
     headers: &HeaderMap,

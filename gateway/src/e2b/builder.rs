@@ -315,7 +315,7 @@ async fn build(st: &AppState, r: &Run, sandbox: &mut Option<String>) -> Result<(
         image: r.plan.from.clone(),
         cpu_millis: size(r.template.cpu_count, crate::routes::sandboxes::DEFAULT_CPU_MILLIS, 1000),
         memory_mb: size(r.template.memory_mb, crate::routes::sandboxes::DEFAULT_MEMORY_MB, 1),
-        labels: [("opendsec.io/template-build".to_string(), r.build.clone())].into(),
+        labels: [(super::templates::BUILD_LABEL.to_string(), r.build.clone())].into(),
         timeout_seconds: Some(SANDBOX_SECONDS),
         opts: SandboxOptions::default(),
     };

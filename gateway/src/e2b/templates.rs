@@ -68,13 +68,16 @@ pub struct LogEntry {
 pub struct Builds {
     logs: Mutex<HashMap<String, Vec<LogEntry>>>,
     pub files: PathBuf,
+    /// What this process writes as its builds' runner: `<node id>/<a run id of its own>`.
+    pub runner: String,
 }
 
 impl Builds {
-    pub fn new(files: PathBuf) -> Builds {
+    pub fn new(files: PathBuf, node_id: u64) -> Builds {
         Builds {
             logs: Mutex::new(HashMap::new()),
             files,
+            runner: format!("{node_id}/{}", uuid::Uuid::new_v4().simple()),
         }
     }
 
@@ -359,6 +362,7 @@ async fn start_build(
         start_cmd: plan.start_cmd.clone(),
         ready_cmd: plan.ready_cmd.clone(),
         steps: plan.steps.len() as u32,
+        runner: st.builds.runner.clone(),
     };
     let done = submit(&st, &who, &headers, cmd).await?;
     let Some(Event::TemplateBuildStarted(e)) = done.decided.events.first() else {
@@ -543,6 +547,73 @@ pub(super) async fn delete_template(st: &AppState, who: &Principal, headers: &He
     let _ = tokio::fs::remove_dir_all(dir).await;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
+
+/// The builds this node was running when it stopped cannot end by themselves (their
+/// steps ran in its memory, and E2B's SDK polls a build until it ends): for a while
+/// after it starts (its log is replayed meanwhile), this node looks for builds an
+/// earlier run of its gateway was running, fails each, saying so, and kills its sandbox.
+pub fn fail_interrupted_builds(st: AppState) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let me = st.node.config().node_id;
+    let mine = st.builds.runner.clone();
+    rt.spawn(async move {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+        while std::time::Instant::now() < deadline {
+            let stale: Vec<(String, String)> = st.node.read(|s| {
+                s.images
+                    .templates
+                    .values()
+                    .flat_map(|t| t.builds.values().map(move |b| (t, b)))
+                    .filter(|(_, b)| {
+                        b.status == BuildStatus::Building
+                            && b.runner != mine
+                            && b.runner.split_once('/').is_some_and(|(node, _)| node == me.to_string())
+                    })
+                    .map(|(t, b)| (t.id.clone(), b.id.clone()))
+                    .collect()
+            });
+            for (template, build) in stale {
+                fail_interrupted(&st, me, template, build).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        }
+    });
+}
+
+async fn fail_interrupted(st: &AppState, me: u64, template: String, build: String) {
+    let sandboxes: Vec<String> = st.node.read(|s| {
+        s.sandboxes
+            .sandboxes
+            .values()
+            .filter(|x| x.is_live() && x.labels.get(BUILD_LABEL) == Some(&build))
+            .map(|x| x.id.clone())
+            .collect()
+    });
+    let mut cmds: Vec<Command> = sandboxes
+        .into_iter()
+        .map(|sandbox| Command::KillSandbox { sandbox })
+        .collect();
+    cmds.push(Command::FinishTemplateBuild {
+        template: template.clone(),
+        build: build.clone(),
+        error: Some(format!(
+            "the build was interrupted: control node {me}, which ran its steps, restarted; build it again"
+        )),
+        error_step: Some("finalize".into()),
+    });
+    for cmd in cmds {
+        let done = super::api::submit_as(st, opendsec_control::Credential::System, &HeaderMap::new(), cmd).await;
+        if let Err(e) = done {
+            tracing::warn!(%build, error = %e.message, "ending an interrupted template build");
+        }
+    }
+    tracing::info!(%template, %build, "a template build an earlier run of this node ran is failed");
+}
+
+/// The label that marks a build's sandbox with its build's id.
+pub const BUILD_LABEL: &str = "opendsec.io/template-build";
 
 /// Whether `id` names a template the caller may see.
 pub(super) fn is_template(st: &AppState, who: &Principal, id: &str) -> bool {
