@@ -104,6 +104,7 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
         last_oom_command: s.last_oom_command.clone(),
         cpu_class: cpu_class(s.cpu_class),
         live: s.is_live(),
+        auto_resume: s.auto_resume,
         index: s.index,
         isolation: isolation(s.isolation),
         snapshot: s.snapshot.clone(),

@@ -253,7 +253,8 @@ pub struct CreateSandbox {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_class: Option<CpuClass>,
     /// While paused, the next request to its agent (`/v1/sandboxes/{id}/agent/...`, or
-    /// E2B's traffic path) resumes it first. Default false.
+    /// E2B's traffic path) resumes it first. Default true; with false such a request gets
+    /// a 409 saying how to resume it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto_resume: Option<bool>,
 }
@@ -295,6 +296,9 @@ pub struct Sandbox {
     pub cpu_class: CpuClass,
     /// False once it has ended and given its quota back.
     pub live: bool,
+    /// While paused, the next call to it resumes it (else the call gets a 409).
+    #[serde(default)]
+    pub auto_resume: bool,
     /// Log index of the last change.
     pub index: u64,
     pub isolation: Isolation,

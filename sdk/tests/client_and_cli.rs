@@ -221,7 +221,15 @@ async fn opendsecctl_prints_tables_json_and_helpful_errors() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let r = ctl(
         &[
-            "--output", "json", "sandbox", "create", "--image", "busybox", "--label", "job=a",
+            "--output",
+            "json",
+            "sandbox",
+            "create",
+            "--no-wait",
+            "--image",
+            "busybox",
+            "--label",
+            "job=a",
         ],
         &env,
     )
@@ -385,6 +393,7 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
             "json",
             "sandbox",
             "create",
+            "--no-wait",
             "--image",
             "base",
             "--isolation",
@@ -410,6 +419,7 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
             "json",
             "sandbox",
             "create",
+            "--no-wait",
             "--image",
             "base",
             "--isolation",

@@ -343,11 +343,12 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> 
         .ok_or_else(|| E2bError::bad("templateID is required"))?;
     let timeout = opt_u64(&m, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_SECONDS);
     let auto_pause = opt_bool(&m, "autoPause")?.unwrap_or(false);
+    // The next call to a paused sandbox resumes it unless the create says otherwise.
     let auto_resume = match m.get("autoResume") {
-        None | Some(Value::Null) => false,
+        None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,
         Some(Value::Object(o)) => match o.get("enabled") {
-            None | Some(Value::Null) => false,
+            None | Some(Value::Null) => true,
             Some(Value::Bool(b)) => *b,
             Some(_) => return Err(E2bError::bad("autoResume.enabled must be a boolean")),
         },

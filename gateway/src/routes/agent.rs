@@ -94,6 +94,17 @@ pub async fn proxy(
     })?;
     // A paused sandbox created with auto_resume resumes on this request (a microVM is
     // restored into a new VMM meanwhile); a resume or a start under way is waited for.
+    // One created without it stays paused, and the call says how to resume it.
+    if x.desired == opendsec_projections::Desired::Paused && !x.auto_resume {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!(
+                "sandbox {id} is paused and was created without auto-resume: resume it first \
+                 (opendsecctl sandbox resume {id})"
+            ),
+        ));
+    }
     crate::e2b::api::ready_for_traffic(&st, &x).await.map_err(|e| {
         ApiError::new(
             e.status,

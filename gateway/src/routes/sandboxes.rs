@@ -42,7 +42,7 @@ pub async fn create(
         opts: SandboxOptions {
             isolation: req.isolation.map(convert::isolation_of),
             cpu_class: req.cpu_class.map(convert::cpu_class_of),
-            auto_resume: req.auto_resume.unwrap_or(false),
+            auto_resume: req.auto_resume.unwrap_or(true),
             ..Default::default()
         },
     };

@@ -422,7 +422,10 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             timeout_seconds,
             isolation,
             cpu_class,
+            no_wait,
+            wait_seconds,
             wait,
+            no_auto_resume,
         } => {
             let req = CreateSandbox {
                 project,
@@ -433,10 +436,11 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 timeout_seconds,
                 isolation: isolation.map(Isolation::from),
                 cpu_class: cpu_class.map(CpuClass::from),
-                auto_resume: None,
+                auto_resume: no_auto_resume.then_some(false),
             };
             let mut written = client.create_sandbox(&req).await?;
-            if let Some(seconds) = wait {
+            if !no_wait {
+                let seconds = wait.unwrap_or(wait_seconds);
                 written.sandbox = wait_started(client, &written.sandbox.id, seconds).await?;
             }
             written
@@ -638,7 +642,10 @@ async fn wait_started(client: &Client, id: &str, seconds: u64) -> Result<Sandbox
             )));
         }
         if waited >= seconds as f64 {
-            return Err(not_started(format!("sandbox {id} is still pending after {seconds} s")));
+            return Err(not_started(format!(
+                "sandbox {id} is still pending after {seconds} s: it may still start (opendsecctl sandbox get {id}); \
+                 wait longer with --wait-seconds, or not at all with --no-wait"
+            )));
         }
         if tty {
             eprint!("\r\x1b[Kwaiting for sandbox {id} to start ... {waited:.1} s");
@@ -648,7 +655,7 @@ async fn wait_started(client: &Client, id: &str, seconds: u64) -> Result<Sandbox
     }
 }
 
-/// An error of `--wait`: the call succeeded, the sandbox did not start.
+/// An error of waiting for a create: the call succeeded, the sandbox did not start.
 fn not_started(message: String) -> ApiError {
     ApiError {
         status: 0,

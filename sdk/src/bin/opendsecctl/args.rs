@@ -199,10 +199,20 @@ pub(crate) enum SandboxCmd {
         /// (SCHED_IDLE and the least CPU weight: only CPU time others leave).
         #[arg(long, value_enum)]
         cpu_class: Option<CpuClassArg>,
-        /// Return once the sandbox runs (or say why it did not start), instead of as soon
-        /// as it is placed; waits up to this many seconds (VMs under emulation take long).
-        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "300")]
+        /// Return as soon as the sandbox is placed (pending), instead of once it runs.
+        #[arg(long, conflicts_with = "wait")]
+        no_wait: bool,
+        /// How long to wait for it to run at most (VMs under emulation and first pulls
+        /// take long).
+        #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+        wait_seconds: u64,
+        /// Waiting is the default; `--wait [SECONDS]` is still taken (as --wait-seconds).
+        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "300", hide = true)]
         wait: Option<u64>,
+        /// A call to the sandbox while it is paused gets a 409 instead of resuming it (by
+        /// default the next call resumes it).
+        #[arg(long)]
+        no_auto_resume: bool,
     },
     /// Live sandboxes (or those in --state).
     List {

@@ -1,0 +1,85 @@
+//! Specification: the next call to a paused sandbox resumes it (the seed's promise), a
+//! sandbox created not to stays paused and the call says how to resume it, and a call
+//! to a sandbox still starting waits for it. Through the REST agent route, as
+//! `opendsecctl sandbox exec` calls it, against a real `opendsec up`.
+//!
+//! Needs root, crun or runc, the static agent and the `busybox` image (`./ops/test.sh`).
+
+#[path = "support/up.rs"]
+mod up;
+
+use reqwest::Method;
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+use up::Up;
+
+async fn state_becomes(up: &Up, id: &str, want: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        if v["state"] == want {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "sandbox {id} is not {want}: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn create(up: &Up, body: Value) -> String {
+    let (s, v) = up.send(Method::POST, "/v1/sandboxes", Some(body)).await;
+    assert_eq!(s, 201, "{v}");
+    v["sandbox"]["id"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_to_a_paused_sandbox_resumes_it_by_default_and_one_still_starting_is_waited_for() {
+    let up = Up::start(None).await;
+    up.ensure_image("busybox", Duration::from_secs(300)).await;
+    // Called at once after the create: the call waits for the start.
+    let id = create(&up, json!({"image": "busybox"})).await;
+    let (out, code) = up
+        .exec(&id, "sh", &["-c", "echo 1 > /tmp/counter; cat /tmp/counter"])
+        .await
+        .unwrap();
+    assert_eq!((out.trim(), code), ("1", 0));
+    let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(v["auto_resume"], true, "the default: {v}");
+
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
+    assert_eq!(s, 200, "{v}");
+    state_becomes(&up, &id, "paused").await;
+    // The next call resumes it, and its processes' state is where it was.
+    let (out, code) = up.exec(&id, "cat", &["/tmp/counter"]).await.unwrap();
+    assert_eq!((out.trim(), code), ("1", 0));
+    state_becomes(&up, &id, "running").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_created_without_auto_resume_stays_paused_and_the_call_says_how_to_resume_it() {
+    let up = Up::start(None).await;
+    up.ensure_image("busybox", Duration::from_secs(300)).await;
+    let id = create(&up, json!({"image": "busybox", "auto_resume": false})).await;
+    state_becomes(&up, &id, "running").await;
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
+    assert_eq!(s, 200, "{v}");
+    state_becomes(&up, &id, "paused").await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/agent/process.Process/List"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, 409, "{v}");
+    let message = v["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("opendsecctl sandbox resume {id}")),
+        "{message}"
+    );
+    state_becomes(&up, &id, "paused").await;
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None).await;
+    assert_eq!(s, 200, "{v}");
+    state_becomes(&up, &id, "running").await;
+    let (out, code) = up.exec(&id, "echo", &["back"]).await.unwrap();
+    assert_eq!((out.trim(), code), ("back", 0));
+}
