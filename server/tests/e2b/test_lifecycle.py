@@ -291,7 +291,8 @@ def wait_state(sandbox_id, state, within=15.0):
 def test_a_sandbox_set_to_pause_at_its_timeout_is_paused_and_connect_resumes_it(run_id):
     sb = Sandbox.create(template=BASE_TEMPLATE, timeout=60, lifecycle={"on_timeout": "pause"}, metadata={"suite": run_id, "group": "auto-pause"})
     try:
-        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        # OpenDsec resumes a paused sandbox on its next call unless told otherwise.
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
         sb.files.write("/home/user/kept.txt", "still here")
         sleeper = sb.commands.run("sleep 3600", background=True)
         sb.set_timeout(2)  # a new timeout keeps what happens at it
@@ -332,6 +333,27 @@ def test_traffic_to_an_auto_resume_sandbox_resumes_it(run_id):
         assert info.state == SandboxState.RUNNING, info
         remaining = info.end_at - datetime.now(timezone.utc)
         assert timedelta(0) < remaining <= timedelta(seconds=300), remaining
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_sandbox_created_without_auto_resume_stays_paused_when_called(run_id):
+    sb = Sandbox.create(
+        template=BASE_TEMPLATE,
+        timeout=60,
+        lifecycle={"on_timeout": "pause", "auto_resume": False},
+        metadata={"suite": run_id, "group": "no-auto-resume"},
+    )
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        sb.pause()
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        with pytest.raises(Exception) as e:
+            sb.commands.run("echo awake")
+        assert "paused" in str(e.value).lower()
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.PAUSED
+        resumed = Sandbox.connect(sb.sandbox_id)
+        assert resumed.commands.run("echo awake").stdout == "awake\n"
     finally:
         Sandbox.kill(sb.sandbox_id)
 
