@@ -361,3 +361,39 @@ fn a_revocation_in_flight_already_refuses_the_token() {
     assert!(w.state.iam.tokens[&t].revoked.is_some());
     assert!(w.inflight.is_empty());
 }
+
+#[test]
+fn projects_nest_at_most_sixteen_deep_and_quota_holds_at_the_deepest() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge(&admin, "e1", capacity(100, 100_000, 100_000));
+    let root = w.root.clone();
+    w.set_quota(&admin, &root, at_most(1));
+    let mut parent = root.clone();
+    for depth in 2..=opendsec_projections::MAX_PROJECT_DEPTH {
+        parent = w.project(&admin, &parent, &format!("level{depth}"));
+    }
+    assert_eq!(w.state.ancestry(&parent).len(), opendsec_projections::MAX_PROJECT_DEPTH);
+    let before = w.log.len();
+    let err = w
+        .run(
+            &admin,
+            Command::CreateProject {
+                name: "too-deep".into(),
+                parent: parent.clone(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Invalid, Some("parent")),
+        "{err:?}"
+    );
+    assert!(err.message.contains("at most 16 deep"), "{}", err.message);
+    assert_eq!(w.log.len(), before, "bad input leaves the log unchanged");
+    // The root's quota binds the deepest project: its whole ancestry counts.
+    w.sandbox(&admin, &parent);
+    let err = w.try_sandbox(&admin, &parent).unwrap_err();
+    assert_eq!(err.kind, K::QuotaExceeded, "{err:?}");
+    assert_eq!(w.usage(&root).sandboxes, 1);
+}

@@ -17,5 +17,5 @@ pub mod views;
 
 pub use lifecycle::Lifecycle;
 pub use schema::{Event, pb};
-pub use state::{Outcome, State, VIEW_NAMES};
+pub use state::{MAX_PROJECT_DEPTH, Outcome, State, VIEW_NAMES};
 pub use views::*;

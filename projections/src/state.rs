@@ -65,6 +65,10 @@ struct Pending {
     idempotency_keys: BTreeSet<(String, String)>,
 }
 
+/// How deep projects nest, the root counted: quota, usage and scope walk a project's
+/// whole ancestry, so it stays short.
+pub const MAX_PROJECT_DEPTH: usize = 16;
+
 impl State {
     pub fn new() -> State {
         State::default()
@@ -125,16 +129,19 @@ impl State {
 
     // ---- queries shared by decide() and the checks below ----
 
-    /// The project and all its ancestors, nearest first.
+    /// `project` and its ancestors up to the root, nearest first (at most
+    /// [`MAX_PROJECT_DEPTH`] of them: no project is made deeper).
     pub fn ancestry(&self, project: &str) -> Vec<&Project> {
-        let mut out = Vec::new();
+        let mut out: Vec<&Project> = Vec::new();
         let mut cur = self.iam.projects.get(project);
         while let Some(p) = cur {
+            // A cycle cannot be built through decide() (a parent exists before its
+            // child); belt and braces, without cutting a long chain short.
+            if out.iter().any(|seen| seen.id == p.id) {
+                break;
+            }
             out.push(p);
             cur = p.parent.as_deref().and_then(|id| self.iam.projects.get(id));
-            if out.len() > 64 {
-                break; // a cycle cannot be built through decide(); belt and braces
-            }
         }
         out
     }
@@ -278,6 +285,9 @@ impl State {
             Event::ProjectCreated(e) => {
                 if self.iam.projects.contains_key(&e.id) || !pending.projects.insert(e.id.clone()) {
                     return Err(format!("project {} already exists", e.id));
+                }
+                if !e.parent.is_empty() && self.ancestry(&e.parent).len() >= MAX_PROJECT_DEPTH {
+                    return Err(format!("projects nest at most {MAX_PROJECT_DEPTH} deep"));
                 }
                 if e.parent.is_empty() {
                     if self.root_project().is_some() {

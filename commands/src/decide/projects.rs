@@ -60,6 +60,16 @@ pub(super) fn create(s: &Scope, name: &str, parent: &str) -> Result<Decided, Rej
     validate::name("name", name)?;
     s.project_in_scope("parent", parent)?;
     who.require(Right::ProjectWrite)?;
+    if state.ancestry(parent).len() >= opendsec_projections::MAX_PROJECT_DEPTH {
+        return Err(Rejection::field(
+            K::Invalid,
+            "parent",
+            format!(
+                "projects nest at most {} deep: project {parent} is at the deepest level",
+                opendsec_projections::MAX_PROJECT_DEPTH
+            ),
+        ));
+    }
     let p = &state.iam.projects[parent];
     let taken = p
         .children
