@@ -83,3 +83,41 @@ async fn a_sandbox_created_without_auto_resume_stays_paused_and_the_call_says_ho
     let (out, code) = up.exec(&id, "echo", &["back"]).await.unwrap();
     assert_eq!((out.trim(), code), ("back", 0));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_a_caller_holding_its_tokens_wakes_a_paused_sandbox_through_e2b_traffic() {
+    let up = Up::start(None).await;
+    up.ensure_image("busybox", Duration::from_secs(300)).await;
+    let id = create(&up, json!({"image": "busybox"})).await;
+    state_becomes(&up, &id, "running").await;
+    let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
+    assert_eq!(s, 200, "{v}");
+    state_becomes(&up, &id, "paused").await;
+    let knock = |port: &str, token: Option<String>| {
+        let mut r = reqwest::Client::new()
+            .get(format!("http://{}/health", up.http))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", port);
+        if let Some(t) = token {
+            r = r.header("X-Access-Token", t);
+        }
+        r.send()
+    };
+    // No token, a wrong one, or a public port: the sandbox stays paused.
+    for (port, token) in [("49983", None), ("8080", None), ("49983", Some("wrong".to_string()))] {
+        let r = knock(port, token.clone()).await.unwrap();
+        assert!(
+            matches!(r.status().as_u16(), 401 | 502),
+            "{port} {token:?}: {}",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (_, v) = up.send(Method::GET, &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(v["state"], "paused", "{port} {token:?} woke it: {v}");
+    }
+    // Its access token wakes it.
+    let token = opendsec_control::sandbox_token(&up.cluster_key(), opendsec_control::SandboxTokenKind::Agent, &id);
+    let r = knock("49983", Some(token)).await.unwrap();
+    assert_eq!(r.status().as_u16(), 204, "{:?}", r.text().await);
+    state_becomes(&up, &id, "running").await;
+}

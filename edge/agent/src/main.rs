@@ -34,6 +34,7 @@ mod metadata;
 mod process;
 mod rekey;
 mod server;
+mod signature;
 mod start;
 mod tunnel;
 mod users;

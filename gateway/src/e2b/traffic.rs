@@ -177,14 +177,71 @@ fn admit(st: &AppState, id: &str, port: u16, req: &Request) -> Result<(), Respon
     // Observed paused while desired running is a resume under way: the request waits
     // for it in forward(), it is not refused.
     if x.desired == Desired::Paused && !x.auto_resume {
-        return Err((
-            StatusCode::BAD_GATEWAY,
-            Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 })),
-        )
-            .into_response());
+        return Err(paused(id));
     }
     Ok(())
 }
+
+/// E2B's answer for traffic to a paused sandbox.
+fn paused(id: &str) -> Response {
+    (
+        StatusCode::BAD_GATEWAY,
+        Json(json!({ "sandboxId": id, "message": format!("The sandbox {id} is paused"), "code": 502 })),
+    )
+        .into_response()
+}
+
+/// Whether a request may resume a paused sandbox: it carries the sandbox's access or
+/// traffic token, or (to envd's `/files`) a signed URL that is valid now.
+fn may_resume(st: &AppState, id: &str, port: u16, req: &Request) -> bool {
+    let agent_token = st.node.sandbox_token(SandboxTokenKind::Agent, id);
+    let traffic_token = st.node.sandbox_token(SandboxTokenKind::Traffic, id);
+    if token_is(req, ACCESS_TOKEN_HEADER, &agent_token) == Some(true)
+        || token_is(req, TRAFFIC_TOKEN_HEADER, &traffic_token) == Some(true)
+    {
+        return true;
+    }
+    if port != ENVD_PORT || req.uri().path() != "/files" {
+        return false;
+    }
+    let q: std::collections::HashMap<String, String> =
+        form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes())
+            .into_owned()
+            .collect();
+    let Some(signature) = q.get("signature") else {
+        return false;
+    };
+    let operation = match *req.method() {
+        axum::http::Method::GET => "read",
+        axum::http::Method::POST => "write",
+        _ => return false,
+    };
+    let expiration = match q.get("signature_expiration").map(|e| e.parse::<i64>()) {
+        None => None,
+        Some(Ok(e)) => Some(e),
+        Some(Err(_)) => return false,
+    };
+    if expiration.is_some_and(|e| e < (opendsec_edge_api::now_ms() / 1000) as i64) {
+        return false;
+    }
+    let expected = signature::file_signature(
+        &agent_token,
+        q.get("path").map(String::as_str).unwrap_or_default(),
+        operation,
+        q.get("username").map(String::as_str).unwrap_or_default(),
+        expiration,
+    );
+    signature.len() == expected.len()
+        && signature
+            .bytes()
+            .zip(expected.bytes())
+            .fold(0u8, |a, (x, y)| a | (x ^ y))
+            == 0
+}
+
+/// E2B's signed-URL signature, shared with the agent (which checks it again).
+#[path = "../../../edge/agent/src/signature.rs"]
+mod signature;
 
 async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Result<Response, Response> {
     if port != ENVD_PORT {
@@ -196,7 +253,12 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
         .node
         .read(|s| s.sandboxes.sandboxes.get(&id).filter(|x| x.is_live()).cloned());
     let Some(mut x) = found else { return Err(not_found(&id)) };
-    // admit() let a paused one through only with auto-resume: it resumes on this request.
+    // admit() let a paused one through only with auto-resume: it resumes on this request,
+    // if the request proves it may reach the sandbox (anyone may knock on a public port,
+    // but only a caller holding its tokens, or a signed URL, wakes it).
+    if x.desired == Desired::Paused && !may_resume(st, &id, port, &req) {
+        return Err(paused(&id));
+    }
     if let Some(running) = super::api::ready_for_traffic(st, &x)
         .await
         .map_err(IntoResponse::into_response)?
