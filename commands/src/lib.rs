@@ -12,7 +12,7 @@ mod inflight;
 mod placement;
 pub mod validate;
 
-pub use decide::{Decided, batch_for, decide, decide_excluding};
+pub use decide::{Decided, batch_for, decide, decide_excluding, request_digest};
 pub use inflight::InFlight;
 pub use placement::{Candidate, DEFAULT_K, Rng, edge_ordinal_of, place_power_of_k, sandbox_id};
 pub use validate::LIMITS;
@@ -453,6 +453,21 @@ impl RejectionKind {
             RejectionKind::QuotaExceeded => "quota_exceeded",
             RejectionKind::NoCapacity => "no_capacity",
         }
+    }
+
+    /// The kind a logged denial's code names.
+    pub fn from_code(code: &str) -> Option<RejectionKind> {
+        [
+            RejectionKind::Invalid,
+            RejectionKind::NotFound,
+            RejectionKind::Unauthenticated,
+            RejectionKind::Forbidden,
+            RejectionKind::Conflict,
+            RejectionKind::QuotaExceeded,
+            RejectionKind::NoCapacity,
+        ]
+        .into_iter()
+        .find(|k| k.code() == code)
     }
 
     /// Whether a refusal of this kind is written to the log (and so to the audit view).

@@ -1,11 +1,12 @@
 //! Invariant 2: decisions that can conflict are taken against applied state plus the
 //! in-flight overlay, and re-validated at apply time; a lost race becomes a recorded
-//! rejection, never corrupt state.
+//! rejection, never corrupt state. A retried request (same id, caller and command) is
+//! answered with its first outcome and never applied twice.
 
 mod support;
 
-use opendsec_commands::{Command, RejectionKind as K};
-use opendsec_projections::{AuditResult, Outcome};
+use opendsec_commands::{Caller, Command, InFlight, RejectionKind as K, batch_for, decide};
+use opendsec_projections::{AuditResult, Outcome, Right};
 use support::*;
 
 /// A project with room for exactly one more sandbox.
@@ -225,4 +226,78 @@ fn two_projects_of_the_same_name_in_flight_under_one_parent() {
         "{outcomes:?}"
     );
     assert_eq!(w.state.iam.projects[&root].children.len(), 1);
+}
+
+// ---- exactly once: a retried request is answered with its first outcome ----
+
+/// Decides `cmd` as a client's request `request_id` (a retry decides again, with a new
+/// seed, as a leader does) and appends it to the log.
+fn request(w: &mut World, token: &str, request_id: &str, cmd: &Command) -> (u64, Outcome) {
+    let mut ctx = w.ctx(Caller::Token(token.to_string()));
+    ctx.request_id = request_id.to_string();
+    let decided = decide(&w.state, &InFlight::new(), cmd, &ctx);
+    let batch = batch_for(cmd, &ctx, &w.state, &decided);
+    w.commit(Proposal {
+        decided,
+        batch,
+        ticket: None,
+    })
+    .expect("a logged request")
+}
+
+#[test]
+fn a_retried_request_is_not_applied_twice_and_an_id_reused_for_another_request_is() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let create = create_in(&root);
+    let (first, outcome) = request(&mut w, &admin, "client-req-1", &create);
+    assert_eq!(outcome, Outcome::Applied { index: first });
+    assert_eq!(w.state.sandboxes.sandboxes.len(), 1);
+
+    // The retry (a lost answer, a follower's second try) is decided again but not applied.
+    let (again, outcome) = request(&mut w, &admin, "client-req-1", &create);
+    assert_eq!(outcome, Outcome::Duplicate { index: again, first });
+    assert_eq!(w.state.sandboxes.sandboxes.len(), 1, "one sandbox for one request");
+    assert!(
+        matches!(&w.last_audit().result, AuditResult::Rejected { message } if message.contains("not applied again")),
+        "{:?}",
+        w.last_audit()
+    );
+
+    // The same id with another command, or by another caller, is another request.
+    let other = Command::CreateSandbox {
+        project: root.clone(),
+        image: "base".into(),
+        cpu_millis: 250,
+        memory_mb: 128,
+        labels: Default::default(),
+        timeout_seconds: None,
+        opts: Default::default(),
+    };
+    let (i, outcome) = request(&mut w, &admin, "client-req-1", &other);
+    assert_eq!(outcome, Outcome::Applied { index: i });
+    let second = w.issue(&admin, &root, &[Right::SandboxWrite], None);
+    let (i, outcome) = request(&mut w, &second, "client-req-1", &create);
+    assert_eq!(outcome, Outcome::Applied { index: i });
+    assert_eq!(w.state.sandboxes.sandboxes.len(), 3);
+
+    // Remembered for the window, then forgotten.
+    w.advance(opendsec_projections::REQUEST_WINDOW_MS + 1);
+    let (i, outcome) = request(&mut w, &admin, "client-req-1", &create);
+    assert_eq!(outcome, Outcome::Applied { index: i });
+    assert_eq!(w.state.sandboxes.sandboxes.len(), 4);
+    // Replaying the log gives the same state, the window included.
+    assert_eq!(w.replayed().hash(), w.state.hash());
+}
+
+#[test]
+fn a_retried_denial_is_denied_once() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    w.set_quota(&admin, &root, at_most(0));
+    let create = create_in(&root);
+    let (first, outcome) = request(&mut w, &admin, "client-req-9", &create);
+    assert!(matches!(outcome, Outcome::Denied { .. }), "{outcome:?}");
+    let (again, outcome) = request(&mut w, &admin, "client-req-9", &create);
+    assert_eq!(outcome, Outcome::Duplicate { index: again, first });
 }

@@ -297,6 +297,12 @@ impl ControlNode {
             request_id: request_id.to_string(),
             caller,
         };
+        // A retry of a request the log already holds (a client's, or a follower's after
+        // an outcome it could not learn) gets that request's outcome, not a second one.
+        let digest = opendsec_commands::request_digest(cmd, &ctx);
+        if let Some(first) = self.read(|s| s.requests.applied(request_id, &digest)) {
+            return self.first_outcome(first).map_err(NotHere::Failed);
+        }
         // Decide; if an edge chosen for a new sandbox refuses it at admission, decide
         // again without that edge (each edge has the final word on what it runs).
         let mut refused_by = BTreeSet::new();
@@ -351,10 +357,39 @@ impl ControlNode {
                 rejection: Rejection::new(RejectionKind::Conflict, format!("lost a race when applied: {message}")),
                 index: Some(index),
             })),
+            (Outcome::Duplicate { first, .. }, _) => self.first_outcome(first).map_err(NotHere::Failed),
             (o, _) => Err(NotHere::Failed(internal(format!(
                 "the log applied an unexpected outcome {o:?}"
             )))),
         }
+    }
+
+    /// The outcome of the request whose batch is at `index` (applied or denied), as its
+    /// submitter got it.
+    fn first_outcome(&self, index: u64) -> Result<Submitted, SubmitError> {
+        let (_, batch) = self
+            .read_batches(index, index)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| internal(format!("the log has no entry {index}")))?;
+        if let Some(d) = batch.denial {
+            let kind = RejectionKind::from_code(&d.code).unwrap_or(RejectionKind::Conflict);
+            let mut rejection = Rejection::new(kind, d.message);
+            rejection.field = (!d.field.is_empty()).then_some(d.field);
+            return Err(SubmitError::Rejected {
+                rejection,
+                index: Some(index),
+            });
+        }
+        let events = schema::batch_events(&batch).map_err(internal)?;
+        Ok(Submitted {
+            index,
+            decided: Decided {
+                events,
+                project: batch.project,
+                target: batch.target,
+            },
+        })
     }
 
     /// The first edge that refuses a sandbox `decided` places on it, if any. Only edges

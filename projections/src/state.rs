@@ -29,6 +29,70 @@ pub struct State {
     pub snapshots: SnapshotView,
     #[serde(default, skip_serializing_if = "ImageView::is_empty")]
     pub images: ImageView,
+    /// The requests applied in the last [`REQUEST_WINDOW_MS`] of log time, so a retry
+    /// of one is answered with its first outcome instead of being applied twice.
+    #[serde(default, skip_serializing_if = "Requests::is_empty")]
+    pub requests: Requests,
+}
+
+/// How long (log time) a request is remembered after it was applied.
+pub const REQUEST_WINDOW_MS: u64 = 15 * 60 * 1000;
+/// The most requests remembered at once (the oldest are forgotten first).
+pub const REQUEST_WINDOW_MAX: usize = 200_000;
+
+/// Requests remembered for deduplication: by request id, and in the order they aged.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Requests {
+    pub by_id: BTreeMap<String, SeenRequest>,
+    /// (log time, request id), oldest first.
+    pub by_age: BTreeSet<(u64, String)>,
+}
+
+/// One remembered request: what it was (its digest) and where its batch is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeenRequest {
+    pub digest: String,
+    pub index: u64,
+    pub time_ms: u64,
+}
+
+impl Requests {
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// The index of the batch that applied request `id` with this `digest`, if it is
+    /// remembered: a batch carrying both is a retry of it.
+    pub fn applied(&self, id: &str, digest: &str) -> Option<u64> {
+        self.by_id
+            .get(id)
+            .filter(|s| !digest.is_empty() && s.digest == digest)
+            .map(|s| s.index)
+    }
+
+    fn forget_before(&mut self, time_ms: u64) {
+        while let Some((t, id)) = self.by_age.first().cloned() {
+            if t >= time_ms && self.by_id.len() <= REQUEST_WINDOW_MAX {
+                break;
+            }
+            self.by_age.pop_first();
+            self.by_id.remove(&id);
+        }
+    }
+
+    fn remember(&mut self, id: &str, digest: &str, index: u64, time_ms: u64) {
+        if let Some(old) = self.by_id.insert(
+            id.to_string(),
+            SeenRequest {
+                digest: digest.to_string(),
+                index,
+                time_ms,
+            },
+        ) {
+            self.by_age.remove(&(old.time_ms, id.to_string()));
+        }
+        self.by_age.insert((time_ms, id.to_string()));
+    }
 }
 
 /// The names of the views, as the API and the CLI call them.
@@ -50,6 +114,11 @@ pub enum Outcome {
     Rejected {
         index: u64,
         message: String,
+    },
+    /// A retry of the request applied (or denied) at `first`: not applied again.
+    Duplicate {
+        index: u64,
+        first: u64,
     },
 }
 
@@ -78,6 +147,14 @@ impl State {
     pub fn apply_batch(&mut self, index: u64, batch: &Batch) -> Outcome {
         self.index = index;
         self.time_ms = self.time_ms.max(batch.time_ms);
+        self.requests
+            .forget_before(self.time_ms.saturating_sub(REQUEST_WINDOW_MS));
+        let digest = &batch.request_digest;
+        if let Some(first) = self.requests.applied(&batch.request_id, digest) {
+            let outcome = Outcome::Duplicate { index, first };
+            self.audit.records.push(audit_record(index, batch, &outcome));
+            return outcome;
+        }
         let outcome = match (&batch.denial, schema::batch_events(batch)) {
             (Some(d), _) => Outcome::Denied {
                 index,
@@ -99,6 +176,14 @@ impl State {
                 }
             },
         };
+        // A request that took effect (applied, or denied and logged) is remembered; one
+        // that lost a race at apply may be decided again.
+        if !digest.is_empty()
+            && !batch.request_id.is_empty()
+            && matches!(outcome, Outcome::Applied { .. } | Outcome::Denied { .. })
+        {
+            self.requests.remember(&batch.request_id, digest, index, batch.time_ms);
+        }
         self.audit.records.push(audit_record(index, batch, &outcome));
         outcome
     }
@@ -1021,6 +1106,12 @@ fn audit_record(index: u64, batch: &Batch, outcome: &Outcome) -> AuditRecord {
             },
             Outcome::Rejected { message, .. } => AuditResult::Rejected {
                 message: message.clone(),
+            },
+            Outcome::Duplicate { first, .. } => AuditResult::Rejected {
+                message: format!(
+                    "a retry of request {} applied at index {first}: not applied again",
+                    batch.request_id
+                ),
             },
         },
         request_id: batch.request_id.clone(),

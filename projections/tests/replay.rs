@@ -25,6 +25,7 @@ fn batch(time_ms: u64, action: &str, target: &str, events: Vec<Event>) -> Batch 
         events: events.iter().map(Event::to_envelope).collect(),
         denial: None,
         seed: time_ms,
+        request_digest: String::new(),
     }
 }
 

@@ -196,6 +196,26 @@ pub fn decide_excluding(
     }
 }
 
+/// What names a request beside its id: SHA-256 of the caller and the command ("" for a
+/// request without an id, which is never deduplicated). A retry (same id, same caller,
+/// same command) has the same digest; an id reused for another request does not.
+pub fn request_digest(cmd: &Command, ctx: &Ctx) -> String {
+    use sha2::Digest;
+    if ctx.request_id.is_empty() {
+        return String::new();
+    }
+    let caller = match &ctx.caller {
+        Caller::System => "system".to_string(),
+        Caller::Token(id) => format!("token:{id}"),
+    };
+    let command = serde_json::to_vec(cmd).expect("a command serialises");
+    let mut h = sha2::Sha256::new();
+    h.update(caller.as_bytes());
+    h.update([0]);
+    h.update(&command);
+    hex::encode(h.finalize())
+}
+
 /// The log entry for a decision, or `None` when the refusal is not to be logged
 /// (bad input, unknown ids, failed authentication leave the log unchanged).
 pub fn batch_for(cmd: &Command, ctx: &Ctx, state: &State, decided: &Result<Decided, Rejection>) -> Option<Batch> {
@@ -221,6 +241,7 @@ pub fn batch_for(cmd: &Command, ctx: &Ctx, state: &State, decided: &Result<Decid
         events: vec![],
         denial: None,
         seed: ctx.seed,
+        request_digest: request_digest(cmd, ctx),
     };
     match decided {
         Ok(d) => {
