@@ -22,7 +22,7 @@ struct Ack {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
+async fn killing_the_leader_under_load_loses_no_acknowledged_write_and_applies_none_twice() {
     let mut cluster = Cluster::start(3).await;
     cluster.register_edge("edge-a", 10_000).await;
 
@@ -40,14 +40,24 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
         );
         workers.push(tokio::spawn(async move {
             let mut attempt = w;
+            // One request id per write, kept across its retries (as a client retrying
+            // after a lost answer does): the write is applied once however often it is sent.
+            let mut write = 0;
             let deadline = Instant::now() + Duration::from_secs(120);
             while count.load(Ordering::SeqCst) < WRITES && Instant::now() < deadline {
                 attempt += 1;
                 let url = &urls[attempt % urls.len()];
                 let started = Instant::now();
-                let body =
-                    json!({"image": "busybox", "cpu_millis": 10, "memory_mb": 1, "labels": {"worker": w.to_string()}});
-                let resp = http.post(url).bearer_auth(&token).json(&body).send().await;
+                let request = format!("w{w}-{write}");
+                let body = json!({"image": "busybox", "cpu_millis": 10, "memory_mb": 1,
+                                  "labels": {"worker": w.to_string(), "request": request}});
+                let resp = http
+                    .post(url)
+                    .bearer_auth(&token)
+                    .header("x-request-id", &request)
+                    .json(&body)
+                    .send()
+                    .await;
                 match resp {
                     Ok(r) if r.status().is_success() => {
                         let v: serde_json::Value = r.json().await.expect("create answers JSON");
@@ -61,6 +71,7 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
                             finished: Instant::now(),
                         });
                         count.fetch_add(1, Ordering::SeqCst);
+                        write += 1;
                     }
                     // Refused (leader lost mid-flight, no leader yet) or the node is down: try another.
                     _ => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -105,6 +116,17 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write() {
     cluster.wait_http(leader).await;
     let statuses = cluster.wait_converged(Duration::from_secs(30)).await;
     assert!(statuses.iter().all(|s| s["state_hash"] == statuses[0]["state_hash"]));
+
+    // No write was applied twice: one sandbox per request, whatever its retries.
+    let (_, list) = cluster.get(0, "/v1/sandboxes", &cluster.token).await.unwrap();
+    let mut requests = std::collections::BTreeMap::<String, usize>::new();
+    for s in list["sandboxes"].as_array().expect("a sandbox list") {
+        *requests
+            .entry(s["labels"]["request"].as_str().unwrap_or_default().to_string())
+            .or_default() += 1;
+    }
+    let twice: Vec<_> = requests.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "writes applied more than once: {twice:?}");
 
     // Every acknowledged write is present on every node, the restarted one included.
     for i in 0..3 {
