@@ -138,6 +138,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
         .route("/v1/sandboxes/{id}/metrics", get(sandboxes::metrics))
+        .route("/v1/sandboxes/{id}/metrics/history", get(sandboxes::metrics_history))
         // Any method; bodies stream through unbuffered, so no body limit applies.
         .route(
             "/v1/sandboxes/{id}/agent/{*path}",

@@ -717,11 +717,29 @@ async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<St
     Ok(no_content())
 }
 
-/// One sample of the sandbox's CPU, memory and disk, taken now by its edge.
-async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+/// Without `start`/`end`: one sample of the sandbox's CPU, memory and disk, taken now by
+/// its edge. With either (Unix seconds, both included): the points of its history kept
+/// by the edge (one every 5 s while it runs, the last 8 h), oldest first; an empty list
+/// when there are none.
+async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, RawQuery(q): RawQuery) -> R<Response> {
     let who = caller(&st, &headers)?;
     require(&who, Right::SandboxRead)?;
+    let (mut start, mut end) = (None::<u64>, None::<u64>);
+    for (k, v) in query_pairs(q.as_deref()) {
+        let slot = match k.as_str() {
+            "start" => &mut start,
+            "end" => &mut end,
+            _ => continue,
+        };
+        *slot = Some(
+            v.parse::<u64>()
+                .map_err(|_| E2bError::bad(format!("{k} must be a Unix time in seconds, not {v:?}")))?,
+        );
+    }
     let x = visible(&st, &who, &id)?;
+    if start.is_some() || end.is_some() {
+        return metrics_history(&st, &x, start, end).await;
+    }
     let address = st
         .node
         .read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
@@ -760,6 +778,63 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
         "diskTotal": m["disk_total"],
     }]))
     .into_response())
+}
+
+async fn metrics_history(st: &AppState, x: &Sandbox, start: Option<u64>, end: Option<u64>) -> R<Response> {
+    let id = &x.id;
+    let start_ms = start.map_or(0, |s| s.saturating_mul(1000));
+    let end_ms = end.map_or(u64::MAX, |e| e.saturating_mul(1000).saturating_add(999));
+    if start_ms > end_ms {
+        return Err(E2bError::bad("end is before start"));
+    }
+    let address = st
+        .node
+        .read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()))
+        .ok_or_else(|| {
+            E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("the edge of sandbox {id} is not registered"),
+            )
+        })?;
+    let path = format!("/metrics/{id}/history?start_ms={start_ms}&end_ms={end_ms}");
+    let (status, body) = super::traffic::edge_get(st, &address, &path).await?;
+    let points: Vec<opendsec_sdk::types::MetricsPoint> = match status {
+        200 => serde_json::from_slice(&body).map_err(|e| {
+            E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("the edge's metrics history is malformed: {e}"),
+            )
+        })?,
+        // The edge does not run it (yet, or any more: a paused microVM, a sandbox
+        // being moved): no points.
+        404 => Vec::new(),
+        _ => {
+            return Err(E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "the edge could not read the history of sandbox {id}: {}",
+                    String::from_utf8_lossy(&body)
+                ),
+            ));
+        }
+    };
+    let out: Vec<Value> = points
+        .iter()
+        .map(|p| {
+            json!({
+                "timestamp": rfc3339(p.timestamp_ms),
+                "timestampUnix": p.timestamp_ms / 1000,
+                "cpuCount": p.cpu_count,
+                "cpuUsedPct": p.cpu_used_pct,
+                "memUsed": p.mem_used,
+                "memTotal": p.mem_total,
+                "memCache": p.mem_cache,
+                "diskUsed": p.disk_used,
+                "diskTotal": p.disk_total,
+            })
+        })
+        .collect();
+    Ok(Json(Value::Array(out)).into_response())
 }
 
 /// `count` copies of the sandbox as it is now: a container's with its file system, a

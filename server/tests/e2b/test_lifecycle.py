@@ -279,6 +279,32 @@ def test_get_metrics_reports_cpu_memory_and_disk(listed):
     assert abs(m.timestamp - datetime.now(timezone.utc)) < timedelta(minutes=2), m
 
 
+def test_get_metrics_with_a_range_returns_the_history_the_edge_kept(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "history"})
+    try:
+        created = datetime.now(timezone.utc) - timedelta(seconds=1)
+        # The edge takes a baseline, then a point every 5 s.
+        points = wait_until(
+            lambda: (lambda p: p if len(p) >= 2 else None)(sb.get_metrics(start=created, end=datetime.now(timezone.utc))),
+            "two points of history",
+            within=25,
+            every=1,
+        )
+        times = [p.timestamp for p in points]
+        assert times == sorted(times)
+        for a, b in zip(times, times[1:]):
+            assert timedelta(seconds=4) <= b - a <= timedelta(seconds=7), times
+        for p in points:
+            assert p.cpu_count >= 1 and 0 <= p.cpu_used_pct <= 100
+            assert 0 < p.mem_used <= p.mem_total and p.disk_total > 0
+            assert created - timedelta(seconds=1) <= p.timestamp <= datetime.now(timezone.utc)
+        # A range before the sandbox existed has no points: an empty list, not an error.
+        long_ago = created - timedelta(hours=1)
+        assert sb.get_metrics(start=long_ago, end=long_ago + timedelta(minutes=5)) == []
+    finally:
+        sb.kill()
+
+
 # --- snapshots ----------------------------------------------------------------------------
 
 

@@ -230,9 +230,13 @@ pub(crate) enum SandboxCmd {
         max_bytes: u64,
     },
     /// One sample of its CPU, memory and disk, taken now by its edge; for a VM also its
-    /// VMM and the accelerator its guest runs under.
+    /// VMM and the accelerator its guest runs under. With `--since`: its history kept by
+    /// the edge (a point every 5 s while it runs, the last 8 h).
     Metrics {
         id: String,
+        /// The points of this last span: `90s`, `10m`, `2h` (at most 8h are kept).
+        #[arg(long, value_parser = parse_span)]
+        since: Option<u64>,
     },
     Pause {
         id: String,
@@ -501,4 +505,18 @@ pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .ok_or_else(|| format!("{s:?} is not key=value"))
+}
+
+/// A span of time as `<n>s`, `<n>m` or `<n>h`, in milliseconds.
+pub fn parse_span(v: &str) -> Result<u64, String> {
+    let bad = || format!("{v:?} is not a span like 90s, 10m or 2h");
+    let unit = v.chars().last().ok_or_else(bad)?;
+    let per = match unit {
+        's' => 1000,
+        'm' => 60_000,
+        'h' => 3_600_000,
+        _ => return Err(bad()),
+    };
+    let n: u64 = v[..v.len() - 1].parse().map_err(|_| bad())?;
+    n.checked_mul(per).filter(|ms| *ms > 0).ok_or_else(bad)
 }
