@@ -135,7 +135,11 @@ mod tests {
     fn a_point_measures_the_cpu_used_since_the_sample_before() {
         let h = MetricsHistory::new();
         h.record("a", 10_000, &sample(0));
-        assert_eq!(h.range("a", 0, u64::MAX), Some(vec![]), "one reading is only a baseline");
+        assert_eq!(
+            h.range("a", 0, u64::MAX),
+            Some(vec![]),
+            "one reading is only a baseline"
+        );
         // 5 s on 2 CPUs is 10 s of CPU time; 2.5 s of it is 25 %.
         h.record("a", 15_000, &sample(2_500_000));
         let points = h.range("a", 0, u64::MAX).unwrap();
@@ -152,9 +156,19 @@ mod tests {
         for i in 0..=5u64 {
             h.record("a", i * 5000, &sample(i * 1000));
         }
-        let all: Vec<u64> = h.range("a", 0, u64::MAX).unwrap().iter().map(|p| p.timestamp_ms).collect();
+        let all: Vec<u64> = h
+            .range("a", 0, u64::MAX)
+            .unwrap()
+            .iter()
+            .map(|p| p.timestamp_ms)
+            .collect();
         assert_eq!(all, vec![15_000, 20_000, 25_000], "only the last 3 are kept");
-        let some: Vec<u64> = h.range("a", 20_000, 25_000).unwrap().iter().map(|p| p.timestamp_ms).collect();
+        let some: Vec<u64> = h
+            .range("a", 20_000, 25_000)
+            .unwrap()
+            .iter()
+            .map(|p| p.timestamp_ms)
+            .collect();
         assert_eq!(some, vec![20_000, 25_000]);
         assert_eq!(h.range("a", 26_000, 30_000), Some(vec![]));
     }

@@ -301,8 +301,7 @@ pub type Sampler = Arc<dyn Fn(&str) -> Option<Sample> + Send + Sync>;
 
 /// Reads the points of a sandbox's history from `start_ms` to `end_ms` (None: no
 /// series for it here). See [`crate::metrics_history`].
-pub type HistoryReader =
-    Arc<dyn Fn(&str, u64, u64) -> Option<Vec<crate::metrics_history::Point>> + Send + Sync>;
+pub type HistoryReader = Arc<dyn Fn(&str, u64, u64) -> Option<Vec<crate::metrics_history::Point>> + Send + Sync>;
 
 /// The header naming the port inside the sandbox a request is for (absent or
 /// [`AGENT_PORT`]: the agent itself).
@@ -388,7 +387,11 @@ fn forwarding_failed(id: &str, e: opendsec_http::Error) -> Response<Body> {
 /// list when the edge runs the sandbox but has no points for it yet.
 fn history(id: &str, query: Option<&str>, reader: Option<HistoryReader>) -> Response<Body> {
     let Some(reader) = reader else {
-        return json_error(StatusCode::NOT_FOUND, "not_found", "this edge does not keep metrics history");
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "this edge does not keep metrics history",
+        );
     };
     let (mut start_ms, mut end_ms) = (0u64, u64::MAX);
     for kv in query.unwrap_or("").split('&').filter(|kv| !kv.is_empty()) {

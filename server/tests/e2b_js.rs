@@ -89,8 +89,15 @@ async fn run_suite(set: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("--- node --test ({set}) ---\n{text}");
-    assert!(out.status.success(), "the JS suite ({set}) failed ({}):\n{text}", out.status);
-    assert!(text.contains("# fail 0") && !text.contains("# pass 0"), "no test ran:\n{text}");
+    assert!(
+        out.status.success(),
+        "the JS suite ({set}) failed ({}):\n{text}",
+        out.status
+    );
+    assert!(
+        text.contains("# fail 0") && !text.contains("# pass 0"),
+        "no test ran:\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

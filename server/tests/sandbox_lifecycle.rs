@@ -648,9 +648,17 @@ async fn a_running_sandbox_has_a_metrics_history_served_by_rest_and_the_cli() {
     up.wait_state(&id, "running").await;
     let started_ms = opendsec_control::now_ms();
 
-    for (query, field) in [("start_ms=soon", "start_ms"), ("end_ms=-1", "end_ms"), ("start_ms=5&end_ms=4", "end_ms")] {
+    for (query, field) in [
+        ("start_ms=soon", "start_ms"),
+        ("end_ms=-1", "end_ms"),
+        ("start_ms=5&end_ms=4", "end_ms"),
+    ] {
         let (status, body) = up
-            .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}/metrics/history?{query}"), Value::Null)
+            .send(
+                reqwest::Method::GET,
+                &format!("/v1/sandboxes/{id}/metrics/history?{query}"),
+                Value::Null,
+            )
             .await;
         assert_eq!((status, body["field"].as_str()), (400, Some(field)), "{query}: {body}");
     }
@@ -666,9 +674,15 @@ async fn a_running_sandbox_has_a_metrics_history_served_by_rest_and_the_cli() {
         .await;
     let points = h["points"].as_array().unwrap();
     let times: Vec<u64> = points.iter().map(|p| p["timestamp_ms"].as_u64().unwrap()).collect();
-    assert!(times.windows(2).all(|w| (4000..=7000).contains(&(w[1] - w[0]))), "every 5 s: {times:?}");
+    assert!(
+        times.windows(2).all(|w| (4000..=7000).contains(&(w[1] - w[0]))),
+        "every 5 s: {times:?}"
+    );
     for p in points {
-        assert!(p["mem_total"].as_u64() > Some(0) && p["mem_used"].as_u64() <= p["mem_total"].as_u64(), "{p}");
+        assert!(
+            p["mem_total"].as_u64() > Some(0) && p["mem_used"].as_u64() <= p["mem_total"].as_u64(),
+            "{p}"
+        );
         assert!((0.0..=100.0).contains(&p["cpu_used_pct"].as_f64().unwrap()), "{p}");
         assert!(p["disk_total"].as_u64() > Some(0), "{p}");
     }
@@ -704,7 +718,10 @@ async fn a_running_sandbox_has_a_metrics_history_served_by_rest_and_the_cli() {
     assert!(lines.len() > points.len(), "a row per point: {stdout}");
     let (code, stdout, _) = run(&["--output", "json", "sandbox", "metrics", &id, "--since", "10m"]);
     let v: Value = serde_json::from_str(&stdout).expect("json");
-    assert!(code == Some(0) && v["points"].as_array().is_some_and(|p| p.len() >= points.len()), "{stdout}");
+    assert!(
+        code == Some(0) && v["points"].as_array().is_some_and(|p| p.len() >= points.len()),
+        "{stdout}"
+    );
     let (code, _, stderr) = run(&["sandbox", "metrics", &id, "--since", "ten"]);
     assert!(code != Some(0) && stderr.contains("not a span"), "{stderr}");
 }

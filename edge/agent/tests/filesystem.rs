@@ -576,7 +576,9 @@ async fn a_multipart_upload_is_answered_after_its_epilogue_and_the_connection_is
         r
     };
     let mut s = tokio::net::UnixStream::connect(&a.sock).await.unwrap();
-    s.write_all(request(head_part.len() + tail.len()).as_bytes()).await.unwrap();
+    s.write_all(request(head_part.len() + tail.len()).as_bytes())
+        .await
+        .unwrap();
     s.write_all(head_part.as_bytes()).await.unwrap();
     let mut buf = vec![0u8; 4096];
     let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await;
@@ -594,7 +596,10 @@ async fn a_multipart_upload_is_answered_after_its_epilogue_and_the_connection_is
     let get = format!(
         "GET /files?path={} HTTP/1.1\r\nHost: agent\r\n{}\r\n",
         q(&p),
-        a.token.as_ref().map(|t| format!("X-Access-Token: {t}\r\n")).unwrap_or_default()
+        a.token
+            .as_ref()
+            .map(|t| format!("X-Access-Token: {t}\r\n"))
+            .unwrap_or_default()
     );
     s.write_all(get.as_bytes()).await.unwrap();
     let mut answer = Vec::new();
@@ -606,5 +611,8 @@ async fn a_multipart_upload_is_answered_after_its_epilogue_and_the_connection_is
         }
     }
     let answer = String::from_utf8_lossy(&answer).into_owned();
-    assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("xyz"), "{answer}");
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("xyz"),
+        "{answer}"
+    );
 }

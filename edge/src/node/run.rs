@@ -179,8 +179,7 @@ impl Edge {
         let reader = self.clone();
         let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend_of(id).log(id, max));
         let kept = self.clone();
-        let history: proxy::HistoryReader =
-            Arc::new(move |id, start, end| kept.metrics_history.range(id, start, end));
+        let history: proxy::HistoryReader = Arc::new(move |id, start, end| kept.metrics_history.range(id, start, end));
         let hooks = proxy::Hooks {
             admitter: Some(self.admitter()),
             sampler: Some(sampler),
@@ -203,8 +202,10 @@ impl Edge {
             let _ = tokio::task::spawn_blocking(move || {
                 let observed = e.last_observed.lock().expect("observed lock").clone();
                 let running = |id: &str| matches!(observed.get(id), Some(Running::Running));
-                e.metrics_history
-                    .retain(|id| matches!(observed.get(id), Some(Running::Running | Running::Paused)), running);
+                e.metrics_history.retain(
+                    |id| matches!(observed.get(id), Some(Running::Running | Running::Paused)),
+                    running,
+                );
                 for id in observed.keys().filter(|id| running(id)) {
                     if let Some(sample) = e.backend_of(id).sample(id, e.cfg.disk_bytes) {
                         e.metrics_history.record(id, opendsec_edge_api::now_ms(), &sample);

@@ -721,7 +721,12 @@ async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<St
 /// its edge. With either (Unix seconds, both included): the points of its history kept
 /// by the edge (one every 5 s while it runs, the last 8 h), oldest first; an empty list
 /// when there are none.
-async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>, RawQuery(q): RawQuery) -> R<Response> {
+async fn metrics(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> R<Response> {
     let who = caller(&st, &headers)?;
     require(&who, Right::SandboxRead)?;
     let (mut start, mut end) = (None::<u64>, None::<u64>);
@@ -963,7 +968,10 @@ mod tests {
 
     #[test]
     fn a_list_token_names_a_start_time_and_an_id() {
-        assert_eq!(parse_token("1700000000123.sbx-a.b"), Some((1700000000123, "sbx-a.b".to_string())));
+        assert_eq!(
+            parse_token("1700000000123.sbx-a.b"),
+            Some((1700000000123, "sbx-a.b".to_string()))
+        );
         assert_eq!(parse_token("12"), None, "no id");
         assert_eq!(parse_token("12."), None, "an empty id");
         assert_eq!(parse_token("x.sbx"), None, "no time");
