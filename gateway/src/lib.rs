@@ -76,6 +76,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("put", "/v1/sandboxes/{id}/labels"),
     ("get", "/v1/sandboxes/{id}/logs"),
     ("get", "/v1/sandboxes/{id}/metrics"),
+    ("get", "/v1/sandboxes/{id}/metrics/history"),
     ("get", "/v1/sandboxes/{id}/agent/{path}"),
     ("post", "/v1/sandboxes/{id}/agent/{path}"),
     ("get", "/v1/snapshots"),
