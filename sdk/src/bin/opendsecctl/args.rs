@@ -520,3 +520,18 @@ pub fn parse_span(v: &str) -> Result<u64, String> {
     let n: u64 = v[..v.len() - 1].parse().map_err(|_| bad())?;
     n.checked_mul(per).filter(|ms| *ms > 0).ok_or_else(bad)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_span;
+
+    #[test]
+    fn a_span_is_seconds_minutes_or_hours() {
+        assert_eq!(parse_span("90s"), Ok(90_000));
+        assert_eq!(parse_span("10m"), Ok(600_000));
+        assert_eq!(parse_span("2h"), Ok(7_200_000));
+        for bad in ["", "m", "10", "10d", "-1m", "0s", "1.5h", "99999999999999999h"] {
+            assert!(parse_span(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+}
