@@ -663,8 +663,11 @@ async fn a_running_sandbox_has_a_metrics_history_served_by_rest_and_the_cli() {
         assert_eq!((status, body["field"].as_str()), (400, Some(field)), "{query}: {body}");
     }
 
-    // A baseline, then a point every 5 s: three points within about 15 s.
+    // Before its first point, the history is empty (not missing); then a baseline and
+    // a point every 5 s.
     let path = format!("/v1/sandboxes/{id}/metrics/history");
+    let early = up.get(&path).await;
+    assert!(early["points"].as_array().is_some_and(|p| p.len() <= 1), "{early}");
     let h = up
         .wait_for(
             |v| v["points"].as_array().is_some_and(|p| p.len() >= 2),

@@ -179,7 +179,14 @@ impl Edge {
         let reader = self.clone();
         let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend_of(id).log(id, max));
         let kept = self.clone();
-        let history: proxy::HistoryReader = Arc::new(move |id, start, end| kept.metrics_history.range(id, start, end));
+        // A sandbox this edge runs but has not sampled yet (under 10 s old) has an empty
+        // history, not none.
+        let history: proxy::HistoryReader = Arc::new(move |id, start, end| {
+            kept.metrics_history.range(id, start, end).or_else(|| {
+                let observed = kept.last_observed.lock().expect("observed lock");
+                observed.contains_key(id).then(Vec::new)
+            })
+        });
         let hooks = proxy::Hooks {
             admitter: Some(self.admitter()),
             sampler: Some(sampler),
