@@ -72,6 +72,9 @@ IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils)
 # What the images benchmark (ops/bench.sh images) runs beside OpenDsec: the same registry
 # and skopeo, and umoci, which unpacks the image into a bundle the raw way.
 IMAGE_BENCH_PACKAGES=(docker-registry skopeo umoci)
+# Node.js and npm, with which the E2B JS SDK suite (server/tests/e2b_js.rs) runs the
+# unmodified npm packages (ops/e2b-js.sh installs them; node 18 or later: `node --test`).
+E2B_JS_TEST_PACKAGES=(nodejs npm)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
 # apparmor_parser (and the 3.0 ABI file), with which the tests compile the sandboxes'

@@ -14,7 +14,7 @@ ensure_rust
 ensure_rust_gates
 ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" \
   "${CODE_INTERPRETER_TEST_PACKAGES[@]}" "${AGENT_TEST_PACKAGES[@]}" "${APPARMOR_TEST_PACKAGES[@]}" \
-  "${README_PACKAGES[@]}" "${IMAGE_TEST_PACKAGES[@]}"
+  "${README_PACKAGES[@]}" "${IMAGE_TEST_PACKAGES[@]}" "${E2B_JS_TEST_PACKAGES[@]}"
 ensure_firecracker
 
 echo "==> building"
@@ -26,6 +26,7 @@ build_static_agent "$OPENDSEC_TEST_AGENT"
 echo "==> the E2B SDKs (pinned venvs: the suite's, and the README's) and the images the suites use"
 ./ops/e2b-venv.sh
 ./ops/e2b-venv.sh --sdk
+./ops/e2b-js.sh
 IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
 for image in busybox base code-interpreter-v1; do
   "${CARGO_TARGET_DIR:-$PWD/target}/debug/opendsec-image" build "$image" --store "$IMAGES"

@@ -163,6 +163,8 @@ pub struct Hooks {
     pub sampler: Option<Sampler>,
     /// Reads the end of a sandbox's PID 1 output for `GET /logs/{id}?max_bytes=N`.
     pub logs: Option<LogReader>,
+    /// Reads a sandbox's recent metrics for `GET /metrics/{id}/history?start_ms&end_ms`.
+    pub history: Option<HistoryReader>,
     /// Serves transfers (`/transfer/{id}/manifest`, `/transfer/{id}/files/{name}`,
     /// `DELETE /transfer/{id}`).
     pub transfers: Option<Transfers>,
@@ -297,6 +299,10 @@ pub struct Sample {
 /// Reads a sandbox's counters (None: no such sandbox here).
 pub type Sampler = Arc<dyn Fn(&str) -> Option<Sample> + Send + Sync>;
 
+/// Reads the points of a sandbox's history from `start_ms` to `end_ms` (None: no
+/// series for it here). See [`crate::metrics_history`].
+pub type HistoryReader = Arc<dyn Fn(&str, u64, u64) -> Option<Vec<crate::metrics_history::Point>> + Send + Sync>;
+
 /// The header naming the port inside the sandbox a request is for (absent or
 /// [`AGENT_PORT`]: the agent itself).
 pub use opendsec_edge_api::headers::PORT_HEADER;
@@ -376,6 +382,53 @@ fn forwarding_failed(id: &str, e: opendsec_http::Error) -> Response<Body> {
     })
 }
 
+/// `GET /metrics/{id}/history?start_ms=&end_ms=`: the points of the sandbox's history
+/// in that range (both optional: from the first, to the last), oldest first; an empty
+/// list when the edge runs the sandbox but has no points for it yet.
+fn history(id: &str, query: Option<&str>, reader: Option<HistoryReader>) -> Response<Body> {
+    let Some(reader) = reader else {
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "this edge does not keep metrics history",
+        );
+    };
+    let (mut start_ms, mut end_ms) = (0u64, u64::MAX);
+    for kv in query.unwrap_or("").split('&').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let slot = match k {
+            "start_ms" => &mut start_ms,
+            "end_ms" => &mut end_ms,
+            _ => continue,
+        };
+        match v.parse::<u64>() {
+            Ok(n) => *slot = n,
+            Err(_) => {
+                return json_error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_argument",
+                    &format!("{k} must be milliseconds since the Unix epoch"),
+                );
+            }
+        }
+    }
+    let Some(points) = reader(id, start_ms, end_ms) else {
+        return json_error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!("The sandbox {id} was not found on this edge"),
+        );
+    };
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(
+            Full::new(Bytes::from(serde_json::to_vec(&points).unwrap_or_default()))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .expect("valid response")
+}
+
 async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
     let Some(sampler) = sampler else {
         return json_error(StatusCode::NOT_FOUND, "not_found", "this edge does not serve metrics");
@@ -443,6 +496,9 @@ async fn handle(
     if let Some(id) = req.uri().path().strip_prefix("/metrics/")
         && req.method() == hyper::Method::GET
     {
+        if let Some(id) = id.strip_suffix("/history") {
+            return history(id, req.uri().query(), hooks.history);
+        }
         return metrics(id, hooks.sampler).await;
     }
     if let Some(id) = req.uri().path().strip_prefix("/logs/")

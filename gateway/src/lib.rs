@@ -76,6 +76,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("put", "/v1/sandboxes/{id}/labels"),
     ("get", "/v1/sandboxes/{id}/logs"),
     ("get", "/v1/sandboxes/{id}/metrics"),
+    ("get", "/v1/sandboxes/{id}/metrics/history"),
     ("get", "/v1/sandboxes/{id}/agent/{path}"),
     ("post", "/v1/sandboxes/{id}/agent/{path}"),
     ("get", "/v1/snapshots"),
@@ -141,6 +142,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
         .route("/v1/sandboxes/{id}/metrics", get(sandboxes::metrics))
+        .route("/v1/sandboxes/{id}/metrics/history", get(sandboxes::metrics_history))
         // Any method; bodies stream through unbuffered, so no body limit applies.
         .route(
             "/v1/sandboxes/{id}/agent/{*path}",

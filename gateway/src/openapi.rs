@@ -14,7 +14,7 @@ use crate::routes::*;
         projects::create, projects::list, projects::get, projects::delete, projects::set_quota, projects::get_quota,
         tokens::issue, tokens::list, tokens::revoke, tokens::whoami,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::kill, sandboxes::pause, sandboxes::resume,
-        sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::logs, sandboxes::metrics, agent::proxy,
+        sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::logs, sandboxes::metrics, sandboxes::metrics_history, agent::proxy,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         images::pull, images::pack, images::list, images::get, images::delete,
         tasks::pause, tasks::resume,

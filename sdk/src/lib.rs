@@ -317,6 +317,24 @@ impl Client {
         self.get(&["v1", "sandboxes", id, "metrics"], &[]).await
     }
 
+    /// The sandbox's metrics history from `start_ms` to `end_ms` (ms since the Unix
+    /// epoch, both included; either absent: from the first point, to the last).
+    pub async fn sandbox_metrics_history(
+        &self,
+        id: &str,
+        start_ms: Option<u64>,
+        end_ms: Option<u64>,
+    ) -> Result<MetricsHistory, ApiError> {
+        let mut q: Vec<(&str, String)> = Vec::new();
+        if let Some(s) = start_ms {
+            q.push(("start_ms", s.to_string()));
+        }
+        if let Some(e) = end_ms {
+            q.push(("end_ms", e.to_string()));
+        }
+        self.get(&["v1", "sandboxes", id, "metrics", "history"], &q).await
+    }
+
     pub async fn kill_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
         self.call::<(), _>(Method::DELETE, &["v1", "sandboxes", id], &[], None)
             .await

@@ -349,6 +349,30 @@ pub struct SandboxMetrics {
     pub accelerator: Option<String>,
 }
 
+/// One point of a sandbox's metrics history: its edge samples each running sandbox
+/// every 5 s and keeps the last 8 h in memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct MetricsPoint {
+    /// When it was taken (ms since the Unix epoch).
+    pub timestamp_ms: u64,
+    pub cpu_count: u64,
+    /// CPU used since the point before, in percent of `cpu_count` CPUs.
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// A sandbox's metrics history over a range, oldest first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct MetricsHistory {
+    pub points: Vec<MetricsPoint>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct SandboxList {

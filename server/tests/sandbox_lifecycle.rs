@@ -638,3 +638,93 @@ async fn a_create_claims_a_warm_container_which_becomes_that_sandbox_and_a_kille
     assert_eq!(up.exec(&id, "hostname").await, (format!("{id}\n"), 0));
     assert_eq!(up.containers_on_disk(), 2, "nothing duplicated, nothing orphaned");
 }
+
+/// The edge keeps a point of each running sandbox's metrics every 5 s; REST serves a
+/// range of them, and `opendsecctl sandbox metrics <id> --since` prints them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_sandbox_has_a_metrics_history_served_by_rest_and_the_cli() {
+    let up = Up::start().await;
+    let id = up.create(json!({"image": "busybox"})).await;
+    up.wait_state(&id, "running").await;
+    let started_ms = opendsec_control::now_ms();
+
+    for (query, field) in [
+        ("start_ms=soon", "start_ms"),
+        ("end_ms=-1", "end_ms"),
+        ("start_ms=5&end_ms=4", "end_ms"),
+    ] {
+        let (status, body) = up
+            .send(
+                reqwest::Method::GET,
+                &format!("/v1/sandboxes/{id}/metrics/history?{query}"),
+                Value::Null,
+            )
+            .await;
+        assert_eq!((status, body["field"].as_str()), (400, Some(field)), "{query}: {body}");
+    }
+
+    // Before its first point, the history is empty (not missing); then a baseline and
+    // a point every 5 s.
+    let path = format!("/v1/sandboxes/{id}/metrics/history");
+    let early = up.get(&path).await;
+    assert!(early["points"].as_array().is_some_and(|p| p.len() <= 1), "{early}");
+    let h = up
+        .wait_for(
+            |v| v["points"].as_array().is_some_and(|p| p.len() >= 2),
+            &path,
+            Duration::from_secs(25),
+        )
+        .await;
+    let points = h["points"].as_array().unwrap();
+    let times: Vec<u64> = points.iter().map(|p| p["timestamp_ms"].as_u64().unwrap()).collect();
+    assert!(
+        times.windows(2).all(|w| (4000..=7000).contains(&(w[1] - w[0]))),
+        "every 5 s: {times:?}"
+    );
+    for p in points {
+        assert!(
+            p["mem_total"].as_u64() > Some(0) && p["mem_used"].as_u64() <= p["mem_total"].as_u64(),
+            "{p}"
+        );
+        assert!((0.0..=100.0).contains(&p["cpu_used_pct"].as_f64().unwrap()), "{p}");
+        assert!(p["disk_total"].as_u64() > Some(0), "{p}");
+    }
+    // A range holds only its points; one before the sandbox holds none.
+    let last = *times.last().unwrap();
+    let one = up.get(&format!("{path}?start_ms={last}&end_ms={last}")).await;
+    assert_eq!(one["points"].as_array().map(Vec::len), Some(1), "{one}");
+    let before = up.get(&format!("{path}?end_ms={}", started_ms - 60_000)).await;
+    assert_eq!(before["points"], json!([]), "{before}");
+
+    let ctl = Path::new(env!("CARGO_BIN_EXE_opendsec")).with_file_name("opendsecctl");
+    assert!(
+        ctl.is_file(),
+        "opendsecctl is not built beside opendsec: cargo build -p opendsec-sdk --bins"
+    );
+    let run = |args: &[&str]| {
+        let out = Command::new(&ctl)
+            .args(args)
+            .env("OPENDSEC_URL", format!("http://{}", up.http))
+            .env("OPENDSEC_TOKEN", up.token.trim())
+            .output()
+            .expect("run opendsecctl");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = run(&["sandbox", "metrics", &id, "--since", "10m"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[0].starts_with("TIME") && lines[0].contains("CPU %"), "{stdout}");
+    assert!(lines.len() > points.len(), "a row per point: {stdout}");
+    let (code, stdout, _) = run(&["--output", "json", "sandbox", "metrics", &id, "--since", "10m"]);
+    let v: Value = serde_json::from_str(&stdout).expect("json");
+    assert!(
+        code == Some(0) && v["points"].as_array().is_some_and(|p| p.len() >= points.len()),
+        "{stdout}"
+    );
+    let (code, _, stderr) = run(&["sandbox", "metrics", &id, "--since", "ten"]);
+    assert!(code != Some(0) && stderr.contains("not a span"), "{stderr}");
+}

@@ -223,6 +223,10 @@ pub async fn post(
     Ok(json_response(StatusCode::OK, &Value::Array(infos)))
 }
 
+/// At most this much after a multipart body's close delimiter is read (and dropped)
+/// before the upload is answered; a longer epilogue is left unread.
+const EPILOGUE_MAX: usize = 64 * 1024;
+
 /// A streaming multipart/form-data reader: parts named `file` are written
 /// to their target as they arrive.
 struct Parts {
@@ -314,6 +318,16 @@ async fn multipart(
             }
         }
         if r.buf.starts_with(b"--") {
+            // The close delimiter. What follows it (its CRLF, any epilogue) is read,
+            // bounded, before the answer: an answer sent while the client still sends
+            // ends the connection under it, and the client (or the edge forwarding
+            // for it) sees a broken pipe instead of the answer.
+            r.buf.clear();
+            let mut left = EPILOGUE_MAX;
+            while left > 0 && r.fill().await.unwrap_or(false) {
+                left = left.saturating_sub(r.buf.len());
+                r.buf.clear();
+            }
             break;
         }
         // Part headers end with an empty line (the delimiter line's own CRLF

@@ -550,3 +550,69 @@ async fn signed_urls_read_and_write_files_without_the_token_header() {
     let (st, _) = get(&a, format!("path={}&signature={}", q(&file), q(&sig))).await;
     assert_eq!(st, 401);
 }
+
+/// The answer to a multipart upload comes after the whole body, its epilogue included:
+/// an answer sent while the client still sends would end the connection under it (the
+/// JS SDK saw "Broken pipe"). Here the close delimiter's CRLF and an epilogue come
+/// 300 ms after the rest; no answer may come before them, and the connection is kept.
+#[tokio::test]
+async fn a_multipart_upload_is_answered_after_its_epilogue_and_the_connection_is_kept() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let a = Agent::start().await;
+    let p = a.path("epilogue/x.txt");
+    let boundary = "EpIlOgUe";
+    let head_part = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{p}\"\r\n\r\nxyz\r\n--{boundary}--"
+    );
+    let tail = "\r\nan epilogue the reader must drop\r\n";
+    let request = |len: usize| {
+        let mut r = format!(
+            "POST /files HTTP/1.1\r\nHost: agent\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {len}\r\n"
+        );
+        if let Some(t) = &a.token {
+            r.push_str(&format!("X-Access-Token: {t}\r\n"));
+        }
+        r.push_str("\r\n");
+        r
+    };
+    let mut s = tokio::net::UnixStream::connect(&a.sock).await.unwrap();
+    s.write_all(request(head_part.len() + tail.len()).as_bytes())
+        .await
+        .unwrap();
+    s.write_all(head_part.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let early = tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await;
+    assert!(early.is_err(), "answered before the body's end: {early:?}");
+    s.write_all(tail.as_bytes()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("an answer once the body ended")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(std::fs::read(&p).unwrap(), b"xyz");
+
+    // The same connection serves the next request.
+    let get = format!(
+        "GET /files?path={} HTTP/1.1\r\nHost: agent\r\n{}\r\n",
+        q(&p),
+        a.token
+            .as_ref()
+            .map(|t| format!("X-Access-Token: {t}\r\n"))
+            .unwrap_or_default()
+    );
+    s.write_all(get.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !answer.ends_with(b"xyz") && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&buf[..n]),
+            other => panic!("the kept connection did not answer: {other:?}"),
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("xyz"),
+        "{answer}"
+    );
+}

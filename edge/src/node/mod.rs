@@ -217,6 +217,8 @@ struct Edge {
     rt: tokio::runtime::Handle,
     /// Image pulls and packs under way (`pulls.rs`, `packs.rs`).
     pulls: pulls::Pulls,
+    /// The last 8 h of each running sandbox's metrics, a point every 5 s (`run.rs`).
+    metrics_history: crate::metrics_history::MetricsHistory,
 }
 
 impl Edge {

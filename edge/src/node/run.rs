@@ -11,7 +11,7 @@ use crate::container::ContainerBackend;
 use crate::container::warm::WarmPool;
 use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
-use crate::reconcile::{Action, plan, plan_oom, plan_packs, plan_pulls, plan_snapshots, plan_transfers};
+use crate::reconcile::{Action, Running, plan, plan_oom, plan_packs, plan_pulls, plan_snapshots, plan_transfers};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_edge_api::pb::HeartbeatRequest;
 use redb::Database;
@@ -73,6 +73,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         import_locks: Mutex::new(BTreeMap::new()),
         rt: tokio::runtime::Handle::current(),
         pulls: Default::default(),
+        metrics_history: crate::metrics_history::MetricsHistory::new(),
         cfg,
     });
     // Warm containers a killed edge left are not claimable (their filler is gone).
@@ -80,6 +81,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let _ = tokio::task::spawn_blocking(move || e.discard_leftover_warm()).await;
     edge.start_machines();
     let proxy_task = tokio::spawn(edge.clone().serve_proxy(listener));
+    let history_task = tokio::spawn(edge.clone().keep_metrics_history());
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,
     // and the loop below persists and reconciles once per burst, not once per message.
@@ -121,6 +123,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         }
     }
     proxy_task.abort();
+    history_task.abort();
     follower_task.abort();
     // Sandboxes run on; warm containers and disks, which nothing uses yet, do not
     // outlive the edge.
@@ -175,13 +178,49 @@ impl Edge {
         let sampler: proxy::Sampler = Arc::new(move |id| sampled.backend_of(id).sample(id, sampled.cfg.disk_bytes));
         let reader = self.clone();
         let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend_of(id).log(id, max));
+        let kept = self.clone();
+        // A sandbox this edge runs but has not sampled yet (under 10 s old) has an empty
+        // history, not none.
+        let history: proxy::HistoryReader = Arc::new(move |id, start, end| {
+            kept.metrics_history.range(id, start, end).or_else(|| {
+                let observed = kept.last_observed.lock().expect("observed lock");
+                observed.contains_key(id).then(Vec::new)
+            })
+        });
         let hooks = proxy::Hooks {
             admitter: Some(self.admitter()),
             sampler: Some(sampler),
             logs: Some(logs),
+            history: Some(history),
             transfers: Some(self.transfer_hooks()),
         };
         proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
+    }
+
+    /// Samples every running sandbox each `metrics_history::INTERVAL` into
+    /// `metrics_history`, going by the last observation: sandboxes gone from it are
+    /// forgotten, paused ones keep their points.
+    async fn keep_metrics_history(self: Arc<Self>) {
+        let mut every = tokio::time::interval(crate::metrics_history::INTERVAL);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let e = self.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let observed = e.last_observed.lock().expect("observed lock").clone();
+                let running = |id: &str| matches!(observed.get(id), Some(Running::Running));
+                e.metrics_history.retain(
+                    |id| matches!(observed.get(id), Some(Running::Running | Running::Paused)),
+                    running,
+                );
+                for id in observed.keys().filter(|id| running(id)) {
+                    if let Some(sample) = e.backend_of(id).sample(id, e.cfg.disk_bytes) {
+                        e.metrics_history.record(id, opendsec_edge_api::now_ms(), &sample);
+                    }
+                }
+            })
+            .await;
+        }
     }
 
     /// One round: observe, plan, act.

@@ -489,9 +489,13 @@ async fn connect(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
     if resumed {
         submit(&st, &who, &headers, Command::ResumeSandbox { sandbox: id.clone() }).await?;
     }
-    // A sandbox whose timeout was spent pausing it runs on with a default lifetime.
+    // A connect only extends the lifetime (E2B's rule): a running sandbox whose end is
+    // later than `timeout` from now keeps it. A resumed one gets the timeout it asks
+    // for, and one whose timeout was spent pausing it runs on with a default lifetime.
+    let wanted_end = |t: u64| opendsec_control::now_ms() + t * 1000;
     let lifetime = timeout
         .filter(|t| *t > 0)
+        .filter(|t| resumed || x.expires_at_ms.is_some_and(|e| e < wanted_end(*t)))
         .or_else(|| (resumed && x.expires_at_ms.is_none() && x.auto_pause).then_some(DEFAULT_TIMEOUT_SECONDS));
     if let Some(t) = lifetime {
         submit(
@@ -532,17 +536,19 @@ async fn list_v2(st: State<AppState>, headers: HeaderMap, q: RawQuery) -> R<Resp
     list(st, headers, q, false).await
 }
 
-/// Sandboxes of the caller's project subtree, oldest first, filtered by metadata
-/// (`metadata=k%3Dv%26k2%3Dv2`) and state (`state=running,paused`), paginated with
-/// `limit` and `nextToken` (the next page's token comes in `X-Next-Token`).
+/// Sandboxes of the caller's project subtree, newest first (`order=asc`: oldest first),
+/// filtered by metadata (`metadata=k%3Dv%26k2%3Dv2`) and state (`state=running,paused`),
+/// paginated with `limit` and `nextToken` (the next page's token comes in
+/// `X-Next-Token`). A token names a position, (start time, id), not an index: a page
+/// goes on after it even when the sandbox it names was killed in between.
 async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQuery, v1: bool) -> R<Response> {
     let who = caller(&st, &headers)?;
     require(&who, Right::SandboxRead)?;
     let mut metadata = BTreeMap::new();
     let mut states: Vec<String> = Vec::new();
     let mut limit = LIST_LIMIT_DEFAULT;
-    let mut after: Option<String> = None;
-    let (mut template, mut descending, mut started_after) = (None::<String>, false, None::<u64>);
+    let mut after: Option<(u64, String)> = None;
+    let (mut template, mut descending, mut started_after) = (None::<String>, true, None::<u64>);
     for (k, v) in query_pairs(q.as_deref()) {
         match k.as_str() {
             "metadata" | "query" => {
@@ -579,7 +585,13 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
                     .filter(|l| (1..=LIST_LIMIT_MAX).contains(l))
                     .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {LIST_LIMIT_MAX}")))?;
             }
-            "nextToken" => after = Some(v),
+            "nextToken" if v.is_empty() => {}
+            "nextToken" => {
+                after = Some(
+                    parse_token(&v)
+                        .ok_or_else(|| E2bError::bad(format!("nextToken {v:?} is not a token this API handed out")))?,
+                )
+            }
             _ => {}
         }
     }
@@ -601,15 +613,20 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
         if descending {
             all.reverse();
         }
+        // The first sandbox past the token's position in this order, whether or not the
+        // sandbox the token names is still there.
         let start = match &after {
-            Some(t) => all
+            Some((ms, id)) => all
                 .iter()
-                .position(|x| token_of(x) == *t)
-                .map(|i| i + 1)
+                .position(|x| {
+                    let here = (x.created_at_ms, x.id.as_str());
+                    let mark = (*ms, id.as_str());
+                    if descending { here < mark } else { here > mark }
+                })
                 .unwrap_or(all.len()),
             None => 0,
         };
-        let rest = &all[start.min(all.len())..];
+        let rest = &all[start..];
         let page: Vec<Value> = rest.iter().take(limit).map(|x| detail_json(&st, x)).collect();
         let next = (rest.len() > limit).then(|| token_of(rest[limit - 1]));
         (page, next)
@@ -621,8 +638,15 @@ async fn list(State(st): State<AppState>, headers: HeaderMap, RawQuery(q): RawQu
     Ok(resp)
 }
 
+/// A page's position: the start time (ms) and id of its last sandbox.
 fn token_of(x: &Sandbox) -> String {
     format!("{}.{}", x.created_at_ms, x.id)
+}
+
+fn parse_token(t: &str) -> Option<(u64, String)> {
+    let (ms, id) = t.split_once('.')?;
+    let ms = ms.parse::<u64>().ok()?;
+    (!id.is_empty()).then(|| (ms, id.to_string()))
 }
 
 async fn kill(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
@@ -694,11 +718,34 @@ async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<St
     Ok(no_content())
 }
 
-/// One sample of the sandbox's CPU, memory and disk, taken now by its edge.
-async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+/// Without `start`/`end`: one sample of the sandbox's CPU, memory and disk, taken now by
+/// its edge. With either (Unix seconds, both included): the points of its history kept
+/// by the edge (one every 5 s while it runs, the last 8 h), oldest first; an empty list
+/// when there are none.
+async fn metrics(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> R<Response> {
     let who = caller(&st, &headers)?;
     require(&who, Right::SandboxRead)?;
+    let (mut start, mut end) = (None::<u64>, None::<u64>);
+    for (k, v) in query_pairs(q.as_deref()) {
+        let slot = match k.as_str() {
+            "start" => &mut start,
+            "end" => &mut end,
+            _ => continue,
+        };
+        *slot = Some(
+            v.parse::<u64>()
+                .map_err(|_| E2bError::bad(format!("{k} must be a Unix time in seconds, not {v:?}")))?,
+        );
+    }
     let x = visible(&st, &who, &id)?;
+    if start.is_some() || end.is_some() {
+        return metrics_history(&st, &x, start, end).await;
+    }
     let address = st
         .node
         .read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()));
@@ -737,6 +784,63 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<
         "diskTotal": m["disk_total"],
     }]))
     .into_response())
+}
+
+async fn metrics_history(st: &AppState, x: &Sandbox, start: Option<u64>, end: Option<u64>) -> R<Response> {
+    let id = &x.id;
+    let start_ms = start.map_or(0, |s| s.saturating_mul(1000));
+    let end_ms = end.map_or(u64::MAX, |e| e.saturating_mul(1000).saturating_add(999));
+    if start_ms > end_ms {
+        return Err(E2bError::bad("end is before start"));
+    }
+    let address = st
+        .node
+        .read(|s| s.placement.edges.get(&x.edge).map(|e| e.address.clone()))
+        .ok_or_else(|| {
+            E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("the edge of sandbox {id} is not registered"),
+            )
+        })?;
+    let path = format!("/metrics/{id}/history?start_ms={start_ms}&end_ms={end_ms}");
+    let (status, body) = super::traffic::edge_get(st, &address, &path).await?;
+    let points: Vec<opendsec_sdk::types::MetricsPoint> = match status {
+        200 => serde_json::from_slice(&body).map_err(|e| {
+            E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("the edge's metrics history is malformed: {e}"),
+            )
+        })?,
+        // The edge does not run it (yet, or any more: a paused microVM, a sandbox
+        // being moved): no points.
+        404 => Vec::new(),
+        _ => {
+            return Err(E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "the edge could not read the history of sandbox {id}: {}",
+                    String::from_utf8_lossy(&body)
+                ),
+            ));
+        }
+    };
+    let out: Vec<Value> = points
+        .iter()
+        .map(|p| {
+            json!({
+                "timestamp": rfc3339(p.timestamp_ms),
+                "timestampUnix": p.timestamp_ms / 1000,
+                "cpuCount": p.cpu_count,
+                "cpuUsedPct": p.cpu_used_pct,
+                "memUsed": p.mem_used,
+                "memTotal": p.mem_total,
+                "memCache": p.mem_cache,
+                "diskUsed": p.disk_used,
+                "diskTotal": p.disk_total,
+            })
+        })
+        .collect();
+    Ok(Json(Value::Array(out)).into_response())
 }
 
 /// `count` copies of the sandbox as it is now: a container's with its file system, a
@@ -862,6 +966,18 @@ pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_list_token_names_a_start_time_and_an_id() {
+        assert_eq!(
+            parse_token("1700000000123.sbx-a.b"),
+            Some((1700000000123, "sbx-a.b".to_string()))
+        );
+        assert_eq!(parse_token("12"), None, "no id");
+        assert_eq!(parse_token("12."), None, "an empty id");
+        assert_eq!(parse_token("x.sbx"), None, "no time");
+        assert_eq!(parse_token("-1.sbx"), None, "a negative time");
+    }
 
     #[test]
     fn a_vm_suffix_asks_for_a_microvm_of_the_image() {

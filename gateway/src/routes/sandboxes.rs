@@ -383,6 +383,63 @@ pub async fn metrics(
     Ok(Json(m))
 }
 
+/// The sandbox's metrics history kept by its edge (a point every 5 s while it runs, the
+/// last 8 h), from `start_ms` to `end_ms` (both included; default: all of it), oldest
+/// first. Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/metrics/history", tag = "sandboxes",
+    params(("id" = String, Path),
+        ("start_ms" = Option<u64>, Query, description = "From this time (ms since the Unix epoch)"),
+        ("end_ms" = Option<u64>, Query, description = "To this time (ms since the Unix epoch)")),
+    responses((status = 200, body = api::MetricsHistory), (status = "4XX", body = api::ErrorBody), (status = 502, body = api::ErrorBody)))]
+pub async fn metrics_history(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+    RawQuery(q): RawQuery,
+) -> Result<Json<api::MetricsHistory>, ApiError> {
+    let params = Params::parse(q.as_deref(), &["start_ms", "end_ms"])?;
+    let ms = |field: &str| -> Result<Option<u64>, ApiError> {
+        params
+            .one(field)?
+            .map(|v| {
+                v.parse::<u64>()
+                    .map_err(|_| ApiError::invalid(field, format!("{field} must be milliseconds since the Unix epoch")))
+            })
+            .transpose()
+    };
+    let (start, end) = (ms("start_ms")?.unwrap_or(0), ms("end_ms")?.unwrap_or(u64::MAX));
+    if start > end {
+        return Err(ApiError::invalid("end_ms", "end_ms is before start_ms"));
+    }
+    let points = edge_history(&st, &who, &id, start, end).await?;
+    Ok(Json(api::MetricsHistory { points }))
+}
+
+/// The points of sandbox `id`'s history on its edge from `start_ms` to `end_ms`.
+pub(crate) async fn edge_history(
+    st: &AppState,
+    who: &Authed,
+    id: &str,
+    start_ms: u64,
+    end_ms: u64,
+) -> Result<Vec<api::MetricsPoint>, ApiError> {
+    let body = from_edge(
+        st,
+        who,
+        id,
+        &format!("/metrics/{id}/history?start_ms={start_ms}&end_ms={end_ms}"),
+        "does not run on its edge (it ended, or is still being created)",
+    )
+    .await?;
+    serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "edge_unreachable",
+            format!("the edge's metrics history is malformed: {e}"),
+        )
+    })
+}
+
 fn read_sandbox(st: &AppState, id: &str) -> Result<api::Sandbox, ApiError> {
     st.node
         .read(|s| s.sandboxes.sandboxes.get(id).map(convert::sandbox))

@@ -482,7 +482,34 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             let _ = std::io::stdout().write_all(&bytes);
             return Ok(0);
         }
-        SandboxCmd::Metrics { id } => {
+        SandboxCmd::Metrics { id, since: Some(span) } => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let h = client
+                .sandbox_metrics_history(&id, Some(now.saturating_sub(span)), None)
+                .await?;
+            out.show(&h, |h| {
+                let mb = |b: u64| format!("{:.1}", b as f64 / (1 << 20) as f64);
+                let rows = h
+                    .points
+                    .iter()
+                    .map(|p| {
+                        vec![
+                            fmt_time(p.timestamp_ms),
+                            p.cpu_count.to_string(),
+                            format!("{:.1}", p.cpu_used_pct),
+                            format!("{}/{}", mb(p.mem_used), mb(p.mem_total)),
+                            mb(p.mem_cache),
+                            format!("{}/{}", mb(p.disk_used), mb(p.disk_total)),
+                        ]
+                    })
+                    .collect();
+                table(&["TIME", "CPUS", "CPU %", "MEM (MB)", "CACHE (MB)", "DISK (MB)"], rows)
+            });
+            return Ok(0);
+        }
+        SandboxCmd::Metrics { id, since: None } => {
             let m = client.sandbox_metrics(&id).await?;
             out.show(&m, |m| {
                 let mb = |b: u64| format!("{:.1}", b as f64 / (1 << 20) as f64);

@@ -151,6 +151,15 @@ def test_get_info_describes_a_file(sandbox, tree):
     assert sandbox.files.get_info(f"{tree}/a").type == FileType.DIR
 
 
+def test_get_info_of_a_symlink_says_symlink_with_its_target(sandbox):
+    sandbox.files.write(f"{HOME}/links/target.txt", "pointed at")
+    sandbox.commands.run(f"ln -s {HOME}/links/target.txt {HOME}/links/link")
+    info = sandbox.files.get_info(f"{HOME}/links/link")
+    assert (info.name, info.type, info.symlink_target) == ("link", FileType.SYMLINK, f"{HOME}/links/target.txt"), info
+    assert sandbox.files.get_info(f"{HOME}/links/target.txt").symlink_target is None
+    assert sandbox.files.read(f"{HOME}/links/link") == "pointed at"
+
+
 def test_get_info_of_a_missing_path_raises_file_not_found(sandbox):
     with pytest.raises(FileNotFoundException):
         sandbox.files.get_info(f"{HOME}/missing.txt")
@@ -214,6 +223,47 @@ def test_a_recursive_watch_sees_subdirectories(sandbox):
             return [e for e in seen if e.name.endswith("deep.txt")]
 
         wait_until(deep, "an event for sub/deep.txt", within=10)
+    finally:
+        handle.stop()
+
+
+def test_a_recursive_watch_sees_directories_made_after_it_started(sandbox):
+    sandbox.files.make_dir(f"{HOME}/rwatch-late")
+    handle = sandbox.files.watch_dir(f"{HOME}/rwatch-late", recursive=True)
+    try:
+        sandbox.files.make_dir(f"{HOME}/rwatch-late/new/deeper")
+        # Made after the watch started, two levels down: the watch follows it.
+        wait_until(lambda: sandbox.files.exists(f"{HOME}/rwatch-late/new/deeper"), "the directories exist")
+        sandbox.commands.run(f"sleep 0.5; echo x > {HOME}/rwatch-late/new/deeper/late.txt")
+        seen = []
+
+        def late():
+            seen.extend(handle.get_new_events())
+            return [e for e in seen if e.name.endswith("deeper/late.txt")]
+
+        wait_until(late, "an event for new/deeper/late.txt", within=10)
+        names = {e.name for e in seen}
+        assert "new" in names, names
+    finally:
+        handle.stop()
+
+
+def test_a_watched_write_gives_create_and_write(sandbox):
+    sandbox.files.make_dir(f"{HOME}/watched-write")
+    handle = sandbox.files.watch_dir(f"{HOME}/watched-write")
+    try:
+        sandbox.files.write(f"{HOME}/watched-write/w.txt", "some bytes")
+        seen = []
+
+        def both():
+            seen.extend(handle.get_new_events())
+            kinds = {e.type for e in seen if e.name == "w.txt"}
+            return kinds if {FilesystemEventType.CREATE, FilesystemEventType.WRITE} <= kinds else None
+
+        wait_until(both, "CREATE and WRITE events for w.txt", within=10)
+        creates = [i for i, e in enumerate(seen) if e.name == "w.txt" and e.type == FilesystemEventType.CREATE]
+        writes = [i for i, e in enumerate(seen) if e.name == "w.txt" and e.type == FilesystemEventType.WRITE]
+        assert creates[0] < writes[-1], seen
     finally:
         handle.stop()
 

@@ -90,6 +90,43 @@ def test_list_paginates_with_limit_and_next_token(listed, run_id):
     assert ids(again) == ids(second)
 
 
+def test_list_is_newest_first_and_a_page_goes_on_after_its_last_sandbox_is_killed(run_id):
+    made = [
+        Sandbox.create(template=BASE_TEMPLATE, timeout=300, metadata={"suite": run_id, "group": "paged"})
+        for _ in range(4)
+    ]
+    try:
+        newest_first = [sb.sandbox_id for sb in reversed(made)]
+        assert ids(Sandbox.list(query=query(run_id, group="paged")).next_items()) == newest_first
+        assert ids(Sandbox.list(query=query(run_id, group="paged"), order="asc").next_items()) == newest_first[::-1]
+
+        pages = Sandbox.list(query=query(run_id, group="paged"), limit=2)
+        first = pages.next_items()
+        assert ids(first) == newest_first[:2]
+        # The sandbox the token names, and one before it, end between the pages: the
+        # next page is still the two that come after, nothing skipped or repeated.
+        Sandbox.kill(first[1].sandbox_id)
+        Sandbox.kill(first[0].sandbox_id)
+        second = pages.next_items()
+        assert ids(second) == newest_first[2:]
+        assert not pages.has_next
+
+        asc = Sandbox.list(query=query(run_id, group="paged"), limit=1, order="asc")
+        assert ids(asc.next_items()) == [made[0].sandbox_id]
+        Sandbox.kill(made[0].sandbox_id)
+        assert ids(asc.next_items()) == [made[1].sandbox_id]
+        assert not asc.has_next
+    finally:
+        for sb in made:
+            Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_token_this_api_did_not_hand_out_is_refused():
+    with pytest.raises(SandboxException) as e:
+        Sandbox.list(limit=1, next_token="not-a-token").next_items()
+    assert "nextToken" in str(e.value), e.value
+
+
 # --- connect, pause -----------------------------------------------------------------
 
 
@@ -97,6 +134,24 @@ def test_connect_to_a_running_sandbox_returns_a_working_client(listed):
     same = Sandbox.connect(listed[1].sandbox_id)
     assert same.sandbox_id == listed[1].sandbox_id
     assert same.commands.run("echo $IDX").stdout == "1\n"
+
+
+def remaining(sandbox_id) -> timedelta:
+    return Sandbox.get_info(sandbox_id).end_at - datetime.now(timezone.utc)
+
+
+def test_connect_extends_a_running_sandboxs_timeout_but_never_shortens_it(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "connect"})
+    try:
+        Sandbox.connect(sb.sandbox_id, timeout=10)
+        assert timedelta(seconds=100) < remaining(sb.sandbox_id) <= timedelta(seconds=121)
+        Sandbox.connect(sb.sandbox_id, timeout=300)
+        assert timedelta(seconds=280) < remaining(sb.sandbox_id) <= timedelta(seconds=301)
+        # set_timeout sets it, shorter or not.
+        sb.set_timeout(60)
+        assert timedelta(seconds=40) < remaining(sb.sandbox_id) <= timedelta(seconds=61)
+    finally:
+        sb.kill()
 
 
 def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
@@ -222,6 +277,32 @@ def test_get_metrics_reports_cpu_memory_and_disk(listed):
     assert 0 < m.mem_used <= m.mem_total
     assert 0 <= m.disk_used <= m.disk_total and m.disk_total > 0
     assert abs(m.timestamp - datetime.now(timezone.utc)) < timedelta(minutes=2), m
+
+
+def test_get_metrics_with_a_range_returns_the_history_the_edge_kept(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "history"})
+    try:
+        created = datetime.now(timezone.utc) - timedelta(seconds=1)
+        # The edge takes a baseline, then a point every 5 s.
+        points = wait_until(
+            lambda: (lambda p: p if len(p) >= 2 else None)(sb.get_metrics(start=created, end=datetime.now(timezone.utc))),
+            "two points of history",
+            within=25,
+            every=1,
+        )
+        times = [p.timestamp for p in points]
+        assert times == sorted(times)
+        for a, b in zip(times, times[1:]):
+            assert timedelta(seconds=4) <= b - a <= timedelta(seconds=7), times
+        for p in points:
+            assert p.cpu_count >= 1 and 0 <= p.cpu_used_pct <= 100
+            assert 0 < p.mem_used <= p.mem_total and p.disk_total > 0
+            assert created - timedelta(seconds=1) <= p.timestamp <= datetime.now(timezone.utc)
+        # A range before the sandbox existed has no points: an empty list, not an error.
+        long_ago = created - timedelta(hours=1)
+        assert sb.get_metrics(start=long_ago, end=long_ago + timedelta(minutes=5)) == []
+    finally:
+        sb.kill()
 
 
 # --- snapshots ----------------------------------------------------------------------------

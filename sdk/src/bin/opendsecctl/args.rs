@@ -240,9 +240,13 @@ pub(crate) enum SandboxCmd {
         max_bytes: u64,
     },
     /// One sample of its CPU, memory and disk, taken now by its edge; for a VM also its
-    /// VMM and the accelerator its guest runs under.
+    /// VMM and the accelerator its guest runs under. With `--since`: its history kept by
+    /// the edge (a point every 5 s while it runs, the last 8 h).
     Metrics {
         id: String,
+        /// The points of this last span: `90s`, `10m`, `2h` (at most 8h are kept).
+        #[arg(long, value_parser = parse_span)]
+        since: Option<u64>,
     },
     Pause {
         id: String,
@@ -511,4 +515,33 @@ pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .ok_or_else(|| format!("{s:?} is not key=value"))
+}
+
+/// A span of time as `<n>s`, `<n>m` or `<n>h`, in milliseconds.
+pub fn parse_span(v: &str) -> Result<u64, String> {
+    let bad = || format!("{v:?} is not a span like 90s, 10m or 2h");
+    let unit = v.chars().last().ok_or_else(bad)?;
+    let per = match unit {
+        's' => 1000,
+        'm' => 60_000,
+        'h' => 3_600_000,
+        _ => return Err(bad()),
+    };
+    let n: u64 = v[..v.len() - 1].parse().map_err(|_| bad())?;
+    n.checked_mul(per).filter(|ms| *ms > 0).ok_or_else(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_span;
+
+    #[test]
+    fn a_span_is_seconds_minutes_or_hours() {
+        assert_eq!(parse_span("90s"), Ok(90_000));
+        assert_eq!(parse_span("10m"), Ok(600_000));
+        assert_eq!(parse_span("2h"), Ok(7_200_000));
+        for bad in ["", "m", "10", "10d", "-1m", "0s", "1.5h", "99999999999999999h"] {
+            assert!(parse_span(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
 }
