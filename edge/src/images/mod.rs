@@ -68,6 +68,7 @@
 
 mod build;
 mod build_root;
+mod gc;
 mod import;
 mod layers;
 mod oci;
@@ -87,6 +88,7 @@ pub use build::{
     BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH, builder_names,
     code_interpreter_start,
 };
+pub use gc::{GcOptions, GcReport, InUse};
 pub use layers::PullProgress;
 pub use pack::{LayerTar, ScratchDir, write_layer};
 pub use registry::{PullOptions, RegistryAuth};
@@ -408,6 +410,8 @@ impl ImageStore {
             return Ok(image);
         }
         let layer_id = wanted.layers.last().expect("an image has a layer");
+        // Held until the record is written: a GC judges the layer under this lock.
+        let _layer_lock = self.lock_layer(layer_id)?;
         if !self.layer_path(layer_id).is_dir() {
             // Under the lock nobody else builds this layer: scratch of a build that
             // was killed is stale.
