@@ -18,7 +18,7 @@ use opendsec_edge_api::convert::{
 use opendsec_edge_api::pb::{SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, slice_message::Body};
 use opendsec_projections::{CpuClass, Desired, Event, Isolation, Lifecycle, Observed, SnapshotState};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DesiredSandbox {
@@ -233,6 +233,10 @@ pub struct SliceState {
     /// Images this edge is to pack and report, by name.
     #[serde(default)]
     pub packs: BTreeMap<String, DesiredPack>,
+    /// Images the log deleted (and did not register again since): their records go
+    /// from the store, their layers once nothing uses them (`node/image_gc.rs`).
+    #[serde(default)]
+    pub images_deleted: BTreeSet<String>,
 }
 
 impl SliceState {
@@ -413,6 +417,10 @@ impl SliceState {
         let isolation_of = |name: &str| {
             Isolation::from_event(name).ok_or_else(|| format!("isolation {name:?} is unknown to this edge"))
         };
+        if let Event::ImageRequested(r) = ev {
+            // Registered again: no longer deleted.
+            self.images_deleted.remove(&r.name);
+        }
         match ev {
             Event::EdgeRegistered(e) => {
                 self.edges.insert(e.id.clone(), e.address.clone());
@@ -483,6 +491,7 @@ impl SliceState {
                 self.packs.remove(&r.name);
             }
             Event::ImageDeleted(r) => {
+                self.images_deleted.insert(r.name.clone());
                 self.pulls.remove(&r.name);
                 self.packs.remove(&r.name);
             }

@@ -5,7 +5,7 @@
 //! - every live edge's **in-use set**, `inuse/<edge>.json`: the layers and disk files
 //!   its sandboxes (running, paused, starting), snapshots, forks and warm containers
 //!   use, whether or not an image record still names them. An edge rewrites its set
-//!   (atomically, by rename) at least every [`REFRESH`], and before it starts a sandbox
+//!   (atomically, by rename) at least every [`GC_REFRESH`], and before it starts a sandbox
 //!   of an image; a set not rewritten for [`GcOptions::lease`] is the set of an edge that
 //!   is gone, and no longer counts;
 //! - a grace period ([`GcOptions::grace`]): a layer or disk made less than that ago is
@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use super::{Image, ImageError, ImageStore, io_err, layers};
 
 /// How often an edge rewrites its in-use set, at the least.
-pub const REFRESH: Duration = Duration::from_secs(30);
+pub const GC_REFRESH: Duration = Duration::from_secs(30);
 
 /// Scratch in `tmp/` whose owner cannot be told (builds: `<layer>.<pid>`, disks) is
 /// removed once this old.
@@ -191,8 +191,9 @@ impl ImageStore {
         let write = || -> io::Result<()> {
             use std::io::Write;
             let mut file = fs::File::create(tmp.path())?;
-            file.write_all(&json)?;
-            file.sync_all()
+            // Not synced: a set cut short by a crash stops collections (unreadable)
+            // until its edge rewrites it.
+            file.write_all(&json)
         };
         write().map_err(io_err(format!("writing {}", tmp.path().display())))?;
         let path = dir.join(owner_file(owner));

@@ -88,7 +88,7 @@ pub use build::{
     BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH, builder_names,
     code_interpreter_start,
 };
-pub use gc::{GcOptions, GcReport, InUse};
+pub use gc::{GC_REFRESH, GcOptions, GcReport, InUse};
 pub use layers::PullProgress;
 pub use pack::{LayerTar, ScratchDir, write_layer};
 pub use registry::{PullOptions, RegistryAuth};

@@ -33,6 +33,7 @@ mod backend;
 mod containers;
 mod create;
 mod files;
+mod image_gc;
 mod packs;
 mod paths;
 mod pulls;
@@ -213,6 +214,8 @@ struct Edge {
     preparing: Mutex<BTreeSet<String>>,
     /// One pull per transfer at a time (the copies of one fork share it).
     import_locks: Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
+    /// The edge's part in the image store's GC (`image_gc.rs`).
+    image_gc: Mutex<image_gc::ImageGc>,
     /// The runtime, for the async pulls that blocking creations make.
     rt: tokio::runtime::Handle,
     /// Image pulls and packs under way (`pulls.rs`, `packs.rs`).
