@@ -686,6 +686,31 @@ mod tests {
     }
 
     #[test]
+    fn a_deleted_image_is_remembered_until_its_name_is_requested_again() {
+        let deleted = |name: &str| {
+            Event::ImageDeleted(pb::ImageDeleted {
+                name: name.into(),
+                ..Default::default()
+            })
+        };
+        let mut s = folded(vec![deleted("py"), deleted("env")]);
+        assert_eq!(s.images_deleted.iter().collect::<Vec<_>>(), ["env", "py"]);
+        let again = Event::ImageRequested(pb::ImageRequested {
+            name: "py".into(),
+            reference: "127.0.0.1:5000/py:2".into(),
+            edge: "another-edge".into(),
+            ..Default::default()
+        });
+        s.try_apply(&entry(3, vec![again])).unwrap();
+        assert_eq!(s.images_deleted.iter().collect::<Vec<_>>(), ["env"]);
+        // What the edge saved before deletions were kept still loads, with none.
+        let mut saved = serde_json::to_value(&s).unwrap();
+        saved.as_object_mut().unwrap().remove("images_deleted");
+        let loaded: SliceState = serde_json::from_value(saved).unwrap();
+        assert!(loaded.images_deleted.is_empty());
+    }
+
+    #[test]
     fn a_sandbox_created_on_this_edge_is_wanted_running_and_not_reported_yet() {
         let mut c = created("sb1", HERE);
         c.expires_at_ms = 9_000;

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime};
 
-use opendsec_edge::images::{GcOptions, Image, ImageStore, InUse};
+use opendsec_edge::images::{GcOptions, Holder, Image, ImageStore, InUse};
 
 mod oci_support;
 
@@ -39,7 +39,11 @@ fn layer(name: &str) -> Vec<u8> {
 
 fn root() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "the image GC tests need root (layer owners)");
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "the image GC tests need root (layer owners)"
+    );
 }
 
 #[test]
@@ -63,7 +67,10 @@ fn a_layer_shared_by_two_images_survives_removing_one_and_goes_with_the_last() {
     let freed = store.collect(NOW).unwrap();
     assert_eq!(sorted(&freed.layers), sorted(&two.layers));
     let left = contents(tmp.path());
-    assert!(left["layers"].is_empty() && left["images"].is_empty() && left["tmp"].is_empty(), "{left:?}");
+    assert!(
+        left["layers"].is_empty() && left["images"].is_empty() && left["tmp"].is_empty(),
+        "{left:?}"
+    );
 }
 
 #[test]
@@ -119,6 +126,20 @@ fn a_layer_a_running_sandbox_uses_survives_rm_and_collection_until_the_sandbox_i
         .unwrap();
     file.set_modified(old).unwrap();
     assert_eq!(store.collect(NOW).unwrap().layers, again.layers);
+
+    // So is a fresh set of an edge of this machine whose data directory is gone.
+    let last = import(&store, "last", vec![layer("last")]);
+    store.remove("last").unwrap();
+    let gone_dir = tempfile::tempdir().unwrap();
+    let set = InUse {
+        layers: last.layers.iter().cloned().collect(),
+        holder: Some(Holder::here(gone_dir.path())),
+        ..InUse::default()
+    };
+    store.publish_in_use("edge-of-a-test", &set).unwrap();
+    assert_eq!(store.collect(NOW).unwrap().count(), 0, "its directory is there");
+    drop(gone_dir);
+    assert_eq!(store.collect(NOW).unwrap().layers, last.layers);
 }
 
 #[test]
@@ -294,7 +315,8 @@ fn stale_scratch_goes_and_work_under_way_stays() {
         std::fs::write(dir.join("sub/file"), b"12345").unwrap();
     }
     let file = std::fs::File::open(&old_build).unwrap();
-    file.set_modified(SystemTime::now() - Duration::from_secs(48 * 3600)).unwrap();
+    file.set_modified(SystemTime::now() - Duration::from_secs(48 * 3600))
+        .unwrap();
     let freed = store.collect(NOW).unwrap();
     assert_eq!(
         freed.scratch,
@@ -304,5 +326,8 @@ fn stale_scratch_goes_and_work_under_way_stays() {
         ])
     );
     assert_eq!(freed.bytes, 10);
-    assert_eq!(contents(tmp.path())["tmp"], vec!["base-0123456789abcdef.4343".to_string()]);
+    assert_eq!(
+        contents(tmp.path())["tmp"],
+        vec!["base-0123456789abcdef.4343".to_string()]
+    );
 }

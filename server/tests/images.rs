@@ -43,7 +43,13 @@ async fn hello_image(up: &Up, registry: &Registry, repo: &str) -> String {
         )
         .dir("srv/app")
         // Each test's image has a top layer of its own (GC tests watch it go).
-        .entry(tar::EntryType::Regular, "etc/opendsec-test-repo", "", repo.as_bytes(), 0o644)
+        .entry(
+            tar::EntryType::Regular,
+            "etc/opendsec-test-repo",
+            "",
+            repo.as_bytes(),
+            0o644,
+        )
         .bytes();
     let mut image = TestImage::new(vec![base, top]);
     image.run = json!({
@@ -214,7 +220,10 @@ async fn a_removed_image_keeps_its_layers_while_a_sandbox_runs_and_loses_them_af
         )
         .await;
     assert_eq!(s, 201, "{v}");
-    assert_eq!(wait_image(&up, "gc-hello", Duration::from_secs(120)).await["state"], "ready");
+    assert_eq!(
+        wait_image(&up, "gc-hello", Duration::from_secs(120)).await["state"],
+        "ready"
+    );
     let store = opendsec_edge::images::ImageStore::open(opendsec_edge::images::DEFAULT_STORE).unwrap();
     let image = store.get("gc-hello").unwrap();
     // The top layer is this test's own; the bottom one (busybox's files) other tests share.

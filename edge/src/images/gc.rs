@@ -55,6 +55,31 @@ pub struct InUse {
     /// user lives, even after its image's record is gone.
     #[serde(default)]
     pub users: BTreeMap<String, Vec<String>>,
+    /// The machine and directory of the edge whose set it is: a set of this machine
+    /// whose directory is gone (and with it every sandbox record there) keeps nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<Holder>,
+}
+
+/// Where an in-use set's edge keeps its sandboxes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holder {
+    pub host: String,
+    pub data_dir: PathBuf,
+}
+
+impl Holder {
+    /// This machine's `data_dir`.
+    pub fn here(data_dir: &Path) -> Self {
+        Self {
+            host: layers::host_name(),
+            data_dir: data_dir.to_path_buf(),
+        }
+    }
+
+    fn is_gone(&self) -> bool {
+        self.host == layers::host_name() && !self.data_dir.exists()
+    }
 }
 
 impl InUse {
@@ -110,7 +135,9 @@ impl InUse {
     fn scan(&mut self, store: &ImageStore, dir: &Path, dev: u64, depth: usize) {
         let Ok(entries) = fs::read_dir(dir) else { return };
         for entry in entries.filter_map(Result::ok) {
-            let Ok(meta) = entry.path().symlink_metadata() else { continue };
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
             let path = entry.path();
             if meta.is_dir() && depth > 0 && meta.dev() == dev {
                 self.scan(store, &path, dev, depth - 1);
@@ -260,6 +287,9 @@ impl ImageStore {
                 path: path.clone(),
                 source,
             })?;
+            if set.holder.as_ref().is_some_and(Holder::is_gone) {
+                continue;
+            }
             all.merge(&set);
             all.layers.extend(set.users.values().flatten().cloned());
         }
@@ -293,7 +323,9 @@ impl ImageStore {
         candidates.sort();
         for id in candidates {
             let path = self.layer_path(&id);
-            let Ok(meta) = fs::symlink_metadata(&path) else { continue };
+            let Ok(meta) = fs::symlink_metadata(&path) else {
+                continue;
+            };
             if made_within(&meta, options.grace) {
                 continue;
             }
@@ -313,7 +345,9 @@ impl ImageStore {
             let mut files = Vec::new();
             for entry in entries.filter_map(Result::ok) {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                let Ok(meta) = entry.path().symlink_metadata() else { continue };
+                let Ok(meta) = entry.path().symlink_metadata() else {
+                    continue;
+                };
                 files.push((name, meta));
             }
             for name in stale_disks(&files, &stems, &used.disks, options.grace) {
@@ -373,7 +407,9 @@ fn stale_disks(
     // The newest disk per (stem, kind).
     let mut newest: BTreeMap<(String, String), (SystemTime, String)> = BTreeMap::new();
     for (name, meta) in files {
-        let Some((base, ext)) = name.rsplit_once('.') else { continue };
+        let Some((base, ext)) = name.rsplit_once('.') else {
+            continue;
+        };
         if !matches!(ext, "erofs" | "qcow2") || disk_key(name).is_none() {
             continue;
         }
@@ -385,7 +421,9 @@ fn stale_disks(
         }
     }
     let keep_disk = |name: &str| -> bool {
-        let Some((base, ext)) = name.rsplit_once('.') else { return true };
+        let Some((base, ext)) = name.rsplit_once('.') else {
+            return true;
+        };
         let stem = base.rsplit_once('-').map(|(s, _)| s).unwrap_or(base);
         used.contains(name)
             || (stems.contains(stem)
@@ -396,7 +434,9 @@ fn stale_disks(
     let mut out = Vec::new();
     for (name, meta) in files {
         let young = made_within(meta, grace);
-        let Some((base, ext)) = name.rsplit_once('.') else { continue };
+        let Some((base, ext)) = name.rsplit_once('.') else {
+            continue;
+        };
         let remove = match ext {
             "erofs" | "qcow2" if disk_key(name).is_some() => !young && !keep_disk(name),
             // A boot disk's manifest: with its disk.
@@ -447,7 +487,10 @@ mod tests {
     #[test]
     fn disk_keys_are_read_from_file_names() {
         assert_eq!(disk_key("base-0123456789abcdef.erofs"), Some("0123456789abcdef"));
-        assert_eq!(disk_key("127.0.0.1_5000_app_v1-0123456789abcdef.qcow2"), Some("0123456789abcdef"));
+        assert_eq!(
+            disk_key("127.0.0.1_5000_app_v1-0123456789abcdef.qcow2"),
+            Some("0123456789abcdef")
+        );
         assert_eq!(disk_key("empty-256M.ext4"), None);
     }
 

@@ -283,7 +283,7 @@ pub(super) fn remove_any(path: &Path) {
 }
 
 /// This machine's host name, as it appears in `tmp/` names (no `/`).
-fn host_name() -> String {
+pub(super) fn host_name() -> String {
     nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().replace('/', "_"))
         .unwrap_or_else(|_| "unknown-host".into())

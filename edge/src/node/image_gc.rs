@@ -11,7 +11,7 @@
 //! started before its layers are in the set) and at least every [`REFRESH`].
 
 use super::Edge;
-use crate::images::{GcOptions, InUse};
+use crate::images::{GcOptions, Holder, InUse};
 use opendsec_commands::images::is_builtin;
 use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{Hash, Hasher};
@@ -73,26 +73,46 @@ impl Edge {
         if !due && signature == gc.signature {
             return;
         }
-        if due {
+        let previous = self.images.in_use_of(&owner).unwrap_or_default();
+        let mut user_layers = BTreeMap::new();
+        for (user, image) in &users {
+            let mut layers: BTreeSet<String> = previous.users.get(user).into_iter().flatten().cloned().collect();
+            if let Ok(record) = self.images.get(image) {
+                layers.extend(record.layers);
+            }
+            user_layers.insert(user.clone(), layers.into_iter().collect());
+        }
+
+        // Deleted images: their warm containers and records go (what their live users
+        // use is in `user_layers`).
+        let todo: Vec<String> = deleted
+            .iter()
+            .filter(|n| !gc.removed.contains(*n) && !is_builtin(n))
+            .cloned()
+            .collect();
+        let mut removed_any = false;
+        for name in todo {
+            for wid in self.warm.forget(&name) {
+                self.discard_warm(&wid);
+            }
+            removed_any |= self.remove_image_record(&name);
+            gc.removed.insert(name);
+        }
+        gc.removed.retain(|n| deleted.contains(n));
+
+        if due || removed_any {
             let mut scanned = InUse::default();
             scanned.scan_dir(&self.images, &self.cfg.data_dir, 4);
             scanned.scan_dir(&self.images, &self.cfg.container.sandboxes_root, 3);
             gc.scanned = scanned;
             gc.scanned_at = Some(Instant::now());
         }
-        let previous = self.images.in_use_of(&owner).unwrap_or_default();
-        let mut set = InUse {
+        let set = InUse {
             layers: gc.scanned.layers.clone(),
             disks: gc.scanned.disks.clone(),
-            users: BTreeMap::new(),
+            users: user_layers,
+            holder: Some(Holder::here(&self.cfg.data_dir)),
         };
-        for (user, image) in &users {
-            let mut layers: BTreeSet<String> = previous.users.get(user).into_iter().flatten().cloned().collect();
-            if let Ok(record) = self.images.get(image) {
-                layers.extend(record.layers);
-            }
-            set.users.insert(user.clone(), layers.into_iter().collect());
-        }
         if let Err(e) = self.images.publish_in_use(&owner, &set) {
             tracing::warn!(error = %e, "cannot publish the images in use; nothing is collected");
             return;
@@ -101,18 +121,6 @@ impl Edge {
         gc.users = users;
         gc.deleted = deleted.clone();
 
-        // Records of deleted images (the set above already holds what their users use).
-        let mut removed_any = false;
-        let todo: Vec<String> = deleted
-            .iter()
-            .filter(|n| !gc.removed.contains(*n) && !is_builtin(n))
-            .cloned()
-            .collect();
-        for name in todo {
-            removed_any |= self.remove_image_record(&name);
-            gc.removed.insert(name);
-        }
-        gc.removed.retain(|n| deleted.contains(n));
         if (removed_any || gc.collected_at.is_none_or(|t| t.elapsed() >= COLLECT_EVERY)) && !gc.collecting {
             gc.collected_at = Some(Instant::now());
             gc.collecting = true;
