@@ -18,7 +18,8 @@
 //! - `adoption.rs`: taking up what an earlier run left (sandboxes, the saved slice).
 //! - `snapshots.rs`, `transfers.rs`: snapshots, and state moving between edges.
 //! - `pulls.rs`, `packs.rs`: images pulled from registries, and images packed from this
-//!   edge's container sandboxes (their writable layer, residue left out).
+//!   edge's container sandboxes (their writable layer, residue left out); `image_gc.rs`
+//!   the edge's in-use set in the image store, deleted images' records, collections.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
 //! Not yet: network policy, memory snapshots of containers (CRIU does not work here; a
