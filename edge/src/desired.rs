@@ -18,7 +18,7 @@ use opendsec_edge_api::convert::{
 use opendsec_edge_api::pb::{SliceMessage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord, slice_message::Body};
 use opendsec_projections::{CpuClass, Desired, Event, Isolation, Lifecycle, Observed, SnapshotState};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DesiredSandbox {
@@ -236,6 +236,10 @@ pub struct SliceState {
     /// Images this edge is to pack and report, by name.
     #[serde(default)]
     pub packs: BTreeMap<String, DesiredPack>,
+    /// Images the log deleted (and did not register again since): their records go
+    /// from the store, their layers once nothing uses them (`node/image_gc.rs`).
+    #[serde(default)]
+    pub images_deleted: BTreeSet<String>,
 }
 
 impl SliceState {
@@ -417,6 +421,10 @@ impl SliceState {
         let isolation_of = |name: &str| {
             Isolation::from_event(name).ok_or_else(|| format!("isolation {name:?} is unknown to this edge"))
         };
+        if let Event::ImageRequested(r) = ev {
+            // Registered again: no longer deleted.
+            self.images_deleted.remove(&r.name);
+        }
         match ev {
             Event::EdgeRegistered(e) => {
                 self.edges.insert(e.id.clone(), e.address.clone());
@@ -488,6 +496,7 @@ impl SliceState {
                 self.packs.remove(&r.name);
             }
             Event::ImageDeleted(r) => {
+                self.images_deleted.insert(r.name.clone());
                 self.pulls.remove(&r.name);
                 self.packs.remove(&r.name);
             }
@@ -681,6 +690,31 @@ mod tests {
         s.try_apply(&snap).unwrap();
         assert_eq!(s.pulls.keys().collect::<Vec<_>>(), ["py"]);
         assert_eq!(s.packs["env"].scrub, ["/root/notes"]);
+    }
+
+    #[test]
+    fn a_deleted_image_is_remembered_until_its_name_is_requested_again() {
+        let deleted = |name: &str| {
+            Event::ImageDeleted(pb::ImageDeleted {
+                name: name.into(),
+                ..Default::default()
+            })
+        };
+        let mut s = folded(vec![deleted("py"), deleted("env")]);
+        assert_eq!(s.images_deleted.iter().collect::<Vec<_>>(), ["env", "py"]);
+        let again = Event::ImageRequested(pb::ImageRequested {
+            name: "py".into(),
+            reference: "127.0.0.1:5000/py:2".into(),
+            edge: "another-edge".into(),
+            ..Default::default()
+        });
+        s.try_apply(&entry(3, vec![again])).unwrap();
+        assert_eq!(s.images_deleted.iter().collect::<Vec<_>>(), ["env"]);
+        // What the edge saved before deletions were kept still loads, with none.
+        let mut saved = serde_json::to_value(&s).unwrap();
+        saved.as_object_mut().unwrap().remove("images_deleted");
+        let loaded: SliceState = serde_json::from_value(saved).unwrap();
+        assert!(loaded.images_deleted.is_empty());
     }
 
     #[test]

@@ -44,6 +44,14 @@ async fn hello_image(up: &Up, registry: &Registry, repo: &str) -> String {
             0o644,
         )
         .dir("srv/app")
+        // Each test's image has a top layer of its own (GC tests watch it go).
+        .entry(
+            tar::EntryType::Regular,
+            "etc/opendsec-test-repo",
+            "",
+            repo.as_bytes(),
+            0o644,
+        )
         .bytes();
     let mut image = TestImage::new(vec![base, top]);
     image.run = json!({
@@ -215,4 +223,71 @@ async fn a_failed_pull_says_why_and_a_deleted_image_is_gone() {
         .send(Method::POST, "/v1/sandboxes", Some(json!({"image": "nothing"})))
         .await;
     assert_eq!(s, 404, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_removed_image_keeps_its_layers_while_a_sandbox_runs_and_loses_them_after() {
+    oci_support::require("the registry suite");
+    // Collect at once: no grace for young layers (the default waits 10 minutes).
+    // SAFETY: set before the server starts, read by the child processes only.
+    unsafe { std::env::set_var("OPENDSEC_IMAGE_GC_GRACE_SECS", "0") };
+    let registry = Registry::start();
+    let up = Up::start(None).await;
+    let reference = hello_image(&up, &registry, "e2e/collected").await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/images",
+            Some(json!({"reference": reference, "name": "gc-hello"})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        wait_image(&up, "gc-hello", Duration::from_secs(120)).await["state"],
+        "ready"
+    );
+    let store = opendsec_edge::images::ImageStore::open(opendsec_edge::images::DEFAULT_STORE).unwrap();
+    let image = store.get("gc-hello").unwrap();
+    // The top layer is this test's own; the bottom one (busybox's files) other tests share.
+    let top = store.layer_path(image.layers.last().unwrap());
+    assert!(top.is_dir());
+    let id = running_sandbox(&up, "gc-hello").await;
+
+    let (s, v) = up.send(Method::DELETE, "/v1/images/gc-hello", None).await;
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while store.get("gc-hello").is_ok() {
+        assert!(Instant::now() < deadline, "the edge did not remove the record");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Collected since (the record went first), yet the running sandbox's layers stay.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(top.is_dir(), "a running sandbox's layer was collected");
+    let (out, code) = up.exec(&id, "hello", &[]).await.unwrap();
+    assert_eq!((out.trim(), code), ("hello from the-image-config in /srv/app", 0));
+
+    // The sandbox goes; a later collection (after the next deletion) frees the layer.
+    let (s, v) = up.send(Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(s == 200 || s == 204, "{s} {v}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/images",
+            Some(json!({"reference": reference, "name": "gc-again"})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    wait_image(&up, "gc-again", Duration::from_secs(120)).await;
+    let (s, _) = up.send(Method::DELETE, "/v1/images/gc-again", None).await;
+    assert_eq!(s, 200);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while top.is_dir() {
+        assert!(
+            Instant::now() < deadline,
+            "the layer of a removed image no sandbox uses was not collected\n{}",
+            up.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }

@@ -291,6 +291,14 @@ impl WarmPool {
             .map(|(k, _)| k.clone())
     }
 
+    /// Stops keeping `key` warm (its image is gone): its ready containers are returned
+    /// for discarding.
+    pub fn forget(&self, key: &str) -> Vec<String> {
+        let mut g = self.inner.lock().expect("warm pool lock");
+        g.wanted.remove(key);
+        g.ready.remove(key).unwrap_or_default()
+    }
+
     /// Adds a made warm container; false (the caller discards it) when the pool is
     /// closed or `key` is no longer wanted.
     pub fn add(&self, key: &str, warm_id: String) -> bool {

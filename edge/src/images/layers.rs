@@ -99,16 +99,25 @@ impl ImageStore {
                 todo.push((id, layer));
             }
         }
-        let mut order: Vec<&str> = todo.iter().map(|(id, _)| *id).collect();
+        // Every layer is locked, present or not, until the record is written: a GC
+        // (`gc.rs`) judges a layer under its lock, so it sees this record or finds the
+        // layer still wanted.
+        let mut order: Vec<&str> = ids.iter().map(String::as_str).collect();
         order.sort_unstable();
+        order.dedup();
         let mut locks = Vec::with_capacity(order.len());
         for id in order {
             state.current = format!("waiting for the lock of layer {id}");
             progress(&state);
             locks.push(self.lock_layer(id)?);
         }
-        // Published by another puller while we waited?
+        // Published by another puller while we waited (or collected meanwhile)?
         todo.retain(|(id, _)| !self.layer_path(id).is_dir());
+        for (id, layer) in ids.iter().zip(&plan.layers) {
+            if !self.layer_path(id).is_dir() && !todo.iter().any(|(t, _)| t == id) {
+                todo.push((id, layer));
+            }
+        }
         state.layers_done = ids.iter().filter(|id| !todo.iter().any(|(t, _)| t == id)).count();
         state.bytes_total = todo.iter().map(|(_, l)| l.size).sum();
         state.current = format!("{} of {} layers already stored", state.layers_done, ids.len());
@@ -183,7 +192,6 @@ impl ImageStore {
                 }
             }
         }
-        drop(locks);
         let image = Image {
             name: plan.name,
             layers: ids,
@@ -192,6 +200,7 @@ impl ImageStore {
             digest: plan.digest,
         };
         self.put(&image)?;
+        drop(locks);
         state.current = format!("image {} ready", image.name);
         progress(&state);
         Ok(image)
@@ -227,7 +236,7 @@ pub(super) fn sync_file_system(dir: &Path) -> Result<(), ImageError> {
 }
 
 /// The kinds of `tmp/` entries made here; see [`TmpPath`].
-const TMP_KINDS: &[&str] = &["pull", "import", "record", "pack"];
+const TMP_KINDS: &[&str] = &["pull", "import", "record", "pack", "gc"];
 
 /// A private path in `tmp/`, `<kind>.<pid>.<random>.<host>`, removed (file or tree)
 /// when dropped. The pid and host let a later process tell leftovers of dead processes
@@ -261,7 +270,7 @@ impl Drop for TmpPath {
     }
 }
 
-fn remove_any(path: &Path) {
+pub(super) fn remove_any(path: &Path) {
     match fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => {
             let _ = super::remove_tree(path);
@@ -274,7 +283,7 @@ fn remove_any(path: &Path) {
 }
 
 /// This machine's host name, as it appears in `tmp/` names (no `/`).
-fn host_name() -> String {
+pub(super) fn host_name() -> String {
     nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().replace('/', "_"))
         .unwrap_or_else(|_| "unknown-host".into())
@@ -282,23 +291,45 @@ fn host_name() -> String {
 
 /// Removes `tmp/` entries of [`TmpPath`] left by processes of this host that are gone.
 fn remove_stale_tmp(store: &ImageStore) {
+    for name in stale_tmp(store, std::time::Duration::MAX) {
+        remove_any(&store.root.join("tmp").join(name));
+    }
+}
+
+/// The `tmp/` entries that are leftovers: [`TmpPath`]s of processes of this host that
+/// are gone, and any other entry (a build's scratch, whose name tells no host) older
+/// than `max_age`.
+pub(super) fn stale_tmp(store: &ImageStore, max_age: std::time::Duration) -> Vec<String> {
     let Ok(entries) = fs::read_dir(store.root.join("tmp")) else {
-        return;
+        return Vec::new();
     };
     let (host, me) = (host_name(), std::process::id());
+    let mut out = Vec::new();
     for entry in entries.filter_map(Result::ok) {
         let name = entry.file_name().to_string_lossy().into_owned();
         let mut parts = name.splitn(4, '.');
-        let (Some(kind), Some(pid), Some(_random), Some(their_host)) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            continue;
+        let ours = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(kind), Some(pid), Some(_random), Some(their_host)) if TMP_KINDS.contains(&kind) => {
+                pid.parse::<u32>().ok().map(|pid| (pid, their_host == host))
+            }
+            _ => None,
         };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
-        if TMP_KINDS.contains(&kind) && their_host == host && pid != me && !process_alive(pid) {
-            remove_any(&entry.path());
+        let stale = match ours {
+            Some((pid, true)) => pid != me && !process_alive(pid),
+            // Another machine's work: only its age can tell.
+            Some((_, false)) | None => entry
+                .metadata()
+                .ok()
+                .and_then(|m| m.modified().ok())
+                .and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
+                .is_some_and(|age| age > max_age),
+        };
+        if stale {
+            out.push(name);
         }
     }
+    out.sort();
+    out
 }
 
 fn process_alive(pid: u32) -> bool {

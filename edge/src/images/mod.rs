@@ -18,6 +18,9 @@
 //!   (`pull.<pid>.<random>.<host>/`, `import.…`), packs (`pack.…`) and image records
 //!   before their rename (`record.…`). A pull's leftovers are removed by the next pull on the same host once
 //!   their process is gone.
+//! - `inuse/<edge>.json`: what each edge sharing the store uses ([`InUse`], `gc.rs`),
+//!   the roots of garbage collection beside the records; `vmdisks/`: VM root and boot
+//!   disks built per image (`crate::vm`).
 //! - `locks/<name>.lock`: serialises builds of one image across processes;
 //!   `locks/sha256-<hex>.lock` the unpacking of one OCI layer (flock: several edges on
 //!   one shared file system unpack a layer once; the others wait and then find it).
@@ -68,6 +71,7 @@
 
 mod build;
 mod build_root;
+mod gc;
 mod import;
 mod layers;
 mod oci;
@@ -87,6 +91,7 @@ pub use build::{
     BuildPhase, BuildProgress, CODE_INTERPRETER_PORT, CODE_INTERPRETER_SERVER_PATH, builder_names,
     code_interpreter_start,
 };
+pub use gc::{GC_REFRESH, GcOptions, GcReport, Holder, InUse};
 pub use layers::PullProgress;
 pub use pack::{LayerTar, ScratchDir, write_layer};
 pub use registry::{PullOptions, RegistryAuth};
@@ -446,6 +451,8 @@ impl ImageStore {
             return Ok(image);
         }
         let layer_id = wanted.layers.last().expect("an image has a layer");
+        // Held until the record is written: a GC judges the layer under this lock.
+        let _layer_lock = self.lock_layer(layer_id)?;
         if !self.layer_path(layer_id).is_dir() {
             // Under the lock nobody else builds this layer: scratch of a build that
             // was killed is stale.

@@ -18,7 +18,8 @@
 //! - `adoption.rs`: taking up what an earlier run left (sandboxes, the saved slice).
 //! - `snapshots.rs`, `transfers.rs`: snapshots, and state moving between edges.
 //! - `pulls.rs`, `packs.rs`: images pulled from registries, and images packed from this
-//!   edge's container sandboxes (their writable layer, residue left out).
+//!   edge's container sandboxes (their writable layer, residue left out); `image_gc.rs`
+//!   the edge's in-use set in the image store, deleted images' records, collections.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
 //! Not yet: network policy, memory snapshots of containers (CRIU does not work here; a
@@ -33,6 +34,7 @@ mod backend;
 mod containers;
 mod create;
 mod files;
+mod image_gc;
 mod packs;
 mod paths;
 mod pulls;
@@ -213,6 +215,8 @@ struct Edge {
     preparing: Mutex<BTreeSet<String>>,
     /// One pull per transfer at a time (the copies of one fork share it).
     import_locks: Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
+    /// The edge's part in the image store's GC (`image_gc.rs`).
+    image_gc: Mutex<image_gc::ImageGc>,
     /// The runtime, for the async pulls that blocking creations make.
     rt: tokio::runtime::Handle,
     /// Image pulls and packs under way (`pulls.rs`, `packs.rs`).

@@ -71,6 +71,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         resume_failures: Mutex::new(BTreeMap::new()),
         preparing: Mutex::new(BTreeSet::new()),
         import_locks: Mutex::new(BTreeMap::new()),
+        image_gc: Default::default(),
         rt: tokio::runtime::Handle::current(),
         pulls: Default::default(),
         metrics_history: crate::metrics_history::MetricsHistory::new(),
@@ -239,6 +240,9 @@ impl Edge {
             Err(_) => return,
         };
         *self.last_observed.lock().expect("observed lock") = observed.clone();
+        // The images in use are published before a create of them starts.
+        let e = self.clone();
+        let _ = tokio::task::spawn_blocking(move || e.image_gc_round()).await;
         let actions = self.plan(&observed);
         self.sweep_imports(&observed);
         let mut changed = false;
