@@ -168,7 +168,13 @@ pub struct Hooks {
     /// Serves transfers (`/transfer/{id}/manifest`, `/transfer/{id}/files/{name}`,
     /// `DELETE /transfer/{id}`).
     pub transfers: Option<Transfers>,
+    /// Collects the image store now for `POST /images/prune`: (layers, VM disks,
+    /// scratch entries, bytes) removed, or why not.
+    pub prune: Option<Pruner>,
 }
+
+/// Collects the image store (blocking); what it removed, or why it could not.
+pub type Pruner = Arc<dyn Fn() -> Result<serde_json::Value, String> + Send + Sync>;
 
 /// The directory of transfer `id` for pulling edge `edge` once it is prepared, or why
 /// not: (404) unknown here, (403) not for that edge, (503) not prepared yet, (410)
@@ -492,6 +498,20 @@ async fn handle(
     }
     if req.uri().path() == "/admit" && req.method() == hyper::Method::POST {
         return admit(req, hooks.admitter).await;
+    }
+    if req.uri().path() == "/images/prune" && req.method() == hyper::Method::POST {
+        let Some(prune) = hooks.prune else {
+            return json_error(StatusCode::NOT_FOUND, "not_found", "this edge keeps no image store");
+        };
+        return match tokio::task::spawn_blocking(move || prune()).await {
+            Ok(Ok(v)) => Response::new(
+                Full::new(Bytes::from(v.to_string()))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            ),
+            Ok(Err(why)) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "prune_failed", &why),
+            Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "prune_failed", &e.to_string()),
+        };
     }
     if let Some(id) = req.uri().path().strip_prefix("/metrics/")
         && req.method() == hyper::Method::GET

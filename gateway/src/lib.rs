@@ -86,6 +86,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/images"),
     ("get", "/v1/images/{name}"),
     ("delete", "/v1/images/{name}"),
+    ("post", "/v1/image-store/prune"),
     ("post", "/v1/tasks/{task}/pause"),
     ("post", "/v1/tasks/{task}/resume"),
     ("get", "/v1/edges"),
@@ -153,6 +154,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/images", post(images::pull).get(images::list))
         // Image names may hold '/' (references are names too).
         .route("/v1/images/{*name}", get(images::get).delete(images::delete))
+        .route("/v1/image-store/prune", post(images::prune))
         .route("/v1/tasks/{task}/pause", post(tasks::pause))
         .route("/v1/tasks/{task}/resume", post(tasks::resume))
         .route("/v1/edges", get(edges::list).post(edges::register))

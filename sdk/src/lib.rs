@@ -447,6 +447,12 @@ impl Client {
             .await
     }
 
+    /// Collects every edge's image store now (root project, edge:write).
+    pub async fn prune_images(&self) -> Result<Pruned, ApiError> {
+        self.call::<(), _>(Method::POST, &["v1", "image-store", "prune"], &[], None)
+            .await
+    }
+
     // ---- tasks ----
 
     /// Pauses every running sandbox labelled `task=<task>` in the caller's subtree.

@@ -561,6 +561,29 @@ pub struct ImageList {
     pub images: Vec<Image>,
 }
 
+/// What one edge's image store gave back to `POST /v1/image-store/prune`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct EdgePruned {
+    pub edge: String,
+    /// Layers, VM disks and scratch entries removed (0 when the edge failed).
+    pub layers: u64,
+    pub disks: u64,
+    pub scratch: u64,
+    /// Bytes of the files removed (apparent sizes).
+    pub bytes: u64,
+    /// Why this edge pruned nothing (unreachable, or its store refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The answer to `POST /v1/image-store/prune`: every registered edge's.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct Pruned {
+    pub edges: Vec<EdgePruned>,
+}
+
 // ---- tasks ----
 
 /// The answer to a task pause or resume.

@@ -146,6 +146,34 @@ impl Edge {
         }
     }
 
+    /// `image prune`: publishes the in-use set now and collects at once (a collection
+    /// already under way beside the loop is waited for by the store's locks).
+    pub(super) fn pruner(self: &std::sync::Arc<Self>) -> crate::proxy::Pruner {
+        let edge = self.clone();
+        std::sync::Arc::new(move || {
+            {
+                let mut gc = edge.image_gc.lock().expect("image gc lock");
+                gc.scanned_at = None;
+                gc.signature = 0;
+            }
+            edge.image_gc_round();
+            let r = edge.images.collect(gc_options()).map_err(|e| e.to_string())?;
+            tracing::info!(
+                layers = r.layers.len(),
+                disks = r.disks.len(),
+                scratch = r.scratch.len(),
+                bytes = r.bytes,
+                "image store pruned"
+            );
+            Ok(serde_json::json!({
+                "layers": r.layers.len(),
+                "disks": r.disks.len(),
+                "scratch": r.scratch.len(),
+                "bytes": r.bytes,
+            }))
+        })
+    }
+
     /// The name of this edge's in-use set: its name, host and data directory (unique
     /// however many clusters share the store, and the same after a restart).
     fn in_use_owner(&self) -> String {

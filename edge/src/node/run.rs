@@ -194,6 +194,7 @@ impl Edge {
             logs: Some(logs),
             history: Some(history),
             transfers: Some(self.transfer_hooks()),
+            prune: Some(self.pruner()),
         };
         proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
     }

@@ -124,6 +124,72 @@ pub async fn delete(
     })
 }
 
+/// Collects every edge's image store now: what no image record, live sandbox, snapshot,
+/// fork, warm container or VM disk of any edge sharing the store uses (the edges also
+/// collect after each `DELETE /v1/images/{name}` and hourly). The stores serve every
+/// project, so it needs edge:write in the root project.
+#[utoipa::path(post, path = "/v1/image-store/prune", tag = "images",
+    responses((status = 200, body = api::Pruned), (status = "4XX", body = api::ErrorBody)))]
+pub async fn prune(State(st): State<AppState>, who: Authed) -> Result<Json<api::Pruned>, ApiError> {
+    who.require(opendsec_projections::Right::EdgeWrite)?;
+    if !st.node.read(|s| who.is_root(s)) {
+        return Err(ApiError::forbidden(
+            "the image stores serve every project: pruning them needs a token of the root project",
+        ));
+    }
+    let edges: Vec<(String, String)> = st.node.read(|s| {
+        s.placement
+            .edges
+            .values()
+            .filter(|e| !e.deregistered)
+            .map(|e| (e.id.clone(), e.address.clone()))
+            .collect()
+    });
+    let mut out = Vec::new();
+    for (edge, address) in edges {
+        let mut row = api::EdgePruned {
+            edge: edge.clone(),
+            layers: 0,
+            disks: 0,
+            scratch: 0,
+            bytes: 0,
+            error: None,
+        };
+        let req = axum::http::Request::post("/images/prune")
+            .body(axum::body::Body::empty())
+            .expect("a valid request");
+        let uri: axum::http::Uri = "/images/prune".parse().expect("a valid path");
+        match crate::edge_client::forward(&st, &address, uri, req).await {
+            Err(e) => row.error = Some(e.0),
+            Ok(resp) => {
+                use http_body_util::BodyExt;
+                let status = resp.status();
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                if status.is_success() {
+                    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+                    (row.layers, row.disks, row.scratch, row.bytes) =
+                        (n("layers"), n("disks"), n("scratch"), n("bytes"));
+                } else {
+                    row.error = Some(
+                        v["message"]
+                            .as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| status.to_string()),
+                    );
+                }
+            }
+        }
+        out.push(row);
+    }
+    Ok(Json(api::Pruned { edges: out }))
+}
+
 /// Whether the caller's sandboxes may start from an image of `project`: it is in the
 /// caller's subtree, or an ancestor's.
 fn usable(s: &Views, who: &Authed, project: &str) -> bool {

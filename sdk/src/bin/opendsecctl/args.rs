@@ -433,9 +433,13 @@ pub(crate) enum ImageCmd {
         name: String,
     },
     /// Removes an image's name: creates of it fail from then on; running sandboxes keep it.
+    /// Its layers and VM disks are collected once nothing uses them.
     Rm {
         name: String,
     },
+    /// Collects every edge's image store now: layers, VM disks and scratch space that no
+    /// image, sandbox, snapshot, fork or warm container uses (root project, edge:write).
+    Prune,
 }
 
 #[derive(Subcommand)]

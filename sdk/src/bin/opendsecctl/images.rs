@@ -73,6 +73,29 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
             let d = client.delete_image(&name).await?;
             out.show(&d, |d| format!("image {name} removed at index {}", d.index));
         }
+        ImageCmd::Prune => {
+            let p = client.prune_images().await?;
+            out.show(&p, |p| {
+                let rows = p
+                    .edges
+                    .iter()
+                    .map(|e| {
+                        vec![
+                            e.edge.clone(),
+                            e.layers.to_string(),
+                            e.disks.to_string(),
+                            e.scratch.to_string(),
+                            format!("{:.1} MiB", e.bytes as f64 / (1 << 20) as f64),
+                            e.error.clone().unwrap_or_default(),
+                        ]
+                    })
+                    .collect();
+                table(&["EDGE", "LAYERS", "DISKS", "SCRATCH", "FREED", "ERROR"], rows)
+            });
+            if p.edges.iter().any(|e| e.error.is_some()) {
+                return Ok(1);
+            }
+        }
     }
     Ok(0)
 }
