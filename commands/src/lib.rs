@@ -12,6 +12,7 @@ mod inflight;
 mod placement;
 mod validate;
 
+pub use decide::network;
 pub use decide::{Decided, batch_for, decide, decide_excluding};
 pub use inflight::InFlight;
 pub use placement::{Candidate, DEFAULT_K, Rng, edge_ordinal_of, place_power_of_k, sandbox_id};
@@ -294,7 +295,7 @@ pub struct SandboxOptions {
     pub auto_pause: bool,
     /// A request to the paused sandbox resumes it.
     pub auto_resume: bool,
-    /// Network settings as asked, as JSON (stored, not yet enforced: no sandbox has egress).
+    /// Network policy as JSON (checked by `network::parse`; none: the default, deny).
     pub network: Option<String>,
     /// A container unless asked otherwise (or started from a microVM's or full VM's
     /// snapshot).

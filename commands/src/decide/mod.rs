@@ -10,6 +10,7 @@ mod cluster;
 mod edges;
 mod forks;
 mod images;
+pub mod network;
 mod place;
 mod projects;
 mod sandboxes;
@@ -135,7 +136,7 @@ pub fn decide_excluding(
             timeout_seconds,
         } => sandboxes::set_timeout(&s, sandbox, *timeout_seconds),
         Command::SetSandboxLabels { sandbox, labels } => sandboxes::set_labels(&s, sandbox, labels),
-        Command::SetSandboxNetwork { sandbox, network } => sandboxes::set_network(&s, sandbox, network),
+        Command::SetSandboxNetwork { sandbox, network } => network::set(&s, sandbox, network),
         Command::ReportSandbox { sandbox, observation } => sandboxes::report(&s, sandbox, observation),
         Command::ForkSandbox { sandbox, count, edge } => forks::fork(&s, sandbox, *count, edge.as_deref()),
         Command::PauseTask { task } => tasks::pause(&s, task),

@@ -265,26 +265,6 @@ pub(super) fn set_labels(s: &Scope, sandbox: &str, labels: &BTreeMap<String, Str
     ))
 }
 
-/// `SetSandboxNetwork`.
-pub(super) fn set_network(s: &Scope, sandbox: &str, network: &str) -> Result<Decided, Rejection> {
-    validate::options(
-        "network",
-        &SandboxOptions {
-            network: Some(network.to_string()),
-            ..Default::default()
-        },
-    )?;
-    let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    Ok(Decided::one(
-        &x.project,
-        sandbox,
-        Event::SandboxNetworkSet(pb::SandboxNetworkSet {
-            id: sandbox.to_string(),
-            network: network.to_string(),
-        }),
-    ))
-}
-
 /// `ReportSandbox`: what the sandbox's edge observed.
 pub(super) fn report(s: &Scope, sandbox: &str, observation: &Observation) -> Result<Decided, Rejection> {
     validate::id("sandbox", sandbox)?;
