@@ -66,6 +66,15 @@ pub enum Command {
     DeleteProject {
         project: String,
     },
+    /// Sets a project's egress ceiling and its sandboxes' default network policy (JSON;
+    /// none: deny). A ceiling is never above the parent's; a caller may lower, not raise,
+    /// its own project's. Needs quota:write.
+    SetProjectNetwork {
+        project: String,
+        ceiling: opendsec_projections::Egress,
+        #[serde(default)]
+        default_network: Option<String>,
+    },
     /// Sets a project's limits; a child's can never exceed its parent's. Needs quota:write
     /// on a strict ancestor (or on the root project, for the root itself).
     SetQuota {
@@ -153,8 +162,8 @@ pub enum Command {
         snapshot: String,
         result: SnapshotResult,
     },
-    /// Records a sandbox's network settings (stored and reported; enforcement comes with
-    /// network policy, and until then no sandbox has egress). Needs sandbox:write.
+    /// Replaces a sandbox's whole network policy (JSON, see `network`); it never exceeds
+    /// its project's egress ceiling. Needs sandbox:write.
     SetSandboxNetwork {
         sandbox: String,
         network: String,
@@ -257,6 +266,7 @@ impl Command {
             Command::CreateProject { .. } => "project.create",
             Command::DeleteProject { .. } => "project.delete",
             Command::SetQuota { .. } => "quota.set",
+            Command::SetProjectNetwork { .. } => "project.set_network",
             Command::IssueToken { .. } => "token.issue",
             Command::RevokeToken { .. } => "token.revoke",
             Command::RegisterEdge { .. } => "edge.register",

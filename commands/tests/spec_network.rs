@@ -6,7 +6,7 @@ mod support;
 
 use opendsec_commands::network::{self, NETWORK_RULES_MAX, Policy, Protocol};
 use opendsec_commands::{Command, RejectionKind as K, SandboxOptions};
-use opendsec_projections::Event;
+use opendsec_projections::{Egress, Event, Right};
 use std::net::IpAddr;
 use support::*;
 
@@ -55,6 +55,8 @@ fn ip(s: &str) -> IpAddr {
 fn a_policy_asked_at_create_is_in_the_event_and_the_view() {
     let (mut w, admin) = World::with_admin_and_edge();
     let root = w.root.clone();
+    // A private block needs the `any` ceiling, which the root's admin may set.
+    w.run(&admin, set_project(&root, Egress::Any, None)).unwrap();
     let json = r#"{"allow_out":["pkgs.example.com","*.cdn.example.com:443","10.1.0.0/16"],"deny_out":["0.0.0.0/0"]}"#;
     let ran = w.run(&admin, create_with(&root, json)).unwrap();
     let [Event::SandboxCreated(c)] = ran.decided.events.as_slice() else {
@@ -261,4 +263,129 @@ fn an_allow_beats_a_deny() {
     assert!(q.allows_addr(ip("93.184.217.1"), 443, Protocol::Tcp));
     assert!(!q.allows_name("tracker.example.com"));
     assert!(q.allows_name("other.example.com"));
+}
+
+fn set_project(project: &str, ceiling: Egress, default_network: Option<&str>) -> Command {
+    Command::SetProjectNetwork {
+        project: project.into(),
+        ceiling,
+        default_network: default_network.map(str::to_string),
+    }
+}
+
+#[test]
+fn a_sandbox_that_names_no_policy_gets_its_projects_default_or_deny() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let team = w.project(&admin, &root, "team");
+    let id = w.sandbox(&admin, &team);
+    assert_eq!(w.state.sandboxes.sandboxes[&id].network, None, "no default set: deny");
+    let default = r#"{"allow_out":["pkgs.example.com"]}"#;
+    w.run(&admin, set_project(&root, Egress::Public, Some(default)))
+        .unwrap();
+    assert_eq!(
+        w.state.default_network(&team),
+        Some(default),
+        "inherited from the parent"
+    );
+    let id = w.sandbox(&admin, &team);
+    assert_eq!(w.state.sandboxes.sandboxes[&id].network.as_deref(), Some(default));
+    // Its own asked policy wins over the default.
+    let own = r#"{"allow_out":[]}"#;
+    let ran = w.run(&admin, create_with(&team, own)).unwrap();
+    assert_eq!(
+        w.state.sandboxes.sandboxes[&ran.decided.target].network.as_deref(),
+        Some(own)
+    );
+    assert_eq!(w.replayed(), w.state);
+}
+
+#[test]
+fn a_sandbox_never_exceeds_its_projects_ceiling() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let team = w.project(&admin, &root, "team");
+    assert_eq!(
+        w.state.egress_ceiling(&team),
+        Egress::Public,
+        "unset: the public internet"
+    );
+    // Public: names and public blocks, not private networks.
+    w.run(
+        &admin,
+        create_with(&team, r#"{"allow_out":["pkgs.example.com","93.184.216.0/24"]}"#),
+    )
+    .unwrap();
+    let err = w
+        .run(
+            &admin,
+            create_with(&team, r#"{"allow_out":["pkgs.example.com","10.1.0.0/16"]}"#),
+        )
+        .unwrap_err();
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Forbidden, Some("opts.network.allow_out[1]"))
+    );
+    // None: nothing at all.
+    w.run(&admin, set_project(&team, Egress::None, None)).unwrap();
+    let err = w
+        .run(&admin, create_with(&team, r#"{"allow_internet_access":true}"#))
+        .unwrap_err();
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Forbidden, Some("opts.network.allow_internet_access"))
+    );
+    let id = w.sandbox(&admin, &team);
+    let err = w
+        .run(
+            &admin,
+            Command::SetSandboxNetwork {
+                sandbox: id,
+                network: r#"{"allowOut":["pkgs.example.com"]}"#.into(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Forbidden, Some("network.allow_out[0]"))
+    );
+    // Any (below a root that allows it): private networks a rule names.
+    w.run(&admin, set_project(&root, Egress::Any, None)).unwrap();
+    w.run(&admin, set_project(&team, Egress::Any, None)).unwrap();
+    w.run(&admin, create_with(&team, r#"{"allow_out":["10.1.0.0/16"]}"#))
+        .unwrap();
+}
+
+#[test]
+fn a_child_ceiling_never_exceeds_its_parents_and_a_project_cannot_raise_its_own() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let team = w.project(&admin, &root, "team");
+    let sub = w.project(&admin, &team, "sub");
+    w.run(&admin, set_project(&team, Egress::None, None)).unwrap();
+    let err = w.run(&admin, set_project(&sub, Egress::Public, None)).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Forbidden, Some("ceiling")));
+    assert_eq!(w.state.egress_ceiling(&sub), Egress::None, "lowered with its parent");
+    // The team's own admin may lower its ceiling and set its default, not raise it.
+    w.run(&admin, set_project(&team, Egress::Public, None)).unwrap();
+    let team_admin = w.issue(&admin, &team, &[Right::QuotaWrite, Right::SandboxWrite], None);
+    let err = w.run(&team_admin, set_project(&team, Egress::Any, None)).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Forbidden, Some("ceiling")));
+    w.run(
+        &team_admin,
+        set_project(&team, Egress::Public, Some(r#"{"allow_internet_access":true}"#)),
+    )
+    .unwrap();
+    // A default beyond the ceiling asked is refused, naming it.
+    let err = w
+        .run(
+            &team_admin,
+            set_project(&team, Egress::None, Some(r#"{"allow_internet_access":true}"#)),
+        )
+        .unwrap_err();
+    assert_eq!(
+        (err.kind, err.field.as_deref()),
+        (K::Invalid, Some("default_network.allow_internet_access"))
+    );
+    assert_eq!(w.replayed(), w.state);
 }

@@ -101,6 +101,7 @@ events!(
     ImageReady,
     ImageFailed,
     ImageDeleted,
+    ProjectNetworkSet,
 );
 
 impl Event {

@@ -91,6 +91,11 @@ pub fn decide_excluding(
         Command::CreateProject { name, parent } => projects::create(&s, name, parent),
         Command::DeleteProject { project } => projects::delete(&s, project),
         Command::SetQuota { project, limits } => projects::set_quota(&s, project, limits),
+        Command::SetProjectNetwork {
+            project,
+            ceiling,
+            default_network,
+        } => network::set_project(&s, project, *ceiling, default_network.as_deref()),
         Command::IssueToken {
             project,
             name,
@@ -216,7 +221,9 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
     match cmd {
         Command::Bootstrap { project_name, .. } => (String::new(), project_name.clone()),
         Command::CreateProject { name, parent } => (parent.clone(), name.clone()),
-        Command::DeleteProject { project } | Command::SetQuota { project, .. } => (project.clone(), project.clone()),
+        Command::DeleteProject { project }
+        | Command::SetQuota { project, .. }
+        | Command::SetProjectNetwork { project, .. } => (project.clone(), project.clone()),
         Command::IssueToken { project, name, .. } => (project.clone(), name.clone()),
         Command::RevokeToken { token, .. } => (
             state

@@ -22,7 +22,7 @@ use crate::validate;
 pub use crate::validate::{NETWORK_RULES_MAX, Protocol, Rule, Target};
 use crate::{Rejection, RejectionKind as K};
 use opendsec_projections::pb;
-use opendsec_projections::{Event, Right};
+use opendsec_projections::{Egress, Event, Right};
 use serde_json::Value;
 use std::net::IpAddr;
 
@@ -257,10 +257,112 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// The least egress ceiling that holds this policy, with the field that needs it
+    /// (`field` names the policy): `None` for a policy that allows nothing, `Any` for one
+    /// whose allow rule names a private (special) block.
+    pub fn needs(&self, field: &str) -> (Egress, String) {
+        if let Some(i) = self
+            .allow_out
+            .iter()
+            .position(|r| matches!(r.target, Target::Cidr { addr, prefix } if is_special(addr) && prefix >= 8))
+        {
+            return (Egress::Any, format!("{field}.allow_out[{i}]"));
+        }
+        if self.allow_internet {
+            return (Egress::Public, format!("{field}.allow_internet_access"));
+        }
+        if !self.allow_out.is_empty() {
+            return (Egress::Public, format!("{field}.allow_out[0]"));
+        }
+        (Egress::None, field.to_string())
+    }
+}
+
+/// Checks network settings and that `project`'s egress ceiling holds them (a 403 naming
+/// the rule that goes beyond it).
+pub(super) fn within_ceiling(s: &Scope, project: &str, field: &str, json: &str) -> Result<Policy, Rejection> {
+    let p = parse(field, json)?;
+    let ceiling = s.state.egress_ceiling(project);
+    let (need, at) = p.needs(field);
+    if need > ceiling {
+        return Err(Rejection::field(
+            K::Forbidden,
+            &at,
+            format!(
+                "{at} needs egress {:?}, above project {project}'s ceiling {:?} (set by the project's owner)",
+                need.as_str(),
+                ceiling.as_str()
+            ),
+        ));
+    }
+    Ok(p)
+}
+
+/// `SetProjectNetwork`: a project's egress ceiling and default policy.
+pub(super) fn set_project(
+    s: &Scope,
+    project: &str,
+    ceiling: Egress,
+    default_network: Option<&str>,
+) -> Result<Decided, Rejection> {
+    let policy = default_network.map(|d| parse("default_network", d)).transpose()?;
+    s.project_in_scope("project", project)?;
+    s.who.require(Right::QuotaWrite)?;
+    let p = &s.state.iam.projects[project];
+    let current = s.state.egress_ceiling(project);
+    // A caller may lower its own project's ceiling (and set its default), not raise it.
+    if project == s.who.project && p.parent.is_some() && !s.who.is_system() && ceiling > current {
+        return Err(Rejection::field(
+            K::Forbidden,
+            "ceiling",
+            "a caller cannot raise its own project's egress ceiling; ask a parent project's admin",
+        ));
+    }
+    if let Some(parent) = p.parent.as_deref() {
+        let bound = s.state.egress_ceiling(parent);
+        if ceiling > bound {
+            return Err(Rejection::field(
+                K::Forbidden,
+                "ceiling",
+                format!(
+                    "egress ceiling {:?} is above the parent project's {:?}",
+                    ceiling.as_str(),
+                    bound.as_str()
+                ),
+            ));
+        }
+    }
+    if let Some(policy) = &policy {
+        let (need, at) = policy.needs("default_network");
+        if need > ceiling {
+            return Err(Rejection::field(
+                K::Invalid,
+                &at,
+                format!(
+                    "{at} needs egress {:?}, above the ceiling {:?}",
+                    need.as_str(),
+                    ceiling.as_str()
+                ),
+            ));
+        }
+    }
+    Ok(Decided::one(
+        project,
+        project,
+        Event::ProjectNetworkSet(pb::ProjectNetworkSet {
+            project: project.to_string(),
+            ceiling: ceiling.as_str().to_string(),
+            default_network: default_network.unwrap_or_default().to_string(),
+        }),
+    ))
+}
+
 /// `SetSandboxNetwork`: replaces the sandbox's whole network policy.
 pub(super) fn set(s: &Scope, sandbox: &str, network: &str) -> Result<Decided, Rejection> {
     parse("network", network)?;
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
+    within_ceiling(s, &x.project, "network", network)?;
     Ok(Decided::one(
         &x.project,
         sandbox,

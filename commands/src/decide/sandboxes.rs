@@ -140,6 +140,14 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             format!("a {} needs at least {least} MB of memory", isolation.noun()),
         ));
     }
+    // Its own policy within the project's ceiling, or the project's default (deny if none).
+    let network = match &opts.network {
+        Some(n) => {
+            super::network::within_ceiling(s, project, "opts.network", n)?;
+            n.clone()
+        }
+        None => state.default_network(project).unwrap_or_default().to_string(),
+    };
     let usage = Usage {
         sandboxes: 1,
         cpu_millis: cpu,
@@ -187,7 +195,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             auto_resume: opts.auto_resume,
             snapshot: from.map(|snap| snap.id.clone()).unwrap_or_default(),
             template: image.to_string(),
-            network: opts.network.clone().unwrap_or_default(),
+            network,
             isolation: isolation.to_event(),
             idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),
             source_edge,
