@@ -6,7 +6,7 @@ mod support;
 
 use opendsec_commands::network::{self, NETWORK_RULES_MAX, Policy, Protocol};
 use opendsec_commands::{Command, RejectionKind as K, SandboxOptions};
-use opendsec_projections::{Egress, Event, Right};
+use opendsec_projections::{Egress, Event, Outcome, Right};
 use std::net::IpAddr;
 use support::*;
 
@@ -388,4 +388,19 @@ fn a_child_ceiling_never_exceeds_its_parents_and_a_project_cannot_raise_its_own(
         (K::Invalid, Some("default_network.allow_internet_access"))
     );
     assert_eq!(w.replayed(), w.state);
+}
+
+#[test]
+fn a_child_ceiling_decided_against_a_stale_parent_is_rejected_at_apply() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let team = w.project(&admin, &root, "team");
+    let sub = w.project(&admin, &team, "sub");
+    // Both decided before either is applied: the parent's lowering lands first.
+    let lower = w.propose(&admin, set_project(&team, Egress::None, None), Overlay::Ignored);
+    let raise = w.propose(&admin, set_project(&sub, Egress::Public, None), Overlay::Ignored);
+    assert!(matches!(w.commit(lower), Some((_, Outcome::Applied { .. }))));
+    assert!(matches!(w.commit(raise), Some((_, Outcome::Rejected { .. }))));
+    assert_eq!(w.state.egress_ceiling(&sub), Egress::None);
+    assert!(!w.state.quota.network.contains_key(&sub));
 }
