@@ -12,6 +12,7 @@ mod inflight;
 mod placement;
 pub mod validate;
 
+pub use decide::network;
 pub use decide::{Decided, batch_for, decide, decide_excluding, request_digest};
 pub use inflight::InFlight;
 pub use placement::{Candidate, DEFAULT_K, Rng, edge_ordinal_of, place_power_of_k, sandbox_id};
@@ -64,6 +65,15 @@ pub enum Command {
     /// Deletes an empty project strictly below the principal's own. Needs project:write.
     DeleteProject {
         project: String,
+    },
+    /// Sets a project's egress ceiling and its sandboxes' default network policy (JSON;
+    /// none: deny). A ceiling is never above the parent's; a caller may lower, not raise,
+    /// its own project's. Needs quota:write.
+    SetProjectNetwork {
+        project: String,
+        ceiling: opendsec_projections::Egress,
+        #[serde(default)]
+        default_network: Option<String>,
     },
     /// Sets a project's limits; a child's can never exceed its parent's. Needs quota:write
     /// on a strict ancestor (or on the root project, for the root itself).
@@ -152,8 +162,8 @@ pub enum Command {
         snapshot: String,
         result: SnapshotResult,
     },
-    /// Records a sandbox's network settings (stored and reported; enforcement comes with
-    /// network policy, and until then no sandbox has egress). Needs sandbox:write.
+    /// Replaces a sandbox's whole network policy (JSON, see `network`); it never exceeds
+    /// its project's egress ceiling. Needs sandbox:write.
     SetSandboxNetwork {
         sandbox: String,
         network: String,
@@ -313,6 +323,7 @@ impl Command {
             Command::CreateProject { .. } => "project.create",
             Command::DeleteProject { .. } => "project.delete",
             Command::SetQuota { .. } => "quota.set",
+            Command::SetProjectNetwork { .. } => "project.set_network",
             Command::IssueToken { .. } => "token.issue",
             Command::RevokeToken { .. } => "token.revoke",
             Command::RegisterEdge { .. } => "edge.register",
@@ -356,7 +367,7 @@ pub struct SandboxOptions {
     pub auto_pause: bool,
     /// A request to the paused sandbox resumes it.
     pub auto_resume: bool,
-    /// Network settings as asked, as JSON (stored, not yet enforced: no sandbox has egress).
+    /// Network policy as JSON (checked by `network::parse`; none: the default, deny).
     pub network: Option<String>,
     /// A container unless asked otherwise (or started from a microVM's or full VM's
     /// snapshot).

@@ -192,15 +192,7 @@ pub fn options(field: &str, o: &crate::SandboxOptions) -> Result<(), Rejection> 
         ));
     }
     if let Some(n) = &o.network {
-        if n.len() > LIMITS.network_len {
-            return Err(invalid(
-                field,
-                format!("network settings are over {} bytes", LIMITS.network_len),
-            ));
-        }
-        if serde_json::from_str::<serde_json::Value>(n).is_err() {
-            return Err(invalid(field, "network settings must be JSON".into()));
-        }
+        crate::decide::network::parse(&format!("{field}.network"), n)?;
     }
     Ok(())
 }
@@ -263,4 +255,214 @@ pub fn scrub(field: &str, paths: &[String]) -> Result<(), Rejection> {
         }
     }
     Ok(())
+}
+
+/// The most rules (allow and deny together) one sandbox's network policy may hold.
+pub const NETWORK_RULES_MAX: usize = 256;
+
+/// Where an egress rule points: a DNS name (exact, or `*.` and a suffix for every name
+/// below it) or an address block (a lone address is its own block, /32 or /128).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    Domain { name: String, wildcard: bool },
+    Cidr { addr: std::net::IpAddr, prefix: u8 },
+}
+
+/// A transport a rule covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    Any,
+    Tcp,
+    Udp,
+}
+
+/// One egress rule: a target, the ports it covers (empty: every port) and a transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub target: Target,
+    pub ports: Vec<(u16, u16)>,
+    pub protocol: Protocol,
+}
+
+/// A DNS name as a rule names it: labels of a-z, 0-9 and '-' (not at either end), at most
+/// 63 bytes each and 253 in all, at least two labels; letters are folded to lower case.
+fn domain(field: &str, v: &str) -> Result<String, Rejection> {
+    let name = v.strip_suffix('.').unwrap_or(v).to_ascii_lowercase();
+    let labels: Vec<&str> = name.split('.').collect();
+    let ok = name.len() <= 253
+        && labels.len() >= 2
+        && labels.iter().all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        });
+    if !ok {
+        return Err(invalid(
+            field,
+            format!(
+                "{field}: {v:?} is not a DNS name (e.g. pkgs.example.com or *.example.com), an address or a CIDR block"
+            ),
+        ));
+    }
+    Ok(name)
+}
+
+/// A CIDR block or a lone address, IPv4 or IPv6; host bits must be zero.
+fn cidr(field: &str, v: &str) -> Result<Option<Target>, Rejection> {
+    let (addr, prefix) = match v.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (v, None),
+    };
+    let Ok(addr) = addr.parse::<std::net::IpAddr>() else {
+        return Ok(None);
+    };
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    let prefix = match prefix {
+        None => max,
+        Some(p) => match p.parse::<u8>() {
+            Ok(n) if n <= max => n,
+            _ => return Err(invalid(field, format!("{field}: {v:?} has a prefix length over {max}"))),
+        },
+    };
+    let bits: u128 = match addr {
+        std::net::IpAddr::V4(a) => u32::from(a) as u128,
+        std::net::IpAddr::V6(a) => u128::from(a),
+    };
+    let host = match max - prefix {
+        0 => 0,
+        128 => bits,
+        n => bits & ((1u128 << n) - 1),
+    };
+    if host != 0 {
+        return Err(invalid(
+            field,
+            format!("{field}: {v:?} has bits set below its /{prefix} prefix (write the block's first address)"),
+        ));
+    }
+    Ok(Some(Target::Cidr { addr, prefix }))
+}
+
+/// A rule's target: an address, a CIDR block, a DNS name or `*.` and a DNS name.
+pub fn target(field: &str, v: &str) -> Result<Target, Rejection> {
+    if let Some(t) = cidr(field, v)? {
+        return Ok(t);
+    }
+    if let Some(rest) = v.strip_prefix("*.") {
+        return Ok(Target::Domain {
+            name: domain(field, rest)?,
+            wildcard: true,
+        });
+    }
+    Ok(Target::Domain {
+        name: domain(field, v)?,
+        wildcard: false,
+    })
+}
+
+/// A port or a range `LO-HI`, 1 to 65535.
+fn port_range(field: &str, v: &str) -> Result<(u16, u16), Rejection> {
+    let bad = || {
+        invalid(
+            field,
+            format!("{field}: {v:?} is not a port (1-65535) or a range LO-HI"),
+        )
+    };
+    let one = |s: &str| s.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(bad);
+    match v.split_once('-') {
+        Some((lo, hi)) => {
+            let (lo, hi) = (one(lo)?, one(hi)?);
+            if lo > hi {
+                return Err(bad());
+            }
+            Ok((lo, hi))
+        }
+        None => one(v).map(|p| (p, p)),
+    }
+}
+
+/// One rule as JSON: a string (`TARGET`, `TARGET:PORT`, `[V6]:PORT`, `CIDR:PORT`) or an
+/// object `{"to": TARGET, "ports": [443, "8000-8100"], "protocol": "tcp"|"udp"|"any"}`.
+pub fn rule(field: &str, v: &serde_json::Value) -> Result<Rule, Rejection> {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => {
+            if s.len() > 300 {
+                return Err(invalid(field, format!("{field} is over 300 bytes")));
+            }
+            // `[v6]:port`, `host:port`, `a.b.c.d/n:port`; a bare IPv6 address has several colons.
+            let (t, port) = if let Some(rest) = s.strip_prefix('[') {
+                match rest.split_once("]:") {
+                    Some((a, p)) => (a, Some(p)),
+                    None => (rest.strip_suffix(']').unwrap_or(rest), None),
+                }
+            } else if s.matches(':').count() == 1 {
+                let (a, p) = s.split_once(':').expect("one colon");
+                (a, Some(p))
+            } else {
+                (s.as_str(), None)
+            };
+            Ok(Rule {
+                target: target(field, t)?,
+                ports: port.map(|p| port_range(field, p)).transpose()?.into_iter().collect(),
+                protocol: Protocol::Any,
+            })
+        }
+        Value::Object(o) => {
+            for k in o.keys() {
+                if !matches!(k.as_str(), "to" | "ports" | "protocol") {
+                    return Err(invalid(
+                        &format!("{field}.{k}"),
+                        format!("{field}.{k} is not a rule field (to, ports, protocol)"),
+                    ));
+                }
+            }
+            let to_field = format!("{field}.to");
+            let Some(Value::String(to)) = o.get("to") else {
+                return Err(invalid(
+                    &to_field,
+                    format!("{to_field} must name an address, a CIDR block or a DNS name"),
+                ));
+            };
+            let ports_field = format!("{field}.ports");
+            let ports = match o.get("ports") {
+                None | Some(Value::Null) => vec![],
+                Some(Value::Array(a)) if a.len() <= 64 => a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        let f = format!("{ports_field}[{i}]");
+                        match p {
+                            Value::Number(n) => port_range(&f, &n.to_string()),
+                            Value::String(s) => port_range(&f, s),
+                            _ => Err(invalid(&f, format!("{f} must be a port or a range \"LO-HI\""))),
+                        }
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(_) => {
+                    return Err(invalid(
+                        &ports_field,
+                        format!("{ports_field} must be a list of at most 64 ports or ranges"),
+                    ));
+                }
+            };
+            let protocol = match o.get("protocol") {
+                None | Some(Value::Null) => Protocol::Any,
+                Some(Value::String(p)) if p == "any" => Protocol::Any,
+                Some(Value::String(p)) if p == "tcp" => Protocol::Tcp,
+                Some(Value::String(p)) if p == "udp" => Protocol::Udp,
+                Some(_) => {
+                    let f = format!("{field}.protocol");
+                    return Err(invalid(&f, format!("{f} must be \"tcp\", \"udp\" or \"any\"")));
+                }
+            };
+            Ok(Rule {
+                target: target(&to_field, to)?,
+                ports,
+                protocol,
+            })
+        }
+        _ => Err(invalid(field, format!("{field} must be a string or a rule object"))),
+    }
 }

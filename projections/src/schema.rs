@@ -106,6 +106,7 @@ events!(
     TemplateBuildFinished,
     TemplateTagsSet,
     TemplateDeleted,
+    ProjectNetworkSet,
 );
 
 impl Event {

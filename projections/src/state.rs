@@ -244,6 +244,25 @@ impl State {
             .fold(Limits::default(), |acc, l| acc.tightest(l))
     }
 
+    /// The egress ceiling in force for a project: its own, lowered by every ancestor's
+    /// (a project whose line never set one: `Egress::Public`).
+    pub fn egress_ceiling(&self, project: &str) -> Egress {
+        self.ancestry(project)
+            .iter()
+            .filter_map(|p| self.quota.network.get(&p.id))
+            .map(|n| n.ceiling)
+            .min()
+            .unwrap_or_default()
+    }
+
+    /// The network policy (JSON) of a project's sandboxes that name none: the nearest
+    /// default set on its line, or none (deny).
+    pub fn default_network(&self, project: &str) -> Option<&str> {
+        self.ancestry(project)
+            .iter()
+            .find_map(|p| self.quota.network.get(&p.id).and_then(|n| n.default_network.as_deref()))
+    }
+
     /// The limits a child of `parent` may be given at most.
     pub fn bound_for_child_of(&self, parent: Option<&str>) -> Limits {
         parent.map(|p| self.effective_limits(p)).unwrap_or_default()
@@ -407,6 +426,24 @@ impl State {
                 }
                 if self.quota.usage.get(&e.id).is_some_and(|u| u.sandboxes > 0) {
                     return Err(format!("project {} still has live sandboxes", e.id));
+                }
+            }
+            Event::ProjectNetworkSet(e) => {
+                let p = self
+                    .iam
+                    .projects
+                    .get(&e.project)
+                    .ok_or_else(|| format!("project {} does not exist", e.project))?;
+                let ceiling =
+                    Egress::parse(&e.ceiling).ok_or_else(|| format!("unknown egress ceiling {:?}", e.ceiling))?;
+                if let Some(parent) = p.parent.as_deref()
+                    && ceiling > self.egress_ceiling(parent)
+                {
+                    return Err(format!(
+                        "egress ceiling {} is above the parent project's {}",
+                        ceiling.as_str(),
+                        self.egress_ceiling(parent).as_str()
+                    ));
                 }
             }
             Event::QuotaSet(e) => {
@@ -631,6 +668,16 @@ impl State {
                 }
                 self.quota.limits.remove(&e.id);
                 self.quota.usage.remove(&e.id);
+                self.quota.network.remove(&e.id);
+            }
+            Event::ProjectNetworkSet(e) => {
+                self.quota.network.insert(
+                    e.project.clone(),
+                    ProjectNetwork {
+                        ceiling: Egress::parse(&e.ceiling).unwrap_or_default(),
+                        default_network: (!e.default_network.is_empty()).then(|| e.default_network.clone()),
+                    },
+                );
             }
             Event::QuotaSet(e) => {
                 self.quota

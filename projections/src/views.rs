@@ -175,6 +175,47 @@ pub struct QuotaView {
     pub limits: BTreeMap<String, Limits>,
     /// Usage of the project's whole subtree (a sandbox counts against every ancestor).
     pub usage: BTreeMap<String, Usage>,
+    /// Egress ceilings and default network policies set by projects' owners.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub network: BTreeMap<String, ProjectNetwork>,
+}
+
+/// How far a project's sandboxes may reach out, at most. Ordered: a child's ceiling is
+/// never above its parent's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Egress {
+    /// No egress at all.
+    None,
+    /// The public internet (never private, loopback, link-local or metadata addresses).
+    #[default]
+    Public,
+    /// The public internet and private networks that a rule names.
+    Any,
+}
+
+impl Egress {
+    pub const ALL: [Egress; 3] = [Egress::None, Egress::Public, Egress::Any];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Egress::None => "none",
+            Egress::Public => "public",
+            Egress::Any => "any",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Egress> {
+        Egress::ALL.into_iter().find(|e| e.as_str() == s)
+    }
+}
+
+/// A project's network settings: its ceiling and its sandboxes' default policy (JSON).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProjectNetwork {
+    pub ceiling: Egress,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_network: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

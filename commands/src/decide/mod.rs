@@ -10,6 +10,7 @@ mod cluster;
 mod edges;
 mod forks;
 mod images;
+pub mod network;
 mod place;
 mod projects;
 mod sandboxes;
@@ -91,6 +92,11 @@ pub fn decide_excluding(
         Command::CreateProject { name, parent } => projects::create(&s, name, parent),
         Command::DeleteProject { project } => projects::delete(&s, project),
         Command::SetQuota { project, limits } => projects::set_quota(&s, project, limits),
+        Command::SetProjectNetwork {
+            project,
+            ceiling,
+            default_network,
+        } => network::set_project(&s, project, *ceiling, default_network.as_deref()),
         Command::IssueToken {
             project,
             name,
@@ -136,7 +142,7 @@ pub fn decide_excluding(
             timeout_seconds,
         } => sandboxes::set_timeout(&s, sandbox, *timeout_seconds),
         Command::SetSandboxLabels { sandbox, labels } => sandboxes::set_labels(&s, sandbox, labels),
-        Command::SetSandboxNetwork { sandbox, network } => sandboxes::set_network(&s, sandbox, network),
+        Command::SetSandboxNetwork { sandbox, network } => network::set(&s, sandbox, network),
         Command::ReportSandbox { sandbox, observation } => sandboxes::report(&s, sandbox, observation),
         Command::ForkSandbox { sandbox, count, edge } => forks::fork(&s, sandbox, *count, edge.as_deref()),
         Command::PauseTask { task } => tasks::pause(&s, task),
@@ -277,7 +283,9 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
     match cmd {
         Command::Bootstrap { project_name, .. } => (String::new(), project_name.clone()),
         Command::CreateProject { name, parent } => (parent.clone(), name.clone()),
-        Command::DeleteProject { project } | Command::SetQuota { project, .. } => (project.clone(), project.clone()),
+        Command::DeleteProject { project }
+        | Command::SetQuota { project, .. }
+        | Command::SetProjectNetwork { project, .. } => (project.clone(), project.clone()),
         Command::IssueToken { project, name, .. } => (project.clone(), name.clone()),
         Command::RevokeToken { token, .. } => (
             state

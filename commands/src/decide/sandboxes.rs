@@ -147,6 +147,14 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             format!("a {} needs at least {least} MB of memory", isolation.noun()),
         ));
     }
+    // Its own policy within the project's ceiling, or the project's default (deny if none).
+    let network = match &opts.network {
+        Some(n) => {
+            super::network::within_ceiling(s, project, "opts.network", n)?;
+            n.clone()
+        }
+        None => state.default_network(project).unwrap_or_default().to_string(),
+    };
     let usage = Usage {
         sandboxes: 1,
         cpu_millis: cpu,
@@ -194,7 +202,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             auto_resume: opts.auto_resume,
             snapshot: from.map(|snap| snap.id.clone()).unwrap_or_default(),
             template: asked.to_string(),
-            network: opts.network.clone().unwrap_or_default(),
+            network,
             isolation: isolation.to_event(),
             idempotency_key: opts.idempotency_key.clone().unwrap_or_default(),
             source_edge,
@@ -268,26 +276,6 @@ pub(super) fn set_labels(s: &Scope, sandbox: &str, labels: &BTreeMap<String, Str
         Event::SandboxLabelsSet(pb::SandboxLabelsSet {
             id: sandbox.to_string(),
             labels: labels.clone(),
-        }),
-    ))
-}
-
-/// `SetSandboxNetwork`.
-pub(super) fn set_network(s: &Scope, sandbox: &str, network: &str) -> Result<Decided, Rejection> {
-    validate::options(
-        "network",
-        &SandboxOptions {
-            network: Some(network.to_string()),
-            ..Default::default()
-        },
-    )?;
-    let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    Ok(Decided::one(
-        &x.project,
-        sandbox,
-        Event::SandboxNetworkSet(pb::SandboxNetworkSet {
-            id: sandbox.to_string(),
-            network: network.to_string(),
         }),
     ))
 }

@@ -1,0 +1,374 @@
+//! Network policy: what a sandbox may reach, as asked at create (`opts.network`) or
+//! replaced whole by `SetSandboxNetwork`, both as JSON.
+//!
+//! The JSON is an object of `allow_out` and `deny_out` (E2B's `allowOut`, `denyOut`:
+//! lists of rules, see `validate::rule`), `allow_internet_access` (true: the public
+//! internet; false or absent: nothing but what `allow_out` names) and `dns_servers`
+//! (addresses). E2B's `egressProxy` and non-empty `rules` (header injection) are
+//! refused; its settings of traffic into the sandbox (`allowPublicTraffic`,
+//! `maskRequestHost`, `httpsPorts`) are kept as asked. Every rule is checked here, and a bad one
+//! is a 400 naming it (`network.allow_out[2]`); at most `NETWORK_RULES_MAX` rules.
+//!
+//! Meaning ([`Policy::allows_addr`], [`Policy::allows_name`]), shared with the edge that
+//! enforces it: default deny; an allow beats a deny (E2B's precedence); the public
+//! internet never includes private, loopback, link-local (so 169.254.169.254) or other
+//! special addresses: those open only to a CIDR rule inside them that names them.
+//! The event keeps the JSON as asked, so logs written before this module replay as they
+//! were (an empty network is the default: deny).
+
+use super::Decided;
+use super::scope::Scope;
+use crate::validate;
+pub use crate::validate::{NETWORK_RULES_MAX, Protocol, Rule, Target};
+use crate::{Rejection, RejectionKind as K};
+use opendsec_projections::pb;
+use opendsec_projections::{Egress, Event, Right};
+use serde_json::Value;
+use std::net::IpAddr;
+
+/// A sandbox's egress policy, checked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    pub allow_internet: bool,
+    pub allow_out: Vec<Rule>,
+    pub deny_out: Vec<Rule>,
+    pub dns_servers: Vec<IpAddr>,
+}
+
+fn invalid(field: &str, msg: String) -> Rejection {
+    Rejection::field(K::Invalid, field, msg)
+}
+
+/// Checks network settings as JSON; `field` names them in a refusal (`network`).
+pub fn parse(field: &str, json: &str) -> Result<Policy, Rejection> {
+    if json.len() > validate::LIMITS.network_len {
+        return Err(invalid(
+            field,
+            format!("network settings are over {} bytes", validate::LIMITS.network_len),
+        ));
+    }
+    let v: Value = serde_json::from_str(json).map_err(|_| invalid(field, "network settings must be JSON".into()))?;
+    let Value::Object(o) = v else {
+        return Err(invalid(field, format!("{field} must be an object")));
+    };
+    let mut p = Policy::default();
+    let mut count = 0usize;
+    for (k, v) in &o {
+        match k.as_str() {
+            "allow_out" | "allowOut" | "deny_out" | "denyOut" => {
+                let name = if k.starts_with("allow") {
+                    "allow_out"
+                } else {
+                    "deny_out"
+                };
+                let f = format!("{field}.{name}");
+                let list = match v {
+                    Value::Null => continue,
+                    Value::Array(a) => a,
+                    _ => return Err(invalid(&f, format!("{f} must be a list of rules"))),
+                };
+                count += list.len();
+                if count > NETWORK_RULES_MAX {
+                    return Err(invalid(
+                        &f,
+                        format!("a network policy holds at most {NETWORK_RULES_MAX} rules"),
+                    ));
+                }
+                let rules = list
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| validate::rule(&format!("{f}[{i}]"), r))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if name == "allow_out" {
+                    p.allow_out.extend(rules);
+                } else {
+                    p.deny_out.extend(rules);
+                }
+            }
+            "allow_internet_access" | "allowInternetAccess" => match v {
+                Value::Null => {}
+                Value::Bool(b) => p.allow_internet = *b,
+                _ => {
+                    let f = format!("{field}.allow_internet_access");
+                    return Err(invalid(&f, format!("{f} must be true or false")));
+                }
+            },
+            "dns_servers" | "dnsServers" => {
+                let f = format!("{field}.dns_servers");
+                let list = match v {
+                    Value::Null => continue,
+                    Value::Array(a) if a.len() <= 10 => a,
+                    _ => return Err(invalid(&f, format!("{f} must be a list of at most 10 addresses"))),
+                };
+                for (i, s) in list.iter().enumerate() {
+                    let fi = format!("{f}[{i}]");
+                    let ip = s
+                        .as_str()
+                        .and_then(|s| s.parse::<IpAddr>().ok())
+                        .ok_or_else(|| invalid(&fi, format!("{fi} must be an IPv4 or IPv6 address")))?;
+                    p.dns_servers.push(ip);
+                }
+            }
+            "egress_proxy" | "egressProxy" if v.is_null() => {}
+            "egress_proxy" | "egressProxy" => {
+                let f = format!("{field}.egress_proxy");
+                return Err(invalid(
+                    &f,
+                    format!("{f}: an egress proxy is not supported; name what the sandbox may reach in allow_out"),
+                ));
+            }
+            // Settings of traffic into the sandbox (E2B's), kept as asked: not egress.
+            "allowPublicTraffic" | "allow_public_traffic" if matches!(v, Value::Null | Value::Bool(_)) => {}
+            "maskRequestHost" | "mask_request_host" if matches!(v, Value::Null | Value::String(_)) => {}
+            "httpsPorts" | "https_ports"
+                if v.is_null()
+                    || v.as_array()
+                        .is_some_and(|a| a.iter().all(|p| p.as_u64().is_some_and(|p| (1..=65535).contains(&p)))) => {}
+            // E2B's per-host request rules (header injection): only an empty set is accepted.
+            "rules" if matches!(v, Value::Null) || v.as_object().is_some_and(|r| r.is_empty()) => {}
+            other => {
+                let f = format!("{field}.{other}");
+                return Err(invalid(
+                    &f,
+                    format!("{f} is not a network setting (allow_out, deny_out, allow_internet_access, dns_servers)"),
+                ));
+            }
+        }
+    }
+    Ok(p)
+}
+
+/// Whether `ip` is outside the public internet: private, loopback, link-local (the
+/// cloud metadata service's 169.254.169.254 too), unspecified, multicast, shared (CGN),
+/// benchmarking, documentation or reserved, or an IPv6 unique-local, link-local,
+/// site-local or mapped form of one of those.
+pub fn is_special(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => {
+            let [x, y, ..] = a.octets();
+            a.is_private()
+                || a.is_loopback()
+                || a.is_link_local()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || a.is_broadcast()
+                || a.is_documentation()
+                || x == 0
+                || x >= 240
+                || (x == 100 && (64..128).contains(&y))
+                || (x == 198 && (18..20).contains(&y))
+                || (x == 192 && y == 0 && a.octets()[2] == 0)
+        }
+        IpAddr::V6(a) => {
+            if let Some(v4) = a.to_ipv4_mapped() {
+                return is_special(IpAddr::V4(v4));
+            }
+            let s = a.segments()[0];
+            a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (s & 0xfe00) == 0xfc00
+                || (s & 0xffc0) == 0xfe80
+                || (s & 0xffc0) == 0xfec0
+                || s == 0x2001 && a.segments()[1] == 0x0db8
+                || s == 0x0064 // NAT64 well-known prefix
+        }
+    }
+}
+
+fn bits(ip: IpAddr) -> (u128, u8) {
+    match ip {
+        IpAddr::V4(a) => (u32::from(a) as u128, 32),
+        IpAddr::V6(a) => (u128::from(a), 128),
+    }
+}
+
+/// Whether block `net/prefix` holds `ip`.
+pub fn contains(net: IpAddr, prefix: u8, ip: IpAddr) -> bool {
+    let ((n, w), (x, w2)) = (bits(net), bits(ip));
+    if w != w2 {
+        return false;
+    }
+    let shift = w - prefix;
+    shift as u32 >= 128 || (n >> shift) == (x >> shift)
+}
+
+fn covers(rule: &Rule, port: u16, proto: Protocol) -> bool {
+    let proto_ok = rule.protocol == Protocol::Any || proto == Protocol::Any || rule.protocol == proto;
+    let port_ok = rule.ports.is_empty() || rule.ports.iter().any(|(lo, hi)| (*lo..=*hi).contains(&port));
+    proto_ok && port_ok
+}
+
+/// Whether a rule's name matches `name` (exactly, or below it for `*.`).
+fn name_matches(rule: &Rule, name: &str) -> bool {
+    let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+    match &rule.target {
+        Target::Domain {
+            name: n,
+            wildcard: false,
+        } => *n == name,
+        Target::Domain {
+            name: n,
+            wildcard: true,
+        } => name.strip_suffix(n.as_str()).is_some_and(|h| h.ends_with('.')),
+        Target::Cidr { .. } => false,
+    }
+}
+
+/// Whether an address rule holds `ip`; a special address only to a rule whose block
+/// lies inside special space (it names it: 0.0.0.0/0 does not).
+fn addr_matches(rule: &Rule, ip: IpAddr) -> bool {
+    match rule.target {
+        Target::Cidr { addr, prefix } => {
+            contains(addr, prefix, ip) && (!is_special(ip) || is_special(addr) && prefix >= 8)
+        }
+        Target::Domain { .. } => false,
+    }
+}
+
+impl Policy {
+    /// Whether the sandbox may reach `ip` on `port` over `proto` (by address; a name's
+    /// resolved addresses are added by the edge's DNS proxy under `allows_name`).
+    pub fn allows_addr(&self, ip: IpAddr, port: u16, proto: Protocol) -> bool {
+        let allowed = self
+            .allow_out
+            .iter()
+            .any(|r| addr_matches(r, ip) && covers(r, port, proto));
+        if allowed {
+            return true; // an allow beats a deny
+        }
+        let denied = self
+            .deny_out
+            .iter()
+            .any(|r| addr_matches(r, ip) && covers(r, port, proto));
+        self.allow_internet && !is_special(ip) && !denied
+    }
+
+    /// Whether the sandbox may resolve and then reach `name` (on some port).
+    pub fn allows_name(&self, name: &str) -> bool {
+        if self.allow_out.iter().any(|r| name_matches(r, name)) {
+            return true;
+        }
+        self.allow_internet
+            && !self
+                .deny_out
+                .iter()
+                .any(|r| name_matches(r, name) && r.ports.is_empty())
+    }
+}
+
+impl Policy {
+    /// The least egress ceiling that holds this policy, with the field that needs it
+    /// (`field` names the policy): `None` for a policy that allows nothing, `Any` for one
+    /// whose allow rule names a private (special) block.
+    pub fn needs(&self, field: &str) -> (Egress, String) {
+        if let Some(i) = self
+            .allow_out
+            .iter()
+            .position(|r| matches!(r.target, Target::Cidr { addr, prefix } if is_special(addr) && prefix >= 8))
+        {
+            return (Egress::Any, format!("{field}.allow_out[{i}]"));
+        }
+        if self.allow_internet {
+            return (Egress::Public, format!("{field}.allow_internet_access"));
+        }
+        if !self.allow_out.is_empty() {
+            return (Egress::Public, format!("{field}.allow_out[0]"));
+        }
+        (Egress::None, field.to_string())
+    }
+}
+
+/// Checks network settings and that `project`'s egress ceiling holds them (a 403 naming
+/// the rule that goes beyond it).
+pub(super) fn within_ceiling(s: &Scope, project: &str, field: &str, json: &str) -> Result<Policy, Rejection> {
+    let p = parse(field, json)?;
+    let ceiling = s.state.egress_ceiling(project);
+    let (need, at) = p.needs(field);
+    if need > ceiling {
+        return Err(Rejection::field(
+            K::Forbidden,
+            &at,
+            format!(
+                "{at} needs egress {:?}, above project {project}'s ceiling {:?} (set by the project's owner)",
+                need.as_str(),
+                ceiling.as_str()
+            ),
+        ));
+    }
+    Ok(p)
+}
+
+/// `SetProjectNetwork`: a project's egress ceiling and default policy.
+pub(super) fn set_project(
+    s: &Scope,
+    project: &str,
+    ceiling: Egress,
+    default_network: Option<&str>,
+) -> Result<Decided, Rejection> {
+    let policy = default_network.map(|d| parse("default_network", d)).transpose()?;
+    s.project_in_scope("project", project)?;
+    s.who.require(Right::QuotaWrite)?;
+    let p = &s.state.iam.projects[project];
+    let current = s.state.egress_ceiling(project);
+    // A caller may lower its own project's ceiling (and set its default), not raise it.
+    if project == s.who.project && p.parent.is_some() && !s.who.is_system() && ceiling > current {
+        return Err(Rejection::field(
+            K::Forbidden,
+            "ceiling",
+            "a caller cannot raise its own project's egress ceiling; ask a parent project's admin",
+        ));
+    }
+    if let Some(parent) = p.parent.as_deref() {
+        let bound = s.state.egress_ceiling(parent);
+        if ceiling > bound {
+            return Err(Rejection::field(
+                K::Forbidden,
+                "ceiling",
+                format!(
+                    "egress ceiling {:?} is above the parent project's {:?}",
+                    ceiling.as_str(),
+                    bound.as_str()
+                ),
+            ));
+        }
+    }
+    if let Some(policy) = &policy {
+        let (need, at) = policy.needs("default_network");
+        if need > ceiling {
+            return Err(Rejection::field(
+                K::Invalid,
+                &at,
+                format!(
+                    "{at} needs egress {:?}, above the ceiling {:?}",
+                    need.as_str(),
+                    ceiling.as_str()
+                ),
+            ));
+        }
+    }
+    Ok(Decided::one(
+        project,
+        project,
+        Event::ProjectNetworkSet(pb::ProjectNetworkSet {
+            project: project.to_string(),
+            ceiling: ceiling.as_str().to_string(),
+            default_network: default_network.unwrap_or_default().to_string(),
+        }),
+    ))
+}
+
+/// `SetSandboxNetwork`: replaces the sandbox's whole network policy.
+pub(super) fn set(s: &Scope, sandbox: &str, network: &str) -> Result<Decided, Rejection> {
+    parse("network", network)?;
+    let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
+    within_ceiling(s, &x.project, "network", network)?;
+    Ok(Decided::one(
+        &x.project,
+        sandbox,
+        Event::SandboxNetworkSet(pb::SandboxNetworkSet {
+            id: sandbox.to_string(),
+            network: network.to_string(),
+        }),
+    ))
+}
