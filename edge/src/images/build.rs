@@ -1,7 +1,7 @@
 //! The project's own image builders: `busybox` (one static binary, for fast tests),
 //! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
-//! numpy, pandas, matplotlib and the code-interpreter server). Each builds one layer
+//! numpy, pandas, matplotlib, jupyter_client, ipykernel and the code-interpreter server). Each builds one layer
 //! into a scratch directory; the store publishes it with a rename. Builders run
 //! the host tools under `env -i` so that host settings (proxies for pip, locales) do not
 //! leak into images, and use the tools' default package sources (for apt inside an
@@ -64,7 +64,9 @@ const BASE_FILES: &[LayerFile] = &[
     },
 ];
 
-/// Packages the code-interpreter layer installs with apt on top of `base`. munkres
+/// Packages the code-interpreter layer installs with apt on top of `base`: the Python
+/// data stack and Jupyter's kernel client and Python kernel (the server runs every
+/// context on a kernel). munkres
 /// settles fonttools' `python3-scipy | python3-munkres` dependency: apt would pick
 /// scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
@@ -72,6 +74,8 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-pandas",
     "python3-matplotlib",
     "python3-munkres",
+    "python3-jupyter-client",
+    "python3-ipykernel",
 ];
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
@@ -181,7 +185,7 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         }),
         "code-interpreter-v1" => Some(Recipe {
             name: "code-interpreter-v1",
-            version: 1,
+            version: 2,
             inputs: CODE_INTERPRETER_PACKAGES.join(","),
             files: CODE_INTERPRETER_FILES,
             parent: Some("base"),
