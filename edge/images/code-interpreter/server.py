@@ -716,10 +716,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 elif kind in ("execute_result", "display_data"):
                     forward(result_message(content.get("data") or {}, kind == "execute_result"))
                 elif kind == "error":
+                    # bash_kernel reports a failed command by its exit status alone.
                     forward(
                         {
                             "type": "error",
-                            "name": content.get("ename", ""),
+                            "name": content.get("ename") or "ExitCode",
                             "value": content.get("evalue", ""),
                             "traceback": "\n".join(content.get("traceback") or []),
                         }

@@ -76,7 +76,14 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-munkres",
     "python3-jupyter-client",
     "python3-ipykernel",
+    // bash_kernel's dependencies (itself comes from pip: Debian does not package it).
+    "python3-pexpect",
+    "python3-filetype",
 ];
+
+/// Jupyter kernels Debian does not package, installed with pip (without dependencies:
+/// apt installed those) and registered as kernel specs under /usr/share/jupyter.
+const CODE_INTERPRETER_PIP_KERNELS: &[(&str, &str)] = &[("bash_kernel==0.10.0", "bash_kernel")];
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
 /// the image can be built anywhere, and hashed into the layer id.
@@ -186,7 +193,11 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         "code-interpreter-v1" => Some(Recipe {
             name: "code-interpreter-v1",
             version: 2,
-            inputs: CODE_INTERPRETER_PACKAGES.join(","),
+            inputs: format!(
+                "{};pip {}",
+                CODE_INTERPRETER_PACKAGES.join(","),
+                CODE_INTERPRETER_PIP_KERNELS.iter().map(|(req, _)| *req).collect::<Vec<_>>().join(",")
+            ),
             files: CODE_INTERPRETER_FILES,
             parent: Some("base"),
             shell: "/bin/bash",
@@ -638,6 +649,29 @@ fn build_code_interpreter(
             run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
         };
         apt_get_install(&in_root, "the image's own sources", CODE_INTERPRETER_PACKAGES, progress)?;
+        for (requirement, module) in CODE_INTERPRETER_PIP_KERNELS {
+            progress(&BuildProgress::new(
+                BuildPhase::Install,
+                format!("pip install {requirement} (a Jupyter kernel)"),
+            ));
+            in_root(
+                BuildPhase::Install,
+                &[
+                    "/usr/bin/python3",
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-cache-dir",
+                    "--no-deps",
+                    "--root-user-action=ignore",
+                    requirement,
+                ],
+            )?;
+            in_root(
+                BuildPhase::Configure,
+                &["/usr/bin/python3", "-m", &format!("{module}.install"), "--sys-prefix"],
+            )?;
+        }
 
         progress(&BuildProgress::new(
             BuildPhase::Configure,
