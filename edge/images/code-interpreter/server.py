@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: AGPL-3.0-only
 """OpenDsec's code-interpreter server: the HTTP API that E2B's code-interpreter SDK
 calls on port 49999 (`/execute`, `/contexts`, `/health`), each context a Jupyter kernel
-(ipykernel for Python, bash_kernel for Bash) run through `jupyter_client`. It runs inside
+(ipykernel for Python, OpenDsec's `bash_kernel.py` for Bash) run through `jupyter_client`. It runs inside
 the sandbox as `user`.
 
 A cell is sent on the kernel's shell channel; the kernel's iopub messages for it are

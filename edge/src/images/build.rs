@@ -1,10 +1,10 @@
 //! The project's own image builders: `busybox` (one static binary, for fast tests),
 //! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
-//! numpy, pandas, matplotlib, jupyter_client, ipykernel and the code-interpreter server). Each builds one layer
-//! into a scratch directory; the store publishes it with a rename. Builders run
-//! the host tools under `env -i` so that host settings (proxies for pip, locales) do not
-//! leak into images, and use the tools' default package sources (for apt inside an
+//! numpy, pandas, matplotlib, jupyter_client, ipykernel, OpenDsec's Bash kernel and the
+//! code-interpreter server). Each builds one layer into a scratch directory; the store
+//! publishes it with a rename. Builders run the host tools under `env -i` so that host
+//! settings (proxies for pip, locales) do not leak into images, and use the tools' default package sources (for apt inside an
 //! image, the sources debootstrap wrote): no registry host appears here.
 
 use std::collections::BTreeMap;
@@ -66,9 +66,8 @@ const BASE_FILES: &[LayerFile] = &[
 
 /// Packages the code-interpreter layer installs with apt on top of `base`: the Python
 /// data stack and Jupyter's kernel client and Python kernel (the server runs every
-/// context on a kernel). munkres
-/// settles fonttools' `python3-scipy | python3-munkres` dependency: apt would pick
-/// scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
+/// context on a kernel), and pexpect for the Bash kernel. munkres settles fonttools'
+/// `python3-scipy | python3-munkres` dependency: apt would pick scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-numpy",
     "python3-pandas",
@@ -76,14 +75,8 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-munkres",
     "python3-jupyter-client",
     "python3-ipykernel",
-    // bash_kernel's dependencies (itself comes from pip: Debian does not package it).
     "python3-pexpect",
-    "python3-filetype",
 ];
-
-/// Jupyter kernels Debian does not package, installed with pip (without dependencies:
-/// apt installed those) and registered as kernel specs under /usr/share/jupyter.
-const CODE_INTERPRETER_PIP_KERNELS: &[(&str, &str)] = &[("bash_kernel==0.10.0", "bash_kernel")];
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
 /// the image can be built anywhere, and hashed into the layer id.
@@ -164,11 +157,24 @@ pub(super) struct Recipe {
     pub(super) start: Option<fn() -> StartSpec>,
 }
 
-const CODE_INTERPRETER_FILES: &[LayerFile] = &[LayerFile {
-    path: CODE_INTERPRETER_SERVER_PATH,
-    contents: CODE_INTERPRETER_SERVER,
-    mode: 0o644,
-}];
+const CODE_INTERPRETER_FILES: &[LayerFile] = &[
+    LayerFile {
+        path: CODE_INTERPRETER_SERVER_PATH,
+        contents: CODE_INTERPRETER_SERVER,
+        mode: 0o644,
+    },
+    // OpenDsec's own Bash kernel (Debian packages none) and its Jupyter kernel spec.
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/bash_kernel.py",
+        contents: include_bytes!("../../images/code-interpreter/bash_kernel.py"),
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/usr/share/jupyter/kernels/bash/kernel.json",
+        contents: include_bytes!("../../images/code-interpreter/kernels/bash/kernel.json"),
+        mode: 0o644,
+    },
+];
 
 pub(super) fn recipe(name: &str) -> Option<Recipe> {
     match name {
@@ -193,11 +199,7 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         "code-interpreter-v1" => Some(Recipe {
             name: "code-interpreter-v1",
             version: 2,
-            inputs: format!(
-                "{};pip {}",
-                CODE_INTERPRETER_PACKAGES.join(","),
-                CODE_INTERPRETER_PIP_KERNELS.iter().map(|(req, _)| *req).collect::<Vec<_>>().join(",")
-            ),
+            inputs: CODE_INTERPRETER_PACKAGES.join(","),
             files: CODE_INTERPRETER_FILES,
             parent: Some("base"),
             shell: "/bin/bash",
@@ -649,29 +651,6 @@ fn build_code_interpreter(
             run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
         };
         apt_get_install(&in_root, "the image's own sources", CODE_INTERPRETER_PACKAGES, progress)?;
-        for (requirement, module) in CODE_INTERPRETER_PIP_KERNELS {
-            progress(&BuildProgress::new(
-                BuildPhase::Install,
-                format!("pip install {requirement} (a Jupyter kernel)"),
-            ));
-            in_root(
-                BuildPhase::Install,
-                &[
-                    "/usr/bin/python3",
-                    "-m",
-                    "pip",
-                    "install",
-                    "--no-cache-dir",
-                    "--no-deps",
-                    "--root-user-action=ignore",
-                    requirement,
-                ],
-            )?;
-            in_root(
-                BuildPhase::Configure,
-                &["/usr/bin/python3", "-m", &format!("{module}.install"), "--sys-prefix"],
-            )?;
-        }
 
         progress(&BuildProgress::new(
             BuildPhase::Configure,
