@@ -4,8 +4,9 @@
 //! numpy, pandas, matplotlib, jupyter_client, ipykernel, OpenDsec's Bash kernel and the
 //! code-interpreter server). Each builds one layer into a scratch directory; the store
 //! publishes it with a rename. Builders run the host tools under `env -i` so that host
-//! settings (proxies for pip, locales) do not leak into images, and use the tools' default package sources (for apt inside an
-//! image, the sources debootstrap wrote): no registry host appears here.
+//! settings (proxies for pip, locales) do not leak into images, and use the tools'
+//! default package sources (for apt inside an image, the sources debootstrap wrote): no
+//! registry host appears here.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -67,7 +68,8 @@ const BASE_FILES: &[LayerFile] = &[
 /// Packages the code-interpreter layer installs with apt on top of `base`: the Python
 /// data stack and Jupyter's kernel client and Python kernel (the server runs every
 /// context on a kernel), and pexpect for the Bash kernel. munkres settles fonttools'
-/// `python3-scipy | python3-munkres` dependency: apt would pick scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
+/// `python3-scipy | python3-munkres` dependency: apt would pick scipy, which brings
+/// pythran and with it gcc, g++ and python3-dev (about 600 MB).
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-numpy",
     "python3-pandas",
