@@ -190,10 +190,14 @@ impl EdgeSlice for EdgeSliceService {
     async fn report(&self, req: Request<ReportRequest>) -> Result<Response<ReportReply>, Status> {
         let p = self.edge_principal(&req)?;
         let r = req.into_inner();
+        // An edge names its reports by what they say (`edge:sandbox:observation`), and the
+        // same words recur (a second pause of one sandbox): each report is a request of
+        // its own, never a retry of an earlier one (reports are idempotent where it
+        // matters: a state already reached is refused, not applied twice).
         let request_id = if r.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
-            r.request_id
+            format!("{}#{}", r.request_id, uuid::Uuid::new_v4().simple())
         };
         let cmd = if !r.image.is_empty() {
             let result: opendsec_commands::ImageResult = serde_json::from_str(&r.image_result_json)

@@ -100,9 +100,13 @@ pub async fn report_ready(node: &ControlNode, id: &str) {
         sandbox: id.to_string(),
         observation: opendsec_commands::Observation::Ready,
     };
-    node.submit(Credential::System, format!("ready:{id}"), ready)
-        .await
-        .unwrap_or_else(|e| panic!("reporting {id} ready: {e:?}"));
+    node.submit(
+        Credential::System,
+        format!("ready:{id}#{}", uuid::Uuid::new_v4().simple()),
+        ready,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("reporting {id} ready: {e:?}"));
 }
 
 /// Waits (up to 10 s) until the node knows a leader.

@@ -121,3 +121,21 @@ async fn only_a_caller_holding_its_tokens_wakes_a_paused_sandbox_through_e2b_tra
     assert_eq!(r.status().as_u16(), 204, "{:?}", r.text().await);
     state_becomes(&up, &id, "running").await;
 }
+
+/// The edge says the same words twice (a second pause of one sandbox): each is taken,
+/// none is mistaken for a retry of the first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_paused_resumed_and_paused_again_is_paused() {
+    let up = Up::start(None).await;
+    up.ensure_image("busybox", Duration::from_secs(300)).await;
+    let id = create(&up, json!({"image": "busybox", "auto_resume": false})).await;
+    state_becomes(&up, &id, "running").await;
+    for _ in 0..2 {
+        let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None).await;
+        assert_eq!(s, 200, "{v}");
+        state_becomes(&up, &id, "paused").await;
+        let (s, v) = up.send(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None).await;
+        assert_eq!(s, 200, "{v}");
+        state_becomes(&up, &id, "running").await;
+    }
+}

@@ -32,7 +32,11 @@ async fn create_sandbox(t: &TestNode) -> String {
     };
     let s = t
         .node
-        .submit(Credential::Bearer(t.admin_token.clone()), "create".into(), cmd)
+        .submit(
+            Credential::Bearer(t.admin_token.clone()),
+            uuid::Uuid::new_v4().to_string(),
+            cmd,
+        )
         .await
         .expect("create sandbox");
     s.decided.target
