@@ -7,7 +7,6 @@ mod support;
 
 use opendsec_commands::{Command, ImageResult, Observation, RejectionKind as K};
 use opendsec_projections::{Event, ImageState, Outcome, Right, schema};
-use std::collections::BTreeMap;
 use support::*;
 
 const DIGEST: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -22,15 +21,7 @@ fn pull(project: &str, name: &str, reference: &str) -> Command {
 }
 
 fn create(project: &str, image: &str) -> Command {
-    Command::CreateSandbox {
-        project: project.into(),
-        image: image.into(),
-        cpu_millis: 500,
-        memory_mb: 256,
-        labels: BTreeMap::new(),
-        timeout_seconds: None,
-        opts: Default::default(),
-    }
+    create_of(project, image)
 }
 
 fn ready(name: &str) -> Command {

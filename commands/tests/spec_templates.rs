@@ -8,7 +8,6 @@ mod support;
 
 use opendsec_commands::{Command, ImageResult, Observation, RejectionKind as K};
 use opendsec_projections::{BuildStatus, ConfigOverride, Event, ImageState, Outcome, schema};
-use std::collections::BTreeMap;
 use support::*;
 
 const DIGEST: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -24,15 +23,7 @@ fn request(project: &str, name: Option<&str>, tags: &[&str]) -> Command {
 }
 
 fn create(project: &str, image: &str) -> Command {
-    Command::CreateSandbox {
-        project: project.into(),
-        image: image.into(),
-        cpu_millis: 500,
-        memory_mb: 256,
-        labels: BTreeMap::new(),
-        timeout_seconds: None,
-        opts: Default::default(),
-    }
+    create_of(project, image)
 }
 
 /// (template id, build id) of a request just run.

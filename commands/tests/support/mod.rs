@@ -86,12 +86,17 @@ pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
-/// A small sandbox (500 mCPU, 256 MB) in `project`.
+/// A small sandbox (500 mCPU, 256 MB) of `base` in `project`.
 pub fn create_in(project: &str) -> Command {
+    create_of(project, "base")
+}
+
+/// A small sandbox (500 mCPU, 256 MB) of `image` in `project`.
+pub fn create_of(project: &str, image: &str) -> Command {
     Command::CreateSandbox {
         opts: Default::default(),
         project: project.into(),
-        image: "base".into(),
+        image: image.into(),
         cpu_millis: 500,
         memory_mb: 256,
         labels: BTreeMap::new(),
