@@ -100,9 +100,21 @@ pub async fn forward(st: &AppState, address: &str, uri: Uri, req: Request<Body>)
 
 /// `GET path` on the edge's proxy: (status, body).
 pub async fn get(st: &AppState, address: &str, path: &str) -> Result<(u16, axum::body::Bytes), Unreachable> {
+    call(st, address, axum::http::Method::GET, path).await
+}
+
+/// `method path` (no body) on the edge's proxy: (status, body).
+pub async fn call(
+    st: &AppState,
+    address: &str,
+    method: axum::http::Method,
+    path: &str,
+) -> Result<(u16, axum::body::Bytes), Unreachable> {
     use http_body_util::BodyExt;
     let uri: Uri = path.parse().map_err(|_| Unreachable(format!("bad edge path {path}")))?;
-    let resp = forward(st, address, uri, Request::new(Body::empty())).await?;
+    let mut req = Request::new(Body::empty());
+    *req.method_mut() = method;
+    let resp = forward(st, address, uri, req).await?;
     let status = resp.status().as_u16();
     let body = resp
         .into_body()

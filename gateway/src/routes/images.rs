@@ -155,23 +155,11 @@ pub async fn prune(State(st): State<AppState>, who: Authed) -> Result<Json<api::
             bytes: 0,
             error: None,
         };
-        let req = axum::http::Request::post("/images/prune")
-            .body(axum::body::Body::empty())
-            .expect("a valid request");
-        let uri: axum::http::Uri = "/images/prune".parse().expect("a valid path");
-        match crate::edge_client::forward(&st, &address, uri, req).await {
+        match crate::edge_client::call(&st, &address, axum::http::Method::POST, "/images/prune").await {
             Err(e) => row.error = Some(e.0),
-            Ok(resp) => {
-                use http_body_util::BodyExt;
-                let status = resp.status();
-                let body = resp
-                    .into_body()
-                    .collect()
-                    .await
-                    .map(|b| b.to_bytes())
-                    .unwrap_or_default();
+            Ok((status, body)) => {
                 let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                if status.is_success() {
+                if (200..300).contains(&status) {
                     let n = |k: &str| v[k].as_u64().unwrap_or(0);
                     (row.layers, row.disks, row.scratch, row.bytes) =
                         (n("layers"), n("disks"), n("scratch"), n("bytes"));
