@@ -73,7 +73,9 @@ IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils)
 # and skopeo, and umoci, which unpacks the image into a bundle the raw way.
 IMAGE_BENCH_PACKAGES=(docker-registry skopeo umoci)
 # Node.js and npm, with which the E2B JS SDK suite (server/tests/e2b_js.rs) runs the
-# unmodified npm packages (ops/e2b-js.sh installs them; node 18 or later: `node --test`).
+# unmodified npm packages (ops/e2b-js.sh installs them, only where `node` or `npm` is
+# missing: a Node.js from another source, e.g. NodeSource's, carries its own npm and
+# conflicts with Debian's; node 18 or later: `node --test`).
 E2B_JS_TEST_PACKAGES=(nodejs npm)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
