@@ -14,6 +14,8 @@
 pub(crate) mod api;
 mod body;
 mod builder;
+mod lifecycle;
+mod listing;
 mod snapshots;
 pub mod templates;
 mod traffic;

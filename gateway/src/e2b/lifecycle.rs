@@ -1,0 +1,388 @@
+//! E2B's sandbox writes: create (and what a template name means), connect and resume,
+//! kill, timeout, refresh, pause, fork and network. Each is an OpenDsec command submitted
+//! with the caller's own token.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use opendsec_commands::{Command, SandboxOptions};
+use opendsec_projections::{Desired, Isolation, Observed, Right};
+use serde_json::{Value, json};
+
+use super::api::*;
+use super::body::{body_object, check_network, opt_bool, opt_str, opt_u64, string_map, unsupported};
+use crate::AppState;
+
+pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let template = opt_str(&m, "templateID")?
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| E2bError::bad("templateID is required"))?;
+    let timeout = opt_u64(&m, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_SECONDS);
+    let auto_pause = opt_bool(&m, "autoPause")?.unwrap_or(false);
+    // The next call to a paused sandbox resumes it unless the create says otherwise.
+    let auto_resume = match m.get("autoResume") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Object(o)) => match o.get("enabled") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(E2bError::bad("autoResume.enabled must be a boolean")),
+        },
+        Some(_) => return Err(E2bError::bad("autoResume must be an object {\"enabled\": bool}")),
+    };
+    // Older SDKs (2.50) ask for internet access on every create. Nothing opens: the
+    // sandbox has no egress, the answer says so in a warning header, and get/list report
+    // `allowInternetAccess: false`.
+    let asked_internet = opt_bool(&m, "allow_internet_access")? == Some(true);
+    let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
+    let _ = opt_bool(&m, "autoPauseMemory")?; // frozen containers keep their memory; microVMs snapshot theirs
+    for f in ["mcp", "iam", "volumeMounts"] {
+        unsupported(&m, f)?;
+    }
+    let network = match m.get("network") {
+        None | Some(Value::Null) => None,
+        Some(n) => {
+            check_network(n, "network")?;
+            Some(n.to_string())
+        }
+    };
+    let metadata = string_map(&m, "metadata")?;
+    let env = string_map(&m, "envVars")?;
+    require(&who, Right::SandboxWrite)?;
+    let (image, isolation) = template_image(template);
+    let idempotency_key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(str::to_string);
+    // A create repeated with its idempotency key (a retry after a lost answer) is the
+    // sandbox the first one made.
+    if let Some(key) = &idempotency_key {
+        let existing = st
+            .node
+            .read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone()));
+        if let Some(id) = existing {
+            let x = wait_ready(&st, &id).await?;
+            return Ok(created(sandbox_json(&st, &x)));
+        }
+    }
+    // A template built with a size gives its sandboxes that size.
+    let (cpu_count, memory_mb) = st.node.read(|s| {
+        let name = image.split_once(':').map_or(image.as_str(), |(n, _)| n);
+        s.images
+            .template_named(name)
+            .filter(|t| s.within(&who.project, &t.project))
+            .map_or((0, 0), |t| (t.cpu_count, t.memory_mb))
+    });
+    let cmd = Command::CreateSandbox {
+        project: who.project.clone(),
+        image,
+        cpu_millis: match cpu_count {
+            0 => crate::routes::sandboxes::DEFAULT_CPU_MILLIS,
+            n => n as u64 * 1000,
+        },
+        memory_mb: match memory_mb {
+            0 => crate::routes::sandboxes::DEFAULT_MEMORY_MB,
+            n => n as u64,
+        },
+        labels: metadata,
+        timeout_seconds: (timeout > 0).then_some(timeout),
+        opts: SandboxOptions {
+            env,
+            auto_pause,
+            auto_resume,
+            network,
+            idempotency_key: idempotency_key.clone(),
+            isolation,
+            cpu_class: None,
+        },
+    };
+    let s = match submit(&st, &who, &headers, cmd).await {
+        Ok(s) => s.decided.target,
+        // Two creates with one key raced: the other one's sandbox is the answer.
+        Err(e) if e.status == StatusCode::CONFLICT && idempotency_key.is_some() => {
+            let key = idempotency_key.as_deref().unwrap_or_default();
+            st.node
+                .read(|s| s.sandboxes.by_idempotency_key(&who.project, key).map(|x| x.id.clone()))
+                .ok_or(e)?
+        }
+        Err(e) => return Err(e),
+    };
+    let x = wait_ready(&st, &s).await?;
+    let mut resp = created(sandbox_json(&st, &x));
+    if asked_internet {
+        tracing::info!(sandbox = %x.id, "internet access was asked for; this release gives sandboxes no egress");
+        resp.headers_mut()
+            .insert("x-opendsec-warning", HeaderValue::from_static(NO_EGRESS_WARNING));
+    }
+    Ok(resp)
+}
+
+/// The suffix of a template name that asks for a microVM of the image: `base-vm` is the
+/// `base` image in a QEMU microVM, whose pause, snapshots and forks carry its memory.
+pub const MICROVM_TEMPLATE_SUFFIX: &str = "-vm";
+
+/// The suffix of a template name that asks for a full VM of the image: `base-fullvm` is
+/// the `base` image booted as a whole disk in a QEMU q35 PC (memory carried as a microVM's).
+pub const FULLVM_TEMPLATE_SUFFIX: &str = "-fullvm";
+
+/// The image a template name means, and the isolation it asks for (none: a container,
+/// or whatever a snapshot id is a snapshot of). A tag (`base-vm:latest`) stays on the image.
+pub fn template_image(template: &str) -> (String, Option<Isolation>) {
+    let (name, tag) = match template.split_once(':') {
+        Some((n, t)) => (n, Some(t)),
+        None => (template, None),
+    };
+    let asked = [
+        (FULLVM_TEMPLATE_SUFFIX, Isolation::Vm),
+        (MICROVM_TEMPLATE_SUFFIX, Isolation::Microvm),
+    ]
+    .into_iter()
+    .find_map(|(suffix, isolation)| {
+        name.strip_suffix(suffix)
+            .filter(|n| !n.is_empty())
+            .map(|image| (image, isolation))
+    });
+    match asked {
+        Some((image, isolation)) => (
+            tag.map_or_else(|| image.to_string(), |t| format!("{image}:{t}")),
+            Some(isolation),
+        ),
+        None => (template.to_string(), None),
+    }
+}
+
+/// Said whenever a request asks for egress that this release cannot give.
+pub const NO_EGRESS_WARNING: &str = "sandboxes have no network egress in this OpenDsec release (network policy is not implemented yet); allow_internet_access was not granted";
+
+pub(super) async fn connect(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let timeout = opt_u64(&m, "timeout")?;
+    let x = visible(&st, &who, &id)?;
+    let resumed = x.desired == Desired::Paused || x.observed == Observed::Paused;
+    if resumed {
+        submit(&st, &who, &headers, Command::ResumeSandbox { sandbox: id.clone() }).await?;
+    }
+    // A connect only extends the lifetime (E2B's rule): a running sandbox whose end is
+    // later than `timeout` from now keeps it. A resumed one gets the timeout it asks
+    // for, and one whose timeout was spent pausing it runs on with a default lifetime.
+    let wanted_end = |t: u64| opendsec_control::now_ms() + t * 1000;
+    let lifetime = timeout
+        .filter(|t| *t > 0)
+        .filter(|t| resumed || x.expires_at_ms.is_some_and(|e| e < wanted_end(*t)))
+        .or_else(|| (resumed && x.expires_at_ms.is_none() && x.auto_pause).then_some(DEFAULT_TIMEOUT_SECONDS));
+    if let Some(t) = lifetime {
+        submit(
+            &st,
+            &who,
+            &headers,
+            Command::SetSandboxTimeout {
+                sandbox: id.clone(),
+                timeout_seconds: t,
+            },
+        )
+        .await?;
+    }
+    let x = wait_ready(&st, &id).await?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(sandbox_json(&st, &x))).into_response())
+}
+
+pub(super) async fn kill(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    visible(&st, &who, &id)?;
+    submit(&st, &who, &headers, Command::KillSandbox { sandbox: id }).await?;
+    Ok(no_content())
+}
+
+pub(super) async fn set_timeout(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let t = opt_u64(&m, "timeout")?.ok_or_else(|| E2bError::bad("timeout is required (seconds from now)"))?;
+    visible(&st, &who, &id)?;
+    submit(
+        &st,
+        &who,
+        &headers,
+        Command::SetSandboxTimeout {
+            sandbox: id,
+            timeout_seconds: t,
+        },
+    )
+    .await?;
+    Ok(no_content())
+}
+
+/// Extends the lifetime to at least `duration` seconds from now (never shortens it).
+pub(super) async fn refresh(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let d = opt_u64(&m, "duration")?.unwrap_or(60);
+    let x = visible(&st, &who, &id)?;
+    let wanted = opendsec_control::now_ms() + d * 1000;
+    if x.expires_at_ms.is_some_and(|e| e < wanted) {
+        submit(
+            &st,
+            &who,
+            &headers,
+            Command::SetSandboxTimeout {
+                sandbox: id,
+                timeout_seconds: d,
+            },
+        )
+        .await?;
+    }
+    Ok(no_content())
+}
+
+pub(super) async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let x = visible(&st, &who, &id)?;
+    if x.desired == Desired::Paused {
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        ));
+    }
+    submit(&st, &who, &headers, Command::PauseSandbox { sandbox: id.clone() }).await?;
+    wait_for(&st, &id, ACTION_WAIT, |x| {
+        ended(x).or_else(|| (x.observed == Observed::Paused).then_some(Ok(())))
+    })
+    .await?;
+    Ok(no_content())
+}
+
+/// `count` copies of the sandbox as it is now: a container's with its file system, a
+/// microVM's (`-vm` templates) with its memory and disk.
+pub(super) async fn fork(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let count = opt_u64(&m, "count")?.unwrap_or(1);
+    let timeout = opt_u64(&m, "timeout")?;
+    if count == 0 || count > opendsec_commands::LIMITS.fork_count as u64 {
+        return Err(E2bError::bad(format!(
+            "count must be 1 to {}",
+            opendsec_commands::LIMITS.fork_count
+        )));
+    }
+    visible(&st, &who, &id)?;
+    let s = submit(
+        &st,
+        &who,
+        &headers,
+        Command::ForkSandbox {
+            sandbox: id,
+            count: count as u32,
+            edge: None,
+        },
+    )
+    .await?;
+    let children = s.decided.created_sandboxes();
+    let mut out = Vec::new();
+    for c in children {
+        let r = async {
+            if let Some(t) = timeout.filter(|t| *t > 0) {
+                submit(
+                    &st,
+                    &who,
+                    &headers,
+                    Command::SetSandboxTimeout {
+                        sandbox: c.clone(),
+                        timeout_seconds: t,
+                    },
+                )
+                .await?;
+            }
+            wait_ready(&st, &c).await
+        }
+        .await;
+        out.push(match r {
+            Ok(x) => json!({ "sandbox": sandbox_json(&st, &x) }),
+            Err(e) => json!({ "error": { "code": e.status.as_u16(), "message": e.message } }),
+        });
+    }
+    Ok(created(Value::Array(out)))
+}
+
+pub(super) async fn network(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
+    let who = caller(&st, &headers)?;
+    let m = body_object(&body)?;
+    let v = Value::Object(m);
+    check_network(&v, "network")?;
+    visible(&st, &who, &id)?;
+    submit(
+        &st,
+        &who,
+        &headers,
+        Command::SetSandboxNetwork {
+            sandbox: id,
+            network: v.to_string(),
+        },
+    )
+    .await?;
+    Ok(no_content())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vm_suffix_asks_for_a_microvm_of_the_image() {
+        assert_eq!(
+            template_image("base-vm"),
+            ("base".to_string(), Some(Isolation::Microvm))
+        );
+        assert_eq!(
+            template_image("code-interpreter-v1-vm:latest"),
+            ("code-interpreter-v1:latest".to_string(), Some(Isolation::Microvm))
+        );
+        assert_eq!(template_image("base-fullvm"), ("base".to_string(), Some(Isolation::Vm)));
+        assert_eq!(
+            template_image("base-fullvm:latest"),
+            ("base:latest".to_string(), Some(Isolation::Vm))
+        );
+        assert_eq!(template_image("-fullvm"), ("-fullvm".to_string(), None));
+        assert_eq!(template_image("base"), ("base".to_string(), None));
+        assert_eq!(
+            template_image("snap-0123456789abcdef"),
+            ("snap-0123456789abcdef".to_string(), None)
+        );
+        assert_eq!(
+            template_image("-vm"),
+            ("-vm".to_string(), None),
+            "a suffix alone names no image"
+        );
+    }
+}
