@@ -167,6 +167,32 @@ fn rules_name_domains_wildcards_addresses_blocks_ports_and_protocols() {
 }
 
 #[test]
+fn a_policy_reads_back_the_same_from_its_canonical_json_whatever_spelling_set_it() {
+    // E2B's camelCase, strings and objects, ports and ranges, IPv6 with a port.
+    let asked = r#"{"allowInternetAccess":true,"allowOut":["pkgs.example.com","*.cdn.example.com:443",
+        {"to":"10.1.0.0/16","ports":[22,"8000-8100"],"protocol":"tcp"},"[2001:db8::1]:53","192.0.2.7"],
+        "denyOut":["0.0.0.0/0"],"dnsServers":["192.0.2.53"]}"#;
+    let p = policy(asked);
+    let canonical = p.to_json();
+    assert_eq!(
+        canonical,
+        serde_json::json!({
+            "allow_internet_access": true,
+            "allow_out": ["pkgs.example.com", "*.cdn.example.com:443",
+                {"to": "10.1.0.0/16", "ports": [22, "8000-8100"], "protocol": "tcp"},
+                "[2001:db8::1]:53", "192.0.2.7"],
+            "deny_out": ["0.0.0.0/0"],
+            "dns_servers": ["192.0.2.53"],
+        })
+    );
+    assert_eq!(policy(&canonical.to_string()), p);
+    // Nothing logged (or settings that no longer parse) is deny.
+    assert_eq!(Policy::of_logged(None), Policy::default());
+    assert_eq!(Policy::of_logged(Some("")), Policy::default());
+    assert_eq!(Policy::of_logged(Some(asked)), p);
+}
+
+#[test]
 fn a_policy_holds_a_bounded_number_of_rules() {
     let rules = |n: usize| {
         (0..n)

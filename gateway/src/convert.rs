@@ -4,6 +4,7 @@
 use opendsec_projections::{Desired, Observed, views};
 use opendsec_sdk::types as api;
 use serde::Serialize;
+use serde_json::{Map, Value};
 
 /// A unit enum's serde name (`running`, `pending`).
 fn word<T: Serialize>(t: &T) -> String {
@@ -113,7 +114,100 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
             vmm: r.vmm.clone(),
             accelerator: r.accelerator.clone(),
         }),
+        network: network(s.network.as_deref()),
     }
+}
+
+/// Network settings as logged (any spelling, E2B's included; absent: deny) in the
+/// canonical form the API shows.
+pub fn network(logged: Option<&str>) -> api::NetworkPolicy {
+    let canonical = opendsec_commands::network::Policy::of_logged(logged).to_json();
+    serde_json::from_value(canonical).expect("the canonical policy has the wire type's shape")
+}
+
+/// A policy of the API as the JSON a command carries, keeping the E2B settings of
+/// traffic into the sandbox that `current` (its logged settings) holds: a REST update
+/// replaces what it may reach, never who may reach it.
+pub fn network_json(p: &api::NetworkPolicy, current: Option<&str>) -> String {
+    let Ok(Value::Object(mut m)) = serde_json::to_value(p) else {
+        unreachable!("a policy serializes to an object")
+    };
+    keep_inbound(current, &mut m);
+    Value::Object(m).to_string()
+}
+
+/// E2B's settings of traffic into a sandbox, kept in its network JSON beside the egress
+/// policy (`e2b/traffic.rs` reads them), in either spelling.
+const INBOUND: [(&str, &str); 3] = [
+    ("allowPublicTraffic", "allow_public_traffic"),
+    ("maskRequestHost", "mask_request_host"),
+    ("httpsPorts", "https_ports"),
+];
+
+/// The egress settings in both spellings, by their canonical name.
+const EGRESS: [(&str, &str); 3] = [
+    ("allow_out", "allowOut"),
+    ("deny_out", "denyOut"),
+    ("dns_servers", "dnsServers"),
+];
+
+fn keep_inbound(current: Option<&str>, m: &mut Map<String, Value>) {
+    let Some(Ok(Value::Object(cur))) = current.map(serde_json::from_str::<Value>) else {
+        return;
+    };
+    for (camel, snake) in INBOUND {
+        if m.contains_key(camel) || m.contains_key(snake) {
+            continue;
+        }
+        if let Some((k, v)) = cur.get_key_value(camel).or_else(|| cur.get_key_value(snake)) {
+            m.insert(k.clone(), v.clone());
+        }
+    }
+}
+
+/// The network settings (JSON) that an E2B create or network update asks for.
+/// `base` is the policy it starts from: the project's default at create, at an update
+/// the sandbox's own (only its internet access carries over: an update names its rules
+/// anew). `allow_internet` (E2B's `allow_internet_access`, also read inside `network`)
+/// replaces the base's internet access; `network`'s egress rules replace the base's, and
+/// its other settings are kept as asked (the command checks them all); the inbound
+/// settings `current` holds are kept.
+pub fn e2b_network(
+    base: Option<&str>,
+    allow_internet: Option<bool>,
+    network: Option<&Map<String, Value>>,
+    current: Option<&str>,
+) -> String {
+    let Value::Object(mut out) = opendsec_commands::network::Policy::of_logged(base).to_json() else {
+        unreachable!("a canonical policy is an object")
+    };
+    let mut allow_internet = allow_internet;
+    if let Some(n) = network {
+        for (canonical, camel) in EGRESS {
+            let asked = n.get(camel).or_else(|| n.get(canonical)).filter(|v| !v.is_null());
+            out.insert(canonical.into(), asked.cloned().unwrap_or_else(|| Value::Array(vec![])));
+        }
+        for (k, v) in n {
+            let egress = EGRESS.iter().any(|(a, b)| k == a || k == b);
+            match k.as_str() {
+                "allow_internet_access" | "allowInternetAccess" => {
+                    allow_internet = allow_internet.or(v.as_bool());
+                    if !v.is_boolean() && !v.is_null() {
+                        out.insert("allow_internet_access".into(), v.clone()); // refused, named
+                    }
+                }
+                _ if egress => {}
+                _ => {
+                    out.insert(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+    if let Some(b) = allow_internet {
+        out.insert("allow_internet_access".into(), Value::Bool(b));
+    }
+    keep_inbound(current, &mut out);
+    Value::Object(out).to_string()
 }
 
 pub fn isolation(i: views::Isolation) -> api::Isolation {

@@ -124,6 +124,10 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/health", get(health))
         .route("/v1/openapi.json", get(openapi::serve))
         .route("/v1/projects", post(projects::create).get(projects::list))
+        .route(
+            "/v1/projects/{id}/network",
+            put(projects::set_network).get(projects::get_network),
+        )
         .route("/v1/projects/{id}", get(projects::get).delete(projects::delete))
         .route(
             "/v1/projects/{id}/quota",
@@ -141,6 +145,10 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/sandboxes/{id}/pack", post(images::pack))
         .route("/v1/sandboxes/{id}/timeout", put(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/labels", put(sandboxes::set_labels))
+        .route(
+            "/v1/sandboxes/{id}/network",
+            put(sandboxes::set_network).get(sandboxes::get_network),
+        )
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
         .route("/v1/sandboxes/{id}/metrics", get(sandboxes::metrics))
         .route("/v1/sandboxes/{id}/metrics/history", get(sandboxes::metrics_history))

@@ -11,10 +11,10 @@ use crate::routes::*;
     info(title = "OpenDsec", description = "The native REST API of OpenDsec's control plane. Writes answer with the log index they were applied at (`X-Opendsec-Index`); send it back as `X-Opendsec-Min-Index` to read your writes on any node."),
     paths(
         crate::health, serve,
-        projects::create, projects::list, projects::get, projects::delete, projects::set_quota, projects::get_quota,
+        projects::create, projects::list, projects::get, projects::delete, projects::set_quota, projects::get_quota, projects::set_network, projects::get_network,
         tokens::issue, tokens::list, tokens::revoke, tokens::whoami,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::kill, sandboxes::pause, sandboxes::resume,
-        sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::logs, sandboxes::metrics, sandboxes::metrics_history, agent::proxy,
+        sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::set_network, sandboxes::get_network, sandboxes::logs, sandboxes::metrics, sandboxes::metrics_history, agent::proxy,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         images::pull, images::pack, images::list, images::get, images::delete, images::prune,
         tasks::pause, tasks::resume,

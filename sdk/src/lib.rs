@@ -260,6 +260,25 @@ impl Client {
         self.get(&["v1", "projects", project, "quota"], &[]).await
     }
 
+    /// A project's egress ceiling and its sandboxes' default policy.
+    pub async fn get_project_network(&self, project: &str) -> Result<ProjectNetwork, ApiError> {
+        self.get(&["v1", "projects", project, "network"], &[]).await
+    }
+
+    pub async fn set_project_network(
+        &self,
+        project: &str,
+        settings: &ProjectNetwork,
+    ) -> Result<ProjectNetwork, ApiError> {
+        self.call(
+            Method::PUT,
+            &["v1", "projects", project, "network"],
+            &[],
+            Some(settings),
+        )
+        .await
+    }
+
     // ---- tokens ----
 
     pub async fn issue_token(&self, req: &IssueToken) -> Result<TokenIssued, ApiError> {
@@ -372,6 +391,17 @@ impl Client {
             Some(&SetTimeout { timeout_seconds }),
         )
         .await
+    }
+
+    /// What the sandbox may reach.
+    pub async fn get_sandbox_network(&self, id: &str) -> Result<NetworkPolicy, ApiError> {
+        self.get(&["v1", "sandboxes", id, "network"], &[]).await
+    }
+
+    /// Replaces the sandbox's whole egress policy; its edge applies it at once.
+    pub async fn set_sandbox_network(&self, id: &str, policy: &NetworkPolicy) -> Result<SandboxWritten, ApiError> {
+        self.call(Method::PUT, &["v1", "sandboxes", id, "network"], &[], Some(policy))
+            .await
     }
 
     pub async fn set_sandbox_labels(

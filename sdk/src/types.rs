@@ -257,6 +257,63 @@ pub struct CreateSandbox {
     /// a 409 saying how to resume it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto_resume: Option<bool>,
+    /// What it may reach. Absent: its project's default policy, which is deny (nothing at
+    /// all) unless the project's owner set another.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkPolicy>,
+}
+
+// ---- network ----
+
+/// A sandbox's egress policy. Nothing is allowed unless a rule or
+/// `allow_internet_access` allows it; an allow beats a deny; the public internet never
+/// includes private, loopback, link-local or metadata addresses (169.254.169.254): only
+/// a CIDR rule inside those names them, and only under a project ceiling of `any`.
+/// Names are resolved by the edge's DNS proxy, which answers only the names the policy
+/// allows.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NetworkPolicy {
+    /// The public internet, on every port.
+    #[serde(default)]
+    pub allow_internet_access: bool,
+    /// Rules, each a string (`pkgs.example.com`, `*.example.com:443`, `10.1.0.0/16`,
+    /// `[2001:db8::1]:53`) or an object `{"to": TARGET, "ports": [443, "8000-8100"],
+    /// "protocol": "tcp" | "udp" | "any"}`; at most 256 rules in all.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    pub allow_out: Vec<serde_json::Value>,
+    /// Rules as in `allow_out`, taking away from `allow_internet_access`.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    pub deny_out: Vec<serde_json::Value>,
+    /// Resolvers the sandbox may query directly (DNS to any other address is dropped;
+    /// the edge's DNS proxy is always reachable).
+    #[serde(default)]
+    pub dns_servers: Vec<String>,
+}
+
+impl NetworkPolicy {
+    /// Allows nothing: the default.
+    pub fn is_deny(&self) -> bool {
+        *self == NetworkPolicy::default()
+    }
+}
+
+/// A project's network settings: the most its sandboxes may be allowed, and the policy
+/// of those that name none.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ProjectNetwork {
+    /// `none` (no egress), `public` (the public internet: the default) or `any` (also
+    /// private networks that a rule names); never above the parent project's.
+    pub ceiling: String,
+    /// The policy of the project's sandboxes that name none (absent: deny), inherited by
+    /// its sub-projects that set none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_network: Option<NetworkPolicy>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -312,6 +369,9 @@ pub struct Sandbox {
     /// How a VM sandbox runs, as its edge reported it ready (absent for containers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<SandboxRuntime>,
+    /// What it may reach (see `NetworkPolicy`); all empty: nothing.
+    #[serde(default)]
+    pub network: NetworkPolicy,
 }
 
 /// How an edge runs a VM sandbox.

@@ -494,3 +494,212 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
     let r = ctl(&["snapshot", "delete", &snap.id], &env).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_policy_is_set_shown_and_bounded_through_the_client_and_opendsecctl() {
+    let s = serve().await;
+    let env = [
+        ("OPENDSEC_URL", s.url.as_str()),
+        ("OPENDSEC_TOKEN", s.t.admin_token.as_str()),
+    ];
+    let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
+    c.register_edge(&RegisterEdge {
+        edge: "edge-a".into(),
+        address: "127.0.0.1:7500".into(),
+        capacity: Resources {
+            sandboxes: 10,
+            cpu_millis: 10000,
+            memory_mb: 10000,
+        },
+        labels: BTreeMap::new(),
+    })
+    .await
+    .unwrap();
+    let team = c.create_project("team", None).await.unwrap().project.id;
+
+    // A project says nothing: the public internet is its ceiling, deny its default.
+    let r = ctl(&["project", "network", "get", &team], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("egress ceiling public") && r.stdout.contains("egress: none"),
+        "{}",
+        r.stdout
+    );
+    let r = ctl(
+        &[
+            "--output",
+            "json",
+            "sandbox",
+            "create",
+            "--no-wait",
+            "--image",
+            "busybox",
+            "--project",
+            &team,
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let plain: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
+    assert!(plain.sandbox.network.is_deny(), "{:?}", plain.sandbox.network);
+
+    // Its owner sets a default; sandboxes that name none get it.
+    let r = ctl(
+        &[
+            "project",
+            "network",
+            "set",
+            &team,
+            "--ceiling",
+            "public",
+            "--allow-out",
+            "pkgs.example.com",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("allow out: pkgs.example.com"), "{}", r.stdout);
+    let defaulted = c
+        .create_sandbox(&CreateSandbox {
+            project: Some(team.clone()),
+            image: "busybox".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        defaulted.sandbox.network.allow_out,
+        vec![serde_json::json!("pkgs.example.com")]
+    );
+
+    // A sandbox names its own; a rule object, a port and the internet.
+    let r = ctl(
+        &[
+            "--output",
+            "json",
+            "sandbox",
+            "create",
+            "--no-wait",
+            "--image",
+            "busybox",
+            "--project",
+            &team,
+            "--internet",
+            "--allow-out",
+            "*.cdn.example.com:443",
+            "--allow-out",
+            r#"{"to": "11.0.0.0/8", "ports": [22, "8000-8100"], "protocol": "tcp"}"#,
+            "--deny-out",
+            "11.22.0.0/16",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let own: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
+    let id = own.sandbox.id.clone();
+    assert_eq!(
+        serde_json::to_value(&own.sandbox.network).unwrap(),
+        serde_json::json!({
+            "allow_internet_access": true,
+            "allow_out": ["*.cdn.example.com:443", {"to": "11.0.0.0/8", "ports": [22, "8000-8100"], "protocol": "tcp"}],
+            "deny_out": ["11.22.0.0/16"],
+            "dns_servers": [],
+        })
+    );
+
+    // Bad input: a 400 naming the rule; beyond the ceiling: a 403 naming it.
+    let r = ctl(
+        &[
+            "sandbox",
+            "create",
+            "--no-wait",
+            "--image",
+            "busybox",
+            "--allow-out",
+            "not a host",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("field: network.allow_out[0]"), "{}", r.stderr);
+    let r = ctl(
+        &[
+            "sandbox",
+            "create",
+            "--no-wait",
+            "--image",
+            "busybox",
+            "--project",
+            &team,
+            "--allow-out",
+            "10.0.0.0/8",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("field: network.allow_out[0]") && r.stderr.contains("ceiling"),
+        "{}",
+        r.stderr
+    );
+    let e = c
+        .set_sandbox_network(
+            &id,
+            &NetworkPolicy {
+                allow_out: vec![serde_json::json!("a.example.com"), serde_json::json!("10.0.0.0/8")],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!((e.status, e.field.as_deref()), (403, Some("allow_out[1]")), "{e:?}");
+
+    // While it runs, its policy is replaced whole; with no rule it reaches nothing.
+    let r = ctl(
+        &["sandbox", "network", "set", &id, "--allow-out", "pkgs.example.com:443"],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("internet:  no") && r.stdout.contains("pkgs.example.com:443"),
+        "{}",
+        r.stdout
+    );
+    let got = c.get_sandbox_network(&id).await.unwrap();
+    assert_eq!(got.allow_out, vec![serde_json::json!("pkgs.example.com:443")]);
+    let r = ctl(&["sandbox", "network", "set", &id], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ctl(&["sandbox", "network", "get", &id], &env).await;
+    assert!(r.stdout.contains("egress: none"), "{}", r.stdout);
+
+    // A project's ceiling is bounded by its parent's; an unknown ceiling names the field.
+    let r = ctl(&["project", "network", "set", &team, "--ceiling", "everything"], &env).await;
+    assert!(r.code == 1 && r.stderr.contains("field: ceiling"), "{}", r.stderr);
+    c.set_project_network(
+        &s.t.root_project,
+        &ProjectNetwork {
+            ceiling: "none".into(),
+            default_network: None,
+        },
+    )
+    .await
+    .unwrap();
+    let e = c
+        .set_project_network(
+            &team,
+            &ProjectNetwork {
+                ceiling: "public".into(),
+                default_network: None,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!((e.status, e.field.as_deref()), (403, Some("ceiling")), "{e:?}");
+    assert_eq!(c.get_project_network(&team).await.unwrap().ceiling, "none");
+}

@@ -257,6 +257,67 @@ impl Policy {
     }
 }
 
+/// A rule's target as written: `pkgs.example.com`, `*.example.com`, `10.0.0.0/8`,
+/// `2001:db8::/32`, or a lone address.
+fn target_text(t: &Target) -> String {
+    match t {
+        Target::Domain { name, wildcard: false } => name.clone(),
+        Target::Domain { name, wildcard: true } => format!("*.{name}"),
+        Target::Cidr { addr, prefix } if *prefix == if addr.is_ipv4() { 32 } else { 128 } => addr.to_string(),
+        Target::Cidr { addr, prefix } => format!("{addr}/{prefix}"),
+    }
+}
+
+/// A rule as `parse` reads it back: a string where one says it all (`TARGET` or
+/// `TARGET:PORT` for any transport), else an object.
+fn rule_json(r: &Rule) -> Value {
+    let to = target_text(&r.target);
+    match (r.ports.as_slice(), r.protocol) {
+        ([], Protocol::Any) => Value::String(to),
+        ([(lo, hi)], Protocol::Any) if lo == hi => Value::String(match r.target {
+            Target::Cidr {
+                addr: IpAddr::V6(_), ..
+            } => format!("[{to}]:{lo}"),
+            _ => format!("{to}:{lo}"),
+        }),
+        (ports, protocol) => serde_json::json!({
+            "to": to,
+            "ports": ports
+                .iter()
+                .map(|(lo, hi)| if lo == hi { Value::from(*lo) } else { Value::from(format!("{lo}-{hi}")) })
+                .collect::<Vec<_>>(),
+            "protocol": match protocol {
+                Protocol::Any => "any",
+                Protocol::Tcp => "tcp",
+                Protocol::Udp => "udp",
+            },
+        }),
+    }
+}
+
+impl Policy {
+    /// The policy as canonical JSON (`allow_internet_access`, `allow_out`, `deny_out`,
+    /// `dns_servers`), which [`parse`] reads back to the same policy: what the REST API
+    /// and the CLI show, whichever spelling (E2B's camelCase included) it was set in.
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "allow_internet_access": self.allow_internet,
+            "allow_out": self.allow_out.iter().map(rule_json).collect::<Vec<_>>(),
+            "deny_out": self.deny_out.iter().map(rule_json).collect::<Vec<_>>(),
+            "dns_servers": self.dns_servers.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The policy of a sandbox whose logged network settings are `json` (empty: none,
+    /// which is deny). Settings that no longer parse (never logged: every write is
+    /// checked) read as deny.
+    pub fn of_logged(json: Option<&str>) -> Policy {
+        json.filter(|j| !j.trim().is_empty())
+            .and_then(|j| parse("network", j).ok())
+            .unwrap_or_default()
+    }
+}
+
 impl Policy {
     /// The least egress ceiling that holds this policy, with the field that needs it
     /// (`field` names the policy): `None` for a policy that allows nothing, `Any` for one

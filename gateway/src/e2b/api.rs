@@ -256,13 +256,13 @@ pub(super) fn detail_json(st: &AppState, x: &Sandbox) -> Value {
         "state": e2b_state(x),
         "metadata": x.labels,
         "envdAccessToken": st.node.sandbox_token(SandboxTokenKind::Agent, &x.id),
-        "allowInternetAccess": false,
+        "allowInternetAccess": opendsec_commands::network::Policy::of_logged(x.network.as_deref()).allow_internet,
         "lifecycle": { "autoResume": x.auto_resume, "onTimeout": if x.auto_pause { "pause" } else { "kill" } },
     });
     if let Some(d) = &st.e2b.domain {
         v["domain"] = json!(d);
     }
-    if let Some(n) = x.network.as_deref().and_then(|n| serde_json::from_str::<Value>(n).ok()) {
+    if let Some(n) = e2b_network_json(x.network.as_deref()) {
         v["network"] = n;
     }
     v
@@ -386,4 +386,40 @@ pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
         submit_as(st, Credential::System, &headers, cmd).await?;
     }
     wait_ready(st, id).await
+}
+
+/// A sandbox's network settings as E2B shows them: its egress rules (`allowOut`,
+/// `denyOut`, `dnsServers`, as the edge enforces them) and the settings of traffic into
+/// it, as asked; nothing when none were ever set.
+fn e2b_network_json(logged: Option<&str>) -> Option<Value> {
+    let Ok(Value::Object(raw)) = serde_json::from_str::<Value>(logged?) else {
+        return None;
+    };
+    let canonical = opendsec_commands::network::Policy::of_logged(logged).to_json();
+    let mut out: serde_json::Map<String, Value> = raw
+        .into_iter()
+        .filter(|(k, _)| {
+            !matches!(
+                k.as_str(),
+                "allow_out"
+                    | "allowOut"
+                    | "deny_out"
+                    | "denyOut"
+                    | "dns_servers"
+                    | "dnsServers"
+                    | "allow_internet_access"
+                    | "allowInternetAccess"
+            )
+        })
+        .collect();
+    for (camel, canonical_key) in [
+        ("allowOut", "allow_out"),
+        ("denyOut", "deny_out"),
+        ("dnsServers", "dns_servers"),
+    ] {
+        if canonical[canonical_key].as_array().is_some_and(|a| !a.is_empty()) {
+            out.insert(camel.into(), canonical[canonical_key].clone());
+        }
+    }
+    Some(Value::Object(out))
 }

@@ -60,34 +60,6 @@ pub(super) fn string_map(m: &Map<String, Value>, field: &str) -> R<BTreeMap<Stri
     }
 }
 
-/// Network settings as asked. OpenDsec has no egress yet (network policy is a later
-/// release): a request that would open any is refused rather than silently ignored.
-pub(super) fn check_network(n: &Value, field: &str) -> R<()> {
-    let Value::Object(o) = n else {
-        return Err(E2bError::bad(format!("{field} must be an object")));
-    };
-    let no_egress = |what: &str| {
-        E2bError::bad(format!(
-            "{field}.{what}: this OpenDsec release gives sandboxes no network egress (network policy is not implemented yet), so it cannot allow any"
-        ))
-    };
-    for key in ["allowOut", "rules"] {
-        match o.get(key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(Value::Object(r)) if r.is_empty() => {}
-            Some(_) => return Err(no_egress(key)),
-        }
-    }
-    if o.get("egressProxy").is_some_and(|v| !v.is_null()) {
-        return Err(no_egress("egressProxy"));
-    }
-    if o.get("allow_internet_access") == Some(&Value::Bool(true)) {
-        return Err(no_egress("allow_internet_access"));
-    }
-    Ok(())
-}
-
 pub(super) fn unsupported(m: &Map<String, Value>, field: &str) -> R<()> {
     match m.get(field) {
         None | Some(Value::Null) => Ok(()),

@@ -5,14 +5,14 @@
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_projections::{Desired, Isolation, Observed, Right};
 use serde_json::{Value, json};
 
 use super::api::*;
-use super::body::{body_object, check_network, opt_bool, opt_str, opt_u64, string_map, unsupported};
+use super::body::{body_object, opt_bool, opt_str, opt_u64, string_map, unsupported};
 use crate::AppState;
 
 pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
@@ -34,10 +34,9 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
         },
         Some(_) => return Err(E2bError::bad("autoResume must be an object {\"enabled\": bool}")),
     };
-    // Older SDKs (2.50) ask for internet access on every create. Nothing opens: the
-    // sandbox has no egress, the answer says so in a warning header, and get/list report
-    // `allowInternetAccess: false`.
-    let asked_internet = opt_bool(&m, "allow_internet_access")? == Some(true);
+    // E2B's `allow_internet_access` (older SDKs, 2.50, send true on every create) and
+    // `network` over the project's default policy; neither: the default itself.
+    let allow_internet = opt_bool(&m, "allow_internet_access")?;
     let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
     let _ = opt_bool(&m, "autoPauseMemory")?; // frozen containers keep their memory; microVMs snapshot theirs
     for f in ["mcp", "iam", "volumeMounts"] {
@@ -45,11 +44,13 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
     }
     let network = match m.get("network") {
         None | Some(Value::Null) => None,
-        Some(n) => {
-            check_network(n, "network")?;
-            Some(n.to_string())
-        }
+        Some(Value::Object(n)) => Some(n),
+        Some(_) => return Err(E2bError::bad("network must be an object")),
     };
+    let network = (allow_internet.is_some() || network.is_some()).then(|| {
+        let default = st.node.read(|s| s.default_network(&who.project).map(str::to_string));
+        crate::convert::e2b_network(default.as_deref(), allow_internet, network, None)
+    });
     let metadata = string_map(&m, "metadata")?;
     let env = string_map(&m, "envVars")?;
     require(&who, Right::SandboxWrite)?;
@@ -114,13 +115,7 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
         Err(e) => return Err(e),
     };
     let x = wait_ready(&st, &s).await?;
-    let mut resp = created(sandbox_json(&st, &x));
-    if asked_internet {
-        tracing::info!(sandbox = %x.id, "internet access was asked for; this release gives sandboxes no egress");
-        resp.headers_mut()
-            .insert("x-opendsec-warning", HeaderValue::from_static(NO_EGRESS_WARNING));
-    }
-    Ok(resp)
+    Ok(created(sandbox_json(&st, &x)))
 }
 
 /// The suffix of a template name that asks for a microVM of the image: `base-vm` is the
@@ -156,9 +151,6 @@ pub fn template_image(template: &str) -> (String, Option<Isolation>) {
         None => (template.to_string(), None),
     }
 }
-
-/// Said whenever a request asks for egress that this release cannot give.
-pub const NO_EGRESS_WARNING: &str = "sandboxes have no network egress in this OpenDsec release (network policy is not implemented yet); allow_internet_access was not granted";
 
 pub(super) async fn connect(
     State(st): State<AppState>,
@@ -338,19 +330,16 @@ pub(super) async fn network(
 ) -> R<Response> {
     let who = caller(&st, &headers)?;
     let m = body_object(&body)?;
-    let v = Value::Object(m);
-    check_network(&v, "network")?;
     visible(&st, &who, &id)?;
-    submit(
-        &st,
-        &who,
-        &headers,
-        Command::SetSandboxNetwork {
-            sandbox: id,
-            network: v.to_string(),
-        },
-    )
-    .await?;
+    // An update names the rules anew; internet access and the settings of traffic into
+    // the sandbox stay as they were unless it says otherwise.
+    let current = st
+        .node
+        .read(|s| s.sandboxes.sandboxes.get(&id).and_then(|x| x.network.clone()));
+    let internet = opendsec_commands::network::Policy::of_logged(current.as_deref()).allow_internet;
+    let base = serde_json::json!({ "allow_internet_access": internet }).to_string();
+    let network = crate::convert::e2b_network(Some(&base), None, Some(&m), current.as_deref());
+    submit(&st, &who, &headers, Command::SetSandboxNetwork { sandbox: id, network }).await?;
     Ok(no_content())
 }
 

@@ -4,7 +4,7 @@ use axum::Json;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use opendsec_commands::Command;
-use opendsec_projections::{Limits, Right};
+use opendsec_projections::{Egress, Limits, Right};
 use opendsec_sdk::types::{self as api, CreateProject, Done, ProjectList, ProjectWritten, Quota};
 
 use super::visible_project;
@@ -145,5 +145,64 @@ fn quota_of(s: &opendsec_projections::State, id: &str) -> Quota {
         limits: convert::limits(&s.quota.limits.get(id).copied().unwrap_or_default()),
         effective: convert::limits(&s.effective_limits(id)),
         usage: convert::resources(&s.quota.usage.get(id).copied().unwrap_or_default()),
+    }
+}
+
+/// The project's network settings: its egress ceiling (the least on its line) and the
+/// default policy of its sandboxes (the nearest set on its line; absent: deny).
+/// Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/projects/{id}/network", tag = "projects", params(("id" = String, Path)),
+    responses((status = 200, body = api::ProjectNetwork), (status = "4XX", body = api::ErrorBody)))]
+pub async fn get_network(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+) -> Result<Json<api::ProjectNetwork>, ApiError> {
+    who.require(Right::SandboxRead)?;
+    st.node.read(|s| {
+        visible_project(s, &who, "id", &id)?;
+        Ok(Json(network_of(s, &id)))
+    })
+}
+
+/// Sets the project's egress ceiling (`none`, `public` or `any`; never above its
+/// parent's, and a caller may lower but not raise its own project's) and the default
+/// policy of its sandboxes that name none. Needs quota:write.
+#[utoipa::path(put, path = "/v1/projects/{id}/network", tag = "projects", params(("id" = String, Path)), request_body = api::ProjectNetwork,
+    responses((status = 200, body = api::ProjectNetwork), (status = "4XX", body = api::ErrorBody)))]
+pub async fn set_network(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<api::ProjectNetwork>,
+) -> Result<Written<api::ProjectNetwork>, ApiError> {
+    let ceiling = Egress::parse(&req.ceiling).ok_or_else(|| {
+        ApiError::invalid(
+            "ceiling",
+            format!(
+                "unknown egress ceiling {:?}; ceilings are: none, public, any",
+                req.ceiling
+            ),
+        )
+    })?;
+    let cmd = Command::SetProjectNetwork {
+        project: id.clone(),
+        ceiling,
+        default_network: req.default_network.as_ref().map(|n| convert::network_json(n, None)),
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let body = st.node.read(|state| network_of(state, &id));
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body,
+    })
+}
+
+fn network_of(s: &opendsec_projections::State, id: &str) -> api::ProjectNetwork {
+    api::ProjectNetwork {
+        ceiling: s.egress_ceiling(id).as_str().to_string(),
+        default_network: s.default_network(id).map(|d| convert::network(Some(d))),
     }
 }

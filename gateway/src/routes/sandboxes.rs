@@ -43,6 +43,7 @@ pub async fn create(
             isolation: req.isolation.map(convert::isolation_of),
             cpu_class: req.cpu_class.map(convert::cpu_class_of),
             auto_resume: req.auto_resume.unwrap_or(true),
+            network: req.network.as_ref().map(|n| convert::network_json(n, None)),
             ..Default::default()
         },
     };
@@ -218,6 +219,47 @@ pub async fn set_labels(
         },
     )
     .await
+}
+
+/// What the sandbox may reach: its egress policy as its edge enforces it.
+/// Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/network", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = api::NetworkPolicy), (status = "4XX", body = api::ErrorBody)))]
+pub async fn get_network(
+    st: State<AppState>,
+    who: Authed,
+    id: PathParam<String>,
+) -> Result<Json<api::NetworkPolicy>, ApiError> {
+    let Json(x) = get(st, who, id).await?;
+    Ok(Json(x.network))
+}
+
+/// Replaces the sandbox's whole egress policy while it runs: its edge applies it at once,
+/// and connections the new policy forbids stop. It never exceeds the project's egress
+/// ceiling (a 403 naming the rule). Needs sandbox:write.
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/network", tag = "sandboxes", params(("id" = String, Path)), request_body = api::NetworkPolicy,
+    responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
+pub async fn set_network(
+    st: State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<api::NetworkPolicy>,
+) -> Result<Written<SandboxWritten>, ApiError> {
+    let current = st
+        .node
+        .read(|s| s.sandboxes.sandboxes.get(&id).and_then(|x| x.network.clone()));
+    let cmd = Command::SetSandboxNetwork {
+        sandbox: id.clone(),
+        network: convert::network_json(&req, current.as_deref()),
+    };
+    lifecycle(st, who, rid, id, cmd).await.map_err(|mut e| {
+        // The command names the policy `network`; here it is the whole body.
+        if let Some(f) = e.body.field.as_mut().filter(|f| f.starts_with("network.")) {
+            *f = f["network.".len()..].to_string();
+        }
+        e
+    })
 }
 
 /// Creates `count` copies of a live sandbox: a container's copies start from its file

@@ -171,6 +171,22 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 let d = client.delete_project(&id).await?;
                 out.show(&d, |d| format!("deleted project {id} at index {}", d.index));
             }
+            ProjectCmd::Network(ProjectNetworkCmd::Get { project }) => {
+                let n = client.get_project_network(&project).await?;
+                out.show(&n, |n| print::project_network(&project, n));
+            }
+            ProjectCmd::Network(ProjectNetworkCmd::Set {
+                project,
+                ceiling,
+                default,
+            }) => {
+                let settings = ProjectNetwork {
+                    ceiling,
+                    default_network: default.given().then(|| default.policy()),
+                };
+                let n = client.set_project_network(&project, &settings).await?;
+                out.show(&n, |n| print::project_network(&project, n));
+            }
         },
         Cmd::Quota(c) => {
             let q = match c {
@@ -426,6 +442,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             wait_seconds,
             wait,
             no_auto_resume,
+            network,
         } => {
             let req = CreateSandbox {
                 project,
@@ -437,6 +454,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 isolation: isolation.map(Isolation::from),
                 cpu_class: cpu_class.map(CpuClass::from),
                 auto_resume: no_auto_resume.then_some(false),
+                network: network.given().then(|| network.policy()),
             };
             let mut written = client.create_sandbox(&req).await?;
             if !no_wait {
@@ -598,6 +616,22 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Shell { id, user, cmd } => return remote::shell(client, &id, user, cmd).await,
         SandboxCmd::Cp { src, dst, user } => return remote::copy(client, out, &src, &dst, user.as_deref()).await,
+        SandboxCmd::Network(SandboxNetworkCmd::Get { id }) => {
+            let p = client.get_sandbox_network(&id).await?;
+            out.show(&p, print::network);
+            return Ok(0);
+        }
+        SandboxCmd::Network(SandboxNetworkCmd::Set { id, network }) => {
+            let w = client.set_sandbox_network(&id, &network.policy()).await?;
+            out.show(&w, |w| {
+                format!(
+                    "sandbox {id}: network set at index {}\n{}",
+                    w.index,
+                    print::network(&w.sandbox.network)
+                )
+            });
+            return Ok(0);
+        }
         SandboxCmd::SetLabels { id, labels } => {
             client
                 .set_sandbox_labels(&id, labels.into_iter().collect::<BTreeMap<_, _>>())

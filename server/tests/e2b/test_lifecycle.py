@@ -1,7 +1,7 @@
 """Specification: a sandbox's life through the control API with the synchronous
 client, `e2b.Sandbox` 2.63.0: list (metadata and state filters, pagination), get_info,
 pause and connect (a container's pause freezes it: files and processes are kept),
-set_timeout and expiry, kill, metrics, snapshots and fork.
+set_timeout and expiry, kill, metrics, snapshots and fork, network settings.
 
 Three sandboxes tagged `group=listed` serve the list tests and are then paused,
 snapshotted and forked; the timeout, auto-pause, network and kill tests make their own.
@@ -224,29 +224,55 @@ def test_set_timeout_extends_the_life_and_expiry_ends_the_sandbox(run_id):
         Sandbox.kill(sb.sandbox_id)
 
 
-# --- network (no egress in this release: nothing that would open it is accepted) ---------
+# --- network (default deny; the traffic itself: test_network.py) ------------------------
 
 
-def test_a_request_for_egress_is_refused_and_allow_internet_access_opens_nothing(run_id):
-    with pytest.raises(SandboxException) as e:
-        Sandbox.create(template=BASE_TEMPLATE, network={"allow_out": ["192.0.2.1"]}, metadata={"suite": run_id, "group": "net"})
-    assert e.value.status_code == 400, e.value
-
-    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, allow_internet_access=True, metadata={"suite": run_id, "group": "net"})
+def test_network_settings_are_kept_shown_and_replaced_while_it_runs(run_id):
+    sb = Sandbox.create(
+        template=BASE_TEMPLATE,
+        timeout=120,
+        network={"allow_out": ["pkgs.example.com", "11.22.33.0/24"], "deny_out": [ALL_TRAFFIC]},
+        metadata={"suite": run_id, "group": "net"},
+    )
     try:
-        # Accepted (older SDKs always send it) but reported as what it is: no egress.
-        assert sb.get_info().allow_internet_access is False
-        routes = sb.commands.run("tail -n +2 /proc/net/route").stdout
-        assert routes.strip() == "", f"the sandbox has routes out: {routes!r}"
+        info = sb.get_info()
+        # Nothing else: the project's default is deny, and the rules say what opens.
+        assert info.allow_internet_access is False
+        assert info.network["allow_out"] == ["pkgs.example.com", "11.22.33.0/24"], info.network
+        assert info.network["deny_out"] == [ALL_TRAFFIC], info.network
 
+        # An update names the rules anew.
+        sb.update_network({"allow_out": ["*.example.org:443"]})
+        info = sb.get_info()
+        assert info.network["allow_out"] == ["*.example.org:443"], info.network
+        assert "deny_out" not in info.network, info.network
+
+        # A bad rule is a 400 naming it, and changes nothing.
         with pytest.raises(SandboxException) as e:
-            sb.update_network({"allow_out": ["192.0.2.1"]})
-        assert e.value.status_code == 400, e.value
-        sb.update_network({"deny_out": [ALL_TRAFFIC]})  # closing is always allowed
-        assert sb.get_info().network == {"deny_out": [ALL_TRAFFIC]}
+            sb.update_network({"allow_out": ["*.example.org:443", "not a host"]})
+        assert e.value.status_code == 400 and "allow_out[1]" in str(e.value), e.value
+        assert sb.get_info().network["allow_out"] == ["*.example.org:443"]
         assert sb.is_running()
     finally:
         sb.kill()
+
+
+def test_allow_internet_access_true_opens_the_public_internet_and_false_closes_it(run_id):
+    opened = Sandbox.create(template=BASE_TEMPLATE, timeout=120, allow_internet_access=True, metadata={"suite": run_id, "group": "net"})
+    closed = Sandbox.create(template=BASE_TEMPLATE, timeout=120, allow_internet_access=False, metadata={"suite": run_id, "group": "net"})
+    plain = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "net"})
+    try:
+        assert opened.get_info().allow_internet_access is True
+        assert closed.get_info().allow_internet_access is False
+        # E2B code that says nothing gets the project's default: deny here.
+        assert plain.get_info().allow_internet_access is False
+        # An update that does not name internet access keeps it.
+        opened.update_network({"deny_out": ["198.51.100.0/24"]})
+        info = opened.get_info()
+        assert info.allow_internet_access is True and info.network["deny_out"] == ["198.51.100.0/24"], info
+    finally:
+        for sb in (opened, closed, plain):
+            sb.kill()
 
 
 # --- kill -------------------------------------------------------------------------------

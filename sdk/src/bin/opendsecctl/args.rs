@@ -122,6 +122,78 @@ pub(crate) enum ProjectCmd {
     Delete {
         id: String,
     },
+    /// Its egress ceiling and its sandboxes' default network policy.
+    #[command(subcommand)]
+    Network(ProjectNetworkCmd),
+}
+
+/// A sandbox's egress policy on the command line. Nothing is allowed unless named: a rule
+/// is `pkgs.example.com`, `*.example.com:443`, `10.1.0.0/16`, `[2001:db8::1]:53`, or a
+/// JSON object `{"to": ..., "ports": [443, "8000-8100"], "protocol": "tcp"}`.
+#[derive(Args, Clone, Default)]
+pub(crate) struct NetworkArgs {
+    /// A destination it may reach (an allow beats a deny); repeat for several.
+    #[arg(long = "allow-out", value_name = "RULE", value_parser = parse_rule)]
+    pub allow_out: Vec<serde_json::Value>,
+    /// A destination taken away from --internet; repeat for several.
+    #[arg(long = "deny-out", value_name = "RULE", value_parser = parse_rule)]
+    pub deny_out: Vec<serde_json::Value>,
+    /// The public internet (never private, loopback, link-local or metadata addresses).
+    #[arg(long)]
+    pub internet: bool,
+}
+
+impl NetworkArgs {
+    pub fn given(&self) -> bool {
+        self.internet || !self.allow_out.is_empty() || !self.deny_out.is_empty()
+    }
+
+    pub fn policy(self) -> opendsec_sdk::types::NetworkPolicy {
+        opendsec_sdk::types::NetworkPolicy {
+            allow_internet_access: self.internet,
+            allow_out: self.allow_out,
+            deny_out: self.deny_out,
+            dns_servers: vec![],
+        }
+    }
+}
+
+/// A rule: a JSON object as given, anything else as a string for the server to check.
+pub(crate) fn parse_rule(s: &str) -> Result<serde_json::Value, String> {
+    if s.trim_start().starts_with('{') {
+        return serde_json::from_str(s).map_err(|e| format!("{s:?} is not a JSON rule object: {e}"));
+    }
+    Ok(serde_json::Value::String(s.to_string()))
+}
+
+#[derive(Subcommand)]
+pub(crate) enum SandboxNetworkCmd {
+    /// Its egress policy.
+    Get { id: String },
+    /// Replaces its whole egress policy while it runs (with no rule: it reaches nothing).
+    /// Connections the new policy forbids stop.
+    Set {
+        id: String,
+        #[command(flatten)]
+        network: NetworkArgs,
+    },
+}
+
+#[derive(Subcommand)]
+pub(crate) enum ProjectNetworkCmd {
+    /// Its egress ceiling and its sandboxes' default policy.
+    Get { project: String },
+    /// Sets its egress ceiling and the policy of its sandboxes that name none.
+    Set {
+        project: String,
+        /// none, public (the default) or any (also private networks a rule names);
+        /// never above the parent project's.
+        #[arg(long)]
+        ceiling: String,
+        /// The default policy (without any of these: deny).
+        #[command(flatten)]
+        default: NetworkArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -213,6 +285,8 @@ pub(crate) enum SandboxCmd {
         /// default the next call resumes it).
         #[arg(long)]
         no_auto_resume: bool,
+        #[command(flatten)]
+        network: NetworkArgs,
     },
     /// Live sandboxes (or those in --state).
     List {
@@ -303,6 +377,9 @@ pub(crate) enum SandboxCmd {
         id: String,
         seconds: u64,
     },
+    /// What the sandbox may reach: `network get ID`, `network set ID --allow-out ...`.
+    #[command(subcommand)]
+    Network(SandboxNetworkCmd),
     /// Replaces every label.
     SetLabels {
         id: String,

@@ -167,3 +167,46 @@ impl Printer {
         }
     }
 }
+
+/// An egress policy, one line a part.
+pub(crate) fn network(p: &opendsec_sdk::types::NetworkPolicy) -> String {
+    if p.is_deny() {
+        return "egress: none (nothing is allowed)".to_string();
+    }
+    let rules = |rs: &[serde_json::Value]| {
+        rs.iter()
+            .map(|r| r.as_str().map_or_else(|| r.to_string(), str::to_string))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut lines = vec![format!(
+        "internet:  {}",
+        if p.allow_internet_access {
+            "yes (public addresses)"
+        } else {
+            "no"
+        }
+    )];
+    if !p.allow_out.is_empty() {
+        lines.push(format!("allow out: {}", rules(&p.allow_out)));
+    }
+    if !p.deny_out.is_empty() {
+        lines.push(format!("deny out:  {}", rules(&p.deny_out)));
+    }
+    if !p.dns_servers.is_empty() {
+        lines.push(format!("dns:       {}", p.dns_servers.join(", ")));
+    }
+    lines.join("\n")
+}
+
+/// A project's ceiling and default policy.
+pub(crate) fn project_network(project: &str, n: &opendsec_sdk::types::ProjectNetwork) -> String {
+    let default = match &n.default_network {
+        Some(p) => network(p),
+        None => "egress: none (nothing is allowed)".to_string(),
+    };
+    format!(
+        "project {project}: egress ceiling {}\nits sandboxes' default policy:\n{default}",
+        n.ceiling
+    )
+}
