@@ -52,6 +52,25 @@ impl EdgeSliceService {
     }
 }
 
+impl EdgeSliceService {
+    /// Refuses (and logs as denied) a watch or heartbeat for an edge that another token
+    /// registered: an edge's token speaks for its own edge only.
+    fn acts_for(&self, p: &Principal, edge: &str, what: &str) -> Result<(), Status> {
+        let owner = self
+            .node
+            .read(|s| s.placement.edges.get(edge).and_then(|e| e.token.clone()));
+        match owner {
+            Some(o) if o != p.token_id => {
+                tracing::warn!(token = %p.token_id, %edge, %what, "denied: the edge is registered by another token");
+                Err(Status::permission_denied(format!(
+                    "edge {edge} is registered by another token: only its own token acts for it"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 fn to_status(e: SubmitError) -> Status {
     match e {
         SubmitError::Rejected { rejection, .. } => match rejection.kind.code() {
@@ -175,11 +194,12 @@ impl EdgeSlice for EdgeSliceService {
     type WatchStream = SliceStream;
 
     async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<SliceStream>, Status> {
-        self.edge_principal(&req)?;
+        let p = self.edge_principal(&req)?;
         let r = req.into_inner();
         if r.edge.is_empty() {
             return Err(Status::invalid_argument("edge must name the watching edge"));
         }
+        self.acts_for(&p, &r.edge, "watch")?;
         // Watch the applied index before reading history so no entry falls between the two.
         let live = self.node.log().applied_index();
         let (tx, rx) = mpsc::channel(256);
@@ -227,8 +247,9 @@ impl EdgeSlice for EdgeSliceService {
     }
 
     async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {
-        self.edge_principal(&req)?;
+        let p = self.edge_principal(&req)?;
         let r = req.into_inner();
+        self.acts_for(&p, &r.edge, "heartbeat")?;
         self.node.record_heartbeat(EdgeHeartbeat {
             edge: r.edge,
             at_ms: now_ms(),

@@ -93,6 +93,7 @@ impl World {
                     memory_mb: Some(u64::MAX / 4),
                 }),
                 labels: BTreeMap::new(),
+                token: String::new(),
             })]);
         }
         w

@@ -228,6 +228,11 @@ pub struct Edge {
     pub labels: BTreeMap<String, String>,
     pub registered_at_ms: u64,
     pub deregistered: bool,
+    /// The token that registered it, the only one that acts for it (watches its slice,
+    /// reports on its sandboxes, heartbeats, registers it again); `None`: registered by
+    /// the system, or before edges were bound to their tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 impl Edge {

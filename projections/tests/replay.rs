@@ -70,6 +70,7 @@ fn the_log() -> Vec<(u64, Vec<u8>)> {
                     memory_mb: Some(10_000),
                 }),
                 labels: Default::default(),
+                token: String::new(),
             })],
         ),
         batch(

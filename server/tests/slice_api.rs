@@ -239,3 +239,142 @@ async fn the_slice_api_needs_an_edge_token() {
         .expect_err("refused");
     assert!(err.to_string().contains("edge:write"), "{err}");
 }
+
+/// An edge token with edge:write only, as `opendsec edge` is given.
+async fn edge_token(t: &TestNode, name: &str) -> String {
+    let (secret, hash) = opendsec_control::new_token_secret();
+    let cmd = Command::IssueToken {
+        project: t.root_project.clone(),
+        name: name.into(),
+        rights: vec![opendsec_projections::Right::EdgeWrite],
+        ttl_seconds: None,
+        secret_sha256: hash,
+    };
+    let s = t
+        .node
+        .submit(
+            Credential::Bearer(t.admin_token.clone()),
+            uuid::Uuid::new_v4().to_string(),
+            cmd,
+        )
+        .await
+        .unwrap();
+    opendsec_control::format_token(&s.decided.target, &secret)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_token_acts_for_its_own_edge_only() {
+    let t = single_node().await;
+    let mut a = SliceClient::connect(&t.peer_addr, &edge_token(&t, "edge-a").await).unwrap();
+    let mut b = SliceClient::connect(&t.peer_addr, &edge_token(&t, "edge-b").await).unwrap();
+    a.register("edge-a", "127.0.0.1:9", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
+    let id = create_sandbox(&t).await; // placed on edge-a, the only edge
+    b.register("edge-b", "127.0.0.1:10", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
+    let denied = |e: opendsec_edge::slice::SliceError| {
+        let m = e.to_string();
+        assert!(m.contains("registered by another token"), "{m}");
+    };
+
+    // B's token cannot read A's slice (tenants' env rides in it), spoof A's heartbeats,
+    // report A's sandbox ended, or take A's name to another address.
+    denied(b.watch("edge-a", 1).await.expect_err("watching another edge's slice"));
+    denied(
+        b.heartbeat(HeartbeatRequest {
+            edge: "edge-a".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a heartbeat for another edge"),
+    );
+    denied(
+        b.report(
+            &id,
+            &Observation::Exited {
+                exit_code: 1,
+                oom_killed: false,
+                reason: "forged".into(),
+            },
+            "forged",
+        )
+        .await
+        .expect_err("a report on another edge's sandbox"),
+    );
+    denied(
+        b.register("edge-a", "127.0.0.1:11", capacity(), BTreeMap::new())
+            .await
+            .expect_err("registering another edge's name"),
+    );
+    let (observed, address) = t.node.read(|s| {
+        (
+            s.sandboxes.sandboxes[&id].observed,
+            s.placement.edges["edge-a"].address.clone(),
+        )
+    });
+    assert_eq!(
+        (observed, address.as_str()),
+        (Observed::Pending, "127.0.0.1:9"),
+        "nothing changed"
+    );
+    // Each denied write is in the audit as denied, with the token that asked.
+    let denied_reports = t.node.read(|s| {
+        s.audit
+            .records
+            .iter()
+            .filter(|r| {
+                r.action == "sandbox.report" && matches!(r.result, opendsec_projections::AuditResult::Denied { .. })
+            })
+            .count()
+    });
+    assert_eq!(denied_reports, 1);
+
+    // A's own token does all of it.
+    let mut watch = a.watch("edge-a", 1).await.unwrap();
+    assert!(watch.message().await.unwrap().is_some());
+    a.heartbeat(HeartbeatRequest {
+        edge: "edge-a".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    a.report(&id, &Observation::Ready, "ready").await.unwrap();
+    a.register("edge-a", "127.0.0.1:12", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
+
+    // An operator (project:write) may update A's registration; A keeps its token.
+    let cmd = Command::RegisterEdge {
+        edge: "edge-a".into(),
+        address: "127.0.0.1:12".into(),
+        capacity: opendsec_projections::Usage {
+            sandboxes: 5,
+            cpu_millis: 5000,
+            memory_mb: 5000,
+        },
+        labels: BTreeMap::new(),
+    };
+    t.node
+        .submit(Credential::Bearer(t.admin_token.clone()), "update".into(), cmd)
+        .await
+        .unwrap();
+    a.heartbeat(HeartbeatRequest {
+        edge: "edge-a".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    denied(b.watch("edge-a", 1).await.expect_err("still not B's"));
+
+    // Once an operator deregisters A, another token may take its name.
+    let cmd = Command::DeregisterEdge { edge: "edge-a".into() };
+    t.node
+        .submit(Credential::Bearer(t.admin_token.clone()), "dereg".into(), cmd)
+        .await
+        .unwrap();
+    b.register("edge-a", "127.0.0.1:13", capacity(), BTreeMap::new())
+        .await
+        .unwrap();
+}

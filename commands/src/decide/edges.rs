@@ -29,6 +29,28 @@ pub(super) fn register(
     validate::amount("capacity.memory_mb", capacity.memory_mb, LIMITS.memory_mb)?;
     s.who.require(Right::EdgeWrite)?;
     s.require_root()?;
+    // A live edge is registered again only by its own token or by an operator (with
+    // project:write: an update that leaves it its token); a deregistered one may be taken
+    // by another token.
+    let live_owner = s
+        .state
+        .placement
+        .edges
+        .get(edge)
+        .filter(|e| !e.deregistered)
+        .map(|e| e.token.clone());
+    if live_owner.is_some() && !s.who.rights.contains(&Right::ProjectWrite) {
+        s.acts_for_edge("edge", edge).map_err(|r| {
+            Rejection::field(
+                r.kind,
+                "edge",
+                format!(
+                    "{}; to move the name to another token, deregister it first (`opendsecctl edge deregister {edge}`)",
+                    r.message
+                ),
+            )
+        })?;
+    }
     let ordinal = match s.state.placement.edges.get(edge) {
         Some(e) => e.ordinal,
         None if s.inflight.is_new_edge(edge) => {
@@ -55,6 +77,7 @@ pub(super) fn register(
             address: address.to_string(),
             capacity: Some(usage_to_pb(capacity)),
             labels: labels.clone(),
+            token: live_owner.flatten().or_else(|| s.who.token.clone()).unwrap_or_default(),
         }),
     ))
 }
@@ -67,6 +90,10 @@ pub(super) fn deregister(s: &Scope, edge: &str) -> Result<Decided, Rejection> {
     }
     s.who.require(Right::EdgeWrite)?;
     s.require_root()?;
+    // An operator (with project:write) takes any edge out; an edge's token only its own.
+    if !s.who.rights.contains(&Right::ProjectWrite) {
+        s.acts_for_edge("edge", edge)?;
+    }
     Ok(Decided::one(
         "",
         edge,

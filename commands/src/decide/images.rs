@@ -142,6 +142,7 @@ pub(super) fn delete(s: &Scope, name: &str) -> Result<Decided, Rejection> {
 /// `ReportImage`: what the pulling edge made of the request.
 pub(super) fn report(s: &Scope, name: &str, result: &ImageResult) -> Result<Decided, Rejection> {
     let x = image_in_scope(s, name, Right::EdgeWrite)?;
+    s.acts_for_edge("name", &x.edge)?;
     if x.state != ImageState::Pending {
         return Err(Rejection::field(
             K::Conflict,

@@ -297,6 +297,7 @@ pub(super) fn report(s: &Scope, sandbox: &str, observation: &Observation) -> Res
             format!("sandbox {sandbox} is outside the caller's project"),
         ));
     }
+    s.acts_for_edge("sandbox", &x.edge)?;
     let id = sandbox.to_string();
     let ev = match observation {
         Observation::Ready => Event::SandboxReady(pb::SandboxReady {

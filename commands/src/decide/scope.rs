@@ -134,6 +134,23 @@ impl Scope<'_> {
         }
     }
 
+    /// Whether the caller acts for `edge`: the token that registered it (or the system,
+    /// or anyone for an edge registered before edges were bound to their tokens). Every
+    /// edge's report, and its registration again, goes through here, so a stolen edge
+    /// token speaks for its own edge only.
+    pub fn acts_for_edge(&self, field: &str, edge: &str) -> Result<(), Rejection> {
+        let owner = self.state.placement.edges.get(edge).and_then(|e| e.token.as_deref());
+        match (owner, self.who.token.as_deref()) {
+            (None, _) | (_, None) => Ok(()),
+            (Some(o), Some(t)) if o == t => Ok(()),
+            _ => Err(Rejection::field(
+                K::Forbidden,
+                field,
+                format!("edge {edge} is registered by another token: only its own token acts for it"),
+            )),
+        }
+    }
+
     /// The time `seconds` from now in ms, or 0 (never) for none or zero.
     pub fn expiry(&self, seconds: Option<u64>) -> u64 {
         match seconds {

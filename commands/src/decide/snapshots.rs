@@ -74,6 +74,7 @@ pub(super) fn delete(s: &Scope, snapshot: &str) -> Result<Decided, Rejection> {
 /// `ReportSnapshot`: what the sandbox's edge made of the request.
 pub(super) fn report(s: &Scope, snapshot: &str, result: &SnapshotResult) -> Result<Decided, Rejection> {
     let x = snapshot_in_scope(s, snapshot, Right::EdgeWrite)?;
+    s.acts_for_edge("snapshot", &x.edge)?;
     if x.state != SnapshotState::Pending {
         return Err(Rejection::field(
             K::Conflict,

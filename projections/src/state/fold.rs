@@ -83,6 +83,9 @@ impl State {
                         edge.capacity = capacity;
                         edge.labels = labels;
                         edge.deregistered = false;
+                        if !e.token.is_empty() {
+                            edge.token = Some(e.token.clone());
+                        }
                     }
                     None => {
                         self.placement.next_ordinal = e.ordinal + 1;
@@ -97,6 +100,7 @@ impl State {
                                 labels,
                                 registered_at_ms: t,
                                 deregistered: false,
+                                token: (!e.token.is_empty()).then(|| e.token.clone()),
                             },
                         );
                     }
