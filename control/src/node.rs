@@ -141,8 +141,29 @@ impl From<opendsec_edge_api::pb::ImagePull> for PullProgress {
     }
 }
 
+/// How long a node that confirmed it is current serves tokens' authority before it
+/// confirms again (the most a revocation or a partition can go unseen on a node that has
+/// not applied it).
+pub const CURRENT_LEASE: Duration = Duration::from_millis(500);
+/// How long confirming may take before the node refuses, and how long a failed
+/// confirmation is remembered (so callers fail fast, not one timeout each).
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
+const FAILED_REMEMBERED: Duration = Duration::from_millis(250);
+
+/// What this node last learnt of being current.
+enum Currency {
+    Unknown,
+    /// Current until then.
+    Until(tokio::time::Instant),
+    /// Could not confirm; said again until then.
+    Failed(tokio::time::Instant, String),
+}
+
 struct Inner {
     log: LogNode<Fsm>,
+    currency: tokio::sync::Mutex<Currency>,
+    /// A gRPC channel to the leader's peer port, for read indexes.
+    leader_channel: Mutex<Option<(String, tonic::transport::Channel)>>,
     cfg: ControlConfig,
     inflight: Arc<Mutex<InFlight>>,
     checkpoints: Checkpoints,
@@ -181,6 +202,8 @@ impl ControlNode {
                 checkpoints,
                 forwarders: Mutex::new(BTreeMap::new()),
                 heartbeats: Mutex::new(BTreeMap::new()),
+                currency: tokio::sync::Mutex::new(Currency::Unknown),
+                leader_channel: Mutex::new(None),
             }),
         })
     }
@@ -243,6 +266,90 @@ impl ControlNode {
                 bearer: bearer.to_string(),
             })
         })
+    }
+
+    /// Confirms that this node is current before it serves `bearer`'s authority: the
+    /// leader by its lease (else a quorum round); a follower by the leader's read index,
+    /// which the leader answers only for a token it still accepts, applied here. Once
+    /// confirmed, the node serves for [`CURRENT_LEASE`] before it confirms again; a node
+    /// that cannot (partitioned, no leader, far behind) refuses as unavailable rather than
+    /// serve authority that may have been revoked.
+    pub async fn confirm_current(&self, bearer: &str) -> Result<(), SubmitError> {
+        let mut currency = self.inner.currency.lock().await;
+        let now = tokio::time::Instant::now();
+        match &*currency {
+            Currency::Until(t) if now < *t => return Ok(()),
+            Currency::Failed(t, why) if now < *t => return Err(SubmitError::Unavailable(why.clone())),
+            _ => {}
+        }
+        match self.confirm_round(bearer).await {
+            Ok(()) => {
+                *currency = Currency::Until(now + CURRENT_LEASE);
+                Ok(())
+            }
+            // The leader refused this token: say so; the node itself is not in doubt.
+            Err(e @ SubmitError::Rejected { .. }) => Err(e),
+            Err(e) => {
+                let why = format!("this node cannot confirm it is current ({e}); retry, or ask another node");
+                tracing::warn!(%why, "refusing to serve until current");
+                *currency = Currency::Failed(tokio::time::Instant::now() + FAILED_REMEMBERED, why.clone());
+                Err(SubmitError::Unavailable(why))
+            }
+        }
+    }
+
+    async fn confirm_round(&self, bearer: &str) -> Result<(), SubmitError> {
+        let l = self.inner.log.leadership();
+        if l.is_leader {
+            return self
+                .inner
+                .log
+                .read_index(CONFIRM_TIMEOUT)
+                .await
+                .map(|_| ())
+                .map_err(|e| SubmitError::Unavailable(e.to_string()));
+        }
+        let addr = l
+            .leader_addr
+            .ok_or_else(|| SubmitError::Unavailable("no leader is known".into()))?;
+        let channel = {
+            let mut cached = self.inner.leader_channel.lock().unwrap();
+            match cached.as_ref() {
+                Some((a, c)) if *a == addr => c.clone(),
+                _ => {
+                    let c = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                        .map_err(|e| SubmitError::Unavailable(format!("leader address {addr}: {e}")))?
+                        .connect_timeout(CONFIRM_TIMEOUT)
+                        .timeout(CONFIRM_TIMEOUT)
+                        .connect_lazy();
+                    *cached = Some((addr.clone(), c.clone()));
+                    c
+                }
+            }
+        };
+        let mut client = crate::pb::control_client::ControlClient::new(channel);
+        let asked = client.read_index(crate::pb::ReadIndexRequest {
+            bearer: bearer.to_string(),
+        });
+        let reply = match tokio::time::timeout(CONFIRM_TIMEOUT, asked).await {
+            Err(_) => {
+                return Err(SubmitError::Unavailable(format!(
+                    "the leader at {addr} did not answer within {} s",
+                    CONFIRM_TIMEOUT.as_secs()
+                )));
+            }
+            Ok(Err(s)) if s.code() == tonic::Code::Unauthenticated => {
+                return Err(Rejection::new(RejectionKind::Unauthenticated, s.message()).into());
+            }
+            Ok(Err(s)) => {
+                return Err(SubmitError::Unavailable(format!(
+                    "the leader at {addr}: {}",
+                    s.message()
+                )));
+            }
+            Ok(Ok(r)) => r.into_inner(),
+        };
+        self.wait_applied(reply.index, CONFIRM_TIMEOUT).await
     }
 
     /// Decides `cmd` on the leader (forwarding there if needed), logs it and returns

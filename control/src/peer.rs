@@ -4,7 +4,9 @@
 
 use crate::Credential;
 use crate::node::{ControlNode, SubmitError, Submitted};
-use crate::pb::{BootstrapRequest, SubmitReply, SubmitRequest, control_server::Control};
+use crate::pb::{
+    BootstrapRequest, ReadIndexReply, ReadIndexRequest, SubmitReply, SubmitRequest, control_server::Control,
+};
 use opendsec_commands::{Command, Decided, Rejection, RejectionKind};
 use opendsec_projections::schema::{self, Batch};
 use prost::Message;
@@ -105,5 +107,20 @@ impl Control for ControlService {
         let result = self.node.submit(Credential::System, req.request_id, cmd).await;
         let batch = result.as_ref().ok().map(batch_of);
         Ok(Response::new(result_to_reply(result, batch)))
+    }
+
+    async fn read_index(&self, req: Request<ReadIndexRequest>) -> Result<Response<ReadIndexReply>, Status> {
+        let req = req.into_inner();
+        // The leader's view of the token: revoked here is refused everywhere that asks.
+        self.node
+            .authenticate(&req.bearer)
+            .map_err(|r| Status::unauthenticated(r.message))?;
+        let index = self
+            .node
+            .log()
+            .read_index(crate::node::CONFIRM_TIMEOUT)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(ReadIndexReply { index }))
     }
 }

@@ -88,6 +88,8 @@ where
             .map(str::trim)
             .ok_or_else(|| ApiError::unauthenticated("the Authorization header must be `Bearer <token>`"))?;
         let principal = app.node.authenticate(token).map_err(ApiError::from)?;
+        // A lagging or partitioned node never serves authority the leader has revoked.
+        app.node.confirm_current(token).await.map_err(ApiError::from)?;
         tracing::Span::current().record("principal", principal.token_id.as_str());
         Ok(Authed(principal))
     }

@@ -1222,6 +1222,8 @@ async fn the_openapi_document_covers_every_route_and_its_schemas() {
         "IssueToken",
         "TokenIssued",
         "Quota",
+        "NetworkPolicy",
+        "ProjectNetwork",
         "Replay",
         "ClusterStatus",
         "RegisterEdge",

@@ -27,6 +27,9 @@ pub enum LogError {
         /// First index this node can still serve.
         first_available: u64,
     },
+    /// This node could not confirm that it leads (for a linearizable read).
+    #[error("leadership not confirmed: {0}")]
+    NotConfirmed(String),
     /// A wait (e.g. [`crate::LogNode::wait_applied`]) did not complete in time.
     #[error("timed out waiting for index {index} to be applied (applied: {applied})")]
     Timeout {

@@ -298,6 +298,21 @@ impl<S: StateMachine> LogNode<S> {
         }
     }
 
+    /// On the leader: the log index a read must see to be linearizable, once this node
+    /// has applied it. Leadership is confirmed by the leader's lease while it holds, else
+    /// by a round to a quorum. An error on a follower, or where leadership cannot be
+    /// confirmed within `timeout`.
+    pub async fn read_index(&self, timeout: Duration) -> Result<u64, LogError> {
+        let read = tokio::time::timeout(
+            timeout,
+            self.inner.raft.ensure_linearizable(openraft::ReadPolicy::LeaseRead),
+        )
+        .await
+        .map_err(|_| LogError::NotConfirmed(format!("no quorum answered within {} ms", timeout.as_millis())))?
+        .map_err(|e| LogError::NotConfirmed(e.to_string()))?;
+        Ok(read.index())
+    }
+
     pub fn status(&self) -> Status {
         let m = self.inner.raft.metrics().borrow_watched().clone();
         let membership = m

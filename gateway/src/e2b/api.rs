@@ -110,7 +110,7 @@ impl IntoResponse for E2bError {
 pub(super) type R<T> = Result<T, E2bError>;
 
 /// The caller: an E2B API key in `X-API-KEY`, or an OpenDsec bearer token.
-pub(super) fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
+pub(super) async fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
     let key = headers
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
@@ -124,9 +124,19 @@ pub(super) fn caller(st: &AppState, headers: &HeaderMap) -> R<Principal> {
     let token = key
         .or(bearer)
         .ok_or_else(|| E2bError::new(StatusCode::UNAUTHORIZED, "missing API key: send X-API-KEY: e2b_…"))?;
-    st.node
+    let p = st
+        .node
         .authenticate(token)
-        .map_err(|r| E2bError::new(StatusCode::UNAUTHORIZED, format!("invalid API key: {}", r.message)))
+        .map_err(|r| E2bError::new(StatusCode::UNAUTHORIZED, format!("invalid API key: {}", r.message)))?;
+    // A lagging or partitioned node never serves authority the leader has revoked.
+    st.node.confirm_current(token).await.map_err(|e| match e {
+        opendsec_control::SubmitError::Rejected { rejection, .. } => E2bError::new(
+            StatusCode::UNAUTHORIZED,
+            format!("invalid API key: {}", rejection.message),
+        ),
+        other => E2bError::from(other),
+    })?;
+    Ok(p)
 }
 
 pub(super) fn require(p: &Principal, r: Right) -> R<()> {

@@ -16,7 +16,7 @@ use super::body::{body_object, opt_bool, opt_str, opt_u64, string_map, unsupport
 use crate::AppState;
 
 pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let template = opt_str(&m, "templateID")?
         .filter(|t| !t.is_empty())
@@ -158,7 +158,7 @@ pub(super) async fn connect(
     Path(id): Path<String>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let timeout = opt_u64(&m, "timeout")?;
     let x = visible(&st, &who, &id)?;
@@ -192,7 +192,7 @@ pub(super) async fn connect(
 }
 
 pub(super) async fn kill(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     visible(&st, &who, &id)?;
     submit(&st, &who, &headers, Command::KillSandbox { sandbox: id }).await?;
     Ok(no_content())
@@ -204,7 +204,7 @@ pub(super) async fn set_timeout(
     Path(id): Path<String>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let t = opt_u64(&m, "timeout")?.ok_or_else(|| E2bError::bad("timeout is required (seconds from now)"))?;
     visible(&st, &who, &id)?;
@@ -228,7 +228,7 @@ pub(super) async fn refresh(
     Path(id): Path<String>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let d = opt_u64(&m, "duration")?.unwrap_or(60);
     let x = visible(&st, &who, &id)?;
@@ -249,7 +249,7 @@ pub(super) async fn refresh(
 }
 
 pub(super) async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let x = visible(&st, &who, &id)?;
     if x.desired == Desired::Paused {
         return Err(E2bError::new(
@@ -273,7 +273,7 @@ pub(super) async fn fork(
     Path(id): Path<String>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let count = opt_u64(&m, "count")?.unwrap_or(1);
     let timeout = opt_u64(&m, "timeout")?;
@@ -328,7 +328,7 @@ pub(super) async fn network(
     Path(id): Path<String>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     visible(&st, &who, &id)?;
     // An update names the rules anew; internet access and the settings of traffic into

@@ -13,7 +13,7 @@ use super::api::*;
 use crate::AppState;
 
 pub(super) async fn detail(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Json<Value>> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let x = visible(&st, &who, &id)?;
     Ok(Json(detail_json(&st, &x)))
@@ -45,7 +45,7 @@ pub(super) async fn list(
     RawQuery(q): RawQuery,
     v1: bool,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let mut metadata = BTreeMap::new();
     let mut states: Vec<String> = Vec::new();
@@ -162,7 +162,7 @@ pub(super) async fn metrics(
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let (mut start, mut end) = (None::<u64>, None::<u64>);
     for (k, v) in query_pairs(q.as_deref()) {

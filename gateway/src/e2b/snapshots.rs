@@ -24,7 +24,7 @@ pub(super) async fn snapshot(
     Path(id): Path<String>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let name = opt_str(&m, "name")?.unwrap_or("").to_string();
     visible(&st, &who, &id)?;
@@ -76,7 +76,7 @@ pub(super) async fn list_snapshots(
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let (mut sandbox, mut name, mut limit, mut after) = (None, None, LIST_LIMIT_DEFAULT, None);
     for (k, v) in query_pairs(q.as_deref()) {
@@ -125,7 +125,7 @@ pub(super) async fn delete_snapshot(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     if super::templates::is_template(&st, &who, &id) {
         return super::templates::delete_template(&st, &who, &headers, &id).await;
     }

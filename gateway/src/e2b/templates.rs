@@ -144,7 +144,7 @@ fn accepted(v: Value) -> Response {
 /// `POST /v3/templates`: `{name?: "name[:tag]", tags?, cpuCount?, memoryMB?}` → 202
 /// `{templateID, buildID, public, names, tags, aliases}`.
 async fn request_build(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxWrite)?;
     let m = body_object(&body)?;
     let given = opt_str(&m, "name")?.or(opt_str(&m, "alias")?).filter(|n| !n.is_empty());
@@ -233,7 +233,7 @@ async fn files(
     headers: HeaderMap,
     Path((id, hash)): Path<(String, String)>,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxWrite)?;
     check_hash(&hash)?;
     let t = template(&st, &who, &id)?;
@@ -335,7 +335,7 @@ async fn start_build(
     Path((id, build)): Path<(String, String)>,
     body: Bytes,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxWrite)?;
     let m = body_object(&body)?;
     let t = template(&st, &who, &id)?;
@@ -389,7 +389,7 @@ async fn status(
     Path((id, build)): Path<(String, String)>,
     RawQuery(query): RawQuery,
 ) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let t = template(&st, &who, &id)?;
     let b = t.builds.get(&build).ok_or_else(|| {
@@ -442,7 +442,7 @@ async fn status(
 /// `GET /templates/aliases/{name}`: 200 `{templateID, public}`; 404 when no template of
 /// the caller's has it (403 when another project's does: E2B's "exists, not yours").
 async fn alias(State(st): State<AppState>, headers: HeaderMap, Path(name): Path<String>) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let name = name.split_once(':').map_or(name.as_str(), |(n, _)| n).to_string();
     st.node.read(|s| match s.images.template_named(&name) {
@@ -493,7 +493,7 @@ fn tag_list(m: &Map<String, Value>) -> R<Vec<String>> {
 
 /// `POST /templates/tags` `{target: "name[:tag]", tags}` → 201 `{tags, buildID}`.
 async fn assign_tags(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let target = opt_str(&m, "target")?.ok_or_else(|| E2bError::bad("target is required"))?;
     let tags = tag_list(&m)?;
@@ -509,7 +509,7 @@ async fn assign_tags(State(st): State<AppState>, headers: HeaderMap, body: Bytes
 
 /// `DELETE /templates/tags` `{name, tags}` → 204.
 async fn remove_tags(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let name = opt_str(&m, "name")?.ok_or_else(|| E2bError::bad("name is required"))?;
     let tags = tag_list(&m)?;
@@ -525,7 +525,7 @@ async fn remove_tags(State(st): State<AppState>, headers: HeaderMap, body: Bytes
 
 /// `GET /templates/{id}/tags` → `[{tag, buildID, createdAt}]`.
 async fn list_tags(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
-    let who = caller(&st, &headers)?;
+    let who = caller(&st, &headers).await?;
     require(&who, Right::SandboxRead)?;
     let t = template(&st, &who, &id)?;
     let tags: Vec<Value> = t

@@ -56,6 +56,21 @@ impl Node {
         }
     }
 
+    /// SIGSTOP: the process stops answering, as a node cut off by a partition.
+    pub fn stop(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// SIGCONT after [`Node::stop`].
+    pub fn cont(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        let child = self.child.as_ref().expect("the node runs");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), sig).unwrap();
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.http)
     }
