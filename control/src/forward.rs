@@ -2,8 +2,9 @@
 //! leader, the one way it does.
 //!
 //! A follower keeps one TCP connection per leader, on the leader's peer port. It opens
-//! with the versioned handshake of `opendsec_log::handshake` ([`PROTOCOL`], no
-//! credentials: each write carries its own). Then, in version 1, each side sends
+//! with the versioned handshake of `opendsec_log::handshake` ([`PROTOCOL`]), whose
+//! credentials are the cluster key: only control nodes forward, and a connection without
+//! the key is refused before any frame is read. Then, in version 1, each side sends
 //! length-prefixed protobuf frames (`StreamedSubmit` one way, `StreamedReply` the other,
 //! matched by id, replies in any order). Writes queued meanwhile go out in one `write`
 //! call. Each write carries its caller's bearer token and is authenticated and
@@ -36,6 +37,13 @@ pub const PROTOCOL: Protocol = Protocol {
 };
 /// How long connecting and the handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The largest forwarded write (a command's JSON, its bearer and request id): well over
+/// the largest command the limits allow, far under what a hostile peer could make the
+/// leader allocate.
+pub const MAX_FORWARDED_FRAME: usize = 4 << 20;
+/// Writes one connection may have in decision at once; the leader reads the next frame
+/// only when one of them is answered (back-pressure to the follower).
+pub const MAX_IN_FLIGHT: usize = 512;
 
 /// Why a write was not forwarded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,13 +62,38 @@ fn put_frame(out: &mut Vec<u8>, msg: &impl Message) {
     opendsec_log::frames::put(out, &msg.encode_to_vec());
 }
 
+/// A queue of messages to write: the follower's (its writes, bounded by its callers) or
+/// the leader's (replies, bounded by [`MAX_IN_FLIGHT`]).
+trait Queue<M> {
+    async fn next(&mut self) -> Option<M>;
+    fn more(&mut self) -> Option<M>;
+}
+
+impl<M> Queue<M> for mpsc::UnboundedReceiver<M> {
+    async fn next(&mut self) -> Option<M> {
+        self.recv().await
+    }
+    fn more(&mut self) -> Option<M> {
+        self.try_recv().ok()
+    }
+}
+
+impl<M> Queue<M> for mpsc::Receiver<M> {
+    async fn next(&mut self) -> Option<M> {
+        self.recv().await
+    }
+    fn more(&mut self) -> Option<M> {
+        self.try_recv().ok()
+    }
+}
+
 /// Writes what `rx` yields, as frames, each batch of queued messages in one call.
-async fn write_frames<M: Message>(mut w: impl AsyncWrite + Unpin, mut rx: mpsc::UnboundedReceiver<M>) -> String {
+async fn write_frames<M: Message>(mut w: impl AsyncWrite + Unpin, mut rx: impl Queue<M>) -> String {
     let mut buf = Vec::new();
-    while let Some(first) = rx.recv().await {
+    while let Some(first) = rx.next().await {
         buf.clear();
         put_frame(&mut buf, &first);
-        while let Ok(more) = rx.try_recv() {
+        while let Some(more) = rx.more() {
             put_frame(&mut buf, &more);
         }
         if let Err(e) = w.write_all(&buf).await {
@@ -82,15 +115,24 @@ pub fn serve(node: ControlNode, conn: PeerStream) {
                 return;
             }
         };
-        let choice = PROTOCOL.choose(&hello.versions);
+        let choice = if node.cluster_key_matches(&String::from_utf8_lossy(&hello.credentials)) {
+            PROTOCOL.choose(&hello.versions)
+        } else {
+            tracing::warn!("a forwarding connection without the cluster key was refused");
+            Err("forwarding needs the cluster key".to_string())
+        };
         if PROTOCOL.answer(&mut wr, &choice).await.is_err() || choice.is_err() {
             return;
         }
-        let (tx, rx) = mpsc::unbounded_channel::<StreamedReply>();
+        let (tx, rx) = mpsc::channel::<StreamedReply>(MAX_IN_FLIGHT);
         let writer = tokio::spawn(write_frames(wr, rx));
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
         let mut buf = Vec::new();
         loop {
-            match opendsec_log::frames::read(&mut rd, &mut buf).await {
+            let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                break;
+            };
+            match opendsec_log::frames::read_at_most(&mut rd, &mut buf, MAX_FORWARDED_FRAME).await {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {
@@ -106,10 +148,13 @@ pub fn serve(node: ControlNode, conn: PeerStream) {
             let (node, tx) = (node.clone(), tx.clone());
             tokio::spawn(async move {
                 let reply = crate::peer::submit_forwarded(&node, m.request.unwrap_or_default()).await;
-                let _ = tx.send(StreamedReply {
-                    id: m.id,
-                    reply: Some(reply),
-                });
+                let _ = tx
+                    .send(StreamedReply {
+                        id: m.id,
+                        reply: Some(reply),
+                    })
+                    .await;
+                drop(permit);
             });
         }
         // Replies still being decided go out as they come; the writer ends with the last.
@@ -129,17 +174,18 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Starts connecting to the leader's peer address `addr` (`host:port`).
-    pub fn new(addr: String) -> Forwarder {
-        Forwarder::offering(addr, PROTOCOL.versions)
+    /// Starts connecting to the leader's peer address `addr` (`host:port`), opening with
+    /// the cluster key.
+    pub fn new(addr: String, cluster_key: &str) -> Forwarder {
+        Forwarder::offering(addr, cluster_key, PROTOCOL.versions)
     }
 
     /// As [`Forwarder::new`], offering `versions` instead of those this build speaks
     /// (tests of the negotiation).
-    pub fn offering(addr: String, versions: &'static [u16]) -> Forwarder {
+    pub fn offering(addr: String, cluster_key: &str, versions: &'static [u16]) -> Forwarder {
         let (queue, rx) = mpsc::unbounded_channel();
         let closed = Arc::new(OnceLock::new());
-        tokio::spawn(run(addr, versions, rx, closed.clone()));
+        tokio::spawn(run(addr, cluster_key.to_string(), versions, rx, closed.clone()));
         Forwarder { queue, closed }
     }
 
@@ -163,13 +209,13 @@ impl Forwarder {
 }
 
 /// Connects and negotiates the version. A refusal is logged here (the leader logs it too).
-async fn connect(addr: &str, versions: &[u16]) -> Result<TcpStream, ForwardError> {
+async fn connect(addr: &str, cluster_key: &str, versions: &[u16]) -> Result<TcpStream, ForwardError> {
     let handshake = async {
         let mut conn = TcpStream::connect(addr)
             .await
             .map_err(|e| ForwardError::Failed(format!("connecting to the leader {addr}: {e}")))?;
         let _ = conn.set_nodelay(true);
-        match PROTOCOL.offer(&mut conn, versions, b"").await {
+        match PROTOCOL.offer(&mut conn, versions, cluster_key.as_bytes()).await {
             Ok(_version) => Ok(conn),
             Err(e @ HandshakeError::Refused { .. }) => {
                 tracing::warn!(leader = %addr, error = %e, "the leader refused to take forwarded writes");
@@ -189,11 +235,12 @@ async fn connect(addr: &str, versions: &[u16]) -> Result<TcpStream, ForwardError
 
 async fn run(
     addr: String,
+    cluster_key: String,
     versions: &'static [u16],
     mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>,
     closed: Arc<OnceLock<ForwardError>>,
 ) {
-    let conn = match connect(&addr, versions).await {
+    let conn = match connect(&addr, &cluster_key, versions).await {
         Ok(c) => c,
         Err(e) => {
             // Nothing was sent.

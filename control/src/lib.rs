@@ -158,7 +158,7 @@ pub async fn serve_peer(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let extra = tonic::transport::Server::builder()
+    let extra = opendsec_log::grpc_server()
         .add_service(pb::control_server::ControlServer::new(peer::ControlService::new(
             node.clone(),
         )))

@@ -566,7 +566,7 @@ impl ControlNode {
         if let Some(f) = forwarders.get(addr).filter(|f| !f.is_closed()) {
             return f.clone();
         }
-        let f = Forwarder::new(addr.to_string());
+        let f = Forwarder::new(addr.to_string(), &self.inner.cfg.cluster_key);
         forwarders.insert(addr.to_string(), f.clone());
         f
     }

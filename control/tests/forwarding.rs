@@ -2,7 +2,8 @@
 //! the peer port, opened with a versioned handshake. Each write is authenticated again
 //! with its caller's token, replies find their writes whatever their order, a follower
 //! offering only versions the leader does not speak is refused with a reason before any
-//! write is sent, and a connection that breaks fails its writes and is replaced.
+//! write is sent, a connection without the cluster key is refused before any frame is
+//! read, and a connection that breaks fails its writes and is replaced.
 
 use opendsec_control::forward::{ForwardError, Forwarder, PROTOCOL};
 use opendsec_control::pb::SubmitRequest;
@@ -21,7 +22,7 @@ fn create_project(bearer: &str, name: &str, parent: &str) -> SubmitRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_with_its_own_reply() {
     let t = single_node().await;
-    let f = Forwarder::new(t.peer_addr.clone());
+    let f = Forwarder::new(t.peer_addr.clone(), &t.node.config().cluster_key);
     let calls: Vec<_> = (0..40)
         .map(|n| {
             let (f, req) = (
@@ -55,7 +56,7 @@ async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_w
 async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
     let t = single_node().await;
     let before = t.node.applied_index();
-    let f = Forwarder::new(t.peer_addr.clone());
+    let f = Forwarder::new(t.peer_addr.clone(), &t.node.config().cluster_key);
     let reply = f
         .submit(create_project("odsec_0123456789abcdef.forged", "x", &t.root_project))
         .await
@@ -68,7 +69,7 @@ async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
 async fn a_follower_offering_only_an_unknown_version_is_refused_with_a_reason_and_nothing_is_sent() {
     let t = single_node().await;
     let before = t.node.applied_index();
-    let f = Forwarder::offering(t.peer_addr.clone(), &[9_999]);
+    let f = Forwarder::offering(t.peer_addr.clone(), &t.node.config().cluster_key, &[9_999]);
     match f.submit(create_project(&t.admin_token, "x", &t.root_project)).await {
         Err(ForwardError::Refused(why)) => {
             assert!(why.contains("9999"), "{why}");
@@ -83,7 +84,7 @@ async fn a_follower_offering_only_an_unknown_version_is_refused_with_a_reason_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_current_version_is_accepted_beside_unknown_newer_ones() {
     let t = single_node().await;
-    let f = Forwarder::offering(t.peer_addr.clone(), &[1, 9_999]);
+    let f = Forwarder::offering(t.peer_addr.clone(), &t.node.config().cluster_key, &[1, 9_999]);
     let reply = f
         .submit(create_project(&t.admin_token, "team", &t.root_project))
         .await
@@ -107,7 +108,7 @@ async fn a_connection_the_leader_breaks_fails_its_waiting_writes_and_is_replaced
         let mut first = Vec::new();
         let _ = opendsec_log::frames::read(&mut conn, &mut first).await;
     });
-    let f = Forwarder::new(addr.clone());
+    let f = Forwarder::new(addr.clone(), "any key");
     match tokio::time::timeout(
         std::time::Duration::from_secs(10),
         f.submit(create_project("t", "x", "p")),
@@ -127,10 +128,22 @@ async fn an_unreachable_leader_fails_the_write_and_closes_the_connection() {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     drop(l);
-    let f = Forwarder::new(addr);
+    let f = Forwarder::new(addr, "any key");
     match f.submit(create_project("t", "x", "p")).await {
         Err(ForwardError::Failed(why)) => assert!(why.contains("connecting"), "{why}"),
         other => panic!("expected a failure, got {other:?}"),
     }
     assert!(f.is_closed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarding_connection_without_the_cluster_key_is_refused_before_any_frame() {
+    let t = single_node().await;
+    let before = t.node.applied_index();
+    let f = Forwarder::new(t.peer_addr.clone(), "not the cluster key");
+    match f.submit(create_project(&t.admin_token, "x", &t.root_project)).await {
+        Err(ForwardError::Refused(why)) => assert!(why.contains("cluster key"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(t.node.applied_index(), before, "nothing was logged");
 }

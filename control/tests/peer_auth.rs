@@ -54,7 +54,7 @@ async fn bootstrap_needs_the_cluster_key_and_forwarded_writes_need_a_valid_token
     assert_eq!(err.code(), tonic::Code::PermissionDenied);
 
     let before = t.node.applied_index();
-    let reply = Forwarder::new(t.peer_addr.clone())
+    let reply = Forwarder::new(t.peer_addr.clone(), &t.node.config().cluster_key)
         .submit(SubmitRequest {
             bearer: "odsec_0123456789abcdef.forged".into(),
             request_id: "r".into(),

@@ -55,7 +55,7 @@ pub mod pb {
 pub use config::LogConfig;
 pub use error::{LogError, MembershipError, ProposeError};
 pub use node::{Applied, AppliedEntry, Leadership, LogNode, Status};
-pub use peer_port::{PeerStream, SideProtocol, serve_peer, serve_peer_with};
+pub use peer_port::{PeerStream, SideProtocol, grpc_server, serve_peer, serve_peer_with};
 pub use service::RaftGrpc;
 pub use sm::SmStore;
 

@@ -33,6 +33,8 @@ use crate::{TypeConfig, decode, encode};
 
 /// Snapshot bytes per gRPC stream message.
 const SNAPSHOT_CHUNK: usize = 1024 * 1024;
+/// The largest Raft gRPC message either side decodes: a snapshot chunk and its framing.
+pub(crate) const MAX_RAFT_MESSAGE: usize = 4 * SNAPSHOT_CHUNK;
 
 type Rpc<T> = Result<T, RPCError<TypeConfig>>;
 
@@ -131,8 +133,8 @@ impl Conn {
     fn client(&self) -> Rpc<RaftServiceClient<Channel>> {
         match &self.channel {
             Ok(ch) => Ok(RaftServiceClient::new(ch.clone())
-                .max_decoding_message_size(usize::MAX)
-                .max_encoding_message_size(usize::MAX)),
+                .max_decoding_message_size(MAX_RAFT_MESSAGE)
+                .max_encoding_message_size(MAX_RAFT_MESSAGE)),
             Err(e) => Err(RPCError::Unreachable(Unreachable::from_string(e.clone()))),
         }
     }

@@ -21,7 +21,10 @@ use tokio::net::TcpStream;
 use crate::{LogNode, StateMachine};
 
 /// How long a new connection may take to send its first four bytes.
-const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
+const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(5);
+/// Connections sorted at once; more wait in the listener's backlog, so silent
+/// connections cannot pile up tasks without bound.
+const SORTING_AT_ONCE: usize = 256;
 
 /// A connection on the peer port, its first bytes already read to sort it and replayed
 /// to the reader first.
@@ -137,6 +140,16 @@ impl tonic::transport::server::Connected for PeerStream {
     }
 }
 
+/// The peer port's gRPC server, bounded against peers that hold connections and streams
+/// open: at most 64 streams per connection, and keep-alive pings that end a connection
+/// whose peer stopped answering.
+pub fn grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(64))
+        .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+}
+
 /// A protocol of the node's own beside gRPC on the peer port: connections whose first
 /// four bytes are `magic` go to `serve`, those bytes still to be read (so that its
 /// handshake reads the whole opening).
@@ -168,7 +181,7 @@ pub async fn serve_peer_with<S: StateMachine>(
 ) -> Result<(), tonic::transport::Error> {
     let router = match extra {
         Some(r) => r.add_service(node.raft_service()),
-        None => tonic::transport::Server::builder().add_service(node.raft_service()),
+        None => grpc_server().add_service(node.raft_service()),
     };
     let (raft, key) = (node.raft().clone(), node.cluster_key());
     let mut sides = vec![SideProtocol {
@@ -181,8 +194,12 @@ pub async fn serve_peer_with<S: StateMachine>(
     // for Nagle's algorithm (40 ms stalls with delayed ACKs).
     let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<std::io::Result<PeerStream>>(64);
     let sides = Arc::new(sides);
+    let sorting = Arc::new(tokio::sync::Semaphore::new(SORTING_AT_ONCE));
     let accept = tokio::spawn(async move {
         loop {
+            let Ok(permit) = sorting.clone().acquire_owned().await else {
+                return;
+            };
             let conn = match listener.accept().await {
                 Ok((c, _)) => c,
                 Err(e) => {
@@ -195,6 +212,7 @@ pub async fn serve_peer_with<S: StateMachine>(
             let (sides, grpc_tx) = (sides.clone(), grpc_tx.clone());
             tokio::spawn(async move {
                 let (conn, first) = PeerStream::sort(conn).await;
+                drop(permit);
                 match sides.iter().find(|s| s.magic[..] == first[..]) {
                     Some(side) => (side.serve)(conn),
                     None => {

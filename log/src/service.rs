@@ -21,9 +21,11 @@ pub struct RaftGrpc<S: StateMachine> {
 
 impl<S: StateMachine> RaftGrpc<S> {
     pub(crate) fn server(raft: Raft<TypeConfig, SmStore<S>>, cluster_key: String) -> RaftServer<S> {
+        // A vote is small and a snapshot comes in chunks of `SNAPSHOT_CHUNK`: nothing
+        // larger is decoded, so an unauthenticated peer cannot make the node buffer more.
         RaftServiceServer::new(RaftGrpc { raft, cluster_key })
-            .max_decoding_message_size(usize::MAX)
-            .max_encoding_message_size(usize::MAX)
+            .max_decoding_message_size(crate::network::MAX_RAFT_MESSAGE)
+            .max_encoding_message_size(crate::network::MAX_RAFT_MESSAGE)
     }
 }
 
