@@ -81,6 +81,16 @@ pub enum Command {
         project: String,
         limits: Limits,
     },
+    /// Sets a project's write rates (writes a second by its whole subtree, and by each of
+    /// its tokens; `None`: none of its own); never above the parent's. Needs quota:write
+    /// on a strict ancestor (or on the root project, for the root itself).
+    SetRateLimits {
+        project: String,
+        #[serde(default)]
+        writes_per_second: Option<u64>,
+        #[serde(default)]
+        token_writes_per_second: Option<u64>,
+    },
     /// Issues a token with rights the issuer holds, in its subtree, expiring no later than it.
     IssueToken {
         project: String,
@@ -324,6 +334,7 @@ impl Command {
             Command::DeleteProject { .. } => "project.delete",
             Command::SetQuota { .. } => "quota.set",
             Command::SetProjectNetwork { .. } => "project.set_network",
+            Command::SetRateLimits { .. } => "project.set_rate_limits",
             Command::IssueToken { .. } => "token.issue",
             Command::RevokeToken { .. } => "token.revoke",
             Command::RegisterEdge { .. } => "edge.register",
@@ -432,6 +443,9 @@ pub struct Rejection {
     pub kind: RejectionKind,
     pub message: String,
     pub field: Option<String>,
+    /// For `RateLimited`: when a retry may succeed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -451,6 +465,9 @@ pub enum RejectionKind {
     QuotaExceeded,
     /// No edge can take it (503); logged.
     NoCapacity,
+    /// The caller's project or token wrote faster than its rate (429 with Retry-After);
+    /// not logged.
+    RateLimited,
 }
 
 impl RejectionKind {
@@ -463,6 +480,7 @@ impl RejectionKind {
             RejectionKind::Conflict => "conflict",
             RejectionKind::QuotaExceeded => "quota_exceeded",
             RejectionKind::NoCapacity => "no_capacity",
+            RejectionKind::RateLimited => "rate_limited",
         }
     }
 
@@ -476,6 +494,7 @@ impl RejectionKind {
             RejectionKind::Conflict,
             RejectionKind::QuotaExceeded,
             RejectionKind::NoCapacity,
+            RejectionKind::RateLimited,
         ]
         .into_iter()
         .find(|k| k.code() == code)
@@ -485,7 +504,10 @@ impl RejectionKind {
     pub fn is_logged(self) -> bool {
         !matches!(
             self,
-            RejectionKind::Invalid | RejectionKind::NotFound | RejectionKind::Unauthenticated
+            RejectionKind::Invalid
+                | RejectionKind::NotFound
+                | RejectionKind::Unauthenticated
+                | RejectionKind::RateLimited
         )
     }
 }
@@ -496,6 +518,7 @@ impl Rejection {
             kind,
             message: message.into(),
             field: None,
+            retry_after_ms: None,
         }
     }
     pub fn field(kind: RejectionKind, field: &str, message: impl Into<String>) -> Rejection {
@@ -503,6 +526,7 @@ impl Rejection {
             kind,
             message: message.into(),
             field: Some(field.to_string()),
+            retry_after_ms: None,
         }
     }
 }

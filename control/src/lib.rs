@@ -9,6 +9,7 @@ pub mod forward;
 pub mod fsm;
 pub mod node;
 pub mod peer;
+pub mod rates;
 pub mod slice;
 pub mod testing;
 

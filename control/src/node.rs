@@ -161,6 +161,7 @@ enum Currency {
 
 struct Inner {
     log: LogNode<Fsm>,
+    rates: crate::rates::RateLimiter,
     currency: tokio::sync::Mutex<Currency>,
     /// A gRPC channel to the leader's peer port, for read indexes.
     leader_channel: Mutex<Option<(String, tonic::transport::Channel)>>,
@@ -203,6 +204,7 @@ impl ControlNode {
                 forwarders: Mutex::new(BTreeMap::new()),
                 heartbeats: Mutex::new(BTreeMap::new()),
                 currency: tokio::sync::Mutex::new(Currency::Unknown),
+                rates: Default::default(),
                 leader_channel: Mutex::new(None),
             }),
         })
@@ -392,11 +394,13 @@ impl ControlNode {
         if !leadership.is_leader {
             return Err(NotHere::Leader(leadership.leader_addr));
         }
-        let caller = match cred {
-            Credential::System => Caller::System,
-            Credential::Bearer(b) => {
-                Caller::Token(self.authenticate(b).map_err(|r| NotHere::Failed(r.into()))?.token_id)
-            }
+        let principal = match cred {
+            Credential::System => None,
+            Credential::Bearer(b) => Some(self.authenticate(b).map_err(|r| NotHere::Failed(r.into()))?),
+        };
+        let caller = match &principal {
+            None => Caller::System,
+            Some(p) => Caller::Token(p.token_id.clone()),
         };
         let ctx = Ctx {
             time_ms: now_ms(),
@@ -409,6 +413,10 @@ impl ControlNode {
         let digest = opendsec_commands::request_digest(cmd, &ctx);
         if let Some(first) = self.read(|s| s.requests.applied(request_id, &digest)) {
             return self.first_outcome(first).map_err(NotHere::Failed);
+        }
+        if let Some(p) = &principal {
+            self.read(|s| self.inner.rates.admit_write(s, &p.project, &p.token_id, cmd))
+                .map_err(|r| NotHere::Failed(r.into()))?;
         }
         // Decide; if an edge chosen for a new sandbox refuses it at admission, decide
         // again without that edge (each edge has the final word on what it runs).

@@ -16,6 +16,8 @@ pub struct ApiError {
     pub body: ErrorBody,
     /// Set when a refused write was still logged (a denial lands in the audit view).
     pub index: Option<u64>,
+    /// A rate-limited write: when to retry (`Retry-After`, in whole seconds).
+    pub retry_after_ms: Option<u64>,
 }
 
 impl ApiError {
@@ -28,6 +30,7 @@ impl ApiError {
                 field: None,
             },
             index: None,
+            retry_after_ms: None,
         }
     }
 
@@ -70,6 +73,7 @@ pub fn status_of(kind: RejectionKind) -> StatusCode {
         RejectionKind::Conflict => StatusCode::CONFLICT,
         RejectionKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         RejectionKind::NoCapacity => StatusCode::SERVICE_UNAVAILABLE,
+        RejectionKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
     }
 }
 
@@ -83,6 +87,7 @@ impl From<Rejection> for ApiError {
                 field: r.field,
             },
             index: None,
+            retry_after_ms: r.retry_after_ms,
         }
     }
 }
@@ -108,6 +113,10 @@ impl IntoResponse for ApiError {
         let mut resp = (self.status, Json(self.body)).into_response();
         if let Some(i) = self.index {
             resp.headers_mut().insert(INDEX_HEADER, HeaderValue::from(i));
+        }
+        if let Some(ms) = self.retry_after_ms {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1000).max(1)));
         }
         if self.status == StatusCode::UNAUTHORIZED {
             resp.headers_mut()

@@ -59,6 +59,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("delete", "/v1/projects/{id}"),
     ("put", "/v1/projects/{id}/quota"),
     ("get", "/v1/projects/{id}/quota"),
+    ("put", "/v1/projects/{id}/rate-limits"),
+    ("get", "/v1/projects/{id}/rate-limits"),
     ("put", "/v1/projects/{id}/network"),
     ("get", "/v1/projects/{id}/network"),
     ("post", "/v1/tokens"),
@@ -128,6 +130,10 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/health", get(health))
         .route("/v1/openapi.json", get(openapi::serve))
         .route("/v1/projects", post(projects::create).get(projects::list))
+        .route(
+            "/v1/projects/{id}/rate-limits",
+            put(projects::set_rate_limits).get(projects::get_rate_limits),
+        )
         .route(
             "/v1/projects/{id}/network",
             put(projects::set_network).get(projects::get_network),

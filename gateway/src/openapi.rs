@@ -11,7 +11,7 @@ use crate::routes::*;
     info(title = "OpenDsec", description = "The native REST API of OpenDsec's control plane. Writes answer with the log index they were applied at (`X-Opendsec-Index`); send it back as `X-Opendsec-Min-Index` to read your writes on any node."),
     paths(
         crate::health, serve,
-        projects::create, projects::list, projects::get, projects::delete, projects::set_quota, projects::get_quota, projects::set_network, projects::get_network,
+        projects::create, projects::list, projects::get, projects::delete, projects::set_quota, projects::get_quota, projects::set_network, projects::get_network, projects::set_rate_limits, projects::get_rate_limits,
         tokens::issue, tokens::list, tokens::revoke, tokens::whoami,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::kill, sandboxes::pause, sandboxes::resume,
         sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::set_network, sandboxes::get_network, sandboxes::logs, sandboxes::metrics, sandboxes::metrics_history, agent::proxy,

@@ -1223,6 +1223,8 @@ async fn the_openapi_document_covers_every_route_and_its_schemas() {
         "TokenIssued",
         "Quota",
         "NetworkPolicy",
+        "RateLimits",
+        "ProjectRates",
         "ProjectNetwork",
         "Replay",
         "ClusterStatus",

@@ -107,6 +107,7 @@ events!(
     TemplateTagsSet,
     TemplateDeleted,
     ProjectNetworkSet,
+    ProjectRateLimitsSet,
 );
 
 impl Event {

@@ -189,6 +189,26 @@ impl State {
             .unwrap_or_default()
     }
 
+    /// A project's write rates in force: the least of its own and its ancestors'.
+    pub fn effective_rates(&self, project: &str) -> Rates {
+        self.ancestry(project)
+            .iter()
+            .filter_map(|p| self.quota.rates.get(&p.id))
+            .fold(Rates::default(), |acc, r| acc.min(*r))
+    }
+
+    /// The subtree rates a write by a token of `project` counts against: each project on
+    /// its line (itself included) that set `writes_per_second`, with that rate.
+    pub fn rate_lines(&self, project: &str) -> Vec<(String, u64)> {
+        self.ancestry(project)
+            .iter()
+            .filter_map(|p| {
+                let r = self.quota.rates.get(&p.id)?.writes_per_second?;
+                Some((p.id.clone(), r))
+            })
+            .collect()
+    }
+
     /// The network policy (JSON) of a project's sandboxes that name none: the nearest
     /// default set on its line, or none (deny).
     pub fn default_network(&self, project: &str) -> Option<&str> {

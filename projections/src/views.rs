@@ -178,6 +178,32 @@ pub struct QuotaView {
     /// Egress ceilings and default network policies set by projects' owners.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub network: BTreeMap<String, ProjectNetwork>,
+    /// Write rates set on projects (their own; see `State::effective_rates`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rates: BTreeMap<String, Rates>,
+}
+
+/// A project's write rates: all its subtree's tokens together, and each token.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rates {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writes_per_second: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_writes_per_second: Option<u64>,
+}
+
+impl Rates {
+    /// The lower of two bounds (`None`: unbounded).
+    pub fn min(self, other: Rates) -> Rates {
+        let m = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Rates {
+            writes_per_second: m(self.writes_per_second, other.writes_per_second),
+            token_writes_per_second: m(self.token_writes_per_second, other.token_writes_per_second),
+        }
+    }
 }
 
 /// How far a project's sandboxes may reach out, at most. Ordered: a child's ceiling is

@@ -260,6 +260,21 @@ impl Client {
         self.get(&["v1", "projects", project, "quota"], &[]).await
     }
 
+    /// A project's write rates: its own and those in force.
+    pub async fn get_rate_limits(&self, project: &str) -> Result<ProjectRates, ApiError> {
+        self.get(&["v1", "projects", project, "rate-limits"], &[]).await
+    }
+
+    pub async fn set_rate_limits(&self, project: &str, rates: &RateLimits) -> Result<ProjectRates, ApiError> {
+        self.call(
+            Method::PUT,
+            &["v1", "projects", project, "rate-limits"],
+            &[],
+            Some(rates),
+        )
+        .await
+    }
+
     /// A project's egress ceiling and its sandboxes' default policy.
     pub async fn get_project_network(&self, project: &str) -> Result<ProjectNetwork, ApiError> {
         self.get(&["v1", "projects", project, "network"], &[]).await

@@ -301,6 +301,28 @@ impl NetworkPolicy {
     }
 }
 
+/// A project's write rates (writes a second): all its subtree's tokens together, and each
+/// token alone. Absent: none of its own (a parent's still holds).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RateLimits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writes_per_second: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_writes_per_second: Option<u64>,
+}
+
+/// A project's own rates and those in force (the least on its line). A write over them
+/// gets 429 with `Retry-After` and is not logged.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ProjectRates {
+    pub project: String,
+    pub own: RateLimits,
+    pub effective: RateLimits,
+}
+
 /// A project's network settings: the most its sandboxes may be allowed, and the policy
 /// of those that name none.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -703,3 +703,185 @@ async fn network_policy_is_set_shown_and_bounded_through_the_client_and_opendsec
     assert_eq!((e.status, e.field.as_deref()), (403, Some("ceiling")), "{e:?}");
     assert_eq!(c.get_project_network(&team).await.unwrap().ceiling, "none");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_projects_write_rates_are_enforced_with_429_and_retry_after_and_refused_writes_are_not_logged() {
+    let s = serve().await;
+    let env = [
+        ("OPENDSEC_URL", s.url.as_str()),
+        ("OPENDSEC_TOKEN", s.t.admin_token.as_str()),
+    ];
+    let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
+    let team = c.create_project("team", None).await.unwrap().project.id;
+
+    // Bad input names the field; a rate is never above the parent's.
+    let e = c
+        .set_rate_limits(
+            &team,
+            &RateLimits {
+                writes_per_second: Some(0),
+                token_writes_per_second: None,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.status, e.field.as_deref()),
+        (400, Some("writes_per_second")),
+        "{e:?}"
+    );
+    let r = ctl(
+        &[
+            "project",
+            "rate-limits",
+            "set",
+            &team,
+            "--writes-per-second",
+            "10",
+            "--token-writes-per-second",
+            "4",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("all tokens together: 10 / 10") && r.stdout.contains("each token:          4 / 4"),
+        "{}",
+        r.stdout
+    );
+    let sub = c.create_project("sub", Some(&team)).await.unwrap().project.id;
+    let e = c
+        .set_rate_limits(
+            &sub,
+            &RateLimits {
+                writes_per_second: Some(20),
+                token_writes_per_second: None,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.status, e.field.as_deref()),
+        (400, Some("writes_per_second")),
+        "{e:?}"
+    );
+    assert_eq!(
+        c.get_rate_limits(&sub).await.unwrap().effective,
+        RateLimits {
+            writes_per_second: Some(10),
+            token_writes_per_second: Some(4)
+        },
+        "a sub-project is bounded by its parent's rates"
+    );
+
+    let token = |name: &'static str| {
+        let (c, team) = (&c, &team);
+        async move {
+            c.issue_token(&IssueToken {
+                project: Some(team.clone()),
+                name: name.into(),
+                rights: vec!["project:write".into(), "quota:write".into()],
+                ttl_seconds: None,
+                format: None,
+            })
+            .await
+            .unwrap()
+            .token
+        }
+    };
+    let (a, b, d, own) = (token("a").await, token("b").await, token("d").await, token("own").await);
+    // A token may not set its own project's rates (a denied write, logged: it counts).
+    let e = Client::new(&s.url, own.clone())
+        .unwrap()
+        .set_rate_limits(&team, &RateLimits::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.status, 403, "{e:?}");
+
+    let http = reqwest::Client::new();
+    let write = |bearer: String, name: String| {
+        let (http, url, team) = (http.clone(), format!("{}/v1/projects", s.url), team.clone());
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(bearer)
+                .json(&serde_json::json!({"name": name, "parent": team}))
+                .send()
+                .await
+                .unwrap();
+            let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+            let status = r.status().as_u16();
+            let body: serde_json::Value = r.json().await.unwrap();
+            (status, retry, body)
+        }
+    };
+    // Writes until the first 429 (at most 30): how many got through, and that answer.
+    let until_refused = |bearer: String, tag: &'static str| {
+        let write = &write;
+        async move {
+            for ok in 0..30 {
+                let (st, retry, body) = write(bearer.clone(), format!("{tag}{ok}")).await;
+                if st == 429 {
+                    return (ok, retry, body);
+                }
+                assert_eq!(st, 201, "{body}");
+            }
+            panic!("30 writes of {tag} went through");
+        }
+    };
+    // Each token: a second's burst of 4 (a fifth may refill meanwhile), then 429 with
+    // Retry-After, naming the token.
+    let mut accepted = 0;
+    let (ok, retry, body) = until_refused(a.clone(), "a").await;
+    accepted += ok;
+    assert!((4..=5).contains(&ok), "{ok} writes before the token's 429");
+    assert_eq!(
+        (body["code"].as_str(), retry.as_deref()),
+        (Some("rate_limited"), Some("1")),
+        "{body}"
+    );
+    assert!(body["message"].as_str().unwrap().starts_with("token "), "{body}");
+    // The project's 10 a second hold for all its tokens together: `own` wrote 1 and `a`
+    // 4 or 5, so `b` gets 4 or 5 at most before the project's 429.
+    let (ok, _, body) = until_refused(b.clone(), "b").await;
+    accepted += ok;
+    assert!(ok <= 5, "{ok}");
+    let refused_by_project = body["message"]
+        .as_str()
+        .unwrap()
+        .starts_with(&format!("project {team}"));
+    if !refused_by_project {
+        let (ok, _, body) = until_refused(d.clone(), "d").await;
+        accepted += ok;
+        assert!(ok <= 2, "{ok}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("project {team}")),
+            "{body}"
+        );
+    }
+    assert!(body["message"].as_str().unwrap().contains("rate-limits"), "{body}");
+
+    // Refused writes are not logged; the root's admin is not limited by team's rates.
+    let page = c
+        .audit(&AuditFilter {
+            action: Some("project.create".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        page.records.len(),
+        2 + accepted,
+        "only accepted writes are in the audit (team, sub, and those that got through)"
+    );
+    for n in 0..15 {
+        c.create_project(&format!("root-{n}"), None).await.unwrap();
+    }
+    // After the wait, the token writes again.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    assert_eq!(write(a.clone(), "a-later".into()).await.0, 201);
+}

@@ -92,6 +92,11 @@ pub fn decide_excluding(
         Command::CreateProject { name, parent } => projects::create(&s, name, parent),
         Command::DeleteProject { project } => projects::delete(&s, project),
         Command::SetQuota { project, limits } => projects::set_quota(&s, project, limits),
+        Command::SetRateLimits {
+            project,
+            writes_per_second,
+            token_writes_per_second,
+        } => projects::set_rate_limits(&s, project, *writes_per_second, *token_writes_per_second),
         Command::SetProjectNetwork {
             project,
             ceiling,
@@ -285,7 +290,8 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         Command::CreateProject { name, parent } => (parent.clone(), name.clone()),
         Command::DeleteProject { project }
         | Command::SetQuota { project, .. }
-        | Command::SetProjectNetwork { project, .. } => (project.clone(), project.clone()),
+        | Command::SetProjectNetwork { project, .. }
+        | Command::SetRateLimits { project, .. } => (project.clone(), project.clone()),
         Command::IssueToken { project, name, .. } => (project.clone(), name.clone()),
         Command::RevokeToken { token, .. } => (
             state

@@ -132,6 +132,73 @@ pub(super) fn delete(s: &Scope, project: &str) -> Result<Decided, Rejection> {
     ))
 }
 
+/// The most writes a second a rate may allow.
+pub const MAX_RATE: u64 = 1_000_000;
+
+/// `SetRateLimits`.
+pub(super) fn set_rate_limits(
+    s: &Scope,
+    project: &str,
+    writes_per_second: Option<u64>,
+    token_writes_per_second: Option<u64>,
+) -> Result<Decided, Rejection> {
+    for (f, v) in [
+        ("writes_per_second", writes_per_second),
+        ("token_writes_per_second", token_writes_per_second),
+    ] {
+        if v == Some(0) {
+            return Err(Rejection::field(
+                K::Invalid,
+                f,
+                format!("{f} must be at least 1 (leave it out for no rate of the project's own)"),
+            ));
+        }
+        if let Some(v) = v {
+            validate::amount(f, v, MAX_RATE)?;
+        }
+    }
+    s.project_in_scope("project", project)?;
+    s.who.require(Right::QuotaWrite)?;
+    let p = &s.state.iam.projects[project];
+    if project == s.who.project && p.parent.is_some() && !s.who.is_system() {
+        return Err(Rejection::field(
+            K::Forbidden,
+            "project",
+            "a caller cannot set its own project's rates; ask a parent project's admin",
+        ));
+    }
+    if let Some(parent) = p.parent.as_deref() {
+        let bound = s.state.effective_rates(parent);
+        for (f, mine, theirs) in [
+            ("writes_per_second", writes_per_second, bound.writes_per_second),
+            (
+                "token_writes_per_second",
+                token_writes_per_second,
+                bound.token_writes_per_second,
+            ),
+        ] {
+            if let (Some(mine), Some(theirs)) = (mine, theirs)
+                && mine > theirs
+            {
+                return Err(Rejection::field(
+                    K::Invalid,
+                    f,
+                    format!("{f} = {mine} is above the parent project's {theirs}"),
+                ));
+            }
+        }
+    }
+    Ok(Decided::one(
+        project,
+        project,
+        Event::ProjectRateLimitsSet(pb::ProjectRateLimitsSet {
+            project: project.to_string(),
+            writes_per_second: writes_per_second.unwrap_or(0),
+            token_writes_per_second: token_writes_per_second.unwrap_or(0),
+        }),
+    ))
+}
+
 /// `SetQuota`.
 pub(super) fn set_quota(s: &Scope, project: &str, limits: &Limits) -> Result<Decided, Rejection> {
     let (state, who) = (s.state, &s.who);

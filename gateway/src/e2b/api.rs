@@ -58,6 +58,8 @@ pub fn routes() -> Router<AppState> {
 pub struct E2bError {
     pub status: StatusCode,
     pub message: String,
+    /// A rate-limited write: `Retry-After`.
+    pub retry_after_ms: Option<u64>,
 }
 
 impl E2bError {
@@ -65,6 +67,7 @@ impl E2bError {
         E2bError {
             status,
             message: message.into(),
+            retry_after_ms: None,
         }
     }
     pub(super) fn bad(message: impl Into<String>) -> E2bError {
@@ -84,6 +87,7 @@ impl From<ApiError> for E2bError {
         E2bError {
             status: e.status,
             message,
+            retry_after_ms: e.retry_after_ms,
         }
     }
 }
@@ -99,11 +103,18 @@ impl IntoResponse for E2bError {
         if self.status.is_server_error() {
             tracing::warn!(status = %self.status, message = %self.message, "E2B request failed");
         }
-        (
+        let mut resp = (
             self.status,
             Json(json!({ "code": self.status.as_u16(), "message": self.message })),
         )
-            .into_response()
+            .into_response();
+        if let Some(ms) = self.retry_after_ms {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(ms.div_ceil(1000).max(1)),
+            );
+        }
+        resp
     }
 }
 

@@ -206,3 +206,58 @@ fn network_of(s: &opendsec_projections::State, id: &str) -> api::ProjectNetwork 
         default_network: s.default_network(id).map(|d| convert::network(Some(d))),
     }
 }
+
+/// The project's write rates: its own, and those in force (the least on its line).
+/// Needs sandbox:read.
+#[utoipa::path(get, path = "/v1/projects/{id}/rate-limits", tag = "projects", params(("id" = String, Path)),
+    responses((status = 200, body = api::ProjectRates), (status = "4XX", body = api::ErrorBody)))]
+pub async fn get_rate_limits(
+    State(st): State<AppState>,
+    who: Authed,
+    PathParam(id): PathParam<String>,
+) -> Result<Json<api::ProjectRates>, ApiError> {
+    who.require(Right::SandboxRead)?;
+    st.node.read(|s| {
+        visible_project(s, &who, "id", &id)?;
+        Ok(Json(rates_of(s, &id)))
+    })
+}
+
+/// Sets the project's write rates: writes a second by all its subtree's tokens together
+/// (`writes_per_second`) and by each of them (`token_writes_per_second`); absent: none
+/// of its own. Never above the parent's. Writes over a rate get 429 with `Retry-After`
+/// and are not logged. Needs quota:write on a strict ancestor.
+#[utoipa::path(put, path = "/v1/projects/{id}/rate-limits", tag = "projects", params(("id" = String, Path)), request_body = api::RateLimits,
+    responses((status = 200, body = api::ProjectRates), (status = "4XX", body = api::ErrorBody)))]
+pub async fn set_rate_limits(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    PathParam(id): PathParam<String>,
+    JsonBody(req): JsonBody<api::RateLimits>,
+) -> Result<Written<api::ProjectRates>, ApiError> {
+    let cmd = Command::SetRateLimits {
+        project: id.clone(),
+        writes_per_second: req.writes_per_second,
+        token_writes_per_second: req.token_writes_per_second,
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let body = st.node.read(|state| rates_of(state, &id));
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body,
+    })
+}
+
+fn rates_of(s: &opendsec_projections::State, id: &str) -> api::ProjectRates {
+    let conv = |r: opendsec_projections::Rates| api::RateLimits {
+        writes_per_second: r.writes_per_second,
+        token_writes_per_second: r.token_writes_per_second,
+    };
+    api::ProjectRates {
+        project: id.to_string(),
+        own: conv(s.quota.rates.get(id).copied().unwrap_or_default()),
+        effective: conv(s.effective_rates(id)),
+    }
+}

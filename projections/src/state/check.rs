@@ -86,6 +86,30 @@ impl State {
                     return Err(format!("project {} still has live sandboxes", e.id));
                 }
             }
+            Event::ProjectRateLimitsSet(e) => {
+                let p = self
+                    .iam
+                    .projects
+                    .get(&e.project)
+                    .ok_or_else(|| format!("project {} does not exist", e.project))?;
+                if let Some(parent) = p.parent.as_deref() {
+                    let bound = self.effective_rates(parent);
+                    for (what, mine, theirs) in [
+                        ("writes_per_second", e.writes_per_second, bound.writes_per_second),
+                        (
+                            "token_writes_per_second",
+                            e.token_writes_per_second,
+                            bound.token_writes_per_second,
+                        ),
+                    ] {
+                        if let Some(theirs) = theirs
+                            && mine > theirs
+                        {
+                            return Err(format!("{what} is above the parent project's {theirs}"));
+                        }
+                    }
+                }
+            }
             Event::ProjectNetworkSet(e) => {
                 let p = self
                     .iam

@@ -32,6 +32,18 @@ impl State {
                 self.quota.limits.remove(&e.id);
                 self.quota.usage.remove(&e.id);
                 self.quota.network.remove(&e.id);
+                self.quota.rates.remove(&e.id);
+            }
+            Event::ProjectRateLimitsSet(e) => {
+                let rates = Rates {
+                    writes_per_second: (e.writes_per_second > 0).then_some(e.writes_per_second),
+                    token_writes_per_second: (e.token_writes_per_second > 0).then_some(e.token_writes_per_second),
+                };
+                if rates == Rates::default() {
+                    self.quota.rates.remove(&e.project);
+                } else {
+                    self.quota.rates.insert(e.project.clone(), rates);
+                }
             }
             Event::ProjectNetworkSet(e) => {
                 self.quota.network.insert(

@@ -171,6 +171,36 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 let d = client.delete_project(&id).await?;
                 out.show(&d, |d| format!("deleted project {id} at index {}", d.index));
             }
+            ProjectCmd::RateLimits(c) => {
+                let (project, r) = match c {
+                    RateLimitsCmd::Get { project } => {
+                        let r = client.get_rate_limits(&project).await?;
+                        (project, r)
+                    }
+                    RateLimitsCmd::Set {
+                        project,
+                        writes_per_second,
+                        token_writes_per_second,
+                    } => {
+                        let rates = RateLimits {
+                            writes_per_second,
+                            token_writes_per_second,
+                        };
+                        let r = client.set_rate_limits(&project, &rates).await?;
+                        (project, r)
+                    }
+                };
+                out.show(&r, |r| {
+                    let f = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+                    format!(
+                        "project {project}: writes a second (own / in force)\n  all tokens together: {} / {}\n  each token:          {} / {}",
+                        f(r.own.writes_per_second),
+                        f(r.effective.writes_per_second),
+                        f(r.own.token_writes_per_second),
+                        f(r.effective.token_writes_per_second)
+                    )
+                });
+            }
             ProjectCmd::Network(ProjectNetworkCmd::Get { project }) => {
                 let n = client.get_project_network(&project).await?;
                 out.show(&n, |n| print::project_network(&project, n));

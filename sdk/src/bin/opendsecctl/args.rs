@@ -125,6 +125,25 @@ pub(crate) enum ProjectCmd {
     /// Its egress ceiling and its sandboxes' default network policy.
     #[command(subcommand)]
     Network(ProjectNetworkCmd),
+    /// Its write rates (writes over them get 429 with Retry-After).
+    #[command(subcommand)]
+    RateLimits(RateLimitsCmd),
+}
+
+#[derive(Subcommand)]
+pub(crate) enum RateLimitsCmd {
+    /// Its own rates and those in force.
+    Get { project: String },
+    /// Sets its own rates (one left out: none of its own); never above the parent's.
+    Set {
+        project: String,
+        /// Writes a second by all the tokens of its subtree together.
+        #[arg(long)]
+        writes_per_second: Option<u64>,
+        /// Writes a second by each token of its subtree.
+        #[arg(long)]
+        token_writes_per_second: Option<u64>,
+    },
 }
 
 /// A sandbox's egress policy on the command line. Nothing is allowed unless named: a rule
