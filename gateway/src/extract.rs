@@ -329,3 +329,51 @@ pub fn parse_time_ms(v: &str) -> Option<u64> {
     let t = time::OffsetDateTime::parse(v, &time::format_description::well_known::Rfc3339).ok()?;
     u64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
 }
+
+/// The most items a list answers at once, and its default page.
+pub const MAX_PAGE: usize = 1000;
+
+/// A page of a list: at most `limit` items (1 to [`MAX_PAGE`], default [`MAX_PAGE`]) after
+/// `page_token`, the `next_page_token` of the page before (the last item's id: lists go
+/// in id order, so a page is stable while items come and go).
+pub struct PageQuery {
+    pub limit: usize,
+    pub after: Option<String>,
+}
+
+impl PageQuery {
+    pub fn parse(params: &Params) -> Result<PageQuery, ApiError> {
+        let limit = match params.one("limit")? {
+            None => MAX_PAGE,
+            Some(v) => v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=MAX_PAGE).contains(n))
+                .ok_or_else(|| ApiError::invalid("limit", format!("limit must be a number from 1 to {MAX_PAGE}")))?,
+        };
+        Ok(PageQuery {
+            limit,
+            after: params.one("page_token")?.map(str::to_string),
+        })
+    }
+
+    /// The page of `items` (in ascending key order) and the token of the next, if any.
+    pub fn take<T>(&self, items: impl Iterator<Item = (String, T)>) -> (Vec<T>, Option<String>) {
+        let mut out = Vec::new();
+        let mut last = None;
+        let mut items = items
+            .filter(|(k, _)| self.after.as_deref().is_none_or(|a| k.as_str() > a))
+            .peekable();
+        while out.len() < self.limit {
+            match items.next() {
+                Some((k, v)) => {
+                    last = Some(k);
+                    out.push(v);
+                }
+                None => break,
+            }
+        }
+        let next = items.peek().is_some().then_some(last).flatten();
+        (out, next)
+    }
+}

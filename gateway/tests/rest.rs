@@ -1317,3 +1317,63 @@ async fn a_sandbox_is_packed_into_an_image_through_rest() {
         r.body
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_list_comes_in_pages_in_id_order() {
+    let api = Api::new().await;
+    let admin = api.admin().to_string();
+    for n in 0..7 {
+        let r = api
+            .call(
+                "POST",
+                "/v1/projects",
+                &admin,
+                Some(json!({"name": format!("team-{n}")})),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    }
+    // 8 projects (the root and 7) in pages of 3: 3, 3, 2; each id once, in order.
+    let mut seen = Vec::new();
+    let mut token: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let path = match &token {
+            None => "/v1/projects?limit=3".to_string(),
+            Some(t) => format!("/v1/projects?limit=3&page_token={t}"),
+        };
+        let r = api.call("GET", &path, &admin, None).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        pages += 1;
+        seen.extend(
+            r.body["projects"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["id"].as_str().unwrap().to_string()),
+        );
+        match r.body["next_page_token"].as_str() {
+            Some(t) => token = Some(t.to_string()),
+            None => break,
+        }
+    }
+    assert_eq!((pages, seen.len()), (3, 8));
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(seen, sorted, "in id order, each once");
+    // Without a limit: one page of all, no token.
+    let r = api.call("GET", "/v1/projects", &admin, None).await;
+    assert_eq!(r.body["projects"].as_array().unwrap().len(), 8);
+    assert!(r.body.get("next_page_token").is_none(), "{}", r.body);
+    // A bad limit names it; so does it on every list.
+    for list in ["projects", "sandboxes", "snapshots", "tokens", "images", "edges"] {
+        for bad in ["0", "1001", "x"] {
+            let r = api.call("GET", &format!("/v1/{list}?limit={bad}"), &admin, None).await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{list} {bad}: {}", r.body);
+            assert_eq!(r.body["field"], "limit");
+        }
+        let r = api.call("GET", &format!("/v1/{list}?limit=1"), &admin, None).await;
+        assert_eq!(r.status, StatusCode::OK, "{list}: {}", r.body);
+    }
+}

@@ -217,6 +217,22 @@ impl Client {
         self.call::<(), T>(Method::GET, segments, query, None).await
     }
 
+    /// Every page of a list, asked for in turn.
+    async fn get_all<T: DeserializeOwned + Paged>(
+        &self,
+        segments: &[&str],
+        query: &[(&str, String)],
+    ) -> Result<T, ApiError> {
+        let mut all: T = self.get(segments, query).await?;
+        while let Some(token) = all.take_next() {
+            let mut q = query.to_vec();
+            q.push(("page_token", token));
+            let page: T = self.get(segments, &q).await?;
+            all.extend(page);
+        }
+        Ok(all)
+    }
+
     // ---- meta ----
 
     pub async fn health(&self) -> Result<Health, ApiError> {
@@ -239,7 +255,7 @@ impl Client {
     }
 
     pub async fn list_projects(&self) -> Result<ProjectList, ApiError> {
-        self.get(&["v1", "projects"], &[]).await
+        self.get_all(&["v1", "projects"], &[]).await
     }
 
     pub async fn get_project(&self, id: &str) -> Result<Project, ApiError> {
@@ -302,7 +318,7 @@ impl Client {
 
     pub async fn list_tokens(&self, project: Option<&str>) -> Result<TokenList, ApiError> {
         let q: Vec<(&str, String)> = project.map(|p| ("project", p.to_string())).into_iter().collect();
-        self.get(&["v1", "tokens"], &q).await
+        self.get_all(&["v1", "tokens"], &q).await
     }
 
     pub async fn revoke_token(&self, id: &str, reason: Option<&str>) -> Result<Done, ApiError> {
@@ -332,7 +348,7 @@ impl Client {
         if let Some(s) = &f.state {
             q.push(("state", s.clone()));
         }
-        self.get(&["v1", "sandboxes"], &q).await
+        self.get_all(&["v1", "sandboxes"], &q).await
     }
 
     pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox, ApiError> {
@@ -455,7 +471,7 @@ impl Client {
 
     pub async fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList, ApiError> {
         let q: Vec<(&str, String)> = sandbox.map(|s| ("sandbox", s.to_string())).into_iter().collect();
-        self.get(&["v1", "snapshots"], &q).await
+        self.get_all(&["v1", "snapshots"], &q).await
     }
 
     pub async fn delete_snapshot(&self, id: &str) -> Result<Done, ApiError> {
@@ -484,7 +500,7 @@ impl Client {
     }
 
     pub async fn list_images(&self) -> Result<ImageList, ApiError> {
-        self.get(&["v1", "images"], &[]).await
+        self.get_all(&["v1", "images"], &[]).await
     }
 
     pub async fn delete_image(&self, name: &str) -> Result<Done, ApiError> {
@@ -515,7 +531,7 @@ impl Client {
     // ---- edges ----
 
     pub async fn list_edges(&self) -> Result<EdgeList, ApiError> {
-        self.get(&["v1", "edges"], &[]).await
+        self.get_all(&["v1", "edges"], &[]).await
     }
 
     pub async fn register_edge(&self, req: &RegisterEdge) -> Result<EdgeWritten, ApiError> {

@@ -58,6 +58,9 @@ pub struct Project {
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct ProjectList {
     pub projects: Vec<Project>,
+    /// There is more: ask again with `page_token` set to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -163,6 +166,9 @@ pub struct Token {
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct TokenList {
     pub tokens: Vec<Token>,
+    /// There is more: ask again with `page_token` set to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -459,6 +465,9 @@ pub struct MetricsHistory {
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct SandboxList {
     pub sandboxes: Vec<Sandbox>,
+    /// There is more: ask again with `page_token` set to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -549,6 +558,9 @@ pub struct SnapshotWritten {
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct SnapshotList {
     pub snapshots: Vec<Snapshot>,
+    /// There is more: ask again with `page_token` set to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
 }
 
 // ---- images ----
@@ -641,6 +653,9 @@ pub struct ImageWritten {
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct ImageList {
     pub images: Vec<Image>,
+    /// There is more: ask again with `page_token` set to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
 }
 
 /// What one edge's image store gave back to `POST /v1/image-store/prune`.
@@ -724,6 +739,9 @@ pub struct Heartbeat {
 #[cfg_attr(feature = "openapi", derive(ToSchema))]
 pub struct EdgeList {
     pub edges: Vec<Edge>,
+    /// There is more: ask again with `page_token` set to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -828,3 +846,33 @@ pub struct AddMember {
 pub struct Health {
     pub status: String,
 }
+
+/// A list the API answers in pages (`limit`, `page_token`, `next_page_token`).
+pub trait Paged: Sized {
+    /// The token of the page after this one, taken out.
+    fn take_next(&mut self) -> Option<String>;
+    /// Adds a later page's items.
+    fn extend(&mut self, later: Self);
+}
+
+macro_rules! paged {
+    ($($list:ident . $items:ident),*) => {$(
+        impl Paged for $list {
+            fn take_next(&mut self) -> Option<String> {
+                self.next_page_token.take()
+            }
+            fn extend(&mut self, later: Self) {
+                self.$items.extend(later.$items);
+                self.next_page_token = later.next_page_token;
+            }
+        }
+    )*};
+}
+paged!(
+    ProjectList.projects,
+    TokenList.tokens,
+    SandboxList.sandboxes,
+    SnapshotList.snapshots,
+    ImageList.images,
+    EdgeList.edges
+);

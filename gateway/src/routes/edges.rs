@@ -10,24 +10,25 @@ use opendsec_sdk::types::{self as api, EdgeList, EdgeWritten, RegisterEdge};
 
 use crate::convert;
 use crate::error::ApiError;
-use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
+use crate::extract::{Authed, JsonBody, PageQuery, Params, PathParam, RequestId};
 use crate::{AppState, Written, submit};
 
 /// Every edge with its capacity, what is assigned to it, and its last heartbeat. Needs sandbox:read.
-#[utoipa::path(get, path = "/v1/edges", tag = "edges",
+#[utoipa::path(get, path = "/v1/edges", tag = "edges", params(("limit" = Option<usize>, Query, description = "At most this many (1-1000, default 1000)"), ("page_token" = Option<String>, Query, description = "The next_page_token of the page before"),),
     responses((status = 200, body = EdgeList), (status = "4XX", body = api::ErrorBody)))]
 pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery) -> Result<Json<EdgeList>, ApiError> {
-    Params::parse(q.as_deref(), &[])?;
+    let page = PageQuery::parse(&Params::parse(q.as_deref(), &["limit", "page_token"])?)?;
     who.require(Right::SandboxRead)?;
     let beats = heartbeats(&st);
-    let edges = st.node.read(|s| {
-        s.placement
-            .edges
-            .values()
-            .map(|e| convert::edge(e, heartbeat_of(&beats, &e.id)))
-            .collect()
+    let (edges, next_page_token) = st.node.read(|s| {
+        page.take(
+            s.placement
+                .edges
+                .values()
+                .map(|e| (e.id.clone(), convert::edge(e, heartbeat_of(&beats, &e.id)))),
+        )
     });
-    Ok(Json(EdgeList { edges }))
+    Ok(Json(EdgeList { edges, next_page_token }))
 }
 
 /// Registers an edge, or updates its address, capacity and labels. Needs edge:write.

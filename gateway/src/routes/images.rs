@@ -5,7 +5,7 @@
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use opendsec_commands::Command;
 use opendsec_projections::{Right, State as Views};
@@ -13,7 +13,7 @@ use opendsec_sdk::types::{self as api, ImageList, ImageWritten, PackSandbox, Pul
 
 use crate::convert;
 use crate::error::ApiError;
-use crate::extract::{Authed, PathParam, RequestId, decode_json};
+use crate::extract::{Authed, PageQuery, Params, PathParam, RequestId, decode_json};
 use crate::{AppState, Written, submit};
 
 /// Registers an image and has an edge pull it. The answer comes once it is logged:
@@ -69,20 +69,25 @@ pub async fn pack(
 
 /// The images the caller's sandboxes can start from: its subtree's and its ancestors'.
 /// Needs sandbox:read.
-#[utoipa::path(get, path = "/v1/images", tag = "images",
+#[utoipa::path(get, path = "/v1/images", tag = "images", params(("limit" = Option<usize>, Query, description = "At most this many (1-1000, default 1000)"), ("page_token" = Option<String>, Query, description = "The next_page_token of the page before"),),
     responses((status = 200, body = ImageList), (status = "4XX", body = api::ErrorBody)))]
-pub async fn list(State(st): State<AppState>, who: Authed) -> Result<Json<ImageList>, ApiError> {
+pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery) -> Result<Json<ImageList>, ApiError> {
+    let page = PageQuery::parse(&Params::parse(q.as_deref(), &["limit", "page_token"])?)?;
     who.require(Right::SandboxRead)?;
     let beats = st.node.edge_heartbeats();
-    let images = st.node.read(|s| {
-        s.images
-            .images
-            .values()
-            .filter(|x| usable(s, &who, &x.project))
-            .map(|x| convert::image(x, progress_of(&beats, &x.edge, &x.name)))
-            .collect()
+    let (images, next_page_token) = st.node.read(|s| {
+        page.take(
+            s.images
+                .images
+                .values()
+                .filter(|x| usable(s, &who, &x.project))
+                .map(|x| (x.name.clone(), convert::image(x, progress_of(&beats, &x.edge, &x.name)))),
+        )
     });
-    Ok(Json(ImageList { images }))
+    Ok(Json(ImageList {
+        images,
+        next_page_token,
+    }))
 }
 
 /// One image. A name may hold `/` (references are names too): `GET /v1/images/127.0.0.1:5000/python:3.12`.

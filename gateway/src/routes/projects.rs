@@ -10,7 +10,7 @@ use opendsec_sdk::types::{self as api, CreateProject, Done, ProjectList, Project
 use super::visible_project;
 use crate::convert;
 use crate::error::ApiError;
-use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
+use crate::extract::{Authed, JsonBody, PageQuery, Params, PathParam, RequestId};
 use crate::{AppState, Written, submit};
 
 /// Creates a project under `parent` (default: the caller's project). Needs project:write.
@@ -40,24 +40,28 @@ pub async fn create(
 }
 
 /// The projects in the caller's subtree. Needs sandbox:read.
-#[utoipa::path(get, path = "/v1/projects", tag = "projects",
+#[utoipa::path(get, path = "/v1/projects", tag = "projects", params(("limit" = Option<usize>, Query, description = "At most this many (1-1000, default 1000)"), ("page_token" = Option<String>, Query, description = "The next_page_token of the page before"),),
     responses((status = 200, body = ProjectList), (status = "4XX", body = api::ErrorBody)))]
 pub async fn list(
     State(st): State<AppState>,
     who: Authed,
     RawQuery(q): RawQuery,
 ) -> Result<Json<ProjectList>, ApiError> {
-    Params::parse(q.as_deref(), &[])?;
+    let page = PageQuery::parse(&Params::parse(q.as_deref(), &["limit", "page_token"])?)?;
     who.require(Right::SandboxRead)?;
-    let projects = st.node.read(|s| {
-        s.iam
-            .projects
-            .values()
-            .filter(|p| who.sees(s, &p.id))
-            .map(convert::project)
-            .collect()
+    let (projects, next_page_token) = st.node.read(|s| {
+        page.take(
+            s.iam
+                .projects
+                .values()
+                .filter(|p| who.sees(s, &p.id))
+                .map(|p| (p.id.clone(), convert::project(p))),
+        )
     });
-    Ok(Json(ProjectList { projects }))
+    Ok(Json(ProjectList {
+        projects,
+        next_page_token,
+    }))
 }
 
 #[utoipa::path(get, path = "/v1/projects/{id}", tag = "projects", params(("id" = String, Path)),

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use super::visible_project;
 use crate::convert::{self, SANDBOX_STATES};
 use crate::error::ApiError;
-use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
+use crate::extract::{Authed, JsonBody, PageQuery, Params, PathParam, RequestId};
 use crate::{AppState, Written, submit};
 
 pub const DEFAULT_CPU_MILLIS: u64 = 1000;
@@ -72,6 +72,7 @@ pub async fn create(
         ("project" = Option<String>, Query, description = "Only this project's subtree"),
         ("label" = Option<String>, Query, description = "`key=value`; repeat to require several"),
         ("state" = Option<String>, Query, description = "pending, running, pausing, paused, resuming, killed, failed or exited"),
+        ("limit" = Option<usize>, Query, description = "At most this many (1-1000, default 1000)"), ("page_token" = Option<String>, Query, description = "The next_page_token of the page before"),
     ),
     responses((status = 200, body = SandboxList), (status = "4XX", body = api::ErrorBody)))]
 pub async fn list(
@@ -79,7 +80,8 @@ pub async fn list(
     who: Authed,
     RawQuery(q): RawQuery,
 ) -> Result<Json<SandboxList>, ApiError> {
-    let params = Params::parse(q.as_deref(), &["project", "label", "state"])?;
+    let params = Params::parse(q.as_deref(), &["project", "label", "state", "limit", "page_token"])?;
+    let page = PageQuery::parse(&params)?;
     who.require(Right::SandboxRead)?;
     let mut labels = BTreeMap::new();
     for l in params.all("label") {
@@ -111,9 +113,12 @@ pub async fn list(
                 None => x.is_live(),
             })
             .filter(|x| labels.iter().all(|(k, v)| x.labels.get(k) == Some(v)))
-            .map(convert::sandbox)
-            .collect();
-        Ok(Json(SandboxList { sandboxes }))
+            .map(|x| (x.id.clone(), convert::sandbox(x)));
+        let (sandboxes, next_page_token) = page.take(sandboxes);
+        Ok(Json(SandboxList {
+            sandboxes,
+            next_page_token,
+        }))
     })
 }
 

@@ -11,7 +11,7 @@ use opendsec_sdk::types::{self as api, CreateSnapshot, SnapshotList, SnapshotWri
 
 use crate::convert;
 use crate::error::ApiError;
-use crate::extract::{Authed, Params, PathParam, RequestId, decode_json};
+use crate::extract::{Authed, PageQuery, Params, PathParam, RequestId, decode_json};
 use crate::{AppState, Written, submit};
 
 /// Takes a snapshot of a sandbox that has run (running or paused). The answer comes
@@ -50,26 +50,31 @@ pub async fn create(
 
 /// Snapshots in the caller's subtree (deleted ones are gone). Needs sandbox:read.
 #[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots",
-    params(("sandbox" = Option<String>, Query, description = "Only those taken of this sandbox")),
+    params(("sandbox" = Option<String>, Query, description = "Only those taken of this sandbox"), ("limit" = Option<usize>, Query, description = "At most this many (1-1000, default 1000)"), ("page_token" = Option<String>, Query, description = "The next_page_token of the page before"),),
     responses((status = 200, body = SnapshotList), (status = "4XX", body = api::ErrorBody)))]
 pub async fn list(
     State(st): State<AppState>,
     who: Authed,
     RawQuery(q): RawQuery,
 ) -> Result<Json<SnapshotList>, ApiError> {
-    let params = Params::parse(q.as_deref(), &["sandbox"])?;
+    let params = Params::parse(q.as_deref(), &["sandbox", "limit", "page_token"])?;
+    let page = PageQuery::parse(&params)?;
     let sandbox = params.one("sandbox")?;
     who.require(Right::SandboxRead)?;
     let snapshots = st.node.read(|s| {
-        s.snapshots
+        let snapshots = s
+            .snapshots
             .snapshots
             .values()
             .filter(|x| who.sees(s, &x.project))
             .filter(|x| sandbox.is_none_or(|w| x.sandbox == w))
-            .map(convert::snapshot)
-            .collect()
+            .map(|x| (x.id.clone(), convert::snapshot(x)));
+        page.take(snapshots)
     });
-    Ok(Json(SnapshotList { snapshots }))
+    Ok(Json(SnapshotList {
+        snapshots: snapshots.0,
+        next_page_token: snapshots.1,
+    }))
 }
 
 #[utoipa::path(get, path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path)),

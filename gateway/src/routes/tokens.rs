@@ -11,7 +11,7 @@ use opendsec_sdk::types::{self as api, Done, IssueToken, TokenIssued, TokenList,
 use super::visible_project;
 use crate::convert;
 use crate::error::ApiError;
-use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
+use crate::extract::{Authed, JsonBody, PageQuery, Params, PathParam, RequestId};
 use crate::{AppState, Written, submit};
 
 /// Issues a token with rights the caller holds, in its subtree, expiring no later
@@ -80,10 +80,11 @@ pub async fn issue(
 
 /// Tokens in the caller's subtree (or under `project`), without secrets. Needs token:write.
 #[utoipa::path(get, path = "/v1/tokens", tag = "tokens",
-    params(("project" = Option<String>, Query, description = "Only tokens of this project's subtree")),
+    params(("project" = Option<String>, Query, description = "Only tokens of this project's subtree"), ("limit" = Option<usize>, Query, description = "At most this many (1-1000, default 1000)"), ("page_token" = Option<String>, Query, description = "The next_page_token of the page before"),),
     responses((status = 200, body = TokenList), (status = "4XX", body = api::ErrorBody)))]
 pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery) -> Result<Json<TokenList>, ApiError> {
-    let params = Params::parse(q.as_deref(), &["project"])?;
+    let params = Params::parse(q.as_deref(), &["project", "limit", "page_token"])?;
+    let page = PageQuery::parse(&params)?;
     who.require(Right::TokenWrite)?;
     let project = params.one("project")?.map(str::to_string);
     st.node.read(|s| {
@@ -96,9 +97,12 @@ pub async fn list(State(st): State<AppState>, who: Authed, RawQuery(q): RawQuery
             .tokens
             .values()
             .filter(|t| s.within(&t.project, &scope))
-            .map(convert::token)
-            .collect();
-        Ok(Json(TokenList { tokens }))
+            .map(|t| (t.id.clone(), convert::token(t)));
+        let (tokens, next_page_token) = page.take(tokens);
+        Ok(Json(TokenList {
+            tokens,
+            next_page_token,
+        }))
     })
 }
 
