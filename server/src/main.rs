@@ -58,9 +58,10 @@ struct NodeArgs {
     /// Replay checkpoint every this many entries.
     #[arg(long, default_value_t = 10_000)]
     checkpoint_every: u64,
-    /// Archived entries to keep (default: all, forever).
-    #[arg(long)]
-    archive_retention: Option<u64>,
+    /// Archived log entries to keep (the history beyond the live log, which replay and
+    /// time travel read): the newest this many. `0` keeps them all, forever.
+    #[arg(long, default_value_t = 10_000_000)]
+    archive_retention: u64,
     /// The domain sandboxes are reached under for E2B host-name routing
     /// (`{port}-{sandboxId}.{domain}`; the API at `api.{domain}`). Without a port of its
     /// own, SDKs are told the --tls-listen port (unless it is 443).
@@ -179,7 +180,7 @@ async fn run_node(
     let mut cfg = ControlConfig::new(id, &args.data_dir, advertise.clone(), key.clone());
     cfg.snapshot_every = args.snapshot_every;
     cfg.checkpoint_every = args.checkpoint_every;
-    cfg.archive_retention = args.archive_retention;
+    cfg.archive_retention = (args.archive_retention > 0).then_some(args.archive_retention);
     let peer = tokio::net::TcpListener::bind(&args.peer_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.peer_listen))?;
