@@ -118,9 +118,12 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write_and_applies_n
     assert!(statuses.iter().all(|s| s["state_hash"] == statuses[0]["state_hash"]));
 
     // No write was applied twice: one sandbox per request, whatever its retries.
-    let (_, list) = cluster.get(0, "/v1/sandboxes", &cluster.token).await.unwrap();
+    let list = cluster
+        .list_all(0, "/v1/sandboxes", "sandboxes", &cluster.token)
+        .await
+        .unwrap();
     let mut requests = std::collections::BTreeMap::<String, usize>::new();
-    for s in list["sandboxes"].as_array().expect("a sandbox list") {
+    for s in &list {
         *requests
             .entry(s["labels"]["request"].as_str().unwrap_or_default().to_string())
             .or_default() += 1;
@@ -130,14 +133,11 @@ async fn killing_the_leader_under_load_loses_no_acknowledged_write_and_applies_n
 
     // Every acknowledged write is present on every node, the restarted one included.
     for i in 0..3 {
-        let (status, list) = cluster.get(i, "/v1/sandboxes", &cluster.token).await.unwrap();
-        assert_eq!(status, 200, "{list}");
-        let present: std::collections::BTreeSet<&str> = list["sandboxes"]
-            .as_array()
-            .expect("a sandbox list")
-            .iter()
-            .filter_map(|s| s["id"].as_str())
-            .collect();
+        let list = cluster
+            .list_all(i, "/v1/sandboxes", "sandboxes", &cluster.token)
+            .await
+            .unwrap();
+        let present: std::collections::BTreeSet<&str> = list.iter().filter_map(|s| s["id"].as_str()).collect();
         let missing: Vec<&str> = acked
             .iter()
             .map(|a| a.id.as_str())

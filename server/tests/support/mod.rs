@@ -183,6 +183,27 @@ impl Cluster {
         Ok((status, body))
     }
 
+    /// Every item of a list (`key`: `sandboxes`, `projects`, ...), page after page.
+    pub async fn list_all(&self, i: usize, path: &str, key: &str, token: &str) -> Result<Vec<Value>, String> {
+        let mut all = Vec::new();
+        let mut next: Option<String> = None;
+        loop {
+            let url = match &next {
+                None => path.to_string(),
+                Some(t) => format!("{path}{}page_token={t}", if path.contains('?') { '&' } else { '?' }),
+            };
+            let (status, page) = self.get(i, &url, token).await?;
+            if status != 200 {
+                return Err(format!("{url}: {status} {page}"));
+            }
+            all.extend(page[key].as_array().cloned().unwrap_or_default());
+            match page["next_page_token"].as_str() {
+                Some(t) => next = Some(t.to_string()),
+                None => return Ok(all),
+            }
+        }
+    }
+
     pub async fn post(&self, i: usize, path: &str, token: &str, body: Value) -> Result<(u16, Value), String> {
         let r = self
             .http
