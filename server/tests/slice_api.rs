@@ -30,16 +30,32 @@ async fn create_sandbox(t: &TestNode) -> String {
         labels: BTreeMap::new(),
         timeout_seconds: None,
     };
-    let s = t
-        .node
+    as_admin(t, cmd).await.decided.target
+}
+
+/// Submits `cmd` with the admin's token.
+async fn as_admin(t: &TestNode, cmd: Command) -> opendsec_control::node::Submitted {
+    t.node
         .submit(
             Credential::Bearer(t.admin_token.clone()),
             uuid::Uuid::new_v4().to_string(),
             cmd,
         )
         .await
-        .expect("create sandbox");
-    s.decided.target
+        .expect("the admin's write")
+}
+
+/// A token of the root project with `rights` (edge:write alone is what `opendsec edge` gets).
+async fn token_with(t: &TestNode, name: &str, rights: Vec<opendsec_projections::Right>) -> String {
+    let (secret, hash) = opendsec_control::new_token_secret();
+    let cmd = Command::IssueToken {
+        project: t.root_project.clone(),
+        name: name.into(),
+        rights,
+        ttl_seconds: None,
+        secret_sha256: hash,
+    };
+    opendsec_control::format_token(&as_admin(t, cmd).await.decided.target, &secret)
 }
 
 async fn next_entry(f: &mut SliceFollower) -> SliceEntry {
@@ -218,20 +234,7 @@ async fn the_slice_api_needs_an_edge_token() {
     assert!(err.to_string().contains("unknown"), "{err}");
 
     // A token without edge:write cannot register, watch or report.
-    let (secret, hash) = opendsec_control::new_token_secret();
-    let cmd = Command::IssueToken {
-        project: t.root_project.clone(),
-        name: "reader".into(),
-        rights: vec![opendsec_projections::Right::SandboxRead],
-        ttl_seconds: None,
-        secret_sha256: hash,
-    };
-    let s = t
-        .node
-        .submit(Credential::Bearer(t.admin_token.clone()), "issue".into(), cmd)
-        .await
-        .unwrap();
-    let reader = opendsec_control::format_token(&s.decided.target, &secret);
+    let reader = token_with(&t, "reader", vec![opendsec_projections::Right::SandboxRead]).await;
     let mut c = SliceClient::connect(&t.peer_addr, &reader).unwrap();
     let err = c
         .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
@@ -240,26 +243,8 @@ async fn the_slice_api_needs_an_edge_token() {
     assert!(err.to_string().contains("edge:write"), "{err}");
 }
 
-/// An edge token with edge:write only, as `opendsec edge` is given.
 async fn edge_token(t: &TestNode, name: &str) -> String {
-    let (secret, hash) = opendsec_control::new_token_secret();
-    let cmd = Command::IssueToken {
-        project: t.root_project.clone(),
-        name: name.into(),
-        rights: vec![opendsec_projections::Right::EdgeWrite],
-        ttl_seconds: None,
-        secret_sha256: hash,
-    };
-    let s = t
-        .node
-        .submit(
-            Credential::Bearer(t.admin_token.clone()),
-            uuid::Uuid::new_v4().to_string(),
-            cmd,
-        )
-        .await
-        .unwrap();
-    opendsec_control::format_token(&s.decided.target, &secret)
+    token_with(t, name, vec![opendsec_projections::Right::EdgeWrite]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -356,10 +341,7 @@ async fn an_edge_token_acts_for_its_own_edge_only() {
         },
         labels: BTreeMap::new(),
     };
-    t.node
-        .submit(Credential::Bearer(t.admin_token.clone()), "update".into(), cmd)
-        .await
-        .unwrap();
+    as_admin(&t, cmd).await;
     a.heartbeat(HeartbeatRequest {
         edge: "edge-a".into(),
         ..Default::default()
@@ -370,10 +352,7 @@ async fn an_edge_token_acts_for_its_own_edge_only() {
 
     // Once an operator deregisters A, another token may take its name.
     let cmd = Command::DeregisterEdge { edge: "edge-a".into() };
-    t.node
-        .submit(Credential::Bearer(t.admin_token.clone()), "dereg".into(), cmd)
-        .await
-        .unwrap();
+    as_admin(&t, cmd).await;
     b.register("edge-a", "127.0.0.1:13", capacity(), BTreeMap::new())
         .await
         .unwrap();
