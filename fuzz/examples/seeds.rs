@@ -7,6 +7,7 @@
 //! ```
 //!
 //! The files are committed; rerunning rewrites them (same bytes for the same sources).
+//! Beside them, `regression-*` files are inputs that once crashed a target: kept by hand.
 
 use std::path::{Path, PathBuf};
 
