@@ -49,6 +49,20 @@ ensure_rust_gates() {
   rustup component add "${missing[@]}"
 }
 
+# cargo-fuzz, with which ./ops/test.sh runs the fuzz targets (fuzz/), installed from the
+# crates registry when missing; it builds them with the nightly toolchain (sanitizers need
+# -Z flags), which must already be there: rustup cannot fetch one without the network.
+ensure_cargo_fuzz() {
+  if ! cargo +nightly --version >/dev/null 2>&1; then
+    echo "error: the fuzz targets need a nightly toolchain (cargo-fuzz builds them with -Zsanitizer)" \
+      "and none is installed; install one with \`rustup toolchain install nightly\`" >&2
+    return 1
+  fi
+  cargo fuzz --version >/dev/null 2>&1 && return 0
+  echo "==> installing cargo-fuzz (cargo install cargo-fuzz --locked)"
+  cargo install cargo-fuzz --locked
+}
+
 # The packages building and testing OpenDsec needs.
 BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
 # What edges need to run container sandboxes and build their images. lxcfs gives each

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Installs what the tests need, builds, runs the gates (rustfmt, clippy) and every test
-# of the workspace (the README's examples included: server/tests/readme.rs), then ends
-# with a summary. A test whose prerequisite is missing fails; the one exception, checks
-# that need hardware KVM, are counted and named in the last lines, never skipped silently.
+# Installs what the tests need, builds, runs the gates (rustfmt, clippy), every test
+# of the workspace (the README's examples included: server/tests/readme.rs) and the fuzz
+# targets (fuzz/) for a short time each, then ends with a summary. A test whose
+# prerequisite is missing fails; the one exception, checks that need hardware KVM, are
+# counted and named in the last lines, never skipped silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
@@ -59,10 +60,42 @@ run_tests() {
   cargo test --workspace --locked --no-fail-fast -- --test-threads=1 2>&1 | tee "$LOGS/cargo-test.log"
 }
 
+# The fuzz targets (fuzz/, its own workspace): built once by cargo-fuzz on the nightly
+# toolchain, then each run for $OPENDSEC_FUZZ_SECONDS (20) from its committed seeds. A
+# panic, a leak, an allocation over 512 MiB or a process over 512 MiB fails the step. The
+# build, the corpus a run grows and any crash input go under the target dir, never the
+# repository; each target's output is in the logs directory.
+FUZZ_TARGETS=(event_batch peer_frames journal_recovery agent_connect layer_unpack oci_manifest)
+run_fuzz() {
+  ensure_cargo_fuzz || return 1
+  cargo fmt --manifest-path fuzz/Cargo.toml --check || return 1
+  local dir="${CARGO_TARGET_DIR:-$PWD/target}/fuzz"
+  local seconds="${OPENDSEC_FUZZ_SECONDS:-20}"
+  local started=$SECONDS failed=0 t
+  cargo +nightly fuzz build --target-dir "$dir" || return 1
+  echo "    built in $((SECONDS - started)) s"
+  for t in "${FUZZ_TARGETS[@]}"; do
+    rm -rf "$dir/runs/$t"
+    mkdir -p "$dir/runs/$t/corpus" "$dir/runs/$t/artifacts"
+    if cargo +nightly fuzz run --target-dir "$dir" "$t" "$dir/runs/$t/corpus" "fuzz/corpus/$t" -- \
+      -max_total_time="$seconds" -rss_limit_mb=512 -malloc_limit_mb=512 \
+      -artifact_prefix="$dir/runs/$t/artifacts/" >"$LOGS/fuzz-$t.log" 2>&1; then
+      echo "    $t: $(grep -E '^#[0-9]+[[:space:]]+DONE' "$LOGS/fuzz-$t.log" | tail -n 1 | cut -c1-120)"
+    else
+      echo "    $t FAILED: input in $dir/runs/$t/artifacts/, output in $LOGS/fuzz-$t.log:"
+      grep -E 'panicked|ERROR|SUMMARY' "$LOGS/fuzz-$t.log" | head -n 5 | sed 's/^/      /'
+      failed=1
+    fi
+  done
+  echo "    fuzz step: $((SECONDS - started)) s"
+  return "$failed"
+}
+
 step "format (cargo fmt --all --check)" cargo fmt --all --check
 step "lints (cargo clippy --workspace --all-targets -- -D warnings)" \
   cargo clippy --workspace --all-targets --locked -- -D warnings
 step "tests (cargo test --workspace)" run_tests
+step "fuzz (cargo +nightly fuzz run, ${OPENDSEC_FUZZ_SECONDS:-20} s a target)" run_fuzz
 
 echo
 echo "==> summary (logs in $LOGS)"

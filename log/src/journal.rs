@@ -27,7 +27,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::typ::LogId;
+use crate::typ::{Entry, LogId};
 
 /// The journal's file in the data directory.
 pub(crate) const FILE: &str = "log.journal";
@@ -92,6 +92,11 @@ pub(crate) fn recover(file: &File, live: u64) -> io::Result<Vec<(u64, Vec<u8>)>>
     let len = file.metadata()?.len() as usize;
     let mut data = vec![0u8; len];
     file.read_exact_at(&mut data, 0)?;
+    Ok(records(&data, live))
+}
+
+/// The records of generation `live` in a journal file's contents `data` (see [`recover`]).
+pub(crate) fn records(data: &[u8], live: u64) -> Vec<(u64, Vec<u8>)> {
     let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut at = 0usize;
     while at + HEADER <= data.len() {
@@ -103,7 +108,9 @@ pub(crate) fn recover(file: &File, live: u64) -> io::Result<Vec<(u64, Vec<u8>)>>
         if generation != live || n == 0 || at + HEADER + n > data.len() {
             break;
         }
-        if out.last().is_some_and(|(prev, _)| index != prev + 1) {
+        // `checked_add`: a record at u64::MAX (a damaged file) has no successor; one of
+        // index 0 after it must not pass for the next.
+        if out.last().is_some_and(|(prev, _)| prev.checked_add(1) != Some(index)) {
             break;
         }
         let payload = &data[at + HEADER..at + HEADER + n];
@@ -113,7 +120,36 @@ pub(crate) fn recover(file: &File, live: u64) -> io::Result<Vec<(u64, Vec<u8>)>>
         out.push((index, payload.to_vec()));
         at += HEADER + n;
     }
-    Ok(out)
+    out
+}
+
+/// Appends one record of `generation` to `out` (the layout in the module doc).
+pub(crate) fn put_record(out: &mut Vec<u8>, generation: u64, index: u64, payload: &[u8]) -> io::Result<()> {
+    let n = u32::try_from(payload.len()).map_err(|_| io::Error::other("journal record over 4 GiB"))?;
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(&checksum(generation, index, payload).to_le_bytes());
+    out.extend_from_slice(&generation.to_le_bytes());
+    out.extend_from_slice(&index.to_le_bytes());
+    out.extend_from_slice(payload);
+    Ok(())
+}
+
+/// The entries of recovered records, each checked to be the entry its record's index
+/// says (what `Store::open` puts back into redb).
+pub(crate) fn entries(records: &[(u64, Vec<u8>)]) -> Result<Vec<Entry>, crate::LogError> {
+    records
+        .iter()
+        .map(|(index, bytes)| {
+            let e: Entry = crate::decode(bytes)?;
+            if e.log_id.index() != *index {
+                return Err(crate::LogError::Storage(format!(
+                    "journal record {index} holds entry {}",
+                    e.log_id.index()
+                )));
+            }
+            Ok(e)
+        })
+        .collect()
 }
 
 impl Journal {
@@ -151,13 +187,7 @@ impl Journal {
     pub(crate) fn append<'a>(&mut self, records: impl IntoIterator<Item = (u64, &'a [u8])>) -> io::Result<()> {
         self.buf.clear();
         for (index, payload) in records {
-            let n = u32::try_from(payload.len()).map_err(|_| io::Error::other("journal record over 4 GiB"))?;
-            self.buf.extend_from_slice(&n.to_le_bytes());
-            self.buf
-                .extend_from_slice(&checksum(self.generation, index, payload).to_le_bytes());
-            self.buf.extend_from_slice(&self.generation.to_le_bytes());
-            self.buf.extend_from_slice(&index.to_le_bytes());
-            self.buf.extend_from_slice(payload);
+            put_record(&mut self.buf, self.generation, index, payload)?;
         }
         if self.failed || self.offset + self.buf.len() as u64 > self.capacity {
             return Err(io::Error::other("journal batch does not fit"));
@@ -229,6 +259,17 @@ mod tests {
         j.append([(13, &b"thirteen"[..])]).unwrap();
         assert_eq!(recover(&file, 8).unwrap(), vec![(13, b"thirteen".to_vec())]);
         assert!(recover(&file, 7).unwrap().is_empty());
+    }
+
+    /// Found by the `journal_recovery` fuzz target: recovery panicked (an overflow) on a
+    /// record after one of index u64::MAX, where a release build would have taken the
+    /// wrapped index 0 for the next one.
+    #[test]
+    fn no_record_follows_one_at_the_last_index() {
+        let mut data = Vec::new();
+        put_record(&mut data, 1, u64::MAX, b"last").unwrap();
+        put_record(&mut data, 1, 0, b"wrapped").unwrap();
+        assert_eq!(records(&data, 1), vec![(u64::MAX, b"last".to_vec())]);
     }
 
     #[test]

@@ -46,6 +46,61 @@ mod service;
 mod sm;
 pub mod store;
 
+/// Entry points for the fuzz targets (`fuzz/`): what the log reads from a peer or from
+/// its own files after a crash, over arbitrary bytes, and encoders of valid inputs for
+/// their seed corpus. Not an API: nothing else calls these.
+#[doc(hidden)]
+pub mod fuzzing {
+    use openraft::entry::RaftEntry;
+    use openraft::raft::AppendEntriesRequest;
+
+    use crate::typ::{Entry, LogId, Vote};
+    use crate::{LogError, Payload, TypeConfig};
+
+    fn log_id(term: u64, index: u64) -> LogId {
+        LogId::new(openraft::impls::leader_id_adv::LeaderId { term, node_id: 1 }, index)
+    }
+
+    /// Journal recovery over `data` as the contents of `log.journal`, live generation
+    /// `live`: the records found and their entries decoded and checked, as `Store::open`
+    /// does before it writes them to redb. Returns how many entries were recovered.
+    pub fn recover_journal(data: &[u8], live: u64) -> Result<usize, LogError> {
+        let records = crate::journal::records(data, live);
+        Ok(crate::journal::entries(&records)?.len())
+    }
+
+    /// A journal's contents holding `payloads` as application entries of term 1 from
+    /// index `first`, written with `generation`.
+    pub fn journal_of(generation: u64, first: u64, payloads: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (index, p) in (first..).zip(payloads) {
+            let entry = Entry::new_normal(log_id(1, index), Payload(p.to_vec()));
+            let bytes = crate::encode(&entry).expect("an entry encodes");
+            crate::journal::put_record(&mut out, generation, index, &bytes).expect("a small record");
+        }
+        out
+    }
+
+    /// Decodes one replication frame's payload as a follower does (an append request).
+    pub fn decode_append_request(frame: &[u8]) -> std::io::Result<usize> {
+        crate::decode::<AppendEntriesRequest<TypeConfig>>(frame).map(|rpc| rpc.entries.len())
+    }
+
+    /// One replication frame's payload: an append request carrying `payloads` after `prev`.
+    pub fn append_request_of(prev: u64, payloads: &[&[u8]]) -> Vec<u8> {
+        let rpc = AppendEntriesRequest::<TypeConfig> {
+            vote: Vote::new_committed(1, 1),
+            prev_log_id: (prev > 0).then(|| log_id(1, prev)),
+            entries: (prev + 1..)
+                .zip(payloads)
+                .map(|(index, p)| Entry::new_normal(log_id(1, index), Payload(p.to_vec())))
+                .collect(),
+            leader_commit: (prev > 0).then(|| log_id(1, prev)),
+        };
+        crate::encode(&rpc).expect("a request encodes")
+    }
+}
+
 /// Generated gRPC code for `proto/raft.proto` (package `opendsec.raft.v1`).
 pub mod pb {
     #![allow(missing_docs, clippy::all)]

@@ -253,7 +253,7 @@ pub fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, RpcError> {
 }
 
 /// Reads a whole unary request body (bounded) and decodes it.
-pub async fn read_unary<T: DeserializeOwned>(body: Incoming) -> Result<T, RpcError> {
+pub async fn read_unary<T: DeserializeOwned, B: RequestBody>(body: B) -> Result<T, RpcError> {
     let mut buf = BytesMut::new();
     let mut body = body;
     while let Some(frame) = body.frame().await {
@@ -268,15 +268,20 @@ pub async fn read_unary<T: DeserializeOwned>(body: Incoming) -> Result<T, RpcErr
     decode(&buf)
 }
 
+/// A request body: hyper's in the agent, any other in the fuzz targets.
+pub trait RequestBody: hyper::body::Body<Data = Bytes, Error: std::fmt::Display> + Unpin {}
+
+impl<B: hyper::body::Body<Data = Bytes, Error: std::fmt::Display> + Unpin> RequestBody for B {}
+
 /// Reads envelopes from a streaming request body, as they arrive.
-pub struct EnvelopeReader {
-    body: Incoming,
+pub struct EnvelopeReader<B = Incoming> {
+    body: B,
     buf: BytesMut,
     done: bool,
 }
 
-impl EnvelopeReader {
-    pub fn new(body: Incoming) -> Self {
+impl<B: RequestBody> EnvelopeReader<B> {
+    pub fn new(body: B) -> Self {
         EnvelopeReader {
             body,
             buf: BytesMut::new(),

@@ -8,55 +8,15 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::connect::{Code, RpcError};
 use crate::fdio::Fd;
-use crate::json::u32_or_zero;
 use crate::users::{self, Names, User, as_user};
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct PathRequest {
-    pub path: String,
-    #[serde(deserialize_with = "u32_or_zero")]
-    pub depth: u32,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct MoveRequest {
-    pub source: String,
-    pub destination: String,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct WatchRequest {
-    pub path: String,
-    pub recursive: bool,
-    #[serde(rename = "includeEntry", alias = "include_entry")]
-    pub include_entry: bool,
-    /// Watching a network file system (NFS, SMB, FUSE) must be asked for:
-    /// its events may be late or missing.
-    #[serde(rename = "allowNetworkMounts", alias = "allow_network_mounts")]
-    pub allow_network_mounts: bool,
-}
-
-impl WatchRequest {
-    fn include(&self) -> bool {
-        self.include_entry
-    }
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct WatcherIdRequest {
-    #[serde(alias = "watcher_id")]
-    #[serde(rename = "watcherId")]
-    pub watcher_id: String,
-}
+// The request messages live in the library (`requests.rs`), where the fuzz targets
+// decode them too.
+pub use crate::requests::{MoveRequest, PathRequest, WatchRequest, WatcherIdRequest};
 
 // ---- EntryInfo ----------------------------------------------------------------
 
@@ -301,7 +261,7 @@ impl Watch {
             fd,
             root: root.clone(),
             recursive: req.recursive,
-            include_entry: req.include(),
+            include_entry: req.include_entry,
             user: user.clone(),
             wds: HashMap::new(),
         };

@@ -23,13 +23,11 @@ mod accounts;
 mod apparmor;
 mod chronus;
 mod config;
-mod connect;
 mod entropy;
 mod fdio;
 mod files;
 mod fs;
 mod grow;
-mod json;
 mod metadata;
 mod process;
 mod rekey;
@@ -38,6 +36,10 @@ mod signature;
 mod start;
 mod tunnel;
 mod users;
+
+// The wire layer (Connect framing, protojson helpers, request messages) is the
+// library's (`lib.rs`), so that the fuzz targets decode with the same code.
+use opendsec_agent::{connect, json, requests};
 
 use std::net::SocketAddr;
 use std::os::fd::{FromRawFd, RawFd};

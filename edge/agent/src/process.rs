@@ -3,7 +3,7 @@
 //! bounded backlog while nobody is attached, and reaping (the agent is PID 1
 //! or a child subreaper, so it reaps every zombie, not only its own).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -14,14 +14,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::chronus::{FdRole, SessionMeta};
 use crate::connect::{Code, RpcError};
 use crate::fdio::{self, Fd};
-use crate::json::{null_default, opt_u32, u32_or_zero};
 use crate::users::{self, User};
+
+// The request messages live in the library (`requests.rs`), where the fuzz targets
+// decode them too.
+pub use crate::requests::{
+    Input, ProcessConfig, PtySize, Selector, SelectorRequest, SendInputRequest, SendSignalRequest, StartRequest,
+    StreamInputRequest, UpdateRequest, parse_signal,
+};
 
 /// Output kept for a process while no client is attached; oldest dropped.
 pub const BACKLOG_LIMIT: usize = 1 << 20;
@@ -46,106 +51,6 @@ const UNCLAIMED_MAX: usize = 64;
 const UNKNOWN_STATUS: i32 = 0xff00;
 
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
-// ---- request messages -------------------------------------------------------
-
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(default)]
-pub struct ProcessConfig {
-    #[serde(deserialize_with = "null_default")]
-    pub cmd: String,
-    #[serde(deserialize_with = "null_default")]
-    pub args: Vec<String>,
-    #[serde(deserialize_with = "null_default")]
-    pub envs: BTreeMap<String, String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cwd: Option<String>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-pub struct PtySize {
-    #[serde(deserialize_with = "u32_or_zero")]
-    pub cols: u32,
-    #[serde(deserialize_with = "u32_or_zero")]
-    pub rows: u32,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-pub struct Pty {
-    pub size: Option<PtySize>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct StartRequest {
-    pub process: Option<ProcessConfig>,
-    pub pty: Option<Pty>,
-    pub tag: Option<String>,
-    pub stdin: Option<bool>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-pub struct Selector {
-    #[serde(deserialize_with = "opt_u32")]
-    pub pid: Option<u32>,
-    pub tag: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct SelectorRequest {
-    pub process: Option<Selector>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
-pub struct Input {
-    pub stdin: Option<String>,
-    pub pty: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct SendInputRequest {
-    pub process: Option<Selector>,
-    pub input: Option<Input>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct SendSignalRequest {
-    pub process: Option<Selector>,
-    pub signal: serde_json::Value,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct UpdateRequest {
-    pub process: Option<Selector>,
-    pub pty: Option<Pty>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct StreamInputStart {
-    pub process: Option<Selector>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct StreamInputData {
-    pub input: Option<Input>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct StreamInputRequest {
-    pub start: Option<StreamInputStart>,
-    pub data: Option<StreamInputData>,
-}
 
 // ---- events -----------------------------------------------------------------
 
@@ -959,25 +864,4 @@ impl Manager {
             unsafe { libc::kill(pid as i32, signo) };
         }
     }
-}
-
-fn parse_signal(v: &serde_json::Value) -> Result<i32, RpcError> {
-    let n = match v {
-        serde_json::Value::Number(n) => n.as_i64().unwrap_or(0) as i32,
-        serde_json::Value::String(s) => match s.trim_start_matches("SIGNAL_") {
-            "SIGKILL" => libc::SIGKILL,
-            "SIGTERM" => libc::SIGTERM,
-            "SIGINT" => libc::SIGINT,
-            "SIGHUP" => libc::SIGHUP,
-            "SIGQUIT" => libc::SIGQUIT,
-            "SIGUSR1" => libc::SIGUSR1,
-            "SIGUSR2" => libc::SIGUSR2,
-            other => other.parse().unwrap_or(0),
-        },
-        _ => 0,
-    };
-    if n <= 0 || n > 64 {
-        return Err(RpcError::invalid(format!("unsupported signal {v}")));
-    }
-    Ok(n)
 }

@@ -79,6 +79,60 @@ mod pack;
 mod registry;
 mod unpack;
 
+/// Entry points for the fuzz targets (`fuzz/`): what the image store reads from a
+/// registry or a tarball (manifests, indexes, configs, layer blobs), over arbitrary
+/// bytes. Not an API: nothing else calls these.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// A layer blob as an OCI pull installs it: decompressed by its magic (gzip, zstd or
+    /// none) and unpacked into the new directory `dest`, held to `max_bytes` (of its tar
+    /// stream, and of the file contents written) and `max_entries`. Gives its diff_id.
+    pub fn unpack_layer(
+        blob: std::fs::File,
+        dest: &Path,
+        max_bytes: u64,
+        max_entries: u64,
+    ) -> Result<String, ImageError> {
+        let reader = unpack::decompress(blob).map_err(|e| ImageError::BadLayer {
+            layer: "fuzz".into(),
+            reason: format!("cannot decompress: {e}"),
+        })?;
+        let limits = unpack::Limits {
+            bytes: max_bytes,
+            entries: max_entries,
+        };
+        unpack::unpack_layer(reader, dest, "fuzz", limits).map(|u| u.diff_id)
+    }
+
+    /// A manifest as a pull reads it: an index gives its linux/amd64 manifest's digest,
+    /// an image manifest is checked against the limits and gives its layers' blobs
+    /// (digest, size), as [`plan_config`] takes them.
+    pub fn read_manifest(bytes: &[u8]) -> Result<Vec<(String, u64)>, ImageError> {
+        match oci::parse_manifest("fuzz", bytes)? {
+            oci::Manifest::Index(index) => {
+                let chosen = oci::select_platform("fuzz", &index)?;
+                oci::sha256_hex("fuzz", "its linux/amd64 manifest", chosen.digest().as_ref())?;
+                Ok(Vec::new())
+            }
+            oci::Manifest::Image(manifest) => {
+                oci::check_manifest("fuzz", &manifest)?;
+                Ok(manifest
+                    .layers()
+                    .iter()
+                    .map(|l| (l.digest().to_string(), l.size()))
+                    .collect())
+            }
+        }
+    }
+
+    /// An image config read against the layers its manifest named: its run settings.
+    pub fn plan_config(bytes: &[u8], blobs: &[(String, u64)]) -> Result<ImageConfig, ImageError> {
+        oci::plan_image("fuzz", bytes, blobs).map(|(config, _)| config)
+    }
+}
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
