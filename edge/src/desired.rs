@@ -63,6 +63,10 @@ pub struct DesiredSandbox {
     /// reference); none for built-in images and references pulled by their own name.
     #[serde(default)]
     pub image_source: Option<String>,
+    /// Its network policy as logged (JSON, `SandboxCreated.network`, replaced whole by
+    /// each `SandboxNetworkSet`); `None`: the default, deny. Enforced by `crate::net`.
+    #[serde(default)]
+    pub network: Option<String>,
 }
 
 /// What a served transfer carries.
@@ -179,6 +183,7 @@ impl DesiredSandbox {
             oom_kills: s.oom_kills,
             cpu_class: decode_cpu_class(s.cpu_class)?,
             image_source: (!s.image_source.is_empty()).then(|| s.image_source.clone()),
+            network: (!s.network.is_empty()).then(|| s.network.clone()),
         })
     }
 }
@@ -458,6 +463,7 @@ impl SliceState {
                     cpu_class: CpuClass::from_event(&c.cpu_class)
                         .ok_or_else(|| format!("cpu class {:?} is unknown to this edge", c.cpu_class))?,
                     image_source: (!c.image_source.is_empty()).then(|| c.image_source.clone()),
+                    network: (!c.network.is_empty()).then(|| c.network.clone()),
                 };
                 self.sandboxes.insert(c.id.clone(), d);
             }
@@ -513,6 +519,7 @@ impl SliceState {
                     }
                     Event::SandboxLabelsSet(l) => s.labels = l.labels.clone(),
                     Event::SandboxOomKilled(o) => s.oom_kills = s.oom_kills.max(o.kills),
+                    Event::SandboxNetworkSet(n) => s.network = (!n.network.is_empty()).then(|| n.network.clone()),
                     _ => {}
                 }
                 s.advance(ev);
@@ -845,6 +852,48 @@ mod tests {
         assert_eq!(s.snapshots["x1"].phase, SnapshotPhase::Ready);
         s.try_apply(&entry(5, vec![deleted])).unwrap();
         assert_eq!(s.snapshots["x1"].phase, SnapshotPhase::Deleted);
+    }
+
+    #[test]
+    fn a_sandboxs_network_policy_is_the_one_it_was_created_with_until_the_log_replaces_it_whole() {
+        let mut c = created("sb1", HERE);
+        c.network = r#"{"allow_out":["pkgs.test"]}"#.into();
+        let set = |json: &str| {
+            Event::SandboxNetworkSet(pb::SandboxNetworkSet {
+                id: "sb1".into(),
+                network: json.into(),
+            })
+        };
+        let mut s = folded(vec![
+            Event::SandboxCreated(c),
+            Event::SandboxCreated(created("sb2", HERE)),
+        ]);
+        assert_eq!(
+            s.sandboxes["sb1"].network.as_deref(),
+            Some(r#"{"allow_out":["pkgs.test"]}"#)
+        );
+        assert_eq!(s.sandboxes["sb2"].network, None, "no policy: the default, deny");
+        s.try_apply(&entry(3, vec![set(r#"{"allow_internet_access":true}"#)]))
+            .unwrap();
+        assert_eq!(
+            s.sandboxes["sb1"].network.as_deref(),
+            Some(r#"{"allow_internet_access":true}"#)
+        );
+        s.try_apply(&entry(4, vec![set("")])).unwrap();
+        assert_eq!(s.sandboxes["sb1"].network, None);
+
+        // A slice snapshot carries it; a slice saved before policies existed loads with none.
+        let mut x = slice_sandbox("sb9");
+        x.network = r#"{"allow_out":["10.0.0.0/8"]}"#.into();
+        s.try_apply(&snapshot_message(50, vec![x])).unwrap();
+        assert_eq!(
+            s.sandboxes["sb9"].network.as_deref(),
+            Some(r#"{"allow_out":["10.0.0.0/8"]}"#)
+        );
+        let mut saved = serde_json::to_value(&s).unwrap();
+        saved["sandboxes"]["sb9"].as_object_mut().unwrap().remove("network");
+        let loaded: SliceState = serde_json::from_value(saved).unwrap();
+        assert_eq!(loaded.sandboxes["sb9"].network, None);
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod desired;
 pub mod images;
 pub mod metrics_history;
 pub mod microvms;
+pub mod net;
 pub mod node;
 mod ns;
 pub mod proxy;

@@ -419,6 +419,7 @@ mod tests {
             oom_kills: 0,
             cpu_class: Default::default(),
             image_source: None,
+            network: None,
         }
     }
 

@@ -64,6 +64,7 @@ pub fn slice_sandbox(s: &Sandbox) -> SliceSandbox {
         oom_kills: s.oom_kills,
         cpu_class: pb::CpuClass::from(s.cpu_class).into(),
         image_source: s.image_source.clone().unwrap_or_default(),
+        network: s.network.clone().unwrap_or_default(),
     }
 }
 

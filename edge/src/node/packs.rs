@@ -456,6 +456,7 @@ mod tests {
             oom_kills: 0,
             cpu_class: Default::default(),
             image_source: None,
+            network: None,
         };
         assert_eq!(packed_on(&d), Some("a"));
         d.snapshot = Some("snap-0123456789abcdef".into());

@@ -1,0 +1,660 @@
+//! Sandbox networking on the edge, for container sandboxes: each gets a network
+//! namespace of its own joined to the host by a veth, NAT out through the host, IPv4 and
+//! IPv6, and egress only where its policy (`opendsec_commands::decide::network`) allows:
+//! default deny, enforced by nftables and a DNS proxy.
+//!
+//! The rooms, by job:
+//! - `addrs.rs`: the address pools (default [`DEFAULT_POOL_V4`], [`DEFAULT_POOL_V6`]),
+//!   one IPv4 and one IPv6 address per sandbox, claimed host-wide so several edges on one
+//!   host never share one, recorded under `/run/opendsec/net` so a restarted edge keeps
+//!   them; and the edge's gateway address.
+//! - `link.rs`: a named namespace per sandbox (`/run/netns/opendsec-<tag>-<slot>`) with
+//!   `eth0` (its addresses, a default route on-link via the gateway) and the host end
+//!   `od<tag><slot>`, over rtnetlink.
+//! - `rules.rs` (pure): a policy as the sandbox's chain, the edge's base chains.
+//! - `nft.rs`: scripts applied whole by `nft -f -` (one transaction each).
+//! - `dns.rs`: the DNS proxy on the gateway, which answers each sandbox only for names
+//!   its policy allows and opens the answers' addresses in its learned sets.
+//!
+//! One table per edge, `inet opendsec_<name>_<tag>` (`tag`: a hash of the edge's name
+//! and data directory, so two edges on one host never share a table, veth or
+//! namespace): `forward` sends what comes from a sandbox's veth to its chain
+//! (`sandboxes`, a verdict map by interface), accepts what goes to a sandbox only as part
+//! of a connection it opened (nothing opens connections into a sandbox: the edge reaches
+//! its agent over a Unix socket), and drops the rest; `input` lets a sandbox reach only
+//! the DNS proxy on the gateway (never the edge's proxy, the peer port or any other host
+//! service); `postrouting` masquerades the pools. A sandbox's chain `sb<slot>` drops
+//! spoofed sources, accepts its connections of the current policy generation, then runs
+//! its policy (see `rules.rs`). A policy update replaces the chain whole with a new
+//! generation in one transaction: a connection the new policy forbids stops at its next
+//! packet from the sandbox. Sandboxes never reach each other (pool addresses are
+//! special, and nothing is let into a sandbox that it did not open).
+//!
+//! Lifecycle: a sandbox's (or warm container's) namespace is made before its container
+//! (`attach`), with a chain that drops everything; its policy is applied before it is
+//! reported running (`apply`, again on each `SandboxNetworkSet` through the reconcile
+//! loop); a warm container's slot is handed to the sandbox that claims it
+//! (`hand_over`); `detach` removes namespace, veth, chain, sets and addresses. At start
+//! the edge takes up what an earlier run left (`adopt`): chains of sandboxes that still
+//! run stay in force until their policy is applied again, everything else of its tag is
+//! removed.
+//!
+//! **Architecture Invariant:** no packet from a sandbox leaves its veth without passing
+//! its chain, and a veth with no chain drops everything: a sandbox is never open, even
+//! for an instant, between its creation and its policy.
+//!
+//! The host: IPv4 forwarding is turned on (and IPv6 forwarding, after setting
+//! `accept_ra=2` on interfaces that accept router advertisements, so they keep doing
+//! so); a host firewall that drops forwarded traffic (Docker's `FORWARD` policy, for
+//! one) stops sandbox egress too. Connection marks of sandbox connections are this
+//! room's.
+
+pub mod addrs;
+pub mod dns;
+pub mod link;
+pub mod nft;
+pub mod rules;
+
+use addrs::{Pool, Slot};
+use link::LinkCounters;
+use opendsec_commands::network::{Policy, parse};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+/// Where addresses and slots are recorded (tmpfs: as long-lived as the namespaces).
+pub const DEFAULT_STATE_DIR: &str = "/run/opendsec/net";
+/// The default IPv4 pool: inside 10/8, away from the blocks home routers, clouds' default
+/// VPCs (172.31/16, 10.0/16, GCP's 10.128/9 regions), Kubernetes (10.96/12, 10.244/16,
+/// k3s's 10.42-43/16), Docker (172.17/16 and up) and Podman (10.88/16) use. Only the
+/// addresses in use are routed (one /32 per sandbox), so an overlap with a LAN costs
+/// only those addresses.
+pub const DEFAULT_POOL_V4: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 231, 0, 0), 16);
+/// The default IPv6 pool: a unique-local /64 ("odse" in its global id).
+pub const DEFAULT_POOL_V6: (Ipv6Addr, u8) = (Ipv6Addr::new(0xfd6f, 0x6473, 0x6500, 0, 0, 0, 0, 0), 64);
+
+/// How the edge networks its container sandboxes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    pub pool_v4: (Ipv4Addr, u8),
+    /// `None`: IPv4 only (also where the host has IPv6 turned off).
+    pub pool_v6: Option<(Ipv6Addr, u8)>,
+    /// The resolvers the DNS proxy asks; empty: the host's `/etc/resolv.conf` ones.
+    pub upstream_dns: Vec<SocketAddr>,
+    pub state_dir: PathBuf,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            pool_v4: DEFAULT_POOL_V4,
+            pool_v6: Some(DEFAULT_POOL_V6),
+            upstream_dns: Vec::new(),
+            state_dir: DEFAULT_STATE_DIR.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("sandbox network: {0}")]
+    Config(String),
+    #[error("sandbox network: {0}")]
+    Exhausted(String),
+    #[error("sandbox network link: {0}")]
+    Link(String),
+    #[error("nftables: {0}")]
+    Nft(String),
+    #[error("sandbox network: {context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error("sandbox {0} has no network on this edge")]
+    NotAttached(String),
+}
+
+impl NetError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> NetError {
+        NetError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// What a sandbox's container is given of its network.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    /// The namespace the container joins.
+    pub netns: PathBuf,
+    /// Bound read-only at `/etc/resolv.conf`: the proxy on the gateway.
+    pub resolv_conf: PathBuf,
+    /// Bound read-only at `/etc/hosts`: localhost and the sandbox's name.
+    pub hosts: PathBuf,
+    pub slot: Slot,
+}
+
+/// What the DNS proxy knows of a sandbox.
+#[derive(Clone, Debug)]
+pub struct SandboxDns {
+    pub slot: u32,
+    pub policy: Arc<Policy>,
+}
+
+/// A sandbox's traffic: its veth's counters and what its policy dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetCounters {
+    pub link: LinkCounters,
+    /// Packets its chain dropped (connection attempts and packets its policy refuses).
+    pub dropped_packets: u64,
+}
+
+struct Attached {
+    slot: Slot,
+    /// The policy last applied (`None`: not known to this run yet).
+    applied: Option<Option<String>>,
+    sets: BTreeSet<String>,
+}
+
+/// The edge's sandbox network.
+pub struct Network {
+    tag: String,
+    /// "od" + the tag: 7 bytes, leaving 8 digits for the slot within IFNAMSIZ.
+    veth_prefix: String,
+    table: String,
+    gateway: Ipv4Addr,
+    pool_v4: (Ipv4Addr, u8),
+    pool_v6: Option<(Ipv6Addr, u8)>,
+    pool: Pool,
+    state_dir: PathBuf,
+    files: PathBuf,
+    upstream: Vec<SocketAddr>,
+    attached: Mutex<BTreeMap<String, Attached>>,
+    by_addr: RwLock<HashMap<IpAddr, SandboxDns>>,
+    /// One sandbox's rules change at a time (generations in order).
+    applying: Mutex<()>,
+    generation: AtomicU32,
+    counters: Mutex<Option<(Instant, BTreeMap<String, LinkCounters>, BTreeMap<String, u64>)>>,
+    dns_sockets: Mutex<Option<dns::Sockets>>,
+    /// Held while this edge runs (an flock): no second edge with its tag.
+    _lock: std::fs::File,
+}
+
+/// A short hash of the edge's identity (its name and data directory).
+fn tag_of(name: &str, data_dir: &Path) -> String {
+    use sha2::Digest;
+    let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let h = sha2::Sha256::digest(format!("{name}\n{}", dir.display()).as_bytes());
+    hex::encode(h)[..5].to_string()
+}
+
+fn write_sysctl(path: &str, value: &str) -> Result<(), NetError> {
+    std::fs::write(path, value).map_err(|e| NetError::io(format!("writing {path}"), e))
+}
+
+fn read_sysctl(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+/// Whether this network namespace has IPv6.
+fn ipv6_usable() -> bool {
+    read_sysctl(Path::new("/proc/sys/net/ipv6/conf/all/disable_ipv6")).as_deref() == Some("0")
+}
+
+/// Turns on forwarding (IPv6 too when `v6`), keeping router advertisements where they
+/// were accepted.
+fn enable_forwarding(v6: bool) -> Result<(), NetError> {
+    if read_sysctl(Path::new("/proc/sys/net/ipv4/ip_forward")).as_deref() != Some("1") {
+        write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
+        tracing::info!("IPv4 forwarding turned on for sandbox egress");
+    }
+    if v6 && read_sysctl(Path::new("/proc/sys/net/ipv6/conf/all/forwarding")).as_deref() != Some("1") {
+        for e in std::fs::read_dir("/proc/sys/net/ipv6/conf")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if matches!(name.as_str(), "all" | "default" | "lo") {
+                continue;
+            }
+            if read_sysctl(&e.path().join("accept_ra")).as_deref() == Some("1") {
+                let _ = std::fs::write(e.path().join("accept_ra"), "2");
+            }
+        }
+        write_sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
+        tracing::info!("IPv6 forwarding turned on for sandbox egress (accept_ra=2 where RAs were accepted)");
+    }
+    Ok(())
+}
+
+fn hosts_text(hostname: &str, slot: &Slot) -> String {
+    let mut s = format!(
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{}\t{hostname}\n",
+        slot.v4
+    );
+    if let Some(v6) = slot.v6 {
+        s.push_str(&format!("{v6}\t{hostname}\n"));
+    }
+    s
+}
+
+impl Network {
+    /// Sets up the network of edge `name` (data directory `data_dir`): its table, its
+    /// share of the pools, its gateway and the DNS proxy's sockets; `files` is where the
+    /// files bound into sandboxes are written (a directory only the edge writes).
+    pub fn open(cfg: &NetConfig, name: &str, data_dir: &Path, files: &Path) -> Result<Arc<Network>, NetError> {
+        nft::binary()?;
+        let tag = tag_of(name, data_dir);
+        let clean: String = name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .take(32)
+            .collect();
+        let table = format!("opendsec_{clean}_{tag}");
+        let pool_v6 = match cfg.pool_v6 {
+            Some(p) if ipv6_usable() => Some(p),
+            Some(_) => {
+                tracing::warn!("this host has IPv6 turned off: sandboxes get IPv4 only");
+                None
+            }
+            None => None,
+        };
+        let edges = cfg.state_dir.join("edges");
+        std::fs::create_dir_all(&edges).map_err(|e| NetError::io(format!("creating {}", edges.display()), e))?;
+        let lock_path = edges.join(format!("{tag}.lock"));
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| NetError::io(format!("opening {}", lock_path.display()), e))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(NetError::Config(format!(
+                "another edge named {name} with data directory {} runs on this host",
+                data_dir.display()
+            )));
+        }
+        let pool = Pool::open(&cfg.state_dir, &tag, cfg.pool_v4, pool_v6)?;
+        enable_forwarding(pool_v6.is_some())?;
+        let gateway = pool.gateway()?;
+        std::fs::create_dir_all(files.join("hosts"))
+            .map_err(|e| NetError::io(format!("creating {}", files.display()), e))?;
+        std::fs::write(files.join("resolv.conf"), format!("nameserver {gateway}\n"))
+            .map_err(|e| NetError::io("writing the sandboxes' resolv.conf", e))?;
+        let upstream = if cfg.upstream_dns.is_empty() {
+            dns::nameservers(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
+        } else {
+            cfg.upstream_dns.clone()
+        };
+        if upstream.is_empty() {
+            tracing::warn!(
+                "no upstream DNS resolver (none given, none in /etc/resolv.conf): sandboxes resolve no names"
+            );
+        }
+        let net = Network {
+            table,
+            gateway,
+            pool_v4: cfg.pool_v4,
+            pool_v6,
+            pool,
+            state_dir: cfg.state_dir.clone(),
+            files: files.to_path_buf(),
+            upstream,
+            attached: Mutex::new(BTreeMap::new()),
+            by_addr: RwLock::new(HashMap::new()),
+            applying: Mutex::new(()),
+            // Marks differ from the last run's, whose connections then face the rules once.
+            generation: AtomicU32::new((opendsec_edge_api::now_ms() / 1000) as u32 | 1),
+            counters: Mutex::new(None),
+            dns_sockets: Mutex::new(Some(dns::Sockets::bind(gateway)?)),
+            veth_prefix: format!("od{tag}"),
+            tag,
+            _lock: lock,
+        };
+        nft::apply(&rules::base_script(&net.edge_place()))?;
+        tracing::info!(table = %net.table, %gateway, pool_v4 = %format!("{}/{}", net.pool_v4.0, net.pool_v4.1), ipv6 = net.pool_v6.is_some(), upstream = ?net.upstream, "sandbox network ready");
+        Ok(Arc::new(net))
+    }
+
+    fn edge_place(&self) -> rules::EdgePlace<'_> {
+        rules::EdgePlace {
+            table: &self.table,
+            veth_prefix: self.veth_prefix_str(),
+            gateway: self.gateway,
+            pool_v4: self.pool_v4,
+            pool_v6: self.pool_v6,
+        }
+    }
+
+    fn veth_prefix_str(&self) -> &str {
+        &self.veth_prefix
+    }
+
+    fn veth(&self, slot: u32) -> String {
+        format!("{}{slot}", self.veth_prefix_str())
+    }
+
+    fn netns_prefix(&self) -> String {
+        format!("opendsec-{}-", self.tag)
+    }
+
+    fn netns(&self, slot: u32) -> String {
+        format!("{}{slot}", self.netns_prefix())
+    }
+
+    /// The edge's table (`inet`).
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The gateway every sandbox routes through (and resolves names at).
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.gateway
+    }
+
+    /// The resolvers the DNS proxy asks.
+    pub fn upstream(&self) -> &[SocketAddr] {
+        &self.upstream
+    }
+
+    /// The sandbox at address `ip`, as the DNS proxy sees it.
+    pub fn sandbox_at(&self, ip: IpAddr) -> Option<SandboxDns> {
+        let ip = match ip {
+            IpAddr::V6(a) => a.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+            v4 => v4,
+        };
+        self.by_addr.read().expect("address lock").get(&ip).cloned()
+    }
+
+    /// Serves the DNS proxy until the future is dropped.
+    pub async fn serve_dns(self: Arc<Self>) {
+        let Some(sockets) = self.dns_sockets.lock().expect("dns lock").take() else {
+            return;
+        };
+        dns::serve(self, sockets).await
+    }
+
+    fn place<'a>(&'a self, slot: &Slot, veth: &'a str) -> rules::SandboxPlace<'a> {
+        rules::SandboxPlace {
+            table: &self.table,
+            slot: slot.slot,
+            veth,
+            v4: slot.v4,
+            v6: slot.v6,
+        }
+    }
+
+    fn hosts_path(&self, slot: u32) -> PathBuf {
+        self.files.join("hosts").join(slot.to_string())
+    }
+
+    fn policy_path(&self, slot: u32) -> PathBuf {
+        self.state_dir
+            .join("edges")
+            .join(&self.tag)
+            .join(format!("{slot}.policy"))
+    }
+
+    /// Makes `owner`'s namespace, veth and addresses, with a chain that drops
+    /// everything; `hostname` goes into its `/etc/hosts`. On error nothing is left.
+    pub fn attach(&self, owner: &str, hostname: &str) -> Result<Attachment, NetError> {
+        let slot = self.pool.claim(owner)?;
+        let made = self.attach_slot(&slot, hostname);
+        if made.is_err() {
+            self.teardown(&slot, &BTreeSet::new());
+        }
+        made
+    }
+
+    fn attach_slot(&self, slot: &Slot, hostname: &str) -> Result<Attachment, NetError> {
+        let veth = self.veth(slot.slot);
+        // The chain first: the veth is never without one.
+        let script = rules::sandbox_script(&self.place(slot, &veth), &Policy::default(), 0, &BTreeSet::new());
+        nft::apply(&script)?;
+        let plan = link::LinkPlan {
+            netns: self.netns(slot.slot),
+            veth: veth.clone(),
+            gateway: self.gateway,
+            v4: slot.v4,
+            v6: slot.v6,
+        };
+        let netns = link::create(&plan)?;
+        let hosts = self.hosts_path(slot.slot);
+        std::fs::write(&hosts, hosts_text(hostname, slot)).map_err(|e| NetError::io("writing /etc/hosts", e))?;
+        self.attached.lock().expect("attached lock").insert(
+            slot.owner.clone(),
+            Attached {
+                slot: slot.clone(),
+                applied: Some(None),
+                sets: BTreeSet::new(),
+            },
+        );
+        self.by_addr.write().expect("address lock").insert(
+            IpAddr::V4(slot.v4),
+            SandboxDns {
+                slot: slot.slot,
+                policy: Arc::new(Policy::default()),
+            },
+        );
+        Ok(Attachment {
+            netns,
+            resolv_conf: self.files.join("resolv.conf"),
+            hosts,
+            slot: slot.clone(),
+        })
+    }
+
+    /// `from`'s network now belongs to `to` (a warm container claimed by sandbox `to`),
+    /// whose name its `/etc/hosts` now holds (rewritten in place: the container's bind
+    /// sees it).
+    pub fn hand_over(&self, from: &str, to: &str) -> Result<(), NetError> {
+        let mut all = self.attached.lock().expect("attached lock");
+        let mut a = all
+            .remove(from)
+            .ok_or_else(|| NetError::NotAttached(from.to_string()))?;
+        a.slot = self.pool.hand_over(&a.slot, to)?;
+        let hosts = self.hosts_path(a.slot.slot);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&hosts)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, hosts_text(to, &a.slot).as_bytes()))
+            .map_err(|e| NetError::io(format!("rewriting {}", hosts.display()), e))?;
+        all.insert(to.to_string(), a);
+        Ok(())
+    }
+
+    /// Applies `network` (the policy as logged; `None`: the default, deny) to `owner`:
+    /// its chain replaced whole under a new generation, in one transaction. A policy this
+    /// edge cannot read (the log checked it, so a newer schema) is enforced as deny.
+    pub fn apply(&self, owner: &str, network: Option<&str>) -> Result<(), NetError> {
+        let _one = self.applying.lock().expect("applying lock");
+        let (slot, old_sets) = {
+            let all = self.attached.lock().expect("attached lock");
+            let a = all.get(owner).ok_or_else(|| NetError::NotAttached(owner.to_string()))?;
+            (a.slot.clone(), a.sets.clone())
+        };
+        let policy = match network.filter(|n| !n.is_empty()) {
+            None => Policy::default(),
+            Some(json) => parse("network", json).unwrap_or_else(|e| {
+                tracing::error!(sandbox = %owner, error = ?e, "a network policy this edge cannot read is enforced as deny; upgrade this edge");
+                Policy::default()
+            }),
+        };
+        let sets = rules::learned_sets(slot.slot, &policy);
+        let stale: BTreeSet<String> = old_sets.difference(&sets).cloned().collect();
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed).max(1);
+        let veth = self.veth(slot.slot);
+        nft::apply(&rules::sandbox_script(
+            &self.place(&slot, &veth),
+            &policy,
+            generation,
+            &stale,
+        ))?;
+        let _ = std::fs::write(self.policy_path(slot.slot), network.unwrap_or_default());
+        self.by_addr.write().expect("address lock").insert(
+            IpAddr::V4(slot.v4),
+            SandboxDns {
+                slot: slot.slot,
+                policy: Arc::new(policy),
+            },
+        );
+        if let Some(a) = self.attached.lock().expect("attached lock").get_mut(owner) {
+            a.applied = Some(network.map(str::to_string).filter(|n| !n.is_empty()));
+            a.sets = sets;
+        }
+        Ok(())
+    }
+
+    /// Every sandbox with a network here, with the policy last applied (`None`: not known
+    /// to this run yet). What the reconcile loop compares with the slice.
+    pub fn applied(&self) -> BTreeMap<String, Option<Option<String>>> {
+        self.attached
+            .lock()
+            .expect("attached lock")
+            .iter()
+            .map(|(k, a)| (k.clone(), a.applied.clone()))
+            .collect()
+    }
+
+    fn teardown(&self, slot: &Slot, sets: &BTreeSet<String>) {
+        let veth = self.veth(slot.slot);
+        for script in rules::remove_scripts(&self.table, slot.slot, &veth, sets) {
+            let _ = nft::apply(&script);
+        }
+        if let Err(e) = link::delete(&self.netns(slot.slot), &veth) {
+            tracing::warn!(slot = slot.slot, error = %e, "cannot remove a sandbox's link");
+        }
+        let _ = std::fs::remove_file(self.hosts_path(slot.slot));
+        let _ = std::fs::remove_file(self.policy_path(slot.slot));
+        self.by_addr.write().expect("address lock").remove(&IpAddr::V4(slot.v4));
+        self.pool.release(slot.slot);
+    }
+
+    /// Removes `owner`'s namespace, veth, chain, sets and addresses (absent: nothing).
+    pub fn detach(&self, owner: &str) {
+        let a = self.attached.lock().expect("attached lock").remove(owner);
+        if let Some(a) = a {
+            let _one = self.applying.lock().expect("applying lock");
+            let mut sets = a.sets;
+            sets.extend(self.sets_of_slot(a.slot.slot));
+            self.teardown(&a.slot, &sets);
+        }
+    }
+
+    fn sets_of_slot(&self, slot: u32) -> Vec<String> {
+        let prefix = format!("d{slot}_");
+        nft::names(&self.table, "set")
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| s.starts_with(&prefix))
+            .collect()
+    }
+
+    /// Takes up what an earlier run left: the networks of `live` sandboxes keep their
+    /// chain (in force until their policy is applied again) and learned sets; every
+    /// other slot, namespace, veth, chain, set and counter of this edge is removed.
+    pub fn adopt(&self, live: &BTreeSet<String>) {
+        let slots = self.pool.slots();
+        let mut kept = BTreeSet::new();
+        for slot in slots {
+            if live.contains(&slot.owner) {
+                let applied = std::fs::read_to_string(self.policy_path(slot.slot)).ok();
+                let policy = applied
+                    .as_deref()
+                    .filter(|n| !n.is_empty())
+                    .and_then(|n| parse("network", n).ok())
+                    .unwrap_or_default();
+                kept.insert(slot.slot);
+                self.by_addr.write().expect("address lock").insert(
+                    IpAddr::V4(slot.v4),
+                    SandboxDns {
+                        slot: slot.slot,
+                        policy: Arc::new(policy.clone()),
+                    },
+                );
+                self.attached.lock().expect("attached lock").insert(
+                    slot.owner.clone(),
+                    Attached {
+                        slot: slot.clone(),
+                        // Applied again by the loop: the chain's generation is the last run's.
+                        applied: None,
+                        sets: rules::learned_sets(slot.slot, &policy),
+                    },
+                );
+            } else {
+                let sets = self.sets_of_slot(slot.slot).into_iter().collect();
+                self.teardown(&slot, &sets);
+            }
+        }
+        let veths: BTreeSet<String> = kept.iter().map(|s| self.veth(*s)).collect();
+        for l in link::links_with_prefix(self.veth_prefix_str()).unwrap_or_default() {
+            if !veths.contains(&l) {
+                let _ = link::delete_veth(&l);
+            }
+        }
+        let names: BTreeSet<String> = kept.iter().map(|s| self.netns(*s)).collect();
+        for n in link::netns_with_prefix(&self.netns_prefix()) {
+            if !names.contains(&n) {
+                let _ = link::delete_netns(&n);
+            }
+        }
+        let slot_of =
+            |name: &str, prefix: &str| -> Option<u32> { name.strip_prefix(prefix)?.split('_').next()?.parse().ok() };
+        let mut scripts = Vec::new();
+        for chain in nft::names(&self.table, "chain").unwrap_or_default() {
+            if let Some(s) = slot_of(&chain, "sb")
+                && !kept.contains(&s)
+            {
+                scripts.push(format!("delete chain inet {} {chain}\n", self.table));
+            }
+        }
+        for (kind, prefix) in [("set", "d"), ("counter", "drops")] {
+            for name in nft::names(&self.table, kind).unwrap_or_default() {
+                if let Some(s) = slot_of(&name, prefix)
+                    && !kept.contains(&s)
+                {
+                    scripts.push(format!("delete {kind} inet {} {name}\n", self.table));
+                }
+            }
+        }
+        for s in scripts {
+            let _ = nft::apply(&s);
+        }
+    }
+
+    /// Sandbox `owner`'s traffic, read at most once a second for all sandboxes.
+    pub fn counters(&self, owner: &str) -> Option<NetCounters> {
+        let slot = self.attached.lock().expect("attached lock").get(owner)?.slot.slot;
+        let mut cache = self.counters.lock().expect("counters lock");
+        let fresh = cache
+            .as_ref()
+            .is_some_and(|(at, _, _)| at.elapsed() < Duration::from_secs(1));
+        if !fresh {
+            let links: BTreeMap<String, LinkCounters> =
+                link::counters(self.veth_prefix_str()).ok()?.into_iter().collect();
+            let drops: BTreeMap<String, u64> = nft::counters(&self.table).ok()?.into_iter().collect();
+            *cache = Some((Instant::now(), links, drops));
+        }
+        let (_, links, drops) = cache.as_ref()?;
+        Some(NetCounters {
+            link: links.get(&self.veth(slot)).copied().unwrap_or_default(),
+            dropped_packets: drops.get(&rules::counter_name(slot)).copied().unwrap_or(0),
+        })
+    }
+
+    /// Removes this edge's whole table and every namespace and veth of its sandboxes
+    /// (for a test's end, or an operator's; running sandboxes lose their network).
+    pub fn remove_all(&self) {
+        let owners: Vec<String> = self.attached.lock().expect("attached lock").keys().cloned().collect();
+        for o in owners {
+            self.detach(&o);
+        }
+        self.adopt(&BTreeSet::new());
+        let _ = nft::delete_table(&self.table);
+        self.pool.release_gateway();
+    }
+}
