@@ -1,11 +1,12 @@
 //! The project's own image builders: `busybox` (one static binary, for fast tests),
 //! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
-//! numpy, pandas, matplotlib and the code-interpreter server). Each builds one layer
-//! into a scratch directory; the store publishes it with a rename. Builders run
-//! the host tools under `env -i` so that host settings (proxies for pip, locales) do not
-//! leak into images, and use the tools' default package sources (for apt inside an
-//! image, the sources debootstrap wrote): no registry host appears here.
+//! numpy, pandas, matplotlib, jupyter_client, ipykernel, OpenDsec's Bash kernel and the
+//! code-interpreter server). Each builds one layer into a scratch directory; the store
+//! publishes it with a rename. Builders run the host tools under `env -i` so that host
+//! settings (proxies for pip, locales) do not leak into images, and use the tools'
+//! default package sources (for apt inside an image, the sources debootstrap wrote): no
+//! registry host appears here.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -64,14 +65,19 @@ const BASE_FILES: &[LayerFile] = &[
     },
 ];
 
-/// Packages the code-interpreter layer installs with apt on top of `base`. munkres
-/// settles fonttools' `python3-scipy | python3-munkres` dependency: apt would pick
-/// scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
+/// Packages the code-interpreter layer installs with apt on top of `base`: the Python
+/// data stack and Jupyter's kernel client and Python kernel (the server runs every
+/// context on a kernel), and pexpect for the Bash kernel. munkres settles fonttools'
+/// `python3-scipy | python3-munkres` dependency: apt would pick scipy, which brings
+/// pythran and with it gcc, g++ and python3-dev (about 600 MB).
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-numpy",
     "python3-pandas",
     "python3-matplotlib",
     "python3-munkres",
+    "python3-jupyter-client",
+    "python3-ipykernel",
+    "python3-pexpect",
 ];
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
@@ -153,11 +159,24 @@ pub(super) struct Recipe {
     pub(super) start: Option<fn() -> StartSpec>,
 }
 
-const CODE_INTERPRETER_FILES: &[LayerFile] = &[LayerFile {
-    path: CODE_INTERPRETER_SERVER_PATH,
-    contents: CODE_INTERPRETER_SERVER,
-    mode: 0o644,
-}];
+const CODE_INTERPRETER_FILES: &[LayerFile] = &[
+    LayerFile {
+        path: CODE_INTERPRETER_SERVER_PATH,
+        contents: CODE_INTERPRETER_SERVER,
+        mode: 0o644,
+    },
+    // OpenDsec's own Bash kernel (Debian packages none) and its Jupyter kernel spec.
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/bash_kernel.py",
+        contents: include_bytes!("../../images/code-interpreter/bash_kernel.py"),
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/usr/share/jupyter/kernels/bash/kernel.json",
+        contents: include_bytes!("../../images/code-interpreter/kernels/bash/kernel.json"),
+        mode: 0o644,
+    },
+];
 
 pub(super) fn recipe(name: &str) -> Option<Recipe> {
     match name {
@@ -181,7 +200,7 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         }),
         "code-interpreter-v1" => Some(Recipe {
             name: "code-interpreter-v1",
-            version: 1,
+            version: 2,
             inputs: CODE_INTERPRETER_PACKAGES.join(","),
             files: CODE_INTERPRETER_FILES,
             parent: Some("base"),
