@@ -4,7 +4,8 @@
 working directory kept between cells) on a pseudo-terminal, output streamed to the
 kernel's iopub as it comes, stdout and stderr together as on a terminal. A cell is
 sourced from a file, so it may span lines; a cell whose status is not zero is an error
-with the status as its value. Interrupting the kernel interrupts the cell's commands.
+with the status as its value (`exit` too: a new bash then takes the old one's place).
+Interrupting the kernel interrupts the cell's commands.
 """
 
 import os
@@ -22,6 +23,18 @@ MARK = "__opendsec_cell_done_" + uuid.uuid4().hex
 MARK_RE = re.compile(r"\r?\n?" + MARK + r" (\d+)\r?\n")
 
 
+def mark_prefix_at(text):
+    """Where a tail of `text` that could be the beginning of the mark's line starts
+    (len(text) when none can)."""
+    start = max(text.rfind("\n"), text.rfind("\r"))
+    while start >= 0:
+        tail = text[start:].lstrip("\r\n")
+        if MARK.startswith(tail) or tail.startswith(MARK):
+            return start
+        start = max(text.rfind("\n", 0, start), text.rfind("\r", 0, start))
+    return len(text) if not MARK.startswith(text) else 0
+
+
 class BashKernel(Kernel):
     implementation = "opendsec-bash"
     implementation_version = "1"
@@ -33,6 +46,9 @@ class BashKernel(Kernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.cells = tempfile.mkdtemp(prefix="bash-kernel-")
+        self.start_bash()
+
+    def start_bash(self):
         env = dict(os.environ, PS1="", PS2="", PROMPT_COMMAND="", TERM="dumb")
         self.bash = pexpect.spawn(
             "/bin/bash",
@@ -65,24 +81,33 @@ class BashKernel(Kernel):
         while status is None:
             try:
                 index = self.bash.expect([MARK_RE, pexpect.TIMEOUT, pexpect.EOF], timeout=0.05)
+                if index == 1:
+                    # Pass on what came so far (it stays in pexpect's buffer otherwise),
+                    # but for a tail that may be the start of the mark.
+                    text = self.bash.buffer
+                    keep = mark_prefix_at(text)
+                    self.emit(silent, text[:keep])
+                    self.bash.buffer = text[keep:]
+                    continue
+                self.emit(silent, self.bash.before)
+                if index == 0:
+                    status = int(self.bash.match.group(1))
+                elif index == 2:
+                    self.bash.wait()
+                    status = self.bash.exitstatus if self.bash.exitstatus is not None else 1
             except KeyboardInterrupt:
+                # The shell runs in a session of its own: ^C on its terminal interrupts
+                # the cell's commands. Bash drops the rest of the line (the mark with
+                # it): ask again.
                 if not interrupted:
-                    # Bash drops the rest of the line (the mark with it): ask again.
                     self.bash.sendintr()
                     self.bash.sendline(f"printf '\\n{MARK} %d\\n' 130")
                     interrupted = True
-                continue
-            self.emit(silent, self.bash.before)
-            if index == 0:
-                status = int(self.bash.match.group(1))
-            elif index == 2:
-                status = self.bash.exitstatus if self.bash.exitstatus is not None else 1
-                break
-        if self.bash.isalive() is False:
-            # `exit` in a cell ends this bash: the kernel goes with it and is restarted.
-            self.emit(silent, "bash exited\n")
-            self.do_shutdown(False)
-            os._exit(0)
+        if not self.bash.isalive():
+            # `exit` in a cell ends this bash: a new one takes its place (the old one's
+            # variables are gone, as after `exit` in a terminal), and the status is the
+            # cell's.
+            self.start_bash()
         if interrupted or status != 0:
             name = "KeyboardInterrupt" if interrupted else "ExitCode"
             content = {"ename": name, "evalue": str(status), "traceback": []}

@@ -20,6 +20,7 @@ import json
 import os
 import queue
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -29,7 +30,7 @@ import urllib.parse
 import uuid
 
 from jupyter_client import KernelManager
-from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 DEFAULT_PORT = 49999
 DEFAULT_CWD = "/home/user"
@@ -42,19 +43,31 @@ INTERRUPT_GRACE = 10.0
 # How long a new kernel may take to start (and run its startup script).
 KERNEL_START_TIMEOUT = 120.0
 
-# The `language` of a request -> (the context's language, the Jupyter kernel's name).
-LANGUAGES = {
-    None: ("python", "python3"),
-    "": ("python", "python3"),
-    "python": ("python", "python3"),
-    "python3": ("python", "python3"),
-    "bash": ("bash", "bash"),
-    "sh": ("bash", "bash"),
+# The kernels the server knows, by the language a context reports. Each runs as
+# `python3 <file beside this one>` (ours, so that the server finds its kernels wherever it
+# runs) or is an installed Jupyter kernel spec (IRkernel's `ir`, from Debian's
+# r-cran-irkernel). `needs` is what must be on PATH for the language to be offered.
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_ARGS = [
+    "--InteractiveShell.colors=NoColor",
+    "--HistoryManager.enabled=False",
+    "--IPKernelApp.exec_files=" + os.path.join(HERE, "python_startup.py"),
+]
+KERNELS = {
+    "python": {"argv": ["python_kernel.py", *PYTHON_ARGS], "needs": []},
+    "bash": {"argv": ["bash_kernel.py"], "needs": ["bash"]},
+    "javascript": {"argv": ["node_kernel.py"], "needs": ["node"]},
+    "typescript": {"argv": ["node_kernel.py"], "needs": ["node"], "module": "typescript"},
+    "r": {"spec": "ir", "needs": ["R"]},
 }
+# Other names a request may use for them (E2B's SDKs send these).
+ALIASES = {"": "python", "python3": "python", "sh": "bash", "js": "javascript", "ts": "typescript"}
+# Languages that get their default context at start, after the listen (the others at
+# their first use): E2B's own server starts Python and JavaScript.
+STARTED_AT_START = ("bash", "javascript")
 
-# MIME type of a rich representation -> field of the SDK's `Result`.
-CHART_MIME = "application/vnd.opendsec.chart+json"
-DATA_MIME = "application/vnd.opendsec.data+json"
+# MIME type of a rich representation -> field of the SDK's `Result` (E2B's names,
+# `e2b/data` and `e2b/chart` made by python_startup.py).
 MIME_FIELDS = {
     "text/plain": "text",
     "text/html": "html",
@@ -66,159 +79,55 @@ MIME_FIELDS = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
-    CHART_MIME: "chart",
-    DATA_MIME: "data",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
 }
+# Base64 fields, sent without the line breaks some kernels put in.
+BINARY_FIELDS = ("png", "jpeg", "pdf")
 
-# Run once in every Python kernel: plain tracebacks (no ANSI colours), numpy, pandas and
-# matplotlib imported ahead (a warm first cell), formatters for E2B's `data` and `chart`,
-# and the helpers that set a cell's env vars and put them back after it.
-PYTHON_STARTUP = r'''
-def __opendsec_setup():
-    import json, os
-    ip = get_ipython()
-    try:
-        ip.run_line_magic("colors", "nocolor")
-    except Exception:
-        pass
-    saved = []
 
-    def env_push(values):
-        saved.append({k: os.environ.get(k) for k in values})
-        os.environ.update(values)
+def node_package(name):
+    """The directory of node package `name` in the global module directories (Debian's,
+    npm's global prefix, NODE_PATH), or None: looked up on disk, since starting node
+    takes time."""
+    dirs = ["/usr/share/nodejs", "/usr/lib/nodejs", "/usr/local/lib/node_modules", "/usr/lib/node_modules"]
+    dirs += [d for d in os.environ.get("NODE_PATH", "").split(os.pathsep) if d]
+    found = [os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name, "package.json"))]
+    return found[0] if found else None
 
-    def env_pop():
-        for k, v in (saved.pop() if saved else {}).items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
-    ip.user_ns["__opendsec_env_push"] = env_push
-    ip.user_ns["__opendsec_env_pop"] = env_pop
-    ip.user_ns_hidden["__opendsec_env_push"] = env_push
-    ip.user_ns_hidden["__opendsec_env_pop"] = env_pop
+class Kernels(KernelSpecManager):
+    """The kernel specs of KERNELS that this machine can run."""
 
-    from IPython.core.formatters import BaseFormatter
-    from traitlets import ObjectName, Unicode
-
-    def number(v):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            return str(v)
-        return f if f == f and f not in (float("inf"), float("-inf")) else None
-
-    def axis_of(ax, which):
-        axis = ax.xaxis if which == "x" else ax.yaxis
-        ticks = [number(t) for t in axis.get_ticklocs()]
-        labels = [t.get_text() for t in axis.get_ticklabels()]
-        scale = axis.get_scale()
-        return {
-            which + "_label": axis.get_label().get_text() or None,
-            which + "_unit": None,
-            which + "_ticks": ticks,
-            which + "_tick_labels": labels,
-            which + "_scale": scale if scale in ("linear", "log", "symlog", "logit", "function", "functionlog", "asinh") else "unknown",
-        }
-
-    def chart_of_axes(ax):
-        from matplotlib.collections import PathCollection
-        from matplotlib.patches import Rectangle, Wedge
-        title = ax.get_title() or None
-        wedges = [p for p in ax.patches if isinstance(p, Wedge)]
-        if wedges:
-            return {
-                "type": "pie",
-                "title": title,
-                "elements": [
-                    {"label": w.get_label(), "angle": abs(w.theta2 - w.theta1), "radius": w.r}
-                    for w in wedges
-                ],
-            }
-        bars = []
-        for container in getattr(ax, "containers", []):
-            rects = [p for p in container if isinstance(p, Rectangle)]
-            if not rects:
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        installed = super().find_kernel_specs()
+        self.specs = {}
+        for language, kernel in KERNELS.items():
+            if not all(shutil.which(tool) for tool in kernel["needs"]):
                 continue
-            group = container.get_label() or ""
-            if group.startswith("_"):
-                group = ""
-            labels = [t.get_text() for t in ax.xaxis.get_ticklabels()]
-            ticks = list(ax.xaxis.get_ticklocs())
-            for r in rects:
-                center = r.get_x() + r.get_width() / 2
-                label = str(number(center))
-                for tick, text in zip(ticks, labels):
-                    if abs(tick - center) < 1e-9 and text:
-                        label = text
-                bars.append({"label": label, "group": group, "value": r.get_height()})
-        base = {"title": title, "x_label": ax.get_xlabel() or None, "y_label": ax.get_ylabel() or None,
-                "x_unit": None, "y_unit": None}
-        if bars:
-            return dict(base, type="bar", elements=bars)
-        lines = [l for l in ax.get_lines() if not l.get_label().startswith("_child") or len(l.get_xdata()) > 1]
-        scatters = [c for c in ax.collections if isinstance(c, PathCollection)]
-        kind = "line" if lines and not scatters else "scatter" if scatters and not lines else None
-        if kind is None:
-            return dict(base, type="unknown" if not (lines or scatters) else "line", elements=[])
-        elements = []
-        if kind == "line":
-            for l in lines:
-                label = l.get_label()
-                points = [[number(x), number(y)] for x, y in zip(l.get_xdata(), l.get_ydata())]
-                elements.append({"label": "" if label.startswith("_") else label, "points": points})
-        else:
-            for c in scatters:
-                label = c.get_label()
-                points = [[number(x), number(y)] for x, y in c.get_offsets()]
-                elements.append({"label": "" if label.startswith("_") else label, "points": points})
-        return dict(base, type=kind, elements=elements, **axis_of(ax, "x"), **axis_of(ax, "y"))
+            args = list(kernel.get("argv", [])[1:])
+            if "module" in kernel:
+                package = node_package(kernel["module"])
+                if package is None:
+                    continue
+                args.append(f"--{kernel['module']}={package}")
+            if "spec" in kernel:
+                if kernel["spec"] in installed:
+                    self.specs[language] = super().get_kernel_spec(kernel["spec"])
+                continue
+            argv = [sys.executable, os.path.join(HERE, kernel["argv"][0]), *args, "-f", "{connection_file}"]
+            self.specs[language] = KernelSpec(argv=argv, display_name=language, language=language, interrupt_mode="signal")
 
-    def chart_of_figure(fig):
-        axes = [ax for ax in fig.get_axes() if ax.get_visible()]
-        if not axes:
-            return None
-        if len(axes) == 1:
-            return chart_of_axes(axes[0])
-        title = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) else None
-        return {"type": "superchart", "title": title, "elements": [chart_of_axes(ax) for ax in axes]}
+    def languages(self):
+        return sorted(self.specs)
 
-    def data_of_frame(frame):
-        return json.loads(frame.to_json(orient="split", date_format="iso", default_handler=str))
-
-    class JSONMime(BaseFormatter):
-        print_method = ObjectName("_repr_opendsec_json_")
-        _return_type = (dict, list)
-
-    formatter = ip.display_formatter.formatters
-    chart = formatter[CHART] = JSONMime(parent=ip.display_formatter, format_type=CHART)
-    data = formatter[DATA] = JSONMime(parent=ip.display_formatter, format_type=DATA)
-    data.for_type_by_name("pandas.core.frame", "DataFrame", data_of_frame)
-    active = ip.display_formatter.active_types
-    active.extend(t for t in (CHART, DATA) if t not in active)
-    for name in ("numpy", "pandas", "matplotlib", "matplotlib.pyplot"):
-        try:
-            __import__(name)
-        except Exception:
-            pass
-
-    # Selecting matplotlib's inline backend (at the first pyplot import, or `%matplotlib`)
-    # drops every formatter's Figure printer: put ours back before every cell.
-    def register_chart(*_args):
-        chart.for_type_by_name("matplotlib.figure", "Figure", chart_of_figure)
-
-    register_chart()
-    ip.events.register("pre_run_cell", register_chart)
-    # The backend is chosen at a cell's first plot; its figures are shown after the
-    # cell by its own post_execute hook, registered after this one.
-    ip.events.register("post_execute", register_chart)
-
-
-CHART, DATA = "@CHART@", "@DATA@"
-__opendsec_setup()
-del __opendsec_setup, CHART, DATA
-'''.replace("@CHART@", CHART_MIME).replace("@DATA@", DATA_MIME)
+    def get_kernel_spec(self, kernel_name):
+        # jupyter_client renames a kernel called `python` to `python3`.
+        spec = self.specs.get("python" if kernel_name == "python3" else kernel_name)
+        if spec is None:
+            raise NoSuchKernel(kernel_name)
+        return spec
 
 
 def now_ns():
@@ -229,12 +138,41 @@ def line(message):
     return json.dumps(message).encode() + b"\n"
 
 
+def quoted(value, quote="'"):
+    return quote + value.replace("\\", "\\\\").replace(quote, "\\" + quote) + quote
+
+
 def env_code(language, env_vars):
-    """The code that sets a cell's env vars, and the code that puts them back after."""
+    """The code that sets one execution's env vars in a kernel, and the code that puts
+    the kernel's own values back after it (E2B sets them in the kernel's language)."""
     if not env_vars:
         return None, None
     if language == "python":
         return f"__opendsec_env_push({env_vars!r})", "__opendsec_env_pop()"
+    if language in ("javascript", "typescript"):
+        saved = json.dumps({k: None for k in env_vars})
+        push = (
+            f"globalThis.__opendsec_env = (globalThis.__opendsec_env || []).concat([Object.fromEntries("
+            f"Object.keys({saved}).map(k => [k, process.env[k]]))]);"
+            f"Object.assign(process.env, {json.dumps(env_vars)});undefined"
+        )
+        pop = (
+            "for (const [k, v] of Object.entries(globalThis.__opendsec_env.pop())) "
+            "{ if (v === undefined) delete process.env[k]; else process.env[k] = v; }"
+        )
+        return push, pop
+    if language == "r":
+        names = "c(" + ", ".join(quoted(k, '"') for k in env_vars) + ")"
+        push = (
+            f".opendsec_env <- c(if (exists('.opendsec_env')) .opendsec_env, list(Sys.getenv({names}, unset = NA, names = TRUE))); "
+            "Sys.setenv(" + ", ".join(f"{quoted(k, '`')} = {quoted(v, chr(34))}" for k, v in env_vars.items()) + "); invisible()"
+        )
+        pop = (
+            ".opendsec_old <- .opendsec_env[[length(.opendsec_env)]]; .opendsec_env <- .opendsec_env[-length(.opendsec_env)]; "
+            "for (.k in names(.opendsec_old)) if (is.na(.opendsec_old[[.k]])) Sys.unsetenv(.k) else "
+            "do.call(Sys.setenv, stats::setNames(list(.opendsec_old[[.k]]), .k)); invisible()"
+        )
+        return push, pop
     saved = "; ".join(
         f"__opendsec_saved_{i}=${{{k}+set}}; __opendsec_value_{i}=${{{k}-}}" for i, k in enumerate(env_vars)
     )
@@ -246,15 +184,33 @@ def env_code(language, env_vars):
     return push, pop
 
 
+def traceback_text(pieces):
+    """A kernel's traceback pieces as one string: E2B joins them as they are; IPython's
+    pieces do not all end their line, so a line break goes where one is missing."""
+    text = ""
+    for piece in pieces:
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += piece
+    return text
+
+
 def result_message(bundle, is_main):
+    """One `display_data` or `execute_result` MIME bundle as E2B's result line."""
     message = {"type": "result"}
     extra = {}
     for mime, value in bundle.items():
         field = MIME_FIELDS.get(mime)
-        if field:
-            message[field] = value
-        else:
+        if field is None:
             extra[mime] = value
+        elif field in BINARY_FIELDS and isinstance(value, str):
+            message[field] = "".join(value.split())
+        else:
+            message[field] = value
+    text = message.get("text")
+    # E2B's server drops the quotes around a string's repr: 'bar' reads back as bar.
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        message["text"] = text[1:-1]
     if extra:
         message["extra"] = extra
     message["is_main_result"] = is_main
@@ -262,45 +218,27 @@ def result_message(bundle, is_main):
 
 
 class Kernel:
-    """One running Jupyter kernel of a context, with its blocking client."""
+    """One running Jupyter kernel, with its blocking client."""
 
-    def __init__(self, language, kernel_name, cwd):
+    def __init__(self, language, cwd, specs):
         self.language = language
+        self.cwd = cwd
         self.retired = False
-        self.busy = False
-        self.manager = KernelManager(kernel_name=kernel_name)
+        self.manager = KernelManager(kernel_name=language, kernel_spec_manager=specs)
         env = dict(os.environ)
         env.pop("JPY_PARENT_PID", None)
-        # ipykernel's debugger otherwise warns about frozen modules on every start.
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         self.manager.start_kernel(cwd=cwd, env=env)
         try:
             self.client = self.manager.blocking_client()
             self.client.start_channels()
             self.client.wait_for_ready(timeout=KERNEL_START_TIMEOUT)
-            if language == "python":
-                self.run_silent(PYTHON_STARTUP, wait=True)
         except BaseException:
             self.kill()
             raise
 
-    def run_silent(self, code, wait=False):
-        msg_id = self.client.execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
-        if wait:
-            deadline = time.monotonic() + KERNEL_START_TIMEOUT
-            while time.monotonic() < deadline:
-                try:
-                    reply = self.client.get_shell_msg(timeout=1.0)
-                except queue.Empty:
-                    if not self.manager.is_alive():
-                        raise RuntimeError("the kernel died while starting")
-                    continue
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    if reply["content"].get("status") != "ok":
-                        raise RuntimeError(f"the kernel's startup failed: {reply['content'].get('evalue')}")
-                    return
-            raise RuntimeError("the kernel's startup did not finish")
-        return msg_id
+    def run_silent(self, code):
+        return self.client.execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
 
     def interrupt(self):
         try:
@@ -314,33 +252,85 @@ class Kernel:
         except Exception:
             return False
 
+    def exit_code(self):
+        process = getattr(getattr(self.manager, "provisioner", None), "process", None)
+        return process.poll() if process is not None else None
+
     def kill(self):
         self.retired = True
+        for stop in (
+            lambda: self.client.stop_channels(),
+            lambda: self.manager.shutdown_kernel(now=True),
+            lambda: self.manager.cleanup_resources(),
+        ):
+            try:
+                stop()
+            except Exception:
+                pass
+
+
+class WarmKernels:
+    """One started kernel per language kept ready (in the default directory), so that a
+    new context or a language's first cell does not wait for a kernel to start. A spare
+    is made again in the background once taken."""
+
+    def __init__(self, default_cwd, specs):
+        self.default_cwd = default_cwd
+        self.specs = specs
+        self.lock = threading.Lock()
+        self.ready = {}
+        self.starting = set()
+        self.closed = False
+
+    def take(self, language, cwd):
+        with self.lock:
+            kernel = self.ready.pop(language, None) if cwd == self.default_cwd else None
+        if kernel is not None and not kernel.alive():
+            kernel.kill()
+            kernel = None
+        self.refill(language)
+        return kernel if kernel is not None else Kernel(language, cwd, self.specs)
+
+    def refill(self, language):
+        with self.lock:
+            if self.closed or language in self.ready or language in self.starting:
+                return
+            self.starting.add(language)
+        threading.Thread(target=self._start, args=(language,), daemon=True).start()
+
+    def _start(self, language):
         try:
-            self.client.stop_channels()
-        except Exception:
-            pass
-        try:
-            self.manager.shutdown_kernel(now=True)
-        except Exception:
-            pass
-        try:
-            self.manager.cleanup_resources()
-        except Exception:
-            pass
+            kernel = Kernel(language, self.default_cwd, self.specs)
+        except Exception as e:
+            print(f"code-interpreter: a spare {language} kernel did not start: {e}", file=sys.stderr)
+            kernel = None
+        with self.lock:
+            self.starting.discard(language)
+            if kernel is not None and not self.closed:
+                self.ready[language], kernel = kernel, None
+        if kernel is not None:
+            kernel.kill()
+
+    def shutdown(self):
+        with self.lock:
+            self.closed = True
+            spares = list(self.ready.values())
+            self.ready.clear()
+        for kernel in spares:
+            kernel.kill()
 
 
 class Context:
-    def __init__(self, language, kernel_name, cwd):
+    def __init__(self, language, cwd, warm):
         self.id = str(uuid.uuid4())
         self.language = language
-        self.kernel_name = kernel_name
         self.cwd = cwd
+        self.warm = warm
         # One cell at a time; a restart or delete does not wait for it.
         self.exec_lock = threading.Lock()
         self.state_lock = threading.Lock()
         self.deleted = False
-        self.kernel = Kernel(language, kernel_name, cwd)
+        self.kernel = warm.take(language, cwd)
 
     def describe(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -354,7 +344,7 @@ class Context:
             old = self.kernel
             old.retired = True
         old.kill()
-        new = Kernel(self.language, self.kernel_name, self.cwd)
+        new = self.warm.take(self.language, self.cwd)
         with self.state_lock:
             if self.deleted:
                 stale = new
@@ -373,14 +363,28 @@ class Context:
 class Contexts:
     def __init__(self, default_cwd):
         self.default_cwd = default_cwd
+        self.specs = Kernels()
+        self.warm = WarmKernels(default_cwd, self.specs)
         self.lock = threading.Lock()
         self.by_id = {}
         self.defaults = {}
-        specs = KernelSpecManager().find_kernel_specs()
-        self.installed = {name for name in specs}
+        # Per language: held while its default context is made (others wait for it).
+        self.default_locks = {language: threading.Lock() for language in self.specs.languages()}
 
-    def create(self, language, kernel_name, cwd):
-        ctx = Context(language, kernel_name, cwd)
+    def languages(self):
+        return self.specs.languages()
+
+    def start_in_background(self, languages):
+        self.warm.refill("python")
+        for language in languages:
+            if language in self.default_locks:
+                try:
+                    self.default(language)
+                except Exception as e:
+                    print(f"code-interpreter: the default {language} kernel did not start: {e}", file=sys.stderr)
+
+    def create(self, language, cwd):
+        ctx = Context(language, cwd, self.warm)
         with self.lock:
             self.by_id[ctx.id] = ctx
         return ctx
@@ -389,14 +393,16 @@ class Contexts:
         with self.lock:
             return self.by_id.get(context_id)
 
-    def default(self, language, kernel_name):
+    def default(self, language):
         """The default context of a language, created on first use (or after a delete)."""
-        with self.lock:
-            ctx = self.by_id.get(self.defaults.get(language))
+        with self.default_locks[language]:
+            with self.lock:
+                ctx = self.by_id.get(self.defaults.get(language))
             if ctx is None:
-                ctx = Context(language, kernel_name, self.default_cwd)
-                self.by_id[ctx.id] = ctx
-                self.defaults[language] = ctx.id
+                ctx = Context(language, self.default_cwd, self.warm)
+                with self.lock:
+                    self.by_id[ctx.id] = ctx
+                    self.defaults[language] = ctx.id
             return ctx
 
     def list(self):
@@ -414,6 +420,7 @@ class Contexts:
         return ctx is not None
 
     def shutdown(self):
+        self.warm.shutdown()
         with self.lock:
             contexts = list(self.by_id.values())
             self.by_id.clear()
@@ -566,12 +573,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def create_context(self):
         data = self.read_json()
-        language, kernel_name = self.language_of(data.get("language"))
+        language = self.language_of(data.get("language"))
         cwd = data.get("cwd") or self.contexts.default_cwd
         if not isinstance(cwd, str) or not os.path.isdir(cwd):
             raise BadRequest(400, f"cwd {cwd!r} is not a directory", "cwd")
         try:
-            ctx = self.contexts.create(language, kernel_name, cwd)
+            ctx = self.contexts.create(language, cwd)
         except Exception as e:
             raise BadRequest(500, f"the {language} kernel did not start: {e}")
         self.send_json(200, ctx.describe())
@@ -594,14 +601,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_empty()
 
     def language_of(self, value):
+        """The language a request names (Python when it names none), or a 400 that
+        names it and the languages this server has."""
         if value is not None and not isinstance(value, str):
             raise BadRequest(400, "language must be a string", "language")
-        key = value.lower() if isinstance(value, str) else value
-        known = LANGUAGES.get(key)
-        if known is None or known[1] not in self.contexts.installed:
-            names = sorted(k for k, v in LANGUAGES.items() if k and v[1] in self.contexts.installed)
-            raise BadRequest(400, f"unsupported language {value!r}: use one of {', '.join(names)}", "language")
-        return known
+        key = (value or "").strip().lower()
+        language = ALIASES.get(key, key)
+        available = self.contexts.languages()
+        if language not in available:
+            known = "" if language in KERNELS or language == "java" else "unknown "
+            raise BadRequest(
+                400,
+                f"{known}language {value!r} is not available in this sandbox: use one of {', '.join(available)}",
+                "language",
+            )
+        return language
 
     def execute(self):
         data = self.read_json()
@@ -622,9 +636,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if ctx is None:
                 raise BadRequest(404, f"context {context_id} not found", "context_id")
         else:
-            language, kernel_name = self.language_of(data.get("language"))
+            language = self.language_of(data.get("language"))
             try:
-                ctx = self.contexts.default(language, kernel_name)
+                ctx = self.contexts.default(language)
             except Exception as e:
                 raise BadRequest(500, f"the {language} kernel did not start: {e}")
         self.run_cell(ctx, code, env_vars)
@@ -669,7 +683,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         A client that disconnects interrupts the cell; a kernel that does not stop in
         INTERRUPT_GRACE, or dies, is restarted."""
         connected = True
+        errored = False
         interrupted_at = None
+        next_check = 0.0
 
         def forward(message):
             nonlocal connected
@@ -716,21 +732,39 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 elif kind in ("execute_result", "display_data"):
                     forward(result_message(content.get("data") or {}, kind == "execute_result"))
                 elif kind == "error":
-                    # bash_kernel reports a failed command by its exit status alone.
-                    forward(
-                        {
-                            "type": "error",
-                            "name": content.get("ename") or "ExitCode",
-                            "value": content.get("evalue", ""),
-                            "traceback": "\n".join(content.get("traceback") or []),
-                        }
-                    )
-                continue
+                    # One error per cell, as E2B's; the traceback's pieces joined as
+                    # E2B joins them. bash_kernel reports a failed command by its exit
+                    # status alone.
+                    if not errored:
+                        errored = True
+                        forward(
+                            {
+                                "type": "error",
+                                "name": content.get("ename") or "ExitCode",
+                                "value": content.get("evalue", ""),
+                                "traceback": traceback_text(content.get("traceback") or []),
+                            }
+                        )
+                # A cell that never stops printing must still notice its client leave.
+                if time.monotonic() < next_check:
+                    continue
+            next_check = time.monotonic() + 0.2
             if kernel.retired:
                 reason = "the context was deleted" if ctx.deleted else "the context was restarted"
                 break
             if not kernel.alive():
-                reason = "the context's kernel exited; its state is lost"
+                # Its last messages may still be on their way.
+                drain_until = time.monotonic() + 0.5
+                while time.monotonic() < drain_until:
+                    try:
+                        msg = client.get_iopub_msg(timeout=0.1)
+                    except Exception:
+                        continue
+                    if msg.get("parent_header", {}).get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                        forward({"type": msg["content"].get("name", "stdout"), "text": msg["content"].get("text", ""), "timestamp": now_ns()})
+                code = kernel.exit_code()
+                status = f" with exit code {code}" if code is not None else ""
+                reason = f"the kernel exited{status}; it was restarted and its state is lost"
                 break
             if connected and client_gone(sock):
                 connected = False
@@ -746,7 +780,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 ctx.restart(dead=kernel)
             except Exception as e:
                 print(f"code-interpreter: restarting a {ctx.language} kernel failed: {e}", file=sys.stderr)
-        forward({"type": "error", "name": "ContextRestarted", "value": reason or "", "traceback": ""})
+        # E2B's name for an execution its kernel's restart ended.
+        forward({"type": "error", "name": "ContextRestarting", "value": f"Context was restarted: {reason or ''}", "traceback": ""})
         forward({"type": "end_of_execution"})
         return connected
 
@@ -771,12 +806,15 @@ def serve(args):
     # kernel is warm: whoever waits for the port then gets a fast first cell.
     server.server_bind()
     try:
-        contexts.default(*LANGUAGES["python"])
+        contexts.default("python")
     except Exception as e:
         print(f"code-interpreter: the default Python kernel did not start: {e}", file=sys.stderr)
         contexts.shutdown()
         sys.exit(1)
     server.server_activate()
+    # Then, while the first cells run: a spare Python kernel for new contexts and the
+    # default contexts of the languages E2B starts at once.
+    threading.Thread(target=contexts.start_in_background, args=(STARTED_AT_START,), daemon=True).start()
 
     def stop(_signum, _frame):
         raise SystemExit(0)

@@ -4,7 +4,8 @@ the single E2B_SANDBOX_URL): `run_code` keeps state between calls, reports error
 with name, value and traceback, streams stdout, stderr and results as they come,
 returns rich results (a matplotlib figure as PNG and chart data, a DataFrame as HTML and
 data, IPython display objects), runs IPython's shell escapes and magics, answers in
-Python and Bash (each a Jupyter kernel), and runs code in separate contexts.
+Python, Bash, JavaScript, TypeScript and R (each a Jupyter kernel), and runs code in
+separate contexts. A string result reads back without its quotes, as from E2B.
 """
 
 import base64
@@ -103,7 +104,7 @@ def test_display_adds_results_and_only_the_last_expression_is_the_main_one(sandb
     frame, data, last = execution.results
     assert "<table" in frame.html and not frame.is_main_result
     assert data.json == {"answer": 42} and not data.is_main_result
-    assert last.text == "'last'" and last.is_main_result
+    assert last.text == "last" and last.is_main_result
 
 
 def test_a_matplotlib_figure_also_gives_its_chart_data(sandbox):
@@ -135,8 +136,8 @@ def test_a_matplotlib_figure_also_gives_its_chart_data(sandbox):
 def test_a_dataframe_also_gives_its_data(sandbox):
     main = sandbox.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})").results[0]
     assert main.data is not None, main
-    assert main.data["columns"] == ["a", "b"]
-    assert main.data["data"] == [[1, 3], [2, 4]]
+    # E2B's shape: each column's name to its values.
+    assert main.data == {"a": [1, 2], "b": [3, 4]}
     assert "data" in main.formats() and "html" in main.formats()
 
 
@@ -178,6 +179,7 @@ def test_results_and_output_are_streamed_as_they_come(sandbox):
 def test_env_vars_read_back_as_their_values(sandbox):
     execution = sandbox.run_code("import os\nprint(os.environ['FOO'])", envs={"FOO": "bar"})
     assert "".join(execution.logs.stdout) == "bar\n"
+    assert sandbox.run_code("import os\nos.environ['FOO']", envs={"FOO": "bar"}).text == "bar"
     assert sandbox.run_code("import os\nos.environ.get('FOO')").text is None
 
 
@@ -188,7 +190,7 @@ def test_an_interrupted_cell_leaves_its_kernel_usable(sandbox):
         with pytest.raises(TimeoutException):
             sandbox.run_code("import time\ntime.sleep(60)", context=ctx, timeout=2)
         # The same kernel (its state kept), not a restarted one.
-        assert sandbox.run_code("kept", context=ctx, timeout=30).text == "'still here'"
+        assert sandbox.run_code("kept", context=ctx, timeout=30).text == "still here"
     finally:
         sandbox.remove_code_context(ctx)
 
@@ -198,6 +200,9 @@ def test_an_interrupted_cell_leaves_its_kernel_usable(sandbox):
     [
         ("python", "kept = 1 + 1", "print(kept)", "2\n"),
         ("bash", "KEPT=$((1 + 1))", "echo $KEPT", "2\n"),
+        ("javascript", "const kept = 1 + 1", "console.log(kept)", "2\n"),
+        ("typescript", "const kept: number = 1 + 1", "console.log(kept)", "2\n"),
+        ("r", "kept <- 1 + 1", "cat(kept, '\\n')", "2 \n"),
     ],
 )
 def test_each_language_answers_and_keeps_state_between_cells(sandbox, language, assign, read, answer):
@@ -214,14 +219,25 @@ def test_a_failed_bash_command_is_an_error_with_its_exit_status(sandbox):
     assert sandbox.run_code("echo $((2 + 2))", language="bash").logs.stdout == ["4\n"]
 
 
-def test_an_unknown_language_is_refused(sandbox):
-    with pytest.raises(Exception) as refused:
-        sandbox.run_code("1", language="cobol")
-    assert "language" in str(refused.value)
+def test_each_language_gives_its_value_as_the_main_result(sandbox):
+    assert sandbox.run_code("'a' + 'b'", language="javascript").text == "ab"
+    assert sandbox.run_code("const n: number = 6; n * 7", language="ts").text == "42"
+    assert sandbox.run_code("6 * 7", language="r").results[0].text == "[1] 42"
+    failed = sandbox.run_code("null.x", language="js")
+    assert failed.error is not None and failed.error.name == "TypeError"
+
+
+def test_a_language_the_sandbox_lacks_is_refused_naming_those_it_has(sandbox):
+    for language in ("cobol", "java"):
+        with pytest.raises(SandboxException) as refused:
+            sandbox.run_code("1", language=language)
+        message = str(refused.value)
+        assert "400" in message and repr(language) in message, message
+        assert "python, r, typescript" in message, message
 
 
 def test_env_vars_apply_to_one_call(sandbox):
-    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "'yes'"
+    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "yes"
     assert sandbox.run_code("import os\nos.environ.get('PER_CALL')").text is None  # None shows no result
 
 
@@ -232,7 +248,7 @@ def test_contexts_keep_their_own_state_and_working_directory(sandbox):
         assert ctx.id in [c.id for c in sandbox.list_code_contexts()]
         sandbox.run_code("only_here = 5", context=ctx)
         assert sandbox.run_code("only_here", context=ctx).text == "5"
-        assert sandbox.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+        assert sandbox.run_code("import os\nos.getcwd()", context=ctx).text == "/tmp"
         unseen = sandbox.run_code("only_here")
         assert unseen.error is not None and unseen.error.name == "NameError"
 
@@ -307,6 +323,6 @@ async def test_async_errors_and_contexts(async_sandbox):
     assert execution.error.name == "ZeroDivisionError"
     ctx = await async_sandbox.create_code_context()
     assert ctx.id in [c.id for c in await async_sandbox.list_code_contexts()]
-    assert (await async_sandbox.run_code("'in context'", context=ctx)).text == "'in context'"
+    assert (await async_sandbox.run_code("'in context'", context=ctx)).text == "in context"
     await async_sandbox.remove_code_context(ctx)
     assert ctx.id not in [c.id for c in await async_sandbox.list_code_contexts()]
