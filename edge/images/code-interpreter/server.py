@@ -64,7 +64,31 @@ KERNELS = {
 ALIASES = {"": "python", "python3": "python", "sh": "bash", "js": "javascript", "ts": "typescript"}
 # Languages that get their default context at start, after the listen (the others at
 # their first use): E2B's own server starts Python and JavaScript.
-STARTED_AT_START = ("bash", "javascript")
+STARTED_AT_START = ("javascript",)
+# Languages of which one spare started kernel is kept for the next new context. Each
+# kernel is a process of 50 to 100 MB, and a sandbox's memory is small: only Python's,
+# whose contexts SDK users make most.
+SPARE_LANGUAGES = ("python",)
+# Memory a sandbox must have free for a kernel started ahead of use (a spare, a default
+# context at start): below it kernels start only when asked for.
+AHEAD_HEADROOM = 256 << 20
+
+
+def memory_headroom():
+    """Bytes this sandbox's cgroup may still use (None when it has no limit)."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) - current
+
+
+def room_for_a_kernel_ahead():
+    headroom = memory_headroom()
+    return headroom is None or headroom >= AHEAD_HEADROOM
 
 # MIME type of a rich representation -> field of the SDK's `Result` (E2B's names,
 # `e2b/data` and `e2b/chart` made by python_startup.py).
@@ -270,9 +294,9 @@ class Kernel:
 
 
 class WarmKernels:
-    """One started kernel per language kept ready (in the default directory), so that a
-    new context or a language's first cell does not wait for a kernel to start. A spare
-    is made again in the background once taken."""
+    """One started kernel per language of SPARE_LANGUAGES kept ready (in the default
+    directory), so that a new context does not wait for a kernel to start. A spare is
+    made again in the background once taken."""
 
     def __init__(self, default_cwd, specs):
         self.default_cwd = default_cwd
@@ -293,7 +317,9 @@ class WarmKernels:
 
     def refill(self, language):
         with self.lock:
-            if self.closed or language in self.ready or language in self.starting:
+            if language not in SPARE_LANGUAGES or self.closed or language in self.ready or language in self.starting:
+                return
+            if not room_for_a_kernel_ahead():
                 return
             self.starting.add(language)
         threading.Thread(target=self._start, args=(language,), daemon=True).start()
@@ -377,7 +403,7 @@ class Contexts:
     def start_in_background(self, languages):
         self.warm.refill("python")
         for language in languages:
-            if language in self.default_locks:
+            if language in self.default_locks and room_for_a_kernel_ahead():
                 try:
                     self.default(language)
                 except Exception as e:

@@ -206,10 +206,17 @@ def test_an_interrupted_cell_leaves_its_kernel_usable(sandbox):
     ],
 )
 def test_each_language_answers_and_keeps_state_between_cells(sandbox, language, assign, read, answer):
-    assert sandbox.run_code(assign, language=language).error is None
-    execution = sandbox.run_code(read, language=language)
-    assert execution.error is None, execution.error
-    assert "".join(execution.logs.stdout) == answer
+    # In a context of its own, removed after: every kernel is a process, and the
+    # sandbox's 512 MB do not hold one of each language beside the data stack.
+    ctx = sandbox.create_code_context(language=language)
+    try:
+        assert ctx.language == language
+        assert sandbox.run_code(assign, context=ctx).error is None
+        execution = sandbox.run_code(read, context=ctx)
+        assert execution.error is None, execution.error
+        assert "".join(execution.logs.stdout) == answer
+    finally:
+        sandbox.remove_code_context(ctx)
 
 
 def test_a_failed_bash_command_is_an_error_with_its_exit_status(sandbox):
@@ -220,11 +227,16 @@ def test_a_failed_bash_command_is_an_error_with_its_exit_status(sandbox):
 
 
 def test_each_language_gives_its_value_as_the_main_result(sandbox):
+    # JavaScript's default context is started with the sandbox, as on E2B.
     assert sandbox.run_code("'a' + 'b'", language="javascript").text == "ab"
-    assert sandbox.run_code("const n: number = 6; n * 7", language="ts").text == "42"
-    assert sandbox.run_code("6 * 7", language="r").results[0].text == "[1] 42"
     failed = sandbox.run_code("null.x", language="js")
     assert failed.error is not None and failed.error.name == "TypeError"
+    for language, code, text in (("typescript", "const n: number = 6; n * 7", "42"), ("r", "6 * 7", "[1] 42")):
+        ctx = sandbox.create_code_context(language=language)
+        try:
+            assert sandbox.run_code(code, context=ctx).results[0].text == text
+        finally:
+            sandbox.remove_code_context(ctx)
 
 
 def test_a_language_the_sandbox_lacks_is_refused_naming_those_it_has(sandbox):
