@@ -2,11 +2,11 @@
 //! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
 //! numpy, pandas, matplotlib, jupyter_client, ipykernel, IRkernel, TypeScript, OpenDsec's
-//! Bash, JavaScript and TypeScript kernels and the code-interpreter server). Each builds one layer into a scratch directory; the store
-//! publishes it with a rename. Builders run the host tools under `env -i` so that host
-//! settings (proxies for pip, locales) do not leak into images, and use the tools'
-//! default package sources (for apt inside an image, the sources debootstrap wrote): no
-//! registry host appears here.
+//! Bash, JavaScript and TypeScript kernels and the code-interpreter server). Each builds
+//! one layer into a scratch directory; the store publishes it with a rename. Builders
+//! run the host tools under `env -i` so that host settings (proxies for pip, locales) do
+//! not leak into images, and use the tools' default package sources (for apt inside an
+//! image, the sources debootstrap wrote): no registry host appears here.
 
 use std::collections::BTreeMap;
 use std::fmt;
