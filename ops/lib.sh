@@ -98,8 +98,11 @@ AGENT_TEST_PACKAGES=(passwd)
 # or not. An edge on a host whose kernel has AppArmor loads them with it (such hosts ship it).
 APPARMOR_TEST_PACKAGES=(apparmor)
 # What the code-interpreter server's tests (edge/tests/code_interpreter.rs) need on the
-# host: Debian's python3 with the data stack the code-interpreter-v1 image carries.
-CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas)
+# host: what the code-interpreter-v1 image carries (Debian's python3 with the data stack,
+# Jupyter's client and Python kernel, pexpect for the Bash kernel, TypeScript, R with
+# IRkernel); node comes with the JS suite's packages.
+CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas
+  python3-jupyter-client python3-ipykernel python3-pexpect node-typescript r-cran-irkernel)
 
 # Builds the static in-sandbox agent into $1 (it runs inside any image, so no shared libraries).
 build_static_agent() {

@@ -396,7 +396,7 @@ async fn state_persists_and_the_last_expression_is_the_main_result() {
         [
             "stdout \"a\\n\"",
             "result \"1\" false",
-            "result \"'two'\" false",
+            "result \"two\" false",
             "stdout \"b\\n\"",
             "result \"3\" true",
         ],
@@ -430,13 +430,18 @@ async fn stdout_is_streamed_while_the_cell_runs_in_order() {
     );
     assert!(second - first >= Duration::from_millis(300), "{first:?} {second:?}");
 
-    // Output of subprocesses (file descriptor 1) keeps its place among the prints.
+    // Output of subprocesses (file descriptor 1) is stdout too. ipykernel forwards it
+    // from a thread of its own, so its place among the prints is not kept, and what a
+    // subprocess writes in a cell's last instant may come with the next cell (as in
+    // E2B's kernels): this cell goes on a little after its subprocesses.
     let mixed = run(
         &server.addr,
-        "import os, subprocess\nprint('a')\nos.system('echo b')\nsubprocess.run(['echo', 'c'])\nprint('d')",
+        "import os, subprocess, time\nprint('a')\nos.system('echo b')\nsubprocess.run(['echo', 'c'])\nprint('d')\ntime.sleep(0.3)",
     )
     .await;
-    assert_eq!(mixed.stdout(), "a\nb\nc\nd\n");
+    let mut lines: Vec<String> = mixed.stdout().lines().map(str::to_owned).collect();
+    lines.sort();
+    assert_eq!(lines, ["a", "b", "c", "d"], "{:?}", mixed.lines);
     // A partial line is not held until the end of the cell either.
     let partial = run(
         &server.addr,
@@ -457,15 +462,14 @@ async fn an_exception_is_an_error_and_the_context_keeps_working() {
     let error = failed.error().expect("an error line");
     assert_eq!(error["name"], "ZeroDivisionError");
     assert_eq!(error["value"], "division by zero");
-    // The SDK's ExecutionError.traceback is one string.
+    // The SDK's ExecutionError.traceback is one string: IPython's traceback, as E2B's
+    // kernels give it (no colour codes), its pieces one after the other.
     let traceback = error["traceback"].as_str().expect("traceback is a string");
-    assert!(
-        traceback.starts_with("Traceback (most recent call last):"),
-        "{traceback}"
-    );
+    assert!(traceback.contains("Traceback (most recent call last)"), "{traceback}");
     assert!(traceback.contains("return 1 / 0"), "{traceback}");
+    assert!(!traceback.contains('\x1b'), "colour codes: {traceback:?}");
     assert!(
-        traceback.ends_with("ZeroDivisionError: division by zero\n"),
+        traceback.trim_end().ends_with("ZeroDivisionError: division by zero"),
         "{traceback}"
     );
     assert!(
@@ -480,7 +484,7 @@ async fn an_exception_is_an_error_and_the_context_keeps_working() {
     assert_eq!(exited.error().unwrap()["name"], "SystemExit");
 
     let after = run(&server.addr, "kept").await;
-    assert_eq!(after.main_text(), Some("'still here'"));
+    assert_eq!(after.main_text(), Some("still here"));
     assert!(after.error().is_none());
 }
 
@@ -497,7 +501,11 @@ async fn matplotlib_figures_become_png_results_and_are_closed() {
     let results = cell.results();
     assert_eq!(results.len(), 1, "{results:?}");
     let figure = results[0];
-    assert_eq!(figure["text"], "<Figure size 640x480 with 1 Axes>");
+    let text = figure["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("<Figure size ") && text.ends_with(" with 1 Axes>"),
+        "{text}"
+    );
     assert_eq!(figure["is_main_result"], false);
     let png = base64_decode(figure["png"].as_str().expect("png is base64 text"));
     assert!(png.starts_with(PNG_MAGIC), "not a PNG: {:?}", &png[..16.min(png.len())]);
@@ -522,22 +530,29 @@ async fn matplotlib_figures_become_png_results_and_are_closed() {
     assert_eq!(order, ["figure", "stdout", "value", "figure"], "{:?}", shown.lines);
     let closed = run(&server.addr, "len(plt.get_fignums())").await;
     assert_eq!(closed.main_text(), Some("0"), "figures stay open");
-    // A figure as the cell's value is the main result, shown once.
+    // A figure as the cell's value is the main result; Jupyter's inline backend then
+    // shows the cell's open figure once more (as in E2B's kernels).
     let value = run(&server.addr, "fig, ax = plt.subplots()\nfig").await;
-    assert_eq!(value.results().len(), 1, "{:?}", value.lines);
-    assert_eq!(value.results()[0]["is_main_result"], true);
+    let main: Vec<bool> = value.results().iter().map(|r| r["is_main_result"] == true).collect();
+    assert_eq!(main, [true, false], "{:?}", value.lines);
     assert!(base64_decode(value.results()[0]["png"].as_str().unwrap()).starts_with(PNG_MAGIC));
-    // The backend is the server's own, and not imposed on the user's subprocesses.
+    // The backend is Jupyter's inline one, as in E2B's kernels; the user's subprocesses
+    // still plot.
     let child = run(
         &server.addr,
-        "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'import matplotlib.pyplot as p; print(p.get_backend())'], capture_output=True, text=True)\n(r.returncode, 'opendsec' in r.stdout, plt.get_backend())",
+        "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'import matplotlib.pyplot as p; p.plot([1]); p.savefig(\"/dev/null\", format=\"png\")'], capture_output=True, text=True)\n(r.returncode, plt.get_backend())",
     )
     .await;
-    assert_eq!(child.main_text(), Some("(0, False, 'module://opendsec_inline')"));
+    assert_eq!(
+        child.main_text(),
+        Some("(0, 'module://matplotlib_inline.backend_inline')"),
+        "{:?}",
+        child.lines
+    );
 }
 
 #[tokio::test]
-async fn a_dataframe_gives_html_and_text() {
+async fn a_dataframe_gives_html_text_and_its_data_by_column() {
     require_data_stack();
     let server = Server::start().await;
     let cell = run(
@@ -555,10 +570,22 @@ async fn a_dataframe_gives_html_and_text() {
     assert!(text.contains("city") && text.contains("Oslo"), "{text}");
     assert_eq!(results[0]["is_main_result"], false);
     assert!(results[0]["html"].as_str().unwrap().contains("Oslo"));
+    // E2B's `data`: each column's name to its values (NaN and times made JSON).
+    assert_eq!(main["data"], json!({"city": ["Oslo", "Lima"], "n": [1, 2]}));
+    assert_eq!(results[0]["data"], json!({"city": ["Oslo"], "n": [1]}));
+    let odd = run(
+        &server.addr,
+        "pd.DataFrame({'t': pd.to_datetime(['2024-01-02']), 'x': [float('nan')]})",
+    )
+    .await;
+    assert_eq!(
+        odd.results()[0]["data"],
+        json!({"t": ["2024-01-02T00:00:00"], "x": [null]})
+    );
 }
 
 #[tokio::test]
-async fn the_default_context_is_warm_and_the_first_cell_is_fast() {
+async fn the_default_context_is_warm_the_first_cell_fast_and_nothing_heavy_imported() {
     require_data_stack();
     let server = Server::start().await;
     let start = Instant::now();
@@ -572,14 +599,12 @@ async fn the_default_context_is_warm_and_the_first_cell_is_fast() {
         "import sys\nsorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules)",
     )
     .await;
-    assert_eq!(
-        warm.main_text(),
-        Some("['matplotlib.pyplot', 'numpy', 'pandas']"),
-        "not imported at startup"
-    );
+    // As in E2B's kernels, the data stack is imported by the user's first import, not
+    // by every kernel's start (which it would slow down by seconds).
+    assert_eq!(warm.main_text(), Some("[]"), "imported at startup");
     // The default context runs in the server's --cwd (the SDK's /home/user).
     let cwd = run(&server.addr, "import os\nos.getcwd()").await;
-    assert_eq!(cwd.main_text().unwrap(), format!("'{}'", server.cwd.display()));
+    assert_eq!(cwd.main_text().unwrap(), server.cwd.display().to_string());
 }
 
 #[tokio::test]
@@ -604,7 +629,7 @@ async fn contexts_are_isolated_listed_restarted_and_deleted() {
     );
     assert_eq!(
         run_in(addr, a_id, "import os\nos.getcwd()").await.main_text().unwrap(),
-        format!("'{}'", sub.display())
+        sub.display().to_string()
     );
     // Each context is its own process.
     let pid = |cell: Cell| cell.main_text().unwrap().parse::<u32>().unwrap();
@@ -664,12 +689,14 @@ async fn a_worker_that_dies_is_replaced_and_others_live_on() {
     run(addr, "lost = 1").await;
     let crashed = run(addr, "import os\nprint('bye', flush=True)\nos._exit(3)").await;
     assert_eq!(crashed.stdout(), "bye\n");
+    // E2B's name for an execution that its kernel's restart ended.
     let error = crashed.error().expect("the crash is reported");
+    assert_eq!(error["name"], "ContextRestarting", "{error}");
     assert!(error["value"].as_str().unwrap().contains("exit code 3"), "{error}");
     let fresh = run(addr, "lost").await;
     assert_eq!(fresh.error().unwrap()["name"], "NameError");
     assert_eq!(run(addr, "1 + 2").await.main_text(), Some("3"));
-    assert_eq!(run_in(addr, other_id, "mine").await.main_text(), Some("'safe'"));
+    assert_eq!(run_in(addr, other_id, "mine").await.main_text(), Some("safe"));
 }
 
 #[tokio::test]
@@ -682,7 +709,8 @@ async fn env_vars_apply_to_one_call_only() {
     )
     .await;
     assert_eq!(with.stdout(), "hello\n");
-    assert_eq!(with.main_text(), Some("'hello'"));
+    // A string value reads back without its quotes, as from E2B.
+    assert_eq!(with.main_text(), Some("hello"));
     let without = run(addr, "import os\nos.environ.get('GREETING')").await;
     assert!(without.results().is_empty(), "still set: {:?}", without.lines);
     // A variable the context had comes back after a call that overrode it.
@@ -692,8 +720,8 @@ async fn env_vars_apply_to_one_call_only() {
         json!({"code": "os.environ['KEEP']", "env_vars": {"KEEP": "call"}}),
     )
     .await;
-    assert_eq!(over.main_text(), Some("'call'"));
-    assert_eq!(run(addr, "os.environ['KEEP']").await.main_text(), Some("'mine'"));
+    assert_eq!(over.main_text(), Some("call"));
+    assert_eq!(run(addr, "os.environ['KEEP']").await.main_text(), Some("mine"));
     // The same for shell cells.
     let bash = execute(
         addr,
@@ -707,9 +735,9 @@ async fn env_vars_apply_to_one_call_only() {
 async fn shell_cells_run_in_the_context_directory_and_report_exit_codes() {
     let server = Server::start().await;
     let addr = &server.addr;
+    // A Bash kernel runs its shell on a terminal, as E2B's does: stderr comes with stdout.
     let ok = execute(addr, json!({"code": "pwd; echo err >&2", "language": "bash"})).await;
-    assert_eq!(ok.stdout(), format!("{}\n", server.cwd.display()));
-    assert_eq!(ok.of_type("stderr")[0]["text"], "err\n");
+    assert_eq!(ok.stdout(), format!("{}\nerr\n", server.cwd.display()));
     assert!(ok.error().is_none());
     let failed = execute(addr, json!({"code": "exit 4", "language": "sh"})).await;
     let error = failed.error().expect("a failing command is an error");
@@ -729,9 +757,12 @@ async fn bad_requests_get_json_errors() {
     assert!(body["message"].as_str().unwrap().contains("JSON"), "{body}");
     let (status, _) = call(addr, "POST", "/contexts", Some("[1")).await;
     assert_eq!(status, 400);
+    // A language the server cannot run: 400, naming it and those it has.
     let (status, body) = call(addr, "POST", "/execute", Some(r#"{"code": "1", "language": "cobol"}"#)).await;
     assert_eq!(status, 400);
-    assert!(body["message"].as_str().unwrap().contains("cobol"), "{body}");
+    let message = body["message"].as_str().unwrap();
+    assert!(message.contains("cobol") && message.contains("python, "), "{body}");
+    assert_eq!(body["field"], "language");
     let (status, _) = call(addr, "POST", "/execute", Some(r#"{"context_id": null}"#)).await;
     assert_eq!(status, 400, "code is required");
     let (status, _) = call(
@@ -749,7 +780,7 @@ async fn bad_requests_get_json_errors() {
     let (status, _) = call(addr, "GET", "/nothing", None).await;
     assert_eq!(status, 404);
     // The server still works, on a connection of its own.
-    assert_eq!(run(addr, "'ok'").await.main_text(), Some("'ok'"));
+    assert_eq!(run(addr, "'ok'").await.main_text(), Some("ok"));
 }
 
 #[tokio::test]
@@ -792,11 +823,13 @@ async fn a_client_that_disconnects_interrupts_the_cell() {
     assert_eq!(after.main_text(), Some("5"));
     assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
 
-    // Shell cells too: the whole process group goes.
+    // Shell cells too: the cell's commands go, the context's shell and its state stay.
+    let bash = json!({"code": "KEPT=yes", "language": "bash"});
+    execute(&addr, bash).await;
     let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.unwrap();
     let conn = tokio::spawn(conn);
-    let shell = json!({"code": "echo $$; sleep 60 | cat", "language": "bash"}).to_string();
+    let shell = json!({"code": "sh -c 'echo $$; exec sleep 60' | cat", "language": "bash"}).to_string();
     let resp = send
         .send_request(request("POST", "/execute", Some(&shell)))
         .await
@@ -814,15 +847,152 @@ async fn a_client_that_disconnects_interrupts_the_cell() {
     drop(body);
     drop(send);
     conn.abort();
-    shell.wait_gone("the interrupted shell").await;
+    shell.wait_gone("the interrupted command").await;
+    let kept = execute(&addr, json!({"code": "echo $KEPT", "language": "bash"})).await;
+    assert_eq!(kept.stdout(), "yes\n");
     assert_eq!(run(&addr, "state").await.main_text(), Some("5"));
+}
+
+/// A language's interpreter on the host, or a failure saying what to install.
+fn require_tool(tool: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|d| d.join(tool).is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "{tool} is missing: install {package} (ops/lib.sh CODE_INTERPRETER_TEST_PACKAGES)"
+    );
+}
+
+#[tokio::test]
+async fn every_mime_bundle_of_ipython_display_objects_is_a_result_field() {
+    let server = Server::start().await;
+    let addr = &server.addr;
+    let cell = run(
+        addr,
+        "from IPython.display import HTML, Markdown, JSON, SVG, Latex, Javascript, display\n\
+         display(HTML('<b>b</b>'))\ndisplay(Markdown('*m*'))\ndisplay(JSON({'k': [1]}))\n\
+         display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\"/>'))\ndisplay(Latex('$x$'))\n\
+         display(Javascript('1'))\ndisplay({'text/plain': 'p', 'application/x-own': 'o'}, raw=True)",
+    )
+    .await;
+    let results = cell.results();
+    assert_eq!(results.len(), 7, "{results:?}");
+    assert!(results.iter().all(|r| r["is_main_result"] == false));
+    assert_eq!(results[0]["html"], "<b>b</b>");
+    assert_eq!(results[1]["markdown"], "*m*");
+    assert_eq!(results[2]["json"], json!({"k": [1]}));
+    assert!(results[3]["svg"].as_str().unwrap().starts_with("<svg"));
+    assert_eq!(results[4]["latex"], "$x$");
+    assert_eq!(results[5]["javascript"], "1");
+    // A MIME type E2B has no field for goes to `extra`.
+    assert_eq!(results[6]["text"], "p");
+    assert_eq!(results[6]["extra"], json!({"application/x-own": "o"}));
+    // IPython's shell escape runs in the context's directory.
+    let shell = run(addr, "!pwd").await;
+    assert_eq!(shell.stdout().trim(), server.cwd.display().to_string());
+    // A figure's chart data comes with its PNG.
+    require_data_stack();
+    let plot = run(
+        addr,
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4], label='s')\nplt.title('t')\nplt.show()",
+    )
+    .await;
+    let chart = &plot.results()[0]["chart"];
+    assert_eq!(chart["type"], "line", "{chart}");
+    assert_eq!(chart["title"], "t");
+    assert_eq!(chart["elements"][0]["label"], "s");
+    assert_eq!(chart["elements"][0]["points"], json!([[1.0, 3.0], [2.0, 4.0]]));
+}
+
+#[tokio::test]
+async fn javascript_and_typescript_contexts_keep_state_and_report_errors() {
+    require_tool("node", "nodejs");
+    let server = Server::start().await;
+    let addr = &server.addr;
+    let js = |code: &str| json!({"code": code, "language": "javascript"});
+    let first = execute(addr, js("const base = 40\nconsole.log('log', base)\nbase + 2")).await;
+    assert_eq!(first.stdout(), "log 40\n");
+    assert_eq!(first.main_text(), Some("42"));
+    assert_eq!(execute(addr, js("base * 2")).await.main_text(), Some("80"));
+    // Strings read back without quotes; require() finds node's modules.
+    let required = execute(
+        addr,
+        json!({"code": "require('path').join('a', 'b')", "language": "js"}),
+    )
+    .await;
+    assert_eq!(required.main_text(), Some("a/b"));
+    let failed = execute(addr, js("function f() { null.x }\nf()")).await;
+    let error = failed.error().expect("a thrown error is the error");
+    assert_eq!(error["name"], "TypeError");
+    assert!(error["value"].as_str().unwrap().contains("null"), "{error}");
+    assert!(!error["traceback"].as_str().unwrap().contains("node_kernel"), "{error}");
+    // Top-level await works.
+    let awaited = execute(
+        addr,
+        js("await new Promise(r => setTimeout(r, 50))\nconsole.log('waited')"),
+    )
+    .await;
+    assert_eq!(awaited.stdout(), "waited\n");
+    assert!(awaited.error().is_none(), "{:?}", awaited.lines);
+    // env_vars for one call, as process.env.
+    let env = execute(
+        addr,
+        json!({"code": "process.env.GREETING", "language": "javascript", "env_vars": {"GREETING": "hi"}}),
+    )
+    .await;
+    assert_eq!(env.main_text(), Some("hi"));
+    assert!(execute(addr, js("process.env.GREETING")).await.results().is_empty());
+
+    require_tool("tsc", "node-typescript");
+    let ts = |code: &str| json!({"code": code, "language": "typescript"});
+    let typed = execute(
+        addr,
+        ts("const n: number = 4\ninterface P { x: number }\nconst p: P = { x: n }\np.x * 2"),
+    )
+    .await;
+    assert_eq!(typed.main_text(), Some("8"), "{:?}", typed.lines);
+    assert_eq!(execute(addr, ts("n + 1")).await.main_text(), Some("5"));
+    // Each language's default context is its own kernel.
+    assert!(execute(addr, js("n")).await.error().is_some());
+}
+
+#[tokio::test]
+async fn r_contexts_run_on_irkernel() {
+    require_tool("R", "r-cran-irkernel");
+    let server = Server::start().await;
+    let addr = &server.addr;
+    let r = |code: &str| json!({"code": code, "language": "r"});
+    let first = execute(addr, r("x <- 20 + 1\nprint('printed')\nx * 2")).await;
+    assert_eq!(first.stdout(), "[1] \"printed\"\n");
+    let value = first.results()[0];
+    assert_eq!(value["text"], "[1] 42");
+    assert_eq!(execute(addr, r("cat(x)")).await.stdout(), "21");
+    let failed = execute(addr, r("stop('bad')")).await;
+    assert!(
+        failed.error().unwrap()["value"].as_str().unwrap().contains("bad"),
+        "{:?}",
+        failed.lines
+    );
+    let env = execute(
+        addr,
+        json!({"code": "cat(Sys.getenv('GREETING'))", "language": "r", "env_vars": {"GREETING": "hi"}}),
+    )
+    .await;
+    assert_eq!(env.stdout(), "hi");
+    assert_eq!(execute(addr, r("cat(Sys.getenv('GREETING'))")).await.stdout(), "");
+    let ctx = create_context(addr, json!({"language": "r", "cwd": "/tmp"})).await;
+    assert_eq!(ctx["language"], "r");
+    let cwd = run_in(addr, ctx["id"].as_str().unwrap(), "cat(getwd())").await;
+    assert_eq!(cwd.stdout(), "/tmp");
 }
 
 #[tokio::test]
 async fn large_output_is_streamed_in_bounded_pieces() {
     let server = Server::start().await;
-    // 64 MB in one print: it must arrive whole, in many lines, without the server
-    // holding it all.
+    // 64 MB in one print: it must arrive whole, in many lines. The kernel sends it as
+    // one Jupyter message, which the server holds while it passes it on in pieces (one
+    // message at a time, never a cell's whole output).
     let cell = run(&server.addr, "print('x' * (64 << 20))").await;
     let pieces = cell.of_type("stdout");
     assert!(pieces.len() >= 64, "{} pieces", pieces.len());
@@ -834,7 +1004,7 @@ async fn large_output_is_streamed_in_bounded_pieces() {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches(" kB").parse::<u64>().ok())
         .unwrap();
-    assert!(rss_kib < 64 * 1024, "the server's peak RSS was {rss_kib} KiB");
+    assert!(rss_kib < 6 * 64 * 1024, "the server's peak RSS was {rss_kib} KiB");
 }
 
 // ---------------------------------------------------------------------------------
@@ -986,12 +1156,8 @@ async fn code_interpreter_image_is_base_plus_a_layer_that_runs_the_server() {
     let first = run(&server.addr, "1 + 1").await;
     eprintln!("first run_code in the image: {:?}", started.elapsed());
     assert_eq!(first.main_text(), Some("2"));
-    let who = run(
-        &server.addr,
-        "import os, sys\n(os.getuid(), os.getcwd(), all(m in sys.modules for m in ('numpy', 'pandas', 'matplotlib.pyplot')))",
-    )
-    .await;
-    assert_eq!(who.main_text(), Some("(1000, '/home/user', True)"));
+    let who = run(&server.addr, "import os\n(os.getuid(), os.getcwd())").await;
+    assert_eq!(who.main_text(), Some("(1000, '/home/user')"));
     let plot = run(&server.addr, "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nNone").await;
     let png = base64_decode(plot.results()[0]["png"].as_str().expect("a figure"));
     assert!(png.starts_with(PNG_MAGIC));

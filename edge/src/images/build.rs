@@ -1,10 +1,11 @@
 //! The project's own image builders: `busybox` (one static binary, for fast tests),
 //! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
-//! numpy, pandas, matplotlib and the code-interpreter server). Each builds one layer
-//! into a scratch directory; the store publishes it with a rename. Builders run
-//! the host tools under `env -i` so that host settings (proxies for pip, locales) do not
-//! leak into images, and use the tools' default package sources (for apt inside an
+//! numpy, pandas, matplotlib, jupyter_client, ipykernel, IRkernel, TypeScript, OpenDsec's
+//! Bash, JavaScript and TypeScript kernels and the code-interpreter server). Each builds
+//! one layer into a scratch directory; the store publishes it with a rename. Builders
+//! run the host tools under `env -i` so that host settings (proxies for pip, locales) do
+//! not leak into images, and use the tools' default package sources (for apt inside an
 //! image, the sources debootstrap wrote): no registry host appears here.
 
 use std::collections::BTreeMap;
@@ -64,14 +65,23 @@ const BASE_FILES: &[LayerFile] = &[
     },
 ];
 
-/// Packages the code-interpreter layer installs with apt on top of `base`. munkres
-/// settles fonttools' `python3-scipy | python3-munkres` dependency: apt would pick
-/// scipy, which brings pythran and with it gcc, g++ and python3-dev (about 600 MB).
+/// Packages the code-interpreter layer installs with apt on top of `base`: the Python
+/// data stack and Jupyter's kernel client and Python kernel (the server runs every
+/// context on a kernel), pexpect for the Bash kernel, TypeScript's transpiler for the
+/// TypeScript kernel (node is in `base`) and R with IRkernel. munkres settles fonttools'
+/// `python3-scipy | python3-munkres` dependency: apt would pick scipy, which brings
+/// pythran and with it gcc, g++ and python3-dev (about 600 MB). No Java: a JDK
+/// (jshell) would add about 270 MB, and Debian packages no Java kernel.
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-numpy",
     "python3-pandas",
     "python3-matplotlib",
     "python3-munkres",
+    "python3-jupyter-client",
+    "python3-ipykernel",
+    "python3-pexpect",
+    "node-typescript",
+    "r-cran-irkernel",
 ];
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
@@ -153,11 +163,41 @@ pub(super) struct Recipe {
     pub(super) start: Option<fn() -> StartSpec>,
 }
 
-const CODE_INTERPRETER_FILES: &[LayerFile] = &[LayerFile {
-    path: CODE_INTERPRETER_SERVER_PATH,
-    contents: CODE_INTERPRETER_SERVER,
-    mode: 0o644,
-}];
+/// The server and the kernels it runs from beside it (Debian packages no Bash,
+/// JavaScript or TypeScript kernel that installs without prebuilt binaries from other
+/// hosts; R's is Debian's IRkernel).
+const CODE_INTERPRETER_FILES: &[LayerFile] = &[
+    LayerFile {
+        path: CODE_INTERPRETER_SERVER_PATH,
+        contents: CODE_INTERPRETER_SERVER,
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/python_kernel.py",
+        contents: include_bytes!("../../images/code-interpreter/python_kernel.py"),
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/python_startup.py",
+        contents: include_bytes!("../../images/code-interpreter/python_startup.py"),
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/bash_kernel.py",
+        contents: include_bytes!("../../images/code-interpreter/bash_kernel.py"),
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/node_kernel.py",
+        contents: include_bytes!("../../images/code-interpreter/node_kernel.py"),
+        mode: 0o644,
+    },
+    LayerFile {
+        path: "/opt/opendsec/code-interpreter/node_kernel.js",
+        contents: include_bytes!("../../images/code-interpreter/node_kernel.js"),
+        mode: 0o644,
+    },
+];
 
 pub(super) fn recipe(name: &str) -> Option<Recipe> {
     match name {
@@ -181,7 +221,7 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         }),
         "code-interpreter-v1" => Some(Recipe {
             name: "code-interpreter-v1",
-            version: 1,
+            version: 3,
             inputs: CODE_INTERPRETER_PACKAGES.join(","),
             files: CODE_INTERPRETER_FILES,
             parent: Some("base"),

@@ -1,8 +1,11 @@
 """Specification: the code interpreter, `e2b_code_interpreter` 2.11.5, sync and async, on
 its default template `code-interpreter-v1` (port 49999 of the sandbox, reached through
 the single E2B_SANDBOX_URL): `run_code` keeps state between calls, reports errors
-with name, value and traceback, streams stdout and stderr, returns rich results
-(a matplotlib figure as PNG, a DataFrame as HTML), and runs code in separate contexts.
+with name, value and traceback, streams stdout, stderr and results as they come,
+returns rich results (a matplotlib figure as PNG and chart data, a DataFrame as HTML and
+data, IPython display objects), runs IPython's shell escapes and magics, answers in
+Python, Bash, JavaScript, TypeScript and R (each a Jupyter kernel), and runs code in
+separate contexts. A string result reads back without its quotes, as from E2B.
 """
 
 import base64
@@ -101,11 +104,152 @@ def test_display_adds_results_and_only_the_last_expression_is_the_main_one(sandb
     frame, data, last = execution.results
     assert "<table" in frame.html and not frame.is_main_result
     assert data.json == {"answer": 42} and not data.is_main_result
-    assert last.text == "'last'" and last.is_main_result
+    assert last.text == "last" and last.is_main_result
+
+
+def test_a_matplotlib_figure_also_gives_its_chart_data(sandbox):
+    execution = sandbox.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.figure()\n"
+        "plt.plot([1, 2, 3], [1, 4, 9], label='squares')\n"
+        "plt.plot([1, 2, 3], [1, 8, 27], label='cubes')\n"
+        "plt.title('powers')\n"
+        "plt.xlabel('n')\n"
+        "plt.show()"
+    )
+    assert execution.error is None, execution.error
+    [figure] = execution.results
+    assert base64.b64decode(figure.png).startswith(PNG_MAGIC)
+    chart = figure.chart
+    assert chart is not None, figure
+    assert chart.type == "line" and chart.title == "powers" and chart.x_label == "n"
+    assert [e.label for e in chart.elements] == ["squares", "cubes"]
+    assert [list(p) for p in chart.elements[0].points] == [[1, 1], [2, 4], [3, 9]]
+
+    bars = sandbox.run_code(
+        "plt.figure()\nplt.bar(['a', 'b'], [3, 5])\nplt.title('bars')\nplt.show()"
+    ).results[0].chart
+    assert bars.type == "bar" and bars.title == "bars"
+    assert [(e.label, e.value) for e in bars.elements] == [("a", 3), ("b", 5)]
+
+
+def test_a_dataframe_also_gives_its_data(sandbox):
+    main = sandbox.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})").results[0]
+    assert main.data is not None, main
+    # E2B's shape: each column's name to its values.
+    assert main.data == {"a": [1, 2], "b": [3, 4]}
+    assert "data" in main.formats() and "html" in main.formats()
+
+
+def test_ipython_display_objects_shell_escapes_and_magics_work(sandbox):
+    html = sandbox.run_code("from IPython.display import HTML, Markdown, display\ndisplay(HTML('<b>bold</b>'))")
+    assert html.error is None, html.error
+    assert html.results[0].html == "<b>bold</b>" and not html.results[0].is_main_result
+    assert sandbox.run_code("Markdown('*md*')").results[0].markdown == "*md*"
+    shell = sandbox.run_code("!pwd")
+    assert shell.error is None, shell.error
+    assert "".join(shell.logs.stdout).strip() == "/home/user"
+    magic = sandbox.run_code("%env MAGIC_VAR=set\nimport os\nprint(os.environ['MAGIC_VAR'])")
+    assert "".join(magic.logs.stdout).endswith("set\n"), magic.logs
+
+
+def test_results_and_output_are_streamed_as_they_come(sandbox):
+    import time
+
+    seen = []
+    started = time.monotonic()
+    execution = sandbox.run_code(
+        "from IPython.display import HTML, display\n"
+        "import time\n"
+        "print('before', flush=True)\n"
+        "display(HTML('<i>early</i>'))\n"
+        "time.sleep(3)\n"
+        "print('after')",
+        on_stdout=lambda m: seen.append(("stdout", m.line, time.monotonic() - started)),
+        on_result=lambda r: seen.append(("result", r.html, time.monotonic() - started)),
+    )
+    finished = time.monotonic() - started
+    assert execution.error is None, execution.error
+    assert [kind for kind, _, _ in seen] == ["stdout", "result", "stdout"], seen
+    assert seen[1][1] == "<i>early</i>"
+    # The early result came well before the cell ended.
+    assert finished - seen[1][2] > 2, (seen, finished)
+
+
+def test_env_vars_read_back_as_their_values(sandbox):
+    execution = sandbox.run_code("import os\nprint(os.environ['FOO'])", envs={"FOO": "bar"})
+    assert "".join(execution.logs.stdout) == "bar\n"
+    assert sandbox.run_code("import os\nos.environ['FOO']", envs={"FOO": "bar"}).text == "bar"
+    assert sandbox.run_code("import os\nos.environ.get('FOO')").text is None
+
+
+def test_an_interrupted_cell_leaves_its_kernel_usable(sandbox):
+    ctx = sandbox.create_code_context()
+    try:
+        sandbox.run_code("kept = 'still here'", context=ctx)
+        with pytest.raises(TimeoutException):
+            sandbox.run_code("import time\ntime.sleep(60)", context=ctx, timeout=2)
+        # The same kernel (its state kept), not a restarted one.
+        assert sandbox.run_code("kept", context=ctx, timeout=30).text == "still here"
+    finally:
+        sandbox.remove_code_context(ctx)
+
+
+@pytest.mark.parametrize(
+    "language, assign, read, answer",
+    [
+        ("python", "kept = 1 + 1", "print(kept)", "2\n"),
+        ("bash", "KEPT=$((1 + 1))", "echo $KEPT", "2\n"),
+        ("javascript", "const kept = 1 + 1", "console.log(kept)", "2\n"),
+        ("typescript", "const kept: number = 1 + 1", "console.log(kept)", "2\n"),
+        ("r", "kept <- 1 + 1", "cat(kept, '\\n')", "2 \n"),
+    ],
+)
+def test_each_language_answers_and_keeps_state_between_cells(sandbox, language, assign, read, answer):
+    # In a context of its own, removed after: every kernel is a process, and the
+    # sandbox's 512 MB do not hold one of each language beside the data stack.
+    ctx = sandbox.create_code_context(language=language)
+    try:
+        assert ctx.language == language
+        assert sandbox.run_code(assign, context=ctx).error is None
+        execution = sandbox.run_code(read, context=ctx)
+        assert execution.error is None, execution.error
+        assert "".join(execution.logs.stdout) == answer
+    finally:
+        sandbox.remove_code_context(ctx)
+
+
+def test_a_failed_bash_command_is_an_error_with_its_exit_status(sandbox):
+    execution = sandbox.run_code("echo out; exit_with() { return $1; }; exit_with 3", language="bash")
+    assert "".join(execution.logs.stdout) == "out\n"
+    assert execution.error is not None and execution.error.name == "ExitCode" and execution.error.value == "3"
+    assert sandbox.run_code("echo $((2 + 2))", language="bash").logs.stdout == ["4\n"]
+
+
+def test_each_language_gives_its_value_as_the_main_result(sandbox):
+    # JavaScript's default context is started with the sandbox, as on E2B.
+    assert sandbox.run_code("'a' + 'b'", language="javascript").text == "ab"
+    failed = sandbox.run_code("null.x", language="js")
+    assert failed.error is not None and failed.error.name == "TypeError"
+    for language, code, text in (("typescript", "const n: number = 6; n * 7", "42"), ("r", "6 * 7", "[1] 42")):
+        ctx = sandbox.create_code_context(language=language)
+        try:
+            assert sandbox.run_code(code, context=ctx).results[0].text == text
+        finally:
+            sandbox.remove_code_context(ctx)
+
+
+def test_a_language_the_sandbox_lacks_is_refused_naming_those_it_has(sandbox):
+    for language in ("cobol", "java"):
+        with pytest.raises(SandboxException) as refused:
+            sandbox.run_code("1", language=language)
+        message = str(refused.value)
+        assert "400" in message and repr(language) in message, message
+        assert "python, r, typescript" in message, message
 
 
 def test_env_vars_apply_to_one_call(sandbox):
-    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "'yes'"
+    assert sandbox.run_code("import os\nos.environ.get('PER_CALL')", envs={"PER_CALL": "yes"}).text == "yes"
     assert sandbox.run_code("import os\nos.environ.get('PER_CALL')").text is None  # None shows no result
 
 
@@ -116,7 +260,7 @@ def test_contexts_keep_their_own_state_and_working_directory(sandbox):
         assert ctx.id in [c.id for c in sandbox.list_code_contexts()]
         sandbox.run_code("only_here = 5", context=ctx)
         assert sandbox.run_code("only_here", context=ctx).text == "5"
-        assert sandbox.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+        assert sandbox.run_code("import os\nos.getcwd()", context=ctx).text == "/tmp"
         unseen = sandbox.run_code("only_here")
         assert unseen.error is not None and unseen.error.name == "NameError"
 
@@ -191,6 +335,6 @@ async def test_async_errors_and_contexts(async_sandbox):
     assert execution.error.name == "ZeroDivisionError"
     ctx = await async_sandbox.create_code_context()
     assert ctx.id in [c.id for c in await async_sandbox.list_code_contexts()]
-    assert (await async_sandbox.run_code("'in context'", context=ctx)).text == "'in context'"
+    assert (await async_sandbox.run_code("'in context'", context=ctx)).text == "in context"
     await async_sandbox.remove_code_context(ctx)
     assert ctx.id not in [c.id for c in await async_sandbox.list_code_contexts()]
