@@ -65,6 +65,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+/// The last reading of every sandbox's link and drop counters, and when it was taken.
+type CountersTaken = (Instant, BTreeMap<String, LinkCounters>, BTreeMap<String, u64>);
+
 /// Where addresses and slots are recorded (tmpfs: as long-lived as the namespaces).
 pub const DEFAULT_STATE_DIR: &str = "/run/opendsec/net";
 /// The default IPv4 pool: inside 10/8, away from the blocks home routers, clouds' default
@@ -175,7 +178,7 @@ pub struct Network {
     /// One sandbox's rules change at a time (generations in order).
     applying: Mutex<()>,
     generation: AtomicU32,
-    counters: Mutex<Option<(Instant, BTreeMap<String, LinkCounters>, BTreeMap<String, u64>)>>,
+    counters: Mutex<Option<CountersTaken>>,
     dns_sockets: Mutex<Option<dns::Sockets>>,
     /// Held while this edge runs (an flock): no second edge with its tag.
     _lock: std::fs::File,
