@@ -118,6 +118,23 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
     }
 }
 
+/// Said (`X-Opendsec-Warning`) when a sandbox's policy allows any egress: the edges of
+/// this release keep every container sandbox to its loopback (and a VM to its agent's
+/// link) whatever its policy says, until they enforce policies.
+pub const EGRESS_NOT_ENFORCED: &str = "edges do not enforce network policy in this release: the sandbox has no network egress; its policy is kept and shown as asked";
+
+/// The warning header for a sandbox whose policy allows egress, if it does.
+pub fn egress_warning(p: &api::NetworkPolicy) -> axum::http::HeaderMap {
+    let mut h = axum::http::HeaderMap::new();
+    if p.allow_internet_access || !p.allow_out.is_empty() {
+        h.insert(
+            "x-opendsec-warning",
+            axum::http::HeaderValue::from_static(EGRESS_NOT_ENFORCED),
+        );
+    }
+    h
+}
+
 /// Network settings as logged (any spelling, E2B's included; absent: deny) in the
 /// canonical form the API shows.
 pub fn network(logged: Option<&str>) -> api::NetworkPolicy {

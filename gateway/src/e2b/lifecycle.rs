@@ -115,7 +115,8 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
         Err(e) => return Err(e),
     };
     let x = wait_ready(&st, &s).await?;
-    Ok(created(sandbox_json(&st, &x)))
+    let warning = crate::convert::egress_warning(&crate::convert::network(x.network.as_deref()));
+    Ok((warning, created(sandbox_json(&st, &x))).into_response())
 }
 
 /// The suffix of a template name that asks for a microVM of the image: `base-vm` is the
@@ -339,8 +340,9 @@ pub(super) async fn network(
     let internet = opendsec_commands::network::Policy::of_logged(current.as_deref()).allow_internet;
     let base = serde_json::json!({ "allow_internet_access": internet }).to_string();
     let network = crate::convert::e2b_network(Some(&base), None, Some(&m), current.as_deref());
+    let warning = crate::convert::egress_warning(&crate::convert::network(Some(&network)));
     submit(&st, &who, &headers, Command::SetSandboxNetwork { sandbox: id, network }).await?;
-    Ok(no_content())
+    Ok((warning, no_content()).into_response())
 }
 
 #[cfg(test)]

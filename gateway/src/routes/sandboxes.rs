@@ -31,7 +31,7 @@ pub async fn create(
     who: Authed,
     rid: RequestId,
     JsonBody(req): JsonBody<CreateSandbox>,
-) -> Result<Written<SandboxWritten>, ApiError> {
+) -> Result<(axum::http::HeaderMap, Written<SandboxWritten>), ApiError> {
     let cmd = Command::CreateSandbox {
         project: req.project.unwrap_or_else(|| who.0.project.clone()),
         image: req.image,
@@ -56,14 +56,17 @@ pub async fn create(
     })?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
     tracing::debug!(sandbox = %sandbox.id, index = s.index, "create committed");
-    Ok(Written {
-        index: s.index,
-        status: StatusCode::CREATED,
-        body: SandboxWritten {
+    Ok((
+        convert::egress_warning(&sandbox.network),
+        Written {
             index: s.index,
-            sandbox,
+            status: StatusCode::CREATED,
+            body: SandboxWritten {
+                index: s.index,
+                sandbox,
+            },
         },
-    })
+    ))
 }
 
 /// Sandboxes in the caller's subtree. Without `state`, only live ones. Needs sandbox:read.
@@ -250,7 +253,7 @@ pub async fn set_network(
     rid: RequestId,
     PathParam(id): PathParam<String>,
     JsonBody(req): JsonBody<api::NetworkPolicy>,
-) -> Result<Written<SandboxWritten>, ApiError> {
+) -> Result<(axum::http::HeaderMap, Written<SandboxWritten>), ApiError> {
     let current = st
         .node
         .read(|s| s.sandboxes.sandboxes.get(&id).and_then(|x| x.network.clone()));
@@ -258,13 +261,14 @@ pub async fn set_network(
         sandbox: id.clone(),
         network: convert::network_json(&req, current.as_deref()),
     };
-    lifecycle(st, who, rid, id, cmd).await.map_err(|mut e| {
+    let written = lifecycle(st, who, rid, id, cmd).await.map_err(|mut e| {
         // The command names the policy `network`; here it is the whole body.
         if let Some(f) = e.body.field.as_mut().filter(|f| f.starts_with("network.")) {
             *f = f["network.".len()..].to_string();
         }
         e
-    })
+    })?;
+    Ok((convert::egress_warning(&written.body.sandbox.network), written))
 }
 
 /// Creates `count` copies of a live sandbox: a container's copies start from its file

@@ -487,6 +487,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 network: network.given().then(|| network.policy()),
             };
             let mut written = client.create_sandbox(&req).await?;
+            warn_unenforced(&written.sandbox.network);
             if !no_wait {
                 let seconds = wait.unwrap_or(wait_seconds);
                 written.sandbox = wait_started(client, &written.sandbox.id, seconds).await?;
@@ -653,6 +654,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Network(SandboxNetworkCmd::Set { id, network }) => {
             let w = client.set_sandbox_network(&id, &network.policy()).await?;
+            warn_unenforced(&w.sandbox.network);
             out.show(&w, |w| {
                 format!(
                     "sandbox {id}: network set at index {}\n{}",
@@ -753,5 +755,15 @@ fn not_started(message: String) -> ApiError {
         code: "not_started".into(),
         message,
         field: None,
+    }
+}
+
+/// Says on stderr that a policy allowing egress is not enforced yet (the edges of this
+/// release give sandboxes no network egress).
+fn warn_unenforced(p: &NetworkPolicy) {
+    if p.allow_internet_access || !p.allow_out.is_empty() {
+        eprintln!(
+            "warning: edges do not enforce network policy in this release: the sandbox has no network egress; its policy is kept"
+        );
     }
 }
