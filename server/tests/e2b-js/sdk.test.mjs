@@ -175,3 +175,30 @@ test('the code interpreter package creates through the same API', async () => {
     await s.kill()
   }
 })
+
+test('runCode on the default template: state, values without quotes, rich results, languages', async () => {
+  // No template: the package's own default, code-interpreter-v1.
+  const s = await CodeInterpreter.create({ timeoutMs: 120_000, metadata: { suite: run, group: 'run-code' } })
+  try {
+    await s.runCode('x = 41')
+    const value = await s.runCode('x + 1')
+    assert.equal(value.text, '42')
+    assert.equal((await s.runCode("import os\nos.environ['FOO']", { envs: { FOO: 'bar' } })).text, 'bar')
+    const results = []
+    const frame = await s.runCode("import pandas as pd\npd.DataFrame({'a': [1, 2]})", { onResult: (r) => results.push(r) })
+    assert.deepEqual(frame.results[0].data, { a: [1, 2] })
+    assert.match(frame.results[0].html, /<table/)
+    assert.equal(results.length, 1)
+    const plot = await s.runCode("import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4])\nplt.title('t')\nplt.show()")
+    assert.ok(Buffer.from(plot.results[0].png, 'base64').subarray(0, 4).equals(Buffer.from([0x89, 0x50, 0x4e, 0x47])))
+    assert.equal(plot.results[0].chart.type, 'line')
+    assert.equal(plot.results[0].chart.title, 't')
+    assert.equal((await s.runCode("'a' + 'b'", { language: 'javascript' })).text, 'ab')
+    const failed = await s.runCode('1 / 0')
+    assert.equal(failed.error.name, 'ZeroDivisionError')
+    // A language the sandbox lacks is a 400 (the JS SDK's message shows the status only).
+    await assert.rejects(s.runCode('1', { language: 'java' }), (e) => /400/.test(e.message))
+  } finally {
+    await s.kill()
+  }
+})
