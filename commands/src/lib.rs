@@ -207,6 +207,17 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         edge: Option<String>,
     },
+    /// Registers image `name` in `project`, imported by one edge (`edge`, or one chosen)
+    /// from a docker-archive or OCI-layout tarball the caller then uploads to that edge
+    /// (`PUT /v1/images/{name}`). The image lives in that edge's store only, so creates
+    /// of it go there. Importing a name the project has replaces it. Needs sandbox:write.
+    /// The edge reports it with `ReportImage` (failed when no upload arrives).
+    ImportImage {
+        project: String,
+        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        edge: Option<String>,
+    },
     /// Removes a registered image's name (sandboxes running it keep their files; edges
     /// collect its layers once nothing uses them). Needs sandbox:write.
     DeleteImage {
@@ -281,7 +292,7 @@ pub enum Command {
     DeleteTemplate {
         template: String,
     },
-    /// What an edge made of a pull or a pack. Needs edge:write.
+    /// What an edge made of a pull, a pack or an import. Needs edge:write.
     ReportImage {
         name: String,
         result: ImageResult,
@@ -356,6 +367,7 @@ impl Command {
             Command::AddClusterMember { .. } => "cluster.add_member",
             Command::RemoveClusterMember { .. } => "cluster.remove_member",
             Command::PullImage { .. } => "image.pull",
+            Command::ImportImage { .. } => "image.import",
             Command::DeleteImage { .. } => "image.delete",
             Command::PackSandbox { .. } => "image.pack",
             Command::ReportImage { .. } => "image.report",

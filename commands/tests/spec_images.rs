@@ -538,3 +538,102 @@ fn replaying_packs_gives_the_same_state_and_a_pulled_image_s_view_is_unchanged()
     assert!(view["images"]["py"].get("source_sandbox").is_none(), "{view}");
     assert_eq!(view["images"]["env"]["source_sandbox"], id.as_str());
 }
+
+fn import(project: &str, name: &str, edge: Option<&str>) -> Command {
+    Command::ImportImage {
+        project: project.into(),
+        name: name.into(),
+        edge: edge.map(str::to_string),
+    }
+}
+
+#[test]
+fn an_imported_image_is_awaited_by_one_edge_and_its_creates_go_there_once_it_is_ready() {
+    let mut w = World::new();
+    let admin = w.bootstrap();
+    w.edge(&admin, "a", capacity(10, 100_000, 100_000));
+    w.edge(&admin, "b", capacity(10, 100_000, 100_000));
+    let root = w.root.clone();
+    let team = w.project(&admin, &root, "team");
+    let ran = w.run(&admin, import(&team, "swe-env", Some("b"))).unwrap();
+    match &ran.decided.events[..] {
+        [Event::ImageRequested(e)] => assert_eq!(
+            (
+                e.name.as_str(),
+                e.project.as_str(),
+                e.reference.as_str(),
+                e.edge.as_str(),
+                e.imported
+            ),
+            ("swe-env", team.as_str(), "", "b", true)
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(w.last_audit().action, "image.import");
+    let x = &w.state.images.images["swe-env"];
+    assert_eq!(
+        (x.state, x.imported, x.is_local(), x.source()),
+        (ImageState::Pending, true, true, String::new())
+    );
+
+    // Nothing starts from it while the upload is under way.
+    let err = w.run(&admin, create(&team, "swe-env")).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("image")));
+    assert!(
+        err.message.contains("still being imported on edge b"),
+        "{}",
+        err.message
+    );
+
+    // Once its edge reports it, creates of the project's go to that edge, which holds it.
+    w.run(&admin, ready("swe-env")).unwrap();
+    w.run(&admin, create(&team, "swe-env")).unwrap();
+    let c = last_created(&w);
+    assert_eq!(
+        (c.edge.as_str(), c.image_source.as_str(), c.source_edge.as_str()),
+        ("b", "", "b")
+    );
+
+    // A failed import says so and how to try again.
+    w.run(&admin, import(&team, "broken", None)).unwrap();
+    w.run(
+        &admin,
+        Command::ReportImage {
+            name: "broken".into(),
+            result: ImageResult::Failed {
+                reason: "the tarball is neither an OCI layout nor a docker-archive".into(),
+            },
+        },
+    )
+    .unwrap();
+    let err = w.run(&admin, create(&team, "broken")).unwrap_err();
+    assert!(
+        err.message.contains("failed to import: the tarball") && err.message.contains("opendsecctl image import"),
+        "{}",
+        err.message
+    );
+}
+
+#[test]
+fn an_import_names_a_valid_unclaimed_image_and_an_edge_that_is_registered() {
+    let (mut w, admin) = World::with_admin_and_edge();
+    let root = w.root.clone();
+    let other = w.project(&admin, &root, "other");
+    w.run(&admin, pull(&other, "theirs", "127.0.0.1:5000/a:1")).unwrap();
+    for (cmd, kind, field) in [
+        (import(&root, "Bad Name", None), K::Invalid, "name"),
+        (import(&root, "base", None), K::Invalid, "name"),
+        (import(&root, "theirs", None), K::Conflict, "name"),
+        (import(&root, "mine", Some("no-such-edge")), K::NotFound, "edge"),
+        (import("no-such-project", "mine", None), K::NotFound, "project"),
+    ] {
+        let err = w.run(&admin, cmd.clone()).unwrap_err();
+        assert_eq!(
+            (err.kind, err.field.as_deref()),
+            (kind, Some(field)),
+            "{cmd:?}: {}",
+            err.message
+        );
+    }
+    assert!(!w.state.images.images.contains_key("mine"), "nothing was registered");
+}

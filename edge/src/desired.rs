@@ -241,6 +241,10 @@ pub struct SliceState {
     /// Images this edge is to pack and report, by name.
     #[serde(default)]
     pub packs: BTreeMap<String, DesiredPack>,
+    /// Images this edge is to import from a tarball its caller uploads (`node/imports.rs`),
+    /// and report, by name.
+    #[serde(default)]
+    pub imports: BTreeSet<String>,
     /// Images the log deleted (and did not register again since): their records go
     /// from the store, their layers once nothing uses them (`node/image_gc.rs`).
     #[serde(default)]
@@ -380,8 +384,14 @@ impl SliceState {
         self.pulls = snap
             .pulls
             .iter()
-            .filter(|p| p.source_sandbox.is_empty())
+            .filter(|p| p.source_sandbox.is_empty() && !p.imported)
             .map(|p| (p.name.clone(), p.reference.clone()))
+            .collect();
+        self.imports = snap
+            .pulls
+            .iter()
+            .filter(|p| p.imported)
+            .map(|p| p.name.clone())
             .collect();
         self.packs = snap
             .pulls
@@ -479,13 +489,20 @@ impl SliceState {
                 };
                 self.snapshots.insert(r.id.clone(), d);
             }
-            // A second request of a name replaces the first, a pull by a pack or back.
+            // A second request of a name replaces the first: a pull, a pack or an import.
+            Event::ImageRequested(r) if r.edge == self.edge && r.imported => {
+                self.packs.remove(&r.name);
+                self.pulls.remove(&r.name);
+                self.imports.insert(r.name.clone());
+            }
             Event::ImageRequested(r) if r.edge == self.edge && r.source_sandbox.is_empty() => {
                 self.packs.remove(&r.name);
+                self.imports.remove(&r.name);
                 self.pulls.insert(r.name.clone(), r.reference.clone());
             }
             Event::ImageRequested(r) if r.edge == self.edge => {
                 self.pulls.remove(&r.name);
+                self.imports.remove(&r.name);
                 let pack = DesiredPack {
                     sandbox: r.source_sandbox.clone(),
                     scrub: r.scrub.clone(),
@@ -496,15 +513,18 @@ impl SliceState {
             Event::ImageReady(r) => {
                 self.pulls.remove(&r.name);
                 self.packs.remove(&r.name);
+                self.imports.remove(&r.name);
             }
             Event::ImageFailed(r) => {
                 self.pulls.remove(&r.name);
                 self.packs.remove(&r.name);
+                self.imports.remove(&r.name);
             }
             Event::ImageDeleted(r) => {
                 self.images_deleted.insert(r.name.clone());
                 self.pulls.remove(&r.name);
                 self.packs.remove(&r.name);
+                self.imports.remove(&r.name);
             }
             Event::SnapshotReady(r) => self.set_phase(&r.id, SnapshotPhase::Ready),
             Event::SnapshotFailed(r) => self.set_phase(&r.id, SnapshotPhase::Failed),
@@ -635,6 +655,7 @@ mod tests {
                     vec!["/etc/token".into()]
                 },
                 config: None,
+                imported: false,
             })
         };
         let mut s = folded(vec![
@@ -697,6 +718,57 @@ mod tests {
         s.try_apply(&snap).unwrap();
         assert_eq!(s.pulls.keys().collect::<Vec<_>>(), ["py"]);
         assert_eq!(s.packs["env"].scrub, ["/root/notes"]);
+    }
+
+    #[test]
+    fn an_import_is_awaited_apart_from_pulls_and_packs_until_reported() {
+        let import = |name: &str, edge: &str| {
+            Event::ImageRequested(pb::ImageRequested {
+                name: name.into(),
+                project: "root".into(),
+                edge: edge.into(),
+                imported: true,
+                ..Default::default()
+            })
+        };
+        let mut s = folded(vec![import("tar", HERE), import("theirs", "e2")]);
+        assert_eq!(s.imports.iter().collect::<Vec<_>>(), ["tar"]);
+        assert!(s.pulls.is_empty() && s.packs.is_empty());
+        // A pull of the name replaces the import, and the other way round.
+        let pull = Event::ImageRequested(pb::ImageRequested {
+            name: "tar".into(),
+            reference: "127.0.0.1:5000/py:1".into(),
+            edge: HERE.into(),
+            ..Default::default()
+        });
+        s.try_apply(&entry(3, vec![pull])).unwrap();
+        assert!(s.imports.is_empty() && s.pulls.contains_key("tar"));
+        s.try_apply(&entry(4, vec![import("tar", HERE)])).unwrap();
+        assert!(s.imports.contains("tar") && s.pulls.is_empty());
+        let ready = Event::ImageReady(pb::ImageReady {
+            name: "tar".into(),
+            edge: HERE.into(),
+            ..Default::default()
+        });
+        s.try_apply(&entry(5, vec![ready])).unwrap();
+        assert!(s.imports.is_empty());
+        // A slice snapshot lists imports with pulls and packs; what was saved before
+        // imports existed loads with none.
+        let mut snap = snapshot_message(50, vec![]);
+        if let Some(Body::Snapshot(x)) = &mut snap.body {
+            x.pulls = vec![opendsec_edge_api::pb::SliceImage {
+                name: "up".into(),
+                imported: true,
+                ..Default::default()
+            }];
+        }
+        s.try_apply(&snap).unwrap();
+        assert_eq!(s.imports.iter().collect::<Vec<_>>(), ["up"]);
+        assert!(s.pulls.is_empty() && s.packs.is_empty());
+        let mut saved = serde_json::to_value(&s).unwrap();
+        saved.as_object_mut().unwrap().remove("imports");
+        let loaded: SliceState = serde_json::from_value(saved).unwrap();
+        assert!(loaded.imports.is_empty());
     }
 
     #[test]

@@ -171,6 +171,158 @@ pub struct Hooks {
     /// Collects the image store now for `POST /images/prune`: (layers, VM disks,
     /// scratch entries, bytes) removed, or why not.
     pub prune: Option<Pruner>,
+    /// Receives image tarballs (`PUT /images/import`).
+    pub imports: Option<Imports>,
+}
+
+/// Why an upload of an image cannot start.
+#[derive(Debug)]
+pub enum ImportRefused {
+    /// The slice does not hold the import request yet: asked again shortly.
+    NotYet,
+    /// (status, why).
+    Refused(u16, String),
+}
+
+/// What the proxy does with an image upload (`PUT /images/import`, the image's name in
+/// [`IMAGE_HEADER`], the log index of its `ImportImage` in [`IMPORT_INDEX_HEADER`], the
+/// tarball as the body): `begin` (the file to write it to, the import marked under way),
+/// `received` as bytes arrive (done, the length announced), then `finish` with the
+/// bytes written or why the upload failed; it answers the caller.
+#[derive(Clone)]
+pub struct Imports {
+    pub begin: ImportBegin,
+    pub received: ImportReceived,
+    pub finish: Arc<dyn Fn(String, Result<u64, String>) -> ImportFinish + Send + Sync>,
+}
+
+/// (image name, log index of its request) -> the file to write the upload to.
+pub type ImportBegin = Arc<dyn Fn(&str, u64) -> Result<PathBuf, ImportRefused> + Send + Sync>;
+/// (image name, bytes received, bytes announced).
+pub type ImportReceived = Arc<dyn Fn(&str, u64, Option<u64>) + Send + Sync>;
+
+/// The end of an import: the JSON answer, or (status, why).
+pub type ImportFinish =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<serde_json::Value, (u16, String)>> + Send>>;
+
+/// How long an upload waits for the edge's slice to show the import it is for (the
+/// gateway sends it as soon as the log has the request; the edge may not have it yet).
+const IMPORT_SLICE_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// The largest tarball an upload may carry.
+pub const MAX_IMPORT_BYTES: u64 = 64 << 30;
+
+use opendsec_edge_api::headers::{IMAGE_HEADER, IMPORT_INDEX_HEADER};
+
+/// `PUT /images/import`: writes the body to the file `begin` gives, then has `finish`
+/// import it. Runs on a task of its own, so a caller that goes away mid-import does not
+/// cut the import (or its report) short.
+async fn import(req: Request<Incoming>, imports: Option<Imports>) -> Response<Body> {
+    let Some(imports) = imports else {
+        return json_error(StatusCode::NOT_FOUND, "not_found", "this edge takes no image uploads");
+    };
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let (Some(name), Some(index)) = (
+        header(IMAGE_HEADER).map(str::to_string),
+        header(IMPORT_INDEX_HEADER).and_then(|v| v.parse::<u64>().ok()),
+    ) else {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_argument",
+            &format!(
+                "an image upload names the image ({IMAGE_HEADER}) and its request's log index ({IMPORT_INDEX_HEADER})"
+            ),
+        );
+    };
+    let total = header(hyper::header::CONTENT_LENGTH.as_str()).and_then(|v| v.parse::<u64>().ok());
+    if total.is_some_and(|t| t > MAX_IMPORT_BYTES) {
+        return json_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            &format!("an image tarball may hold at most {MAX_IMPORT_BYTES} bytes"),
+        );
+    }
+    let waited = std::time::Instant::now();
+    let path = loop {
+        match (imports.begin)(&name, index) {
+            Ok(path) => break path,
+            Err(ImportRefused::NotYet) if waited.elapsed() < IMPORT_SLICE_WAIT => {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(ImportRefused::NotYet) => {
+                return json_error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    &format!("this edge has not seen the import of image {name} (log index {index}) yet; try again"),
+                );
+            }
+            Err(ImportRefused::Refused(code, why)) => {
+                let status = StatusCode::from_u16(code).unwrap_or(StatusCode::CONFLICT);
+                return json_error(status, "conflict", &why);
+            }
+        }
+    };
+    let body = req.into_body();
+    let task = tokio::spawn(async move {
+        let written = receive(body, &path, total, |done| (imports.received)(&name, done, total)).await;
+        (imports.finish)(name, written).await
+    });
+    match task.await {
+        Ok(Ok(v)) => Response::builder()
+            .header("content-type", "application/json")
+            .body(
+                Full::new(Bytes::from(v.to_string()))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            )
+            .expect("valid response"),
+        Ok(Err((code, why))) => json_error(
+            StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            "import_failed",
+            &why,
+        ),
+        Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "import_failed", &e.to_string()),
+    }
+}
+
+/// Writes an upload's body to `path` (a new file): the bytes written, or why it failed
+/// (cut off, longer than announced or than [`MAX_IMPORT_BYTES`], the disk).
+async fn receive(
+    mut body: Incoming,
+    path: &std::path::Path,
+    total: Option<u64>,
+    progress: impl Fn(u64),
+) -> Result<u64, String> {
+    use tokio::io::AsyncWriteExt;
+    let mut file = tokio::fs::File::create_new(path)
+        .await
+        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+    let limit = total.unwrap_or(MAX_IMPORT_BYTES);
+    let mut done = 0u64;
+    let mut reported = 0u64;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("the upload was cut off after {done} bytes: {e}"))?;
+        let Ok(data) = frame.into_data() else { continue };
+        done += data.len() as u64;
+        if done > limit {
+            return Err(format!("the upload is longer than {limit} bytes"));
+        }
+        file.write_all(&data)
+            .await
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        if done - reported >= 4 << 20 {
+            reported = done;
+            progress(done);
+        }
+    }
+    if total.is_some_and(|t| t != done) {
+        return Err(format!("the upload ended after {done} of {} bytes", total.unwrap_or(0)));
+    }
+    file.flush()
+        .await
+        .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    progress(done);
+    Ok(done)
 }
 
 /// Collects the image store (blocking); what it removed, or why it could not.
@@ -498,6 +650,9 @@ async fn handle(
     }
     if req.uri().path() == "/admit" && req.method() == hyper::Method::POST {
         return admit(req, hooks.admitter).await;
+    }
+    if req.uri().path() == "/images/import" && req.method() == hyper::Method::PUT {
+        return import(req, hooks.imports).await;
     }
     if req.uri().path() == "/images/prune" && req.method() == hyper::Method::POST {
         let Some(prune) = hooks.prune else {

@@ -14,7 +14,8 @@
 //! `plan_snapshots`: take pending snapshots (idempotent: existing files are only reported
 //! again), fail those whose sandbox ended, remove deleted ones. `plan_transfers`: prepare,
 //! fail and remove the state this edge serves to other edges. `plan_pulls`: pull the images
-//! the log has this edge pull. `plan_packs`: pack the images the log has this edge make
+//! the log has this edge pull. `plan_imports`: give up on imports whose upload never came.
+//! `plan_packs`: pack the images the log has this edge make
 //! from its sandboxes (failed when the sandbox no longer runs here).
 
 use crate::desired::{DesiredSandbox, SliceState};
@@ -284,6 +285,30 @@ pub fn plan_packs(
                 name: name.clone(),
                 reason: format!("sandbox {} ended before it was packed", p.sandbox),
             },
+        })
+        .collect()
+}
+
+/// The imports this edge gives up on: every image the log has it import whose upload is
+/// not under way (`under_way`) and was awaited too long (`overdue`: the caller's upload
+/// was cut off, or never came, e.g. the gateway died in between) is reported failed. An
+/// upload that arrives later is refused; the caller imports again.
+pub fn plan_imports(
+    slice: &SliceState,
+    under_way: &std::collections::BTreeSet<String>,
+    overdue: impl Fn(&str) -> bool,
+) -> Vec<Action> {
+    slice
+        .imports
+        .iter()
+        .filter(|name| !under_way.contains(*name) && overdue(name))
+        .map(|name| Action::FailImage {
+            name: name.clone(),
+            reason: format!(
+                "no tarball of image {name} reached edge {} in time (the upload was cut off, or never \
+                 started); import it again (opendsecctl image import)",
+                slice.edge
+            ),
         })
         .collect()
 }
@@ -559,6 +584,25 @@ mod tests {
         );
         slice.packs.clear();
         assert_eq!(plan_packs(&slice, &observed, &Default::default()), vec![]);
+    }
+
+    #[test]
+    fn an_import_whose_upload_never_comes_is_reported_failed_once_overdue() {
+        let mut slice = SliceState::new("e1");
+        slice
+            .imports
+            .extend(["late".to_string(), "fresh".into(), "receiving".into()]);
+        let under_way: std::collections::BTreeSet<String> = ["receiving".to_string()].into();
+        let actions = plan_imports(&slice, &under_way, |name| name != "fresh");
+        assert_eq!(actions.len(), 1, "{actions:?}");
+        match &actions[0] {
+            Action::FailImage { name, reason } => {
+                assert_eq!(name, "late");
+                assert!(reason.contains("import it again"), "{reason}");
+            }
+            other => panic!("not a failure: {other:?}"),
+        }
+        assert_eq!(plan_imports(&slice, &under_way, |_| false), vec![]);
     }
 
     #[test]

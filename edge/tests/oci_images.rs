@@ -565,6 +565,11 @@ fn docker_archives_and_oci_layout_tarballs_import_like_pulls() {
         .unwrap();
     assert_eq!(from_docker.layers, ids);
     assert_eq!(from_docker.config, imported.config);
+    let config_id = from_docker.digest.as_deref().unwrap_or_default();
+    assert!(
+        config_id.len() == 71 && config_id.starts_with("sha256:"),
+        "a docker-archive is named by its config's digest: {config_id}"
+    );
     assert_eq!(steps.count("fetching layer"), 0, "the layers were stored already");
     assert_eq!(store.get("registry.example/app:v1").unwrap(), from_docker);
 

@@ -282,6 +282,7 @@ pub fn image(x: &views::Image, progress: Option<&opendsec_control::PullProgress>
         reference: x.reference.clone(),
         edge: x.edge.clone(),
         source_sandbox: x.source_sandbox.clone(),
+        imported: x.imported,
         scrub: x.scrub.clone(),
         state: word(&x.state),
         digest: x.digest.clone(),

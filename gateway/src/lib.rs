@@ -92,6 +92,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/images"),
     ("get", "/v1/images/{name}"),
     ("delete", "/v1/images/{name}"),
+    ("put", "/v1/images/{name}"),
     ("post", "/v1/image-store/prune"),
     ("post", "/v1/tasks/{task}/pause"),
     ("post", "/v1/tasks/{task}/resume"),
@@ -171,7 +172,13 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/snapshots/{id}", get(snapshots::get).delete(snapshots::delete))
         .route("/v1/images", post(images::pull).get(images::list))
         // Image names may hold '/' (references are names too).
-        .route("/v1/images/{*name}", get(images::get).delete(images::delete))
+        // A PUT (an import) streams its tarball to the edge: no body limit.
+        .route(
+            "/v1/images/{*name}",
+            get(images::get)
+                .delete(images::delete)
+                .merge(put(images::import).layer(DefaultBodyLimit::disable())),
+        )
         .route("/v1/image-store/prune", post(images::prune))
         .route("/v1/tasks/{task}/pause", post(tasks::pause))
         .route("/v1/tasks/{task}/resume", post(tasks::resume))

@@ -573,7 +573,7 @@ pub struct Image {
     /// A store name (`my-env`) or an OCI reference (`registry:5000/python:3.12-slim`).
     pub name: String,
     pub project: String,
-    /// Where it is pulled from ("" for a packed image).
+    /// Where it is pulled from ("" for a packed or imported image).
     pub reference: String,
     /// The edge that pulls (or packs) it, and holds it.
     pub edge: String,
@@ -587,6 +587,10 @@ pub struct Image {
     /// What a packed image's config changes from its parent's (left out when nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<ConfigOverride>,
+    /// Imported from a tarball uploaded to its edge (left out when not, so older views
+    /// read the same).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub imported: bool,
     pub state: ImageState,
     /// The manifest's digest, once pulled.
     pub digest: Option<String>,
@@ -600,10 +604,10 @@ pub struct Image {
 
 impl Image {
     /// What another edge pulls to get exactly this image: the reference pinned to its
-    /// digest once known (a tag may move), else the reference itself; "" for a packed
-    /// image, which no registry has.
+    /// digest once known (a tag may move), else the reference itself; "" for a packed or
+    /// imported image, which no registry has.
     pub fn source(&self) -> String {
-        if self.is_packed() {
+        if self.is_local() {
             return String::new();
         }
         match &self.digest {
@@ -615,6 +619,12 @@ impl Image {
     /// Whether it was packed from a sandbox (it exists only in its edge's store).
     pub fn is_packed(&self) -> bool {
         self.source_sandbox.is_some()
+    }
+
+    /// Whether it exists only in its edge's store (packed, or imported from a tarball):
+    /// no registry has it, so creates of it go to that edge.
+    pub fn is_local(&self) -> bool {
+        self.is_packed() || self.imported
     }
 }
 

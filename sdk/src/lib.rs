@@ -486,6 +486,65 @@ impl Client {
         self.call(Method::POST, &["v1", "images"], &[], Some(req)).await
     }
 
+    /// Imports image `name` from the tarball at `path` (a docker-archive or an OCI image
+    /// layout, gzipped or not), streamed to one edge (`edge`, or one chosen) which verifies
+    /// and stores it; the answer comes once it is `ready` (a refused tarball is an error
+    /// naming `body`, and the image is `failed`). `sent` is called with the bytes sent so
+    /// far and the tarball's size as the upload goes.
+    pub async fn import_image(
+        &self,
+        name: &str,
+        path: &std::path::Path,
+        project: Option<&str>,
+        edge: Option<&str>,
+        sent: impl Fn(u64, u64) + Send + Sync + 'static,
+    ) -> Result<ImageWritten, ApiError> {
+        use tokio::io::AsyncReadExt;
+        let file = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| ApiError::local("invalid_argument", format!("cannot open {}: {e}", path.display())))?;
+        let size = file
+            .metadata()
+            .await
+            .map_err(|e| ApiError::local("invalid_argument", format!("cannot read {}: {e}", path.display())))?
+            .len();
+        let sent = std::sync::Arc::new(sent);
+        let chunks = futures::stream::try_unfold((file, 0u64), move |(mut file, done)| {
+            let sent = sent.clone();
+            async move {
+                let mut buf = vec![0u8; 1 << 20];
+                let n = file.read(&mut buf).await?;
+                if n == 0 {
+                    return Ok::<_, std::io::Error>(None);
+                }
+                buf.truncate(n);
+                let done = done + n as u64;
+                sent(done, size);
+                Ok(Some((buf, (file, done))))
+            }
+        });
+        let mut query: Vec<(&str, String)> = Vec::new();
+        if let Some(p) = project {
+            query.push(("project", p.to_string()));
+        }
+        if let Some(e) = edge {
+            query.push(("edge", e.to_string()));
+        }
+        let req = self
+            .request(Method::PUT, &["v1", "images", name], &query)
+            .header(reqwest::header::CONTENT_TYPE, "application/x-tar")
+            .header(reqwest::header::CONTENT_LENGTH, size)
+            .body(reqwest::Body::wrap_stream(chunks));
+        let bytes = self
+            .send(req)
+            .await?
+            .bytes()
+            .await
+            .map_err(|e| ApiError::local("unreachable", format!("the response was cut off: {e}")))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
+    }
+
     /// Makes image `req.name` of container sandbox `sandbox` (its writable layer on top of
     /// its image, residue and `req.scrub` left out), on the sandbox's edge; it is `pending`
     /// until made (poll [`Client::get_image`]). Sandboxes start from it by name, on that edge.

@@ -618,13 +618,17 @@ pub struct PullProgress {
 pub struct Image {
     pub name: String,
     pub project: String,
-    /// Where it is pulled from ("" for a packed image).
+    /// Where it is pulled from ("" for a packed or imported image).
     pub reference: String,
-    /// The edge that pulls (or packs) it. A packed image starts only there.
+    /// The edge that pulls (or packs, or imports) it. A packed or imported image starts
+    /// only there.
     pub edge: String,
     /// The sandbox it was packed from (absent for a pulled image).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_sandbox: Option<String>,
+    /// Imported from a tarball uploaded to its edge (absent when not).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub imported: bool,
     /// The paths its pack was asked to leave out (absent when none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub scrub: Vec<String>,

@@ -19,8 +19,17 @@ use std::time::{Duration, Instant};
 use up::Up;
 
 /// The busybox image's files as one layer, then a layer that adds `hello`, replaces
-/// `/etc/passwd` with one that has no `user`, and a directory for the WorkingDir.
+/// `/etc/passwd` with one that has no `user`, and a directory for the WorkingDir; pushed
+/// to `registry` as `repo:v1`.
 async fn hello_image(up: &Up, registry: &Registry, repo: &str) -> String {
+    let image = hello_test_image(up, repo).await;
+    let layout = write_layout(&image);
+    registry.push(layout.dir.path(), repo, "v1");
+    format!("{}/{repo}:v1", registry.host())
+}
+
+/// The image [`hello_image`] pushes.
+async fn hello_test_image(up: &Up, repo: &str) -> TestImage {
     up.ensure_image("busybox", Duration::from_secs(300)).await;
     let store = opendsec_edge::images::ImageStore::open(opendsec_edge::images::DEFAULT_STORE).unwrap();
     let busybox = store.get("busybox").unwrap();
@@ -59,9 +68,7 @@ async fn hello_image(up: &Up, registry: &Registry, repo: &str) -> String {
         "WorkingDir": "/srv/app",
         "Cmd": ["/usr/local/bin/hello"],
     });
-    let layout = write_layout(&image);
-    registry.push(layout.dir.path(), repo, "v1");
-    format!("{}/{repo}:v1", registry.host())
+    image
 }
 
 async fn wait_image(up: &Up, name: &str, within: Duration) -> Value {
@@ -285,4 +292,183 @@ async fn a_removed_image_keeps_its_layers_while_a_sandbox_runs_and_loses_them_af
         assert_eq!(s, 200, "{pruned}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// `opendsecctl image import` and `PUT /v1/images/{name}`: a docker-archive and a gzipped
+/// OCI layout are uploaded to the edge, which verifies and stores them; sandboxes start
+/// from them with their config; a tarball of neither format, and an upload cut off
+/// midway, leave the image failed with the reason and nothing half-stored.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_imported_from_a_tarball_runs_and_a_bad_or_cut_off_upload_fails_saying_why() {
+    oci_support::require("the registry suite");
+    let up = Up::start(None).await;
+    let image = hello_test_image(&up, "e2e/imported").await;
+    let layout = write_layout(&image);
+    let files = tempfile::tempdir().unwrap();
+
+    // A docker-archive, as `docker save` writes it (made by skopeo from the layout),
+    // imported through the CLI as a user would.
+    let archive = files.path().join("hello.tar");
+    let out = std::process::Command::new("skopeo")
+        .args(["copy", "--quiet", "--insecure-policy"])
+        .arg(format!("oci:{}:v1", layout.dir.path().display()))
+        .arg(format!("docker-archive:{}:e2e/imported:v1", archive.display()))
+        .output()
+        .expect("running skopeo (the skopeo package)");
+    assert!(out.status.success(), "skopeo: {}", String::from_utf8_lossy(&out.stderr));
+    let ctl = std::path::Path::new(env!("CARGO_BIN_EXE_opendsec")).with_file_name("opendsecctl");
+    assert!(
+        ctl.is_file(),
+        "opendsecctl is not built beside opendsec: cargo build -p opendsec-sdk --bins"
+    );
+    let opendsecctl = |args: &[&str]| {
+        let out = std::process::Command::new(&ctl)
+            .args(args)
+            .env("OPENDSEC_URL", format!("http://{}", up.http))
+            .env("OPENDSEC_TOKEN", &up.token)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let archive_arg = archive.to_str().unwrap();
+    let (code, stdout, stderr) = opendsecctl(&[
+        "image",
+        "import",
+        archive_arg,
+        "--name",
+        "hello-tar",
+        "--output",
+        "json",
+    ]);
+    assert_eq!(code, Some(0), "opendsecctl image import: {stdout}{stderr}");
+    let x: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (
+            x["state"].as_str(),
+            x["imported"].as_bool(),
+            x["layers"].as_u64(),
+            x["reference"].as_str()
+        ),
+        (Some("ready"), Some(true), Some(2), Some("")),
+        "{x}"
+    );
+    // A docker-archive has no manifest: its digest is its config's (Docker's image id).
+    assert!(x["digest"].as_str().is_some_and(|d| d.starts_with("sha256:")), "{x}");
+    let (code, stdout, _) = opendsecctl(&["image", "list"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        stdout.contains("hello-tar") && stdout.contains("imported on"),
+        "{stdout}"
+    );
+
+    let id = running_sandbox(&up, "hello-tar").await;
+    let (out, code) = up.exec(&id, "hello", &[]).await.unwrap();
+    assert_eq!(
+        (out.trim(), code),
+        ("hello from the-image-config in /srv/app", 0),
+        "the imported image's Env and WorkingDir hold"
+    );
+    let (out, _) = up.exec(&id, "id", &["-un"]).await.unwrap();
+    assert_eq!(out.trim(), "user");
+
+    // A gzipped OCI layout (`skopeo copy … oci-archive:`), through REST: the answer comes
+    // once the edge has it.
+    let mut oci = tar::Builder::new(Vec::new());
+    oci.append_dir_all(".", layout.dir.path()).unwrap();
+    let oci = oci_support::gzip(&oci.into_inner().unwrap());
+    let (s, v) = put_tarball(&up, "/v1/images/hello-oci", oci).await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        (
+            v["image"]["state"].as_str(),
+            v["image"]["layers"].as_u64(),
+            v["image"]["digest"].as_str()
+        ),
+        (Some("ready"), Some(2), Some(layout.manifest.as_str())),
+        "{v}"
+    );
+
+    // Neither format: 400 naming the body; the image is failed, with the reason.
+    let mut junk = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_gnu();
+    header.set_size(5);
+    header.set_mode(0o644);
+    junk.append_data(&mut header, "readme", &b"hello"[..]).unwrap();
+    let (s, v) = put_tarball(&up, "/v1/images/junk", junk.into_inner().unwrap()).await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("body")), "{v}");
+    assert!(v["message"].as_str().unwrap().contains("neither an OCI layout"), "{v}");
+    let x = wait_image(&up, "junk", Duration::from_secs(10)).await;
+    assert_eq!(x["state"], "failed", "{x}");
+    let (s, v) = up
+        .send(Method::POST, "/v1/sandboxes", Some(json!({"image": "junk"})))
+        .await;
+    assert_eq!((s, v["field"].as_str()), (409, Some("image")), "{v}");
+    assert!(v["message"].as_str().unwrap().contains("import it again"), "{v}");
+
+    // An upload cut off midway (the client announced more than it sent, then went away):
+    // the edge reports the import failed and keeps nothing of it.
+    let request = format!(
+        "PUT /v1/images/cut-off HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer {}\r\n\
+         content-type: application/x-tar\r\ncontent-length: 1000000\r\n\r\n",
+        up.http, up.token
+    );
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut tcp = tokio::net::TcpStream::connect(&up.http).await.unwrap();
+        tcp.write_all(request.as_bytes()).await.unwrap();
+        tcp.write_all(&[0u8; 4096]).await.unwrap();
+        // Until the import is registered, then away.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while up.send(Method::GET, "/v1/images/cut-off", None).await.0 != 200 {
+            assert!(Instant::now() < deadline, "the import was not registered");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let x = wait_image(&up, "cut-off", Duration::from_secs(30)).await;
+    assert_eq!(x["state"], "failed", "{x}");
+    assert!(x["reason"].as_str().unwrap().contains("upload"), "{x}");
+    let tmp = std::path::Path::new(opendsec_edge::images::DEFAULT_STORE).join("tmp");
+    let left: Vec<String> = std::fs::read_dir(&tmp)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        !left.iter().any(|n| n.starts_with(&format!("import.{}.", up.pid()))),
+        "an upload's file was left in the store: {left:?}"
+    );
+
+    // Bad input: a name that is not one, a parameter the endpoint does not take.
+    for (path, field) in [
+        ("/v1/images/Bad%20Name", "name"),
+        ("/v1/images/fine?bogus=1", "bogus"),
+        ("/v1/images/base", "name"),
+    ] {
+        let (s, v) = put_tarball(&up, path, b"x".to_vec()).await;
+        assert_eq!((s, v["field"].as_str()), (400, Some(field)), "{path}: {v}");
+    }
+    let (code, _, stderr) = opendsecctl(&["image", "import", "/no/such/file.tar", "--name", "x"]);
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains("/no/such/file.tar"), "{stderr}");
+}
+
+/// `PUT path` with `body` as the tarball: (status, JSON answer).
+async fn put_tarball(up: &Up, path: &str, body: Vec<u8>) -> (u16, Value) {
+    let resp = up
+        .client
+        .put(format!("http://{}{path}", up.http))
+        .bearer_auth(&up.token)
+        .header("content-type", "application/x-tar")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
 }

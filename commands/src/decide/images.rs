@@ -1,8 +1,8 @@
 //! Images: registered by a project under a name, pulled by one edge (or packed by one
-//! edge from a container sandbox's writable layer), reported by that edge, deleted by
-//! name. Which image a create names is decided in `sandboxes` through [`resolve`]; a
-//! packed image lives only in its edge's store, so its creates prefer that edge
-//! ([`packed_edge`]).
+//! edge from a container sandbox's writable layer, or imported by one edge from a
+//! tarball the caller uploads), reported by that edge, deleted by name. Which image a
+//! create names is decided in `sandboxes` through [`resolve`]; a packed or imported
+//! image lives only in its edge's store, so its creates prefer that edge ([`packed_edge`]).
 
 use super::Decided;
 use super::scope::{Scope, not_found};
@@ -21,6 +21,45 @@ pub(super) fn pull(
     edge: Option<&str>,
 ) -> Result<Decided, Rejection> {
     let parsed = Reference::parse(reference).map_err(|e| Rejection::field(K::Invalid, "reference", e))?;
+    let edge = register(s, project, name, edge, "pull")?;
+    Ok(Decided::one(
+        project,
+        name,
+        Event::ImageRequested(pb::ImageRequested {
+            name: name.to_string(),
+            project: project.to_string(),
+            reference: parsed.to_string(),
+            edge,
+            source_sandbox: String::new(),
+            scrub: vec![],
+            config: None,
+            imported: false,
+        }),
+    ))
+}
+
+/// `ImportImage`: the edge waits for the caller's upload of the tarball.
+pub(super) fn import(s: &Scope, project: &str, name: &str, edge: Option<&str>) -> Result<Decided, Rejection> {
+    let edge = register(s, project, name, edge, "import")?;
+    Ok(Decided::one(
+        project,
+        name,
+        Event::ImageRequested(pb::ImageRequested {
+            name: name.to_string(),
+            project: project.to_string(),
+            reference: String::new(),
+            edge,
+            source_sandbox: String::new(),
+            scrub: vec![],
+            config: None,
+            imported: true,
+        }),
+    ))
+}
+
+/// What a pull and an import check before registering image `name` in `project`; the
+/// edge that is to fetch it (`edge`, or one chosen at random).
+fn register(s: &Scope, project: &str, name: &str, edge: Option<&str>, verb: &str) -> Result<String, Rejection> {
     check_name(name).map_err(|e| Rejection::field(K::Invalid, "name", e))?;
     s.project_in_scope("project", project)?;
     super::templates::not_a_template(s, name, "name")?;
@@ -42,31 +81,16 @@ pub(super) fn pull(
         .filter(|e| !e.deregistered)
         .map(|e| e.id.as_str())
         .collect();
-    let edge = match edge {
-        Some(asked) if edges.contains(&asked) => asked.to_string(),
-        Some(asked) => return Err(not_found("edge", "edge", asked)),
-        None if edges.is_empty() => {
-            return Err(Rejection::field(
-                K::NoCapacity,
-                "edge",
-                "no edge is registered to pull the image: start one (opendsec edge)",
-            ));
-        }
-        None => edges[(s.rng().next_u64() % edges.len() as u64) as usize].to_string(),
-    };
-    Ok(Decided::one(
-        project,
-        name,
-        Event::ImageRequested(pb::ImageRequested {
-            name: name.to_string(),
-            project: project.to_string(),
-            reference: parsed.to_string(),
-            edge,
-            source_sandbox: String::new(),
-            scrub: vec![],
-            config: None,
-        }),
-    ))
+    match edge {
+        Some(asked) if edges.contains(&asked) => Ok(asked.to_string()),
+        Some(asked) => Err(not_found("edge", "edge", asked)),
+        None if edges.is_empty() => Err(Rejection::field(
+            K::NoCapacity,
+            "edge",
+            format!("no edge is registered to {verb} the image: start one (opendsec edge)"),
+        )),
+        None => Ok(edges[(s.rng().next_u64() % edges.len() as u64) as usize].to_string()),
+    }
 }
 
 /// `PackSandbox`: the sandbox's edge makes the image; it belongs to the sandbox's project.
@@ -122,6 +146,7 @@ pub(super) fn pack(
             source_sandbox: sandbox.to_string(),
             scrub: scrub.to_vec(),
             config: config.filter(|c| !c.is_empty()).map(ConfigOverride::to_event),
+            imported: false,
         }),
     ))
 }
@@ -214,29 +239,26 @@ pub(super) fn resolve(s: &Scope, project: &str, image: &str) -> Result<String, R
         && s.state.within(project, &x.project)
     {
         let reason = || x.reason.as_deref().unwrap_or("no reason given").to_string();
-        return match (x.state, x.is_packed()) {
-            (ImageState::Failed, false) => Err(Rejection::field(
+        let (made, again) = if x.is_packed() {
+            ("pack", "pack it again (opendsecctl sandbox pack)")
+        } else if x.imported {
+            ("import", "import it again (opendsecctl image import)")
+        } else {
+            ("pull", "pull it again (opendsecctl image pull)")
+        };
+        return match (x.state, x.is_local()) {
+            (ImageState::Failed, _) => Err(Rejection::field(
                 K::Conflict,
                 "image",
-                format!(
-                    "image {image} failed to pull: {}; pull it again (opendsecctl image pull)",
-                    reason()
-                ),
-            )),
-            (ImageState::Failed, true) => Err(Rejection::field(
-                K::Conflict,
-                "image",
-                format!(
-                    "image {image} failed to pack: {}; pack it again (opendsecctl sandbox pack)",
-                    reason()
-                ),
+                format!("image {image} failed to {made}: {}; {again}", reason()),
             )),
             (ImageState::Pending, true) => Err(Rejection::field(
                 K::Conflict,
                 "image",
                 format!(
-                    "image {image} is still being packed on edge {}; wait until it is ready \
+                    "image {image} is still being {}ed on edge {}; wait until it is ready \
                      (opendsecctl image get {image})",
+                    made.trim_end_matches('e'),
                     x.edge
                 ),
             )),
@@ -256,15 +278,15 @@ pub(super) fn resolve(s: &Scope, project: &str, image: &str) -> Result<String, R
     ))
 }
 
-/// The edge holding `image` when a create of `project` names a packed image: no other
-/// edge has it, so the create goes there while it has room (elsewhere it fails, saying
-/// why).
+/// The edge holding `image` when a create of `project` names a packed or imported
+/// image: no other edge has it, so the create goes there while it has room (elsewhere it
+/// fails, saying why).
 pub(super) fn packed_edge<'a>(s: &Scope<'a>, project: &str, image: &str) -> Option<&'a str> {
     s.state
         .images
         .images
         .get(image)
-        .filter(|x| x.is_packed() && s.state.within(project, &x.project))
+        .filter(|x| x.is_local() && s.state.within(project, &x.project))
         .map(|x| x.edge.as_str())
 }
 

@@ -161,6 +161,7 @@ pub fn decide_excluding(
             reference,
             edge,
         } => images::pull(&s, project, name, reference, edge.as_deref()),
+        Command::ImportImage { project, name, edge } => images::import(&s, project, name, edge.as_deref()),
         Command::PackSandbox {
             sandbox,
             name,
@@ -318,7 +319,9 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         | Command::ReportSandbox { sandbox, .. } => (sandbox_project(sandbox), sandbox.clone()),
         Command::PauseTask { task } | Command::ResumeTask { task } => (String::new(), tasks::task_target(task)),
         Command::PackSandbox { sandbox, name, .. } => (sandbox_project(sandbox), name.clone()),
-        Command::PullImage { project, name, .. } => (project.clone(), name.clone()),
+        Command::PullImage { project, name, .. } | Command::ImportImage { project, name, .. } => {
+            (project.clone(), name.clone())
+        }
         Command::DeleteImage { name } | Command::ReportImage { name, .. } => (
             state
                 .images

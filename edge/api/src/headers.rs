@@ -14,3 +14,10 @@ pub const EDGE_HEADER: &str = "x-opendsec-edge";
 
 /// The pulling edge's transfer token ([`crate::transfer_token`]).
 pub const TRANSFER_TOKEN_HEADER: &str = "x-opendsec-transfer-token";
+
+/// An image upload to an edge (`PUT /images/import`): the image's name.
+pub const IMAGE_HEADER: &str = "x-opendsec-image";
+
+/// An image upload to an edge: the log index of the `ImportImage` that asked for it (the
+/// edge waits until its slice holds it).
+pub const IMPORT_INDEX_HEADER: &str = "x-opendsec-import-index";

@@ -121,6 +121,7 @@ pub fn slice_snapshot(state: &State, edge: &str) -> SliceSnapshot {
             source_sandbox: x.source_sandbox.clone().unwrap_or_default(),
             scrub: x.scrub.clone(),
             config: x.config.as_ref().map(|c| c.to_event()),
+            imported: x.imported,
         })
         .collect();
     SliceSnapshot {

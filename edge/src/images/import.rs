@@ -364,10 +364,13 @@ impl Tarball {
             paths.insert(digest, path);
         }
         let (config, layers) = oci::plan_image(name, &config_bytes, &blobs)?;
+        // A docker-archive has no manifest: the image is named by its config's digest
+        // (what Docker calls the image id).
+        let config_digest = format!("sha256:{}", hex::encode(Sha256::digest(&config_bytes)));
         let plan = ImagePlan {
             name: name.to_string(),
             reference: None,
-            digest: None,
+            digest: Some(config_digest),
             config,
             layers,
         };

@@ -241,7 +241,7 @@ const TMP_KINDS: &[&str] = &["pull", "import", "record", "pack", "gc"];
 /// A private path in `tmp/`, `<kind>.<pid>.<random>.<host>`, removed (file or tree)
 /// when dropped. The pid and host let a later process tell leftovers of dead processes
 /// from work under way on any machine sharing the store.
-pub(super) struct TmpPath {
+pub struct TmpPath {
     path: PathBuf,
 }
 
@@ -259,7 +259,7 @@ impl TmpPath {
         }
     }
 
-    pub(super) fn path(&self) -> &Path {
+    pub fn path(&self) -> &Path {
         &self.path
     }
 }

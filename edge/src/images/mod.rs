@@ -146,7 +146,7 @@ pub use build::{
     code_interpreter_start,
 };
 pub use gc::{GC_REFRESH, GcOptions, GcReport, Holder, InUse};
-pub use layers::PullProgress;
+pub use layers::{PullProgress, TmpPath};
 pub use pack::{LayerTar, ScratchDir, write_layer};
 pub use registry::{PullOptions, RegistryAuth};
 
@@ -167,8 +167,8 @@ pub struct Image {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<String>,
     /// The digest (`sha256:…`) of the image manifest it was made from: for a reference
-    /// naming an index, the linux/amd64 manifest's (absent for built images and
-    /// `docker save` archives).
+    /// naming an index, the linux/amd64 manifest's; for a `docker save` archive (which has
+    /// no manifest) its config's, Docker's image id (absent for built images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
 }
@@ -331,6 +331,13 @@ pub struct ImageStore {
 }
 
 impl ImageStore {
+    /// A private path in the store's `tmp/` for work of `kind` (`import`: an uploaded
+    /// tarball), removed when dropped; the store's collection leaves it alone while this
+    /// process lives.
+    pub fn tmp_path(&self, kind: &'static str) -> TmpPath {
+        TmpPath::new(self, kind)
+    }
+
     /// Opens (creating if needed) the store at `root`.
     pub fn open(root: impl AsRef<Path>) -> Result<Self, ImageError> {
         let root = root.as_ref().to_path_buf();

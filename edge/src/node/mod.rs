@@ -17,8 +17,9 @@
 //! - `admission.rs`: the edge's final word on admission.
 //! - `adoption.rs`: taking up what an earlier run left (sandboxes, the saved slice).
 //! - `snapshots.rs`, `transfers.rs`: snapshots, and state moving between edges.
-//! - `pulls.rs`, `packs.rs`: images pulled from registries, and images packed from this
-//!   edge's container sandboxes (their writable layer, residue left out); `image_gc.rs`
+//! - `pulls.rs`, `packs.rs`, `imports.rs`: images pulled from registries, images packed
+//!   from this edge's container sandboxes (their writable layer, residue left out), and
+//!   images imported from tarballs uploaded through the proxy; `image_gc.rs`
 //!   the edge's in-use set in the image store, deleted images' records, collections.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
@@ -35,6 +36,7 @@ mod containers;
 mod create;
 mod files;
 mod image_gc;
+mod imports;
 mod packs;
 mod paths;
 mod pulls;
@@ -219,8 +221,10 @@ struct Edge {
     image_gc: Mutex<image_gc::ImageGc>,
     /// The runtime, for the async pulls that blocking creations make.
     rt: tokio::runtime::Handle,
-    /// Image pulls and packs under way (`pulls.rs`, `packs.rs`).
+    /// Image pulls, packs and imports under way (`pulls.rs`, `packs.rs`, `imports.rs`).
     pulls: pulls::Pulls,
+    /// Imports awaiting their upload, and the uploads' files (`imports.rs`).
+    imports: imports::Imports,
     /// The last 8 h of each running sandbox's metrics, a point every 5 s (`run.rs`).
     metrics_history: crate::metrics_history::MetricsHistory,
 }

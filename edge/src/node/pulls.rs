@@ -215,18 +215,34 @@ impl Edge {
 
     /// Reports a pull's or pack's result; whether the log took it.
     pub(super) async fn report_image(&self, name: &str, result: &ImageResult) -> bool {
+        self.report_image_at(name, result, &self.image_report_key(name))
+            .await
+            .is_some()
+    }
+
+    /// A request id for one report of image `name`: its retries share it (the log applies
+    /// it once), and no other report of the name has it. (A name pulled again to the same
+    /// digest reports the same result; a fixed id would have the log take the second
+    /// report for a retry of the first and never apply it. A report made again after a
+    /// lost answer is refused as already reported, not applied twice.)
+    pub(super) fn image_report_key(&self, name: &str) -> String {
+        format!("{}:image:{name}:{:016x}", self.cfg.name, rand::random::<u64>())
+    }
+
+    /// Reports a pull's, pack's or import's result under request id `key`; the log
+    /// index that took it.
+    pub(super) async fn report_image_at(&self, name: &str, result: &ImageResult, key: &str) -> Option<u64> {
         let mut client = self.client.clone();
-        let key = format!("{}:image:{name}", self.cfg.name);
-        match client.report_image(name, result, &key).await {
+        match client.report_image(name, result, key).await {
             Ok(index) => {
                 tracing::info!(image = %name, index, "reported");
-                true
+                Some(index)
             }
             // The log still has the pull pending: the next round pulls (from the store,
             // quickly) and reports again.
             Err(e) => {
-                tracing::warn!(image = %name, error = %e, "cannot report a pull; it is made again");
-                false
+                tracing::warn!(image = %name, error = %e, "cannot report an image; it is made again");
+                None
             }
         }
     }
@@ -275,7 +291,7 @@ impl Edge {
 }
 
 /// What an image's layers take on disk (apparent sizes; shared layers counted in full).
-fn image_bytes(store: &ImageStore, image: &Image) -> u64 {
+pub(super) fn image_bytes(store: &ImageStore, image: &Image) -> u64 {
     store
         .layer_dirs(image)
         .map(|dirs| dirs.iter().map(|d| super::files::dir_size(d)).sum())

@@ -11,7 +11,9 @@ use crate::container::ContainerBackend;
 use crate::container::warm::WarmPool;
 use crate::images::ImageStore;
 use crate::proxy::{self, Resolver};
-use crate::reconcile::{Action, Running, plan, plan_oom, plan_packs, plan_pulls, plan_snapshots, plan_transfers};
+use crate::reconcile::{
+    Action, Running, plan, plan_imports, plan_oom, plan_packs, plan_pulls, plan_snapshots, plan_transfers,
+};
 use crate::slice::{SliceClient, SliceFollower};
 use opendsec_edge_api::pb::HeartbeatRequest;
 use redb::Database;
@@ -74,6 +76,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         image_gc: Default::default(),
         rt: tokio::runtime::Handle::current(),
         pulls: Default::default(),
+        imports: Default::default(),
         metrics_history: crate::metrics_history::MetricsHistory::new(),
         cfg,
     });
@@ -170,7 +173,8 @@ async fn register(client: &mut SliceClient, cfg: &EdgeConfig) -> u64 {
 
 impl Edge {
     /// Serves the per-sandbox proxy (`crate::proxy`) with the edge's hooks: where each
-    /// agent listens, admission, metrics, logs and the transfers it serves.
+    /// agent listens, admission, metrics, logs, the transfers it serves, store
+    /// collections and image uploads.
     async fn serve_proxy(self: Arc<Self>, listener: tokio::net::TcpListener) {
         let agents = self.cfg.data_dir.join("agents");
         let vm_root = self.cfg.data_dir.join("vms");
@@ -195,6 +199,7 @@ impl Edge {
             history: Some(history),
             transfers: Some(self.transfer_hooks()),
             prune: Some(self.pruner()),
+            imports: Some(self.import_hooks()),
         };
         proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
     }
@@ -278,6 +283,8 @@ impl Edge {
         let under_way = self.pulls.names();
         a.extend(plan_pulls(slice, &under_way));
         a.extend(plan_packs(slice, observed, &under_way));
+        let overdue = self.imports.overdue(&slice.imports, &under_way);
+        a.extend(plan_imports(slice, &under_way, |name| overdue.contains(name)));
         a.extend(
             plan_transfers(slice, observed, &served)
                 .into_iter()

@@ -1,5 +1,6 @@
-//! Images a project brings: pulled from an OCI registry by an edge, or packed from one of
-//! its container sandboxes by that sandbox's edge, and started by name (`image` in a
+//! Images a project brings: pulled from an OCI registry by an edge, imported by an edge
+//! from a tarball the caller uploads, or packed from one of its container sandboxes by
+//! that sandbox's edge, and started by name (`image` in a
 //! create). The built-in images (`busybox`, `base`, `code-interpreter-v1`)
 //! are every edge's own and are not listed here.
 
@@ -37,6 +38,121 @@ pub async fn pull(
         edge: req.edge,
     };
     register(&st, &who, &rid, cmd).await
+}
+
+/// Imports an image from a tarball: the body is a docker-archive (`docker save`,
+/// `skopeo copy … docker-archive:`) or an OCI image layout (`skopeo copy … oci-archive:`,
+/// `oci-layout`, `index.json`, `blobs/`), gzipped or not, streamed to one edge (`edge`,
+/// or one chosen), which verifies every blob's digest and each layer's diff_id, unpacks
+/// the layers into its store and reports the image. The answer comes once the edge has
+/// reported: 201 with the image `ready` (its digest, layers, size), or 400 with why the
+/// tarball was refused (the image is then `failed`; nothing of it is kept). The image
+/// lives in that edge's store only: creates of it go there. Importing a name the project
+/// has replaces it. Needs sandbox:write.
+#[utoipa::path(put, path = "/v1/images/{name}", tag = "images",
+    params(
+        ("name" = String, Path, description = "The image's name (a store name such as `my-env`, or a reference)"),
+        ("project" = Option<String>, Query, description = "The project the image is registered in (default: the token's)"),
+        ("edge" = Option<String>, Query, description = "The edge to import it on (default: one chosen)"),
+    ),
+    request_body(content = Vec<u8>, content_type = "application/x-tar", description = "The tarball (a docker-archive or an OCI layout, gzipped or not)"),
+    responses((status = 201, body = ImageWritten), (status = "4XX", body = api::ErrorBody),
+        (status = 502, body = api::ErrorBody, description = "The edge could not be reached; the image fails once the edge gives up waiting")))]
+pub async fn import(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    Path(name): Path<String>,
+    RawQuery(q): RawQuery,
+    req: axum::extract::Request,
+) -> Result<Written<ImageWritten>, ApiError> {
+    use opendsec_edge_api::headers::{IMAGE_HEADER, IMPORT_INDEX_HEADER};
+    let params = Params::parse(q.as_deref(), &["project", "edge"])?;
+    let cmd = Command::ImportImage {
+        project: params
+            .one("project")?
+            .map(str::to_string)
+            .unwrap_or_else(|| who.0.project.clone()),
+        name: name.clone(),
+        edge: params.one("edge")?.map(str::to_string),
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    let address = st
+        .node
+        .read(|v| {
+            let edge = &v.images.images.get(&name)?.edge;
+            v.placement.edges.get(edge).map(|e| e.address.clone())
+        })
+        .ok_or_else(|| ApiError::internal("the import was written but its edge is not in the applied state"))?;
+    let (parts, body) = req.into_parts();
+    let mut up = axum::http::Request::new(body);
+    *up.method_mut() = axum::http::Method::PUT;
+    let headers = up.headers_mut();
+    if let Some(len) = parts.headers.get(axum::http::header::CONTENT_LENGTH) {
+        headers.insert(axum::http::header::CONTENT_LENGTH, len.clone());
+    }
+    headers.insert(
+        IMAGE_HEADER,
+        name.parse()
+            .map_err(|_| ApiError::invalid("name", "the image name is not a valid header value"))?,
+    );
+    headers.insert(IMPORT_INDEX_HEADER, s.index.into());
+    let uri: axum::http::Uri = "/images/import".parse().expect("a valid path");
+    let resp = crate::edge_client::forward(&st, &address, uri, up)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "unavailable", e.0))?;
+    let status = resp.status();
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "unavailable",
+                format!("reading the edge's answer: {e}"),
+            )
+        })?
+        .to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if !status.is_success() {
+        let why = v["message"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| status.to_string());
+        return Err(ApiError::new(
+            if status.is_client_error() {
+                status
+            } else {
+                StatusCode::BAD_GATEWAY
+            },
+            v["code"].as_str().unwrap_or("unavailable"),
+            format!("the edge did not import image {name}: {why}"),
+        ));
+    }
+    let index = v["index"].as_u64().unwrap_or(s.index);
+    st.node
+        .wait_applied(index, crate::extract::MIN_INDEX_WAIT)
+        .await
+        .map_err(|_| {
+            ApiError::unavailable(format!(
+                "the edge reported image {name} at index {index}, not applied here yet"
+            ))
+        })?;
+    if v["state"] == "failed" {
+        return Err(ApiError::invalid(
+            "body",
+            format!(
+                "the tarball was refused: {}",
+                v["reason"].as_str().unwrap_or("no reason given")
+            ),
+        ));
+    }
+    let image =
+        read(&st, &name).ok_or_else(|| ApiError::internal("the image was imported but is not in the applied state"))?;
+    Ok(Written {
+        index,
+        status: StatusCode::CREATED,
+        body: ImageWritten { index, image },
+    })
 }
 
 /// Makes an image of a container sandbox that has run (running or paused): its writable

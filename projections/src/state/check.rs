@@ -260,6 +260,9 @@ impl State {
                 if !e.source_sandbox.is_empty() && !self.sandbox(&e.source_sandbox)?.is_live() {
                     return Err(format!("sandbox {} is no longer running", e.source_sandbox));
                 }
+                if e.imported && !(e.reference.is_empty() && e.source_sandbox.is_empty()) {
+                    return Err(format!("imported image {} names a reference or a sandbox", e.name));
+                }
             }
             Event::TemplateBuildRequested(e) => {
                 if !self.iam.projects.contains_key(&e.project) {

@@ -243,6 +243,7 @@ impl State {
                         source_sandbox: (!e.source_sandbox.is_empty()).then(|| e.source_sandbox.clone()),
                         scrub: e.scrub.clone(),
                         config: ConfigOverride::from_event(e.config.as_ref()),
+                        imported: e.imported,
                         state: ImageState::Pending,
                         digest: None,
                         size_bytes: 0,

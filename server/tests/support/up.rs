@@ -399,6 +399,11 @@ impl Up {
         read_process_stream(r).await
     }
 
+    /// The pid of the `opendsec up` process (0 when it is not running).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(Child::id).unwrap_or(0)
+    }
+
     pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
     }

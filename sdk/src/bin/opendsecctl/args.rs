@@ -522,6 +522,23 @@ pub(crate) enum ImageCmd {
         #[arg(long, default_value_t = 1800)]
         wait_seconds: u64,
     },
+    /// Imports an image from a tarball on this machine: a docker-archive (`docker save`,
+    /// `skopeo copy … docker-archive:FILE`) or an OCI image layout (`skopeo copy …
+    /// oci-archive:FILE`), gzipped or not. It is uploaded to one edge (showing progress),
+    /// which verifies and stores it; sandboxes start from it there, by NAME.
+    Import {
+        /// The tarball.
+        file: std::path::PathBuf,
+        /// The name sandboxes start it by.
+        #[arg(long)]
+        name: String,
+        /// The project it belongs to (default: the token's); its descendants use it too.
+        #[arg(long)]
+        project: Option<String>,
+        /// The edge that imports and keeps it (default: one chosen).
+        #[arg(long)]
+        edge: Option<String>,
+    },
     /// Images your sandboxes can start from (your subtree's and your ancestors').
     /// The built-in images busybox, base and code-interpreter-v1 are not listed.
     List,

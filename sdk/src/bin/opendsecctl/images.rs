@@ -1,5 +1,6 @@
 //! `opendsecctl image`: pull (with a progress bar fed by the pulling edge's reports),
-//! list, get, rm; and `sandbox pack`, which waits the same way.
+//! import (a progress bar of the upload), list, get, rm; and `sandbox pack`, which waits
+//! the same way as a pull.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use opendsec_sdk::types::{Image, PackSandbox, PullImage};
@@ -46,6 +47,48 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
                 );
                 return Ok(1);
             }
+        }
+        ImageCmd::Import {
+            file,
+            name,
+            project,
+            edge,
+        } => {
+            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} {prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed} {wide_msg}",
+                )
+                .expect("a valid template")
+                .progress_chars("=> "),
+            );
+            bar.set_prefix(format!("importing {name}"));
+            bar.enable_steady_tick(Duration::from_millis(120));
+            let shown = bar.clone();
+            let sent = move |done: u64, total: u64| {
+                shown.set_length(total);
+                shown.set_position(done);
+                if done == total {
+                    shown.set_message("the edge verifies and unpacks it");
+                }
+            };
+            let w = client
+                .import_image(&name, &file, project.as_deref(), edge.as_deref(), sent)
+                .await;
+            bar.finish_and_clear();
+            let w = match w {
+                Ok(w) => w,
+                Err(e) => {
+                    if e.field.as_deref() == Some("body") {
+                        eprintln!(
+                            "hint: the file must be a docker-archive (docker save, skopeo copy … docker-archive:FILE) \
+                             or an OCI layout (skopeo copy … oci-archive:FILE)"
+                        );
+                    }
+                    return Err(e);
+                }
+            };
+            out.show(&w.image, |x| table(&IMAGE_HEADERS, vec![image_row(x)]));
         }
         ImageCmd::List => {
             let l = client.list_images().await?;

@@ -41,6 +41,7 @@ pub(crate) fn image_row(x: &Image) -> Vec<String> {
         state,
         match &x.source_sandbox {
             Some(sandbox) => format!("packed from {sandbox} on {}", x.edge),
+            None if x.imported => format!("imported on {}", x.edge),
             None => x.reference.clone(),
         },
         digest,
