@@ -502,11 +502,11 @@ impl Client {
         use tokio::io::AsyncReadExt;
         let file = tokio::fs::File::open(path)
             .await
-            .map_err(|e| ApiError::local("invalid_argument", format!("cannot open {}: {e}", path.display())))?;
+            .map_err(|e| ApiError::local("local_file", format!("cannot open {}: {e}", path.display())))?;
         let size = file
             .metadata()
             .await
-            .map_err(|e| ApiError::local("invalid_argument", format!("cannot read {}: {e}", path.display())))?
+            .map_err(|e| ApiError::local("local_file", format!("cannot read {}: {e}", path.display())))?
             .len();
         let sent = std::sync::Arc::new(sent);
         let chunks = futures::stream::try_unfold((file, 0u64), move |(mut file, done)| {

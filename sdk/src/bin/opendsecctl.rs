@@ -77,6 +77,10 @@ fn hint(e: &ApiError, url: &str) -> String {
         (0, "not_started") => "`opendsecctl sandbox get <id>` shows its state and reason, `sandbox logs <id>` its output, \
              `edge list` the edges"
             .into(),
+        (0, "local_file") => "check the path: the file is read on this machine, not on the server".into(),
+        (400, _) if e.message.starts_with("the tarball was refused") => "the file must be a docker-archive (`docker save`, \
+             `skopeo copy … docker-archive:FILE`) or an OCI layout (`skopeo copy … oci-archive:FILE`), gzipped or not"
+            .into(),
         (0, "decode") => "the server answered something this client does not understand; are client and server the same version?".into(),
         (0, _) => format!("is the server running at {url}? set --url or OPENDSEC_URL; `opendsec up` starts one"),
         (401, _) => "check OPENDSEC_TOKEN (or --token, OPENDSEC_TOKEN_FILE, ~/.config/opendsec/token); `opendsec init` prints an admin token".into(),

@@ -76,18 +76,7 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
                 .import_image(&name, &file, project.as_deref(), edge.as_deref(), sent)
                 .await;
             bar.finish_and_clear();
-            let w = match w {
-                Ok(w) => w,
-                Err(e) => {
-                    if e.field.as_deref() == Some("body") {
-                        eprintln!(
-                            "hint: the file must be a docker-archive (docker save, skopeo copy … docker-archive:FILE) \
-                             or an OCI layout (skopeo copy … oci-archive:FILE)"
-                        );
-                    }
-                    return Err(e);
-                }
-            };
+            let w = w?;
             out.show(&w.image, |x| table(&IMAGE_HEADERS, vec![image_row(x)]));
         }
         ImageCmd::List => {
