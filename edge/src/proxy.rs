@@ -173,7 +173,13 @@ pub struct Hooks {
     pub prune: Option<Pruner>,
     /// Receives image tarballs (`PUT /images/import`).
     pub imports: Option<Imports>,
+    /// Pushes a stored image to a registry for `POST /images/push` (blocking): what
+    /// it wrote, or (status, why).
+    pub push: Option<Pusher>,
 }
+
+/// (JSON `{"name", "reference"}`) -> what was pushed, or (status, why). Blocking.
+pub type Pusher = Arc<dyn Fn(&serde_json::Value) -> Result<serde_json::Value, (u16, String)> + Send + Sync>;
 
 /// Why an upload of an image cannot start.
 #[derive(Debug)]
@@ -653,6 +659,35 @@ async fn handle(
     }
     if req.uri().path() == "/images/import" && req.method() == hyper::Method::PUT {
         return import(req, hooks.imports).await;
+    }
+    if req.uri().path() == "/images/push" && req.method() == hyper::Method::POST {
+        let Some(push) = hooks.push else {
+            return json_error(StatusCode::NOT_FOUND, "not_found", "this edge keeps no image store");
+        };
+        let body = match http_body_util::Limited::new(req.into_body(), 64 << 10).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("push body: {e}")),
+        };
+        let ask: serde_json::Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("push body: {e}")),
+        };
+        return match tokio::task::spawn_blocking(move || push(&ask)).await {
+            Ok(Ok(v)) => Response::builder()
+                .header("content-type", "application/json")
+                .body(
+                    Full::new(Bytes::from(v.to_string()))
+                        .map_err(|never| match never {})
+                        .boxed(),
+                )
+                .expect("valid response"),
+            Ok(Err((code, why))) => json_error(
+                StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
+                "push_failed",
+                &why,
+            ),
+            Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "push_failed", &e.to_string()),
+        };
     }
     if req.uri().path() == "/images/prune" && req.method() == hyper::Method::POST {
         let Some(prune) = hooks.prune else {

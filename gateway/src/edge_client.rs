@@ -110,10 +110,26 @@ pub async fn call(
     method: axum::http::Method,
     path: &str,
 ) -> Result<(u16, axum::body::Bytes), Unreachable> {
+    call_with_body(st, address, method, path, Vec::new()).await
+}
+
+/// `method path` with a JSON `body` on the edge's proxy: (status, body).
+pub async fn call_with_body(
+    st: &AppState,
+    address: &str,
+    method: axum::http::Method,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, axum::body::Bytes), Unreachable> {
     use http_body_util::BodyExt;
     let uri: Uri = path.parse().map_err(|_| Unreachable(format!("bad edge path {path}")))?;
-    let mut req = Request::new(Body::empty());
+    let with_body = !body.is_empty();
+    let mut req = Request::new(Body::from(body));
     *req.method_mut() = method;
+    if with_body {
+        req.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
     let resp = forward(st, address, uri, req).await?;
     let status = resp.status().as_u16();
     let body = resp

@@ -94,6 +94,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("delete", "/v1/images/{name}"),
     ("put", "/v1/images/{name}"),
     ("post", "/v1/image-store/prune"),
+    ("post", "/v1/image-pushes"),
     ("post", "/v1/tasks/{task}/pause"),
     ("post", "/v1/tasks/{task}/resume"),
     ("get", "/v1/edges"),
@@ -180,6 +181,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
                 .merge(put(images::import).layer(DefaultBodyLimit::disable())),
         )
         .route("/v1/image-store/prune", post(images::prune))
+        .route("/v1/image-pushes", post(images::push))
         .route("/v1/tasks/{task}/pause", post(tasks::pause))
         .route("/v1/tasks/{task}/resume", post(tasks::resume))
         .route("/v1/edges", get(edges::list).post(edges::register))

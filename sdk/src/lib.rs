@@ -545,6 +545,12 @@ impl Client {
             .map_err(|e| ApiError::local("decode", format!("the response does not decode: {e}")))
     }
 
+    /// Pushes image `req.image` to the registry `req.reference` names; the answer comes
+    /// once the manifest is written (its digest pins exactly this image).
+    pub async fn push_image(&self, req: &PushImage) -> Result<ImagePushed, ApiError> {
+        self.call(Method::POST, &["v1", "image-pushes"], &[], Some(req)).await
+    }
+
     /// Makes image `req.name` of container sandbox `sandbox` (its writable layer on top of
     /// its image, residue and `req.scrub` left out), on the sandbox's edge; it is `pending`
     /// until made (poll [`Client::get_image`]). Sandboxes start from it by name, on that edge.

@@ -584,6 +584,35 @@ pub struct PullImage {
     pub edge: Option<String>,
 }
 
+/// `POST /v1/image-pushes`: push an image to an OCI registry.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PushImage {
+    /// The image to push: one the caller's sandboxes can start from (pulled, imported,
+    /// packed, or a built-in one).
+    pub image: String,
+    /// Where to: `registry[:port]/repository[:tag]` (a registry on loopback is spoken to
+    /// over plain HTTP; credentials and other plain-HTTP registries are the edges').
+    pub reference: String,
+}
+
+/// What a push wrote.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ImagePushed {
+    pub image: String,
+    /// The reference pushed to, canonical.
+    pub reference: String,
+    /// The manifest's digest: `reference@digest` pulls exactly this image.
+    pub digest: String,
+    pub layers: u64,
+    /// The compressed layers' size.
+    pub bytes: u64,
+    /// The edge that pushed it.
+    pub edge: String,
+}
+
 /// `POST /v1/sandboxes/{id}/pack`: make an image of a container sandbox's file system (its
 /// writable layer on top of its image), made and kept by the sandbox's edge.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

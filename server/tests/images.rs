@@ -472,3 +472,99 @@ async fn put_tarball(up: &Up, path: &str, body: Vec<u8>) -> (u16, Value) {
     let status = resp.status().as_u16();
     (status, resp.json().await.unwrap_or(Value::Null))
 }
+
+/// `opendsecctl image push` and `POST /v1/image-pushes`: an imported image goes to a
+/// registry as an OCI image and comes back through a pull with the same digest, layers
+/// and config; bad pushes say what is wrong.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_imported_image_is_pushed_to_a_registry_and_pulled_back_the_same() {
+    oci_support::require("the registry suite");
+    let registry = Registry::start();
+    let up = Up::start(None).await;
+    let image = hello_test_image(&up, "e2e/to-push").await;
+    let layout = write_layout(&image);
+    let mut oci = tar::Builder::new(Vec::new());
+    oci.append_dir_all(".", layout.dir.path()).unwrap();
+    let (s, v) = put_tarball(&up, "/v1/images/to-push", oci.into_inner().unwrap()).await;
+    assert_eq!(s, 201, "{v}");
+
+    let target = format!("{}/e2e/pushed:v1", registry.host());
+    let ctl = std::path::Path::new(env!("CARGO_BIN_EXE_opendsec")).with_file_name("opendsecctl");
+    let out = std::process::Command::new(&ctl)
+        .args(["image", "push", "to-push", &target, "--output", "json"])
+        .env("OPENDSEC_URL", format!("http://{}", up.http))
+        .env("OPENDSEC_TOKEN", &up.token)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "opendsecctl image push: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pushed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (pushed["layers"].as_u64(), pushed["reference"].as_str()),
+        (Some(2), Some(target.as_str())),
+        "{pushed}"
+    );
+    let digest = pushed["digest"].as_str().unwrap().to_string();
+
+    // Pulled back through the edge, it is the same image: its digest, its config.
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/images",
+            Some(json!({"reference": target, "name": "pulled-back"})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let x = wait_image(&up, "pulled-back", Duration::from_secs(60)).await;
+    assert_eq!(
+        (x["state"].as_str(), x["digest"].as_str(), x["layers"].as_u64()),
+        (Some("ready"), Some(digest.as_str()), Some(2)),
+        "{x}"
+    );
+    let id = running_sandbox(&up, "pulled-back").await;
+    let (out, code) = up.exec(&id, "hello", &[]).await.unwrap();
+    assert_eq!((out.trim(), code), ("hello from the-image-config in /srv/app", 0));
+
+    // Pushing it again sends no layer twice and gives the same digest.
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/image-pushes",
+            Some(json!({"image": "to-push", "reference": target})),
+        )
+        .await;
+    assert_eq!((s, v["digest"].as_str()), (200, Some(digest.as_str())), "{v}");
+
+    // Bad pushes: no such image, a malformed or pinned reference, a registry that is not there.
+    for (body, status, field) in [
+        (
+            json!({"image": "no-such-image", "reference": target}),
+            404,
+            Some("image"),
+        ),
+        (
+            json!({"image": "to-push", "reference": "Bad Ref"}),
+            400,
+            Some("reference"),
+        ),
+        (
+            json!({"image": "to-push", "reference": format!("{target}@{digest}")}),
+            400,
+            Some("reference"),
+        ),
+        (json!({"image": "to-push"}), 400, Some("reference")),
+        (
+            json!({"image": "to-push", "reference": "127.0.0.1:1/e2e/x:v1"}),
+            502,
+            None,
+        ),
+    ] {
+        let (s, v) = up.send(Method::POST, "/v1/image-pushes", Some(body.clone())).await;
+        assert_eq!((s, v["field"].as_str()), (status, field), "{body}: {v}");
+        assert!(!v["message"].as_str().unwrap_or_default().is_empty(), "{v}");
+    }
+}

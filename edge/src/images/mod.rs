@@ -76,6 +76,7 @@ mod import;
 mod layers;
 mod oci;
 mod pack;
+mod push;
 mod registry;
 mod unpack;
 
@@ -148,6 +149,7 @@ pub use build::{
 pub use gc::{GC_REFRESH, GcOptions, GcReport, Holder, InUse};
 pub use layers::{PullProgress, TmpPath};
 pub use pack::{LayerTar, ScratchDir, write_layer};
+pub use push::Pushed;
 pub use registry::{PullOptions, RegistryAuth};
 
 /// Default location of the store on an edge machine.
@@ -292,6 +294,9 @@ pub enum ImageError {
     /// The registry could not be reached or answered with an error.
     #[error("pulling {reference}: {message}")]
     Registry { reference: String, message: String },
+    /// A push to the registry failed (`push.rs`).
+    #[error("pushing to {reference}: {message}")]
+    Push { reference: String, message: String },
     /// A blob (manifest, config, layer) or a layer's contents are not what its digest says.
     #[error("{what} does not match its digest: expected {expected}, got {actual}")]
     DigestMismatch {

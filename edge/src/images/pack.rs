@@ -108,6 +108,17 @@ impl ImageStore {
 /// `skip` gets each path relative to `dir` (`root/.cache`) and says whether to leave it
 /// out, with all it holds.
 pub fn write_layer(dir: &Path, out: &Path, skip: &dyn Fn(&Path) -> bool) -> Result<LayerTar, ImageError> {
+    write_tree(dir, out, skip, false)
+}
+
+/// Writes a layer of the store (`layers/<id>`) as an OCI layer tar into the new file
+/// `out`, as [`write_layer`] does but keeping setuid and setgid bits as stored (a pulled
+/// image's `sudo` stays one when the image is pushed: `push.rs`).
+pub fn write_stored_layer(dir: &Path, out: &Path) -> Result<LayerTar, ImageError> {
+    write_tree(dir, out, &|_| false, true)
+}
+
+fn write_tree(dir: &Path, out: &Path, skip: &dyn Fn(&Path) -> bool, keep_setuid: bool) -> Result<LayerTar, ImageError> {
     let file = File::options()
         .write(true)
         .create_new(true)
@@ -120,6 +131,7 @@ pub fn write_layer(dir: &Path, out: &Path, skip: &dyn Fn(&Path) -> bool) -> Resu
         }),
         dir,
         skip,
+        keep_setuid,
         links: HashMap::new(),
         entries: 0,
         left_out: 0,
@@ -166,6 +178,8 @@ struct Writer<'a, W: Write> {
     tar: tar::Builder<Hashing<W>>,
     dir: &'a Path,
     skip: &'a dyn Fn(&Path) -> bool,
+    /// Whether setuid and setgid bits are written (a stored layer's) or dropped (a pack's).
+    keep_setuid: bool,
     /// (device, inode) of files with several links -> the path first written.
     links: HashMap<(u64, u64), PathBuf>,
     entries: u64,
@@ -238,7 +252,8 @@ impl<W: Write> Writer<'_, W> {
         let mut header = tar::Header::new_gnu();
         header.set_uid(meta.uid().into());
         header.set_gid(meta.gid().into());
-        header.set_mode(meta.mode() & 0o7777 & !0o6000);
+        let privileged = if self.keep_setuid { 0 } else { 0o6000 };
+        header.set_mode(meta.mode() & 0o7777 & !privileged);
         header.set_mtime(meta.mtime().max(0) as u64);
         header.set_size(0);
         if !xattrs.kept.is_empty() {

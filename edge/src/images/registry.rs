@@ -151,10 +151,10 @@ impl ImageStore {
     }
 }
 
-/// One registry, as one pull speaks to it.
-struct Remote {
-    client: Client,
-    auth: oci_client::secrets::RegistryAuth,
+/// One registry, as one pull (or push, `push.rs`) speaks to it.
+pub(super) struct Remote {
+    pub(super) client: Client,
+    pub(super) auth: oci_client::secrets::RegistryAuth,
     /// For errors: the registry and the reference pulled.
     registry: String,
     name: String,
@@ -162,7 +162,7 @@ struct Remote {
 }
 
 impl Remote {
-    fn new(reference: &Reference, opts: &PullOptions) -> Result<Self, ImageError> {
+    pub(super) fn new(reference: &Reference, opts: &PullOptions) -> Result<Self, ImageError> {
         let registry = reference.resolve_registry().to_string();
         let protocol = match plain_http(&registry, &opts.insecure_http_registries) {
             true => ClientProtocol::HttpsExcept(vec![registry.clone()]),
@@ -281,8 +281,14 @@ impl Remote {
         Ok(())
     }
 
+    /// Whether the registry has blob `digest` in `reference`'s repository (a failed
+    /// check counts as no: the blob is sent).
+    pub(super) async fn has_blob(&self, reference: &Reference, digest: &str) -> bool {
+        self.client.blob_exists(reference, digest).await.unwrap_or(false)
+    }
+
     /// An oci-client error in the store's terms, naming the registry and what to do.
-    fn error(&self, e: OciDistributionError) -> ImageError {
+    pub(super) fn error(&self, e: OciDistributionError) -> ImageError {
         let registry_error = |message: String| ImageError::Registry {
             reference: self.name.clone(),
             message,

@@ -1,4 +1,7 @@
-//! Images imported from tarballs (`ImportImage`, reported as `ReportImage`): the log has
+//! Images crossing the edge's boundary as files: imported from tarballs, and pushed to
+//! registries ([`Edge::pusher`], the proxy's `POST /images/push`).
+//!
+//! Imports (`ImportImage`, reported as `ReportImage`): the log has
 //! this edge import image `name`, and the gateway then streams the caller's tarball (a
 //! docker-archive or an OCI layout) to the edge proxy's `PUT /images/import`. The proxy
 //! writes it to a private file of the store's `tmp/` ([`Edge::import_hooks`]), then the
@@ -193,6 +196,39 @@ impl Edge {
             ImageResult::Failed { reason } => serde_json::json!({
                 "state": "failed", "index": index, "reason": reason,
             }),
+        })
+    }
+}
+
+impl Edge {
+    /// The proxy's `POST /images/push`: pushes stored image `name` to `reference` with
+    /// this edge's registry settings (credentials, plain-HTTP registries).
+    pub(super) fn pusher(self: &Arc<Self>) -> proxy::Pusher {
+        let edge = self.clone();
+        Arc::new(move |ask: &serde_json::Value| {
+            let (Some(name), Some(reference)) = (ask["name"].as_str(), ask["reference"].as_str()) else {
+                return Err((400, "a push names the image (name) and where to (reference)".into()));
+            };
+            tracing::info!(image = %name, %reference, "pushing");
+            let opts = edge.cfg.registries.options_for(reference);
+            let progress = |p: &PullProgress| tracing::debug!(image = %name, step = %p.current, "pushing");
+            match edge.images.push(name, reference, &opts, &progress) {
+                Ok(p) => {
+                    tracing::info!(image = %name, reference = %p.reference, digest = %p.digest, "pushed");
+                    Ok(serde_json::json!({
+                        "reference": p.reference, "digest": p.digest, "layers": p.layers, "bytes": p.bytes,
+                    }))
+                }
+                Err(e) => {
+                    use crate::images::ImageError as E;
+                    let code = match &e {
+                        E::NotFound(_) => 404,
+                        E::InvalidReference { .. } => 400,
+                        _ => 502,
+                    };
+                    Err((code, e.to_string()))
+                }
+            }
         })
     }
 }

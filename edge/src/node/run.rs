@@ -200,6 +200,7 @@ impl Edge {
             transfers: Some(self.transfer_hooks()),
             prune: Some(self.pruner()),
             imports: Some(self.import_hooks()),
+            push: Some(self.pusher()),
         };
         proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
     }

@@ -10,7 +10,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use opendsec_commands::Command;
 use opendsec_projections::{Right, State as Views};
-use opendsec_sdk::types::{self as api, ImageList, ImageWritten, PackSandbox, PullImage};
+use opendsec_sdk::types::{self as api, ImageList, ImagePushed, ImageWritten, PackSandbox, PullImage, PushImage};
 
 use crate::convert;
 use crate::error::ApiError;
@@ -153,6 +153,97 @@ pub async fn import(
         status: StatusCode::CREATED,
         body: ImageWritten { index, image },
     })
+}
+
+/// Pushes an image to an OCI registry: one the caller's sandboxes can start from (pulled,
+/// imported, packed or built-in), written by the edge that holds it as an OCI image (its
+/// layers as gzipped tars, its config with its Env, User, WorkingDir, Entrypoint, Cmd,
+/// ExposedPorts and labels). Layers the registry has are not sent again. The answer
+/// comes once the manifest is written: its digest pins exactly this image. A registry
+/// on loopback is spoken to over plain HTTP; credentials and other plain-HTTP registries
+/// are the edges' settings (`opendsec edge --registry-auth`, `--insecure-registry`).
+/// Needs sandbox:write.
+#[utoipa::path(post, path = "/v1/image-pushes", tag = "images", request_body = PushImage,
+    responses((status = 200, body = ImagePushed), (status = "4XX", body = api::ErrorBody),
+        (status = 502, body = api::ErrorBody, description = "The registry refused or could not be reached (the message says which and why)")))]
+pub async fn push(State(st): State<AppState>, who: Authed, body: Bytes) -> Result<Json<ImagePushed>, ApiError> {
+    let req: PushImage = decode_json(&body)?;
+    who.require(Right::SandboxWrite)?;
+    opendsec_commands::images::Reference::parse(&req.reference).map_err(|e| ApiError::invalid("reference", e))?;
+    if req.reference.contains('@') {
+        return Err(ApiError::invalid(
+            "reference",
+            "a push names a tag, not a digest (the registry computes the digest)",
+        ));
+    }
+    let (edge, address) = st.node.read(|s| {
+        let edge = match s.images.images.get(&req.image) {
+            Some(x) if usable(s, &who, &x.project) => {
+                if x.state != opendsec_projections::ImageState::Ready {
+                    let mut e = ApiError::new(
+                        StatusCode::CONFLICT,
+                        "conflict",
+                        format!(
+                            "image {} is not ready (pending or failed): only a ready image is pushed; \
+                             `opendsecctl image get {}` shows its state",
+                            req.image, req.image
+                        ),
+                    );
+                    e.body.field = Some("image".into());
+                    return Err(e);
+                }
+                x.edge.clone()
+            }
+            _ if opendsec_commands::images::is_builtin(&req.image) => s
+                .placement
+                .edges
+                .values()
+                .find(|e| !e.deregistered)
+                .map(|e| e.id.clone())
+                .ok_or_else(|| ApiError::unavailable("no edge is registered to push the image: start one"))?,
+            _ => {
+                return Err(ApiError::not_found(
+                    "image",
+                    format!("no image named {} is visible to this token", req.image),
+                ));
+            }
+        };
+        let address =
+            s.placement.edges.get(&edge).map(|e| e.address.clone()).ok_or_else(|| {
+                ApiError::unavailable(format!("edge {edge}, which holds the image, is not registered"))
+            })?;
+        Ok((edge, address))
+    })?;
+    let ask = serde_json::json!({"name": req.image, "reference": req.reference});
+    let (status, body) = crate::edge_client::call_with_body(
+        &st,
+        &address,
+        axum::http::Method::POST,
+        "/images/push",
+        ask.to_string().into_bytes(),
+    )
+    .await
+    .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "unavailable", e.0))?;
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if !(200..300).contains(&status) {
+        let why = v["message"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| status.to_string());
+        return Err(match status {
+            400 => ApiError::invalid("reference", why),
+            404 => ApiError::not_found("image", format!("edge {edge} does not hold image {}: {why}", req.image)),
+            _ => ApiError::new(StatusCode::BAD_GATEWAY, "push_failed", why),
+        });
+    }
+    Ok(Json(ImagePushed {
+        image: req.image,
+        reference: v["reference"].as_str().unwrap_or_default().to_string(),
+        digest: v["digest"].as_str().unwrap_or_default().to_string(),
+        layers: v["layers"].as_u64().unwrap_or(0),
+        bytes: v["bytes"].as_u64().unwrap_or(0),
+        edge,
+    }))
 }
 
 /// Makes an image of a container sandbox that has run (running or paused): its writable

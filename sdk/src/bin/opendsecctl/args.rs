@@ -539,6 +539,14 @@ pub(crate) enum ImageCmd {
         #[arg(long)]
         edge: Option<String>,
     },
+    /// Pushes an image (pulled, imported, packed, e.g. by `sandbox pack`, or built-in) to an
+    /// OCI registry as REFERENCE, registry[:port]/repository[:tag]; prints the digest. A
+    /// registry on loopback is spoken to over plain HTTP; credentials and other plain-HTTP
+    /// registries are set on the edges (opendsec edge --registry-auth, --insecure-registry).
+    Push {
+        name: String,
+        reference: String,
+    },
     /// Images your sandboxes can start from (your subtree's and your ancestors').
     /// The built-in images busybox, base and code-interpreter-v1 are not listed.
     List,

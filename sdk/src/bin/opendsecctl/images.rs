@@ -1,9 +1,9 @@
 //! `opendsecctl image`: pull (with a progress bar fed by the pulling edge's reports),
-//! import (a progress bar of the upload), list, get, rm; and `sandbox pack`, which waits
+//! import (a progress bar of the upload), push, list, get, rm; and `sandbox pack`, which waits
 //! the same way as a pull.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use opendsec_sdk::types::{Image, PackSandbox, PullImage};
+use opendsec_sdk::types::{Image, PackSandbox, PullImage, PushImage};
 use opendsec_sdk::{ApiError, Client};
 use std::time::{Duration, Instant};
 
@@ -78,6 +78,26 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
             bar.finish_and_clear();
             let w = w?;
             out.show(&w.image, |x| table(&IMAGE_HEADERS, vec![image_row(x)]));
+        }
+        ImageCmd::Push { name, reference } => {
+            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+            bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("a valid template"));
+            bar.set_message(format!("the edge writes {name}'s layers and sends them to {reference}"));
+            bar.enable_steady_tick(Duration::from_millis(120));
+            let pushed = client.push_image(&PushImage { image: name, reference }).await;
+            bar.finish_and_clear();
+            let p = pushed?;
+            out.show(&p, |p| {
+                format!(
+                    "pushed {} to {}@{} ({} layers, {:.1} MiB, from edge {})",
+                    p.image,
+                    p.reference,
+                    p.digest,
+                    p.layers,
+                    p.bytes as f64 / (1 << 20) as f64,
+                    p.edge
+                )
+            });
         }
         ImageCmd::List => {
             let l = client.list_images().await?;
