@@ -11,6 +11,8 @@ mod e2b_py;
 mod oci_support;
 #[path = "support/up.rs"]
 mod up;
+#[path = "support/vms.rs"]
+mod vms;
 
 use oci_support::{LayerTar, Registry, TestImage, write_layout};
 use reqwest::Method;
@@ -567,4 +569,36 @@ async fn an_imported_image_is_pushed_to_a_registry_and_pulled_back_the_same() {
         assert_eq!((s, v["field"].as_str()), (status, field), "{body}: {v}");
         assert!(!v["message"].as_str().unwrap_or_default().is_empty(), "{v}");
     }
+}
+
+/// An OCI image in a microVM (its own kernel, the image as its root file system): the
+/// image's Env and WorkingDir hold for commands there as in a container, and an image
+/// without `user` gets one.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_imported_image_runs_in_a_microvm_with_its_env_and_working_directory() {
+    oci_support::require("the registry suite");
+    let up = vms::start().await;
+    let image = hello_test_image(&up, "e2e/in-a-vm").await;
+    let layout = write_layout(&image);
+    let mut oci = tar::Builder::new(Vec::new());
+    oci.append_dir_all(".", layout.dir.path()).unwrap();
+    let (s, v) = put_tarball(&up, "/v1/images/hello-vm-test", oci.into_inner().unwrap()).await;
+    assert_eq!(s, 201, "{v}");
+    let (s, v) = up
+        .send(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "hello-vm-test", "isolation": "microvm", "memory_mb": 256})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandbox"]["id"].as_str().unwrap().to_string();
+    vms::wait_state(&up, &id, "running", Duration::from_secs(300)).await;
+    let out = vms::exec(&up, &id, "hello", &[]).await;
+    assert_eq!(
+        out.trim(),
+        "hello from the-image-config in /srv/app",
+        "Env and WorkingDir in the guest"
+    );
+    assert_eq!(vms::exec(&up, &id, "id", &["-un"]).await.trim(), "user");
 }

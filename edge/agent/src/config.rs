@@ -41,6 +41,17 @@ pub fn load_env(path: &Path) -> Result<SandboxEnv, String> {
     Ok(env)
 }
 
+/// The image's WorkingDir (`--workdir-file`: a VM's, written by its edge): where processes
+/// that name no directory start. One absolute path; anything else is refused.
+pub fn load_workdir(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let dir = text.trim_end_matches('\n');
+    if !dir.starts_with('/') || dir.contains('\n') || dir.contains('\0') || dir.len() > 4096 {
+        return Err(format!("{}: not one absolute path", path.display()));
+    }
+    Ok(dir.to_string())
+}
+
 /// The template's start command (`--start-file`), e.g. the code interpreter's
 /// server. Started once at boot as an ordinary managed process tagged
 /// [`START_TAG`].

@@ -10,7 +10,8 @@
 //! Usage:
 //!   opendsec-agent --envd-version      (prints the envd version it implements)
 //!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
-//!                        [--config-fd N | --access-token-file F --env-file F --start-file F]
+//!                        [--config-fd N | --access-token-file F --env-file F --start-file F
+//!                         --workdir-file F]
 //!                        [--default-user NAME]
 //!
 //! A container's edge hands the configuration over a pipe (`--config-fd`, see
@@ -83,12 +84,13 @@ struct Args {
     default_user: String,
     env_file: Option<PathBuf>,
     start_file: Option<PathBuf>,
+    workdir_file: Option<PathBuf>,
     /// The pipe the configuration comes on (read by the supervisor only).
     config_fd: Option<RawFd>,
 }
 
 const USAGE: &str = "usage: opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:ADDR:PORT) \
-[--config-fd N | --access-token-file FILE --env-file FILE --start-file FILE] [--default-user NAME]";
+[--config-fd N | --access-token-file FILE --env-file FILE --start-file FILE --workdir-file FILE] [--default-user NAME]";
 
 fn die(msg: &str) -> ! {
     eprintln!("opendsec-agent: {msg}");
@@ -133,6 +135,7 @@ fn parse_args() -> Args {
     let mut default_user = "user".to_string();
     let mut env_file = None;
     let mut start_file = None;
+    let mut workdir_file = None;
     let mut config_fd = None;
     while let Some(a) = it.next() {
         let (flag, inline) = match a.split_once('=') {
@@ -173,6 +176,7 @@ fn parse_args() -> Args {
             "--default-user" => default_user = val(),
             "--env-file" => env_file = Some(PathBuf::from(val())),
             "--start-file" => start_file = Some(PathBuf::from(val())),
+            "--workdir-file" => workdir_file = Some(PathBuf::from(val())),
             "--config-fd" if role == Role::Supervisor => {
                 config_fd = Some(val().parse().unwrap_or_else(|_| die("--config-fd needs a number")))
             }
@@ -188,6 +192,7 @@ fn parse_args() -> Args {
         default_user,
         env_file,
         start_file,
+        workdir_file,
         config_fd,
     }
 }
@@ -234,6 +239,10 @@ fn main() {
         .start_file
         .as_ref()
         .map(|f| config::load_start(f).unwrap_or_else(|e| die(&format!("--start-file: {e}"))));
+    let workdir = args
+        .workdir_file
+        .as_ref()
+        .map(|f| config::load_workdir(f).unwrap_or_else(|e| die(&format!("--workdir-file: {e}"))));
     if args.role == Role::Supervisor {
         // Only as a sandbox's init: an agent started by hand or by tests on a host must
         // never edit the host's accounts. Before the configuration, so that a warm
@@ -275,7 +284,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap_or_else(|e| die(&format!("runtime: {e}")));
-    rt.block_on(run(args, token, sandbox_env, start_cmd, handoff));
+    rt.block_on(run(args, token, sandbox_env, start_cmd, workdir, handoff));
 }
 
 /// The supervisor's listening socket, which every server inherits.
@@ -381,6 +390,7 @@ async fn run(
     token: Option<String>,
     sandbox_env: config::SandboxEnv,
     start_cmd: Option<config::StartCommand>,
+    workdir: Option<String>,
     handoff: Option<chronus::Handoff>,
 ) {
     let listener = match &args.listen {
@@ -400,7 +410,7 @@ async fn run(
             let boot: BootParts = serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}")));
             (boot.env, boot.start, boot.apparmor_profile, boot.workdir)
         }
-        None => (sandbox_env, start_cmd, None, None),
+        None => (sandbox_env, start_cmd, None, workdir),
     };
     let on_exec = apparmor::OnExec::new(apparmor_profile.as_deref());
     let procs = Arc::new(process::Manager::new(sandbox_env, on_exec).with_workdir(workdir));

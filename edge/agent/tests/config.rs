@@ -1,4 +1,5 @@
-//! The sandbox's configuration files: `--env-file` and `--start-file`.
+//! The sandbox's configuration files: `--env-file`, `--start-file` and `--workdir-file`
+//! (a VM's: its guest's `init.sh` passes those its edge wrote).
 
 mod common;
 
@@ -44,6 +45,41 @@ async fn env_file_vars_reach_every_process_and_requests_override_them() {
         .await;
     s.event().await;
     assert!(s.collect().await.2.contains("pty:from env file"));
+}
+
+#[tokio::test]
+async fn a_workdir_file_is_where_processes_naming_no_directory_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Agent::start_in(dir, None, &["--workdir-file", "{dir}/workdir"], |d| {
+        std::fs::create_dir(d.join("app")).unwrap();
+        std::fs::write(d.join("workdir"), format!("{}\n", d.join("app").display())).unwrap();
+    })
+    .await;
+    let app = a.path("app");
+    assert_eq!(run(&a, sh("pwd")).await, format!("{app}\n"));
+    // A process naming its directory starts there.
+    let msg = json!({"process": {"cmd": "/bin/sh", "args": ["-c", "pwd"], "cwd": "/"}});
+    assert_eq!(run(&a, msg).await, "/\n");
+
+    // Not one absolute path: the agent stops and says so.
+    let bad = tempfile::tempdir().unwrap();
+    for (name, text) in [("relative", "srv/app"), ("two", "/a\n/b"), ("missing", "")] {
+        let f = bad.path().join(name);
+        if !text.is_empty() {
+            std::fs::write(&f, text).unwrap();
+        }
+        let out = agent_command()
+            .arg("--listen")
+            .arg(format!("unix:{}", bad.path().join("a.sock").display()))
+            .arg("--workdir-file")
+            .arg(&f)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        assert!(err.contains("--workdir-file"), "{name}: {err}");
+    }
 }
 
 #[tokio::test]

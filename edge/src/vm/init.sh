@@ -155,5 +155,8 @@ set -- serve --listen "tcp:$GUEST_IP:$AGENT_PORT" \
 if [ -f /opendsec/config/start.json ]; then
     set -- "$@" --start-file /.opendsec/config/start.json
 fi
+if [ -f /opendsec/config/workdir ]; then
+    set -- "$@" --workdir-file /.opendsec/config/workdir
+fi
 echo "@@OPENDSEC_AGENT_EXEC"
 exec switch_root /newroot /.opendsec/agent "$@"

@@ -187,6 +187,21 @@ pub(crate) struct GuestConfig {
     pub access_token: String,
     pub env: BTreeMap<String, String>,
     pub start: Option<StartSpec>,
+    /// The image's WorkingDir ("" for none): where processes naming no directory start.
+    pub workdir: String,
+}
+
+impl GuestConfig {
+    /// What the guest of VM `spec` is configured with.
+    pub(crate) fn of(spec: &super::VmSpec) -> GuestConfig {
+        GuestConfig {
+            hostname: spec.id.clone(),
+            access_token: spec.access_token.clone(),
+            env: spec.env.clone(),
+            start: spec.image.config.start.clone(),
+            workdir: spec.image.config.workdir.clone(),
+        }
+    }
 }
 
 /// Writes `dest`: the shared initramfs followed by an archive of this VM's files.
@@ -236,6 +251,9 @@ fn write_config_archive(file: fs::File, dest: &Path, config: &GuestConfig) -> Re
     if let Some(start) = &config.start {
         let start = serde_json::to_vec(start).expect("a start spec serialises");
         io(w.file("opendsec/config/start.json", 0o600, &start))?;
+    }
+    if config.workdir.starts_with('/') {
+        io(w.file("opendsec/config/workdir", 0o600, config.workdir.as_bytes()))?;
     }
     let mut out = w.finish().map_err(io_err(context.clone()))?;
     out.flush().map_err(io_err(context))

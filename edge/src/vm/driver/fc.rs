@@ -469,16 +469,7 @@ pub(super) fn create(driver: &MicroVmDriver, spec: &VmSpec, progress: &dyn Fn(&s
         record.fc.base = Some(DiffBase::Zero);
         inner.prepare_dir(&dir, uid)?;
         create_rw_disk(&inner.cfg.store, spec.disk_mb, &dir.join("rw.img"))?;
-        write_vm_initrd(
-            &inner.boot,
-            &dir.join("initrd"),
-            &GuestConfig {
-                hostname: spec.id.clone(),
-                access_token: spec.access_token.clone(),
-                env: spec.env.clone(),
-                start: spec.image.config.start.clone(),
-            },
-        )?;
+        write_vm_initrd(&inner.boot, &dir.join("initrd"), &GuestConfig::of(spec))?;
         give(&dir.join("rw.img"), uid, uid, 0o600)?;
         give(&dir.join("initrd"), uid, uid, 0o400)?;
         net::create(&netns, uid)?;

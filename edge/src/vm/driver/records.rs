@@ -9,12 +9,7 @@ impl Inner {
     /// Writes the VM's `initrd`: for a microVM the initramfs with its configuration
     /// appended, for a full VM its configuration disk.
     pub(super) fn write_guest_config(&self, machine: Machine, dir: &Path, spec: &VmSpec) -> Result<(), VmError> {
-        let config = GuestConfig {
-            hostname: spec.id.clone(),
-            access_token: spec.access_token.clone(),
-            env: spec.env.clone(),
-            start: spec.image.config.start.clone(),
-        };
+        let config = GuestConfig::of(spec);
         let dest = dir.join("initrd");
         match machine {
             Machine::Microvm => write_vm_initrd(&self.boot, &dest, &config),
