@@ -572,10 +572,10 @@ async fn an_imported_image_is_pushed_to_a_registry_and_pulled_back_the_same() {
 }
 
 /// An OCI image in a microVM (its own kernel, the image as its root file system): the
-/// image's Env and WorkingDir hold for commands there as in a container, and an image
-/// without `user` gets one.
+/// image's Env, WorkingDir and User hold for commands there as in a container, and an
+/// image without `user` gets one.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_imported_image_runs_in_a_microvm_with_its_env_and_working_directory() {
+async fn an_imported_image_runs_in_a_microvm_with_its_env_working_directory_and_user() {
     oci_support::require("the registry suite");
     let up = vms::start().await;
     let image = hello_test_image(&up, "e2e/in-a-vm").await;

@@ -120,6 +120,41 @@ pub struct BootConfig {
     /// user's home when absent, or when the directory does not exist).
     #[serde(default)]
     pub workdir: Option<String>,
+    /// The image's User: who processes naming no user run as (`user` when absent, or
+    /// when the image has no such account: see [`default_user`]).
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// Who processes naming no user run as: the image's User when it names an account of
+/// the sandbox (`image_user`, from the configuration), else `fallback` (`user`, or
+/// `--default-user`). An image User the sandbox has no account for is reported and left
+/// out rather than failing every command.
+pub fn default_user(image_user: Option<&str>, fallback: &str, exists: impl Fn(&str) -> bool) -> String {
+    match image_user.filter(|u| !u.is_empty()) {
+        Some(u) if exists(u) => u.to_string(),
+        Some(u) => {
+            eprintln!(
+                "opendsec-agent: the image's user {u:?} has no account in /etc/passwd: processes run as {fallback:?}"
+            );
+            fallback.to_string()
+        }
+        None => fallback.to_string(),
+    }
+}
+
+/// The image's User (`--user-file`: a VM's, written by its edge): one account name.
+pub fn load_user(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let name = text.trim_end_matches('\n');
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('-')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if !valid {
+        return Err(format!("{}: not one account name", path.display()));
+    }
+    Ok(name.to_string())
 }
 
 /// How the sandbox's processes are scheduled (see [`apply_cpu_class`]); any other name

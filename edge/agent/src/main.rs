@@ -11,7 +11,7 @@
 //!   opendsec-agent --envd-version      (prints the envd version it implements)
 //!   opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:127.0.0.1:PORT)
 //!                        [--config-fd N | --access-token-file F --env-file F --start-file F
-//!                         --workdir-file F]
+//!                         --workdir-file F --user-file F]
 //!                        [--default-user NAME]
 //!
 //! A container's edge hands the configuration over a pipe (`--config-fd`, see
@@ -85,12 +85,13 @@ struct Args {
     env_file: Option<PathBuf>,
     start_file: Option<PathBuf>,
     workdir_file: Option<PathBuf>,
+    user_file: Option<PathBuf>,
     /// The pipe the configuration comes on (read by the supervisor only).
     config_fd: Option<RawFd>,
 }
 
 const USAGE: &str = "usage: opendsec-agent serve (--listen-fd N | --listen unix:/path | --listen tcp:ADDR:PORT) \
-[--config-fd N | --access-token-file FILE --env-file FILE --start-file FILE --workdir-file FILE] [--default-user NAME]";
+[--config-fd N | --access-token-file FILE --env-file FILE --start-file FILE --workdir-file FILE --user-file FILE] [--default-user NAME]";
 
 fn die(msg: &str) -> ! {
     eprintln!("opendsec-agent: {msg}");
@@ -136,6 +137,7 @@ fn parse_args() -> Args {
     let mut env_file = None;
     let mut start_file = None;
     let mut workdir_file = None;
+    let mut user_file = None;
     let mut config_fd = None;
     while let Some(a) = it.next() {
         let (flag, inline) = match a.split_once('=') {
@@ -177,6 +179,7 @@ fn parse_args() -> Args {
             "--env-file" => env_file = Some(PathBuf::from(val())),
             "--start-file" => start_file = Some(PathBuf::from(val())),
             "--workdir-file" => workdir_file = Some(PathBuf::from(val())),
+            "--user-file" => user_file = Some(PathBuf::from(val())),
             "--config-fd" if role == Role::Supervisor => {
                 config_fd = Some(val().parse().unwrap_or_else(|_| die("--config-fd needs a number")))
             }
@@ -193,6 +196,7 @@ fn parse_args() -> Args {
         env_file,
         start_file,
         workdir_file,
+        user_file,
         config_fd,
     }
 }
@@ -243,6 +247,10 @@ fn main() {
         .workdir_file
         .as_ref()
         .map(|f| config::load_workdir(f).unwrap_or_else(|e| die(&format!("--workdir-file: {e}"))));
+    let image_user = args
+        .user_file
+        .as_ref()
+        .map(|f| config::load_user(f).unwrap_or_else(|e| die(&format!("--user-file: {e}"))));
     if args.role == Role::Supervisor {
         // Only as a sandbox's init: an agent started by hand or by tests on a host must
         // never edit the host's accounts. Before the configuration, so that a warm
@@ -263,6 +271,7 @@ fn main() {
                         "start": c.start,
                         "apparmor_profile": c.apparmor_profile,
                         "workdir": c.workdir,
+                        "user": c.user,
                     },
                 })
             }
@@ -284,7 +293,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap_or_else(|e| die(&format!("runtime: {e}")));
-    rt.block_on(run(args, token, sandbox_env, start_cmd, workdir, handoff));
+    rt.block_on(run(args, token, sandbox_env, start_cmd, (workdir, image_user), handoff));
 }
 
 /// The supervisor's listening socket, which every server inherits.
@@ -383,6 +392,8 @@ struct BootParts {
     apparmor_profile: Option<String>,
     #[serde(default)]
     workdir: Option<String>,
+    #[serde(default)]
+    user: Option<String>,
 }
 
 async fn run(
@@ -390,7 +401,7 @@ async fn run(
     token: Option<String>,
     sandbox_env: config::SandboxEnv,
     start_cmd: Option<config::StartCommand>,
-    workdir: Option<String>,
+    (workdir, image_user): (Option<String>, Option<String>),
     handoff: Option<chronus::Handoff>,
 ) {
     let listener = match &args.listen {
@@ -405,13 +416,16 @@ async fn run(
 
     let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
     // The edge's configuration, which the supervisor read from its pipe at boot.
-    let (sandbox_env, start_cmd, apparmor_profile, workdir) = match saved.remove("boot") {
+    let (sandbox_env, start_cmd, apparmor_profile, workdir, image_user) = match saved.remove("boot") {
         Some(boot) => {
             let boot: BootParts = serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}")));
-            (boot.env, boot.start, boot.apparmor_profile, boot.workdir)
+            (boot.env, boot.start, boot.apparmor_profile, boot.workdir, boot.user)
         }
-        None => (sandbox_env, start_cmd, None, workdir),
+        None => (sandbox_env, start_cmd, None, workdir, image_user),
     };
+    let default_user = config::default_user(image_user.as_deref(), &args.default_user, |u| {
+        users::lookup(u).is_some()
+    });
     let on_exec = apparmor::OnExec::new(apparmor_profile.as_deref());
     let procs = Arc::new(process::Manager::new(sandbox_env, on_exec).with_workdir(workdir));
     tokio::spawn(procs.clone().reap_loop());
@@ -435,7 +449,7 @@ async fn run(
             start::resume(&procs, saved.remove("readiness"))
         }
         _ => match start_cmd {
-            Some(c) => start::boot(&procs, c, &args.default_user),
+            Some(c) => start::boot(&procs, c, &default_user),
             None => start::ready(),
         },
     };
@@ -447,7 +461,7 @@ async fn run(
         procs: procs.clone(),
         watchers: fs::Watchers::default(),
         token: rekey::AccessToken::new(token),
-        default_user: args.default_user,
+        default_user,
         readiness,
     });
 

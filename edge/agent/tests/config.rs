@@ -1,5 +1,5 @@
-//! The sandbox's configuration files: `--env-file`, `--start-file` and `--workdir-file`
-//! (a VM's: its guest's `init.sh` passes those its edge wrote).
+//! The sandbox's configuration files: `--env-file`, `--start-file`, `--workdir-file` and
+//! `--user-file` (a VM's: its guest's `init.sh` passes those its edge wrote).
 
 mod common;
 
@@ -80,6 +80,43 @@ async fn a_workdir_file_is_where_processes_naming_no_directory_start() {
         assert_eq!(out.status.code(), Some(2), "{name}: {err}");
         assert!(err.contains("--workdir-file"), "{name}: {err}");
     }
+}
+
+#[tokio::test]
+async fn a_user_file_names_who_processes_naming_no_user_run_as_when_the_account_exists() {
+    let user = test_user();
+    let dir = tempfile::tempdir().unwrap();
+    let a = Agent::start_in(dir, None, &["--user-file", "{dir}/user"], |d| {
+        std::fs::write(d.join("user"), format!("{user}\n")).unwrap()
+    })
+    .await;
+    assert_eq!(run(&a, sh("id -un")).await, format!("{user}\n"));
+
+    // An image User the sandbox has no account for: processes run as the default user
+    // (root in these tests) and the agent says why.
+    let dir = tempfile::tempdir().unwrap();
+    let a = Agent::start_in(dir, None, &["--user-file", "{dir}/user"], |d| {
+        std::fs::write(d.join("user"), "no-such-account").unwrap()
+    })
+    .await;
+    assert_eq!(run(&a, sh("id -un")).await, "root\n");
+    assert!(a.stderr().contains("no-such-account"), "{}", a.stderr());
+
+    // Not an account name: refused at start.
+    let bad = tempfile::tempdir().unwrap();
+    let f = bad.path().join("user");
+    std::fs::write(&f, "1000:1000").unwrap();
+    let out = agent_command()
+        .arg("--listen")
+        .arg(format!("unix:{}", bad.path().join("a.sock").display()))
+        .arg("--user-file")
+        .arg(&f)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--user-file"), "{err}");
 }
 
 #[tokio::test]

@@ -222,6 +222,20 @@ pub struct StartSpec {
 }
 
 impl ImageConfig {
+    /// The account processes naming no user run as, when the image's User names one by
+    /// name (`user` by default; a numeric `uid[:gid]` or a `name:group` User is not
+    /// followed: processes then run as `user`). The agent falls back to `user` where the
+    /// sandbox has no such account.
+    pub fn account(&self) -> Option<&str> {
+        let u = self.user.as_str();
+        let valid = !u.is_empty()
+            && u.len() <= 64
+            && !u.starts_with('-')
+            && !u.chars().all(|c| c.is_ascii_digit())
+            && u.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+        valid.then_some(u)
+    }
+
     /// The config a packed image gets from its parent's and a template build's changes:
     /// variables set over the parent's, the working directory and user replaced where
     /// given, and the start command (run by `/bin/bash -l -c`, as E2B runs commands,
@@ -624,6 +638,28 @@ pub(crate) fn remove_tree(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_image_user_is_followed_only_when_it_names_an_account() {
+        let with = |user: &str| ImageConfig {
+            user: user.into(),
+            ..ImageConfig::default()
+        };
+        for (user, account) in [
+            ("user", Some("user")),
+            ("root", Some("root")),
+            ("node", Some("node")),
+            ("app_1.x-y", Some("app_1.x-y")),
+            ("1000", None),
+            ("1000:1000", None),
+            ("app:staff", None),
+            ("", None),
+            ("-rf", None),
+            ("a b", None),
+        ] {
+            assert_eq!(with(user).account(), account, "{user:?}");
+        }
+    }
 
     #[test]
     fn start_spec_serialises_to_the_agents_start_file() {

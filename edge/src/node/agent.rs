@@ -135,6 +135,9 @@ impl Edge {
         if !image.config.workdir.is_empty() {
             config["workdir"] = image.config.workdir.clone().into();
         }
+        if let Some(user) = image.config.account() {
+            config["user"] = user.into();
+        }
         if let Some(start) = &image.config.start {
             config["start"] = serde_json::to_value(start).unwrap_or_default();
         }

@@ -158,5 +158,8 @@ fi
 if [ -f /opendsec/config/workdir ]; then
     set -- "$@" --workdir-file /.opendsec/config/workdir
 fi
+if [ -f /opendsec/config/user ]; then
+    set -- "$@" --user-file /.opendsec/config/user
+fi
 echo "@@OPENDSEC_AGENT_EXEC"
 exec switch_root /newroot /.opendsec/agent "$@"

@@ -189,6 +189,8 @@ pub(crate) struct GuestConfig {
     pub start: Option<StartSpec>,
     /// The image's WorkingDir ("" for none): where processes naming no directory start.
     pub workdir: String,
+    /// The image's User by name (`ImageConfig::account`): who they run as.
+    pub user: Option<String>,
 }
 
 impl GuestConfig {
@@ -200,6 +202,7 @@ impl GuestConfig {
             env: spec.env.clone(),
             start: spec.image.config.start.clone(),
             workdir: spec.image.config.workdir.clone(),
+            user: spec.image.config.account().map(str::to_string),
         }
     }
 }
@@ -254,6 +257,9 @@ fn write_config_archive(file: fs::File, dest: &Path, config: &GuestConfig) -> Re
     }
     if config.workdir.starts_with('/') {
         io(w.file("opendsec/config/workdir", 0o600, config.workdir.as_bytes()))?;
+    }
+    if let Some(user) = &config.user {
+        io(w.file("opendsec/config/user", 0o600, user.as_bytes()))?;
     }
     let mut out = w.finish().map_err(io_err(context.clone()))?;
     out.flush().map_err(io_err(context))
