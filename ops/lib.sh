@@ -80,9 +80,10 @@ VM_PACKAGES=(qemu-system-x86 erofs-utils xz-utils cpio qemu-utils seabios extlin
 README_PACKAGES=(jq)
 # What the OCI image tests (edge/tests/oci_images.rs) run: a registry on loopback
 # (docker-registry), skopeo to seed it and write docker-archives, htpasswd (apache2-utils)
-# for the registry's basic auth. (Where systemd runs, the package starts its own registry
-# on port 5000; the tests start theirs on free loopback ports.)
-IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils)
+# for the registry's basic auth, bindfs to mount one store directory twice through FUSE
+# (a network file system's stand-in). (Where systemd runs, the package starts its own
+# registry on port 5000; the tests start theirs on free loopback ports.)
+IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils bindfs)
 # What the images benchmark (ops/bench.sh images) runs beside OpenDsec: the same registry
 # and skopeo, and umoci, which unpacks the image into a bundle the raw way.
 IMAGE_BENCH_PACKAGES=(docker-registry skopeo umoci)

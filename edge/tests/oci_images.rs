@@ -2,12 +2,13 @@
 //! `docker-registry`, seeded with `skopeo copy` from OCI layouts these tests write by
 //! hand): pulls stack layers and keep the image's config, reuse and share layers, honour
 //! basic auth, refuse corrupt and hostile images without leaving anything behind, and
-//! are safe when several stores (threads, processes) pull into one directory; tarballs
-//! (docker-archive, OCI layout) import the same way.
+//! are safe when several stores (threads, processes, two FUSE mounts of one directory
+//! standing for a network file system) pull into one directory; tarballs (docker-archive,
+//! OCI layout) import the same way.
 //!
 //! Needs root (layer owners, whiteout devices, overlay xattrs) and the packages
-//! `docker-registry`, `skopeo`, `apache2-utils` (htpasswd) and `util-linux` (unshare):
-//! `ops/lib.sh`'s IMAGE_TEST_PACKAGES.
+//! `docker-registry`, `skopeo`, `apache2-utils` (htpasswd), `util-linux` (unshare) and
+//! `bindfs` (FUSE): `ops/lib.sh`'s IMAGE_TEST_PACKAGES.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -441,6 +442,115 @@ fn two_stores_on_one_directory_pulling_one_image_at_once_unpack_each_layer_once(
         }
     });
     assert_eq!(steps.count("resolving"), 1, "the threads did not share one pull");
+}
+
+/// One directory mounted through FUSE (`bindfs`) at a mount point of its own, as a
+/// machine mounts a network file system's export; unmounted when dropped.
+/// `lock_forwarding`: whether `flock` reaches the directory below (NFSv4 and CephFS carry
+/// locks between clients), or stays within this mount (a file system whose locks do not
+/// cross machines).
+struct FuseMount {
+    dir: tempfile::TempDir,
+}
+
+impl FuseMount {
+    fn new(backing: &Path, lock_forwarding: bool) -> FuseMount {
+        assert!(
+            Path::new("/usr/bin/bindfs").is_file(),
+            "bindfs is missing: install the bindfs package (ops/lib.sh IMAGE_TEST_PACKAGES)"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("bindfs");
+        if lock_forwarding {
+            cmd.args(["--enable-lock-forwarding", "--multithreaded"]);
+        }
+        let out = cmd.arg(backing).arg(dir.path()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "bindfs {} (FUSE, /dev/fuse): {}",
+            backing.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        FuseMount { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for FuseMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
+    }
+}
+
+/// Pulls `reference` into each store at once: the images, and each store's steps.
+fn pull_at_once(stores: &[ImageStore], reference: &str) -> (Vec<opendsec_edge::images::Image>, Vec<Steps>) {
+    let steps: Vec<Steps> = stores.iter().map(|_| Steps::default()).collect();
+    let images = std::thread::scope(|s| {
+        let handles: Vec<_> = stores
+            .iter()
+            .zip(&steps)
+            .map(|(store, steps)| {
+                s.spawn(move || {
+                    store
+                        .pull(reference, &PullOptions::default(), &|p| steps.record(p))
+                        .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    (images, steps)
+}
+
+#[test]
+fn two_stores_on_two_fuse_mounts_of_one_directory_pull_one_image_at_once_and_agree() {
+    require("a store on a network file system");
+    let registry = Registry::start();
+    let (reference, ids) = big_image(&registry);
+    for lock_forwarding in [true, false] {
+        let backing = tempfile::tempdir().unwrap();
+        let mounts = [
+            FuseMount::new(backing.path(), lock_forwarding),
+            FuseMount::new(backing.path(), lock_forwarding),
+        ];
+        let stores = [
+            ImageStore::open(mounts[0].path()).unwrap(),
+            ImageStore::open(mounts[1].path()).unwrap(),
+        ];
+        let (images, steps) = pull_at_once(&stores, &reference);
+        let unpacked: usize = steps.iter().map(|s| s.count("unpacking layer")).sum();
+        eprintln!("lock forwarding {lock_forwarding}: {unpacked} layer unpacks between the two mounts");
+        assert_eq!(images[0], images[1], "both machines see one image");
+        assert_eq!(images[0].layers, ids);
+        if lock_forwarding {
+            assert_eq!(unpacked, 2, "locks that cross mounts: each layer unpacked once");
+        } else {
+            // Locks that stay within a mount: both may unpack a layer, and the second
+            // publish finds the first's; what is visible is whole either way.
+            assert!((2..=4).contains(&unpacked), "{unpacked}");
+        }
+        let store = contents(backing.path());
+        assert_eq!(store["layers"], sorted(&ids), "lock forwarding {lock_forwarding}");
+        assert!(store["tmp"].is_empty(), "nothing half-written is left: {store:?}");
+        assert_eq!(store["images"].len(), 1);
+        // What each mount shows is the whole layer, as the registry has it.
+        for (mount, store) in mounts.iter().zip(&stores) {
+            let dirs = store.layer_dirs(&images[0]).unwrap();
+            assert!(dirs.iter().all(|d| d.starts_with(mount.path())));
+            for (dir, name) in dirs.iter().zip(["a.bin", "b.bin"]) {
+                assert_eq!(
+                    std::fs::metadata(dir.join(name)).unwrap().len(),
+                    8 << 20,
+                    "{}",
+                    dir.display()
+                );
+            }
+        }
+        drop(stores);
+    }
 }
 
 /// Set by the two-process test for the processes it starts (see
