@@ -230,13 +230,19 @@ impl Edge {
     }
 
     /// Reports a pull's, pack's or import's result under request id `key`; the log
-    /// index that took it.
+    /// index that took it (0 when an earlier report of it was taken, its answer lost).
     pub(super) async fn report_image_at(&self, name: &str, result: &ImageResult, key: &str) -> Option<u64> {
         let mut client = self.client.clone();
         match client.report_image(name, result, key).await {
             Ok(index) => {
                 tracing::info!(image = %name, index, "reported");
                 Some(index)
+            }
+            // An earlier report of this result was taken and its answer lost (the
+            // request id differs per report): the log has it.
+            Err(crate::slice::SliceError::Status(s)) if s.message().contains("was already reported") => {
+                tracing::info!(image = %name, "reported already");
+                Some(0)
             }
             // The log still has the pull pending: the next round pulls (from the store,
             // quickly) and reports again.
