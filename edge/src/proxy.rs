@@ -104,10 +104,16 @@ type Body = BoxBody<Bytes, hyper::Error>;
 
 fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
     let body = serde_json::json!({ "code": code, "message": message }).to_string();
+    let mut resp = json_ok(body);
+    *resp.status_mut() = status;
+    resp
+}
+
+/// A 200 with a JSON body.
+fn json_ok(body: impl Into<Bytes>) -> Response<Body> {
     Response::builder()
-        .status(status)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)).map_err(|never| match never {}).boxed())
+        .body(Full::new(body.into()).map_err(|never| match never {}).boxed())
         .expect("static response parts are valid")
 }
 
@@ -274,14 +280,7 @@ async fn import(req: Request<Incoming>, imports: Option<Imports>) -> Response<Bo
         (imports.finish)(name, written).await
     });
     match task.await {
-        Ok(Ok(v)) => Response::builder()
-            .header("content-type", "application/json")
-            .body(
-                Full::new(Bytes::from(v.to_string()))
-                    .map_err(|never| match never {})
-                    .boxed(),
-            )
-            .expect("valid response"),
+        Ok(Ok(v)) => json_ok(v.to_string()),
         Ok(Err((code, why))) => json_error(
             StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
             "import_failed",
@@ -422,10 +421,7 @@ async fn transfer(req: Request<Incoming>, key: &str, transfers: Option<Transfers
     };
     if file == t::MANIFEST {
         return match std::fs::read(dir.join(t::MANIFEST)) {
-            Ok(bytes) => Response::builder()
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(bytes)).map_err(|never| match never {}).boxed())
-                .expect("valid response"),
+            Ok(bytes) => json_ok(bytes),
             Err(e) => json_error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "not_ready",
@@ -583,14 +579,7 @@ fn history(id: &str, query: Option<&str>, reader: Option<HistoryReader>) -> Resp
             &format!("The sandbox {id} was not found on this edge"),
         );
     };
-    Response::builder()
-        .header("content-type", "application/json")
-        .body(
-            Full::new(Bytes::from(serde_json::to_vec(&points).unwrap_or_default()))
-                .map_err(|never| match never {})
-                .boxed(),
-        )
-        .expect("valid response")
+    json_ok(serde_json::to_vec(&points).unwrap_or_default())
 }
 
 async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
@@ -625,14 +614,7 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
         body["vmm"] = vmm.as_str().into();
         body["accelerator"] = accelerator.as_str().into();
     }
-    Response::builder()
-        .header("content-type", "application/json")
-        .body(
-            Full::new(Bytes::from(body.to_string()))
-                .map_err(|never| match never {})
-                .boxed(),
-        )
-        .expect("valid response")
+    json_ok(body.to_string())
 }
 
 async fn handle(
@@ -673,14 +655,7 @@ async fn handle(
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("push body: {e}")),
         };
         return match tokio::task::spawn_blocking(move || push(&ask)).await {
-            Ok(Ok(v)) => Response::builder()
-                .header("content-type", "application/json")
-                .body(
-                    Full::new(Bytes::from(v.to_string()))
-                        .map_err(|never| match never {})
-                        .boxed(),
-                )
-                .expect("valid response"),
+            Ok(Ok(v)) => json_ok(v.to_string()),
             Ok(Err((code, why))) => json_error(
                 StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
                 "push_failed",
@@ -694,11 +669,7 @@ async fn handle(
             return json_error(StatusCode::NOT_FOUND, "not_found", "this edge keeps no image store");
         };
         return match tokio::task::spawn_blocking(move || prune()).await {
-            Ok(Ok(v)) => Response::new(
-                Full::new(Bytes::from(v.to_string()))
-                    .map_err(|never| match never {})
-                    .boxed(),
-            ),
+            Ok(Ok(v)) => json_ok(v.to_string()),
             Ok(Err(why)) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "prune_failed", &why),
             Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "prune_failed", &e.to_string()),
         };

@@ -400,22 +400,7 @@ fn two_stores_on_one_directory_pulling_one_image_at_once_unpack_each_layer_once(
         ImageStore::open(tmp.path()).unwrap(),
         ImageStore::open(tmp.path()).unwrap(),
     ];
-    let steps = [Steps::default(), Steps::default()];
-    let images: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = stores
-            .iter()
-            .zip(&steps)
-            .map(|(store, steps)| {
-                let reference = &reference;
-                s.spawn(move || {
-                    store
-                        .pull(reference, &PullOptions::default(), &|p| steps.record(p))
-                        .unwrap()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let (images, steps) = pull_at_once(&stores, &reference);
     assert_eq!(images[0], images[1]);
     assert_eq!(images[0].layers, ids);
     for (i, steps) in steps.iter().enumerate() {

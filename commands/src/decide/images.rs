@@ -22,39 +22,30 @@ pub(super) fn pull(
 ) -> Result<Decided, Rejection> {
     let parsed = Reference::parse(reference).map_err(|e| Rejection::field(K::Invalid, "reference", e))?;
     let edge = register(s, project, name, edge, "pull")?;
-    Ok(Decided::one(
-        project,
-        name,
-        Event::ImageRequested(pb::ImageRequested {
-            name: name.to_string(),
-            project: project.to_string(),
-            reference: parsed.to_string(),
-            edge,
-            source_sandbox: String::new(),
-            scrub: vec![],
-            config: None,
-            imported: false,
-        }),
-    ))
+    Ok(fetched(project, name, edge, parsed.to_string(), false))
 }
 
 /// `ImportImage`: the edge waits for the caller's upload of the tarball.
 pub(super) fn import(s: &Scope, project: &str, name: &str, edge: Option<&str>) -> Result<Decided, Rejection> {
     let edge = register(s, project, name, edge, "import")?;
-    Ok(Decided::one(
+    Ok(fetched(project, name, edge, String::new(), true))
+}
+
+/// The request that `edge` fetch image `name` of `project`: pull it from `reference`, or
+/// take the caller's upload (`imported`).
+fn fetched(project: &str, name: &str, edge: String, reference: String, imported: bool) -> Decided {
+    Decided::one(
         project,
         name,
         Event::ImageRequested(pb::ImageRequested {
             name: name.to_string(),
             project: project.to_string(),
-            reference: String::new(),
+            reference,
             edge,
-            source_sandbox: String::new(),
-            scrub: vec![],
-            config: None,
-            imported: true,
+            imported,
+            ..Default::default()
         }),
-    ))
+    )
 }
 
 /// What a pull and an import check before registering image `name` in `project`; the

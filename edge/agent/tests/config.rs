@@ -11,6 +11,20 @@ use serde_json::json;
 
 const START: &str = "/process.Process/Start";
 
+/// Starts the agent (listening in `dir`) with `flag file`, expecting it to stop at
+/// once: its exit code and what it said.
+fn stops_on(dir: &tempfile::TempDir, flag: &str, file: &std::path::Path) -> (Option<i32>, String) {
+    let out = agent_command()
+        .arg("--listen")
+        .arg(format!("unix:{}", dir.path().join("a.sock").display()))
+        .arg(flag)
+        .arg(file)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 async fn run(a: &Agent, msg: serde_json::Value) -> String {
     let mut s = a.stream(START, msg, &[]).await;
     s.event().await;
@@ -68,16 +82,8 @@ async fn a_workdir_file_is_where_processes_naming_no_directory_start() {
         if !text.is_empty() {
             std::fs::write(&f, text).unwrap();
         }
-        let out = agent_command()
-            .arg("--listen")
-            .arg(format!("unix:{}", bad.path().join("a.sock").display()))
-            .arg("--workdir-file")
-            .arg(&f)
-            .stderr(Stdio::piped())
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        let (code, err) = stops_on(&bad, "--workdir-file", &f);
+        assert_eq!(code, Some(2), "{name}: {err}");
         assert!(err.contains("--workdir-file"), "{name}: {err}");
     }
 }
@@ -106,16 +112,8 @@ async fn a_user_file_names_who_processes_naming_no_user_run_as_when_the_account_
     let bad = tempfile::tempdir().unwrap();
     let f = bad.path().join("user");
     std::fs::write(&f, "1000:1000").unwrap();
-    let out = agent_command()
-        .arg("--listen")
-        .arg(format!("unix:{}", bad.path().join("a.sock").display()))
-        .arg("--user-file")
-        .arg(&f)
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = stops_on(&bad, "--user-file", &f);
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--user-file"), "{err}");
 }
 
@@ -141,16 +139,8 @@ async fn bad_env_file_stops_the_agent_with_a_message() {
         if let Some(t) = text {
             std::fs::write(&f, t).unwrap();
         }
-        let out = agent_command()
-            .arg("--listen")
-            .arg(format!("unix:{}", dir.path().join("a.sock").display()))
-            .arg("--env-file")
-            .arg(&f)
-            .stderr(Stdio::piped())
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        let (code, err) = stops_on(&dir, "--env-file", &f);
+        assert_eq!(code, Some(2), "{name}: {err}");
         assert!(err.contains("--env-file") && err.contains(expect), "{name}: {err}");
         assert!(!dir.path().join("a.sock").exists(), "{name}: it must not serve");
     }
@@ -331,15 +321,7 @@ async fn bad_start_file_stops_the_agent_with_a_message() {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("start.json");
     std::fs::write(&f, r#"{"cmd": "/bin/true", "ready_port": "soon"}"#).unwrap();
-    let out = agent_command()
-        .arg("--listen")
-        .arg(format!("unix:{}", dir.path().join("a.sock").display()))
-        .arg("--start-file")
-        .arg(&f)
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = stops_on(&dir, "--start-file", &f);
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--start-file") && err.contains("start.json"), "{err}");
 }

@@ -54,16 +54,7 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
             project,
             edge,
         } => {
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-            bar.set_style(
-                ProgressStyle::with_template(
-                    "{spinner} {prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed} {wide_msg}",
-                )
-                .expect("a valid template")
-                .progress_chars("=> "),
-            );
-            bar.set_prefix(format!("importing {name}"));
-            bar.enable_steady_tick(Duration::from_millis(120));
+            let bar = bytes_bar(format!("importing {name}"));
             let shown = bar.clone();
             let sent = move |done: u64, total: u64| {
                 shown.set_length(total);
@@ -187,21 +178,12 @@ pub(crate) async fn pack(
 /// drawing the edge's progress on stderr when it is a terminal.
 pub(crate) async fn wait_pulled(client: &Client, mut image: Image, limit: Duration) -> Result<Image, ApiError> {
     let started = Instant::now();
-    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} {prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed} {wide_msg}",
-        )
-        .expect("a valid template")
-        .progress_chars("=> "),
-    );
     let doing = if image.source_sandbox.is_some() {
         "packing"
     } else {
         "pulling"
     };
-    bar.set_prefix(format!("{doing} {}", image.name));
-    bar.enable_steady_tick(Duration::from_millis(120));
+    let bar = bytes_bar(format!("{doing} {}", image.name));
     while image.state == "pending" && started.elapsed() < limit {
         tokio::time::sleep(Duration::from_millis(250)).await;
         image = client.get_image(&image.name).await?;
@@ -216,4 +198,19 @@ pub(crate) async fn wait_pulled(client: &Client, mut image: Image, limit: Durati
     }
     bar.finish_and_clear();
     Ok(image)
+}
+
+/// A progress bar of bytes on stderr (drawn only on a terminal), `prefix` before it.
+fn bytes_bar(prefix: String) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} {prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed} {wide_msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_prefix(prefix);
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
 }
