@@ -30,6 +30,11 @@ pub const ADMISSION_LABEL: &str = "opendsec.io/admission";
 /// microVM sandboxes are placed only on edges that carry it.
 pub const MICROVM_LABEL: &str = "opendsec.io/microvm";
 
+/// The edge label saying the edge enforces its container sandboxes' network policies
+/// (value: `nftables`): they get a link out, default deny. An edge without it (started
+/// with `--no-sandbox-network`) gives them none, whatever their policy says.
+pub const EGRESS_LABEL: &str = "opendsec.io/egress";
+
 /// The edge label saying the edge runs full VMs (`isolation: vm`; its value names the
 /// machine, `q35`): they are placed only on edges that carry it.
 pub const FULLVM_LABEL: &str = "opendsec.io/fullvm";

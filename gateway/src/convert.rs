@@ -118,15 +118,25 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
     }
 }
 
-/// Said (`X-Opendsec-Warning`) when a sandbox's policy allows any egress: the edges of
-/// this release keep every container sandbox to its loopback (and a VM to its agent's
-/// link) whatever its policy says, until they enforce policies.
-pub const EGRESS_NOT_ENFORCED: &str = "edges do not enforce network policy in this release: the sandbox has no network egress; its policy is kept and shown as asked";
+/// Said (`X-Opendsec-Warning`) when a sandbox's policy allows any egress that its edge
+/// does not give: microVMs and full VMs reach only their agent's link in this release,
+/// and an edge started with `--no-sandbox-network` gives containers only `lo`.
+pub const EGRESS_NOT_ENFORCED: &str = "this sandbox has no network egress: microVMs and full VMs, and containers on an edge started with --no-sandbox-network, get none in this release; its policy is kept and shown as asked";
 
-/// The warning header for a sandbox whose policy allows egress, if it does.
-pub fn egress_warning(p: &api::NetworkPolicy) -> axum::http::HeaderMap {
+/// Whether sandbox `x` (of `isolation`, on edge `edge`) gets the egress its policy allows:
+/// a container on an edge that enforces policies ([`opendsec_commands::EGRESS_LABEL`]).
+pub fn egress_enforced(s: &opendsec_projections::State, edge: &str, container: bool) -> bool {
+    container
+        && s.placement
+            .edges
+            .get(edge)
+            .is_some_and(|e| e.labels.contains_key(opendsec_commands::EGRESS_LABEL))
+}
+
+/// The warning header for a sandbox whose policy allows egress it does not get, if so.
+pub fn egress_warning(p: &api::NetworkPolicy, enforced: bool) -> axum::http::HeaderMap {
     let mut h = axum::http::HeaderMap::new();
-    if p.allow_internet_access || !p.allow_out.is_empty() {
+    if !enforced && (p.allow_internet_access || !p.allow_out.is_empty()) {
         h.insert(
             "x-opendsec-warning",
             axum::http::HeaderValue::from_static(EGRESS_NOT_ENFORCED),

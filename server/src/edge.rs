@@ -83,6 +83,21 @@ pub struct EdgeArgs {
     /// login` writes: {"auths": {"<host>": {"auth": base64(user:password)}}}).
     #[arg(long, env = "OPENDSEC_REGISTRY_AUTH", value_name = "FILE")]
     pub registry_auth: Option<PathBuf>,
+    /// Container sandboxes get no network at all (only `lo`), whatever their policy says,
+    /// and the edge needs no nftables. Without it, each gets a link out through this host,
+    /// default deny, its policy enforced with nftables and the edge's DNS proxy.
+    #[arg(long)]
+    pub no_sandbox_network: bool,
+    /// The IPv4 block sandboxes' addresses come from (one /32 each, routed on this host).
+    #[arg(long, default_value = "10.231.0.0/16", value_name = "CIDR")]
+    pub sandbox_subnet: String,
+    /// The IPv6 block sandboxes' addresses come from, or `none` for IPv4 only.
+    #[arg(long, default_value = "fd6f:6473:6500::/64", value_name = "CIDR|none")]
+    pub sandbox_subnet_v6: String,
+    /// A resolver the DNS proxy asks for sandboxes' allowed names (IP or IP:port; repeat
+    /// for several). Default: the nameservers of this host's /etc/resolv.conf.
+    #[arg(long = "upstream-dns", value_name = "IP[:PORT]")]
+    pub upstream_dns: Vec<String>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,7 +130,43 @@ fn sibling(name: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(name))
 }
 
+fn parse_block<A: std::str::FromStr>(flag: &str, text: &str) -> Result<(A, u8), String> {
+    let bad = || format!("{flag} {text:?}: give an address block such as 10.231.0.0/16");
+    let (a, len) = text.split_once('/').ok_or_else(bad)?;
+    Ok((a.parse().map_err(|_| bad())?, len.parse().map_err(|_| bad())?))
+}
+
 impl EdgeArgs {
+    /// The sandboxes' network the flags describe (`None`: `--no-sandbox-network`).
+    pub fn network(&self) -> Result<Option<opendsec_edge::net::NetConfig>, String> {
+        if self.no_sandbox_network {
+            return Ok(None);
+        }
+        let pool_v6 = match self.sandbox_subnet_v6.as_str() {
+            "none" => None,
+            text => Some(parse_block("--sandbox-subnet-v6", text)?),
+        };
+        let upstream_dns = self
+            .upstream_dns
+            .iter()
+            .map(|s| {
+                s.parse::<std::net::SocketAddr>()
+                    .or_else(|_| {
+                        s.parse::<std::net::IpAddr>()
+                            .map(|ip| std::net::SocketAddr::new(ip, 53))
+                    })
+                    .map_err(|_| format!("--upstream-dns {s:?}: give an IP address, or IP:port"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        opendsec_edge::net::nft::binary().map_err(|e| format!("{e}, or start the edge with --no-sandbox-network"))?;
+        Ok(Some(opendsec_edge::net::NetConfig {
+            pool_v4: parse_block("--sandbox-subnet", &self.sandbox_subnet)?,
+            pool_v6,
+            upstream_dns,
+            ..Default::default()
+        }))
+    }
+
     /// The registry settings the flags name; an unreadable credentials file is an error
     /// at start, not at the first pull.
     pub fn registries(&self) -> Result<RegistrySettings, String> {
@@ -142,6 +193,7 @@ impl EdgeArgs {
         token: String,
         edge_key: String,
         registries: RegistrySettings,
+        network: Option<opendsec_edge::net::NetConfig>,
     ) -> EdgeConfig {
         let cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u64)
@@ -186,6 +238,7 @@ impl EdgeArgs {
             microvm: self.microvm_config(),
             warm_sandboxes: self.warm_sandboxes,
             registries,
+            network,
         }
     }
 

@@ -249,8 +249,8 @@ async fn run_node(
             })
             .await
     });
-    let registries = match &embedded_edge {
-        Some(e) => e.registries()?,
+    let (registries, network) = match &embedded_edge {
+        Some(e) => (e.registries()?, e.network()?),
         None => Default::default(),
     };
     let edge_task = embedded_edge.map(|edge_args| {
@@ -264,7 +264,7 @@ async fn run_node(
                     return;
                 }
             };
-            let cfg = edge_args.config(&edge_dir, advertise, token, key, registries);
+            let cfg = edge_args.config(&edge_dir, advertise, token, key, registries, network);
             if let Err(e) = opendsec_edge::node::run(cfg, async move {
                 let _ = rx.changed().await;
             })
@@ -306,12 +306,14 @@ async fn run_edge(
         .map_err(|e| format!("cannot read the cluster key at {}: {e}", key_file.display()))?;
     std::fs::create_dir_all(&data_dir).map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let registries = args.registries()?;
+    let network = args.network()?;
     let cfg = args.config(
         &data_dir,
         control,
         token.trim().to_string(),
         key.trim().to_string(),
         registries,
+        network,
     );
     tracing::info!(edge = %cfg.name, proxy = %cfg.proxy_listen, "opendsec edge running");
     opendsec_edge::node::run(cfg, shutdown_signal())

@@ -151,6 +151,13 @@ pub struct SandboxSpec {
     /// Borrowed: the backend duplicates them and the caller keeps its own.
     pub extra_fds: Vec<RawFd>,
     pub labels: BTreeMap<String, String>,
+    /// The network namespace it joins (the edge's `net` room made it, with the sandbox's
+    /// link and policy); `None`: a new, empty one (only `lo`).
+    pub netns: Option<PathBuf>,
+    /// A sysfs of that namespace, bound read-only at `/sys` (a container in a user
+    /// namespace cannot mount one for a namespace it does not own); `None`: the runtime
+    /// mounts its own.
+    pub sysfs: Option<PathBuf>,
 }
 
 impl SandboxSpec {
@@ -179,6 +186,8 @@ impl SandboxSpec {
             binds: Vec::new(),
             extra_fds: Vec::new(),
             labels: BTreeMap::new(),
+            netns: None,
+            sysfs: None,
         })
     }
 }

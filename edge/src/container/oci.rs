@@ -148,10 +148,17 @@ pub fn build_spec(
             LinuxNamespaceType::Ipc,
             LinuxNamespaceType::Uts,
             LinuxNamespaceType::Cgroup,
-            // A new, empty network namespace: the runtime brings up `lo`, nothing else exists.
+            // The edge's namespace for it (its link, its policy), or a new, empty one: the
+            // runtime brings up `lo`, nothing else exists.
             LinuxNamespaceType::Network,
         ])
-        .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build().map_err(invalid))
+        .map(|typ| {
+            let mut ns = LinuxNamespaceBuilder::default().typ(typ);
+            if let (LinuxNamespaceType::Network, Some(path)) = (typ, &spec.netns) {
+                ns = ns.path(path.clone());
+            }
+            ns.build().map_err(invalid)
+        })
         .collect::<Result<Vec<_>, _>>()?;
 
     let limits = &spec.limits;
@@ -204,7 +211,7 @@ pub fn build_spec(
         .build()
         .map_err(invalid)?;
 
-    let mut mounts = default_mounts()?;
+    let mut mounts = default_mounts(spec.sysfs.as_deref())?;
     if let Some(lxcfs) = placement.views {
         for view in super::lxcfs::VIEWS {
             // A bind of a FUSE file shows its path in the FUSE file system (`/proc/meminfo`)
@@ -280,7 +287,17 @@ fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<Mount,
         .map_err(invalid)
 }
 
-fn default_mounts() -> Result<Vec<Mount>, ContainerError> {
+fn default_mounts(sysfs: Option<&std::path::Path>) -> Result<Vec<Mount>, ContainerError> {
+    let sys = match sysfs {
+        Some(path) => MountBuilder::default()
+            .destination("/sys")
+            .typ("bind")
+            .source(path)
+            .options(["bind", "ro", "nosuid", "nodev", "noexec"].map(String::from).to_vec())
+            .build()
+            .map_err(invalid)?,
+        None => mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
+    };
     Ok(vec![
         mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
         mount(
@@ -302,7 +319,7 @@ fn default_mounts() -> Result<Vec<Mount>, ContainerError> {
             &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
         )?,
         mount("/dev/mqueue", "mqueue", "mqueue", &["nosuid", "noexec", "nodev"])?,
-        mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
+        sys,
         mount(
             "/sys/fs/cgroup",
             "cgroup",
@@ -361,6 +378,8 @@ mod tests {
             },
             limits: super::super::Limits::default(),
             binds: vec![],
+            netns: None,
+            sysfs: None,
             extra_fds: vec![],
             labels: Default::default(),
         };

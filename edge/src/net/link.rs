@@ -183,6 +183,49 @@ fn make_netns(name: &str) -> Result<PathBuf, NetError> {
     Ok(path)
 }
 
+/// Mounts a sysfs of namespace `netns` at `target` (read-only, made if missing): a
+/// sysfs shows the network devices of the namespace its mounter is in. A container in a
+/// user namespace of its own cannot mount one for a namespace host root owns (the runtime
+/// would bind the host's /sys instead, which lists the host's interfaces), so the edge
+/// mounts it and the container gets it bound at /sys.
+pub fn mount_sysfs(netns: &Path, target: &Path) -> Result<(), NetError> {
+    use nix::mount::{MsFlags, mount};
+    std::fs::create_dir_all(target).map_err(|e| NetError::io(format!("creating {}", target.display()), e))?;
+    if crate::container::is_mounted(target) {
+        return Ok(());
+    }
+    let ns = std::fs::File::open(netns).map_err(|e| NetError::io(format!("opening {}", netns.display()), e))?;
+    let target = target.to_path_buf();
+    std::thread::Builder::new()
+        .name("sysfs".into())
+        .spawn(move || -> Result<(), NetError> {
+            // SAFETY: setns on an fd we own; it changes only this thread's namespace.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(NetError::io(
+                    "entering a sandbox's network namespace",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            mount(
+                Some("sysfs"),
+                &target,
+                Some("sysfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                None::<&str>,
+            )
+            .map_err(|e| NetError::io(format!("mounting a sysfs at {}", target.display()), e.into()))
+        })
+        .map_err(|e| NetError::io("starting a sysfs thread", e))?
+        .join()
+        .unwrap_or_else(|_| Err(NetError::Link("the sysfs thread panicked".into())))
+}
+
+/// Unmounts and removes what [`mount_sysfs`] made (absent: nothing).
+pub fn unmount_sysfs(target: &Path) {
+    let _ = nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH);
+    let _ = std::fs::remove_dir(target);
+}
+
 /// Unbinds and removes namespace `name` (the kernel frees it once no process is in it).
 fn remove_netns(name: &str) -> Result<(), NetError> {
     let path = netns_path(name);

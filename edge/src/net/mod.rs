@@ -135,6 +135,8 @@ pub struct Attachment {
     pub resolv_conf: PathBuf,
     /// Bound read-only at `/etc/hosts`: localhost and the sandbox's name.
     pub hosts: PathBuf,
+    /// A sysfs of its namespace, bound read-only at `/sys` (see `link::mount_sysfs`).
+    pub sysfs: PathBuf,
     pub slot: Slot,
 }
 
@@ -243,6 +245,43 @@ fn hosts_text(hostname: &str, slot: &Slot) -> String {
     s
 }
 
+/// In the edge's `files` directory: its tag and table, for [`forget`].
+const OWNER_FILE: &str = "edge";
+
+/// Removes everything the network of a stopped edge (whose `files` directory is given)
+/// left on this host, in the caller's network namespace: its table, its sandboxes'
+/// namespaces, veths and sysfs mounts, its address claims and records under `state_dir`.
+/// For a test's end, or an edge retired for good; nothing if it never had a network.
+pub fn forget(files: &Path, state_dir: &Path) {
+    let Some((tag, table)) = std::fs::read_to_string(files.join(OWNER_FILE))
+        .ok()
+        .and_then(|t| t.split_once(' ').map(|(a, b)| (a.to_string(), b.trim().to_string())))
+    else {
+        return;
+    };
+    for e in std::fs::read_dir(files.join("sys")).into_iter().flatten().flatten() {
+        link::unmount_sysfs(&e.path());
+    }
+    for n in link::netns_with_prefix(&format!("opendsec-{tag}-")) {
+        let _ = link::delete_netns(&n);
+    }
+    for l in link::links_with_prefix(&format!("od{tag}")).unwrap_or_default() {
+        let _ = link::delete_veth(&l);
+    }
+    let _ = nft::delete_table(&table);
+    for e in std::fs::read_dir(state_dir.join("claims"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if std::fs::read_to_string(e.path()).is_ok_and(|t| t == tag) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    let _ = std::fs::remove_dir_all(state_dir.join("edges").join(&tag));
+    let _ = std::fs::remove_file(state_dir.join("edges").join(format!("{tag}.lock")));
+}
+
 impl Network {
     /// Sets up the network of edge `name` (data directory `data_dir`): its table, its
     /// share of the pools, its gateway and the DNS proxy's sockets; `files` is where the
@@ -287,6 +326,8 @@ impl Network {
             .map_err(|e| NetError::io(format!("creating {}", files.display()), e))?;
         std::fs::write(files.join("resolv.conf"), format!("nameserver {gateway}\n"))
             .map_err(|e| NetError::io("writing the sandboxes' resolv.conf", e))?;
+        std::fs::write(files.join(OWNER_FILE), format!("{tag} {table}\n"))
+            .map_err(|e| NetError::io("writing the network's owner file", e))?;
         let upstream = if cfg.upstream_dns.is_empty() {
             dns::nameservers(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
         } else {
@@ -394,6 +435,10 @@ impl Network {
         self.files.join("hosts").join(slot.to_string())
     }
 
+    fn sysfs_path(&self, slot: u32) -> PathBuf {
+        self.files.join("sys").join(slot.to_string())
+    }
+
     fn policy_path(&self, slot: u32) -> PathBuf {
         self.state_dir
             .join("edges")
@@ -404,6 +449,9 @@ impl Network {
     /// Makes `owner`'s namespace, veth and addresses, with a chain that drops
     /// everything; `hostname` goes into its `/etc/hosts`. On error nothing is left.
     pub fn attach(&self, owner: &str, hostname: &str) -> Result<Attachment, NetError> {
+        if self.attached.lock().expect("attached lock").contains_key(owner) {
+            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
+        }
         let slot = self.pool.claim(owner)?;
         let made = self.attach_slot(&slot, hostname);
         if made.is_err() {
@@ -425,6 +473,8 @@ impl Network {
             v6: slot.v6,
         };
         let netns = link::create(&plan)?;
+        let sysfs = self.sysfs_path(slot.slot);
+        link::mount_sysfs(&netns, &sysfs)?;
         let hosts = self.hosts_path(slot.slot);
         std::fs::write(&hosts, hosts_text(hostname, slot)).map_err(|e| NetError::io("writing /etc/hosts", e))?;
         self.attached.lock().expect("attached lock").insert(
@@ -446,6 +496,7 @@ impl Network {
             netns,
             resolv_conf: self.files.join("resolv.conf"),
             hosts,
+            sysfs,
             slot: slot.clone(),
         })
     }
@@ -455,6 +506,9 @@ impl Network {
     /// sees it).
     pub fn hand_over(&self, from: &str, to: &str) -> Result<(), NetError> {
         let mut all = self.attached.lock().expect("attached lock");
+        if all.contains_key(to) {
+            return Err(NetError::Config(format!("{to} has a network on this edge already")));
+        }
         let mut a = all
             .remove(from)
             .ok_or_else(|| NetError::NotAttached(from.to_string()))?;
@@ -528,6 +582,7 @@ impl Network {
         for script in rules::remove_scripts(&self.table, slot.slot, &veth, sets) {
             let _ = nft::apply(&script);
         }
+        link::unmount_sysfs(&self.sysfs_path(slot.slot));
         if let Err(e) = link::delete(&self.netns(slot.slot), &veth) {
             tracing::warn!(slot = slot.slot, error = %e, "cannot remove a sandbox's link");
         }
@@ -597,6 +652,16 @@ impl Network {
         for l in link::links_with_prefix(self.veth_prefix_str()).unwrap_or_default() {
             if !veths.contains(&l) {
                 let _ = link::delete_veth(&l);
+            }
+        }
+        for e in std::fs::read_dir(self.files.join("sys"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let slot = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok());
+            if !slot.is_some_and(|s| kept.contains(&s)) {
+                link::unmount_sysfs(&e.path());
             }
         }
         let names: BTreeSet<String> = kept.iter().map(|s| self.netns(*s)).collect();

@@ -81,6 +81,9 @@ impl Edge {
         let sock = self.socket_path(&id);
         self.blocking(move |e| {
             let r = e.backend_of(&id).remove(&id);
+            if r.is_ok() {
+                e.detach_network(&id);
+            }
             let _ = std::fs::remove_file(sock);
             let _ = std::fs::remove_dir_all(e.fork_layer(&id));
             r

@@ -123,9 +123,20 @@ impl Edge {
             spec.layers.push(layer);
         }
         spec.labels = d.labels.clone();
-        {
+        if self.containers.get(&d.id).is_ok() {
+            return Err(crate::container::ContainerError::AlreadyExists(d.id.clone()).into());
+        }
+        // Its network, under its policy, before its container: never open, not for an instant.
+        self.attach_network(&d.id, &mut spec, Some(d.network.as_deref()))?;
+        let created = {
             let _one_at_a_time = self.create_lock.lock().expect("create lock");
-            self.containers.create(&spec)?;
+            self.containers.create(&spec)
+        };
+        if let Err(e) = created {
+            if !matches!(e, crate::container::ContainerError::AlreadyExists(_)) {
+                self.detach_network(&d.id);
+            }
+            return Err(e.into());
         }
         // The agent holds its own copies.
         drop((listener, config.read));

@@ -21,9 +21,12 @@
 //!   from this edge's container sandboxes (their writable layer, residue left out), and
 //!   images imported from tarballs uploaded through the proxy; `image_gc.rs`
 //!   the edge's in-use set in the image store, deleted images' records, collections.
+//! - `network.rs`: each container sandbox's network (`crate::net`): attached before its
+//!   container, its policy applied before its PID 1 runs and whenever the log changes it.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
-//! Not yet: network policy, memory snapshots of containers (CRIU does not work here; a
+//! Not yet: network egress for microVMs and full VMs (they reach only their agent's
+//! link), memory snapshots of containers (CRIU does not work here; a
 //! microVM's snapshots carry its memory), gVisor, TLS on edge-to-edge transfers (bind
 //! edges' proxies to a private network).
 
@@ -37,6 +40,7 @@ mod create;
 mod files;
 mod image_gc;
 mod imports;
+mod network;
 mod packs;
 mod paths;
 mod pulls;
@@ -103,6 +107,8 @@ pub struct EdgeConfig {
     pub warm_sandboxes: usize,
     /// Plain-HTTP registries and credentials for image pulls.
     pub registries: RegistrySettings,
+    /// Container sandboxes' networking (`crate::net`); `None`: only `lo` in each.
+    pub network: Option<crate::net::NetConfig>,
 }
 
 /// Images whose warm containers are kept at once (the most recently used).
@@ -135,6 +141,8 @@ pub enum EdgeError {
     Transfer(#[from] crate::transfer::TransferError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Net(#[from] crate::net::NetError),
     /// A create names an image packed on another edge (packed images stay where they were
     /// made), or packed here and since removed from the store.
     #[error(
@@ -227,6 +235,8 @@ struct Edge {
     imports: imports::Imports,
     /// The last 8 h of each running sandbox's metrics, a point every 5 s (`run.rs`).
     metrics_history: crate::metrics_history::MetricsHistory,
+    /// Container sandboxes' networks (`network.rs`); `None` when the edge runs without.
+    net: Option<Arc<crate::net::Network>>,
 }
 
 impl Edge {

@@ -37,6 +37,19 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let containers = ContainerBackend::new(cfg.container.clone())?;
     let images = ImageStore::open(&cfg.images_dir)?;
     let mut client = SliceClient::connect(&cfg.control_peer, &cfg.token)?;
+    // The sandboxes' network before registering: an edge that cannot give one takes none.
+    let net = match &cfg.network {
+        None => None,
+        Some(nc) => {
+            let files = cfg.data_dir.join("net");
+            Some(crate::net::Network::open(nc, &cfg.name, &cfg.data_dir, &files)?)
+        }
+    };
+    if let Some(net) = &net {
+        // Networks of sandboxes still running stay; everything else of this edge's goes.
+        let live: BTreeSet<String> = containers.list()?.into_iter().map(|h| h.id).collect();
+        net.adopt(&live);
+    }
     // Listening before registering: once registered, the edge is asked to admit
     // sandboxes and is sent their traffic.
     let listener = tokio::net::TcpListener::bind(&cfg.proxy_listen).await?;
@@ -78,6 +91,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         pulls: Default::default(),
         imports: Default::default(),
         metrics_history: crate::metrics_history::MetricsHistory::new(),
+        net,
         cfg,
     });
     // Warm containers a killed edge left are not claimable (their filler is gone).
@@ -86,6 +100,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     edge.start_machines();
     let proxy_task = tokio::spawn(edge.clone().serve_proxy(listener));
     let history_task = tokio::spawn(edge.clone().keep_metrics_history());
+    let dns_task = edge.net.clone().map(|n| tokio::spawn(n.serve_dns()));
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,
     // and the loop below persists and reconciles once per burst, not once per message.
@@ -129,6 +144,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     proxy_task.abort();
     history_task.abort();
     follower_task.abort();
+    if let Some(t) = dns_task {
+        t.abort();
+    }
     // Sandboxes run on; warm containers and disks, which nothing uses yet, do not
     // outlive the edge.
     let e = edge.clone();
@@ -148,6 +166,9 @@ async fn register(client: &mut SliceClient, cfg: &EdgeConfig) -> u64 {
     let mut delay = Duration::from_millis(100);
     loop {
         let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
+        if cfg.network.is_some() {
+            labels.insert(opendsec_commands::EGRESS_LABEL.to_string(), "nftables".to_string());
+        }
         if cfg.microvm.is_some() {
             labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
             if crate::vm::host_can_build_boot_disks() {
@@ -237,6 +258,11 @@ impl Edge {
         // the observation and the plan, so a creation that ends in between is not
         // mistaken for a missing sandbox.
         let creating = self.creating.lock().expect("creating lock").clone();
+        // Policies first: a changed one is enforced without waiting for the observation.
+        if self.net.is_some() {
+            let (e, c) = (self.clone(), creating.clone());
+            let _ = tokio::task::spawn_blocking(move || e.sync_networks(&c)).await;
+        }
         let (e, c) = (self.clone(), creating.clone());
         let observed = match tokio::task::spawn_blocking(move || e.observe(&c)).await {
             Ok(Ok(o)) => o,

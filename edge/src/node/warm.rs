@@ -44,7 +44,9 @@ impl Edge {
                 disk_bytes: self.cfg.disk_bytes,
                 ..Limits::default()
             };
-            let launch = self.agent_spec(&wid, &image, limits)?;
+            let mut launch = self.agent_spec(&wid, &image, limits)?;
+            // A network whose chain drops everything until a sandbox claims it.
+            self.attach_network(&wid, &mut launch.spec, None)?;
             {
                 let _one_at_a_time = self.create_lock.lock().expect("create lock");
                 self.containers.create_unstarted(&launch.spec)?;
@@ -68,6 +70,7 @@ impl Edge {
     /// Deletes warm container `wid` with its agent's socket and configuration pipe.
     pub(super) fn discard_warm(&self, wid: &str) {
         self.containers.discard_unstarted(wid);
+        self.detach_network(wid);
         let _ = std::fs::remove_file(self.socket_path(wid));
         self.warm_config.lock().expect("warm config lock").remove(wid);
     }
@@ -103,6 +106,8 @@ impl Edge {
             self.send_agent_config(d, image, pipe)?;
             let _ = std::fs::remove_file(&sock);
             std::fs::rename(self.socket_path(wid), &sock)?;
+            // Its policy is in force before its PID 1 runs.
+            self.hand_over_network(wid, &d.id, d.network.as_deref())?;
             let limits = self.limits(d);
             self.containers.claim(
                 wid,
@@ -117,6 +122,7 @@ impl Edge {
         if claimed.is_err() {
             // `claim` removed the container on its own error; before it, it is still warm.
             self.discard_warm(wid);
+            self.detach_network(&d.id);
             let _ = std::fs::remove_file(&sock);
         }
         claimed

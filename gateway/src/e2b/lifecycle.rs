@@ -115,7 +115,10 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
         Err(e) => return Err(e),
     };
     let x = wait_ready(&st, &s).await?;
-    let warning = crate::convert::egress_warning(&crate::convert::network(x.network.as_deref()));
+    let enforced = st.node.read(|s| {
+        crate::convert::egress_enforced(s, &x.edge, x.isolation == opendsec_projections::Isolation::Container)
+    });
+    let warning = crate::convert::egress_warning(&crate::convert::network(x.network.as_deref()), enforced);
     Ok((warning, created(sandbox_json(&st, &x))).into_response())
 }
 
@@ -334,13 +337,17 @@ pub(super) async fn network(
     visible(&st, &who, &id)?;
     // An update names the rules anew; internet access and the settings of traffic into
     // the sandbox stay as they were unless it says otherwise.
-    let current = st
-        .node
-        .read(|s| s.sandboxes.sandboxes.get(&id).and_then(|x| x.network.clone()));
+    let (current, enforced) = st.node.read(|s| {
+        let x = s.sandboxes.sandboxes.get(&id);
+        let enforced = x.is_some_and(|x| {
+            crate::convert::egress_enforced(s, &x.edge, x.isolation == opendsec_projections::Isolation::Container)
+        });
+        (x.and_then(|x| x.network.clone()), enforced)
+    });
     let internet = opendsec_commands::network::Policy::of_logged(current.as_deref()).allow_internet;
     let base = serde_json::json!({ "allow_internet_access": internet }).to_string();
     let network = crate::convert::e2b_network(Some(&base), None, Some(&m), current.as_deref());
-    let warning = crate::convert::egress_warning(&crate::convert::network(Some(&network)));
+    let warning = crate::convert::egress_warning(&crate::convert::network(Some(&network)), enforced);
     submit(&st, &who, &headers, Command::SetSandboxNetwork { sandbox: id, network }).await?;
     Ok((warning, no_content()).into_response())
 }

@@ -56,8 +56,11 @@ pub async fn create(
     })?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
     tracing::debug!(sandbox = %sandbox.id, index = s.index, "create committed");
+    let enforced = st
+        .node
+        .read(|s| convert::egress_enforced(s, &sandbox.edge, sandbox.isolation == api::Isolation::Container));
     Ok((
-        convert::egress_warning(&sandbox.network),
+        convert::egress_warning(&sandbox.network, enforced),
         Written {
             index: s.index,
             status: StatusCode::CREATED,
@@ -261,14 +264,20 @@ pub async fn set_network(
         sandbox: id.clone(),
         network: convert::network_json(&req, current.as_deref()),
     };
-    let written = lifecycle(st, who, rid, id, cmd).await.map_err(|mut e| {
-        // The command names the policy `network`; here it is the whole body.
-        if let Some(f) = e.body.field.as_mut().filter(|f| f.starts_with("network.")) {
-            *f = f["network.".len()..].to_string();
-        }
-        e
-    })?;
-    Ok((convert::egress_warning(&written.body.sandbox.network), written))
+    let written = lifecycle(State(st.0.clone()), who, rid, id, cmd)
+        .await
+        .map_err(|mut e| {
+            // The command names the policy `network`; here it is the whole body.
+            if let Some(f) = e.body.field.as_mut().filter(|f| f.starts_with("network.")) {
+                *f = f["network.".len()..].to_string();
+            }
+            e
+        })?;
+    let x = &written.body.sandbox;
+    let enforced = st
+        .node
+        .read(|s| convert::egress_enforced(s, &x.edge, x.isolation == api::Isolation::Container));
+    Ok((convert::egress_warning(&x.network, enforced), written))
 }
 
 /// Creates `count` copies of a live sandbox: a container's copies start from its file

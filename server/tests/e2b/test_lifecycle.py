@@ -224,8 +224,8 @@ def test_set_timeout_extends_the_life_and_expiry_ends_the_sandbox(run_id):
         Sandbox.kill(sb.sandbox_id)
 
 
-# --- network (default deny; kept and shown as asked: the edges of this release give
-# sandboxes no egress, and say so in X-Opendsec-Warning) -----------------------------
+# --- network settings (default deny; kept and shown as asked; what they let through is
+# tested against a test internet in sandbox_network.rs and test_network.py) ----------
 
 
 def test_network_settings_are_kept_shown_and_replaced_while_it_runs(run_id):

@@ -47,6 +47,8 @@ pub struct Up {
     disk_mb: u64,
     /// The edge's OCI runtime (`--runtime`: auto, crun or runc).
     runtime: String,
+    /// The network namespace it runs in (a test's own internet), with its upstream DNS.
+    netns: Option<(String, String)>,
 }
 
 impl Drop for Up {
@@ -81,7 +83,7 @@ pub fn runtime_id(dir: &Path) -> String {
 
 /// Removes what an edge with data directory `root` left running: its containers and
 /// their mounts, its VMs' QEMU processes (not the edge's children) and their network
-/// namespaces.
+/// namespaces, and its sandboxes' network.
 pub fn cleanup_edge(root: &Path) {
     for e in std::fs::read_dir(root.join("sandboxes"))
         .into_iter()
@@ -123,6 +125,8 @@ pub fn cleanup_edge(root: &Path) {
             let _ = Command::new("ip").args(["netns", "delete", &n]).output();
         }
     }
+    // The sandboxes' network: table, namespaces, veths, address claims.
+    opendsec_edge::net::forget(&root.join("net"), Path::new(opendsec_edge::net::DEFAULT_STATE_DIR));
 }
 
 /// Named `opendsec` processes of one test, in one temporary directory: each logs to
@@ -241,12 +245,30 @@ impl Up {
         Self::start_with(domain, disk_mb, "auto").await
     }
 
+    /// As [`Up::start`], in network namespace `netns` (the edge namespace of a test's
+    /// own internet, see `internet.rs`): its API, peer port and edge proxy on `addr` (the
+    /// namespace's address the test reaches), its DNS proxy asking `upstream_dns`.
+    pub async fn start_in_netns(netns: &str, addr: std::net::Ipv4Addr, upstream_dns: &str) -> Up {
+        let netns = (netns.to_string(), upstream_dns.to_string());
+        Self::start_opts(None, 256, "auto", Some(netns), |p| format!("{addr}:{p}")).await
+    }
+
     async fn start_with(domain: Option<&str>, disk_mb: u64, runtime: &str) -> Up {
+        Self::start_opts(domain, disk_mb, runtime, None, |p| format!("127.0.0.1:{p}")).await
+    }
+
+    async fn start_opts(
+        domain: Option<&str>,
+        disk_mb: u64,
+        runtime: &str,
+        netns: Option<(String, String)>,
+        at: impl Fn(u16) -> String,
+    ) -> Up {
         let dir = tempfile::tempdir().unwrap();
         let mut up = Up {
-            http: format!("127.0.0.1:{}", free_port()),
-            peer: format!("127.0.0.1:{}", free_port()),
-            edge: format!("127.0.0.1:{}", free_port()),
+            http: at(free_port()),
+            peer: at(free_port()),
+            edge: at(free_port()),
             tls: domain.map(|d| Tls {
                 domain: d.to_string(),
                 listen: format!("127.0.0.1:{}", free_port()),
@@ -260,6 +282,7 @@ impl Up {
                 .unwrap(),
             disk_mb,
             runtime: runtime.to_string(),
+            netns,
         };
         up.spawn();
 
@@ -320,7 +343,16 @@ impl Up {
             .append(true)
             .open(self.log_path())
             .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
+        let mut cmd = match &self.netns {
+            None => Command::new(env!("CARGO_BIN_EXE_opendsec")),
+            Some((ns, _)) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}"))
+                    .arg("--")
+                    .arg(env!("CARGO_BIN_EXE_opendsec"));
+                c
+            }
+        };
         cmd.args(["up", "--data-dir"])
             .arg(self.data_dir())
             .args([
@@ -342,6 +374,9 @@ impl Up {
             .stderr(log);
         if let Some(tls) = &self.tls {
             cmd.args(["--domain", &tls.domain, "--tls-listen", &tls.listen]);
+        }
+        if let Some((_, dns)) = &self.netns {
+            cmd.args(["--upstream-dns", dns]);
         }
         self.child = Some(cmd.spawn().expect("start opendsec up"));
     }

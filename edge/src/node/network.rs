@@ -1,0 +1,96 @@
+//! The node's side of sandbox networking (`crate::net`): a container sandbox (or warm
+//! container) gets its namespace, link and a chain that drops everything before its
+//! container exists; its policy is applied before its PID 1 starts (a cold create applies
+//! it before `create`, a warm claim after the hand-over and before `start`); each round
+//! applies the policy of every sandbox whose logged policy (`SandboxNetworkSet`) differs
+//! from what its chain enforces; removing a sandbox removes its network. Edges started
+//! without sandbox networking (`--no-sandbox-network`) give containers an empty
+//! namespace (only `lo`), as before.
+
+use super::{Edge, EdgeError};
+use crate::container::{BindMount, SandboxSpec};
+use std::collections::BTreeSet;
+
+impl Edge {
+    /// Gives `spec` (sandbox or warm container `owner`) its network: namespace, link,
+    /// `/etc/resolv.conf` naming the DNS proxy and `/etc/hosts` naming `owner`; then
+    /// applies `policy` when it is a sandbox's (`Some`; a warm container keeps the chain
+    /// that drops everything). On error nothing of it is left.
+    pub(super) fn attach_network(
+        &self,
+        owner: &str,
+        spec: &mut SandboxSpec,
+        policy: Option<Option<&str>>,
+    ) -> Result<(), EdgeError> {
+        let Some(net) = &self.net else {
+            return Ok(());
+        };
+        let a = net.attach(owner, owner)?;
+        if let Some(policy) = policy
+            && let Err(e) = net.apply(owner, policy)
+        {
+            net.detach(owner);
+            return Err(e.into());
+        }
+        spec.netns = Some(a.netns);
+        spec.sysfs = Some(a.sysfs);
+        spec.binds.push(BindMount {
+            host_path: a.resolv_conf,
+            container_path: "/etc/resolv.conf".into(),
+        });
+        spec.binds.push(BindMount {
+            host_path: a.hosts,
+            container_path: "/etc/hosts".into(),
+        });
+        Ok(())
+    }
+
+    /// Warm container `wid`'s network becomes sandbox `id`'s, under `policy`.
+    pub(super) fn hand_over_network(&self, wid: &str, id: &str, policy: Option<&str>) -> Result<(), EdgeError> {
+        let Some(net) = &self.net else {
+            return Ok(());
+        };
+        net.hand_over(wid, id)?;
+        Ok(net.apply(id, policy)?)
+    }
+
+    /// Removes `owner`'s network (none: nothing).
+    pub(super) fn detach_network(&self, owner: &str) {
+        if let Some(net) = &self.net {
+            net.detach(owner);
+        }
+    }
+
+    /// Applies the logged policy of every sandbox whose chain enforces another (changed
+    /// by `SandboxNetworkSet`, or not yet applied by this run after a restart). Sandboxes
+    /// being created apply their own.
+    pub(super) fn sync_networks(&self, creating: &BTreeSet<String>) {
+        let Some(net) = &self.net else {
+            return;
+        };
+        let stale: Vec<(String, Option<String>)> = {
+            let slice = self.slice.lock().expect("slice lock");
+            net.applied()
+                .into_iter()
+                .filter(|(owner, _)| !creating.contains(owner))
+                .filter_map(|(owner, applied)| {
+                    let d = slice.sandboxes.get(&owner)?;
+                    (d.isolation == opendsec_projections::Isolation::Container
+                        && !d.is_terminal()
+                        && applied.as_ref() != Some(&d.network))
+                    .then(|| (owner, d.network.clone()))
+                })
+                .collect()
+        };
+        for (owner, policy) in stale {
+            match net.apply(&owner, policy.as_deref()) {
+                Ok(()) => {
+                    tracing::info!(sandbox = %owner, policy = policy.as_deref().unwrap_or("deny"), "network policy applied")
+                }
+                Err(e) => {
+                    tracing::error!(sandbox = %owner, error = %e, "cannot apply the network policy; retried next round")
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! Specification: a container sandbox's network egress is default deny, and its policy
+//! (`network` at create, `PUT /v1/sandboxes/{id}/network` while it runs) is enforced by
+//! its edge with nftables and the edge's DNS proxy.
+//!
+//! Each test builds its own internet in network namespaces (`support/internet.rs`):
+//! `pkgs.test`, `api.pkgs.test` and `other.test` on public-looking addresses with HTTP on
+//! ports 80 and 8080 and a stream on 9000, an authoritative DNS server for `*.test`, the
+//! metadata address and a private-network host. `opendsec up` runs in that internet's
+//! edge namespace, so no packet leaves the test's namespaces whatever a sandbox tries.
+//! Sandboxes are `busybox` (wget, nslookup, nc), driven through the REST API.
+//!
+//! Needs root, crun or runc, nftables, iproute2 and nsenter, and the static agent
+//! (`./ops/test.sh`).
+
+#[path = "support/internet.rs"]
+mod internet;
+#[path = "support/up.rs"]
+mod up;
+
+use internet::{Internet, METADATA, OTHER, PKGS, PKGS_API, PKGS_V6, PRIVATE};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+use up::Up;
+
+async fn start() -> (Up, Internet) {
+    let inet = Internet::start();
+    let up = Up::start_in_netns(&inet.edge_ns, inet.mgmt, &internet::DNS.to_string()).await;
+    (up, inet)
+}
+
+/// Creates a busybox sandbox with `network` (`Value::Null`: none said) and waits until
+/// it runs.
+async fn sandbox(up: &Up, network: Value) -> String {
+    let mut body = json!({"image": "busybox"});
+    if !network.is_null() {
+        body["network"] = network;
+    }
+    let (s, v) = up.send(reqwest::Method::POST, "/v1/sandboxes", Some(body)).await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandbox"]["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, v) = up
+            .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+        match v["state"].as_str() {
+            Some("running") => return id,
+            Some(s @ ("failed" | "exited" | "killed")) => panic!("sandbox {id} is {s}: {v}"),
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "sandbox {id} not running: {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `sh -c cmd` in the sandbox: (stdout and stderr, exit code).
+async fn sh(up: &Up, id: &str, cmd: &str) -> (String, i64) {
+    up.exec(id, "/bin/sh", &["-c", &format!("{cmd} 2>&1")])
+        .await
+        .unwrap_or_else(|e| panic!("exec `{cmd}` in {id}: {e}"))
+}
+
+/// GET `url` from the sandbox (3 s to connect and answer): the body, or `None`. (Not
+/// `wget -T`: busybox 1.35's crashes.)
+async fn get(up: &Up, id: &str, url: &str) -> Option<String> {
+    let (out, code) = sh(up, id, &format!("timeout 3 wget -q -O- {url}")).await;
+    (code == 0).then_some(out)
+}
+
+async fn reaches(up: &Up, id: &str, url: &str, answered_by: &str) {
+    let body = get(up, id, url).await;
+    assert!(
+        body.as_deref().is_some_and(|b| b.contains(answered_by)),
+        "{url} from {id}: expected an answer from {answered_by}, got {body:?}"
+    );
+}
+
+async fn blocked(up: &Up, id: &str, url: &str) {
+    let body = get(up, id, url).await;
+    assert_eq!(body, None, "{url} from {id} must be blocked");
+}
+
+/// What `nslookup name` says in the sandbox.
+async fn lookup(up: &Up, id: &str, name: &str) -> String {
+    sh(up, id, &format!("timeout 5 nslookup {name}")).await.0
+}
+
+async fn set_network(up: &Up, id: &str, network: Value) -> (u16, Value) {
+    up.send(
+        reqwest::Method::PUT,
+        &format!("/v1/sandboxes/{id}/network"),
+        Some(network),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_that_says_nothing_has_a_link_but_reaches_nothing_and_resolves_no_name() {
+    let (up, _inet) = start().await;
+    let id = sandbox(&up, Value::Null).await;
+    let (addrs, _) = sh(
+        &up,
+        &id,
+        "ip -4 addr show eth0; cat /etc/resolv.conf; ls /sys/class/net",
+    )
+    .await;
+    assert!(addrs.contains("inet 10.231."), "a link with its own address: {addrs}");
+    assert!(
+        addrs.contains("nameserver 10.231."),
+        "its resolver is the edge's DNS proxy: {addrs}"
+    );
+    assert!(
+        !addrs.contains("mgmt0") && !addrs.contains("up0"),
+        "its /sys shows its own interfaces, not the host's: {addrs}"
+    );
+    blocked(&up, &id, &format!("http://{PKGS}/")).await;
+    blocked(&up, &id, &format!("http://[{PKGS_V6}]/")).await;
+    let dns = lookup(&up, &id, "pkgs.test").await;
+    assert!(dns.contains("REFUSED"), "the proxy refuses every name: {dns}");
+    let (s, v) = up
+        .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(s, 200);
+    assert!(
+        v["network"]["allow_out"].as_array().is_none_or(|a| a.is_empty()),
+        "it shows the default, deny: {v}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn allow_rules_open_a_domain_a_wildcard_a_cidr_or_one_port_and_nothing_else() {
+    let (up, _inet) = start().await;
+    let domain = sandbox(&up, json!({"allow_out": ["pkgs.test"]})).await;
+    let wildcard = sandbox(&up, json!({"allow_out": ["*.pkgs.test"]})).await;
+    let cidr = sandbox(&up, json!({"allow_out": ["11.0.0.16/28"]})).await;
+    let port = sandbox(&up, json!({"allow_out": ["pkgs.test:8080"]})).await;
+
+    // A domain: its name resolves and its addresses answer, on any port; no other name.
+    reaches(&up, &domain, "http://pkgs.test/", &format!("{PKGS} 80")).await;
+    reaches(&up, &domain, "http://pkgs.test:8080/", &format!("{PKGS} 8080")).await;
+    assert!(lookup(&up, &domain, "other.test").await.contains("REFUSED"));
+    blocked(&up, &domain, &format!("http://{OTHER}/")).await;
+    blocked(&up, &domain, &format!("http://{PKGS_API}/")).await;
+
+    // A wildcard: names under it, not others.
+    reaches(&up, &wildcard, "http://api.pkgs.test/", &format!("{PKGS_API} 80")).await;
+    assert!(lookup(&up, &wildcard, "other.test").await.contains("REFUSED"));
+    blocked(&up, &wildcard, &format!("http://{OTHER}/")).await;
+
+    // A CIDR: its addresses, by address; nothing outside it.
+    reaches(&up, &cidr, &format!("http://{OTHER}/"), &format!("{OTHER} 80")).await;
+    blocked(&up, &cidr, &format!("http://{PKGS}/")).await;
+
+    // A port: that port of that name only.
+    reaches(&up, &port, "http://pkgs.test:8080/", &format!("{PKGS} 8080")).await;
+    blocked(&up, &port, "http://pkgs.test/").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_public_internet_never_includes_private_metadata_host_or_other_sandboxes_and_an_allow_beats_a_deny() {
+    let (up, inet) = start().await;
+    let open = sandbox(
+        &up,
+        json!({"allow_internet_access": true, "deny_out": ["other.test", "11.0.0.20"], "allow_out": ["11.0.0.20:8080"]}),
+    )
+    .await;
+    let peer = sandbox(&up, json!({"allow_internet_access": true})).await;
+
+    reaches(&up, &open, "http://pkgs.test/", &format!("{PKGS} 80")).await;
+    reaches(
+        &up,
+        &open,
+        &format!("http://{PKGS_API}:8080/"),
+        &format!("{PKGS_API} 8080"),
+    )
+    .await;
+    // Denied by name and by address; the allow of one port beats the deny.
+    assert!(lookup(&up, &open, "other.test").await.contains("REFUSED"));
+    blocked(&up, &open, &format!("http://{OTHER}/")).await;
+    reaches(&up, &open, &format!("http://{OTHER}:8080/"), &format!("{OTHER} 8080")).await;
+
+    // Never part of "the internet": the metadata address, a private network, the host's
+    // own services (the API on its management address, the gateway), another sandbox.
+    blocked(&up, &open, &format!("http://{METADATA}/")).await;
+    blocked(&up, &open, &format!("http://{PRIVATE}/")).await;
+    blocked(&up, &open, &format!("http://{}/v1/health", up.http)).await;
+    let (peer_ip, _) = sh(
+        &up,
+        &peer,
+        "ip -4 -o addr show eth0 | sed 's/.*inet \\([0-9.]*\\).*/\\1/'",
+    )
+    .await;
+    let peer_ip = peer_ip.trim().to_string();
+    assert!(peer_ip.starts_with("10.231."), "{peer_ip}");
+    let (gw, _) = sh(&up, &open, "ip route | sed -n 's/default via \\([0-9.]*\\).*/\\1/p'").await;
+    let api_port = up.http.rsplit(':').next().unwrap().to_string();
+    blocked(&up, &open, &format!("http://{}:{api_port}/v1/health", gw.trim())).await;
+    let _ = up
+        .exec(&peer, "/bin/sh", &["-c", "(echo hi | nc -l -p 8080 &) ; sleep 0.2"])
+        .await;
+    blocked(&up, &open, &format!("http://{peer_ip}:8080/")).await;
+    // DNS rebinding: a name answering with a private address is refused.
+    assert!(lookup(&up, &open, "rebind.test").await.contains("REFUSED"));
+    drop(inet);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dns_goes_only_to_the_edges_proxy() {
+    let (up, _inet) = start().await;
+    let id = sandbox(&up, json!({"allow_out": ["pkgs.test"]})).await;
+    let direct = lookup(&up, &id, &format!("pkgs.test {}", internet::DNS)).await;
+    assert!(
+        !direct.contains(&PKGS.to_string()),
+        "DNS to a resolver other than the proxy is dropped: {direct}"
+    );
+    let proxied = lookup(&up, &id, "pkgs.test").await;
+    assert!(proxied.contains(&PKGS.to_string()), "{proxied}");
+    assert!(
+        proxied.contains(&PKGS_V6.to_string()),
+        "AAAA answers come through too: {proxied}"
+    );
+    // IPv6: the name's learned IPv6 address answers.
+    reaches(&up, &id, &format!("http://[{PKGS_V6}]/"), &format!("{PKGS_V6} 80")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_policy_changed_while_the_sandbox_runs_takes_effect_on_open_connections_both_ways() {
+    let (up, _inet) = start().await;
+    let id = sandbox(&up, json!({"allow_out": ["pkgs.test"]})).await;
+    // A long-lived connection: a line every 50 ms into /tmp/stream.
+    let _ = up
+        .exec(
+            &id,
+            "/bin/sh",
+            &["-c", "(nc pkgs.test 9000 > /tmp/stream 2>/dev/null &); sleep 0.5"],
+        )
+        .await;
+    let before = lines(&up, &id).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(lines(&up, &id).await > before, "the stream flows");
+
+    // Taken away: new connections fail, and the open one stops.
+    let (s, v) = set_network(&up, &id, json!({"allow_out": []})).await;
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let a = lines(&up, &id).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let b = lines(&up, &id).await;
+        if a == b {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the open connection still flows after the policy took it away"
+        );
+    }
+    blocked(&up, &id, &format!("http://{PKGS}/")).await;
+
+    // Given back: it answers again.
+    let (s, v) = set_network(&up, &id, json!({"allow_out": ["11.0.0.10"]})).await;
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while get(&up, &id, &format!("http://{PKGS}/")).await.is_none() {
+        assert!(Instant::now() < deadline, "the new policy was not applied");
+    }
+    let (s, v) = up
+        .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}/network"), None)
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(v["allow_out"], json!(["11.0.0.10"]), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_keeps_its_network_and_policy_across_an_edge_restart_and_loses_it_when_it_ends() {
+    let (mut up, _inet) = start().await;
+    let id = sandbox(&up, json!({"allow_out": ["pkgs.test"]})).await;
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80")).await;
+    up.kill9();
+    up.restart().await;
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80")).await;
+    blocked(&up, &id, &format!("http://{OTHER}/")).await;
+    let (s, _) = up
+        .send(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert!(s == 200 || s == 204, "{s}");
+    // Its addresses, namespace and chain go with it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while holds_addresses(&id) {
+        assert!(Instant::now() < deadline, "the sandbox's network outlived it");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether some edge on this host still records addresses for `owner`.
+fn holds_addresses(owner: &str) -> bool {
+    let needle = format!("\"owner\":\"{owner}\"");
+    std::fs::read_dir(std::path::Path::new(opendsec_edge::net::DEFAULT_STATE_DIR).join("edges"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .flat_map(|e| std::fs::read_dir(e.path()).into_iter().flatten().flatten())
+        .any(|f| std::fs::read_to_string(f.path()).is_ok_and(|t| t.contains(&needle)))
+}
+
+/// Lines the stream in sandbox `id` has written to /tmp/stream so far.
+async fn lines(up: &Up, id: &str) -> u64 {
+    sh(up, id, "wc -l < /tmp/stream").await.0.trim().parse().unwrap_or(0)
+}
