@@ -11,6 +11,8 @@
 
 #[path = "support/e2b_py.rs"]
 mod e2b_py;
+#[path = "support/internet.rs"]
+mod internet;
 #[path = "support/up.rs"]
 mod up;
 
@@ -77,6 +79,20 @@ async fn e2b_sdk_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdk_lifecycle() {
     run_module("test_lifecycle.py", Sdk::Current, &["base"]).await;
+}
+
+/// Network egress (`allow_internet_access`, `network`, `update_network`) against a test
+/// internet of the harness's own (`support/internet.rs`), with `opendsec up` in its
+/// edge namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_network() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let python = python(Sdk::Current);
+    let inet = internet::Internet::start();
+    let up = Up::start_in_netns(&inet.edge_ns, inet.mgmt, &internet::DNS.to_string()).await;
+    up.ensure_image("base", IMAGE_BUILD_LIMIT).await;
+    let key = up.issue_e2b_key().await;
+    pytest(&python, "test_network.py", &single_url_vars(&up, key)).await;
 }
 
 /// `base-vm`: microVMs under the SDK (pause with memory, snapshots, fork).
