@@ -205,6 +205,39 @@ async fn the_public_internet_never_includes_private_metadata_host_or_other_sandb
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn its_metrics_count_its_traffic_and_show_what_its_policy_refused() {
+    let (up, _inet) = start().await;
+    let id = sandbox(&up, json!({"allow_out": ["pkgs.test"]})).await;
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80")).await;
+    blocked(&up, &id, &format!("http://{OTHER}:8080/")).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (s, m) = up
+            .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}/metrics"), None)
+            .await;
+        assert_eq!(s, 200, "{m}");
+        let n = &m["network"];
+        let refused = n["recent_drops"].as_array().into_iter().flatten().any(|d| {
+            d["destination"] == OTHER.to_string()
+                && d["port"] == 8080
+                && d["protocol"] == "tcp"
+                && d["rule"] == "default"
+        });
+        let counted = n["in_bytes"].as_u64() > Some(0)
+            && n["out_bytes"].as_u64() > Some(0)
+            && n["dropped_packets"].as_u64() > Some(0);
+        if refused && counted {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "metrics do not show its traffic and the refused connection: {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn dns_goes_only_to_the_edges_proxy() {
     let (up, _inet) = start().await;
     let id = sandbox(&up, json!({"allow_out": ["pkgs.test"]})).await;

@@ -13,6 +13,8 @@
 //!   `od<tag><slot>`, over rtnetlink.
 //! - `rules.rs` (pure): a policy as the sandbox's chain, the edge's base chains.
 //! - `nft.rs`: scripts applied whole by `nft -f -` (one transaction each).
+//! - `drops.rs`: the last sampled drops of each sandbox (what its policy refused), from
+//!   the kernel log.
 //! - `dns.rs`: the DNS proxy on the gateway, which answers each sandbox only for names
 //!   its policy allows and opens the answers' addresses in its learned sets.
 //!
@@ -51,6 +53,7 @@
 
 pub mod addrs;
 pub mod dns;
+pub mod drops;
 pub mod link;
 pub mod nft;
 pub mod rules;
@@ -155,6 +158,14 @@ pub struct NetCounters {
     pub dropped_packets: u64,
 }
 
+/// A sandbox's network as its metrics show it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetSample {
+    pub counters: NetCounters,
+    /// What it last tried to reach and was refused (sampled), oldest first.
+    pub recent_drops: Vec<drops::Drop>,
+}
+
 struct Attached {
     slot: Slot,
     /// The policy last applied (`None`: not known to this run yet).
@@ -182,6 +193,7 @@ pub struct Network {
     generation: AtomicU32,
     counters: Mutex<Option<CountersTaken>>,
     dns_sockets: Mutex<Option<dns::Sockets>>,
+    drops: Arc<drops::DropLog>,
     /// Held while this edge runs (an flock): no second edge with its tag.
     _lock: std::fs::File,
 }
@@ -338,6 +350,7 @@ impl Network {
                 "no upstream DNS resolver (none given, none in /etc/resolv.conf): sandboxes resolve no names"
             );
         }
+        let table_name = table.clone();
         let net = Network {
             table,
             gateway,
@@ -354,6 +367,7 @@ impl Network {
             generation: AtomicU32::new((opendsec_edge_api::now_ms() / 1000) as u32 | 1),
             counters: Mutex::new(None),
             dns_sockets: Mutex::new(Some(dns::Sockets::bind(gateway)?)),
+            drops: drops::DropLog::follow(&table_name),
             veth_prefix: format!("od{tag}"),
             tag,
             _lock: lock,
@@ -589,6 +603,7 @@ impl Network {
         let _ = std::fs::remove_file(self.hosts_path(slot.slot));
         let _ = std::fs::remove_file(self.policy_path(slot.slot));
         self.by_addr.write().expect("address lock").remove(&IpAddr::V4(slot.v4));
+        self.drops.forget(slot.slot);
         self.pool.release(slot.slot);
     }
 
@@ -692,6 +707,25 @@ impl Network {
         for s in scripts {
             let _ = nft::apply(&s);
         }
+    }
+
+    /// Sandbox `owner`'s traffic and its last sampled drops (`None`: no network here).
+    pub fn sample(&self, owner: &str) -> Option<NetSample> {
+        Some(NetSample {
+            counters: self.counters(owner)?,
+            recent_drops: self.recent_drops(owner),
+        })
+    }
+
+    /// What sandbox `owner` last tried to reach and was refused (sampled), oldest first.
+    pub fn recent_drops(&self, owner: &str) -> Vec<drops::Drop> {
+        let slot = self
+            .attached
+            .lock()
+            .expect("attached lock")
+            .get(owner)
+            .map(|a| a.slot.slot);
+        slot.map(|s| self.drops.of(s)).unwrap_or_default()
     }
 
     /// Sandbox `owner`'s traffic, read at most once a second for all sandboxes.

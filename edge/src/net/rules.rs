@@ -253,6 +253,27 @@ pub fn counter_name(slot: u32) -> String {
     format!("drops{slot}")
 }
 
+/// What every sampled drop's kernel log line starts with (see `drops.rs`).
+pub const DROP_LOG_TAG: &str = "odsec-drop";
+/// Sampled drops logged per sandbox and rule at most (new connections only).
+pub const DROP_LOG_RATE: &str = "5/second burst 5 packets";
+
+/// The log prefix of drops by rule `why` (`deny_out` or `default`) in slot `slot` of
+/// `table`: `odsec-drop <table> sb<slot> <why>: ` (at most 127 bytes: tables are short).
+pub fn drop_log_prefix(table: &str, slot: u32, why: &str) -> String {
+    format!("{DROP_LOG_TAG} {table} sb{slot} {why}: ")
+}
+
+/// `match counter name C drop` preceded by a rule logging a sample of what it drops:
+/// the first packet of new connections, at most [`DROP_LOG_RATE`] (a `limit` in the
+/// dropping rule itself would let the rest through).
+fn logged_drop(matched: &str, counter: &str, prefix: &str) -> [String; 2] {
+    [
+        format!("{matched}ct state new limit rate {DROP_LOG_RATE} log prefix \"{prefix}\" level info"),
+        format!("{matched}counter name {counter} drop"),
+    ]
+}
+
 fn ports_text(p: &Ports) -> String {
     let list = |ranges: &[(u16, u16)]| {
         let items: Vec<String> = ranges
@@ -446,13 +467,20 @@ pub fn sandbox_script(p: &SandboxPlace, policy: &Policy, generation: u32, stale_
         &mut s,
         &format!("ct state established,related ct mark {generation:#x} accept"),
     );
+    let denied = drop_log_prefix(p.table, p.slot, "deny_out");
     for l in chain_lines(p.slot, policy) {
         for text in line_text(&l, generation) {
-            let text = text.replace("counter drop", &format!("counter name {counter} drop"));
-            rule(&mut s, &text);
+            match text.strip_suffix("counter drop") {
+                Some(matched) => logged_drop(matched, &counter, &denied)
+                    .iter()
+                    .for_each(|r| rule(&mut s, r)),
+                None => rule(&mut s, &text),
+            }
         }
     }
-    rule(&mut s, &format!("counter name {counter} drop"));
+    for r in logged_drop("", &counter, &drop_log_prefix(p.table, p.slot, "default")) {
+        rule(&mut s, &r);
+    }
     let _ = writeln!(s, "add element {t} sandboxes {{ \"{}\" : jump {chain} }}", p.veth);
     for set in stale_sets {
         let _ = writeln!(s, "delete set {t} {set}");
@@ -755,6 +783,8 @@ mod tests {
         let set4 = learned_set(5, "pkgs.test", false, false);
         let set6 = learned_set(5, "pkgs.test", false, true);
         let t = "inet opendsec_e1_abc123";
+        // Each drop is sampled in the kernel log first (new connections, rate-limited).
+        let log = "ct state new limit rate 5/second burst 5 packets log prefix \"odsec-drop opendsec_e1_abc123 sb5 ";
         let expected = format!(
             "add set {t} {set4} {{ type ipv4_addr; flags timeout; }}
 add set {t} {set6} {{ type ipv6_addr; flags timeout; }}
@@ -767,11 +797,15 @@ add rule {t} sb5 ct state established,related ct mark 0x2a accept
 add rule {t} sb5 ip daddr 11.0.0.0/24 ip daddr != @special4 tcp dport {{ 80, 8000-8100 }} ct mark set 0x2a accept
 add rule {t} sb5 ip daddr @{set4} meta l4proto {{ tcp, udp }} th dport {{ 443 }} ct mark set 0x2a accept
 add rule {t} sb5 ip6 daddr @{set6} meta l4proto {{ tcp, udp }} th dport {{ 443 }} ct mark set 0x2a accept
+add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 {log}deny_out: \" level info
 add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 counter name drops5 drop
+add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} {log}deny_out: \" level info
 add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 drop
+add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} {log}deny_out: \" level info
 add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 drop
 add rule {t} sb5 ip daddr != @special4 ct mark set 0x2a accept
 add rule {t} sb5 ip6 daddr != @special6 ct mark set 0x2a accept
+add rule {t} sb5 {log}default: \" level info
 add rule {t} sb5 counter name drops5 drop
 add element {t} sandboxes {{ \"odabc1235\" : jump sb5 }}
 delete set {t} d5_000000000000_4
@@ -784,8 +818,9 @@ delete set {t} d5_000000000000_4
     fn the_default_policy_is_a_chain_that_drops_everything_and_counts_it() {
         let text = sandbox_script(&place(), &Policy::default(), 1, &BTreeSet::new());
         let rules: Vec<&str> = text.lines().filter(|l| l.starts_with("add rule")).collect();
-        assert_eq!(rules.len(), 4, "{text}");
+        assert_eq!(rules.len(), 5, "{text}");
         assert!(rules.iter().all(|r| !r.contains("mark set")), "{text}");
+        assert!(rules[3].contains("log prefix \"odsec-drop opendsec_e1_abc123 sb5 default: \""));
         assert!(rules.last().unwrap().ends_with("counter name drops5 drop"));
     }
 

@@ -201,7 +201,11 @@ impl Edge {
         let vm_root = self.cfg.data_dir.join("vms");
         let resolve: Resolver = Arc::new(move |id: &str| agent_addr(&agents, &vm_root, id));
         let sampled = self.clone();
-        let sampler: proxy::Sampler = Arc::new(move |id| sampled.backend_of(id).sample(id, sampled.cfg.disk_bytes));
+        let sampler: proxy::Sampler = Arc::new(move |id| {
+            let mut s = sampled.backend_of(id).sample(id, sampled.cfg.disk_bytes)?;
+            s.network = sampled.net.as_ref().and_then(|n| n.sample(id));
+            Some(s)
+        });
         let reader = self.clone();
         let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend_of(id).log(id, max));
         let kept = self.clone();

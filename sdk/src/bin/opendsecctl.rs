@@ -589,7 +589,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                         m.oom_kills.to_string(),
                         runtime,
                     ]],
-                )
+                ) + &network_lines(m.network.as_ref())
             });
             return Ok(0);
         }
@@ -770,4 +770,38 @@ fn warn_unenforced(p: &NetworkPolicy) {
             "warning: edges do not enforce network policy in this release: the sandbox has no network egress; its policy is kept"
         );
     }
+}
+
+/// A sandbox's traffic and the connections its policy last refused, for `sandbox metrics`.
+fn network_lines(n: Option<&opendsec_sdk::types::NetworkMetrics>) -> String {
+    let Some(n) = n else {
+        return String::new();
+    };
+    let kb = |b: u64| format!("{:.1}", b as f64 / 1024.0);
+    let mut s = format!(
+        "\nnetwork: in {} KiB ({} packets), out {} KiB ({} packets), {} packets dropped by its policy\n",
+        kb(n.in_bytes),
+        n.in_packets,
+        kb(n.out_bytes),
+        n.out_packets,
+        n.dropped_packets
+    );
+    if !n.recent_drops.is_empty() {
+        s.push_str("refused lately (allow them with `opendsecctl sandbox network set`):\n");
+        let rows = n
+            .recent_drops
+            .iter()
+            .map(|d| {
+                vec![
+                    fmt_time(d.at_ms),
+                    d.protocol.clone(),
+                    d.destination.clone(),
+                    d.port.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                    d.rule.clone(),
+                ]
+            })
+            .collect();
+        s.push_str(&table(&["TIME", "PROTO", "DESTINATION", "PORT", "RULE"], rows));
+    }
+    s
 }
