@@ -31,7 +31,11 @@ async fn start() -> (Up, Internet) {
 /// Creates a busybox sandbox with `network` (`Value::Null`: none said) and waits until
 /// it runs.
 async fn sandbox(up: &Up, network: Value) -> String {
-    let mut body = json!({"image": "busybox"});
+    sandbox_of(up, json!({"image": "busybox"}), network).await
+}
+
+/// Creates a sandbox of `body` with `network` and waits until it runs.
+async fn sandbox_of(up: &Up, mut body: Value, network: Value) -> String {
     if !network.is_null() {
         body["network"] = network;
     }
@@ -302,6 +306,29 @@ async fn a_policy_changed_while_the_sandbox_runs_takes_effect_on_open_connection
         .await;
     assert_eq!(s, 200);
     assert_eq!(v["allow_out"], json!(["11.0.0.10"]), "{v}");
+}
+
+/// A microVM's guest routes through its tap; the edge gives its namespace the same link
+/// and chain as a container's (IPv4), and its DNS goes to the same proxy.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_microvm_reaches_what_its_policy_allows_and_nothing_else() {
+    let (up, _inet) = start().await;
+    let body = json!({"image": "busybox", "isolation": "microvm", "memory_mb": 256});
+    let id = sandbox_of(&up, body, json!({"allow_out": ["pkgs.test"]})).await;
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80")).await;
+    assert!(lookup(&up, &id, "other.test").await.contains("REFUSED"));
+    blocked(&up, &id, &format!("http://{OTHER}/")).await;
+    blocked(&up, &id, &format!("http://{METADATA}/")).await;
+    let (s, v) = set_network(&up, &id, json!({"allow_out": ["11.0.0.20"]})).await;
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&up, &id, &format!("http://{OTHER}/")).await.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the new policy was not applied to the microVM"
+        );
+    }
+    blocked(&up, &id, &format!("http://{PKGS}/")).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

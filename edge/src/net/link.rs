@@ -248,6 +248,36 @@ pub fn create(plan: &LinkPlan) -> Result<PathBuf, NetError> {
     made.map(|()| path)
 }
 
+/// Makes `plan`'s veth with its sandbox end in the existing namespace at `netns` (a
+/// VM's, which its QEMU runs in), addressed and routed there as in a namespace of its
+/// own (`plan.netns` is not used). On error no veth is left.
+pub fn join(plan: &LinkPlan, netns: &Path) -> Result<(), NetError> {
+    delete_veth(&plan.veth)?;
+    let made = configure(plan, netns);
+    if made.is_err() {
+        let _ = delete_veth(&plan.veth);
+    }
+    made
+}
+
+/// Sets `path` (a `/proc/sys/net` file) to `value` inside namespace `netns`: such files
+/// belong to the namespace of whoever opens them.
+pub fn sysctl_in(netns: &Path, path: &'static str, value: &'static str) -> Result<(), NetError> {
+    let ns = std::fs::File::open(netns).map_err(|e| NetError::io(format!("opening {}", netns.display()), e))?;
+    std::thread::Builder::new()
+        .name("sysctl".into())
+        .spawn(move || -> Result<(), NetError> {
+            // SAFETY: setns on an fd we own; it changes only this thread's namespace.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(NetError::io("entering a namespace", std::io::Error::last_os_error()));
+            }
+            std::fs::write(path, value).map_err(|e| NetError::io(format!("writing {path}"), e))
+        })
+        .map_err(|e| NetError::io("starting a sysctl thread", e))?
+        .join()
+        .unwrap_or_else(|_| Err(NetError::Link("the sysctl thread panicked".into())))
+}
+
 fn configure(plan: &LinkPlan, path: &Path) -> Result<(), NetError> {
     let ns = std::fs::File::open(path).map_err(|e| NetError::io(format!("opening {}", path.display()), e))?;
     let p = plan.clone();

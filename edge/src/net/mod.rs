@@ -515,6 +515,60 @@ impl Network {
         })
     }
 
+    /// Gives microVM `owner` a link into its namespace `netns` (where its QEMU runs, the
+    /// guest behind its tap): IPv4 only, with a chain that drops everything; inside the
+    /// namespace, what the guest sends out is masqueraded to the slot's address (so its
+    /// chain applies) and DNS to the tap's host side (`guest_dns`, the same in every VM
+    /// namespace, so a restored or forked guest keeps its resolver) goes to the proxy.
+    /// On error nothing is left.
+    pub fn attach_machine(&self, owner: &str, netns: &Path, tap: &str, guest_dns: Ipv4Addr) -> Result<(), NetError> {
+        if self.attached.lock().expect("attached lock").contains_key(owner) {
+            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
+        }
+        let mut slot = self.pool.claim(owner)?;
+        // The guest has no IPv6 address: the VM's link carries none either.
+        slot.v6 = None;
+        let made = (|| {
+            let veth = self.veth(slot.slot);
+            nft::apply(&rules::sandbox_script(
+                &self.place(&slot, &veth),
+                &Policy::default(),
+                0,
+                &BTreeSet::new(),
+            ))?;
+            let plan = link::LinkPlan {
+                netns: String::new(),
+                veth,
+                gateway: self.gateway,
+                v4: slot.v4,
+                v6: None,
+            };
+            link::join(&plan, netns)?;
+            link::sysctl_in(netns, "/proc/sys/net/ipv4/ip_forward", "1")?;
+            nft::apply_in(Some(netns), &rules::machine_script(tap, guest_dns, self.gateway))
+        })();
+        if let Err(e) = made {
+            self.teardown(&slot, &BTreeSet::new());
+            return Err(e);
+        }
+        self.attached.lock().expect("attached lock").insert(
+            owner.to_string(),
+            Attached {
+                slot: slot.clone(),
+                applied: Some(None),
+                sets: BTreeSet::new(),
+            },
+        );
+        self.by_addr.write().expect("address lock").insert(
+            IpAddr::V4(slot.v4),
+            SandboxDns {
+                slot: slot.slot,
+                policy: Arc::new(Policy::default()),
+            },
+        );
+        Ok(())
+    }
+
     /// `from`'s network now belongs to `to` (a warm container claimed by sandbox `to`),
     /// whose name its `/etc/hosts` now holds (rewritten in place: the container's bind
     /// sees it).

@@ -29,7 +29,27 @@ fn failed(script: &str, stderr: &[u8]) -> NetError {
 
 /// Applies `script` in one transaction.
 pub fn apply(script: &str) -> Result<(), NetError> {
-    let mut child = Command::new(binary()?)
+    apply_in(None, script)
+}
+
+/// Applies `script` in one transaction inside network namespace `netns` (`None`: the
+/// edge's own).
+pub fn apply_in(netns: Option<&std::path::Path>, script: &str) -> Result<(), NetError> {
+    let mut cmd = Command::new(binary()?);
+    if let Some(path) = netns {
+        let ns = std::fs::File::open(path).map_err(|e| NetError::io(format!("opening {}", path.display()), e))?;
+        // SAFETY: between fork and exec the child only calls setns, which is
+        // async-signal-safe; `ns` stays open in the parent until the child has run it.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                if libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd
         .args(["-f", "-"])
         .env_clear()
         .stdin(Stdio::piped())

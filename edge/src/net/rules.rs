@@ -12,6 +12,7 @@
 //! connections of the current generation skip the rules, so a new policy judges every
 //! packet of older connections once more, and cuts those it forbids.
 
+use super::link::SANDBOX_IF;
 use opendsec_commands::network::{Policy, Protocol, Rule, Target, contains, is_special};
 use std::collections::BTreeSet;
 use std::fmt::Write;
@@ -486,6 +487,28 @@ pub fn sandbox_script(p: &SandboxPlace, policy: &Policy, generation: u32, stale_
         let _ = writeln!(s, "delete set {t} {set}");
     }
     s
+}
+
+/// The table inside a microVM's namespace: what the guest (behind `tap`) sends out is
+/// masqueraded to the namespace's link (the slot's address, which the edge's chain for
+/// it judges), and its DNS to `guest_dns` (the tap's host side) goes to the edge's proxy
+/// at `gateway`. Replaces any earlier one whole.
+pub fn machine_script(tap: &str, guest_dns: Ipv4Addr, gateway: Ipv4Addr) -> String {
+    format!(
+        "table ip opendsec_vm {{}}
+delete table ip opendsec_vm
+table ip opendsec_vm {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname \"{tap}\" ip daddr {guest_dns} meta l4proto {{ tcp, udp }} th dport 53 dnat to {gateway}
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    oifname \"{SANDBOX_IF}\" masquerade
+  }}
+}}
+"
+    )
 }
 
 /// Everything of slot `p.slot` in the table: its map entry, chain, counter and `sets`.

@@ -45,6 +45,32 @@ impl Edge {
         Ok(())
     }
 
+    /// Gives microVM sandbox `d` (made, its QEMU running in its namespace) its link out,
+    /// under its policy. Full VMs boot their image's own init, which does not route
+    /// through the tap: they keep only their agent's link.
+    pub(super) fn attach_machine_network(&self, d: &crate::desired::DesiredSandbox) -> Result<(), EdgeError> {
+        let Some(net) = &self.net else {
+            return Ok(());
+        };
+        if d.isolation != opendsec_projections::Isolation::Microvm {
+            return Ok(());
+        }
+        let channel = crate::vm::agent_channel_at(&self.cfg.data_dir.join("vms"), &d.id)
+            .ok_or_else(|| EdgeError::Store(format!("microVM {} has no record to attach its network to", d.id)))?;
+        let [a, b, c, e] = crate::vm::HOST_IP;
+        net.attach_machine(
+            &d.id,
+            &channel.netns,
+            crate::vm::TAP,
+            std::net::Ipv4Addr::new(a, b, c, e),
+        )?;
+        if let Err(e) = net.apply(&d.id, d.network.as_deref()) {
+            net.detach(&d.id);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
     /// Warm container `wid`'s network becomes sandbox `id`'s, under `policy`.
     pub(super) fn hand_over_network(&self, wid: &str, id: &str, policy: Option<&str>) -> Result<(), EdgeError> {
         let Some(net) = &self.net else {
@@ -75,10 +101,7 @@ impl Edge {
                 .filter(|(owner, _)| !creating.contains(owner))
                 .filter_map(|(owner, applied)| {
                     let d = slice.sandboxes.get(&owner)?;
-                    (d.isolation == opendsec_projections::Isolation::Container
-                        && !d.is_terminal()
-                        && applied.as_ref() != Some(&d.network))
-                    .then(|| (owner, d.network.clone()))
+                    (!d.is_terminal() && applied.as_ref() != Some(&d.network)).then(|| (owner, d.network.clone()))
                 })
                 .collect()
         };

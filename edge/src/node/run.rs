@@ -47,7 +47,15 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     };
     if let Some(net) = &net {
         // Networks of sandboxes still running stay; everything else of this edge's goes.
-        let live: BTreeSet<String> = containers.list()?.into_iter().map(|h| h.id).collect();
+        let mut live: BTreeSet<String> = containers.list()?.into_iter().map(|h| h.id).collect();
+        // MicroVMs, by their records (the driver is prepared later, beside the loop).
+        for e in std::fs::read_dir(cfg.data_dir.join("vms").join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            live.insert(e.file_name().to_string_lossy().into_owned());
+        }
         net.adopt(&live);
     }
     // Listening before registering: once registered, the edge is asked to admit

@@ -143,10 +143,16 @@ mount --move /proc /newroot/proc || die "moving /proc"
 mount --move /sys /newroot/sys || die "moving /sys"
 mount -t tmpfs -o mode=0755 run /newroot/run || die "mounting /run"
 
-# The agent channel: this guest's side of the tap's /30, and nothing else.
+# The agent channel: this guest's side of the tap's /30. Everything else goes to the
+# tap's host side too, where the edge gives the sandbox a link out under its policy (or
+# none), and names are asked there (the edge sends them to its DNS proxy).
 ip link set lo up || die "lo up"
 ip addr add "$GUEST_IP/$GUEST_PREFIX" dev eth0 || die "addressing eth0"
 ip link set eth0 up || die "eth0 up"
+ip route add default via "$HOST_IP" dev eth0 || die "the default route"
+if ! { rm -f /newroot/etc/resolv.conf && echo "nameserver $HOST_IP" > /newroot/etc/resolv.conf; }; then
+    echo "opendsec-init: cannot write /etc/resolv.conf: names do not resolve" >&2
+fi
 hostname "$GUEST_HOSTNAME"
 
 set -- serve --listen "tcp:$GUEST_IP:$AGENT_PORT" \

@@ -58,7 +58,7 @@ pub async fn create(
     tracing::debug!(sandbox = %sandbox.id, index = s.index, "create committed");
     let enforced = st
         .node
-        .read(|s| convert::egress_enforced(s, &sandbox.edge, sandbox.isolation == api::Isolation::Container));
+        .read(|s| convert::egress_enforced(s, &sandbox.edge, convert::isolation_of(sandbox.isolation)));
     Ok((
         convert::egress_warning(&sandbox.network, enforced),
         Written {
@@ -276,7 +276,7 @@ pub async fn set_network(
     let x = &written.body.sandbox;
     let enforced = st
         .node
-        .read(|s| convert::egress_enforced(s, &x.edge, x.isolation == api::Isolation::Container));
+        .read(|s| convert::egress_enforced(s, &x.edge, convert::isolation_of(x.isolation)));
     Ok((convert::egress_warning(&x.network, enforced), written))
 }
 
