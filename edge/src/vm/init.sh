@@ -2,7 +2,8 @@
 # OpenDsec guest init: PID 1 of the initramfs (busybox sh). It loads the modules in
 # dependency order, finds the disks by their serial numbers, mounts the root, puts the
 # agent and its configuration on a private tmpfs at /.opendsec, configures the agent
-# channel (eth0, no route anywhere) and execs the agent as PID 1 of the guest.
+# channel (eth0; its default route goes to the tap's host side, where the edge gives a
+# link out or none) and execs the agent as PID 1 of the guest.
 # Two machines (/opendsec/machine says which this initramfs is for):
 # - microvm: the kernel and this initramfs (with the VM's configuration appended) come
 #   from QEMU; the root is the read-only image disk (EROFS) under a writable ext4 disk,
