@@ -9,9 +9,8 @@
 
 use super::rules::DROP_LOG_TAG;
 use std::collections::{BTreeMap, VecDeque};
-use std::io::Read;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 /// Drops kept per sandbox.
 pub const KEPT: usize = 20;
@@ -44,20 +43,13 @@ impl DropLog {
             table: table.to_string(),
             by_slot: Mutex::new(BTreeMap::new()),
         });
-        match std::fs::File::open("/dev/kmsg") {
-            Ok(file) => {
-                // Only what happens from now on.
-                // SAFETY: lseek on an fd we own.
-                unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&file), 0, libc::SEEK_END) };
-                let weak = Arc::downgrade(&log);
-                if let Err(e) = std::thread::Builder::new()
-                    .name("drop-log".into())
-                    .spawn(move || read_records(file, weak))
-                {
-                    tracing::warn!(error = %e, "cannot start the dropped-connection log reader");
-                }
+        let take = |log: &DropLog, record: &str| {
+            if let Some((_, text)) = record.split_once(';') {
+                log.take(text.trim_end(), opendsec_edge_api::now_ms());
             }
-            Err(e) => tracing::warn!(error = %e, "cannot read /dev/kmsg: sandboxes' drops are counted, not sampled"),
+        };
+        if let Err(e) = crate::kmsg::follow("drop-log", &log, take) {
+            tracing::warn!(error = %e, "cannot follow /dev/kmsg: sandboxes' drops are counted, not sampled");
         }
         log
     }
@@ -112,26 +104,6 @@ pub fn parse(table: &str, text: &str, at_ms: u64) -> Option<(u32, Drop)> {
             rule: rule.to_string(),
         },
     ))
-}
-
-fn read_records(mut file: std::fs::File, log: Weak<DropLog>) {
-    let mut buf = vec![0u8; 8192];
-    loop {
-        // One record per read; EPIPE when records were overwritten before we read them.
-        let n = match file.read(&mut buf) {
-            Ok(0) => return,
-            Ok(n) => n,
-            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
-            Err(_) => return,
-        };
-        let Some(log) = log.upgrade() else {
-            return;
-        };
-        let record = String::from_utf8_lossy(&buf[..n]);
-        if let Some((_, text)) = record.split_once(';') {
-            log.take(text.trim_end(), opendsec_edge_api::now_ms());
-        }
-    }
 }
 
 #[cfg(test)]

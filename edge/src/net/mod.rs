@@ -491,21 +491,7 @@ impl Network {
         link::mount_sysfs(&netns, &sysfs)?;
         let hosts = self.hosts_path(slot.slot);
         std::fs::write(&hosts, hosts_text(hostname, slot)).map_err(|e| NetError::io("writing /etc/hosts", e))?;
-        self.attached.lock().expect("attached lock").insert(
-            slot.owner.clone(),
-            Attached {
-                slot: slot.clone(),
-                applied: Some(None),
-                sets: BTreeSet::new(),
-            },
-        );
-        self.by_addr.write().expect("address lock").insert(
-            IpAddr::V4(slot.v4),
-            SandboxDns {
-                slot: slot.slot,
-                policy: Arc::new(Policy::default()),
-            },
-        );
+        self.record_attached(slot);
         Ok(Attachment {
             netns,
             resolv_conf: self.files.join("resolv.conf"),
@@ -551,8 +537,14 @@ impl Network {
             self.teardown(&slot, &BTreeSet::new());
             return Err(e);
         }
+        self.record_attached(&slot);
+        Ok(())
+    }
+
+    /// `slot` is attached, under the default policy (its chain drops everything).
+    fn record_attached(&self, slot: &Slot) {
         self.attached.lock().expect("attached lock").insert(
-            owner.to_string(),
+            slot.owner.clone(),
             Attached {
                 slot: slot.clone(),
                 applied: Some(None),
@@ -566,7 +558,6 @@ impl Network {
                 policy: Arc::new(Policy::default()),
             },
         );
-        Ok(())
     }
 
     /// `from`'s network now belongs to `to` (a warm container claimed by sandbox `to`),
