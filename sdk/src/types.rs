@@ -471,6 +471,9 @@ pub struct DroppedConnection {
     pub port: Option<u16>,
     /// `deny_out` (a deny rule dropped it) or `default` (no rule allowed it).
     pub rule: String,
+    /// Packets logged for it (a connection's retries within 5 s count here).
+    #[serde(default)]
+    pub packets: u32,
 }
 
 /// One point of a sandbox's metrics history: its edge samples each running sandbox

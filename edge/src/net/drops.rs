@@ -27,7 +27,14 @@ pub struct Drop {
     pub port: Option<u16>,
     /// The rule that dropped it: `deny_out` (a deny rule) or `default` (nothing allowed it).
     pub rule: String,
+    /// Packets logged for it (a connection's retried SYNs come within [`SAME_WINDOW_MS`]
+    /// of the first and count here).
+    pub packets: u32,
 }
+
+/// Drops of the same destination, port, protocol and rule this close after the last are
+/// counted in it, not kept apart.
+pub const SAME_WINDOW_MS: u64 = 5_000;
 
 /// The last drops of each slot of one table.
 pub struct DropLog {
@@ -74,6 +81,14 @@ impl DropLog {
         if let Some((slot, drop)) = parse(&self.table, text, at_ms) {
             let mut all = self.by_slot.lock().expect("drop log lock");
             let kept = all.entry(slot).or_default();
+            if let Some(last) = kept.back_mut()
+                && (&last.protocol, last.destination, last.port, &last.rule)
+                    == (&drop.protocol, drop.destination, drop.port, &drop.rule)
+                && drop.at_ms.saturating_sub(last.at_ms) < SAME_WINDOW_MS
+            {
+                last.packets += 1;
+                return;
+            }
             if kept.len() == KEPT {
                 kept.pop_front();
             }
@@ -102,6 +117,7 @@ pub fn parse(table: &str, text: &str, at_ms: u64) -> Option<(u32, Drop)> {
             destination: field("DST")?.parse().ok()?,
             port: field("DPT").and_then(|p| p.parse().ok()),
             rule: rule.to_string(),
+            packets: 1,
         },
     ))
 }
@@ -123,7 +139,8 @@ mod tests {
                 protocol: "tcp".into(),
                 destination: "11.0.0.20".parse().unwrap(),
                 port: Some(443),
-                rule: "default".into()
+                rule: "default".into(),
+                packets: 1,
             }
         );
         let v6 = "odsec-drop opendsec_e1_abc12 sb7 deny_out: IN=x OUT=y SRC=fd6f::7 DST=2a0a::20 LEN=80 PROTO=UDP SPT=1 DPT=53 LEN=8";
@@ -148,6 +165,13 @@ mod tests {
         let kept = log.of(3);
         assert_eq!(kept.len(), KEPT);
         assert_eq!(kept[0].port, Some(5), "the oldest went first");
+        // A connection's retried SYNs count in its one entry.
+        log.take("odsec-drop t sb3 default: DST=11.0.0.1 PROTO=TCP DPT=99", 1000);
+        log.take("odsec-drop t sb3 default: DST=11.0.0.1 PROTO=TCP DPT=99", 2000);
+        log.take("odsec-drop t sb3 default: DST=11.0.0.1 PROTO=TCP DPT=99", 9000);
+        let kept = log.of(3);
+        assert_eq!(kept[KEPT - 2].packets, 2);
+        assert_eq!((kept[KEPT - 1].port, kept[KEPT - 1].packets), (Some(99), 1));
         log.forget(3);
         assert!(log.of(3).is_empty());
     }

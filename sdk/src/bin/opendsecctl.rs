@@ -491,7 +491,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 network: network.given().then(|| network.policy()),
             };
             let mut written = client.create_sandbox(&req).await?;
-            warn_unenforced(&written.sandbox.network);
+            warn_from(&client);
             if !no_wait {
                 let seconds = wait.unwrap_or(wait_seconds);
                 written.sandbox = wait_started(client, &written.sandbox.id, seconds).await?;
@@ -658,7 +658,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Network(SandboxNetworkCmd::Set { id, network }) => {
             let w = client.set_sandbox_network(&id, &network.policy()).await?;
-            warn_unenforced(&w.sandbox.network);
+            warn_from(&client);
             out.show(&w, |w| {
                 format!(
                     "sandbox {id}: network set at index {}\n{}",
@@ -762,13 +762,11 @@ fn not_started(message: String) -> ApiError {
     }
 }
 
-/// Says on stderr that a policy allowing egress is not enforced yet (the edges of this
-/// release give sandboxes no network egress).
-fn warn_unenforced(p: &NetworkPolicy) {
-    if p.allow_internet_access || !p.allow_out.is_empty() {
-        eprintln!(
-            "warning: edges do not enforce network policy in this release: the sandbox has no network egress; its policy is kept"
-        );
+/// Says on stderr what the server warned of (e.g. a policy allowing egress that the
+/// sandbox's edge does not give).
+fn warn_from(client: &Client) {
+    for w in client.take_warnings() {
+        eprintln!("warning: {w}");
     }
 }
 
@@ -798,10 +796,14 @@ fn network_lines(n: Option<&opendsec_sdk::types::NetworkMetrics>) -> String {
                     d.destination.clone(),
                     d.port.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
                     d.rule.clone(),
+                    d.packets.to_string(),
                 ]
             })
             .collect();
-        s.push_str(&table(&["TIME", "PROTO", "DESTINATION", "PORT", "RULE"], rows));
+        s.push_str(&table(
+            &["TIME", "PROTO", "DESTINATION", "PORT", "RULE", "PACKETS"],
+            rows,
+        ));
     }
     s
 }
