@@ -312,8 +312,18 @@ async fn a_policy_changed_while_the_sandbox_runs_takes_effect_on_open_connection
 /// and chain as a container's (IPv4), and its DNS goes to the same proxy.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_microvm_reaches_what_its_policy_allows_and_nothing_else() {
+    a_machine_reaches_what_its_policy_allows_and_nothing_else("microvm").await;
+}
+
+/// A full VM boots the same init from its own disk: the same link out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_vm_reaches_what_its_policy_allows_and_nothing_else() {
+    a_machine_reaches_what_its_policy_allows_and_nothing_else("vm").await;
+}
+
+async fn a_machine_reaches_what_its_policy_allows_and_nothing_else(isolation: &str) {
     let (up, _inet) = start().await;
-    let body = json!({"image": "busybox", "isolation": "microvm", "memory_mb": 256});
+    let body = json!({"image": "busybox", "isolation": isolation, "memory_mb": 256});
     let id = sandbox_of(&up, body, json!({"allow_out": ["pkgs.test"]})).await;
     reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80")).await;
     assert!(lookup(&up, &id, "other.test").await.contains("REFUSED"));

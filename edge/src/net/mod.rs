@@ -1,7 +1,8 @@
-//! Sandbox networking on the edge, for container sandboxes: each gets a network
-//! namespace of its own joined to the host by a veth, NAT out through the host, IPv4 and
-//! IPv6, and egress only where its policy (`opendsec_commands::decide::network`) allows:
-//! default deny, enforced by nftables and a DNS proxy.
+//! Sandbox networking on the edge: each container sandbox gets a network namespace of its
+//! own joined to the host by a veth, NAT out through the host, IPv4 and IPv6, and egress
+//! only where its policy (`opendsec_commands::decide::network`) allows: default deny,
+//! enforced by nftables and a DNS proxy. A VM's veth goes into the VM's own namespace
+//! instead (`attach_machine`: IPv4, its guest masqueraded behind it).
 //!
 //! The rooms, by job:
 //! - `addrs.rs`: the address pools (default [`DEFAULT_POOL_V4`], [`DEFAULT_POOL_V6`]),

@@ -25,8 +25,7 @@
 //!   container, its policy applied before its PID 1 runs and whenever the log changes it.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
-//! Not yet: network egress for full VMs (they reach only their agent's
-//! link), memory snapshots of containers (CRIU does not work here; a
+//! Not yet: memory snapshots of containers (CRIU does not work here; a
 //! microVM's snapshots carry its memory), gVisor, TLS on edge-to-edge transfers (bind
 //! edges' proxies to a private network).
 

@@ -45,16 +45,13 @@ impl Edge {
         Ok(())
     }
 
-    /// Gives microVM sandbox `d` (made, its QEMU running in its namespace) its link out,
-    /// under its policy. Full VMs boot their image's own init, which does not route
-    /// through the tap: they keep only their agent's link.
+    /// Gives machine sandbox `d` (a microVM or full VM, made, its QEMU running in its
+    /// namespace) its link out, under its policy. Both boot our init, which routes the
+    /// guest through its tap (`vm/init.sh`).
     pub(super) fn attach_machine_network(&self, d: &crate::desired::DesiredSandbox) -> Result<(), EdgeError> {
         let Some(net) = &self.net else {
             return Ok(());
         };
-        if d.isolation != opendsec_projections::Isolation::Microvm {
-            return Ok(());
-        }
         let channel = crate::vm::agent_channel_at(&self.cfg.data_dir.join("vms"), &d.id)
             .ok_or_else(|| EdgeError::Store(format!("microVM {} has no record to attach its network to", d.id)))?;
         let [a, b, c, e] = crate::vm::HOST_IP;
