@@ -258,18 +258,19 @@ fn hosts_text(hostname: &str, slot: &Slot) -> String {
     s
 }
 
-/// In the edge's `files` directory: its tag and table, for [`forget`].
-const OWNER_FILE: &str = "edge";
+/// In the edge's data directory: its network's tag, table and files directory, for
+/// [`forget`].
+const OWNER_FILE: &str = "net.owner";
 
-/// Removes everything the network of a stopped edge (whose `files` directory is given)
-/// left on this host, in the caller's network namespace: its table, its sandboxes'
-/// namespaces, veths and sysfs mounts, its address claims and records under `state_dir`.
-/// For a test's end, or an edge retired for good; nothing if it never had a network.
-pub fn forget(files: &Path, state_dir: &Path) {
-    let Some((tag, table)) = std::fs::read_to_string(files.join(OWNER_FILE))
-        .ok()
-        .and_then(|t| t.split_once(' ').map(|(a, b)| (a.to_string(), b.trim().to_string())))
-    else {
+/// Removes everything the network of a stopped edge (data directory `data_dir`) left on
+/// this host, in the caller's network namespace: its table, its sandboxes' namespaces,
+/// veths and sysfs mounts, its address claims and records under `state_dir`. For a
+/// test's end, or an edge retired for good; nothing if it never had a network.
+pub fn forget(data_dir: &Path, state_dir: &Path) {
+    let Some((tag, table, files)) = std::fs::read_to_string(data_dir.join(OWNER_FILE)).ok().and_then(|t| {
+        let mut w = t.trim_end().splitn(3, ' ');
+        Some((w.next()?.to_string(), w.next()?.to_string(), PathBuf::from(w.next()?)))
+    }) else {
         return;
     };
     for e in std::fs::read_dir(files.join("sys")).into_iter().flatten().flatten() {
@@ -339,8 +340,11 @@ impl Network {
             .map_err(|e| NetError::io(format!("creating {}", files.display()), e))?;
         std::fs::write(files.join("resolv.conf"), format!("nameserver {gateway}\n"))
             .map_err(|e| NetError::io("writing the sandboxes' resolv.conf", e))?;
-        std::fs::write(files.join(OWNER_FILE), format!("{tag} {table}\n"))
-            .map_err(|e| NetError::io("writing the network's owner file", e))?;
+        std::fs::write(
+            data_dir.join(OWNER_FILE),
+            format!("{tag} {table} {}\n", files.display()),
+        )
+        .map_err(|e| NetError::io("writing the network's owner file", e))?;
         let upstream = if cfg.upstream_dns.is_empty() {
             dns::nameservers(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
         } else {

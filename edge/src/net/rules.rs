@@ -265,13 +265,19 @@ pub fn drop_log_prefix(table: &str, slot: u32, why: &str) -> String {
     format!("{DROP_LOG_TAG} {table} sb{slot} {why}: ")
 }
 
-/// `match counter name C drop` preceded by a rule logging a sample of what it drops:
-/// the first packet of new connections, at most [`DROP_LOG_RATE`] (a `limit` in the
-/// dropping rule itself would let the rest through).
+/// How a policy refuses a packet: at once, so a refused `pip` fails in milliseconds
+/// ("No route to host", ICMP administratively prohibited) rather than after its
+/// connect timeout. Spoofed sources are dropped silently instead (no answer to an
+/// address that did not ask).
+pub const REFUSE: &str = "reject with icmpx type admin-prohibited";
+
+/// `match counter name C` + [`REFUSE`], preceded by a rule logging a sample of what it
+/// refuses: the first packet of new connections, at most [`DROP_LOG_RATE`] (a `limit`
+/// in the refusing rule itself would let the rest through).
 fn logged_drop(matched: &str, counter: &str, prefix: &str) -> [String; 2] {
     [
         format!("{matched}ct state new limit rate {DROP_LOG_RATE} log prefix \"{prefix}\" level info"),
-        format!("{matched}counter name {counter} drop"),
+        format!("{matched}counter name {counter} {REFUSE}"),
     ]
 }
 
@@ -807,6 +813,7 @@ mod tests {
         let set6 = learned_set(5, "pkgs.test", false, true);
         let t = "inet opendsec_e1_abc123";
         // Each drop is sampled in the kernel log first (new connections, rate-limited).
+        let refuse = REFUSE;
         let log = "ct state new limit rate 5/second burst 5 packets log prefix \"odsec-drop opendsec_e1_abc123 sb5 ";
         let expected = format!(
             "add set {t} {set4} {{ type ipv4_addr; flags timeout; }}
@@ -821,15 +828,15 @@ add rule {t} sb5 ip daddr 11.0.0.0/24 ip daddr != @special4 tcp dport {{ 80, 800
 add rule {t} sb5 ip daddr @{set4} meta l4proto {{ tcp, udp }} th dport {{ 443 }} ct mark set 0x2a accept
 add rule {t} sb5 ip6 daddr @{set6} meta l4proto {{ tcp, udp }} th dport {{ 443 }} ct mark set 0x2a accept
 add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 {log}deny_out: \" level info
-add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 counter name drops5 drop
+add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 counter name drops5 {refuse}
 add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} {log}deny_out: \" level info
-add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 drop
+add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 {refuse}
 add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} {log}deny_out: \" level info
-add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 drop
+add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 {refuse}
 add rule {t} sb5 ip daddr != @special4 ct mark set 0x2a accept
 add rule {t} sb5 ip6 daddr != @special6 ct mark set 0x2a accept
 add rule {t} sb5 {log}default: \" level info
-add rule {t} sb5 counter name drops5 drop
+add rule {t} sb5 counter name drops5 {refuse}
 add element {t} sandboxes {{ \"odabc1235\" : jump sb5 }}
 delete set {t} d5_000000000000_4
 "
@@ -844,7 +851,12 @@ delete set {t} d5_000000000000_4
         assert_eq!(rules.len(), 5, "{text}");
         assert!(rules.iter().all(|r| !r.contains("mark set")), "{text}");
         assert!(rules[3].contains("log prefix \"odsec-drop opendsec_e1_abc123 sb5 default: \""));
-        assert!(rules.last().unwrap().ends_with("counter name drops5 drop"));
+        assert!(
+            rules
+                .last()
+                .unwrap()
+                .ends_with(&format!("counter name drops5 {REFUSE}"))
+        );
     }
 
     #[test]

@@ -41,7 +41,9 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let net = match &cfg.network {
         None => None,
         Some(nc) => {
-            let files = cfg.data_dir.join("net");
+            // In the sandbox-files tmpfs (as the agent is): what a sandbox's mount table
+            // shows of its /etc/resolv.conf and /etc/hosts names no host path.
+            let files = agent_dir.parent().unwrap_or(&agent_dir).join("net");
             Some(crate::net::Network::open(nc, &cfg.name, &cfg.data_dir, &files)?)
         }
     };
