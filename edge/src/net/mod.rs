@@ -55,6 +55,7 @@
 pub mod addrs;
 pub mod dns;
 pub mod drops;
+mod libnft;
 pub mod link;
 pub mod nft;
 pub mod rules;
@@ -643,8 +644,13 @@ impl Network {
 
     fn teardown(&self, slot: &Slot, sets: &BTreeSet<String>) {
         let veth = self.veth(slot.slot);
-        for script in rules::remove_scripts(&self.table, slot.slot, &veth, sets) {
-            let _ = nft::apply(&script);
+        let scripts = rules::remove_scripts(&self.table, slot.slot, &veth, sets);
+        // All in one transaction where all of it is there (the usual case); else each on
+        // its own, what is there goes and what is not is skipped.
+        if nft::apply(&scripts.concat()).is_err() {
+            for script in scripts {
+                let _ = nft::apply(&script);
+            }
         }
         link::unmount_sysfs(&self.sysfs_path(slot.slot));
         if let Err(e) = link::delete(&self.netns(slot.slot), &veth) {
@@ -661,9 +667,14 @@ impl Network {
     pub fn detach(&self, owner: &str) {
         let a = self.attached.lock().expect("attached lock").remove(owner);
         if let Some(a) = a {
-            let _one = self.applying.lock().expect("applying lock");
+            // No apply of it starts now (it is not attached); one under way ends first. The
+            // teardown itself holds no lock: other sandboxes' applies go on meanwhile.
+            drop(self.applying.lock().expect("applying lock"));
+            // Its sets are those of its policy; an earlier run's (adopted) are listed too.
             let mut sets = a.sets;
-            sets.extend(self.sets_of_slot(a.slot.slot));
+            if a.applied.is_none() {
+                sets.extend(self.sets_of_slot(a.slot.slot));
+            }
             self.teardown(&a.slot, &sets);
         }
     }

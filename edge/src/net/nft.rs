@@ -1,5 +1,7 @@
-//! Applying rules: each script goes to `nft -f -` whole, which the kernel takes as one
-//! transaction (all of it or none of it), and what `nft` says on failure is the error.
+//! Applying rules: each script goes whole to libnftables in-process (`libnft.rs`), or to
+//! `nft -f -` where the library cannot be opened (and for another namespace's table);
+//! the kernel takes it as one transaction (all of it or none of it), and what nftables
+//! says on failure is the error.
 
 use super::NetError;
 use std::io::Write;
@@ -29,7 +31,11 @@ fn failed(script: &str, stderr: &[u8]) -> NetError {
 
 /// Applies `script` in one transaction.
 pub fn apply(script: &str) -> Result<(), NetError> {
-    apply_in(None, script)
+    match super::libnft::run(script) {
+        Some(Ok(_)) => Ok(()),
+        Some(Err(e)) => Err(failed(script, e.as_bytes())),
+        None => apply_in(None, script),
+    }
 }
 
 /// Applies `script` in one transaction inside network namespace `netns` (`None`: the
@@ -73,29 +79,10 @@ pub fn apply_in(netns: Option<&std::path::Path>, script: &str) -> Result<(), Net
 
 /// Applies `script` in one transaction, from async code (the DNS proxy).
 pub async fn apply_async(script: &str) -> Result<(), NetError> {
-    use tokio::io::AsyncWriteExt;
-    let mut child = tokio::process::Command::new(binary()?)
-        .args(["-f", "-"])
-        .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| NetError::io("running nft", e))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .await
-            .map_err(|e| NetError::io("writing to nft", e))?;
-    }
-    let out = child
-        .wait_with_output()
+    let script = script.to_string();
+    tokio::task::spawn_blocking(move || apply(&script))
         .await
-        .map_err(|e| NetError::io("waiting for nft", e))?;
-    if !out.status.success() {
-        return Err(failed(script, &out.stderr));
-    }
-    Ok(())
+        .unwrap_or_else(|e| Err(NetError::Nft(format!("the nft task failed: {e}"))))
 }
 
 /// `nft -j <args>` as JSON (`None`: the object does not exist).

@@ -25,13 +25,16 @@ impl Edge {
         let Some(net) = &self.net else {
             return Ok(());
         };
+        let t = std::time::Instant::now();
         let a = net.attach(owner, owner)?;
+        let attached = t.elapsed();
         if let Some(policy) = policy
             && let Err(e) = net.apply(owner, policy)
         {
             net.detach(owner);
             return Err(e.into());
         }
+        tracing::debug!(%owner, ?attached, applied = ?(t.elapsed() - attached), "network attached");
         spec.netns = Some(a.netns);
         spec.sysfs = Some(a.sysfs);
         spec.binds.push(BindMount {
@@ -73,8 +76,28 @@ impl Edge {
         let Some(net) = &self.net else {
             return Ok(());
         };
+        let t = std::time::Instant::now();
         net.hand_over(wid, id)?;
-        Ok(net.apply(id, policy)?)
+        let handed = t.elapsed();
+        net.apply(id, policy)?;
+        tracing::debug!(sandbox = %id, ?handed, applied = ?(t.elapsed() - handed), "network handed over");
+        Ok(())
+    }
+
+    /// Removes ended sandbox `owner`'s network beside the loop, once no create is under
+    /// way (as warm containers are made): its teardown never takes a core from a create.
+    pub(super) fn detach_network_when_quiet(self: &std::sync::Arc<Self>, owner: String) {
+        if self.net.is_none() {
+            return;
+        }
+        let edge = self.clone();
+        let spawned = std::thread::Builder::new().name("net-detach".into()).spawn(move || {
+            edge.wait_quiet();
+            edge.detach_network(&owner);
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a network teardown thread");
+        }
     }
 
     /// Removes `owner`'s network (none: nothing).

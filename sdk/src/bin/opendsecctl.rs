@@ -491,7 +491,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 network: network.given().then(|| network.policy()),
             };
             let mut written = client.create_sandbox(&req).await?;
-            warn_from(&client);
+            warn_from(client);
             if !no_wait {
                 let seconds = wait.unwrap_or(wait_seconds);
                 written.sandbox = wait_started(client, &written.sandbox.id, seconds).await?;
@@ -658,7 +658,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Network(SandboxNetworkCmd::Set { id, network }) => {
             let w = client.set_sandbox_network(&id, &network.policy()).await?;
-            warn_from(&client);
+            warn_from(client);
             out.show(&w, |w| {
                 format!(
                     "sandbox {id}: network set at index {}\n{}",
