@@ -31,7 +31,10 @@ fn failed(script: &str, stderr: &[u8]) -> NetError {
 
 /// Applies `script` in one transaction.
 pub fn apply(script: &str) -> Result<(), NetError> {
-    match super::libnft::run(script) {
+    // On the one netns worker: libnftables' allocations (its ruleset cache) stay in that
+    // thread's arena rather than in one per calling thread.
+    let owned = script.to_string();
+    match super::link::on_worker(None, move || Ok(super::libnft::run(&owned)))? {
         Some(Ok(_)) => Ok(()),
         Some(Err(e)) => Err(failed(script, e.as_bytes())),
         None => apply_in(None, script),

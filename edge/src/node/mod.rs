@@ -236,6 +236,8 @@ struct Edge {
     metrics_history: crate::metrics_history::MetricsHistory,
     /// Container sandboxes' networks (`network.rs`); `None` when the edge runs without.
     net: Option<Arc<crate::net::Network>>,
+    /// Ended sandboxes whose network the teardown thread removes (`network.rs`).
+    detach_queue: Mutex<Option<std::sync::mpsc::Sender<String>>>,
 }
 
 impl Edge {

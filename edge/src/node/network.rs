@@ -86,17 +86,34 @@ impl Edge {
 
     /// Removes ended sandbox `owner`'s network beside the loop, once no create is under
     /// way (as warm containers are made): its teardown never takes a core from a create.
+    /// One thread does them all, in turn.
     pub(super) fn detach_network_when_quiet(self: &std::sync::Arc<Self>, owner: String) {
         if self.net.is_none() {
             return;
         }
-        let edge = self.clone();
+        let mut queue = self.detach_queue.lock().expect("detach queue lock");
+        let owner = match queue.as_ref() {
+            Some(tx) => match tx.send(owner) {
+                Ok(()) => return,
+                // The thread ended (it failed to start before, or panicked): a new one.
+                Err(std::sync::mpsc::SendError(owner)) => owner,
+            },
+            None => owner,
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let _ = tx.send(owner);
+        // Weak: the thread ends with the edge.
+        let edge = std::sync::Arc::downgrade(self);
         let spawned = std::thread::Builder::new().name("net-detach".into()).spawn(move || {
-            edge.wait_quiet();
-            edge.detach_network(&owner);
+            for owner in rx {
+                let Some(edge) = edge.upgrade() else { return };
+                edge.wait_quiet();
+                edge.detach_network(&owner);
+            }
         });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start a network teardown thread");
+        match spawned {
+            Ok(_) => *queue = Some(tx),
+            Err(e) => tracing::warn!(error = %e, "cannot start the network teardown thread"),
         }
     }
 

@@ -102,6 +102,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         imports: Default::default(),
         metrics_history: crate::metrics_history::MetricsHistory::new(),
         net,
+        detach_queue: Mutex::new(None),
         cfg,
     });
     // Warm containers a killed edge left are not claimable (their filler is gone).
