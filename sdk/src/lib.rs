@@ -82,7 +82,8 @@ pub struct Client {
     base: Url,
     token: Option<String>,
     seen_index: Arc<AtomicU64>,
-    /// What the server said in `X-Opendsec-Warning` since the last `take_warnings`.
+    /// What the server said in `X-Opendsec-Warning` on this client's last call (kept for
+    /// one call: a client that never asks holds none).
     warnings: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
@@ -131,8 +132,8 @@ impl Client {
         self.seen_index.load(Ordering::Relaxed)
     }
 
-    /// The server's warnings (`X-Opendsec-Warning`) on this client's calls since the last
-    /// take, oldest first: e.g. a network policy allowing egress its sandbox will not get.
+    /// The server's warnings (`X-Opendsec-Warning`) on this client's last call, if not
+    /// taken yet: e.g. a network policy allowing egress its sandbox will not get.
     pub fn take_warnings(&self) -> Vec<String> {
         std::mem::take(&mut *self.warnings.lock().expect("warnings lock"))
     }
@@ -202,8 +203,9 @@ impl Client {
             .headers()
             .get_all(WARNING_HEADER)
             .iter()
-            .filter_map(|v| v.to_str().ok().map(str::to_string));
-        self.warnings.lock().expect("warnings lock").extend(warned);
+            .filter_map(|v| v.to_str().ok().map(str::to_string))
+            .collect();
+        *self.warnings.lock().expect("warnings lock") = warned;
         if !resp.status().is_success() {
             return Err(error_of(resp).await);
         }

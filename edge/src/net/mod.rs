@@ -356,7 +356,7 @@ impl Network {
                 "no upstream DNS resolver (none given, none in /etc/resolv.conf): sandboxes resolve no names"
             );
         }
-        let table_name = table.clone();
+        let drops = drops::DropLog::follow(&table);
         let net = Network {
             table,
             gateway,
@@ -373,7 +373,7 @@ impl Network {
             generation: AtomicU32::new((opendsec_edge_api::now_ms() / 1000) as u32 | 1),
             counters: Mutex::new(None),
             dns_sockets: Mutex::new(Some(dns::Sockets::bind(gateway)?)),
-            drops: drops::DropLog::follow(&table_name),
+            drops,
             veth_prefix: format!("od{tag}"),
             tag,
             _lock: lock,
@@ -469,10 +469,7 @@ impl Network {
     /// Makes `owner`'s namespace, veth and addresses, with a chain that drops
     /// everything; `hostname` goes into its `/etc/hosts`. On error nothing is left.
     pub fn attach(&self, owner: &str, hostname: &str) -> Result<Attachment, NetError> {
-        if self.attached.lock().expect("attached lock").contains_key(owner) {
-            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
-        }
-        let slot = self.pool.claim(owner)?;
+        let slot = self.claim(owner)?;
         let made = self.attach_slot(&slot, hostname);
         if made.is_err() {
             self.teardown(&slot, &BTreeSet::new());
@@ -514,10 +511,7 @@ impl Network {
     /// namespace, so a restored or forked guest keeps its resolver) goes to the proxy.
     /// On error nothing is left.
     pub fn attach_machine(&self, owner: &str, netns: &Path, tap: &str, guest_dns: Ipv4Addr) -> Result<(), NetError> {
-        if self.attached.lock().expect("attached lock").contains_key(owner) {
-            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
-        }
-        let mut slot = self.pool.claim(owner)?;
+        let mut slot = self.claim(owner)?;
         // The guest has no IPv6 address: the VM's link carries none either.
         slot.v6 = None;
         let made = (|| {
@@ -545,6 +539,14 @@ impl Network {
         }
         self.record_attached(&slot);
         Ok(())
+    }
+
+    /// Addresses for `owner`, which has no network here yet.
+    fn claim(&self, owner: &str) -> Result<Slot, NetError> {
+        if self.attached.lock().expect("attached lock").contains_key(owner) {
+            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
+        }
+        self.pool.claim(owner)
     }
 
     /// `slot` is attached, under the default policy (its chain drops everything).
@@ -646,7 +648,7 @@ impl Network {
         let veth = self.veth(slot.slot);
         let scripts = rules::remove_scripts(&self.table, slot.slot, &veth, sets);
         // All in one transaction where all of it is there (the usual case); else each on
-        // its own, what is there goes and what is not is skipped.
+        // its own, so what is there goes even where some of it is gone already.
         if nft::apply(&scripts.concat()).is_err() {
             for script in scripts {
                 let _ = nft::apply(&script);

@@ -124,23 +124,29 @@ impl Edge {
         }
     }
 
-    /// Applies the logged policy of every sandbox whose chain enforces another (changed
-    /// by `SandboxNetworkSet`, or not yet applied by this run after a restart). Sandboxes
-    /// being created apply their own.
-    pub(super) fn sync_networks(&self, creating: &BTreeSet<String>) {
+    /// Every sandbox whose chain enforces another policy than the log's (changed by
+    /// `SandboxNetworkSet`, or not yet applied by this run after a restart), with the
+    /// log's. Sandboxes being created apply their own. Only locks: a round with nothing
+    /// to apply costs no blocking task.
+    pub(super) fn stale_networks(&self, creating: &BTreeSet<String>) -> Vec<(String, Option<String>)> {
+        let Some(net) = &self.net else {
+            return Vec::new();
+        };
+        let slice = self.slice.lock().expect("slice lock");
+        net.applied()
+            .into_iter()
+            .filter(|(owner, _)| !creating.contains(owner))
+            .filter_map(|(owner, applied)| {
+                let d = slice.sandboxes.get(&owner)?;
+                (!d.is_terminal() && applied.as_ref() != Some(&d.network)).then(|| (owner, d.network.clone()))
+            })
+            .collect()
+    }
+
+    /// Applies `stale` (from [`Edge::stale_networks`]); a failure is retried next round.
+    pub(super) fn apply_networks(&self, stale: Vec<(String, Option<String>)>) {
         let Some(net) = &self.net else {
             return;
-        };
-        let stale: Vec<(String, Option<String>)> = {
-            let slice = self.slice.lock().expect("slice lock");
-            net.applied()
-                .into_iter()
-                .filter(|(owner, _)| !creating.contains(owner))
-                .filter_map(|(owner, applied)| {
-                    let d = slice.sandboxes.get(&owner)?;
-                    (!d.is_terminal() && applied.as_ref() != Some(&d.network)).then(|| (owner, d.network.clone()))
-                })
-                .collect()
         };
         for (owner, policy) in stale {
             match net.apply(&owner, policy.as_deref()) {

@@ -274,9 +274,10 @@ impl Edge {
         // mistaken for a missing sandbox.
         let creating = self.creating.lock().expect("creating lock").clone();
         // Policies first: a changed one is enforced without waiting for the observation.
-        if self.net.is_some() {
-            let (e, c) = (self.clone(), creating.clone());
-            let _ = tokio::task::spawn_blocking(move || e.sync_networks(&c)).await;
+        let stale = self.stale_networks(&creating);
+        if !stale.is_empty() {
+            let e = self.clone();
+            let _ = tokio::task::spawn_blocking(move || e.apply_networks(stale)).await;
         }
         let (e, c) = (self.clone(), creating.clone());
         let observed = match tokio::task::spawn_blocking(move || e.observe(&c)).await {
