@@ -93,6 +93,10 @@ IMAGE_BENCH_PACKAGES=(docker-registry skopeo umoci)
 # missing: a Node.js from another source, e.g. NodeSource's, carries its own npm and
 # conflicts with Debian's; node 18 or later: `node --test`).
 E2B_JS_TEST_PACKAGES=(nodejs npm)
+# The upstream proxies the network tests (server/tests/sandbox_network.rs) start in their
+# own namespaces: microsocks (SOCKS5) and tinyproxy (HTTP CONNECT). (Where systemd runs,
+# tinyproxy's package starts its own on port 8888; the tests start theirs.)
+NETWORK_TEST_PACKAGES=(microsocks tinyproxy)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
 # apparmor_parser (and the 3.0 ABI file), with which the tests compile the sandboxes'

@@ -15,7 +15,7 @@ ensure_rust
 ensure_rust_gates
 ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}" \
   "${CODE_INTERPRETER_TEST_PACKAGES[@]}" "${AGENT_TEST_PACKAGES[@]}" "${APPARMOR_TEST_PACKAGES[@]}" \
-  "${README_PACKAGES[@]}" "${IMAGE_TEST_PACKAGES[@]}"
+  "${README_PACKAGES[@]}" "${IMAGE_TEST_PACKAGES[@]}" "${NETWORK_TEST_PACKAGES[@]}"
 ensure_firecracker
 
 echo "==> building"

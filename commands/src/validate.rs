@@ -287,10 +287,15 @@ pub struct Rule {
 /// A DNS name as a rule names it: labels of a-z, 0-9 and '-' (not at either end), at most
 /// 63 bytes each and 253 in all, at least two labels; letters are folded to lower case.
 fn domain(field: &str, v: &str) -> Result<String, Rejection> {
+    host_name(field, v, 2)
+}
+
+/// A DNS name of at least `min_labels` labels (see [`domain`]), folded to lower case.
+pub(crate) fn host_name(field: &str, v: &str, min_labels: usize) -> Result<String, Rejection> {
     let name = v.strip_suffix('.').unwrap_or(v).to_ascii_lowercase();
     let labels: Vec<&str> = name.split('.').collect();
     let ok = name.len() <= 253
-        && labels.len() >= 2
+        && labels.len() >= min_labels
         && labels.iter().all(|l| {
             !l.is_empty()
                 && l.len() <= 63

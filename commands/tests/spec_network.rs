@@ -157,7 +157,8 @@ fn rules_name_domains_wildcards_addresses_blocks_ports_and_protocols() {
         (r#"{"allow_out":"example.com"}"#, "network.allow_out"),
         (r#"{"allow_internet_access":"yes"}"#, "network.allow_internet_access"),
         (r#"{"dns_servers":["8.8.8"]}"#, "network.dns_servers[0]"),
-        (r#"{"egressProxy":{"url":"http://proxy"}}"#, "network.egress_proxy"),
+        (r#"{"egressProxy":{"url":"http://proxy"}}"#, "network.egress_proxy.url"),
+        (r#"{"egressProxy":"p:1080"}"#, "network.egress_proxy"),
         (r#"{"teleport":true}"#, "network.teleport"),
         (r#"[]"#, "network"),
         (r#"not json"#, "network"),
@@ -183,6 +184,7 @@ fn a_policy_reads_back_the_same_from_its_canonical_json_whatever_spelling_set_it
                 "[2001:db8::1]:53", "192.0.2.7"],
             "deny_out": ["0.0.0.0/0"],
             "dns_servers": ["192.0.2.53"],
+            "egress_proxy": null,
         })
     );
     assert_eq!(policy(&canonical.to_string()), p);
@@ -429,4 +431,118 @@ fn a_child_ceiling_decided_against_a_stale_parent_is_rejected_at_apply() {
     assert!(matches!(w.commit(raise), Some((_, Outcome::Rejected { .. }))));
     assert_eq!(w.state.egress_ceiling(&sub), Egress::None);
     assert!(!w.state.quota.network.contains_key(&sub));
+}
+
+#[test]
+fn an_egress_proxy_is_socks5_by_default_or_http_and_its_secrets_are_never_shown() {
+    let p = policy(
+        r#"{"allowOut":["pkgs.example.com"],"egressProxy":{"address":"Proxy.Example.com:1080","username":"u",
+        "password":"pw","tls":{"enabled":true,"serverName":"proxy.example.com",
+        "caCert":"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}}}"#,
+    );
+    let proxy = p.egress_proxy.clone().expect("a proxy");
+    assert_eq!(proxy.kind, network::ProxyKind::Socks5);
+    assert_eq!(proxy.host, "proxy.example.com");
+    assert_eq!(
+        (proxy.port, proxy.username.as_deref(), proxy.password.as_deref()),
+        (1080, Some("u"), Some("pw"))
+    );
+    assert_eq!(
+        proxy.tls.as_ref().and_then(|t| t.server_name.as_deref()),
+        Some("proxy.example.com")
+    );
+    // What a command carries reads back the same; what users see has no secret.
+    assert_eq!(policy(&p.to_json().to_string()), p);
+    let shown = p.shown_json();
+    assert_eq!(
+        shown["egress_proxy"],
+        serde_json::json!({"address": "socks5://proxy.example.com:1080", "username": "u",
+            "tls": {"enabled": true, "server_name": "proxy.example.com"}})
+    );
+    // HTTP CONNECT, an IPv6 host, TLS as a bare true, and a proxy on a private network
+    // that an allow rule names.
+    let http = policy(r#"{"allow_out":["10.9.0.0/16"],"egress_proxy":{"address":"http://10.9.0.3:3128"}}"#);
+    assert_eq!(
+        http.egress_proxy.as_ref().map(|p| p.kind),
+        Some(network::ProxyKind::Http)
+    );
+    let v6 = policy(r#"{"egress_proxy":{"address":"[2a0a::7]:1080","tls":true}}"#);
+    assert_eq!(
+        v6.egress_proxy.as_ref().map(|p| p.authority()),
+        Some("[2a0a::7]:1080".to_string())
+    );
+    // A policy with a proxy needs the public internet at least; one on a private network any.
+    assert_eq!(v6.needs("network").0, Egress::Public);
+    assert_eq!(http.needs("network").0, Egress::Any);
+}
+
+#[test]
+fn a_bad_egress_proxy_is_refused_naming_the_field() {
+    for (bad, field) in [
+        (r#"{"egressProxy":{}}"#, "network.egress_proxy.address"),
+        (r#"{"egressProxy":{"address":"proxy"}}"#, "network.egress_proxy.address"),
+        (
+            r#"{"egressProxy":{"address":"proxy:0"}}"#,
+            "network.egress_proxy.address",
+        ),
+        (
+            r#"{"egressProxy":{"address":"2001:db8::1:1080"}}"#,
+            "network.egress_proxy.address",
+        ),
+        (
+            r#"{"egressProxy":{"address":"ftp://proxy:21"}}"#,
+            "network.egress_proxy.address",
+        ),
+        (
+            r#"{"egressProxy":{"address":"bad_name!:1080"}}"#,
+            "network.egress_proxy.address",
+        ),
+        // The edge host's own loopback, link-local (metadata) and no one's addresses.
+        (
+            r#"{"egressProxy":{"address":"127.0.0.1:1080"}}"#,
+            "network.egress_proxy.address",
+        ),
+        (
+            r#"{"egressProxy":{"address":"169.254.169.254:80"}}"#,
+            "network.egress_proxy.address",
+        ),
+        (
+            r#"{"egressProxy":{"address":"[::1]:1080"}}"#,
+            "network.egress_proxy.address",
+        ),
+        // A private address that no allow rule names.
+        (
+            r#"{"egressProxy":{"address":"10.9.0.3:1080"}}"#,
+            "network.egress_proxy.address",
+        ),
+        (
+            r#"{"egressProxy":{"address":"p.example.com:1080","password":"pw"}}"#,
+            "network.egress_proxy.password",
+        ),
+        (
+            r#"{"egressProxy":{"address":"p.example.com:1080","username":""}}"#,
+            "network.egress_proxy.username",
+        ),
+        (
+            &format!(
+                r#"{{"egressProxy":{{"address":"p.example.com:1080","username":"{}"}}}}"#,
+                "u".repeat(256)
+            ),
+            "network.egress_proxy.username",
+        ),
+        (
+            r#"{"egressProxy":{"address":"p.example.com:1080","tls":{"enabled":false,"serverName":"p"}}}"#,
+            "network.egress_proxy.tls",
+        ),
+        (
+            r#"{"egressProxy":{"address":"p.example.com:1080","tls":{"caCert":"not pem"}}}"#,
+            "network.egress_proxy.tls.ca_cert",
+        ),
+        (
+            r#"{"egressProxy":{"address":"p.example.com:1080","tls":"yes"}}"#,
+            "network.egress_proxy.tls",
+        ),
+    ] {
+        assert_eq!(refused_field(bad), field, "{bad}");
+    }
 }

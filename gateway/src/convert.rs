@@ -147,7 +147,7 @@ pub fn egress_warning(p: &api::NetworkPolicy, enforced: bool) -> axum::http::Hea
 /// Network settings as logged (any spelling, E2B's included; absent: deny) in the
 /// canonical form the API shows.
 pub fn network(logged: Option<&str>) -> api::NetworkPolicy {
-    let canonical = opendsec_commands::network::Policy::of_logged(logged).to_json();
+    let canonical = opendsec_commands::network::Policy::of_logged(logged).shown_json();
     serde_json::from_value(canonical).expect("the canonical policy has the wire type's shape")
 }
 
@@ -170,11 +170,13 @@ const INBOUND: [(&str, &str); 3] = [
     ("httpsPorts", "https_ports"),
 ];
 
-/// The egress settings in both spellings, by their canonical name.
-const EGRESS: [(&str, &str); 3] = [
+/// The egress settings in both spellings, by their canonical name: a `network` an E2B
+/// call names replaces each (absent: none).
+const EGRESS: [(&str, &str); 4] = [
     ("allow_out", "allowOut"),
     ("deny_out", "denyOut"),
     ("dns_servers", "dnsServers"),
+    ("egress_proxy", "egressProxy"),
 ];
 
 fn keep_inbound(current: Option<&str>, m: &mut Map<String, Value>) {
@@ -211,7 +213,12 @@ pub fn e2b_network(
     if let Some(n) = network {
         for (canonical, camel) in EGRESS {
             let asked = n.get(camel).or_else(|| n.get(canonical)).filter(|v| !v.is_null());
-            out.insert(canonical.into(), asked.cloned().unwrap_or_else(|| Value::Array(vec![])));
+            let none = if canonical == "egress_proxy" {
+                Value::Null
+            } else {
+                Value::Array(vec![])
+            };
+            out.insert(canonical.into(), asked.cloned().unwrap_or(none));
         }
         for (k, v) in n {
             let egress = EGRESS.iter().any(|(a, b)| k == a || k == b);

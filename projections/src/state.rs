@@ -340,12 +340,20 @@ impl State {
             // Environment values may be secrets: views show only their names.
             if let Some(all) = v.get_mut("sandboxes").and_then(|t| t.as_object_mut()) {
                 for x in all.values_mut() {
+                    redact_network(x.get_mut("network"));
                     if let Some(env) = x.get_mut("env").and_then(|e| e.as_object_mut()) {
                         for val in env.values_mut() {
                             *val = serde_json::Value::String("<redacted>".into());
                         }
                     }
                 }
+            }
+        }
+        if name == "quota"
+            && let Some(all) = v.get_mut("network").and_then(|t| t.as_object_mut())
+        {
+            for n in all.values_mut() {
+                redact_network(n.get_mut("default_network"));
             }
         }
         if name == "iam"
@@ -358,6 +366,40 @@ impl State {
             }
         }
         Some(v)
+    }
+}
+
+/// Network settings (JSON text) with an egress proxy's password and CA certificate
+/// replaced by `<redacted>`.
+fn redact_network(network: Option<&mut serde_json::Value>) {
+    use serde_json::Value;
+    let Some(Value::String(text)) = network else {
+        return;
+    };
+    let Ok(Value::Object(mut o)) = serde_json::from_str::<Value>(text) else {
+        return;
+    };
+    let mut changed = false;
+    for key in ["egress_proxy", "egressProxy"] {
+        let Some(Value::Object(proxy)) = o.get_mut(key) else {
+            continue;
+        };
+        let redacted = || Value::String("<redacted>".into());
+        if proxy.contains_key("password") {
+            proxy.insert("password".into(), redacted());
+            changed = true;
+        }
+        if let Some(Value::Object(tls)) = proxy.get_mut("tls") {
+            for k in ["caCert", "ca_cert"] {
+                if tls.contains_key(k) {
+                    tls.insert(k.into(), redacted());
+                    changed = true;
+                }
+            }
+        }
+    }
+    if changed {
+        *text = Value::Object(o).to_string();
     }
 }
 

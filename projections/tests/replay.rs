@@ -357,3 +357,36 @@ fn the_iam_view_never_shows_token_secret_hashes() {
     assert!(iam["tokens"]["tok-admin"].get("rights").is_some());
     assert!(s.view_json("nope").is_none());
 }
+
+#[test]
+fn views_never_show_an_egress_proxys_password_or_ca_certificate() {
+    let log = the_log();
+    let mut s = applied(&log, 6);
+    let proxy = r#"{"allow_out":["pkgs.example.com"],"egressProxy":{"address":"p.example.com:1080","username":"u","password":"hunter2","tls":{"caCert":"-----BEGIN CERTIFICATE-----"}}}"#;
+    let id = s.sandboxes.sandboxes.keys().next().expect("a sandbox").clone();
+    s.sandboxes.sandboxes.get_mut(&id).unwrap().network = Some(proxy.to_string());
+    s.quota.network.insert(
+        "p000000000001".into(),
+        opendsec_projections::views::ProjectNetwork {
+            ceiling: Default::default(),
+            default_network: Some(proxy.to_string()),
+        },
+    );
+    let shown = format!("{}{}", s.view_json("sandboxes").unwrap(), s.view_json("quota").unwrap());
+    assert!(
+        !shown.contains("hunter2") && !shown.contains("BEGIN CERTIFICATE"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("p.example.com:1080") && shown.contains("<redacted>"),
+        "{shown}"
+    );
+    // The state itself (what the edge applies) keeps them.
+    assert!(
+        s.sandboxes.sandboxes[&id]
+            .network
+            .as_deref()
+            .unwrap()
+            .contains("hunter2")
+    );
+}

@@ -298,6 +298,13 @@ pub struct NetworkPolicy {
     /// the edge's DNS proxy is always reachable).
     #[serde(default)]
     pub dns_servers: Vec<String>,
+    /// An upstream proxy that the sandbox's allowed TCP goes through (for sites whose only
+    /// way out is a proxy): `{"address": "[socks5://|http://]host:port", "username",
+    /// "password", "tls": {"enabled": true, "server_name", "ca_cert"}}`. Shown without
+    /// its password and CA certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub egress_proxy: Option<serde_json::Value>,
 }
 
 impl NetworkPolicy {

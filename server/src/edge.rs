@@ -98,6 +98,83 @@ pub struct EdgeArgs {
     /// for several). Default: the nameservers of this host's /etc/resolv.conf.
     #[arg(long = "upstream-dns", value_name = "IP[:PORT]")]
     pub upstream_dns: Vec<String>,
+    /// An upstream proxy for sites whose only way out is a proxy: every sandbox's allowed
+    /// TCP to public addresses goes through it (private ones go straight), by name where
+    /// the sandbox resolved one, and sandboxes' own proxies are reached through it.
+    /// `socks5://[USER:PASSWORD@]HOST:PORT`, `http://...` (CONNECT) or `https://...`
+    /// (CONNECT over TLS). Give credentials through the environment, not the command line.
+    #[arg(
+        long = "egress-proxy",
+        env = "OPENDSEC_EGRESS_PROXY",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub egress_proxy: Option<String>,
+    /// PEM certificates to trust for an https:// --egress-proxy (default: this host's roots).
+    #[arg(long = "egress-proxy-ca", value_name = "FILE", requires = "egress_proxy")]
+    pub egress_proxy_ca: Option<PathBuf>,
+}
+
+/// `--egress-proxy URL` (and `--egress-proxy-ca`) as the edge's proxy.
+pub fn egress_proxy(
+    url: &str,
+    ca: Option<&std::path::Path>,
+) -> Result<opendsec_commands::network::EgressProxy, String> {
+    use opendsec_commands::network::{EgressProxy, ProxyKind, ProxyTls};
+    // Never the URL itself in an error: it may hold a password.
+    let u = url::Url::parse(url).map_err(|e| {
+        format!("--egress-proxy: not a URL ({e}); give socks5://HOST:PORT, http://HOST:PORT or https://HOST:PORT")
+    })?;
+    let (kind, tls) = match u.scheme() {
+        "socks5" | "socks5h" => (ProxyKind::Socks5, false),
+        "http" => (ProxyKind::Http, false),
+        "https" => (ProxyKind::Http, true),
+        other => {
+            return Err(format!(
+                "--egress-proxy: a proxy is socks5://, http:// or https://, not {other}://"
+            ));
+        }
+    };
+    let host = match u.host() {
+        Some(url::Host::Domain(d)) => d.to_string(),
+        Some(url::Host::Ipv4(a)) => a.to_string(),
+        Some(url::Host::Ipv6(a)) => a.to_string(),
+        None => return Err("--egress-proxy: the URL names no host".into()),
+    };
+    let port = u
+        .port()
+        .or(match kind {
+            ProxyKind::Socks5 => Some(1080),
+            ProxyKind::Http if tls => Some(443),
+            ProxyKind::Http => Some(80),
+        })
+        .expect("a default port");
+    if u.path() != "/" && !u.path().is_empty() {
+        return Err("--egress-proxy: a proxy URL has no path".into());
+    }
+    let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+    let username = (!u.username().is_empty()).then(|| decode(u.username()));
+    let password = u.password().map(decode);
+    if password.is_some() && username.is_none() {
+        return Err("--egress-proxy: a password needs a user name".into());
+    }
+    if ca.is_some() && !tls {
+        return Err("--egress-proxy-ca: only an https:// proxy is reached over TLS".into());
+    }
+    let ca_cert = ca
+        .map(|f| std::fs::read_to_string(f).map_err(|e| format!("--egress-proxy-ca {}: {e}", f.display())))
+        .transpose()?;
+    Ok(EgressProxy {
+        kind,
+        host,
+        port,
+        username,
+        password,
+        tls: tls.then_some(ProxyTls {
+            server_name: None,
+            ca_cert,
+        }),
+    })
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,6 +240,11 @@ impl EdgeArgs {
             pool_v4: parse_block("--sandbox-subnet", &self.sandbox_subnet)?,
             pool_v6,
             upstream_dns,
+            egress_proxy: self
+                .egress_proxy
+                .as_deref()
+                .map(|u| egress_proxy(u, self.egress_proxy_ca.as_deref()))
+                .transpose()?,
             ..Default::default()
         }))
     }
@@ -290,4 +372,37 @@ pub async fn embedded_edge_token(node: &ControlNode, edge_dir: &Path) -> Result<
     std::fs::create_dir_all(edge_dir).map_err(|e| e.to_string())?;
     crate::write_private(&path, &token)?;
     Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::egress_proxy;
+    use opendsec_commands::network::ProxyKind;
+
+    #[test]
+    fn an_edges_proxy_url_names_its_kind_host_port_and_credentials() {
+        let p = egress_proxy("socks5://mirror%40site:p%3Ass@proxy.corp:1081", None).unwrap();
+        assert_eq!(
+            (p.kind, p.host.as_str(), p.port),
+            (ProxyKind::Socks5, "proxy.corp", 1081)
+        );
+        assert_eq!(
+            (p.username.as_deref(), p.password.as_deref()),
+            (Some("mirror@site"), Some("p:ss"))
+        );
+        assert!(p.tls.is_none());
+        let h = egress_proxy("http://10.0.0.3", None).unwrap();
+        assert_eq!((h.kind, h.port), (ProxyKind::Http, 80));
+        let s = egress_proxy("https://[2001:db8::3]:8443", None).unwrap();
+        assert_eq!(
+            (s.kind, s.host.as_str(), s.port, s.tls.is_some()),
+            (ProxyKind::Http, "2001:db8::3", 8443, true)
+        );
+        for bad in ["ftp://p:21", "socks5://:pw@p:1080", "not a url", "http://p:3128/path"] {
+            let e = egress_proxy(bad, None).unwrap_err();
+            assert!(e.starts_with("--egress-proxy"), "{bad}: {e}");
+            assert!(!e.contains("pw"), "no secret in the error: {e}");
+        }
+        assert!(egress_proxy("http://p:3128", Some(std::path::Path::new("/nonexistent"))).is_err());
+    }
 }

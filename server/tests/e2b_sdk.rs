@@ -89,6 +89,7 @@ async fn e2b_sdk_network() {
     let _one = ONE_AT_A_TIME.lock().await;
     let python = python(Sdk::Current);
     let inet = internet::Internet::start();
+    inet.start_proxies();
     let up = Up::start_in_netns(&inet.edge_ns, inet.mgmt, &internet::DNS.to_string()).await;
     up.ensure_image("base", IMAGE_BUILD_LIMIT).await;
     let key = up.issue_e2b_key().await;

@@ -17,7 +17,10 @@ mod internet;
 #[path = "support/up.rs"]
 mod up;
 
-use internet::{Internet, METADATA, OTHER, PKGS, PKGS_API, PKGS_V6, PRIVATE};
+use internet::{
+    HTTP_PROXY, HTTP_PROXY_PORT, Internet, METADATA, OTHER, PKGS, PKGS_API, PKGS_V6, PRIVATE, PROXY_PASSWORD,
+    PROXY_USER, SOCKS_PORT, SOCKS_PROXY,
+};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use up::Up;
@@ -347,7 +350,7 @@ static ONE_MACHINE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const
 
 async fn a_machine_reaches_what_its_policy_allows_and_nothing_else(isolation: &str) {
     let _one = ONE_MACHINE_AT_A_TIME.lock().await;
-    let (up, _inet) = start().await;
+    let (up, inet) = start().await;
     let body = json!({"image": "busybox", "isolation": isolation, "memory_mb": 256});
     let id = sandbox_of(&up, body, json!({"allow_out": ["pkgs.test"]})).await;
     reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80")).await;
@@ -384,6 +387,20 @@ async fn a_machine_reaches_what_its_policy_allows_and_nothing_else(isolation: &s
     }
     reaches(&up, &id, &format!("http://{OTHER}/"), &format!("{OTHER} 80")).await;
     blocked(&up, &id, &format!("http://{PKGS}/")).await;
+    // Through an upstream proxy, as a container's.
+    inet.start_proxies();
+    let proxied = json!({"allow_out": ["11.0.0.20"], "egress_proxy": {"address": format!("{SOCKS_PROXY}:{SOCKS_PORT}"),
+        "username": PROXY_USER, "password": PROXY_PASSWORD}});
+    let (s, v) = set_network(&up, &id, proxied).await;
+    assert_eq!(s, 200, "{v}");
+    reaches(
+        &up,
+        &id,
+        &format!("http://{OTHER}/"),
+        &format!("{OTHER} 80 for {SOCKS_PROXY}"),
+    )
+    .await;
+    blocked(&up, &id, &format!("http://{PKGS}/")).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -405,6 +422,111 @@ async fn a_sandbox_keeps_its_network_and_policy_across_an_edge_restart_and_loses
         assert!(Instant::now() < deadline, "the sandbox's network outlived it");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandboxs_own_socks5_proxy_carries_what_its_policy_allows_and_nothing_else() {
+    let (up, inet) = start().await;
+    inet.start_proxies();
+    let proxy = json!({"address": format!("{SOCKS_PROXY}:{SOCKS_PORT}"), "username": PROXY_USER,
+        "password": PROXY_PASSWORD});
+    let id = sandbox(
+        &up,
+        json!({"allow_out": ["pkgs.test", "*.pkgs.test"], "egress_proxy": proxy}),
+    )
+    .await;
+    // The proxy connects on: the server sees the proxy as its client. By name: the
+    // proxy resolved it (its resolver is the test DNS server).
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80 for {SOCKS_PROXY}")).await;
+    reaches(
+        &up,
+        &id,
+        "http://api.pkgs.test:8080/",
+        &format!("{PKGS_API} 8080 for {SOCKS_PROXY}"),
+    )
+    .await;
+    // Filtering comes first: what the policy does not allow goes nowhere, proxy or not.
+    blocked(&up, &id, &format!("http://{OTHER}/")).await;
+    refused(&up, &id, "other.test").await;
+    // The proxy's password is never shown back.
+    let (s, shown) = up
+        .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}/network"), None)
+        .await;
+    assert_eq!(s, 200, "{shown}");
+    assert_eq!(
+        shown["egress_proxy"],
+        json!({"address": format!("socks5://{SOCKS_PROXY}:{SOCKS_PORT}"), "username": PROXY_USER})
+    );
+    let (_, info) = up
+        .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert!(!info.to_string().contains(PROXY_PASSWORD), "{info}");
+    // A wrong password: the proxy refuses, the sandbox's connection is reset, and its
+    // sampled drops say so.
+    let wrong = json!({"allow_out": ["pkgs.test"], "egress_proxy": {"address": format!("{SOCKS_PROXY}:{SOCKS_PORT}"),
+        "username": PROXY_USER, "password": "wrong"}});
+    let (s, v) = set_network(&up, &id, wrong).await;
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let answered = get(&up, &id, "http://pkgs.test/").await;
+        let (_, m) = up
+            .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}/metrics"), None)
+            .await;
+        let noted = m["network"]["recent_drops"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|d| d["destination"] == PKGS.to_string() && d["port"] == 80 && d["rule"] == "egress_proxy");
+        if answered.is_none() && noted {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a proxy that refuses: expected no answer and a drop, got {answered:?} and {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // No proxy any more: straight out, through the edge's NAT.
+    let (s, v) = set_network(&up, &id, json!({"allow_out": ["pkgs.test"]})).await;
+    assert_eq!(s, 200, "{v}");
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80 for 10.200.0.2")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_edges_own_proxy_carries_every_sandboxs_public_tcp_and_reaches_a_sandboxs_own_proxy() {
+    let inet = Internet::start();
+    inet.start_proxies();
+    let url = format!("http://{PROXY_USER}:{PROXY_PASSWORD}@{HTTP_PROXY}:{HTTP_PROXY_PORT}");
+    let up = Up::start_in_netns_env(
+        &inet.edge_ns,
+        inet.mgmt,
+        &internet::DNS.to_string(),
+        &[("OPENDSEC_EGRESS_PROXY", url.as_str())],
+    )
+    .await;
+    let open = sandbox(&up, json!({"allow_internet_access": true})).await;
+    reaches(&up, &open, "http://pkgs.test/", &format!("{PKGS} 80 for {HTTP_PROXY}")).await;
+    reaches(
+        &up,
+        &open,
+        &format!("http://{OTHER}:8080/"),
+        &format!("{OTHER} 8080 for {HTTP_PROXY}"),
+    )
+    .await;
+    // Still only what the policy allows.
+    blocked(&up, &open, &format!("http://{PRIVATE}/")).await;
+    // A sandbox's own proxy is reached through the edge's: the server's client is the
+    // sandbox's proxy, which the edge's proxy connected to.
+    let own = sandbox(
+        &up,
+        json!({"allow_out": ["pkgs.test"], "egress_proxy": {"address": format!("socks5://{SOCKS_PROXY}:{SOCKS_PORT}"),
+            "username": PROXY_USER, "password": PROXY_PASSWORD}}),
+    )
+    .await;
+    reaches(&up, &own, "http://pkgs.test/", &format!("{PKGS} 80 for {SOCKS_PROXY}")).await;
+    // The proxy is for TCP: DNS still answers through the edge's DNS proxy.
+    assert!(lookup(&up, &own, "pkgs.test").await.contains(&PKGS.to_string()));
 }
 
 /// Whether some edge on this host still records addresses for `owner`.

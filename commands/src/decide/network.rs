@@ -4,8 +4,9 @@
 //! The JSON is an object of `allow_out` and `deny_out` (E2B's `allowOut`, `denyOut`:
 //! lists of rules, see `validate::rule`), `allow_internet_access` (true: the public
 //! internet; false or absent: nothing but what `allow_out` names) and `dns_servers`
-//! (addresses). E2B's `egressProxy` and non-empty `rules` (header injection) are
-//! refused; its settings of traffic into the sandbox (`allowPublicTraffic`,
+//! (addresses), `egress_proxy` (E2B's `egressProxy`: an upstream SOCKS5 or HTTP proxy that
+//! the sandbox's allowed TCP goes through, see [`EgressProxy`]). E2B's non-empty `rules`
+//! (header injection) are refused; its settings of traffic into the sandbox (`allowPublicTraffic`,
 //! `maskRequestHost`, `httpsPorts`) are kept as asked. Every rule is checked here, and a bad one
 //! is a 400 naming it (`network.allow_out[2]`); at most `NETWORK_RULES_MAX` rules.
 //!
@@ -33,6 +34,289 @@ pub struct Policy {
     pub allow_out: Vec<Rule>,
     pub deny_out: Vec<Rule>,
     pub dns_servers: Vec<IpAddr>,
+    /// Where the sandbox's allowed TCP goes, after its rules judged it: an upstream proxy.
+    pub egress_proxy: Option<EgressProxy>,
+}
+
+/// How an upstream proxy is spoken to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProxyKind {
+    /// SOCKS5 (RFC 1928; user and password by RFC 1929): E2B's, and the default.
+    Socks5,
+    /// HTTP `CONNECT` (user and password as `Proxy-Authorization: Basic`).
+    Http,
+}
+
+/// An upstream proxy (E2B's `egressProxy`): `{"address": "[socks5://|http://]host:port",
+/// "username"?, "password"?, "tls"?: {"enabled": true, "serverName"?, "caCert"?}}`.
+/// A sandbox's TCP that its rules allow is carried by the edge to the proxy, which
+/// connects on (told the name the sandbox resolved, where the edge's DNS proxy answered
+/// it, so the proxy resolves it itself). The proxy is reached from the edge host, so its
+/// address is checked as a sandbox's would be: never loopback, link-local (the metadata
+/// service), multicast or unspecified; a private address only where an `allow_out`
+/// block names it (which needs the project's ceiling `any`). The password and CA
+/// certificate are never shown back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EgressProxy {
+    pub kind: ProxyKind,
+    /// A DNS name (lower case) or an address.
+    pub host: String,
+    pub port: u16,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// TLS to the proxy (`None`: plain TCP).
+    pub tls: Option<ProxyTls>,
+}
+
+/// TLS to an upstream proxy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProxyTls {
+    /// The name its certificate must carry (absent: its host).
+    pub server_name: Option<String>,
+    /// PEM certificates to trust (absent: the edge host's trusted roots).
+    pub ca_cert: Option<String>,
+}
+
+/// At most this many bytes in a proxy's user name and password, each (SOCKS5's bound).
+pub const PROXY_CREDENTIAL_MAX: usize = 255;
+
+impl EgressProxy {
+    /// `host:port` (an IPv6 host in brackets).
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    /// Its address as written: `socks5://host:port` or `http://host:port`.
+    pub fn address(&self) -> String {
+        let scheme = match self.kind {
+            ProxyKind::Socks5 => "socks5",
+            ProxyKind::Http => "http",
+        };
+        format!("{scheme}://{}", self.authority())
+    }
+
+    /// Its address, if a literal one.
+    pub fn ip(&self) -> Option<IpAddr> {
+        self.host.parse().ok()
+    }
+
+    /// As JSON; `secrets`: with its password and CA certificate (what is logged), else
+    /// without (what is shown).
+    pub fn to_json(&self, secrets: bool) -> Value {
+        let mut o = serde_json::Map::new();
+        o.insert("address".into(), Value::String(self.address()));
+        if let Some(u) = &self.username {
+            o.insert("username".into(), Value::String(u.clone()));
+        }
+        if secrets && let Some(p) = &self.password {
+            o.insert("password".into(), Value::String(p.clone()));
+        }
+        if let Some(t) = &self.tls {
+            let mut tls = serde_json::Map::new();
+            tls.insert("enabled".into(), Value::Bool(true));
+            if let Some(n) = &t.server_name {
+                tls.insert("server_name".into(), Value::String(n.clone()));
+            }
+            if secrets && let Some(c) = &t.ca_cert {
+                tls.insert("ca_cert".into(), Value::String(c.clone()));
+            }
+            o.insert("tls".into(), Value::Object(tls));
+        }
+        Value::Object(o)
+    }
+}
+
+/// Whether a proxy may never be at `ip`, whatever the rules: the edge host's own
+/// loopback, link-local (the metadata service) and other addresses that are no one's.
+fn never_a_proxy(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => {
+            a.is_loopback()
+                || a.is_link_local()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || a.is_broadcast()
+                || a.octets()[0] == 0
+        }
+        IpAddr::V6(a) => match a.to_ipv4_mapped() {
+            Some(v4) => never_a_proxy(IpAddr::V4(v4)),
+            None => a.is_loopback() || a.is_unspecified() || a.is_multicast() || (a.segments()[0] & 0xffc0) == 0xfe80,
+        },
+    }
+}
+
+fn string_field<'a>(
+    o: &'a serde_json::Map<String, Value>,
+    names: [&str; 2],
+    field: &str,
+) -> Result<Option<&'a str>, Rejection> {
+    match names.iter().find_map(|n| o.get(*n)) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(invalid(field, format!("{field} must be a string"))),
+    }
+}
+
+/// Checks an egress proxy's settings (`field`: `network.egress_proxy`).
+fn egress_proxy(field: &str, v: &Value) -> Result<EgressProxy, Rejection> {
+    let Value::Object(o) = v else {
+        return Err(invalid(
+            field,
+            format!("{field} must be an object with an address (\"host:port\")"),
+        ));
+    };
+    for k in o.keys() {
+        if !matches!(k.as_str(), "address" | "username" | "password" | "tls") {
+            let f = format!("{field}.{k}");
+            return Err(invalid(
+                &f,
+                format!("{f} is not a proxy setting (address, username, password, tls)"),
+            ));
+        }
+    }
+    let fa = format!("{field}.address");
+    let address = string_field(o, ["address", "address"], &fa)?.ok_or_else(|| {
+        invalid(
+            &fa,
+            format!("{fa} is required: \"host:port\", optionally after socks5:// or http://"),
+        )
+    })?;
+    let (kind, rest) = match address.split_once("://") {
+        None => (ProxyKind::Socks5, address),
+        Some(("socks5" | "socks5h", r)) => (ProxyKind::Socks5, r),
+        Some(("http", r)) => (ProxyKind::Http, r),
+        Some((other, _)) => {
+            return Err(invalid(
+                &fa,
+                format!("{fa}: a proxy is socks5:// or http://, not {other}://"),
+            ));
+        }
+    };
+    let bad = || {
+        invalid(
+            &fa,
+            format!("{fa}: {address:?} is not host:port (e.g. proxy.example.com:1080 or [2001:db8::1]:1080)"),
+        )
+    };
+    let (host, port) = match rest.strip_prefix('[') {
+        Some(r) => {
+            let (h, p) = r.split_once("]:").ok_or_else(bad)?;
+            h.parse::<std::net::Ipv6Addr>().map_err(|_| bad())?;
+            (h, p)
+        }
+        None => match rest.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => (h, p),
+            _ => return Err(bad()), // an IPv6 host goes in brackets
+        },
+    };
+    let port: u16 = port.parse().ok().filter(|p| *p > 0).ok_or_else(bad)?;
+    let host = match host.parse::<IpAddr>() {
+        Ok(ip) => {
+            if never_a_proxy(ip) {
+                return Err(invalid(
+                    &fa,
+                    format!(
+                        "{fa}: a proxy cannot be at {ip} (loopback, link-local, multicast or unspecified: the edge host's own, or no one's)"
+                    ),
+                ));
+            }
+            ip.to_string()
+        }
+        Err(_) => validate::host_name(&fa, host, 1)?,
+    };
+    let username = string_field(o, ["username", "username"], &format!("{field}.username"))?;
+    let password = string_field(o, ["password", "password"], &format!("{field}.password"))?;
+    for (name, v) in [("username", username), ("password", password)] {
+        if v.is_some_and(|v| v.len() > PROXY_CREDENTIAL_MAX) {
+            let f = format!("{field}.{name}");
+            return Err(invalid(&f, format!("{f} is over {PROXY_CREDENTIAL_MAX} bytes")));
+        }
+    }
+    if username == Some("") {
+        let f = format!("{field}.username");
+        return Err(invalid(
+            &f,
+            format!("{f} must not be empty (leave it out for a proxy without one)"),
+        ));
+    }
+    if password.is_some() && username.is_none() {
+        let f = format!("{field}.password");
+        return Err(invalid(&f, format!("{f} needs a username")));
+    }
+    let tls = match o.get("tls") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(Value::Bool(true)) => Some(ProxyTls::default()),
+        Some(Value::Object(t)) => {
+            let ft = format!("{field}.tls");
+            let enabled = match t.get("enabled") {
+                Some(Value::Bool(b)) => *b,
+                None | Some(Value::Null) => true,
+                Some(_) => {
+                    return Err(invalid(
+                        &format!("{ft}.enabled"),
+                        format!("{ft}.enabled must be true or false"),
+                    ));
+                }
+            };
+            for k in t.keys() {
+                if !matches!(
+                    k.as_str(),
+                    "enabled" | "serverName" | "server_name" | "caCert" | "ca_cert"
+                ) {
+                    let f = format!("{ft}.{k}");
+                    return Err(invalid(
+                        &f,
+                        format!("{f} is not a TLS setting (enabled, server_name, ca_cert)"),
+                    ));
+                }
+            }
+            let fs = format!("{ft}.server_name");
+            let server_name = string_field(t, ["serverName", "server_name"], &fs)?;
+            let fc = format!("{ft}.ca_cert");
+            let ca_cert = string_field(t, ["caCert", "ca_cert"], &fc)?;
+            if !enabled {
+                if server_name.is_some() || ca_cert.is_some() {
+                    return Err(invalid(
+                        &ft,
+                        format!("{ft}: with enabled false no other TLS setting may be set"),
+                    ));
+                }
+                None
+            } else {
+                let server_name = match server_name {
+                    None => None,
+                    Some(n) if n.parse::<IpAddr>().is_ok() => Some(n.to_string()),
+                    Some(n) => Some(validate::host_name(&fs, n, 1)?),
+                };
+                if ca_cert.is_some_and(|c| !c.contains("-----BEGIN CERTIFICATE-----")) {
+                    return Err(invalid(
+                        &fc,
+                        format!("{fc} must hold PEM certificates (-----BEGIN CERTIFICATE-----)"),
+                    ));
+                }
+                Some(ProxyTls {
+                    server_name,
+                    ca_cert: ca_cert.map(str::to_string),
+                })
+            }
+        }
+        Some(_) => {
+            let ft = format!("{field}.tls");
+            return Err(invalid(&ft, format!("{ft} must be true, false or an object")));
+        }
+    };
+    Ok(EgressProxy {
+        kind,
+        host,
+        port,
+        username: username.map(str::to_string),
+        password: password.map(str::to_string),
+        tls,
+    })
 }
 
 fn invalid(field: &str, msg: String) -> Rejection {
@@ -111,11 +395,7 @@ pub fn parse(field: &str, json: &str) -> Result<Policy, Rejection> {
             }
             "egress_proxy" | "egressProxy" if v.is_null() => {}
             "egress_proxy" | "egressProxy" => {
-                let f = format!("{field}.egress_proxy");
-                return Err(invalid(
-                    &f,
-                    format!("{f}: an egress proxy is not supported; name what the sandbox may reach in allow_out"),
-                ));
+                p.egress_proxy = Some(egress_proxy(&format!("{field}.egress_proxy"), v)?);
             }
             // Settings of traffic into the sandbox (E2B's), kept as asked: not egress.
             "allowPublicTraffic" | "allow_public_traffic" if matches!(v, Value::Null | Value::Bool(_)) => {}
@@ -130,10 +410,24 @@ pub fn parse(field: &str, json: &str) -> Result<Policy, Rejection> {
                 let f = format!("{field}.{other}");
                 return Err(invalid(
                     &f,
-                    format!("{f} is not a network setting (allow_out, deny_out, allow_internet_access, dns_servers)"),
+                    format!(
+                        "{f} is not a network setting (allow_out, deny_out, allow_internet_access, dns_servers, egress_proxy)"
+                    ),
                 ));
             }
         }
+    }
+    if let Some(ip) = p.egress_proxy.as_ref().and_then(EgressProxy::ip)
+        && is_special(ip)
+        && !p.names_block_of(ip)
+    {
+        let f = format!("{field}.egress_proxy.address");
+        return Err(invalid(
+            &f,
+            format!(
+                "{f}: {ip} is a private address: a proxy there must also be named in allow_out (a block holding it, which needs the project's egress ceiling any)"
+            ),
+        ));
     }
     Ok(p)
 }
@@ -244,6 +538,21 @@ impl Policy {
         self.allow_internet && !is_special(ip) && !denied
     }
 
+    /// Whether an allow rule's block names `ip` (in special space: explicitly), on TCP.
+    /// What a proxy at a private address needs.
+    pub fn names_block_of(&self, ip: IpAddr) -> bool {
+        self.allow_out
+            .iter()
+            .any(|r| addr_matches(r, ip) && (r.protocol != Protocol::Udp))
+    }
+
+    /// Whether the edge may carry this sandbox's traffic to a proxy at `ip` (its
+    /// name resolved on the edge): never the host's own or no one's addresses, a private
+    /// one only where an allow rule's block names it.
+    pub fn proxy_reachable_at(&self, ip: IpAddr) -> bool {
+        !never_a_proxy(ip) && (!is_special(ip) || self.names_block_of(ip))
+    }
+
     /// Whether the sandbox may resolve and then reach `name` (on some port).
     pub fn allows_name(&self, name: &str) -> bool {
         if self.allow_out.iter().any(|r| name_matches(r, name)) {
@@ -299,12 +608,25 @@ impl Policy {
     /// The policy as canonical JSON (`allow_internet_access`, `allow_out`, `deny_out`,
     /// `dns_servers`), which [`parse`] reads back to the same policy: what the REST API
     /// and the CLI show, whichever spelling (E2B's camelCase included) it was set in.
+    /// With `egress_proxy` (null: none) whole, its password and CA certificate
+    /// included: what a command may carry. [`Policy::shown_json`] is what users see.
     pub fn to_json(&self) -> Value {
+        self.json(true)
+    }
+
+    /// [`Policy::to_json`] without the proxy's password and CA certificate: what the
+    /// API and the CLI show.
+    pub fn shown_json(&self) -> Value {
+        self.json(false)
+    }
+
+    fn json(&self, secrets: bool) -> Value {
         serde_json::json!({
             "allow_internet_access": self.allow_internet,
             "allow_out": self.allow_out.iter().map(rule_json).collect::<Vec<_>>(),
             "deny_out": self.deny_out.iter().map(rule_json).collect::<Vec<_>>(),
             "dns_servers": self.dns_servers.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+            "egress_proxy": self.egress_proxy.as_ref().map(|p| p.to_json(secrets)),
         })
     }
 
@@ -332,6 +654,9 @@ impl Policy {
         }
         if self.allow_internet {
             return (Egress::Public, format!("{field}.allow_internet_access"));
+        }
+        if self.egress_proxy.is_some() {
+            return (Egress::Public, format!("{field}.egress_proxy"));
         }
         if !self.allow_out.is_empty() {
             return (Egress::Public, format!("{field}.allow_out[0]"));

@@ -192,6 +192,7 @@ pub async fn answer(net: &Network, query: &[u8], from: IpAddr, tcp: bool) -> Opt
     if taken_out > 0 && learned.is_empty() {
         return reply(&q, ResponseCode::Refused);
     }
+    net.learn_names(sandbox.slot, &sandbox.policy, &name, &learned);
     let sets = rules::sets_for_name(sandbox.slot, &sandbox.policy, &name);
     if !sets.is_empty() && !learned.is_empty() {
         let script = rules::learned_script(net.table(), &sets, &learned);

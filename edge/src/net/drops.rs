@@ -25,7 +25,8 @@ pub struct Drop {
     pub destination: IpAddr,
     /// The destination port (absent for protocols without ports).
     pub port: Option<u16>,
-    /// The rule that dropped it: `deny_out` (a deny rule) or `default` (nothing allowed it).
+    /// The rule that dropped it: `deny_out` (a deny rule), `default` (nothing allowed it)
+    /// or `egress_proxy` (allowed, but its proxy did not carry it).
     pub rule: String,
     /// Packets logged for it (a connection's retried SYNs come within [`SAME_WINDOW_MS`]
     /// of the first and count here).
@@ -79,21 +80,26 @@ impl DropLog {
     /// Takes in one kernel log record (its text after the `;`), if it is one of ours.
     pub fn take(&self, text: &str, at_ms: u64) {
         if let Some((slot, drop)) = parse(&self.table, text, at_ms) {
-            let mut all = self.by_slot.lock().expect("drop log lock");
-            let kept = all.entry(slot).or_default();
-            if let Some(last) = kept.back_mut()
-                && (&last.protocol, last.destination, last.port, &last.rule)
-                    == (&drop.protocol, drop.destination, drop.port, &drop.rule)
-                && drop.at_ms.saturating_sub(last.at_ms) < SAME_WINDOW_MS
-            {
-                last.packets += 1;
-                return;
-            }
-            if kept.len() == KEPT {
-                kept.pop_front();
-            }
-            kept.push_back(drop);
+            self.note(slot, drop);
         }
+    }
+
+    /// Keeps a drop of slot `slot` (one of the same connection just before is counted in it).
+    pub fn note(&self, slot: u32, drop: Drop) {
+        let mut all = self.by_slot.lock().expect("drop log lock");
+        let kept = all.entry(slot).or_default();
+        if let Some(last) = kept.back_mut()
+            && (&last.protocol, last.destination, last.port, &last.rule)
+                == (&drop.protocol, drop.destination, drop.port, &drop.rule)
+            && drop.at_ms.saturating_sub(last.at_ms) < SAME_WINDOW_MS
+        {
+            last.packets += 1;
+            return;
+        }
+        if kept.len() == KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(drop);
     }
 }
 

@@ -18,15 +18,19 @@
 //!   the kernel log.
 //! - `dns.rs`: the DNS proxy on the gateway, which answers each sandbox only for names
 //!   its policy allows and opens the answers' addresses in its learned sets.
+//! - `relay.rs`: the relay that carries a sandbox's allowed TCP through an upstream proxy
+//!   (its policy's `egress_proxy`, or the edge's own, [`NetConfig::egress_proxy`]).
 //!
 //! One table per edge, `inet opendsec_<name>_<tag>` (`tag`: a hash of the edge's name
 //! and data directory, so two edges on one host never share a table, veth or
-//! namespace): `forward` sends what comes from a sandbox's veth to its chain
-//! (`sandboxes`, a verdict map by interface), accepts what goes to a sandbox only as part
-//! of a connection it opened (nothing opens connections into a sandbox: the edge reaches
-//! its agent over a Unix socket), and drops the rest; `input` lets a sandbox reach only
-//! the DNS proxy on the gateway (never the edge's proxy, the peer port or any other host
-//! service); `postrouting` masquerades the pools. A sandbox's chain `sb<slot>` drops
+//! namespace): `prerouting` (before NAT) sends what comes from a sandbox's veth to its
+//! chain (`sandboxes`, a verdict map by interface), so it is judged by the destination
+//! the sandbox asked for; `proxy` redirects the TCP a proxy carries to the relay;
+//! `forward` accepts what goes to a sandbox only as part of a connection it opened
+//! (nothing opens connections into a sandbox: the edge reaches its agent over a Unix
+//! socket); `input` lets a sandbox reach only the DNS proxy on the gateway and the relay
+//! as redirected (never the edge's HTTP proxy, the peer port or any other host service);
+//! `postrouting` masquerades the pools. A sandbox's chain `sb<slot>` drops
 //! spoofed sources, accepts its connections of the current policy generation, then runs
 //! its policy (see `rules.rs`). A policy update replaces the chain whole with a new
 //! generation in one transaction: a connection the new policy forbids stops at its next
@@ -58,6 +62,7 @@ pub mod drops;
 mod libnft;
 pub mod link;
 pub mod nft;
+pub mod relay;
 pub mod rules;
 
 use addrs::{Pool, Slot};
@@ -70,8 +75,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+/// The names a sandbox was answered, by address, each until its answer expires.
+type AnsweredNames = HashMap<IpAddr, (String, Instant)>;
+
 /// The last reading of every sandbox's link and drop counters, and when it was taken.
 type CountersTaken = (Instant, BTreeMap<String, LinkCounters>, BTreeMap<String, u64>);
+
+/// Names kept per sandbox for the proxy relay (answers expire with their TTL; past this
+/// many, the expired go, and if none had, all).
+const NAMES_KEPT: usize = 4096;
 
 /// Where addresses and slots are recorded (tmpfs: as long-lived as the namespaces).
 pub const DEFAULT_STATE_DIR: &str = "/run/opendsec/net";
@@ -93,6 +105,10 @@ pub struct NetConfig {
     /// The resolvers the DNS proxy asks; empty: the host's `/etc/resolv.conf` ones.
     pub upstream_dns: Vec<SocketAddr>,
     pub state_dir: PathBuf,
+    /// The edge's own upstream proxy (sites whose only way out is a proxy): every
+    /// sandbox's allowed TCP to public addresses goes through it, and a sandbox's own
+    /// proxy is reached through it.
+    pub egress_proxy: Option<opendsec_commands::network::EgressProxy>,
 }
 
 impl Default for NetConfig {
@@ -102,6 +118,7 @@ impl Default for NetConfig {
             pool_v6: Some(DEFAULT_POOL_V6),
             upstream_dns: Vec::new(),
             state_dir: DEFAULT_STATE_DIR.into(),
+            egress_proxy: None,
         }
     }
 }
@@ -195,6 +212,12 @@ pub struct Network {
     generation: AtomicU32,
     counters: Mutex<Option<CountersTaken>>,
     dns_sockets: Mutex<Option<dns::Sockets>>,
+    relay: Mutex<Option<relay::Listeners>>,
+    relay_ports: (u16, u16),
+    edge_proxy: Option<opendsec_commands::network::EgressProxy>,
+    /// Per slot, the name the DNS proxy last answered each address for (what the relay
+    /// asks a proxy for), with when it expires.
+    names: Mutex<HashMap<u32, AnsweredNames>>,
     drops: Arc<drops::DropLog>,
     /// Held while this edge runs (an flock): no second edge with its tag.
     _lock: std::fs::File,
@@ -357,6 +380,7 @@ impl Network {
             );
         }
         let drops = drops::DropLog::follow(&table);
+        let relay = relay::Listeners::bind(gateway, pool_v6.is_some())?;
         let net = Network {
             table,
             gateway,
@@ -373,13 +397,17 @@ impl Network {
             generation: AtomicU32::new((opendsec_edge_api::now_ms() / 1000) as u32 | 1),
             counters: Mutex::new(None),
             dns_sockets: Mutex::new(Some(dns::Sockets::bind(gateway)?)),
+            relay_ports: relay.ports(),
+            relay: Mutex::new(Some(relay)),
+            edge_proxy: cfg.egress_proxy.clone(),
+            names: Mutex::new(HashMap::new()),
             drops,
             veth_prefix: format!("od{tag}"),
             tag,
             _lock: lock,
         };
         nft::apply(&rules::base_script(&net.edge_place()))?;
-        tracing::info!(table = %net.table, %gateway, pool_v4 = %format!("{}/{}", net.pool_v4.0, net.pool_v4.1), ipv6 = net.pool_v6.is_some(), upstream = ?net.upstream, "sandbox network ready");
+        tracing::info!(table = %net.table, %gateway, pool_v4 = %format!("{}/{}", net.pool_v4.0, net.pool_v4.1), ipv6 = net.pool_v6.is_some(), upstream = ?net.upstream, egress_proxy = ?net.edge_proxy.as_ref().map(|p| p.address()), "sandbox network ready");
         Ok(Arc::new(net))
     }
 
@@ -390,6 +418,8 @@ impl Network {
             gateway: self.gateway,
             pool_v4: self.pool_v4,
             pool_v6: self.pool_v6,
+            relay_ports: self.relay_ports,
+            edge_proxy: self.edge_proxy.is_some(),
         }
     }
 
@@ -433,12 +463,89 @@ impl Network {
         self.by_addr.read().expect("address lock").get(&ip).cloned()
     }
 
-    /// Serves the DNS proxy until the future is dropped.
-    pub async fn serve_dns(self: Arc<Self>) {
-        let Some(sockets) = self.dns_sockets.lock().expect("dns lock").take() else {
-            return;
+    /// Serves the DNS proxy and the proxy relay until the future is dropped.
+    pub async fn serve(self: Arc<Self>) {
+        let sockets = self.dns_sockets.lock().expect("dns lock").take();
+        let relay = self.relay.lock().expect("relay lock").take();
+        let dns = async {
+            if let Some(s) = sockets {
+                dns::serve(self.clone(), s).await
+            }
         };
-        dns::serve(self, sockets).await
+        let relay = async {
+            if let Some(l) = relay {
+                relay::serve(self.clone(), l).await
+            }
+        };
+        tokio::join!(dns, relay);
+    }
+
+    /// The edge's own upstream proxy.
+    pub fn edge_proxy(&self) -> Option<&opendsec_commands::network::EgressProxy> {
+        self.edge_proxy.as_ref()
+    }
+
+    /// Whether a proxy may carry slot `slot`'s TCP (what makes the names it resolves worth
+    /// keeping).
+    fn proxied(&self, policy: &Policy) -> bool {
+        self.edge_proxy.is_some() || policy.egress_proxy.is_some()
+    }
+
+    /// Keeps that the DNS proxy answered slot `slot` `name` for each of `addrs` (with
+    /// their TTLs), where a proxy may carry its connections.
+    pub fn learn_names(&self, slot: u32, policy: &Policy, name: &str, addrs: &[(IpAddr, u64)]) {
+        if !self.proxied(policy) || addrs.is_empty() {
+            return;
+        }
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+        let now = Instant::now();
+        let mut all = self.names.lock().expect("names lock");
+        let of_slot = all.entry(slot).or_default();
+        if of_slot.len() >= NAMES_KEPT {
+            of_slot.retain(|_, (_, until)| *until > now);
+            if of_slot.len() >= NAMES_KEPT {
+                of_slot.clear();
+            }
+        }
+        for (ip, ttl) in addrs {
+            of_slot.insert(*ip, (name.clone(), now + Duration::from_secs(*ttl)));
+        }
+    }
+
+    /// The name the DNS proxy last answered slot `slot` for `ip`, while its answer holds.
+    pub fn name_of(&self, slot: u32, ip: IpAddr) -> Option<String> {
+        let all = self.names.lock().expect("names lock");
+        let (name, until) = all.get(&slot)?.get(&ip)?;
+        (*until > Instant::now()).then(|| name.clone())
+    }
+
+    /// A connection of slot `slot` to `dest` that no proxy carried, among its drops.
+    pub fn note_proxy_failure(&self, slot: u32, dest: SocketAddr) {
+        self.drops.note(
+            slot,
+            drops::Drop {
+                at_ms: opendsec_edge_api::now_ms(),
+                protocol: "tcp".into(),
+                destination: dest.ip(),
+                port: Some(dest.port()),
+                rule: "egress_proxy".into(),
+                packets: 1,
+            },
+        );
+    }
+
+    /// Indexes slot `slot`'s addresses (both families) under `policy`.
+    fn index(&self, slot: &Slot, policy: Arc<Policy>) {
+        let mut by_addr = self.by_addr.write().expect("address lock");
+        for ip in std::iter::once(IpAddr::V4(slot.v4)).chain(slot.v6.map(IpAddr::V6)) {
+            by_addr.insert(
+                ip,
+                SandboxDns {
+                    slot: slot.slot,
+                    policy: policy.clone(),
+                },
+            );
+        }
     }
 
     fn place<'a>(&'a self, slot: &Slot, veth: &'a str) -> rules::SandboxPlace<'a> {
@@ -559,13 +666,7 @@ impl Network {
                 sets: BTreeSet::new(),
             },
         );
-        self.by_addr.write().expect("address lock").insert(
-            IpAddr::V4(slot.v4),
-            SandboxDns {
-                slot: slot.slot,
-                policy: Arc::new(Policy::default()),
-            },
-        );
+        self.index(slot, Arc::new(Policy::default()));
     }
 
     /// `from`'s network now belongs to `to` (a warm container claimed by sandbox `to`),
@@ -619,13 +720,7 @@ impl Network {
             &stale,
         ))?;
         let _ = std::fs::write(self.policy_path(slot.slot), network.unwrap_or_default());
-        self.by_addr.write().expect("address lock").insert(
-            IpAddr::V4(slot.v4),
-            SandboxDns {
-                slot: slot.slot,
-                policy: Arc::new(policy),
-            },
-        );
+        self.index(&slot, Arc::new(policy));
         if let Some(a) = self.attached.lock().expect("attached lock").get_mut(owner) {
             a.applied = Some(network.map(str::to_string).filter(|n| !n.is_empty()));
             a.sets = sets;
@@ -660,7 +755,14 @@ impl Network {
         }
         let _ = std::fs::remove_file(self.hosts_path(slot.slot));
         let _ = std::fs::remove_file(self.policy_path(slot.slot));
-        self.by_addr.write().expect("address lock").remove(&IpAddr::V4(slot.v4));
+        {
+            let mut by_addr = self.by_addr.write().expect("address lock");
+            by_addr.remove(&IpAddr::V4(slot.v4));
+            if let Some(v6) = slot.v6 {
+                by_addr.remove(&IpAddr::V6(v6));
+            }
+        }
+        self.names.lock().expect("names lock").remove(&slot.slot);
         self.drops.forget(slot.slot);
         self.pool.release(slot.slot);
     }
@@ -705,13 +807,7 @@ impl Network {
                     .and_then(|n| parse("network", n).ok())
                     .unwrap_or_default();
                 kept.insert(slot.slot);
-                self.by_addr.write().expect("address lock").insert(
-                    IpAddr::V4(slot.v4),
-                    SandboxDns {
-                        slot: slot.slot,
-                        policy: Arc::new(policy.clone()),
-                    },
-                );
+                self.index(&slot, Arc::new(policy.clone()));
                 self.attached.lock().expect("attached lock").insert(
                     slot.owner.clone(),
                     Attached {

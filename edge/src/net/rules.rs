@@ -367,18 +367,34 @@ pub struct EdgePlace<'a> {
     pub gateway: Ipv4Addr,
     pub pool_v4: (Ipv4Addr, u8),
     pub pool_v6: Option<(Ipv6Addr, u8)>,
+    /// The ports the edge's relay to upstream proxies listens on (IPv4 on the gateway,
+    /// IPv6 on every address): what a sandbox's TCP is redirected to when a proxy
+    /// carries it.
+    pub relay_ports: (u16, u16),
+    /// Whether the edge has a proxy of its own, which carries every sandbox's TCP to
+    /// public addresses (private ones go straight).
+    pub edge_proxy: bool,
 }
 
+/// The name of the set of veths whose sandbox has a proxy of its own.
+pub const PROXIED_SET: &str = "proxied";
+
 /// The edge's table with its base chains (idempotent: it keeps the sandboxes' chains,
-/// sets and map, and rewrites the rest). Traffic from a sandbox's veth goes to its chain
-/// through the map `sandboxes` (a veth not in it yet: dropped); traffic to a sandbox is
-/// accepted only as part of a connection it opened; to the host, a sandbox reaches only
-/// the DNS proxy on the gateway (and IPv6 neighbour discovery); its pools are
-/// masqueraded out.
+/// sets and maps, and rewrites the rest).
+/// - `prerouting` (filter, before NAT): what comes from a sandbox's veth goes to its
+///   chain through the map `sandboxes` (a veth not in it yet: dropped), judged by its
+///   destination as the sandbox sent it, before a proxy redirect changes it; what is
+///   for the host itself (the gateway, IPv6 link-local and multicast) is left to `input`.
+/// - `proxy` (NAT): a sandbox's allowed TCP that a proxy carries goes to the relay.
+/// - `forward`: what goes to a sandbox is accepted only as part of a connection it opened.
+/// - `input`: a sandbox reaches only the DNS proxy on the gateway, the relay (as
+///   redirected, never directly), and IPv6 neighbour discovery.
+/// - `postrouting`: its pools are masqueraded out.
 pub fn base_script(e: &EdgePlace) -> String {
     let t = format!("inet {}", e.table);
     let veths = format!("\"{}*\"", e.veth_prefix);
     let gw = e.gateway;
+    let (p4, p6) = e.relay_ports;
     let mut s = String::new();
     let _ = writeln!(s, "add table {t}");
     let _ = writeln!(s, "add set {t} special4 {{ type ipv4_addr; flags interval; }}");
@@ -396,13 +412,47 @@ pub fn base_script(e: &EdgePlace) -> String {
         cidr_list(special_v6().into_iter())
     );
     let _ = writeln!(s, "add map {t} sandboxes {{ type ifname : verdict; }}");
+    let _ = writeln!(s, "add set {t} {PROXIED_SET} {{ type ifname; }}");
+    let _ = writeln!(
+        s,
+        "add chain {t} prerouting {{ type filter hook prerouting priority mangle; policy accept; }}"
+    );
+    let _ = writeln!(s, "flush chain {t} prerouting");
+    let _ = writeln!(s, "add rule {t} prerouting iifname {veths} ip daddr {gw} accept");
+    let _ = writeln!(
+        s,
+        "add rule {t} prerouting iifname {veths} ip6 daddr {{ fe80::/10, ff00::/8 }} accept"
+    );
+    let _ = writeln!(s, "add rule {t} prerouting iifname {veths} iifname vmap @sandboxes");
+    let _ = writeln!(s, "add rule {t} prerouting iifname {veths} counter drop");
+    let _ = writeln!(
+        s,
+        "add chain {t} proxy {{ type nat hook prerouting priority dstnat; policy accept; }}"
+    );
+    let _ = writeln!(s, "flush chain {t} proxy");
+    let _ = writeln!(
+        s,
+        "add rule {t} proxy iifname @{PROXIED_SET} meta l4proto tcp ip daddr != {gw} redirect to :{p4}"
+    );
+    let _ = writeln!(
+        s,
+        "add rule {t} proxy iifname @{PROXIED_SET} meta l4proto tcp ip6 daddr != {{ fe80::/10, ff00::/8 }} redirect to :{p6}"
+    );
+    if e.edge_proxy {
+        let _ = writeln!(
+            s,
+            "add rule {t} proxy iifname {veths} meta l4proto tcp ip daddr != @special4 redirect to :{p4}"
+        );
+        let _ = writeln!(
+            s,
+            "add rule {t} proxy iifname {veths} meta l4proto tcp ip6 daddr != @special6 redirect to :{p6}"
+        );
+    }
     let _ = writeln!(
         s,
         "add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}"
     );
     let _ = writeln!(s, "flush chain {t} forward");
-    let _ = writeln!(s, "add rule {t} forward iifname {veths} iifname vmap @sandboxes");
-    let _ = writeln!(s, "add rule {t} forward iifname {veths} counter drop");
     let _ = writeln!(
         s,
         "add rule {t} forward oifname {veths} ct state established,related accept"
@@ -420,6 +470,10 @@ pub fn base_script(e: &EdgePlace) -> String {
     let _ = writeln!(
         s,
         "add rule {t} input iifname {veths} ip daddr {gw} meta l4proto {{ tcp, udp }} th dport 53 accept"
+    );
+    let _ = writeln!(
+        s,
+        "add rule {t} input iifname {veths} ct status dnat meta l4proto tcp th dport {{ {p4}, {p6} }} accept"
     );
     let _ = writeln!(
         s,
@@ -489,6 +543,12 @@ pub fn sandbox_script(p: &SandboxPlace, policy: &Policy, generation: u32, stale_
         rule(&mut s, &r);
     }
     let _ = writeln!(s, "add element {t} sandboxes {{ \"{}\" : jump {chain} }}", p.veth);
+    // In the proxied set exactly when its policy names a proxy (added first, so that the
+    // delete never fails).
+    let _ = writeln!(s, "add element {t} {PROXIED_SET} {{ \"{}\" }}", p.veth);
+    if policy.egress_proxy.is_none() {
+        let _ = writeln!(s, "delete element {t} {PROXIED_SET} {{ \"{}\" }}", p.veth);
+    }
     for set in stale_sets {
         let _ = writeln!(s, "delete set {t} {set}");
     }
@@ -524,6 +584,8 @@ pub fn remove_scripts(table: &str, slot: u32, veth: &str, sets: &BTreeSet<String
     let t = format!("inet {table}");
     let mut out = vec![
         format!("delete element {t} sandboxes {{ \"{veth}\" }}\n"),
+        // Added first: the delete never fails, so the usual teardown stays one transaction.
+        format!("add element {t} {PROXIED_SET} {{ \"{veth}\" }}\ndelete element {t} {PROXIED_SET} {{ \"{veth}\" }}\n"),
         format!("delete chain {t} {}\n", chain_name(slot)),
         format!("delete counter {t} {}\n", counter_name(slot)),
     ];
@@ -838,6 +900,8 @@ add rule {t} sb5 ip6 daddr != @special6 ct mark set 0x2a accept
 add rule {t} sb5 {log}default: \" level info
 add rule {t} sb5 counter name drops5 {refuse}
 add element {t} sandboxes {{ \"odabc1235\" : jump sb5 }}
+add element {t} proxied {{ \"odabc1235\" }}
+delete element {t} proxied {{ \"odabc1235\" }}
 delete set {t} d5_000000000000_4
 "
         );

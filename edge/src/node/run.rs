@@ -111,7 +111,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     edge.start_machines();
     let proxy_task = tokio::spawn(edge.clone().serve_proxy(listener));
     let history_task = tokio::spawn(edge.clone().keep_metrics_history());
-    let dns_task = edge.net.clone().map(|n| tokio::spawn(n.serve_dns()));
+    let dns_task = edge.net.clone().map(|n| tokio::spawn(n.serve()));
 
     // The follower runs on its own task: a burst of slice messages is folded as it comes,
     // and the loop below persists and reconciles once per burst, not once per message.

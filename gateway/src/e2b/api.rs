@@ -430,9 +430,25 @@ fn e2b_network_json(logged: Option<&str>) -> Option<Value> {
                     | "dnsServers"
                     | "allow_internet_access"
                     | "allowInternetAccess"
+                    | "egress_proxy"
+                    | "egressProxy"
             )
         })
         .collect();
+    // The proxy in E2B's shape, its password and CA certificate never shown.
+    if let Some(p) = opendsec_commands::network::Policy::of_logged(logged).egress_proxy {
+        let mut proxy = serde_json::json!({"address": p.authority()});
+        if let Some(u) = p.username {
+            proxy["username"] = Value::String(u);
+        }
+        if let Some(t) = p.tls {
+            proxy["tls"] = serde_json::json!({"enabled": true});
+            if let Some(n) = t.server_name {
+                proxy["tls"]["serverName"] = Value::String(n);
+            }
+        }
+        out.insert("egressProxy".into(), proxy);
+    }
     for (camel, canonical_key) in [
         ("allowOut", "allow_out"),
         ("denyOut", "deny_out"),

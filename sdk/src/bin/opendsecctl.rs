@@ -216,7 +216,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
             }) => {
                 let settings = ProjectNetwork {
                     ceiling,
-                    default_network: default.given().then(|| default.policy()),
+                    default_network: default.given().then(|| default.policy()).transpose()?,
                 };
                 let n = client.set_project_network(&project, &settings).await?;
                 out.show(&n, |n| print::project_network(&project, n));
@@ -488,7 +488,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 isolation: isolation.map(Isolation::from),
                 cpu_class: cpu_class.map(CpuClass::from),
                 auto_resume: no_auto_resume.then_some(false),
-                network: network.given().then(|| network.policy()),
+                network: network.given().then(|| network.policy()).transpose()?,
             };
             let mut written = client.create_sandbox(&req).await?;
             warn_from(client);
@@ -657,7 +657,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             return Ok(0);
         }
         SandboxCmd::Network(SandboxNetworkCmd::Set { id, network }) => {
-            let w = client.set_sandbox_network(&id, &network.policy()).await?;
+            let w = client.set_sandbox_network(&id, &network.policy()?).await?;
             warn_from(client);
             out.show(&w, |w| {
                 format!(

@@ -3,7 +3,8 @@
 The harness (`e2b_sdk.rs`, `e2b_sdk_network`) runs this module against an `opendsec up`
 inside a test internet of its own (`server/tests/support/internet.rs`): `pkgs.test`
 (11.0.0.10) and `other.test` (11.0.0.20) answer HTTP on ports 80 and 8080 with
-`hello from <address> <port>`; the metadata address 169.254.169.254 answers too. No
+`hello from <address> <port> for <client>`; the metadata address 169.254.169.254 answers
+too, and a SOCKS5 proxy (microsocks) listens at 11.0.0.80:1080. No
 packet leaves the test's namespaces. OpenDsec's default is deny (E2B's is open): code
 that needs the network says so.
 """
@@ -17,6 +18,9 @@ from conftest import BASE_TEMPLATE, wait_until
 
 PKGS = "11.0.0.10"
 OTHER = "11.0.0.20"
+SOCKS = "11.0.0.80"
+# What the server sees as the client of a connection that no proxy carried: the edge.
+EDGE = "10.200.0.2"
 
 
 def fetch(sb: Sandbox, url: str) -> str | None:
@@ -84,3 +88,21 @@ def test_update_network_changes_what_a_running_loop_of_requests_reaches(sandboxe
     sb.update_network({"allow_out": ["pkgs.test"]})
     wait_until(lambda: last() == ["ok"] * 3, "the loop sees pkgs.test given back")
     loop.kill()
+
+
+def test_an_egress_proxy_carries_what_the_policy_allows_and_an_update_without_it_goes_straight(sandboxes):
+    proxy = {"address": f"{SOCKS}:1080", "username": "odsec", "password": "proxy-pw"}
+    sb = sandboxes(network={"allow_out": ["pkgs.test"], "egress_proxy": proxy})
+    # The proxy connected on: the server's client is the proxy.
+    assert f"hello from {PKGS} 80 for {SOCKS}" in (fetch(sb, "http://pkgs.test/") or "")
+    assert fetch(sb, f"http://{OTHER}/") is None
+    shown = sb.get_info().network["egress_proxy"]
+    assert shown["address"] == f"{SOCKS}:1080" and shown["username"] == "odsec"
+    assert "password" not in shown
+    # E2B's update replaces the whole configuration: without the proxy, straight out.
+    sb.update_network({"allow_out": ["pkgs.test"]})
+    wait_until(
+        lambda: f"for {EDGE}" in (fetch(sb, "http://pkgs.test/") or ""),
+        "the sandbox reaches pkgs.test without the proxy",
+    )
+    assert "egress_proxy" not in (sb.get_info().network or {})

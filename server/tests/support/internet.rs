@@ -4,10 +4,15 @@
 //!   process's namespace (the API, the peer port and the edge's proxy listen on its
 //!   address, [`Internet::api_addr`]), and `up0`, its default route (IPv4 and IPv6), to
 //! - the internet: public-looking servers on its loopback ([`HOSTS`]), each serving HTTP
-//!   on ports 80 and 8080 (the body names the address and port that answered) and a
+//!   on ports 80 and 8080 (the body names the address and port that answered, and the
+//!   client's address: `hello from <addr> <port> for <client>`) and a
 //!   stream on port 9000 (a line every 50 ms while the connection lasts); an
 //!   authoritative DNS server for `*.test` at [`DNS`]; the metadata address
-//!   (169.254.169.254) and a private-network host ([`PRIVATE`]).
+//!   (169.254.169.254) and a private-network host ([`PRIVATE`]); and, once a test asks
+//!   for them ([`Internet::start_proxies`]), two real upstream proxies: microsocks
+//!   (SOCKS5) at [`SOCKS_PROXY`] and tinyproxy (HTTP CONNECT) at [`HTTP_PROXY`], both
+//!   with user [`PROXY_USER`] and password [`PROXY_PASSWORD`], connecting on from their
+//!   own address and resolving names with the test DNS server.
 //!
 //! The edge is pointed at it with `--upstream-dns` (see `Up::start_in_netns`). Drop
 //! stops the servers and removes both namespaces (every link in them goes too). The
@@ -42,6 +47,14 @@ pub const OTHER_V6: Ipv6Addr = Ipv6Addr::new(0x2a0a, 0, 0, 0, 0, 0, 0, 0x20);
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 7);
 /// The cloud metadata address.
 pub const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// A SOCKS5 proxy (microsocks) on port [`SOCKS_PORT`].
+pub const SOCKS_PROXY: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 80);
+pub const SOCKS_PORT: u16 = 1080;
+/// An HTTP CONNECT proxy (tinyproxy) on port [`HTTP_PROXY_PORT`].
+pub const HTTP_PROXY: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 81);
+pub const HTTP_PROXY_PORT: u16 = 3128;
+pub const PROXY_USER: &str = "odsec";
+pub const PROXY_PASSWORD: &str = "proxy-pw";
 
 /// The zone: names and their addresses.
 pub const HOSTS: &[(&str, &[IpAddr])] = &[
@@ -64,6 +77,7 @@ pub struct Internet {
     /// The edge namespace's address the test process reaches it at.
     pub mgmt: Ipv4Addr,
     stop: Arc<AtomicBool>,
+    proxies: std::sync::Mutex<Vec<std::process::Child>>,
 }
 
 fn ip(args: &[&str]) {
@@ -131,7 +145,12 @@ impl Internet {
         ip(&["-n", &net_ns, "addr", "add", "fd00:200::1/64", "dev", "down0", "nodad"]);
         ip(&["-n", &net_ns, "link", "set", "down0", "up"]);
         let mut addrs: Vec<IpAddr> = HOSTS.iter().flat_map(|(_, a)| a.iter().copied()).collect();
-        addrs.extend([IpAddr::V4(DNS), IpAddr::V4(METADATA)]);
+        addrs.extend([
+            IpAddr::V4(DNS),
+            IpAddr::V4(METADATA),
+            IpAddr::V4(SOCKS_PROXY),
+            IpAddr::V4(HTTP_PROXY),
+        ]);
         addrs.sort();
         addrs.dedup();
         for a in &addrs {
@@ -147,6 +166,7 @@ impl Internet {
             net_ns,
             mgmt,
             stop: stop.clone(),
+            proxies: std::sync::Mutex::new(Vec::new()),
         };
         // Servers: bound inside the internet's namespace, served from plain threads.
         let (http, streams, dns) = in_netns(&inet.net_ns, || {
@@ -172,6 +192,67 @@ impl Internet {
         format!("{}:{port}", self.mgmt)
     }
 
+    /// Starts the SOCKS5 and HTTP proxies (microsocks, tinyproxy) and waits until both
+    /// listen. They resolve names with the test DNS server (`ip netns exec` binds
+    /// `/etc/netns/<ns>/resolv.conf` over theirs).
+    pub fn start_proxies(&self) {
+        let etc = format!("/etc/netns/{}", self.net_ns);
+        std::fs::create_dir_all(&etc).expect("create /etc/netns/<ns>");
+        std::fs::write(format!("{etc}/resolv.conf"), format!("nameserver {DNS}\n")).unwrap();
+        let conf = format!("{etc}/tinyproxy.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "Port {HTTP_PROXY_PORT}\nListen {HTTP_PROXY}\nBind {HTTP_PROXY}\nTimeout 60\nMaxClients 64\n\
+                 LogLevel Error\nConnectPort 80\nConnectPort 8080\nConnectPort {STREAM_PORT}\nConnectPort {SOCKS_PORT}\n\
+                 BasicAuth {PROXY_USER} {PROXY_PASSWORD}\n"
+            ),
+        )
+        .unwrap();
+        let run = |args: &[&str]| {
+            Command::new("ip")
+                .args(["netns", "exec", &self.net_ns])
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {} in the test internet: {e}", args[0]))
+        };
+        let socks = SOCKS_PROXY.to_string();
+        let socks_port = SOCKS_PORT.to_string();
+        let mut children = self.proxies.lock().unwrap();
+        children.push(run(&[
+            "microsocks",
+            "-i",
+            &socks,
+            "-p",
+            &socks_port,
+            "-b",
+            &socks,
+            "-u",
+            PROXY_USER,
+            "-P",
+            PROXY_PASSWORD,
+        ]));
+        children.push(run(&["tinyproxy", "-d", "-c", &conf]));
+        let net_ns = self.net_ns.clone();
+        in_netns(&net_ns, || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            for addr in [
+                SocketAddr::new(IpAddr::V4(SOCKS_PROXY), SOCKS_PORT),
+                SocketAddr::new(IpAddr::V4(HTTP_PROXY), HTTP_PROXY_PORT),
+            ] {
+                while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the proxy at {addr} did not start"
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        });
+    }
+
     /// Runs `ip args` in the internet's namespace (a test may take a server away).
     pub fn ip_in_net(&self, args: &[&str]) {
         let mut all = vec!["-n", self.net_ns.as_str()];
@@ -183,6 +264,15 @@ impl Internet {
 impl Drop for Internet {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        for mut c in self.proxies.lock().unwrap().drain(..) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // tinyproxy runs on as its own user after forking off `ip netns exec`.
+        let _ = Command::new("pkill")
+            .args(["-f", &format!("/etc/netns/{}/tinyproxy.conf", self.net_ns)])
+            .output();
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{}", self.net_ns));
         for ns in [&self.edge_ns, &self.net_ns] {
             let _ = Command::new("ip").args(["netns", "delete", ns]).output();
         }
@@ -227,7 +317,12 @@ fn answer_http(mut s: std::net::TcpStream, local: SocketAddr, _stop: Arc<AtomicB
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6)),
         v4 => v4,
     };
-    let body = format!("hello from {ip} {}\n", local.port());
+    let peer = match s.peer_addr().map(|a| a.ip()) {
+        Ok(IpAddr::V6(v6)) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6)),
+        Ok(v4) => v4,
+        Err(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+    };
+    let body = format!("hello from {ip} {} for {peer}\n", local.port());
     let _ = write!(
         s,
         "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",

@@ -49,6 +49,8 @@ pub struct Up {
     runtime: String,
     /// The network namespace it runs in (a test's own internet), with its upstream DNS.
     netns: Option<(String, String)>,
+    /// Environment `opendsec up` gets beyond the test's own.
+    env: Vec<(String, String)>,
 }
 
 impl Drop for Up {
@@ -249,12 +251,23 @@ impl Up {
     /// own internet, see `internet.rs`): its API, peer port and edge proxy on `addr` (the
     /// namespace's address the test reaches), its DNS proxy asking `upstream_dns`.
     pub async fn start_in_netns(netns: &str, addr: std::net::Ipv4Addr, upstream_dns: &str) -> Up {
+        Self::start_in_netns_env(netns, addr, upstream_dns, &[]).await
+    }
+
+    /// [`Up::start_in_netns`], `opendsec up` started with `env` set (its flags' variables).
+    pub async fn start_in_netns_env(
+        netns: &str,
+        addr: std::net::Ipv4Addr,
+        upstream_dns: &str,
+        env: &[(&str, &str)],
+    ) -> Up {
         let netns = (netns.to_string(), upstream_dns.to_string());
-        Self::start_opts(None, 256, "auto", Some(netns), |p| format!("{addr}:{p}")).await
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Self::start_opts(None, 256, "auto", Some(netns), env, |p| format!("{addr}:{p}")).await
     }
 
     async fn start_with(domain: Option<&str>, disk_mb: u64, runtime: &str) -> Up {
-        Self::start_opts(domain, disk_mb, runtime, None, |p| format!("127.0.0.1:{p}")).await
+        Self::start_opts(domain, disk_mb, runtime, None, Vec::new(), |p| format!("127.0.0.1:{p}")).await
     }
 
     async fn start_opts(
@@ -262,6 +275,7 @@ impl Up {
         disk_mb: u64,
         runtime: &str,
         netns: Option<(String, String)>,
+        env: Vec<(String, String)>,
         at: impl Fn(u16) -> String,
     ) -> Up {
         let dir = tempfile::tempdir().unwrap();
@@ -283,6 +297,7 @@ impl Up {
             disk_mb,
             runtime: runtime.to_string(),
             netns,
+            env,
         };
         up.spawn();
 
@@ -370,6 +385,7 @@ impl Up {
             .args(["--edge-sandboxes", "40", "--disk-mb", &self.disk_mb.to_string()])
             .args(["--runtime", &self.runtime])
             .env("RUST_LOG", "info,openraft=warn")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::null())
             .stderr(log);
         if let Some(tls) = &self.tls {

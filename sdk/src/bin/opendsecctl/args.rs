@@ -160,21 +160,79 @@ pub(crate) struct NetworkArgs {
     /// The public internet (never private, loopback, link-local or metadata addresses).
     #[arg(long)]
     pub internet: bool,
+    /// An upstream proxy that what it may reach over TCP goes through:
+    /// `[socks5://|http://][USER@]HOST:PORT` (SOCKS5 unless http://; the password, if
+    /// any, from $OPENDSEC_EGRESS_PROXY_PASSWORD, never on the command line).
+    #[arg(long = "egress-proxy", value_name = "URL")]
+    pub egress_proxy: Option<String>,
+    /// TLS to the proxy, trusting the PEM certificates in FILE (without it: the
+    /// server's trusted roots).
+    #[arg(long = "egress-proxy-tls", value_name = "FILE", num_args = 0..=1, default_missing_value = "", requires = "egress_proxy")]
+    pub egress_proxy_tls: Option<String>,
 }
 
 impl NetworkArgs {
     pub fn given(&self) -> bool {
-        self.internet || !self.allow_out.is_empty() || !self.deny_out.is_empty()
+        self.internet || !self.allow_out.is_empty() || !self.deny_out.is_empty() || self.egress_proxy.is_some()
     }
 
-    pub fn policy(self) -> opendsec_sdk::types::NetworkPolicy {
-        opendsec_sdk::types::NetworkPolicy {
+    pub fn policy(self) -> Result<opendsec_sdk::types::NetworkPolicy, opendsec_sdk::ApiError> {
+        let egress_proxy =
+            match &self.egress_proxy {
+                None => None,
+                Some(url) => Some(proxy_json(url, self.egress_proxy_tls.as_deref()).map_err(|message| {
+                    opendsec_sdk::ApiError {
+                        status: 0,
+                        code: "invalid".into(),
+                        message,
+                        field: Some("--egress-proxy".into()),
+                    }
+                })?),
+            };
+        Ok(opendsec_sdk::types::NetworkPolicy {
             allow_internet_access: self.internet,
             allow_out: self.allow_out,
             deny_out: self.deny_out,
             dns_servers: vec![],
+            egress_proxy,
+        })
+    }
+}
+
+/// `--egress-proxy URL` (and `--egress-proxy-tls [FILE]`) as the API's proxy object.
+fn proxy_json(url: &str, tls: Option<&str>) -> Result<serde_json::Value, String> {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, r)) => (Some(s), r),
+        None => (None, url),
+    };
+    let (user, address) = match rest.rsplit_once('@') {
+        Some((u, a)) => (Some(u), a),
+        None => (None, rest),
+    };
+    if user.is_some_and(|u| u.contains(':')) {
+        return Err(format!(
+            "--egress-proxy {url:?}: put the password in $OPENDSEC_EGRESS_PROXY_PASSWORD, not in the URL \
+             (a command line is visible to every user of this machine)"
+        ));
+    }
+    let mut o = serde_json::json!({
+        "address": match scheme { Some(s) => format!("{s}://{address}"), None => address.to_string() },
+    });
+    if let Some(u) = user {
+        o["username"] = u.into();
+        if let Ok(pw) = std::env::var("OPENDSEC_EGRESS_PROXY_PASSWORD") {
+            o["password"] = pw.into();
         }
     }
+    match tls {
+        None => {}
+        Some("") => o["tls"] = serde_json::json!({"enabled": true}),
+        Some(file) => {
+            let pem = std::fs::read_to_string(file).map_err(|e| format!("--egress-proxy-tls: reading {file}: {e}"))?;
+            o["tls"] = serde_json::json!({"enabled": true, "ca_cert": pem});
+        }
+    }
+    Ok(o)
 }
 
 /// A rule: a JSON object as given, anything else as a string for the server to check.

@@ -197,6 +197,17 @@ pub(crate) fn network(p: &opendsec_sdk::types::NetworkPolicy) -> String {
     if !p.dns_servers.is_empty() {
         lines.push(format!("dns:       {}", p.dns_servers.join(", ")));
     }
+    if let Some(proxy) = &p.egress_proxy {
+        let field = |k: &str| proxy.get(k).and_then(|v| v.as_str());
+        let mut text = field("address").unwrap_or("?").to_string();
+        if let Some(u) = field("username") {
+            text = format!("{text} as {u}");
+        }
+        if proxy.get("tls").is_some_and(|t| !t.is_null()) {
+            text.push_str(" over TLS");
+        }
+        lines.push(format!("via proxy: {text} (TCP)"));
+    }
     lines.join("\n")
 }
 
