@@ -73,18 +73,32 @@ pub fn emergency_teardown() {
     internet::emergency_teardown();
 }
 
+/// The run's directory: removed on drop (also when the run is dropped on a signal),
+/// unless `OPENDSEC_BENCH_KEEP` is set or mounts are left under it.
+struct WorkDir(PathBuf);
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if std::env::var_os("OPENDSEC_BENCH_KEEP").is_some() {
+            eprintln!("kept {} (OPENDSEC_BENCH_KEEP)", self.0.display());
+        } else if crate::sandboxes::mounts_under(&self.0).is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
 pub async fn run(o: Options) -> Report {
     let mut report = Report::default();
-    let work = o.data_dir.join(format!("network-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    if let Err(e) = std::fs::create_dir_all(&work) {
-        report.fail(format!("create {work:?}: {e}"));
+    let work = WorkDir(o.data_dir.join(format!("network-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&work.0);
+    if let Err(e) = std::fs::create_dir_all(&work.0) {
+        report.fail(format!("create {:?}: {e}", work.0));
         return report;
     }
     eprintln!("== the benchmark's internet: namespaces for the edge, the internet and the raw path");
     match tokio::task::spawn_blocking(Internet::start).await {
         Ok(Ok(inet)) => {
-            if let Err(e) = with_internet(&o, &work, &inet, &mut report).await {
+            if let Err(e) = with_internet(&o, &work.0, &inet, &mut report).await {
                 report.fail(e);
             }
             drop(inet);
@@ -92,12 +106,8 @@ pub async fn run(o: Options) -> Report {
         Ok(Err(e)) => report.fail(format!("the benchmark's internet: {e}")),
         Err(e) => report.fail(format!("the benchmark's internet: {e}")),
     }
-    if std::env::var_os("OPENDSEC_BENCH_KEEP").is_some() {
-        eprintln!("kept {} (OPENDSEC_BENCH_KEEP)", work.display());
-    } else if crate::sandboxes::mounts_under(&work).is_empty() {
-        let _ = std::fs::remove_dir_all(&work);
-    } else {
-        report.fail(format!("mounts left under {}; not removed", work.display()));
+    if !crate::sandboxes::mounts_under(&work.0).is_empty() {
+        report.fail(format!("mounts left under {}; not removed", work.0.display()));
     }
     report
 }

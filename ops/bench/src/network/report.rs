@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use super::create::Creates;
 use super::enforce::{Enforcement, Update};
 use super::lookup::Lookups;
 use super::throughput::Throughput;
@@ -22,8 +23,8 @@ pub struct Report {
     throughput: Option<Throughput>,
     lookups: Option<Lookups>,
     /// Create -> first output with networking, and with `--no-sandbox-network`.
-    create_networked: Option<CreateRuns>,
-    create_plain: Option<CreateRuns>,
+    create_networked: Option<Creates>,
+    create_plain: Option<Creates>,
     notes: Vec<String>,
     pub failures: Vec<String>,
 }
@@ -155,24 +156,26 @@ impl Report {
         self.lookups = Some(l);
     }
 
-    pub(super) fn creates(&mut self, networked: bool, c: CreateRuns) {
-        eprintln!(
-            "   create -> first output p50 {}, p90 {} (n={}, errors {})",
-            opt_dur(pct(&c.times, 0.5)),
-            opt_dur(pct(&c.times, 0.9)),
-            c.times.len(),
-            c.errors.len()
-        );
+    pub(super) fn creates(&mut self, networked: bool, c: Creates) {
         let what = if networked {
             "create, networking"
         } else {
             "create, --no-sandbox-network"
         };
-        for err in c.errors.iter().take(3) {
-            self.fail(format!("{what}: {err}"));
-        }
-        if c.times.is_empty() {
-            self.fail(format!("{what}: no run succeeded"));
+        for (series, r) in [("back to back", &c.back_to_back), ("spaced", &c.spaced)] {
+            eprintln!(
+                "   {series}: create -> first output p50 {}, p90 {} (n={}, errors {})",
+                opt_dur(pct(&r.times, 0.5)),
+                opt_dur(pct(&r.times, 0.9)),
+                r.times.len(),
+                r.errors.len()
+            );
+            for err in r.errors.iter().take(3) {
+                self.fail(format!("{what}, {series}: {err}"));
+            }
+            if r.times.is_empty() {
+                self.fail(format!("{what}, {series}: no run succeeded"));
+            }
         }
         if networked {
             self.create_networked = Some(c);
@@ -285,18 +288,22 @@ impl Report {
             ));
         }
         if self.create_networked.is_some() || self.create_plain.is_some() {
-            let times = |c: &Option<CreateRuns>| c.as_ref().map(|c| c.times.clone()).unwrap_or_default();
-            let (n, p) = (times(&self.create_networked), times(&self.create_plain));
-            for q in [0.5, 0.9] {
-                rows.push(dur_row(
-                    &format!(
-                        "create -> first output, p{} (networking vs --no-sandbox-network)",
-                        (q * 100.0) as u32
-                    ),
-                    pct(&n, q),
-                    pct(&p, q),
-                    String::new(),
-                ));
+            type Series = fn(&Creates) -> &CreateRuns;
+            let series: [(&str, Series); 2] = [("back to back", |c| &c.back_to_back), ("spaced", |c| &c.spaced)];
+            for (name, of) in series {
+                let times = |c: &Option<Creates>| c.as_ref().map(|c| of(c).times.clone()).unwrap_or_default();
+                let (n, p) = (times(&self.create_networked), times(&self.create_plain));
+                for q in [0.5, 0.9] {
+                    rows.push(dur_row(
+                        &format!(
+                            "create -> first output, {name}, p{} (networking vs --no-sandbox-network)",
+                            (q * 100.0) as u32
+                        ),
+                        pct(&n, q),
+                        pct(&p, q),
+                        String::new(),
+                    ));
+                }
             }
         }
         rows
@@ -308,14 +315,14 @@ impl Report {
         let count = |v: Option<usize>| v.map(|n| n.to_string()).unwrap_or_else(|| "0".into());
         let _ = writeln!(
             out,
-            "policy updates: n={} allow -> deny, n={} deny -> allow; iperf3: {} round(s) of -t {}; DNS: n={}; creates: n={} with networking, n={} without",
+            "policy updates: n={} allow -> deny, n={} deny -> allow; iperf3: {} round(s) of -t {}; DNS: n={}; creates: n={} per series with networking, n={} without",
             count(self.enforcement.as_ref().map(|e| e.allow_to_deny.len())),
             count(self.enforcement.as_ref().map(|e| e.deny_to_allow.len())),
             count(self.throughput.as_ref().map(|t| t.sandbox_up.len())),
             self.throughput.as_ref().map(|t| t.seconds).unwrap_or(0),
             count(self.lookups.as_ref().map(|l| l.first.len())),
-            count(self.create_networked.as_ref().map(|c| c.times.len())),
-            count(self.create_plain.as_ref().map(|c| c.times.len())),
+            count(self.create_networked.as_ref().map(|c| c.back_to_back.times.len())),
+            count(self.create_plain.as_ref().map(|c| c.back_to_back.times.len())),
         );
         out.push_str(&markdown_table(
             &["measurement", "opendsec", "beside", "ratio", "goal"],
@@ -332,7 +339,9 @@ impl Report {
              for the learned set before it answers; direct = from the edge's namespace to the same server. Creates: \
              `opendsec up` with its default --warm-sandboxes 2 (a create claims a warm container: with networking that \
              is a namespace hand-over and the policy's first nft transaction), both in the edge's namespace, one after \
-             the other.\n",
+             the other; back to back = the next create as soon as the last sandbox is freed (the edge still refilling \
+             its pool and removing the last sandbox's network meanwhile), spaced = each create once the pool holds 2 \
+             warm containers again and 300 ms have passed.\n",
         );
         for n in &self.notes {
             let _ = writeln!(out, "note: {n}");
@@ -365,14 +374,16 @@ impl Report {
                 })).collect::<Vec<_>>(),
             })
         };
-        let creates = |c: &Option<CreateRuns>| {
-            c.as_ref().map(|c| {
-                json!({
-                    "summary": summary(&c.times),
-                    "runs_ms": durs(&c.times),
-                    "errors": c.errors,
-                })
+        let runs = |c: &CreateRuns| {
+            json!({
+                "summary": summary(&c.times),
+                "runs_ms": durs(&c.times),
+                "errors": c.errors,
             })
+        };
+        let creates = |c: &Option<Creates>| {
+            c.as_ref()
+                .map(|c| json!({"back_to_back": runs(&c.back_to_back), "spaced": runs(&c.spaced)}))
         };
         json!({
             "goals": {
@@ -411,6 +422,8 @@ impl Report {
                 "networking": creates(&self.create_networked),
                 "no_sandbox_network": creates(&self.create_plain),
                 "warm_sandboxes": 2,
+                "spaced_waits_for_warm_containers": 2,
+                "spaced_quiet_ms": 300,
             },
             "notes": self.notes,
             "failed": self.failures,
