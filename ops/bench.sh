@@ -36,7 +36,7 @@
 #     proportion to the files deleted there in the last 12 hours, and the cold figures
 #     measure that (the benchmark warns; ops/bench/src/images/mod.rs says more).
 #
-#   sudo ops/bench.sh network [--runs 50] [--create-runs 20] [--iperf-rounds 3] [--json out.json] [--data-dir D]
+#   sudo ops/bench.sh network [--runs 50] [--create-runs 20] [--iperf-rounds 3] [--iperf-seconds 5] [--json out.json] [--data-dir D]
 #     Builds `opendsec`, `opendsec-shim`, the static agent and the harness in release,
 #     then runs opendsec-bench network in an internet of its own made of network
 #     namespaces (an edge namespace with a management veth to this one and an uplink to
@@ -49,12 +49,14 @@
 #     sandbox's namespace, and by an open connection; p50/p99 each way, goal p50 < 100 ms);
 #     iperf3 -t 5 both ways from the sandbox's namespace through its policy beside the raw
 #     namespace (goal: within 10%); UDP A queries through the edge's DNS proxy (a name's
-#     first answer and a repeated one) beside the same query straight to the server;
-#     create -> first output of `echo hi` with networking and then on an `opendsec up
-#     --no-sandbox-network` (default --warm-sandboxes 2). Every namespace, the servers,
-#     `opendsec up` and its containers are removed at the end, also on error or Ctrl-C.
-#     Needs root and the busybox image; installs the edge packages and iperf3 if missing.
-#     About 4 minutes with the defaults on 2 cores.
+#     first answer, a repeated one, a refused one) beside the same query straight to the
+#     server; create -> first output of `echo hi` with networking and then on an
+#     `opendsec up --no-sandbox-network` (default --warm-sandboxes 2), back to back and
+#     spaced (each create once the warm pool is full again). Every namespace, the
+#     servers, `opendsec up` and its containers and sandbox network are removed at the
+#     end, also on error or Ctrl-C. Needs root and the busybox image; installs the edge
+#     packages and iperf3 if missing. About 2 minutes with the defaults on 2 cores, after
+#     the build.
 #
 #   sudo ops/bench.sh e2b [--runs 20] [--json out.json] [--data-dir D]
 #     Builds `opendsec`, `opendsec-shim` and the static agent in release, makes the E2B

@@ -21,7 +21,7 @@
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,7 +53,8 @@ pub struct Internet {
     /// The edge namespace's address on the management link.
     pub mgmt: Ipv4Addr,
     stop: Arc<AtomicBool>,
-    iperf: Option<Child>,
+    /// `iperf3 -s`'s pid, and the thread that started it and waits for it.
+    iperf: Option<(i32, std::thread::JoinHandle<()>)>,
 }
 
 /// What [`teardown`] removes; also kept in a static for a signal handler.
@@ -168,7 +169,7 @@ impl Internet {
     fn made(&self) -> Made {
         Made {
             namespaces: vec![self.edge_ns.clone(), self.net_ns.clone(), self.raw_ns.clone()],
-            iperf_pid: self.iperf.as_ref().map(|c| c.id() as i32),
+            iperf_pid: self.iperf.as_ref().map(|(pid, _)| *pid),
         }
     }
 
@@ -189,7 +190,9 @@ impl Internet {
         std::thread::spawn(move || serve_echo(echo, stop));
         let stop = self.stop.clone();
         std::thread::spawn(move || super::dns::serve(dns, stop));
-        // iperf3: nsenter joins the internet's namespace and execs it.
+        // iperf3: nsenter joins the internet's namespace and execs it. Started from a
+        // thread of its own that waits for it: PR_SET_PDEATHSIG follows the thread that
+        // spawned the child (a blocking-pool thread would end and take iperf3 along).
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", path(&self.net_ns)))
             .args([
@@ -211,12 +214,23 @@ impl Internet {
                 Ok(())
             });
         }
-        self.iperf = Some(cmd.spawn().map_err(|e| format!("start iperf3 -s: {e}"))?);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || match cmd.spawn() {
+            Ok(mut child) => {
+                let _ = tx.send(Ok(child.id() as i32));
+                let _ = child.wait();
+            }
+            Err(e) => {
+                let _ = tx.send(Err(format!("start iperf3 -s: {e}")));
+            }
+        });
+        let pid = rx.recv().map_err(|e| format!("start iperf3 -s: {e}"))??;
+        self.iperf = Some((pid, waiter));
         self.publish();
         let deadline = Instant::now() + Duration::from_secs(10);
         while !self.iperf_listens() {
-            if let Some(Ok(Some(st))) = self.iperf.as_mut().map(|c| c.try_wait()) {
-                return Err(format!("iperf3 -s exited ({st})"));
+            if self.iperf.as_ref().is_some_and(|(_, w)| w.is_finished()) {
+                return Err("iperf3 -s exited".into());
             }
             if Instant::now() > deadline {
                 return Err("iperf3 -s does not listen after 10 s".into());
@@ -239,11 +253,11 @@ impl Internet {
 impl Drop for Internet {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(mut c) = self.iperf.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        let made = self.made();
+        teardown(&made);
+        if let Some((_, waiter)) = self.iperf.take() {
+            let _ = waiter.join();
         }
-        teardown(&self.made());
         if let Ok(mut g) = LIVE.lock() {
             *g = None;
         }

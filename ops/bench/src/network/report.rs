@@ -332,7 +332,7 @@ impl Report {
             "notes: policy updates are timed from just before the PUT is sent to the start of the first TCP connect (one \
              every 1 ms from the sandbox's namespace, 20 ms each to complete) from which on every connect obeys the new \
              policy; allow -> deny also waits for the open connection (one byte every 1 ms to an echo server) to lose its \
-             first byte, and takes the later of the two; the figures are good to about 1 ms; p99 is nearest-rank (of 50 samples, the largest). The raw veth path is a plain \
+             first byte, and takes the later of the two; the figures are good to about 1 ms; p99 is nearest-rank (of 100 samples or fewer, the largest). The raw veth path is a plain \
              namespace behind the edge's, routed and masqueraded there like the sandboxes, without OpenDsec's table; \
              iperf3 is the host's, run by `ip netns exec` in the sandbox's namespace or the raw one, one TCP stream, the \
              receiver's rate. DNS: one UDP A query per fresh socket; the proxy asks the upstream every time and runs nft \
