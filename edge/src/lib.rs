@@ -6,6 +6,7 @@ pub mod cgroups;
 pub mod container;
 pub mod desired;
 pub mod images;
+mod kmsg;
 pub mod metrics_history;
 pub mod microvms;
 pub mod net;

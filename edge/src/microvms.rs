@@ -379,6 +379,7 @@ impl MicroVms {
             disk_total,
             runtime: runtime_of(&vm).ok(),
             oom_kills: 0,
+            network: None,
         })
     }
 

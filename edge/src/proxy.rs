@@ -454,6 +454,8 @@ pub struct Sample {
     pub oom_kills: u64,
     /// A VM's VMM and accelerator (see `MicroVms::runtime`); `None` for a container.
     pub runtime: Option<(String, String)>,
+    /// A container's traffic and sampled drops (`None`: no network of its own).
+    pub network: Option<crate::net::NetSample>,
 }
 
 /// Reads a sandbox's counters (None: no such sandbox here).
@@ -613,6 +615,16 @@ async fn metrics(id: &str, sampler: Option<Sampler>) -> Response<Body> {
     if let Some((vmm, accelerator)) = &b.runtime {
         body["vmm"] = vmm.as_str().into();
         body["accelerator"] = accelerator.as_str().into();
+    }
+    if let Some(n) = &b.network {
+        body["network"] = serde_json::json!({
+            "in_bytes": n.counters.link.in_bytes,
+            "in_packets": n.counters.link.in_packets,
+            "out_bytes": n.counters.link.out_bytes,
+            "out_packets": n.counters.link.out_packets,
+            "dropped_packets": n.counters.dropped_packets,
+            "recent_drops": n.recent_drops,
+        });
     }
     json_ok(body.to_string())
 }

@@ -243,12 +243,17 @@ fn a_microvm_from_base_runs_python_through_the_agent_and_its_end_is_seen() {
         std::fs::read_link("/proc/self/ns/net").unwrap(),
         "QEMU must not be in the host's network namespace"
     );
-    // The guest reaches nothing but its /30: no route anywhere else.
-    let routes = exec(&vm, "sh", &["-c", "cat /proc/net/route | wc -l"]);
-    assert_eq!(
-        routes.stdout_text().trim(),
-        "2",
-        "one header line and the /30: {routes:?}"
+    // The guest routes everything to the tap's host side (169.254.100.1, little-endian
+    // 0164FEA9): its /30 and a default route there. The VM's namespace has no link out
+    // of its own; the edge's `net` room adds one under the sandbox's policy.
+    let routes = exec(&vm, "sh", &["-c", "tail -n +2 /proc/net/route"]).stdout_text();
+    let lines: Vec<&str> = routes.lines().collect();
+    assert_eq!(lines.len(), 2, "the /30 and a default route: {routes:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.split_whitespace().take(3).collect::<Vec<_>>() == ["eth0", "00000000", "0164FEA9"]),
+        "a default route via the tap's host side: {routes:?}"
     );
 
     // The guest ends itself (an immediate reboot; QEMU runs with -no-reboot): the

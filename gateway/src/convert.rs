@@ -119,18 +119,17 @@ pub fn sandbox(s: &views::Sandbox) -> api::Sandbox {
 }
 
 /// Said (`X-Opendsec-Warning`) when a sandbox's policy allows any egress that its edge
-/// does not give: microVMs and full VMs reach only their agent's link in this release,
-/// and an edge started with `--no-sandbox-network` gives containers only `lo`.
-pub const EGRESS_NOT_ENFORCED: &str = "this sandbox has no network egress: microVMs and full VMs, and containers on an edge started with --no-sandbox-network, get none in this release; its policy is kept and shown as asked";
+/// does not give: an edge started with `--no-sandbox-network` gives its sandboxes no link
+/// out.
+pub const EGRESS_NOT_ENFORCED: &str = "this sandbox has no network egress: its edge was started with --no-sandbox-network (it enforces no policy and gives none); its policy is kept and shown as asked";
 
-/// Whether sandbox `x` (of `isolation`, on edge `edge`) gets the egress its policy allows:
-/// a container on an edge that enforces policies ([`opendsec_commands::EGRESS_LABEL`]).
-pub fn egress_enforced(s: &opendsec_projections::State, edge: &str, container: bool) -> bool {
-    container
-        && s.placement
-            .edges
-            .get(edge)
-            .is_some_and(|e| e.labels.contains_key(opendsec_commands::EGRESS_LABEL))
+/// Whether a sandbox on edge `edge` gets the egress its policy allows: its edge enforces
+/// policies ([`opendsec_commands::EGRESS_LABEL`]).
+pub fn egress_enforced(s: &opendsec_projections::State, edge: &str) -> bool {
+    s.placement
+        .edges
+        .get(edge)
+        .is_some_and(|e| e.labels.contains_key(opendsec_commands::EGRESS_LABEL))
 }
 
 /// The warning header for a sandbox whose policy allows egress it does not get, if so.

@@ -82,7 +82,13 @@ pub struct Client {
     base: Url,
     token: Option<String>,
     seen_index: Arc<AtomicU64>,
+    /// What the server said in `X-Opendsec-Warning` on this client's last call (kept for
+    /// one call: a client that never asks holds none).
+    warnings: Arc<std::sync::Mutex<Vec<String>>>,
 }
+
+/// The header a server warns in (a write that succeeded but will not do all it says).
+pub const WARNING_HEADER: &str = "x-opendsec-warning";
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -113,6 +119,7 @@ impl Client {
             base,
             token: token.into(),
             seen_index: Arc::new(AtomicU64::new(0)),
+            warnings: Default::default(),
         })
     }
 
@@ -123,6 +130,12 @@ impl Client {
     /// The highest log index this client has seen; reads wait for it.
     pub fn seen_index(&self) -> u64 {
         self.seen_index.load(Ordering::Relaxed)
+    }
+
+    /// The server's warnings (`X-Opendsec-Warning`) on this client's last call, if not
+    /// taken yet: e.g. a network policy allowing egress its sandbox will not get.
+    pub fn take_warnings(&self) -> Vec<String> {
+        std::mem::take(&mut *self.warnings.lock().expect("warnings lock"))
     }
 
     /// Makes later reads wait for `index` (e.g. one learned by another client).
@@ -186,6 +199,13 @@ impl Client {
         {
             self.observe_index(i);
         }
+        let warned = resp
+            .headers()
+            .get_all(WARNING_HEADER)
+            .iter()
+            .filter_map(|v| v.to_str().ok().map(str::to_string))
+            .collect();
+        *self.warnings.lock().expect("warnings lock") = warned;
         if !resp.status().is_success() {
             return Err(error_of(resp).await);
         }

@@ -435,6 +435,45 @@ pub struct SandboxMetrics {
     /// What a VM's guest runs under (`kvm`, `tcg`); absent for a container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accelerator: Option<String>,
+    /// A container's traffic since it started, and what its policy refused; absent for a
+    /// sandbox without a network of its own (a VM, or on an edge without sandbox networking).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkMetrics>,
+}
+
+/// A sandbox's traffic through its own link, and its drops.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct NetworkMetrics {
+    /// Received by the sandbox.
+    pub in_bytes: u64,
+    pub in_packets: u64,
+    /// Sent by the sandbox (what its policy dropped included).
+    pub out_bytes: u64,
+    pub out_packets: u64,
+    /// Packets its policy dropped.
+    pub dropped_packets: u64,
+    /// The last connections its policy refused (sampled: at most 5 a second), oldest first.
+    #[serde(default)]
+    pub recent_drops: Vec<DroppedConnection>,
+}
+
+/// A connection a sandbox's policy refused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct DroppedConnection {
+    /// When (ms since the Unix epoch).
+    pub at_ms: u64,
+    /// `tcp`, `udp`, `icmp`, ...
+    pub protocol: String,
+    pub destination: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// `deny_out` (a deny rule dropped it) or `default` (no rule allowed it).
+    pub rule: String,
+    /// Packets logged for it (a connection's retries within 5 s count here).
+    #[serde(default)]
+    pub packets: u32,
 }
 
 /// One point of a sandbox's metrics history: its edge samples each running sandbox

@@ -599,8 +599,13 @@ async fn network_policy_is_set_shown_and_bounded_through_the_client_and_opendsec
     .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let own: SandboxWritten = serde_json::from_str(&r.stdout).unwrap();
-    // Not enforced by this release's edges yet, and said so.
-    assert!(r.stderr.contains("do not enforce network policy"), "{}", r.stderr);
+    // Its edge (registered by the test, without the egress label) gives no link out, and
+    // the server says so.
+    assert!(
+        r.stderr.contains("warning: this sandbox has no network egress"),
+        "{}",
+        r.stderr
+    );
     let id = own.sandbox.id.clone();
     assert_eq!(
         serde_json::to_value(&own.sandbox.network).unwrap(),

@@ -230,7 +230,9 @@ async fn misbehave(runtime: &str) {
             "yes > /home/user/fill 2>/dev/null; df -m /home/user | tail -1 | awk '{print $4}'; rm -f /home/user/fill",
         )
         .await;
-    assert_eq!(out, "0\n", "the sandbox's disk is full");
+    // Full: `yes` stopped at ENOSPC (df rounds a few KB freed since up to 1 MB).
+    let free_mb: u64 = out.trim().parse().unwrap_or(u64::MAX);
+    assert!(free_mb <= 1, "the sandbox's disk is full: {out}");
     scene.others_unharmed("yes > file").await;
 
     // inotify exhaustion: `user` in this sandbox takes every inotify instance it can get
@@ -357,7 +359,8 @@ async fn misbehave(runtime: &str) {
     scene.others_unharmed("denied kernel interfaces").await;
 
     // Port scans: the whole of 127.0.0.1 holds only what the sandbox itself listens on;
-    // the metadata address and private networks have no route.
+    // the metadata address and private networks are refused by its policy (default deny:
+    // "No route to host" at once, never a packet out).
     let (out, _) = scene
         .sh(
             &bad,
@@ -377,7 +380,7 @@ async fn misbehave(runtime: &str) {
             ),
         )
         .await;
-    let unreachable = nix::libc::ENETUNREACH;
+    let unreachable = nix::libc::EHOSTUNREACH;
     assert_eq!(
         out,
         format!("[]\n169.254.169.254 {unreachable}\n10.0.0.1 {unreachable}\n192.168.0.1 {unreachable}\n"),

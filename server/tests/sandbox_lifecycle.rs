@@ -401,8 +401,8 @@ async fn sandbox_code_sees_nothing_of_the_host_and_cannot_touch_the_agent() {
              test -n \"$s\" && ls /proc/$s/fd 2>/dev/null | wc -l",
             "0\n",
         ),
-        // No network but loopback.
-        ("ls /sys/class/net", "lo\n"),
+        // Its own interfaces (its /sys is a sysfs of its own namespace), none of the host's.
+        ("ls /sys/class/net", "eth0\nlo\n"),
         // Kernel page data stays hidden.
         ("cat /proc/kpagecgroup 2>/dev/null | wc -c", "0\n"),
         // Another sandbox's files are not here.

@@ -126,13 +126,22 @@ pub struct BootConfig {
     pub user: Option<String>,
 }
 
-/// Who processes naming no user run as: the image's User when it names an account of
-/// the sandbox (`image_user`, from the configuration), else `fallback` (`user`, or
-/// `--default-user`). An image User the sandbox has no account for is reported and left
-/// out rather than failing every command.
-pub fn default_user(image_user: Option<&str>, fallback: &str, exists: impl Fn(&str) -> bool) -> String {
+/// Who processes naming no user run as: the account the image's User names
+/// (`image_user`, from the configuration: a name, or a uid that `by_uid` finds the
+/// account of), else `fallback` (`user`, or `--default-user`). An image User the sandbox
+/// has no account for is reported and left out rather than failing every command.
+pub fn default_user(
+    image_user: Option<&str>,
+    fallback: &str,
+    exists: impl Fn(&str) -> bool,
+    by_uid: impl Fn(u32) -> Option<String>,
+) -> String {
+    let named = |u: &str| match u.parse::<u32>() {
+        Ok(uid) => by_uid(uid),
+        Err(_) => exists(u).then(|| u.to_string()),
+    };
     match image_user.filter(|u| !u.is_empty()) {
-        Some(u) if exists(u) => u.to_string(),
+        Some(u) if named(u).is_some() => named(u).unwrap_or_default(),
         Some(u) => {
             eprintln!(
                 "opendsec-agent: the image's user {u:?} has no account in /etc/passwd: processes run as {fallback:?}"
@@ -319,5 +328,17 @@ mod tests {
             let e = parse_boot_config(bytes).unwrap_err();
             assert!(e.contains(says), "{e}");
         }
+    }
+
+    #[test]
+    fn the_image_user_is_an_account_by_name_or_by_uid_else_the_fallback() {
+        let exists = |u: &str| ["user", "app"].contains(&u);
+        let by_uid = |uid: u32| (uid == 1001).then(|| "app".to_string());
+        let pick = |u: Option<&str>| default_user(u, "user", exists, by_uid);
+        assert_eq!(pick(Some("app")), "app");
+        assert_eq!(pick(Some("1001")), "app", "a uid runs as its account");
+        assert_eq!(pick(Some("4242")), "user", "a uid without an account falls back");
+        assert_eq!(pick(Some("nobody-here")), "user");
+        assert_eq!(pick(None), "user");
     }
 }

@@ -423,9 +423,12 @@ async fn run(
         }
         None => (sandbox_env, start_cmd, None, workdir, image_user),
     };
-    let default_user = config::default_user(image_user.as_deref(), &args.default_user, |u| {
-        users::lookup(u).is_some()
-    });
+    let default_user = config::default_user(
+        image_user.as_deref(),
+        &args.default_user,
+        |u| users::lookup(u).is_some(),
+        users::name_of_uid,
+    );
     let on_exec = apparmor::OnExec::new(apparmor_profile.as_deref());
     let procs = Arc::new(process::Manager::new(sandbox_env, on_exec).with_workdir(workdir));
     tokio::spawn(procs.clone().reap_loop());

@@ -21,6 +21,14 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// The name of the account with uid `uid` in /etc/passwd (the first, if several).
+pub fn name_of_uid(uid: u32) -> Option<String> {
+    read("/etc/passwd").lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() >= 6 && f[2].parse() == Ok(uid)).then(|| f[0].to_string())
+    })
+}
+
 /// Looks a user up by name in /etc/passwd, with its groups from /etc/group.
 pub fn lookup(name: &str) -> Option<User> {
     let passwd = read("/etc/passwd");

@@ -6,7 +6,6 @@
 //! cannot be read (no `/dev/kmsg`, no CAP_SYSLOG), kills are still counted, without names.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::sync::{Arc, Mutex};
 
 /// The last OOM victim's program per memory cgroup, as the kernel log names them.
@@ -20,25 +19,16 @@ impl OomLog {
     /// so once and gets an empty log.
     pub fn follow() -> Arc<OomLog> {
         let log = Arc::new(OomLog::default());
-        let file = match std::fs::File::open("/dev/kmsg") {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::warn!(
-                    error = %e,
-                    "cannot read /dev/kmsg: OOM kills inside sandboxes are counted but their programs are not named"
-                );
-                return log;
+        let take = |log: &OomLog, record: &str| {
+            if let Some((memcg, task)) = parse_record(record) {
+                log.record(memcg, task);
             }
         };
-        // Only what happens from now on: older records are about sandboxes of a past run.
-        // SAFETY: lseek on an fd we own.
-        unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&file), 0, libc::SEEK_END) };
-        let weak = Arc::downgrade(&log);
-        let spawned = std::thread::Builder::new()
-            .name("oom-log".into())
-            .spawn(move || read_records(file, weak));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start the OOM log reader");
+        if let Err(e) = crate::kmsg::follow("oom-log", &log, take) {
+            tracing::warn!(
+                error = %e,
+                "cannot follow /dev/kmsg: OOM kills inside sandboxes are counted but their programs are not named"
+            );
         }
         log
     }
@@ -55,28 +45,6 @@ impl OomLog {
 
     fn record(&self, memcg: String, task: String) {
         self.last.lock().expect("oom log lock").insert(memcg, task);
-    }
-}
-
-/// Reads `/dev/kmsg` one record per `read` until the log is dropped.
-fn read_records(mut file: std::fs::File, log: std::sync::Weak<OomLog>) {
-    let mut buf = vec![0u8; 8192];
-    loop {
-        let n = match file.read(&mut buf) {
-            Ok(0) => return,
-            Ok(n) => n,
-            // Records were overwritten before we read them: go on with the next.
-            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "the kernel log reader stopped");
-                return;
-            }
-        };
-        let Some(log) = log.upgrade() else { return };
-        if let Some((memcg, task)) = parse_record(&String::from_utf8_lossy(&buf[..n])) {
-            log.record(memcg, task);
-        }
     }
 }
 

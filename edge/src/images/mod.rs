@@ -222,16 +222,15 @@ pub struct StartSpec {
 }
 
 impl ImageConfig {
-    /// The account processes naming no user run as, when the image's User names one by
-    /// name (`user` by default; a numeric `uid[:gid]` or a `name:group` User is not
-    /// followed: processes then run as `user`). The agent falls back to `user` where the
-    /// sandbox has no such account.
+    /// Who processes naming no user run as, from the image's User (`name`, `uid`,
+    /// `name:group` or `uid:gid`): its user part, a name or a uid (`user` when absent).
+    /// The agent finds the account in the sandbox's /etc/passwd (a uid by its number; the
+    /// account's own groups apply) and falls back to `user` where there is none.
     pub fn account(&self) -> Option<&str> {
-        let u = self.user.as_str();
+        let u = self.user.split(':').next().unwrap_or_default();
         let valid = !u.is_empty()
             && u.len() <= 64
             && !u.starts_with('-')
-            && !u.chars().all(|c| c.is_ascii_digit())
             && u.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
         valid.then_some(u)
     }
@@ -640,7 +639,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_image_user_is_followed_only_when_it_names_an_account() {
+    fn an_image_user_is_followed_by_its_user_part_a_name_or_a_uid() {
         let with = |user: &str| ImageConfig {
             user: user.into(),
             ..ImageConfig::default()
@@ -650,9 +649,9 @@ mod tests {
             ("root", Some("root")),
             ("node", Some("node")),
             ("app_1.x-y", Some("app_1.x-y")),
-            ("1000", None),
-            ("1000:1000", None),
-            ("app:staff", None),
+            ("1000", Some("1000")),
+            ("1000:1000", Some("1000")),
+            ("app:staff", Some("app")),
             ("", None),
             ("-rf", None),
             ("a b", None),

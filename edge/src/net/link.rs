@@ -4,9 +4,9 @@
 //! `eth0`, the sandbox end of a veth pair whose host end carries the edge's gateway
 //! address. `eth0` has the sandbox's /32 (and /128) and a default route on-link via the
 //! gateway (IPv6: via `fe80::1`, which the host end also carries); the host routes the
-//! sandbox's addresses to its veth. Everything goes over rtnetlink, from a short-lived
-//! thread in the namespace it changes (a netlink socket keeps the namespace it was
-//! opened in).
+//! sandbox's addresses to its veth. Everything goes over rtnetlink, from the module's one
+//! worker thread, which enters the namespace a job changes and comes back (a netlink
+//! socket keeps the namespace it was opened in).
 
 use super::NetError;
 use futures::TryStreamExt;
@@ -46,6 +46,71 @@ fn link_err(what: &str) -> impl FnOnce(rtnetlink::Error) -> NetError + '_ {
     move |e| NetError::Link(format!("{what}: {e}"))
 }
 
+/// One thread runs every namespace job of this module in turn: it enters the namespace
+/// a job names, runs it, and comes back to its own. A thread per job would cost each
+/// its own allocator arena (tens of MiB of RSS in a burst of creates) and a runtime.
+struct Worker {
+    jobs: std::sync::Mutex<std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>>,
+}
+
+fn worker() -> &'static Worker {
+    static WORKER: std::sync::OnceLock<Worker> = std::sync::OnceLock::new();
+    WORKER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        std::thread::Builder::new()
+            .name("netns-worker".into())
+            .spawn(move || {
+                // Where it comes back to after each job.
+                let home = std::fs::File::open("/proc/thread-self/ns/net").expect("the worker's own namespace");
+                for job in rx {
+                    job();
+                    // SAFETY: setns on an fd we own, for this thread only.
+                    if unsafe { libc::setns(home.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                        // A worker stuck elsewhere must not run the next job there.
+                        panic!("the netns worker cannot return to its namespace");
+                    }
+                }
+            })
+            .expect("starting the netns worker");
+        Worker {
+            jobs: std::sync::Mutex::new(tx),
+        }
+    })
+}
+
+/// Runs `f` on the worker, inside namespace `netns` when given (`None`: the edge's),
+/// and returns what it returns.
+pub(super) fn on_worker<T: Send + 'static>(
+    netns: Option<&Path>,
+    f: impl FnOnce() -> Result<T, NetError> + Send + 'static,
+) -> Result<T, NetError> {
+    let ns = netns
+        .map(|p| std::fs::File::open(p).map_err(|e| NetError::io(format!("opening {}", p.display()), e)))
+        .transpose()?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let job = Box::new(move || {
+        let r = match &ns {
+            // SAFETY: setns on an fd we own; it changes only the worker's namespace.
+            Some(ns) if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 => Err(NetError::io(
+                "entering a sandbox's network namespace",
+                std::io::Error::last_os_error(),
+            )),
+            // A job that panics fails alone; the worker goes on with the next.
+            _ => std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .unwrap_or_else(|_| Err(NetError::Link("a netns job panicked".into()))),
+        };
+        let _ = tx.send(r);
+    });
+    worker()
+        .jobs
+        .lock()
+        .expect("netns worker lock")
+        .send(job)
+        .map_err(|_| NetError::Link("the netns worker is gone".into()))?;
+    rx.recv()
+        .unwrap_or_else(|_| Err(NetError::Link("the netns worker dropped a job".into())))
+}
+
 /// Runs `f` over an rtnetlink connection opened in namespace `netns` (`None`: the
 /// caller's), on a thread of its own with a runtime of its own, so any thread may call
 /// it (a blocking one of the edge's runtime, or a test's).
@@ -55,26 +120,17 @@ where
     F: FnOnce(Handle) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<T, NetError>>,
 {
-    let ns = netns
-        .map(|p| std::fs::File::open(p).map_err(|e| NetError::io(format!("opening {}", p.display()), e)))
-        .transpose()?;
-    std::thread::Builder::new()
-        .name("netlink".into())
-        .spawn(move || {
-            if let Some(ns) = ns {
-                // SAFETY: setns on an fd we own; it changes only this thread's namespace.
-                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                    return Err(NetError::io(
-                        "entering a sandbox's network namespace",
-                        std::io::Error::last_os_error(),
-                    ));
-                }
-            }
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_io()
-                .build()
-                .map_err(|e| NetError::io("starting the netlink runtime", e))?;
+    on_worker(netns, move || {
+        thread_local! {
+            static RT: Option<tokio::runtime::Runtime> =
+                tokio::runtime::Builder::new_current_thread().enable_io().build().ok();
+        }
+        RT.with(|rt| {
+            let rt = rt
+                .as_ref()
+                .ok_or_else(|| NetError::Link("the netlink runtime cannot start".into()))?;
             rt.block_on(async move {
+                // Opened here, in the namespace the worker is in now, and kept there.
                 let (conn, handle, _) =
                     rtnetlink::new_connection().map_err(|e| NetError::io("opening a netlink socket", e))?;
                 let conn = tokio::spawn(conn);
@@ -83,9 +139,7 @@ where
                 r
             })
         })
-        .map_err(|e| NetError::io("starting a netlink thread", e))?
-        .join()
-        .unwrap_or_else(|_| Err(NetError::Link("the netlink thread panicked".into())))
+    })
 }
 
 /// The index of link `name`, if it exists.
@@ -152,34 +206,30 @@ fn make_netns(name: &str) -> Result<PathBuf, NetError> {
     shared_netns_dir()?;
     let path = netns_path(name);
     let target = path.clone();
-    std::thread::Builder::new()
-        .name("netns".into())
-        .spawn(move || -> Result<(), NetError> {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&target)
-                .map_err(|e| NetError::io(format!("creating {}", target.display()), e))?;
-            let bound = (|| {
-                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(|e| NetError::io("unsharing a network namespace", e.into()))?;
-                nix::mount::mount(
-                    Some("/proc/thread-self/ns/net"),
-                    &target,
-                    None::<&str>,
-                    nix::mount::MsFlags::MS_BIND,
-                    None::<&str>,
-                )
-                .map_err(|e| NetError::io(format!("binding {}", target.display()), e.into()))
-            })();
-            if bound.is_err() {
-                let _ = std::fs::remove_file(&target);
-            }
-            bound
-        })
-        .map_err(|e| NetError::io("starting a netns thread", e))?
-        .join()
-        .unwrap_or_else(|_| Err(NetError::Link("the netns thread panicked".into())))?;
+    on_worker(None, move || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&target)
+            .map_err(|e| NetError::io(format!("creating {}", target.display()), e))?;
+        // The worker goes back to its own namespace after the job.
+        let bound = (|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| NetError::io("unsharing a network namespace", e.into()))?;
+            nix::mount::mount(
+                Some("/proc/thread-self/ns/net"),
+                &target,
+                None::<&str>,
+                nix::mount::MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(|e| NetError::io(format!("binding {}", target.display()), e.into()))
+        })();
+        if bound.is_err() {
+            let _ = std::fs::remove_file(&target);
+        }
+        bound
+    })?;
     Ok(path)
 }
 
@@ -194,30 +244,17 @@ pub fn mount_sysfs(netns: &Path, target: &Path) -> Result<(), NetError> {
     if crate::container::is_mounted(target) {
         return Ok(());
     }
-    let ns = std::fs::File::open(netns).map_err(|e| NetError::io(format!("opening {}", netns.display()), e))?;
     let target = target.to_path_buf();
-    std::thread::Builder::new()
-        .name("sysfs".into())
-        .spawn(move || -> Result<(), NetError> {
-            // SAFETY: setns on an fd we own; it changes only this thread's namespace.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(NetError::io(
-                    "entering a sandbox's network namespace",
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            mount(
-                Some("sysfs"),
-                &target,
-                Some("sysfs"),
-                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-                None::<&str>,
-            )
-            .map_err(|e| NetError::io(format!("mounting a sysfs at {}", target.display()), e.into()))
-        })
-        .map_err(|e| NetError::io("starting a sysfs thread", e))?
-        .join()
-        .unwrap_or_else(|_| Err(NetError::Link("the sysfs thread panicked".into())))
+    on_worker(Some(netns), move || {
+        mount(
+            Some("sysfs"),
+            &target,
+            Some("sysfs"),
+            MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            None::<&str>,
+        )
+        .map_err(|e| NetError::io(format!("mounting a sysfs at {}", target.display()), e.into()))
+    })
 }
 
 /// Unmounts and removes what [`mount_sysfs`] made (absent: nothing).
@@ -246,6 +283,26 @@ pub fn create(plan: &LinkPlan) -> Result<PathBuf, NetError> {
         let _ = delete(&plan.netns, &plan.veth);
     }
     made.map(|()| path)
+}
+
+/// Makes `plan`'s veth with its sandbox end in the existing namespace at `netns` (a
+/// VM's, which its QEMU runs in), addressed and routed there as in a namespace of its
+/// own (`plan.netns` is not used). On error no veth is left.
+pub fn join(plan: &LinkPlan, netns: &Path) -> Result<(), NetError> {
+    delete_veth(&plan.veth)?;
+    let made = configure(plan, netns);
+    if made.is_err() {
+        let _ = delete_veth(&plan.veth);
+    }
+    made
+}
+
+/// Sets `path` (a `/proc/sys/net` file) to `value` inside namespace `netns`: such files
+/// belong to the namespace of whoever opens them.
+pub fn sysctl_in(netns: &Path, path: &'static str, value: &'static str) -> Result<(), NetError> {
+    on_worker(Some(netns), move || {
+        std::fs::write(path, value).map_err(|e| NetError::io(format!("writing {path}"), e))
+    })
 }
 
 fn configure(plan: &LinkPlan, path: &Path) -> Result<(), NetError> {

@@ -1,7 +1,8 @@
-//! Sandbox networking on the edge, for container sandboxes: each gets a network
-//! namespace of its own joined to the host by a veth, NAT out through the host, IPv4 and
-//! IPv6, and egress only where its policy (`opendsec_commands::decide::network`) allows:
-//! default deny, enforced by nftables and a DNS proxy.
+//! Sandbox networking on the edge: each container sandbox gets a network namespace of its
+//! own joined to the host by a veth, NAT out through the host, IPv4 and IPv6, and egress
+//! only where its policy (`opendsec_commands::decide::network`) allows: default deny,
+//! enforced by nftables and a DNS proxy. A VM's veth goes into the VM's own namespace
+//! instead (`attach_machine`: IPv4, its guest masqueraded behind it).
 //!
 //! The rooms, by job:
 //! - `addrs.rs`: the address pools (default [`DEFAULT_POOL_V4`], [`DEFAULT_POOL_V6`]),
@@ -13,6 +14,8 @@
 //!   `od<tag><slot>`, over rtnetlink.
 //! - `rules.rs` (pure): a policy as the sandbox's chain, the edge's base chains.
 //! - `nft.rs`: scripts applied whole by `nft -f -` (one transaction each).
+//! - `drops.rs`: the last sampled drops of each sandbox (what its policy refused), from
+//!   the kernel log.
 //! - `dns.rs`: the DNS proxy on the gateway, which answers each sandbox only for names
 //!   its policy allows and opens the answers' addresses in its learned sets.
 //!
@@ -51,6 +54,8 @@
 
 pub mod addrs;
 pub mod dns;
+pub mod drops;
+mod libnft;
 pub mod link;
 pub mod nft;
 pub mod rules;
@@ -155,6 +160,14 @@ pub struct NetCounters {
     pub dropped_packets: u64,
 }
 
+/// A sandbox's network as its metrics show it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetSample {
+    pub counters: NetCounters,
+    /// What it last tried to reach and was refused (sampled), oldest first.
+    pub recent_drops: Vec<drops::Drop>,
+}
+
 struct Attached {
     slot: Slot,
     /// The policy last applied (`None`: not known to this run yet).
@@ -182,6 +195,7 @@ pub struct Network {
     generation: AtomicU32,
     counters: Mutex<Option<CountersTaken>>,
     dns_sockets: Mutex<Option<dns::Sockets>>,
+    drops: Arc<drops::DropLog>,
     /// Held while this edge runs (an flock): no second edge with its tag.
     _lock: std::fs::File,
 }
@@ -245,18 +259,19 @@ fn hosts_text(hostname: &str, slot: &Slot) -> String {
     s
 }
 
-/// In the edge's `files` directory: its tag and table, for [`forget`].
-const OWNER_FILE: &str = "edge";
+/// In the edge's data directory: its network's tag, table and files directory, for
+/// [`forget`].
+const OWNER_FILE: &str = "net.owner";
 
-/// Removes everything the network of a stopped edge (whose `files` directory is given)
-/// left on this host, in the caller's network namespace: its table, its sandboxes'
-/// namespaces, veths and sysfs mounts, its address claims and records under `state_dir`.
-/// For a test's end, or an edge retired for good; nothing if it never had a network.
-pub fn forget(files: &Path, state_dir: &Path) {
-    let Some((tag, table)) = std::fs::read_to_string(files.join(OWNER_FILE))
-        .ok()
-        .and_then(|t| t.split_once(' ').map(|(a, b)| (a.to_string(), b.trim().to_string())))
-    else {
+/// Removes everything the network of a stopped edge (data directory `data_dir`) left on
+/// this host, in the caller's network namespace: its table, its sandboxes' namespaces,
+/// veths and sysfs mounts, its address claims and records under `state_dir`. For a
+/// test's end, or an edge retired for good; nothing if it never had a network.
+pub fn forget(data_dir: &Path, state_dir: &Path) {
+    let Some((tag, table, files)) = std::fs::read_to_string(data_dir.join(OWNER_FILE)).ok().and_then(|t| {
+        let mut w = t.trim_end().splitn(3, ' ');
+        Some((w.next()?.to_string(), w.next()?.to_string(), PathBuf::from(w.next()?)))
+    }) else {
         return;
     };
     for e in std::fs::read_dir(files.join("sys")).into_iter().flatten().flatten() {
@@ -326,8 +341,11 @@ impl Network {
             .map_err(|e| NetError::io(format!("creating {}", files.display()), e))?;
         std::fs::write(files.join("resolv.conf"), format!("nameserver {gateway}\n"))
             .map_err(|e| NetError::io("writing the sandboxes' resolv.conf", e))?;
-        std::fs::write(files.join(OWNER_FILE), format!("{tag} {table}\n"))
-            .map_err(|e| NetError::io("writing the network's owner file", e))?;
+        std::fs::write(
+            data_dir.join(OWNER_FILE),
+            format!("{tag} {table} {}\n", files.display()),
+        )
+        .map_err(|e| NetError::io("writing the network's owner file", e))?;
         let upstream = if cfg.upstream_dns.is_empty() {
             dns::nameservers(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
         } else {
@@ -338,6 +356,7 @@ impl Network {
                 "no upstream DNS resolver (none given, none in /etc/resolv.conf): sandboxes resolve no names"
             );
         }
+        let drops = drops::DropLog::follow(&table);
         let net = Network {
             table,
             gateway,
@@ -354,6 +373,7 @@ impl Network {
             generation: AtomicU32::new((opendsec_edge_api::now_ms() / 1000) as u32 | 1),
             counters: Mutex::new(None),
             dns_sockets: Mutex::new(Some(dns::Sockets::bind(gateway)?)),
+            drops,
             veth_prefix: format!("od{tag}"),
             tag,
             _lock: lock,
@@ -449,10 +469,7 @@ impl Network {
     /// Makes `owner`'s namespace, veth and addresses, with a chain that drops
     /// everything; `hostname` goes into its `/etc/hosts`. On error nothing is left.
     pub fn attach(&self, owner: &str, hostname: &str) -> Result<Attachment, NetError> {
-        if self.attached.lock().expect("attached lock").contains_key(owner) {
-            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
-        }
-        let slot = self.pool.claim(owner)?;
+        let slot = self.claim(owner)?;
         let made = self.attach_slot(&slot, hostname);
         if made.is_err() {
             self.teardown(&slot, &BTreeSet::new());
@@ -477,6 +494,63 @@ impl Network {
         link::mount_sysfs(&netns, &sysfs)?;
         let hosts = self.hosts_path(slot.slot);
         std::fs::write(&hosts, hosts_text(hostname, slot)).map_err(|e| NetError::io("writing /etc/hosts", e))?;
+        self.record_attached(slot);
+        Ok(Attachment {
+            netns,
+            resolv_conf: self.files.join("resolv.conf"),
+            hosts,
+            sysfs,
+            slot: slot.clone(),
+        })
+    }
+
+    /// Gives microVM `owner` a link into its namespace `netns` (where its QEMU runs, the
+    /// guest behind its tap): IPv4 only, with a chain that drops everything; inside the
+    /// namespace, what the guest sends out is masqueraded to the slot's address (so its
+    /// chain applies) and DNS to the tap's host side (`guest_dns`, the same in every VM
+    /// namespace, so a restored or forked guest keeps its resolver) goes to the proxy.
+    /// On error nothing is left.
+    pub fn attach_machine(&self, owner: &str, netns: &Path, tap: &str, guest_dns: Ipv4Addr) -> Result<(), NetError> {
+        let mut slot = self.claim(owner)?;
+        // The guest has no IPv6 address: the VM's link carries none either.
+        slot.v6 = None;
+        let made = (|| {
+            let veth = self.veth(slot.slot);
+            nft::apply(&rules::sandbox_script(
+                &self.place(&slot, &veth),
+                &Policy::default(),
+                0,
+                &BTreeSet::new(),
+            ))?;
+            let plan = link::LinkPlan {
+                netns: String::new(),
+                veth,
+                gateway: self.gateway,
+                v4: slot.v4,
+                v6: None,
+            };
+            link::join(&plan, netns)?;
+            link::sysctl_in(netns, "/proc/sys/net/ipv4/ip_forward", "1")?;
+            nft::apply_in(Some(netns), &rules::machine_script(tap, guest_dns, self.gateway))
+        })();
+        if let Err(e) = made {
+            self.teardown(&slot, &BTreeSet::new());
+            return Err(e);
+        }
+        self.record_attached(&slot);
+        Ok(())
+    }
+
+    /// Addresses for `owner`, which has no network here yet.
+    fn claim(&self, owner: &str) -> Result<Slot, NetError> {
+        if self.attached.lock().expect("attached lock").contains_key(owner) {
+            return Err(NetError::Config(format!("{owner} has a network on this edge already")));
+        }
+        self.pool.claim(owner)
+    }
+
+    /// `slot` is attached, under the default policy (its chain drops everything).
+    fn record_attached(&self, slot: &Slot) {
         self.attached.lock().expect("attached lock").insert(
             slot.owner.clone(),
             Attached {
@@ -492,13 +566,6 @@ impl Network {
                 policy: Arc::new(Policy::default()),
             },
         );
-        Ok(Attachment {
-            netns,
-            resolv_conf: self.files.join("resolv.conf"),
-            hosts,
-            sysfs,
-            slot: slot.clone(),
-        })
     }
 
     /// `from`'s network now belongs to `to` (a warm container claimed by sandbox `to`),
@@ -579,8 +646,13 @@ impl Network {
 
     fn teardown(&self, slot: &Slot, sets: &BTreeSet<String>) {
         let veth = self.veth(slot.slot);
-        for script in rules::remove_scripts(&self.table, slot.slot, &veth, sets) {
-            let _ = nft::apply(&script);
+        let scripts = rules::remove_scripts(&self.table, slot.slot, &veth, sets);
+        // All in one transaction where all of it is there (the usual case); else each on
+        // its own, so what is there goes even where some of it is gone already.
+        if nft::apply(&scripts.concat()).is_err() {
+            for script in scripts {
+                let _ = nft::apply(&script);
+            }
         }
         link::unmount_sysfs(&self.sysfs_path(slot.slot));
         if let Err(e) = link::delete(&self.netns(slot.slot), &veth) {
@@ -589,6 +661,7 @@ impl Network {
         let _ = std::fs::remove_file(self.hosts_path(slot.slot));
         let _ = std::fs::remove_file(self.policy_path(slot.slot));
         self.by_addr.write().expect("address lock").remove(&IpAddr::V4(slot.v4));
+        self.drops.forget(slot.slot);
         self.pool.release(slot.slot);
     }
 
@@ -596,9 +669,14 @@ impl Network {
     pub fn detach(&self, owner: &str) {
         let a = self.attached.lock().expect("attached lock").remove(owner);
         if let Some(a) = a {
-            let _one = self.applying.lock().expect("applying lock");
+            // No apply of it starts now (it is not attached); one under way ends first. The
+            // teardown itself holds no lock: other sandboxes' applies go on meanwhile.
+            drop(self.applying.lock().expect("applying lock"));
+            // Its sets are those of its policy; an earlier run's (adopted) are listed too.
             let mut sets = a.sets;
-            sets.extend(self.sets_of_slot(a.slot.slot));
+            if a.applied.is_none() {
+                sets.extend(self.sets_of_slot(a.slot.slot));
+            }
             self.teardown(&a.slot, &sets);
         }
     }
@@ -692,6 +770,25 @@ impl Network {
         for s in scripts {
             let _ = nft::apply(&s);
         }
+    }
+
+    /// Sandbox `owner`'s traffic and its last sampled drops (`None`: no network here).
+    pub fn sample(&self, owner: &str) -> Option<NetSample> {
+        Some(NetSample {
+            counters: self.counters(owner)?,
+            recent_drops: self.recent_drops(owner),
+        })
+    }
+
+    /// What sandbox `owner` last tried to reach and was refused (sampled), oldest first.
+    pub fn recent_drops(&self, owner: &str) -> Vec<drops::Drop> {
+        let slot = self
+            .attached
+            .lock()
+            .expect("attached lock")
+            .get(owner)
+            .map(|a| a.slot.slot);
+        slot.map(|s| self.drops.of(s)).unwrap_or_default()
     }
 
     /// Sandbox `owner`'s traffic, read at most once a second for all sandboxes.

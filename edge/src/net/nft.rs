@@ -1,5 +1,7 @@
-//! Applying rules: each script goes to `nft -f -` whole, which the kernel takes as one
-//! transaction (all of it or none of it), and what `nft` says on failure is the error.
+//! Applying rules: each script goes whole to libnftables in-process (`libnft.rs`), or to
+//! `nft -f -` where the library cannot be opened (and for another namespace's table);
+//! the kernel takes it as one transaction (all of it or none of it), and what nftables
+//! says on failure is the error.
 
 use super::NetError;
 use std::io::Write;
@@ -29,7 +31,34 @@ fn failed(script: &str, stderr: &[u8]) -> NetError {
 
 /// Applies `script` in one transaction.
 pub fn apply(script: &str) -> Result<(), NetError> {
-    let mut child = Command::new(binary()?)
+    // On the one netns worker: libnftables' allocations (its ruleset cache) stay in that
+    // thread's arena rather than in one per calling thread.
+    let owned = script.to_string();
+    match super::link::on_worker(None, move || Ok(super::libnft::run(&owned)))? {
+        Some(Ok(_)) => Ok(()),
+        Some(Err(e)) => Err(failed(script, e.as_bytes())),
+        None => apply_in(None, script),
+    }
+}
+
+/// Applies `script` in one transaction inside network namespace `netns` (`None`: the
+/// edge's own).
+pub fn apply_in(netns: Option<&std::path::Path>, script: &str) -> Result<(), NetError> {
+    let mut cmd = Command::new(binary()?);
+    if let Some(path) = netns {
+        let ns = std::fs::File::open(path).map_err(|e| NetError::io(format!("opening {}", path.display()), e))?;
+        // SAFETY: between fork and exec the child only calls setns, which is
+        // async-signal-safe; `ns` stays open in the parent until the child has run it.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                if libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd
         .args(["-f", "-"])
         .env_clear()
         .stdin(Stdio::piped())
@@ -53,29 +82,10 @@ pub fn apply(script: &str) -> Result<(), NetError> {
 
 /// Applies `script` in one transaction, from async code (the DNS proxy).
 pub async fn apply_async(script: &str) -> Result<(), NetError> {
-    use tokio::io::AsyncWriteExt;
-    let mut child = tokio::process::Command::new(binary()?)
-        .args(["-f", "-"])
-        .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| NetError::io("running nft", e))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .await
-            .map_err(|e| NetError::io("writing to nft", e))?;
-    }
-    let out = child
-        .wait_with_output()
+    let script = script.to_string();
+    tokio::task::spawn_blocking(move || apply(&script))
         .await
-        .map_err(|e| NetError::io("waiting for nft", e))?;
-    if !out.status.success() {
-        return Err(failed(script, &out.stderr));
-    }
-    Ok(())
+        .unwrap_or_else(|e| Err(NetError::Nft(format!("the nft task failed: {e}"))))
 }
 
 /// `nft -j <args>` as JSON (`None`: the object does not exist).

@@ -12,6 +12,7 @@
 //! connections of the current generation skip the rules, so a new policy judges every
 //! packet of older connections once more, and cuts those it forbids.
 
+use super::link::SANDBOX_IF;
 use opendsec_commands::network::{Policy, Protocol, Rule, Target, contains, is_special};
 use std::collections::BTreeSet;
 use std::fmt::Write;
@@ -253,6 +254,33 @@ pub fn counter_name(slot: u32) -> String {
     format!("drops{slot}")
 }
 
+/// What every sampled drop's kernel log line starts with (see `drops.rs`).
+pub const DROP_LOG_TAG: &str = "odsec-drop";
+/// Sampled drops logged per sandbox and rule at most (new connections only).
+pub const DROP_LOG_RATE: &str = "5/second burst 5 packets";
+
+/// The log prefix of drops by rule `why` (`deny_out` or `default`) in slot `slot` of
+/// `table`: `odsec-drop <table> sb<slot> <why>: ` (at most 127 bytes: tables are short).
+pub fn drop_log_prefix(table: &str, slot: u32, why: &str) -> String {
+    format!("{DROP_LOG_TAG} {table} sb{slot} {why}: ")
+}
+
+/// How a policy refuses a packet: at once, so a refused `pip` fails in milliseconds
+/// ("No route to host", ICMP administratively prohibited) rather than after its
+/// connect timeout. Spoofed sources are dropped silently instead (no answer to an
+/// address that did not ask).
+pub const REFUSE: &str = "reject with icmpx type admin-prohibited";
+
+/// `match counter name C` + [`REFUSE`], preceded by a rule logging a sample of what it
+/// refuses: the first packet of new connections, at most [`DROP_LOG_RATE`] (a `limit`
+/// in the refusing rule itself would let the rest through).
+fn logged_drop(matched: &str, counter: &str, prefix: &str) -> [String; 2] {
+    [
+        format!("{matched}ct state new limit rate {DROP_LOG_RATE} log prefix \"{prefix}\" level info"),
+        format!("{matched}counter name {counter} {REFUSE}"),
+    ]
+}
+
 fn ports_text(p: &Ports) -> String {
     let list = |ranges: &[(u16, u16)]| {
         let items: Vec<String> = ranges
@@ -446,18 +474,47 @@ pub fn sandbox_script(p: &SandboxPlace, policy: &Policy, generation: u32, stale_
         &mut s,
         &format!("ct state established,related ct mark {generation:#x} accept"),
     );
+    let denied = drop_log_prefix(p.table, p.slot, "deny_out");
     for l in chain_lines(p.slot, policy) {
         for text in line_text(&l, generation) {
-            let text = text.replace("counter drop", &format!("counter name {counter} drop"));
-            rule(&mut s, &text);
+            match text.strip_suffix("counter drop") {
+                Some(matched) => logged_drop(matched, &counter, &denied)
+                    .iter()
+                    .for_each(|r| rule(&mut s, r)),
+                None => rule(&mut s, &text),
+            }
         }
     }
-    rule(&mut s, &format!("counter name {counter} drop"));
+    for r in logged_drop("", &counter, &drop_log_prefix(p.table, p.slot, "default")) {
+        rule(&mut s, &r);
+    }
     let _ = writeln!(s, "add element {t} sandboxes {{ \"{}\" : jump {chain} }}", p.veth);
     for set in stale_sets {
         let _ = writeln!(s, "delete set {t} {set}");
     }
     s
+}
+
+/// The table inside a microVM's namespace: what the guest (behind `tap`) sends out is
+/// masqueraded to the namespace's link (the slot's address, which the edge's chain for
+/// it judges), and its DNS to `guest_dns` (the tap's host side) goes to the edge's proxy
+/// at `gateway`. Replaces any earlier one whole.
+pub fn machine_script(tap: &str, guest_dns: Ipv4Addr, gateway: Ipv4Addr) -> String {
+    format!(
+        "table ip opendsec_vm {{}}
+delete table ip opendsec_vm
+table ip opendsec_vm {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname \"{tap}\" ip daddr {guest_dns} meta l4proto {{ tcp, udp }} th dport 53 dnat to {gateway}
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    oifname \"{SANDBOX_IF}\" masquerade
+  }}
+}}
+"
+    )
 }
 
 /// Everything of slot `p.slot` in the table: its map entry, chain, counter and `sets`.
@@ -755,6 +812,9 @@ mod tests {
         let set4 = learned_set(5, "pkgs.test", false, false);
         let set6 = learned_set(5, "pkgs.test", false, true);
         let t = "inet opendsec_e1_abc123";
+        // Each drop is sampled in the kernel log first (new connections, rate-limited).
+        let refuse = REFUSE;
+        let log = "ct state new limit rate 5/second burst 5 packets log prefix \"odsec-drop opendsec_e1_abc123 sb5 ";
         let expected = format!(
             "add set {t} {set4} {{ type ipv4_addr; flags timeout; }}
 add set {t} {set6} {{ type ipv6_addr; flags timeout; }}
@@ -767,12 +827,16 @@ add rule {t} sb5 ct state established,related ct mark 0x2a accept
 add rule {t} sb5 ip daddr 11.0.0.0/24 ip daddr != @special4 tcp dport {{ 80, 8000-8100 }} ct mark set 0x2a accept
 add rule {t} sb5 ip daddr @{set4} meta l4proto {{ tcp, udp }} th dport {{ 443 }} ct mark set 0x2a accept
 add rule {t} sb5 ip6 daddr @{set6} meta l4proto {{ tcp, udp }} th dport {{ 443 }} ct mark set 0x2a accept
-add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 counter name drops5 drop
-add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 drop
-add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 drop
+add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 {log}deny_out: \" level info
+add rule {t} sb5 ip daddr 12.0.0.0/8 ip daddr != @special4 counter name drops5 {refuse}
+add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} {log}deny_out: \" level info
+add rule {t} sb5 ip daddr != @special4 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 {refuse}
+add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} {log}deny_out: \" level info
+add rule {t} sb5 ip6 daddr != @special6 meta l4proto {{ tcp, udp }} th dport {{ 53, 853 }} counter name drops5 {refuse}
 add rule {t} sb5 ip daddr != @special4 ct mark set 0x2a accept
 add rule {t} sb5 ip6 daddr != @special6 ct mark set 0x2a accept
-add rule {t} sb5 counter name drops5 drop
+add rule {t} sb5 {log}default: \" level info
+add rule {t} sb5 counter name drops5 {refuse}
 add element {t} sandboxes {{ \"odabc1235\" : jump sb5 }}
 delete set {t} d5_000000000000_4
 "
@@ -784,9 +848,15 @@ delete set {t} d5_000000000000_4
     fn the_default_policy_is_a_chain_that_drops_everything_and_counts_it() {
         let text = sandbox_script(&place(), &Policy::default(), 1, &BTreeSet::new());
         let rules: Vec<&str> = text.lines().filter(|l| l.starts_with("add rule")).collect();
-        assert_eq!(rules.len(), 4, "{text}");
+        assert_eq!(rules.len(), 5, "{text}");
         assert!(rules.iter().all(|r| !r.contains("mark set")), "{text}");
-        assert!(rules.last().unwrap().ends_with("counter name drops5 drop"));
+        assert!(rules[3].contains("log prefix \"odsec-drop opendsec_e1_abc123 sb5 default: \""));
+        assert!(
+            rules
+                .last()
+                .unwrap()
+                .ends_with(&format!("counter name drops5 {REFUSE}"))
+        );
     }
 
     #[test]

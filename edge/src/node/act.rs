@@ -79,16 +79,19 @@ impl Edge {
     /// socket, a fork's copied layers).
     async fn remove(self: &Arc<Self>, id: String) -> Result<(), EdgeError> {
         let sock = self.socket_path(&id);
-        self.blocking(move |e| {
-            let r = e.backend_of(&id).remove(&id);
-            if r.is_ok() {
-                e.detach_network(&id);
-            }
-            let _ = std::fs::remove_file(sock);
-            let _ = std::fs::remove_dir_all(e.fork_layer(&id));
-            r
-        })
-        .await
+        let gone = id.clone();
+        let removed = self
+            .blocking(move |e| {
+                let r = e.backend_of(&id).remove(&id);
+                let _ = std::fs::remove_file(sock);
+                let _ = std::fs::remove_dir_all(e.fork_layer(&id));
+                r
+            })
+            .await;
+        if removed.is_ok() {
+            self.detach_network_when_quiet(gone);
+        }
+        removed
     }
 
     /// Reports what the plan saw of sandbox `id`; a `Ready` only once the backend

@@ -240,5 +240,6 @@ pub(super) fn sample(containers: &ContainerBackend, id: &str, disk_bytes: u64) -
         disk_used,
         disk_total,
         runtime: None,
+        network: None,
     })
 }

@@ -200,9 +200,22 @@ impl Edge {
         let edge = self.clone();
         tokio::spawn(async move {
             let (e2, batch) = (edge.clone(), claimed.clone());
-            let made = tokio::task::spawn_blocking(move || match batch[0].fork_of.clone() {
-                Some(source) => e2.fork_machines(&source, &batch),
-                None => e2.create_machine(&batch[0]),
+            let made = tokio::task::spawn_blocking(move || {
+                match batch[0].fork_of.clone() {
+                    Some(source) => e2.fork_machines(&source, &batch),
+                    None => e2.create_machine(&batch[0]),
+                }?;
+                // Their link out, under their policy; a copy that cannot have it goes.
+                for c in &batch {
+                    if let Err(e) = e2.attach_machine_network(c) {
+                        for c in &batch {
+                            e2.detach_network(&c.id);
+                            let _ = e2.backend_of(&c.id).remove(&c.id);
+                        }
+                        return Err(e);
+                    }
+                }
+                Ok(())
             })
             .await
             .unwrap_or_else(|p| Err(EdgeError::Store(format!("the create task panicked: {p}"))));

@@ -25,8 +25,7 @@
 //!   container, its policy applied before its PID 1 runs and whenever the log changes it.
 //! - `paths.rs`, `files.rs`: where the node keeps a sandbox's files, and how it copies them.
 //!
-//! Not yet: network egress for microVMs and full VMs (they reach only their agent's
-//! link), memory snapshots of containers (CRIU does not work here; a
+//! Not yet: memory snapshots of containers (CRIU does not work here; a
 //! microVM's snapshots carry its memory), gVisor, TLS on edge-to-edge transfers (bind
 //! edges' proxies to a private network).
 
@@ -237,6 +236,8 @@ struct Edge {
     metrics_history: crate::metrics_history::MetricsHistory,
     /// Container sandboxes' networks (`network.rs`); `None` when the edge runs without.
     net: Option<Arc<crate::net::Network>>,
+    /// Ended sandboxes whose network the teardown thread removes (`network.rs`).
+    detach_queue: Mutex<Option<std::sync::mpsc::Sender<String>>>,
 }
 
 impl Edge {

@@ -41,13 +41,23 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
     let net = match &cfg.network {
         None => None,
         Some(nc) => {
-            let files = cfg.data_dir.join("net");
+            // In the sandbox-files tmpfs (as the agent is): what a sandbox's mount table
+            // shows of its /etc/resolv.conf and /etc/hosts names no host path.
+            let files = agent_dir.parent().unwrap_or(&agent_dir).join("net");
             Some(crate::net::Network::open(nc, &cfg.name, &cfg.data_dir, &files)?)
         }
     };
     if let Some(net) = &net {
         // Networks of sandboxes still running stay; everything else of this edge's goes.
-        let live: BTreeSet<String> = containers.list()?.into_iter().map(|h| h.id).collect();
+        let mut live: BTreeSet<String> = containers.list()?.into_iter().map(|h| h.id).collect();
+        // MicroVMs, by their records (the driver is prepared later, beside the loop).
+        for e in std::fs::read_dir(cfg.data_dir.join("vms").join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            live.insert(e.file_name().to_string_lossy().into_owned());
+        }
         net.adopt(&live);
     }
     // Listening before registering: once registered, the edge is asked to admit
@@ -92,6 +102,7 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
         imports: Default::default(),
         metrics_history: crate::metrics_history::MetricsHistory::new(),
         net,
+        detach_queue: Mutex::new(None),
         cfg,
     });
     // Warm containers a killed edge left are not claimable (their filler is gone).
@@ -201,7 +212,11 @@ impl Edge {
         let vm_root = self.cfg.data_dir.join("vms");
         let resolve: Resolver = Arc::new(move |id: &str| agent_addr(&agents, &vm_root, id));
         let sampled = self.clone();
-        let sampler: proxy::Sampler = Arc::new(move |id| sampled.backend_of(id).sample(id, sampled.cfg.disk_bytes));
+        let sampler: proxy::Sampler = Arc::new(move |id| {
+            let mut s = sampled.backend_of(id).sample(id, sampled.cfg.disk_bytes)?;
+            s.network = sampled.net.as_ref().and_then(|n| n.sample(id));
+            Some(s)
+        });
         let reader = self.clone();
         let logs: proxy::LogReader = Arc::new(move |id, max| reader.backend_of(id).log(id, max));
         let kept = self.clone();
@@ -259,9 +274,10 @@ impl Edge {
         // mistaken for a missing sandbox.
         let creating = self.creating.lock().expect("creating lock").clone();
         // Policies first: a changed one is enforced without waiting for the observation.
-        if self.net.is_some() {
-            let (e, c) = (self.clone(), creating.clone());
-            let _ = tokio::task::spawn_blocking(move || e.sync_networks(&c)).await;
+        let stale = self.stale_networks(&creating);
+        if !stale.is_empty() {
+            let e = self.clone();
+            let _ = tokio::task::spawn_blocking(move || e.apply_networks(stale)).await;
         }
         let (e, c) = (self.clone(), creating.clone());
         let observed = match tokio::task::spawn_blocking(move || e.observe(&c)).await {

@@ -142,15 +142,7 @@ impl Edge {
                 crate::container::lower_priority();
                 loop {
                     // Quiet first: creates in flight (a burst) have the machine to themselves.
-                    let mut idle_since = Instant::now();
-                    loop {
-                        if !edge.creating.lock().expect("creating lock").is_empty() {
-                            idle_since = Instant::now();
-                        } else if idle_since.elapsed() >= WARM_QUIET {
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
+                    edge.wait_quiet();
                     let Some(image) = edge.warm.next_job() else {
                         edge.warm.filler_done();
                         // A take between `next_job` and `filler_done` would find no filler.
@@ -176,6 +168,19 @@ impl Edge {
             });
         if spawned.is_err() {
             self.warm.filler_done();
+        }
+    }
+
+    /// Returns once no create has been under way for [`WARM_QUIET`].
+    pub(super) fn wait_quiet(&self) {
+        let mut idle_since = Instant::now();
+        loop {
+            if !self.creating.lock().expect("creating lock").is_empty() {
+                idle_since = Instant::now();
+            } else if idle_since.elapsed() >= WARM_QUIET {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 

@@ -2,7 +2,8 @@
 # OpenDsec guest init: PID 1 of the initramfs (busybox sh). It loads the modules in
 # dependency order, finds the disks by their serial numbers, mounts the root, puts the
 # agent and its configuration on a private tmpfs at /.opendsec, configures the agent
-# channel (eth0, no route anywhere) and execs the agent as PID 1 of the guest.
+# channel (eth0; its default route goes to the tap's host side, where the edge gives a
+# link out or none) and execs the agent as PID 1 of the guest.
 # Two machines (/opendsec/machine says which this initramfs is for):
 # - microvm: the kernel and this initramfs (with the VM's configuration appended) come
 #   from QEMU; the root is the read-only image disk (EROFS) under a writable ext4 disk,
@@ -143,10 +144,16 @@ mount --move /proc /newroot/proc || die "moving /proc"
 mount --move /sys /newroot/sys || die "moving /sys"
 mount -t tmpfs -o mode=0755 run /newroot/run || die "mounting /run"
 
-# The agent channel: this guest's side of the tap's /30, and nothing else.
+# The agent channel: this guest's side of the tap's /30. Everything else goes to the
+# tap's host side too, where the edge gives the sandbox a link out under its policy (or
+# none), and names are asked there (the edge sends them to its DNS proxy).
 ip link set lo up || die "lo up"
 ip addr add "$GUEST_IP/$GUEST_PREFIX" dev eth0 || die "addressing eth0"
 ip link set eth0 up || die "eth0 up"
+ip route add default via "$HOST_IP" dev eth0 || die "the default route"
+if ! { rm -f /newroot/etc/resolv.conf && echo "nameserver $HOST_IP" > /newroot/etc/resolv.conf; }; then
+    echo "opendsec-init: cannot write /etc/resolv.conf: names do not resolve" >&2
+fi
 hostname "$GUEST_HOSTNAME"
 
 set -- serve --listen "tcp:$GUEST_IP:$AGENT_PORT" \

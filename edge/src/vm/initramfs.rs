@@ -19,7 +19,7 @@ use sha2::{Digest, Sha256};
 use super::cpio::CpioWriter;
 use super::kernel::{GuestKernel, ensure_kernel};
 use super::machine::Machine;
-use super::{AGENT_PORT, GUEST_IP, VmError, file_sha256, io_err};
+use super::{AGENT_PORT, GUEST_IP, HOST_IP, VmError, file_sha256, io_err};
 use crate::images::{ImageStore, StartSpec};
 
 /// The guest's init script (part of the initramfs key).
@@ -243,8 +243,9 @@ fn write_config_archive(file: fs::File, dest: &Path, config: &GuestConfig) -> Re
     let mut w = CpioWriter::new(BufWriter::new(file));
     let io = |r: std::io::Result<()>| r.map_err(io_err(context.clone()));
     let [a, b, c, d] = GUEST_IP;
+    let [h1, h2, h3, h4] = HOST_IP;
     let conf = format!(
-        "GUEST_IP={a}.{b}.{c}.{d}\nGUEST_PREFIX=30\nAGENT_PORT={AGENT_PORT}\nGUEST_HOSTNAME={}\n",
+        "GUEST_IP={a}.{b}.{c}.{d}\nGUEST_PREFIX=30\nHOST_IP={h1}.{h2}.{h3}.{h4}\nAGENT_PORT={AGENT_PORT}\nGUEST_HOSTNAME={}\n",
         shell_word(&config.hostname)
     );
     io(w.file("opendsec/vm.conf", 0o644, conf.as_bytes()))?;

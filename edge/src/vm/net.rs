@@ -1,6 +1,8 @@
 //! The agent channel: each VM has a network namespace of its own (`/run/netns/<name>`)
 //! holding one persistent tap device owned by the VM's uid, with the host's side of a
-//! /30 and no route anywhere else. QEMU runs inside that namespace; the edge reaches the
+//! /30 and, until the edge's `net` room gives a microVM its link out (a veth into this
+//! namespace, see `Network::attach_machine`), no route anywhere else. QEMU runs inside
+//! that namespace; the edge reaches the
 //! guest's agent by connecting from a short-lived thread that enters the namespace (the
 //! socket keeps its namespace after the thread is gone). Every namespace looks the same,
 //! so the guest's configuration (address, MAC, ARP entry) survives a restore into a new

@@ -310,6 +310,10 @@ async fn build(st: &AppState, r: &Run, sandbox: &mut Option<String>) -> Result<(
     let none = HeaderMap::new();
     log("info", "base", format!("starting a sandbox of {}", r.plan.from));
     let size = |given: u32, default: u64, per: u64| if given > 0 { given as u64 * per } else { default };
+    // A build reaches the public internet (pip, npm, apt, as E2B's builds do) where its
+    // project's ceiling allows it; under a ceiling of none it reaches nothing, and steps
+    // that need the network fail with their own errors.
+    let internet = st.node.read(|s| s.egress_ceiling(&r.template.project)) != opendsec_projections::Egress::None;
     let create = Command::CreateSandbox {
         project: r.template.project.clone(),
         image: r.plan.from.clone(),
@@ -317,7 +321,10 @@ async fn build(st: &AppState, r: &Run, sandbox: &mut Option<String>) -> Result<(
         memory_mb: size(r.template.memory_mb, crate::routes::sandboxes::DEFAULT_MEMORY_MB, 1),
         labels: [(super::templates::BUILD_LABEL.to_string(), r.build.clone())].into(),
         timeout_seconds: Some(SANDBOX_SECONDS),
-        opts: SandboxOptions::default(),
+        opts: SandboxOptions {
+            network: internet.then(|| r#"{"allow_internet_access":true}"#.to_string()),
+            ..SandboxOptions::default()
+        },
     };
     let created = submit(st, &r.who, &none, create).await.map_err(|e| Failure {
         message: format!("the build's sandbox was refused: {}", e.message),

@@ -115,9 +115,7 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
         Err(e) => return Err(e),
     };
     let x = wait_ready(&st, &s).await?;
-    let enforced = st.node.read(|s| {
-        crate::convert::egress_enforced(s, &x.edge, x.isolation == opendsec_projections::Isolation::Container)
-    });
+    let enforced = st.node.read(|s| crate::convert::egress_enforced(s, &x.edge));
     let warning = crate::convert::egress_warning(&crate::convert::network(x.network.as_deref()), enforced);
     Ok((warning, created(sandbox_json(&st, &x))).into_response())
 }
@@ -339,9 +337,7 @@ pub(super) async fn network(
     // the sandbox stay as they were unless it says otherwise.
     let (current, enforced) = st.node.read(|s| {
         let x = s.sandboxes.sandboxes.get(&id);
-        let enforced = x.is_some_and(|x| {
-            crate::convert::egress_enforced(s, &x.edge, x.isolation == opendsec_projections::Isolation::Container)
-        });
+        let enforced = x.is_some_and(|x| crate::convert::egress_enforced(s, &x.edge));
         (x.and_then(|x| x.network.clone()), enforced)
     });
     let internet = opendsec_commands::network::Policy::of_logged(current.as_deref()).allow_internet;

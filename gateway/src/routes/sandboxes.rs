@@ -56,9 +56,7 @@ pub async fn create(
     })?;
     let sandbox = read_sandbox(&st, &s.decided.target)?;
     tracing::debug!(sandbox = %sandbox.id, index = s.index, "create committed");
-    let enforced = st
-        .node
-        .read(|s| convert::egress_enforced(s, &sandbox.edge, sandbox.isolation == api::Isolation::Container));
+    let enforced = st.node.read(|s| convert::egress_enforced(s, &sandbox.edge));
     Ok((
         convert::egress_warning(&sandbox.network, enforced),
         Written {
@@ -274,9 +272,7 @@ pub async fn set_network(
             e
         })?;
     let x = &written.body.sandbox;
-    let enforced = st
-        .node
-        .read(|s| convert::egress_enforced(s, &x.edge, x.isolation == api::Isolation::Container));
+    let enforced = st.node.read(|s| convert::egress_enforced(s, &x.edge));
     Ok((convert::egress_warning(&x.network, enforced), written))
 }
 

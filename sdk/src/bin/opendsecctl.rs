@@ -491,7 +491,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 network: network.given().then(|| network.policy()),
             };
             let mut written = client.create_sandbox(&req).await?;
-            warn_unenforced(&written.sandbox.network);
+            warn_from(client);
             if !no_wait {
                 let seconds = wait.unwrap_or(wait_seconds);
                 written.sandbox = wait_started(client, &written.sandbox.id, seconds).await?;
@@ -589,7 +589,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                         m.oom_kills.to_string(),
                         runtime,
                     ]],
-                )
+                ) + &network_lines(m.network.as_ref())
             });
             return Ok(0);
         }
@@ -658,7 +658,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
         }
         SandboxCmd::Network(SandboxNetworkCmd::Set { id, network }) => {
             let w = client.set_sandbox_network(&id, &network.policy()).await?;
-            warn_unenforced(&w.sandbox.network);
+            warn_from(client);
             out.show(&w, |w| {
                 format!(
                     "sandbox {id}: network set at index {}\n{}",
@@ -762,12 +762,48 @@ fn not_started(message: String) -> ApiError {
     }
 }
 
-/// Says on stderr that a policy allowing egress is not enforced yet (the edges of this
-/// release give sandboxes no network egress).
-fn warn_unenforced(p: &NetworkPolicy) {
-    if p.allow_internet_access || !p.allow_out.is_empty() {
-        eprintln!(
-            "warning: edges do not enforce network policy in this release: the sandbox has no network egress; its policy is kept"
-        );
+/// Says on stderr what the server warned of (e.g. a policy allowing egress that the
+/// sandbox's edge does not give).
+fn warn_from(client: &Client) {
+    for w in client.take_warnings() {
+        eprintln!("warning: {w}");
     }
+}
+
+/// A sandbox's traffic and the connections its policy last refused, for `sandbox metrics`.
+fn network_lines(n: Option<&opendsec_sdk::types::NetworkMetrics>) -> String {
+    let Some(n) = n else {
+        return String::new();
+    };
+    let kb = |b: u64| format!("{:.1}", b as f64 / 1024.0);
+    let mut s = format!(
+        "\nnetwork: in {} KiB ({} packets), out {} KiB ({} packets), {} packets dropped by its policy\n",
+        kb(n.in_bytes),
+        n.in_packets,
+        kb(n.out_bytes),
+        n.out_packets,
+        n.dropped_packets
+    );
+    if !n.recent_drops.is_empty() {
+        s.push_str("refused lately (allow them with `opendsecctl sandbox network set`):\n");
+        let rows = n
+            .recent_drops
+            .iter()
+            .map(|d| {
+                vec![
+                    fmt_time(d.at_ms),
+                    d.protocol.clone(),
+                    d.destination.clone(),
+                    d.port.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                    d.rule.clone(),
+                    d.packets.to_string(),
+                ]
+            })
+            .collect();
+        s.push_str(&table(
+            &["TIME", "PROTO", "DESTINATION", "PORT", "RULE", "PACKETS"],
+            rows,
+        ));
+    }
+    s
 }

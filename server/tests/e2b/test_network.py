@@ -11,7 +11,7 @@ that needs the network says so.
 import time
 
 import pytest
-from e2b import CommandExitException, Sandbox
+from e2b import CommandExitException, FileNotFoundException, Sandbox
 
 from conftest import BASE_TEMPLATE, wait_until
 
@@ -70,7 +70,10 @@ def test_update_network_changes_what_a_running_loop_of_requests_reaches(sandboxe
     )
 
     def last(n: int = 3) -> list[str]:
-        lines = sb.files.read("/tmp/loop").split()
+        try:
+            lines = sb.files.read("/tmp/loop").split()
+        except FileNotFoundException:
+            return []  # the loop has not started writing yet
         return lines[-n:] if len(lines) >= n else []
 
     wait_until(lambda: last() == ["ok"] * 3, "the loop reaches pkgs.test")

@@ -9,8 +9,10 @@
 //!   authoritative DNS server for `*.test` at [`DNS`]; the metadata address
 //!   (169.254.169.254) and a private-network host ([`PRIVATE`]).
 //!
-//! The edge is pointed at it with `--upstream-dns` (see `Up::start_on_internet`). Drop
-//! stops the servers and removes both namespaces (every link in them goes too).
+//! The edge is pointed at it with `--upstream-dns` (see `Up::start_in_netns`). Drop
+//! stops the servers and removes both namespaces (every link in them goes too). The
+//! host's `net.netfilter.nf_log_all_netns` is set to 1, so the edge's sampled drops are
+//! logged from its namespace as they are from the host's.
 
 #![allow(dead_code)]
 
@@ -91,6 +93,8 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 impl Internet {
     /// Builds both namespaces and starts the servers.
     pub fn start() -> Internet {
+        std::fs::write("/proc/sys/net/netfilter/nf_log_all_netns", "1")
+            .expect("set net.netfilter.nf_log_all_netns (as root)");
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let id = (std::process::id() << 4 | n) & 0xffffff;
         let edge_ns = format!("odt-{id:x}-edge");

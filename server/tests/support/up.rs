@@ -126,7 +126,7 @@ pub fn cleanup_edge(root: &Path) {
         }
     }
     // The sandboxes' network: table, namespaces, veths, address claims.
-    opendsec_edge::net::forget(&root.join("net"), Path::new(opendsec_edge::net::DEFAULT_STATE_DIR));
+    opendsec_edge::net::forget(root, Path::new(opendsec_edge::net::DEFAULT_STATE_DIR));
 }
 
 /// Named `opendsec` processes of one test, in one temporary directory: each logs to

@@ -100,6 +100,27 @@ impl RawBundle {
         if let Some(o) = cfg.as_object_mut() {
             o.remove("annotations");
         }
+        // The sandbox's network namespace (and the sysfs of it the edge bound at /sys) are
+        // its own, gone by now: the raw run gets a new, empty namespace and its own sysfs,
+        // as `crun run` of a plain bundle does.
+        if let Some(nss) = cfg["linux"]["namespaces"].as_array_mut() {
+            for ns in nss.iter_mut() {
+                if ns["type"] == "network"
+                    && let Some(o) = ns.as_object_mut()
+                {
+                    o.remove("path");
+                }
+            }
+        }
+        if let Some(mounts) = cfg["mounts"].as_array_mut() {
+            for m in mounts.iter_mut() {
+                if m["destination"] == "/sys" {
+                    *m = json!({"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                                "options": ["nosuid", "noexec", "nodev", "ro"]});
+                }
+            }
+            mounts.retain(|m| !matches!(m["destination"].as_str(), Some("/etc/resolv.conf" | "/etc/hosts")));
+        }
         std::fs::write(b.dir.join("config.json"), serde_json::to_vec(&cfg).unwrap()).map_err(|e| e.to_string())?;
         Ok(b)
     }
