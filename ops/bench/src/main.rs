@@ -43,6 +43,14 @@ enum Cmd {
     /// proxy answers beside a direct query, create -> first output with and without
     /// sandbox networking.
     Network(NetworkArgs),
+    /// Internal: removes the sandbox network a stopped edge left, in this process's
+    /// network namespace (`opendsec_edge::net::forget`); the benchmarks run it under
+    /// `nsenter --net` for an `opendsec up` they ran in a namespace of their own.
+    #[command(name = opendsec_bench::sandboxes::FORGET_NETWORK_CMD, hide = true)]
+    ForgetNetwork {
+        /// The edge's data directory (`<opendsec up --data-dir>/edge`).
+        edge_data_dir: PathBuf,
+    },
 }
 
 /// Where a benchmark that runs `opendsec up` finds its binaries and keeps its data.
@@ -180,6 +188,10 @@ async fn main() {
         Cmd::Sandboxes(a) => run_sandboxes(a).await,
         Cmd::Images(a) => run_images(a).await,
         Cmd::Network(a) => run_network(a).await,
+        Cmd::ForgetNetwork { edge_data_dir } => {
+            opendsec_bench::sandboxes::forget_network_here(&edge_data_dir);
+            0
+        }
     };
     std::process::exit(code);
 }

@@ -28,7 +28,7 @@ use serde_json::json;
 
 pub use host::mounts_under;
 pub use report::Results;
-pub use up::{UpConfig, UpGuard, UpNetns, emergency_teardown};
+pub use up::{FORGET_NETWORK_CMD, UpConfig, UpGuard, UpNetns, emergency_teardown, forget_network_here};
 
 use crate::log_tail;
 

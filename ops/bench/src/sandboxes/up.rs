@@ -9,7 +9,6 @@
 //! detaches the mounts and removes the directory.
 
 use std::net::Ipv4Addr;
-use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -372,7 +371,7 @@ fn teardown(t: &Teardown, child: Option<&mut Child>) {
         umount_detach(&d.join("rootfs"));
         umount_detach(&d.join("disk"));
     }
-    forget_network(&t.data.join("edge").join("net"), t.netns.as_deref());
+    forget_network(&t.data.join("edge"), t.netns.as_deref());
     for m in mounts_under(&t.dir).iter().rev() {
         umount_detach(Path::new(m));
     }
@@ -385,23 +384,46 @@ fn teardown(t: &Teardown, child: Option<&mut Child>) {
     }
 }
 
-/// Removes the sandboxes' network the stopped edge left (its table and host ends of
-/// veths live in the namespace it ran in: removed from there; the sandboxes' namespaces,
-/// sysfs mounts and address claims are host-wide).
-fn forget_network(files: &Path, netns: Option<&str>) {
-    let state = Path::new(opendsec_edge::net::DEFAULT_STATE_DIR);
-    let ns = netns.and_then(|n| std::fs::File::open(format!("/run/netns/{n}")).ok());
-    match ns {
-        None => opendsec_edge::net::forget(files, state),
-        Some(ns) => {
-            let files = files.to_path_buf();
-            let _ = std::thread::spawn(move || {
-                // SAFETY: setns on an fd we own; it changes only this new thread's namespace.
-                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } == 0 {
-                    opendsec_edge::net::forget(&files, state);
-                }
-            })
-            .join();
+/// The hidden `opendsec-bench` subcommand that runs [`forget_network_here`] (this
+/// executable runs it under `nsenter --net` for an edge in another namespace).
+pub const FORGET_NETWORK_CMD: &str = "forget-network";
+
+/// `opendsec_edge::net::forget` of the edge whose data directory is `edge_data`, in the
+/// caller's network namespace.
+pub fn forget_network_here(edge_data: &Path) {
+    opendsec_edge::net::forget(edge_data, Path::new(opendsec_edge::net::DEFAULT_STATE_DIR));
+}
+
+/// Removes the sandboxes' network the stopped edge (data directory `edge_data`) left:
+/// its table and the host ends of its veths live in the namespace it ran in, and are
+/// removed from there; the sandboxes' namespaces, sysfs mounts and address claims are
+/// host-wide. `forget` does its netlink and nftables work on the edge crate's one netns
+/// worker thread, which stays in the namespace it started in whatever thread calls it:
+/// a thread of ours entering the edge's namespace would not take it along. So an edge
+/// in a namespace of its own is forgotten by a process started there (this executable's
+/// [`FORGET_NETWORK_CMD`] under `nsenter --net`); if that fails, by this one, which
+/// still removes the host-wide part (the rest goes with the namespace).
+fn forget_network(edge_data: &Path, netns: Option<&str>) {
+    let Some(ns) = netns else {
+        return forget_network_here(edge_data);
+    };
+    let run = std::env::current_exe().and_then(|exe| {
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{ns}"))
+            .arg("--")
+            .arg(exe)
+            .arg(FORGET_NETWORK_CMD)
+            .arg(edge_data)
+            .stdin(Stdio::null())
+            .status()
+    });
+    match run {
+        Ok(s) if s.success() => {}
+        other => {
+            eprintln!(
+                "WARNING: forgetting the sandbox network in namespace {ns} failed ({other:?}): removing its host-wide part from here"
+            );
+            forget_network_here(edge_data);
         }
     }
 }
