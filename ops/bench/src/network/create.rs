@@ -7,14 +7,14 @@
 //!
 //! `opendsec up` keeps its default `--warm-sandboxes 2`: a create claims a warm
 //! container, so with networking its path holds the hand-over of the warm container's
-//! namespace and the first application of the sandbox's policy (one `nft` transaction),
+//! namespace and the first application of the sandbox's policy (one nftables transaction),
 //! not the making of the namespace and veth (the warm container had them made). Before
 //! the runs, one busybox sandbox is made and removed and the pool is waited for.
 //!
 //! Two series per `opendsec up`: back to back (the next create as soon as the last
 //! sandbox is freed, as the sandboxes benchmark does: the edge is then still refilling
-//! its pool, with networking a namespace, veth and nft chain each, and removing the last
-//! sandbox's network), and spaced (each create once the pool holds [`POOL`] warm
+//! its pool, with networking a namespace, veth and nft chain each, and removes the last
+//! sandbox's network whenever no create runs), and spaced (each create once the pool holds [`POOL`] warm
 //! containers again and [`QUIET`] has passed, so only the create's own path is timed).
 
 use std::time::{Duration, Instant};

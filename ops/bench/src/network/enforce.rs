@@ -6,7 +6,8 @@
 //! warm-up pair. For each update a thread of the bench joins the sandbox's network
 //! namespace and, from there, starts a non-blocking TCP connect to
 //! [`TARGET`]`:`[`CONNECT_PORT`] every [`EVERY`] (each given [`TIMEOUT`] to complete;
-//! the policy drops silently, so a refused connect is one that times out). Allow ->
+//! the policy refuses at once, ICMP admin-prohibited, so a refused connect fails with
+//! "No route to host"; one that has not completed by then counts as refused too). Allow ->
 //! deny also keeps a connection to the echo port open, opened while allowed, and sends
 //! it one byte every [`EVERY`]. The thread tells the bench when its last [`SETTLED`]
 //! attempts (and echoes) show the old policy; the clock starts just before the PUT is
@@ -19,7 +20,7 @@
 //!   was in force between the attempt before it and it: the figure is within
 //!   [`EVERY`] of the moment, and a single slow or lucky attempt cannot move it);
 //! - allow -> deny, the open connection: when the first byte that never came back was
-//!   sent (its packet was the first the new chain dropped).
+//!   sent (its packet was the first the new chain refused).
 //!
 //! Allow -> deny's figure is the later of the two (both had stopped), deny -> allow's
 //! the first. The PUT's own answer time is kept beside them.
@@ -39,7 +40,8 @@ use crate::sandboxes::UpGuard;
 
 /// A new connect attempt (and echo byte) every this long.
 const EVERY: Duration = Duration::from_millis(1);
-/// A connect that has not completed in this long was dropped.
+/// A connect that has not completed in this long was refused (the policy's reject lost,
+/// or a drop).
 const TIMEOUT: Duration = Duration::from_millis(20);
 /// Attempts in a row that make a state settled.
 const SETTLED: usize = 20;

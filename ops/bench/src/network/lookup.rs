@@ -5,13 +5,14 @@
 //! namespace straight to the internet's DNS server (the proxy's upstream).
 //!
 //! The proxy asks the upstream every time (it keeps no cache) and, before it answers,
-//! adds the answer's addresses to the sandbox's learned set with one `nft` run; the
+//! adds the answer's addresses to the sandbox's learned set in one nftables transaction
+//! (in-process, through libnftables); the
 //! first answer for a name adds an address the set does not hold, a repeated one only
 //! refreshes its timeout. So each round asks four things, interleaved: a name never
 //! asked before (`n<k>.dns.test`, an address of its own) through the proxy, the same
 //! name directly, one name asked every round (`again.dns.test`) through the proxy, and
 //! a name the policy does not allow (`pkgs.test`), which the proxy refuses without
-//! asking anyone or running nft: its own share of the answer time. One warm-up round is
+//! asking anyone or touching nftables: its own share of the answer time. One warm-up round is
 //! not counted; every answer must carry the zone's address (the refusal: REFUSED).
 
 use std::net::SocketAddr;

@@ -191,7 +191,7 @@ impl Report {
                 (
                     "allow -> deny",
                     &e.allow_to_deny,
-                    "PUT sent -> new connects dropped and the open connection stopped",
+                    "PUT sent -> new connects refused and the open connection stopped",
                 ),
                 ("deny -> allow", &e.deny_to_allow, "PUT sent -> new connects pass"),
             ] {
@@ -212,7 +212,7 @@ impl Report {
                     let c = sorted(updates.iter().map(|u| u.connects));
                     let o = sorted(updates.iter().filter_map(|u| u.open_connection));
                     rows.push(dur_row(
-                        "  of which new connects dropped, p50 (p99)",
+                        "  of which new connects refused, p50 (p99)",
                         pct(&c, 0.5),
                         None,
                         format!("(p99 {})", opt_dur(pct(&c, 0.99))),
@@ -281,7 +281,7 @@ impl Report {
                 }
             }
             rows.push(dur_row(
-                "  the proxy refusing a name (no upstream, no nft), p50 (p99)",
+                "  the proxy refusing a name (no upstream, no nftables), p50 (p99)",
                 pct(&l.refused, 0.5),
                 None,
                 format!("(p99 {})", opt_dur(pct(&l.refused, 0.99))),
@@ -335,12 +335,12 @@ impl Report {
              first byte, and takes the later of the two; the figures are good to about 1 ms; p99 is nearest-rank (of 100 samples or fewer, the largest). The raw veth path is a plain \
              namespace behind the edge's, routed and masqueraded there like the sandboxes, without OpenDsec's table; \
              iperf3 is the host's, run by `ip netns exec` in the sandbox's namespace or the raw one, one TCP stream, the \
-             receiver's rate. DNS: one UDP A query per fresh socket; the proxy asks the upstream every time and runs nft \
-             for the learned set before it answers; direct = from the edge's namespace to the same server. Creates: \
+             receiver's rate. DNS: one UDP A query per fresh socket; the proxy asks the upstream every time and applies \
+             one nftables transaction for the learned set before it answers; direct = from the edge's namespace to the same server. Creates: \
              `opendsec up` with its default --warm-sandboxes 2 (a create claims a warm container: with networking that \
-             is a namespace hand-over and the policy's first nft transaction), both in the edge's namespace, one after \
+             is a namespace hand-over and the policy's first nftables transaction), both in the edge's namespace, one after \
              the other; back to back = the next create as soon as the last sandbox is freed (the edge still refilling \
-             its pool and removing the last sandbox's network meanwhile), spaced = each create once the pool holds 2 \
+             its pool, and removing the last sandbox's network whenever no create runs), spaced = each create once the pool holds 2 \
              warm containers again and 300 ms have passed.\n",
         );
         for n in &self.notes {
