@@ -88,6 +88,8 @@ IMAGE_TEST_PACKAGES=(docker-registry skopeo apache2-utils bindfs)
 # What the images benchmark (ops/bench.sh images) runs beside OpenDsec: the same registry
 # and skopeo, and umoci, which unpacks the image into a bundle the raw way.
 IMAGE_BENCH_PACKAGES=(docker-registry skopeo umoci)
+# What the network benchmark (ops/bench.sh network) measures throughput with, from a sandbox's namespace and a raw one.
+NETWORK_BENCH_PACKAGES=(iperf3)
 # Node.js and npm, with which the E2B JS SDK suite (server/tests/e2b_js.rs) runs the
 # unmodified npm packages (ops/e2b-js.sh installs them, only where `node` or `npm` is
 # missing: a Node.js from another source, e.g. NodeSource's, carries its own npm and

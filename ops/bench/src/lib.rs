@@ -15,11 +15,15 @@
 //! * [`images`]: `opendsec-bench images`: a ~500 MB OCI image through a real
 //!   `opendsec up` (cold pull and create, warm create, disk of many sandboxes) beside
 //!   `skopeo copy` + `umoci unpack` + `crun run`.
+//! * [`network`]: `opendsec-bench network`: container sandboxes' network through a real
+//!   `opendsec up` in namespaces of its own (policy update to enforcement, iperf3 beside
+//!   a raw veth path, DNS proxy beside a direct query, create with and without it).
 
 pub mod etcd;
 pub mod fold;
 pub mod images;
 pub mod load;
+pub mod network;
 pub mod opendsec;
 pub mod redb_raw;
 pub mod report;

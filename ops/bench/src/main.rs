@@ -4,6 +4,8 @@
 //! `opendsec up`, beside raw `crun run`. See `opendsec_bench::sandboxes`.
 //! `opendsec-bench images`: a ~500 MB OCI image through a real `opendsec up`, beside
 //! `skopeo copy` + `umoci unpack` + `crun run`. See `opendsec_bench::images`.
+//! `opendsec-bench network`: container sandboxes' network through a real `opendsec up`
+//! in namespaces of its own, beside the raw veth path. See `opendsec_bench::network`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -34,6 +36,21 @@ enum Cmd {
     /// static agent): cold pull + create beside `skopeo copy` + `umoci unpack` + `crun
     /// run`, warm create beside `base`, the disk many sandboxes of it take.
     Images(ImageArgs),
+    /// Container sandboxes' network through a real `opendsec up` run in an internet of
+    /// network namespaces of the bench's own (needs root, crun/runc, nftables, iproute2,
+    /// nsenter, iperf3, the release binaries and the static agent): policy update to
+    /// enforcement both ways, iperf3 through the policy beside a raw veth path, DNS
+    /// proxy answers beside a direct query, create -> first output with and without
+    /// sandbox networking.
+    Network(NetworkArgs),
+    /// Internal: removes the sandbox network a stopped edge left, in this process's
+    /// network namespace (`opendsec_edge::net::forget`); the benchmarks run it under
+    /// `nsenter --net` for an `opendsec up` they ran in a namespace of their own.
+    #[command(name = opendsec_bench::sandboxes::FORGET_NETWORK_CMD, hide = true)]
+    ForgetNetwork {
+        /// The edge's data directory (`<opendsec up --data-dir>/edge`).
+        edge_data_dir: PathBuf,
+    },
 }
 
 /// Where a benchmark that runs `opendsec up` finds its binaries and keeps its data.
@@ -65,6 +82,27 @@ struct ImageArgs {
     /// Sandboxes of the image run at once for the disk measurement (0: skip it).
     #[arg(long, default_value_t = 100)]
     sandboxes: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    up: UpArgs,
+}
+
+#[derive(clap::Args)]
+struct NetworkArgs {
+    /// Policy updates each way (p50/p99), and DNS queries of each kind.
+    #[arg(long, default_value_t = 50)]
+    runs: usize,
+    /// Create -> first output runs with sandbox networking, and as many without.
+    #[arg(long, default_value_t = 20)]
+    create_runs: usize,
+    /// iperf3 rounds (each: sandbox and raw path, both ways; medians are printed).
+    #[arg(long, default_value_t = 3)]
+    iperf_rounds: usize,
+    /// Seconds of each iperf3 test (`iperf3 -t`).
+    #[arg(long, default_value_t = 5)]
+    iperf_seconds: u32,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -149,6 +187,11 @@ async fn main() {
         Cmd::Log(a) => run_log(a).await,
         Cmd::Sandboxes(a) => run_sandboxes(a).await,
         Cmd::Images(a) => run_images(a).await,
+        Cmd::Network(a) => run_network(a).await,
+        Cmd::ForgetNetwork { edge_data_dir } => {
+            opendsec_bench::sandboxes::forget_network_here(&edge_data_dir);
+            0
+        }
     };
     std::process::exit(code);
 }
@@ -234,13 +277,71 @@ async fn run_images(a: ImageArgs) -> i32 {
         agent_bin: agent,
         image_dir: a.up.image_dir.clone(),
     };
-    let r = match until_signal(opendsec_bench::images::run(o)).await {
+    let r = match until_signal(
+        opendsec_bench::images::run(o),
+        opendsec_bench::sandboxes::emergency_teardown,
+    )
+    .await
+    {
         Ok(r) => r,
         Err(code) => return code,
     };
     println!();
     println!(
         "images (sandboxes: memory_mb 64, cpu_millis 100, 64 MB disk; {cores} cores, {mem_gib:.1} GiB, load average {load1} at start; {:.0} s total):",
+        started.elapsed().as_secs_f64()
+    );
+    print!("{}", r.summary());
+    if let Some(p) = &a.json
+        && let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&r.json()).unwrap())
+    {
+        eprintln!("cannot write {p:?}: {e}");
+        return 1;
+    }
+    if r.failed() { 1 } else { 0 }
+}
+
+async fn run_network(a: NetworkArgs) -> i32 {
+    let (data_dir, bin, agent) = match resolve_up(&a.up, "network") {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let (cores, mem_gib, load1) = host_info();
+    eprintln!(
+        "opendsec-bench network: {} policy updates each way and DNS queries, {} creates per mode, {} iperf3 round(s) of {} s; {cores} cores, {mem_gib:.1} GiB, load {load1}; data under {}, store {}",
+        a.runs,
+        a.create_runs,
+        a.iperf_rounds,
+        a.iperf_seconds,
+        data_dir.display(),
+        a.up.image_dir.display()
+    );
+    let started = Instant::now();
+    let o = opendsec_bench::network::Options {
+        runs: a.runs,
+        create_runs: a.create_runs,
+        iperf_rounds: a.iperf_rounds,
+        iperf_seconds: a.iperf_seconds,
+        data_dir,
+        opendsec_bin: bin,
+        agent_bin: agent,
+        image_dir: a.up.image_dir.clone(),
+    };
+    let r = match until_signal(
+        opendsec_bench::network::run(o),
+        opendsec_bench::network::emergency_teardown,
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    println!();
+    println!(
+        "network (busybox sandboxes, opendsec up --microvm off in a namespace of its own, default --warm-sandboxes 2; {cores} cores, {mem_gib:.1} GiB, load average {load1} at start; {:.0} s total):",
         started.elapsed().as_secs_f64()
     );
     print!("{}", r.summary());
@@ -282,7 +383,12 @@ async fn run_sandboxes(a: SandboxArgs) -> i32 {
         burst_timeout: std::time::Duration::from_secs(a.burst_timeout),
         skip_runc: a.skip_runc,
     };
-    let r = match until_signal(opendsec_bench::sandboxes::run(o)).await {
+    let r = match until_signal(
+        opendsec_bench::sandboxes::run(o),
+        opendsec_bench::sandboxes::emergency_teardown,
+    )
+    .await
+    {
         Ok(r) => r,
         Err(code) => return code,
     };
@@ -504,14 +610,14 @@ async fn run_log(a: LogArgs) -> i32 {
 }
 
 /// Runs a benchmark that starts sandboxes; on Ctrl-C or SIGTERM it tears down what the
-/// run started and gives the exit code to end with (130, 143).
-async fn until_signal<T>(run: impl std::future::Future<Output = T>) -> Result<T, i32> {
+/// run started (`teardown`) and gives the exit code to end with (130, 143).
+async fn until_signal<T>(run: impl std::future::Future<Output = T>, teardown: fn()) -> Result<T, i32> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
     let code = tokio::select! {
         r = run => return Ok(r),
         _ = tokio::signal::ctrl_c() => 130,
         _ = term.recv() => 143,
     };
-    opendsec_bench::sandboxes::emergency_teardown();
+    teardown();
     Err(code)
 }

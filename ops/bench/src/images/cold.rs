@@ -85,6 +85,7 @@ async fn fresh_up(o: &Options, work: &Path, name: &str) -> Result<UpGuard, Strin
             opendsec_bin: o.opendsec_bin.clone(),
             agent_bin: o.agent_bin.clone(),
             extra_args: super::UP_ARGS.iter().map(|s| s.to_string()).collect(),
+            netns: None,
         },
         8,
     )

@@ -297,6 +297,7 @@ async fn warm_and_disk(o: &Options, work: &Path, reference: &str, report: &mut R
                 agent_bin: o.agent_bin.clone(),
                 image_dir: o.image_dir.clone(),
                 extra_args: UP_ARGS.iter().map(|s| s.to_string()).collect(),
+                netns: None,
             },
             capacity,
         )

@@ -95,12 +95,12 @@ impl UpGuard {
 }
 
 /// What the create-path runs measured.
-pub(super) struct CreateRuns {
+pub(crate) struct CreateRuns {
     /// Create -> first stdout, sorted; the warm-up run is not in it.
-    pub(super) times: Vec<Duration>,
+    pub(crate) times: Vec<Duration>,
     /// The `config.json` the edge wrote for the first sandbox (the raw baseline runs it).
-    pub(super) config: Option<Value>,
-    pub(super) errors: Vec<String>,
+    pub(crate) config: Option<Value>,
+    pub(crate) errors: Vec<String>,
 }
 
 impl UpGuard {
@@ -130,11 +130,22 @@ impl UpGuard {
 
 /// `runs` creates (+1 warm-up) of `body`, each timed to the first output of `echo hi`,
 /// then deleted and freed; stops early after more than 5 errors.
-pub(super) async fn first_output_runs(up: &UpGuard, body: &Value, runs: usize) -> CreateRuns {
+pub(crate) async fn first_output_runs(up: &UpGuard, body: &Value, runs: usize) -> CreateRuns {
+    first_output_runs_paced(up, body, runs, async |_| {}).await
+}
+
+/// [`first_output_runs`], awaiting `before_each` (not timed) before each create.
+pub(crate) async fn first_output_runs_paced(
+    up: &UpGuard,
+    body: &Value,
+    runs: usize,
+    before_each: impl AsyncFn(&UpGuard),
+) -> CreateRuns {
     let mut api: Vec<Duration> = Vec::new();
     let mut config: Option<Value> = None;
     let mut errors = Vec::new();
     for i in 0..=runs {
+        before_each(up).await;
         let (id, r) = up.create_then_echo(body, Duration::from_secs(60)).await;
         match r {
             Ok(d) if i > 0 => api.push(d),

@@ -12,7 +12,7 @@
 //! down by [`up::UpGuard`] and the raw bundles on drop (also on error).
 
 pub(crate) mod burst;
-mod create;
+pub(crate) mod create;
 pub(crate) mod host;
 mod memory;
 mod pause;
@@ -28,7 +28,7 @@ use serde_json::json;
 
 pub use host::mounts_under;
 pub use report::Results;
-pub use up::{UpConfig, UpGuard, emergency_teardown};
+pub use up::{FORGET_NETWORK_CMD, UpConfig, UpGuard, UpNetns, emergency_teardown, forget_network_here};
 
 use crate::log_tail;
 
@@ -63,6 +63,7 @@ pub async fn run(o: Options) -> Results {
         agent_bin: o.agent_bin.clone(),
         image_dir: o.image_dir.clone(),
         extra_args: Vec::new(),
+        netns: None,
     };
     let up = match UpGuard::start(&up_config, capacity).await {
         Ok(u) => Arc::new(u),

@@ -1,10 +1,14 @@
 //! The server under test: [`UpGuard`] starts a real `opendsec up` (control plane,
 //! gateway and embedded edge in one process) with its own ports and data directory,
-//! bootstraps it, waits for the edge, and speaks REST to it. Dropping it (or
+//! bootstraps it, waits for the edge, and speaks REST to it. It may run inside a network
+//! namespace of the caller's ([`UpNetns`]: started with `nsenter --net`, listening on
+//! an address of that namespace the caller reaches). Dropping it (or
 //! [`emergency_teardown`] from a signal handler) stops the server (SIGTERM, then
 //! SIGKILL; PR_SET_PDEATHSIG besides), deletes every container the edge left through
-//! the runtime, detaches the mounts and removes the directory.
+//! the runtime, removes its sandboxes' network (`opendsec_edge::net::forget`),
+//! detaches the mounts and removes the directory.
 
+use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -27,6 +31,18 @@ pub struct UpConfig {
     pub image_dir: PathBuf,
     /// More `opendsec up` flags (after those of `OPENDSEC_BENCH_UP_ARGS`).
     pub extra_args: Vec<String>,
+    /// The network namespace it runs in (`None`: the caller's, on 127.0.0.1).
+    pub netns: Option<UpNetns>,
+}
+
+/// Where an `opendsec up` in a network namespace runs and listens.
+#[derive(Clone, Debug)]
+pub struct UpNetns {
+    /// The namespace's name (under /run/netns).
+    pub name: String,
+    /// An address of that namespace the caller reaches: the API, the peer port and the
+    /// edge's proxy listen on it.
+    pub addr: Ipv4Addr,
 }
 
 /// A running `opendsec up`. Drop stops it and removes every sandbox, mount and file it left.
@@ -42,6 +58,7 @@ pub struct UpGuard {
     pub client: reqwest::Client,
     hybrid: bool,
     keep: bool,
+    netns: Option<String>,
 }
 
 impl UpGuard {
@@ -72,12 +89,14 @@ impl UpGuard {
         let dir = o.dir.clone();
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("create {dir:?}: {e}"))?;
+        // Ports free here are free in a fresh namespace too.
+        let host = o.netns.as_ref().map(|n| n.addr).unwrap_or(Ipv4Addr::LOCALHOST);
         let mut up = UpGuard {
             data: dir.join("data"),
             log: dir.join("up.log"),
-            http: format!("127.0.0.1:{}", free_port()?),
-            peer: format!("127.0.0.1:{}", free_port()?),
-            edge: format!("127.0.0.1:{}", free_port()?),
+            http: format!("{host}:{}", free_port()?),
+            peer: format!("{host}:{}", free_port()?),
+            edge: format!("{host}:{}", free_port()?),
             dir,
             child: None,
             token: String::new(),
@@ -88,9 +107,20 @@ impl UpGuard {
                 .map_err(|e| e.to_string())?,
             hybrid: host_is_cgroup_hybrid(),
             keep: std::env::var_os("OPENDSEC_BENCH_KEEP").is_some(),
+            netns: o.netns.as_ref().map(|n| n.name.clone()),
         };
         let log = std::fs::File::create(&up.log).map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(&o.opendsec_bin);
+        // nsenter joins the namespace and execs `opendsec` (no fork): the child is it.
+        let mut cmd = match &o.netns {
+            None => Command::new(&o.opendsec_bin),
+            Some(n) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{}", n.name))
+                    .arg("--")
+                    .arg(&o.opendsec_bin);
+                c
+            }
+        };
         cmd.arg("up")
             .arg("--data-dir")
             .arg(&up.data)
@@ -273,6 +303,7 @@ struct Teardown {
     data: PathBuf,
     hybrid: bool,
     keep: bool,
+    netns: Option<String>,
 }
 
 static LIVE: Mutex<Option<Teardown>> = Mutex::new(None);
@@ -340,6 +371,7 @@ fn teardown(t: &Teardown, child: Option<&mut Child>) {
         umount_detach(&d.join("rootfs"));
         umount_detach(&d.join("disk"));
     }
+    forget_network(&t.data.join("edge"), t.netns.as_deref());
     for m in mounts_under(&t.dir).iter().rev() {
         umount_detach(Path::new(m));
     }
@@ -349,6 +381,50 @@ fn teardown(t: &Teardown, child: Option<&mut Child>) {
         let _ = std::fs::remove_dir_all(&t.dir);
     } else {
         eprintln!("WARNING: mounts left under {}; not removing it", t.dir.display());
+    }
+}
+
+/// The hidden `opendsec-bench` subcommand that runs [`forget_network_here`] (this
+/// executable runs it under `nsenter --net` for an edge in another namespace).
+pub const FORGET_NETWORK_CMD: &str = "forget-network";
+
+/// `opendsec_edge::net::forget` of the edge whose data directory is `edge_data`, in the
+/// caller's network namespace.
+pub fn forget_network_here(edge_data: &Path) {
+    opendsec_edge::net::forget(edge_data, Path::new(opendsec_edge::net::DEFAULT_STATE_DIR));
+}
+
+/// Removes the sandboxes' network the stopped edge (data directory `edge_data`) left:
+/// its table and the host ends of its veths live in the namespace it ran in, and are
+/// removed from there; the sandboxes' namespaces, sysfs mounts and address claims are
+/// host-wide. `forget` does its netlink and nftables work on the edge crate's one netns
+/// worker thread, which stays in the namespace it started in whatever thread calls it:
+/// a thread of ours entering the edge's namespace would not take it along. So an edge
+/// in a namespace of its own is forgotten by a process started there (this executable's
+/// [`FORGET_NETWORK_CMD`] under `nsenter --net`); if that fails, by this one, which
+/// still removes the host-wide part (the rest goes with the namespace).
+fn forget_network(edge_data: &Path, netns: Option<&str>) {
+    let Some(ns) = netns else {
+        return forget_network_here(edge_data);
+    };
+    let run = std::env::current_exe().and_then(|exe| {
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{ns}"))
+            .arg("--")
+            .arg(exe)
+            .arg(FORGET_NETWORK_CMD)
+            .arg(edge_data)
+            .stdin(Stdio::null())
+            .status()
+    });
+    match run {
+        Ok(s) if s.success() => {}
+        other => {
+            eprintln!(
+                "WARNING: forgetting the sandbox network in namespace {ns} failed ({other:?}): removing its host-wide part from here"
+            );
+            forget_network_here(edge_data);
+        }
     }
 }
 
@@ -369,6 +445,7 @@ impl UpGuard {
             data: self.data.clone(),
             hybrid: self.hybrid,
             keep: self.keep,
+            netns: self.netns.clone(),
         }
     }
 }
