@@ -546,3 +546,21 @@ fn a_bad_egress_proxy_is_refused_naming_the_field() {
         assert_eq!(refused_field(bad), field, "{bad}");
     }
 }
+
+#[test]
+fn a_name_alone_is_judged_with_its_port_as_an_address_would_be() {
+    let p = policy(r#"{"allow_out":["pkgs.example.com:443","*.cdn.example.com"]}"#);
+    assert!(p.allows_name_on("pkgs.example.com", 443, Protocol::Tcp));
+    assert!(!p.allows_name_on("pkgs.example.com", 80, Protocol::Tcp));
+    assert!(p.allows_name_on("a.cdn.example.com.", 80, Protocol::Tcp));
+    assert!(!p.allows_name_on("cdn.example.com", 80, Protocol::Tcp));
+    let open = policy(r#"{"allow_internet_access":true,"deny_out":[{"to":"bad.example.com","ports":[22]}]}"#);
+    assert!(open.allows_name_on("any.example.org", 443, Protocol::Tcp));
+    assert!(!open.allows_name_on("bad.example.com", 22, Protocol::Tcp));
+    assert!(open.allows_name_on("bad.example.com", 443, Protocol::Tcp));
+    assert!(
+        !open.allows_name_on("dns.example.org", 853, Protocol::Tcp),
+        "DNS over TLS is never the internet's"
+    );
+    assert!(!Policy::default().allows_name_on("pkgs.example.com", 443, Protocol::Tcp));
+}

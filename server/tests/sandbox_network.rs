@@ -529,6 +529,52 @@ async fn the_edges_own_proxy_carries_every_sandboxs_public_tcp_and_reaches_a_san
     assert!(lookup(&up, &own, "pkgs.test").await.contains(&PKGS.to_string()));
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn where_the_sites_dns_knows_no_public_names_the_edges_proxy_resolves_them() {
+    let inet = Internet::start();
+    inet.start_proxies();
+    let url = format!("socks5://{PROXY_USER}:{PROXY_PASSWORD}@{SOCKS_PROXY}:{SOCKS_PORT}");
+    let up = Up::start_in_netns_env(
+        &inet.edge_ns,
+        inet.mgmt,
+        &internet::DNS.to_string(),
+        &[("OPENDSEC_EGRESS_PROXY", url.as_str())],
+    )
+    .await;
+    let id = sandbox(&up, json!({"allow_out": ["pkgs.offline:80"]})).await;
+    // The site's resolver refuses the name: the sandbox is answered a stand-in address,
+    // and the relay asks the proxy for the name, which it resolves itself.
+    let said = lookup(&up, &id, "pkgs.offline").await;
+    assert!(
+        said.contains("198.18.") || said.contains("198.19."),
+        "a stand-in: {said}"
+    );
+    reaches(
+        &up,
+        &id,
+        "http://pkgs.offline/",
+        &format!("{PKGS} 80 for {SOCKS_PROXY}"),
+    )
+    .await;
+    // Only on the port its policy names; a name it does not allow gets nothing.
+    blocked(&up, &id, "http://pkgs.offline:8080/").await;
+    refused(&up, &id, "other.offline").await;
+    // A live update that takes the name away takes its stand-in too.
+    let (s, v) = set_network(&up, &id, json!({"allow_out": ["other.test"]})).await;
+    assert_eq!(s, 200, "{v}");
+    let standin = said
+        .lines()
+        .filter_map(|l| l.split_whitespace().last())
+        .find(|a| a.starts_with("198.1"))
+        .expect("the stand-in's address")
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&up, &id, &format!("http://{standin}/")).await.is_some() {
+        assert!(Instant::now() < deadline, "the stand-in outlived its name's allow rule");
+    }
+    refused(&up, &id, "pkgs.offline").await;
+}
+
 /// Whether some edge on this host still records addresses for `owner`.
 fn holds_addresses(owner: &str) -> bool {
     let needle = format!("\"owner\":\"{owner}\"");

@@ -553,6 +553,26 @@ impl Policy {
         !never_a_proxy(ip) && (!is_special(ip) || self.names_block_of(ip))
     }
 
+    /// Whether the sandbox may reach `name` on `port` over `proto` (an allow rule naming
+    /// it and the port, or the public internet without a deny rule that names both; never
+    /// DNS or DNS over TLS through the internet rule). What a connection to a name alone
+    /// (a proxy resolves it) is judged by.
+    pub fn allows_name_on(&self, name: &str, port: u16, proto: Protocol) -> bool {
+        if self
+            .allow_out
+            .iter()
+            .any(|r| name_matches(r, name) && covers(r, port, proto))
+        {
+            return true;
+        }
+        self.allow_internet
+            && !matches!(port, 53 | 853)
+            && !self
+                .deny_out
+                .iter()
+                .any(|r| name_matches(r, name) && covers(r, port, proto))
+    }
+
     /// Whether the sandbox may resolve and then reach `name` (on some port).
     pub fn allows_name(&self, name: &str) -> bool {
         if self.allow_out.iter().any(|r| name_matches(r, name)) {

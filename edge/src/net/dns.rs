@@ -9,6 +9,12 @@
 //! there; an address in special space (private, loopback, link-local, ...) is taken out
 //! of the answer unless a block rule opens it (DNS rebinding), and an answer left with
 //! no address is REFUSED.
+//!
+//! Where a proxy carries the sandbox's TCP and the upstream resolvers cannot answer an
+//! allowed name (they fail, time out or refuse: a site whose DNS knows no public names),
+//! an A query is answered with a stand-in address (`rules::STANDINS`) for the name, and
+//! an AAAA query with no address, so the sandbox connects to the stand-in, which its
+//! chain lets through to the relay, and the relay asks the proxy for the name.
 
 use super::{NetError, Network, rules};
 use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
@@ -167,10 +173,15 @@ pub async fn answer(net: &Network, query: &[u8], from: IpAddr, tcp: bool) -> Opt
         tracing::debug!(slot = sandbox.slot, %name, "DNS: refused by the sandbox's policy");
         return reply(&q, ResponseCode::Refused);
     }
-    let Some(raw) = ask_upstream(net.upstream(), query, q.metadata.id, tcp).await else {
-        return reply(&q, ResponseCode::ServFail);
-    };
-    let Ok(mut resp) = Message::from_vec(&raw) else {
+    let asked = ask_upstream(net.upstream(), query, q.metadata.id, tcp).await;
+    let resp = asked.as_deref().and_then(|raw| Message::from_vec(raw).ok());
+    let failed = resp
+        .as_ref()
+        .is_none_or(|r| matches!(r.metadata.response_code, ResponseCode::ServFail | ResponseCode::Refused));
+    if failed {
+        return standin_answer(net, &q, sandbox.slot, &sandbox.policy, &name).await;
+    }
+    let (Some(raw), Some(mut resp)) = (asked, resp) else {
         return reply(&q, ResponseCode::ServFail);
     };
     let mut learned: Vec<(IpAddr, u64)> = Vec::new();
@@ -206,6 +217,43 @@ pub async fn answer(net: &Network, query: &[u8], from: IpAddr, tcp: bool) -> Opt
     }
     resp.to_vec().ok()
 }
+
+/// The answer to `q` for `name` when the upstream resolvers gave none: a stand-in address
+/// where a proxy carries the sandbox's TCP (none for AAAA: the sandbox then connects over
+/// IPv4 to the stand-in), else SERVFAIL.
+async fn standin_answer(
+    net: &Network,
+    q: &Message,
+    slot: u32,
+    policy: &opendsec_commands::network::Policy,
+    name: &str,
+) -> Option<Vec<u8>> {
+    use hickory_proto::rr::{RData, Record, RecordType, rdata::A};
+    let ty = q.queries[0].query_type;
+    if !matches!(ty, RecordType::A | RecordType::AAAA) {
+        return reply(q, ResponseCode::ServFail);
+    }
+    let Some(addr) = net.standin_for(slot, policy, name).await else {
+        return reply(q, ResponseCode::ServFail);
+    };
+    let mut m = Message::response(q.metadata.id, q.metadata.op_code);
+    m.metadata.recursion_desired = q.metadata.recursion_desired;
+    m.metadata.recursion_available = true;
+    m.queries = q.queries.clone();
+    if ty == RecordType::A {
+        m.add_answer(Record::from_rdata(
+            q.queries[0].name.clone(),
+            STANDIN_TTL_S,
+            RData::A(A(addr)),
+        ));
+    }
+    tracing::debug!(slot, %name, %addr, "DNS: no upstream answer; a stand-in for the proxy");
+    m.to_vec().ok()
+}
+
+/// How long a stand-in answer may be cached (the stand-in itself lasts as long as the
+/// sandbox's policy allows its name).
+const STANDIN_TTL_S: u32 = 60;
 
 /// Asks the upstream resolvers in turn; the first answer with the query's id wins.
 async fn ask_upstream(upstream: &[SocketAddr], query: &[u8], id: u16, tcp: bool) -> Option<Vec<u8>> {

@@ -78,6 +78,14 @@ use std::time::{Duration, Instant};
 /// The names a sandbox was answered, by address, each until its answer expires.
 type AnsweredNames = HashMap<IpAddr, (String, Instant)>;
 
+/// A sandbox's stand-in addresses, both ways (see `rules::STANDINS`).
+#[derive(Default)]
+struct Standins {
+    by_name: HashMap<String, Ipv4Addr>,
+    by_addr: HashMap<Ipv4Addr, String>,
+    next: u32,
+}
+
 /// The last reading of every sandbox's link and drop counters, and when it was taken.
 type CountersTaken = (Instant, BTreeMap<String, LinkCounters>, BTreeMap<String, u64>);
 
@@ -218,6 +226,8 @@ pub struct Network {
     /// Per slot, the name the DNS proxy last answered each address for (what the relay
     /// asks a proxy for), with when it expires.
     names: Mutex<HashMap<u32, AnsweredNames>>,
+    /// Per slot, the stand-in addresses its DNS answers hold (see `rules::STANDINS`).
+    standins: Mutex<HashMap<u32, Standins>>,
     drops: Arc<drops::DropLog>,
     /// Held while this edge runs (an flock): no second edge with its tag.
     _lock: std::fs::File,
@@ -401,6 +411,7 @@ impl Network {
             relay: Mutex::new(Some(relay)),
             edge_proxy: cfg.egress_proxy.clone(),
             names: Mutex::new(HashMap::new()),
+            standins: Mutex::new(HashMap::new()),
             drops,
             veth_prefix: format!("od{tag}"),
             tag,
@@ -512,15 +523,87 @@ impl Network {
         }
     }
 
-    /// The name the DNS proxy last answered slot `slot` for `ip`, while its answer holds.
+    /// The stand-in address of `name` for slot `slot` (made and let through its chain
+    /// now if it has none), where a proxy carries its TCP; `None`: no proxy, or no more
+    /// stand-ins for it ([`NAMES_KEPT`]), or its set cannot take it.
+    pub async fn standin_for(&self, slot: u32, policy: &Policy, name: &str) -> Option<Ipv4Addr> {
+        if !self.proxied(policy) {
+            return None;
+        }
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+        let (base, len) = rules::STANDINS;
+        let made = {
+            let mut all = self.standins.lock().expect("standins lock");
+            let s = all.entry(slot).or_default();
+            if let Some(a) = s.by_name.get(&name) {
+                return Some(*a);
+            }
+            if s.by_addr.len() >= NAMES_KEPT {
+                return None;
+            }
+            let room = (1u32 << (32 - len)) - 2;
+            let a = Ipv4Addr::from(u32::from(base) + 1 + s.next % room);
+            s.next += 1;
+            s.by_name.insert(name.clone(), a);
+            s.by_addr.insert(a, name.clone());
+            a
+        };
+        let script = format!(
+            "add element inet {} {} {{ {made} }}\n",
+            self.table,
+            rules::standin_set(slot)
+        );
+        if let Err(e) = nft::apply_async(&script).await {
+            tracing::warn!(slot, %name, error = %e, "DNS: cannot let a stand-in address through");
+            if let Some(s) = self.standins.lock().expect("standins lock").get_mut(&slot) {
+                s.by_name.remove(&name);
+                s.by_addr.remove(&made);
+            }
+            return None;
+        }
+        Some(made)
+    }
+
+    /// Slot `slot`'s stand-ins that `policy` still allows the names of (the others are
+    /// forgotten): what its set holds under it; `None` where no proxy carries its TCP.
+    fn standins_kept(&self, slot: u32, policy: &Policy) -> Option<Vec<Ipv4Addr>> {
+        let mut all = self.standins.lock().expect("standins lock");
+        if !self.proxied(policy) {
+            all.remove(&slot);
+            return None;
+        }
+        let s = all.entry(slot).or_default();
+        s.by_name.retain(|n, _| policy.allows_name(n));
+        let kept: std::collections::HashSet<Ipv4Addr> = s.by_name.values().copied().collect();
+        s.by_addr.retain(|a, _| kept.contains(a));
+        let mut addrs: Vec<Ipv4Addr> = kept.into_iter().collect();
+        addrs.sort();
+        Some(addrs)
+    }
+
+    /// Whether `ip` is a stand-in address (it stands for a name: never reached as itself).
+    pub fn is_standin(ip: IpAddr) -> bool {
+        let (base, len) = rules::STANDINS;
+        opendsec_commands::network::contains(IpAddr::V4(base), len, ip)
+    }
+
+    /// The name the DNS proxy last answered slot `slot` for `ip`, while its answer holds
+    /// (a stand-in's for as long as the sandbox's policy allows it).
     pub fn name_of(&self, slot: u32, ip: IpAddr) -> Option<String> {
+        if let IpAddr::V4(a) = ip
+            && Self::is_standin(ip)
+        {
+            let all = self.standins.lock().expect("standins lock");
+            return all.get(&slot)?.by_addr.get(&a).cloned();
+        }
         let all = self.names.lock().expect("names lock");
         let (name, until) = all.get(&slot)?.get(&ip)?;
         (*until > Instant::now()).then(|| name.clone())
     }
 
-    /// A connection of slot `slot` to `dest` that no proxy carried, among its drops.
-    pub fn note_proxy_failure(&self, slot: u32, dest: SocketAddr) {
+    /// A connection of slot `slot` to `dest` that the relay did not carry, among its drops:
+    /// `rule` `egress_proxy` (its proxy did not), or as its chain would name it.
+    pub fn note_refused(&self, slot: u32, dest: SocketAddr, rule: &str) {
         self.drops.note(
             slot,
             drops::Drop {
@@ -528,7 +611,7 @@ impl Network {
                 protocol: "tcp".into(),
                 destination: dest.ip(),
                 port: Some(dest.port()),
-                rule: "egress_proxy".into(),
+                rule: rule.into(),
                 packets: 1,
             },
         );
@@ -555,6 +638,7 @@ impl Network {
             veth,
             v4: slot.v4,
             v6: slot.v6,
+            standins: None,
         }
     }
 
@@ -709,16 +793,19 @@ impl Network {
                 Policy::default()
             }),
         };
-        let sets = rules::learned_sets(slot.slot, &policy);
+        let standins = self.standins_kept(slot.slot, &policy);
+        let mut sets = rules::learned_sets(slot.slot, &policy);
+        if standins.is_some() {
+            sets.insert(rules::standin_set(slot.slot));
+        }
         let stale: BTreeSet<String> = old_sets.difference(&sets).cloned().collect();
         let generation = self.generation.fetch_add(1, Ordering::Relaxed).max(1);
         let veth = self.veth(slot.slot);
-        nft::apply(&rules::sandbox_script(
-            &self.place(&slot, &veth),
-            &policy,
-            generation,
-            &stale,
-        ))?;
+        let place = rules::SandboxPlace {
+            standins: standins.as_deref(),
+            ..self.place(&slot, &veth)
+        };
+        nft::apply(&rules::sandbox_script(&place, &policy, generation, &stale))?;
         let _ = std::fs::write(self.policy_path(slot.slot), network.unwrap_or_default());
         self.index(&slot, Arc::new(policy));
         if let Some(a) = self.attached.lock().expect("attached lock").get_mut(owner) {
@@ -763,6 +850,7 @@ impl Network {
             }
         }
         self.names.lock().expect("names lock").remove(&slot.slot);
+        self.standins.lock().expect("standins lock").remove(&slot.slot);
         self.drops.forget(slot.slot);
         self.pool.release(slot.slot);
     }
@@ -814,7 +902,13 @@ impl Network {
                         slot: slot.clone(),
                         // Applied again by the loop: the chain's generation is the last run's.
                         applied: None,
-                        sets: rules::learned_sets(slot.slot, &policy),
+                        sets: {
+                            let mut sets = rules::learned_sets(slot.slot, &policy);
+                            if self.proxied(&policy) {
+                                sets.insert(rules::standin_set(slot.slot));
+                            }
+                            sets
+                        },
                     },
                 );
             } else {

@@ -20,7 +20,7 @@
 //! operator's, and trusted.
 
 use super::{NetError, Network};
-use opendsec_commands::network::{EgressProxy, Policy, ProxyKind, ProxyTls};
+use opendsec_commands::network::{EgressProxy, Policy, Protocol, ProxyKind, ProxyTls};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -177,6 +177,22 @@ async fn carry(net: &Network, mut stream: TcpStream, peer: IpAddr) {
         Some(name) => Target::Name(name, dest.port()),
         None => Target::Addr(dest),
     };
+    // A stand-in lets any TCP through the chain: its name and port are judged here.
+    if Network::is_standin(dest.ip()) {
+        let allowed = match &target {
+            Target::Name(name, port) => sandbox.policy.allows_name_on(name, *port, Protocol::Tcp),
+            Target::Addr(_) => false, // stands for nothing (any more)
+        };
+        if !allowed {
+            net.note_refused(sandbox.slot, dest, "default");
+            let zero = libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            };
+            let _ = nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &zero);
+            return;
+        }
+    }
     let opened = tokio::time::timeout(HANDSHAKE_TIMEOUT, open(&sandbox.policy, net.edge_proxy(), &target))
         .await
         .unwrap_or_else(|_| {
@@ -189,7 +205,7 @@ async fn carry(net: &Network, mut stream: TcpStream, peer: IpAddr) {
         Ok(s) => s,
         Err(e) => {
             tracing::info!(slot = sandbox.slot, target = %target.authority(), error = %e, "a proxy did not carry a sandbox's connection");
-            net.note_proxy_failure(sandbox.slot, dest);
+            net.note_refused(sandbox.slot, dest, "egress_proxy");
             // A reset, so the sandbox's client fails at once rather than reading nothing.
             let zero = libc::linger {
                 l_onoff: 1,

@@ -242,6 +242,20 @@ pub struct SandboxPlace<'a> {
     pub veth: &'a str,
     pub v4: Ipv4Addr,
     pub v6: Option<Ipv6Addr>,
+    /// Where a proxy carries its TCP: the stand-in addresses its DNS answers hold now
+    /// (see [`STANDINS`]), which its chain lets through to the relay; `None`: no proxy.
+    pub standins: Option<&'a [Ipv4Addr]>,
+}
+
+/// Stand-in addresses: where a proxy carries a sandbox's TCP and the edge's resolvers
+/// cannot answer a name it may reach (a site whose DNS knows no public names), the DNS
+/// proxy answers with one of these (the benchmarking block, special space that nothing
+/// else routes), and the relay asks the proxy for the name it stands for.
+pub const STANDINS: (Ipv4Addr, u8) = (Ipv4Addr::new(198, 18, 0, 0), 15);
+
+/// The set of slot `slot`'s stand-in addresses.
+pub fn standin_set(slot: u32) -> String {
+    format!("d{slot}_standin_4")
 }
 
 /// The chain of slot `slot`.
@@ -443,6 +457,11 @@ pub fn base_script(e: &EdgePlace) -> String {
             s,
             "add rule {t} proxy iifname {veths} meta l4proto tcp ip daddr != @special4 redirect to :{p4}"
         );
+        let (standins, len) = STANDINS;
+        let _ = writeln!(
+            s,
+            "add rule {t} proxy iifname {veths} meta l4proto tcp ip daddr {standins}/{len} redirect to :{p4}"
+        );
         let _ = writeln!(
             s,
             "add rule {t} proxy iifname {veths} meta l4proto tcp ip6 daddr != @special6 redirect to :{p6}"
@@ -528,6 +547,20 @@ pub fn sandbox_script(p: &SandboxPlace, policy: &Policy, generation: u32, stale_
         &mut s,
         &format!("ct state established,related ct mark {generation:#x} accept"),
     );
+    if let Some(addrs) = p.standins {
+        // Only names its policy allows have stand-ins (the relay judges their ports).
+        let set = standin_set(p.slot);
+        let _ = writeln!(s, "add set {t} {set} {{ type ipv4_addr; }}");
+        let _ = writeln!(s, "flush set {t} {set}");
+        if !addrs.is_empty() {
+            let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+            let _ = writeln!(s, "add element {t} {set} {{ {} }}", list.join(", "));
+        }
+        rule(
+            &mut s,
+            &format!("ip daddr @{set} meta l4proto tcp ct mark set {generation:#x} accept"),
+        );
+    }
     let denied = drop_log_prefix(p.table, p.slot, "deny_out");
     for l in chain_lines(p.slot, policy) {
         for text in line_text(&l, generation) {
@@ -860,6 +893,7 @@ mod tests {
             veth: "odabc1235",
             v4: Ipv4Addr::new(10, 231, 0, 5),
             v6: Some("fd6f:7064:7365::5".parse().unwrap()),
+            standins: None,
         }
     }
 
@@ -937,5 +971,37 @@ delete element inet t d1_a_6 { 2a00::1 }
 add element inet t d1_a_6 { 2a00::1 timeout 60s }
 "
         );
+    }
+}
+
+#[cfg(test)]
+mod standin_tests {
+    use super::*;
+
+    #[test]
+    fn a_proxied_sandboxs_chain_lets_its_stand_ins_through_to_the_relay_and_nothing_else() {
+        let addrs = [Ipv4Addr::new(198, 18, 0, 1), Ipv4Addr::new(198, 18, 0, 2)];
+        let place = SandboxPlace {
+            table: "t",
+            slot: 3,
+            veth: "odx3",
+            v4: Ipv4Addr::new(10, 231, 0, 3),
+            v6: None,
+            standins: Some(&addrs),
+        };
+        let text = sandbox_script(&place, &Policy::default(), 7, &BTreeSet::new());
+        assert!(text.contains("add set inet t d3_standin_4 { type ipv4_addr; }\nflush set inet t d3_standin_4\n"));
+        assert!(text.contains("add element inet t d3_standin_4 { 198.18.0.1, 198.18.0.2 }"));
+        let accept = text
+            .find("ip daddr @d3_standin_4 meta l4proto tcp ct mark set 0x7 accept")
+            .unwrap();
+        assert!(accept < text.find("default: ").unwrap(), "before the default refusal");
+        // The stand-ins lie in special space: nothing else reaches them.
+        assert!(is_special(IpAddr::V4(addrs[0])));
+        let none = SandboxPlace {
+            standins: None,
+            ..place
+        };
+        assert!(!sandbox_script(&none, &Policy::default(), 7, &BTreeSet::new()).contains("standin"));
     }
 }

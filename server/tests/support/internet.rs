@@ -53,6 +53,10 @@ pub const SOCKS_PORT: u16 = 1080;
 /// An HTTP CONNECT proxy (tinyproxy) on port [`HTTP_PROXY_PORT`].
 pub const HTTP_PROXY: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 81);
 pub const HTTP_PROXY_PORT: u16 = 3128;
+/// Names the test DNS server refuses (as a site's resolver that knows no public names),
+/// and the proxies resolve from their hosts file: [`OFFLINE_HOSTS`].
+pub const OFFLINE_ZONE: &str = ".offline";
+pub const OFFLINE_HOSTS: &[(&str, Ipv4Addr)] = &[("pkgs.offline", PKGS)];
 pub const PROXY_USER: &str = "odsec";
 pub const PROXY_PASSWORD: &str = "proxy-pw";
 
@@ -199,6 +203,11 @@ impl Internet {
         let etc = format!("/etc/netns/{}", self.net_ns);
         std::fs::create_dir_all(&etc).expect("create /etc/netns/<ns>");
         std::fs::write(format!("{etc}/resolv.conf"), format!("nameserver {DNS}\n")).unwrap();
+        let mut hosts = String::from("127.0.0.1 localhost\n");
+        for (name, addr) in OFFLINE_HOSTS {
+            hosts.push_str(&format!("{addr} {name}\n"));
+        }
+        std::fs::write(format!("{etc}/hosts"), hosts).unwrap();
         let conf = format!("{etc}/tinyproxy.conf");
         std::fs::write(
             &conf,
@@ -378,7 +387,12 @@ fn serve_dns(sock: UdpSocket, stop: Arc<AtomicBool>) {
         m.metadata.authoritative = true;
         m.metadata.recursion_desired = q.metadata.recursion_desired;
         m.queries = q.queries.clone();
-        match lookup(&query.name.to_ascii(), query.query_type) {
+        let name = query.name.to_ascii();
+        match lookup(&name, query.query_type) {
+            // A site's resolver that knows no public names: it refuses them.
+            None if name.trim_end_matches('.').ends_with(OFFLINE_ZONE) => {
+                m.metadata.response_code = ResponseCode::Refused
+            }
             None => m.metadata.response_code = ResponseCode::NXDomain,
             Some(addrs) => {
                 for a in addrs {
