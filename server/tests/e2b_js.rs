@@ -4,11 +4,16 @@
 //! installed SDK (`current`: e2b 2.51.0 with @e2b/code-interpreter 2.8.0; `previous`:
 //! e2b 2.50.0 with @e2b/code-interpreter 2.7.2), with nothing but `E2B_API_KEY`,
 //! `E2B_API_URL` and `E2B_SANDBOX_URL` (and PATH, HOME) in its environment. The module
-//! is the specification; read it.
+//! is the specification; read it. `e2b_js_network` runs `tests/e2b-js/network.test.mjs`
+//! (egress policies and an upstream proxy) against an `opendsec up` inside a test
+//! internet of its own (`support/internet.rs`).
 //!
 //! Needs root, crun or runc, the static agent, node 18 or later with the SDKs installed
-//! by `./ops/e2b-js.sh` (or `OPENDSEC_E2B_JS`), and the `base` image.
+//! by `./ops/e2b-js.sh` (or `OPENDSEC_E2B_JS`), and the `base` image; the network suite
+//! also nftables, microsocks and tinyproxy.
 
+#[path = "support/internet.rs"]
+mod internet;
 #[path = "support/up.rs"]
 mod up;
 
@@ -49,24 +54,29 @@ fn installed(set: &str) -> PathBuf {
 
 async fn run_suite(set: &str) {
     let _one = ONE_AT_A_TIME.lock().await;
+    let up = Up::start(None).await;
+    run_module(set, "sdk.test.mjs", &up).await;
+}
+
+/// Runs `module` of tests/e2b-js with SDK `set` against `up`.
+async fn run_module(set: &str, module: &str, up: &Up) {
     let sdk = installed(set);
     // The module runs from a directory of its own whose node_modules is the installed
     // SDK's: node resolves `e2b` from where the module lies.
     let work = tempfile::tempdir().unwrap();
     std::fs::copy(
-        workspace().join("server/tests/e2b-js/sdk.test.mjs"),
-        work.path().join("sdk.test.mjs"),
+        workspace().join("server/tests/e2b-js").join(module),
+        work.path().join(module),
     )
     .unwrap();
     std::fs::copy(sdk.join("package.json"), work.path().join("package.json")).unwrap();
     std::os::unix::fs::symlink(sdk.join("node_modules"), work.path().join("node_modules")).unwrap();
 
-    let up = Up::start(None).await;
     up.ensure_image("base", IMAGE_BUILD_LIMIT).await;
     let key = up.issue_e2b_key().await;
     let url = format!("http://{}", up.http);
     let mut cmd = tokio::process::Command::new("node");
-    cmd.args(["--test", "--test-concurrency=1", "sdk.test.mjs"])
+    cmd.args(["--test", "--test-concurrency=1", module])
         .current_dir(work.path())
         .env_clear()
         .env(
@@ -103,6 +113,16 @@ async fn run_suite(set: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_js_sdk_current() {
     run_suite("current").await;
+}
+
+/// Egress policies and an upstream proxy, through the SDK, in a test internet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_js_network() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let inet = internet::Internet::start();
+    inet.start_proxies();
+    let up = Up::start_in_netns(&inet.edge_ns, inet.mgmt, &internet::DNS.to_string()).await;
+    run_module("current", "network.test.mjs", &up).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
