@@ -680,6 +680,60 @@ async fn network_policy_is_set_shown_and_bounded_through_the_client_and_opendsec
     );
     let got = c.get_sandbox_network(&id).await.unwrap();
     assert_eq!(got.allow_out, vec![serde_json::json!("pkgs.example.com:443")]);
+    // Through an upstream proxy: its password from the environment, never shown back,
+    // and never taken from the command line (nor echoed when it is there).
+    let mut with_pw = env.to_vec();
+    with_pw.push(("OPENDSEC_EGRESS_PROXY_PASSWORD", "hunter2"));
+    let r = ctl(
+        &[
+            "sandbox",
+            "network",
+            "set",
+            &id,
+            "--allow-out",
+            "pkgs.example.com",
+            "--egress-proxy",
+            "socks5://u@proxy.example.com:1080",
+        ],
+        &with_pw,
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.contains("via proxy: socks5://proxy.example.com:1080 as u") && !r.stdout.contains("hunter2"),
+        "{}",
+        r.stdout
+    );
+    let got = c.get_sandbox_network(&id).await.unwrap();
+    assert_eq!(
+        got.egress_proxy,
+        Some(serde_json::json!({"address": "socks5://proxy.example.com:1080", "username": "u"}))
+    );
+    let r = ctl(
+        &[
+            "sandbox",
+            "network",
+            "set",
+            &id,
+            "--egress-proxy",
+            "socks5://u:hunter2@proxy.example.com:1080",
+        ],
+        &env,
+    )
+    .await;
+    assert!(
+        r.code != 0 && r.stderr.contains("OPENDSEC_EGRESS_PROXY_PASSWORD"),
+        "{}",
+        r.stderr
+    );
+    assert!(!r.stderr.contains("hunter2"), "{}", r.stderr);
+    let r = ctl(
+        &["sandbox", "network", "set", &id, "--egress-proxy", "127.0.0.1:1080"],
+        &env,
+    )
+    .await;
+    assert!(r.stderr.contains("field: egress_proxy.address"), "{}", r.stderr);
+
     let r = ctl(&["sandbox", "network", "set", &id], &env).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let r = ctl(&["sandbox", "network", "get", &id], &env).await;

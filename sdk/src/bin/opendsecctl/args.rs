@@ -211,7 +211,7 @@ fn proxy_json(url: &str, tls: Option<&str>) -> Result<serde_json::Value, String>
     };
     if user.is_some_and(|u| u.contains(':')) {
         return Err(format!(
-            "--egress-proxy {url:?}: put the password in $OPENDSEC_EGRESS_PROXY_PASSWORD, not in the URL \
+            "--egress-proxy: put the password in $OPENDSEC_EGRESS_PROXY_PASSWORD, not in the URL \
              (a command line is visible to every user of this machine)"
         ));
     }
