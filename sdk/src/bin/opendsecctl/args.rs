@@ -210,10 +210,11 @@ fn proxy_json(url: &str, tls: Option<&str>) -> Result<serde_json::Value, String>
         None => (None, rest),
     };
     if user.is_some_and(|u| u.contains(':')) {
-        return Err(format!(
+        return Err(
             "--egress-proxy: put the password in $OPENDSEC_EGRESS_PROXY_PASSWORD, not in the URL \
              (a command line is visible to every user of this machine)"
-        ));
+                .to_string(),
+        );
     }
     let mut o = serde_json::json!({
         "address": match scheme { Some(s) => format!("{s}://{address}"), None => address.to_string() },
