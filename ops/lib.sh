@@ -96,9 +96,10 @@ NETWORK_BENCH_PACKAGES=(iperf3)
 # conflicts with Debian's; node 18 or later: `node --test`).
 E2B_JS_TEST_PACKAGES=(nodejs npm)
 # The upstream proxies the network tests (server/tests/sandbox_network.rs) start in their
-# own namespaces: microsocks (SOCKS5) and tinyproxy (HTTP CONNECT). (Where systemd runs,
-# tinyproxy's package starts its own on port 8888; the tests start theirs.)
-NETWORK_TEST_PACKAGES=(microsocks tinyproxy)
+# own namespaces: microsocks (SOCKS5), tinyproxy (HTTP CONNECT) and stunnel4 (TLS in front
+# of the SOCKS5 one, its certificate made with openssl). (Where systemd runs, tinyproxy's
+# package starts its own on port 8888; the tests start theirs.)
+NETWORK_TEST_PACKAGES=(microsocks tinyproxy stunnel4 openssl)
 # useradd, for the agent's tests of per-user processes and files (edge/agent/tests).
 AGENT_TEST_PACKAGES=(passwd)
 # apparmor_parser (and the 3.0 ABI file), with which the tests compile the sandboxes'

@@ -19,7 +19,7 @@ mod up;
 
 use internet::{
     HTTP_PROXY, HTTP_PROXY_PORT, Internet, METADATA, OTHER, PKGS, PKGS_API, PKGS_V6, PRIVATE, PROXY_PASSWORD,
-    PROXY_USER, SOCKS_PORT, SOCKS_PROXY,
+    PROXY_USER, SOCKS_PORT, SOCKS_PROXY, TLS_PROXY, TLS_PROXY_NAME, TLS_PROXY_PORT,
 };
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -486,6 +486,25 @@ async fn a_sandboxs_own_socks5_proxy_carries_what_its_policy_allows_and_nothing_
             "a proxy that refuses: expected no answer and a drop, got {answered:?} and {m}"
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Over TLS (stunnel in front of the same proxy), trusting the test's CA for its name.
+    let tls = json!({"allow_out": ["pkgs.test"], "egress_proxy": {"address": format!("{TLS_PROXY}:{TLS_PROXY_PORT}"),
+        "username": PROXY_USER, "password": PROXY_PASSWORD,
+        "tls": {"enabled": true, "server_name": TLS_PROXY_NAME, "ca_cert": inet.proxy_ca()}}});
+    let (s, v) = set_network(&up, &id, tls).await;
+    assert_eq!(s, 200, "{v}");
+    reaches(&up, &id, "http://pkgs.test/", &format!("{PKGS} 80 for {SOCKS_PROXY}")).await;
+    // A certificate the sandbox's settings do not trust: nothing goes through.
+    let untrusted = json!({"allow_out": ["pkgs.test"], "egress_proxy": {"address": format!("{TLS_PROXY}:{TLS_PROXY_PORT}"),
+        "username": PROXY_USER, "password": PROXY_PASSWORD, "tls": {"enabled": true, "server_name": TLS_PROXY_NAME}}});
+    let (s, v) = set_network(&up, &id, untrusted).await;
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&up, &id, "http://pkgs.test/").await.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "a proxy with an untrusted certificate carried a connection"
+        );
     }
     // No proxy any more: straight out, through the edge's NAT.
     let (s, v) = set_network(&up, &id, json!({"allow_out": ["pkgs.test"]})).await;

@@ -12,7 +12,8 @@
 //!   for them ([`Internet::start_proxies`]), two real upstream proxies: microsocks
 //!   (SOCKS5) at [`SOCKS_PROXY`] and tinyproxy (HTTP CONNECT) at [`HTTP_PROXY`], both
 //!   with user [`PROXY_USER`] and password [`PROXY_PASSWORD`], connecting on from their
-//!   own address and resolving names with the test DNS server.
+//!   own address and resolving names with the test DNS server; and stunnel at
+//!   [`TLS_PROXY`], the SOCKS5 proxy over TLS.
 //!
 //! The edge is pointed at it with `--upstream-dns` (see `Up::start_in_netns`). Drop
 //! stops the servers and removes both namespaces (every link in them goes too). The
@@ -53,6 +54,11 @@ pub const SOCKS_PORT: u16 = 1080;
 /// An HTTP CONNECT proxy (tinyproxy) on port [`HTTP_PROXY_PORT`].
 pub const HTTP_PROXY: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 81);
 pub const HTTP_PROXY_PORT: u16 = 3128;
+/// The SOCKS5 proxy behind TLS (stunnel in front of microsocks), its certificate for
+/// [`TLS_PROXY_NAME`] from a CA of the test's own ([`Internet::proxy_ca`]).
+pub const TLS_PROXY: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 82);
+pub const TLS_PROXY_PORT: u16 = 1443;
+pub const TLS_PROXY_NAME: &str = "proxy.test";
 /// Names the test DNS server refuses (as a site's resolver that knows no public names),
 /// and the proxies resolve from their hosts file: [`OFFLINE_HOSTS`].
 pub const OFFLINE_ZONE: &str = ".offline";
@@ -154,6 +160,7 @@ impl Internet {
             IpAddr::V4(METADATA),
             IpAddr::V4(SOCKS_PROXY),
             IpAddr::V4(HTTP_PROXY),
+            IpAddr::V4(TLS_PROXY),
         ]);
         addrs.sort();
         addrs.dedup();
@@ -244,12 +251,77 @@ impl Internet {
             PROXY_PASSWORD,
         ]));
         children.push(run(&["tinyproxy", "-d", "-c", &conf]));
+        // TLS in front of the SOCKS5 proxy: a certificate for proxy.test and its address
+        // from a CA of the test's own (a CA's certificate is no server's: webpki refuses it).
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl").args(args).output().expect("run openssl");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        let f = |name: &str| format!("{etc}/{name}");
+        openssl(
+            &[
+                &["req", "-x509", "-days", "1", "-subj", "/CN=odsec test CA"][..],
+                &key[..],
+                &["-keyout", &f("ca.key"), "-out", &f("ca.crt")][..],
+            ]
+            .concat(),
+        );
+        openssl(
+            &[
+                &["req", "-subj", &format!("/CN={TLS_PROXY_NAME}")][..],
+                &key[..],
+                &["-keyout", &f("proxy.key"), "-out", &f("proxy.csr")][..],
+            ]
+            .concat(),
+        );
+        std::fs::write(
+            f("proxy.ext"),
+            format!("subjectAltName=DNS:{TLS_PROXY_NAME},IP:{TLS_PROXY}\nbasicConstraints=CA:FALSE\n"),
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-days",
+            "1",
+            "-in",
+            &f("proxy.csr"),
+            "-CA",
+            &f("ca.crt"),
+            "-CAkey",
+            &f("ca.key"),
+            "-CAcreateserial",
+            "-extfile",
+            &f("proxy.ext"),
+            "-out",
+            &f("proxy.crt"),
+        ]);
+        let pem = f("proxy.pem");
+        let both = std::fs::read_to_string(format!("{etc}/proxy.crt")).unwrap()
+            + &std::fs::read_to_string(format!("{etc}/proxy.key")).unwrap();
+        std::fs::write(&pem, both).unwrap();
+        let stunnel = format!("{etc}/stunnel.conf");
+        std::fs::write(
+            &stunnel,
+            format!(
+                "foreground = yes\npid =\n[socks]\naccept = {TLS_PROXY}:{TLS_PROXY_PORT}\n\
+                 connect = {SOCKS_PROXY}:{SOCKS_PORT}\ncert = {pem}\n"
+            ),
+        )
+        .unwrap();
+        children.push(run(&["stunnel4", &stunnel]));
         let net_ns = self.net_ns.clone();
         in_netns(&net_ns, || {
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             for addr in [
                 SocketAddr::new(IpAddr::V4(SOCKS_PROXY), SOCKS_PORT),
                 SocketAddr::new(IpAddr::V4(HTTP_PROXY), HTTP_PROXY_PORT),
+                SocketAddr::new(IpAddr::V4(TLS_PROXY), TLS_PROXY_PORT),
             ] {
                 while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
                     assert!(
@@ -260,6 +332,11 @@ impl Internet {
                 }
             }
         });
+    }
+
+    /// The CA certificate of the TLS proxy's certificate, PEM.
+    pub fn proxy_ca(&self) -> String {
+        std::fs::read_to_string(format!("/etc/netns/{}/ca.crt", self.net_ns)).expect("the TLS proxy's CA certificate")
     }
 
     /// Runs `ip args` in the internet's namespace (a test may take a server away).
