@@ -111,7 +111,23 @@ APPARMOR_TEST_PACKAGES=(apparmor)
 # Jupyter's client and Python kernel, pexpect for the Bash kernel, TypeScript, R with
 # IRkernel); node comes with the JS suite's packages.
 CODE_INTERPRETER_TEST_PACKAGES=(python3 python3-matplotlib python3-numpy python3-pandas
-  python3-jupyter-client python3-ipykernel python3-pexpect node-typescript r-cran-irkernel)
+  python3-jupyter-client python3-ipykernel python3-pexpect node-typescript r-cran-irkernel
+  default-jdk-headless python3-pip)
+
+# The Java kernel (JJava, from PyPI with pip, pinned as the image pins it in
+# edge/src/images/build.rs) for the code-interpreter server's tests on the host, in a
+# prefix of its own (never the host's Python); the tests find it there.
+JJAVA=jjava==1.0a8
+JJAVA_DIR=/var/lib/opendsec/test/jjava
+ensure_jjava() {
+  if [ -f "$JJAVA_DIR/.installed" ] && [ "$(cat "$JJAVA_DIR/.installed")" = "$JJAVA" ]; then
+    return
+  fi
+  echo "==> installing $JJAVA (the Java kernel) into $JJAVA_DIR"
+  rm -rf "$JJAVA_DIR"
+  /usr/bin/python3 -m pip install -q --no-cache-dir --no-deps --prefix "$JJAVA_DIR" "$JJAVA"
+  echo "$JJAVA" > "$JJAVA_DIR/.installed"
+}
 
 # Builds the static in-sandbox agent into $1 (it runs inside any image, so no shared libraries).
 build_static_agent() {

@@ -17,6 +17,7 @@ ensure_packages "${BUILD_PACKAGES[@]}" "${EDGE_PACKAGES[@]}" "${VM_PACKAGES[@]}"
   "${CODE_INTERPRETER_TEST_PACKAGES[@]}" "${AGENT_TEST_PACKAGES[@]}" "${APPARMOR_TEST_PACKAGES[@]}" \
   "${README_PACKAGES[@]}" "${IMAGE_TEST_PACKAGES[@]}" "${NETWORK_TEST_PACKAGES[@]}"
 ensure_firecracker
+ensure_jjava
 
 echo "==> building"
 cargo build --workspace --all-targets --locked

@@ -33,6 +33,19 @@ const TEST_STORE: &str = "/var/tmp/opendsec-test-images";
 // The server under test.
 // ---------------------------------------------------------------------------------
 
+/// Where `./ops/test.sh` installs the Java kernel (JJava, with pip `--prefix`) for the
+/// server on the host; the image has its own in /usr/local.
+const JJAVA_DIR: &str = "/var/lib/opendsec/test/jjava";
+
+/// The Jupyter data directory (`.../share/jupyter`) holding JJava's kernel spec under
+/// [`JJAVA_DIR`] (Debian's pip adds `local/` to a prefix), if it is installed.
+fn jjava_jupyter_path() -> Option<PathBuf> {
+    ["share/jupyter", "local/share/jupyter"]
+        .iter()
+        .map(|p| Path::new(JJAVA_DIR).join(p))
+        .find(|p| p.join("kernels/java/kernel.json").is_file())
+}
+
 fn require_python() {
     assert!(
         Path::new(PYTHON).is_file(),
@@ -69,13 +82,15 @@ impl Server {
         require_python();
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let child = Command::new(PYTHON)
-            .arg(SERVER)
+        let mut cmd = Command::new(PYTHON);
+        cmd.arg(SERVER)
             .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--cwd"])
             .arg(dir.path())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start the server");
+            .stdin(Stdio::null());
+        if let Some(path) = jjava_jupyter_path() {
+            cmd.env("JUPYTER_PATH", path);
+        }
+        let child = cmd.spawn().expect("start the server");
         let cwd = dir.path().to_path_buf();
         Server::ready(child, port, cwd, Some(dir)).await
     }
@@ -961,6 +976,36 @@ async fn javascript_and_typescript_contexts_keep_state_and_report_errors() {
     assert_eq!(execute(addr, ts("n + 1")).await.main_text(), Some("5"));
     // Each language's default context is its own kernel.
     assert!(execute(addr, js("n")).await.error().is_some());
+}
+
+#[tokio::test]
+async fn java_contexts_run_on_jjava() {
+    require_tool("jshell", "default-jdk-headless");
+    assert!(
+        jjava_jupyter_path().is_some(),
+        "the Java kernel is missing: ./ops/test.sh installs JJava under {JJAVA_DIR}"
+    );
+    let server = Server::start().await;
+    let addr = &server.addr;
+    let java = |code: &str| json!({"code": code, "language": "java"});
+    let first = execute(addr, java("int x = 6 * 7;\nSystem.out.println(\"printed \" + x);")).await;
+    assert!(first.error().is_none(), "{:?}", first.lines);
+    assert_eq!(first.stdout(), "printed 42\n");
+    // State carries over; an expression's value is the main result.
+    assert_eq!(execute(addr, java("x + 1")).await.main_text(), Some("43"));
+    let failed = execute(addr, java("throw new IllegalStateException(\"bad\");")).await;
+    let error = failed.error().expect("a thrown exception is the error");
+    let value = error["value"].as_str().unwrap();
+    assert!(value.contains("IllegalStateException") && value.contains("bad"), "{error}");
+    let ctx = create_context(addr, json!({"language": "java"})).await;
+    assert_eq!(ctx["language"], "java");
+    let own = run_in(addr, ctx["id"].as_str().unwrap(), "String s = \"own\"; s").await;
+    assert_eq!(own.main_text(), Some("own"));
+    // A JVM's environment is fixed at its start: env vars per call are refused, named.
+    let body = json!({"code": "1", "language": "java", "env_vars": {"A": "b"}}).to_string();
+    let (status, answer) = call(addr, "POST", "/execute", Some(&body)).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.to_string().contains("env_vars"), "{answer}");
 }
 
 #[tokio::test]

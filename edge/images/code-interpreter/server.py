@@ -46,7 +46,8 @@ KERNEL_START_TIMEOUT = 120.0
 # The kernels the server knows, by the language a context reports. Each runs as
 # `python3 <file beside this one>` (ours, so that the server finds its kernels wherever it
 # runs) or is an installed Jupyter kernel spec (IRkernel's `ir`, from Debian's
-# r-cran-irkernel). `needs` is what must be on PATH for the language to be offered.
+# r-cran-irkernel; JJava's `java`, from PyPI). `needs` is what must be on PATH for the
+# language to be offered.
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON_ARGS = [
     "--InteractiveShell.colors=NoColor",
@@ -59,7 +60,11 @@ KERNELS = {
     "javascript": {"argv": ["node_kernel.py"], "needs": ["node"]},
     "typescript": {"argv": ["node_kernel.py"], "needs": ["node"], "module": "typescript"},
     "r": {"spec": "ir", "needs": ["R"]},
+    "java": {"spec": "java", "needs": ["java", "jshell"]},
 }
+# Languages whose kernel cannot change its own environment (a JVM's is fixed at start):
+# env vars per call are refused there, naming the field, rather than dropped.
+NO_ENV_PER_CALL = ("java",)
 # Other names a request may use for them (E2B's SDKs send these).
 ALIASES = {"": "python", "python3": "python", "sh": "bash", "js": "javascript", "ts": "typescript"}
 # Languages that get their default context at start, after the listen (the others at
@@ -635,7 +640,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         language = ALIASES.get(key, key)
         available = self.contexts.languages()
         if language not in available:
-            known = "" if language in KERNELS or language == "java" else "unknown "
+            known = "" if language in KERNELS else "unknown "
             raise BadRequest(
                 400,
                 f"{known}language {value!r} is not available in this sandbox: use one of {', '.join(available)}",
@@ -667,6 +672,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 ctx = self.contexts.default(language)
             except Exception as e:
                 raise BadRequest(500, f"the {language} kernel did not start: {e}")
+        if env_vars and ctx.language in NO_ENV_PER_CALL:
+            raise BadRequest(
+                400,
+                f"env_vars per call are not supported in {ctx.language} (its kernel's environment is fixed at start): "
+                "set them when creating the sandbox",
+                "env_vars",
+            )
         self.run_cell(ctx, code, env_vars)
 
     # -- execution ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 //! The project's own image builders: `busybox` (one static binary, for fast tests),
 //! `base` (Debian bookworm via debootstrap, then what E2B code calls: `python`, `pip`,
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
-//! numpy, pandas, matplotlib, jupyter_client, ipykernel, IRkernel, TypeScript, OpenDsec's
+//! numpy, pandas, matplotlib, jupyter_client, ipykernel, IRkernel, TypeScript, a JDK and
+//! JJava (the Java kernel), OpenDsec's
 //! Bash, JavaScript and TypeScript kernels and the code-interpreter server). Each builds
 //! one layer into a scratch directory; the store publishes it with a rename. Builders
 //! run the host tools under `env -i` so that host settings (proxies for pip, locales) do
@@ -68,10 +69,10 @@ const BASE_FILES: &[LayerFile] = &[
 /// Packages the code-interpreter layer installs with apt on top of `base`: the Python
 /// data stack and Jupyter's kernel client and Python kernel (the server runs every
 /// context on a kernel), pexpect for the Bash kernel, TypeScript's transpiler for the
-/// TypeScript kernel (node is in `base`) and R with IRkernel. munkres settles fonttools'
+/// TypeScript kernel (node is in `base`), R with IRkernel, and a JDK (jshell, which the
+/// Java kernel [`JAVA_KERNEL`] runs cells on; about 270 MB). munkres settles fonttools'
 /// `python3-scipy | python3-munkres` dependency: apt would pick scipy, which brings
-/// pythran and with it gcc, g++ and python3-dev (about 600 MB). No Java: a JDK
-/// (jshell) would add about 270 MB, and Debian packages no Java kernel.
+/// pythran and with it gcc, g++ and python3-dev (about 600 MB).
 const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-numpy",
     "python3-pandas",
@@ -82,7 +83,13 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-pexpect",
     "node-typescript",
     "r-cran-irkernel",
+    "default-jdk-headless",
 ];
+
+/// The Java kernel: DFLib's JJava (IJava's maintained successor) from PyPI, pinned; pip
+/// puts its kernel spec in /usr/local/share/jupyter/kernels/java, where jupyter_client
+/// finds it. Debian packages no Java kernel.
+pub const JAVA_KERNEL: &str = "jjava==1.0a8";
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
 /// the image can be built anywhere, and hashed into the layer id.
@@ -221,8 +228,8 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
         }),
         "code-interpreter-v1" => Some(Recipe {
             name: "code-interpreter-v1",
-            version: 3,
-            inputs: CODE_INTERPRETER_PACKAGES.join(","),
+            version: 4,
+            inputs: format!("{};pip {JAVA_KERNEL}", CODE_INTERPRETER_PACKAGES.join(",")),
             files: CODE_INTERPRETER_FILES,
             parent: Some("base"),
             shell: "/bin/bash",
@@ -674,6 +681,14 @@ fn build_code_interpreter(
             run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
         };
         apt_get_install(&in_root, "the image's own sources", CODE_INTERPRETER_PACKAGES, progress)?;
+        progress(&BuildProgress::new(
+            BuildPhase::Install,
+            format!("pip install {JAVA_KERNEL} (the Java kernel)"),
+        ));
+        in_root(
+            BuildPhase::Install,
+            &["/usr/bin/python3", "-m", "pip", "install", "-q", "--no-cache-dir", "--no-deps", JAVA_KERNEL],
+        )?;
 
         progress(&BuildProgress::new(
             BuildPhase::Configure,

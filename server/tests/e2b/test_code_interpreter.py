@@ -203,6 +203,7 @@ def test_an_interrupted_cell_leaves_its_kernel_usable(sandbox):
         ("javascript", "const kept = 1 + 1", "console.log(kept)", "2\n"),
         ("typescript", "const kept: number = 1 + 1", "console.log(kept)", "2\n"),
         ("r", "kept <- 1 + 1", "cat(kept, '\\n')", "2 \n"),
+        ("java", "int kept = 1 + 1;", "System.out.println(kept);", "2\n"),
     ],
 )
 def test_each_language_answers_and_keeps_state_between_cells(sandbox, language, assign, read, answer):
@@ -231,7 +232,11 @@ def test_each_language_gives_its_value_as_the_main_result(sandbox):
     assert sandbox.run_code("'a' + 'b'", language="javascript").text == "ab"
     failed = sandbox.run_code("null.x", language="js")
     assert failed.error is not None and failed.error.name == "TypeError"
-    for language, code, text in (("typescript", "const n: number = 6; n * 7", "42"), ("r", "6 * 7", "[1] 42")):
+    for language, code, text in (
+        ("typescript", "const n: number = 6; n * 7", "42"),
+        ("r", "6 * 7", "[1] 42"),
+        ("java", "int n = 6; n * 7", "42"),
+    ):
         ctx = sandbox.create_code_context(language=language)
         try:
             assert sandbox.run_code(code, context=ctx).results[0].text == text
@@ -240,12 +245,12 @@ def test_each_language_gives_its_value_as_the_main_result(sandbox):
 
 
 def test_a_language_the_sandbox_lacks_is_refused_naming_those_it_has(sandbox):
-    for language in ("cobol", "java"):
+    for language in ("cobol", "fortran"):
         with pytest.raises(SandboxException) as refused:
             sandbox.run_code("1", language=language)
         message = str(refused.value)
         assert "400" in message and repr(language) in message, message
-        assert "python, r, typescript" in message, message
+        assert "java, javascript, python, r, typescript" in message, message
 
 
 def test_env_vars_apply_to_one_call(sandbox):
