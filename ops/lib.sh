@@ -69,8 +69,9 @@ BUILD_PACKAGES=(build-essential pkg-config ca-certificates curl)
 # container views of its own memory, CPUs, load and uptime (the edge starts it: see
 # edge/src/container/lxcfs.rs; where systemd runs, the package also starts its own
 # service on /var/lib/lxcfs, which the edge leaves alone). nftables enforces sandboxes'
-# network policies (edge/src/net; without it the edge needs --no-sandbox-network).
-EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2 lxcfs nftables)
+# network policies (edge/src/net; without it the edge needs --no-sandbox-network). pip
+# downloads the code-interpreter image's Java kernel (edge/src/images/build.rs).
+EDGE_PACKAGES=(crun runc busybox-static debootstrap e2fsprogs util-linux mount iproute2 lxcfs nftables python3-pip)
 # What edges need for microVM sandboxes (edge/src/vm): QEMU and the tools that make the
 # guest's disks and kernel (the kernel package itself comes with `apt-get download`);
 # cpio only reads our initramfs back in a test. Full VMs (`q35`, edge/src/vm/fullvm.rs)

@@ -996,7 +996,10 @@ async fn java_contexts_run_on_jjava() {
     let failed = execute(addr, java("throw new IllegalStateException(\"bad\");")).await;
     let error = failed.error().expect("a thrown exception is the error");
     let value = error["value"].as_str().unwrap();
-    assert!(value.contains("IllegalStateException") && value.contains("bad"), "{error}");
+    assert!(
+        value.contains("IllegalStateException") && value.contains("bad"),
+        "{error}"
+    );
     let ctx = create_context(addr, json!({"language": "java"})).await;
     assert_eq!(ctx["language"], "java");
     let own = run_in(addr, ctx["id"].as_str().unwrap(), "String s = \"own\"; s").await;

@@ -86,10 +86,14 @@ const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "default-jdk-headless",
 ];
 
-/// The Java kernel: DFLib's JJava (IJava's maintained successor) from PyPI, pinned; pip
-/// puts its kernel spec in /usr/local/share/jupyter/kernels/java, where jupyter_client
-/// finds it. Debian packages no Java kernel.
+/// The Java kernel: DFLib's JJava (IJava's maintained successor) from PyPI, pinned with
+/// its wheel's digest. The host's pip downloads the wheel (with the host's configuration
+/// and trusted CAs, as every other host tool here), and the image's pip installs that
+/// file without an index: its kernel spec goes to /usr/local/share/jupyter/kernels/java,
+/// where jupyter_client finds it. Debian packages no Java kernel.
 pub const JAVA_KERNEL: &str = "jjava==1.0a8";
+const JAVA_KERNEL_WHEEL: &str = "jjava-1.0a8-py3-none-any.whl";
+const JAVA_KERNEL_SHA256: &str = "b86ddf2eee6037a33a0adc2ac2f318a94638f42eefaeeeb13db381587e5f2a69";
 
 /// The code-interpreter server (E2B's port 49999 API), built into the binary so that
 /// the image can be built anywhere, and hashed into the layer id.
@@ -681,14 +685,7 @@ fn build_code_interpreter(
             run_tool(image, phase, Path::new("/"), "chroot", &argv, progress)
         };
         apt_get_install(&in_root, "the image's own sources", CODE_INTERPRETER_PACKAGES, progress)?;
-        progress(&BuildProgress::new(
-            BuildPhase::Install,
-            format!("pip install {JAVA_KERNEL} (the Java kernel)"),
-        ));
-        in_root(
-            BuildPhase::Install,
-            &["/usr/bin/python3", "-m", "pip", "install", "-q", "--no-cache-dir", "--no-deps", JAVA_KERNEL],
-        )?;
+        install_java_kernel(image, root, &in_root, progress)?;
 
         progress(&BuildProgress::new(
             BuildPhase::Configure,
@@ -720,6 +717,76 @@ fn build_code_interpreter(
         drop_apt_caches(root);
         Ok(())
     })
+}
+
+/// Downloads [`JAVA_KERNEL`]'s wheel with the host's pip into the build root's /tmp,
+/// checks its digest, and installs it with the image's pip, offline; the wheel is removed.
+fn install_java_kernel(
+    image: &str,
+    root: &Path,
+    in_root: &InRoot<'_>,
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    const IN_ROOT: &str = "/tmp/opendsec-wheels";
+    let wheels = root.join(IN_ROOT.trim_start_matches('/'));
+    let _ = fs::remove_dir_all(&wheels);
+    fs::create_dir_all(&wheels).map_err(io_err("making the wheels directory"))?;
+    progress(&BuildProgress::new(
+        BuildPhase::Download,
+        format!("pip download {JAVA_KERNEL} (the Java kernel; the host's pip, python3-pip)"),
+    ));
+    let dir = wheels.to_str().expect("utf-8 path");
+    run_tool(
+        image,
+        BuildPhase::Download,
+        Path::new("/"),
+        "/usr/bin/python3",
+        &[
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-cache-dir",
+            "--only-binary=:all:",
+            "-d",
+            dir,
+            JAVA_KERNEL,
+        ],
+        progress,
+    )?;
+    let wheel = wheels.join(JAVA_KERNEL_WHEEL);
+    let bytes = fs::read(&wheel).map_err(io_err("reading the Java kernel's wheel"))?;
+    let digest = hex::encode(Sha256::digest(&bytes));
+    if digest != JAVA_KERNEL_SHA256 {
+        let _ = fs::remove_dir_all(&wheels);
+        return Err(ImageError::Build {
+            image: image.to_string(),
+            phase: BuildPhase::Download,
+            message: format!("{JAVA_KERNEL_WHEEL} has sha256 {digest}, not the pinned {JAVA_KERNEL_SHA256}"),
+        });
+    }
+    progress(&BuildProgress::new(
+        BuildPhase::Install,
+        format!("pip install {JAVA_KERNEL_WHEEL}"),
+    ));
+    let in_image = format!("{IN_ROOT}/{JAVA_KERNEL_WHEEL}");
+    let installed = in_root(
+        BuildPhase::Install,
+        &[
+            "/usr/bin/python3",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-cache-dir",
+            &in_image,
+        ],
+    );
+    let _ = fs::remove_dir_all(&wheels);
+    installed
 }
 
 /// Runs a tool in a build root (a chroot) in a phase of a build.
