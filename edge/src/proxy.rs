@@ -182,10 +182,17 @@ pub struct Hooks {
     /// Pushes a stored image to a registry for `POST /images/push` (blocking): what
     /// it wrote, or (status, why).
     pub push: Option<Pusher>,
+    /// The progress of a push under way for `GET /images/push/{id}`.
+    pub push_progress: Option<PushProgress>,
 }
 
-/// (JSON `{"name", "reference"}`) -> what was pushed, or (status, why). Blocking.
+/// (JSON `{"name", "reference", "id"?}`) -> what was pushed, or (status, why). Blocking.
+/// A push with an `id` reports its progress under it while it runs ([`PushProgress`]).
 pub type Pusher = Arc<dyn Fn(&serde_json::Value) -> Result<serde_json::Value, (u16, String)> + Send + Sync>;
+
+/// A push's id -> its progress (JSON: layers and bytes done and in all, the current
+/// step), while it runs.
+pub type PushProgress = Arc<dyn Fn(&str) -> Option<serde_json::Value> + Send + Sync>;
 
 /// Why an upload of an image cannot start.
 #[derive(Debug)]
@@ -674,6 +681,18 @@ async fn handle(
                 &why,
             ),
             Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, "push_failed", &e.to_string()),
+        };
+    }
+    if let Some(id) = req.uri().path().strip_prefix("/images/push/")
+        && req.method() == hyper::Method::GET
+    {
+        return match hooks.push_progress.as_ref().and_then(|p| p(id)) {
+            Some(v) => json_ok(v.to_string()),
+            None => json_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!("no push {id} runs on this edge"),
+            ),
         };
     }
     if req.uri().path() == "/images/prune" && req.method() == hyper::Method::POST {

@@ -95,6 +95,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("put", "/v1/images/{name}"),
     ("post", "/v1/image-store/prune"),
     ("post", "/v1/image-pushes"),
+    ("get", "/v1/image-pushes/{id}"),
     ("post", "/v1/tasks/{task}/pause"),
     ("post", "/v1/tasks/{task}/resume"),
     ("get", "/v1/edges"),
@@ -182,6 +183,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         )
         .route("/v1/image-store/prune", post(images::prune))
         .route("/v1/image-pushes", post(images::push))
+        .route("/v1/image-pushes/{id}", get(images::push_progress))
         .route("/v1/tasks/{task}/pause", post(tasks::pause))
         .route("/v1/tasks/{task}/resume", post(tasks::resume))
         .route("/v1/edges", get(edges::list).post(edges::register))

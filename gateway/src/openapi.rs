@@ -16,7 +16,7 @@ use crate::routes::*;
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::kill, sandboxes::pause, sandboxes::resume,
         sandboxes::fork, sandboxes::set_timeout, sandboxes::set_labels, sandboxes::set_network, sandboxes::get_network, sandboxes::logs, sandboxes::metrics, sandboxes::metrics_history, agent::proxy,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
-        images::pull, images::import, images::pack, images::list, images::get, images::delete, images::prune, images::push,
+        images::pull, images::import, images::pack, images::list, images::get, images::delete, images::prune, images::push, images::push_progress,
         tasks::pause, tasks::resume,
         edges::list, edges::register, edges::deregister,
         audit::query, replay::replay,

@@ -571,6 +571,13 @@ impl Client {
         self.call(Method::POST, &["v1", "image-pushes"], &[], Some(req)).await
     }
 
+    /// The progress of the push of `image` asked with id `id`, while it runs (404 before
+    /// it starts and once it ended).
+    pub async fn push_progress(&self, image: &str, id: &str) -> Result<ImagePushProgress, ApiError> {
+        self.get(&["v1", "image-pushes", id], &[("image", image.to_string())])
+            .await
+    }
+
     /// Makes image `req.name` of container sandbox `sandbox` (its writable layer on top of
     /// its image, residue and `req.scrub` left out), on the sandbox's edge; it is `pending`
     /// until made (poll [`Client::get_image`]). Sandboxes start from it by name, on that edge.

@@ -641,6 +641,25 @@ pub struct PushImage {
     /// Where to: `registry[:port]/repository[:tag]` (a registry on loopback is spoken to
     /// over plain HTTP; credentials and other plain-HTTP registries are the edges').
     pub reference: String,
+    /// An id of the caller's choosing (1 to 64 letters, digits, `-` and `_`; a random one)
+    /// under which the push's progress can be read while it runs
+    /// (`GET /v1/image-pushes/{id}?image=`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+/// A push's progress while it runs: its layers are written, then sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct ImagePushProgress {
+    pub layers_done: u64,
+    pub layers_total: u64,
+    /// Compressed bytes sent (or found at the registry already) and in all, as the layers
+    /// are written.
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    /// The current step, for people.
+    pub current: String,
 }
 
 /// What a push wrote.

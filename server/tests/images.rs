@@ -564,11 +564,73 @@ async fn an_imported_image_is_pushed_to_a_registry_and_pulled_back_the_same() {
             502,
             None,
         ),
+        (
+            json!({"image": "to-push", "reference": target, "id": "not an id!"}),
+            400,
+            Some("id"),
+        ),
     ] {
         let (s, v) = up.send(Method::POST, "/v1/image-pushes", Some(body.clone())).await;
         assert_eq!((s, v["field"].as_str()), (status, field), "{body}: {v}");
         assert!(!v["message"].as_str().unwrap_or_default().is_empty(), "{v}");
     }
+
+    // A push's progress can be read under the id it was asked with, while it runs: here
+    // to a "registry" that takes connections and never answers, until it drops them.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    let release = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = release.clone();
+    std::thread::spawn(move || {
+        hole.set_nonblocking(true).unwrap();
+        let mut conns = Vec::new();
+        while !held.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok((c, _)) = hole.accept() {
+                conns.push(c);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let slow = json!({"image": "to-push", "reference": format!("{hole_addr}/e2e/slow:v1"), "id": "progress-1"});
+    let pushing = {
+        let (http, token) = (up.http.clone(), up.token.clone());
+        tokio::spawn(async move {
+            let resp = reqwest::Client::new()
+                .post(format!("http://{http}/v1/image-pushes"))
+                .bearer_auth(token)
+                .json(&slow)
+                .send()
+                .await
+                .unwrap();
+            resp.status().as_u16()
+        })
+    };
+    let progress_path = "/v1/image-pushes/progress-1?image=to-push";
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let seen = loop {
+        let (s, v) = up.send(Method::GET, progress_path, None).await;
+        // Its layers written, it waits on the registry.
+        if s == 200 && v["layers_total"] == 2 && v["current"].as_str().is_some_and(|c| c.starts_with("reaching ")) {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "no progress of the push: {s} {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(seen["bytes_total"].as_u64() > Some(0), "{seen}");
+    assert_eq!(seen["layers_done"], 0, "{seen}");
+    release.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(pushing.await.unwrap(), 502, "a registry that drops the connection");
+    // Once it has ended, its progress is gone; an unknown image or a bad id is said so.
+    let (s, v) = up.send(Method::GET, progress_path, None).await;
+    assert_eq!((s, v["field"].as_str()), (404, Some("id")), "{v}");
+    let (s, v) = up
+        .send(Method::GET, "/v1/image-pushes/progress-1?image=nope", None)
+        .await;
+    assert_eq!((s, v["field"].as_str()), (404, Some("image")), "{v}");
+    let (s, v) = up
+        .send(Method::GET, "/v1/image-pushes/bad%20id?image=to-push", None)
+        .await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("id")), "{v}");
 }
 
 /// An OCI image in a microVM (its own kernel, the image as its root file system): the

@@ -100,6 +100,8 @@ impl ImageStore {
             .build()
             .map_err(io_err("starting the push's runtime"))?;
         let failed = |e: oci_client::errors::OciDistributionError| push_error(&remote, &whole, e);
+        report.current = format!("reaching {}", target.registry());
+        progress(&report);
         runtime.block_on(async {
             remote
                 .client

@@ -17,7 +17,7 @@ use super::Edge;
 use crate::images::{PullProgress, TmpPath};
 use crate::proxy;
 use opendsec_commands::ImageResult;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -202,17 +202,51 @@ impl Edge {
 
 impl Edge {
     /// The proxy's `POST /images/push`: pushes stored image `name` to `reference` with
-    /// this edge's registry settings (credentials, plain-HTTP registries).
-    pub(super) fn pusher(self: &Arc<Self>) -> proxy::Pusher {
+    /// this edge's registry settings (credentials, plain-HTTP registries); and its
+    /// `GET /images/push/{id}`: the progress of the push asked with that `id`, while it runs.
+    pub(super) fn pusher(self: &Arc<Self>) -> (proxy::Pusher, proxy::PushProgress) {
         let edge = self.clone();
-        Arc::new(move |ask: &serde_json::Value| {
+        let running: Arc<Mutex<HashMap<String, PullProgress>>> = Arc::default();
+        let reader = running.clone();
+        let progress_of: proxy::PushProgress = Arc::new(move |id: &str| {
+            let p = reader.lock().expect("pushes lock").get(id)?.clone();
+            Some(serde_json::json!({
+                "layers_done": p.layers_done, "layers_total": p.layers_total,
+                "bytes_done": p.bytes_done, "bytes_total": p.bytes_total, "current": p.current,
+            }))
+        });
+        let pusher: proxy::Pusher = Arc::new(move |ask: &serde_json::Value| {
             let (Some(name), Some(reference)) = (ask["name"].as_str(), ask["reference"].as_str()) else {
                 return Err((400, "a push names the image (name) and where to (reference)".into()));
             };
+            // At most one push per id at once; ids are the callers' (random), and bounded.
+            let id = ask["id"]
+                .as_str()
+                .filter(|i| !i.is_empty() && i.len() <= 64)
+                .map(str::to_string);
+            if let Some(id) = &id {
+                let mut all = running.lock().expect("pushes lock");
+                if all.contains_key(id) || all.len() >= PUSHES_WATCHED {
+                    return Err((
+                        409,
+                        format!("push {id} runs already, or too many pushes run on this edge"),
+                    ));
+                }
+                all.insert(id.clone(), PullProgress::default());
+            }
             tracing::info!(image = %name, %reference, "pushing");
             let opts = edge.cfg.registries.options_for(reference);
-            let progress = |p: &PullProgress| tracing::debug!(image = %name, step = %p.current, "pushing");
-            match edge.images.push(name, reference, &opts, &progress) {
+            let progress = |p: &PullProgress| {
+                tracing::debug!(image = %name, step = %p.current, "pushing");
+                if let Some(id) = &id {
+                    running.lock().expect("pushes lock").insert(id.clone(), p.clone());
+                }
+            };
+            let pushed = edge.images.push(name, reference, &opts, &progress);
+            if let Some(id) = &id {
+                running.lock().expect("pushes lock").remove(id);
+            }
+            match pushed {
                 Ok(p) => {
                     tracing::info!(image = %name, reference = %p.reference, digest = %p.digest, "pushed");
                     Ok(serde_json::json!({
@@ -229,9 +263,13 @@ impl Edge {
                     Err((code, e.to_string()))
                 }
             }
-        })
+        });
+        (pusher, progress_of)
     }
 }
+
+/// Pushes whose progress an edge keeps at once (each a few hundred bytes).
+const PUSHES_WATCHED: usize = 256;
 
 #[cfg(test)]
 mod tests {

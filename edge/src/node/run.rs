@@ -228,6 +228,7 @@ impl Edge {
                 observed.contains_key(id).then(Vec::new)
             })
         });
+        let (pusher, push_progress) = self.pusher();
         let hooks = proxy::Hooks {
             admitter: Some(self.admitter()),
             sampler: Some(sampler),
@@ -236,7 +237,8 @@ impl Edge {
             transfers: Some(self.transfer_hooks()),
             prune: Some(self.pruner()),
             imports: Some(self.import_hooks()),
-            push: Some(self.pusher()),
+            push: Some(pusher),
+            push_progress: Some(push_progress),
         };
         proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
     }

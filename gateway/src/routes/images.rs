@@ -176,45 +176,11 @@ pub async fn push(State(st): State<AppState>, who: Authed, body: Bytes) -> Resul
             "a push names a tag, not a digest (the registry computes the digest)",
         ));
     }
-    let (edge, address) = st.node.read(|s| {
-        let edge = match s.images.images.get(&req.image) {
-            Some(x) if usable(s, &who, &x.project) => {
-                if x.state != opendsec_projections::ImageState::Ready {
-                    let mut e = ApiError::new(
-                        StatusCode::CONFLICT,
-                        "conflict",
-                        format!(
-                            "image {} is not ready (pending or failed): only a ready image is pushed; \
-                             `opendsecctl image get {}` shows its state",
-                            req.image, req.image
-                        ),
-                    );
-                    e.body.field = Some("image".into());
-                    return Err(e);
-                }
-                x.edge.clone()
-            }
-            _ if opendsec_commands::images::is_builtin(&req.image) => s
-                .placement
-                .edges
-                .values()
-                .find(|e| !e.deregistered)
-                .map(|e| e.id.clone())
-                .ok_or_else(|| ApiError::unavailable("no edge is registered to push the image: start one"))?,
-            _ => {
-                return Err(ApiError::not_found(
-                    "image",
-                    format!("no image named {} is visible to this token", req.image),
-                ));
-            }
-        };
-        let address =
-            s.placement.edges.get(&edge).map(|e| e.address.clone()).ok_or_else(|| {
-                ApiError::unavailable(format!("edge {edge}, which holds the image, is not registered"))
-            })?;
-        Ok((edge, address))
-    })?;
-    let ask = serde_json::json!({"name": req.image, "reference": req.reference});
+    if let Some(id) = &req.id {
+        push_id(id)?;
+    }
+    let (edge, address) = push_edge(&st, &who, &req.image)?;
+    let ask = serde_json::json!({"name": req.image, "reference": req.reference, "id": req.id});
     let (status, body) = crate::edge_client::call_with_body(
         &st,
         &address,
@@ -244,6 +210,100 @@ pub async fn push(State(st): State<AppState>, who: Authed, body: Bytes) -> Resul
         bytes: v["bytes"].as_u64().unwrap_or(0),
         edge,
     }))
+}
+
+/// A push's id as the caller chose it: 1 to 64 letters, digits, `-` and `_`.
+fn push_id(id: &str) -> Result<(), ApiError> {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        return Err(ApiError::invalid(
+            "id",
+            "a push's id is 1 to 64 letters, digits, '-' and '_'",
+        ));
+    }
+    Ok(())
+}
+
+/// The edge (id, address) that pushes `image` for `who`: the one holding it, any edge
+/// for a built-in image; 404 for an image the caller cannot see, 409 for one not ready.
+fn push_edge(st: &AppState, who: &Authed, image: &str) -> Result<(String, String), ApiError> {
+    st.node.read(|s| {
+        let edge = match s.images.images.get(image) {
+            Some(x) if usable(s, who, &x.project) => {
+                if x.state != opendsec_projections::ImageState::Ready {
+                    let mut e = ApiError::new(
+                        StatusCode::CONFLICT,
+                        "conflict",
+                        format!(
+                            "image {image} is not ready (pending or failed): only a ready image is pushed; \
+                             `opendsecctl image get {image}` shows its state"
+                        ),
+                    );
+                    e.body.field = Some("image".into());
+                    return Err(e);
+                }
+                x.edge.clone()
+            }
+            _ if opendsec_commands::images::is_builtin(image) => s
+                .placement
+                .edges
+                .values()
+                .find(|e| !e.deregistered)
+                .map(|e| e.id.clone())
+                .ok_or_else(|| ApiError::unavailable("no edge is registered to push the image: start one"))?,
+            _ => {
+                return Err(ApiError::not_found(
+                    "image",
+                    format!("no image named {image} is visible to this token"),
+                ));
+            }
+        };
+        let address =
+            s.placement.edges.get(&edge).map(|e| e.address.clone()).ok_or_else(|| {
+                ApiError::unavailable(format!("edge {edge}, which holds the image, is not registered"))
+            })?;
+        Ok((edge, address))
+    })
+}
+
+/// Where to read a push's progress: the image it pushes.
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+pub struct PushProgressQuery {
+    pub image: String,
+}
+
+/// The progress of a push under way, asked with `id` (`POST /v1/image-pushes` with
+/// `"id"`), of image `image`: layers and bytes done and in all, the current step. 404
+/// before the push starts and once it has ended (its answer says how). Needs sandbox:write.
+#[utoipa::path(get, path = "/v1/image-pushes/{id}", tag = "images", params(("id" = String, Path), PushProgressQuery),
+    responses((status = 200, body = api::ImagePushProgress), (status = "4XX", body = api::ErrorBody)))]
+pub async fn push_progress(
+    State(st): State<AppState>,
+    who: Authed,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    axum::extract::Query(q): axum::extract::Query<PushProgressQuery>,
+) -> Result<Json<api::ImagePushProgress>, ApiError> {
+    who.require(Right::SandboxWrite)?;
+    push_id(&id)?;
+    let (edge, address) = push_edge(&st, &who, &q.image)?;
+    let (status, body) = crate::edge_client::get(&st, &address, &format!("/images/push/{id}"))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "unavailable", e.0))?;
+    if status == 404 {
+        return Err(ApiError::not_found(
+            "id",
+            format!("no push {id} of {} runs on edge {edge}", q.image),
+        ));
+    }
+    if !(200..300).contains(&status) {
+        return Err(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            format!("edge {edge} answered {status}"),
+        ));
+    }
+    serde_json::from_slice(&body)
+        .map(Json)
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "unavailable", format!("edge {edge}: {e}")))
 }
 
 /// Makes an image of a container sandbox that has run (running or paused): its writable

@@ -71,11 +71,30 @@ pub(crate) async fn run(client: &Client, out: Printer, c: ImageCmd) -> Result<u8
             out.show(&w.image, |x| table(&IMAGE_HEADERS, vec![image_row(x)]));
         }
         ImageCmd::Push { name, reference } => {
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-            bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("a valid template"));
-            bar.set_message(format!("the edge writes {name}'s layers and sends them to {reference}"));
-            bar.enable_steady_tick(Duration::from_millis(120));
-            let pushed = client.push_image(&PushImage { image: name, reference }).await;
+            // The push answers once the manifest is written; meanwhile its progress is
+            // read under an id of ours (layers written, then bytes sent).
+            let id = random_id();
+            let bar = bytes_bar(format!("pushing {name}"));
+            bar.set_message("the edge writes the layers");
+            let req = PushImage {
+                image: name.clone(),
+                reference,
+                id: Some(id.clone()),
+            };
+            let push = client.push_image(&req);
+            tokio::pin!(push);
+            let pushed = loop {
+                tokio::select! {
+                    r = &mut push => break r,
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => {
+                        if let Ok(p) = client.push_progress(&name, &id).await {
+                            bar.set_length(p.bytes_total.max(1));
+                            bar.set_position(p.bytes_done);
+                            bar.set_message(format!("layers {}/{}: {}", p.layers_done, p.layers_total, p.current));
+                        }
+                    }
+                }
+            };
             bar.finish_and_clear();
             let p = pushed?;
             out.show(&p, |p| {
@@ -201,6 +220,22 @@ pub(crate) async fn wait_pulled(client: &Client, mut image: Image, limit: Durati
 }
 
 /// A progress bar of bytes on stderr (drawn only on a terminal), `prefix` before it.
+/// 24 random hex digits: the id a push's progress is read under.
+fn random_id() -> String {
+    let mut b = [0u8; 12];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        // No entropy to be had: the time and pid keep concurrent pushes of one CLI apart.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        return format!("{t:x}-{}", std::process::id());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 fn bytes_bar(prefix: String) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
     bar.set_style(
