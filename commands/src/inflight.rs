@@ -5,6 +5,7 @@
 //! ticket and releases it once its entry was applied (or failed to commit). Apply
 //! re-validates anyway (invariant 2): the overlay only makes losses rare.
 
+use opendsec_projections::state::created_usage;
 use opendsec_projections::{Event, State, Usage};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -86,11 +87,7 @@ impl InFlight {
         for ev in events {
             match ev {
                 Event::SandboxCreated(e) => {
-                    let u = Usage {
-                        sandboxes: 1,
-                        cpu_millis: e.cpu_millis,
-                        memory_mb: e.memory_mb,
-                    };
+                    let u = created_usage(e);
                     for p in state.ancestry(&e.project) {
                         r.project_usage.push((p.id.clone(), u));
                     }

@@ -202,6 +202,16 @@ pub enum Command {
     RemoveClusterMember {
         node_id: u64,
     },
+    /// Sets how long the live views keep ended sandboxes and audit records (a setting left
+    /// out keeps its value). Needs cluster:admin in the root project.
+    SetRetention {
+        #[serde(default)]
+        ended_sandboxes_seconds: Option<u64>,
+        #[serde(default)]
+        audit_seconds: Option<u64>,
+        #[serde(default)]
+        audit_records: Option<u64>,
+    },
     /// Registers image `name` in `project` (its descendants' sandboxes start from it too)
     /// and has one edge (`edge`, or one chosen) pull it from `reference`. Pulling a name
     /// the project already has pulls it again (a moved tag). Needs sandbox:write.
@@ -371,6 +381,7 @@ impl Command {
             Command::ResumeTask { .. } => "task.resume",
             Command::AddClusterMember { .. } => "cluster.add_member",
             Command::RemoveClusterMember { .. } => "cluster.remove_member",
+            Command::SetRetention { .. } => "cluster.set_retention",
             Command::PullImage { .. } => "image.pull",
             Command::ImportImage { .. } => "image.import",
             Command::DeleteImage { .. } => "image.delete",

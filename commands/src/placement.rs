@@ -65,13 +65,7 @@ pub fn sandbox_id(rng: &mut Rng, edge_ordinal: u32) -> String {
     format!("{:016x}{:04x}", rng.next_u64(), edge_ordinal & 0xffff)
 }
 
-/// The edge ordinal encoded in a sandbox id, if it is one.
-pub fn edge_ordinal_of(sandbox_id: &str) -> Option<u32> {
-    if sandbox_id.len() != 20 || !sandbox_id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    u32::from_str_radix(&sandbox_id[16..], 16).ok()
-}
+pub use opendsec_projections::edge_ordinal_of;
 
 #[cfg(test)]
 mod tests {
@@ -85,6 +79,7 @@ mod tests {
                 sandboxes: 10,
                 cpu_millis: 1000,
                 memory_mb: mem,
+                metadata_bytes: 0,
             },
         }
     }

@@ -213,6 +213,7 @@ impl Sim {
                         sandboxes: *sandboxes,
                         cpu_millis: *cpu,
                         memory_mb: None,
+                        metadata_bytes: None,
                     },
                 },
             ),

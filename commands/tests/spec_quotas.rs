@@ -139,6 +139,7 @@ fn usage_counts_against_every_ancestor() {
         sandboxes: 1,
         cpu_millis: 500,
         memory_mb: 256,
+        metadata_bytes: 0,
     };
     let two = one.plus(&one);
     assert_eq!([w.usage(&root), w.usage(&team), w.usage(&sub)], [two, two, one]);

@@ -99,7 +99,13 @@ async fn follow(
         let tx = tx.clone();
         async move { tx.send(Ok(SliceMessage { body: Some(m) })).await.is_ok() }
     };
-    let first = node.log().first_available_index().unwrap_or(1);
+    // What the slice of an old batch is depends on its outcome, which the audit view
+    // keeps only for its retention: before that, the edge starts from a snapshot.
+    let first = node
+        .log()
+        .first_available_index()
+        .unwrap_or(1)
+        .max(node.read(|s| s.audit.first_index().unwrap_or(0)));
     if next < first {
         let snap = node.read(|s| slice_snapshot(s, &edge));
         next = snap.index + 1;
@@ -173,6 +179,7 @@ impl EdgeSlice for EdgeSliceService {
                 sandboxes: cap.sandboxes,
                 cpu_millis: cap.cpu_millis,
                 memory_mb: cap.memory_mb,
+                metadata_bytes: 0,
             },
             labels: r.labels,
         };

@@ -91,6 +91,7 @@ impl World {
                     sandboxes: Some(1_000_000),
                     cpu_millis: Some(u64::MAX / 4),
                     memory_mb: Some(u64::MAX / 4),
+                    metadata_bytes: None,
                 }),
                 labels: BTreeMap::new(),
                 token: String::new(),

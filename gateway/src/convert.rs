@@ -29,6 +29,7 @@ pub fn limits(l: &views::Limits) -> api::Limits {
         sandboxes: l.sandboxes,
         cpu_millis: l.cpu_millis,
         memory_mb: l.memory_mb,
+        metadata_bytes: l.metadata_bytes,
     }
 }
 
@@ -37,6 +38,7 @@ pub fn resources(u: &views::Usage) -> api::Resources {
         sandboxes: u.sandboxes,
         cpu_millis: u.cpu_millis,
         memory_mb: u.memory_mb,
+        metadata_bytes: u.metadata_bytes,
     }
 }
 
@@ -45,6 +47,7 @@ pub fn usage(r: &api::Resources) -> views::Usage {
         sandboxes: r.sandboxes,
         cpu_millis: r.cpu_millis,
         memory_mb: r.memory_mb,
+        metadata_bytes: r.metadata_bytes,
     }
 }
 

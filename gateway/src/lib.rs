@@ -105,6 +105,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/replay"),
     ("get", "/v1/cluster"),
     ("post", "/v1/cluster/members"),
+    ("get", "/v1/cluster/retention"),
+    ("put", "/v1/cluster/retention"),
     ("delete", "/v1/cluster/members/{id}"),
 ];
 
@@ -192,6 +194,10 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .route("/v1/replay", get(replay::replay))
         .route("/v1/cluster", get(cluster::status))
         .route("/v1/cluster/members", post(cluster::add_member))
+        .route(
+            "/v1/cluster/retention",
+            get(cluster::get_retention).put(cluster::set_retention),
+        )
         .route("/v1/cluster/members/{id}", delete(cluster::remove_member))
         .merge(e2b::routes())
         .fallback(no_route)

@@ -108,6 +108,7 @@ events!(
     TemplateDeleted,
     ProjectNetworkSet,
     ProjectRateLimitsSet,
+    RetentionSet,
 );
 
 impl Event {

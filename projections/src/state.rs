@@ -16,8 +16,13 @@ use std::collections::{BTreeMap, BTreeSet};
 mod check;
 mod fold;
 mod requests;
+mod retention;
 
 pub use requests::{REQUEST_WINDOW_MAX, REQUEST_WINDOW_MS, Requests, SeenRequest};
+pub use retention::{
+    DEFAULT_AUDIT_MS, DEFAULT_AUDIT_RECORDS, DEFAULT_ENDED_SANDBOXES_MS, MAX_AUDIT_RECORDS, MAX_RETENTION_SECONDS,
+    MIN_AUDIT_RECORDS, Retention, SWEEP_EVERY_MS,
+};
 
 /// All projections at one log index.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -39,6 +44,9 @@ pub struct State {
     /// of one is answered with its first outcome instead of being applied twice.
     #[serde(default, skip_serializing_if = "Requests::is_empty")]
     pub requests: Requests,
+    /// How long ended sandboxes and audit records stay in these views.
+    #[serde(default, skip_serializing_if = "Retention::is_default")]
+    pub retention: Retention,
 }
 
 /// The names of the views, as the API and the CLI call them.
@@ -80,7 +88,9 @@ impl State {
     /// Folds one batch at `index` into every view.
     pub fn apply_batch(&mut self, index: u64, batch: &Batch) -> Outcome {
         self.index = index;
+        let before = self.time_ms;
         self.time_ms = self.time_ms.max(batch.time_ms);
+        self.sweep(before);
         self.requests
             .forget_before(self.time_ms.saturating_sub(REQUEST_WINDOW_MS));
         let digest = &batch.request_digest;
@@ -249,14 +259,10 @@ impl State {
                 sandboxes: own.sandboxes.unwrap_or(0),
                 cpu_millis: own.cpu_millis.unwrap_or(0),
                 memory_mb: own.memory_mb.unwrap_or(0),
+                metadata_bytes: own.metadata_bytes.unwrap_or(0),
             };
             let (res, _) = limits.exceeded_by(&own)?;
-            let value = match res {
-                "sandboxes" => own.sandboxes,
-                "cpu_millis" => own.cpu_millis,
-                _ => own.memory_mb,
-            };
-            Some((d.id.clone(), res, value))
+            Some((d.id.clone(), res, own.get(res)))
         })
     }
 
@@ -275,11 +281,7 @@ impl State {
                     return Err(format!(
                         "quota of project {} exceeded: {res} would be {} of {limit}",
                         p.id,
-                        match res {
-                            "sandboxes" => total.sandboxes,
-                            "cpu_millis" => total.cpu_millis,
-                            _ => total.memory_mb,
-                        }
+                        total.get(res)
                     ));
                 }
             }
@@ -300,6 +302,7 @@ impl State {
             sandboxes: Some(e.capacity.sandboxes),
             cpu_millis: Some(e.capacity.cpu_millis),
             memory_mb: Some(e.capacity.memory_mb),
+            metadata_bytes: None,
         };
         match cap.exceeded_by(&need) {
             Some((res, limit)) => Err(format!("edge {edge} has no room: {res} capacity is {limit}")),
@@ -315,7 +318,36 @@ impl State {
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<State, String> {
-        serde_json::from_slice(bytes).map_err(|e| format!("state snapshot does not decode: {e}"))
+        let mut s: State = serde_json::from_slice(bytes).map_err(|e| format!("state snapshot does not decode: {e}"))?;
+        s.recount_metadata();
+        Ok(s)
+    }
+
+    /// Counts what live sandboxes' environments and labels take ([`Usage::metadata_bytes`],
+    /// not in the encoding) into their projects' usage and their edges' assignments.
+    fn recount_metadata(&mut self) {
+        let live: Vec<(String, String, u64)> = self
+            .sandboxes
+            .sandboxes
+            .values()
+            .filter(|s| s.is_live())
+            .map(|s| (s.project.clone(), s.edge.clone(), s.usage().metadata_bytes))
+            .collect();
+        for u in self.quota.usage.values_mut() {
+            u.metadata_bytes = 0;
+        }
+        for e in self.placement.edges.values_mut() {
+            e.assigned.metadata_bytes = 0;
+        }
+        for (project, edge, bytes) in live {
+            if let Some(e) = self.placement.edges.get_mut(&edge) {
+                e.assigned.metadata_bytes += bytes;
+            }
+            let ancestors: Vec<String> = self.ancestry(&project).iter().map(|p| p.id.clone()).collect();
+            for p in ancestors {
+                self.quota.usage.entry(p).or_default().metadata_bytes += bytes;
+            }
+        }
     }
 
     /// SHA-256 of the deterministic encoding: equal on every node that applied the same log.
@@ -442,6 +474,7 @@ pub fn limits_from_pb(r: Option<&pb::Resources>) -> Limits {
         sandboxes: r.sandboxes,
         cpu_millis: r.cpu_millis,
         memory_mb: r.memory_mb,
+        metadata_bytes: r.metadata_bytes,
     }
 }
 
@@ -450,6 +483,7 @@ pub fn limits_to_pb(l: &Limits) -> pb::Resources {
         sandboxes: l.sandboxes,
         cpu_millis: l.cpu_millis,
         memory_mb: l.memory_mb,
+        metadata_bytes: l.metadata_bytes,
     }
 }
 
@@ -459,6 +493,18 @@ pub fn usage_from_pb(r: Option<&pb::Resources>) -> Usage {
         sandboxes: r.sandboxes.unwrap_or(0),
         cpu_millis: r.cpu_millis.unwrap_or(0),
         memory_mb: r.memory_mb.unwrap_or(0),
+        metadata_bytes: r.metadata_bytes.unwrap_or(0),
+    }
+}
+
+/// What a created sandbox takes from its project's quota and its edge's capacity (as
+/// [`Sandbox::usage`] of the sandbox it becomes).
+pub fn created_usage(e: &pb::SandboxCreated) -> Usage {
+    Usage {
+        sandboxes: 1,
+        cpu_millis: e.cpu_millis,
+        memory_mb: e.memory_mb,
+        metadata_bytes: metadata_bytes(&e.env, &e.labels),
     }
 }
 
@@ -467,5 +513,6 @@ pub fn usage_to_pb(u: &Usage) -> pb::Resources {
         sandboxes: Some(u.sandboxes),
         cpu_millis: Some(u.cpu_millis),
         memory_mb: Some(u.memory_mb),
+        metadata_bytes: (u.metadata_bytes > 0).then_some(u.metadata_bytes),
     }
 }

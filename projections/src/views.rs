@@ -61,23 +61,62 @@ pub struct Usage {
     pub sandboxes: u64,
     pub cpu_millis: u64,
     pub memory_mb: u64,
+    /// Bytes of environment variables and labels (names and values) that live sandboxes
+    /// hold in every node's state: a quota can bound them like any other resource.
+    /// Derived from the sandboxes, so left out of the state's encoding (and its hash,
+    /// which old logs keep) and counted again when a state is read back.
+    #[serde(skip)]
+    pub metadata_bytes: u64,
 }
 
+/// The quota's resources, as the API, errors and events name them.
+pub const RESOURCES: [&str; 4] = ["sandboxes", "cpu_millis", "memory_mb", "metadata_bytes"];
+
 impl Usage {
+    /// The amount of resource `name` (one of [`RESOURCES`]).
+    pub fn get(&self, name: &str) -> u64 {
+        match name {
+            "sandboxes" => self.sandboxes,
+            "cpu_millis" => self.cpu_millis,
+            "memory_mb" => self.memory_mb,
+            "metadata_bytes" => self.metadata_bytes,
+            _ => 0,
+        }
+    }
     pub fn add(&mut self, o: &Usage) {
         self.sandboxes += o.sandboxes;
         self.cpu_millis += o.cpu_millis;
         self.memory_mb += o.memory_mb;
+        self.metadata_bytes += o.metadata_bytes;
     }
     pub fn sub(&mut self, o: &Usage) {
         self.sandboxes = self.sandboxes.saturating_sub(o.sandboxes);
         self.cpu_millis = self.cpu_millis.saturating_sub(o.cpu_millis);
         self.memory_mb = self.memory_mb.saturating_sub(o.memory_mb);
+        self.metadata_bytes = self.metadata_bytes.saturating_sub(o.metadata_bytes);
     }
     pub fn plus(mut self, o: &Usage) -> Usage {
         self.add(o);
         self
     }
+    /// `n` times this.
+    pub fn times(&self, n: u64) -> Usage {
+        Usage {
+            sandboxes: self.sandboxes * n,
+            cpu_millis: self.cpu_millis * n,
+            memory_mb: self.memory_mb * n,
+            metadata_bytes: self.metadata_bytes * n,
+        }
+    }
+}
+
+/// What a sandbox's environment and labels weigh against [`Usage::metadata_bytes`]:
+/// every name and value, in bytes.
+pub fn metadata_bytes(env: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> u64 {
+    env.iter()
+        .chain(labels.iter())
+        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .sum()
 }
 
 /// Quota limits; `None` means "no limit of its own" (the ancestors' still apply).
@@ -86,34 +125,39 @@ pub struct Limits {
     pub sandboxes: Option<u64>,
     pub cpu_millis: Option<u64>,
     pub memory_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata_bytes: Option<u64>,
 }
 
 impl Limits {
+    /// The limit on resource `name` (one of [`RESOURCES`]).
+    pub fn get(&self, name: &str) -> Option<u64> {
+        match name {
+            "sandboxes" => self.sandboxes,
+            "cpu_millis" => self.cpu_millis,
+            "memory_mb" => self.memory_mb,
+            "metadata_bytes" => self.metadata_bytes,
+            _ => None,
+        }
+    }
+
     /// The first resource of `usage` over these limits, with its limit.
     pub fn exceeded_by(&self, usage: &Usage) -> Option<(&'static str, u64)> {
-        let pairs = [
-            ("sandboxes", self.sandboxes, usage.sandboxes),
-            ("cpu_millis", self.cpu_millis, usage.cpu_millis),
-            ("memory_mb", self.memory_mb, usage.memory_mb),
-        ];
-        pairs.into_iter().find_map(|(name, limit, used)| match limit {
-            Some(l) if used > l => Some((name, l)),
+        RESOURCES.into_iter().find_map(|name| match self.get(name) {
+            Some(l) if usage.get(name) > l => Some((name, l)),
             _ => None,
         })
     }
 
     /// Resources set here that exceed the corresponding resource of `bound`.
     pub fn exceeds(&self, bound: &Limits) -> Option<(&'static str, u64, u64)> {
-        let pairs = [
-            ("sandboxes", self.sandboxes, bound.sandboxes),
-            ("cpu_millis", self.cpu_millis, bound.cpu_millis),
-            ("memory_mb", self.memory_mb, bound.memory_mb),
-        ];
-        pairs.into_iter().find_map(|(name, mine, theirs)| match (mine, theirs) {
-            (Some(m), Some(t)) if m > t => Some((name, m, t)),
-            (None, Some(t)) => Some((name, u64::MAX, t)),
-            _ => None,
-        })
+        RESOURCES
+            .into_iter()
+            .find_map(|name| match (self.get(name), bound.get(name)) {
+                (Some(m), Some(t)) if m > t => Some((name, m, t)),
+                (None, Some(t)) => Some((name, u64::MAX, t)),
+                _ => None,
+            })
     }
 
     /// The tighter of two limits, resource by resource.
@@ -129,6 +173,7 @@ impl Limits {
             sandboxes: min(self.sandboxes, o.sandboxes),
             cpu_millis: min(self.cpu_millis, o.cpu_millis),
             memory_mb: min(self.memory_mb, o.memory_mb),
+            metadata_bytes: min(self.metadata_bytes, o.metadata_bytes),
         }
     }
 }
@@ -505,6 +550,7 @@ impl Sandbox {
             sandboxes: 1,
             cpu_millis: self.cpu_millis,
             memory_mb: self.memory_mb,
+            metadata_bytes: metadata_bytes(&self.env, &self.labels),
         }
     }
     pub fn is_live(&self) -> bool {
@@ -779,6 +825,16 @@ pub struct TemplateBuild {
     pub index: u64,
 }
 
+/// The edge ordinal encoded in a sandbox id (its last 4 hex digits: the ordinal's low 16
+/// bits), if it is one: routing to a sandbox's edge needs no lookup (invariant 4), even
+/// once the sandbox has ended and left the views.
+pub fn edge_ordinal_of(sandbox_id: &str) -> Option<u32> {
+    if sandbox_id.len() != 20 || !sandbox_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(&sandbox_id[16..], 16).ok()
+}
+
 /// Every sandbox, with its desired and observed state.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SandboxView {
@@ -822,6 +878,9 @@ pub struct AuditRecord {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct AuditView {
     pub records: Vec<AuditRecord>,
+    /// Records before this index were taken by retention (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub swept_before: u64,
 }
 
 /// A filter over the audit view. Every field narrows; `None` matches all.
@@ -839,6 +898,12 @@ pub struct AuditQuery {
 }
 
 impl AuditView {
+    /// Where the records begin once retention has taken older ones: before this index,
+    /// what became of a batch is no longer known here (`None`: nothing was taken).
+    pub fn first_index(&self) -> Option<u64> {
+        (self.swept_before > 0).then_some(self.swept_before)
+    }
+
     /// What became of the batch at `index`, if it is recorded here.
     pub fn result_at(&self, index: u64) -> Option<&AuditResult> {
         let at = self.records.partition_point(|r| r.index < index);

@@ -68,6 +68,7 @@ fn the_log() -> Vec<(u64, Vec<u8>)> {
                     sandboxes: Some(10),
                     cpu_millis: Some(10_000),
                     memory_mb: Some(10_000),
+                    metadata_bytes: None,
                 }),
                 labels: Default::default(),
                 token: String::new(),

@@ -675,6 +675,17 @@ impl Client {
         self.get(&["v1", "cluster"], &[]).await
     }
 
+    /// How long the live views keep ended sandboxes and audit records.
+    pub async fn get_retention(&self) -> Result<Retention, ApiError> {
+        self.get(&["v1", "cluster", "retention"], &[]).await
+    }
+
+    /// Sets the retention (a setting left out keeps its value); answers it as it now is.
+    pub async fn set_retention(&self, retention: &Retention) -> Result<Retention, ApiError> {
+        self.call(Method::PUT, &["v1", "cluster", "retention"], &[], Some(retention))
+            .await
+    }
+
     pub async fn add_member(&self, id: u64, addr: &str) -> Result<ClusterStatus, ApiError> {
         self.call(
             Method::POST,

@@ -84,6 +84,13 @@ pub struct Limits {
     pub cpu_millis: Option<u64>,
     #[serde(default)]
     pub memory_mb: Option<u64>,
+    /// Bytes of environment variables and labels (names and values) of live sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata_bytes: Option<u64>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Amounts of resources (capacity, usage).
@@ -94,6 +101,9 @@ pub struct Resources {
     pub sandboxes: u64,
     pub cpu_millis: u64,
     pub memory_mb: u64,
+    /// Bytes of environment variables and labels (names and values) of live sandboxes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub metadata_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -247,6 +257,11 @@ pub struct CreateSandbox {
     pub memory_mb: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<String, String>>,
+    /// The environment of every process in it (at most 256 variables, 256 KiB). Views
+    /// show the names only; the values leave the state when the sandbox ends. With the
+    /// labels, it counts against the project's `metadata_bytes` quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
     /// Lifetime from creation; absent or 0: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
@@ -928,6 +943,24 @@ pub struct ClusterStatus {
     pub voters: Vec<u64>,
     /// SHA-256 of the applied state: equal on nodes at the same index.
     pub state_hash: String,
+}
+
+/// How long the live views keep what has ended; older entries stay in the log's archive
+/// (replay and time travel read them). Every setting is optional when set: one left out
+/// keeps its value.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Retention {
+    /// How long an ended sandbox stays in the sandbox views and lists after it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_sandboxes_seconds: Option<u64>,
+    /// How long the audit view keeps a record (at least the 15 minutes retries need).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit_seconds: Option<u64>,
+    /// The most records the audit view keeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit_records: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

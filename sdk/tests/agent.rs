@@ -49,6 +49,7 @@ impl Env {
             sandboxes: 10,
             cpu_millis: 64000,
             memory_mb: 65536,
+            metadata_bytes: 0,
         };
         c.register_edge(&RegisterEdge {
             edge: "edge-a".into(),

@@ -68,6 +68,7 @@ async fn the_client_covers_the_api_and_reads_its_writes() {
                 sandboxes: Some(5),
                 cpu_millis: None,
                 memory_mb: None,
+                metadata_bytes: None,
             },
         )
         .await
@@ -82,6 +83,7 @@ async fn the_client_covers_the_api_and_reads_its_writes() {
             sandboxes: 10,
             cpu_millis: 10000,
             memory_mb: 10000,
+            metadata_bytes: 0,
         },
         labels: BTreeMap::new(),
     };
@@ -338,6 +340,7 @@ async fn opendsecctl_says_how_to_get_microvms_when_no_edge_runs_them() {
             sandboxes: 10,
             cpu_millis: 10000,
             memory_mb: 10000,
+            metadata_bytes: 0,
         },
         labels: BTreeMap::new(),
     };
@@ -382,6 +385,7 @@ async fn opendsecctl_creates_microvms_takes_snapshots_and_pauses_tasks() {
             sandboxes: 10,
             cpu_millis: 10000,
             memory_mb: 10000,
+            metadata_bytes: 0,
         },
         labels,
     };
@@ -510,6 +514,7 @@ async fn network_policy_is_set_shown_and_bounded_through_the_client_and_opendsec
             sandboxes: 10,
             cpu_millis: 10000,
             memory_mb: 10000,
+            metadata_bytes: 0,
         },
         labels: BTreeMap::new(),
     })
@@ -945,4 +950,124 @@ async fn a_projects_write_rates_are_enforced_with_429_and_retry_after_and_refuse
     // After the wait, the token writes again.
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     assert_eq!(write(a.clone(), "a-later".into()).await.0, 201);
+}
+
+/// Bounded growth through the API: an ended sandbox keeps no environment and leaves the
+/// live views after the retention; the environment and labels of live ones count against
+/// a project's `metadata_bytes` quota; a cluster admin sets the retention with
+/// `opendsecctl cluster retention`. A tenant looping create/kill with a large
+/// environment grows nothing but the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_sandboxes_leave_the_views_and_live_ones_metadata_counts_against_quota() {
+    let s = serve().await;
+    let env = [
+        ("OPENDSEC_URL", s.url.as_str()),
+        ("OPENDSEC_TOKEN", s.t.admin_token.as_str()),
+    ];
+    let c = Client::new(&s.url, s.t.admin_token.clone()).unwrap();
+
+    // The defaults: an hour, 30 days, 200 000 records.
+    let r = ctl(&["cluster", "retention"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for want in [
+        "ended sandboxes  3600s",
+        "audit            2592000s",
+        "audit records    200000",
+    ] {
+        assert!(r.stdout.contains(want), "{want:?} not in\n{}", r.stdout);
+    }
+    // Bad values name their field, and say what to do.
+    let r = ctl(&["cluster", "retention", "--audit", "1m"], &env).await;
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("audit_seconds"), "{}", r.stderr);
+    let e = c
+        .set_retention(&Retention {
+            audit_records: Some(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!((e.status, e.field.as_deref()), (400, Some("audit_records")), "{e:?}");
+    let r = ctl(&["cluster", "retention", "--ended-sandboxes", "0"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("ended sandboxes  0s"), "{}", r.stdout);
+    let now = c.get_retention().await.unwrap();
+    assert_eq!(
+        (now.ended_sandboxes_seconds, now.audit_seconds),
+        (Some(0), Some(2_592_000)),
+        "a setting left out keeps its value"
+    );
+
+    let team = c.create_project("team", None).await.unwrap().project.id;
+    c.register_edge(&RegisterEdge {
+        edge: "edge-a".into(),
+        address: "127.0.0.1:7500".into(),
+        capacity: Resources {
+            sandboxes: 10,
+            cpu_millis: 100_000,
+            memory_mb: 100_000,
+            metadata_bytes: 0,
+        },
+        labels: BTreeMap::new(),
+    })
+    .await
+    .unwrap();
+    let r = ctl(&["quota", "set", &team, "--metadata-bytes", "300000"], &env).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let big = "x".repeat(200_000);
+    let create = |value: &str| CreateSandbox {
+        project: Some(team.clone()),
+        image: "busybox".into(),
+        memory_mb: Some(64),
+        cpu_millis: Some(100),
+        env: Some([("BIG".to_string(), value.to_string())].into()),
+        ..Default::default()
+    };
+    let first = c.create_sandbox(&create(&big)).await.unwrap().sandbox.id;
+    let q = c.get_quota(&team).await.unwrap();
+    assert_eq!(q.usage.metadata_bytes, 200_003);
+    assert_eq!(q.limits.metadata_bytes, Some(300_000));
+    // A second would hold 400 006 bytes: over the quota, which the error names.
+    let e = c.create_sandbox(&create(&big)).await.unwrap_err();
+    assert_eq!((e.status, e.code.as_str()), (429, "quota_exceeded"), "{e:?}");
+    assert!(e.message.contains("metadata_bytes"), "{e:?}");
+    let r = ctl(&["quota", "get", &team], &env).await;
+    assert!(r.stdout.contains("metadata_bytes"), "{}", r.stdout);
+    c.kill_sandbox(&first).await.unwrap();
+    assert_eq!(
+        c.get_quota(&team).await.unwrap().usage.metadata_bytes,
+        0,
+        "an ended one holds nothing"
+    );
+
+    // A tenant loops create/kill with 200 KB of environment: 8 MB written in all.
+    let before = s.t.node.read(|st| st.to_bytes().len());
+    let mut ended = vec![first];
+    for _ in 0..40 {
+        let id = c.create_sandbox(&create(&big)).await.unwrap().sandbox.id;
+        c.kill_sandbox(&id).await.unwrap();
+        ended.push(id);
+    }
+    // The next write after a second of log time sweeps them all out of the live views.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    c.create_project("later", None).await.unwrap();
+    for id in &ended {
+        let e = c.get_sandbox(id).await.unwrap_err();
+        assert_eq!(e.status, 404, "{id}: {e:?}");
+    }
+    let after = s.t.node.read(|st| st.to_bytes().len());
+    assert!(
+        after < before + 200_000,
+        "the state grew from {before} to {after} bytes: it keeps what ended"
+    );
+    // The audit view still says who created and killed each.
+    let audit = c
+        .audit(&AuditFilter {
+            target: Some(ended[5].clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let actions: Vec<_> = audit.records.iter().map(|r| r.action.as_str()).collect();
+    assert_eq!(actions, ["sandbox.create", "sandbox.kill"]);
 }

@@ -338,6 +338,7 @@ async fn an_edge_token_acts_for_its_own_edge_only() {
             sandboxes: 5,
             cpu_millis: 5000,
             memory_mb: 5000,
+            metadata_bytes: 0,
         },
         labels: BTreeMap::new(),
     };

@@ -119,6 +119,11 @@ pub fn decide_excluding(
         Command::DeregisterEdge { edge } => edges::deregister(&s, edge),
         Command::AddClusterMember { node_id, address } => cluster::add_member(&s, *node_id, address),
         Command::RemoveClusterMember { node_id } => cluster::remove_member(&s, *node_id),
+        Command::SetRetention {
+            ended_sandboxes_seconds,
+            audit_seconds,
+            audit_records,
+        } => cluster::set_retention(&s, *ended_sandboxes_seconds, *audit_seconds, *audit_records),
         Command::CreateSandbox {
             project,
             image,
@@ -307,6 +312,7 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         Command::AddClusterMember { node_id, .. } | Command::RemoveClusterMember { node_id } => {
             (String::new(), format!("node:{node_id}"))
         }
+        Command::SetRetention { .. } => (String::new(), "retention".into()),
         Command::CreateSandbox { project, image, .. } => (project.clone(), image.clone()),
         Command::ForkSandbox { sandbox, .. }
         | Command::PauseSandbox { sandbox }

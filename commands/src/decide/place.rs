@@ -57,11 +57,7 @@ pub(super) fn place(
     isolation: Isolation,
 ) -> Result<Vec<Placed>, Rejection> {
     let (state, inflight, refused_by) = (s.state, s.inflight, s.refused_by);
-    let total = Usage {
-        sandboxes: n as u64,
-        cpu_millis: usage.cpu_millis * n as u64,
-        memory_mb: usage.memory_mb * n as u64,
-    };
+    let total = usage.times(n as u64);
     state
         .check_quota(project, &total, &|p| inflight.project_usage(p))
         .map_err(|m| Rejection::new(K::QuotaExceeded, m))?;

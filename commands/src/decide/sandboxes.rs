@@ -13,7 +13,7 @@ use super::scope::{Scope, not_found};
 use crate::validate::{self, LIMITS};
 use crate::{FULLVM_MIN_MEMORY_MB, MICROVM_MIN_MEMORY_MB, Observation, Rejection, RejectionKind as K, SandboxOptions};
 use opendsec_projections::pb;
-use opendsec_projections::{Event, Isolation, Right, SnapshotState, Usage};
+use opendsec_projections::{Event, Isolation, Right, SnapshotState, Usage, metadata_bytes};
 use std::collections::BTreeMap;
 
 /// What `CreateSandbox` asks for.
@@ -159,6 +159,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
         sandboxes: 1,
         cpu_millis: cpu,
         memory_mb: memory,
+        metadata_bytes: metadata_bytes(&opts.env, labels),
     };
     // From a snapshot: preferably on the snapshot's edge; elsewhere it is pulled. From a
     // packed image: preferably on the edge holding it; elsewhere the create fails, saying
@@ -270,6 +271,16 @@ pub(super) fn set_timeout(s: &Scope, sandbox: &str, timeout_seconds: u64) -> Res
 pub(super) fn set_labels(s: &Scope, sandbox: &str, labels: &BTreeMap<String, String>) -> Result<Decided, Rejection> {
     validate::labels("labels", labels)?;
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
+    let empty = BTreeMap::new();
+    let grows = Usage {
+        metadata_bytes: metadata_bytes(&empty, labels).saturating_sub(metadata_bytes(&empty, &x.labels)),
+        ..Usage::default()
+    };
+    if grows.metadata_bytes > 0 {
+        s.state
+            .check_quota(&x.project, &grows, &|p| s.inflight.project_usage(p))
+            .map_err(|m| Rejection::new(K::QuotaExceeded, m))?;
+    }
     Ok(Decided::one(
         &x.project,
         sandbox,

@@ -66,6 +66,7 @@ pub fn limits(sandboxes: Option<u64>, cpu_millis: Option<u64>, memory_mb: Option
         sandboxes,
         cpu_millis,
         memory_mb,
+        metadata_bytes: None,
     }
 }
 
@@ -79,6 +80,7 @@ pub fn capacity(sandboxes: u64, cpu_millis: u64, memory_mb: u64) -> Usage {
         sandboxes,
         cpu_millis,
         memory_mb,
+        metadata_bytes: 0,
     }
 }
 

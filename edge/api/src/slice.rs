@@ -8,7 +8,7 @@
 
 use crate::pb::{self, SliceEdge, SliceImage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
 use opendsec_projections::schema::{self, Batch, Envelope};
-use opendsec_projections::{AuditResult, Event, ImageState, Observed, Sandbox, State};
+use opendsec_projections::{AuditResult, Event, ImageState, Observed, Sandbox, State, edge_ordinal_of};
 
 /// The events of `batch`, logged at `index`, that belong to `edge`'s slice (`state`:
 /// the views the batch was folded into). A batch the views did not apply (denied when
@@ -30,15 +30,29 @@ pub fn slice_events(state: &State, edge: &str, index: u64, batch: &Batch) -> Vec
             Event::ImageReady(e) => e.edge == edge,
             Event::ImageFailed(e) => e.edge == edge,
             Event::ImageDeleted(e) => e.edge == edge,
-            other => other
-                .sandbox_id()
-                .is_some_and(|id| state.sandboxes.sandboxes.get(id).is_some_and(|s| s.edge == edge)),
+            other => other.sandbox_id().is_some_and(|id| placed_on(state, id, edge)),
         };
         if mine {
             out.push(env.clone());
         }
     }
     out
+}
+
+/// Whether sandbox `id` is placed on `edge`: as the views say, or, for a sandbox that
+/// ended and left them (an edge catching up reads old events against today's views), as
+/// its id says.
+fn placed_on(state: &State, id: &str, edge: &str) -> bool {
+    match state.sandboxes.sandboxes.get(id) {
+        Some(s) => s.edge == edge,
+        None => edge_ordinal_of(id).is_some_and(|ord| {
+            state
+                .placement
+                .edges
+                .get(edge)
+                .is_some_and(|e| e.ordinal & 0xffff == ord)
+        }),
+    }
 }
 
 /// One sandbox as a slice snapshot carries it.
@@ -174,5 +188,79 @@ mod tests {
             Outcome::Rejected { index: 2, .. }
         ));
         assert!(slice_events(&state, "e1", 2, &lost).is_empty());
+    }
+
+    /// An edge catching up reads old batches against today's views: a sandbox that ended
+    /// and left them is still routed to its edge, by the ordinal in its id.
+    #[test]
+    fn an_edge_catching_up_gets_the_events_of_its_sandboxes_that_left_the_views() {
+        let mut state = State::new();
+        let t = |ms: u64, events: Vec<Event>| Batch {
+            time_ms: ms,
+            ..batch(events)
+        };
+        let root = t(
+            1,
+            vec![Event::ProjectCreated(events::ProjectCreated {
+                id: "root".into(),
+                name: "root".into(),
+                ..Default::default()
+            })],
+        );
+        assert_eq!(state.apply_batch(1, &root), Outcome::Applied { index: 1 });
+        for (i, (edge, ordinal)) in [("e1", 0u32), ("e2", 1)].into_iter().enumerate() {
+            let registered = t(
+                1,
+                vec![Event::EdgeRegistered(events::EdgeRegistered {
+                    id: edge.into(),
+                    ordinal,
+                    address: format!("{edge}:1"),
+                    capacity: Some(events::Resources {
+                        sandboxes: Some(10),
+                        cpu_millis: Some(10_000),
+                        memory_mb: Some(10_000),
+                        metadata_bytes: None,
+                    }),
+                    ..Default::default()
+                })],
+            );
+            let index = 2 + i as u64;
+            assert_eq!(state.apply_batch(index, &registered), Outcome::Applied { index });
+        }
+        let id = format!("{:016x}{:04x}", 0xfeed_u64, 1);
+        let created = t(
+            2,
+            vec![Event::SandboxCreated(events::SandboxCreated {
+                id: id.clone(),
+                project: "root".into(),
+                edge: "e2".into(),
+                image: "busybox".into(),
+                cpu_millis: 100,
+                memory_mb: 64,
+                ..Default::default()
+            })],
+        );
+        assert_eq!(state.apply_batch(4, &created), Outcome::Applied { index: 4 });
+        let killed = t(
+            3,
+            vec![Event::SandboxKillRequested(events::SandboxKillRequested {
+                id: id.clone(),
+                reason: "done".into(),
+            })],
+        );
+        assert_eq!(state.apply_batch(5, &killed), Outcome::Applied { index: 5 });
+        // Two hours of log time later, it has left the views.
+        let later = t(
+            2 * 3_600_000,
+            vec![Event::SandboxTimedOut(events::SandboxTimedOut { id: "other".into() })],
+        );
+        state.apply_batch(6, &later);
+        assert!(!state.sandboxes.sandboxes.contains_key(&id));
+        assert_eq!(
+            slice_events(&state, "e2", 5, &killed).len(),
+            1,
+            "its own edge still gets its kill"
+        );
+        assert!(slice_events(&state, "e1", 5, &killed).is_empty(), "no other edge does");
     }
 }

@@ -89,6 +89,7 @@ pub async fn query(
                 .filter(|r| !r.project.is_empty() && who.sees(s, &r.project))
                 .cloned()
                 .collect(),
+            swept_before: s.audit.swept_before,
         };
         let (records, next) = mine.query(&q);
         AuditPage {

@@ -3,12 +3,13 @@
 use axum::Json;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
+use opendsec_commands::Command;
 use opendsec_projections::Right;
 use opendsec_sdk::types::{self as api, AddMember, ClusterStatus};
 
 use crate::error::ApiError;
 use crate::extract::{Authed, JsonBody, Params, PathParam, RequestId};
-use crate::{AppState, Written};
+use crate::{AppState, Written, submit};
 
 /// This node's view of the cluster: leader, term, indexes, members, state hash.
 #[utoipa::path(get, path = "/v1/cluster", tag = "cluster",
@@ -70,6 +71,47 @@ pub async fn remove_member(
         status: StatusCode::OK,
         body: status,
     })
+}
+
+/// How long the live views keep ended sandboxes and audit records (older ones stay in
+/// the log's archive). Needs cluster:admin.
+#[utoipa::path(get, path = "/v1/cluster/retention", tag = "cluster",
+    responses((status = 200, body = api::Retention), (status = "4XX", body = api::ErrorBody)))]
+pub async fn get_retention(State(st): State<AppState>, who: Authed) -> Result<Json<api::Retention>, ApiError> {
+    who.require(Right::ClusterAdmin)?;
+    Ok(Json(st.node.read(retention_of)))
+}
+
+/// Sets the retention; a setting left out keeps its value. Needs cluster:admin in the
+/// root project.
+#[utoipa::path(put, path = "/v1/cluster/retention", tag = "cluster", request_body = api::Retention,
+    responses((status = 200, body = api::Retention), (status = "4XX", body = api::ErrorBody)))]
+pub async fn set_retention(
+    State(st): State<AppState>,
+    who: Authed,
+    rid: RequestId,
+    JsonBody(req): JsonBody<api::Retention>,
+) -> Result<Written<api::Retention>, ApiError> {
+    let cmd = Command::SetRetention {
+        ended_sandboxes_seconds: req.ended_sandboxes_seconds,
+        audit_seconds: req.audit_seconds,
+        audit_records: req.audit_records,
+    };
+    let s = submit(&st, &who, &rid, cmd).await?;
+    Ok(Written {
+        index: s.index,
+        status: StatusCode::OK,
+        body: st.node.read(retention_of),
+    })
+}
+
+fn retention_of(s: &opendsec_projections::State) -> api::Retention {
+    let r = s.retention.to_event();
+    api::Retention {
+        ended_sandboxes_seconds: Some(r.ended_sandboxes_seconds),
+        audit_seconds: Some(r.audit_seconds),
+        audit_records: Some(r.audit_records),
+    }
 }
 
 fn cluster_status(st: &AppState) -> Result<ClusterStatus, ApiError> {

@@ -109,6 +109,7 @@ pub async fn set_quota(
         sandboxes: req.sandboxes,
         cpu_millis: req.cpu_millis,
         memory_mb: req.memory_mb,
+        metadata_bytes: req.metadata_bytes,
     };
     let s = submit(
         &st,

@@ -44,6 +44,7 @@ pub async fn create(
             cpu_class: req.cpu_class.map(convert::cpu_class_of),
             auto_resume: req.auto_resume.unwrap_or(true),
             network: req.network.as_ref().map(|n| convert::network_json(n, None)),
+            env: req.env.unwrap_or_default(),
             ..Default::default()
         },
     };

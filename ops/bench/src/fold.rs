@@ -109,6 +109,7 @@ pub fn run(n: usize) -> Result<FoldResult, String> {
                 sandboxes: 1_000_000,
                 cpu_millis: 1_000_000_000,
                 memory_mb: 1_000_000_000,
+                metadata_bytes: 0,
             },
             labels: BTreeMap::new(),
         },

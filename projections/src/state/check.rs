@@ -223,11 +223,7 @@ impl State {
                         _ => return Err(format!("snapshot {} is not ready", e.snapshot)),
                     }
                 }
-                let u = Usage {
-                    sandboxes: 1,
-                    cpu_millis: e.cpu_millis,
-                    memory_mb: e.memory_mb,
-                };
+                let u = created_usage(e);
                 let reserved = pending.edge_usage.get(&e.edge).copied().unwrap_or_default();
                 self.check_edge(&e.edge, &u, &reserved)?;
                 let overlay = |p: &str| pending.usage.get(p).copied().unwrap_or_default();
@@ -306,6 +302,27 @@ impl State {
             Event::TemplateDeleted(e) => {
                 if !self.images.templates.contains_key(&e.template_id) {
                     return Err(format!("template {} does not exist", e.template_id));
+                }
+            }
+            Event::RetentionSet(e) => {
+                if let Some((field, why)) = Retention::invalid(e) {
+                    return Err(format!("{field}: {why}"));
+                }
+            }
+            Event::SandboxLabelsSet(e) => {
+                let s = self.sandbox(&e.id)?;
+                // Labels that grow count against the quota like a create's.
+                let grows = Usage {
+                    metadata_bytes: metadata_bytes(&BTreeMap::new(), &e.labels)
+                        .saturating_sub(metadata_bytes(&BTreeMap::new(), &s.labels)),
+                    ..Usage::default()
+                };
+                if s.is_live() && grows.metadata_bytes > 0 {
+                    let overlay = |p: &str| pending.usage.get(p).copied().unwrap_or_default();
+                    self.check_quota(&s.project, &grows, &overlay)?;
+                    for p in self.ancestry(&s.project) {
+                        pending.usage.entry(p.id.clone()).or_default().add(&grows);
+                    }
                 }
             }
             Event::SandboxForkRequested(e) => {

@@ -7,6 +7,7 @@ impl State {
         match ev {
             // Recorded for the audit view; Raft's configuration entries carry the change.
             Event::ClusterMembershipChangeRequested(_) => {}
+            Event::RetentionSet(e) => self.retention = Retention::from_event(e),
             Event::ProjectCreated(e) => {
                 let parent = (!e.parent.is_empty()).then(|| e.parent.clone());
                 if let Some(p) = parent.as_ref().and_then(|p| self.iam.projects.get_mut(p)) {
@@ -188,7 +189,13 @@ impl State {
             Event::SandboxTimeoutSet(e) => self.touch(&e.id, index, t, |s| {
                 advance(s, ev);
             }),
-            Event::SandboxLabelsSet(e) => self.touch(&e.id, index, t, |s| s.labels = e.labels.clone()),
+            Event::SandboxLabelsSet(e) => {
+                let before = self.sandboxes.sandboxes.get(&e.id).map(|s| (s.usage(), s.is_live()));
+                self.touch(&e.id, index, t, |s| s.labels = e.labels.clone());
+                if let Some((before, true)) = before {
+                    self.reweigh(&e.id, &before);
+                }
+            }
             Event::SandboxNetworkSet(e) => self.touch(&e.id, index, t, |s| {
                 s.network = (!e.network.is_empty()).then(|| e.network.clone())
             }),
@@ -417,6 +424,25 @@ impl State {
         }
     }
 
+    /// Moves a live sandbox's share of its project's quota and its edge's capacity from
+    /// `before` to what it takes now (its labels changed).
+    fn reweigh(&mut self, id: &str, before: &Usage) {
+        let Some(s) = self.sandboxes.sandboxes.get(id) else {
+            return;
+        };
+        let (now, edge, project) = (s.usage(), s.edge.clone(), s.project.clone());
+        let ancestors: Vec<String> = self.ancestry(&project).iter().map(|p| p.id.clone()).collect();
+        if let Some(e) = self.placement.edges.get_mut(&edge) {
+            e.assigned.sub(before);
+            e.assigned.add(&now);
+        }
+        for p in ancestors {
+            let u = self.quota.usage.entry(p).or_default();
+            u.sub(before);
+            u.add(&now);
+        }
+    }
+
     /// Gives a sandbox's quota and edge capacity back, once.
     fn release(&mut self, id: &str) {
         let Some(s) = self.sandboxes.sandboxes.get_mut(id) else {
@@ -427,6 +453,9 @@ impl State {
         }
         s.released = true;
         let (u, edge, project) = (s.usage(), s.edge.clone(), s.project.clone());
+        // Nothing runs with its environment any more: its values (often secrets) leave
+        // the state, which keeps only what the views show of an ended sandbox.
+        s.env.clear();
         if let Some(e) = self.placement.edges.get_mut(&edge) {
             e.assigned.sub(&u);
         }

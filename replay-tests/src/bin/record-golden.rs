@@ -86,6 +86,7 @@ impl Driver {
             sandboxes: Some(sandboxes),
             cpu_millis: Some(cpu_millis),
             memory_mb: Some(memory_mb),
+            metadata_bytes: None,
         };
         self.ok(
             token,
@@ -283,6 +284,7 @@ async fn control_plane_tour(d: &mut Driver, admin: &str, root: &str) {
                 sandboxes,
                 cpu_millis: cpu,
                 memory_mb: mem,
+                metadata_bytes: 0,
             },
             labels: labels_of(&[("zone", zone)]),
         };
@@ -307,6 +309,7 @@ async fn control_plane_tour(d: &mut Driver, admin: &str, root: &str) {
                     sandboxes: Some(2),
                     cpu_millis: Some(32_000),
                     memory_mb: Some(65_536),
+                    metadata_bytes: None,
                 },
             },
         )
@@ -610,6 +613,7 @@ async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
                 sandboxes: 32,
                 cpu_millis: 512_000,
                 memory_mb: 65_536,
+                metadata_bytes: 0,
             },
             labels: labels_of(&[("zone", zone)]),
         };

@@ -123,11 +123,42 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 )
             });
         }
+        Cmd::Cluster(ClusterCmd::Retention {
+            ended_sandboxes,
+            audit,
+            audit_records,
+        }) => {
+            let r = if ended_sandboxes.is_none() && audit.is_none() && audit_records.is_none() {
+                client.get_retention().await?
+            } else {
+                let want = Retention {
+                    ended_sandboxes_seconds: ended_sandboxes,
+                    audit_seconds: audit,
+                    audit_records,
+                };
+                client.set_retention(&want).await?
+            };
+            out.show(&r, |r| {
+                let secs = |v: Option<u64>| v.map_or("-".into(), |v| format!("{v}s"));
+                table(
+                    &["SETTING", "VALUE"],
+                    vec![
+                        vec!["ended sandboxes".into(), secs(r.ended_sandboxes_seconds)],
+                        vec!["audit".into(), secs(r.audit_seconds)],
+                        vec![
+                            "audit records".into(),
+                            r.audit_records.map_or("-".into(), |v| v.to_string()),
+                        ],
+                    ],
+                )
+            });
+        }
         Cmd::Cluster(c) => {
             let status = match c {
                 ClusterCmd::Status => client.cluster_status().await?,
                 ClusterCmd::AddNode { id, addr } => client.add_member(id, &addr).await?,
                 ClusterCmd::RemoveNode { id } => client.remove_member(id).await?,
+                ClusterCmd::Retention { .. } => unreachable!("matched above"),
             };
             out.show(&status, |s| {
                 let mut rows = vec![
@@ -229,6 +260,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                     sandboxes,
                     cpu_millis,
                     memory_mb,
+                    metadata_bytes,
                 } => {
                     client
                         .set_quota(
@@ -237,6 +269,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                                 sandboxes,
                                 cpu_millis,
                                 memory_mb,
+                                metadata_bytes,
                             },
                         )
                         .await?
@@ -265,6 +298,12 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                             lim(q.limits.memory_mb),
                             lim(q.effective.memory_mb),
                             q.usage.memory_mb.to_string(),
+                        ],
+                        vec![
+                            "metadata_bytes".into(),
+                            lim(q.limits.metadata_bytes),
+                            lim(q.effective.metadata_bytes),
+                            q.usage.metadata_bytes.to_string(),
                         ],
                     ],
                 )
@@ -364,6 +403,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                         sandboxes,
                         cpu_millis,
                         memory_mb,
+                        metadata_bytes: 0,
                     },
                     labels: labels.into_iter().collect(),
                 };
@@ -469,6 +509,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             cpu_millis,
             memory_mb,
             labels,
+            env,
             timeout_seconds,
             isolation,
             cpu_class,
@@ -484,6 +525,7 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 cpu_millis,
                 memory_mb,
                 labels: (!labels.is_empty()).then(|| labels.into_iter().collect()),
+                env: (!env.is_empty()).then(|| env.into_iter().collect()),
                 timeout_seconds,
                 isolation: isolation.map(Isolation::from),
                 cpu_class: cpu_class.map(CpuClass::from),

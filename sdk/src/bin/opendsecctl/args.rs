@@ -102,6 +102,19 @@ pub(crate) enum ClusterCmd {
         #[arg(long)]
         id: u64,
     },
+    /// How long the live views keep ended sandboxes and audit records (older ones stay in
+    /// the log's archive, for replay and time travel); with a flag, sets it.
+    Retention {
+        /// How long an ended sandbox stays listed: `0`, `90s`, `10m`, `2h`, `7d`.
+        #[arg(long, value_parser = parse_keep)]
+        ended_sandboxes: Option<u64>,
+        /// How long the audit view keeps a record (at least 15m).
+        #[arg(long, value_parser = parse_keep)]
+        audit: Option<u64>,
+        /// The most records the audit view keeps.
+        #[arg(long)]
+        audit_records: Option<u64>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -285,6 +298,10 @@ pub(crate) enum QuotaCmd {
         cpu_millis: Option<u64>,
         #[arg(long)]
         memory_mb: Option<u64>,
+        /// Bytes of environment variables and labels (names and values) its live
+        /// sandboxes may hold together.
+        #[arg(long)]
+        metadata_bytes: Option<u64>,
     },
     /// Own limits, effective limits and usage.
     Get { project: String },
@@ -338,6 +355,10 @@ pub(crate) enum SandboxCmd {
         /// key=value; repeat for several.
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
+        /// KEY=VALUE in the environment of every process in it; repeat for several.
+        /// Shown by name only; dropped from the state once the sandbox ends.
+        #[arg(long = "env", value_parser = parse_label)]
+        env: Vec<(String, String)>,
         #[arg(long)]
         timeout_seconds: Option<u64>,
         /// container (the default), microvm (a QEMU microVM: its pause, snapshots and
@@ -715,9 +736,38 @@ pub fn parse_span(v: &str) -> Result<u64, String> {
     n.checked_mul(per).filter(|ms| *ms > 0).ok_or_else(bad)
 }
 
+/// A retention as seconds: `0`, or a count of `s`, `m`, `h` or `d`.
+pub fn parse_keep(v: &str) -> Result<u64, String> {
+    if v == "0" {
+        return Ok(0);
+    }
+    let bad = || format!("{v:?} is not a duration like 0, 90s, 10m, 2h or 7d");
+    let unit = v.chars().last().ok_or_else(bad)?;
+    let per = match unit {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        'd' => 86_400,
+        _ => return Err(bad()),
+    };
+    let n: u64 = v[..v.len() - 1].parse().map_err(|_| bad())?;
+    n.checked_mul(per).ok_or_else(bad)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::parse_span;
+    use super::{parse_keep, parse_span};
+
+    #[test]
+    fn a_retention_is_zero_or_seconds_minutes_hours_or_days() {
+        assert_eq!(parse_keep("0"), Ok(0));
+        assert_eq!(parse_keep("90s"), Ok(90));
+        assert_eq!(parse_keep("2h"), Ok(7200));
+        assert_eq!(parse_keep("30d"), Ok(30 * 86_400));
+        for bad in ["", "d", "10", "10w", "-1d", "1.5d", "99999999999999999d"] {
+            assert!(parse_keep(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
 
     #[test]
     fn a_span_is_seconds_minutes_or_hours() {
