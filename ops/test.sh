@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds, runs the gates (rustfmt, clippy), every test
-# of the workspace (the README's examples included: server/tests/readme.rs) and the fuzz
-# targets (fuzz/) for a short time each, then ends with a summary. A test whose
-# prerequisite is missing fails; the one exception, checks that need hardware KVM, are
-# counted and named in the last lines, never skipped silently.
+# of the workspace (the README's examples included: server/tests/readme.rs), checks the
+# E2B SDK call table of docs/e2b-compatibility.md against the calls the E2B suites
+# recorded, runs the fuzz targets (fuzz/) for a short time each, then ends with a
+# summary. A test whose prerequisite is missing fails; the one exception, checks that
+# need hardware KVM, are counted and named in the last lines, never skipped silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
@@ -39,6 +40,9 @@ LOGS="$(mktemp -d /tmp/opendsec-test.XXXXXX)"
 # lacks (edge/tests/support: not_run_needs_hardware_kvm); summarised below.
 export OPENDSEC_NOT_RUN_FILE="$LOGS/not-run.tsv"
 : >"$OPENDSEC_NOT_RUN_FILE"
+# The E2B suites record here which SDK calls their passing tests made
+# (server/tests/support/e2b_calls.rs); checked against the doc's table below.
+export OPENDSEC_E2B_CALLS_DIR="$LOGS/e2b-calls"
 
 RESULTS=()
 FAILED=0
@@ -96,11 +100,17 @@ step "format (cargo fmt --all --check)" cargo fmt --all --check
 step "lints (cargo clippy --workspace --all-targets -- -D warnings)" \
   cargo clippy --workspace --all-targets --locked -- -D warnings
 step "tests (cargo test --workspace)" run_tests
+# Only after the whole test step: the table needs every E2B suite's record of this run.
+step "E2B SDK call table (ops/e2b-compat.py --check)" \
+  python3 ops/e2b-compat.py --check --records "$OPENDSEC_E2B_CALLS_DIR"
 step "fuzz (cargo +nightly fuzz run, ${OPENDSEC_FUZZ_SECONDS:-20} s a target)" run_fuzz
 
 echo
 echo "==> summary (logs in $LOGS)"
 printf '  %s\n' "${RESULTS[@]}"
+if printf '%s\n' "${RESULTS[@]}" | grep -q '^FAILED  E2B SDK call table'; then
+  echo "    hint: once every E2B test passes, run ops/e2b-compat.py --records $OPENDSEC_E2B_CALLS_DIR to regenerate the table"
+fi
 if [ -s "$LOGS/cargo-test.log" ]; then
   awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
        END { printf "  tests: %d passed, %d failed\n", p, f }' "$LOGS/cargo-test.log"

@@ -8,10 +8,15 @@
 //! (egress policies and an upstream proxy) against an `opendsec up` inside a test
 //! internet of its own (`support/internet.rs`).
 //!
+//! Each run preloads `tests/e2b-js/record-calls.mjs`, which records the SDK calls of the
+//! passing tests (`support/e2b_calls.rs`) for docs/e2b-compatibility.md's table.
+//!
 //! Needs root, crun or runc, the static agent, node 18 or later with the SDKs installed
 //! by `./ops/e2b-js.sh` (or `OPENDSEC_E2B_JS`), and the `base` image; the network suite
 //! also nftables, microsocks and tinyproxy.
 
+#[path = "support/e2b_calls.rs"]
+mod e2b_calls;
 #[path = "support/internet.rs"]
 mod internet;
 #[path = "support/up.rs"]
@@ -25,6 +30,8 @@ use up::Up;
 const DEFAULT_DIR: &str = "/var/lib/opendsec/test/e2b-js";
 const IMAGE_BUILD_LIMIT: Duration = Duration::from_secs(30 * 60);
 const NODE_LIMIT: Duration = Duration::from_secs(10 * 60);
+/// Preloaded into every run: records which SDK calls the passing tests made.
+const RECORDER: &str = "record-calls.mjs";
 
 /// One suite at a time: each starts a server with sandboxes.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -62,21 +69,22 @@ async fn run_suite(set: &str) {
 async fn run_module(set: &str, module: &str, up: &Up) {
     let sdk = installed(set);
     // The module runs from a directory of its own whose node_modules is the installed
-    // SDK's: node resolves `e2b` from where the module lies.
+    // SDK's: node resolves `e2b` from where the module (and the recorder) lies.
     let work = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        workspace().join("server/tests/e2b-js").join(module),
-        work.path().join(module),
-    )
-    .unwrap();
+    for file in [module, RECORDER] {
+        let from = workspace().join("server/tests/e2b-js").join(file);
+        std::fs::copy(&from, work.path().join(file)).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+    }
     std::fs::copy(sdk.join("package.json"), work.path().join("package.json")).unwrap();
     std::os::unix::fs::symlink(sdk.join("node_modules"), work.path().join("node_modules")).unwrap();
 
     up.ensure_image("base", IMAGE_BUILD_LIMIT).await;
     let key = up.issue_e2b_key().await;
     let url = format!("http://{}", up.http);
+    let calls = e2b_calls::record_file(&format!("js-{set}-{module}"));
     let mut cmd = tokio::process::Command::new("node");
-    cmd.args(["--test", "--test-concurrency=1", module])
+    let recorder = format!("./{RECORDER}");
+    cmd.args(["--import", &recorder, "--test", "--test-concurrency=1", module])
         .current_dir(work.path())
         .env_clear()
         .env(
@@ -87,6 +95,7 @@ async fn run_module(set: &str, module: &str, up: &Up) {
         .env("E2B_API_KEY", key)
         .env("E2B_API_URL", &url)
         .env("E2B_SANDBOX_URL", &url)
+        .env("OPENDSEC_E2B_CALLS", calls)
         .stdin(Stdio::null())
         .kill_on_drop(true);
     let out = match tokio::time::timeout(NODE_LIMIT, cmd.output()).await {

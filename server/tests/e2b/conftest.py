@@ -10,6 +10,7 @@ is what a user's unmodified code gets.
 A module run without the harness fails (it never skips): the variables are missing.
 """
 
+import json
 import os
 import time
 import uuid
@@ -17,6 +18,8 @@ from importlib.metadata import version
 from typing import Callable, Optional, TypeVar
 
 import pytest
+
+import sdk_calls
 
 # OpenDsec's plain Debian image. E2B's SDK also defaults to "base", but every test names
 # it, so that what is created does not depend on the SDK's default.
@@ -92,3 +95,45 @@ def sandbox_url() -> str:
     if not url:
         pytest.fail("E2B_SANDBOX_URL is not set", pytrace=False)
     return url.rstrip("/")
+
+
+class CallRecords:
+    """Which public SDK calls each passing test made (`sdk_calls.py`), written as JSON to
+    $OPENDSEC_E2B_CALLS when the session ends: `ops/e2b-compat.py` builds the table of
+    docs/e2b-compatibility.md from it. A test's calls include those of the fixtures its
+    setup and teardown ran (a module's sandbox is created in its first test's setup)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.current: Optional[set] = None
+        self.outcome_ok = False
+        self.tests: dict = {}
+        sdk_calls.Recorder(self.note).install()
+
+    def note(self, call: str) -> None:
+        if self.current is not None:
+            self.current.add(call)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.current, self.outcome_ok = set(), False
+        yield
+        if self.outcome_ok:
+            self.tests[item.nodeid] = sorted(self.current)
+        self.current = None
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call":
+            self.outcome_ok = report.passed
+        elif report.failed:
+            self.outcome_ok = False
+
+    def pytest_sessionfinish(self, session):
+        with open(self.path, "w") as f:
+            json.dump({"sdk": sdk_calls.sdk_version(), "language": "python", "tests": self.tests}, f, indent=1, sort_keys=True)
+
+
+def pytest_configure(config):
+    path = os.environ.get("OPENDSEC_E2B_CALLS")
+    if path:
+        config.pluginmanager.register(CallRecords(path), "opendsec-e2b-calls")

@@ -20,6 +20,7 @@ from e2b import (
     SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
+    SandboxQuery,
 )
 from packaging.version import Version
 
@@ -285,6 +286,27 @@ def test_an_upload_larger_than_the_free_disk_raises_not_enough_space(victim):
     victim.commands.run("rm -f /home/user/too-big.bin")
     victim.files.write("/home/user/after.txt", "fits")
     assert victim.files.read("/home/user/after.txt") == "fits"
+
+
+# --- what OpenDsec does not offer ------------------------------------------------------
+# docs/e2b-compatibility.md lists these as refused (ops/e2b-compat.py names this test).
+
+
+@pytest.mark.parametrize(
+    "option, value, field",
+    [
+        ("mcp", {"exa": {"apiKey": "unused"}}, "mcp"),
+        ("iam", {"tokens": {"ci": {"audience": "https://ci.example", "token_type": "JWT-SVID"}}}, "iam"),
+        ("volume_mounts", {"/mnt/data": "a-volume"}, "volumeMounts"),
+    ],
+)
+def test_a_create_asking_for_what_opendsec_does_not_offer_is_refused_naming_it(run_id, option, value, field):
+    metadata = {"suite": run_id, "module": "errors", "role": f"refused-{option}"}
+    with pytest.raises(SandboxException) as refused:
+        Sandbox.create(template=BASE_TEMPLATE, timeout=60, metadata=metadata, **{option: value})
+    assert getattr(refused.value, "status_code", None) == 400, repr(refused.value)
+    assert f"{field} is not supported" in str(refused.value)
+    assert Sandbox.list(query=SandboxQuery(metadata=metadata)).next_items() == []
 
 
 # --- and nobody else noticed --------------------------------------------------------------

@@ -1,5 +1,10 @@
 //! Running a pytest module of `server/tests/e2b/` with a pinned E2B SDK venv (from
-//! `./ops/e2b-venv.sh`, or `OPENDSEC_E2B_VENV`) and exactly the variables given.
+//! `./ops/e2b-venv.sh`, or `OPENDSEC_E2B_VENV`) and exactly the variables given, plus
+//! `OPENDSEC_E2B_CALLS`: where it records the SDK calls of its passing tests
+//! (`support/e2b_calls.rs`).
+
+#[path = "e2b_calls.rs"]
+mod e2b_calls;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -39,8 +44,8 @@ pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// Runs one module of tests/e2b with exactly `vars` (plus PATH and HOME) and fails with
-/// pytest's output unless every test passed.
+/// Runs one module of tests/e2b with exactly `vars` (plus PATH, HOME and the record file
+/// of its SDK calls) and fails with pytest's output unless every test passed.
 pub async fn pytest(python: &Path, module: &str, vars: &[(&str, String)]) {
     let mut cmd = tokio::process::Command::new(python);
     cmd.args(["-B", "-m", "pytest"])
@@ -53,6 +58,7 @@ pub async fn pytest(python: &Path, module: &str, vars: &[(&str, String)]) {
             std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
         )
         .env("HOME", std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+        .env("OPENDSEC_E2B_CALLS", e2b_calls::record_file(&format!("py-{module}")))
         .stdin(Stdio::null())
         .kill_on_drop(true);
     for (k, v) in vars {
