@@ -16,7 +16,7 @@ pub mod testing;
 pub use node::{ClusterStatus, ControlConfig, ControlNode, EdgeHeartbeat, PullProgress, SubmitError, Submitted};
 // What the control plane shares with edges lives in the contract crate; re-exported for
 // the gateway and the server, which use them beside the rest of this crate.
-pub use opendsec_edge_api::{SandboxTokenKind, now_ms, sandbox_token, transfer_token};
+pub use opendsec_edge_api::{SandboxTokenKind, edge_key, now_ms, sandbox_token, transfer_token};
 
 use opendsec_projections::Right;
 use sha2::{Digest, Sha256};

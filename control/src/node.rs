@@ -539,7 +539,7 @@ impl ControlNode {
                 .collect()
         });
         for (edge, address, req) in asks {
-            if let Err(why) = crate::admission::ask(&address, &self.inner.cfg.cluster_key, &req).await {
+            if let Err(why) = crate::admission::ask(&address, &self.edge_key(&edge), &req).await {
                 tracing::info!(%edge, sandbox = %req.sandbox, %why, "edge refused a sandbox at admission; placing it again");
                 return Some(edge);
             }
@@ -700,12 +700,26 @@ impl ControlNode {
             .collect()
     }
 
-    /// Whether `key` is this cluster's key (compared in constant time).
-    /// A sandbox's access token of `kind` (see [`crate::sandbox_token`]).
-    pub fn sandbox_token(&self, kind: crate::SandboxTokenKind, sandbox: &str) -> String {
-        crate::sandbox_token(&self.inner.cfg.cluster_key, kind, sandbox)
+    /// Edge `edge`'s own key (see [`crate::edge_key`]): what this node sends it, and what
+    /// its sandboxes' tokens and its transfers are keyed with.
+    pub fn edge_key(&self, edge: &str) -> String {
+        crate::edge_key(&self.inner.cfg.cluster_key, edge)
     }
 
+    /// A sandbox's access token of `kind` (see [`crate::sandbox_token`]), under its edge's
+    /// key: the edge of the views, or for one swept from them, of the ordinal in its id.
+    pub fn sandbox_token(&self, kind: crate::SandboxTokenKind, sandbox: &str) -> String {
+        let edge = self.read(|s| match s.sandboxes.sandboxes.get(sandbox) {
+            Some(x) => x.edge.clone(),
+            None => opendsec_projections::edge_ordinal_of(sandbox)
+                .and_then(|ord| s.placement.edges.values().find(|e| e.ordinal & 0xffff == ord))
+                .map(|e| e.id.clone())
+                .unwrap_or_default(),
+        });
+        crate::sandbox_token(&self.edge_key(&edge), kind, sandbox)
+    }
+
+    /// Whether `key` is this cluster's key (compared in constant time).
     pub fn cluster_key_matches(&self, key: &str) -> bool {
         constant_time_eq(key.as_bytes(), self.inner.cfg.cluster_key.as_bytes())
     }

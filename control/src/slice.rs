@@ -13,7 +13,7 @@ use opendsec_commands::{Command, Observation};
 use opendsec_edge_api::pb::edge_slice_server::EdgeSlice;
 use opendsec_edge_api::pb::{
     HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest, SliceEntry,
-    SliceMessage, WatchRequest, slice_message::Body,
+    SliceMessage, TransferTokenReply, TransferTokenRequest, WatchRequest, slice_message::Body,
 };
 use opendsec_edge_api::slice::{slice_events, slice_snapshot};
 use opendsec_projections::{Right, Usage};
@@ -251,6 +251,41 @@ impl EdgeSlice for EdgeSliceService {
             .await
             .map_err(to_status)?;
         Ok(Response::new(ReportReply { index: s.index }))
+    }
+
+    async fn transfer_token(&self, req: Request<TransferTokenRequest>) -> Result<Response<TransferTokenReply>, Status> {
+        let p = self.edge_principal(&req)?;
+        let r = req.into_inner();
+        self.acts_for(&p, &r.edge, "transfer token")?;
+        // A transfer opens only for the edge whose live sandbox starts from it.
+        // (the holding edge, the sandbox whose state it is: a fork's source, a snapshot's)
+        let source = self.node.read(|s| {
+            let x = s
+                .sandboxes
+                .sandboxes
+                .values()
+                .find(|x| x.is_live() && x.edge == r.edge && x.transfer.as_deref() == Some(r.transfer.as_str()))?;
+            let of = x.fork_of.clone().or_else(|| {
+                x.snapshot
+                    .as_ref()
+                    .and_then(|snap| s.snapshots.snapshots.get(snap))
+                    .map(|snap| snap.sandbox.clone())
+            });
+            Some((x.source_edge.clone()?, of.unwrap_or_default()))
+        });
+        let Some((source_edge, of)) = source else {
+            tracing::warn!(token = %p.token_id, edge = %r.edge, transfer = %r.transfer, "denied: no sandbox of the edge starts from the transfer");
+            return Err(Status::permission_denied(format!(
+                "no live sandbox of edge {} starts from transfer {}",
+                r.edge, r.transfer
+            )));
+        };
+        let key = self.node.edge_key(&source_edge);
+        Ok(Response::new(TransferTokenReply {
+            token: opendsec_edge_api::transfer_token(&key, &r.transfer, &r.edge),
+            source_agent_token: opendsec_edge_api::sandbox_token(&key, opendsec_edge_api::SandboxTokenKind::Agent, &of),
+            source_edge,
+        }))
     }
 
     async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {

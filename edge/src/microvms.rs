@@ -76,7 +76,9 @@ pub struct MicroVms {
 /// (whose token the restored guest still holds).
 pub struct FromSnapshot<'a> {
     pub dir: &'a Path,
-    pub source: &'a str,
+    /// The agent token its sandbox held (see `Edge::source_agent_token`): the restored
+    /// guest's agent takes it until re-keyed.
+    pub source_token: &'a str,
 }
 
 impl MicroVms {
@@ -194,12 +196,12 @@ impl MicroVms {
             None => (self.driver.create_machine(&spec, machine, &progress)?, None),
             Some(snap) => (
                 self.driver.restore_snapshot(&spec, snap.dir, &progress)?.0,
-                Some(snap.source),
+                Some(snap.source_token),
             ),
         };
         let ready = vm
             .wait_agent(AGENT_READY_TIMEOUT)
-            .and_then(|_| self.ensure_token(&d.id, source));
+            .and_then(|_| self.ensure_token(&d.id, || Ok(source.map(str::to_string))));
         if let Err(e) = ready {
             // A guest that never answered is of no use: leave nothing behind.
             let _ = vm.delete();
@@ -228,7 +230,7 @@ impl MicroVms {
                 for copy in copies {
                     let vm = self.handle(&copy.id)?;
                     vm.wait_agent(AGENT_READY_TIMEOUT)?;
-                    self.ensure_token(&copy.id, Some(source))?;
+                    self.ensure_token(&copy.id, || Ok(Some(self.token(source))))?;
                     // A running source's copies start with its quota; each has its own.
                     vm.set_cpu_millis(vm_cpu_millis(copy))?;
                 }
@@ -274,10 +276,15 @@ impl MicroVms {
 
     /// Makes sure the guest's agent takes this sandbox's own token, and reseeds the guest
     /// kernel's random number generator from the host's. A guest restored from another's
-    /// memory holds that one's token (`source`): it is re-keyed with it. Asking
+    /// memory holds that one's token (`source_token`): it is re-keyed with it. Asking
     /// with the right token already changes nothing, so this is safe to repeat (after an
     /// edge restart that came between a restore and its re-key, say).
-    pub fn ensure_token(&self, id: &str, source: Option<&str>) -> Result<(), VmError> {
+    /// `source_token` is asked for only when the agent refuses its own token.
+    pub fn ensure_token(
+        &self,
+        id: &str,
+        source_token: impl FnOnce() -> Result<Option<String>, VmError>,
+    ) -> Result<(), VmError> {
         let channel = self.handle(id)?.agent()?;
         let own = self.token(id);
         let ask = |current: &str| {
@@ -300,16 +307,16 @@ impl MicroVms {
                 )));
             }
         }
-        let Some(source) = source else {
+        let Some(source_token) = source_token()? else {
             return Err(VmError::Agent(format!("the agent of {id} refuses its own token")));
         };
-        match ask(&self.token(source))? {
+        match ask(&source_token)? {
             204 => {
-                tracing::info!(sandbox = %id, %source, "re-keyed the agent restored from another sandbox's memory");
+                tracing::info!(sandbox = %id, "re-keyed the agent restored from another sandbox's memory");
                 Ok(())
             }
             other => Err(VmError::Agent(format!(
-                "the agent of {id} takes neither its own token nor that of {source} (it answered {other})"
+                "the agent of {id} takes neither its own token nor its source's (it answered {other})"
             ))),
         }
     }

@@ -5,7 +5,8 @@
 use opendsec_commands::Observation;
 use opendsec_edge_api::pb::edge_slice_client::EdgeSliceClient;
 use opendsec_edge_api::pb::{
-    Capacity, HeartbeatRequest, RegisterRequest, ReportRequest, SliceMessage, WatchRequest, slice_message::Body,
+    Capacity, HeartbeatRequest, RegisterRequest, ReportRequest, SliceMessage, TransferTokenReply, TransferTokenRequest,
+    WatchRequest, slice_message::Body,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -80,6 +81,20 @@ impl SliceClient {
             .watch(self.req(WatchRequest {
                 edge: edge.into(),
                 from_index,
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// What opens `transfer` (the state a sandbox of `edge` starts from) on the edge
+    /// holding it, and the agent token that state's sandbox held, both keyed with that
+    /// edge's key (which this edge does not hold).
+    pub async fn transfer_token(&mut self, edge: &str, transfer: &str) -> Result<TransferTokenReply, SliceError> {
+        Ok(self
+            .client
+            .transfer_token(self.req(TransferTokenRequest {
+                edge: edge.into(),
+                transfer: transfer.into(),
             }))
             .await?
             .into_inner())

@@ -334,7 +334,8 @@ pub struct PullRequest<'a> {
     pub address: &'a str,
     /// This edge's name.
     pub me: &'a str,
-    pub cluster_key: &'a str,
+    /// What opens the transfer on the holding edge (`EdgeSlice.TransferToken`).
+    pub token: &'a str,
 }
 
 async fn send(
@@ -348,10 +349,7 @@ async fn send(
         .uri(path)
         .header(hyper::header::HOST, "edge")
         .header(EDGE_HEADER, p.me)
-        .header(
-            TOKEN_HEADER,
-            opendsec_edge_api::transfer_token(p.cluster_key, p.transfer, p.me),
-        )
+        .header(TOKEN_HEADER, p.token)
         .body(opendsec_http::empty())
         .map_err(|e| e.to_string())?;
     client

@@ -41,15 +41,26 @@ pub fn client() -> opendsec_http::Client {
     opendsec_http::Client::new(Some(CONNECT_TIMEOUT))
 }
 
-/// Forwards `req` to `uri` on the edge at `address`. The caller has already removed
-/// the headers the edge must not see and added its own; this sets Host and the edge key,
-/// and relays an upgrade (101) in both directions.
+/// Forwards `req` to `uri` on the edge at `address` (a registered edge's). The caller has
+/// already removed the headers the edge must not see and added its own; this sets Host
+/// and that edge's key, and relays an upgrade (101) in both directions.
 pub async fn forward(st: &AppState, address: &str, uri: Uri, req: Request<Body>) -> Result<Response, Unreachable> {
     let host = edge_host(address);
     let host_value = HeaderValue::from_str(&host)
         .map_err(|_| Unreachable(format!("the edge address {host:?} is not a host:port")))?;
-    let key = HeaderValue::from_str(&st.node.config().cluster_key)
-        .map_err(|_| Unreachable("the cluster key is not a valid header value".into()))?;
+    // The edge's own key (never the cluster key: edges do not hold it).
+    let edge = st
+        .node
+        .read(|s| {
+            s.placement
+                .edges
+                .values()
+                .find(|e| e.address == address)
+                .map(|e| e.id.clone())
+        })
+        .ok_or_else(|| Unreachable(format!("no registered edge is at {address}")))?;
+    let key = HeaderValue::from_str(&st.node.edge_key(&edge))
+        .map_err(|_| Unreachable("the edge key is not a valid header value".into()))?;
     let wants_upgrade = req.headers().contains_key(header::UPGRADE);
     let (mut parts, body) = req.into_parts();
     if !wants_upgrade {

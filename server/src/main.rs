@@ -98,14 +98,30 @@ enum Cmd {
         /// File holding the edge's token (edge:write, root project).
         #[arg(long)]
         token_file: PathBuf,
-        /// The cluster key file (the gateway authenticates to the edge with it).
+        /// The edge's own key (`opendsec edge-key --edge NAME --out FILE` on a control
+        /// host makes it): the gateway and the control plane authenticate to the edge with
+        /// it, and its sandboxes' tokens are keyed with it. Edges never hold the cluster key.
         #[arg(long)]
-        cluster_key_file: PathBuf,
+        edge_key_file: PathBuf,
         /// Where the edge keeps its state, sandboxes and agent sockets.
         #[arg(long, default_value = ".data/edge")]
         data_dir: PathBuf,
         #[command(flatten)]
         edge: edge::EdgeArgs,
+    },
+    /// Write an edge's own key (derived from the cluster key, so run it where the cluster
+    /// key is) for `opendsec edge --edge-key-file`.
+    EdgeKey {
+        /// The edge's name (its --edge-name).
+        #[arg(long)]
+        edge: String,
+        #[arg(long, env = "OPENDSEC_DATA_DIR", default_value = ".data/opendsec")]
+        data_dir: PathBuf,
+        #[arg(long)]
+        cluster_key_file: Option<PathBuf>,
+        /// Where to write it (mode 0600).
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Run one member of a control-plane cluster.
     Control {
@@ -264,6 +280,7 @@ async fn run_node(
                     return;
                 }
             };
+            let key = opendsec_control::edge_key(&key, &edge_args.edge_name);
             let cfg = edge_args.config(&edge_dir, advertise, token, key, registries, network);
             if let Err(e) = opendsec_edge::node::run(cfg, async move {
                 let _ = rx.changed().await;
@@ -302,8 +319,13 @@ async fn run_edge(
             token_file.display()
         )
     })?;
-    let key = std::fs::read_to_string(&key_file)
-        .map_err(|e| format!("cannot read the cluster key at {}: {e}", key_file.display()))?;
+    let key = std::fs::read_to_string(&key_file).map_err(|e| {
+        format!(
+            "cannot read the edge key at {}: {e}; make it with `opendsec edge-key --edge {} --out FILE` where the cluster key is",
+            key_file.display(),
+            args.edge_name
+        )
+    })?;
     std::fs::create_dir_all(&data_dir).map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let registries = args.registries()?;
     let network = args.network()?;
@@ -319,6 +341,23 @@ async fn run_edge(
     opendsec_edge::node::run(cfg, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
+}
+
+/// `opendsec edge-key`: edge `edge`'s own key, from the cluster key at `cluster_key`.
+fn write_edge_key(edge: &str, cluster_key: &Path, out: &Path) -> Result<(), String> {
+    let key = std::fs::read_to_string(cluster_key).map_err(|e| {
+        format!(
+            "cannot read the cluster key at {}: {e}; run this where a control node runs, or pass --cluster-key-file",
+            cluster_key.display()
+        )
+    })?;
+    let derived = opendsec_control::edge_key(key.trim(), edge);
+    write_private(out, &derived)?;
+    println!(
+        "wrote the key of edge {edge} to {}: give it to that edge only (--edge-key-file)",
+        out.display()
+    );
+    Ok(())
 }
 
 async fn shutdown_signal() {
@@ -454,10 +493,16 @@ async fn serve(cli: Cli) -> ExitCode {
         Cmd::Edge {
             control,
             token_file,
-            cluster_key_file,
+            edge_key_file,
             data_dir,
             edge,
-        } => run_edge(control, token_file, cluster_key_file, data_dir, edge).await,
+        } => run_edge(control, token_file, edge_key_file, data_dir, edge).await,
+        Cmd::EdgeKey {
+            edge,
+            data_dir,
+            cluster_key_file,
+            out,
+        } => write_edge_key(&edge, &key_file(&data_dir, &cluster_key_file), &out),
         Cmd::Control { id, node, init_members } => match init_members.as_deref().map(parse_members).transpose() {
             Ok(init) => run_node(id, node, init, None).await,
             Err(e) => Err(e),

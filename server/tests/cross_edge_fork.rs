@@ -116,14 +116,17 @@ impl Cluster {
         for name in ["e1", "e2"] {
             let edge_dir = c.procs.dir.path().join(name).to_string_lossy().to_string();
             let listen = format!("127.0.0.1:{}", free_port());
+            // Each edge holds only its own key (`opendsec edge-key`), never the cluster key.
+            let edge_key = c.procs.dir.path().join(format!("{name}.key"));
+            std::fs::write(&edge_key, opendsec_control::edge_key(&c.key, name)).unwrap();
             let args: Vec<String> = [
                 "edge",
                 "--control",
                 &peer,
                 "--token-file",
                 &c.procs.dir.path().join("edge.token").to_string_lossy(),
-                "--cluster-key-file",
-                &data.join("cluster.key").to_string_lossy(),
+                "--edge-key-file",
+                &edge_key.to_string_lossy(),
                 "--data-dir",
                 &edge_dir,
                 "--edge-name",
@@ -414,14 +417,27 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     let status = |r: reqwest::Response| r.status().as_u16();
     let r = c.client.get(&url).send().await.unwrap();
     assert_eq!(status(r), 401, "no credential");
+    let e1_key = opendsec_control::edge_key(&c.key, "e1");
     let r = c
         .client
         .get(&url)
-        .header("x-opendsec-edge-key", &c.key)
+        .header("x-opendsec-edge-key", &e1_key)
         .send()
         .await
         .unwrap();
     assert_eq!(status(r), 401, "the edge key is not a transfer credential");
+    // What root on e2 could mint with e2's own key opens nothing on e1: only the control
+    // plane, which derives e1's key, issues e2 the token of a transfer of its own.
+    let minted_by_e2 = opendsec_control::transfer_token(&opendsec_control::edge_key(&c.key, "e2"), &id, "e2");
+    let r = c
+        .client
+        .get(&url)
+        .header("x-opendsec-edge", "e2")
+        .header("x-opendsec-transfer-token", minted_by_e2)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status(r), 403, "a token keyed with another edge's key");
     let r = c
         .client
         .get(&url)
@@ -431,7 +447,7 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
         .await
         .unwrap();
     assert_eq!(status(r), 403, "a wrong token");
-    let other = opendsec_control::transfer_token(&c.key, "fork-someone-else", "e2");
+    let other = opendsec_control::transfer_token(&e1_key, "fork-someone-else", "e2");
     let r = c
         .client
         .get(&url)
@@ -441,7 +457,7 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
         .await
         .unwrap();
     assert_eq!(status(r), 403, "another transfer's token");
-    let for_e3 = opendsec_control::transfer_token(&c.key, &id, "e3");
+    let for_e3 = opendsec_control::transfer_token(&e1_key, &id, "e3");
     let r = c
         .client
         .get(&url)

@@ -102,7 +102,7 @@ fn allocated_bytes(path: &std::path::Path) -> u64 {
 }
 
 fn agent_token(up: &Up, id: &str) -> String {
-    opendsec_control::sandbox_token(&up.cluster_key(), opendsec_control::SandboxTokenKind::Agent, id)
+    opendsec_control::sandbox_token(&up.edge_key(), opendsec_control::SandboxTokenKind::Agent, id)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,7 +148,7 @@ async fn a_microvm_from_base_runs_python_through_the_agent_route() {
     let r = up
         .client
         .post(format!("http://{}/sandboxes/{id}/process.Process/Start", up.edge))
-        .header("x-opendsec-edge-key", up.cluster_key())
+        .header("x-opendsec-edge-key", up.edge_key())
         .header("x-access-token", agent_token(&up, "someone-else"))
         .header("content-type", "application/connect+json")
         .body(up::connect_frame(br#"{"process":{"cmd":"true"}}"#))
@@ -289,7 +289,7 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
     let r = up
         .client
         .post(format!("http://{}/sandboxes/{restored}/process.Process/Start", up.edge))
-        .header("x-opendsec-edge-key", up.cluster_key())
+        .header("x-opendsec-edge-key", up.edge_key())
         .header("x-access-token", agent_token(&up, &id))
         .header("content-type", "application/connect+json")
         .body(up::connect_frame(br#"{"process":{"cmd":"true"}}"#))

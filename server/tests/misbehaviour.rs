@@ -30,7 +30,7 @@ impl Scene {
     async fn start(runtime: &str) -> Scene {
         let up = Up::start_on(runtime).await;
         up.ensure_image("base", Duration::from_secs(600)).await;
-        let key = up.cluster_key();
+        let key = up.edge_key();
         let mut scene = Scene {
             up,
             key,

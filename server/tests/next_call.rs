@@ -116,7 +116,7 @@ async fn only_a_caller_holding_its_tokens_wakes_a_paused_sandbox_through_e2b_tra
         assert_eq!(v["state"], "paused", "{port} {token:?} woke it: {v}");
     }
     // Its access token wakes it.
-    let token = opendsec_control::sandbox_token(&up.cluster_key(), opendsec_control::SandboxTokenKind::Agent, &id);
+    let token = opendsec_control::sandbox_token(&up.edge_key(), opendsec_control::SandboxTokenKind::Agent, &id);
     let r = knock("49983", Some(token)).await.unwrap();
     assert_eq!(r.status().as_u16(), 204, "{:?}", r.text().await);
     state_becomes(&up, &id, "running").await;

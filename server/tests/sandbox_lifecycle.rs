@@ -104,10 +104,8 @@ impl Up {
             .unwrap();
         assert!(out.status.success(), "init: {}", String::from_utf8_lossy(&out.stderr));
         up.token = std::fs::read_to_string(token_file).unwrap();
-        up.key = std::fs::read_to_string(up.dir.path().join("data/cluster.key"))
-            .unwrap()
-            .trim()
-            .to_string();
+        let cluster_key = std::fs::read_to_string(up.dir.path().join("data/cluster.key")).unwrap();
+        up.key = opendsec_control::edge_key(cluster_key.trim(), "edge-1");
         up.wait_for(
             |v| v["edges"].as_array().is_some_and(|e| !e.is_empty()),
             "/v1/edges",

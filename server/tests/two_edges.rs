@@ -120,14 +120,29 @@ async fn setup(e1_sandboxes: &str) -> Setup {
     for name in ["e1", "e2"] {
         let dir = p.dir.path().join(name).to_string_lossy().to_string();
         let listen = format!("127.0.0.1:{}", free_port());
+        // Each edge gets its own key, made where the cluster key is; never the cluster key.
+        let edge_key = p.dir.path().join(format!("{name}.key")).to_string_lossy().to_string();
+        let made = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args([
+                "edge-key",
+                "--edge",
+                name,
+                "--cluster-key-file",
+                &key,
+                "--out",
+                &edge_key,
+            ])
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
         let args: Vec<String> = [
             "edge",
             "--control",
             &peer,
             "--token-file",
             &tok,
-            "--cluster-key-file",
-            &key,
+            "--edge-key-file",
+            &edge_key,
             "--data-dir",
             &dir,
             "--edge-name",

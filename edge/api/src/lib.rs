@@ -18,7 +18,7 @@ pub mod slice;
 pub mod tokens;
 
 pub use convert::UnknownEnum;
-pub use tokens::{SandboxTokenKind, sandbox_token, transfer_token};
+pub use tokens::{SandboxTokenKind, edge_key, sandbox_token, transfer_token};
 
 /// Generated `EdgeSlice` types and service (package `opendsec.edge.v1`).
 pub mod pb {

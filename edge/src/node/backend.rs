@@ -179,17 +179,27 @@ impl Edge {
         let source = {
             let slice = self.slice.lock().expect("slice lock");
             slice.sandboxes.get(id).and_then(|d| {
-                d.fork_of.clone().map(Some).or_else(|| {
+                let of = d.fork_of.clone().map(Some).or_else(|| {
                     d.snapshot
                         .as_ref()
                         .map(|snap| slice.snapshots.get(snap).map(|x| x.sandbox.clone()))
-                })
+                })?;
+                Some((d.clone(), of))
             })
         };
-        if let Some(source) = source {
+        if let Some((d, source)) = source {
             let sid = id.to_string();
             if let Err(e) = self
-                .blocking(move |e| Ok(e.machines.ready()?.ensure_token(&sid, source.as_deref())?))
+                .blocking(move |e| {
+                    let token = || match &source {
+                        Some(of) => e
+                            .source_agent_token(&d, of)
+                            .map(Some)
+                            .map_err(|x| crate::vm::VmError::Agent(x.to_string())),
+                        None => Ok(None),
+                    };
+                    Ok(e.machines.ready()?.ensure_token(&sid, token)?)
+                })
                 .await
             {
                 tracing::warn!(sandbox = %id, error = %e, "the microVM's agent does not take its token yet; retried on the next round");

@@ -268,7 +268,14 @@ impl Edge {
                 Some((self.snapshots_dir().join(snap), source))
             }
         };
-        let from = source.as_ref().map(|(dir, source)| FromSnapshot { dir, source });
+        let token = match &source {
+            Some((_, of)) => Some(self.source_agent_token(d, of)?),
+            None => None,
+        };
+        let from = source
+            .as_ref()
+            .zip(token.as_deref())
+            .map(|((dir, _), source_token)| FromSnapshot { dir, source_token });
         vms.create(d, &image, from)?;
         Ok(())
     }
@@ -282,11 +289,12 @@ impl Edge {
         if copies[0].transfer.is_some() {
             let t = Instant::now();
             let (dir, manifest) = self.import(&copies[0])?;
+            let source_token = self.source_agent_token(&copies[0], &manifest.source_sandbox)?;
             let mut made: Vec<&str> = Vec::new();
             for c in copies {
                 let from = FromSnapshot {
                     dir: &dir,
-                    source: &manifest.source_sandbox,
+                    source_token: &source_token,
                 };
                 if let Err(e) = vms.create(c, &image, Some(from)) {
                     for id in made {

@@ -27,6 +27,7 @@ use super::{Edge, EdgeError, Running};
 use crate::desired::DesiredSandbox;
 use crate::proxy;
 use crate::transfer::{self, Manifest};
+use opendsec_edge_api::pb::TransferTokenReply;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -135,6 +136,28 @@ impl Edge {
         out
     }
 
+    /// What the control plane gives this edge for transfer `id` of one of its sandboxes.
+    pub(super) fn transfer_credentials(&self, id: &str) -> Result<TransferTokenReply, EdgeError> {
+        let mut client = self.client.clone();
+        self.rt
+            .block_on(client.transfer_token(&self.cfg.name, id))
+            .map_err(|e| EdgeError::Store(format!("the control plane gave no token for transfer {id}: {e}")))
+    }
+
+    /// The agent token that a microVM starting from another sandbox's state (`source`)
+    /// holds until re-keyed: derived here for state of this edge's; for state pulled from
+    /// another edge, keyed with that edge's key, so given by the control plane.
+    pub(super) fn source_agent_token(&self, d: &DesiredSandbox, source: &str) -> Result<String, EdgeError> {
+        match d.transfer.as_deref() {
+            Some(id) => Ok(self.transfer_credentials(id)?.source_agent_token),
+            None => Ok(opendsec_edge_api::sandbox_token(
+                &self.cfg.edge_key,
+                opendsec_edge_api::SandboxTokenKind::Agent,
+                source,
+            )),
+        }
+    }
+
     /// The state sandbox `d` starts from, pulled from the edge that holds it (once per
     /// transfer: the copies of one fork share it): its directory and manifest.
     pub(super) fn import(&self, d: &DesiredSandbox) -> Result<(PathBuf, Manifest), EdgeError> {
@@ -166,12 +189,15 @@ impl Edge {
                 d.id
             ))
         })?;
+        // Keyed with the holding edge's key, which this edge does not hold: the control
+        // plane hands it out for this edge's own sandboxes only.
+        let token = self.transfer_credentials(id)?.token;
         let req = transfer::PullRequest {
             transfer: id,
             source_edge,
             address: &address,
             me: &self.cfg.name,
-            cluster_key: &self.cfg.edge_key,
+            token: &token,
         };
         let pulled = self.rt.block_on(transfer::pull(&req, &dir))?;
         let data: u64 = pulled.manifest.files.iter().map(|f| f.data_bytes).sum();

@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The name of `opendsec up`'s embedded edge (its `--edge-name` default).
+pub const EMBEDDED_EDGE: &str = "edge-1";
+
 /// The static agent the edge puts in every sandbox (`OPENDSEC_TEST_AGENT`, as
 /// `./ops/test.sh` sets it).
 pub fn static_agent() -> PathBuf {
@@ -422,7 +425,13 @@ impl Up {
         }
     }
 
-    /// The cluster key (the edge key, and what sandbox tokens derive from).
+    /// The embedded edge's own key (what the gateway authenticates to it with, and what
+    /// its sandboxes' tokens derive from): derived from the cluster key and its name.
+    pub fn edge_key(&self) -> String {
+        opendsec_control::edge_key(&self.cluster_key(), EMBEDDED_EDGE)
+    }
+
+    /// The cluster key (only control nodes hold it).
     pub fn cluster_key(&self) -> String {
         std::fs::read_to_string(self.data_dir().join("cluster.key"))
             .unwrap()
@@ -584,7 +593,7 @@ pub fn connect_frame(msg: &[u8]) -> Vec<u8> {
 /// Folds a `process.Process/Start` response into (stdout, exit code); an error status or
 /// a stream that ends without the process's end is an `Err`.
 /// Runs `script` with `/bin/sh -c` in sandbox `id` straight through the edge's proxy at
-/// `edge` (as the gateway does: the cluster key and the sandbox's own agent token), as
+/// `edge` (as the gateway does: the edge's key and the sandbox's own agent token), as
 /// `user` (E2B's `Authorization: Basic <user:>`) or the sandbox's default user. Retries
 /// while the edge refuses connections (it may be restarting); a stream cut short (the
 /// sandbox died under it) is an error.
