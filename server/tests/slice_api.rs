@@ -293,6 +293,19 @@ async fn an_edge_token_acts_for_its_own_edge_only() {
             .await
             .expect_err("registering another edge's name"),
     );
+    // Nor get a transfer's token in A's name; and B's own name opens only transfers its
+    // own live sandboxes start from (it has none): the holding edge's key stays unknown.
+    denied(
+        b.transfer_token("edge-a", &format!("fork-{id}"))
+            .await
+            .expect_err("a transfer token for another edge"),
+    );
+    let m = b
+        .transfer_token("edge-b", &format!("fork-{id}"))
+        .await
+        .expect_err("a transfer no sandbox of edge-b starts from")
+        .to_string();
+    assert!(m.contains("no live sandbox of edge edge-b starts from"), "{m}");
     let (observed, address) = t.node.read(|s| {
         (
             s.sandboxes.sandboxes[&id].observed,
