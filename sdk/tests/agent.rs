@@ -35,7 +35,8 @@ impl Env {
         let edge_addr = edge.local_addr().unwrap().to_string();
         tokio::spawn(opendsec_edge::proxy::serve(
             edge,
-            t.node.config().cluster_key.clone(),
+            // The edge holds its own key, as every edge does (never the cluster key).
+            opendsec_control::edge_key(&t.node.config().cluster_key, "edge-a"),
             resolver,
         ));
 
