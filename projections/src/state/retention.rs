@@ -108,8 +108,30 @@ impl State {
         let by_count = records[..over].partition_point(|r| r.time_ms <= protected);
         let drop = by_age.max(by_count);
         if drop > 0 {
-            self.audit.swept_before = records[drop - 1].index + 1;
+            self.audit.swept_before = records[drop - 1].index.saturating_add(1);
             records.drain(..drop);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::Batch;
+
+    /// Found by the `event_batch` fuzz target: a record at the last index a log can have
+    /// is swept like any other.
+    #[test]
+    fn a_record_at_the_last_index_is_swept_without_overflow() {
+        let mut s = State::new();
+        let at = |time_ms| Batch {
+            time_ms,
+            ..Default::default()
+        };
+        s.apply_batch(u64::MAX, &at(1_000));
+        assert_eq!(s.audit.records.len(), 1);
+        s.apply_batch(u64::MAX, &at(1_000 + DEFAULT_AUDIT_MS + SWEEP_EVERY_MS));
+        assert_eq!(s.audit.records.len(), 1, "the older record is swept, the new one kept");
+        assert_eq!(s.audit.first_index(), Some(u64::MAX));
     }
 }
