@@ -102,7 +102,10 @@ enum Cmd {
         /// host makes it): the gateway and the control plane authenticate to the edge with
         /// it, and its sandboxes' tokens are keyed with it. Edges never hold the cluster key.
         #[arg(long)]
-        edge_key_file: PathBuf,
+        edge_key_file: Option<PathBuf>,
+        /// Refused: edges no longer hold the cluster key (the error says what to do).
+        #[arg(long, hide = true)]
+        cluster_key_file: Option<PathBuf>,
         /// Where the edge keeps its state, sandboxes and agent sockets.
         #[arg(long, default_value = ".data/edge")]
         data_dir: PathBuf,
@@ -494,9 +497,21 @@ async fn serve(cli: Cli) -> ExitCode {
             control,
             token_file,
             edge_key_file,
+            cluster_key_file,
             data_dir,
             edge,
-        } => run_edge(control, token_file, edge_key_file, data_dir, edge).await,
+        } => match (edge_key_file, cluster_key_file) {
+            (Some(key), None) => run_edge(control, token_file, key, data_dir, edge).await,
+            (_, Some(_)) => Err(format!(
+                "edges no longer take the cluster key: where it is, run `opendsec edge-key --edge {} --out {}.key` \
+                 and give this edge --edge-key-file {}.key",
+                edge.edge_name, edge.edge_name, edge.edge_name
+            )),
+            (None, None) => Err(format!(
+                "--edge-key-file is missing: where the cluster key is, run `opendsec edge-key --edge {} --out {}.key`",
+                edge.edge_name, edge.edge_name
+            )),
+        },
         Cmd::EdgeKey {
             edge,
             data_dir,
