@@ -59,11 +59,17 @@
 pub mod addrs;
 pub mod dns;
 pub mod drops;
+mod host;
 mod libnft;
 pub mod link;
+mod names;
 pub mod nft;
+mod observe;
 pub mod relay;
 pub mod rules;
+
+pub use host::forget;
+use host::*;
 
 use addrs::{Pool, Slot};
 use link::LinkCounters;
@@ -233,103 +239,6 @@ pub struct Network {
     _lock: std::fs::File,
 }
 
-/// A short hash of the edge's identity (its name and data directory).
-fn tag_of(name: &str, data_dir: &Path) -> String {
-    use sha2::Digest;
-    let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
-    let h = sha2::Sha256::digest(format!("{name}\n{}", dir.display()).as_bytes());
-    hex::encode(h)[..5].to_string()
-}
-
-fn write_sysctl(path: &str, value: &str) -> Result<(), NetError> {
-    std::fs::write(path, value).map_err(|e| NetError::io(format!("writing {path}"), e))
-}
-
-fn read_sysctl(path: &Path) -> Option<String> {
-    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
-}
-
-/// Whether this network namespace has IPv6.
-fn ipv6_usable() -> bool {
-    read_sysctl(Path::new("/proc/sys/net/ipv6/conf/all/disable_ipv6")).as_deref() == Some("0")
-}
-
-/// Turns on forwarding (IPv6 too when `v6`), keeping router advertisements where they
-/// were accepted.
-fn enable_forwarding(v6: bool) -> Result<(), NetError> {
-    if read_sysctl(Path::new("/proc/sys/net/ipv4/ip_forward")).as_deref() != Some("1") {
-        write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
-        tracing::info!("IPv4 forwarding turned on for sandbox egress");
-    }
-    if v6 && read_sysctl(Path::new("/proc/sys/net/ipv6/conf/all/forwarding")).as_deref() != Some("1") {
-        for e in std::fs::read_dir("/proc/sys/net/ipv6/conf")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if matches!(name.as_str(), "all" | "default" | "lo") {
-                continue;
-            }
-            if read_sysctl(&e.path().join("accept_ra")).as_deref() == Some("1") {
-                let _ = std::fs::write(e.path().join("accept_ra"), "2");
-            }
-        }
-        write_sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
-        tracing::info!("IPv6 forwarding turned on for sandbox egress (accept_ra=2 where RAs were accepted)");
-    }
-    Ok(())
-}
-
-fn hosts_text(hostname: &str, slot: &Slot) -> String {
-    let mut s = format!(
-        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{}\t{hostname}\n",
-        slot.v4
-    );
-    if let Some(v6) = slot.v6 {
-        s.push_str(&format!("{v6}\t{hostname}\n"));
-    }
-    s
-}
-
-/// In the edge's data directory: its network's tag, table and files directory, for
-/// [`forget`].
-const OWNER_FILE: &str = "net.owner";
-
-/// Removes everything the network of a stopped edge (data directory `data_dir`) left on
-/// this host, in the caller's network namespace: its table, its sandboxes' namespaces,
-/// veths and sysfs mounts, its address claims and records under `state_dir`. For a
-/// test's end, or an edge retired for good; nothing if it never had a network.
-pub fn forget(data_dir: &Path, state_dir: &Path) {
-    let Some((tag, table, files)) = std::fs::read_to_string(data_dir.join(OWNER_FILE)).ok().and_then(|t| {
-        let mut w = t.trim_end().splitn(3, ' ');
-        Some((w.next()?.to_string(), w.next()?.to_string(), PathBuf::from(w.next()?)))
-    }) else {
-        return;
-    };
-    for e in std::fs::read_dir(files.join("sys")).into_iter().flatten().flatten() {
-        link::unmount_sysfs(&e.path());
-    }
-    for n in link::netns_with_prefix(&format!("opendsec-{tag}-")) {
-        let _ = link::delete_netns(&n);
-    }
-    for l in link::links_with_prefix(&format!("od{tag}")).unwrap_or_default() {
-        let _ = link::delete_veth(&l);
-    }
-    let _ = nft::delete_table(&table);
-    for e in std::fs::read_dir(state_dir.join("claims"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if std::fs::read_to_string(e.path()).is_ok_and(|t| t == tag) {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-    let _ = std::fs::remove_dir_all(state_dir.join("edges").join(&tag));
-    let _ = std::fs::remove_file(state_dir.join("edges").join(format!("{tag}.lock")));
-}
-
 impl Network {
     /// Sets up the network of edge `name` (data directory `data_dir`): its table, its
     /// share of the pools, its gateway and the DNS proxy's sockets; `files` is where the
@@ -489,132 +398,6 @@ impl Network {
             }
         };
         tokio::join!(dns, relay);
-    }
-
-    /// The edge's own upstream proxy.
-    pub fn edge_proxy(&self) -> Option<&opendsec_commands::network::EgressProxy> {
-        self.edge_proxy.as_ref()
-    }
-
-    /// Whether a proxy may carry slot `slot`'s TCP (what makes the names it resolves worth
-    /// keeping).
-    fn proxied(&self, policy: &Policy) -> bool {
-        self.edge_proxy.is_some() || policy.egress_proxy.is_some()
-    }
-
-    /// Keeps that the DNS proxy answered slot `slot` `name` for each of `addrs` (with
-    /// their TTLs), where a proxy may carry its connections.
-    pub fn learn_names(&self, slot: u32, policy: &Policy, name: &str, addrs: &[(IpAddr, u64)]) {
-        if !self.proxied(policy) || addrs.is_empty() {
-            return;
-        }
-        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
-        let now = Instant::now();
-        let mut all = self.names.lock().expect("names lock");
-        let of_slot = all.entry(slot).or_default();
-        if of_slot.len() >= NAMES_KEPT {
-            of_slot.retain(|_, (_, until)| *until > now);
-            if of_slot.len() >= NAMES_KEPT {
-                of_slot.clear();
-            }
-        }
-        for (ip, ttl) in addrs {
-            of_slot.insert(*ip, (name.clone(), now + Duration::from_secs(*ttl)));
-        }
-    }
-
-    /// The stand-in address of `name` for slot `slot` (made and let through its chain
-    /// now if it has none), where a proxy carries its TCP; `None`: no proxy, or no more
-    /// stand-ins for it ([`NAMES_KEPT`]), or its set cannot take it.
-    pub async fn standin_for(&self, slot: u32, policy: &Policy, name: &str) -> Option<Ipv4Addr> {
-        if !self.proxied(policy) {
-            return None;
-        }
-        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
-        let (base, len) = rules::STANDINS;
-        let made = {
-            let mut all = self.standins.lock().expect("standins lock");
-            let s = all.entry(slot).or_default();
-            if let Some(a) = s.by_name.get(&name) {
-                return Some(*a);
-            }
-            if s.by_addr.len() >= NAMES_KEPT {
-                return None;
-            }
-            let room = (1u32 << (32 - len)) - 2;
-            let a = Ipv4Addr::from(u32::from(base) + 1 + s.next % room);
-            s.next += 1;
-            s.by_name.insert(name.clone(), a);
-            s.by_addr.insert(a, name.clone());
-            a
-        };
-        let script = format!(
-            "add element inet {} {} {{ {made} }}\n",
-            self.table,
-            rules::standin_set(slot)
-        );
-        if let Err(e) = nft::apply_async(&script).await {
-            tracing::warn!(slot, %name, error = %e, "DNS: cannot let a stand-in address through");
-            if let Some(s) = self.standins.lock().expect("standins lock").get_mut(&slot) {
-                s.by_name.remove(&name);
-                s.by_addr.remove(&made);
-            }
-            return None;
-        }
-        Some(made)
-    }
-
-    /// Slot `slot`'s stand-ins that `policy` still allows the names of (the others are
-    /// forgotten): what its set holds under it; `None` where no proxy carries its TCP.
-    fn standins_kept(&self, slot: u32, policy: &Policy) -> Option<Vec<Ipv4Addr>> {
-        let mut all = self.standins.lock().expect("standins lock");
-        if !self.proxied(policy) {
-            all.remove(&slot);
-            return None;
-        }
-        let s = all.entry(slot).or_default();
-        s.by_name.retain(|n, _| policy.allows_name(n));
-        let kept: std::collections::HashSet<Ipv4Addr> = s.by_name.values().copied().collect();
-        s.by_addr.retain(|a, _| kept.contains(a));
-        let mut addrs: Vec<Ipv4Addr> = kept.into_iter().collect();
-        addrs.sort();
-        Some(addrs)
-    }
-
-    /// Whether `ip` is a stand-in address (it stands for a name: never reached as itself).
-    pub fn is_standin(ip: IpAddr) -> bool {
-        let (base, len) = rules::STANDINS;
-        opendsec_commands::network::contains(IpAddr::V4(base), len, ip)
-    }
-
-    /// The name the DNS proxy last answered slot `slot` for `ip`, while its answer holds
-    /// (a stand-in's for as long as the sandbox's policy allows it).
-    pub fn name_of(&self, slot: u32, ip: IpAddr) -> Option<String> {
-        if let IpAddr::V4(a) = ip
-            && Self::is_standin(ip)
-        {
-            let all = self.standins.lock().expect("standins lock");
-            return all.get(&slot)?.by_addr.get(&a).cloned();
-        }
-        let all = self.names.lock().expect("names lock");
-        let (name, until) = all.get(&slot)?.get(&ip)?;
-        (*until > Instant::now()).then(|| name.clone())
-    }
-
-    /// A connection of slot `slot` to `dest` that the relay did not carry, among its drops:
-    /// `rule` `egress_proxy` (its proxy did not), or as its chain would name it.
-    pub fn note_refused(&self, slot: u32, dest: SocketAddr, rule: &str) {
-        self.drops.note(
-            slot,
-            drops::Drop {
-                at_ms: opendsec_edge_api::now_ms(),
-                protocol: "tcp".into(),
-                destination: dest.ip(),
-                port: Some(dest.port()),
-                rule: rule.into(),
-                packets: 1,
-            },
-        );
     }
 
     /// Indexes slot `slot`'s addresses (both families) under `policy`.
@@ -960,45 +743,6 @@ impl Network {
         for s in scripts {
             let _ = nft::apply(&s);
         }
-    }
-
-    /// Sandbox `owner`'s traffic and its last sampled drops (`None`: no network here).
-    pub fn sample(&self, owner: &str) -> Option<NetSample> {
-        Some(NetSample {
-            counters: self.counters(owner)?,
-            recent_drops: self.recent_drops(owner),
-        })
-    }
-
-    /// What sandbox `owner` last tried to reach and was refused (sampled), oldest first.
-    pub fn recent_drops(&self, owner: &str) -> Vec<drops::Drop> {
-        let slot = self
-            .attached
-            .lock()
-            .expect("attached lock")
-            .get(owner)
-            .map(|a| a.slot.slot);
-        slot.map(|s| self.drops.of(s)).unwrap_or_default()
-    }
-
-    /// Sandbox `owner`'s traffic, read at most once a second for all sandboxes.
-    pub fn counters(&self, owner: &str) -> Option<NetCounters> {
-        let slot = self.attached.lock().expect("attached lock").get(owner)?.slot.slot;
-        let mut cache = self.counters.lock().expect("counters lock");
-        let fresh = cache
-            .as_ref()
-            .is_some_and(|(at, _, _)| at.elapsed() < Duration::from_secs(1));
-        if !fresh {
-            let links: BTreeMap<String, LinkCounters> =
-                link::counters(self.veth_prefix_str()).ok()?.into_iter().collect();
-            let drops: BTreeMap<String, u64> = nft::counters(&self.table).ok()?.into_iter().collect();
-            *cache = Some((Instant::now(), links, drops));
-        }
-        let (_, links, drops) = cache.as_ref()?;
-        Some(NetCounters {
-            link: links.get(&self.veth(slot)).copied().unwrap_or_default(),
-            dropped_packets: drops.get(&rules::counter_name(slot)).copied().unwrap_or(0),
-        })
     }
 
     /// Removes this edge's whole table and every namespace and veth of its sandboxes
