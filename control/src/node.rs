@@ -709,13 +709,7 @@ impl ControlNode {
     /// A sandbox's access token of `kind` (see [`crate::sandbox_token`]), under its edge's
     /// key: the edge of the views, or for one swept from them, of the ordinal in its id.
     pub fn sandbox_token(&self, kind: crate::SandboxTokenKind, sandbox: &str) -> String {
-        let edge = self.read(|s| match s.sandboxes.sandboxes.get(sandbox) {
-            Some(x) => x.edge.clone(),
-            None => opendsec_projections::edge_ordinal_of(sandbox)
-                .and_then(|ord| s.placement.edges.values().find(|e| e.ordinal & 0xffff == ord))
-                .map(|e| e.id.clone())
-                .unwrap_or_default(),
-        });
+        let edge = self.read(|s| s.sandbox_edge(sandbox).unwrap_or_default().to_string());
         crate::sandbox_token(&self.edge_key(&edge), kind, sandbox)
     }
 

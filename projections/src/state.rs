@@ -175,6 +175,20 @@ impl State {
         out
     }
 
+    /// The edge sandbox `id` is placed on: as the views say, or, for a sandbox that ended
+    /// and was swept from them, as the ordinal in its id says (invariant 4).
+    pub fn sandbox_edge(&self, id: &str) -> Option<&str> {
+        if let Some(s) = self.sandboxes.sandboxes.get(id) {
+            return Some(&s.edge);
+        }
+        let ord = edge_ordinal_of(id)?;
+        self.placement
+            .edges
+            .values()
+            .find(|e| e.ordinal & 0xffff == ord)
+            .map(|e| e.id.as_str())
+    }
+
     /// Whether `project` is `scope` or lies beneath it.
     pub fn within(&self, project: &str, scope: &str) -> bool {
         self.ancestry(project).iter().any(|p| p.id == scope)

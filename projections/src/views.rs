@@ -119,6 +119,16 @@ pub fn metadata_bytes(env: &BTreeMap<String, String>, labels: &BTreeMap<String, 
         .sum()
 }
 
+/// What replacing labels `old` with `new` adds to a sandbox's usage (nothing when they
+/// shrink: the fold gives the difference back).
+pub fn labels_growth(old: &BTreeMap<String, String>, new: &BTreeMap<String, String>) -> Usage {
+    let none = BTreeMap::new();
+    Usage {
+        metadata_bytes: metadata_bytes(&none, new).saturating_sub(metadata_bytes(&none, old)),
+        ..Usage::default()
+    }
+}
+
 /// Quota limits; `None` means "no limit of its own" (the ancestors' still apply).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {

@@ -13,7 +13,7 @@ use super::scope::{Scope, not_found};
 use crate::validate::{self, LIMITS};
 use crate::{FULLVM_MIN_MEMORY_MB, MICROVM_MIN_MEMORY_MB, Observation, Rejection, RejectionKind as K, SandboxOptions};
 use opendsec_projections::pb;
-use opendsec_projections::{Event, Isolation, Right, SnapshotState, Usage, metadata_bytes};
+use opendsec_projections::{Event, Isolation, Right, SnapshotState, Usage, labels_growth, metadata_bytes};
 use std::collections::BTreeMap;
 
 /// What `CreateSandbox` asks for.
@@ -271,11 +271,7 @@ pub(super) fn set_timeout(s: &Scope, sandbox: &str, timeout_seconds: u64) -> Res
 pub(super) fn set_labels(s: &Scope, sandbox: &str, labels: &BTreeMap<String, String>) -> Result<Decided, Rejection> {
     validate::labels("labels", labels)?;
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    let empty = BTreeMap::new();
-    let grows = Usage {
-        metadata_bytes: metadata_bytes(&empty, labels).saturating_sub(metadata_bytes(&empty, &x.labels)),
-        ..Usage::default()
-    };
+    let grows = labels_growth(&x.labels, labels);
     if grows.metadata_bytes > 0 {
         s.state
             .check_quota(&x.project, &grows, &|p| s.inflight.project_usage(p))

@@ -8,7 +8,7 @@
 
 use crate::pb::{self, SliceEdge, SliceImage, SliceSandbox, SliceSnapshot, SliceSnapshotRecord};
 use opendsec_projections::schema::{self, Batch, Envelope};
-use opendsec_projections::{AuditResult, Event, ImageState, Observed, Sandbox, State, edge_ordinal_of};
+use opendsec_projections::{AuditResult, Event, ImageState, Observed, Sandbox, State};
 
 /// The events of `batch`, logged at `index`, that belong to `edge`'s slice (`state`:
 /// the views the batch was folded into). A batch the views did not apply (denied when
@@ -30,29 +30,15 @@ pub fn slice_events(state: &State, edge: &str, index: u64, batch: &Batch) -> Vec
             Event::ImageReady(e) => e.edge == edge,
             Event::ImageFailed(e) => e.edge == edge,
             Event::ImageDeleted(e) => e.edge == edge,
-            other => other.sandbox_id().is_some_and(|id| placed_on(state, id, edge)),
+            other => other
+                .sandbox_id()
+                .is_some_and(|id| state.sandbox_edge(id) == Some(edge)),
         };
         if mine {
             out.push(env.clone());
         }
     }
     out
-}
-
-/// Whether sandbox `id` is placed on `edge`: as the views say, or, for a sandbox that
-/// ended and left them (an edge catching up reads old events against today's views), as
-/// its id says.
-fn placed_on(state: &State, id: &str, edge: &str) -> bool {
-    match state.sandboxes.sandboxes.get(id) {
-        Some(s) => s.edge == edge,
-        None => edge_ordinal_of(id).is_some_and(|ord| {
-            state
-                .placement
-                .edges
-                .get(edge)
-                .is_some_and(|e| e.ordinal & 0xffff == ord)
-        }),
-    }
 }
 
 /// One sandbox as a slice snapshot carries it.

@@ -312,11 +312,7 @@ impl State {
             Event::SandboxLabelsSet(e) => {
                 let s = self.sandbox(&e.id)?;
                 // Labels that grow count against the quota like a create's.
-                let grows = Usage {
-                    metadata_bytes: metadata_bytes(&BTreeMap::new(), &e.labels)
-                        .saturating_sub(metadata_bytes(&BTreeMap::new(), &s.labels)),
-                    ..Usage::default()
-                };
+                let grows = labels_growth(&s.labels, &e.labels);
                 if s.is_live() && grows.metadata_bytes > 0 {
                     let overlay = |p: &str| pending.usage.get(p).copied().unwrap_or_default();
                     self.check_quota(&s.project, &grows, &overlay)?;
