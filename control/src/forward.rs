@@ -1,10 +1,10 @@
 //! The write-forwarding protocol: how a follower hands the writes it gets to the
 //! leader, the one way it does.
 //!
-//! A follower keeps one TCP connection per leader, on the leader's peer port. It opens
-//! with the versioned handshake of `opendsec_log::handshake` ([`PROTOCOL`]), whose
-//! credentials are the cluster key: only control nodes forward, and a connection without
-//! the key is refused before any frame is read. Then, in version 1, each side sends
+//! A follower keeps one mutual-TLS connection per leader, on the leader's peer port. It
+//! opens with the versioned handshake of `opendsec_log::handshake` ([`PROTOCOL`]), with no
+//! credentials: only control nodes forward, each side checks the other's certificate
+//! names one, and any other peer is closed on before a frame is read. Then, in version 1, each side sends
 //! length-prefixed protobuf frames (`StreamedSubmit` one way, `StreamedReply` the other,
 //! matched by id, replies in any order). Writes queued meanwhile go out in one `write`
 //! call. Each write carries its caller's bearer token and is authenticated and
@@ -21,6 +21,7 @@ use crate::node::ControlNode;
 use crate::pb::{StreamedReply, StreamedSubmit, SubmitReply, SubmitRequest};
 use opendsec_log::PeerStream;
 use opendsec_log::handshake::{HandshakeError, Protocol};
+use opendsec_trust::{Expect, Role, Trust};
 use prost::Message;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -28,6 +29,8 @@ use std::time::Duration;
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
+
+type Conn = tokio_rustls::client::TlsStream<TcpStream>;
 
 /// The write-forwarding protocol's opening: magic `ODFW`, and the versions this build speaks.
 pub const PROTOCOL: Protocol = Protocol {
@@ -106,6 +109,10 @@ async fn write_frames<M: Message>(mut w: impl AsyncWrite + Unpin, mut rx: impl Q
 /// Serves one forwarding connection on the leader (its magic not yet read).
 pub fn serve(node: ControlNode, conn: PeerStream) {
     tokio::spawn(async move {
+        if !conn.peer().is(Role::Control) {
+            tracing::warn!(peer = %conn.peer().who(), remote = ?conn.peer().remote, "a forwarding connection from outside the control plane was refused");
+            return;
+        }
         let (rd, mut wr) = conn.into_split();
         let mut rd = BufReader::new(rd);
         let hello = match PROTOCOL.read_hello(&mut rd).await {
@@ -115,12 +122,7 @@ pub fn serve(node: ControlNode, conn: PeerStream) {
                 return;
             }
         };
-        let choice = if node.cluster_key_matches(&String::from_utf8_lossy(&hello.credentials)) {
-            PROTOCOL.choose(&hello.versions)
-        } else {
-            tracing::warn!("a forwarding connection without the cluster key was refused");
-            Err("forwarding needs the cluster key".to_string())
-        };
+        let choice = PROTOCOL.choose(&hello.versions);
         if PROTOCOL.answer(&mut wr, &choice).await.is_err() || choice.is_err() {
             return;
         }
@@ -174,18 +176,18 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Starts connecting to the leader's peer address `addr` (`host:port`), opening with
-    /// the cluster key.
-    pub fn new(addr: String, cluster_key: &str) -> Forwarder {
-        Forwarder::offering(addr, cluster_key, PROTOCOL.versions)
+    /// Starts connecting to the leader's peer address `addr` (`host:port`) as `trust`'s
+    /// control node.
+    pub fn new(addr: String, trust: Arc<Trust>) -> Forwarder {
+        Forwarder::offering(addr, trust, PROTOCOL.versions)
     }
 
     /// As [`Forwarder::new`], offering `versions` instead of those this build speaks
     /// (tests of the negotiation).
-    pub fn offering(addr: String, cluster_key: &str, versions: &'static [u16]) -> Forwarder {
+    pub fn offering(addr: String, trust: Arc<Trust>, versions: &'static [u16]) -> Forwarder {
         let (queue, rx) = mpsc::unbounded_channel();
         let closed = Arc::new(OnceLock::new());
-        tokio::spawn(run(addr, cluster_key.to_string(), versions, rx, closed.clone()));
+        tokio::spawn(run(addr, trust, versions, rx, closed.clone()));
         Forwarder { queue, closed }
     }
 
@@ -209,13 +211,17 @@ impl Forwarder {
 }
 
 /// Connects and negotiates the version. A refusal is logged here (the leader logs it too).
-async fn connect(addr: &str, cluster_key: &str, versions: &[u16]) -> Result<TcpStream, ForwardError> {
+async fn connect(addr: &str, trust: &Trust, versions: &[u16]) -> Result<Conn, ForwardError> {
     let handshake = async {
-        let mut conn = TcpStream::connect(addr)
+        let tcp = TcpStream::connect(addr)
             .await
             .map_err(|e| ForwardError::Failed(format!("connecting to the leader {addr}: {e}")))?;
-        let _ = conn.set_nodelay(true);
-        match PROTOCOL.offer(&mut conn, versions, cluster_key.as_bytes()).await {
+        let _ = tcp.set_nodelay(true);
+        let mut conn = trust
+            .connect(tcp, &Expect::Role(Role::Control))
+            .await
+            .map_err(|e| ForwardError::Failed(format!("the leader {addr}: TLS: {e}")))?;
+        match PROTOCOL.offer(&mut conn, versions, &[]).await {
             Ok(_version) => Ok(conn),
             Err(e @ HandshakeError::Refused { .. }) => {
                 tracing::warn!(leader = %addr, error = %e, "the leader refused to take forwarded writes");
@@ -235,12 +241,12 @@ async fn connect(addr: &str, cluster_key: &str, versions: &[u16]) -> Result<TcpS
 
 async fn run(
     addr: String,
-    cluster_key: String,
+    trust: Arc<Trust>,
     versions: &'static [u16],
     mut rx: mpsc::UnboundedReceiver<(SubmitRequest, Waiter)>,
     closed: Arc<OnceLock<ForwardError>>,
 ) {
-    let conn = match connect(&addr, &cluster_key, versions).await {
+    let conn = match connect(&addr, &trust, versions).await {
         Ok(c) => c,
         Err(e) => {
             // Nothing was sent.
@@ -252,7 +258,7 @@ async fn run(
             return;
         }
     };
-    let (rd, wr) = conn.into_split();
+    let (rd, wr) = tokio::io::split(conn);
     let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::new(Mutex::new(HashMap::new()));
     // The writer numbers each write and files its waiter before the write goes out.
     let (out, out_rx) = mpsc::unbounded_channel::<StreamedSubmit>();

@@ -112,37 +112,10 @@ pub fn split_bearer(bearer: &str) -> Option<(&str, &str)> {
     (rest.len() == 40 && rest.bytes().all(|b| b.is_ascii_hexdigit())).then(|| rest.split_at(16))
 }
 
-/// Writes `content` to `path`, readable by the owner only (keys, tokens, certificates' keys).
+/// Writes `content` to `path`, readable by the owner only (keys, tokens, certificates'
+/// keys), whole or not at all (see [`opendsec_trust::write_private`]).
 pub fn write_private(path: &std::path::Path, content: &str) -> Result<(), String> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let err = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
-    // Whole or not at all: a reader (`opendsec init` reading the key a starting node
-    // writes) never sees a created but still empty file. Written beside, synced, renamed.
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let written = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(content.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.map_err(err)
+    opendsec_trust::write_private(path, content).map_err(|e| e.to_string())
 }
 
 /// A fresh cluster key.

@@ -30,8 +30,11 @@ pub struct ControlConfig {
     pub data_dir: PathBuf,
     /// This node's peer (gRPC) address as other nodes reach it.
     pub peer_addr: String,
-    /// Shared by the nodes of one cluster; needed to bootstrap it.
+    /// Shared by the nodes of one cluster, never sent: edges' own keys derive from it.
     pub cluster_key: String,
+    /// This node's certificate (a control node's) and the cluster CA, whose key control
+    /// nodes hold to sign edges' certificates at join.
+    pub trust: Arc<opendsec_trust::Trust>,
     /// A replay checkpoint every this many log entries.
     pub checkpoint_every: u64,
     /// Raft snapshot (and log compaction into the archive) every this many entries.
@@ -48,12 +51,14 @@ impl ControlConfig {
         data_dir: impl Into<PathBuf>,
         peer_addr: impl Into<String>,
         cluster_key: impl Into<String>,
+        trust: Arc<opendsec_trust::Trust>,
     ) -> Self {
         ControlConfig {
             node_id,
             data_dir: data_dir.into(),
             peer_addr: peer_addr.into(),
             cluster_key: cluster_key.into(),
+            trust,
             checkpoint_every: 10_000,
             snapshot_every: 100_000,
             keep_after_snapshot: 1_000,
@@ -189,11 +194,15 @@ impl ControlNode {
         let checkpoints = Checkpoints::open(&cfg.data_dir.join("checkpoints.redb")).map_err(internal)?;
         let inflight = Arc::new(Mutex::new(InFlight::new()));
         let fsm = Fsm::new(cfg.checkpoint_every, Some(&checkpoints), Some(inflight.clone()));
-        let mut log_cfg = LogConfig::new(cfg.node_id, cfg.data_dir.join("log"), cfg.peer_addr.clone());
+        let mut log_cfg = LogConfig::new(
+            cfg.node_id,
+            cfg.data_dir.join("log"),
+            cfg.peer_addr.clone(),
+            cfg.trust.clone(),
+        );
         log_cfg.snapshot_every = cfg.snapshot_every;
         log_cfg.archive_retention = cfg.archive_retention;
         log_cfg.keep_after_snapshot = cfg.keep_after_snapshot;
-        log_cfg.cluster_key = cfg.cluster_key.clone();
         let log = LogNode::open(log_cfg, fsm).await.map_err(internal)?;
         Ok(ControlNode {
             inner: Arc::new(Inner {
@@ -323,7 +332,10 @@ impl ControlNode {
                         .map_err(|e| SubmitError::Unavailable(format!("leader address {addr}: {e}")))?
                         .connect_timeout(CONFIRM_TIMEOUT)
                         .timeout(CONFIRM_TIMEOUT)
-                        .connect_lazy();
+                        .connect_with_connector_lazy(opendsec_trust::tls_connector(
+                            self.inner.cfg.trust.clone(),
+                            opendsec_trust::Expect::Role(opendsec_trust::Role::Control),
+                        ));
                     *cached = Some((addr.clone(), c.clone()));
                     c
                 }
@@ -574,7 +586,7 @@ impl ControlNode {
         if let Some(f) = forwarders.get(addr).filter(|f| !f.is_closed()) {
             return f.clone();
         }
-        let f = Forwarder::new(addr.to_string(), &self.inner.cfg.cluster_key);
+        let f = Forwarder::new(addr.to_string(), self.inner.cfg.trust.clone());
         forwarders.insert(addr.to_string(), f.clone());
         f
     }
@@ -713,9 +725,9 @@ impl ControlNode {
         crate::sandbox_token(&self.edge_key(&edge), kind, sandbox)
     }
 
-    /// Whether `key` is this cluster's key (compared in constant time).
-    pub fn cluster_key_matches(&self, key: &str) -> bool {
-        constant_time_eq(key.as_bytes(), self.inner.cfg.cluster_key.as_bytes())
+    /// This node's certificate and the cluster CA.
+    pub fn trust(&self) -> &Arc<opendsec_trust::Trust> {
+        &self.inner.cfg.trust
     }
 
     /// Encoded batches of `from..=to` (history for replays and edge watches).

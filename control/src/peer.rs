@@ -1,5 +1,6 @@
-//! The `Control` gRPC service (how `opendsec init` bootstraps a cluster with the cluster
-//! key), and the leader's side of a forwarded write: decoding it, deciding it with its
+//! The `Control` gRPC service (how `opendsec init` bootstraps a cluster, and how a
+//! follower asks the leader's read index: for control nodes' and operator tools'
+//! certificates only), and the leader's side of a forwarded write: decoding it, deciding it with its
 //! caller's token, and encoding the result (the transport is `forward.rs`).
 
 use crate::Credential;
@@ -9,6 +10,7 @@ use crate::pb::{
 };
 use opendsec_commands::{Command, Decided, Rejection, RejectionKind};
 use opendsec_projections::schema::{self, Batch};
+use opendsec_trust::Role;
 use prost::Message;
 use tonic::{Request, Response, Status};
 
@@ -95,10 +97,15 @@ pub(crate) async fn submit_forwarded(node: &ControlNode, req: SubmitRequest) -> 
 #[tonic::async_trait]
 impl Control for ControlService {
     async fn bootstrap(&self, req: Request<BootstrapRequest>) -> Result<Response<SubmitReply>, Status> {
-        let req = req.into_inner();
-        if !self.node.cluster_key_matches(&req.cluster_key) {
-            return Err(Status::permission_denied("wrong cluster key"));
+        let peer = opendsec_log::peer_of(&req);
+        if !(peer.is(Role::Control) || peer.is(Role::Operator)) {
+            tracing::warn!(peer = %peer.who(), remote = ?peer.remote, "denied: bootstrap from outside the control plane");
+            return Err(Status::permission_denied(format!(
+                "bootstrap is for control hosts (a control node's or operator tool's certificate); this connection is {}",
+                peer.who()
+            )));
         }
+        let req = req.into_inner();
         let cmd = Command::Bootstrap {
             project_name: req.project_name,
             token_name: req.token_name,
@@ -110,6 +117,11 @@ impl Control for ControlService {
     }
 
     async fn read_index(&self, req: Request<ReadIndexRequest>) -> Result<Response<ReadIndexReply>, Status> {
+        let peer = opendsec_log::peer_of(&req);
+        if !peer.is(Role::Control) {
+            tracing::warn!(peer = %peer.who(), remote = ?peer.remote, "denied: a read index asked from outside the control plane");
+            return Err(Status::permission_denied("the read index is for control nodes"));
+        }
         let req = req.into_inner();
         // The leader's view of the token: revoked here is refused everywhere that asks.
         self.node

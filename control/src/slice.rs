@@ -12,11 +12,13 @@ use crate::{Principal, now_ms};
 use opendsec_commands::{Command, Observation};
 use opendsec_edge_api::pb::edge_slice_server::EdgeSlice;
 use opendsec_edge_api::pb::{
-    HeartbeatReply, HeartbeatRequest, Progress, RegisterReply, RegisterRequest, ReportReply, ReportRequest, SliceEntry,
-    SliceMessage, TransferTokenReply, TransferTokenRequest, WatchRequest, slice_message::Body,
+    HeartbeatReply, HeartbeatRequest, JoinReply, JoinRequest, Progress, RegisterReply, RegisterRequest, RenewReply,
+    RenewRequest, ReportReply, ReportRequest, SliceEntry, SliceMessage, TransferTokenReply, TransferTokenRequest,
+    WatchRequest, slice_message::Body,
 };
 use opendsec_edge_api::slice::{slice_events, slice_snapshot};
 use opendsec_projections::{Right, Usage};
+use opendsec_trust::{Identity, Role};
 use std::pin::Pin;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
@@ -53,6 +55,36 @@ impl EdgeSliceService {
 }
 
 impl EdgeSliceService {
+    /// The calling edge: its token (as [`Self::edge_principal`]) and the edge its
+    /// connection's certificate names (the one an edge gets when it joins). A call acts
+    /// for that edge only: a token without the edge's certificate (and its key) acts for
+    /// no edge, and an edge's certificate acts for no other edge whatever token it sends.
+    fn edge_caller<T>(&self, req: &Request<T>) -> Result<(Principal, String), Status> {
+        let peer = opendsec_log::peer_of(req);
+        let cert_edge = match &peer.identity {
+            Some(Identity { role: Role::Edge, name }) => name.clone(),
+            _ => {
+                tracing::warn!(peer = %peer.who(), remote = ?peer.remote, "denied: an edge call without an edge's certificate");
+                return Err(Status::permission_denied(format!(
+                    "the edge slice serves edges by their certificates (an edge without one joins first); this connection is {}",
+                    peer.who()
+                )));
+            }
+        };
+        Ok((self.edge_principal(req)?, cert_edge))
+    }
+
+    /// Refuses a call naming another edge than the certificate's.
+    fn same_edge(cert_edge: &str, named: &str, what: &str) -> Result<(), Status> {
+        if cert_edge == named {
+            return Ok(());
+        }
+        tracing::warn!(%cert_edge, %named, %what, "denied: an edge acting for another");
+        Err(Status::permission_denied(format!(
+            "edge {cert_edge}'s certificate does not act for edge {named}"
+        )))
+    }
+
     /// Refuses (and logs as denied) a watch or heartbeat for an edge that another token
     /// registered: an edge's token speaks for its own edge only.
     fn acts_for(&self, p: &Principal, edge: &str, what: &str) -> Result<(), Status> {
@@ -166,11 +198,9 @@ async fn follow(
     }
 }
 
-#[tonic::async_trait]
-impl EdgeSlice for EdgeSliceService {
-    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
-        let p = self.edge_principal(&req)?;
-        let r = req.into_inner();
+impl EdgeSliceService {
+    /// Logs `r` as edge `r.edge`'s registration by `p`; its ordinal and log index.
+    async fn register_edge(&self, p: &Principal, r: RegisterRequest) -> Result<(u32, u64), Status> {
         let cap = r.capacity.unwrap_or_default();
         let cmd = Command::RegisterEdge {
             edge: r.edge.clone(),
@@ -192,20 +222,115 @@ impl EdgeSlice for EdgeSliceService {
             .node
             .read(|st| st.placement.edges.get(&r.edge).map(|e| e.ordinal))
             .unwrap_or_default();
-        Ok(Response::new(RegisterReply {
+        Ok((ordinal, s.index))
+    }
+}
+
+#[tonic::async_trait]
+impl EdgeSlice for EdgeSliceService {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+        let (p, cert_edge) = self.edge_caller(&req)?;
+        let r = req.into_inner();
+        Self::same_edge(&cert_edge, &r.edge, "register")?;
+        let (ordinal, index) = self.register_edge(&p, r).await?;
+        Ok(Response::new(RegisterReply { ordinal, index }))
+    }
+
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
+        let p = self.edge_principal(&req)?;
+        let r = req.into_inner();
+        let reg = r
+            .registration
+            .ok_or_else(|| Status::invalid_argument("registration is missing"))?;
+        let edge = reg.edge.clone();
+        let Some(ca) = self.node.trust().issuer() else {
+            return Err(Status::failed_precondition(
+                "this control node does not hold the cluster CA: join through one that does",
+            ));
+        };
+        let (taken, owned) = self.node.read(|s| {
+            let live = |e: &&opendsec_projections::Edge| !e.deregistered;
+            (
+                s.placement.edges.get(&edge).filter(live).is_some(),
+                s.placement
+                    .edges
+                    .iter()
+                    .find(|(_, e)| !e.deregistered && e.token.as_deref() == Some(p.token_id.as_str()))
+                    .map(|(n, _)| n.clone()),
+            )
+        });
+        if let Some(o) = owned {
+            tracing::warn!(token = %p.token_id, %edge, joined = %o, "denied: a join token used again");
+            return Err(Status::permission_denied(format!(
+                "this token joined edge {o} already: a token joins one edge, once (issue a new one for another edge)"
+            )));
+        }
+        if taken {
+            tracing::warn!(token = %p.token_id, %edge, "denied: a join for an edge that has joined");
+            return Err(Status::already_exists(format!(
+                "edge {edge} has joined already and holds its certificate; to join it again (a new machine, a lost key), \
+                 deregister it (`opendsecctl edge deregister {edge}`) and give the new edge a new token"
+            )));
+        }
+        // The CA signs what it decides (this edge's identity) for the key the edge made;
+        // nothing is returned unless the registration is logged.
+        let cert_pem = ca
+            .sign_request(&r.csr_pem, &Identity::edge(&edge))
+            .map_err(|e| Status::invalid_argument(format!("csr_pem: {e}")))?;
+        let (ordinal, index) = self.register_edge(&p, reg).await?;
+        tracing::info!(%edge, token = %p.token_id, "an edge joined: its certificate is issued");
+        Ok(Response::new(JoinReply {
             ordinal,
-            index: s.index,
+            index,
+            cert_pem,
+            ca_pem: self.node.trust().ca_pem().to_string(),
+            edge_key: self.node.edge_key(&edge),
         }))
+    }
+
+    async fn renew(&self, req: Request<RenewRequest>) -> Result<Response<RenewReply>, Status> {
+        let (p, cert_edge) = self.edge_caller(&req)?;
+        let r = req.into_inner();
+        Self::same_edge(&cert_edge, &r.edge, "renew")?;
+        // Only a live edge, by the token that registered it (a deregistered edge's
+        // certificate runs out).
+        let registered_by = self.node.read(|s| {
+            s.placement
+                .edges
+                .get(&r.edge)
+                .filter(|e| !e.deregistered)
+                .map(|e| e.token.clone())
+        });
+        match registered_by {
+            Some(Some(t)) if t == p.token_id => {}
+            _ => {
+                tracing::warn!(token = %p.token_id, edge = %r.edge, "denied: a renewal for an edge the token does not hold");
+                return Err(Status::permission_denied(format!(
+                    "edge {} is not registered by this token: only a live edge renews, with its own token",
+                    r.edge
+                )));
+            }
+        }
+        let Some(ca) = self.node.trust().issuer() else {
+            return Err(Status::failed_precondition(
+                "this control node does not hold the cluster CA: renew through one that does",
+            ));
+        };
+        let cert_pem = ca
+            .sign_request(&r.csr_pem, &Identity::edge(&r.edge))
+            .map_err(|e| Status::invalid_argument(format!("csr_pem: {e}")))?;
+        Ok(Response::new(RenewReply { cert_pem }))
     }
 
     type WatchStream = SliceStream;
 
     async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<SliceStream>, Status> {
-        let p = self.edge_principal(&req)?;
+        let (p, cert_edge) = self.edge_caller(&req)?;
         let r = req.into_inner();
         if r.edge.is_empty() {
             return Err(Status::invalid_argument("edge must name the watching edge"));
         }
+        Self::same_edge(&cert_edge, &r.edge, "watch")?;
         self.acts_for(&p, &r.edge, "watch")?;
         // Watch the applied index before reading history so no entry falls between the two.
         let live = self.node.log().applied_index();
@@ -215,7 +340,22 @@ impl EdgeSlice for EdgeSliceService {
     }
 
     async fn report(&self, req: Request<ReportRequest>) -> Result<Response<ReportReply>, Status> {
-        let p = self.edge_principal(&req)?;
+        let (p, cert_edge) = self.edge_caller(&req)?;
+        // A report is on the certificate's edge's own sandboxes and snapshots (the command
+        // then checks, audited, that the token registered that edge).
+        let of = self.node.read(|s| {
+            let r = req.get_ref();
+            if !r.snapshot.is_empty() {
+                s.snapshots.snapshots.get(&r.snapshot).map(|x| x.edge.clone())
+            } else if r.image.is_empty() {
+                s.sandboxes.sandboxes.get(&r.sandbox).map(|x| x.edge.clone())
+            } else {
+                None
+            }
+        });
+        if let Some(edge) = of {
+            Self::same_edge(&cert_edge, &edge, "report")?;
+        }
         let r = req.into_inner();
         // An edge names its reports by what they say (`edge:sandbox:observation`), and the
         // same words recur (a second pause of one sandbox): each report is a request of
@@ -254,8 +394,9 @@ impl EdgeSlice for EdgeSliceService {
     }
 
     async fn transfer_token(&self, req: Request<TransferTokenRequest>) -> Result<Response<TransferTokenReply>, Status> {
-        let p = self.edge_principal(&req)?;
+        let (p, cert_edge) = self.edge_caller(&req)?;
         let r = req.into_inner();
+        Self::same_edge(&cert_edge, &r.edge, "transfer token")?;
         self.acts_for(&p, &r.edge, "transfer token")?;
         // A transfer opens only for the edge whose live sandbox starts from it.
         // (the holding edge, the sandbox whose state it is: a fork's source, a snapshot's)
@@ -289,8 +430,9 @@ impl EdgeSlice for EdgeSliceService {
     }
 
     async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatReply>, Status> {
-        let p = self.edge_principal(&req)?;
+        let (p, cert_edge) = self.edge_caller(&req)?;
         let r = req.into_inner();
+        Self::same_edge(&cert_edge, &r.edge, "heartbeat")?;
         self.acts_for(&p, &r.edge, "heartbeat")?;
         self.node.record_heartbeat(EdgeHeartbeat {
             edge: r.edge,

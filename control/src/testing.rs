@@ -19,6 +19,14 @@ pub struct TestNode {
 }
 
 impl TestNode {
+    /// A component `id` of this node's cluster: a certificate from the node's CA.
+    pub fn peer_trust(&self, id: opendsec_trust::Identity) -> std::sync::Arc<opendsec_trust::Trust> {
+        let trust = self.node.trust();
+        let ca = trust.issuer().expect("the test node holds its CA");
+        let issued = ca.issue(&id).expect("a certificate");
+        std::sync::Arc::new(opendsec_trust::Trust::new(id, trust.ca_pem(), &issued, None).expect("a trust"))
+    }
+
     pub async fn shutdown(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
@@ -69,7 +77,12 @@ pub async fn single_node_with(tune: impl FnOnce(&mut ControlConfig)) -> TestNode
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().to_path_buf();
     let (node, peer_addr, stop) = start(|addr| {
-        let mut cfg = ControlConfig::new(1, path, addr, new_cluster_key());
+        let ca = opendsec_trust::Ca::load_or_create(&path.join("tls")).expect("the test node's CA");
+        let trust = std::sync::Arc::new(
+            opendsec_trust::Trust::issued_by(ca, opendsec_trust::Identity::control(1))
+                .expect("the test node's certificate"),
+        );
+        let mut cfg = ControlConfig::new(1, path, addr, new_cluster_key(), trust);
         tune(&mut cfg);
         cfg
     })

@@ -2,13 +2,14 @@
 //! the peer port, opened with a versioned handshake. Each write is authenticated again
 //! with its caller's token, replies find their writes whatever their order, a follower
 //! offering only versions the leader does not speak is refused with a reason before any
-//! write is sent, a connection without the cluster key is refused before any frame is
-//! read, and a connection that breaks fails its writes and is replaced.
+//! write is sent, a connection from anyone but a control node of the cluster is closed on
+//! before any frame is read, and a connection that breaks fails its writes and is replaced.
 
 use opendsec_control::forward::{ForwardError, Forwarder, PROTOCOL};
 use opendsec_control::pb::SubmitRequest;
 use opendsec_control::peer::reply_to_result;
 use opendsec_control::testing::single_node;
+use opendsec_trust::Identity;
 use serde_json::json;
 
 fn create_project(bearer: &str, name: &str, parent: &str) -> SubmitRequest {
@@ -22,7 +23,7 @@ fn create_project(bearer: &str, name: &str, parent: &str) -> SubmitRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_with_its_own_reply() {
     let t = single_node().await;
-    let f = Forwarder::new(t.peer_addr.clone(), &t.node.config().cluster_key);
+    let f = Forwarder::new(t.peer_addr.clone(), t.peer_trust(Identity::control(2)));
     let calls: Vec<_> = (0..40)
         .map(|n| {
             let (f, req) = (
@@ -56,7 +57,7 @@ async fn writes_forwarded_on_a_plain_connection_are_decided_by_the_leader_each_w
 async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
     let t = single_node().await;
     let before = t.node.applied_index();
-    let f = Forwarder::new(t.peer_addr.clone(), &t.node.config().cluster_key);
+    let f = Forwarder::new(t.peer_addr.clone(), t.peer_trust(Identity::control(2)));
     let reply = f
         .submit(create_project("odsec_0123456789abcdef.forged", "x", &t.root_project))
         .await
@@ -69,7 +70,7 @@ async fn a_forged_token_is_refused_by_the_leader_and_nothing_is_logged() {
 async fn a_follower_offering_only_an_unknown_version_is_refused_with_a_reason_and_nothing_is_sent() {
     let t = single_node().await;
     let before = t.node.applied_index();
-    let f = Forwarder::offering(t.peer_addr.clone(), &t.node.config().cluster_key, &[9_999]);
+    let f = Forwarder::offering(t.peer_addr.clone(), t.peer_trust(Identity::control(2)), &[9_999]);
     match f.submit(create_project(&t.admin_token, "x", &t.root_project)).await {
         Err(ForwardError::Refused(why)) => {
             assert!(why.contains("9999"), "{why}");
@@ -84,7 +85,7 @@ async fn a_follower_offering_only_an_unknown_version_is_refused_with_a_reason_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_current_version_is_accepted_beside_unknown_newer_ones() {
     let t = single_node().await;
-    let f = Forwarder::offering(t.peer_addr.clone(), &t.node.config().cluster_key, &[1, 9_999]);
+    let f = Forwarder::offering(t.peer_addr.clone(), t.peer_trust(Identity::control(2)), &[1, 9_999]);
     let reply = f
         .submit(create_project(&t.admin_token, "team", &t.root_project))
         .await
@@ -96,10 +97,13 @@ async fn the_current_version_is_accepted_beside_unknown_newer_ones() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_leader_breaks_fails_its_waiting_writes_and_is_replaced() {
     // A leader that accepts the opening, takes the first write, then goes away.
+    let leader = opendsec_trust::test_trust(Identity::control(1));
+    let follower = opendsec_trust::test_trust(Identity::control(2));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     tokio::spawn(async move {
-        let (mut conn, _) = l.accept().await.unwrap();
+        let (tcp, _) = l.accept().await.unwrap();
+        let (mut conn, _) = leader.accept(tcp).await.unwrap();
         let hello = PROTOCOL.read_hello(&mut conn).await.unwrap();
         PROTOCOL
             .answer(&mut conn, &PROTOCOL.choose(&hello.versions))
@@ -108,7 +112,7 @@ async fn a_connection_the_leader_breaks_fails_its_waiting_writes_and_is_replaced
         let mut first = Vec::new();
         let _ = opendsec_log::frames::read(&mut conn, &mut first).await;
     });
-    let f = Forwarder::new(addr.clone(), "any key");
+    let f = Forwarder::new(addr.clone(), follower);
     match tokio::time::timeout(
         std::time::Duration::from_secs(10),
         f.submit(create_project("t", "x", "p")),
@@ -128,7 +132,7 @@ async fn an_unreachable_leader_fails_the_write_and_closes_the_connection() {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     drop(l);
-    let f = Forwarder::new(addr, "any key");
+    let f = Forwarder::new(addr, opendsec_trust::test_trust(Identity::control(2)));
     match f.submit(create_project("t", "x", "p")).await {
         Err(ForwardError::Failed(why)) => assert!(why.contains("connecting"), "{why}"),
         other => panic!("expected a failure, got {other:?}"),
@@ -137,13 +141,22 @@ async fn an_unreachable_leader_fails_the_write_and_closes_the_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_forwarding_connection_without_the_cluster_key_is_refused_before_any_frame() {
+async fn a_forwarding_connection_from_outside_the_control_plane_is_closed_before_any_frame() {
     let t = single_node().await;
     let before = t.node.applied_index();
-    let f = Forwarder::new(t.peer_addr.clone(), "not the cluster key");
+    for who in [Identity::edge("e1"), Identity::gateway(1), Identity::operator("init")] {
+        let f = Forwarder::new(t.peer_addr.clone(), t.peer_trust(who.clone()));
+        match f.submit(create_project(&t.admin_token, "x", &t.root_project)).await {
+            Err(ForwardError::Failed(why)) => assert!(why.contains(&t.peer_addr), "{who}: {why}"),
+            other => panic!("{who}: expected the connection closed, got {other:?}"),
+        }
+    }
+    // A control node's certificate from another CA does not even complete TLS.
+    let stranger = opendsec_trust::test_cluster(&[Identity::control(2)]).remove(0);
+    let f = Forwarder::new(t.peer_addr.clone(), stranger);
     match f.submit(create_project(&t.admin_token, "x", &t.root_project)).await {
-        Err(ForwardError::Refused(why)) => assert!(why.contains("cluster key"), "{why}"),
-        other => panic!("expected a refusal, got {other:?}"),
+        Err(ForwardError::Failed(why)) => assert!(why.contains("TLS"), "{why}"),
+        other => panic!("expected a TLS failure, got {other:?}"),
     }
     assert_eq!(t.node.applied_index(), before, "nothing was logged");
 }

@@ -5,6 +5,7 @@
 pub mod cgroups;
 pub mod container;
 pub mod desired;
+pub mod identity;
 pub mod images;
 mod kmsg;
 pub mod metrics_history;

@@ -33,13 +33,18 @@ pub struct SliceClient {
 }
 
 impl SliceClient {
-    /// Connects lazily to a control node's peer address with an edge token (edge:write).
-    pub fn connect(peer_addr: &str, bearer: &str) -> Result<SliceClient, SliceError> {
+    /// Connects lazily to a control node's peer address as the edge `trust` names (mutual
+    /// TLS), with its token (edge:write).
+    pub fn connect(
+        peer_addr: &str,
+        bearer: &str,
+        trust: std::sync::Arc<opendsec_trust::Trust>,
+    ) -> Result<SliceClient, SliceError> {
+        let control = opendsec_trust::Expect::Role(opendsec_trust::Role::Control);
         let ch = Endpoint::from_shared(format!("http://{peer_addr}"))
             .map_err(|e| SliceError::Connect(peer_addr.to_string(), e.to_string()))?
             .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .connect_with_connector_lazy(opendsec_trust::tls_connector(trust, control));
         let auth = format!("Bearer {bearer}").parse().map_err(|_| SliceError::BadToken)?;
         Ok(SliceClient {
             client: EdgeSliceClient::new(ch),

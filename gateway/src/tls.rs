@@ -6,10 +6,9 @@
 //! once and kept under `<dir>/ca.crt` + `ca.key` (0600): users trust `ca.crt` the way
 //! they trust any private CA. The leaf is re-issued at every start.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose, SanType};
 use tokio::net::TcpListener;
 
 /// Where the CA lives, and what the leaf certificate names.
@@ -23,40 +22,6 @@ pub struct TlsSettings {
 
 fn io(ctx: &str, e: impl std::fmt::Display) -> String {
     format!("{ctx}: {e}")
-}
-
-use opendsec_control::write_private;
-
-/// The cluster CA: loaded from `dir`, or made there the first time.
-fn load_or_create_ca(dir: &Path) -> Result<(rcgen::Certificate, KeyPair), String> {
-    std::fs::create_dir_all(dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
-    let (crt, key) = (dir.join("ca.crt"), dir.join("ca.key"));
-    let mut params = CertificateParams::default();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "OpenDsec cluster CA");
-    params.distinguished_name.push(DnType::OrganizationName, "OpenDsec");
-    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    params.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(1);
-    params.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(3650);
-    if crt.exists() && key.exists() {
-        let key_pem = std::fs::read_to_string(&key).map_err(|e| io(&format!("reading {}", key.display()), e))?;
-        let kp = KeyPair::from_pem(&key_pem).map_err(|e| io(&format!("parsing {}", key.display()), e))?;
-        // The same name and key make an equivalent issuer: leaves it signs verify
-        // against the saved ca.crt, which users already trust.
-        let cert = params.self_signed(&kp).map_err(|e| io("loading the CA", e))?;
-        return Ok((cert, kp));
-    }
-    let kp = KeyPair::generate().map_err(|e| io("generating the CA key", e))?;
-    let cert = params.self_signed(&kp).map_err(|e| io("signing the CA", e))?;
-    write_private(&key, &kp.serialize_pem())?;
-    std::fs::write(&crt, cert.pem()).map_err(|e| io(&format!("writing {}", crt.display()), e))?;
-    Ok((cert, kp))
 }
 
 /// The rustls configuration for the gateway's TLS port (HTTP/1.1).
@@ -76,22 +41,22 @@ pub fn server_config(s: &TlsSettings) -> Result<Arc<rustls::ServerConfig>, Strin
             (chain, key)
         }
         None => {
-            let (ca, ca_key) = load_or_create_ca(&s.dir)?;
+            // The cluster CA (the one the components' certificates come from).
+            let ca = opendsec_trust::Ca::load_or_create(&s.dir).map_err(|e| e.to_string())?;
             let domain = s.domain.to_ascii_lowercase();
-            let mut params = CertificateParams::new(vec![domain.clone(), format!("*.{domain}"), "localhost".into()])
-                .map_err(|e| io("certificate names", e))?;
-            params
-                .subject_alt_names
-                .push(SanType::IpAddress(std::net::IpAddr::from([127, 0, 0, 1])));
-            params.distinguished_name.push(DnType::CommonName, domain.clone());
-            params.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(1);
-            params.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(365);
-            let leaf_key = KeyPair::generate().map_err(|e| io("generating the server key", e))?;
-            let leaf = params
-                .signed_by(&leaf_key, &ca, &ca_key)
-                .map_err(|e| io("signing the server certificate", e))?;
-            let key = rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into());
-            (vec![leaf.der().clone(), ca.der().clone()], key)
+            let issued = ca
+                .issue_server(
+                    &[domain.clone(), format!("*.{domain}"), "localhost".into()],
+                    &[std::net::IpAddr::from([127, 0, 0, 1])],
+                )
+                .map_err(|e| io("issuing the server certificate", e))?;
+            let chain = rustls_pemfile::certs(&mut issued.cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| io("the server certificate", e))?;
+            let key = rustls_pemfile::private_key(&mut issued.key_pem.as_bytes())
+                .map_err(|e| io("the server key", e))?
+                .ok_or("the server key is missing")?;
+            (chain, key)
         }
     };
     let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))

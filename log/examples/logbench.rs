@@ -96,8 +96,8 @@ async fn main() {
     }
     for (i, l) in listeners.into_iter().enumerate() {
         let id = i as u64 + 1;
-        let mut cfg = LogConfig::new(id, dir.path().join(format!("n{id}")), members[&id].clone());
-        cfg.cluster_key = "bench".into();
+        let trust = opendsec_trust::test_trust(opendsec_trust::Identity::control(id));
+        let cfg = LogConfig::new(id, dir.path().join(format!("n{id}")), members[&id].clone(), trust);
         let node = LogNode::open(cfg, Sm::default()).await.unwrap();
         let n2 = node.clone();
         tokio::spawn(async move {

@@ -26,14 +26,19 @@ pub struct LogConfig {
     pub subscribe_capacity: usize,
     /// Timeout of one Raft RPC to a peer, in milliseconds (snapshots get 20x). Default 1_000.
     pub rpc_timeout_ms: u64,
-    /// Shared secret every Raft RPC carries; a peer without it is refused. Empty = no check
-    /// (tests only: a real cluster always sets one).
-    pub cluster_key: String,
+    /// This node's certificate and the cluster CA: every peer-port connection is mutual
+    /// TLS, and Raft is spoken only with peers whose certificate names a control node.
+    pub trust: std::sync::Arc<opendsec_trust::Trust>,
 }
 
 impl LogConfig {
     /// A configuration with the defaults documented on each field.
-    pub fn new(node_id: u64, data_dir: impl Into<PathBuf>, advertise_addr: impl Into<String>) -> Self {
+    pub fn new(
+        node_id: u64,
+        data_dir: impl Into<PathBuf>,
+        advertise_addr: impl Into<String>,
+        trust: std::sync::Arc<opendsec_trust::Trust>,
+    ) -> Self {
         LogConfig {
             node_id,
             data_dir: data_dir.into(),
@@ -45,7 +50,7 @@ impl LogConfig {
             heartbeat_ms: 100,
             subscribe_capacity: 8192,
             rpc_timeout_ms: 1_000,
-            cluster_key: String::new(),
+            trust,
         }
     }
 

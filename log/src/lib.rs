@@ -110,7 +110,9 @@ pub mod pb {
 pub use config::LogConfig;
 pub use error::{LogError, MembershipError, ProposeError};
 pub use node::{Applied, AppliedEntry, Leadership, LogNode, Status};
-pub use peer_port::{PeerStream, SideProtocol, grpc_server, serve_peer, serve_peer_with};
+pub use peer_port::{
+    PeerInfo, PeerReadHalf, PeerStream, PeerWriteHalf, SideProtocol, grpc_server, peer_of, serve_peer, serve_peer_with,
+};
 pub use service::RaftGrpc;
 pub use sm::SmStore;
 
@@ -162,12 +164,6 @@ pub(crate) mod typ {
     pub type StoredMembership = openraft::alias::StoredMembershipOf<TypeConfig>;
     pub type SnapshotMeta = openraft::alias::SnapshotMetaOf<TypeConfig>;
     pub type Snapshot = openraft::alias::SnapshotOf<TypeConfig, Vec<u8>>;
-}
-
-/// Whether `got` is this cluster's key, compared in constant time (an empty `expected`
-/// accepts only an empty key: tests run without one).
-pub(crate) fn cluster_key_matches(expected: &str, got: &[u8]) -> bool {
-    expected.len() == got.len() && expected.bytes().zip(got).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 /// Encode with postcard (the crate's single binary encoding, on disk and on the wire).

@@ -43,15 +43,15 @@ type Rpc<T> = Result<T, RPCError<TypeConfig>>;
 pub(crate) struct Network {
     channels: Arc<Mutex<HashMap<u64, (String, Channel)>>>,
     rpc_timeout: Duration,
-    cluster_key: Arc<str>,
+    trust: Arc<opendsec_trust::Trust>,
 }
 
 impl Network {
-    pub(crate) fn new(rpc_timeout: Duration, cluster_key: &str) -> Self {
+    pub(crate) fn new(rpc_timeout: Duration, trust: Arc<opendsec_trust::Trust>) -> Self {
         Network {
             channels: Arc::new(Mutex::new(HashMap::new())),
             rpc_timeout,
-            cluster_key: Arc::from(cluster_key),
+            trust,
         }
     }
 
@@ -70,10 +70,12 @@ impl Network {
         let ch = Endpoint::from_shared(url)
             .map_err(|e| format!("invalid peer address {addr:?}: {e}"))?
             .connect_timeout(Duration::from_millis(500))
-            .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
             .keep_alive_timeout(Duration::from_secs(5))
-            .connect_lazy();
+            .connect_with_connector_lazy(opendsec_trust::tls_connector(
+                self.trust.clone(),
+                opendsec_trust::Expect::Role(opendsec_trust::Role::Control),
+            ));
         map.insert(target, (addr.to_string(), ch.clone()));
         Ok(ch)
     }
@@ -92,7 +94,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
                 .trim_end_matches('/')
                 .to_string(),
             rpc_timeout: self.rpc_timeout,
-            cluster_key: self.cluster_key.clone(),
+            trust: self.trust.clone(),
         }
     }
 }
@@ -102,7 +104,7 @@ pub(crate) struct Conn {
     target: u64,
     channel: Result<Channel, String>,
     rpc_timeout: Duration,
-    cluster_key: Arc<str>,
+    trust: Arc<opendsec_trust::Trust>,
     /// The peer's `host:port`.
     addr: String,
 }
@@ -148,7 +150,6 @@ impl Conn {
     {
         let msg = pb::RaftMessage {
             payload: encode(req).map_err(net_err)?,
-            cluster_key: self.cluster_key.to_string(),
         };
         let client = self.client()?;
         let resp = match tokio::time::timeout(ttl, call(client, msg)).await {
@@ -175,7 +176,7 @@ impl NetStreamAppend<TypeConfig> for Conn {
     {
         Box::pin(async move {
             let (target, ttl) = (self.target, self.rpc_timeout);
-            let conn = crate::replication::connect(target, &self.addr, &self.cluster_key, ttl).await?;
+            let conn = crate::replication::connect(target, &self.addr, &self.trust, ttl).await?;
             Ok(crate::replication::stream(conn, input, target, ttl))
         })
     }
@@ -224,16 +225,11 @@ impl NetSnapshot<TypeConfig> for Conn {
         _option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let meta = encode(&(vote, snapshot.meta)).map_err(|e| to_streaming(net_err(e)))?;
-        let mut chunks = vec![pb::SnapshotChunk {
-            meta,
-            data: Vec::new(),
-            cluster_key: self.cluster_key.to_string(),
-        }];
+        let mut chunks = vec![pb::SnapshotChunk { meta, data: Vec::new() }];
         for c in snapshot.snapshot.chunks(SNAPSHOT_CHUNK) {
             chunks.push(pb::SnapshotChunk {
                 meta: Vec::new(),
                 data: c.to_vec(),
-                cluster_key: String::new(),
             });
         }
         let mut client = self.client().map_err(to_streaming)?;

@@ -75,7 +75,7 @@ struct Inner<S: StateMachine> {
     store: Store,
     node_id: u64,
     advertise_addr: String,
-    cluster_key: String,
+    trust: Arc<opendsec_trust::Trust>,
 }
 
 /// A handle on a running log node (cheap to clone; all clones share the node).
@@ -103,7 +103,7 @@ impl<S: StateMachine> LogNode<S> {
         let raft_cfg = cfg.raft_config().map_err(|e| LogError::Config(e.to_string()))?;
         let store = Store::open(&cfg.data_dir, cfg.archive_retention)?;
         let sm = SmStore::new(sm, store.clone(), cfg.subscribe_capacity);
-        let network = Network::new(Duration::from_millis(cfg.rpc_timeout_ms.max(1)), &cfg.cluster_key);
+        let network = Network::new(Duration::from_millis(cfg.rpc_timeout_ms.max(1)), cfg.trust.clone());
         let raft = match Raft::new(cfg.node_id, Arc::new(raft_cfg), network, store.clone(), sm.clone()).await {
             Ok(r) => r,
             Err(e) => {
@@ -141,7 +141,7 @@ impl<S: StateMachine> LogNode<S> {
                 store,
                 node_id: cfg.node_id,
                 advertise_addr: cfg.advertise_addr,
-                cluster_key: cfg.cluster_key,
+                trust: cfg.trust,
             }),
         })
     }
@@ -149,12 +149,12 @@ impl<S: StateMachine> LogNode<S> {
     /// The tonic service of Raft's votes and snapshot installs ([`crate::serve_peer`] serves
     /// it, beside the replication protocol).
     pub fn raft_service(&self) -> RaftServer<S> {
-        RaftGrpc::server(self.inner.raft.clone(), self.inner.cluster_key.clone())
+        RaftGrpc::server(self.inner.raft.clone())
     }
 
-    /// The cluster key peers must present.
-    pub(crate) fn cluster_key(&self) -> Arc<str> {
-        Arc::from(self.inner.cluster_key.as_str())
+    /// This node's certificate and the CA it trusts (its peer port's TLS).
+    pub fn trust(&self) -> &Arc<opendsec_trust::Trust> {
+        &self.inner.trust
     }
 
     /// This node's id.

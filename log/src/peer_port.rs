@@ -1,13 +1,15 @@
-//! The peer port: one listener for everything nodes say to each other. Each connection
-//! is sorted by its first four bytes, read from the connection once it is up: a
-//! protocol's magic (see [`crate::handshake`]) sends it to that protocol (replication,
-//! always; the caller's own, such as write forwarding); anything else is gRPC (HTTP/2
-//! opens with its fixed preface), served by the caller's tonic router plus the Raft
-//! service (votes and snapshots).
+//! The peer port: one listener for everything nodes say to each other, every connection
+//! mutual TLS under the cluster's CA (`opendsec_trust`). The TLS handshake comes first:
+//! a connection that does not complete it within [`FIRST_BYTES_WITHIN`] is dropped before
+//! any of its bytes are read as a protocol's. Then each connection is sorted by its first
+//! four bytes, read inside the session: a protocol's magic (see [`crate::handshake`])
+//! sends it to that protocol (replication, always; the caller's own, such as write
+//! forwarding); anything else is gRPC (HTTP/2 opens with its fixed preface), served by the
+//! caller's tonic router plus the Raft service (votes and snapshots).
 //!
-//! The bytes are read through [`PeerStream`], not peeked at the TCP layer, and replayed
-//! to whoever takes the connection: when mutual TLS goes under the peer port, the same
-//! sorting runs on the decrypted session after the TLS handshake.
+//! A connection carries the identity of its client's certificate ([`PeerInfo`], also in
+//! each gRPC request's extensions), or none for a client that presented no certificate;
+//! each protocol decides what it serves whom (replication and Raft: control nodes only).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,94 +17,118 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use opendsec_trust::{Identity, Role};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::{LogNode, StateMachine};
 
-/// How long a new connection may take to send its first four bytes.
-const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(5);
+/// How long a new connection may take to finish its TLS handshake and send its first
+/// four bytes.
+pub const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(5);
 /// Connections sorted at once; more wait in the listener's backlog, so silent
 /// connections cannot pile up tasks without bound.
 const SORTING_AT_ONCE: usize = 256;
+
+/// Who is at the other end of a peer-port connection.
+#[derive(Clone, Debug)]
+pub struct PeerInfo {
+    pub remote: Option<std::net::SocketAddr>,
+    /// From the client's certificate (verified by the handshake); `None` if it had none.
+    pub identity: Option<Identity>,
+}
+
+impl PeerInfo {
+    /// Whether the peer is a component of `role`.
+    pub fn is(&self, role: Role) -> bool {
+        self.identity.as_ref().is_some_and(|i| i.role == role)
+    }
+
+    /// The peer's identity for messages ("control node 2", "no certificate").
+    pub fn who(&self) -> String {
+        match &self.identity {
+            Some(i) => i.to_string(),
+            None => "a peer without a certificate".into(),
+        }
+    }
+}
+
+/// The peer identity of a gRPC request on the peer port.
+pub fn peer_of<T>(req: &tonic::Request<T>) -> PeerInfo {
+    req.extensions().get::<PeerInfo>().cloned().unwrap_or(PeerInfo {
+        remote: None,
+        identity: None,
+    })
+}
 
 /// A connection on the peer port, its first bytes already read to sort it and replayed
 /// to the reader first.
 pub struct PeerStream {
     replay: Vec<u8>,
-    inner: TcpStream,
+    inner: tokio_rustls::server::TlsStream<TcpStream>,
+    info: PeerInfo,
 }
 
-/// The read half of a [`PeerStream`] (see [`PeerStream::into_split`]).
-pub struct PeerReadHalf {
-    replay: Vec<u8>,
-    inner: tokio::net::tcp::OwnedReadHalf,
-}
-
-/// Serves `replay` before reading `inner`.
-fn poll_replay<R: AsyncRead + Unpin>(
-    replay: &mut Vec<u8>,
-    inner: &mut R,
-    cx: &mut Context<'_>,
-    buf: &mut ReadBuf<'_>,
-) -> Poll<std::io::Result<()>> {
-    if replay.is_empty() {
-        return Pin::new(inner).poll_read(cx, buf);
-    }
-    let n = replay.len().min(buf.remaining());
-    buf.put_slice(&replay[..n]);
-    replay.drain(..n);
-    Poll::Ready(Ok(()))
-}
+/// The halves of a [`PeerStream`] (see [`PeerStream::into_split`]).
+pub type PeerReadHalf = tokio::io::ReadHalf<PeerStream>;
+pub type PeerWriteHalf = tokio::io::WriteHalf<PeerStream>;
 
 impl PeerStream {
-    /// Reads up to four bytes (fewer if the connection ends or stays silent for 10 s).
-    async fn sort(mut inner: TcpStream) -> (PeerStream, Vec<u8>) {
-        let mut first = [0u8; 4];
-        let mut got = 0;
-        let read = async {
+    /// Completes the TLS handshake and reads up to four bytes, all within
+    /// [`FIRST_BYTES_WITHIN`] (fewer bytes if the connection ends or stays silent);
+    /// `None` if the handshake fails.
+    async fn sort(tcp: TcpStream, trust: &opendsec_trust::Trust) -> Option<(PeerStream, Vec<u8>)> {
+        let remote = tcp.peer_addr().ok();
+        let open = async {
+            let (mut inner, identity) = match trust.accept(tcp).await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::debug!(?remote, error = %e, "peer port: TLS handshake failed");
+                    return None;
+                }
+            };
+            let mut first = [0u8; 4];
+            let mut got = 0;
             while got < first.len() {
                 match inner.read(&mut first[got..]).await {
                     Ok(0) | Err(_) => break,
                     Ok(n) => got += n,
                 }
             }
+            Some((inner, identity, first[..got].to_vec()))
         };
-        let _ = tokio::time::timeout(FIRST_BYTES_WITHIN, read).await;
-        let first = first[..got].to_vec();
-        (
+        let (inner, identity, first) = tokio::time::timeout(FIRST_BYTES_WITHIN, open).await.ok()??;
+        Some((
             PeerStream {
                 replay: first.clone(),
                 inner,
+                info: PeerInfo { remote, identity },
             },
             first,
-        )
+        ))
+    }
+
+    /// Who the peer is.
+    pub fn peer(&self) -> &PeerInfo {
+        &self.info
     }
 
     /// Splits it for a reader and a writer on separate tasks.
-    pub fn into_split(self) -> (PeerReadHalf, tokio::net::tcp::OwnedWriteHalf) {
-        let (rd, wr) = self.inner.into_split();
-        (
-            PeerReadHalf {
-                replay: self.replay,
-                inner: rd,
-            },
-            wr,
-        )
-    }
-}
-
-impl AsyncRead for PeerReadHalf {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        poll_replay(&mut this.replay, &mut this.inner, cx, buf)
+    pub fn into_split(self) -> (PeerReadHalf, PeerWriteHalf) {
+        tokio::io::split(self)
     }
 }
 
 impl AsyncRead for PeerStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        poll_replay(&mut this.replay, &mut this.inner, cx, buf)
+        if this.replay.is_empty() {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        }
+        let n = this.replay.len().min(buf.remaining());
+        buf.put_slice(&this.replay[..n]);
+        this.replay.drain(..n);
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -133,10 +159,10 @@ impl AsyncWrite for PeerStream {
 }
 
 impl tonic::transport::server::Connected for PeerStream {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = PeerInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        self.info.clone()
     }
 }
 
@@ -183,10 +209,11 @@ pub async fn serve_peer_with<S: StateMachine>(
         Some(r) => r.add_service(node.raft_service()),
         None => grpc_server().add_service(node.raft_service()),
     };
-    let (raft, key) = (node.raft().clone(), node.cluster_key());
+    let raft = node.raft().clone();
+    let trust = node.trust().clone();
     let mut sides = vec![SideProtocol {
         magic: crate::replication::PROTOCOL.magic,
-        serve: Arc::new(move |conn| crate::replication::serve(raft.clone(), key.clone(), conn)),
+        serve: Arc::new(move |conn| crate::replication::serve(raft.clone(), conn)),
     }];
     sides.extend(side);
     // Each connection is sorted on a task of its own (a slow one holds up no other), then
@@ -209,10 +236,11 @@ pub async fn serve_peer_with<S: StateMachine>(
                 }
             };
             let _ = conn.set_nodelay(true);
-            let (sides, grpc_tx) = (sides.clone(), grpc_tx.clone());
+            let (sides, grpc_tx, trust) = (sides.clone(), grpc_tx.clone(), trust.clone());
             tokio::spawn(async move {
-                let (conn, first) = PeerStream::sort(conn).await;
+                let sorted = PeerStream::sort(conn, &trust).await;
                 drop(permit);
+                let Some((conn, first)) = sorted else { return };
                 match sides.iter().find(|s| s.magic[..] == first[..]) {
                     Some(side) => (side.serve)(conn),
                     None => {
@@ -231,23 +259,43 @@ pub async fn serve_peer_with<S: StateMachine>(
 
 #[cfg(test)]
 mod tests {
+    use opendsec_trust::{Expect, Identity, Role, test_trust};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[tokio::test]
-    async fn the_bytes_read_to_sort_a_connection_are_read_again_by_its_protocol() {
+    async fn the_bytes_read_to_sort_a_connection_are_read_again_by_its_protocol_with_the_peers_identity() {
+        let server = test_trust(Identity::control(1));
+        let client = test_trust(Identity::control(2));
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        let client = tokio::spawn(async move {
-            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let talk = tokio::spawn(async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let mut c = client.connect(tcp, &Expect::Role(Role::Control)).await.unwrap();
             c.write_all(b"ODxxhello").await.unwrap();
+            c.shutdown().await.unwrap();
         });
         let (conn, _) = l.accept().await.unwrap();
-        let (conn, first) = super::PeerStream::sort(conn).await;
+        let (conn, first) = super::PeerStream::sort(conn, &server).await.unwrap();
         assert_eq!(first, b"ODxx");
+        assert_eq!(conn.peer().identity, Some(Identity::control(2)));
         let (mut rd, _wr) = conn.into_split();
         let mut all = Vec::new();
-        client.await.unwrap();
-        rd.read_to_end(&mut all).await.unwrap();
+        talk.await.unwrap();
+        let _ = rd.read_to_end(&mut all).await;
         assert_eq!(all, b"ODxxhello");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_does_not_speak_tls_is_dropped_unsorted() {
+        let server = test_trust(Identity::control(1));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let _ = c.write_all(b"ODRP\x00\x00\x00\x05hello").await;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        });
+        let (conn, _) = l.accept().await.unwrap();
+        assert!(super::PeerStream::sort(conn, &server).await.is_none());
     }
 }

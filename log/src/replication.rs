@@ -2,9 +2,10 @@
 //! transport for Raft's AppendEntries (votes and snapshots go by the Raft gRPC service,
 //! see `service.rs`).
 //!
-//! One TCP connection on the peer port per openraft replication stream. It opens with the
-//! versioned handshake of [`crate::handshake`] ([`PROTOCOL`], the cluster key as its
-//! credentials: a peer without it is closed on, unanswered). Then openraft's
+//! One mutual-TLS connection on the peer port per openraft replication stream, between
+//! control nodes only (each checks the other's certificate names a control node: the
+//! server closes on anyone else unanswered). It opens with the versioned handshake of
+//! [`crate::handshake`] ([`PROTOCOL`], no credentials: the session is the proof). Then openraft's
 //! `AppendEntriesRequest`s go one way and its `StreamAppendResult`s come back the other,
 //! in order, each a postcard-encoded length-prefixed frame (version 1). The leader sends
 //! the next request without waiting for the previous answer (pipelining); requests, or
@@ -24,6 +25,9 @@ use openraft::errors::{NetworkError, RPCError, Unreachable};
 use openraft::raft::{AppendEntriesRequest, StreamAppendResult};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+
+/// A replication connection, from the leader's side.
+pub(crate) type Conn = tokio_rustls::client::TlsStream<TcpStream>;
 
 use crate::handshake::{HandshakeError, Protocol};
 use crate::peer_port::PeerStream;
@@ -51,18 +55,23 @@ fn unreachable(why: String) -> RPCError<TypeConfig> {
 pub(crate) async fn connect(
     target: u64,
     addr: &str,
-    cluster_key: &str,
+    trust: &opendsec_trust::Trust,
     ttl: Duration,
-) -> Result<TcpStream, RPCError<TypeConfig>> {
+) -> Result<Conn, RPCError<TypeConfig>> {
     let open = async {
-        let mut conn = TcpStream::connect(addr)
+        let tcp = TcpStream::connect(addr)
             .await
             .map_err(|e| unreachable(format!("connecting to node {target} at {addr}: {e}")))?;
-        let _ = conn.set_nodelay(true);
-        match PROTOCOL
-            .offer(&mut conn, PROTOCOL.versions, cluster_key.as_bytes())
-            .await
-        {
+        let _ = tcp.set_nodelay(true);
+        let control = opendsec_trust::Expect::Role(opendsec_trust::Role::Control);
+        let mut conn = match trust.connect(tcp, &control).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(target, %addr, error = %e, "cannot replicate to a peer: TLS");
+                return Err(unreachable(format!("node {target} at {addr}: TLS: {e}")));
+            }
+        };
+        match PROTOCOL.offer(&mut conn, PROTOCOL.versions, &[]).await {
             Ok(_version) => Ok(conn),
             Err(e @ HandshakeError::Io { .. }) => Err(unreachable(format!("node {target} at {addr}: {e}"))),
             Err(e) => {
@@ -101,11 +110,11 @@ fn overdue(sent: &Mutex<VecDeque<Instant>>, ttl: Duration, target: u64) -> Optio
 }
 
 /// Streams `input` over `conn` (opened by [`connect`]) and yields the results in order.
-pub(crate) fn stream<S>(conn: TcpStream, input: S, target: u64, ttl: Duration) -> StreamOut<'static>
+pub(crate) fn stream<S>(conn: Conn, input: S, target: u64, ttl: Duration) -> StreamOut<'static>
 where
     S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static,
 {
-    let (rd, mut wr) = conn.into_split();
+    let (rd, mut wr) = tokio::io::split(conn);
     // When each request was handed to the transport, oldest first (one per unanswered request).
     let sent: Arc<Mutex<VecDeque<Instant>>> = Arc::default();
     let feeder = {
@@ -133,6 +142,9 @@ where
                     return;
                 }
             }
+            // The input ended: close the sending side (TLS close_notify, then the TCP
+            // half-close), so that the follower ends its side and the results end too.
+            let _ = wr.shutdown().await;
         })
     };
     let guard = AbortOnDrop(feeder.abort_handle());
@@ -168,8 +180,12 @@ where
 
 /// Serves one replication connection (its magic not yet read): the opening, then append
 /// requests in and their results out, in order. Results ready together go out in one write.
-pub(crate) fn serve<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S>>, cluster_key: Arc<str>, conn: PeerStream) {
+pub(crate) fn serve<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S>>, conn: PeerStream) {
     tokio::spawn(async move {
+        if !conn.peer().is(opendsec_trust::Role::Control) {
+            tracing::warn!(peer = %conn.peer().who(), remote = ?conn.peer().remote, "a replication connection from outside the control plane was refused");
+            return;
+        }
         let (rd, mut wr) = conn.into_split();
         let mut rd = tokio::io::BufReader::new(rd);
         let hello = match PROTOCOL.read_hello(&mut rd).await {
@@ -179,10 +195,6 @@ pub(crate) fn serve<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S>>, cluster
                 return;
             }
         };
-        if !crate::cluster_key_matches(&cluster_key, &hello.credentials) {
-            tracing::warn!("a replication connection without the cluster key was refused");
-            return;
-        }
         let choice = PROTOCOL.choose(&hello.versions);
         if PROTOCOL.answer(&mut wr, &choice).await.is_err() || choice.is_err() {
             return;
@@ -219,5 +231,8 @@ pub(crate) fn serve<S: StateMachine>(raft: Raft<TypeConfig, SmStore<S>>, cluster
                 return;
             }
         }
+        // The input ended (the leader closed its side): close ours the TLS way, so that
+        // the leader reads a clean end rather than a truncated session.
+        let _ = wr.shutdown().await;
     });
 }

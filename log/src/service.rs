@@ -16,25 +16,26 @@ use crate::{RaftServer, StateMachine, TypeConfig, decode, encode};
 /// [`LogNode::raft_service`].
 pub struct RaftGrpc<S: StateMachine> {
     raft: Raft<TypeConfig, SmStore<S>>,
-    cluster_key: String,
 }
 
 impl<S: StateMachine> RaftGrpc<S> {
-    pub(crate) fn server(raft: Raft<TypeConfig, SmStore<S>>, cluster_key: String) -> RaftServer<S> {
+    pub(crate) fn server(raft: Raft<TypeConfig, SmStore<S>>) -> RaftServer<S> {
         // A vote is small and a snapshot comes in chunks of `SNAPSHOT_CHUNK`: nothing
         // larger is decoded, so an unauthenticated peer cannot make the node buffer more.
-        RaftServiceServer::new(RaftGrpc { raft, cluster_key })
+        RaftServiceServer::new(RaftGrpc { raft })
             .max_decoding_message_size(crate::network::MAX_RAFT_MESSAGE)
             .max_encoding_message_size(crate::network::MAX_RAFT_MESSAGE)
     }
 }
 
-/// Refuses a peer that does not present this cluster's key (compared in constant time).
-fn check_key(expected: &str, got: &str) -> Result<(), Status> {
-    if crate::cluster_key_matches(expected, got.as_bytes()) {
+/// Refuses a peer whose certificate does not name a control node.
+fn check_peer<T>(req: &Request<T>) -> Result<(), Status> {
+    let peer = crate::peer_port::peer_of(req);
+    if peer.is(opendsec_trust::Role::Control) {
         Ok(())
     } else {
-        Err(Status::permission_denied("wrong or missing cluster key"))
+        tracing::warn!(peer = %peer.who(), remote = ?peer.remote, "a Raft call from outside the control plane was refused");
+        Err(Status::permission_denied("Raft is spoken between control nodes only"))
     }
 }
 
@@ -49,37 +50,34 @@ fn stopped(e: impl std::fmt::Display) -> Status {
 
 fn reply<T: serde::Serialize>(v: &T) -> Result<Response<RaftMessage>, Status> {
     let payload = encode(v).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(Response::new(RaftMessage {
-        payload,
-        cluster_key: String::new(),
-    }))
+    Ok(Response::new(RaftMessage { payload }))
 }
 
 #[tonic::async_trait]
 impl<S: StateMachine> RaftService for RaftGrpc<S> {
     async fn vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        check_peer(&req)?;
         let msg = req.into_inner();
-        check_key(&self.cluster_key, &msg.cluster_key)?;
         let rpc: VoteRequest<TypeConfig> = decode(&msg.payload).map_err(bad_request)?;
         let resp = self.raft.vote(rpc).await.map_err(stopped)?;
         reply(&resp)
     }
 
     async fn pre_vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        check_peer(&req)?;
         let msg = req.into_inner();
-        check_key(&self.cluster_key, &msg.cluster_key)?;
         let rpc: VoteRequest<TypeConfig> = decode(&msg.payload).map_err(bad_request)?;
         let resp = self.raft.pre_vote(rpc).await.map_err(stopped)?;
         reply(&resp)
     }
 
     async fn install_snapshot(&self, req: Request<Streaming<SnapshotChunk>>) -> Result<Response<RaftMessage>, Status> {
+        check_peer(&req)?;
         let mut stream = req.into_inner();
         let first = stream
             .message()
             .await?
             .ok_or_else(|| Status::invalid_argument("empty snapshot stream"))?;
-        check_key(&self.cluster_key, &first.cluster_key)?;
         let (vote, meta): (Vote, SnapshotMeta) = decode(&first.meta).map_err(bad_request)?;
         let mut data = first.data;
         while let Some(chunk) = stream.message().await? {

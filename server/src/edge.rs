@@ -273,7 +273,6 @@ impl EdgeArgs {
         data_dir: &Path,
         control_peer: String,
         token: String,
-        edge_key: String,
         registries: RegistrySettings,
         network: Option<opendsec_edge::net::NetConfig>,
     ) -> EdgeConfig {
@@ -299,7 +298,11 @@ impl EdgeArgs {
             name: self.edge_name.clone(),
             control_peer,
             token,
-            edge_key,
+            // The edge's identity and key: set by the caller (the embedded edge), or
+            // read from the data directory or got by joining (see opendsec_edge::identity).
+            edge_key: String::new(),
+            trust: None,
+            ca_pem: None,
             data_dir: data_dir.to_path_buf(),
             proxy_listen: self.proxy_listen.clone(),
             capacity: Capacity {

@@ -47,9 +47,15 @@ struct NodeArgs {
     /// The peer address other nodes use (defaults to --peer-listen).
     #[arg(long)]
     advertise_peer: Option<String>,
-    /// File holding the cluster key (created if missing). Defaults to <data-dir>/cluster.key.
+    /// File holding the cluster key (created if missing; never sent: edges' own keys
+    /// derive from it). Defaults to <data-dir>/cluster.key.
     #[arg(long)]
     cluster_key_file: Option<PathBuf>,
+    /// The cluster CA's directory (`ca.crt`, `ca.key`), shared by the control nodes of a
+    /// cluster (`opendsec ca --dir DIR` makes it). Defaults to <data-dir>/tls, where a
+    /// single node makes its own the first time.
+    #[arg(long)]
+    pki_dir: Option<PathBuf>,
     /// Raft snapshot and log compaction (into the archive) every this many entries (as
     /// etcd's --snapshot-count: a snapshot serialises every view, the whole audit
     /// history included, so it is taken rarely; replay uses its own checkpoints).
@@ -98,33 +104,22 @@ enum Cmd {
         /// File holding the edge's token (edge:write, root project).
         #[arg(long)]
         token_file: PathBuf,
-        /// The edge's own key (`opendsec edge-key --edge NAME --out FILE` on a control
-        /// host makes it): the gateway and the control plane authenticate to the edge with
-        /// it, and its sandboxes' tokens are keyed with it. Edges never hold the cluster key.
+        /// The cluster CA's certificate (a copy of a control host's `<pki-dir>/ca.crt`):
+        /// a new edge checks the control plane by it when it joins with its token, which
+        /// registers it and gets it its certificate and own key (kept in --data-dir).
         #[arg(long)]
-        edge_key_file: Option<PathBuf>,
-        /// Refused: edges no longer hold the cluster key (the error says what to do).
-        #[arg(long, hide = true)]
-        cluster_key_file: Option<PathBuf>,
+        ca_cert: Option<PathBuf>,
         /// Where the edge keeps its state, sandboxes and agent sockets.
         #[arg(long, default_value = ".data/edge")]
         data_dir: PathBuf,
         #[command(flatten)]
         edge: edge::EdgeArgs,
     },
-    /// Write an edge's own key (derived from the cluster key, so run it where the cluster
-    /// key is) for `opendsec edge --edge-key-file`.
-    EdgeKey {
-        /// The edge's name (its --edge-name).
+    /// Make a cluster's CA (`ca.crt`, `ca.key`) in a new directory, for every control
+    /// node's --pki-dir; edges get a copy of `ca.crt` (--ca-cert).
+    Ca {
         #[arg(long)]
-        edge: String,
-        #[arg(long, env = "OPENDSEC_DATA_DIR", default_value = ".data/opendsec")]
-        data_dir: PathBuf,
-        #[arg(long)]
-        cluster_key_file: Option<PathBuf>,
-        /// Where to write it (mode 0600).
-        #[arg(long)]
-        out: PathBuf,
+        dir: PathBuf,
     },
     /// Run one member of a control-plane cluster.
     Control {
@@ -144,8 +139,10 @@ enum Cmd {
         peer: String,
         #[arg(long, env = "OPENDSEC_DATA_DIR", default_value = ".data/opendsec")]
         data_dir: PathBuf,
+        /// The cluster CA's directory (defaults to <data-dir>/tls): `init` speaks to the
+        /// nodes with an operator certificate it issues itself from it.
         #[arg(long)]
-        cluster_key_file: Option<PathBuf>,
+        pki_dir: Option<PathBuf>,
         #[arg(long, default_value = "root")]
         project_name: String,
         /// The REST URL to print in the instructions.
@@ -196,7 +193,26 @@ async fn run_node(
 ) -> Result<(), String> {
     let key = read_or_create_key(&key_file(&args.data_dir, &args.cluster_key_file))?;
     let advertise = args.advertise_peer.clone().unwrap_or_else(|| args.peer_listen.clone());
-    let mut cfg = ControlConfig::new(id, &args.data_dir, advertise.clone(), key.clone());
+    let pki = pki_dir(&args.data_dir, &args.pki_dir);
+    let ca = match &args.pki_dir {
+        // A single node (or the first): its own CA, made the first time.
+        None => opendsec_trust::Ca::load_or_create(&pki),
+        Some(dir) => opendsec_trust::Ca::load(dir).map_err(|e| match e {
+            opendsec_trust::Error::File(..) if !opendsec_trust::ca_files(dir).0.exists() => {
+                opendsec_trust::Error::Tls(format!(
+                    "no CA in {}: make the cluster's once with `opendsec ca --dir {}` and give every control node that directory",
+                    dir.display(),
+                    dir.display()
+                ))
+            }
+            e => e,
+        }),
+    }
+    .map_err(|e| e.to_string())?;
+    let trust = std::sync::Arc::new(
+        opendsec_trust::Trust::issued_by(ca, opendsec_trust::Identity::control(id)).map_err(|e| e.to_string())?,
+    );
+    let mut cfg = ControlConfig::new(id, &args.data_dir, advertise.clone(), key.clone(), trust.clone());
     cfg.snapshot_every = args.snapshot_every;
     cfg.checkpoint_every = args.checkpoint_every;
     cfg.archive_retention = (args.archive_retention > 0).then_some(args.archive_retention);
@@ -244,7 +260,7 @@ async fn run_node(
                 .ok_or("--tls-listen needs --domain (the name the certificate is for)")?;
             let host = domain.rsplit_once(':').map(|(h, _)| h).unwrap_or(domain).to_string();
             let settings = opendsec_gateway::tls::TlsSettings {
-                dir: args.data_dir.join("tls"),
+                dir: pki.clone(),
                 domain: host,
                 cert_and_key: args.tls_cert.clone().zip(args.tls_key.clone()),
             };
@@ -283,8 +299,29 @@ async fn run_node(
                     return;
                 }
             };
-            let key = opendsec_control::edge_key(&key, &edge_args.edge_name);
-            let cfg = edge_args.config(&edge_dir, advertise, token, key, registries, network);
+            // The embedded edge's identity comes from its node's CA, in this process.
+            let name = &edge_args.edge_name;
+            let edge_trust = trust
+                .issuer()
+                .ok_or_else(|| "the node holds no CA".to_string())
+                .and_then(|ca| {
+                    ca.issue(&opendsec_trust::Identity::edge(name))
+                        .map_err(|e| e.to_string())
+                })
+                .and_then(|issued| {
+                    opendsec_trust::Trust::new(opendsec_trust::Identity::edge(name), trust.ca_pem(), &issued, None)
+                        .map_err(|e| e.to_string())
+                });
+            let edge_trust = match edge_trust {
+                Ok(t) => std::sync::Arc::new(t),
+                Err(e) => {
+                    tracing::error!(error = %e, "the embedded edge has no certificate; it does not start");
+                    return;
+                }
+            };
+            let mut cfg = edge_args.config(&edge_dir, advertise, token, registries, network);
+            cfg.edge_key = opendsec_control::edge_key(&key, name);
+            cfg.trust = Some(edge_trust);
             if let Err(e) = opendsec_edge::node::run(cfg, async move {
                 let _ = rx.changed().await;
             })
@@ -312,7 +349,7 @@ async fn run_node(
 async fn run_edge(
     control: String,
     token_file: PathBuf,
-    key_file: PathBuf,
+    ca_cert: Option<PathBuf>,
     data_dir: PathBuf,
     args: edge::EdgeArgs,
 ) -> Result<(), String> {
@@ -322,45 +359,43 @@ async fn run_edge(
             token_file.display()
         )
     })?;
-    let key = std::fs::read_to_string(&key_file).map_err(|e| {
-        format!(
-            "cannot read the edge key at {}: {e}; make it with `opendsec edge-key --edge {} --out FILE` where the cluster key is",
-            key_file.display(),
-            args.edge_name
-        )
-    })?;
+    let ca_pem = match &ca_cert {
+        None => None,
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read the CA certificate at {}: {e}", p.display()))?,
+        ),
+    };
     std::fs::create_dir_all(&data_dir).map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let registries = args.registries()?;
     let network = args.network()?;
-    let cfg = args.config(
-        &data_dir,
-        control,
-        token.trim().to_string(),
-        key.trim().to_string(),
-        registries,
-        network,
-    );
+    let mut cfg = args.config(&data_dir, control, token.trim().to_string(), registries, network);
+    cfg.ca_pem = ca_pem;
     tracing::info!(edge = %cfg.name, proxy = %cfg.proxy_listen, "opendsec edge running");
     opendsec_edge::node::run(cfg, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }
 
-/// `opendsec edge-key`: edge `edge`'s own key, from the cluster key at `cluster_key`.
-fn write_edge_key(edge: &str, cluster_key: &Path, out: &Path) -> Result<(), String> {
-    let key = std::fs::read_to_string(cluster_key).map_err(|e| {
-        format!(
-            "cannot read the cluster key at {}: {e}; run this where a control node runs, or pass --cluster-key-file",
-            cluster_key.display()
-        )
-    })?;
-    let derived = opendsec_control::edge_key(key.trim(), edge);
-    write_private(out, &derived)?;
+/// `opendsec ca`: a new cluster CA in `dir`.
+fn make_ca(dir: &Path) -> Result<(), String> {
+    opendsec_trust::Ca::create(dir).map_err(|e| e.to_string())?;
+    let (crt, key) = opendsec_trust::ca_files(dir);
     println!(
-        "wrote the key of edge {edge} to {}: give it to that edge only (--edge-key-file)",
-        out.display()
+        "made the cluster CA: {} and {} (the key stays on control hosts)",
+        crt.display(),
+        key.display()
+    );
+    println!(
+        "control nodes: --pki-dir {}; edges: a copy of {} as --ca-cert",
+        dir.display(),
+        crt.display()
     );
     Ok(())
+}
+
+fn pki_dir(data_dir: &Path, explicit: &Option<PathBuf>) -> PathBuf {
+    explicit.clone().unwrap_or_else(|| data_dir.join("tls"))
 }
 
 async fn shutdown_signal() {
@@ -374,30 +409,31 @@ async fn shutdown_signal() {
 async fn init(
     peer: String,
     data_dir: PathBuf,
-    key_file_arg: Option<PathBuf>,
+    pki_arg: Option<PathBuf>,
     project_name: String,
     url: String,
     token_file: Option<PathBuf>,
 ) -> Result<(), String> {
-    let path = key_file(&data_dir, &key_file_arg);
-    // A node that was just started writes its key first thing: give it a moment.
-    let mut key = std::fs::read_to_string(&path);
+    let pki = pki_dir(&data_dir, &pki_arg);
+    // A node that was just started makes its CA first thing: give it a moment.
+    let mut ca = opendsec_trust::Ca::load(&pki);
     for _ in 0..100 {
-        if key.as_ref().is_ok_and(|k| !k.trim().is_empty()) {
+        if ca.is_ok() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        key = std::fs::read_to_string(&path);
+        ca = opendsec_trust::Ca::load(&pki);
     }
-    let key = key.map_err(|e| {
-        format!(
-            "cannot read the cluster key at {}: {e}; start the node first (`opendsec up`) or pass --cluster-key-file",
-            path.display()
-        )
+    let ca = ca.map_err(|e| {
+        format!("cannot load the cluster CA: {e}; start the node first (`opendsec up`) or pass --pki-dir")
     })?;
+    // The nodes know this tool by a certificate it issues itself from the CA, which only
+    // control hosts hold.
+    let trust = std::sync::Arc::new(
+        opendsec_trust::Trust::issued_by(ca, opendsec_trust::Identity::operator("init")).map_err(|e| e.to_string())?,
+    );
     let (secret, hash) = new_token_secret();
     let req = BootstrapRequest {
-        cluster_key: key.trim().to_string(),
         project_name,
         token_name: "admin".into(),
         secret_sha256: hash,
@@ -408,7 +444,13 @@ async fn init(
     let mut last = String::from("no peer given");
     for attempt in 0..200 {
         let addr = peers[attempt % peers.len()];
-        let mut client = match ControlClient::connect(format!("http://{addr}")).await {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("peer address {addr}: {e}"))?;
+        let control = opendsec_trust::Expect::Role(opendsec_trust::Role::Control);
+        let connected = endpoint
+            .connect_with_connector(opendsec_trust::tls_connector(trust.clone(), control))
+            .await;
+        let mut client = match connected.map(ControlClient::new) {
             Ok(c) => c,
             Err(e) => {
                 last = format!("no control node answers at {addr} ({e}); is `opendsec up` running?");
@@ -496,28 +538,11 @@ async fn serve(cli: Cli) -> ExitCode {
         Cmd::Edge {
             control,
             token_file,
-            edge_key_file,
-            cluster_key_file,
+            ca_cert,
             data_dir,
             edge,
-        } => match (edge_key_file, cluster_key_file) {
-            (Some(key), None) => run_edge(control, token_file, key, data_dir, edge).await,
-            (_, Some(_)) => Err(format!(
-                "edges no longer take the cluster key: where it is, run `opendsec edge-key --edge {} --out {}.key` \
-                 and give this edge --edge-key-file {}.key",
-                edge.edge_name, edge.edge_name, edge.edge_name
-            )),
-            (None, None) => Err(format!(
-                "--edge-key-file is missing: where the cluster key is, run `opendsec edge-key --edge {} --out {}.key`",
-                edge.edge_name, edge.edge_name
-            )),
-        },
-        Cmd::EdgeKey {
-            edge,
-            data_dir,
-            cluster_key_file,
-            out,
-        } => write_edge_key(&edge, &key_file(&data_dir, &cluster_key_file), &out),
+        } => run_edge(control, token_file, ca_cert, data_dir, edge).await,
+        Cmd::Ca { dir } => make_ca(&dir),
         Cmd::Control { id, node, init_members } => match init_members.as_deref().map(parse_members).transpose() {
             Ok(init) => run_node(id, node, init, None).await,
             Err(e) => Err(e),
@@ -525,11 +550,11 @@ async fn serve(cli: Cli) -> ExitCode {
         Cmd::Init {
             peer,
             data_dir,
-            cluster_key_file,
+            pki_dir,
             project_name,
             url,
             token_file,
-        } => init(peer, data_dir, cluster_key_file, project_name, url, token_file).await,
+        } => init(peer, data_dir, pki_dir, project_name, url, token_file).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -101,32 +101,32 @@ impl Cluster {
             .unwrap()
             .trim()
             .to_string();
-        // Edges act with an edge token (edge:write in the root project).
+        // Each edge joins with a token of its own (edge:write in the root project) and a
+        // copy of the CA's certificate; it gets its own key then, never the cluster key.
         let (_, me) = c.send(reqwest::Method::GET, "/v1/whoami", None).await;
-        let (s, issued) = c
-            .send(
-                reqwest::Method::POST,
-                "/v1/tokens",
-                Some(json!({"project": me["project"], "name": "edges", "rights": ["edge:write"]})),
-            )
-            .await;
-        assert!(s < 300, "{s} {issued}");
-        std::fs::write(c.procs.dir.path().join("edge.token"), issued["token"].as_str().unwrap()).unwrap();
         let agent = static_agent().to_string_lossy().to_string();
+        let ca = data.join("tls").join("ca.crt").to_string_lossy().to_string();
         for name in ["e1", "e2"] {
+            let (s, issued) = c
+                .send(
+                    reqwest::Method::POST,
+                    "/v1/tokens",
+                    Some(json!({"project": me["project"], "name": format!("edge-{name}"), "rights": ["edge:write"]})),
+                )
+                .await;
+            assert!(s < 300, "{s} {issued}");
+            let token_file = c.procs.dir.path().join(format!("{name}.token"));
+            std::fs::write(&token_file, issued["token"].as_str().unwrap()).unwrap();
             let edge_dir = c.procs.dir.path().join(name).to_string_lossy().to_string();
             let listen = format!("127.0.0.1:{}", free_port());
-            // Each edge holds only its own key (`opendsec edge-key`), never the cluster key.
-            let edge_key = c.procs.dir.path().join(format!("{name}.key"));
-            std::fs::write(&edge_key, opendsec_control::edge_key(&c.key, name)).unwrap();
             let args: Vec<String> = [
                 "edge",
                 "--control",
                 &peer,
                 "--token-file",
-                &c.procs.dir.path().join("edge.token").to_string_lossy(),
-                "--edge-key-file",
-                &edge_key.to_string_lossy(),
+                &token_file.to_string_lossy(),
+                "--ca-cert",
+                &ca,
                 "--data-dir",
                 &edge_dir,
                 "--edge-name",

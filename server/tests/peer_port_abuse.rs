@@ -1,9 +1,10 @@
 //! Specification: hostile connections to a control node's peer port cost it next to
 //! nothing. A real `opendsec control` process on 127.0.0.1 takes 200 connections that
-//! hold still, open a protocol without the cluster key, announce frames of 60 MiB, or
-//! send HTTP/2 garbage: its resident memory moves by less than 8 MiB, and it goes on
-//! deciding writes meanwhile. (Before: a forwarding connection needed no key, and the
-//! leader allocated whatever length a frame announced before reading it.)
+//! hold still, open a protocol without TLS, announce frames of 60 MiB, send HTTP/2
+//! garbage, or do all that inside mutual TLS with a real edge's certificate (root on an
+//! edge host): its resident memory moves by less than 8 MiB, and it goes on deciding
+//! writes meanwhile. (Before: a forwarding connection needed no key, and the leader
+//! allocated whatever length a frame announced before reading it.)
 
 mod support;
 
@@ -36,12 +37,33 @@ fn opening(magic: &[u8; 4]) -> Vec<u8> {
     out
 }
 
-async fn hostile(peer: &str, kind: usize) -> Option<TcpStream> {
-    let mut c = TcpStream::connect(peer).await.ok()?;
-    let bytes: Vec<u8> = match kind % 4 {
+/// A held connection: plain TCP, or TLS as an edge.
+enum Held {
+    #[allow(dead_code)]
+    Plain(TcpStream),
+    #[allow(dead_code)]
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+async fn hostile(peer: &str, kind: usize, edge: &std::sync::Arc<opendsec_trust::Trust>) -> Option<Held> {
+    let c = TcpStream::connect(peer).await.ok()?;
+    let bytes = hostile_bytes(kind);
+    if kind % 8 >= 4 {
+        let control = opendsec_trust::Expect::Role(opendsec_trust::Role::Control);
+        let mut tls = edge.connect(c, &control).await.ok()?;
+        let _ = tls.write_all(&bytes).await;
+        return Some(Held::Tls(Box::new(tls)));
+    }
+    let mut c = c;
+    let _ = c.write_all(&bytes).await;
+    Some(Held::Plain(c))
+}
+
+fn hostile_bytes(kind: usize) -> Vec<u8> {
+    match kind % 4 {
         // Says nothing at all.
         0 => vec![],
-        // Write forwarding without the cluster key, then a frame of 60 MiB announced and
+        // Write forwarding (by a peer that is no control node), then a frame of 60 MiB announced and
         // a first MiB of it.
         1 => {
             let mut b = opening(b"ODFW");
@@ -49,7 +71,7 @@ async fn hostile(peer: &str, kind: usize) -> Option<TcpStream> {
             b.extend(std::iter::repeat_n(0x55u8, MIB as usize));
             b
         }
-        // Replication without the cluster key, a 60 MiB frame announced.
+        // Replication (by a peer that is no control node), a 60 MiB frame announced.
         2 => {
             let mut b = opening(b"ODRP");
             b.extend_from_slice(&((60 * MIB) as u32).to_be_bytes());
@@ -61,15 +83,18 @@ async fn hostile(peer: &str, kind: usize) -> Option<TcpStream> {
             b.extend(std::iter::repeat_n(0xffu8, 64 << 10));
             b
         }
-    };
-    let _ = c.write_all(&bytes).await;
-    Some(c)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_hostile_connections_barely_move_a_nodes_memory() {
     let cluster = Cluster::start(1).await;
     let node = &cluster.nodes[0];
+    // A real edge's certificate, as root on an edge host holds one.
+    let ca = opendsec_trust::Ca::load(&cluster.dir.path().join("pki")).unwrap();
+    let edge = opendsec_trust::Identity::edge("e1");
+    let issued = ca.issue(&edge).unwrap();
+    let edge = std::sync::Arc::new(opendsec_trust::Trust::new(edge, ca.cert_pem(), &issued, None).unwrap());
     let pid = node.child.as_ref().unwrap().id();
     let write = |n: usize| {
         let c = &cluster;
@@ -90,7 +115,7 @@ async fn two_hundred_hostile_connections_barely_move_a_nodes_memory() {
 
     let mut held = Vec::new();
     for k in 0..CONNECTIONS {
-        if let Some(c) = hostile(&node.peer, k).await {
+        if let Some(c) = hostile(&node.peer, k, &edge).await {
             held.push(c);
         }
     }

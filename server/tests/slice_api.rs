@@ -9,8 +9,14 @@ use opendsec_control::testing::{TestNode, single_node, single_node_with};
 use opendsec_edge::slice::{SliceClient, SliceFollower};
 use opendsec_edge_api::pb::{Capacity, HeartbeatRequest, SliceEntry, slice_message::Body};
 use opendsec_projections::{Event, Observed};
+use opendsec_trust::Identity;
 use std::collections::BTreeMap;
 use std::time::Duration;
+
+/// The slice client of edge `edge` (its certificate from the node's CA) with `token`.
+fn client(t: &TestNode, token: &str, edge: &str) -> SliceClient {
+    SliceClient::connect(&t.peer_addr, token, t.peer_trust(Identity::edge(edge))).unwrap()
+}
 
 fn capacity() -> Capacity {
     Capacity {
@@ -79,7 +85,7 @@ fn created_id(e: &SliceEntry) -> Option<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_registers_watches_its_slice_and_reports() {
     let t = single_node().await;
-    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    let mut client = client(&t, &t.admin_token, "edge-1");
     let (ordinal, _) = client
         .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
         .await
@@ -121,7 +127,7 @@ async fn an_edge_registers_watches_its_slice_and_reports() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_resumes_after_a_disconnect_without_loss_or_repeat() {
     let t = single_node().await;
-    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    let mut client = client(&t, &t.admin_token, "edge-1");
     client
         .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
         .await
@@ -153,7 +159,7 @@ async fn a_watch_resumes_after_a_disconnect_without_loss_or_repeat() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_of_other_edges_are_not_in_the_slice() {
     let t = single_node().await;
-    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    let mut client = client(&t, &t.admin_token, "edge-1");
     let one = Capacity {
         sandboxes: 1,
         cpu_millis: 1000,
@@ -163,7 +169,7 @@ async fn events_of_other_edges_are_not_in_the_slice() {
         .register("edge-1", "127.0.0.1:9", one, BTreeMap::new())
         .await
         .unwrap();
-    client
+    self::client(&t, &t.admin_token, "edge-2")
         .register("edge-2", "127.0.0.1:10", one, BTreeMap::new())
         .await
         .unwrap();
@@ -193,7 +199,7 @@ async fn an_edge_behind_compaction_gets_a_snapshot_of_its_slice_first() {
         c.archive_retention = Some(0);
     })
     .await;
-    let mut client = SliceClient::connect(&t.peer_addr, &t.admin_token).unwrap();
+    let mut client = client(&t, &t.admin_token, "edge-1");
     client
         .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
         .await
@@ -229,13 +235,13 @@ async fn an_edge_behind_compaction_gets_a_snapshot_of_its_slice_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slice_api_needs_an_edge_token() {
     let t = single_node().await;
-    let mut nobody = SliceClient::connect(&t.peer_addr, "odsec_0000000000000000.nope").unwrap();
+    let mut nobody = client(&t, "odsec_0000000000000000.nope", "edge-1");
     let err = nobody.watch("edge-1", 1).await.expect_err("refused");
     assert!(err.to_string().contains("unknown"), "{err}");
 
     // A token without edge:write cannot register, watch or report.
     let reader = token_with(&t, "reader", vec![opendsec_projections::Right::SandboxRead]).await;
-    let mut c = SliceClient::connect(&t.peer_addr, &reader).unwrap();
+    let mut c = client(&t, &reader, "edge-1");
     let err = c
         .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
         .await
@@ -250,13 +256,17 @@ async fn edge_token(t: &TestNode, name: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_token_acts_for_its_own_edge_only() {
     let t = single_node().await;
-    let mut a = SliceClient::connect(&t.peer_addr, &edge_token(&t, "edge-a").await).unwrap();
-    let mut b = SliceClient::connect(&t.peer_addr, &edge_token(&t, "edge-b").await).unwrap();
+    let (token_a, token_b) = (edge_token(&t, "edge-a").await, edge_token(&t, "edge-b").await);
+    let mut a = client(&t, &token_a, "edge-a");
+    // B's token with edge A's certificate (as if B had stolen it): the token decides.
+    let mut b = client(&t, &token_b, "edge-a");
+    let mut b_own = client(&t, &token_b, "edge-b");
     a.register("edge-a", "127.0.0.1:9", capacity(), BTreeMap::new())
         .await
         .unwrap();
     let id = create_sandbox(&t).await; // placed on edge-a, the only edge
-    b.register("edge-b", "127.0.0.1:10", capacity(), BTreeMap::new())
+    b_own
+        .register("edge-b", "127.0.0.1:10", capacity(), BTreeMap::new())
         .await
         .unwrap();
     let denied = |e: opendsec_edge::slice::SliceError| {
@@ -300,7 +310,7 @@ async fn an_edge_token_acts_for_its_own_edge_only() {
             .await
             .expect_err("a transfer token for another edge"),
     );
-    let m = b
+    let m = b_own
         .transfer_token("edge-b", &format!("fork-{id}"))
         .await
         .expect_err("a transfer no sandbox of edge-b starts from")
@@ -364,10 +374,162 @@ async fn an_edge_token_acts_for_its_own_edge_only() {
     .unwrap();
     denied(b.watch("edge-a", 1).await.expect_err("still not B's"));
 
+    // And B's own certificate acts for B only, whatever the token says.
+    for (what, e) in [
+        ("watch", b_own.watch("edge-a", 1).await.err()),
+        (
+            "register",
+            b_own
+                .register("edge-a", "127.0.0.1:11", capacity(), BTreeMap::new())
+                .await
+                .err(),
+        ),
+    ] {
+        let m = e.unwrap_or_else(|| panic!("{what} refused")).to_string();
+        assert!(
+            m.contains("edge edge-b's certificate does not act for edge edge-a"),
+            "{what}: {m}"
+        );
+    }
+
     // Once an operator deregisters A, another token may take its name.
     let cmd = Command::DeregisterEdge { edge: "edge-a".into() };
     as_admin(&t, cmd).await;
     b.register("edge-a", "127.0.0.1:13", capacity(), BTreeMap::new())
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slice_api_serves_edges_by_their_certificates_only() {
+    let t = single_node().await;
+    for who in [Identity::control(2), Identity::gateway(1), Identity::operator("init")] {
+        let mut c = SliceClient::connect(&t.peer_addr, &t.admin_token, t.peer_trust(who.clone())).unwrap();
+        let m = c
+            .register("edge-1", "127.0.0.1:9", capacity(), BTreeMap::new())
+            .await
+            .expect_err("refused")
+            .to_string();
+        assert!(m.contains("serves edges by their certificates"), "{who}: {m}");
+    }
+    // Another CA's edge certificate does not get through TLS.
+    let stranger = opendsec_trust::test_cluster(&[Identity::edge("edge-1")]).remove(0);
+    let mut c = SliceClient::connect(&t.peer_addr, &t.admin_token, stranger).unwrap();
+    assert!(c.watch("edge-1", 1).await.is_err());
+    assert!(t.node.read(|s| s.placement.edges.is_empty()), "nothing registered");
+}
+
+fn registration(edge: &str) -> opendsec_edge_api::pb::RegisterRequest {
+    opendsec_edge_api::pb::RegisterRequest {
+        edge: edge.into(),
+        address: "127.0.0.1:9".into(),
+        capacity: Some(capacity()),
+        labels: BTreeMap::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_edge_joins_once_with_its_token_and_gets_its_certificate_and_key() {
+    let t = single_node().await;
+    let ca = t.node.trust().ca_pem().to_string();
+    let token = edge_token(&t, "join-e7").await;
+    let dir = tempfile::tempdir().unwrap();
+    let join = |dir: std::path::PathBuf, edge: &'static str, token: String, ca: Option<String>| {
+        let peer = t.peer_addr.clone();
+        async move {
+            opendsec_edge::identity::load_or_join(&dir, edge, &peer, &token, ca.as_deref(), registration(edge)).await
+        }
+    };
+
+    // Without the CA an edge cannot check whom it joins: it says what to give it.
+    let err = join(dir.path().into(), "e7", token.clone(), None).await.unwrap_err();
+    assert!(err.to_string().contains("--ca-cert"), "{err}");
+
+    let (trust, key) = join(dir.path().into(), "e7", token.clone(), Some(ca.clone()))
+        .await
+        .expect("joined");
+    assert_eq!(trust.identity(), &Identity::edge("e7"));
+    assert_eq!(
+        key,
+        t.node.edge_key("e7"),
+        "the edge's own key, derived where the cluster key is"
+    );
+    let owner = t
+        .node
+        .read(|s| s.placement.edges.get("e7").and_then(|e| e.token.clone()));
+    assert!(owner.is_some_and(|o| token.contains(&o)), "registered by its token");
+    // Its files are its own, and a restart reads them (no second join).
+    use std::os::unix::fs::PermissionsExt;
+    for f in ["tls/edge.pem", "tls/ca.crt", "edge.key"] {
+        let mode = std::fs::metadata(dir.path().join(f)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{f}");
+    }
+    let (again, _) = join(dir.path().into(), "e7", token.clone(), None)
+        .await
+        .expect("from its files");
+    assert_eq!(again.identity(), &Identity::edge("e7"));
+    // With it, the edge's slice opens.
+    let mut c = SliceClient::connect(&t.peer_addr, &token, again).unwrap();
+    assert!(c.watch("e7", 1).await.is_ok());
+
+    // The token worked once: not again for this edge, nor for another.
+    let other = tempfile::tempdir().unwrap();
+    for edge in ["e7", "e8"] {
+        let err = join(other.path().into(), edge, token.clone(), Some(ca.clone()))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("joined edge e7 already"), "{edge}: {err}");
+    }
+    // A joined name is not another token's to join.
+    let thief = edge_token(&t, "thief").await;
+    let err = join(other.path().into(), "e7", thief, Some(ca.clone()))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("has joined already"), "{err}");
+    // Nor does a token without edge:write, or a server of another CA, get anywhere.
+    let reader = token_with(&t, "reader", vec![opendsec_projections::Right::SandboxRead]).await;
+    let err = join(other.path().into(), "e9", reader, Some(ca.clone()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("edge:write"), "{err}");
+    let foreign = opendsec_trust::test_cluster(&[Identity::control(9)]).remove(0);
+    let fresh = edge_token(&t, "fresh").await;
+    let err = join(other.path().into(), "e9", fresh, Some(foreign.ca_pem().into()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("joining the cluster"), "{err}");
+    assert!(t.node.read(|s| !s.placement.edges.contains_key("e9")));
+    assert!(
+        !other.path().join("tls/edge.pem").exists(),
+        "nothing saved by a failed join"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joined_edge_renews_its_certificate_with_the_one_it_holds() {
+    let t = single_node().await;
+    let token = edge_token(&t, "e5").await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = t.node.trust().ca_pem().to_string();
+    let (trust, _) =
+        opendsec_edge::identity::load_or_join(dir.path(), "e5", &t.peer_addr, &token, Some(&ca), registration("e5"))
+            .await
+            .unwrap();
+    let before = std::fs::read_to_string(dir.path().join("tls/edge.pem")).unwrap();
+    opendsec_edge::identity::renew(&trust, dir.path(), &t.peer_addr, &token)
+        .await
+        .expect("renewed");
+    let after = std::fs::read_to_string(dir.path().join("tls/edge.pem")).unwrap();
+    assert_ne!(before, after, "a new key and certificate, saved");
+    let mut c = SliceClient::connect(&t.peer_addr, &token, trust.clone()).unwrap();
+    assert!(c.watch("e5", 1).await.is_ok(), "the renewed certificate is presented");
+    // Another edge's certificate cannot renew e5's.
+    let other = t.peer_trust(Identity::edge("e6"));
+    let err = opendsec_edge::identity::renew(&other, dir.path(), &t.peer_addr, &token)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not registered by this token"), "{err}");
 }

@@ -100,49 +100,36 @@ async fn setup(e1_sandboxes: &str) -> Setup {
         .json()
         .await
         .unwrap();
-    let issued: Value = http_client
-        .post(format!("http://{http}/v1/tokens"))
-        .bearer_auth(&admin)
-        .json(&json!({"project": me["project"], "name": "edges", "rights": ["edge:write"]}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let edge_token = p.dir.path().join("edge.token");
-    std::fs::write(&edge_token, issued["token"].as_str().unwrap()).unwrap();
-
     let agent = static_agent().to_string_lossy().to_string();
-    let key = data.join("cluster.key").to_string_lossy().to_string();
-    let tok = edge_token.to_string_lossy().to_string();
+    // A copy of the CA's certificate: each edge checks the control plane by it when it
+    // joins (with a token of its own, which it joins with once), and gets its own key
+    // then, never the cluster key.
+    let ca = data.join("tls").join("ca.crt").to_string_lossy().to_string();
     let mut edge_args = vec![];
     for name in ["e1", "e2"] {
+        let issued: Value = http_client
+            .post(format!("http://{http}/v1/tokens"))
+            .bearer_auth(&admin)
+            .json(&json!({"project": me["project"], "name": format!("edge-{name}"), "rights": ["edge:write"]}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let edge_token = p.dir.path().join(format!("{name}.token"));
+        std::fs::write(&edge_token, issued["token"].as_str().unwrap()).unwrap();
+        let tok = edge_token.to_string_lossy().to_string();
         let dir = p.dir.path().join(name).to_string_lossy().to_string();
         let listen = format!("127.0.0.1:{}", free_port());
-        // Each edge gets its own key, made where the cluster key is; never the cluster key.
-        let edge_key = p.dir.path().join(format!("{name}.key")).to_string_lossy().to_string();
-        let made = Command::new(env!("CARGO_BIN_EXE_opendsec"))
-            .args([
-                "edge-key",
-                "--edge",
-                name,
-                "--cluster-key-file",
-                &key,
-                "--out",
-                &edge_key,
-            ])
-            .output()
-            .unwrap();
-        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
         let args: Vec<String> = [
             "edge",
             "--control",
             &peer,
             "--token-file",
             &tok,
-            "--edge-key-file",
-            &edge_key,
+            "--ca-cert",
+            &ca,
             "--data-dir",
             &dir,
             "--edge-name",

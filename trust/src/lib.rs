@@ -15,7 +15,7 @@ mod tls;
 
 pub use ca::{Ca, Issued, LEAF_DAYS, ca_files, request};
 pub use identity::{Identity, Role};
-pub use tls::{Expect, Trust, peer_identity, peer_name, stranger_config};
+pub use tls::{Expect, Trust, config_connector, peer_identity, peer_name, stranger_config, tls_connector};
 
 use std::path::PathBuf;
 
@@ -107,4 +107,18 @@ fn rand_suffix() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0)
         ^ N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `id`'s trust under one CA shared by the whole process (tests and benchmarks: the
+/// components a test starts in one process trust each other).
+pub fn test_trust(id: Identity) -> std::sync::Arc<Trust> {
+    static CA: std::sync::OnceLock<Ca> = std::sync::OnceLock::new();
+    let ca = CA.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("opendsec-test-ca-{}-{}", std::process::id(), rand_suffix()));
+        let ca = Ca::create(&dir).expect("a test CA");
+        let _ = std::fs::remove_dir_all(&dir);
+        ca
+    });
+    let issued = ca.issue(&id).expect("a test certificate");
+    std::sync::Arc::new(Trust::new(id, ca.cert_pem(), &issued, None).expect("a test trust"))
 }

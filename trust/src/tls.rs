@@ -367,3 +367,51 @@ pub fn stranger_config(ca_pem: &str, expect: Expect) -> Result<Arc<ClientConfig>
     cfg.enable_sni = false;
     Ok(Arc::new(cfg))
 }
+
+/// A connector for tonic channels on the peer port: TCP (Nagle off), then mutual TLS
+/// to a peer that must be `expect`. Every gRPC client of the peer port (Raft, the read
+/// index, edges' slice) connects through one of these.
+pub fn tls_connector(
+    trust: Arc<Trust>,
+    expect: Expect,
+) -> impl tower::Service<
+    http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    config_connector(trust.client_config(&expect))
+}
+
+/// As [`tls_connector`], with a client configuration of the caller's (a joining edge's,
+/// which has no certificate yet: [`stranger_config`]).
+pub fn config_connector(
+    config: Arc<ClientConfig>,
+) -> impl tower::Service<
+    http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |uri: http::Uri| {
+        let config = config.clone();
+        async move {
+            let host = uri
+                .host()
+                .unwrap_or_default()
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let port = uri.port_u16().unwrap_or(80);
+            let tcp = tokio::net::TcpStream::connect((host, port)).await?;
+            let _ = tcp.set_nodelay(true);
+            let tls = tokio_rustls::TlsConnector::from(config)
+                .connect(peer_name(), tcp)
+                .await?;
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        }
+    })
+}

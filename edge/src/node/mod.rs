@@ -84,8 +84,14 @@ pub struct EdgeConfig {
     pub control_peer: String,
     /// A token with edge:write, from the root project.
     pub token: String,
-    /// The key the gateway presents to this edge's proxy.
+    /// The key the gateway presents to this edge's proxy (empty: from the edge's
+    /// identity, see [`crate::identity`]).
     pub edge_key: String,
+    /// This edge's certificate and the CA it trusts, when its control node gave them
+    /// (the embedded edge); `None`: from the data directory, or by joining.
+    pub trust: Option<std::sync::Arc<opendsec_trust::Trust>>,
+    /// The cluster CA (PEM) a new edge checks the control plane by when it joins.
+    pub ca_pem: Option<String>,
     /// Holds `edge.redb` and the agents' sockets.
     pub data_dir: PathBuf,
     /// The proxy's listen address, also registered as the edge's address.
@@ -135,6 +141,8 @@ pub enum EdgeError {
     NoMicroVms(String),
     #[error("control plane: {0}")]
     Control(#[from] crate::slice::SliceError),
+    #[error("{0}")]
+    Identity(#[from] crate::identity::IdentityError),
     /// Pulling the state a sandbox starts from off another edge failed.
     #[error("{0}")]
     Transfer(#[from] crate::transfer::TransferError),

@@ -29,14 +29,32 @@ fn creation_slots() -> usize {
 }
 
 /// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.
-pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
+pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
     std::fs::create_dir_all(cfg.data_dir.join("agents"))?;
+    let trust = match cfg.trust.clone() {
+        Some(t) => t,
+        None => {
+            let (trust, key) = crate::identity::load_or_join(
+                &cfg.data_dir,
+                &cfg.name,
+                &cfg.control_peer,
+                &cfg.token,
+                cfg.ca_pem.as_deref(),
+                registration(&cfg),
+            )
+            .await?;
+            cfg.edge_key = key;
+            cfg.trust = Some(trust.clone());
+            tokio::spawn(keep_renewed(trust.clone(), cfg.clone()));
+            trust
+        }
+    };
     let agent_dir = super::agent::prepare_agent_dir(&cfg.data_dir, &cfg.agent_binary)?;
     let db = Database::create(cfg.data_dir.join("edge.redb")).map_err(store_err)?;
     let slice = adoption::saved_slice(&db, &cfg)?;
     let containers = ContainerBackend::new(cfg.container.clone())?;
     let images = ImageStore::open(&cfg.images_dir)?;
-    let mut client = SliceClient::connect(&cfg.control_peer, &cfg.token)?;
+    let mut client = SliceClient::connect(&cfg.control_peer, &cfg.token, trust.clone())?;
     // The sandboxes' network before registering: an edge that cannot give one takes none.
     let net = match &cfg.network {
         None => None,
@@ -173,21 +191,56 @@ pub async fn run(cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()
 /// Registers the edge, retrying until the control plane answers, and returns the log
 /// index of this registration. Its labels say what it runs: microVMs, and full VMs where
 /// the boot disk tools are installed.
+/// What the edge registers as: its name, address, capacity and what it can do.
+fn registration(cfg: &EdgeConfig) -> opendsec_edge_api::pb::RegisterRequest {
+    let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
+    if cfg.network.is_some() {
+        labels.insert(opendsec_commands::EGRESS_LABEL.to_string(), "nftables".to_string());
+    }
+    if cfg.microvm.is_some() {
+        labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
+        if crate::vm::host_can_build_boot_disks() {
+            labels.insert(opendsec_commands::FULLVM_LABEL.to_string(), "q35".to_string());
+        }
+    }
+    opendsec_edge_api::pb::RegisterRequest {
+        edge: cfg.name.clone(),
+        address: cfg.proxy_listen.clone(),
+        capacity: Some(cfg.capacity),
+        labels,
+    }
+}
+
+/// Renews a joined edge's certificate when a third of its life is left (checked hourly,
+/// and retried every minute after a failure).
+async fn keep_renewed(trust: std::sync::Arc<opendsec_trust::Trust>, cfg: EdgeConfig) {
+    let margin = Duration::from_secs(opendsec_trust::LEAF_DAYS as u64 * 86_400 / 3);
+    loop {
+        let due = trust
+            .not_after()
+            .and_then(|t| t.duration_since(std::time::SystemTime::now()).ok())
+            .is_none_or(|left| left < margin);
+        let wait = if !due {
+            Duration::from_secs(3600)
+        } else {
+            match crate::identity::renew(&trust, &cfg.data_dir, &cfg.control_peer, &cfg.token).await {
+                Ok(()) => Duration::from_secs(3600),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot renew the edge's certificate yet");
+                    Duration::from_secs(60)
+                }
+            }
+        };
+        tokio::time::sleep(wait).await;
+    }
+}
+
 async fn register(client: &mut SliceClient, cfg: &EdgeConfig) -> u64 {
     let mut delay = Duration::from_millis(100);
     loop {
-        let mut labels = BTreeMap::from([(opendsec_commands::ADMISSION_LABEL.to_string(), "http".to_string())]);
-        if cfg.network.is_some() {
-            labels.insert(opendsec_commands::EGRESS_LABEL.to_string(), "nftables".to_string());
-        }
-        if cfg.microvm.is_some() {
-            labels.insert(opendsec_commands::MICROVM_LABEL.to_string(), "qemu".to_string());
-            if crate::vm::host_can_build_boot_disks() {
-                labels.insert(opendsec_commands::FULLVM_LABEL.to_string(), "q35".to_string());
-            }
-        }
+        let r = registration(cfg);
         match client
-            .register(&cfg.name, &cfg.proxy_listen, cfg.capacity, labels)
+            .register(&r.edge, &r.address, r.capacity.unwrap_or(cfg.capacity), r.labels)
             .await
         {
             Ok((ordinal, index)) => {

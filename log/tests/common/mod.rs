@@ -84,7 +84,8 @@ pub async fn free_listener() -> TcpListener {
 }
 
 pub fn config(id: u64, dir: &Path, addr: SocketAddr) -> LogConfig {
-    let mut c = LogConfig::new(id, dir.join(format!("n{id}")), addr.to_string());
+    let trust = opendsec_trust::test_trust(opendsec_trust::Identity::control(id));
+    let mut c = LogConfig::new(id, dir.join(format!("n{id}")), addr.to_string(), trust);
     c.election_timeout_ms = (300, 600);
     c.heartbeat_ms = 100;
     c

@@ -169,6 +169,16 @@ impl OpendsecCluster {
             token: String::new(),
             dir: None,
         };
+        // One CA for the cluster: every peer connection is mutual TLS under it.
+        let pki = dir.path().join("pki");
+        let made = Command::new(bin)
+            .args(["ca", "--dir"])
+            .arg(&pki)
+            .output()
+            .map_err(|e| format!("run {} ca: {e}", bin.display()))?;
+        if !made.status.success() {
+            return Err(format!("opendsec ca: {}", String::from_utf8_lossy(&made.stderr).trim()));
+        }
         for (i, n) in cluster.nodes.iter_mut().enumerate() {
             let log = File::create(&n.log).map_err(|e| e.to_string())?;
             let mut cmd = Command::new(bin);
@@ -178,6 +188,8 @@ impl OpendsecCluster {
                 .args(["--listen", &n.http, "--peer-listen", &n.peer])
                 .arg("--cluster-key-file")
                 .arg(&key_file)
+                .arg("--pki-dir")
+                .arg(&pki)
                 .args(["--worker-threads", &crate::member_threads(members).to_string()])
                 .env("RUST_LOG", "warn")
                 .stdin(Stdio::null())
@@ -205,8 +217,8 @@ impl OpendsecCluster {
         cluster.dir = Some(dir);
         let out = tokio::process::Command::new(bin)
             .args(["init", "--peer", &peers])
-            .arg("--cluster-key-file")
-            .arg(&key_file)
+            .arg("--pki-dir")
+            .arg(&pki)
             .arg("--token-file")
             .arg(&token_file)
             .stdin(Stdio::null())

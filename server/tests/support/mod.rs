@@ -31,6 +31,7 @@ fn bin() -> &'static str {
 
 impl Node {
     fn spawn(&mut self, key_file: &PathBuf, init_members: Option<String>) {
+        let pki = key_file.with_file_name("pki");
         let log = std::fs::File::create(self.data_dir.with_extension(format!("log.{}", std::process::id()))).unwrap();
         let mut cmd = Command::new(bin());
         cmd.args(["control", "--id", &self.id.to_string()])
@@ -39,6 +40,8 @@ impl Node {
             .args(["--listen", &self.http, "--peer-listen", &self.peer])
             .arg("--cluster-key-file")
             .arg(key_file)
+            .arg("--pki-dir")
+            .arg(&pki)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(log);
@@ -90,6 +93,17 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let key_file = dir.path().join("cluster.key");
         std::fs::write(&key_file, "test-cluster-key-0123456789abcdef").unwrap();
+        // The cluster's CA, shared by its control nodes (as the README's cluster does).
+        let made = Command::new(bin())
+            .args(["ca", "--dir"])
+            .arg(dir.path().join("pki"))
+            .output()
+            .expect("run opendsec ca");
+        assert!(
+            made.status.success(),
+            "opendsec ca: {}",
+            String::from_utf8_lossy(&made.stderr)
+        );
         let mut nodes: Vec<Node> = (1..=n)
             .map(|id| Node {
                 id,
@@ -109,8 +123,8 @@ impl Cluster {
         let peers: Vec<String> = nodes.iter().map(|x| x.peer.clone()).collect();
         let out = Command::new(bin())
             .args(["init", "--peer", &peers.join(",")])
-            .arg("--cluster-key-file")
-            .arg(&key_file)
+            .arg("--pki-dir")
+            .arg(dir.path().join("pki"))
             .arg("--token-file")
             .arg(&token_file)
             .output()
