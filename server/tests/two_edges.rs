@@ -160,7 +160,10 @@ async fn setup(e1_sandboxes: &str) -> Setup {
             .json()
             .await
             .ok()?;
-        (v["edges"].as_array()?.len() == 2).then_some(())
+        // Joined (registered) and running (heartbeats): a joining edge is registered
+        // before its proxy listens.
+        let edges = v["edges"].as_array()?;
+        (edges.len() == 2 && edges.iter().all(|e| !e["heartbeat"].is_null())).then_some(())
     })
     .await;
 
@@ -213,7 +216,10 @@ async fn create(s: &Setup) -> (String, String) {
         .await
         .unwrap();
     (
-        v["sandbox"]["id"].as_str().unwrap().to_string(),
+        v["sandbox"]["id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("create: {v}"))
+            .to_string(),
         v["sandbox"]["edge"].as_str().unwrap().to_string(),
     )
 }
