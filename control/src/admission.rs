@@ -1,24 +1,29 @@
 //! Edge admission: before a sandbox is logged on an edge that answers admission
 //! requests, the leader asks the edge itself (`POST /admit` on its proxy, with the edge
 //! key). The edge judges from what really runs there; a refusal (or no answer) makes the
-//! leader place the sandbox again without that edge.
+//! leader place the sandbox again without that edge. The call is mutual TLS: the edge
+//! must present its own certificate, the leader presents its control node's.
 
 use http_body_util::BodyExt;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 pub use opendsec_edge_api::admission::{AdmitRefusal, AdmitRequest};
 use opendsec_edge_api::headers::EDGE_KEY_HEADER;
 
-/// The client every admission request goes through: connections to edges are kept
-/// alive, since every sandbox placed on an admitting edge is asked about first.
-fn client() -> &'static opendsec_http::Client {
-    static CLIENT: OnceLock<opendsec_http::Client> = OnceLock::new();
-    CLIENT.get_or_init(|| opendsec_http::Client::new(None))
+/// The client admission requests go through: connections to edges are kept alive,
+/// since every sandbox placed on an admitting edge is asked about first.
+pub fn client(trust: std::sync::Arc<opendsec_trust::Trust>) -> opendsec_http::Client {
+    opendsec_http::Client::with_trust(None, trust)
 }
 
-/// Asks the edge at `address`; `Err` carries why it did not admit.
-pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<(), String> {
+/// Asks edge `edge` at `address` through `client`; `Err` carries why it did not admit.
+pub async fn ask(
+    client: &opendsec_http::Client,
+    edge: &str,
+    address: &str,
+    edge_key: &str,
+    req: &AdmitRequest,
+) -> Result<(), String> {
     let call = async {
         let body = serde_json::to_vec(req).map_err(|e| e.to_string())?;
         let request = hyper::Request::post("/admit")
@@ -27,14 +32,15 @@ pub async fn ask(address: &str, edge_key: &str, req: &AdmitRequest) -> Result<()
             .header(EDGE_KEY_HEADER, edge_key)
             .body(opendsec_http::full(body))
             .map_err(|e| e.to_string())?;
-        let resp = client()
-            .send(&opendsec_http::Endpoint::Tcp(address.to_string()), request)
-            .await
-            .map_err(|e| match e {
-                opendsec_http::Error::Connect { source, .. } => format!("edge unreachable: {source}"),
-                opendsec_http::Error::Handshake { source, .. } => format!("edge handshake: {source}"),
-                other => format!("edge admission call: {other}"),
-            })?;
+        let to = opendsec_http::Endpoint::Edge {
+            addr: address.to_string(),
+            edge: edge.to_string(),
+        };
+        let resp = client.send(&to, request).await.map_err(|e| match e {
+            opendsec_http::Error::Connect { source, .. } => format!("edge unreachable: {source}"),
+            opendsec_http::Error::Handshake { source, .. } => format!("edge handshake: {source}"),
+            other => format!("edge admission call: {other}"),
+        })?;
         let status = resp.status();
         let text = resp
             .into_body()

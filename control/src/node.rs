@@ -176,6 +176,10 @@ struct Inner {
     /// Forwarding connections, per leader address.
     forwarders: Mutex<BTreeMap<String, Forwarder>>,
     heartbeats: Mutex<BTreeMap<String, EdgeHeartbeat>>,
+    /// This node's client of edges' proxies (admission), as its control node.
+    edges: opendsec_http::Client,
+    /// The certificate of this node's gateway (its own identity, from the same CA).
+    gateway_trust: Arc<opendsec_trust::Trust>,
 }
 
 #[derive(Clone)]
@@ -204,6 +208,12 @@ impl ControlNode {
         log_cfg.archive_retention = cfg.archive_retention;
         log_cfg.keep_after_snapshot = cfg.keep_after_snapshot;
         let log = LogNode::open(log_cfg, fsm).await.map_err(internal)?;
+        // The gateway gets a certificate of its own where the node holds the CA.
+        let gateway_trust = match cfg.trust.sibling(opendsec_trust::Identity::gateway(cfg.node_id)) {
+            Ok(t) => Arc::new(t),
+            Err(_) => cfg.trust.clone(),
+        };
+        let edges = crate::admission::client(cfg.trust.clone());
         Ok(ControlNode {
             inner: Arc::new(Inner {
                 log,
@@ -215,6 +225,8 @@ impl ControlNode {
                 currency: tokio::sync::Mutex::new(Currency::Unknown),
                 rates: Default::default(),
                 leader_channel: Mutex::new(None),
+                edges,
+                gateway_trust,
             }),
         })
     }
@@ -551,7 +563,8 @@ impl ControlNode {
                 .collect()
         });
         for (edge, address, req) in asks {
-            if let Err(why) = crate::admission::ask(&address, &self.edge_key(&edge), &req).await {
+            let key = self.edge_key(&edge);
+            if let Err(why) = crate::admission::ask(&self.inner.edges, &edge, &address, &key, &req).await {
                 tracing::info!(%edge, sandbox = %req.sandbox, %why, "edge refused a sandbox at admission; placing it again");
                 return Some(edge);
             }
@@ -728,6 +741,11 @@ impl ControlNode {
     /// This node's certificate and the cluster CA.
     pub fn trust(&self) -> &Arc<opendsec_trust::Trust> {
         &self.inner.cfg.trust
+    }
+
+    /// The certificate this node's gateway reaches edges with.
+    pub fn gateway_trust(&self) -> &Arc<opendsec_trust::Trust> {
+        &self.inner.gateway_trust
     }
 
     /// Encoded batches of `from..=to` (history for replays and edge watches).

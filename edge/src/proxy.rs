@@ -800,14 +800,21 @@ async fn handle(
 }
 
 /// Serves the proxy on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, key: String, resolve: Resolver) {
-    serve_with(listener, key, resolve, Hooks::default()).await
+pub async fn serve(listener: TcpListener, trust: Arc<opendsec_trust::Trust>, key: String, resolve: Resolver) {
+    serve_with(listener, trust, key, resolve, Hooks::default()).await
 }
 
 /// Serves the proxy, answering `POST /admit` with `admitter` when given.
-pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: Resolver, admitter: Option<Admitter>) {
+pub async fn serve_with_admission(
+    listener: TcpListener,
+    trust: Arc<opendsec_trust::Trust>,
+    key: String,
+    resolve: Resolver,
+    admitter: Option<Admitter>,
+) {
     serve_with(
         listener,
+        trust,
         key,
         resolve,
         Hooks {
@@ -818,8 +825,20 @@ pub async fn serve_with_admission(listener: TcpListener, key: String, resolve: R
     .await
 }
 
-/// Serves the proxy with its optional abilities.
-pub async fn serve_with(listener: TcpListener, key: String, resolve: Resolver, hooks: Hooks) {
+/// How long a connection may take to complete its TLS handshake.
+const HANDSHAKE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serves the proxy with its optional abilities. Every connection is mutual TLS as the
+/// edge `trust` names, from the cluster's gateways and control nodes (proxied traffic,
+/// admission) and other edges (transfers): anyone else's, or no certificate, is closed
+/// on before a byte of HTTP is read. Requests then also carry this edge's key.
+pub async fn serve_with(
+    listener: TcpListener,
+    trust: Arc<opendsec_trust::Trust>,
+    key: String,
+    resolve: Resolver,
+    hooks: Hooks,
+) {
     let key: Arc<str> = Arc::from(key);
     // Containers' agents are reached over their Unix sockets, connections kept alive
     // between requests (no connect timeout: a local socket answers or refuses at once).
@@ -835,13 +854,35 @@ pub async fn serve_with(listener: TcpListener, key: String, resolve: Resolver, h
         };
         let _ = tcp.set_nodelay(true);
         let (key, resolve, hooks, agents) = (key.clone(), resolve.clone(), hooks.clone(), agents.clone());
+        let trust = trust.clone();
         tokio::spawn(async move {
+            let remote = tcp.peer_addr().ok();
+            let tls = match tokio::time::timeout(HANDSHAKE_WITHIN, trust.accept(tcp)).await {
+                Ok(Ok((tls, Some(peer))))
+                    if matches!(
+                        peer.role,
+                        opendsec_trust::Role::Gateway | opendsec_trust::Role::Control | opendsec_trust::Role::Edge
+                    ) =>
+                {
+                    tls
+                }
+                Ok(Ok((_, peer))) => {
+                    let who = peer.map_or("a peer without a certificate".to_string(), |p| p.to_string());
+                    tracing::warn!(?remote, %who, "denied: the edge proxy serves the cluster's components only");
+                    return;
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(?remote, error = %e, "edge proxy: TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
             let svc = hyper::service::service_fn(move |req| {
                 let (key, resolve, hooks, agents) = (key.clone(), resolve.clone(), hooks.clone(), agents.clone());
                 async move { Ok::<_, std::convert::Infallible>(handle(req, key, resolve, hooks, agents).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc)
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
                 .with_upgrades();
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "edge proxy connection ended");

@@ -336,6 +336,9 @@ pub struct PullRequest<'a> {
     pub me: &'a str,
     /// What opens the transfer on the holding edge (`EdgeSlice.TransferToken`).
     pub token: &'a str,
+    /// This edge's certificate: the holding edge's proxy is reached over mutual TLS,
+    /// and must be `source_edge`.
+    pub trust: &'a std::sync::Arc<opendsec_trust::Trust>,
 }
 
 async fn send(
@@ -353,7 +356,13 @@ async fn send(
         .body(opendsec_http::empty())
         .map_err(|e| e.to_string())?;
     client
-        .send(&opendsec_http::Endpoint::Tcp(p.address.to_string()), req)
+        .send(
+            &opendsec_http::Endpoint::Edge {
+                addr: p.address.to_string(),
+                edge: p.source_edge.to_string(),
+            },
+            req,
+        )
         .await
         .map_err(|e| match e {
             opendsec_http::Error::Connect { source, .. } => format!("cannot connect: {source}"),
@@ -383,7 +392,7 @@ pub async fn pull(p: &PullRequest<'_>, into: &Path) -> Result<Pulled, TransferEr
     let t0 = Instant::now();
     // One pull's requests (the manifest until it is ready, each file, the end) reuse
     // their connection; it closes when the pull is done.
-    let client = opendsec_http::Client::new(None);
+    let client = opendsec_http::Client::with_trust(None, p.trust.clone());
     let result = pull_into(&client, p, into).await;
     if result.is_err() {
         let _ = std::fs::remove_dir_all(into);

@@ -35,13 +35,18 @@ async fn start(dir: &std::path::Path) -> (Agent, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let resolve: Resolver = Arc::new(move |id| (id == "sb1").then(|| sock.clone().into()));
-    tokio::spawn(proxy::serve(listener, "edge-key".into(), resolve));
+    let edge = opendsec_trust::test_trust(opendsec_trust::Identity::edge("e1"));
+    tokio::spawn(proxy::serve(listener, edge, "edge-key".into(), resolve));
     (Agent(child), addr)
 }
 
+/// One request on a new connection to the proxy, as a gateway of the cluster (mutual TLS).
 async fn call(addr: &str, req: Request<Full<Bytes>>) -> (u16, Vec<u8>) {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+    let gateway = opendsec_trust::test_trust(opendsec_trust::Identity::gateway(1));
+    let edge = opendsec_trust::Expect::Exactly(opendsec_trust::Identity::edge("e1"));
+    let tls = gateway.connect(tcp, &edge).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
         .await
         .unwrap();
     tokio::spawn(conn);
@@ -105,4 +110,50 @@ async fn requests_reach_the_sandboxes_agent_only_with_the_edge_key() {
         text.contains("\"exitCode\"") || text.contains("\"exited\":true"),
         "{text}"
     );
+}
+
+/// Sends one request as `who` (over TLS with its certificate), or over plain TCP when
+/// `None`; `Err` when the proxy closes the connection without an answer.
+async fn call_as(addr: &str, who: Option<std::sync::Arc<opendsec_trust::Trust>>) -> Result<u16, String> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = get("/sandboxes/sb1/health", Some("edge-key"));
+    let status = match who {
+        Some(trust) => {
+            let edge = opendsec_trust::Expect::Exactly(opendsec_trust::Identity::edge("e1"));
+            let tls = trust.connect(tcp, &edge).await.map_err(|e| e.to_string())?;
+            let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            send.send_request(req).await.map_err(|e| e.to_string())?.status()
+        }
+        None => {
+            let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            send.send_request(req).await.map_err(|e| e.to_string())?.status()
+        }
+    };
+    Ok(status.as_u16())
+}
+
+#[tokio::test]
+async fn the_proxy_serves_the_clusters_gateways_control_nodes_and_edges_only() {
+    use opendsec_trust::{Identity, test_trust};
+    let dir = tempfile::tempdir().unwrap();
+    let (_agent, addr) = start(dir.path()).await;
+    for who in [Identity::gateway(1), Identity::control(2), Identity::edge("e2")] {
+        assert_eq!(call_as(&addr, Some(test_trust(who.clone()))).await, Ok(204), "{who}");
+    }
+    // An operator tool's certificate, another CA's gateway, and plain HTTP get nothing,
+    // the edge key notwithstanding.
+    let foreign = opendsec_trust::test_cluster(&[Identity::gateway(1)]).remove(0);
+    for (what, who) in [
+        ("an operator tool", Some(test_trust(Identity::operator("init")))),
+        ("another CA's gateway", Some(foreign)),
+        ("plain HTTP", None),
+    ] {
+        assert!(call_as(&addr, who).await.is_err(), "{what} was answered");
+    }
 }

@@ -1,6 +1,7 @@
 //! Talking to edges: forwarding a request to an edge's proxy (streaming both ways,
 //! carrying protocol upgrades such as WebSocket through) and simple GETs. The gateway
-//! authenticates to every edge with the cluster key. Requests go through the gateway's
+//! reaches every edge over mutual TLS (its own certificate; the edge must present that
+//! edge's) and also sends that edge's own key. Requests go through the gateway's
 //! one `opendsec_http::Client` (`AppState::edges`), which keeps connections to edges
 //! alive; what to strip from requests and answers (hop-by-hop headers) is decided here.
 
@@ -34,11 +35,11 @@ pub fn edge_host(address: &str) -> String {
     address.trim_start_matches("http://").trim_end_matches('/').to_string()
 }
 
-/// The client the gateway reaches edges with: connections are kept alive and reused
-/// (every request to a sandbox goes through one), and a connect gives up after
-/// [`CONNECT_TIMEOUT`].
-pub fn client() -> opendsec_http::Client {
-    opendsec_http::Client::new(Some(CONNECT_TIMEOUT))
+/// The client the gateway reaches edges with, as the component `trust` names:
+/// connections are kept alive and reused (every request to a sandbox goes through one),
+/// and a connect gives up after [`CONNECT_TIMEOUT`].
+pub fn client(trust: std::sync::Arc<opendsec_trust::Trust>) -> opendsec_http::Client {
+    opendsec_http::Client::with_trust(Some(CONNECT_TIMEOUT), trust)
 }
 
 /// Forwards `req` to `uri` on the edge at `address` (a registered edge's). The caller has
@@ -80,7 +81,10 @@ pub async fn forward(st: &AppState, address: &str, uri: Uri, req: Request<Body>)
     parts.headers.insert(HeaderName::from_static(EDGE_KEY_HEADER), key);
     parts.uri = uri;
     parts.version = axum::http::Version::HTTP_11;
-    let to = opendsec_http::Endpoint::Tcp(host.clone());
+    let to = opendsec_http::Endpoint::Edge {
+        addr: host.clone(),
+        edge,
+    };
     let resp = st
         .edges
         .forward(&to, Request::from_parts(parts, body))

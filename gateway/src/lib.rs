@@ -124,10 +124,11 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("opendsec-template-files-{}", std::process::id())));
     let node_id = node.config().node_id;
+    let edges = edge_client::client(node.gateway_trust().clone());
     let state = AppState {
         node,
         e2b: std::sync::Arc::new(e2b),
-        edges: edge_client::client(),
+        edges,
         builds: std::sync::Arc::new(e2b::templates::Builds::new(files, node_id)),
     };
     e2b::templates::fail_interrupted_builds(state.clone());

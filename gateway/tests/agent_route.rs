@@ -41,6 +41,8 @@ impl Env {
         let edge_addr = listener.local_addr().unwrap().to_string();
         tokio::spawn(opendsec_edge::proxy::serve(
             listener,
+            // Edge edge-a's certificate from the node's CA (the gateway checks it).
+            t.peer_trust(opendsec_trust::Identity::edge("edge-a")),
             // The edge holds its own key, as every edge does (never the cluster key).
             opendsec_control::edge_key(&t.node.config().cluster_key, "edge-a"),
             resolver,

@@ -413,7 +413,23 @@ async fn a_microvm_forked_to_another_edge_continues_from_its_memory_and_transfer
     let transfer = c.state(&ids[0]).await["source_edge"].clone();
     assert_eq!(transfer, "e1");
     let id = format!("fork-{}", ids[0]);
-    let url = format!("http://{}/transfer/{id}/manifest", c.edge_addr("e1"));
+    // Without TLS (or with a certificate of no component of the cluster), the proxy
+    // reads not a byte of HTTP.
+    let plain = c
+        .client
+        .get(format!("http://{}/transfer/{id}/manifest", c.edge_addr("e1")))
+        .send()
+        .await;
+    assert!(plain.is_err(), "a plain-HTTP request reached the proxy: {plain:?}");
+    // Inside TLS as a component (a gateway's certificate), the transfer's own credential
+    // is still needed.
+    let door = up::edge_door(
+        &c.procs.dir.path().join("control").join("tls"),
+        &c.edge_addr("e1"),
+        "e1",
+    )
+    .await;
+    let url = format!("http://{door}/transfer/{id}/manifest");
     let status = |r: reqwest::Response| r.status().as_u16();
     let r = c.client.get(&url).send().await.unwrap();
     assert_eq!(status(r), 401, "no credential");

@@ -147,7 +147,10 @@ async fn a_microvm_from_base_runs_python_through_the_agent_route() {
     // The agent in the guest wants this sandbox's token: the proxy with another is refused.
     let r = up
         .client
-        .post(format!("http://{}/sandboxes/{id}/process.Process/Start", up.edge))
+        .post(format!(
+            "http://{}/sandboxes/{id}/process.Process/Start",
+            up.edge_door().await
+        ))
         .header("x-opendsec-edge-key", up.edge_key())
         .header("x-access-token", agent_token(&up, "someone-else"))
         .header("content-type", "application/connect+json")
@@ -288,7 +291,10 @@ async fn a_microvm_keeps_its_memory_across_pause_resume_and_snapshot_restore() {
     // Its agent was re-keyed: the source's token no longer opens it.
     let r = up
         .client
-        .post(format!("http://{}/sandboxes/{restored}/process.Process/Start", up.edge))
+        .post(format!(
+            "http://{}/sandboxes/{restored}/process.Process/Start",
+            up.edge_door().await
+        ))
         .header("x-opendsec-edge-key", up.edge_key())
         .header("x-access-token", agent_token(&up, &id))
         .header("content-type", "application/connect+json")

@@ -23,6 +23,8 @@ use up::{Up, edge_exec};
 struct Scene {
     up: Up,
     key: String,
+    /// The edge's proxy, as the gateway reaches it (see `up::edge_door`).
+    door: String,
     bystander: String,
 }
 
@@ -31,9 +33,11 @@ impl Scene {
         let up = Up::start_on(runtime).await;
         up.ensure_image("base", Duration::from_secs(600)).await;
         let key = up.edge_key();
+        let door = up.edge_door().await;
         let mut scene = Scene {
             up,
             key,
+            door,
             bystander: String::new(),
         };
         scene.bystander = scene.create(json!({"image": "base", "memory_mb": 256})).await;
@@ -76,7 +80,7 @@ impl Scene {
     }
 
     async fn try_sh(&self, id: &str, user: Option<&str>, script: &str) -> Result<(String, i64), String> {
-        edge_exec(&self.up.client, &self.up.edge, &self.key, id, script, user).await
+        edge_exec(&self.up.client, &self.door, &self.key, id, script, user).await
     }
 
     /// The bystander answers and its file is intact; the control plane answers.

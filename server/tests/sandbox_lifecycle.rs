@@ -20,6 +20,8 @@ struct Up {
     child: Option<Child>,
     token: String,
     key: String,
+    /// The edge's proxy, as the gateway reaches it (see `up::edge_door`).
+    door: String,
     client: reqwest::Client,
 }
 
@@ -88,6 +90,7 @@ impl Up {
             child: None,
             token: String::new(),
             key: String::new(),
+            door: String::new(),
             client: reqwest::Client::builder()
                 .timeout(Duration::from_secs(30))
                 .build()
@@ -106,6 +109,7 @@ impl Up {
         up.token = std::fs::read_to_string(token_file).unwrap();
         let cluster_key = std::fs::read_to_string(up.dir.path().join("data/cluster.key")).unwrap();
         up.key = opendsec_control::edge_key(cluster_key.trim(), "edge-1");
+        up.door = up::edge_door(&up.dir.path().join("data/tls"), &up.edge, "edge-1").await;
         up.wait_for(
             |v| v["edges"].as_array().is_some_and(|e| !e.is_empty()),
             "/v1/edges",
@@ -192,7 +196,7 @@ impl Up {
     /// Like `try_exec`, as `user` (E2B's `Authorization: Basic <user:>`), or as the
     /// sandbox's default user.
     async fn try_exec_as(&self, id: &str, cmd: &str, user: Option<&str>) -> Result<(String, i64), String> {
-        up::edge_exec(&self.client, &self.edge, &self.key, id, cmd, user).await
+        up::edge_exec(&self.client, &self.door, &self.key, id, cmd, user).await
     }
 
     /// Sandbox directories on the edge's disk (named by their 20-hex-digit ids).
@@ -226,7 +230,7 @@ async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
     // Even through its edge's proxy, the agent serves nothing without the sandbox's token.
     let r = up
         .client
-        .post(format!("http://{}/sandboxes/{id}/process.Process/List", up.edge))
+        .post(format!("http://{}/sandboxes/{id}/process.Process/List", up.door))
         .header("x-opendsec-edge-key", &up.key)
         .header("content-type", "application/json")
         .body("{}")

@@ -96,22 +96,32 @@ impl Client {
     /// A client whose connections are kept alive and reused, giving up on a connect
     /// after `connect_timeout` when one is set.
     pub fn new(connect_timeout: Option<Duration>) -> Client {
-        Client::build(connect_timeout, POOL_MAX_IDLE_PER_ENDPOINT)
+        Client::build(connect_timeout, POOL_MAX_IDLE_PER_ENDPOINT, None)
     }
 
     /// A client that opens a connection per request and closes it after.
     pub fn unpooled(connect_timeout: Option<Duration>) -> Client {
-        Client::build(connect_timeout, 0)
+        Client::build(connect_timeout, 0, None)
     }
 
-    fn build(connect_timeout: Option<Duration>, max_idle: usize) -> Client {
+    /// As [`Client::new`], reaching edges' proxies ([`Endpoint::Edge`]) over mutual TLS
+    /// as the component `trust` names.
+    pub fn with_trust(connect_timeout: Option<Duration>, trust: std::sync::Arc<opendsec_trust::Trust>) -> Client {
+        Client::build(connect_timeout, POOL_MAX_IDLE_PER_ENDPOINT, Some(trust))
+    }
+
+    fn build(
+        connect_timeout: Option<Duration>,
+        max_idle: usize,
+        trust: Option<std::sync::Arc<opendsec_trust::Trust>>,
+    ) -> Client {
         let pool = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_timer(hyper_util::rt::TokioTimer::new())
             .pool_idle_timeout(POOL_IDLE)
             .pool_max_idle_per_host(max_idle)
             // The callers name the Host; a Unix socket's URI authority is no host name.
             .set_host(false)
-            .build(stream::Connector { connect_timeout });
+            .build(stream::Connector { connect_timeout, trust });
         Client { pool }
     }
 

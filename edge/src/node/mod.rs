@@ -184,6 +184,8 @@ fn store_err(e: impl std::fmt::Display) -> EdgeError {
 /// each add an `impl Edge` block for their job.
 struct Edge {
     cfg: EdgeConfig,
+    /// This edge's certificate (its proxy's TLS, transfers from other edges).
+    trust: std::sync::Arc<opendsec_trust::Trust>,
     /// The container backend (reached through [`backend::Backend`] for what both
     /// backends do).
     containers: ContainerBackend,

@@ -90,6 +90,7 @@ pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output 
         VmsState::Unavailable("it was started without microVM support".into())
     });
     let edge = Arc::new(Edge {
+        trust: trust.clone(),
         containers,
         machines,
         images,
@@ -293,7 +294,7 @@ impl Edge {
             push: Some(pusher),
             push_progress: Some(push_progress),
         };
-        proxy::serve_with(listener, self.cfg.edge_key.clone(), resolve, hooks).await
+        proxy::serve_with(listener, self.trust.clone(), self.cfg.edge_key.clone(), resolve, hooks).await
     }
 
     /// Samples every running sandbox each `metrics_history::INTERVAL` into

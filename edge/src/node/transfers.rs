@@ -198,6 +198,7 @@ impl Edge {
             address: &address,
             me: &self.cfg.name,
             token: &token,
+            trust: &self.trust,
         };
         let pulled = self.rt.block_on(transfer::pull(&req, &dir))?;
         let data: u64 = pulled.manifest.files.iter().map(|f| f.data_bytes).sum();

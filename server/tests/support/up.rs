@@ -425,6 +425,11 @@ impl Up {
         }
     }
 
+    /// A plain-HTTP door to the embedded edge's proxy (see [`edge_door`]).
+    pub async fn edge_door(&self) -> String {
+        edge_door(&self.data_dir().join("tls"), &self.edge, EMBEDDED_EDGE).await
+    }
+
     /// The embedded edge's own key (what the gateway authenticates to it with, and what
     /// its sandboxes' tokens derive from): derived from the cluster key and its name.
     pub fn edge_key(&self) -> String {
@@ -588,6 +593,37 @@ pub fn connect_frame(msg: &[u8]) -> Vec<u8> {
     frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
     frame.extend_from_slice(msg);
     frame
+}
+
+/// A plain-HTTP door on loopback to edge `edge`'s proxy at `edge_addr`, for tests that
+/// talk to the proxy straight, as the gateway does: each connection is relayed over
+/// mutual TLS with a gateway certificate from the cluster CA in `pki` (the edge's proxy
+/// serves the cluster's components only). Lives as long as the test's runtime.
+pub async fn edge_door(pki: &std::path::Path, edge_addr: &str, edge: &str) -> String {
+    use opendsec_trust::{Expect, Identity, Trust};
+    let ca = opendsec_trust::Ca::load(pki).expect("the cluster's CA");
+    let id = Identity::gateway(99);
+    let issued = ca.issue(&id).expect("a gateway certificate");
+    let trust = std::sync::Arc::new(Trust::new(id, ca.cert_pem(), &issued, None).expect("a gateway's trust"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let door = listener.local_addr().unwrap().to_string();
+    let (to, expect) = (edge_addr.to_string(), Expect::Exactly(Identity::edge(edge)));
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let (trust, to, expect) = (trust.clone(), to.clone(), expect.clone());
+            tokio::spawn(async move {
+                let Ok(tcp) = tokio::net::TcpStream::connect(&to).await else {
+                    return;
+                };
+                let _ = tcp.set_nodelay(true);
+                let Ok(mut tls) = trust.connect(tcp, &expect).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut tls).await;
+            });
+        }
+    });
+    door
 }
 
 /// Folds a `process.Process/Start` response into (stdout, exit code); an error status or
