@@ -1,6 +1,9 @@
 //! Baseline (b): etcd (Debian's `etcd-server`, 3.4) on loopback, driven through its v3
 //! HTTP/JSON gateway (`POST <prefix>/kv/put`, key and value base64). Default durability
-//! (etcd fsyncs its WAL before acknowledging). The cluster is started by [`setup`] and
+//! (etcd fsyncs its WAL before acknowledging). Either as etcd ships (plain peer links) or
+//! with mutual TLS between its members (`--peer-client-cert-auth`, certificates from a CA
+//! made for the run), the analogue of OpenDsec's mutual TLS on its peer port; clients
+//! speak plain HTTP to both, as the benchmark speaks plain HTTP to OpenDsec's REST API. The cluster is started by [`setup`] and
 //! killed, with its data deleted, when the returned [`Session`] is dropped (also on
 //! error or panic); members also get SIGKILL if the benchmark process dies
 //! (PR_SET_PDEATHSIG).
@@ -49,13 +52,35 @@ impl Drop for EtcdCluster {
 
 impl EtcdCluster {
     /// Start `members` members and wait until every one is healthy and a put succeeds.
-    pub async fn start(etcd_bin: &str, data_root: &Path, members: usize) -> Result<Self, String> {
+    pub async fn start(etcd_bin: &str, data_root: &Path, members: usize, peer_tls: bool) -> Result<Self, String> {
         std::fs::create_dir_all(data_root).map_err(|e| format!("create {data_root:?}: {e}"))?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("etcd{members}-"))
             .tempdir_in(data_root)
             .map_err(|e| format!("tempdir in {data_root:?}: {e}"))?;
         let first = if members == 1 { 5 } else { 0 };
+        // Peer certificates for 127.0.0.1 from a CA made for the run (both uses: no EKU).
+        let peer_scheme = if peer_tls { "https" } else { "http" };
+        let mut tls_args: Vec<String> = Vec::new();
+        if peer_tls {
+            let ca = opendsec_trust::Ca::create(&dir.path().join("pki")).map_err(|e| e.to_string())?;
+            let issued = ca
+                .issue_server(&["localhost".into()], &[std::net::IpAddr::from([127, 0, 0, 1])])
+                .map_err(|e| e.to_string())?;
+            let (crt, key) = (dir.path().join("peer.crt"), dir.path().join("peer.key"));
+            std::fs::write(&crt, &issued.cert_pem).map_err(|e| e.to_string())?;
+            opendsec_trust::write_private(&key, &issued.key_pem).map_err(|e| e.to_string())?;
+            let ca_file = opendsec_trust::ca_files(&dir.path().join("pki")).0;
+            for (flag, path) in [
+                ("--peer-cert-file", &crt),
+                ("--peer-key-file", &key),
+                ("--peer-trusted-ca-file", &ca_file),
+            ] {
+                tls_args.push(flag.into());
+                tls_args.push(path.to_string_lossy().into_owned());
+            }
+            tls_args.push("--peer-client-cert-auth".into());
+        }
         let idx: Vec<u16> = (first..first + members as u16).collect();
         let client = |i: u16| CLIENT_BASE + i;
         let peer = |i: u16| CLIENT_BASE + 10 + i;
@@ -67,7 +92,7 @@ impl EtcdCluster {
         }
         let initial_cluster = idx
             .iter()
-            .map(|&i| format!("m{i}=http://127.0.0.1:{}", peer(i)))
+            .map(|&i| format!("m{i}={peer_scheme}://127.0.0.1:{}", peer(i)))
             .collect::<Vec<_>>()
             .join(",");
         let mut cluster = EtcdCluster {
@@ -91,9 +116,10 @@ impl EtcdCluster {
                 .arg("--advertise-client-urls")
                 .arg(format!("http://127.0.0.1:{}", client(i)))
                 .arg("--listen-peer-urls")
-                .arg(format!("http://127.0.0.1:{}", peer(i)))
+                .arg(format!("{peer_scheme}://127.0.0.1:{}", peer(i)))
                 .arg("--initial-advertise-peer-urls")
-                .arg(format!("http://127.0.0.1:{}", peer(i)))
+                .arg(format!("{peer_scheme}://127.0.0.1:{}", peer(i)))
+                .args(&tls_args)
                 .arg("--initial-cluster")
                 .arg(&initial_cluster)
                 .arg("--initial-cluster-state")
@@ -233,8 +259,8 @@ impl WriteTarget for EtcdTarget {
     }
 }
 
-pub async fn setup(ctx: SetupCtx, members: usize) -> Result<Session, String> {
-    let cluster = EtcdCluster::start(&ctx.etcd_bin, &ctx.data_dir, members).await?;
+pub async fn setup(ctx: SetupCtx, members: usize, peer_tls: bool) -> Result<Session, String> {
+    let cluster = EtcdCluster::start(&ctx.etcd_bin, &ctx.data_dir, members, peer_tls).await?;
     let target = Arc::new(EtcdTarget::new(&cluster)?);
     Ok(Session::new(target).with_guard(cluster))
 }

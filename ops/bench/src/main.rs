@@ -426,7 +426,7 @@ async fn run_log(a: LogArgs) -> i32 {
     };
     let specs: Vec<_> = log_targets()
         .into_iter()
-        .filter(|s| !(a.skip_etcd && s.family == "etcd"))
+        .filter(|s| !(a.skip_etcd && s.family.starts_with("etcd")))
         .filter(|s| a.only.is_empty() || a.only.iter().any(|o| s.name.contains(o.as_str())))
         .collect();
     eprintln!(
