@@ -180,6 +180,9 @@ struct Inner {
     edges: opendsec_http::Client,
     /// The certificate of this node's gateway (its own identity, from the same CA).
     gateway_trust: Arc<opendsec_trust::Trust>,
+    /// When this node last rotated its certificates (ms; 0: not since it started), told
+    /// to edges with each heartbeat reply.
+    rotated_at_ms: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Clone)]
@@ -227,6 +230,7 @@ impl ControlNode {
                 leader_channel: Mutex::new(None),
                 edges,
                 gateway_trust,
+                rotated_at_ms: Default::default(),
             }),
         })
     }
@@ -746,6 +750,69 @@ impl ControlNode {
     /// The certificate this node's gateway reaches edges with.
     pub fn gateway_trust(&self) -> &Arc<opendsec_trust::Trust> {
         &self.inner.gateway_trust
+    }
+
+    /// A fresh key and certificate for this node and its gateway, from the CA it holds:
+    /// connections opened from now on present them, open ones keep theirs (no downtime).
+    /// Edges hear of it with their next heartbeat's reply and renew theirs. Returns when
+    /// the node's new certificate expires (ms).
+    pub fn rotate_certificates_here(&self) -> Result<u64, String> {
+        let trust = &self.inner.cfg.trust;
+        let ca = trust
+            .issuer()
+            .ok_or_else(|| format!("node {} does not hold the cluster CA", self.inner.cfg.node_id))?;
+        trust.reissue().map_err(|e| e.to_string())?;
+        if !Arc::ptr_eq(&self.inner.gateway_trust, trust) {
+            let id = self.inner.gateway_trust.identity().clone();
+            let issued = ca.issue(&id).map_err(|e| e.to_string())?;
+            self.inner.gateway_trust.install(&issued).map_err(|e| e.to_string())?;
+        }
+        self.inner
+            .rotated_at_ms
+            .store(now_ms(), std::sync::atomic::Ordering::Relaxed);
+        let not_after = trust
+            .not_after()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_millis() as u64);
+        tracing::info!(node = self.inner.cfg.node_id, "certificates rotated");
+        Ok(not_after)
+    }
+
+    /// When this node last rotated its certificates (ms; 0: not since it started).
+    pub fn certificates_rotated_at_ms(&self) -> u64 {
+        self.inner.rotated_at_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Rotates the certificates of every member of the cluster (this node's here, the
+    /// others' over the peer port): per member, its new certificate's expiry (ms) or why
+    /// it was not rotated.
+    pub async fn rotate_certificates(&self) -> Vec<(u64, Result<u64, String>)> {
+        let me = self.inner.cfg.node_id;
+        let mut out = Vec::new();
+        for (id, addr) in self.cluster_status().members {
+            if id == me {
+                out.push((id, self.rotate_certificates_here()));
+                continue;
+            }
+            let control = opendsec_trust::Expect::Role(opendsec_trust::Role::Control);
+            let asked = async {
+                let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                    .map_err(|e| e.to_string())?
+                    .connect_with_connector(opendsec_trust::tls_connector(self.inner.cfg.trust.clone(), control))
+                    .await
+                    .map_err(|e| format!("cannot reach node {id} at {addr}: {e}"))?;
+                let reply = crate::pb::control_client::ControlClient::new(channel)
+                    .rotate_certificates(crate::pb::RotateCertificatesRequest {})
+                    .await
+                    .map_err(|s| format!("node {id}: {}", s.message()))?;
+                Ok::<_, String>(reply.into_inner().not_after_ms)
+            };
+            let r = tokio::time::timeout(Duration::from_secs(5), asked)
+                .await
+                .unwrap_or_else(|_| Err(format!("node {id} at {addr} did not answer within 5 s")));
+            out.push((id, r));
+        }
+        out
     }
 
     /// Encoded batches of `from..=to` (history for replays and edge watches).

@@ -6,7 +6,8 @@
 use crate::Credential;
 use crate::node::{ControlNode, SubmitError, Submitted};
 use crate::pb::{
-    BootstrapRequest, ReadIndexReply, ReadIndexRequest, SubmitReply, SubmitRequest, control_server::Control,
+    BootstrapRequest, ReadIndexReply, ReadIndexRequest, RotateCertificatesReply, RotateCertificatesRequest,
+    SubmitReply, SubmitRequest, control_server::Control,
 };
 use opendsec_commands::{Command, Decided, Rejection, RejectionKind};
 use opendsec_projections::schema::{self, Batch};
@@ -134,5 +135,26 @@ impl Control for ControlService {
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
         Ok(Response::new(ReadIndexReply { index }))
+    }
+
+    async fn rotate_certificates(
+        &self,
+        req: Request<RotateCertificatesRequest>,
+    ) -> Result<Response<RotateCertificatesReply>, Status> {
+        let peer = opendsec_log::peer_of(&req);
+        if !peer.is(Role::Control) {
+            tracing::warn!(peer = %peer.who(), remote = ?peer.remote, "denied: a certificate rotation asked from outside the control plane");
+            return Err(Status::permission_denied(
+                "certificate rotation is asked by control nodes",
+            ));
+        }
+        let not_after_ms = self
+            .node
+            .rotate_certificates_here()
+            .map_err(Status::failed_precondition)?;
+        Ok(Response::new(RotateCertificatesReply {
+            node_id: self.node.config().node_id,
+            not_after_ms,
+        }))
     }
 }

@@ -442,6 +442,8 @@ impl EdgeSlice for EdgeSliceService {
             memory_mb_used: r.memory_mb_used,
             pulls: r.pulls.into_iter().map(Into::into).collect(),
         });
-        Ok(Response::new(HeartbeatReply {}))
+        Ok(Response::new(HeartbeatReply {
+            certificates_rotated_at_ms: self.node.certificates_rotated_at_ms(),
+        }))
     }
 }

@@ -114,6 +114,18 @@ pub async fn load_or_join(
     Ok((Arc::new(trust), reply.edge_key))
 }
 
+/// Whether a certificate rotation at `rotated_at_ms` (a heartbeat reply's; 0: none)
+/// came after `trust`'s certificate was issued: then the edge renews it.
+pub fn must_renew(trust: &Trust, rotated_at_ms: u64) -> bool {
+    let Some(issued) = trust.issued_at() else {
+        return true;
+    };
+    let issued_ms = issued
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    rotated_at_ms > issued_ms
+}
+
 /// A fresh key and certificate for this edge from the control plane (its current
 /// certificate proves who asks), saved and presented from now on.
 pub async fn renew(trust: &Trust, data_dir: &Path, control: &str, token: &str) -> Result<(), IdentityError> {

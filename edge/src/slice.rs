@@ -169,9 +169,11 @@ impl SliceClient {
     }
 
     /// Soft state: liveness and usage, kept in the control node's memory only.
-    pub async fn heartbeat(&mut self, hb: HeartbeatRequest) -> Result<(), SliceError> {
-        self.client.heartbeat(self.req(hb)).await?;
-        Ok(())
+    /// Sends a heartbeat; the reply says when the control node last rotated the
+    /// cluster's certificates (ms; 0: not since it started).
+    pub async fn heartbeat(&mut self, hb: HeartbeatRequest) -> Result<u64, SliceError> {
+        let reply = self.client.heartbeat(self.req(hb)).await?.into_inner();
+        Ok(reply.certificates_rotated_at_ms)
     }
 }
 

@@ -108,6 +108,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/cluster/retention"),
     ("put", "/v1/cluster/retention"),
     ("delete", "/v1/cluster/members/{id}"),
+    ("post", "/v1/cluster/certificates/rotate"),
 ];
 
 /// The REST API over `node` with default E2B settings. Serve it with `axum::serve`.
@@ -200,6 +201,7 @@ pub fn router_with(node: ControlNode, e2b: e2b::E2bSettings) -> Router {
             get(cluster::get_retention).put(cluster::set_retention),
         )
         .route("/v1/cluster/members/{id}", delete(cluster::remove_member))
+        .route("/v1/cluster/certificates/rotate", post(cluster::rotate_certificates))
         .merge(e2b::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)

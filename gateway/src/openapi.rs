@@ -20,7 +20,7 @@ use crate::routes::*;
         tasks::pause, tasks::resume,
         edges::list, edges::register, edges::deregister,
         audit::query, replay::replay,
-        cluster::status, cluster::add_member, cluster::remove_member, cluster::get_retention, cluster::set_retention,
+        cluster::status, cluster::add_member, cluster::remove_member, cluster::get_retention, cluster::set_retention, cluster::rotate_certificates,
     ),
     modifiers(&BearerAuth),
     security(("bearer" = [])),

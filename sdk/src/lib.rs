@@ -686,6 +686,13 @@ impl Client {
             .await
     }
 
+    /// A fresh key and certificate for every control node and its gateway (edges renew
+    /// theirs at their next heartbeat). Needs cluster:admin in the root project.
+    pub async fn rotate_certificates(&self) -> Result<types::CertificateRotation, ApiError> {
+        self.call::<(), _>(Method::POST, &["v1", "cluster", "certificates", "rotate"], &[], None)
+            .await
+    }
+
     pub async fn add_member(&self, id: u64, addr: &str) -> Result<ClusterStatus, ApiError> {
         self.call(
             Method::POST,

@@ -493,6 +493,29 @@ pub struct ClusterStatus {
     pub state_hash: String,
 }
 
+/// What a certificate rotation did on one control node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct RotatedNode {
+    pub node_id: u64,
+    /// When the node's new certificate expires (ms since the epoch), if it was rotated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_after_ms: Option<u64>,
+    /// Why it was not, if it was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The result of `POST /v1/cluster/certificates/rotate`: every member, and what edges do.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+pub struct CertificateRotation {
+    pub nodes: Vec<RotatedNode>,
+    /// Edges renew their own certificates when they hear of the rotation (their next
+    /// heartbeat, within seconds).
+    pub edges: String,
+}
+
 /// How long the live views keep what has ended; older entries stay in the log's archive
 /// (replay and time travel read them). Every setting is optional when set: one left out
 /// keeps its value.

@@ -533,3 +533,43 @@ async fn a_joined_edge_renews_its_certificate_with_the_one_it_holds() {
         .to_string();
     assert!(err.contains("not registered by this token"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_rotation_a_joined_edge_hears_of_it_and_renews() {
+    let t = single_node().await;
+    let token = edge_token(&t, "e4").await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = t.node.trust().ca_pem().to_string();
+    let (trust, _) =
+        opendsec_edge::identity::load_or_join(dir.path(), "e4", &t.peer_addr, &token, Some(&ca), registration("e4"))
+            .await
+            .unwrap();
+    let mut c = SliceClient::connect(&t.peer_addr, &token, trust.clone()).unwrap();
+    let hb = || HeartbeatRequest {
+        edge: "e4".into(),
+        ..Default::default()
+    };
+    let rotated = c.heartbeat(hb()).await.unwrap();
+    assert!(!opendsec_edge::identity::must_renew(&trust, rotated), "no rotation yet");
+
+    // Certificates issued in the second before are older than the rotation.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    t.node.rotate_certificates_here().expect("rotated");
+    let rotated = c.heartbeat(hb()).await.unwrap();
+    assert!(rotated > 0);
+    assert!(
+        opendsec_edge::identity::must_renew(&trust, rotated),
+        "the edge's certificate predates it"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    opendsec_edge::identity::renew(&trust, dir.path(), &t.peer_addr, &token)
+        .await
+        .unwrap();
+    assert!(
+        !opendsec_edge::identity::must_renew(&trust, rotated),
+        "renewed after it"
+    );
+    // The node's new certificate is what new connections see, and the edge still gets in.
+    let mut again = SliceClient::connect(&t.peer_addr, &token, trust.clone()).unwrap();
+    assert!(again.watch("e4", 1).await.is_ok());
+}

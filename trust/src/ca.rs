@@ -15,6 +15,9 @@ use crate::{Error, Identity};
 /// start and on rotation; edges renew theirs when a third of this is left.
 pub const LEAF_DAYS: i64 = 90;
 const CA_DAYS: i64 = 3650;
+/// A component's certificate is valid from this long before it was issued (clocks of
+/// components differ a little).
+pub const BACKDATE_MINUTES: i64 = 5;
 
 /// A certificate and its private key, both PEM.
 #[derive(Clone)]
@@ -134,7 +137,7 @@ impl Ca {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         // Every component is both a server and a client of the others.
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        params.not_before = time::OffsetDateTime::now_utc() - time::Duration::minutes(5);
+        params.not_before = time::OffsetDateTime::now_utc() - time::Duration::minutes(BACKDATE_MINUTES);
         params.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(LEAF_DAYS);
         Ok(params)
     }

@@ -259,11 +259,24 @@ impl Trust {
 
     /// When the current certificate stops being valid.
     pub fn not_after(&self) -> Option<std::time::SystemTime> {
+        self.validity().map(|(_, to)| to)
+    }
+
+    /// When the current certificate was issued (its validity starts a little before).
+    pub fn issued_at(&self) -> Option<std::time::SystemTime> {
+        let back = std::time::Duration::from_secs(crate::ca::BACKDATE_MINUTES as u64 * 60);
+        self.validity().map(|(from, _)| from + back)
+    }
+
+    fn validity(&self) -> Option<(std::time::SystemTime, std::time::SystemTime)> {
         use x509_parser::prelude::{FromDer, X509Certificate};
         let current = self.current.get();
         let (_, cert) = X509Certificate::from_der(current.end_entity_cert().ok()?).ok()?;
-        let secs = cert.validity().not_after.timestamp();
-        Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs.max(0) as u64))
+        let at = |secs: i64| std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs.max(0) as u64);
+        Some((
+            at(cert.validity().not_before.timestamp()),
+            at(cert.validity().not_after.timestamp()),
+        ))
     }
 
     /// Presents `issued` from now on (a renewed certificate, checked like the first).

@@ -31,6 +31,7 @@ fn creation_slots() -> usize {
 /// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.
 pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
     std::fs::create_dir_all(cfg.data_dir.join("agents"))?;
+    let joined = cfg.trust.is_none();
     let trust = match cfg.trust.clone() {
         Some(t) => t,
         None => {
@@ -91,6 +92,8 @@ pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output 
     });
     let edge = Arc::new(Edge {
         trust: trust.clone(),
+        joined,
+        renewing: Default::default(),
         containers,
         machines,
         images,
@@ -395,8 +398,24 @@ impl Edge {
     async fn send_heartbeat(&self) {
         let hb = self.heartbeat();
         let mut c = self.client.clone();
-        if let Err(e) = c.heartbeat(hb).await {
-            tracing::debug!(error = %e, "heartbeat failed");
+        match c.heartbeat(hb).await {
+            Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+            // The cluster's certificates were rotated after this edge's was issued: it
+            // renews its own (a joined edge; new connections present the new one).
+            Ok(rotated) if self.joined && crate::identity::must_renew(&self.trust, rotated) => {
+                use std::sync::atomic::Ordering;
+                if self.renewing.swap(true, Ordering::AcqRel) {
+                    return;
+                }
+                let (trust, cfg, renewing) = (self.trust.clone(), self.cfg.clone(), self.renewing.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = crate::identity::renew(&trust, &cfg.data_dir, &cfg.control_peer, &cfg.token).await {
+                        tracing::warn!(error = %e, "cannot renew the edge's certificate after a rotation yet");
+                    }
+                    renewing.store(false, Ordering::Release);
+                });
+            }
+            Ok(_) => {}
         }
     }
 

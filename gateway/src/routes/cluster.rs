@@ -129,3 +129,45 @@ fn cluster_status(st: &AppState) -> Result<ClusterStatus, ApiError> {
         state_hash: s.state_hash,
     })
 }
+
+/// Rotates the cluster's certificates without downtime: every control node and its
+/// gateway get a fresh key and certificate from the CA (connections opened after
+/// present them, open ones keep theirs), and edges renew theirs when their next
+/// heartbeat's reply tells them. Needs cluster:admin in the root project.
+#[utoipa::path(post, path = "/v1/cluster/certificates/rotate", tag = "cluster",
+    responses((status = 200, body = api::CertificateRotation), (status = "4XX", body = api::ErrorBody), (status = 503, body = api::ErrorBody)))]
+pub async fn rotate_certificates(
+    State(st): State<AppState>,
+    who: Authed,
+) -> Result<Json<api::CertificateRotation>, ApiError> {
+    who.require(Right::ClusterAdmin)?;
+    let root = st.node.read(|s| s.root_project().map(|p| p.id.clone()));
+    if root.as_deref() != Some(who.0.project.as_str()) {
+        return Err(ApiError::forbidden(
+            "rotating the cluster's certificates needs cluster:admin in the root project",
+        ));
+    }
+    tracing::info!(by = %who.0.token_id, "rotating the cluster's certificates");
+    let nodes = st
+        .node
+        .rotate_certificates()
+        .await
+        .into_iter()
+        .map(|(node_id, r)| match r {
+            Ok(ms) => api::RotatedNode {
+                node_id,
+                not_after_ms: Some(ms),
+                error: None,
+            },
+            Err(e) => api::RotatedNode {
+                node_id,
+                not_after_ms: None,
+                error: Some(e),
+            },
+        })
+        .collect();
+    Ok(Json(api::CertificateRotation {
+        nodes,
+        edges: "each edge renews its certificate at its next heartbeat (within seconds)".into(),
+    }))
+}

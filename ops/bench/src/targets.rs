@@ -100,7 +100,9 @@ pub fn log_targets() -> Vec<TargetSpec> {
         TargetSpec::new("redb raw", 1, "redb", |ctx| Box::pin(redb_raw::setup(ctx))),
         TargetSpec::new("etcd", 1, "etcd", |ctx| Box::pin(etcd::setup(ctx, 1, false))),
         TargetSpec::new("etcd", 3, "etcd", |ctx| Box::pin(etcd::setup(ctx, 3, false))),
-        TargetSpec::new("etcd peer mTLS", 3, "etcd-tls", |ctx| Box::pin(etcd::setup(ctx, 3, true))),
+        TargetSpec::new("etcd peer mTLS", 3, "etcd-tls", |ctx| {
+            Box::pin(etcd::setup(ctx, 3, true))
+        }),
         TargetSpec::new("opendsec 1-node", 1, "opendsec", |ctx| {
             Box::pin(opendsec::setup(ctx, 1))
         }),

@@ -123,6 +123,33 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 )
             });
         }
+        Cmd::Cluster(ClusterCmd::RotateCerts) => {
+            let r = client.rotate_certificates().await?;
+            let failed = r.nodes.iter().filter(|n| n.error.is_some()).count();
+            out.show(&r, |r| {
+                let rows = r
+                    .nodes
+                    .iter()
+                    .map(|n| {
+                        vec![
+                            n.node_id.to_string(),
+                            match (&n.error, n.not_after_ms) {
+                                (Some(e), _) => format!("not rotated: {e}"),
+                                (None, Some(ms)) => format!("rotated, valid until {}", fmt_time(ms)),
+                                (None, None) => "rotated".into(),
+                            },
+                        ]
+                    })
+                    .collect();
+                format!("{}edges: {}\n", table(&["NODE", "CERTIFICATE"], rows), r.edges)
+            });
+            if failed > 0 {
+                eprintln!(
+                    "error: {failed} node(s) were not rotated (see above): bring them up and run `opendsecctl cluster rotate-certs` again"
+                );
+                return Ok(1);
+            }
+        }
         Cmd::Cluster(ClusterCmd::Retention {
             ended_sandboxes,
             audit,
@@ -158,7 +185,7 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                 ClusterCmd::Status => client.cluster_status().await?,
                 ClusterCmd::AddNode { id, addr } => client.add_member(id, &addr).await?,
                 ClusterCmd::RemoveNode { id } => client.remove_member(id).await?,
-                ClusterCmd::Retention { .. } => unreachable!("matched above"),
+                ClusterCmd::Retention { .. } | ClusterCmd::RotateCerts => unreachable!("matched above"),
             };
             out.show(&status, |s| {
                 let mut rows = vec![

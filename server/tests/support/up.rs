@@ -612,12 +612,20 @@ pub async fn edge_door(pki: &std::path::Path, edge_addr: &str, edge: &str) -> St
         while let Ok((mut inbound, _)) = listener.accept().await {
             let (trust, to, expect) = (trust.clone(), to.clone(), expect.clone());
             tokio::spawn(async move {
-                let Ok(tcp) = tokio::net::TcpStream::connect(&to).await else {
-                    return;
-                };
-                let _ = tcp.set_nodelay(true);
-                let Ok(mut tls) = trust.connect(tcp, &expect).await else {
-                    return;
+                // An edge that is restarting is waited for (up to 30 s), as a caller
+                // retrying refused connections would.
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let mut tls = loop {
+                    let tried = async {
+                        let tcp = tokio::net::TcpStream::connect(&to).await?;
+                        let _ = tcp.set_nodelay(true);
+                        trust.connect(tcp, &expect).await
+                    };
+                    match tried.await {
+                        Ok(tls) => break tls,
+                        Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+                        Err(_) => return,
+                    }
                 };
                 let _ = tokio::io::copy_bidirectional(&mut inbound, &mut tls).await;
             });

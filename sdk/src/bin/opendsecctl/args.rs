@@ -102,6 +102,9 @@ pub(crate) enum ClusterCmd {
         #[arg(long)]
         id: u64,
     },
+    /// A fresh key and certificate for every control node and its gateway, without
+    /// downtime (open connections keep theirs); edges renew theirs at their next heartbeat.
+    RotateCerts,
     /// How long the live views keep ended sandboxes and audit records (older ones stay in
     /// the log's archive, for replay and time travel); with a flag, sets it.
     Retention {
