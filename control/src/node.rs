@@ -23,6 +23,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// What [`ControlNode::authenticate`] says of a token this node does not hold (or whose
+/// secret does not match): a follower that has not applied its issue yet says the same.
+pub const UNKNOWN_TOKEN: &str = "the token is unknown";
+
 /// How a control node is set up.
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
@@ -275,9 +279,9 @@ impl ControlNode {
         let hash = hex::encode(Sha256::digest(secret.as_bytes()));
         let now = now_ms();
         self.read(|s| {
-            let t = s.iam.tokens.get(id).ok_or_else(|| unauth("the token is unknown"))?;
+            let t = s.iam.tokens.get(id).ok_or_else(|| unauth(UNKNOWN_TOKEN))?;
             if !constant_time_eq(t.secret_sha256.as_bytes(), hash.as_bytes()) {
-                return Err(unauth("the token is unknown"));
+                return Err(unauth(UNKNOWN_TOKEN));
             }
             if t.revoked.is_some() {
                 return Err(unauth("the token was revoked"));
@@ -323,6 +327,13 @@ impl ControlNode {
                 Err(SubmitError::Unavailable(why))
             }
         }
+    }
+
+    /// Catches up with the leader now (a read index round, whatever the lease), for a
+    /// token this node does not hold yet: Ok once this node has applied what the leader
+    /// had when it accepted `bearer`; Err if the leader does not accept it either.
+    pub async fn catch_up_for(&self, bearer: &str) -> Result<(), SubmitError> {
+        self.confirm_round(bearer).await
     }
 
     async fn confirm_round(&self, bearer: &str) -> Result<(), SubmitError> {

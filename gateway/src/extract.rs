@@ -87,7 +87,22 @@ where
             .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
             .map(str::trim)
             .ok_or_else(|| ApiError::unauthenticated("the Authorization header must be `Bearer <token>`"))?;
-        let principal = app.node.authenticate(token).map_err(ApiError::from)?;
+        let principal = match app.node.authenticate(token) {
+            Ok(p) => p,
+            // Issued through another node a moment ago, perhaps, and not applied here
+            // yet: catch up with the leader (which answers only for a token it accepts)
+            // and look again; otherwise the token is unknown indeed.
+            Err(unknown)
+                if unknown.message == opendsec_control::node::UNKNOWN_TOKEN && !app.node.cluster_status().is_leader =>
+            {
+                app.node
+                    .catch_up_for(token)
+                    .await
+                    .map_err(|_| ApiError::from(unknown.clone()))?;
+                app.node.authenticate(token).map_err(ApiError::from)?
+            }
+            Err(r) => return Err(ApiError::from(r)),
+        };
         // A lagging or partitioned node never serves authority the leader has revoked.
         app.node.confirm_current(token).await.map_err(ApiError::from)?;
         tracing::Span::current().record("principal", principal.token_id.as_str());

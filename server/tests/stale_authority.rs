@@ -95,3 +95,34 @@ async fn a_revoked_token_is_refused_on_every_node_and_a_cut_off_node_serves_no_a
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_token_issued_through_one_node_is_honoured_at_once_by_every_node() {
+    let cluster = Cluster::start(3).await;
+    let leader = cluster.leader().await.expect("a leader");
+    for round in 0..10 {
+        let (s, issued) = cluster
+            .post(
+                leader,
+                "/v1/tokens",
+                &cluster.token,
+                json!({"name": format!("fresh-{round}"), "rights": ["sandbox:read"]}),
+            )
+            .await
+            .expect("issued");
+        assert_eq!(s, 201, "{issued}");
+        let token = issued["token"].as_str().unwrap().to_string();
+        // No wait, no index header: a follower that has not applied the issue yet
+        // catches up with the leader before it calls the token unknown.
+        for i in (0..3).filter(|i| *i != leader) {
+            let (s, v) = get(&cluster, i, &token).await;
+            assert_eq!(s, 200, "node {} right after the issue: {v}", i + 1);
+        }
+    }
+    // A token no node issued stays unknown everywhere.
+    for i in 0..3 {
+        let (s, v) = get(&cluster, i, "odsec_0123456789abcdef.0123456789abcdef0123456789abcdef").await;
+        assert_eq!(s, 401, "{v}");
+        assert!(v["message"].as_str().unwrap_or("").contains("unknown"), "{v}");
+    }
+}

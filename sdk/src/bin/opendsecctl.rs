@@ -141,7 +141,11 @@ async fn run(cli: Cli) -> Result<u8, ApiError> {
                         ]
                     })
                     .collect();
-                format!("{}edges: {}\n", table(&["NODE", "CERTIFICATE"], rows), r.edges)
+                format!(
+                    "{}\nedges: {}",
+                    table(&["NODE", "CERTIFICATE"], rows).trim_end(),
+                    r.edges
+                )
             });
             if failed > 0 {
                 eprintln!(
