@@ -24,7 +24,8 @@ use crate::load::{BoxFuture, WriteTarget};
 use crate::targets::{Session, SetupCtx};
 
 /// Client ports: `CLIENT_BASE + i`, peer ports `CLIENT_BASE + 10 + i`. The 1-member
-/// cluster uses `i = 5` so its ports never clash with the 3-member one.
+/// cluster uses `i = 5` and the 3-member one with peer TLS `i = 20..23`, so that no two
+/// clusters' ports clash (every target is set up before any is measured).
 pub const CLIENT_BASE: u16 = 23791;
 
 /// A running etcd cluster. Drop kills every member and deletes the data.
@@ -58,7 +59,11 @@ impl EtcdCluster {
             .prefix(&format!("etcd{members}-"))
             .tempdir_in(data_root)
             .map_err(|e| format!("tempdir in {data_root:?}: {e}"))?;
-        let first = if members == 1 { 5 } else { 0 };
+        let first = match (members, peer_tls) {
+            (1, _) => 5,
+            (_, false) => 0,
+            (_, true) => 20,
+        };
         // Peer certificates for 127.0.0.1 from a CA made for the run (both uses: no EKU).
         let peer_scheme = if peer_tls { "https" } else { "http" };
         let mut tls_args: Vec<String> = Vec::new();
