@@ -38,6 +38,11 @@ async fn raft_rpcs_from_anyone_but_a_control_node_are_refused() {
             .await
             .expect_err("a pre-vote from outside the control plane is refused");
         assert_eq!(err.code(), tonic::Code::PermissionDenied, "{who}: {err}");
+        let err = raft
+            .append_one(RaftMessage { payload: vec![1, 2, 3] })
+            .await
+            .expect_err("a heartbeat from outside the control plane is refused");
+        assert_eq!(err.code(), tonic::Code::PermissionDenied, "{who}: {err}");
     }
     // Another cluster's control node does not get through TLS.
     let stranger = opendsec_trust::test_cluster(&[Identity::control(2)]).remove(0);

@@ -21,7 +21,8 @@ use openraft::network::{
     Backoff, NetBackoff, NetSnapshot, NetStreamAppend, NetTransferLeader, NetVote, RPCOption, RaftNetworkFactory,
 };
 use openraft::raft::{
-    AppendEntriesRequest, SnapshotResponse, TransferLeaderRequest, TransferLeaderResponse, VoteRequest, VoteResponse,
+    AppendEntriesRequest, SnapshotResponse, StreamAppendResult, TransferLeaderRequest, TransferLeaderResponse,
+    VoteRequest, VoteResponse,
 };
 use tonic::transport::{Channel, Endpoint};
 
@@ -174,8 +175,29 @@ impl NetStreamAppend<TypeConfig> for Conn {
     where
         S: Stream<Item = AppendEntriesRequest<TypeConfig>> + OptionalSend + Unpin + 'static,
     {
+        use futures::{FutureExt, StreamExt};
         Box::pin(async move {
             let (target, ttl) = (self.target, self.rpc_timeout);
+            let mut input = input;
+            // A stream of one request that has ended already (openraft's heartbeat, ten a
+            // second per follower) goes over the gRPC connection kept to the peer: a new
+            // replication connection would cost a TLS handshake each, on a node that may
+            // be too busy to finish one within the heartbeat's interval.
+            let mut first = Vec::new();
+            if let Some(Some(one)) = input.next().now_or_never() {
+                match input.next().now_or_never() {
+                    Some(None) => {
+                        let r: StreamAppendResult<TypeConfig> = self
+                            .unary(&one, ttl, |mut c, m| async move { c.append_one(m).await })
+                            .await?;
+                        let out: StreamOut<'s> = Box::pin(futures::stream::once(async move { Ok(r) }));
+                        return Ok(out);
+                    }
+                    Some(Some(two)) => first.extend([one, two]),
+                    None => first.push(one),
+                }
+            }
+            let input = futures::stream::iter(first).chain(input);
             let conn = crate::replication::connect(target, &self.addr, &self.trust, ttl).await?;
             Ok(crate::replication::stream(conn, input, target, ttl))
         })

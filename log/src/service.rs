@@ -63,6 +63,22 @@ impl<S: StateMachine> RaftService for RaftGrpc<S> {
         reply(&resp)
     }
 
+    async fn append_one(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        use futures::StreamExt;
+        check_peer(&req)?;
+        let msg = req.into_inner();
+        let rpc: openraft::raft::AppendEntriesRequest<TypeConfig> = decode(&msg.payload).map_err(bad_request)?;
+        let mut out = Box::pin(
+            self.raft
+                .stream_append(Box::pin(futures::stream::once(async move { rpc }))),
+        );
+        match out.next().await {
+            Some(Ok(result)) => reply(&result),
+            Some(Err(e)) => Err(stopped(e)),
+            None => Err(Status::unavailable("raft answered nothing")),
+        }
+    }
+
     async fn pre_vote(&self, req: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
         check_peer(&req)?;
         let msg = req.into_inner();
