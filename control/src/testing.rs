@@ -21,10 +21,7 @@ pub struct TestNode {
 impl TestNode {
     /// A component `id` of this node's cluster: a certificate from the node's CA.
     pub fn peer_trust(&self, id: opendsec_trust::Identity) -> std::sync::Arc<opendsec_trust::Trust> {
-        let trust = self.node.trust();
-        let ca = trust.issuer().expect("the test node holds its CA");
-        let issued = ca.issue(&id).expect("a certificate");
-        std::sync::Arc::new(opendsec_trust::Trust::new(id, trust.ca_pem(), &issued, None).expect("a trust"))
+        std::sync::Arc::new(self.node.trust().sibling(id).expect("the test node holds its CA"))
     }
 
     pub async fn shutdown(mut self) {

@@ -81,19 +81,16 @@ pub async fn load_or_join(
     let ca_pem = ca_pem.ok_or(IdentityError::NoCa)?;
     let (key_pem, csr_pem) = opendsec_trust::request(&id)?;
     let config = opendsec_trust::stranger_config(ca_pem, Expect::Role(Role::Control))?;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{control}"))
-        .map_err(|e| IdentityError::Join(control.into(), e.to_string()))?
-        .connect_timeout(std::time::Duration::from_secs(5))
-        .connect_with_connector_lazy(opendsec_trust::config_connector(config));
-    let mut req = tonic::Request::new(JoinRequest {
-        registration: Some(registration),
-        csr_pem,
-    });
-    let auth = format!("Bearer {token}")
-        .parse()
-        .map_err(|_| IdentityError::Join(control.into(), "the edge token is not valid ASCII".into()))?;
-    req.metadata_mut().insert("authorization", auth);
-    let reply = EdgeSliceClient::new(channel)
+    let (mut client, req) = call(
+        control,
+        config,
+        token,
+        JoinRequest {
+            registration: Some(registration),
+            csr_pem,
+        },
+    )?;
+    let reply = client
         .join(req)
         .await
         .map_err(|s| IdentityError::Join(control.into(), s.message().to_string()))?
@@ -114,6 +111,26 @@ pub async fn load_or_join(
     Ok((Arc::new(trust), reply.edge_key))
 }
 
+/// A slice client of the control node at `control` over TLS as `config` says, and
+/// `body` as a request carrying the edge's `token`.
+fn call<T>(
+    control: &str,
+    config: Arc<rustls::ClientConfig>,
+    token: &str,
+    body: T,
+) -> Result<(EdgeSliceClient<tonic::transport::Channel>, tonic::Request<T>), IdentityError> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{control}"))
+        .map_err(|e| IdentityError::Join(control.into(), e.to_string()))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect_with_connector_lazy(opendsec_trust::config_connector(config));
+    let mut req = tonic::Request::new(body);
+    let auth = format!("Bearer {token}")
+        .parse()
+        .map_err(|_| IdentityError::Join(control.into(), "the edge token is not valid ASCII".into()))?;
+    req.metadata_mut().insert("authorization", auth);
+    Ok((EdgeSliceClient::new(channel), req))
+}
+
 /// Whether a certificate rotation at `rotated_at_ms` (a heartbeat reply's; 0: none)
 /// came after `trust`'s certificate was issued: then the edge renews it.
 pub fn must_renew(trust: &Trust, rotated_at_ms: u64) -> bool {
@@ -131,21 +148,17 @@ pub fn must_renew(trust: &Trust, rotated_at_ms: u64) -> bool {
 pub async fn renew(trust: &Trust, data_dir: &Path, control: &str, token: &str) -> Result<(), IdentityError> {
     let name = trust.identity().name.clone();
     let (key_pem, csr_pem) = opendsec_trust::request(trust.identity())?;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{control}"))
-        .map_err(|e| IdentityError::Join(control.into(), e.to_string()))?
-        .connect_timeout(std::time::Duration::from_secs(5))
-        .connect_with_connector_lazy(opendsec_trust::config_connector(
-            trust.client_config(&Expect::Role(Role::Control)),
-        ));
-    let mut req = tonic::Request::new(RenewRequest {
-        edge: name.clone(),
-        csr_pem,
-    });
-    let auth = format!("Bearer {token}")
-        .parse()
-        .map_err(|_| IdentityError::Join(control.into(), "the edge token is not valid ASCII".into()))?;
-    req.metadata_mut().insert("authorization", auth);
-    let reply = EdgeSliceClient::new(channel)
+    let config = trust.client_config(&Expect::Role(Role::Control));
+    let (mut client, req) = call(
+        control,
+        config,
+        token,
+        RenewRequest {
+            edge: name.clone(),
+            csr_pem,
+        },
+    )?;
+    let reply = client
         .renew(req)
         .await
         .map_err(|s| IdentityError::Join(control.into(), s.message().to_string()))?

@@ -93,7 +93,8 @@ where
             // yet: catch up with the leader (which answers only for a token it accepts)
             // and look again; otherwise the token is unknown indeed.
             Err(unknown)
-                if unknown.message == opendsec_control::node::UNKNOWN_TOKEN && !app.node.cluster_status().is_leader =>
+                if unknown.message == opendsec_control::node::UNKNOWN_TOKEN
+                    && !app.node.log().leadership().is_leader =>
             {
                 app.node
                     .catch_up_for(token)

@@ -302,16 +302,8 @@ async fn run_node(
             // The embedded edge's identity comes from its node's CA, in this process.
             let name = &edge_args.edge_name;
             let edge_trust = trust
-                .issuer()
-                .ok_or_else(|| "the node holds no CA".to_string())
-                .and_then(|ca| {
-                    ca.issue(&opendsec_trust::Identity::edge(name))
-                        .map_err(|e| e.to_string())
-                })
-                .and_then(|issued| {
-                    opendsec_trust::Trust::new(opendsec_trust::Identity::edge(name), trust.ca_pem(), &issued, None)
-                        .map_err(|e| e.to_string())
-                });
+                .sibling(opendsec_trust::Identity::edge(name))
+                .map_err(|e| e.to_string());
             let edge_trust = match edge_trust {
                 Ok(t) => std::sync::Arc::new(t),
                 Err(e) => {

@@ -85,9 +85,7 @@ pub fn write_private(path: &std::path::Path, content: &str) -> Result<(), Error>
 
 /// A throwaway CA and a trust for each identity under it (tests and benchmarks).
 pub fn test_cluster(ids: &[Identity]) -> Vec<std::sync::Arc<Trust>> {
-    let dir = std::env::temp_dir().join(format!("opendsec-test-ca-{}-{}", std::process::id(), rand_suffix()));
-    let ca = Ca::create(&dir).expect("a test CA");
-    let _ = std::fs::remove_dir_all(&dir);
+    let ca = throwaway_ca();
     let pem = ca.cert_pem().to_string();
     let mut out: Vec<std::sync::Arc<Trust>> = Vec::new();
     for id in ids {
@@ -97,6 +95,14 @@ pub fn test_cluster(ids: &[Identity]) -> Vec<std::sync::Arc<Trust>> {
         ));
     }
     out
+}
+
+/// A CA made in a temporary directory that is removed at once (tests).
+fn throwaway_ca() -> Ca {
+    let dir = std::env::temp_dir().join(format!("opendsec-test-ca-{}-{}", std::process::id(), rand_suffix()));
+    let ca = Ca::create(&dir).expect("a test CA");
+    let _ = std::fs::remove_dir_all(&dir);
+    ca
 }
 
 fn rand_suffix() -> u64 {
@@ -113,12 +119,7 @@ fn rand_suffix() -> u64 {
 /// components a test starts in one process trust each other).
 pub fn test_trust(id: Identity) -> std::sync::Arc<Trust> {
     static CA: std::sync::OnceLock<Ca> = std::sync::OnceLock::new();
-    let ca = CA.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("opendsec-test-ca-{}-{}", std::process::id(), rand_suffix()));
-        let ca = Ca::create(&dir).expect("a test CA");
-        let _ = std::fs::remove_dir_all(&dir);
-        ca
-    });
+    let ca = CA.get_or_init(throwaway_ca);
     let issued = ca.issue(&id).expect("a test certificate");
     std::sync::Arc::new(Trust::new(id, ca.cert_pem(), &issued, None).expect("a test trust"))
 }

@@ -161,6 +161,20 @@ impl std::fmt::Debug for Trust {
     }
 }
 
+/// The cluster CA's certificates (PEM) as rustls's trust anchors.
+fn roots(ca_pem: &str) -> Result<Arc<RootCertStore>, Error> {
+    let mut roots = RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+        roots
+            .add(c.map_err(|e| Error::Pem(e.to_string()))?)
+            .map_err(|e| Error::Pem(e.to_string()))?;
+    }
+    if roots.is_empty() {
+        return Err(Error::Pem("the CA file holds no certificate".into()));
+    }
+    Ok(Arc::new(roots))
+}
+
 fn certified(provider: &CryptoProvider, issued: &Issued) -> Result<CertifiedKey, Error> {
     let chain = rustls_pemfile::certs(&mut issued.cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
@@ -183,16 +197,7 @@ impl Trust {
     /// `ca_pem`. The certificate must name `identity` and chain to the CA.
     pub fn new(identity: Identity, ca_pem: &str, issued: &Issued, issuer: Option<Ca>) -> Result<Trust, Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = RootCertStore::empty();
-        for c in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
-            roots
-                .add(c.map_err(|e| Error::Pem(e.to_string()))?)
-                .map_err(|e| Error::Pem(e.to_string()))?;
-        }
-        if roots.is_empty() {
-            return Err(Error::Pem("the CA file holds no certificate".into()));
-        }
-        let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        let chain = WebPkiClientVerifier::builder_with_provider(roots(ca_pem)?, provider.clone())
             .allow_unauthenticated()
             .build()
             .map_err(|e| Error::Tls(e.to_string()))?;
@@ -359,16 +364,7 @@ pub fn peer_identity(conn: &rustls::CommonState) -> Option<Identity> {
 /// that the server is `expect` under the CA in `ca_pem`.
 pub fn stranger_config(ca_pem: &str, expect: Expect) -> Result<Arc<ClientConfig>, Error> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = RootCertStore::empty();
-    for c in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
-        roots
-            .add(c.map_err(|e| Error::Pem(e.to_string()))?)
-            .map_err(|e| Error::Pem(e.to_string()))?;
-    }
-    if roots.is_empty() {
-        return Err(Error::Pem("the CA file holds no certificate".into()));
-    }
-    let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+    let chain = WebPkiClientVerifier::builder_with_provider(roots(ca_pem)?, provider.clone())
         .build()
         .map_err(|e| Error::Tls(e.to_string()))?;
     let mut cfg = ClientConfig::builder_with_provider(provider)
