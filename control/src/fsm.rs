@@ -96,7 +96,9 @@ impl StateMachine for Fsm {
         if index.is_multiple_of(self.checkpoint_every) && self.checkpoints.is_some() {
             // Serialised here (the state must not change under it), written by a
             // background thread so the apply path never waits for a disk commit.
+            let started = std::time::Instant::now();
             let work = self.checkpoint();
+            tracing::debug!(index, core_bytes = work.core.len(), audit_records = work.audit.len(), took = ?started.elapsed(), "replay checkpoint serialised");
             if let Some(tx) = &self.checkpoints {
                 let _ = tx.send(work);
             }

@@ -157,6 +157,8 @@ pub const CURRENT_LEASE: Duration = Duration::from_millis(500);
 /// How long confirming may take before the node refuses, and how long a failed
 /// confirmation is remembered (so callers fail fast, not one timeout each).
 pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
+/// The wait before a leader tries again a quorum round that fell short.
+const CONFIRM_RETRY: Duration = Duration::from_millis(50);
 const FAILED_REMEMBERED: Duration = Duration::from_millis(250);
 
 /// What this node last learnt of being current.
@@ -339,13 +341,24 @@ impl ControlNode {
     async fn confirm_round(&self, bearer: &str) -> Result<(), SubmitError> {
         let l = self.inner.log.leadership();
         if l.is_leader {
-            return self
-                .inner
-                .log
-                .read_index(CONFIRM_TIMEOUT)
-                .await
-                .map(|_| ())
-                .map_err(|e| SubmitError::Unavailable(e.to_string()));
+            // A round that falls short of a quorum (a follower busy for a moment: a
+            // snapshot, a slow disk) is tried again until the timeout: a leader that
+            // cannot confirm yet is not one cut off, and failing at once would refuse
+            // every caller for a while.
+            let deadline = tokio::time::Instant::now() + CONFIRM_TIMEOUT;
+            loop {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                match self.inner.log.read_index(left).await {
+                    Ok(_) => return Ok(()),
+                    Err(e) => {
+                        let again = tokio::time::Instant::now() + CONFIRM_RETRY;
+                        if again >= deadline || !self.inner.log.leadership().is_leader {
+                            return Err(SubmitError::Unavailable(e.to_string()));
+                        }
+                        tokio::time::sleep_until(again).await;
+                    }
+                }
+            }
         }
         let addr = l
             .leader_addr

@@ -5,7 +5,9 @@
 //! openraft installs the stored snapshot and re-applies the committed entries after it.
 
 use std::io;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 use futures::{Stream, TryStreamExt};
 use openraft::storage::{EntryResponder, RaftStateMachine};
@@ -29,6 +31,8 @@ pub(crate) struct Shared<S> {
     pub(crate) applied_tx: watch::Sender<Option<u64>>,
     pub(crate) events: broadcast::Sender<AppliedEntry>,
     pub(crate) store: Store,
+    /// A snapshot is being serialised (holding the state's read lock, on a blocking thread).
+    snapshotting: AtomicBool,
 }
 
 impl<S> Shared<S> {
@@ -38,6 +42,33 @@ impl<S> Shared<S> {
 
     fn write(&self) -> RwLockWriteGuard<'_, SmState<S>> {
         self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The write lock for the apply path. While a snapshot is serialised (hundreds of ms
+    /// for a large state) this waits asynchronously: blocked on the lock, the node's
+    /// executor thread could not answer heartbeats or replicate, and it would lose its
+    /// lease or its leader. Otherwise readers hold the lock only briefly: it blocks.
+    async fn write_for_apply(&self) -> RwLockWriteGuard<'_, SmState<S>> {
+        loop {
+            if !self.snapshotting.load(Ordering::Acquire) {
+                return self.write();
+            }
+            match self.state.try_write() {
+                Ok(g) => return g,
+                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+/// Clears the snapshotting flag however the serialisation ends.
+struct Snapshotting<'a>(&'a AtomicBool);
+
+impl Drop for Snapshotting<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -68,6 +99,7 @@ impl<S: StateMachine> SmStore<S> {
                 applied_tx,
                 events,
                 store,
+                snapshotting: AtomicBool::new(false),
             }),
         }
     }
@@ -77,17 +109,28 @@ impl<S: StateMachine> RaftSnapshotBuilder<TypeConfig> for SmStore<S> {
     type SnapshotData = Vec<u8>;
 
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
-        let (data, meta) = {
-            let st = self.shared.read();
-            let meta = SnapshotMeta {
-                last_log_id: st.last_applied,
-                last_membership: st.membership.clone(),
+        // Serialised and written on a blocking thread: the whole state is tens of MB at
+        // the default interval, hundreds of ms that this node's executor (one thread per
+        // node in a cluster sharing a host) must spend answering its peers instead.
+        let shared = self.shared.clone();
+        let built = tokio::task::spawn_blocking(move || -> io::Result<_> {
+            let started = Instant::now();
+            let (data, meta) = {
+                shared.snapshotting.store(true, Ordering::Release);
+                let _flag = Snapshotting(&shared.snapshotting);
+                let st = shared.read();
+                let meta = SnapshotMeta {
+                    last_log_id: st.last_applied,
+                    last_membership: st.membership.clone(),
+                };
+                (st.app.snapshot(), meta)
             };
-            (st.app.snapshot(), meta)
-        };
-        self.shared.store.save_snapshot(&meta, data.clone()).await?;
-        tracing::info!(last_log_id = ?meta.last_log_id, bytes = data.len(), "snapshot built");
-        Ok(Snapshot { meta, snapshot: data })
+            let serialised = started.elapsed();
+            shared.store.save_snapshot_now(&meta, &data)?;
+            tracing::info!(last_log_id = ?meta.last_log_id, bytes = data.len(), ?serialised, total = ?started.elapsed(), "snapshot built");
+            Ok(Snapshot { meta, snapshot: data })
+        });
+        built.await.map_err(io::Error::other)?
     }
 }
 
@@ -107,7 +150,7 @@ impl<S: StateMachine> RaftStateMachine<TypeConfig> for SmStore<S> {
         let batch: Vec<EntryResponder<TypeConfig>> = entries.try_collect().await?;
         let mut done = Vec::with_capacity(batch.len());
         {
-            let mut st = self.shared.write();
+            let mut st = self.shared.write_for_apply().await;
             for (entry, responder) in batch {
                 let index = entry.log_id.index();
                 st.last_applied = Some(entry.log_id);

@@ -52,6 +52,7 @@
 //! transaction that removes them from the live log; see `LogNode::read_entries`.
 
 mod raft_storage;
+mod snapshot_file;
 mod tail;
 #[cfg(test)]
 mod tests;
@@ -60,7 +61,7 @@ mod writer;
 use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, mpsc};
 use std::time::{Duration, Instant};
@@ -79,6 +80,7 @@ use writer::{Flow, Op, Queue, writer};
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LOGS: TableDefinition<u64, &[u8]> = TableDefinition::new("logs");
 const ARCHIVE: TableDefinition<u64, &[u8]> = TableDefinition::new("archive");
+/// Where versions before the snapshot file kept the snapshot (read if there is no file).
 const SNAPSHOT: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshot");
 
 const K_VOTE: &str = "vote";
@@ -179,6 +181,8 @@ struct Inner {
     counters: Counters,
     /// `None` once [`Store::close`] ran (the file is released for a restart in-process).
     db: RwLock<Option<Database>>,
+    /// The data directory (the snapshot file lives here, see `snapshot_file.rs`).
+    dir: PathBuf,
     archive_retention: Option<u64>,
     tail: Mutex<Tail>,
     /// Byte budget of written entries in the tail ([`TAIL_BYTES`]).
@@ -267,6 +271,7 @@ impl Store {
         let inner = Arc::new(Inner {
             counters: Counters::default(),
             db: RwLock::new(Some(db)),
+            dir: dir.to_path_buf(),
             archive_retention,
             tail: Mutex::new(Tail::default()),
             tail_bytes,
@@ -365,18 +370,6 @@ impl Store {
         })
     }
 
-    /// Same as [`Self::write`], off the async executor.
-    async fn write_blocking<R: Send + 'static>(
-        &self,
-        durability: Durability,
-        f: impl FnOnce(&redb::WriteTransaction) -> Result<R, redb::Error> + Send + 'static,
-    ) -> io::Result<R> {
-        let this = self.clone();
-        tokio::task::spawn_blocking(move || this.write(durability, f))
-            .await
-            .map_err(io_err)?
-    }
-
     fn get_meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> io::Result<Option<T>> {
         let bytes = self.with_db(|db| {
             let txn = db.begin_read()?;
@@ -432,20 +425,41 @@ impl Store {
 
     // ---------------------------------------------------------------- snapshot
 
-    /// Durably store a snapshot, replacing the previous one.
+    /// Durably store a snapshot, replacing the previous one (off the async executor).
     pub(crate) async fn save_snapshot(&self, meta: &SnapshotMeta, data: Vec<u8>) -> io::Result<()> {
-        let meta = encode(meta)?;
-        self.write_blocking(Durability::Immediate, move |txn| {
-            let mut t = txn.open_table(SNAPSHOT)?;
-            t.insert(K_SNAP_META, meta.as_slice())?;
-            t.insert(K_SNAP_DATA, data.as_slice())?;
-            Ok(())
-        })
-        .await
+        let (this, meta) = (self.clone(), meta.clone());
+        tokio::task::spawn_blocking(move || this.save_snapshot_now(&meta, &data))
+            .await
+            .map_err(io_err)?
+    }
+
+    /// Durably store a snapshot, replacing the previous one, on this thread (a blocking
+    /// one: it writes and syncs the whole snapshot). It goes to its own file, never into
+    /// redb's write transaction (see `snapshot_file.rs`); a snapshot a version before
+    /// this one kept in redb is dropped once the file holds a newer one.
+    pub(crate) fn save_snapshot_now(&self, meta: &SnapshotMeta, data: &[u8]) -> io::Result<()> {
+        snapshot_file::write(&self.inner.dir, &encode(meta)?, data)?;
+        let in_redb = self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let t = txn.open_table(SNAPSHOT)?;
+            Ok(t.get(K_SNAP_META)?.is_some())
+        })?;
+        if in_redb {
+            self.write(Durability::Immediate, |txn| {
+                let mut t = txn.open_table(SNAPSHOT)?;
+                t.remove(K_SNAP_META)?;
+                t.remove(K_SNAP_DATA)?;
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
 
     /// The stored snapshot's metadata, if any.
     pub(crate) fn snapshot_meta(&self) -> io::Result<Option<SnapshotMeta>> {
+        if let Some(m) = snapshot_file::read_meta(&self.inner.dir)? {
+            return decode(&m).map(Some);
+        }
         let b = self.with_db(|db| {
             let txn = db.begin_read()?;
             let t = txn.open_table(SNAPSHOT)?;
@@ -454,15 +468,19 @@ impl Store {
         b.map(|b| decode(&b)).transpose()
     }
 
-    /// The stored snapshot (metadata and application bytes), if any.
+    /// The stored snapshot (metadata and application bytes), if any: from its file, or
+    /// from redb where an earlier version kept it.
     pub(crate) fn load_snapshot(&self) -> io::Result<Option<(SnapshotMeta, Vec<u8>)>> {
-        let r = self.with_db(|db| {
-            let txn = db.begin_read()?;
-            let t = txn.open_table(SNAPSHOT)?;
-            let m = t.get(K_SNAP_META)?.map(|v| v.value().to_vec());
-            let d = t.get(K_SNAP_DATA)?.map(|v| v.value().to_vec());
-            Ok(m.zip(d))
-        })?;
+        let r = match snapshot_file::read(&self.inner.dir)? {
+            Some(found) => Some(found),
+            None => self.with_db(|db| {
+                let txn = db.begin_read()?;
+                let t = txn.open_table(SNAPSHOT)?;
+                let m = t.get(K_SNAP_META)?.map(|v| v.value().to_vec());
+                let d = t.get(K_SNAP_DATA)?.map(|v| v.value().to_vec());
+                Ok(m.zip(d))
+            })?,
+        };
         match r {
             None => Ok(None),
             Some((m, d)) => Ok(Some((decode(&m)?, d))),

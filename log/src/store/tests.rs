@@ -636,3 +636,47 @@ fn tail_stays_contiguous() {
     assert_eq!(t.first, 21);
     assert_eq!(t.range(1, None), (None, Vec::new()));
 }
+
+#[tokio::test]
+async fn a_snapshot_kept_in_redb_by_an_earlier_version_is_read_then_replaced_by_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), None).unwrap();
+    let old = SnapshotMeta {
+        last_log_id: Some(log_id(1, 10)),
+        last_membership: Default::default(),
+    };
+    // Where versions before the snapshot file wrote it.
+    store
+        .write(Durability::Immediate, |txn| {
+            let mut t = txn.open_table(SNAPSHOT)?;
+            t.insert(K_SNAP_META, encode(&old).unwrap().as_slice())?;
+            t.insert(K_SNAP_DATA, b"old state".as_slice())?;
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(
+        store.load_snapshot().unwrap(),
+        Some((old.clone(), b"old state".to_vec()))
+    );
+    assert_eq!(store.snapshot_meta().unwrap(), Some(old));
+
+    let new = SnapshotMeta {
+        last_log_id: Some(log_id(2, 20)),
+        last_membership: Default::default(),
+    };
+    store.save_snapshot(&new, b"new state".to_vec()).await.unwrap();
+    assert!(dir.path().join(snapshot_file::FILE).exists());
+    let rows = store
+        .with_db(|db| Ok(db.begin_read()?.open_table(SNAPSHOT)?.len()?))
+        .unwrap();
+    assert_eq!(rows, 0, "the redb copy is dropped once the file holds a newer snapshot");
+    store.close();
+    drop(store);
+
+    let store = Store::open(dir.path(), None).unwrap();
+    assert_eq!(
+        store.load_snapshot().unwrap(),
+        Some((new.clone(), b"new state".to_vec()))
+    );
+    assert_eq!(store.snapshot_meta().unwrap(), Some(new));
+}
