@@ -17,6 +17,11 @@ const CHECKPOINT_TIMES: TableDefinition<u64, u64> = TableDefinition::new("checkp
 /// index -> the audit record of that index (JSON), written once, shared by every
 /// checkpoint at or after it.
 const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_records");
+/// index -> the requests remembered as of that index (JSON), apart from the rest of the
+/// state: the window is encoded by the checkpoint writer, off the apply path (see
+/// [`CheckpointWork::requests`]). A row of [`CHECKPOINTS`] without one here holds its
+/// requests itself (checkpoints written before this table).
+const CHECKPOINT_REQUESTS: TableDefinition<u64, &[u8]> = TableDefinition::new("checkpoint_requests");
 /// The first format: a whole State per checkpoint. Dropped at open (checkpoints are a
 /// cache of what the log holds).
 const CHECKPOINTS_V1: TableDefinition<u64, &[u8]> = TableDefinition::new("checkpoints");
@@ -25,8 +30,11 @@ const CHECKPOINTS_V1: TableDefinition<u64, &[u8]> = TableDefinition::new("checkp
 struct CheckpointWork {
     index: u64,
     time_ms: u64,
-    /// The state without audit records.
+    /// The state without audit records and requests.
     core: Vec<u8>,
+    /// The requests remembered: a copy of the window (O(1), a persistent map), encoded
+    /// by the writer thread.
+    requests: opendsec_projections::Requests,
     /// Audit records newer than the previous checkpoint's: (index, JSON).
     audit: Vec<(u64, Vec<u8>)>,
 }
@@ -63,7 +71,9 @@ impl Fsm {
     /// the last checkpoint plus the non-audit views, never the whole audit history.
     fn checkpoint(&mut self) -> CheckpointWork {
         let records = std::mem::take(&mut self.state.audit.records);
+        let requests = std::mem::take(&mut self.state.requests);
         let core = self.state.to_bytes();
+        self.state.requests = requests.clone();
         let from = records.partition_point(|r| r.index <= self.audit_saved);
         let audit = records[from..]
             .iter()
@@ -75,6 +85,7 @@ impl Fsm {
             index: self.state.index,
             time_ms: self.state.time_ms,
             core,
+            requests,
             audit,
         }
     }
@@ -138,6 +149,7 @@ impl Checkpoints {
         }
         tx.open_table(CHECKPOINTS)?;
         tx.open_table(CHECKPOINT_TIMES)?;
+        tx.open_table(CHECKPOINT_REQUESTS)?;
         let audit_saved = tx.open_table(AUDIT)?.last()?.map(|(k, _)| k.value()).unwrap_or(0);
         tx.commit()?;
         Ok(Checkpoints {
@@ -172,6 +184,11 @@ impl Checkpoints {
             Some(Err(e)) => return Err(e.to_string()),
             None => return Ok(None),
         };
+        let requests = rx.open_table(CHECKPOINT_REQUESTS).map_err(|e| e.to_string())?;
+        if let Some(row) = requests.get(state.index).map_err(|e| e.to_string())? {
+            state.requests = serde_json::from_slice(row.value())
+                .map_err(|e| format!("a checkpoint's requests do not decode: {e}"))?;
+        }
         let audit = rx.open_table(AUDIT).map_err(|e| e.to_string())?;
         for row in audit.range(..=state.index).map_err(|e| e.to_string())? {
             let (_, v) = row.map_err(|e| e.to_string())?;
@@ -210,6 +227,9 @@ fn write_checkpoint(db: &Database, work: &CheckpointWork) -> Result<(), redb::Er
         for (index, record) in &work.audit {
             audit.insert(*index, record.as_slice())?;
         }
+        let requests = serde_json::to_vec(&work.requests).expect("requests serialise");
+        tx.open_table(CHECKPOINT_REQUESTS)?
+            .insert(work.index, requests.as_slice())?;
         let mut t = tx.open_table(CHECKPOINTS)?;
         t.insert(work.index, work.core.as_slice())?;
         let mut times = tx.open_table(CHECKPOINT_TIMES)?;
@@ -244,6 +264,32 @@ mod tests {
                 fsm.state.clone()
             })
             .collect()
+    }
+
+    #[test]
+    fn a_checkpoint_keeps_the_requests_remembered_so_a_replay_from_it_still_answers_retries() {
+        use opendsec_projections::schema::{Batch, encode_batch};
+        let dir = tempfile::tempdir().unwrap();
+        let c = Checkpoints::open(&dir.path().join("c.redb")).unwrap();
+        let mut fsm = Fsm::new(4, Some(&c), None);
+        let batch = |i: u64| Batch {
+            request_id: format!("request-{i}"),
+            request_digest: format!("digest-{i}"),
+            time_ms: 1_000 + i,
+            ..Default::default()
+        };
+        let mut states = Vec::new();
+        for i in 1..=8u64 {
+            fsm.apply(i, &encode_batch(&batch(i)));
+            states.push(fsm.state.clone());
+        }
+        let back = wait_for_checkpoint(&c, 8);
+        assert_eq!(back.requests.by_id.len(), 8);
+        assert_eq!(back.to_bytes(), states[7].to_bytes());
+        // Folding on from the checkpoint, a retry of request 3 is known as one.
+        let mut replay = back;
+        let outcome = replay.apply_batch(9, &batch(3));
+        assert_eq!(outcome, opendsec_projections::Outcome::Duplicate { index: 9, first: 3 });
     }
 
     #[test]

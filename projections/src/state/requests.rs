@@ -1,8 +1,8 @@
 //! The requests remembered so that a retry is answered with its first outcome and never
 //! applied twice (exactly-once writes).
 
+use imbl::{OrdMap, OrdSet};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet};
 
 /// How long (log time) a request is remembered after it was applied.
 pub const REQUEST_WINDOW_MS: u64 = 15 * 60 * 1000;
@@ -10,11 +10,15 @@ pub const REQUEST_WINDOW_MS: u64 = 15 * 60 * 1000;
 pub const REQUEST_WINDOW_MAX: usize = 200_000;
 
 /// Requests remembered for deduplication: by request id, and in the order they aged.
+/// Persistent ordered maps (`imbl`): a copy costs O(1), so a replay checkpoint takes the
+/// window (up to [`REQUEST_WINDOW_MAX`] requests, tens of MB encoded) without holding
+/// the apply path while it is encoded; they encode as the ordered `BTreeMap`/`BTreeSet`
+/// did, byte for byte.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Requests {
-    pub by_id: BTreeMap<String, SeenRequest>,
+    pub by_id: OrdMap<String, SeenRequest>,
     /// (log time, request id), oldest first.
-    pub by_age: BTreeSet<(u64, String)>,
+    pub by_age: OrdSet<(u64, String)>,
 }
 
 /// One remembered request: what it was (its digest) and where its batch is.
@@ -40,11 +44,11 @@ impl Requests {
     }
 
     pub(super) fn forget_before(&mut self, time_ms: u64) {
-        while let Some((t, id)) = self.by_age.first().cloned() {
+        while let Some((t, id)) = self.by_age.get_min().cloned() {
             if t >= time_ms && self.by_id.len() <= REQUEST_WINDOW_MAX {
                 break;
             }
-            self.by_age.pop_first();
+            self.by_age.remove_min();
             self.by_id.remove(&id);
         }
     }
