@@ -113,7 +113,7 @@ impl<S: StateMachine> RaftSnapshotBuilder<TypeConfig> for SmStore<S> {
         // the default interval, hundreds of ms that this node's executor (one thread per
         // node in a cluster sharing a host) must spend answering its peers instead.
         let shared = self.shared.clone();
-        let built = tokio::task::spawn_blocking(move || -> io::Result<_> {
+        let built = in_background("opendsec-snapshot", move || -> io::Result<_> {
             let started = Instant::now();
             let (data, meta) = {
                 shared.snapshotting.store(true, Ordering::Release);
@@ -130,8 +130,29 @@ impl<S: StateMachine> RaftSnapshotBuilder<TypeConfig> for SmStore<S> {
             tracing::info!(last_log_id = ?meta.last_log_id, bytes = data.len(), ?serialised, total = ?started.elapsed(), "snapshot built");
             Ok(Snapshot { meta, snapshot: data })
         });
-        built.await.map_err(io::Error::other)?
+        built.await
     }
+}
+
+/// Runs `f` on a thread of its own at a lower CPU priority (nice 10, this thread only):
+/// a snapshot can wait, while this host's heartbeats and appends cannot. Every node of a
+/// cluster builds one at the same index; at normal priority they took the cores from the
+/// nodes' executors for long enough that followers called an election.
+async fn in_background<R: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> io::Result<R> + Send + 'static,
+) -> io::Result<R> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        // SAFETY: setpriority only reads its arguments; on Linux, PRIO_PROCESS with 0 is
+        // the calling thread. A failure leaves the thread at normal priority.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, 0, 10);
+        }
+        let _ = tx.send(f());
+    })?;
+    rx.await
+        .map_err(|_| io::Error::other("the snapshot thread ended without an answer"))?
 }
 
 impl<S: StateMachine> RaftStateMachine<TypeConfig> for SmStore<S> {

@@ -70,7 +70,7 @@ use openraft::EntryPayload;
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 
 use crate::journal::{self, Journal};
-use crate::typ::{Entry, SnapshotMeta};
+use crate::typ::{Entry, LogId, SnapshotMeta};
 use crate::{LogError, decode, encode};
 
 use tail::Tail;
@@ -211,6 +211,9 @@ struct Inner {
     committed_upto: AtomicU64,
     /// Where append-only batches become durable (held while a batch runs).
     journal: Mutex<Journal>,
+    /// The newest purge asked for (see [`Store::purge_soon`]): the log's state reports it
+    /// as purged while the writer is still moving its entries to the archive.
+    purge_asked: Mutex<Option<LogId>>,
 }
 
 impl Store {
@@ -291,6 +294,7 @@ impl Store {
             flushed_upto: AtomicU64::new(0),
             committed_upto: AtomicU64::new(0),
             journal: Mutex::new(Journal::new(journal_file, journal_capacity, live + 1)),
+            purge_asked: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()

@@ -47,7 +47,9 @@ impl RaftLogStorage<TypeConfig> for Store {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, io::Error> {
-        let last_purged_log_id: Option<LogId> = self.get_meta(K_PURGED)?;
+        let done: Option<LogId> = self.get_meta(K_PURGED)?;
+        let asked = *lock(&self.inner.purge_asked);
+        let last_purged_log_id = done.max(asked);
         let cached = self.tail().last().map(|e| e.log_id);
         let last_log_id = match cached {
             Some(l) => Some(l),
@@ -65,7 +67,7 @@ impl RaftLogStorage<TypeConfig> for Store {
         };
         Ok(LogState {
             last_purged_log_id,
-            last_log_id,
+            last_log_id: last_log_id.max(last_purged_log_id),
         })
     }
 
@@ -143,7 +145,13 @@ impl RaftLogStorage<TypeConfig> for Store {
         self.call(|done| Op::Truncate { from, done }).await
     }
 
+    /// Returns once the purge is queued, not done: moving a snapshot's worth of entries
+    /// to the archive (100,000 at the default interval, hundreds of chunks) takes
+    /// seconds, and openraft's core waits for this call, answering no peer meanwhile. The
+    /// writer moves them oldest first, so the log never has a hole; a crash part way
+    /// leaves some purged entries live, which the next purge takes.
     async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
-        self.call(|done| Op::Purge { upto: log_id, done }).await
+        drop(self.purge_soon(log_id));
+        Ok(())
     }
 }

@@ -461,7 +461,7 @@ proptest::proptest! {
                             let (t, i) = live[k - 1];
                             live.drain(..k);
                             purged = Some(log_id(t, i));
-                            store.purge(log_id(t, i)).await.unwrap();
+                            store.purge_soon(log_id(t, i)).await.unwrap().unwrap();
                         }
                     }
                     Step::Crash => {
@@ -556,7 +556,7 @@ async fn purge_archives_in_order_with_pending_appends() {
     let mut store = Store::open(dir.path(), None).unwrap();
     drop(append(&mut store, (1..=30).map(|i| entry(1, i, 10)).collect()).await);
     // Queued behind the (maybe unwritten) appends: it still finds them.
-    store.purge(log_id(1, 20)).await.unwrap();
+    store.purge_soon(log_id(1, 20)).await.unwrap().unwrap();
     assert_eq!(store.archived_count().unwrap(), 20);
     assert_eq!(store.live_count().unwrap(), 10);
     assert_eq!(store.tail().entries.front().map(|(e, _)| e.log_id.index()), Some(21));
@@ -582,7 +582,7 @@ async fn appends_are_flushed_between_the_chunks_of_a_purge() {
     rx.await.unwrap().unwrap();
     let mut s2 = store.clone();
     let upto = n - 100;
-    let purge = tokio::spawn(async move { s2.purge(log_id(1, upto)).await });
+    let purge = tokio::spawn(async move { s2.purge_soon(log_id(1, upto)).await.unwrap() });
     let mut i = n + 1;
     let mut flushed_during = 0;
     while !purge.is_finished() {
@@ -679,4 +679,26 @@ async fn a_snapshot_kept_in_redb_by_an_earlier_version_is_read_then_replaced_by_
         Some((new.clone(), b"new state".to_vec()))
     );
     assert_eq!(store.snapshot_meta().unwrap(), Some(new));
+}
+
+#[tokio::test]
+async fn a_purge_is_answered_once_queued_and_the_log_state_counts_it_purged_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = Store::open(dir.path(), None).unwrap();
+    let n = 20 * PURGE_CHUNK as u64;
+    let rx = append(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
+    rx.await.unwrap().unwrap();
+    // openraft's core waits for this call: it must not wait for the archive.
+    store.purge(log_id(1, n - 10)).await.unwrap();
+    let st = store.get_log_state().await.unwrap();
+    assert_eq!(st.last_purged_log_id, Some(log_id(1, n - 10)));
+    assert_eq!(st.last_log_id, Some(log_id(1, n)));
+    // The live entries stay readable whatever the writer has moved so far.
+    let live = store.try_get_log_entries(n - 9..=n).await.unwrap();
+    assert_eq!(live.len(), 10);
+    // And the writer finishes it.
+    store.purge_soon(log_id(1, n - 10)).await.unwrap().unwrap();
+    assert_eq!(store.archived_count().unwrap(), n - 10);
+    assert_eq!(store.live_count().unwrap(), 10);
+    store.close();
 }

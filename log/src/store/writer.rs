@@ -254,6 +254,18 @@ impl Store {
         None
     }
 
+    /// Queues a purge through `upto` (see `RaftLogStorage::purge`): the receiver answers
+    /// once every entry through it is in the archive, or at the first failure.
+    pub(crate) fn purge_soon(&self, upto: LogId) -> oneshot::Receiver<io::Result<()>> {
+        {
+            let mut asked = lock(&self.inner.purge_asked);
+            *asked = (*asked).max(Some(upto));
+        }
+        let (tx, rx) = oneshot::channel();
+        self.send(Op::Purge { upto, done: tx });
+        rx
+    }
+
     /// Queue an operation that answers on `done`, and wait for the answer.
     pub(super) async fn call(&self, op: impl FnOnce(oneshot::Sender<io::Result<()>>) -> Op) -> io::Result<()> {
         let (tx, rx) = oneshot::channel();
@@ -576,6 +588,9 @@ impl Store {
         if (matches!(res, Ok(Some((true, _)))) || (err.is_some() && purge.is_some()))
             && let Some(p) = purges.pop_front()
         {
+            if let Some(e) = &err {
+                tracing::error!(upto = %p.upto, error = %e, "purging the log into the archive failed; the next snapshot's purge tries again");
+            }
             let _ = p.done.send(result());
         }
         // openraft's flush notification is a watermark (the newest flushed IO id): report only
