@@ -580,7 +580,7 @@ async fn appends_are_flushed_between_the_chunks_of_a_purge() {
     let n = 5 * PURGE_CHUNK as u64;
     let rx = append(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
     rx.await.unwrap().unwrap();
-    let mut s2 = store.clone();
+    let s2 = store.clone();
     let upto = n - 100;
     let purge = tokio::spawn(async move { s2.purge_soon(log_id(1, upto)).await.unwrap() });
     let mut i = n + 1;
