@@ -17,7 +17,7 @@ const CHECKPOINT_TIMES: TableDefinition<u64, u64> = TableDefinition::new("checkp
 /// index -> the audit record of that index (JSON), written once, shared by every
 /// checkpoint at or after it.
 const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_records");
-/// index -> the requests remembered as of that index (JSON), apart from the rest of the
+/// index -> the requests remembered as of that index (postcard), apart from the rest of the
 /// state: the window is encoded by the checkpoint writer, off the apply path (see
 /// [`CheckpointWork::requests`]). A row of [`CHECKPOINTS`] without one here holds its
 /// requests itself (checkpoints written before this table).
@@ -186,8 +186,8 @@ impl Checkpoints {
         };
         let requests = rx.open_table(CHECKPOINT_REQUESTS).map_err(|e| e.to_string())?;
         if let Some(row) = requests.get(state.index).map_err(|e| e.to_string())? {
-            state.requests = serde_json::from_slice(row.value())
-                .map_err(|e| format!("a checkpoint's requests do not decode: {e}"))?;
+            state.requests =
+                postcard::from_bytes(row.value()).map_err(|e| format!("a checkpoint's requests do not decode: {e}"))?;
         }
         let audit = rx.open_table(AUDIT).map_err(|e| e.to_string())?;
         for row in audit.range(..=state.index).map_err(|e| e.to_string())? {
@@ -227,7 +227,9 @@ fn write_checkpoint(db: &Database, work: &CheckpointWork) -> Result<(), redb::Er
         for (index, record) in &work.audit {
             audit.insert(*index, record.as_slice())?;
         }
-        let requests = serde_json::to_vec(&work.requests).expect("requests serialise");
+        // postcard, not JSON as the rest: the window is up to 200,000 requests, and this
+        // thread shares the host's cores with the node it writes for.
+        let requests = postcard::to_stdvec(&work.requests).expect("requests serialise");
         tx.open_table(CHECKPOINT_REQUESTS)?
             .insert(work.index, requests.as_slice())?;
         let mut t = tx.open_table(CHECKPOINTS)?;
