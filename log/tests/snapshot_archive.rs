@@ -24,13 +24,15 @@ async fn purge_keeps_history_and_learner_installs_snapshot() {
         last = n1.node.propose(payload(i)).await.expect("propose").index;
     }
     n1.node.trigger_snapshot().await.expect("snapshot");
-    wait_until("log purged", Duration::from_secs(10), || {
-        n1.node.storage_counts().map(|(live, _)| live < 100).unwrap_or(false)
+    // The purge goes on after openraft was told it is done (the writer moves entries
+    // to the archive in chunks, between appends): it completes.
+    wait_until("log purged into the archive", Duration::from_secs(10), || {
+        n1.node
+            .storage_counts()
+            .map(|(live, archived)| live < 100 && archived >= 900)
+            .unwrap_or(false)
     })
     .await;
-    let (live, archived) = n1.node.storage_counts().expect("counts");
-    eprintln!("live log {live}, archive {archived}");
-    assert!(archived >= 900);
 
     // The whole history is still readable, in order.
     let all = n1.node.read_entries(1, last).expect("read_entries");
