@@ -31,7 +31,7 @@ pub(crate) struct Shared<S> {
     pub(crate) applied_tx: watch::Sender<Option<u64>>,
     pub(crate) events: broadcast::Sender<AppliedEntry>,
     pub(crate) store: Store,
-    /// A snapshot is being serialised (holding the state's read lock, on a blocking thread).
+    /// A snapshot is being serialised (holding the state's read lock, on a thread of its own).
     snapshotting: AtomicBool,
 }
 
@@ -109,7 +109,7 @@ impl<S: StateMachine> RaftSnapshotBuilder<TypeConfig> for SmStore<S> {
     type SnapshotData = Vec<u8>;
 
     async fn build_snapshot(&mut self) -> Result<Snapshot, io::Error> {
-        // Serialised and written on a blocking thread: the whole state is tens of MB at
+        // Serialised and written on a thread of its own: the whole state is tens of MB at
         // the default interval, hundreds of ms that this node's executor (one thread per
         // node in a cluster sharing a host) must spend answering its peers instead.
         let shared = self.shared.clone();

@@ -65,7 +65,7 @@ pub(crate) fn write(dir: &Path, meta: &[u8], data: &[u8]) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// The file's header: (meta length, data length, checksum), or `None` if there is no file.
+/// The file's header, checked: (meta length, data length, checksum).
 fn header(path: &Path, f: &mut File) -> io::Result<(usize, u64, u32)> {
     let mut h = [0u8; HEADER];
     f.read_exact(&mut h)

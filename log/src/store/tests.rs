@@ -578,8 +578,7 @@ async fn appends_are_flushed_between_the_chunks_of_a_purge() {
     let dir = tempfile::tempdir().unwrap();
     let mut store = Store::open(dir.path(), None).unwrap();
     let n = 5 * PURGE_CHUNK as u64;
-    let rx = append(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
-    rx.await.unwrap().unwrap();
+    flushed(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
     let s2 = store.clone();
     let upto = n - 100;
     let purge = tokio::spawn(async move { s2.purge_soon(log_id(1, upto)).await.unwrap() });
@@ -686,8 +685,7 @@ async fn a_purge_is_answered_once_queued_and_the_log_state_counts_it_purged_at_o
     let dir = tempfile::tempdir().unwrap();
     let mut store = Store::open(dir.path(), None).unwrap();
     let n = 20 * PURGE_CHUNK as u64;
-    let rx = append(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
-    rx.await.unwrap().unwrap();
+    flushed(&mut store, (1..=n).map(|i| entry(1, i, 50)).collect()).await;
     // openraft's core waits for this call: it must not wait for the archive.
     store.purge(log_id(1, n - 10)).await.unwrap();
     let st = store.get_log_state().await.unwrap();
