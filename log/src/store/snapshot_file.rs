@@ -12,6 +12,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 pub(crate) const FILE: &str = "snapshot";
@@ -44,7 +45,13 @@ pub(crate) fn write(dir: &Path, meta: &[u8], data: &[u8]) -> io::Result<()> {
         .ok_or_else(|| invalid(dir, "snapshot metadata too large"))?;
     let temp = dir.join(TEMP);
     {
-        let mut f = File::create(&temp)?;
+        // The whole state, tenants' `env` included: for this node's user only.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&temp)?;
         let mut head = Vec::with_capacity(HEADER + meta.len());
         head.extend_from_slice(MAGIC);
         head.push(VERSION);
@@ -146,6 +153,9 @@ mod tests {
         );
         assert_eq!(read_meta(dir.path()).unwrap(), Some(b"meta-2".to_vec()));
         assert!(!dir.path().join(TEMP).exists());
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join(FILE)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "the snapshot is for the node's user only");
     }
 
     #[test]
