@@ -144,11 +144,20 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         edge: Option<String>,
     },
+    /// Pauses a running sandbox: everything kept (a container freezes, a microVM's memory
+    /// is snapshotted), or with `filesystem` only its file system (its processes end; a
+    /// resume boots it again). Needs sandbox:write.
     PauseSandbox {
         sandbox: String,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        filesystem: bool,
     },
+    /// Resumes a paused sandbox; with `cold` it boots again from its file system, dropping
+    /// the memory its pause kept. Needs sandbox:write.
     ResumeSandbox {
         sandbox: String,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cold: bool,
     },
     KillSandbox {
         sandbox: String,
@@ -404,6 +413,10 @@ pub struct SandboxOptions {
     pub env: BTreeMap<String, String>,
     /// Pause instead of kill at the timeout.
     pub auto_pause: bool,
+    /// With `auto_pause`: that pause keeps only the file system (E2B's
+    /// `autoPauseMemory: false`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub auto_pause_filesystem: bool,
     /// A request to the paused sandbox resumes it.
     pub auto_resume: bool,
     /// Network policy as JSON (checked by `network::parse`; none: the default, deny).

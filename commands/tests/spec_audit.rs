@@ -68,7 +68,14 @@ fn every_logged_batch_yields_exactly_one_audit_record_in_log_order() {
     let (mut w, admin) = World::with_admin_and_edge();
     let root = w.root.clone();
     let s = w.sandbox(&admin, &root);
-    w.run(&admin, Command::PauseSandbox { sandbox: s.clone() }).unwrap();
+    w.run(
+        &admin,
+        Command::PauseSandbox {
+            sandbox: s.clone(),
+            filesystem: false,
+        },
+    )
+    .unwrap();
     w.run(&admin, Command::KillSandbox { sandbox: s.clone() }).unwrap();
     let _ = w.run(&admin, Command::KillSandbox { sandbox: s.clone() }); // denied: already ended
     let _ = w.run(&admin, create_in("nope")); // not found: not logged
@@ -329,8 +336,20 @@ fn unknown_ids_are_refused_as_not_found_naming_the_field_and_leave_the_log_uncha
             },
             "sandbox",
         ),
-        (Command::PauseSandbox { sandbox: ghost.clone() }, "sandbox"),
-        (Command::ResumeSandbox { sandbox: ghost.clone() }, "sandbox"),
+        (
+            Command::PauseSandbox {
+                sandbox: ghost.clone(),
+                filesystem: false,
+            },
+            "sandbox",
+        ),
+        (
+            Command::ResumeSandbox {
+                sandbox: ghost.clone(),
+                cold: false,
+            },
+            "sandbox",
+        ),
         (Command::KillSandbox { sandbox: ghost.clone() }, "sandbox"),
         (
             Command::SetSandboxTimeout {

@@ -154,7 +154,13 @@ fn a_token_acts_only_within_its_project_subtree() {
         ),
         (Command::DeleteProject { project: b.clone() }, "project"),
         (Command::KillSandbox { sandbox: in_b.clone() }, "sandbox"),
-        (Command::PauseSandbox { sandbox: in_b.clone() }, "sandbox"),
+        (
+            Command::PauseSandbox {
+                sandbox: in_b.clone(),
+                filesystem: false,
+            },
+            "sandbox",
+        ),
         (
             Command::ForkSandbox {
                 sandbox: in_b.clone(),

@@ -428,7 +428,14 @@ fn only_a_container_that_has_run_and_lives_can_be_packed() {
     assert_eq!((err.kind, err.field.as_deref()), (K::Conflict, Some("sandbox")));
     // Paused is fine: it stays paused.
     w.report(&admin, &fresh, Observation::Ready);
-    w.run(&admin, Command::PauseSandbox { sandbox: fresh.clone() }).unwrap();
+    w.run(
+        &admin,
+        Command::PauseSandbox {
+            sandbox: fresh.clone(),
+            filesystem: false,
+        },
+    )
+    .unwrap();
     w.report(&admin, &fresh, Observation::Paused);
     w.run(&admin, pack(&fresh, "env", &[])).unwrap();
     // Ended.

@@ -371,6 +371,7 @@ fn a_task_pause_pauses_every_running_sandbox_of_the_task_in_the_caller_s_subtree
         &lead,
         Command::PauseSandbox {
             sandbox: task[0].clone(),
+            filesystem: false,
         },
     )
     .unwrap();

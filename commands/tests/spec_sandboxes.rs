@@ -225,7 +225,18 @@ fn commands_change_the_desired_state_and_reports_the_observed_state() {
             (Desired::Running, Observed::Ready),
         ),
         (
-            |w, a, s| drop(w.run(a, Command::PauseSandbox { sandbox: s.into() }).unwrap()),
+            |w, a, s| {
+                drop(
+                    w.run(
+                        a,
+                        Command::PauseSandbox {
+                            sandbox: s.into(),
+                            filesystem: false,
+                        },
+                    )
+                    .unwrap(),
+                )
+            },
             (Desired::Paused, Observed::Ready),
         ),
         (
@@ -233,7 +244,18 @@ fn commands_change_the_desired_state_and_reports_the_observed_state() {
             (Desired::Paused, Observed::Paused),
         ),
         (
-            |w, a, s| drop(w.run(a, Command::ResumeSandbox { sandbox: s.into() }).unwrap()),
+            |w, a, s| {
+                drop(
+                    w.run(
+                        a,
+                        Command::ResumeSandbox {
+                            sandbox: s.into(),
+                            cold: false,
+                        },
+                    )
+                    .unwrap(),
+                )
+            },
             (Desired::Running, Observed::Paused),
         ),
         (
@@ -411,7 +433,15 @@ fn an_oom_kill_reported_by_the_edge_shows_in_the_view() {
     assert_eq!(w.state.sandboxes.sandboxes[&s].observed, Observed::Exited);
     // And an ended sandbox cannot be paused.
     assert_eq!(
-        w.run(&admin, Command::PauseSandbox { sandbox: s }).unwrap_err().kind,
+        w.run(
+            &admin,
+            Command::PauseSandbox {
+                sandbox: s,
+                filesystem: false
+            }
+        )
+        .unwrap_err()
+        .kind,
         K::Conflict
     );
 }

@@ -155,7 +155,7 @@ impl MicroVms {
         for vm in self.driver.list()? {
             let seen = match vm.status() {
                 Ok(VmStatus::Running { .. }) => Running::Running,
-                Ok(VmStatus::Paused) => Running::Paused,
+                Ok(VmStatus::Paused) => Running::Paused { memory: true },
                 // Its VMM went over its cgroup's memory limit: the sandbox ends as OOM.
                 Ok(VmStatus::Exited(_)) if vm.oom_killed() => {
                     tracing::warn!(

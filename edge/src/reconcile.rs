@@ -28,8 +28,9 @@ use std::collections::BTreeMap;
 pub enum Running {
     /// Created and running.
     Running,
-    /// Frozen.
-    Paused,
+    /// Paused: frozen with its memory (`memory`), or with only its file system kept (its
+    /// processes ended; it boots again on resume).
+    Paused { memory: bool },
     /// Its main process ended (`oom_killed`: the OOM killer ended it).
     Exited { exit_code: i32, oom_killed: bool },
     /// It ended without being asked to (a microVM whose QEMU died: the guest panicked or
@@ -48,34 +49,20 @@ pub struct OomKills {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Prepare storage and network and start the sandbox.
-    Create {
-        id: String,
-    },
-    Pause {
-        id: String,
-    },
-    Resume {
-        id: String,
-    },
+    Create { id: String },
+    /// Pause it: everything kept, or (`filesystem`) only its file system, its processes
+    /// ended (a sandbox paused with its memory drops it).
+    Pause { id: String, filesystem: bool },
+    /// Resume it: where it was, or (`cold`) booted again from its file system.
+    Resume { id: String, cold: bool },
     /// Stop its processes (the sandbox then shows as exited).
-    Stop {
-        id: String,
-        reason: String,
-    },
+    Stop { id: String, reason: String },
     /// Free everything it holds on this machine.
-    Remove {
-        id: String,
-    },
+    Remove { id: String },
     /// Tell the control plane what was observed.
-    Report {
-        id: String,
-        observation: Observation,
-    },
+    Report { id: String, observation: Observation },
     /// Pull image `name` from `reference` into the store, and report the result.
-    PullImage {
-        name: String,
-        reference: String,
-    },
+    PullImage { name: String, reference: String },
     /// Make image `name` from sandbox `sandbox`'s writable layer (residue and `scrub` left
     /// out) on top of its image, and report the result.
     PackImage {
@@ -84,37 +71,19 @@ pub enum Action {
         scrub: Vec<String>,
     },
     /// Image `name` cannot be made here: report it failed.
-    FailImage {
-        name: String,
-        reason: String,
-    },
+    FailImage { name: String, reason: String },
     /// Capture sandbox `sandbox`'s file system as snapshot `id`, and report it.
-    TakeSnapshot {
-        id: String,
-        sandbox: String,
-    },
+    TakeSnapshot { id: String, sandbox: String },
     /// Remove a deleted snapshot's files.
-    RemoveSnapshot {
-        id: String,
-    },
+    RemoveSnapshot { id: String },
     /// A snapshot cannot be taken (its sandbox ended first).
-    FailSnapshot {
-        id: String,
-        reason: String,
-    },
+    FailSnapshot { id: String, reason: String },
     /// Prepare transfer `id` (state this edge holds) for the edges that pull it.
-    MakeTransfer {
-        id: String,
-    },
+    MakeTransfer { id: String },
     /// The state of transfer `id` cannot be had: say so to the edges that ask.
-    FailTransfer {
-        id: String,
-        reason: String,
-    },
+    FailTransfer { id: String, reason: String },
     /// Every edge has pulled transfer `id`: remove its files.
-    RemoveTransfer {
-        id: String,
-    },
+    RemoveTransfer { id: String },
 }
 
 fn report(id: &str, observation: Observation) -> Action {
@@ -129,7 +98,7 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
     let id = d.id.clone();
     // The log says it ended (reported failed), yet something of it still runs here:
     // end that too, so nothing the log does not count runs on.
-    if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused)) {
+    if d.is_terminal() && matches!(seen, Some(Running::Running | Running::Paused { .. })) {
         return vec![Action::Stop {
             id,
             reason: "ended".into(),
@@ -140,7 +109,7 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
     if expired
         && d.auto_pause
         && d.desired == Desired::Running
-        && matches!(seen, Some(Running::Running | Running::Paused))
+        && matches!(seen, Some(Running::Running | Running::Paused { .. }))
     {
         return vec![report(&id, Observation::TimedOut)];
     }
@@ -214,13 +183,22 @@ fn plan_one(d: &DesiredSandbox, seen: Option<&Running>, now_ms: u64) -> Vec<Acti
             )],
         },
         (Some(Running::Running), None) => match (d.desired, d.observed) {
-            (Desired::Paused, _) => vec![Action::Pause { id }],
+            (Desired::Paused, _) => vec![Action::Pause {
+                id,
+                filesystem: d.pause_filesystem,
+            }],
             (_, Observed::Pending) => vec![report(&id, Observation::Ready)],
             (_, Observed::Paused) => vec![report(&id, Observation::Resumed)],
             _ => vec![],
         },
-        (Some(Running::Paused), None) => match (d.desired, d.observed) {
-            (Desired::Running, _) => vec![Action::Resume { id }],
+        (Some(Running::Paused { memory }), None) => match (d.desired, d.observed) {
+            (Desired::Running, _) => vec![Action::Resume {
+                id,
+                cold: d.pause_filesystem,
+            }],
+            // Its pause is to keep only the file system, yet it holds its memory (a resume
+            // that drops memory was asked, then a pause, before this edge acted): drop it.
+            (Desired::Paused, _) if d.pause_filesystem && *memory => vec![Action::Pause { id, filesystem: true }],
             (_, Observed::Paused) => vec![],
             _ => vec![report(&id, Observation::Paused)],
         },
@@ -276,7 +254,7 @@ pub fn plan_packs(
         .iter()
         .filter(|(name, _)| !under_way.contains(*name))
         .map(|(name, p)| match observed.get(&p.sandbox) {
-            Some(Running::Running | Running::Paused) => Action::PackImage {
+            Some(Running::Running | Running::Paused { .. }) => Action::PackImage {
                 name: name.clone(),
                 sandbox: p.sandbox.clone(),
                 scrub: p.scrub.clone(),
@@ -331,7 +309,7 @@ pub fn plan_snapshots(
                 sandbox: x.sandbox.clone(),
             }),
             SnapshotPhase::Pending => match observed.get(&x.sandbox) {
-                Some(Running::Running | Running::Paused) => out.push(Action::TakeSnapshot {
+                Some(Running::Running | Running::Paused { .. }) => out.push(Action::TakeSnapshot {
                     id: x.id.clone(),
                     sandbox: x.sandbox.clone(),
                 }),
@@ -370,7 +348,7 @@ pub fn plan_transfers(
         }
         match &t.source {
             TransferSource::Fork { sandbox } => match (observed.get(sandbox), slice.sandboxes.get(sandbox)) {
-                (Some(Running::Running | Running::Paused), _) => out.push(Action::MakeTransfer { id }),
+                (Some(Running::Running | Running::Paused { .. }), _) => out.push(Action::MakeTransfer { id }),
                 // Not created yet here: it will be.
                 (None, Some(d)) if d.observed == Observed::Pending && d.desired != Desired::Killed => {}
                 _ => out.push(Action::FailTransfer {
@@ -437,6 +415,8 @@ mod tests {
             kill_reason: None,
             env: BTreeMap::new(),
             auto_pause: false,
+            auto_pause_filesystem: false,
+            pause_filesystem: false,
             snapshot: None,
             isolation: Default::default(),
             source_edge: None,
@@ -451,7 +431,7 @@ mod tests {
     #[test]
     fn a_sandbox_the_log_says_failed_is_not_left_running_or_resumed() {
         let d = sandbox(Desired::Running, Observed::Failed);
-        for seen in [Running::Running, Running::Paused] {
+        for seen in [Running::Running, Running::Paused { memory: true }] {
             assert_eq!(
                 check(d.clone(), Some(seen), 0),
                 vec![Action::Stop {
@@ -516,7 +496,10 @@ mod tests {
         d.expires_at_ms = None;
         assert_eq!(
             check(d, Some(Running::Running), 5_000),
-            vec![Action::Pause { id: "s1".into() }]
+            vec![Action::Pause {
+                id: "s1".into(),
+                filesystem: false
+            }]
         );
     }
 
@@ -552,7 +535,7 @@ mod tests {
             slice.packs.insert(name.into(), pack);
         }
         let observed: BTreeMap<String, Running> = [
-            ("s1".to_string(), Running::Paused),
+            ("s1".to_string(), Running::Paused { memory: true }),
             ("s2".to_string(), Running::Running),
             (
                 "s3".to_string(),
@@ -749,25 +732,77 @@ mod tests {
 
     #[test]
     fn pause_and_resume_follow_the_desired_state() {
+        let frozen = Some(Running::Paused { memory: true });
         assert_eq!(
             check(sandbox(Desired::Paused, Observed::Ready), Some(Running::Running), 0),
-            vec![Action::Pause { id: "s1".into() }]
+            vec![Action::Pause {
+                id: "s1".into(),
+                filesystem: false
+            }]
         );
         assert_eq!(
-            check(sandbox(Desired::Paused, Observed::Ready), Some(Running::Paused), 0),
+            check(sandbox(Desired::Paused, Observed::Ready), frozen.clone(), 0),
             rep(Observation::Paused)
         );
         assert_eq!(
-            check(sandbox(Desired::Paused, Observed::Paused), Some(Running::Paused), 0),
+            check(sandbox(Desired::Paused, Observed::Paused), frozen.clone(), 0),
             vec![]
         );
         assert_eq!(
-            check(sandbox(Desired::Running, Observed::Paused), Some(Running::Paused), 0),
-            vec![Action::Resume { id: "s1".into() }]
+            check(sandbox(Desired::Running, Observed::Paused), frozen, 0),
+            vec![Action::Resume {
+                id: "s1".into(),
+                cold: false
+            }]
         );
         assert_eq!(
             check(sandbox(Desired::Running, Observed::Paused), Some(Running::Running), 0),
             rep(Observation::Resumed)
+        );
+    }
+
+    #[test]
+    fn a_file_system_pause_ends_the_processes_and_its_resume_boots_again() {
+        let fs = |desired, observed| DesiredSandbox {
+            pause_filesystem: true,
+            ..sandbox(desired, observed)
+        };
+        let stored = Some(Running::Paused { memory: false });
+        assert_eq!(
+            check(fs(Desired::Paused, Observed::Ready), Some(Running::Running), 0),
+            vec![Action::Pause {
+                id: "s1".into(),
+                filesystem: true
+            }]
+        );
+        assert_eq!(
+            check(fs(Desired::Paused, Observed::Ready), stored.clone(), 0),
+            rep(Observation::Paused)
+        );
+        assert_eq!(check(fs(Desired::Paused, Observed::Paused), stored.clone(), 0), vec![]);
+        assert_eq!(
+            check(fs(Desired::Running, Observed::Paused), stored, 0),
+            vec![Action::Resume {
+                id: "s1".into(),
+                cold: true
+            }]
+        );
+        // Frozen with its memory while its pause is to keep only the file system: the
+        // memory goes; and a resume that drops memory boots it again.
+        let frozen = Some(Running::Paused { memory: true });
+        assert_eq!(
+            check(fs(Desired::Paused, Observed::Paused), frozen.clone(), 0),
+            vec![Action::Pause {
+                id: "s1".into(),
+                filesystem: true
+            }]
+        );
+        assert_eq!(
+            check(fs(Desired::Running, Observed::Paused), frozen, 0),
+            vec![Action::Resume {
+                id: "s1".into(),
+                cold: true
+            }]
         );
     }
 

@@ -56,7 +56,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(here, timeout, vm)| Op::Create { here, timeout, vm }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(source, here)| Op::Fork { source, here }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(snapshot, here)| Op::StartFromSnapshot { snapshot, here }),
-        10 => (any::<usize>(), 0u8..11).prop_map(|(sandbox, what)| Op::Sandbox { sandbox, what }),
+        10 => (any::<usize>(), 0u8..14).prop_map(|(sandbox, what)| Op::Sandbox { sandbox, what }),
         1 => any::<usize>().prop_map(|sandbox| Op::TakeSnapshot { sandbox }),
         2 => (any::<usize>(), 0u8..3).prop_map(|(snapshot, what)| Op::SnapshotResult { snapshot, what }),
         1 => Just(Op::Resync),
@@ -209,8 +209,8 @@ impl World {
             Op::Sandbox { sandbox, what } => {
                 let Some(id) = pick(*sandbox) else { return };
                 let ev = match what {
-                    0 => Event::SandboxPauseRequested(pb::SandboxPauseRequested { id }),
-                    1 => Event::SandboxResumeRequested(pb::SandboxResumeRequested { id }),
+                    0 => Event::SandboxPauseRequested(pb::SandboxPauseRequested { id, filesystem: false }),
+                    1 => Event::SandboxResumeRequested(pb::SandboxResumeRequested { id, cold: false }),
                     2 => Event::SandboxKillRequested(pb::SandboxKillRequested {
                         id,
                         reason: "user".into(),
@@ -219,7 +219,7 @@ impl World {
                         id,
                         expires_at_ms: 90_000,
                     }),
-                    4 => Event::SandboxTimedOut(pb::SandboxTimedOut { id }),
+                    4 => Event::SandboxTimedOut(pb::SandboxTimedOut { id, filesystem: false }),
                     5 => Event::SandboxLabelsSet(pb::SandboxLabelsSet {
                         id,
                         labels: BTreeMap::from([("at".to_string(), self.state.index.to_string())]),
@@ -234,6 +234,9 @@ impl World {
                         id,
                         reason: "lost".into(),
                     }),
+                    11 => Event::SandboxPauseRequested(pb::SandboxPauseRequested { id, filesystem: true }),
+                    12 => Event::SandboxResumeRequested(pb::SandboxResumeRequested { id, cold: true }),
+                    13 => Event::SandboxTimedOut(pb::SandboxTimedOut { id, filesystem: true }),
                     _ => Event::SandboxExited(pb::SandboxExited {
                         id,
                         exit_code: 0,
@@ -308,6 +311,7 @@ fn disagreements(state: &State, edge: &SliceState) -> Vec<String> {
             s.desired,
             s.observed,
             s.expires_at_ms,
+            s.pause_filesystem,
             &s.labels,
             s.isolation,
             &s.fork_of,
@@ -320,6 +324,7 @@ fn disagreements(state: &State, edge: &SliceState) -> Vec<String> {
             d.desired,
             d.observed,
             d.expires_at_ms,
+            d.pause_filesystem,
             &d.labels,
             d.isolation,
             &d.fork_of,
@@ -334,6 +339,7 @@ fn disagreements(state: &State, edge: &SliceState) -> Vec<String> {
             desired: s.desired,
             observed: s.observed,
             expires_at_ms: s.expires_at_ms,
+            filesystem: s.pause_filesystem,
         }
         .is_released();
         if released != s.released {

@@ -185,6 +185,30 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// Like [`JsonBody`], for an optional body: none (or only white space) is `T::default()`.
+pub struct OptionalJsonBody<T>(pub T);
+
+impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<OptionalJsonBody<T>, ApiError> {
+        let empty = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() == b"0");
+        if empty {
+            return Ok(OptionalJsonBody(T::default()));
+        }
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError::invalid("body", format!("the body could not be read: {e}")))?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(OptionalJsonBody(T::default()));
+        }
+        decode_json(&bytes).map(OptionalJsonBody)
+    }
+}
+
 /// Decodes a JSON body; public so the rules can be tested without HTTP.
 pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let text = std::str::from_utf8(bytes).map_err(|e| {

@@ -14,6 +14,11 @@ pub struct Lifecycle {
     pub observed: Observed,
     /// When it times out (killed, or paused with auto-pause); `None`: never.
     pub expires_at_ms: Option<u64>,
+    /// Its pause keeps only its file system: paused, its processes are gone, and its
+    /// resume boots it again from that file system. Set by a file-system-only pause (asked,
+    /// or an auto-pause so configured) and by a resume that drops the memory a pause kept;
+    /// cleared by a pause that keeps memory.
+    pub filesystem: bool,
 }
 
 impl Lifecycle {
@@ -24,6 +29,7 @@ impl Lifecycle {
             desired: Desired::Running,
             observed: Observed::Pending,
             expires_at_ms: (expires_at_ms != 0).then_some(expires_at_ms),
+            filesystem: false,
         }
     }
 
@@ -45,16 +51,23 @@ impl Lifecycle {
     pub fn next(&self, ev: &Event) -> Option<Lifecycle> {
         let mut n = *self;
         match ev {
-            Event::SandboxPauseRequested(_) if self.desired == Desired::Running => n.desired = Desired::Paused,
-            Event::SandboxResumeRequested(_) if self.desired == Desired::Paused => n.desired = Desired::Running,
+            Event::SandboxPauseRequested(e) if self.desired == Desired::Running => {
+                n.desired = Desired::Paused;
+                n.filesystem = e.filesystem;
+            }
+            Event::SandboxResumeRequested(e) if self.desired == Desired::Paused => {
+                n.desired = Desired::Running;
+                n.filesystem |= e.cold;
+            }
             // Whatever it was doing, it is to end; a second kill changes nothing more.
             Event::SandboxKillRequested(_) => n.desired = Desired::Killed,
             Event::SandboxTimeoutSet(e) => n.expires_at_ms = (e.expires_at_ms != 0).then_some(e.expires_at_ms),
             // Past its timeout with auto-pause: it pauses, and its timeout is spent.
-            Event::SandboxTimedOut(_) => {
+            Event::SandboxTimedOut(e) => {
                 n.expires_at_ms = None;
                 if self.desired == Desired::Running {
                     n.desired = Desired::Paused;
+                    n.filesystem = e.filesystem;
                 }
             }
             Event::SandboxReady(_) | Event::SandboxResumed(_) if !self.is_released() => n.observed = Observed::Ready,
@@ -77,10 +90,22 @@ mod tests {
         "sb".into()
     }
     fn pause() -> Event {
-        Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: id() })
+        Event::SandboxPauseRequested(pb::SandboxPauseRequested {
+            id: id(),
+            filesystem: false,
+        })
+    }
+    fn pause_filesystem() -> Event {
+        Event::SandboxPauseRequested(pb::SandboxPauseRequested {
+            id: id(),
+            filesystem: true,
+        })
     }
     fn resume() -> Event {
-        Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: id() })
+        Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: id(), cold: false })
+    }
+    fn resume_cold() -> Event {
+        Event::SandboxResumeRequested(pb::SandboxResumeRequested { id: id(), cold: true })
     }
     fn kill() -> Event {
         Event::SandboxKillRequested(pb::SandboxKillRequested {
@@ -110,7 +135,10 @@ mod tests {
         })
     }
     fn timed_out() -> Event {
-        Event::SandboxTimedOut(pb::SandboxTimedOut { id: id() })
+        Event::SandboxTimedOut(pb::SandboxTimedOut {
+            id: id(),
+            filesystem: false,
+        })
     }
 
     fn through(events: &[Event]) -> Lifecycle {
@@ -185,6 +213,25 @@ mod tests {
             expires_at_ms: 9_000,
         });
         assert_eq!(l.next(&set).unwrap().expires_at_ms, Some(9_000));
+    }
+
+    #[test]
+    fn a_pause_says_whether_memory_is_kept_and_a_cold_resume_drops_it() {
+        assert!(!through(&[pause()]).filesystem);
+        assert!(through(&[pause_filesystem()]).filesystem);
+        // It resumes by booting again: still so until a pause that keeps memory.
+        assert!(through(&[pause_filesystem(), resume()]).filesystem);
+        assert!(!through(&[pause_filesystem(), resume(), pause()]).filesystem);
+        // A resume that drops the memory a pause kept.
+        assert!(through(&[pause(), resume_cold()]).filesystem);
+        assert!(!through(&[pause(), resume()]).filesystem);
+        // A pause asked of a paused sandbox changes nothing, its mode included.
+        assert_eq!(through(&[pause()]).next(&pause_filesystem()), None);
+        let auto = Event::SandboxTimedOut(pb::SandboxTimedOut {
+            id: id(),
+            filesystem: true,
+        });
+        assert!(Lifecycle::created(5_000).next(&auto).unwrap().filesystem);
     }
 
     #[test]

@@ -539,6 +539,13 @@ pub struct Sandbox {
     /// Where its edge fetches its image if the store lacks it (`SandboxCreated.image_source`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_source: Option<String>,
+    /// With auto-pause: its pause at its timeout keeps only its file system.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_pause_filesystem: bool,
+    /// Its pause keeps only its file system (see [`crate::Lifecycle::filesystem`]): while
+    /// paused its processes are gone, and its resume boots it again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pause_filesystem: bool,
 }
 
 fn is_zero(n: &u64) -> bool {

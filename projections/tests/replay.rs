@@ -117,7 +117,10 @@ fn the_log() -> Vec<(u64, Vec<u8>)> {
             6_000,
             "sandbox.pause",
             SANDBOX,
-            vec![Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: id() })],
+            vec![Event::SandboxPauseRequested(pb::SandboxPauseRequested {
+                id: id(),
+                filesystem: false,
+            })],
         ),
         batch(
             7_000,

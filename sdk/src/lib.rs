@@ -415,8 +415,22 @@ impl Client {
             .await
     }
 
+    /// Pauses keeping only the file system: its processes end; a resume boots it again.
+    pub async fn pause_sandbox_filesystem(&self, id: &str) -> Result<SandboxWritten, ApiError> {
+        let body = PauseSandbox { filesystem: true };
+        self.call(Method::POST, &["v1", "sandboxes", id, "pause"], &[], Some(&body))
+            .await
+    }
+
     pub async fn resume_sandbox(&self, id: &str) -> Result<SandboxWritten, ApiError> {
         self.call::<(), _>(Method::POST, &["v1", "sandboxes", id, "resume"], &[], None)
+            .await
+    }
+
+    /// Resumes by booting again from the file system (the memory a pause kept is dropped).
+    pub async fn resume_sandbox_cold(&self, id: &str) -> Result<SandboxWritten, ApiError> {
+        let body = ResumeSandbox { cold: true };
+        self.call(Method::POST, &["v1", "sandboxes", id, "resume"], &[], Some(&body))
             .await
     }
 

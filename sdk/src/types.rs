@@ -278,6 +278,13 @@ pub struct CreateSandbox {
     /// a 409 saying how to resume it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto_resume: Option<bool>,
+    /// At its timeout it pauses instead of ending. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_pause: Option<bool>,
+    /// With `auto_pause`: that pause keeps only its file system (its processes end; its
+    /// resume boots it again). Containers only. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_pause_filesystem: Option<bool>,
     /// What it may reach. Absent: its project's default policy, which is deny (nothing at
     /// all) unless the project's owner set another.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -75,6 +75,7 @@ pub(super) fn fork(s: &Scope, sandbox: &str, count: u32, edge: Option<&str>) -> 
             placement: Some(placement),
             env: src.env.clone(),
             auto_pause: src.auto_pause,
+            auto_pause_filesystem: src.auto_pause_filesystem,
             auto_resume: src.auto_resume,
             snapshot: src.snapshot.clone().unwrap_or_default(),
             template: src.template.clone().unwrap_or_default(),

@@ -144,8 +144,8 @@ pub fn decide_excluding(
                 opts,
             },
         ),
-        Command::PauseSandbox { sandbox } => sandboxes::pause(&s, sandbox),
-        Command::ResumeSandbox { sandbox } => sandboxes::resume(&s, sandbox),
+        Command::PauseSandbox { sandbox, filesystem } => sandboxes::pause(&s, sandbox, *filesystem),
+        Command::ResumeSandbox { sandbox, cold } => sandboxes::resume(&s, sandbox, *cold),
         Command::KillSandbox { sandbox } => sandboxes::kill(&s, sandbox),
         Command::SetSandboxTimeout {
             sandbox,
@@ -315,8 +315,8 @@ fn audit_subject(cmd: &Command, state: &State) -> (String, String) {
         Command::SetRetention { .. } => (String::new(), "retention".into()),
         Command::CreateSandbox { project, image, .. } => (project.clone(), image.clone()),
         Command::ForkSandbox { sandbox, .. }
-        | Command::PauseSandbox { sandbox }
-        | Command::ResumeSandbox { sandbox }
+        | Command::PauseSandbox { sandbox, .. }
+        | Command::ResumeSandbox { sandbox, .. }
         | Command::KillSandbox { sandbox }
         | Command::SetSandboxTimeout { sandbox, .. }
         | Command::SetSandboxLabels { sandbox, .. }

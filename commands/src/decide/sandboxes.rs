@@ -128,6 +128,16 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
         (_, Some(kind)) => kind,
         (asked, None) => asked.unwrap_or_default(),
     };
+    if isolation.is_machine() && opts.auto_pause && opts.auto_pause_filesystem {
+        return Err(Rejection::field(
+            K::Invalid,
+            "opts.auto_pause_filesystem",
+            format!(
+                "a {}'s pause keeps its memory: a pause with the file system only is for containers",
+                isolation.noun()
+            ),
+        ));
+    }
     let (mut cpu, mut memory) = (cpu_millis, memory_mb);
     if isolation.is_machine()
         && let Some(snap) = from
@@ -200,6 +210,7 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
             placement: Some(placement),
             env: opts.env.clone(),
             auto_pause: opts.auto_pause,
+            auto_pause_filesystem: opts.auto_pause && opts.auto_pause_filesystem,
             auto_resume: opts.auto_resume,
             snapshot: from.map(|snap| snap.id.clone()).unwrap_or_default(),
             template: asked.to_string(),
@@ -215,25 +226,47 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
 }
 
 /// `PauseSandbox`.
-pub(super) fn pause(s: &Scope, sandbox: &str) -> Result<Decided, Rejection> {
+pub(super) fn pause(s: &Scope, sandbox: &str, filesystem: bool) -> Result<Decided, Rejection> {
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
+    if filesystem && x.isolation.is_machine() {
+        return Err(Rejection::field(
+            K::Invalid,
+            "filesystem",
+            format!(
+                "sandbox {sandbox} is a {}: its pause keeps its memory (a pause with the file system only is for containers)",
+                x.isolation.noun()
+            ),
+        ));
+    }
     Ok(Decided::one(
         &x.project,
         sandbox,
         Event::SandboxPauseRequested(pb::SandboxPauseRequested {
             id: sandbox.to_string(),
+            filesystem,
         }),
     ))
 }
 
 /// `ResumeSandbox`.
-pub(super) fn resume(s: &Scope, sandbox: &str) -> Result<Decided, Rejection> {
+pub(super) fn resume(s: &Scope, sandbox: &str, cold: bool) -> Result<Decided, Rejection> {
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
+    if cold && x.isolation.is_machine() {
+        return Err(Rejection::field(
+            K::Invalid,
+            "cold",
+            format!(
+                "sandbox {sandbox} is a {}: it resumes with the memory its pause kept (booting again from the file system is for containers)",
+                x.isolation.noun()
+            ),
+        ));
+    }
     Ok(Decided::one(
         &x.project,
         sandbox,
         Event::SandboxResumeRequested(pb::SandboxResumeRequested {
             id: sandbox.to_string(),
+            cold,
         }),
     ))
 }
@@ -335,7 +368,10 @@ pub(super) fn report(s: &Scope, sandbox: &str, observation: &Observation) -> Res
                     format!("sandbox {sandbox} does not pause at its timeout"),
                 ));
             }
-            Event::SandboxTimedOut(pb::SandboxTimedOut { id })
+            Event::SandboxTimedOut(pb::SandboxTimedOut {
+                id,
+                filesystem: x.auto_pause_filesystem,
+            })
         }
         Observation::Paused => Event::SandboxPaused(pb::SandboxPaused { id }),
         Observation::Resumed => Event::SandboxResumed(pb::SandboxResumed { id }),

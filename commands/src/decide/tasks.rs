@@ -50,9 +50,11 @@ fn pause_or_resume(s: &Scope, task: &str, pause: bool) -> Result<Decided, Reject
         .filter_map(|x| match (pause, x.desired) {
             (true, Desired::Running) => Some(Event::SandboxPauseRequested(pb::SandboxPauseRequested {
                 id: x.id.clone(),
+                filesystem: false,
             })),
             (false, Desired::Paused) => Some(Event::SandboxResumeRequested(pb::SandboxResumeRequested {
                 id: x.id.clone(),
+                cold: false,
             })),
             _ => None,
         })

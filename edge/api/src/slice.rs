@@ -65,6 +65,8 @@ pub fn slice_sandbox(s: &Sandbox) -> SliceSandbox {
         cpu_class: pb::CpuClass::from(s.cpu_class).into(),
         image_source: s.image_source.clone().unwrap_or_default(),
         network: s.network.clone().unwrap_or_default(),
+        auto_pause_filesystem: s.auto_pause_filesystem,
+        pause_filesystem: s.pause_filesystem,
     }
 }
 
@@ -238,7 +240,10 @@ mod tests {
         // Two hours of log time later, it has left the views.
         let later = t(
             2 * 3_600_000,
-            vec![Event::SandboxTimedOut(events::SandboxTimedOut { id: "other".into() })],
+            vec![Event::SandboxTimedOut(events::SandboxTimedOut {
+                id: "other".into(),
+                filesystem: false,
+            })],
         );
         state.apply_batch(6, &later);
         assert!(!state.sandboxes.sandboxes.contains_key(&id));

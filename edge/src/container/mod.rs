@@ -7,7 +7,9 @@
 //! disk with the overlay upper/work dirs), `rootfs/` (the overlay), `config.json` (the
 //! OCI bundle is this directory), `init.pid`, `shim.pid`, `output.log[.1]` (PID 1's
 //! output, size-capped), `runtime.log`, `shim.log` and, once PID 1 has exited,
-//! `exit.json`.
+//! `exit.json`. `stored` marks a sandbox whose processes a file-system-only pause ended
+//! ([`ContainerBackend::store`]): its disk and overlay stay, and
+//! [`ContainerBackend::restart`] boots it again on them.
 //!
 //! **Architecture Invariant**: the edge keeps no state about a sandbox that is not in
 //! its directory or in the runtime's state; [`ContainerBackend::list`] rebuilds it all.
@@ -209,6 +211,9 @@ pub enum SandboxStatus {
     Created,
     Running,
     Paused,
+    /// Its processes were ended by a file-system-only pause; its file system is kept and
+    /// [`ContainerBackend::restart`] boots it again.
+    Stored,
     /// PID 1 has exited (see [`SandboxState::exit`]).
     Stopped,
     /// The directory exists but the runtime does not know the container (e.g. after a
@@ -673,6 +678,9 @@ impl ContainerBackend {
 
     fn state_of(&self, handle: &Handle) -> Result<SandboxState, ContainerError> {
         let id = handle.id.as_str();
+        if let Some(stored) = stored_state(handle)? {
+            return Ok(stored);
+        }
         let exit = exit_info_in(&handle.dir)?;
         let rt = &handle.record.runtime;
         let (status, pid) = match rt.run(&["state", handle.record.runtime_id()]) {
@@ -708,6 +716,9 @@ impl ContainerBackend {
     /// sandboxes; `state` asks the runtime itself.
     pub fn quick_state(&self, id: &str) -> Result<SandboxState, ContainerError> {
         let handle = self.get(id)?;
+        if let Some(stored) = stored_state(&handle)? {
+            return Ok(stored);
+        }
         let exit = self.exit_info(id)?;
         let pid = handle.init_pid();
         let status = if exit.is_some() {
@@ -773,6 +784,80 @@ impl ContainerBackend {
     pub fn resume(&self, id: &str) -> Result<(), ContainerError> {
         let r = self.get(id)?.record;
         r.runtime.run(&["resume", r.runtime_id()]).map(drop)
+    }
+
+    /// A file-system-only pause: ends every process of the sandbox (a frozen one is
+    /// thawed to die) and keeps its file system, disk and overlay mounted, for
+    /// [`Self::restart`]. Its memory goes with its processes and its cgroup. Idempotent.
+    /// The mark is written first: an edge that dies halfway sees the sandbox still
+    /// running (or frozen) and stores it again, never as exited.
+    pub fn store(&self, id: &str) -> Result<(), ContainerError> {
+        let h = self.get(id)?;
+        let rt = &h.record.runtime;
+        let rid = h.record.runtime_id();
+        let mark = h.dir.join(STORED);
+        if !mark.exists() {
+            write_json_atomic(&mark, &now_unix_ms())?;
+        }
+        if exit_info_in(&h.dir)?.is_none() {
+            // A frozen task cannot die: thaw first. Killing PID 1 ends its PID namespace.
+            let _ = rt.run(&["resume", rid]);
+            let _ = rt.run(&["kill", rid, "KILL"]);
+            let shim_pid = read_pid(&h.dir.join("shim.pid"));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while exit_info_in(&h.dir)?.is_none() && shim_pid.is_some_and(process_alive) {
+                if Instant::now() >= deadline {
+                    return Err(ContainerError::Runtime {
+                        runtime: rt.name(),
+                        command: "kill".into(),
+                        message: format!("sandbox {id} did not end within 10 s of SIGKILL"),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if let Err(e) = rt.run(&["delete", "--force", rid]) {
+            let msg = e.to_string();
+            if !(msg.contains("does not exist") || msg.contains("not exist") || msg.contains("not found")) {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Boots a stored sandbox (see [`Self::store`]) again on its kept file system, with
+    /// its bundle as it was created and `extra_fds` (as at its creation) for its new PID
+    /// 1. Returns once PID 1 runs. The mark goes last: an edge that dies halfway finds
+    /// it stored, or running.
+    pub fn restart(&self, id: &str, extra_fds: &[RawFd]) -> Result<(), ContainerError> {
+        let h = self.get(id)?;
+        if !h.dir.join(STORED).exists() {
+            return Err(ContainerError::Invalid(format!(
+                "sandbox {id} was not stored: only a sandbox paused with its file system only boots again"
+            )));
+        }
+        if h.record.extra_fds != extra_fds.len() {
+            return Err(ContainerError::Invalid(format!(
+                "sandbox {id} was created with {} extra fds, not {}",
+                h.record.extra_fds,
+                extra_fds.len()
+            )));
+        }
+        let _ = h.record.runtime.run(&["delete", "--force", h.record.runtime_id()]);
+        for name in ["exit.json", "init.pid", "shim.pid"] {
+            match fs::remove_file(h.dir.join(name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(ContainerError::io(format!("removing {name}"), e)),
+            }
+        }
+        shim::spawn(&self.config.shim, &h.dir, id, extra_fds, false)?;
+        fs::remove_file(h.dir.join(STORED)).map_err(|e| ContainerError::io("removing the stored mark", e))
+    }
+
+    /// Whether the sandbox was stored by a file-system-only pause and not booted since.
+    pub fn is_stored(&self, id: &str) -> bool {
+        self.get(id).is_ok_and(|h| h.dir.join(STORED).exists())
     }
 
     /// Waits up to `timeout` for PID 1 to exit.
@@ -934,6 +1019,25 @@ pub(crate) fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<
 }
 
 /// The exit the shim recorded in sandbox directory `dir`, if PID 1 has exited.
+/// The mark of a stored sandbox (see [`ContainerBackend::store`]).
+const STORED: &str = "stored";
+
+/// A marked sandbox's state once its processes are gone: stored. Marked while PID 1 still
+/// runs (a store under way, or one that died halfway), it is what it is: `None`.
+fn stored_state(handle: &Handle) -> Result<Option<SandboxState>, ContainerError> {
+    if !handle.dir.join(STORED).exists() {
+        return Ok(None);
+    }
+    // The exit first: a recorded end is final, whatever process has PID 1's number now.
+    let ended = exit_info_in(&handle.dir)?.is_some() || !handle.init_pid().is_some_and(process_alive);
+    Ok(ended.then(|| SandboxState {
+        id: handle.id.clone(),
+        status: SandboxStatus::Stored,
+        init_pid: None,
+        exit: None,
+    }))
+}
+
 fn exit_info_in(dir: &Path) -> Result<Option<ExitInfo>, ContainerError> {
     let path = dir.join("exit.json");
     match fs::read(&path) {

@@ -228,6 +228,8 @@ impl SliceState {
                     kill_reason: None,
                     env: c.env.clone(),
                     auto_pause: c.auto_pause,
+                    auto_pause_filesystem: c.auto_pause_filesystem,
+                    pause_filesystem: born.filesystem,
                     snapshot: (!c.snapshot.is_empty()).then(|| c.snapshot.clone()),
                     isolation: isolation_of(&c.isolation)?,
                     source_edge: (!c.source_edge.is_empty()).then(|| c.source_edge.clone()),

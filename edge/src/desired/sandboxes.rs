@@ -29,6 +29,13 @@ pub struct DesiredSandbox {
     /// Paused instead of stopped at its timeout.
     #[serde(default)]
     pub auto_pause: bool,
+    /// That pause keeps only its file system.
+    #[serde(default)]
+    pub auto_pause_filesystem: bool,
+    /// Its pause keeps only its file system: paused, its processes are gone; resumed, it
+    /// boots again (the lifecycle's `filesystem`).
+    #[serde(default)]
+    pub pause_filesystem: bool,
     /// The snapshot it starts from (a file system, or a microVM's memory and disk).
     #[serde(default)]
     pub snapshot: Option<String>,
@@ -68,6 +75,7 @@ impl DesiredSandbox {
             desired: self.desired,
             observed: self.observed,
             expires_at_ms: self.expires_at_ms,
+            filesystem: self.pause_filesystem,
         }
     }
 
@@ -77,6 +85,7 @@ impl DesiredSandbox {
             self.desired = next.desired;
             self.observed = next.observed;
             self.expires_at_ms = next.expires_at_ms;
+            self.pause_filesystem = next.filesystem;
         }
     }
 
@@ -95,6 +104,8 @@ impl DesiredSandbox {
             kill_reason: None,
             env: s.env.clone(),
             auto_pause: s.auto_pause,
+            auto_pause_filesystem: s.auto_pause_filesystem,
+            pause_filesystem: s.pause_filesystem,
             snapshot: (!s.snapshot.is_empty()).then(|| s.snapshot.clone()),
             isolation: decode_isolation(s.isolation)?,
             source_edge: (!s.source_edge.is_empty()).then(|| s.source_edge.clone()),

@@ -293,7 +293,10 @@ fn an_end_recorded_in_the_log_is_terminal() {
             ..Default::default()
         }),
         ready("sb1"),
-        Event::SandboxPauseRequested(pb::SandboxPauseRequested { id: "sb1".into() }),
+        Event::SandboxPauseRequested(pb::SandboxPauseRequested {
+            id: "sb1".into(),
+            filesystem: false,
+        }),
     ]);
     let d = &s.sandboxes["sb1"];
     assert_eq!(d.observed, Observed::Exited);
@@ -312,7 +315,10 @@ fn a_timed_out_sandbox_with_auto_pause_is_wanted_paused_and_its_timeout_spent() 
     c.auto_pause = true;
     let s = folded(vec![
         Event::SandboxCreated(c),
-        Event::SandboxTimedOut(pb::SandboxTimedOut { id: "sb1".into() }),
+        Event::SandboxTimedOut(pb::SandboxTimedOut {
+            id: "sb1".into(),
+            filesystem: false,
+        }),
     ]);
     let d = &s.sandboxes["sb1"];
     assert_eq!((d.desired, d.expires_at_ms), (Desired::Paused, None));

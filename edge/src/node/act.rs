@@ -17,8 +17,13 @@ impl Edge {
                 self.act_create(id, observed).await;
                 Ok(())
             }
-            Action::Pause { id } => self.blocking(move |e| e.backend_of(&id).pause(&id)).await,
-            Action::Resume { id } => self.resume(id).await,
+            Action::Pause { id, filesystem } => {
+                if filesystem {
+                    tracing::info!(sandbox = %id, "pausing with its file system only: its processes end");
+                }
+                self.blocking(move |e| e.backend_of(&id).pause(&id, filesystem)).await
+            }
+            Action::Resume { id, cold } => self.resume(id, cold).await,
             Action::Stop { id, reason } => {
                 tracing::info!(sandbox = %id, %reason, "stopping");
                 self.blocking(move |e| e.backend_of(&id).stop(&id)).await

@@ -65,7 +65,7 @@ impl Edge {
                 let committed = !s.is_terminal() && s.desired != opendsec_projections::Desired::Killed;
                 committed
                     || creating.contains(&s.id)
-                    || matches!(observed.get(&s.id), Some(Running::Running | Running::Paused))
+                    || matches!(observed.get(&s.id), Some(Running::Running | Running::Paused { .. }))
             })
             .map(|s| (s.cpu_millis, s.memory_mb))
             .chain(

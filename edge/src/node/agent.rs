@@ -191,6 +191,40 @@ impl Edge {
         Ok(AgentLaunch { spec, listener, config })
     }
 
+    /// Boots container sandbox `id` again on its kept file system (a resume after a
+    /// file-system-only pause, or one that drops memory: a frozen container is stored
+    /// first): a new agent on a new socket with its configuration as at its creation,
+    /// then, for a template with a start command, that command's port open.
+    pub(super) async fn boot_stored_container(self: &std::sync::Arc<Self>, id: &str) -> Result<(), EdgeError> {
+        let d = self
+            .slice
+            .lock()
+            .expect("slice lock")
+            .sandboxes
+            .get(id)
+            .cloned()
+            .ok_or_else(|| EdgeError::Store(format!("sandbox {id} is not in this edge's slice")))?;
+        let sid = id.to_string();
+        let dd = d.clone();
+        self.blocking(move |e| {
+            if !e.containers.is_stored(&sid) {
+                e.containers.store(&sid)?;
+            }
+            let image = e.image_for(&dd)?;
+            let AgentLaunch { spec, listener, config } = e.agent_spec(&sid, &image, e.limits(&dd))?;
+            e.send_agent_config(&dd, &image, config.write)?;
+            e.containers.restart(&sid, &spec.extra_fds)?;
+            drop((listener, config.read));
+            Ok(())
+        })
+        .await?;
+        if self.has_start_command(&d.image) {
+            self.wait_started(id).await.map_err(EdgeError::Store)?;
+        }
+        tracing::info!(sandbox = %id, "booted again on its file system");
+        Ok(())
+    }
+
     /// Waits until the agent says the sandbox is up (a template's start command has
     /// opened its port): `GET /health` answers 204.
     pub(super) async fn wait_started(&self, id: &str) -> Result<(), String> {

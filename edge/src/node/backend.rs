@@ -125,18 +125,30 @@ impl Edge {
         }
     }
 
-    /// Resumes sandbox `id`. A VM that cannot be restored (its snapshot is damaged, QEMU
-    /// refuses it) would be tried for ever: after [`MAX_RESUME_TRIES`] in a row it is
-    /// reported failed. (A container's resume is a cgroup thaw.)
-    pub(super) async fn resume(self: &Arc<Self>, id: String) -> Result<(), EdgeError> {
-        if let Backend::Containers(_) = self.backend_of(&id) {
+    /// Resumes sandbox `id`: where it was (a container's cgroup thaw, a VM's restore), or
+    /// with `cold` (its pause kept only its file system, or a resume drops its memory)
+    /// booted again from its file system. A sandbox that cannot be brought back (a VM's
+    /// snapshot is damaged, QEMU refuses it, a container's runtime fails) would be tried
+    /// for ever: after [`MAX_RESUME_TRIES`] in a row it is reported failed.
+    pub(super) async fn resume(self: &Arc<Self>, id: String, cold: bool) -> Result<(), EdgeError> {
+        let container = matches!(self.backend_of(&id), Backend::Containers(_));
+        if container && !cold && !self.containers.is_stored(&id) {
             return self.blocking(move |e| e.backend_of(&id).resume(&id)).await;
         }
         if self.failed.lock().expect("failed lock").contains(&id) {
             return Ok(()); // reported failed: no more tries while the log catches up
         }
         let sid = id.clone();
-        let resumed = self.blocking(move |e| e.backend_of(&sid).resume(&sid)).await;
+        let resumed = if container {
+            self.boot_stored_container(&id).await
+        } else if cold {
+            // The log refuses such a resume of a VM (its pause always keeps memory).
+            Err(EdgeError::Store(format!(
+                "sandbox {id} is a VM: it resumes with the memory its pause kept"
+            )))
+        } else {
+            self.blocking(move |e| e.backend_of(&sid).resume(&sid)).await
+        };
         let tries = {
             let mut failures = self.resume_failures.lock().expect("resume failures lock");
             match &resumed {
@@ -157,7 +169,11 @@ impl Edge {
                 self.report(
                     &id,
                     Observation::Failed {
-                        reason: format!("the microVM could not be restored ({tries} tries): {e}"),
+                        reason: if container {
+                            format!("the container could not be booted again ({tries} tries): {e}")
+                        } else {
+                            format!("the microVM could not be restored ({tries} tries): {e}")
+                        },
                     },
                 )
                 .await;
@@ -222,10 +238,17 @@ impl Edge {
 }
 
 impl Backend<'_> {
-    pub(super) fn pause(&self, id: &str) -> Result<(), EdgeError> {
-        match self {
-            Backend::Containers(c) => containers::pause(c, id),
-            Backend::Machines(m) => Ok(m.ready()?.pause(id)?),
+    /// Pauses the sandbox: everything kept, or (`filesystem`) its processes ended and
+    /// only its file system kept (a container's disk and overlay, a VM's disk).
+    pub(super) fn pause(&self, id: &str, filesystem: bool) -> Result<(), EdgeError> {
+        match (self, filesystem) {
+            (Backend::Containers(c), false) => containers::pause(c, id),
+            (Backend::Containers(c), true) => Ok(c.store(id)?),
+            (Backend::Machines(m), false) => Ok(m.ready()?.pause(id)?),
+            // The log refuses such a pause of a VM: it always keeps memory.
+            (Backend::Machines(_), true) => Err(EdgeError::Store(format!(
+                "sandbox {id} is a VM: its pause keeps its memory"
+            ))),
         }
     }
 

@@ -55,11 +55,12 @@ pub(super) fn observe(
         live_cgroups.insert(h.record.cgroups_path.clone());
         let kills = cgroup::oom_kills(&h.record.cgroups_path).unwrap_or(0);
         let running = match (st.status, st.exit) {
+            (SandboxStatus::Stored, _) => Running::Paused { memory: false },
             (_, Some(exit)) => Running::Exited {
                 exit_code: exit.exit_code,
                 oom_killed: exit.oom_killed,
             },
-            (SandboxStatus::Paused, None) => Running::Paused,
+            (SandboxStatus::Paused, None) => Running::Paused { memory: true },
             (SandboxStatus::Created | SandboxStatus::Running, None) => {
                 if kills > 0 {
                     let command = oom_log.last_victim(&h.record.cgroups_path).unwrap_or_default();

@@ -448,6 +448,8 @@ mod tests {
             observed: opendsec_projections::Observed::Pending,
             kill_reason: None,
             env: Default::default(),
+            auto_pause_filesystem: false,
+            pause_filesystem: false,
             auto_pause: false,
             snapshot: None,
             isolation: Default::default(),

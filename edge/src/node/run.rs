@@ -313,7 +313,7 @@ impl Edge {
                 let observed = e.last_observed.lock().expect("observed lock").clone();
                 let running = |id: &str| matches!(observed.get(id), Some(Running::Running));
                 e.metrics_history.retain(
-                    |id| matches!(observed.get(id), Some(Running::Running | Running::Paused)),
+                    |id| matches!(observed.get(id), Some(Running::Running | Running::Paused { .. })),
                     running,
                 );
                 for id in observed.keys().filter(|id| running(id)) {

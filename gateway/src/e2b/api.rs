@@ -286,6 +286,9 @@ pub(super) fn detail_json(st: &AppState, x: &Sandbox) -> Value {
     if let Some(n) = e2b_network_json(x.network.as_deref()) {
         v["network"] = n;
     }
+    if e2b_state(x) == "paused" {
+        v["pauseMode"] = json!(if x.pause_filesystem { "filesystem" } else { "full" });
+    }
     v
 }
 
@@ -394,6 +397,7 @@ pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
         &headers,
         Command::ResumeSandbox {
             sandbox: id.to_string(),
+            cold: false,
         },
     )
     .await?;

@@ -38,7 +38,9 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
     // `network` over the project's default policy; neither: the default itself.
     let allow_internet = opt_bool(&m, "allow_internet_access")?;
     let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
-    let _ = opt_bool(&m, "autoPauseMemory")?; // frozen containers keep their memory; microVMs snapshot theirs
+    // false: the auto-pause keeps only the file system (a container's processes end; its
+    // resume boots it again). A microVM's pause always keeps its memory: refused then.
+    let auto_pause_filesystem = auto_pause && opt_bool(&m, "autoPauseMemory")? == Some(false);
     for f in ["mcp", "iam", "volumeMounts"] {
         unsupported(&m, f)?;
     }
@@ -96,6 +98,7 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
         opts: SandboxOptions {
             env,
             auto_pause,
+            auto_pause_filesystem,
             auto_resume,
             network,
             idempotency_key: idempotency_key.clone(),
@@ -163,10 +166,16 @@ pub(super) async fn connect(
     let who = caller(&st, &headers).await?;
     let m = body_object(&body)?;
     let timeout = opt_u64(&m, "timeout")?;
+    // false: a paused sandbox boots again from its file system, whatever its pause kept.
+    let cold = opt_bool(&m, "memory")? == Some(false);
     let x = visible(&st, &who, &id)?;
     let resumed = x.desired == Desired::Paused || x.observed == Observed::Paused;
     if resumed {
-        submit(&st, &who, &headers, Command::ResumeSandbox { sandbox: id.clone() }).await?;
+        let cmd = Command::ResumeSandbox {
+            sandbox: id.clone(),
+            cold,
+        };
+        submit(&st, &who, &headers, cmd).await?;
     }
     // A connect only extends the lifetime (E2B's rule): a running sandbox whose end is
     // later than `timeout` from now keeps it. A resumed one gets the timeout it asks
@@ -250,8 +259,19 @@ pub(super) async fn refresh(
     Ok(no_content())
 }
 
-pub(super) async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> R<Response> {
+pub(super) async fn pause(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> R<Response> {
     let who = caller(&st, &headers).await?;
+    let m = body_object(&body)?;
+    // `memory: false` (the SDK's `mode="filesystem"`, or `keep_memory=False`): only the
+    // file system is kept. `requireHealthyGuest`: a sandbox that is not answering would
+    // not be paused; every sandbox paused here is one its edge reports running.
+    let filesystem = opt_bool(&m, "memory")? == Some(false);
+    let _ = opt_bool(&m, "requireHealthyGuest")?;
     let x = visible(&st, &who, &id)?;
     if x.desired == Desired::Paused {
         return Err(E2bError::new(
@@ -259,7 +279,11 @@ pub(super) async fn pause(State(st): State<AppState>, headers: HeaderMap, Path(i
             format!("sandbox {id} is already paused"),
         ));
     }
-    submit(&st, &who, &headers, Command::PauseSandbox { sandbox: id.clone() }).await?;
+    let cmd = Command::PauseSandbox {
+        sandbox: id.clone(),
+        filesystem,
+    };
+    submit(&st, &who, &headers, cmd).await?;
     wait_for(&st, &id, ACTION_WAIT, |x| {
         ended(x).or_else(|| (x.observed == Observed::Paused).then_some(Ok(())))
     })

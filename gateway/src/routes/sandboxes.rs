@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use super::visible_project;
 use crate::convert::{self, SANDBOX_STATES};
 use crate::error::ApiError;
-use crate::extract::{Authed, JsonBody, PageQuery, Params, PathParam, RequestId};
+use crate::extract::{Authed, JsonBody, OptionalJsonBody, PageQuery, Params, PathParam, RequestId};
 use crate::{AppState, Written, submit};
 
 pub const DEFAULT_CPU_MILLIS: u64 = 1000;
@@ -43,6 +43,8 @@ pub async fn create(
             isolation: req.isolation.map(convert::isolation_of),
             cpu_class: req.cpu_class.map(convert::cpu_class_of),
             auto_resume: req.auto_resume.unwrap_or(true),
+            auto_pause: req.auto_pause.unwrap_or(false),
+            auto_pause_filesystem: req.auto_pause_filesystem.unwrap_or(false),
             network: req.network.as_ref().map(|n| convert::network_json(n, None)),
             env: req.env.unwrap_or_default(),
             ..Default::default()
@@ -163,26 +165,40 @@ pub async fn kill(
     lifecycle(st, who, rid, id.clone(), Command::KillSandbox { sandbox: id }).await
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)),
+/// Pauses the sandbox: everything kept, or with `filesystem` only its file system (its
+/// processes end; its resume boots it again). The body may be left out.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes", params(("id" = String, Path)), request_body = Option<api::PauseSandbox>,
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
 pub async fn pause(
     st: State<AppState>,
     who: Authed,
     rid: RequestId,
     PathParam(id): PathParam<String>,
+    OptionalJsonBody(req): OptionalJsonBody<api::PauseSandbox>,
 ) -> Result<Written<SandboxWritten>, ApiError> {
-    lifecycle(st, who, rid, id.clone(), Command::PauseSandbox { sandbox: id }).await
+    let cmd = Command::PauseSandbox {
+        sandbox: id.clone(),
+        filesystem: req.filesystem,
+    };
+    lifecycle(st, who, rid, id, cmd).await
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)),
+/// Resumes the sandbox where it was, or with `cold` booted again from its file system.
+/// The body may be left out.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes", params(("id" = String, Path)), request_body = Option<api::ResumeSandbox>,
     responses((status = 200, body = SandboxWritten), (status = "4XX", body = api::ErrorBody)))]
 pub async fn resume(
     st: State<AppState>,
     who: Authed,
     rid: RequestId,
     PathParam(id): PathParam<String>,
+    OptionalJsonBody(req): OptionalJsonBody<api::ResumeSandbox>,
 ) -> Result<Written<SandboxWritten>, ApiError> {
-    lifecycle(st, who, rid, id.clone(), Command::ResumeSandbox { sandbox: id }).await
+    let cmd = Command::ResumeSandbox {
+        sandbox: id.clone(),
+        cold: req.cold,
+    };
+    lifecycle(st, who, rid, id, cmd).await
 }
 
 /// Sets the sandbox's lifetime from now; 0 removes it.

@@ -160,6 +160,8 @@ impl State {
                     last_oom_command: None,
                     cpu_class: CpuClass::from_event(&e.cpu_class).unwrap_or_default(),
                     image_source: (!e.image_source.is_empty()).then(|| e.image_source.clone()),
+                    auto_pause_filesystem: e.auto_pause_filesystem,
+                    pause_filesystem: born.filesystem,
                 };
                 let u = s.usage();
                 if let Some(edge) = self.placement.edges.get_mut(&e.edge) {
@@ -476,6 +478,7 @@ fn advance(s: &mut Sandbox, ev: &Event) -> bool {
         desired: s.desired,
         observed: s.observed,
         expires_at_ms: s.expires_at_ms,
+        filesystem: s.pause_filesystem,
     };
     let Some(next) = now.next(ev) else {
         return false;
@@ -489,5 +492,6 @@ fn advance(s: &mut Sandbox, ev: &Event) -> bool {
     s.desired = next.desired;
     s.observed = next.observed;
     s.expires_at_ms = next.expires_at_ms;
+    s.pause_filesystem = next.filesystem;
     true
 }

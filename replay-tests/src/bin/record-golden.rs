@@ -445,11 +445,32 @@ async fn control_plane_tour(d: &mut Driver, admin: &str, root: &str) {
     .await;
 
     // Pause / resume.
-    d.ok(&dev, Command::PauseSandbox { sandbox: a[0].clone() }).await;
+    d.ok(
+        &dev,
+        Command::PauseSandbox {
+            sandbox: a[0].clone(),
+            filesystem: false,
+        },
+    )
+    .await;
     d.report(&admin, &a[0], Observation::Paused).await;
-    d.ok(&dev, Command::ResumeSandbox { sandbox: a[0].clone() }).await;
+    d.ok(
+        &dev,
+        Command::ResumeSandbox {
+            sandbox: a[0].clone(),
+            cold: false,
+        },
+    )
+    .await;
     d.report(&admin, &a[0], Observation::Resumed).await;
-    d.ok(&ci, Command::PauseSandbox { sandbox: b[1].clone() }).await;
+    d.ok(
+        &ci,
+        Command::PauseSandbox {
+            sandbox: b[1].clone(),
+            filesystem: false,
+        },
+    )
+    .await;
     d.report(&admin, &b[1], Observation::Paused).await;
 
     // Fork a running sandbox three ways; the children come up.
@@ -570,7 +591,14 @@ async fn control_plane_tour(d: &mut Driver, admin: &str, root: &str) {
     .await;
     // Pausing a sandbox that has ended: conflict, logged.
     assert_eq!(
-        d.denied(&dev, Command::PauseSandbox { sandbox: a[2].clone() }).await,
+        d.denied(
+            &dev,
+            Command::PauseSandbox {
+                sandbox: a[2].clone(),
+                filesystem: false
+            }
+        )
+        .await,
         "conflict"
     );
     // Research has room again after the OOM: one more.
@@ -639,6 +667,7 @@ async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
         opts: SandboxOptions {
             env: labels_of(env),
             auto_pause,
+            auto_pause_filesystem: false,
             auto_resume,
             network: network.map(str::to_string),
             idempotency_key: None,
@@ -805,7 +834,14 @@ async fn options_and_snapshots(d: &mut Driver, admin: &str, root: &str) {
     d.report(&admin, &main, Observation::TimedOut).await;
     d.report(&admin, &main, Observation::Paused).await;
     // Auto-resume (the gateway on a request to it) and a new timeout.
-    d.ok(&key, Command::ResumeSandbox { sandbox: main.clone() }).await;
+    d.ok(
+        &key,
+        Command::ResumeSandbox {
+            sandbox: main.clone(),
+            cold: false,
+        },
+    )
+    .await;
     d.report(&admin, &main, Observation::Resumed).await;
     d.ok(
         &key,

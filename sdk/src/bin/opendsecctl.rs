@@ -548,6 +548,8 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             wait_seconds,
             wait,
             no_auto_resume,
+            auto_pause,
+            auto_pause_filesystem,
             network,
         } => {
             let req = CreateSandbox {
@@ -561,6 +563,8 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
                 isolation: isolation.map(Isolation::from),
                 cpu_class: cpu_class.map(CpuClass::from),
                 auto_resume: no_auto_resume.then_some(false),
+                auto_pause: (auto_pause || auto_pause_filesystem).then_some(true),
+                auto_pause_filesystem: auto_pause_filesystem.then_some(true),
                 network: network.given().then(|| network.policy()).transpose()?,
             };
             let mut written = client.create_sandbox(&req).await?;
@@ -701,8 +705,10 @@ async fn sandbox(client: &Client, out: Printer, c: SandboxCmd) -> Result<u8, Api
             return Ok(if snap.state == "failed" { 1 } else { 0 });
         }
         SandboxCmd::Kill { id } => client.kill_sandbox(&id).await?,
-        SandboxCmd::Pause { id } => client.pause_sandbox(&id).await?,
-        SandboxCmd::Resume { id } => client.resume_sandbox(&id).await?,
+        SandboxCmd::Pause { id, filesystem: false } => client.pause_sandbox(&id).await?,
+        SandboxCmd::Pause { id, filesystem: true } => client.pause_sandbox_filesystem(&id).await?,
+        SandboxCmd::Resume { id, cold: false } => client.resume_sandbox(&id).await?,
+        SandboxCmd::Resume { id, cold: true } => client.resume_sandbox_cold(&id).await?,
         SandboxCmd::SetTimeout { id, seconds } => client.set_sandbox_timeout(&id, seconds).await?,
         SandboxCmd::Exec {
             id,

@@ -123,6 +123,16 @@ pub struct Sandbox {
     /// While paused, the next call to it resumes it (else the call gets a 409).
     #[serde(default)]
     pub auto_resume: bool,
+    /// At its timeout it pauses instead of ending (`auto_pause`), keeping only its file
+    /// system (`auto_pause_filesystem`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_pause: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_pause_filesystem: bool,
+    /// Its pause keeps only its file system: paused, its processes are gone; its resume
+    /// boots it again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pause_filesystem: bool,
     /// Log index of the last change.
     pub index: u64,
     pub isolation: Isolation,
@@ -273,6 +283,28 @@ pub struct ForkSandbox {
 pub struct Forked {
     pub index: u64,
     pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/pause` (the body may be left out: everything is kept).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PauseSandbox {
+    /// Keep only the file system: the sandbox's processes end and their memory is given
+    /// back; its resume boots it again from that file system (containers only).
+    #[serde(default)]
+    pub filesystem: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/resume` (the body may be left out: where it was).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ResumeSandbox {
+    /// Boot it again from its file system, dropping the memory its pause kept
+    /// (containers only).
+    #[serde(default)]
+    pub cold: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -193,6 +193,73 @@ def test_pause_keeps_files_and_processes_and_connect_resumes(listed, run_id):
     resumed.commands.kill(proc.pid)
 
 
+def running_commands(sb):
+    """The command lines of the processes the sandbox's agent runs."""
+    return [" ".join([p.cmd, *p.args]) for p in sb.commands.list()]
+
+
+def test_a_filesystem_pause_keeps_the_files_ends_the_processes_and_connect_boots_it_again(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "fs-pause"})
+    try:
+        sb.files.write("/home/user/on-disk.txt", "kept")
+        sb.commands.run("echo installed > /opt/state.txt", user="root")
+        sb.commands.run("sleep 3600", background=True)
+        assert any("sleep 3600" in c for c in running_commands(sb))
+
+        assert sb.pause(mode="filesystem") is True
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.PAUSED
+        assert Sandbox.pause(sb.sandbox_id, mode="filesystem") is False  # already paused: 409
+
+        resumed = Sandbox.connect(sb.sandbox_id)
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.RUNNING
+        # Everything it wrote is there; nothing it ran is: it booted again.
+        assert resumed.files.read("/home/user/on-disk.txt") == "kept"
+        assert resumed.commands.run("cat /opt/state.txt").stdout == "installed\n"
+        assert not any("sleep 3600" in c for c in running_commands(resumed))
+        assert resumed.commands.run("echo up").stdout == "up\n"
+        # Its envd token is the one it had: the same client goes on working.
+        assert sb.files.read("/home/user/on-disk.txt") == "kept"
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_connect_with_reboot_drops_the_memory_a_full_pause_kept(run_id):
+    sb = Sandbox.create(template=BASE_TEMPLATE, timeout=120, metadata={"suite": run_id, "group": "reboot"})
+    try:
+        sb.files.write("/home/user/on-disk.txt", "kept")
+        sb.commands.run("sleep 3600", background=True)
+        assert sb.pause() is True  # keeps memory: a freeze
+        resumed = Sandbox.connect(sb.sandbox_id, on_resume="reboot")
+        assert resumed.files.read("/home/user/on-disk.txt") == "kept"
+        assert not any("sleep 3600" in c for c in running_commands(resumed))
+        # A later full pause keeps memory again.
+        resumed.commands.run("sleep 3600", background=True)
+        assert resumed.pause() is True
+        again = Sandbox.connect(sb.sandbox_id)
+        assert any("sleep 3600" in c for c in running_commands(again))
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_sandbox_set_to_pause_its_file_system_at_its_timeout_boots_again_on_connect(run_id):
+    sb = Sandbox.create(
+        template=BASE_TEMPLATE,
+        timeout=60,
+        lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}, "auto_resume": False},
+        metadata={"suite": run_id, "group": "auto-pause-fs"},
+    )
+    try:
+        sb.files.write("/home/user/kept.txt", "still here")
+        sb.commands.run("sleep 3600", background=True)
+        sb.set_timeout(2)
+        wait_state(sb.sandbox_id, SandboxState.PAUSED)
+        resumed = Sandbox.connect(sb.sandbox_id)
+        assert resumed.files.read("/home/user/kept.txt") == "still here"
+        assert not any("sleep 3600" in c for c in running_commands(resumed))
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
 # --- timeout and expiry -------------------------------------------------------------
 
 

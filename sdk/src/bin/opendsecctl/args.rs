@@ -387,6 +387,13 @@ pub(crate) enum SandboxCmd {
         /// default the next call resumes it).
         #[arg(long)]
         no_auto_resume: bool,
+        /// At its timeout, pause it instead of ending it.
+        #[arg(long)]
+        auto_pause: bool,
+        /// At its timeout, pause it keeping only its file system (containers): its
+        /// processes end; the next call boots it again.
+        #[arg(long, conflicts_with = "auto_pause")]
+        auto_pause_filesystem: bool,
         #[command(flatten)]
         network: NetworkArgs,
     },
@@ -424,11 +431,20 @@ pub(crate) enum SandboxCmd {
         #[arg(long, value_parser = parse_span)]
         since: Option<u64>,
     },
+    /// Pauses it: a container freezes with its memory, a microVM's memory is saved. With
+    /// --filesystem (containers) only its file system is kept: its processes end and give
+    /// their memory back, and its resume boots it again (the next call resumes it).
     Pause {
         id: String,
+        #[arg(long)]
+        filesystem: bool,
     },
+    /// Resumes it where it was; with --cold (containers) it boots again from its file
+    /// system instead, dropping the memory its pause kept.
     Resume {
         id: String,
+        #[arg(long)]
+        cold: bool,
     },
     /// Takes a snapshot (a container's file system; a microVM's memory, device state and
     /// disk) and waits until its edge has taken it. Start sandboxes from it with
