@@ -464,6 +464,166 @@ fn at_its_timeout_an_auto_pause_sandbox_pauses_and_its_timeout_is_spent() {
 }
 
 #[test]
+fn a_pause_may_keep_only_the_file_system_and_a_resume_may_boot_the_sandbox_again() {
+    let (mut w, admin, id) = running();
+    w.run(
+        &admin,
+        Command::PauseSandbox {
+            sandbox: id.clone(),
+            filesystem: true,
+        },
+    )
+    .unwrap();
+    let x = &w.state.sandboxes.sandboxes[&id];
+    assert_eq!((x.desired, x.pause_filesystem), (Desired::Paused, true));
+    // Resumed, it boots again; the mode stays what its last pause kept until the next.
+    w.run(
+        &admin,
+        Command::ResumeSandbox {
+            sandbox: id.clone(),
+            cold: false,
+        },
+    )
+    .unwrap();
+    let x = &w.state.sandboxes.sandboxes[&id];
+    assert_eq!((x.desired, x.pause_filesystem), (Desired::Running, true));
+    w.run(
+        &admin,
+        Command::PauseSandbox {
+            sandbox: id.clone(),
+            filesystem: false,
+        },
+    )
+    .unwrap();
+    assert!(!w.state.sandboxes.sandboxes[&id].pause_filesystem);
+    // A resume that drops the memory that pause kept.
+    w.run(
+        &admin,
+        Command::ResumeSandbox {
+            sandbox: id.clone(),
+            cold: true,
+        },
+    )
+    .unwrap();
+    assert!(w.state.sandboxes.sandboxes[&id].pause_filesystem);
+}
+
+#[test]
+fn an_auto_pause_may_keep_only_the_file_system_and_forks_inherit_it() {
+    let (mut w, admin, _) = running();
+    let root = w.root.clone();
+    let id = w
+        .run(
+            &admin,
+            create_with(
+                &root,
+                "base",
+                SandboxOptions {
+                    auto_pause: true,
+                    auto_pause_filesystem: true,
+                    ..Default::default()
+                },
+            ),
+        )
+        .unwrap()
+        .decided
+        .target;
+    w.report(&admin, &id, Observation::Ready);
+    let forked = w
+        .run(
+            &admin,
+            Command::ForkSandbox {
+                sandbox: id.clone(),
+                count: 1,
+                edge: None,
+            },
+        )
+        .unwrap();
+    let copy = forked.decided.events.iter().find_map(|e| match e {
+        opendsec_projections::Event::SandboxCreated(c) => Some(c.id.clone()),
+        _ => None,
+    });
+    assert!(w.state.sandboxes.sandboxes[&copy.unwrap()].auto_pause_filesystem);
+    w.report(&admin, &id, Observation::TimedOut);
+    let x = &w.state.sandboxes.sandboxes[&id];
+    assert_eq!((x.desired, x.pause_filesystem), (Desired::Paused, true));
+    // Without auto-pause there is no pause at the timeout to keep anything.
+    let plain = w
+        .run(
+            &admin,
+            create_with(
+                &root,
+                "base",
+                SandboxOptions {
+                    auto_pause_filesystem: true,
+                    ..Default::default()
+                },
+            ),
+        )
+        .unwrap()
+        .decided
+        .target;
+    assert!(!w.state.sandboxes.sandboxes[&plain].auto_pause_filesystem);
+}
+
+#[test]
+fn a_firecracker_microvm_always_keeps_its_memory() {
+    let (mut w, admin, _) = running();
+    let root = w.root.clone();
+    let vm = w
+        .run(
+            &admin,
+            create_with(
+                &root,
+                "base",
+                SandboxOptions {
+                    isolation: Some(opendsec_projections::Isolation::Microvm),
+                    ..Default::default()
+                },
+            ),
+        )
+        .unwrap()
+        .decided
+        .target;
+    w.report(
+        &admin,
+        &vm,
+        Observation::VmReady {
+            vmm: "firecracker".into(),
+            accelerator: "kvm".into(),
+        },
+    );
+    let err = w
+        .run(
+            &admin,
+            Command::PauseSandbox {
+                sandbox: vm.clone(),
+                filesystem: true,
+            },
+        )
+        .unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("filesystem")));
+    w.run(
+        &admin,
+        Command::PauseSandbox {
+            sandbox: vm.clone(),
+            filesystem: false,
+        },
+    )
+    .unwrap();
+    let err = w
+        .run(
+            &admin,
+            Command::ResumeSandbox {
+                sandbox: vm,
+                cold: true,
+            },
+        )
+        .unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("cold")));
+}
+
+#[test]
 fn replaying_the_log_of_snapshots_and_options_gives_the_same_state() {
     let (mut w, admin, id) = running();
     let root = w.root.clone();

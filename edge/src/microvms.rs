@@ -155,7 +155,9 @@ impl MicroVms {
         for vm in self.driver.list()? {
             let seen = match vm.status() {
                 Ok(VmStatus::Running { .. }) => Running::Running,
-                Ok(VmStatus::Paused) => Running::Paused { memory: true },
+                Ok(VmStatus::Paused) => Running::Paused {
+                    memory: !vm.is_stored(),
+                },
                 // Its VMM went over its cgroup's memory limit: the sandbox ends as OOM.
                 Ok(VmStatus::Exited(_)) if vm.oom_killed() => {
                     tracing::warn!(
@@ -330,6 +332,50 @@ impl MicroVms {
     pub fn resume(&self, id: &str) -> Result<(), VmError> {
         let report = self.handle(id)?.resume()?;
         tracing::info!(sandbox = %id, restore_ms = report.restore.as_millis() as u64, "resumed a microVM");
+        Ok(())
+    }
+
+    /// A file-system-only pause of VM `id`: its guest's file systems synced (through its
+    /// agent, best effort: a guest that does not answer within 10 s loses what it had not
+    /// written), then its QEMU ends and only its disk is kept (see [`VmHandle::store`]).
+    pub fn pause_filesystem(&self, id: &str) -> Result<(), VmError> {
+        let vm = self.handle(id)?;
+        if matches!(vm.status()?, VmStatus::Running { .. })
+            && let Ok(agent) = vm.agent()
+        {
+            let token = self.token(id);
+            let synced = std::thread::scope(|s| {
+                s.spawn(|| {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .ok()?;
+                    rt.block_on(async {
+                        tokio::time::timeout(Duration::from_secs(10), agent.exec(&token, "sync", &[]))
+                            .await
+                            .ok()
+                    })
+                })
+                .join()
+                .ok()
+                .flatten()
+            });
+            if !matches!(synced, Some(Ok(_))) {
+                tracing::warn!(sandbox = %id, "the guest did not sync its file systems before its file-system-only pause");
+            }
+        }
+        vm.store()?;
+        tracing::info!(sandbox = %id, "paused a VM with its disk only (its QEMU ended, its memory dropped)");
+        Ok(())
+    }
+
+    /// Boots VM sandbox `d` again from its disk (its pause kept only that, or its memory is
+    /// dropped now), and returns once its agent answers.
+    pub fn boot_again(&self, d: &DesiredSandbox, image: &Image) -> Result<(), VmError> {
+        let vm = self.handle(&d.id)?;
+        vm.boot_again(&self.spec(d, image))?;
+        let waited = vm.wait_agent(AGENT_READY_TIMEOUT)?;
+        tracing::info!(sandbox = %d.id, agent_ms = waited.as_millis() as u64, "booted a VM again from its disk");
         Ok(())
     }
 

@@ -128,16 +128,6 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
         (_, Some(kind)) => kind,
         (asked, None) => asked.unwrap_or_default(),
     };
-    if isolation.is_machine() && opts.auto_pause && opts.auto_pause_filesystem {
-        return Err(Rejection::field(
-            K::Invalid,
-            "opts.auto_pause_filesystem",
-            format!(
-                "a {}'s pause keeps its memory: a pause with the file system only is for containers",
-                isolation.noun()
-            ),
-        ));
-    }
     let (mut cpu, mut memory) = (cpu_millis, memory_mb);
     if isolation.is_machine()
         && let Some(snap) = from
@@ -225,18 +215,27 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
     ))
 }
 
+/// A Firecracker microVM (on a KVM host) always pauses and resumes with its memory: a
+/// pause of its file system only, or a resume that boots it again, is refused (`field`).
+fn on_firecracker_refused(x: &opendsec_projections::Sandbox, field: &str) -> Result<(), Rejection> {
+    if x.runtime.as_ref().is_some_and(|r| r.vmm == "firecracker") {
+        return Err(Rejection::field(
+            K::Invalid,
+            field,
+            format!(
+                "sandbox {} runs on Firecracker, whose pause always keeps its memory; a pause of the file system only is for containers and QEMU VMs",
+                x.id
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `PauseSandbox`.
 pub(super) fn pause(s: &Scope, sandbox: &str, filesystem: bool) -> Result<Decided, Rejection> {
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    if filesystem && x.isolation.is_machine() {
-        return Err(Rejection::field(
-            K::Invalid,
-            "filesystem",
-            format!(
-                "sandbox {sandbox} is a {}: its pause keeps its memory (a pause with the file system only is for containers)",
-                x.isolation.noun()
-            ),
-        ));
+    if filesystem {
+        on_firecracker_refused(x, "filesystem")?;
     }
     Ok(Decided::one(
         &x.project,
@@ -251,15 +250,8 @@ pub(super) fn pause(s: &Scope, sandbox: &str, filesystem: bool) -> Result<Decide
 /// `ResumeSandbox`.
 pub(super) fn resume(s: &Scope, sandbox: &str, cold: bool) -> Result<Decided, Rejection> {
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    if cold && x.isolation.is_machine() {
-        return Err(Rejection::field(
-            K::Invalid,
-            "cold",
-            format!(
-                "sandbox {sandbox} is a {}: it resumes with the memory its pause kept (booting again from the file system is for containers)",
-                x.isolation.noun()
-            ),
-        ));
+    if cold {
+        on_firecracker_refused(x, "cold")?;
     }
     Ok(Decided::one(
         &x.project,

@@ -142,10 +142,19 @@ impl Edge {
         let resumed = if container {
             self.boot_stored_container(&id).await
         } else if cold {
-            // The log refuses such a resume of a VM (its pause always keeps memory).
-            Err(EdgeError::Store(format!(
-                "sandbox {id} is a VM: it resumes with the memory its pause kept"
-            )))
+            self.blocking(move |e| {
+                let d = e
+                    .slice
+                    .lock()
+                    .expect("slice lock")
+                    .sandboxes
+                    .get(&sid)
+                    .cloned()
+                    .ok_or_else(|| EdgeError::Store(format!("sandbox {sid} is not in this edge's slice")))?;
+                let image = e.image_for(&d)?;
+                Ok(e.machines.ready()?.boot_again(&d, &image)?)
+            })
+            .await
         } else {
             self.blocking(move |e| e.backend_of(&sid).resume(&sid)).await
         };
@@ -245,10 +254,7 @@ impl Backend<'_> {
             (Backend::Containers(c), false) => containers::pause(c, id),
             (Backend::Containers(c), true) => Ok(c.store(id)?),
             (Backend::Machines(m), false) => Ok(m.ready()?.pause(id)?),
-            // The log refuses such a pause of a VM: it always keeps memory.
-            (Backend::Machines(_), true) => Err(EdgeError::Store(format!(
-                "sandbox {id} is a VM: its pause keeps its memory"
-            ))),
+            (Backend::Machines(m), true) => Ok(m.ready()?.pause_filesystem(id)?),
         }
     }
 

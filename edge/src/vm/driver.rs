@@ -292,6 +292,10 @@ struct VmRecord {
     /// Absent in records written before VMMs had cgroups: no quota.
     #[serde(default)]
     cpu_millis: Option<u32>,
+    /// Paused with its disk only (see [`VmHandle::store`]): no device state, no memory;
+    /// its resume boots it again ([`VmHandle::boot_again`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    stored: bool,
 }
 
 /// Memory of one QEMU process (from `/proc/<pid>/smaps_rollup`), in KiB.

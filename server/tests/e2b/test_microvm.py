@@ -97,3 +97,24 @@ def test_fork_copies_the_vm_with_its_memory_and_the_copies_diverge(parent):
         for f in forks:
             if not isinstance(f, Exception):
                 f.kill()
+
+
+def test_a_filesystem_pause_ends_the_vm_and_connect_boots_it_again_on_its_disk(parent):
+    sb, pid = parent
+    # A copy restored from the parent's memory: it never booted a kernel of its own.
+    (vm,) = sb.fork(count=1, timeout=300)
+    try:
+        vm.files.write("/home/user/on-disk.txt", "kept")
+        assert pid in {p.pid for p in vm.commands.list()}
+        boot_id = vm.files.read("/proc/sys/kernel/random/boot_id")
+        assert vm.pause(mode="filesystem") is True
+        assert Sandbox.get_info(vm.sandbox_id).state == SandboxState.PAUSED
+        resumed = Sandbox.connect(vm.sandbox_id)
+        # Its disk is as it was; its memory is not: the counting shell is gone, the guest
+        # booted again (a new boot id) and runs what it is asked.
+        assert resumed.files.read("/home/user/on-disk.txt") == "kept"
+        assert not any("counter" in " ".join(p.args) for p in resumed.commands.list())
+        assert resumed.files.read("/proc/sys/kernel/random/boot_id") != boot_id
+        assert resumed.commands.run("python3 -c 'print(6*7)'").stdout == "42\n"
+    finally:
+        vm.kill()

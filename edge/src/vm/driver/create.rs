@@ -245,6 +245,7 @@ impl MicroVmDriver {
                 machine: meta.machine,
                 fc: Default::default(),
                 cpu_millis: spec.cpu_millis,
+                stored: false,
             };
             inner.prepare_dir(&dir, uid)?;
             if meta.machine == Machine::Microvm {

@@ -57,6 +57,7 @@ impl Inner {
             machine,
             fc: Default::default(),
             cpu_millis: spec.cpu_millis,
+            stored: false,
         }
     }
 

@@ -3,6 +3,10 @@
 //! `quit`, the RAM file written back and dropped from the page cache. Resume: a new QEMU
 //! with `-incoming defer`. A snapshot of a running VM is a live copy (`precopy.rs`).
 //!
+//! A file-system-only pause ([`VmHandle::store`]) keeps the disk alone: QEMU quits
+//! (flushing the disk), no device state is written, the RAM file is emptied; its resume
+//! ([`VmHandle::boot_again`]) cold-boots a new QEMU on that disk.
+//!
 //! **Architecture Invariant:** a pause records the VM paused once its snapshot is
 //! complete and before its QEMU quits; a failed pause or restore leaves the VM as it was
 //! (it continues, or stays paused with its snapshot).
@@ -198,5 +202,87 @@ impl VmHandle {
             spawn,
             restore: restore_time,
         })
+    }
+
+    /// A file-system-only pause: QEMU stops and quits (its disk flushed; the caller had
+    /// the guest sync its file systems first), no device state is kept, and the RAM file
+    /// is emptied, so the paused VM holds no memory; the record says `stored` and its
+    /// resume boots it again ([`Self::boot_again`]). A VM paused with its memory drops
+    /// that snapshot. Idempotent. Not for Firecracker VMs.
+    pub fn store(&self) -> Result<(), VmError> {
+        if self.on_firecracker()? {
+            return Err(VmError::Invalid(
+                "a Firecracker microVM's pause keeps its memory".into(),
+            ));
+        }
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let mut record = self.inner.record(&self.id)?;
+        if record.stored {
+            return Ok(());
+        }
+        if let Some(pid) = self.inner.live_pid(&record) {
+            if let Ok(mut qmp) = self.inner.qmp(&record) {
+                let _ = qmp.execute("stop", json!({}));
+                let _ = qmp.execute("quit", json!({}));
+            }
+            if let Some(pidfd) = pidfd_open(pid)
+                && !wait_ended(&dir, pid, &pidfd, Duration::from_secs(10))
+            {
+                sigkill(&pidfd);
+                wait_ended(&dir, pid, &pidfd, Duration::from_secs(10));
+            }
+        }
+        let private = matches!(record.ram, RamMode::Private { .. });
+        record.state = VmState::Paused;
+        record.pid = None;
+        record.pid_start = None;
+        record.stored = true;
+        record.ram = RamMode::Shared;
+        record.groups.clear();
+        self.inner.save(&record)?;
+        let _ = fs::remove_file(dir.join("state"));
+        new_ram_file(&dir.join("ram"), record.memory_mb)?;
+        give(&dir.join("ram"), record.uid, record.uid, 0o600)?;
+        let _ = self.inner.remove_vm_cgroup(&self.id);
+        if private {
+            self.inner.gc_forks();
+        }
+        Ok(())
+    }
+
+    /// Whether the VM is paused with its disk only.
+    pub fn is_stored(&self) -> bool {
+        self.inner.record(&self.id).is_ok_and(|r| r.stored)
+    }
+
+    /// Boots a paused VM again from its disk (one paused with its memory drops it first,
+    /// see [`Self::store`]): a new QEMU with empty memory and `spec`'s guest
+    /// configuration written anew (a VM restored from a snapshot never booted its own).
+    /// Returns once QEMU runs; wait for its agent with [`Self::wait_agent`].
+    pub fn boot_again(&self, spec: &VmSpec) -> Result<(), VmError> {
+        self.store()?;
+        let dir = self.dir();
+        let _lock = lock_file(&dir.join("lock"))?;
+        let mut record = self.inner.record(&self.id)?;
+        if record.state != VmState::Paused || !record.stored {
+            return Err(self.bad_state("running", "boot again"));
+        }
+        // Written anew, never through a link to a file other VMs share.
+        let _ = fs::remove_file(dir.join("initrd"));
+        self.inner.write_guest_config(record.machine, &dir, spec)?;
+        give(&dir.join("initrd"), record.uid, record.uid, 0o400)?;
+        new_ram_file(&dir.join("ram"), record.memory_mb)?;
+        give(&dir.join("ram"), record.uid, record.uid, 0o600)?;
+        record.stored = false;
+        let (_pid, mut qmp) = self.inner.start_qemu(&dir, &mut record, false)?;
+        let status = qmp.execute("query-status", json!({}))?;
+        if status["status"] != "running" {
+            return Err(VmError::Qemu {
+                id: self.id.clone(),
+                message: format!("QEMU is {} after boot", status["status"]),
+            });
+        }
+        Ok(())
     }
 }
