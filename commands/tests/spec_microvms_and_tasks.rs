@@ -467,3 +467,43 @@ fn replaying_microvms_snapshots_and_task_pauses_gives_the_same_state() {
     w.run(&admin, Command::ResumeTask { task: "t".into() }).unwrap();
     assert_eq!(w.replayed().to_bytes(), w.state.to_bytes());
 }
+
+#[test]
+fn a_qemu_vm_may_pause_with_its_file_system_only_but_a_firecracker_one_always_keeps_its_memory() {
+    let (mut w, admin) = two_kinds_of_edge();
+    let root = w.root.clone();
+    let mut vm_on = |vmm: &str| {
+        let vm = w.run(&admin, microvm(&root)).unwrap().decided.target;
+        w.report(
+            &admin,
+            &vm,
+            Observation::VmReady {
+                vmm: vmm.into(),
+                accelerator: "kvm".into(),
+            },
+        );
+        vm
+    };
+    let (qemu, fc) = (vm_on("qemu"), vm_on("firecracker"));
+    let pause = |sandbox: &str, filesystem| Command::PauseSandbox {
+        sandbox: sandbox.into(),
+        filesystem,
+    };
+    w.run(&admin, pause(&qemu, true)).unwrap();
+    assert!(w.state.sandboxes.sandboxes[&qemu].pause_filesystem);
+
+    let err = w.run(&admin, pause(&fc, true)).unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("filesystem")));
+    assert!(err.message.contains("Firecracker"), "{}", err.message);
+    w.run(&admin, pause(&fc, false)).unwrap();
+    let err = w
+        .run(
+            &admin,
+            Command::ResumeSandbox {
+                sandbox: fc.clone(),
+                cold: true,
+            },
+        )
+        .unwrap_err();
+    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("cold")));
+}

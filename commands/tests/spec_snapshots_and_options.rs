@@ -567,63 +567,6 @@ fn an_auto_pause_may_keep_only_the_file_system_and_forks_inherit_it() {
 }
 
 #[test]
-fn a_firecracker_microvm_always_keeps_its_memory() {
-    let (mut w, admin, _) = running();
-    let root = w.root.clone();
-    let vm = w
-        .run(
-            &admin,
-            create_with(
-                &root,
-                "base",
-                SandboxOptions {
-                    isolation: Some(opendsec_projections::Isolation::Microvm),
-                    ..Default::default()
-                },
-            ),
-        )
-        .unwrap()
-        .decided
-        .target;
-    w.report(
-        &admin,
-        &vm,
-        Observation::VmReady {
-            vmm: "firecracker".into(),
-            accelerator: "kvm".into(),
-        },
-    );
-    let err = w
-        .run(
-            &admin,
-            Command::PauseSandbox {
-                sandbox: vm.clone(),
-                filesystem: true,
-            },
-        )
-        .unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("filesystem")));
-    w.run(
-        &admin,
-        Command::PauseSandbox {
-            sandbox: vm.clone(),
-            filesystem: false,
-        },
-    )
-    .unwrap();
-    let err = w
-        .run(
-            &admin,
-            Command::ResumeSandbox {
-                sandbox: vm,
-                cold: true,
-            },
-        )
-        .unwrap_err();
-    assert_eq!((err.kind, err.field.as_deref()), (K::Invalid, Some("cold")));
-}
-
-#[test]
 fn replaying_the_log_of_snapshots_and_options_gives_the_same_state() {
     let (mut w, admin, id) = running();
     let root = w.root.clone();

@@ -279,6 +279,82 @@ async fn a_sandbox_runs_commands_pauses_resumes_and_is_killed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_system_pause_ends_every_process_keeps_the_files_and_its_resume_boots_it_again() {
+    let mut up = Up::start().await;
+    let id = up
+        .create(json!({"image": "busybox", "memory_mb": 128, "cpu_millis": 500}))
+        .await;
+    up.wait_state(&id, "running").await;
+    let (out, code) = up
+        .exec(&id, "echo kept > /home/user/f; sleep 100000 >/dev/null 2>&1 & echo $!")
+        .await;
+    assert_eq!(code, 0, "{out}");
+    let init = |up: &Up| {
+        let path = up.dir.path().join(format!("data/edge/sandboxes/{id}/init.pid"));
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+    };
+    let pid1 = init(&up).expect("a running sandbox has a PID 1");
+
+    // Bad bodies name the field, and change nothing.
+    let pause = format!("/v1/sandboxes/{id}/pause");
+    let (s, v) = up
+        .send(reqwest::Method::POST, &pause, json!({"filesystem": "yes"}))
+        .await;
+    assert_eq!((s, v["field"].as_str()), (400, Some("filesystem")), "{v}");
+    let (s, v) = up.send(reqwest::Method::POST, &pause, json!({"memory": false})).await;
+    assert_eq!(s, 400, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("memory"), "{v}");
+    assert_eq!(up.get(&format!("/v1/sandboxes/{id}")).await["state"], "running");
+
+    let (s, v) = up
+        .send(reqwest::Method::POST, &pause, json!({"filesystem": true}))
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["sandbox"]["pause_filesystem"], true, "{v}");
+    up.wait_state(&id, "paused").await;
+    // Every process is gone, PID 1 too: none holds memory; the files stay on the edge.
+    assert!(!Path::new(&format!("/proc/{pid1}")).exists(), "PID 1 still runs");
+    assert_eq!(up.containers_on_disk(), 1);
+
+    // An edge that restarts finds it paused, not ended.
+    up.kill9();
+    up.spawn();
+    up.wait_for(
+        |v| v["sandboxes"].as_array().is_some_and(|s| s.len() == 1),
+        "/v1/sandboxes",
+        Duration::from_secs(30),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(up.wait_state(&id, "paused").await["reason"], Value::Null);
+
+    // A resume without a body boots it again on its files.
+    let r = up
+        .client
+        .post(format!("http://{}/v1/sandboxes/{id}/resume", up.http))
+        .bearer_auth(&up.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    up.wait_state(&id, "running").await;
+    let (out, code) = up.exec(&id, "cat /home/user/f; pidof sleep || echo no sleep").await;
+    assert_eq!((out.as_str(), code), ("kept\nno sleep\n", 0));
+    assert_ne!(init(&up), Some(pid1), "a new PID 1");
+    // It pauses and resumes as any other: frozen with its memory this time.
+    let (out, _) = up.exec(&id, "sleep 100000 >/dev/null 2>&1 & echo $!").await;
+    let (s, v) = up.send(reqwest::Method::POST, &pause, json!({})).await;
+    assert_eq!((s, v["sandbox"]["pause_filesystem"].as_bool()), (200, None), "{v}");
+    up.wait_state(&id, "paused").await;
+    up.send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), json!({}))
+        .await;
+    up.wait_state(&id, "running").await;
+    assert_eq!(up.exec(&id, "pidof sleep").await.0, out);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_past_its_timeout_is_stopped_by_the_edge_and_the_log_says_so() {
     let up = Up::start().await;
     let id = up
