@@ -76,6 +76,12 @@ async fn e2b_sdk_errors() {
     run_module("test_errors.py", Sdk::Current, &["base"]).await;
 }
 
+/// `Sandbox.git` (git in the `base` image, remotes in the sandbox).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_git() {
+    run_module("test_git.py", Sdk::Current, &["base"]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2b_sdk_lifecycle() {
     run_module("test_lifecycle.py", Sdk::Current, &["base"]).await;

@@ -152,6 +152,57 @@ test('pause keeps files, connect resumes', async () => {
   }
 })
 
+test('a pause without memory keeps the files, ends the processes; connect boots it again', async () => {
+  const s = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { suite: run, group: 'fs-pause' } })
+  try {
+    await s.files.write('/home/user/kept.txt', 'kept')
+    // Detached, with no stream of the client's open to it (an open stream that breaks
+    // would be the next call, and resume the sandbox at once).
+    await s.commands.run('sleep 3600 >/dev/null 2>&1 &')
+    assert.equal((await s.commands.run('pidof sleep >/dev/null && echo running')).stdout, 'running\n')
+    assert.equal(await s.pause({ keepMemory: false }), true)
+    assert.equal((await Sandbox.getInfo(s.sandboxId)).state, 'paused')
+    const again = await Sandbox.connect(s.sandboxId)
+    assert.equal(await again.files.read('/home/user/kept.txt'), 'kept')
+    assert.equal((await again.commands.run('pidof sleep || echo gone')).stdout, 'gone\n')
+  } finally {
+    await Sandbox.kill(s.sandboxId)
+  }
+})
+
+test('git: init, commit, branch, push to a bare remote, clone and pull', async () => {
+  const work = '/home/user/js-work'
+  const origin = '/home/user/js-origin.git'
+  await sbx.git.configureUser('Grace Hopper', 'grace@example.org')
+  assert.equal(await sbx.git.getConfig('user.name'), 'Grace Hopper')
+  await sbx.git.setConfig('pull.rebase', 'false')
+  await sbx.git.init(work, { initialBranch: 'main' })
+  await sbx.files.write(`${work}/a.txt`, 'one\n')
+  assert.deepEqual((await sbx.git.status(work)).fileStatus.map((f) => f.name), ['a.txt'])
+  await sbx.git.add(work)
+  await sbx.git.commit(work, 'first')
+  assert.equal((await sbx.git.status(work)).fileStatus.length, 0)
+  await sbx.git.createBranch(work, 'feature')
+  await sbx.git.checkoutBranch(work, 'main')
+  assert.deepEqual((await sbx.git.branches(work)).branches.sort(), ['feature', 'main'])
+  await sbx.git.deleteBranch(work, 'feature')
+  await sbx.files.write(`${work}/a.txt`, 'changed\n')
+  await sbx.git.restore(work, { paths: ['a.txt'] })
+  assert.equal(await sbx.files.read(`${work}/a.txt`), 'one\n')
+  await sbx.git.reset(work, { mode: 'hard' })
+  await sbx.git.init(origin, { bare: true, initialBranch: 'main' })
+  await sbx.git.remoteAdd(work, 'origin', origin)
+  assert.equal(await sbx.git.remoteGet(work, 'origin'), origin)
+  await sbx.git.push(work, { remote: 'origin', branch: 'main' })
+  await sbx.git.clone(origin, { path: '/home/user/js-copy' })
+  await sbx.files.write('/home/user/js-copy/b.txt', 'two\n')
+  await sbx.git.add('/home/user/js-copy')
+  await sbx.git.commit('/home/user/js-copy', 'second')
+  await sbx.git.push('/home/user/js-copy')
+  await sbx.git.pull(work, { remote: 'origin', branch: 'main' })
+  assert.equal(await sbx.files.read(`${work}/b.txt`), 'two\n')
+})
+
 test('kill ends the sandbox; a second kill and a connect say it is gone', async () => {
   const s = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { suite: run, group: 'kill' } })
   assert.equal(await s.kill(), true)
