@@ -826,8 +826,8 @@ impl ContainerBackend {
     }
 
     /// Boots a stored sandbox (see [`Self::store`]) again on its kept file system, with
-    /// its bundle as it was created and `extra_fds` (as at its creation) for its new PID
-    /// 1. Returns once PID 1 runs. The mark goes last: an edge that dies halfway finds
+    /// its bundle as it was created and `extra_fds` (as at its creation) for its new
+    /// init. Returns once that runs. The mark goes last: an edge that dies halfway finds
     /// it stored, or running.
     pub fn restart(&self, id: &str, extra_fds: &[RawFd]) -> Result<(), ContainerError> {
         let h = self.get(id)?;
