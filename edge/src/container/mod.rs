@@ -855,9 +855,10 @@ impl ContainerBackend {
         fs::remove_file(h.dir.join(STORED)).map_err(|e| ContainerError::io("removing the stored mark", e))
     }
 
-    /// Whether the sandbox was stored by a file-system-only pause and not booted since.
+    /// Whether the sandbox was stored by a file-system-only pause and not booted since
+    /// (marked, and its processes are gone).
     pub fn is_stored(&self, id: &str) -> bool {
-        self.get(id).is_ok_and(|h| h.dir.join(STORED).exists())
+        self.get(id).is_ok_and(|h| matches!(stored_state(&h), Ok(Some(_))))
     }
 
     /// Waits up to `timeout` for PID 1 to exit.

@@ -178,8 +178,8 @@ impl Edge {
                 self.report(
                     &id,
                     Observation::Failed {
-                        reason: if container {
-                            format!("the container could not be booted again ({tries} tries): {e}")
+                        reason: if container || cold {
+                            format!("the sandbox could not be booted again ({tries} tries): {e}")
                         } else {
                             format!("the microVM could not be restored ({tries} tries): {e}")
                         },

@@ -99,6 +99,12 @@ impl VmHandle {
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let record = self.inner.record(&self.id)?;
+        if record.stored {
+            return Err(VmError::Invalid(format!(
+                "VM {} is paused with its disk only (no memory to snapshot): resume it first",
+                self.id
+            )));
+        }
         create_snapshot_dir(dest)?;
         let taken = (|| match record.state {
             VmState::Running => {
