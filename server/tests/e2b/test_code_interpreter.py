@@ -4,7 +4,7 @@ the single E2B_SANDBOX_URL): `run_code` keeps state between calls, reports error
 with name, value and traceback, streams stdout, stderr and results as they come,
 returns rich results (a matplotlib figure as PNG and chart data, a DataFrame as HTML and
 data, IPython display objects), runs IPython's shell escapes and magics, answers in
-Python, Bash, JavaScript, TypeScript and R (each a Jupyter kernel), and runs code in
+Python, Bash, JavaScript, TypeScript, R and Java (each a Jupyter kernel), and runs code in
 separate contexts. A string result reads back without its quotes, as from E2B.
 """
 
