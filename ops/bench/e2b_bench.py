@@ -21,7 +21,8 @@ One run measures, each with the SDK's public API:
 Sandboxes are killed after each run, and the next run starts only when the edge has
 removed them all, so runs do not overlap. One unmeasured run first warms the images'
 page cache and the connection pools. It prints p50/p90 over the runs and the goals
-of issue 4 (create p50 < 150 ms, first command < 20 ms, first run_code < 100 ms).
+of issue 4 (create p50 < 150 ms, first command < 20 ms) and of issue 19 (code
+interpreter create p50 < 100 ms, its first run_code < 20 ms).
 """
 
 import argparse
@@ -39,10 +40,13 @@ import urllib.error
 import urllib.request
 from importlib.metadata import version
 
+# Issue 4's goals for a plain sandbox; issue 19's for the code interpreter (its kernels
+# pre-started in warm sandboxes).
 GOALS_MS = {
     "sdk_create": 150.0,
     "first_command": 20.0,
-    "first_run_code": 100.0,
+    "ci_create": 100.0,
+    "first_run_code": 20.0,
 }
 
 ROWS = [
@@ -325,7 +329,7 @@ def main() -> int:
     for r in table:
         print(line(r))
     print()
-    print("Goals (issue 4, containers):")
+    print("Goals (issue 4: a plain sandbox; issue 19: the code interpreter):")
     for key, goal in GOALS_MS.items():
         s = summary[key]
         print(f"  {s['label']}: p50 {s['p50_ms']:.1f} ms, goal < {goal:.0f} ms: {s['verdict']}")
