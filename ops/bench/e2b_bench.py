@@ -13,7 +13,9 @@ One run measures, each with the SDK's public API:
   1. `Sandbox.create(template="base")` until it returns (the API answers once the
      sandbox runs);
   2. the first `commands.run("echo hi")` in that sandbox;
-  3. `files.write` then `files.read` of 1 MiB of random bytes (checked equal);
+  3. `files.write` then `files.read` of 1 MiB of random bytes (checked equal); then
+     `pause()` + `connect()` + a command (a freeze), and the same with
+     `pause(mode="filesystem")` (the processes end; the connect boots it again);
   4. `e2b_code_interpreter.Sandbox.create()` (template code-interpreter-v1) and
   5. its first `run_code("1+1")` (checked to be "2");
   6. beside 1: `POST /v1/sandboxes {"image":"base"}` with the admin token, then
@@ -54,6 +56,8 @@ ROWS = [
     ("native_create", "native POST /v1/sandboxes -> running"),
     ("first_command", 'first commands.run("echo hi")'),
     ("files_1mib", "files.write + files.read, 1 MiB"),
+    ("pause_full", "pause() + connect() + a command"),
+    ("pause_filesystem", 'pause(mode="filesystem") + connect() + a command'),
     ("ci_create", "code_interpreter Sandbox.create()"),
     ("first_run_code", 'first run_code("1+1")'),
 ]
@@ -236,6 +240,16 @@ def one_run(server: Server, Sandbox, CodeSandbox, payload: bytes) -> dict:
         r["files_1mib"] = ms(t)
         if bytes(back) != payload:
             raise RuntimeError("the 1 MiB file read back differs")
+        # A pause that keeps memory (a freeze) and one that keeps the file system only
+        # (its processes end; the connect boots it again), each until a command answers.
+        for key, mode in (("pause_full", "full"), ("pause_filesystem", "filesystem")):
+            t = time.perf_counter()
+            sb.pause(mode=mode)
+            back = Sandbox.connect(sb.sandbox_id)
+            out = back.commands.run("cat /home/user/bench.bin | wc -c")
+            r[key] = ms(t)
+            if out.stdout.strip() != str(len(payload)):
+                raise RuntimeError(f"after a {mode} pause the file has {out.stdout!r} bytes")
     finally:
         sb.kill()
 
