@@ -64,8 +64,9 @@
 #     of Sandbox.create(), the first commands.run("echo hi"), files.write + read of
 #     1 MiB, pause + connect (a freeze, and file-system only), code_interpreter
 #     Sandbox.create() and its first run_code("1+1") through the unmodified SDK,
-#     beside the same create through the native /v1 API, against the goals (create < 150 ms, first command < 20 ms; code interpreter create
-#     < 100 ms, its first run_code < 20 ms).
+#     beside the same create through the native /v1 API, against the goals (create
+#     < 150 ms, first command < 20 ms; code interpreter create < 100 ms, its first
+#     run_code < 20 ms).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/lib.sh
