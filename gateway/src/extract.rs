@@ -192,13 +192,6 @@ impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for OptionalJ
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<OptionalJsonBody<T>, ApiError> {
-        let empty = req
-            .headers()
-            .get(axum::http::header::CONTENT_LENGTH)
-            .is_some_and(|v| v.as_bytes() == b"0");
-        if empty {
-            return Ok(OptionalJsonBody(T::default()));
-        }
         let bytes = Bytes::from_request(req, state)
             .await
             .map_err(|e| ApiError::invalid("body", format!("the body could not be read: {e}")))?;

@@ -196,14 +196,7 @@ impl Edge {
     /// first): a new agent on a new socket with its configuration as at its creation,
     /// then, for a template with a start command, that command's port open.
     pub(super) async fn boot_stored_container(self: &std::sync::Arc<Self>, id: &str) -> Result<(), EdgeError> {
-        let d = self
-            .slice
-            .lock()
-            .expect("slice lock")
-            .sandboxes
-            .get(id)
-            .cloned()
-            .ok_or_else(|| EdgeError::Store(format!("sandbox {id} is not in this edge's slice")))?;
+        let d = self.in_slice(id)?;
         let sid = id.to_string();
         let dd = d.clone();
         self.blocking(move |e| {

@@ -107,6 +107,17 @@ impl Edge {
         }
     }
 
+    /// Sandbox `id` as this edge's slice has it now.
+    pub(super) fn in_slice(&self, id: &str) -> Result<DesiredSandbox, EdgeError> {
+        self.slice
+            .lock()
+            .expect("slice lock")
+            .sandboxes
+            .get(id)
+            .cloned()
+            .ok_or_else(|| EdgeError::Store(format!("sandbox {id} is not in this edge's slice")))
+    }
+
     /// What runs on this machine, as the backends see it. A sandbox being created is
     /// observed once its creation has finished.
     pub(super) fn observe(&self, creating: &BTreeSet<String>) -> Result<BTreeMap<String, Running>, EdgeError> {
@@ -143,14 +154,7 @@ impl Edge {
             self.boot_stored_container(&id).await
         } else if cold {
             self.blocking(move |e| {
-                let d = e
-                    .slice
-                    .lock()
-                    .expect("slice lock")
-                    .sandboxes
-                    .get(&sid)
-                    .cloned()
-                    .ok_or_else(|| EdgeError::Store(format!("sandbox {sid} is not in this edge's slice")))?;
+                let d = e.in_slice(&sid)?;
                 let image = e.image_for(&d)?;
                 Ok(e.machines.ready()?.boot_again(&d, &image)?)
             })

@@ -38,8 +38,8 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
     // `network` over the project's default policy; neither: the default itself.
     let allow_internet = opt_bool(&m, "allow_internet_access")?;
     let _ = opt_bool(&m, "secure")?; // every sandbox is secured by its access token
-    // false: the auto-pause keeps only the file system (a container's processes end; its
-    // resume boots it again). A microVM's pause always keeps its memory: refused then.
+    // false: the auto-pause keeps only the file system (the sandbox's processes end; its
+    // resume boots it again).
     let auto_pause_filesystem = auto_pause && opt_bool(&m, "autoPauseMemory")? == Some(false);
     for f in ["mcp", "iam", "volumeMounts"] {
         unsupported(&m, f)?;
