@@ -380,10 +380,26 @@ pub(crate) async fn ready_for_traffic(st: &AppState, x: &Sandbox) -> R<Option<Sa
     }
 }
 
+/// Waits until a pause its edge is still carrying out is done (bounded): a resume asked
+/// before the edge reports the pause would let calls through while that pause ends the
+/// agent (a file-system pause) or the resume boots it again. Every resume waits so.
+/// Nothing to wait for (no such sandbox, one ended, one not pausing) is Ok: the resume's
+/// own command says what is wrong with it.
+pub(crate) async fn pause_settled(st: &AppState, id: &str) -> R<()> {
+    let settled = |x: &Sandbox| x.desired != Desired::Paused || x.observed == Observed::Paused || ended(x).is_some();
+    if st.node.read(|s| s.sandboxes.sandboxes.get(id).is_none_or(settled)) {
+        return Ok(());
+    }
+    wait_for(st, id, ACTION_WAIT, |x| settled(x).then_some(Ok(())))
+        .await
+        .map(drop)
+}
+
 /// Resumes a paused sandbox on behalf of a request made to it (E2B auto-resume). The
 /// gateway acts as the control plane here: the request proved it holds the sandbox's
 /// access token.
 pub(crate) async fn auto_resume(st: &AppState, id: &str) -> R<Sandbox> {
+    pause_settled(st, id).await?;
     let headers = HeaderMap::new();
     let spent = st.node.read(|s| {
         s.sandboxes

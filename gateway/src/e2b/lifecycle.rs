@@ -171,6 +171,7 @@ pub(super) async fn connect(
     let x = visible(&st, &who, &id)?;
     let resumed = x.desired == Desired::Paused || x.observed == Observed::Paused;
     if resumed {
+        pause_settled(&st, &id).await?;
         let cmd = Command::ResumeSandbox {
             sandbox: id.clone(),
             cold,
