@@ -352,17 +352,6 @@ async fn a_file_system_pause_ends_every_process_keeps_the_files_and_its_resume_b
         .await;
     up.wait_state(&id, "running").await;
     assert_eq!(up.exec(&id, "pidof sleep").await.0, out);
-
-    // A resume asked while its edge is still carrying out a file-system pause waits for
-    // that pause, then boots it again: it answers once it says it runs.
-    up.send(reqwest::Method::POST, &pause, json!({"filesystem": true}))
-        .await;
-    let (s, v) = up
-        .send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), json!({}))
-        .await;
-    assert_eq!(s, 200, "{v}");
-    up.wait_state(&id, "running").await;
-    assert_eq!(up.exec(&id, "cat /home/user/f").await.0, "kept\n");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -194,13 +194,6 @@ pub async fn resume(
     PathParam(id): PathParam<String>,
     OptionalJsonBody(req): OptionalJsonBody<api::ResumeSandbox>,
 ) -> Result<Written<SandboxWritten>, ApiError> {
-    crate::e2b::api::pause_settled(&st, &id).await.map_err(|e| {
-        ApiError::new(
-            e.status,
-            "unavailable",
-            format!("waiting for sandbox {id}'s pause to finish: {}", e.message),
-        )
-    })?;
     let cmd = Command::ResumeSandbox {
         sandbox: id.clone(),
         cold: req.cold,
