@@ -79,6 +79,11 @@ struct Server {
 impl Server {
     /// The server on the host's python3, its default contexts in a fresh directory.
     async fn start() -> Server {
+        Server::start_with(&[], Stdio::null()).await
+    }
+
+    /// [`Server::start`] with more arguments and its stdin.
+    async fn start_with(args: &[&str], stdin: Stdio) -> Server {
         require_python();
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
@@ -86,7 +91,8 @@ impl Server {
         cmd.arg(SERVER)
             .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--cwd"])
             .arg(dir.path())
-            .stdin(Stdio::null());
+            .args(args)
+            .stdin(stdin);
         if let Some(path) = jjava_jupyter_path() {
             cmd.env("JUPYTER_PATH", path);
         }
@@ -924,6 +930,54 @@ async fn every_mime_bundle_of_ipython_display_objects_is_a_result_field() {
     assert_eq!(chart["title"], "t");
     assert_eq!(chart["elements"][0]["label"], "s");
     assert_eq!(chart["elements"][0]["points"], json!([[1.0, 3.0], [2.0, 4.0]]));
+}
+
+/// A warm code-interpreter container runs the server and its kernels before a sandbox
+/// claims it; the sandbox's variables then come from the agent on the server's stdin.
+#[tokio::test]
+async fn with_claim_stdin_cells_wait_for_the_sandboxs_variables_and_kernels_started_before_get_them() {
+    use std::io::Write;
+    let mut server = Server::start_with(&["--claim-stdin"], Stdio::piped()).await;
+    let addr = server.addr.clone();
+    // The default Python kernel runs already; a cell sent now waits for the claim.
+    let cell = tokio::spawn({
+        let addr = addr.clone();
+        async move {
+            let started = Instant::now();
+            let cell = run(
+                &addr,
+                "import os, subprocess\nprint(os.environ.get('TASK'))\n!echo shell $TASK",
+            )
+            .await;
+            (cell, started.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !cell.is_finished(),
+        "a cell runs only once the sandbox's variables are in"
+    );
+    let mut stdin = server.child.stdin.take().expect("piped stdin");
+    stdin
+        .write_all(b"{\"env\": {\"TASK\": \"t-42\", \"QUOTED\": \"it's \\\"x\\\" $HOME\"}}\n")
+        .unwrap();
+    drop(stdin);
+    let (cell, waited) = cell.await.unwrap();
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    // (IPython runs `!` commands on a terminal: \r\n.)
+    assert_eq!(cell.stdout(), "t-42\nshell t-42\r\n", "{:?}", cell.lines);
+    // Kept for later cells, for the variables' exact values, and in kernels started after
+    // the claim (a new context) as in those started before (the spare, taken by it).
+    let quoted = run(&addr, "print(os.environ['QUOTED'])").await;
+    assert_eq!(quoted.stdout(), "it's \"x\" $HOME\n");
+    let ctx = create_context(&addr, json!({"language": "python"})).await;
+    let id = ctx["id"].as_str().unwrap();
+    assert_eq!(
+        run_in(&addr, id, "import os\nos.environ['TASK']").await.main_text(),
+        Some("t-42")
+    );
+    let bash = execute(&addr, json!({"code": "echo \"$TASK|$QUOTED\"", "language": "bash"})).await;
+    assert_eq!(bash.stdout(), "t-42|it's \"x\" $HOME\n");
 }
 
 #[tokio::test]

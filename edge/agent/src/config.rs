@@ -22,7 +22,7 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path, what: &str) -> Result<
     serde_json::from_slice(&text).map_err(|e| format!("{} is not {what}: {e}", path.display()))
 }
 
-fn check_env(env: &BTreeMap<String, String>, source: &str) -> Result<(), String> {
+pub fn check_env(env: &BTreeMap<String, String>, source: &str) -> Result<(), String> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') {
             return Err(format!("{source}: {k:?} is not a valid environment variable name"));
@@ -76,6 +76,12 @@ pub struct StartCommand {
     /// directory) run every 200 ms until it exits 0; until then `/health` answers 503.
     #[serde(default)]
     pub ready_cmd: Option<String>,
+    /// It reads the sandbox's identity on its stdin: one JSON line `{"env": {...}}` (the
+    /// sandbox's variables), then EOF. Written at boot, or for a warm container started
+    /// ahead of its sandbox, at the claim (see `claim.rs`): a process started before the
+    /// claim learns the sandbox's variables only so.
+    #[serde(default)]
+    pub claim_stdin: bool,
 }
 
 /// The tag of the start command's process in `process.List`.
@@ -124,6 +130,11 @@ pub struct BootConfig {
     /// when the image has no such account: see [`default_user`]).
     #[serde(default)]
     pub user: Option<String>,
+    /// A warm container started ahead of its sandbox: `access_token` is the edge's for the
+    /// warm container, `env` the image's, and the sandbox's own come with the claim
+    /// (`POST /.opendsec/claim`, see `claim.rs`).
+    #[serde(default)]
+    pub warm: bool,
 }
 
 /// Who processes naming no user run as: the account the image's User names

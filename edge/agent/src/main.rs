@@ -23,6 +23,7 @@
 mod accounts;
 mod apparmor;
 mod chronus;
+mod claim;
 mod config;
 mod entropy;
 mod fdio;
@@ -272,6 +273,7 @@ fn main() {
                         "apparmor_profile": c.apparmor_profile,
                         "workdir": c.workdir,
                         "user": c.user,
+                        "warm": c.warm,
                     },
                 })
             }
@@ -383,9 +385,10 @@ fn from_fd(fd: RawFd) -> std::io::Result<Listener> {
     })
 }
 
-/// The `boot` part of the supervisor's state (see `config::BootConfig`).
-#[derive(serde::Deserialize)]
-struct BootParts {
+/// The `boot` part of the supervisor's state (see `config::BootConfig`); a claim
+/// rewrites it (see `claim.rs`).
+#[derive(serde::Deserialize, serde::Serialize, Clone, Default)]
+pub struct BootParts {
     env: config::SandboxEnv,
     start: Option<config::StartCommand>,
     #[serde(default)]
@@ -394,6 +397,8 @@ struct BootParts {
     workdir: Option<String>,
     #[serde(default)]
     user: Option<String>,
+    #[serde(default)]
+    warm: bool,
 }
 
 async fn run(
@@ -416,21 +421,25 @@ async fn run(
 
     let mut saved = chronus::state_parts(handoff.as_ref().and_then(|h| h.state.as_ref()));
     // The edge's configuration, which the supervisor read from its pipe at boot.
-    let (sandbox_env, start_cmd, apparmor_profile, workdir, image_user) = match saved.remove("boot") {
-        Some(boot) => {
-            let boot: BootParts = serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}")));
-            (boot.env, boot.start, boot.apparmor_profile, boot.workdir, boot.user)
-        }
-        None => (sandbox_env, start_cmd, None, workdir, image_user),
+    let boot = match saved.remove("boot") {
+        Some(boot) => serde_json::from_value(boot).unwrap_or_else(|e| die(&format!("boot state: {e}"))),
+        None => BootParts {
+            env: sandbox_env,
+            start: start_cmd,
+            workdir,
+            user: image_user,
+            ..BootParts::default()
+        },
     };
+    let image_user = boot.user.clone();
     let default_user = config::default_user(
         image_user.as_deref(),
         &args.default_user,
         |u| users::lookup(u).is_some(),
         users::name_of_uid,
     );
-    let on_exec = apparmor::OnExec::new(apparmor_profile.as_deref());
-    let procs = Arc::new(process::Manager::new(sandbox_env, on_exec).with_workdir(workdir));
+    let on_exec = apparmor::OnExec::new(boot.apparmor_profile.as_deref());
+    let procs = Arc::new(process::Manager::new(boot.env.clone(), on_exec).with_workdir(boot.workdir.clone()));
     tokio::spawn(procs.clone().reap_loop());
     // A token given by `rekey` to an earlier server outranks the file's, and so does the
     // one the first server read: it read the file at boot, before any sandbox code ran,
@@ -451,8 +460,8 @@ async fn run(
             procs.adopt(h.sessions);
             start::resume(&procs, saved.remove("readiness"))
         }
-        _ => match start_cmd {
-            Some(c) => start::boot(&procs, c, &default_user),
+        _ => match boot.start.clone() {
+            Some(c) => start::boot(&procs, c, &default_user, (!boot.warm).then_some(&boot.env)),
             None => start::ready(),
         },
     };
@@ -464,6 +473,7 @@ async fn run(
         procs: procs.clone(),
         watchers: fs::Watchers::default(),
         token: rekey::AccessToken::new(token),
+        claim: claim::Pending::new(boot),
         default_user,
         readiness,
     });

@@ -329,8 +329,9 @@ type Unclaimed = (Arc<Proc>, (End, Instant));
 
 pub struct Manager {
     table: Mutex<HashMap<u32, Arc<Proc>>>,
-    /// The sandbox's own variables (`--env-file`), given to every process.
-    sandbox_env: crate::config::SandboxEnv,
+    /// The sandbox's own variables (`--env-file`, or the claim's: see `claim.rs`), given
+    /// to every process.
+    sandbox_env: std::sync::RwLock<crate::config::SandboxEnv>,
     /// The AppArmor profile stacked on every process started (see `apparmor.rs`).
     on_exec: Option<crate::apparmor::OnExec>,
     /// Where a process that names no directory starts (the image's WorkingDir), if it
@@ -356,12 +357,17 @@ impl Manager {
     pub fn new(sandbox_env: crate::config::SandboxEnv, on_exec: Option<crate::apparmor::OnExec>) -> Manager {
         Manager {
             table: Mutex::new(HashMap::new()),
-            sandbox_env,
+            sandbox_env: std::sync::RwLock::new(sandbox_env),
             on_exec,
             workdir: None,
             waiters: Mutex::new(HashMap::new()),
             unclaimed: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Replaces the sandbox's variables for the processes started from now on.
+    pub fn set_env(&self, env: crate::config::SandboxEnv) {
+        *self.sandbox_env.write().unwrap() = env;
     }
 
     /// Collects every exited child (ours or re-parented orphans).
@@ -541,7 +547,7 @@ impl Manager {
         cmd.env("HOME", &user.home);
         cmd.env("USER", &user.name);
         cmd.env("LOGNAME", &user.name);
-        for (k, v) in self.sandbox_env.iter().chain(&cfg.envs) {
+        for (k, v) in self.sandbox_env.read().unwrap().iter().chain(&cfg.envs) {
             cmd.env(k, v);
         }
 

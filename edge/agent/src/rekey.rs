@@ -37,12 +37,28 @@ impl AccessToken {
         self.0.read().unwrap().clone()
     }
 
-    fn set(&self, token: String) {
-        *self.0.write().unwrap() = Some(token);
+    /// Replaces the token, and tells the supervisor, which hands it to the next server.
+    pub fn replace(&self, token: String) {
+        if self.get().as_deref() == Some(token.as_str()) {
+            return;
+        }
+        *self.0.write().unwrap() = Some(token.clone());
+        if let Some(link) = crate::chronus::link() {
+            link.save_state("access_token", json!(token));
+        }
     }
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
+/// What [`access_token`] accepts, as a 400 says it.
+pub const TOKEN_RULE: &str = "access_token must be 1 to 512 printable characters";
+
+/// The body's `access_token`, if it is one the agent takes.
+pub fn access_token(body: &serde_json::Value) -> Option<String> {
+    let t = body.get("access_token")?.as_str()?;
+    (!t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic())).then(|| t.to_string())
+}
+
+pub fn error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
     json_response(status, &json!({"code": status.as_u16(), "message": message.into()}))
 }
 
@@ -61,13 +77,8 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
             return error(StatusCode::BAD_REQUEST, format!("the body is not JSON: {e}"));
         }
     };
-    let new = body.get("access_token").and_then(|t| t.as_str()).map(str::to_string);
-    let Some(new) = new.filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic()))
-    else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("access_token must be 1 to {MAX_TOKEN} printable characters"),
-        );
+    let Some(new) = access_token(&body) else {
+        return error(StatusCode::BAD_REQUEST, TOKEN_RULE);
     };
     if let Some(entropy) = body.get("entropy") {
         let Some(bytes) = entropy
@@ -85,10 +96,7 @@ pub async fn rekey(token: &AccessToken, req: Request<Incoming>) -> Response<Body
         }
     }
     if token.get().as_deref() != Some(new.as_str()) {
-        token.set(new.clone());
-        if let Some(link) = crate::chronus::link() {
-            link.save_state("access_token", json!(new));
-        }
+        token.replace(new);
         eprintln!("opendsec-agent: the access token was replaced");
     }
     Response::builder()

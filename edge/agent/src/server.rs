@@ -25,6 +25,8 @@ pub struct State {
     pub watchers: fs::Watchers,
     /// What every request but `/health` must carry (replaceable: see `rekey`).
     pub token: crate::rekey::AccessToken,
+    /// A warm container's boot state until its sandbox claims it (see `claim`).
+    pub claim: crate::claim::Pending,
     pub default_user: String,
     /// The start command's readiness, which `/health` reports.
     pub readiness: crate::start::Shared,
@@ -193,7 +195,7 @@ pub async fn handle(
     if let Err(e) = authorize(&state, &req, &path) {
         drain_later(req.into_body());
         return Ok(
-            if path == "/files" || path == tunnel::PATH || path == crate::rekey::PATH {
+            if path == "/files" || path == tunnel::PATH || path == crate::rekey::PATH || path == crate::claim::PATH {
                 files::http_error(&e)
             } else {
                 connect::unary_error(&e)
@@ -202,6 +204,9 @@ pub async fn handle(
     }
     if path == crate::rekey::PATH {
         return Ok(crate::rekey::rekey(&state.token, req).await);
+    }
+    if path == crate::claim::PATH {
+        return Ok(crate::claim::claim(&state.claim, &state.token, &state.procs, req).await);
     }
     if path == tunnel::PATH {
         return Ok(tunnel::open(req).await);

@@ -109,8 +109,15 @@ pub fn resume(procs: &Arc<Manager>, saved: Option<serde_json::Value>) -> Shared 
     state
 }
 
-/// Starts the start command (first boot only) and follows it.
-pub fn boot(procs: &Arc<Manager>, cmd: StartCommand, default_user: &str) -> Shared {
+/// Starts the start command (first boot only) and follows it. One that reads the
+/// sandbox's variables on its stdin (`claim_stdin`) gets `claim_now` there at once, or
+/// when None (a warm container), at the claim (see `claim.rs`).
+pub fn boot(
+    procs: &Arc<Manager>,
+    cmd: StartCommand,
+    default_user: &str,
+    claim_now: Option<&crate::config::SandboxEnv>,
+) -> Shared {
     let state: Shared = Arc::new(Mutex::new(Readiness::Ready));
     let user_name = cmd.user.clone().unwrap_or_else(|| default_user.to_string());
     let started = users::resolve(&user_name).and_then(|user| {
@@ -124,7 +131,7 @@ pub fn boot(procs: &Arc<Manager>, cmd: StartCommand, default_user: &str) -> Shar
                 }),
                 pty: None,
                 tag: Some(START_TAG.to_string()),
-                stdin: Some(false),
+                stdin: Some(cmd.claim_stdin),
             },
             &user,
         )
@@ -137,6 +144,10 @@ pub fn boot(procs: &Arc<Manager>, cmd: StartCommand, default_user: &str) -> Shar
         Ok(attached) => {
             let pid = attached.proc.pid;
             let attached_proc = attached.proc.clone();
+            if let (true, Some(env)) = (cmd.claim_stdin, claim_now) {
+                let (procs, env) = (procs.clone(), env.clone());
+                tokio::spawn(async move { crate::claim::tell_start_command(&procs, &env).await });
+            }
             // Nobody is attached: its output goes to the bounded backlog.
             attached.detach(None);
             if let Some(port) = cmd.ready_port {

@@ -11,23 +11,6 @@ use serde_json::{Value, json};
 
 const START: &str = "/process.Process/Start";
 
-/// Kills the server with SIGKILL and waits until a new one answers.
-async fn kill_server(a: &Agent) -> u32 {
-    let old = a.server_pid().await;
-    unsafe { libc::kill(old as i32, libc::SIGKILL) };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let new = a.server_pid().await;
-        if new != old
-            && let Ok((204, _, _)) = a.raw("GET", "/health", &[], bytes::Bytes::new()).await
-        {
-            return new;
-        }
-        assert!(Instant::now() < deadline, "no new server");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 async fn connect(a: &Agent, pid: u64) -> Stream {
     a.stream("/process.Process/Connect", json!({"process": {"pid": pid}}), &[])
         .await

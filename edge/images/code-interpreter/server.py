@@ -12,6 +12,10 @@ turned into the NDJSON lines of `/execute` as they arrive: `stream` into stdout/
 MIME types E2B's SDK reads beside the standard ones: the data of a pandas DataFrame
 (`data`) and the chart data of a matplotlib figure (`chart`). A client that disconnects
 (the SDK's timeout) interrupts the cell; a kernel that does not stop is restarted.
+
+With `--claim-stdin` (as the image starts it) the sandbox's variables come from the
+agent on stdin (`Claim`), so that a warm container can run this server and its kernels
+before a sandbox claims it; cells wait for them.
 """
 
 import argparse
@@ -213,6 +217,83 @@ def env_code(language, env_vars):
     return push, pop
 
 
+def env_set_code(language, env):
+    """The code that sets `env` in a kernel for good (the sandbox's variables in a kernel
+    started before the sandbox claimed its container), or None where a kernel cannot."""
+    if not env:
+        return None
+    if language == "python":
+        return f"__import__('os').environ.update({env!r})"
+    if language in ("javascript", "typescript"):
+        return f"Object.assign(process.env, {json.dumps(env)});undefined"
+    if language == "r":
+        return "Sys.setenv(" + ", ".join(f"{quoted(k, '`')} = {quoted(v, chr(34))}" for k, v in env.items()) + "); invisible()"
+    if language == "bash":
+        return "; ".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+    return None
+
+
+class Claim:
+    """The sandbox's variables. With `--claim-stdin` the agent writes them on stdin as
+    one JSON line, `{"env": {...}}`, then closes it: at boot, or for a warm container
+    started ahead of its sandbox (kernels up), when a sandbox claims it. They go into the
+    server's environment (kernels started later inherit them) and, before their next
+    cell, into every kernel started before (`generation` tells which). Cells wait for
+    the claim."""
+
+    WAIT = 60.0
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.env = {}
+        self.done = threading.Event()
+
+    def unclaimed(self):
+        """No --claim-stdin: the server's own environment is the sandbox's."""
+        self.done.set()
+
+    def read(self, stream):
+        env = {}
+        try:
+            line = stream.readline()
+            value = json.loads(line) if line.strip() else {}
+            env = value.get("env") or {}
+            if not isinstance(env, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+                for k, v in env.items()
+            ):
+                print("code-interpreter: the claim's env is not a map of names to strings; ignored", file=sys.stderr)
+                env = {}
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"code-interpreter: reading the claim: {e}", file=sys.stderr)
+        with self.lock:
+            os.environ.update(env)
+            self.env = env
+            self.generation += 1
+        self.done.set()
+
+    def wait(self):
+        if not self.done.wait(self.WAIT):
+            raise BadRequest(503, "the sandbox has not handed its variables to the code interpreter yet")
+
+    def environment(self):
+        """The environment for a kernel starting now, and the claim it has."""
+        with self.lock:
+            return dict(os.environ), self.generation
+
+    def code_for(self, kernel):
+        """The code that brings `kernel` up to the claim (None when it is)."""
+        with self.lock:
+            if kernel.claim_generation >= self.generation:
+                return None
+            kernel.claim_generation = self.generation
+            return env_set_code(kernel.language, self.env)
+
+
+CLAIM = Claim()
+
+
 def traceback_text(pieces):
     """A kernel's traceback pieces as one string: E2B joins them as they are; IPython's
     pieces do not all end their line, so a line break goes where one is missing."""
@@ -254,7 +335,7 @@ class Kernel:
         self.cwd = cwd
         self.retired = False
         self.manager = KernelManager(kernel_name=language, kernel_spec_manager=specs)
-        env = dict(os.environ)
+        env, self.claim_generation = CLAIM.environment()
         env.pop("JPY_PARENT_PID", None)
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         self.manager.start_kernel(cwd=cwd, env=env)
@@ -604,6 +685,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def create_context(self):
         data = self.read_json()
+        CLAIM.wait()
         language = self.language_of(data.get("language"))
         cwd = data.get("cwd") or self.contexts.default_cwd
         if not isinstance(cwd, str) or not os.path.isdir(cwd):
@@ -650,6 +732,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def execute(self):
         data = self.read_json()
+        CLAIM.wait()
         code = data.get("code")
         if not isinstance(code, str):
             raise BadRequest(400, "code must be a string", "code")
@@ -737,6 +820,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         push, pop = env_code(ctx.language, env_vars)
         reason = None
         try:
+            claimed = CLAIM.code_for(kernel)
+            if claimed:
+                kernel.run_silent(claimed)
             if push:
                 kernel.run_silent(push)
             msg_id = client.execute(code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False)
@@ -836,6 +922,10 @@ def serve(args):
     else:
         default_cwd = os.getcwd()
         print(f"code-interpreter: {args.cwd} does not exist; contexts start in {default_cwd}", file=sys.stderr)
+    if args.claim_stdin:
+        threading.Thread(target=CLAIM.read, args=(sys.stdin,), daemon=True).start()
+    else:
+        CLAIM.unclaimed()
     contexts = Contexts(default_cwd)
     Handler.contexts = contexts
     server = Server((args.host, args.port), Handler, bind_and_activate=False)
@@ -874,6 +964,11 @@ def main():
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--cwd", default=DEFAULT_CWD, help="directory of the default contexts")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument(
+        "--claim-stdin",
+        action="store_true",
+        help="read the sandbox's variables from stdin (one JSON line from the agent) before running cells",
+    )
     serve(parser.parse_args())
 
 

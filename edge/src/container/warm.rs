@@ -34,6 +34,8 @@ pub struct Claim<'a> {
     /// container's.
     pub limits: &'a Limits,
     pub labels: &'a BTreeMap<String, String>,
+    /// Its PID 1 was started ahead of the claim ([`ContainerBackend::start_unstarted`]).
+    pub started: bool,
 }
 
 impl ContainerBackend {
@@ -52,6 +54,21 @@ impl ContainerBackend {
             )));
         }
         self.create_at(spec, &self.warm_dir(&spec.id), false).map(drop)
+    }
+
+    /// Starts warm container `warm_id`'s PID 1 ahead of its claim (an image whose start
+    /// command can wait for its sandbox: see `node/warm.rs`).
+    pub fn start_unstarted(&self, warm_id: &str) -> Result<(), ContainerError> {
+        let record = self.unstarted_record(warm_id)?;
+        record.runtime.run(&["start", warm_id]).map(drop)
+    }
+
+    /// Memory in use by warm container `warm_id`'s processes (its page cache left out),
+    /// if its cgroup can be read.
+    pub fn unstarted_memory(&self, warm_id: &str) -> Option<u64> {
+        let record = self.unstarted_record(warm_id).ok()?;
+        let usage = cgroup::usage(&record.cgroups_path)?;
+        Some(usage.memory_bytes.saturating_sub(usage.cache_bytes))
     }
 
     /// The record of warm container `warm_id` (its layers, limits and runtime).
@@ -138,7 +155,9 @@ impl ContainerBackend {
             let pid = read_pid(&dir.join("init.pid"))
                 .ok_or_else(|| ContainerError::Storage(format!("{} has no init.pid", dir.display())))?;
             set_hostname(pid, claim.id)?;
-            record.runtime.run(&["start", warm_id])?;
+            if !claim.started {
+                record.runtime.run(&["start", warm_id])?;
+            }
             Ok(Handle {
                 id: claim.id.to_string(),
                 dir: dir.clone(),

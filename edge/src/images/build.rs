@@ -243,7 +243,8 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
     }
 }
 
-/// The template's start command: the server as `user`, ready when its port answers.
+/// The template's start command: the server as `user`, ready when its port answers; it
+/// takes the sandbox's variables on its stdin, so warm containers run it ahead of need.
 pub fn code_interpreter_start() -> StartSpec {
     StartSpec {
         cmd: "/usr/bin/python3".into(),
@@ -251,12 +252,14 @@ pub fn code_interpreter_start() -> StartSpec {
             CODE_INTERPRETER_SERVER_PATH.into(),
             "--port".into(),
             CODE_INTERPRETER_PORT.to_string(),
+            "--claim-stdin".into(),
         ],
         envs: BTreeMap::new(),
         cwd: "/home/user".into(),
         user: "user".into(),
         ready_port: Some(CODE_INTERPRETER_PORT),
         ready_cmd: None,
+        claim_stdin: true,
     }
 }
 

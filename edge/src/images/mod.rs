@@ -219,6 +219,12 @@ pub struct StartSpec {
     /// ready (a template's `readyCmd`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_cmd: Option<String>,
+    /// It reads the sandbox's variables on its stdin (the agent's `claim_stdin`), so a
+    /// warm container of the image may run it before a sandbox claims the container
+    /// (`node/warm.rs`). Only the code-interpreter server does; a template's own start
+    /// command runs at the sandbox's start, with the sandbox's variables.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub claim_stdin: bool,
 }
 
 impl ImageConfig {
@@ -261,6 +267,7 @@ impl ImageConfig {
                 user: self.user.clone(),
                 ready_port: None,
                 ready_cmd: ready,
+                claim_stdin: false,
             });
         } else if let (Some(start), Some(ready)) = (self.start.as_mut(), ready) {
             start.ready_cmd = Some(ready);
@@ -667,11 +674,12 @@ mod tests {
             json,
             serde_json::json!({
                 "cmd": "/usr/bin/python3",
-                "args": ["/opt/opendsec/code-interpreter/server.py", "--port", "49999"],
+                "args": ["/opt/opendsec/code-interpreter/server.py", "--port", "49999", "--claim-stdin"],
                 "envs": {},
                 "cwd": "/home/user",
                 "user": "user",
-                "ready_port": 49999
+                "ready_port": 49999,
+                "claim_stdin": true
             })
         );
     }

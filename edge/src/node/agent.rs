@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// How long a template's start command may take to open its port before the sandbox fails.
-const START_TIMEOUT: Duration = Duration::from_secs(120);
+pub(super) const START_TIMEOUT: Duration = Duration::from_secs(120);
 /// The fd the agent reads its configuration on (after the listening socket's 3).
 const CONFIG_FD: &str = "4";
 /// Room in the configuration pipe: the environment (at most 256 KiB) and start command
@@ -60,7 +60,7 @@ impl ConfigPipe {
 }
 
 /// Writes sandbox `d`'s configuration into `pipe` (its write end) and closes it.
-fn send_config(pipe: OwnedFd, config: &serde_json::Value) -> Result<(), EdgeError> {
+pub(super) fn send_config(pipe: OwnedFd, config: &serde_json::Value) -> Result<(), EdgeError> {
     use std::io::Write;
     let bytes = serde_json::to_vec(config).map_err(store_err)?;
     if bytes.len() > CONFIG_PIPE_BYTES as usize {
@@ -127,11 +127,37 @@ pub(super) fn release_agent_dir(data_dir: &Path) {
 impl Edge {
     /// Sandbox `d`'s configuration as its agent reads it (`BootConfig` in the agent).
     fn agent_config(&self, d: &DesiredSandbox, image: &crate::images::Image) -> serde_json::Value {
-        let token =
-            opendsec_edge_api::sandbox_token(&self.cfg.edge_key, opendsec_edge_api::SandboxTokenKind::Agent, &d.id);
         // The image's Env first, the sandbox's own variables over it.
-        let env = image.env_with(&d.env);
-        let mut config = serde_json::json!({"access_token": token, "env": env, "cpu_class": d.cpu_class.as_str()});
+        self.boot_config(&self.agent_token(&d.id), image.env_with(&d.env), d.cpu_class, image)
+    }
+
+    /// The agent token of sandbox (or warm container) `id`.
+    pub(super) fn agent_token(&self, id: &str) -> String {
+        opendsec_edge_api::sandbox_token(&self.cfg.edge_key, opendsec_edge_api::SandboxTokenKind::Agent, id)
+    }
+
+    /// The configuration of warm container `wid` started ahead of its sandbox: its own
+    /// token, the image's variables and the default CPU class, until a sandbox claims it
+    /// (`POST /.opendsec/claim`, see `warm.rs`).
+    pub(super) fn warm_boot_config(&self, wid: &str, image: &crate::images::Image) -> serde_json::Value {
+        let mut config = self.boot_config(
+            &self.agent_token(wid),
+            image.env_with(&Default::default()),
+            opendsec_projections::CpuClass::default(),
+            image,
+        );
+        config["warm"] = true.into();
+        config
+    }
+
+    fn boot_config(
+        &self,
+        token: &str,
+        env: std::collections::BTreeMap<String, String>,
+        cpu_class: opendsec_projections::CpuClass,
+        image: &crate::images::Image,
+    ) -> serde_json::Value {
+        let mut config = serde_json::json!({"access_token": token, "env": env, "cpu_class": cpu_class.as_str()});
         if !image.config.workdir.is_empty() {
             config["workdir"] = image.config.workdir.clone().into();
         }

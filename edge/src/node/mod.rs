@@ -214,8 +214,8 @@ struct Edge {
     snapshotting: Mutex<BTreeSet<String>>,
     /// OOM kills counted inside running containers (reported until the log has them).
     oom_seen: Mutex<BTreeMap<String, crate::reconcile::OomKills>>,
-    /// The write ends of warm containers' configuration pipes, until a sandbox claims them.
-    warm_config: Mutex<BTreeMap<String, std::os::fd::OwnedFd>>,
+    /// What the edge holds of warm containers' agents until a sandbox claims them.
+    warm_config: Mutex<BTreeMap<String, warm::WarmAgent>>,
     /// The directory bound read-only at [`AGENT_DIR_IN_SANDBOX`] (see `agent.rs`).
     agent_dir: PathBuf,
     /// Who the kernel's OOM killer ended, per memory cgroup.

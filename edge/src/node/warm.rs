@@ -18,16 +18,37 @@ use super::{Edge, EdgeError};
 use crate::container::Limits;
 use crate::container::warm::{Claim, WARM_ID_PREFIX};
 use crate::desired::DesiredSandbox;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long no create must have been under way before a warm container is made.
 const WARM_QUIET: Duration = Duration::from_millis(20);
 
+/// What the edge holds of a warm container's agent until a sandbox claims it.
+pub(super) enum WarmAgent {
+    /// Not started: the write end of its configuration pipe (written at claim).
+    Unstarted(OwnedFd),
+    /// Started ahead of its sandbox, its start command ready: the sandbox's token and
+    /// variables go to its agent as a claim request.
+    Started,
+}
+
+/// Memory a started warm container must leave free under a claim's limit (what its
+/// processes use grows with the sandbox's first work).
+const CLAIM_HEADROOM: u64 = 64 << 20;
+/// How long a claim request to a warm container's agent may take.
+const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Edge {
     /// Makes warm container `<prefix><pid>-<n>` of `image` (see `container::warm`): its
     /// agent's socket and an empty config directory under the warm id, the agent's
-    /// files come at claim.
+    /// files come at claim. An image whose start command reads the sandbox's variables
+    /// at claim (`StartSpec::claim_stdin`: the code interpreter) is started too, under
+    /// a configuration of its own, and kept once its start command is ready.
     pub(super) fn make_warm(&self, image_name: &str) -> Result<String, EdgeError> {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -36,6 +57,7 @@ impl Edge {
             image_name,
             &|p| tracing::info!(image = %image_name, progress = ?p, "building image"),
         )?;
+        let start_ahead = image.config.start.as_ref().is_some_and(|s| s.claim_stdin);
         let made = (|| {
             // Memory and CPU are the default's until a sandbox claims it and sets its own.
             let limits = Limits {
@@ -51,11 +73,22 @@ impl Edge {
                 let _one_at_a_time = self.create_lock.lock().expect("create lock");
                 self.containers.create_unstarted(&launch.spec)?;
             }
-            // The configuration is written at claim, when the sandbox is known.
+            let agent = if start_ahead {
+                super::agent::send_config(launch.config.write, &self.warm_boot_config(&wid, &image))?;
+                self.containers.start_unstarted(&wid)?;
+                let t = Instant::now();
+                wait_healthy(&self.socket_path(&wid), super::agent::START_TIMEOUT)
+                    .map_err(|e| EdgeError::Store(format!("warm container {wid} did not get ready: {e}")))?;
+                tracing::debug!(%wid, image = %image_name, took = ?t.elapsed(), "warm container started ahead");
+                WarmAgent::Started
+            } else {
+                // The configuration is written at claim, when the sandbox is known.
+                WarmAgent::Unstarted(launch.config.write)
+            };
             self.warm_config
                 .lock()
                 .expect("warm config lock")
-                .insert(wid.clone(), launch.config.write);
+                .insert(wid.clone(), agent);
             Ok::<(), EdgeError>(())
         })();
         match made {
@@ -77,7 +110,11 @@ impl Edge {
 
     /// Makes warm container `wid` sandbox `d`: its agent's files and socket take the
     /// sandbox's names (the container sees the same directory and socket), then the
-    /// backend renames, limits and starts it. On error nothing of either is left.
+    /// backend renames, limits and starts it. A container started ahead is claimed only
+    /// when its start command is still healthy, the sandbox has the default CPU class and
+    /// its memory limit leaves room over what the container uses; its agent then takes
+    /// the sandbox's token and variables in one request. On error nothing of either is
+    /// left.
     pub(super) fn claim_warm(
         &self,
         d: &DesiredSandbox,
@@ -96,25 +133,51 @@ impl Edge {
             )));
         }
         let sock = self.socket_path(&d.id);
+        let limits = self.limits(d);
         let claimed = (|| {
-            let pipe = self
+            let agent = self
                 .warm_config
                 .lock()
                 .expect("warm config lock")
                 .remove(wid)
-                .ok_or_else(|| EdgeError::Store(format!("warm container {wid} has no configuration pipe")))?;
-            self.send_agent_config(d, image, pipe)?;
+                .ok_or_else(|| EdgeError::Store(format!("warm container {wid} has no agent configuration")))?;
+            let started = match agent {
+                WarmAgent::Unstarted(pipe) => {
+                    self.send_agent_config(d, image, pipe)?;
+                    false
+                }
+                WarmAgent::Started => {
+                    self.fits_started(d, wid, &limits)?;
+                    true
+                }
+            };
             let _ = std::fs::remove_file(&sock);
             std::fs::rename(self.socket_path(wid), &sock)?;
-            // Its policy is in force before its PID 1 runs.
+            if started {
+                let body = serde_json::json!({
+                    "access_token": self.agent_token(&d.id),
+                    "env": image.env_with(&d.env),
+                });
+                match agent_post(&sock, CLAIM_PATH, &self.agent_token(wid), &body, CLAIM_TIMEOUT) {
+                    Ok(204) => {}
+                    Ok(code) => {
+                        return Err(EdgeError::Store(format!(
+                            "the agent of warm container {wid} answered the claim with {code}"
+                        )));
+                    }
+                    Err(e) => return Err(EdgeError::Store(format!("claiming warm container {wid}: {e}"))),
+                }
+            }
+            // Its policy is in force before its PID 1 runs (or, started ahead, before it
+            // runs anything of the sandbox's).
             self.hand_over_network(wid, &d.id, d.network.as_deref())?;
-            let limits = self.limits(d);
             self.containers.claim(
                 wid,
                 &Claim {
                     id: &d.id,
                     limits: &limits,
                     labels: &d.labels,
+                    started,
                 },
             )?;
             Ok::<(), EdgeError>(())
@@ -126,6 +189,30 @@ impl Edge {
             let _ = std::fs::remove_file(&sock);
         }
         claimed
+    }
+
+    /// Whether warm container `wid`, started ahead, can become sandbox `d` with `limits`.
+    fn fits_started(&self, d: &DesiredSandbox, wid: &str, limits: &Limits) -> Result<(), EdgeError> {
+        if d.cpu_class != opendsec_projections::CpuClass::default() {
+            return Err(EdgeError::Store(format!(
+                "warm container {wid} runs in the default CPU class, not {}",
+                d.cpu_class.as_str()
+            )));
+        }
+        let used = self.containers.unstarted_memory(wid).unwrap_or(0);
+        if used + CLAIM_HEADROOM > limits.memory_bytes {
+            return Err(EdgeError::Store(format!(
+                "warm container {wid} uses {} MiB, too close to the sandbox's {} MiB",
+                used >> 20,
+                limits.memory_bytes >> 20
+            )));
+        }
+        match wait_healthy(&self.socket_path(wid), Duration::ZERO) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(EdgeError::Store(format!(
+                "warm container {wid}'s start command is not healthy: {e}"
+            ))),
+        }
     }
 
     /// Starts the filler thread unless one runs: it makes warm containers for the wanted
@@ -195,5 +282,63 @@ impl Edge {
         for wid in ready {
             self.discard_warm(&wid);
         }
+    }
+}
+
+/// The agent's claim request (see the agent's `claim.rs`).
+const CLAIM_PATH: &str = "/.opendsec/claim";
+
+/// Sends one HTTP/1.1 request to the agent listening at `sock` and returns its status.
+/// Blocking, written out: the filler thread and the claim run where no async runtime is
+/// at hand, and the request is one short exchange on a local socket.
+fn agent_exchange(sock: &Path, request: &[u8], timeout: Duration) -> std::io::Result<u16> {
+    let mut stream = UnixStream::connect(sock)?;
+    stream.set_read_timeout(Some(timeout.max(Duration::from_millis(500))))?;
+    stream.set_write_timeout(Some(timeout.max(Duration::from_millis(500))))?;
+    stream.write_all(request)?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head)?;
+    std::str::from_utf8(&head[9..12])
+        .ok()
+        .filter(|_| head.starts_with(b"HTTP/1.1 "))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other("the agent's answer is not HTTP"))
+}
+
+/// `POST path` with JSON `body` and the agent's `token`.
+fn agent_post(
+    sock: &Path,
+    path: &str,
+    token: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> std::io::Result<u16> {
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nX-Access-Token: {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    agent_exchange(sock, request.as_bytes(), timeout)
+}
+
+/// Waits up to `timeout` (at least one try) for the agent at `sock` to say its start
+/// command is ready (`/health` 204); the last answer otherwise.
+fn wait_healthy(sock: &Path, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match agent_exchange(
+            sock,
+            b"GET /health HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(2),
+        ) {
+            Ok(204) | Ok(200) => return Ok(()),
+            Ok(code) => format!("/health answers {code}"),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            return Err(last);
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -2,6 +2,9 @@
 //! and talks Connect JSON to it with a small hyper client.
 #![allow(dead_code)]
 
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -478,4 +481,48 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// The agent, configured with `config` through a pipe, as an edge starts it.
+pub async fn agent_configured(config: serde_json::Value) -> Agent {
+    let mut fds = [0; 2];
+    // Close-on-exec both: no other child may hold the write end (the agent reads to its end).
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    std::fs::File::from(write)
+        .write_all(&serde_json::to_vec(&config).unwrap())
+        .unwrap();
+    let fd = read.as_raw_fd();
+    let mut cmd = agent_command();
+    // SAFETY: fcntl is async-signal-safe; the agent alone inherits the read end.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = Agent::start_command(cmd, dir, None, &["--config-fd", &fd.to_string()], |_| {}).await;
+    drop(read);
+    a.token = config["access_token"].as_str().map(String::from);
+    a
+}
+
+/// Kills the server with SIGKILL and waits until a new one answers.
+pub async fn kill_server(a: &Agent) -> u32 {
+    let old = a.server_pid().await;
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let new = a.server_pid().await;
+        if new != old
+            && let Ok((204, _, _)) = a.raw("GET", "/health", &[], bytes::Bytes::new()).await
+        {
+            return new;
+        }
+        assert!(Instant::now() < deadline, "no new server");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
