@@ -825,6 +825,7 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
                     id: &id,
                     limits: &limits,
                     labels: &labels,
+                    started: false,
                 },
             )
             .unwrap();
@@ -876,6 +877,68 @@ fn a_warm_container_waits_unstarted_then_runs_as_the_sandbox_that_claims_it_with
 }
 
 #[test]
+fn a_warm_container_started_ahead_keeps_its_running_pid_1_when_claimed_and_takes_the_sandboxs_name_and_limits() {
+    use opendsec_edge::container::warm::{Claim, WARM_ID_PREFIX};
+    let b = backend(RuntimeChoice::Crun);
+    let warm = format!("{WARM_ID_PREFIX}{}", unique_id("s"));
+    // PID 1 prints its hostname every 50 ms.
+    let spec = busybox_spec(&warm, "while true; do hostname; sleep 0.05; done");
+    b.create_unstarted(&spec).unwrap();
+    b.start_unstarted(&warm).unwrap();
+    let warm_dir = b.config().sandboxes_root.join(format!(".{warm}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !String::from_utf8_lossy(&std::fs::read(warm_dir.join("output.log")).unwrap_or_default()).contains(&warm) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "PID 1 started ahead runs before any claim"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = std::fs::read_to_string(warm_dir.join("init.pid")).unwrap();
+    let used = b.unstarted_memory(&warm).expect("its cgroup's memory is read");
+    assert!(used < 64 << 20, "a shell loop uses little: {used}");
+
+    let id = unique_id("ahead");
+    let limits = Limits {
+        memory_bytes: 80 << 20,
+        ..spec.limits.clone()
+    };
+    let claim = Claim {
+        id: &id,
+        limits: &limits,
+        labels: &Default::default(),
+        started: true,
+    };
+    b.claim(&warm, &claim).unwrap();
+    let dir = b.config().sandboxes_root.join(&id);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("init.pid")).unwrap(),
+        pid,
+        "the same PID 1 runs on"
+    );
+    assert_eq!(
+        memory_limit(&warm),
+        80 << 20,
+        "the claim's memory limit is the cgroup's"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = String::from_utf8_lossy(&b.read_log(&id, 1 << 16).unwrap()).into_owned();
+        if log.contains(&format!("\n{id}\n")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hostname is the sandbox's id: {log:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(b.state(&id).unwrap().status, SandboxStatus::Running);
+    b.delete(&id).unwrap();
+    assert_gone(&b, &id);
+}
+
+#[test]
 fn a_warm_container_that_cannot_be_claimed_or_is_discarded_leaves_nothing() {
     use opendsec_edge::container::warm::{Claim, WARM_ID_PREFIX};
     let b = backend(RuntimeChoice::Auto);
@@ -900,6 +963,7 @@ fn a_warm_container_that_cannot_be_claimed_or_is_discarded_leaves_nothing() {
                 id: &id,
                 limits: &limits,
                 labels: &Default::default(),
+                started: false,
             },
         )
         .unwrap_err();

@@ -228,9 +228,12 @@ test('the code interpreter package creates through the same API', async () => {
 })
 
 test('runCode on the default template: state, values without quotes, rich results, languages', async () => {
-  // No template: the package's own default, code-interpreter-v1.
-  const s = await CodeInterpreter.create({ timeoutMs: 120_000, metadata: { suite: run, group: 'run-code' } })
+  // No template: the package's own default, code-interpreter-v1. The sandbox's own
+  // variables reach its kernels, started before it or not.
+  const s = await CodeInterpreter.create({ timeoutMs: 120_000, envs: { TASK_ID: 'js-task' }, metadata: { suite: run, group: 'run-code' } })
   try {
+    assert.equal((await s.runCode("import os\nos.environ['TASK_ID']")).text, 'js-task')
+    assert.equal((await s.runCode('process.env.TASK_ID', { language: 'javascript' })).text, 'js-task')
     await s.runCode('x = 41')
     const value = await s.runCode('x + 1')
     assert.equal(value.text, '42')

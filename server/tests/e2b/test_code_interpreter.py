@@ -183,6 +183,47 @@ def test_env_vars_read_back_as_their_values(sandbox):
     assert sandbox.run_code("import os\nos.environ.get('FOO')").text is None
 
 
+def test_a_sandboxs_own_variables_reach_its_kernels_even_those_started_before_it(run_id):
+    """Warm code-interpreter containers run their server and kernels before a create
+    claims one (so that create to first run_code is fast); the sandbox's variables still
+    reach its Python kernel, IPython's shell escapes, its JavaScript kernel and its
+    commands. Creates are made until one is claimed from a container started ahead: its
+    server started well before the sandbox did."""
+    import time
+
+    started_ahead = 0
+    for n in range(6):
+        before = time.monotonic()
+        sb = Sandbox.create(
+            envs={"TASK_ID": f"task-{n}"},
+            timeout=120,
+            metadata={"suite": run_id, "module": "code_interpreter", "case": "envs"},
+        )
+        try:
+            assert sb.run_code("import os\nos.environ['TASK_ID']").text == f"task-{n}"
+            assert "".join(sb.run_code("!echo shell $TASK_ID").logs.stdout).strip() == f"shell task-{n}"
+            assert sb.run_code("process.env.TASK_ID", language="javascript").text == f"task-{n}"
+            assert sb.commands.run("echo $TASK_ID").stdout == f"task-{n}\n"
+            # Started ahead when the server is older than this create.
+            server = [p for p in sb.commands.list() if p.tag == "start"]
+            assert server, sb.commands.list()
+            # Start times in clock ticks since boot (/proc/<pid>/stat, field 22): the
+            # server's against this command's own.
+            age = sb.commands.run(
+                "python3 -c \"import os; st = lambda p: int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[19]); "
+                f"print((st('self') - st({server[0].pid})) / os.sysconf('SC_CLK_TCK'))\""
+            ).stdout.strip()
+            if float(age) > time.monotonic() - before + 1:
+                started_ahead += 1
+        finally:
+            sb.kill()
+        if started_ahead:
+            break
+        # Give the edge time to start the next warm container's kernels.
+        time.sleep(5)
+    assert started_ahead, "no create claimed a code interpreter started ahead of it"
+
+
 def test_an_interrupted_cell_leaves_its_kernel_usable(sandbox):
     ctx = sandbox.create_code_context()
     try:
