@@ -253,7 +253,7 @@ class Claim:
         """No --claim-stdin: the server's own environment is the sandbox's."""
         self.done.set()
 
-    def read(self, stream):
+    def read(self, stream, contexts):
         env = {}
         try:
             line = stream.readline()
@@ -271,6 +271,8 @@ class Claim:
             os.environ.update(env)
             self.env = env
             self.generation += 1
+        # The kernels of idle contexts take them now, before the first cell comes.
+        contexts.bring_up_to_claim()
         self.done.set()
 
     def wait(self):
@@ -349,6 +351,17 @@ class Kernel:
 
     def run_silent(self, code):
         return self.client.execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
+
+    def run_and_wait(self, code, timeout):
+        """Runs `code` silently and waits for its reply (only the caller, holding the
+        context's cell lock, reads the kernel's shell channel)."""
+        msg_id = self.run_silent(code)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = self.client.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return
+        raise TimeoutError(f"no reply within {timeout} s")
 
     def interrupt(self):
         try:
@@ -520,6 +533,25 @@ class Contexts:
     def list(self):
         with self.lock:
             return [ctx.describe() for ctx in self.by_id.values()]
+
+    def bring_up_to_claim(self):
+        """Gives the kernel of each idle context the sandbox's variables (a busy one
+        takes them before its next cell) and waits for each to have them."""
+        with self.lock:
+            contexts = list(self.by_id.values())
+        for ctx in contexts:
+            if not ctx.exec_lock.acquire(blocking=False):
+                continue
+            try:
+                with ctx.state_lock:
+                    kernel = ctx.kernel
+                code = CLAIM.code_for(kernel)
+                if code:
+                    kernel.run_and_wait(code, timeout=10.0)
+            except Exception as e:
+                print(f"code-interpreter: giving a {ctx.language} kernel the sandbox's variables: {e}", file=sys.stderr)
+            finally:
+                ctx.exec_lock.release()
 
     def remove(self, context_id):
         with self.lock:
@@ -922,12 +954,12 @@ def serve(args):
     else:
         default_cwd = os.getcwd()
         print(f"code-interpreter: {args.cwd} does not exist; contexts start in {default_cwd}", file=sys.stderr)
-    if args.claim_stdin:
-        threading.Thread(target=CLAIM.read, args=(sys.stdin,), daemon=True).start()
-    else:
-        CLAIM.unclaimed()
     contexts = Contexts(default_cwd)
     Handler.contexts = contexts
+    if args.claim_stdin:
+        threading.Thread(target=CLAIM.read, args=(sys.stdin, contexts), daemon=True).start()
+    else:
+        CLAIM.unclaimed()
     server = Server((args.host, args.port), Handler, bind_and_activate=False)
     server.verbose = args.verbose
     # Bind first (a taken port fails at once), listen only when the default Python
