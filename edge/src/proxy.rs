@@ -184,7 +184,23 @@ pub struct Hooks {
     pub push: Option<Pusher>,
     /// The progress of a push under way for `GET /images/push/{id}`.
     pub push_progress: Option<PushProgress>,
+    /// Whether a sandbox's pause or resume is still being carried out here (see
+    /// [`Settling`]): requests to it wait for that first.
+    pub settling: Option<Settling>,
 }
+
+/// Whether sandbox `id` is between states on this edge: the slice does not yet hold the
+/// log index the request names ([`AFTER_HEADER`]), or the sandbox's pause or resume is
+/// being carried out, or the slice wants it running and it is still paused here (or the
+/// reverse). A request to it waits (up to [`SETTLE_WAIT`]) rather than meet an agent
+/// that a pause is ending or that a resume has not started again: the control plane may
+/// record a resume before this edge has carried out, or even heard of, the pause before it.
+pub type Settling = Arc<dyn Fn(&str, Option<u64>) -> bool + Send + Sync>;
+
+pub use opendsec_edge_api::headers::AFTER_HEADER;
+
+/// How long a request waits for its sandbox to settle before a 503.
+pub const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// (JSON `{"name", "reference", "id"?}`) -> what was pushed, or (status, why). Blocking.
 /// A push with an `id` reports its progress under it while it runs ([`PushProgress`]).
@@ -745,6 +761,27 @@ async fn handle(
         .map(|(a, b)| (a.to_string(), format!("/{b}")))
         .unwrap_or((rest.to_string(), "/".to_string()));
     let id = id.as_str();
+    let after = req
+        .headers()
+        .get(AFTER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(settling) = &hooks.settling {
+        let deadline = std::time::Instant::now() + SETTLE_WAIT;
+        while settling(id, after) {
+            if std::time::Instant::now() >= deadline {
+                return json_error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    &format!(
+                        "The sandbox {id} is still pausing or resuming on its edge after {} s; try again",
+                        SETTLE_WAIT.as_secs()
+                    ),
+                );
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
     let Some(agent) = resolve(id) else {
         return json_error(
             StatusCode::BAD_GATEWAY,
@@ -774,6 +811,7 @@ async fn handle(
     let (mut parts, body) = req.into_parts();
     parts.headers.remove(EDGE_KEY_HEADER);
     parts.headers.remove(PORT_HEADER);
+    parts.headers.remove(AFTER_HEADER);
     parts.uri = match path_and_query.parse() {
         Ok(u) => u,
         Err(_) => return json_error(StatusCode::BAD_REQUEST, "invalid_argument", "malformed path"),

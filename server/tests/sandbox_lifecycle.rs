@@ -199,6 +199,26 @@ impl Up {
         up::edge_exec(&self.client, &self.door, &self.key, id, cmd, user).await
     }
 
+    /// Runs `script` in sandbox `id` as a user does: through the gateway's REST agent
+    /// route (`/v1/sandboxes/{id}/agent/...`) with the admin token.
+    async fn rest_exec(&self, id: &str, script: &str) -> Result<(String, i64), String> {
+        let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}})).unwrap();
+        let r = self
+            .client
+            .post(format!(
+                "http://{}/v1/sandboxes/{id}/agent/process.Process/Start",
+                self.http
+            ))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/connect+json")
+            .header("connect-protocol-version", "1")
+            .body(up::connect_frame(&body))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        up::read_process_stream(r).await
+    }
+
     /// Sandbox directories on the edge's disk (named by their 20-hex-digit ids).
     fn containers_on_disk(&self) -> usize {
         std::fs::read_dir(self.dir.path().join("data/edge/sandboxes"))
@@ -352,6 +372,28 @@ async fn a_file_system_pause_ends_every_process_keeps_the_files_and_its_resume_b
         .await;
     up.wait_state(&id, "running").await;
     assert_eq!(up.exec(&id, "pidof sleep").await.0, out);
+
+    // A resume recorded right after a pause, before the edge has carried the pause out
+    // (REST records both at once), and a call right after it (REST, through the gateway):
+    // the call waits on the edge until the sandbox runs again rather than meet the agent
+    // the pause is ending.
+    for filesystem in [true, false, true] {
+        let (s, v) = up
+            .send(reqwest::Method::POST, &pause, json!({"filesystem": filesystem}))
+            .await;
+        assert_eq!(s, 200, "{v}");
+        let (s, v) = up
+            .send(reqwest::Method::POST, &format!("/v1/sandboxes/{id}/resume"), json!({}))
+            .await;
+        assert_eq!(s, 200, "{v}");
+        let answer = up.rest_exec(&id, "cat /home/user/f").await;
+        assert_eq!(
+            answer,
+            Ok(("kept\n".to_string(), 0)),
+            "after a pause with filesystem {filesystem}"
+        );
+    }
+    up.wait_state(&id, "running").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,3 +21,10 @@ pub const IMAGE_HEADER: &str = "x-opendsec-image";
 /// An image upload to an edge: the log index of the `ImportImage` that asked for it (the
 /// edge waits until its slice holds it).
 pub const IMPORT_INDEX_HEADER: &str = "x-opendsec-import-index";
+
+/// A request to a sandbox: the log index of the last change to the sandbox that the
+/// gateway routing it had seen. The edge holds the request until its slice holds that
+/// index and the sandbox has settled there (a pause and a resume recorded back to back
+/// are both carried out first), so the request never meets an agent that a pause the
+/// caller saw acknowledged is ending.
+pub const AFTER_HEADER: &str = "x-opendsec-after";

@@ -21,9 +21,22 @@ impl Edge {
                 if filesystem {
                     tracing::info!(sandbox = %id, "pausing with its file system only: its processes end");
                 }
-                self.blocking(move |e| e.backend_of(&id).pause(&id, filesystem)).await
+                let _changing = Changing::mark(self, &id);
+                let sid = id.clone();
+                let paused = self.blocking(move |e| e.backend_of(&sid).pause(&sid, filesystem)).await;
+                if paused.is_ok() {
+                    self.observed_now(&id, Running::Paused { memory: !filesystem });
+                }
+                paused
             }
-            Action::Resume { id, cold } => self.resume(id, cold).await,
+            Action::Resume { id, cold } => {
+                let _changing = Changing::mark(self, &id);
+                let resumed = self.resume(id.clone(), cold).await;
+                if resumed.is_ok() && !self.failed.lock().expect("failed lock").contains(&id) {
+                    self.observed_now(&id, Running::Running);
+                }
+                resumed
+            }
             Action::Stop { id, reason } => {
                 tracing::info!(sandbox = %id, %reason, "stopping");
                 self.blocking(move |e| e.backend_of(&id).stop(&id)).await
@@ -65,6 +78,41 @@ impl Edge {
         if let Err(e) = result {
             tracing::warn!(error = %e, "reconcile action failed; it is retried on the next round");
         }
+    }
+
+    /// Records what a pause or resume just did, ahead of the next observation (a request
+    /// to the sandbox goes by it: see [`Edge::settling`]).
+    fn observed_now(&self, id: &str, now: Running) {
+        if let Some(o) = self.last_observed.lock().expect("observed lock").get_mut(id) {
+            *o = now;
+        }
+    }
+
+    /// Whether sandbox `id` is between states here: the slice does not hold log index
+    /// `after` yet (the last change the gateway saw), its pause or resume is being carried
+    /// out, or the slice wants it running while it is paused here, or paused while it
+    /// runs (the action not yet begun). The proxy holds requests to it meanwhile
+    /// (`proxy::Settling`); a sandbox that stays paused is for the gateway to answer.
+    pub(super) fn settling(&self, id: &str, after: Option<u64>) -> bool {
+        use opendsec_projections::Desired;
+        if self.changing.lock().expect("changing lock").contains(id) {
+            return true;
+        }
+        let desired = {
+            let slice = self.slice.lock().expect("slice lock");
+            if after.is_some_and(|n| slice.next_index <= n) {
+                return true;
+            }
+            slice.sandboxes.get(id).map(|d| d.desired)
+        };
+        let Some(desired) = desired else {
+            return false;
+        };
+        let observed = self.last_observed.lock().expect("observed lock").get(id).cloned();
+        matches!(
+            (desired, observed),
+            (Desired::Running, Some(Running::Paused { .. })) | (Desired::Paused, Some(Running::Running))
+        )
     }
 
     /// Starts creating sandbox `id` unless its creation failed here before (the failure
@@ -110,5 +158,21 @@ impl Edge {
             other => other,
         };
         self.report(&id, observation).await;
+    }
+}
+
+/// Marks a sandbox's pause or resume under way for as long as it lives.
+struct Changing<'a>(&'a Edge, String);
+
+impl<'a> Changing<'a> {
+    fn mark(edge: &'a Edge, id: &str) -> Self {
+        edge.changing.lock().expect("changing lock").insert(id.to_string());
+        Changing(edge, id.to_string())
+    }
+}
+
+impl Drop for Changing<'_> {
+    fn drop(&mut self) {
+        self.0.changing.lock().expect("changing lock").remove(&self.1);
     }
 }

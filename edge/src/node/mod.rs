@@ -222,6 +222,8 @@ struct Edge {
     oom_log: Arc<crate::container::oom::OomLog>,
     /// The last observation, for admission requests between two rounds.
     last_observed: Mutex<BTreeMap<String, Running>>,
+    /// Sandboxes whose pause or resume is being carried out right now (see `act.rs`).
+    changing: Mutex<BTreeSet<String>>,
     /// Sandboxes admitted but not yet in the slice, with when: counted by admission.
     admitted: Mutex<BTreeMap<String, (u64, u64, Instant)>>,
     /// What was last reported per sandbox, and when: a report is repeated only once the

@@ -111,6 +111,7 @@ pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output 
         agent_dir,
         snapshotting: Mutex::new(BTreeSet::new()),
         last_observed: Mutex::new(BTreeMap::new()),
+        changing: Mutex::new(BTreeSet::new()),
         admitted: Mutex::new(BTreeMap::new()),
         reported: Mutex::new(BTreeMap::new()),
         wake: tokio::sync::Notify::new(),
@@ -296,6 +297,10 @@ impl Edge {
             imports: Some(self.import_hooks()),
             push: Some(pusher),
             push_progress: Some(push_progress),
+            settling: Some({
+                let e = self.clone();
+                Arc::new(move |id: &str, after: Option<u64>| e.settling(id, after))
+            }),
         };
         proxy::serve_with(listener, self.trust.clone(), self.cfg.edge_key.clone(), resolve, hooks).await
     }

@@ -287,6 +287,8 @@ async fn forward(st: &AppState, id: String, port: u16, mut req: Request) -> Resu
         req.headers_mut()
             .insert(opendsec_edge_api::headers::PORT_HEADER, HeaderValue::from(port));
     }
+    req.headers_mut()
+        .insert(opendsec_edge_api::headers::AFTER_HEADER, HeaderValue::from(x.index));
     let req = req.map(Body::new);
     crate::edge_client::forward(st, &address, uri, req)
         .await

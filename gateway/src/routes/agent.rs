@@ -105,13 +105,14 @@ pub async fn proxy(
             ),
         ));
     }
-    crate::e2b::api::ready_for_traffic(&st, &x).await.map_err(|e| {
+    let settled = crate::e2b::api::ready_for_traffic(&st, &x).await.map_err(|e| {
         ApiError::new(
             e.status,
             "unavailable",
             format!("waiting for sandbox {id} to run: {}", e.message),
         )
     })?;
+    let after = settled.map_or(x.index, |s| s.index);
     let user = match req.headers().get(USER_HEADER) {
         None => None,
         Some(v) => {
@@ -149,6 +150,10 @@ pub async fn proxy(
             .map_err(|_| ApiError::invalid(USER_HEADER, "bad user name"))?;
         parts.headers.insert(header::AUTHORIZATION, v);
     }
+    parts.headers.insert(
+        HeaderName::from_static(opendsec_edge_api::headers::AFTER_HEADER),
+        HeaderValue::from(after),
+    );
     crate::edge_client::forward(&st, &address, uri, axum::http::Request::from_parts(parts, body))
         .await
         .map_err(|e| edge_unreachable(format!("sandbox {id}: {}", e.0)))
