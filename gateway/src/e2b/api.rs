@@ -383,7 +383,9 @@ pub(crate) async fn ready_for_traffic(st: &AppState, x: &Sandbox) -> R<Option<Sa
 /// Waits until a pause its edge is still carrying out is done (bounded): a resume asked
 /// before the edge reports the pause would let calls through while that pause ends the
 /// agent (a file-system pause) or the resume boots it again. The next call and E2B's
-/// connect wait so (REST's `/resume` records the wish at once, as every REST write).
+/// connect wait so (REST's `/resume` records the wish at once, as every REST write; a
+/// call after it is held by the edge instead, until the pause and the resume are both
+/// carried out: `x-opendsec-after`).
 /// Nothing to wait for (no such sandbox, one ended, one not pausing) is Ok: the resume's
 /// own command says what is wrong with it.
 pub(crate) async fn pause_settled(st: &AppState, id: &str) -> R<()> {
