@@ -66,9 +66,18 @@ impl ContainerBackend {
     /// Memory in use by warm container `warm_id`'s processes (its page cache left out),
     /// if its cgroup can be read.
     pub fn unstarted_memory(&self, warm_id: &str) -> Option<u64> {
-        let record = self.unstarted_record(warm_id).ok()?;
-        let usage = cgroup::usage(&record.cgroups_path)?;
+        let usage = self.unstarted_usage(warm_id)?;
         Some(usage.memory_bytes.saturating_sub(usage.cache_bytes))
+    }
+
+    /// CPU time used by warm container `warm_id`'s processes so far, in microseconds.
+    pub fn unstarted_cpu_usec(&self, warm_id: &str) -> Option<u64> {
+        Some(self.unstarted_usage(warm_id)?.cpu_usec)
+    }
+
+    fn unstarted_usage(&self, warm_id: &str) -> Option<cgroup::Usage> {
+        let record = self.unstarted_record(warm_id).ok()?;
+        cgroup::usage(&record.cgroups_path)
     }
 
     /// The record of warm container `warm_id` (its layers, limits and runtime).

@@ -40,6 +40,10 @@ pub(super) enum WarmAgent {
 /// Memory a started warm container must leave free under a claim's limit (what its
 /// processes use grows with the sandbox's first work).
 const CLAIM_HEADROOM: u64 = 64 << 20;
+/// How long a started warm container may stay busy after it is ready before it is
+/// offered anyway, and the window its CPU use is judged over.
+const QUIET_WAIT: Duration = Duration::from_secs(15);
+const QUIET_SAMPLE: Duration = Duration::from_millis(200);
 /// How long a claim request to a warm container's agent may take.
 const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -79,6 +83,9 @@ impl Edge {
                 let t = Instant::now();
                 wait_healthy(&self.socket_path(&wid), super::agent::START_TIMEOUT)
                     .map_err(|e| EdgeError::Store(format!("warm container {wid} did not get ready: {e}")))?;
+                // What its start command does after it is ready (kernels started ahead of
+                // use) is done before a sandbox claims it, not on the sandbox's time.
+                self.wait_cpu_quiet(&wid);
                 tracing::debug!(%wid, image = %image_name, took = ?t.elapsed(), "warm container started ahead");
                 WarmAgent::Started
             } else {
@@ -189,6 +196,25 @@ impl Edge {
             let _ = std::fs::remove_file(&sock);
         }
         claimed
+    }
+
+    /// Waits (at most [`QUIET_WAIT`]) until warm container `wid` has used under 5% of a
+    /// CPU over [`QUIET_SAMPLE`].
+    fn wait_cpu_quiet(&self, wid: &str) {
+        let deadline = Instant::now() + QUIET_WAIT;
+        let Some(mut before) = self.containers.unstarted_cpu_usec(wid) else {
+            return;
+        };
+        while Instant::now() < deadline {
+            std::thread::sleep(QUIET_SAMPLE);
+            let Some(now) = self.containers.unstarted_cpu_usec(wid) else {
+                return;
+            };
+            if now.saturating_sub(before) < QUIET_SAMPLE.as_micros() as u64 / 20 {
+                return;
+            }
+            before = now;
+        }
     }
 
     /// Whether warm container `wid`, started ahead, can become sandbox `d` with `limits`.
