@@ -47,12 +47,6 @@ class Refusal(NamedTuple):
 
 REFUSED = [
     Refusal(
-        "Sandbox.create(mcp=…)",
-        "Sandbox.create",
-        "test_errors.py::test_a_create_asking_for_what_opendsec_does_not_offer_is_refused_naming_it[mcp]",
-        "no MCP gateway; a 400 naming `mcp`",
-    ),
-    Refusal(
         "Sandbox.create(iam=…)",
         "Sandbox.create",
         "test_errors.py::test_a_create_asking_for_what_opendsec_does_not_offer_is_refused_naming_it[iam]",

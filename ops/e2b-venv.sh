@@ -5,7 +5,8 @@
 #                                the E2B benchmark's (ops/bench.sh e2b); default
 #                                /var/lib/opendsec/test/e2b:
 #     DIR/2.63  e2b 2.63.0 + e2b-code-interpreter 2.11.5 + pytest: the current SDK
-#               (POST /v2/sandboxes), sync and async clients, the code interpreter.
+#               (POST /v2/sandboxes), sync and async clients, the code interpreter;
+#               with mcp 2.3.0, the official MCP client the MCP tests call the gateway with.
 #     DIR/2.50  e2b 2.50.0 + pytest: the last SDK that creates through POST /sandboxes (v1).
 #
 #   ops/e2b-venv.sh --sdk [DIR]  one venv with the current SDK for your own code (what
@@ -29,7 +30,7 @@ fi
 
 SDK=(e2b==2.63.0 e2b-code-interpreter==2.11.5)
 PYTEST=(pytest==9.2.0)
-SET_263=("${SDK[@]}" "${PYTEST[@]}" pytest-asyncio==1.5.0)
+SET_263=("${SDK[@]}" "${PYTEST[@]}" pytest-asyncio==1.5.0 mcp==2.3.0)
 SET_250=(e2b==2.50.0 "${PYTEST[@]}")
 
 if ! command -v python3 >/dev/null 2>&1; then

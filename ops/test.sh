@@ -31,7 +31,7 @@ echo "==> the E2B SDKs (pinned venvs: the suite's, and the README's) and the ima
 ./ops/e2b-venv.sh --sdk
 ./ops/e2b-js.sh
 IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
-for image in busybox base code-interpreter-v1; do
+for image in busybox base code-interpreter-v1 mcp-gateway; do
   "${CARGO_TARGET_DIR:-$PWD/target}/debug/opendsec-image" build "$image" --store "$IMAGES"
 done
 

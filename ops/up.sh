@@ -26,8 +26,9 @@ BIN="${CARGO_TARGET_DIR:-$PWD/target}/release"
 IMAGES="${OPENDSEC_IMAGE_DIR:-/var/lib/opendsec/images}"
 
 # The default images, built once per machine and cached (base takes a minute or two,
-# code-interpreter-v1 adds numpy, pandas and matplotlib on top of it).
-for image in busybox base code-interpreter-v1; do
+# code-interpreter-v1 adds numpy, pandas and matplotlib on top of it; mcp-gateway, the
+# template of E2B's `Sandbox.create(mcp=...)`, adds FastMCP and two MCP servers).
+for image in busybox base code-interpreter-v1 mcp-gateway; do
   echo "==> image $image"
   "$BIN/opendsec-image" build "$image" --store "$IMAGES"
 done

@@ -12,7 +12,7 @@
 //! is a 404 and not a pull from the internet.
 
 /// The images every edge builds itself.
-pub const BUILTIN_IMAGES: [&str; 3] = ["busybox", "base", "code-interpreter-v1"];
+pub const BUILTIN_IMAGES: [&str; 4] = ["busybox", "base", "code-interpreter-v1", "mcp-gateway"];
 
 /// The store's name for an image reference: E2B clients ask for templates by the names
 /// the builders use, with the tag `latest` or `default` (`base:latest`), or by a few other

@@ -79,6 +79,7 @@ async fn run_module(set: &str, module: &str, up: &Up) {
     std::os::unix::fs::symlink(sdk.join("node_modules"), work.path().join("node_modules")).unwrap();
 
     up.ensure_image("base", IMAGE_BUILD_LIMIT).await;
+    up.ensure_image("mcp-gateway", IMAGE_BUILD_LIMIT).await;
     let key = up.issue_e2b_key().await;
     let url = format!("http://{}", up.http);
     let calls = e2b_calls::record_file(&format!("js-{set}-{module}"));

@@ -7,7 +7,8 @@
 //!
 //! Needs root, crun or runc, the static agent (`./ops/test.sh`), the SDK venvs
 //! (`./ops/e2b-venv.sh`, or `OPENDSEC_E2B_VENV`) and the `base` and
-//! `code-interpreter-v1` images (built on first use into /var/lib/opendsec/images).
+//! `code-interpreter-v1` images and, for MCP, `mcp-gateway` (built on first use into
+//! /var/lib/opendsec/images).
 
 #[path = "support/e2b_py.rs"]
 mod e2b_py;
@@ -226,4 +227,25 @@ async fn e2b_sdk_tls_domain() {
         ("SSL_CERT_FILE", SYSTEM_CA_BUNDLE.to_string()),
     ];
     pytest(&python, "test_domain.py", &vars).await;
+}
+
+/// MCP (`Sandbox.create(mcp=...)`, the `mcp-gateway` image): the SDK's API and envd
+/// calls go to one URL as in the other modules; the MCP URL it hands out is a host name
+/// on the TLS port (E2B_DOMAIN), which the module maps in /etc/hosts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_sdk_mcp() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let python = python(Sdk::Current);
+    let up = Up::start(Some(TEST_DOMAIN)).await;
+    up.ensure_image("mcp-gateway", IMAGE_BUILD_LIMIT).await;
+    let key = up.issue_e2b_key().await;
+    let tls = up.tls.as_ref().expect("started with a domain");
+    let tls_port = tls.listen.rsplit(':').next().unwrap().to_string();
+
+    let _trust = SystemTrust::install(&up.ca_cert());
+    let _hosts = HostsEntries::add(&[]);
+    let mut vars = single_url_vars(&up, key);
+    vars.push(("E2B_DOMAIN", format!("{TEST_DOMAIN}:{tls_port}")));
+    vars.push(("SSL_CERT_FILE", SYSTEM_CA_BUNDLE.to_string()));
+    pytest(&python, "test_mcp.py", &vars).await;
 }

@@ -263,8 +263,9 @@ pub(super) fn resolve(s: &Scope, project: &str, image: &str) -> Result<String, R
         K::NotFound,
         "image",
         format!(
-            "no image named {image}: the built-in images are busybox, base and code-interpreter-v1; \
-             pull others with `opendsecctl image pull <reference>`, or name a registry (host[:port]/repository[:tag])"
+            "no image named {image}: the built-in images are {}; \
+             pull others with `opendsecctl image pull <reference>`, or name a registry (host[:port]/repository[:tag])",
+            crate::images::BUILTIN_IMAGES.join(", ")
         ),
     ))
 }

@@ -3,7 +3,10 @@
 //! `sudo` for `user`, `node`, `npm`) and `code-interpreter-v1` (`base` plus one layer:
 //! numpy, pandas, matplotlib, jupyter_client, ipykernel, IRkernel, TypeScript, a JDK and
 //! JJava (the Java kernel), OpenDsec's
-//! Bash, JavaScript and TypeScript kernels and the code-interpreter server). Each builds
+//! Bash, JavaScript and TypeScript kernels and the code-interpreter server) and
+//! `mcp-gateway` (`base` plus FastMCP and Docker's `time` and `git` reference servers,
+//! pinned by digest, under OpenDsec's `mcp-gateway` command: E2B's `Sandbox.create(mcp=...)`
+//! template). Each builds
 //! one layer into a scratch directory; the store publishes it with a rename. Builders
 //! run the host tools under `env -i` so that host settings (proxies for pip, locales) do
 //! not leak into images, and use the tools' default package sources (for apt inside an
@@ -105,6 +108,31 @@ pub const CODE_INTERPRETER_SERVER_PATH: &str = "/opt/opendsec/code-interpreter/s
 /// The port the SDK calls the server on (`e2b_code_interpreter.constants.JUPYTER_PORT`).
 pub const CODE_INTERPRETER_PORT: u16 = 49999;
 
+/// E2B's SDK creates a sandbox asked for `mcp=` from the template of this name, then runs
+/// `mcp-gateway --config <json>` in it as root.
+pub const MCP_GATEWAY_IMAGE: &str = "mcp-gateway";
+
+/// The gateway's command (`edge/images/mcp-gateway/mcp_gateway.py`: it translates E2B's
+/// configuration for FastMCP's proxy and keeps it running; its doc comment says how).
+const MCP_GATEWAY_FILES: &[LayerFile] = &[
+    LayerFile {
+        path: "/usr/local/bin/mcp-gateway",
+        contents: include_bytes!("../../images/mcp-gateway/mcp_gateway.py"),
+        mode: 0o755,
+    },
+    LayerFile {
+        path: MCP_GATEWAY_REQUIREMENTS,
+        contents: include_bytes!("../../images/mcp-gateway/requirements.txt"),
+        mode: 0o644,
+    },
+];
+
+/// Every Python package of the gateway, `name==version --hash=sha256:...`.
+const MCP_GATEWAY_REQUIREMENTS: &str = "/opt/mcp-gateway/requirements.txt";
+
+/// Where those packages are installed (`pip --target`; the command puts it on its path).
+const MCP_GATEWAY_SITE: &str = "/opt/mcp-gateway/site";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BuildPhase {
     Lock,
@@ -149,7 +177,7 @@ impl BuildProgress {
 }
 
 pub fn builder_names() -> Vec<&'static str> {
-    vec!["busybox", "base", "code-interpreter-v1"]
+    vec!["busybox", "base", "code-interpreter-v1", MCP_GATEWAY_IMAGE]
 }
 
 /// A file a recipe puts into its layer (its contents are part of the layer id).
@@ -239,6 +267,16 @@ pub(super) fn recipe(name: &str) -> Option<Recipe> {
             shell: "/bin/bash",
             start: Some(code_interpreter_start),
         }),
+        MCP_GATEWAY_IMAGE => Some(Recipe {
+            name: MCP_GATEWAY_IMAGE,
+            version: 1,
+            // The pinned requirements are one of the files: a new pin is a new layer.
+            inputs: "pip --require-hashes".into(),
+            files: MCP_GATEWAY_FILES,
+            parent: Some("base"),
+            shell: "/bin/bash",
+            start: None,
+        }),
         _ => None,
     }
 }
@@ -320,6 +358,7 @@ pub(super) fn build_layer(
         "busybox" => build_busybox(dir, progress),
         "base" => build_base(recipe, dir, progress),
         "code-interpreter-v1" => build_code_interpreter(recipe, lower, dir, progress),
+        MCP_GATEWAY_IMAGE => build_mcp_gateway(recipe, lower, dir, progress),
         other => Err(ImageError::UnknownImage(other.into())),
     }
 }
@@ -719,6 +758,121 @@ fn build_code_interpreter(
         ));
         drop_apt_caches(root);
         Ok(())
+    })
+}
+
+/// `base` plus the gateway: the host's pip downloads every wheel the requirements pin
+/// (checking each digest, for the image's CPython 3.11 on x86-64), the image's pip
+/// installs exactly those files, checking them again, into [`MCP_GATEWAY_SITE`]; the
+/// wheels are removed and the gateway's imports are tried once.
+fn build_mcp_gateway(
+    recipe: &Recipe,
+    lower: &[PathBuf],
+    dir: &Path,
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    const WHEELS: &str = "/tmp/opendsec-wheels";
+    let (image, files) = (recipe.name, recipe.files);
+    fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err("chmod layer"))?;
+    let scratch = dir.with_extension("root");
+    let _ = super::remove_tree(&scratch);
+    build_root::with_build_root(lower, dir, &scratch, progress, |root, progress| {
+        let root_arg = root.to_str().expect("utf-8 path");
+        write_files(root, files)?;
+        let wheels = root.join(WHEELS.trim_start_matches('/'));
+        let _ = fs::remove_dir_all(&wheels);
+        fs::create_dir_all(&wheels).map_err(io_err("making the wheels directory"))?;
+        let requirements = root.join(MCP_GATEWAY_REQUIREMENTS.trim_start_matches('/'));
+        progress(&BuildProgress::new(
+            BuildPhase::Download,
+            "pip download --require-hashes: fastmcp, mcp-server-time, mcp-server-git and their dependencies (the host's pip)",
+        ));
+        run_tool(
+            image,
+            BuildPhase::Download,
+            Path::new("/"),
+            "/usr/bin/python3",
+            &[
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-cache-dir",
+                "--require-hashes",
+                "--only-binary=:all:",
+                "--implementation",
+                "cp",
+                "--python-version",
+                "3.11",
+                "--platform",
+                "manylinux2014_x86_64",
+                "--platform",
+                "manylinux_2_17_x86_64",
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "--platform",
+                "manylinux_2_5_x86_64",
+                "--platform",
+                "manylinux1_x86_64",
+                "-d",
+                wheels.to_str().expect("utf-8 path"),
+                "-r",
+                requirements.to_str().expect("utf-8 path"),
+            ],
+            progress,
+        )?;
+        progress(&BuildProgress::new(
+            BuildPhase::Install,
+            format!("pip install --no-index --target {MCP_GATEWAY_SITE}"),
+        ));
+        let installed = run_tool(
+            image,
+            BuildPhase::Install,
+            Path::new("/"),
+            "chroot",
+            &[
+                root_arg,
+                "/usr/bin/python3",
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-cache-dir",
+                "--require-hashes",
+                "--find-links",
+                WHEELS,
+                "--target",
+                MCP_GATEWAY_SITE,
+                "-r",
+                MCP_GATEWAY_REQUIREMENTS,
+            ],
+            progress,
+        );
+        let _ = fs::remove_dir_all(&wheels);
+        installed?;
+        progress(&BuildProgress::new(
+            BuildPhase::Configure,
+            "the gateway's imports (fastmcp, the servers) checked",
+        ));
+        run_tool(
+            image,
+            BuildPhase::Configure,
+            Path::new("/"),
+            "chroot",
+            &[
+                root_arg,
+                "/usr/bin/env",
+                &format!("PYTHONPATH={MCP_GATEWAY_SITE}"),
+                "/usr/bin/python3",
+                "-c",
+                "import fastmcp.server, mcp_server_time, mcp_server_git",
+            ],
+            progress,
+        )
     })
 }
 

@@ -709,6 +709,26 @@ mod tests {
     }
 
     #[test]
+    fn mcp_gateway_is_base_plus_the_gateway_and_its_pinned_packages() {
+        let base = build::layer_ids("base").unwrap();
+        let mcp = build::layer_ids(build::MCP_GATEWAY_IMAGE).unwrap();
+        assert_eq!(mcp[..base.len()], base[..]);
+        assert_eq!(mcp.len(), base.len() + 1);
+        // Nothing runs until the SDK runs `mcp-gateway --config ...`.
+        assert_eq!(build::recipe(build::MCP_GATEWAY_IMAGE).unwrap().config().start, None);
+        assert!(opendsec_commands::images::is_builtin(build::MCP_GATEWAY_IMAGE));
+        // Every package of the gateway is pinned by version and digest.
+        let requirements = include_str!("../../images/mcp-gateway/requirements.txt");
+        let pins: Vec<&str> = requirements.lines().filter(|l| !l.starts_with('#')).collect();
+        assert!(pins.iter().any(|l| l.starts_with("fastmcp==")), "{requirements}");
+        for pin in &pins {
+            let (spec, hash) = pin.split_once(" --hash=sha256:").expect(pin);
+            assert!(spec.contains("=="), "{pin}");
+            assert_eq!(hash.len(), 64, "{pin}");
+        }
+    }
+
+    #[test]
     fn existing_layer_ids_are_unchanged() {
         // Layers already built on edges keep their names (the ids before recipes had
         // files and parents). `base` changed on purpose (version 2: python, pip, sudo,

@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use opendsec_commands::{Command, SandboxOptions};
 use opendsec_projections::{Desired, Isolation, Observed, Right};
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use super::api::*;
 use super::body::{body_object, opt_bool, opt_str, opt_u64, string_map, unsupported};
@@ -41,9 +41,12 @@ pub(super) async fn create(State(st): State<AppState>, headers: HeaderMap, body:
     // false: the auto-pause keeps only the file system (the sandbox's processes end; its
     // resume boots it again).
     let auto_pause_filesystem = auto_pause && opt_bool(&m, "autoPauseMemory")? == Some(false);
-    for f in ["mcp", "iam", "volumeMounts"] {
+    for f in ["iam", "volumeMounts"] {
         unsupported(&m, f)?;
     }
+    // The SDK itself starts the gateway (`mcp-gateway --config ...` in the `mcp-gateway`
+    // template, or in the caller's own); the create only checks the shape it sends.
+    mcp_servers(&m)?;
     let network = match m.get("network") {
         None | Some(Value::Null) => None,
         Some(Value::Object(n)) => Some(n),
@@ -133,6 +136,19 @@ pub const FULLVM_TEMPLATE_SUFFIX: &str = "-fullvm";
 
 /// The image a template name means, and the isolation it asks for (none: a container,
 /// or whatever a snapshot id is a snapshot of). A tag (`base-vm:latest`) stays on the image.
+/// `mcp`: absent, or an object of servers, each with an object of settings (what the
+/// servers accept is the gateway's to say, inside the sandbox).
+fn mcp_servers(m: &Map<String, Value>) -> R<()> {
+    match m.get("mcp") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(servers)) => match servers.iter().find(|(_, v)| !v.is_object()) {
+            Some((name, _)) => Err(E2bError::bad(format!("mcp.{name} must be an object of settings"))),
+            None => Ok(()),
+        },
+        Some(_) => Err(E2bError::bad("mcp must be an object naming MCP servers")),
+    }
+}
+
 pub fn template_image(template: &str) -> (String, Option<Isolation>) {
     let (name, tag) = match template.split_once(':') {
         Some((n, t)) => (n, Some(t)),

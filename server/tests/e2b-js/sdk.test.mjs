@@ -212,6 +212,44 @@ test('kill ends the sandbox; a second kill and a connect say it is gone', async 
   assert.deepEqual(await Sandbox.list({ query: { metadata: { suite: run, group: 'kill' } } }).nextItems(), [])
 })
 
+// The gateway as an MCP client inside the sandbox sees it (the image's FastMCP client):
+// the tool names, or the error a wrong token gets. The URL the SDK gives is a host name
+// on the TLS port, which the Python suite (test_mcp.py) calls from outside.
+const MCP_PROBE = `
+import asyncio, os, sys
+sys.path.insert(0, "/opt/mcp-gateway/site")
+from fastmcp import Client
+async def main():
+    async with Client("http://127.0.0.1:50005/mcp", auth=os.environ["TOKEN"]) as c:
+        print(" ".join(sorted(t.name for t in await c.list_tools())))
+asyncio.run(main())
+`
+
+test('mcp: create starts the gateway, whose token the SDK gives and which answers only with it', async () => {
+  const s = await Sandbox.create({ mcp: { time: {} }, timeoutMs: 120_000, metadata: { suite: run, group: 'mcp' } })
+  try {
+    assert.equal(s.getMcpUrl(), `https://${s.getHost(50005)}/mcp`)
+    const token = await s.getMcpToken()
+    assert.match(token, /^[0-9a-f-]{36}$/)
+    const again = await Sandbox.connect(s.sandboxId)
+    assert.equal(await again.getMcpToken(), token) // read back from the sandbox, as root
+    await s.files.write('/tmp/probe.py', MCP_PROBE)
+    const listed = await s.commands.run('python3 /tmp/probe.py', { envs: { TOKEN: token } })
+    assert.deepEqual(listed.stdout.trim().split(' '), ['convert_time', 'get_current_time'])
+    for (const auth of ['', '-H "Authorization: Bearer wrong"']) {
+      const refused = await s.commands.run(`curl -s -o /dev/null -w '%{http_code}' -X POST ${auth} http://127.0.0.1:50005/mcp`)
+      assert.equal(refused.stdout, '401')
+    }
+  } finally {
+    await s.kill()
+  }
+  await assert.rejects(
+    Sandbox.create({ mcp: { exa: { apiKey: 'unused' } }, timeoutMs: 60_000, metadata: { suite: run, group: 'mcp-bad' } }),
+    (e) => /Failed to start MCP gateway/.test(e.message) && /unknown MCP server 'exa'/.test(e.message)
+  )
+  assert.deepEqual(await Sandbox.list({ query: { metadata: { suite: run, group: 'mcp-bad' } } }).nextItems(), [])
+})
+
 test('an unknown template is an error, not a sandbox', async () => {
   await assert.rejects(Sandbox.create('no-such-template-' + run, { timeoutMs: 60_000 }), (e) => e instanceof Error && /no-such-template/.test(e.message))
 })

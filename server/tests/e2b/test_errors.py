@@ -295,12 +295,11 @@ def test_an_upload_larger_than_the_free_disk_raises_not_enough_space(victim):
 @pytest.mark.parametrize(
     "option, value, field",
     [
-        ("mcp", {"exa": {"apiKey": "unused"}}, "mcp"),
         ("iam", {"tokens": {"ci": {"audience": "https://ci.example", "token_type": "JWT-SVID"}}}, "iam"),
         ("volume_mounts", {"/mnt/data": "a-volume"}, "volumeMounts"),
     ],
     # The ids ops/e2b-compat.py names (REFUSED).
-    ids=["mcp", "iam", "volume_mounts"],
+    ids=["iam", "volume_mounts"],
 )
 def test_a_create_asking_for_what_opendsec_does_not_offer_is_refused_naming_it(run_id, option, value, field):
     metadata = {"suite": run_id, "module": "errors", "role": f"refused-{option}"}

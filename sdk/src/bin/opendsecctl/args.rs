@@ -647,7 +647,7 @@ pub(crate) enum ImageCmd {
         reference: String,
     },
     /// Images your sandboxes can start from (your subtree's and your ancestors').
-    /// The built-in images busybox, base and code-interpreter-v1 are not listed.
+    /// The built-in images busybox, base, code-interpreter-v1 and mcp-gateway are not listed.
     List,
     Get {
         name: String,
