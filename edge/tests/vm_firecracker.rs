@@ -1,6 +1,7 @@
 //! Specification tests of the Firecracker side of the microVM driver, against the real
 //! Firecracker v1.12 and its jailer (no mocks): configure and InstanceStart, pause and
-//! resume, Full and Diff snapshots, loads into new jailed processes, fork, kill, and
+//! resume, Full and Diff snapshots, loads into new jailed processes, a pause of the
+//! file system only and the boot again after it, fork, kill, and
 //! that nothing of a VM outlives it (process, namespace, chroot, cgroup, uid).
 //!
 //! What the guest does (the agent answers, memory survives) can only be checked where
@@ -463,6 +464,77 @@ fn a_firecracker_vm_lives_pauses_resumes_snapshots_forks_and_leaves_nothing_behi
         .filter(|e| e.file_name().to_string_lossy().starts_with(&a_id))
         .collect();
     assert!(forks.is_empty(), "fork bases left: {forks:?}");
+}
+
+/// A pause of the file system only (E2B's `keep_memory=False`) under Firecracker: the
+/// process ends and its jail and cgroup go, no memory is kept, a snapshot is refused;
+/// the VM then boots again on its disks in a new jailed process. A VM paused with its
+/// memory drops it when booted again. Guest side: the files stay, the processes do not.
+#[test]
+fn a_firecracker_vm_paused_with_its_disk_only_boots_again_on_it() {
+    let d = driver();
+    let guest = guest_checks("the file-system-only pause");
+    let id = unique("store");
+    let mut cleanup = Cleanup(Vec::new());
+    let vm = d.create(&spec(&id), &|m| eprintln!("[{id}] {m}")).unwrap();
+    cleanup.0.push(vm.clone());
+    let mut traces = Traces::of(&vm);
+    let pid = traces.saw(&vm);
+    if guest {
+        check_fresh_guest(&vm);
+        let wrote = exec(&vm, "sh", &["-c", "echo kept > /home/user/kept.txt && sync"]);
+        assert_eq!(wrote.exit_code, 0, "{wrote:?}");
+    }
+
+    let t = Instant::now();
+    vm.store().unwrap();
+    figure("firecracker file-system-only pause", ms(t.elapsed()));
+    assert_eq!(vm.status().unwrap(), VmStatus::Paused);
+    assert!(vm.is_stored());
+    assert!(!traces.jail.dir().exists(), "a stored VM has no jail");
+    assert!(!traces.jail.cgroup_dir().unwrap().exists(), "a stored VM has no cgroup");
+    for kept in ["state", "ram"] {
+        assert!(!traces.dir.join(kept).exists(), "a stored VM keeps no {kept}");
+    }
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    assert!(!comm.starts_with("firecracker"), "process {pid} still runs");
+    let snaps = tempfile::tempdir().unwrap();
+    let refused = vm.snapshot_to(&snaps.path().join("s")).unwrap_err();
+    assert!(refused.to_string().contains("disk only"), "{refused}");
+    vm.store().unwrap(); // again: nothing to do
+
+    let t = Instant::now();
+    vm.boot_again(&spec(&id)).unwrap();
+    figure(
+        "firecracker boot again: jail, configure, InstanceStart",
+        ms(t.elapsed()),
+    );
+    assert!(!vm.is_stored());
+    let pid2 = traces.saw(&vm);
+    assert_ne!(pid, pid2, "booted again in a new process");
+    assert_jailed(&vm, pid2);
+    assert_eq!(vm.firecracker_api().unwrap().state().unwrap(), InstanceState::Running);
+    if guest {
+        vm.wait_agent(Duration::from_secs(60)).unwrap();
+        assert_eq!(exec(&vm, "cat", &["/home/user/kept.txt"]).stdout_text(), "kept\n");
+        let counter = exec(&vm, "bash", &["-c", "exec 3<>/dev/tcp/127.0.0.1/7777 && echo up"]);
+        assert_ne!(counter.stdout_text().trim(), "up", "no process of before runs");
+    }
+
+    // Paused with its memory, then booted again: the memory is dropped, the disk kept.
+    vm.pause().unwrap();
+    assert!(traces.dir.join("state").exists());
+    vm.boot_again(&spec(&id)).unwrap();
+    assert!(!traces.dir.join("state").exists(), "the memory snapshot is dropped");
+    let pid3 = traces.saw(&vm);
+    assert_jailed(&vm, pid3);
+    if guest {
+        vm.wait_agent(Duration::from_secs(60)).unwrap();
+        assert_eq!(exec(&vm, "cat", &["/home/user/kept.txt"]).stdout_text(), "kept\n");
+    }
+
+    vm.delete().unwrap();
+    traces.assert_gone();
 }
 
 #[test]

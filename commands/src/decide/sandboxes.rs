@@ -215,28 +215,9 @@ pub(super) fn create(s: &Scope, c: Create<'_>) -> Result<Decided, Rejection> {
     ))
 }
 
-/// A Firecracker microVM (on a KVM host) always pauses and resumes with its memory: a
-/// pause of its file system only, or a resume that boots it again, is refused (`field`).
-fn on_firecracker_refused(x: &opendsec_projections::Sandbox, field: &str) -> Result<(), Rejection> {
-    if x.runtime.as_ref().is_some_and(|r| r.vmm == "firecracker") {
-        return Err(Rejection::field(
-            K::Invalid,
-            field,
-            format!(
-                "sandbox {} runs on Firecracker, whose pause always keeps its memory; a pause of the file system only is for containers and QEMU VMs",
-                x.id
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// `PauseSandbox`.
 pub(super) fn pause(s: &Scope, sandbox: &str, filesystem: bool) -> Result<Decided, Rejection> {
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    if filesystem {
-        on_firecracker_refused(x, "filesystem")?;
-    }
     Ok(Decided::one(
         &x.project,
         sandbox,
@@ -250,9 +231,6 @@ pub(super) fn pause(s: &Scope, sandbox: &str, filesystem: bool) -> Result<Decide
 /// `ResumeSandbox`.
 pub(super) fn resume(s: &Scope, sandbox: &str, cold: bool) -> Result<Decided, Rejection> {
     let x = s.live_sandbox(sandbox, Right::SandboxWrite)?;
-    if cold {
-        on_firecracker_refused(x, "cold")?;
-    }
     Ok(Decided::one(
         &x.project,
         sandbox,

@@ -295,6 +295,9 @@ def start(config_text):
     write_private(TOKEN_FILE, token)
     write_private(CONFIG_FILE, json.dumps({"mcpServers": servers}, indent=2))
     env = {k: v for k, v in os.environ.items() if k != "GATEWAY_ACCESS_TOKEN"}
+    # Warnings and errors only: a request a line would grow the log for as long as the
+    # sandbox lives.
+    env.setdefault("FASTMCP_LOG_LEVEL", "WARNING")
     with open(LOG_FILE, "ab") as log:
         os.chmod(LOG_FILE, 0o600)
         gateway = subprocess.Popen(
@@ -353,6 +356,7 @@ def serve():
         path=PATH,
         show_banner=False,
         host_origin_protection=False,
+        log_level=os.environ.get("FASTMCP_LOG_LEVEL", "WARNING").lower(),
     )
 
 

@@ -859,6 +859,74 @@ pub(super) fn recover(vm: &VmHandle) -> Result<Option<String>, VmError> {
     }
 }
 
+/// [`VmHandle::store`] under Firecracker: the process ends (the caller has had the guest
+/// sync its disk through the agent), its jail and cgroup go, and any memory snapshot of
+/// an earlier pause is dropped; the record says paused with its disk only.
+pub(super) fn store(vm: &VmHandle) -> Result<(), VmError> {
+    let inner = &vm.inner;
+    let dir = vm.dir();
+    let _lock = lock_file(&dir.join("lock"))?;
+    let mut record = inner.record(&vm.id)?;
+    if record.stored {
+        return Ok(());
+    }
+    inner.stop_firecracker(&dir, &record)?;
+    let private = matches!(record.ram, RamMode::Private { .. });
+    record.state = VmState::Paused;
+    record.pid = None;
+    record.pid_start = None;
+    record.stored = true;
+    record.ram = RamMode::Shared;
+    record.groups.clear();
+    record.fc = FcRecord::default();
+    inner.save(&record)?;
+    // Recorded first: a crash from here leaves a stored VM with leftovers, never a
+    // paused one missing its snapshot.
+    for file in ["state", "state.new", "ram", "ram.new", "ram.diff", DIFF_BASE] {
+        let _ = fs::remove_file(dir.join(file));
+    }
+    if private {
+        inner.gc_forks();
+    }
+    Ok(())
+}
+
+/// [`VmHandle::boot_again`] under Firecracker: a new jailed process cold-boots the
+/// stored VM on its disks with `spec`'s guest configuration written anew, as
+/// [`create`] boots one. On failure the VM stays stored and nothing of the run is left.
+pub(super) fn boot_again(vm: &VmHandle, spec: &VmSpec) -> Result<(), VmError> {
+    store(vm)?;
+    let inner = &vm.inner;
+    let dir = vm.dir();
+    let _lock = lock_file(&dir.join("lock"))?;
+    let mut record = inner.record(&vm.id)?;
+    if record.state != VmState::Paused || !record.stored {
+        return Err(vm.bad_state("running", "boot again"));
+    }
+    let stored = record.clone();
+    // Written anew, never through a link to a file other VMs share.
+    let _ = fs::remove_file(dir.join("initrd"));
+    write_vm_initrd(&inner.boot, &dir.join("initrd"), &GuestConfig::of(spec))?;
+    give(&dir.join("initrd"), record.uid, record.uid, 0o400)?;
+    record.stored = false;
+    // Dirty pages are tracked from boot, as after a create.
+    record.fc.base = Some(DiffBase::Zero);
+    let booted = inner
+        .start_firecracker(&dir, &mut record, None)
+        .and_then(|(_pid, mut api)| {
+            configure_and_start(&mut api, &record).map_err(|e| VmError::Firecracker {
+                id: record.id.clone(),
+                message: format!("booting again: {e}; console: {}", console_tail(&dir, 1500)),
+            })
+        });
+    if let Err(e) = booted {
+        let _ = inner.stop_firecracker(&dir, &record);
+        inner.save(&stored)?;
+        return Err(e);
+    }
+    Ok(())
+}
+
 /// Ends the process at once and removes its jail; the VM stays on disk.
 pub(super) fn kill(vm: &VmHandle) -> Result<(), VmError> {
     let record = vm.inner.record(&vm.id)?;

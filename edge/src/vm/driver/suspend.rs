@@ -5,7 +5,9 @@
 //!
 //! A file-system-only pause ([`VmHandle::store`]) keeps the disk alone: QEMU quits
 //! (flushing the disk), no device state is written, the RAM file is emptied; its resume
-//! ([`VmHandle::boot_again`]) cold-boots a new QEMU on that disk.
+//! ([`VmHandle::boot_again`]) cold-boots a new QEMU on that disk. Under Firecracker
+//! (`fc.rs`) the process is ended and any memory snapshot dropped; the resume boots a
+//! new jailed Firecracker on the disks as a create does.
 //!
 //! **Architecture Invariant:** a pause records the VM paused once its snapshot is
 //! complete and before its QEMU quits; a failed pause or restore leaves the VM as it was
@@ -93,18 +95,18 @@ impl VmHandle {
     /// On failure `dest` is gone and the VM is as it was.
     pub fn snapshot_to(&self, dest: &Path) -> Result<SnapshotReport, VmError> {
         let _boost = self.boost_cpu()?;
+        if self.is_stored() {
+            return Err(VmError::Invalid(format!(
+                "VM {} is paused with its disk only (no memory to snapshot): resume it first",
+                self.id
+            )));
+        }
         if self.on_firecracker()? {
             return fc::snapshot_to(self, dest);
         }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let record = self.inner.record(&self.id)?;
-        if record.stored {
-            return Err(VmError::Invalid(format!(
-                "VM {} is paused with its disk only (no memory to snapshot): resume it first",
-                self.id
-            )));
-        }
         create_snapshot_dir(dest)?;
         let taken = (|| match record.state {
             VmState::Running => {
@@ -217,9 +219,7 @@ impl VmHandle {
     /// that snapshot. Idempotent. Not for Firecracker VMs.
     pub fn store(&self) -> Result<(), VmError> {
         if self.on_firecracker()? {
-            return Err(VmError::Invalid(
-                "a Firecracker microVM's pause keeps its memory".into(),
-            ));
+            return fc::store(self);
         }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
@@ -267,6 +267,9 @@ impl VmHandle {
     /// configuration written anew (a VM restored from a snapshot never booted its own).
     /// Returns once QEMU runs; wait for its agent with [`Self::wait_agent`].
     pub fn boot_again(&self, spec: &VmSpec) -> Result<(), VmError> {
+        if self.on_firecracker()? {
+            return fc::boot_again(self, spec);
+        }
         self.store()?;
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
