@@ -299,10 +299,12 @@ async fn run_node(
                     return;
                 }
             };
-            // The embedded edge's identity comes from its node's CA, in this process.
+            // The embedded edge's identity comes from its node's CA, in this process,
+            // which also renews it (after a rotation, or a third of its life before it
+            // expires) as a joined edge asks its control node to.
             let name = &edge_args.edge_name;
             let edge_trust = trust
-                .sibling(opendsec_trust::Identity::edge(name))
+                .renewing_sibling(opendsec_trust::Identity::edge(name))
                 .map_err(|e| e.to_string());
             let edge_trust = match edge_trust {
                 Ok(t) => std::sync::Arc::new(t),

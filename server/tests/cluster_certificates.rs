@@ -4,9 +4,13 @@
 //! /v1/cluster/certificates/rotate` (what `opendsecctl cluster rotate-certs` calls) gives
 //! every member a fresh key and certificate, asked through any node; writes through
 //! every node go on, forwarded over connections that present the new ones. Only
-//! cluster:admin in the root project may ask.
+//! cluster:admin in the root project may ask. The edge embedded in `opendsec up` renews
+//! its own from its process's CA when it hears of the rotation, as joined edges ask theirs
+//! of their control node (`slice_api.rs`).
 
 mod support;
+#[path = "support/up.rs"]
+mod up;
 
 use opendsec_trust::{Expect, Identity, Role, Trust};
 use serde_json::json;
@@ -86,5 +90,75 @@ async fn every_members_certificate_rotates_on_command_and_writes_go_on() {
             .await
             .unwrap();
         assert_eq!(s, 201, "through node {}: {v}", i + 1);
+    }
+}
+
+/// The certificate the embedded edge's proxy presents, as a gateway sees it.
+async fn edge_presents(up: &up::Up, me: &Arc<Trust>) -> Vec<u8> {
+    let tcp = tokio::net::TcpStream::connect(&up.edge).await.unwrap();
+    let tls = me
+        .connect(tcp, &Expect::Exactly(Identity::edge(up::EMBEDDED_EDGE)))
+        .await
+        .unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edge_embedded_in_opendsec_up_renews_its_certificate_after_a_rotation() {
+    use std::time::{Duration, Instant};
+    let up = up::Up::start(None).await;
+    up.ensure_image("busybox", Duration::from_secs(600)).await;
+    let ca = opendsec_trust::Ca::load(&up.data_dir().join("tls")).unwrap();
+    let gw = Identity::gateway(98);
+    let me = Arc::new(Trust::new(gw.clone(), ca.cert_pem(), &ca.issue(&gw).unwrap(), None).unwrap());
+    let before = edge_presents(&up, &me).await;
+
+    let (s, v) = up
+        .send(
+            reqwest::Method::POST,
+            "/v1/cluster/certificates/rotate",
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    // It hears of the rotation with its next heartbeat's reply.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let after = loop {
+        let now = edge_presents(&up, &me).await;
+        if now != before {
+            break now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the embedded edge still presents its old certificate 30 s after the rotation"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        Identity::of_certificate(&after),
+        Some(Identity::edge(up::EMBEDDED_EDGE)),
+        "under the same identity"
+    );
+
+    // The gateway reaches it as before: a sandbox is made and answers through it.
+    let (s, v) = up
+        .send(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"image": "busybox", "memory_mb": 64})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["sandbox"]["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match up.exec(&id, "echo", &["after rotation"]).await {
+            Ok((out, 0)) => {
+                assert_eq!(out, "after rotation\n");
+                break;
+            }
+            other => assert!(Instant::now() < deadline, "exec after the rotation: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -148,7 +148,7 @@ pub struct Trust {
     chain: Arc<dyn ClientCertVerifier>,
     current: Arc<Current>,
     /// Control nodes hold the CA: they issue their own certificates and edges'.
-    issuer: Option<Ca>,
+    issuer: Option<Arc<Ca>>,
     server: Arc<ServerConfig>,
     clients: Mutex<HashMap<Expect, Arc<ClientConfig>>>,
 }
@@ -215,7 +215,7 @@ impl Trust {
             provider,
             chain,
             current,
-            issuer,
+            issuer: issuer.map(Arc::new),
             server: Arc::new(server),
             clients: Mutex::new(HashMap::new()),
         })
@@ -234,6 +234,17 @@ impl Trust {
         let ca = self.issuer.as_ref().ok_or(Error::NotIssuer)?;
         let issued = ca.issue(&identity)?;
         Trust::new(identity, &self.ca_pem, &issued, None)
+    }
+
+    /// Like [`Self::sibling`], and holding the same CA so that it can renew its own
+    /// certificate ([`Self::reissue`]): for a component in the process that holds the CA
+    /// anyway (the edge embedded in `opendsec up`), which has no one else to ask.
+    pub fn renewing_sibling(&self, identity: Identity) -> Result<Trust, Error> {
+        let ca = self.issuer.as_ref().ok_or(Error::NotIssuer)?;
+        let issued = ca.issue(&identity)?;
+        let mut trust = Trust::new(identity, &self.ca_pem, &issued, None)?;
+        trust.issuer = Some(ca.clone());
+        Ok(trust)
     }
 
     fn check(chain: &Arc<dyn ClientCertVerifier>, key: &CertifiedKey, identity: &Identity) -> Result<(), Error> {
@@ -259,7 +270,7 @@ impl Trust {
 
     /// The CA, on a control host.
     pub fn issuer(&self) -> Option<&Ca> {
-        self.issuer.as_ref()
+        self.issuer.as_deref()
     }
 
     /// When the current certificate stops being valid.

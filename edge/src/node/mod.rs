@@ -186,9 +186,6 @@ struct Edge {
     cfg: EdgeConfig,
     /// This edge's certificate (its proxy's TLS, transfers from other edges).
     trust: std::sync::Arc<opendsec_trust::Trust>,
-    /// Whether the edge joined (its identity is in its data directory, renewed there);
-    /// an embedded edge's comes from its node at each start.
-    joined: bool,
     /// A renewal is under way.
     renewing: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// The container backend (reached through [`backend::Backend`] for what both

@@ -31,7 +31,6 @@ fn creation_slots() -> usize {
 /// Runs the edge until `shutdown` resolves. Sandboxes keep running afterwards.
 pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<(), EdgeError> {
     std::fs::create_dir_all(cfg.data_dir.join("agents"))?;
-    let joined = cfg.trust.is_none();
     let trust = match cfg.trust.clone() {
         Some(t) => t,
         None => {
@@ -46,10 +45,10 @@ pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output 
             .await?;
             cfg.edge_key = key;
             cfg.trust = Some(trust.clone());
-            tokio::spawn(keep_renewed(trust.clone(), cfg.clone()));
             trust
         }
     };
+    tokio::spawn(keep_renewed(trust.clone(), cfg.clone()));
     let agent_dir = super::agent::prepare_agent_dir(&cfg.data_dir, &cfg.agent_binary)?;
     let db = Database::create(cfg.data_dir.join("edge.redb")).map_err(store_err)?;
     let slice = adoption::saved_slice(&db, &cfg)?;
@@ -92,7 +91,6 @@ pub async fn run(mut cfg: EdgeConfig, shutdown: impl std::future::Future<Output 
     });
     let edge = Arc::new(Edge {
         trust: trust.clone(),
-        joined,
         renewing: Default::default(),
         containers,
         machines,
@@ -216,8 +214,22 @@ fn registration(cfg: &EdgeConfig) -> opendsec_edge_api::pb::RegisterRequest {
     }
 }
 
-/// Renews a joined edge's certificate when a third of its life is left (checked hourly,
-/// and retried every minute after a failure).
+/// A fresh certificate for this edge: a joined edge asks its control node (its current
+/// certificate proves who asks); the embedded edge of `opendsec up`, whose trust holds
+/// the CA of its process, issues it there.
+async fn renew_certificate(trust: &opendsec_trust::Trust, cfg: &EdgeConfig) -> Result<(), String> {
+    if trust.issuer().is_some() {
+        trust.reissue().map_err(|e| e.to_string())?;
+        tracing::info!(edge = %trust.identity().name, "certificate renewed from this process's CA");
+        return Ok(());
+    }
+    crate::identity::renew(trust, &cfg.data_dir, &cfg.control_peer, &cfg.token)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Renews the edge's certificate when a third of its life is left (checked hourly, and
+/// retried every minute after a failure).
 async fn keep_renewed(trust: std::sync::Arc<opendsec_trust::Trust>, cfg: EdgeConfig) {
     let margin = Duration::from_secs(opendsec_trust::LEAF_DAYS as u64 * 86_400 / 3);
     loop {
@@ -228,7 +240,7 @@ async fn keep_renewed(trust: std::sync::Arc<opendsec_trust::Trust>, cfg: EdgeCon
         let wait = if !due {
             Duration::from_secs(3600)
         } else {
-            match crate::identity::renew(&trust, &cfg.data_dir, &cfg.control_peer, &cfg.token).await {
+            match renew_certificate(&trust, &cfg).await {
                 Ok(()) => Duration::from_secs(3600),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot renew the edge's certificate yet");
@@ -406,15 +418,15 @@ impl Edge {
         match c.heartbeat(hb).await {
             Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
             // The cluster's certificates were rotated after this edge's was issued: it
-            // renews its own (a joined edge; new connections present the new one).
-            Ok(rotated) if self.joined && crate::identity::must_renew(&self.trust, rotated) => {
+            // renews its own (new connections present the new one).
+            Ok(rotated) if crate::identity::must_renew(&self.trust, rotated) => {
                 use std::sync::atomic::Ordering;
                 if self.renewing.swap(true, Ordering::AcqRel) {
                     return;
                 }
                 let (trust, cfg, renewing) = (self.trust.clone(), self.cfg.clone(), self.renewing.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = crate::identity::renew(&trust, &cfg.data_dir, &cfg.control_peer, &cfg.token).await {
+                    if let Err(e) = renew_certificate(&trust, &cfg).await {
                         tracing::warn!(error = %e, "cannot renew the edge's certificate after a rotation yet");
                     }
                     renewing.store(false, Ordering::Release);
