@@ -199,6 +199,41 @@ impl Checkpoints {
         Ok(Some(state))
     }
 
+    /// Removes the checkpoints no replay can start from any more, now that the log's
+    /// history begins at `first_available`: a replay from a checkpoint reads the log
+    /// from the entry after it, so the newest checkpoint at or before `first_available -
+    /// 1` is the oldest one of use; those before it go (their state, time and requests;
+    /// the audit records stay, shared with the checkpoints kept). Returns how many went.
+    pub fn prune_before(&self, first_available: u64) -> Result<usize, redb::Error> {
+        let Some(boundary) = first_available.checked_sub(1) else {
+            return Ok(0);
+        };
+        let tx = self.db.begin_write()?;
+        let gone = {
+            let mut states = tx.open_table(CHECKPOINTS)?;
+            let keep = match states.range(..=boundary)?.next_back() {
+                Some(row) => row?.0.value(),
+                None => return Ok(0),
+            };
+            let old = states
+                .range(..keep)?
+                .map(|row| row.map(|(k, _)| k.value()))
+                .collect::<Result<Vec<u64>, _>>()?;
+            let mut times = tx.open_table(CHECKPOINT_TIMES)?;
+            let mut requests = tx.open_table(CHECKPOINT_REQUESTS)?;
+            for index in &old {
+                states.remove(index)?;
+                times.remove(index)?;
+                requests.remove(index)?;
+            }
+            old.len()
+        };
+        if gone > 0 {
+            tx.commit()?;
+        }
+        Ok(gone)
+    }
+
     /// The newest checkpoint whose state was reached at or before `time_ms`.
     pub fn at_or_before_time(&self, time_ms: u64) -> Result<Option<State>, String> {
         let rx = self.db.begin_read().map_err(|e| e.to_string())?;
@@ -354,6 +389,50 @@ mod tests {
         assert_eq!(fsm.audit_saved, 2);
         let again = apply_n(&mut fsm, 3, 9);
         assert_eq!(wait_for_checkpoint(&c, 9).to_bytes(), again.last().unwrap().to_bytes());
+    }
+
+    #[test]
+    fn checkpoints_older_than_the_retained_history_are_pruned_but_the_one_it_starts_from_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Checkpoints::open(&dir.path().join("c.redb")).unwrap();
+        let mut fsm = Fsm::new(10, Some(&c), None);
+        let states = apply_n(&mut fsm, 1, 50);
+        wait_for_checkpoint(&c, 50);
+        let rows = |table| {
+            let rx = c.db.begin_read().unwrap();
+            let t = rx.open_table(table).unwrap();
+            t.iter().unwrap().map(|r| r.unwrap().0.value()).collect::<Vec<u64>>()
+        };
+        assert_eq!(rows(CHECKPOINTS), [10, 20, 30, 40, 50]);
+
+        // Nothing of the history is gone yet (it begins at 1): nothing to prune.
+        assert_eq!(c.prune_before(1).unwrap(), 0);
+        assert_eq!(c.prune_before(0).unwrap(), 0);
+        // The log now begins at 36: a replay to 36..50 starts from 30 (it reads 31..),
+        // which needs entries the log no longer has, but 30 is still the newest state
+        // at or before the history; 10 and 20 serve nothing.
+        assert_eq!(c.prune_before(36).unwrap(), 2);
+        assert_eq!(rows(CHECKPOINTS), [30, 40, 50]);
+        assert_eq!(rows(CHECKPOINT_REQUESTS), [30, 40, 50]);
+        let rx = c.db.begin_read().unwrap();
+        let times = rx.open_table(CHECKPOINT_TIMES).unwrap();
+        let times: Vec<u64> = times.iter().unwrap().map(|r| r.unwrap().0.value()).collect();
+        assert_eq!(times, [30, 40, 50]);
+        drop(rx);
+        assert_eq!(c.prune_before(36).unwrap(), 0, "once");
+        // What stays reads back whole, audit records included.
+        assert_eq!(
+            c.at_or_before_index(35).unwrap().unwrap().to_bytes(),
+            states[29].to_bytes()
+        );
+        assert_eq!(
+            c.at_or_before_index(50).unwrap().unwrap().to_bytes(),
+            states[49].to_bytes()
+        );
+        assert!(c.at_or_before_index(25).unwrap().is_none());
+        // History beginning right after a checkpoint keeps that checkpoint.
+        assert_eq!(c.prune_before(41).unwrap(), 1);
+        assert_eq!(rows(CHECKPOINTS), [40, 50]);
     }
 
     #[test]

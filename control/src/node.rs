@@ -47,6 +47,8 @@ pub struct ControlConfig {
     pub keep_after_snapshot: u64,
     /// How many archived entries to keep (`None`: all of them).
     pub archive_retention: Option<u64>,
+    /// How often the replay checkpoints the retained history has outlived are dropped.
+    pub checkpoint_prune_every: Duration,
 }
 
 impl ControlConfig {
@@ -67,6 +69,7 @@ impl ControlConfig {
             snapshot_every: 100_000,
             keep_after_snapshot: 1_000,
             archive_retention: None,
+            checkpoint_prune_every: Duration::from_secs(60),
         }
     }
 }
@@ -196,6 +199,39 @@ pub struct ControlNode {
     inner: Arc<Inner>,
 }
 
+/// Keeps the checkpoint file as long as the retained history: every
+/// [`ControlConfig::checkpoint_prune_every`], the checkpoints before the one a replay of
+/// the oldest retained entry starts from go ([`Checkpoints::prune_before`]). Ends with
+/// the node.
+async fn prune_checkpoints(inner: std::sync::Weak<Inner>) {
+    loop {
+        let every = match inner.upgrade() {
+            Some(inner) => inner.cfg.checkpoint_prune_every,
+            None => return,
+        };
+        tokio::time::sleep(every).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let (log, checkpoints) = (inner.log.clone(), inner.checkpoints.clone());
+        drop(inner);
+        let pruned = tokio::task::spawn_blocking(move || {
+            let first = log.first_available_index().map_err(|e| e.to_string())?;
+            checkpoints.prune_before(first).map_err(|e| e.to_string())
+        })
+        .await;
+        match pruned {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => tracing::info!(
+                checkpoints = n,
+                "pruned replay checkpoints older than the retained history"
+            ),
+            Ok(Err(e)) => tracing::warn!(error = %e, "could not prune replay checkpoints"),
+            Err(e) => tracing::warn!(error = %e, "the checkpoint pruning task failed"),
+        }
+    }
+}
+
 fn internal(e: impl std::fmt::Display) -> SubmitError {
     SubmitError::Internal(e.to_string())
 }
@@ -223,7 +259,7 @@ impl ControlNode {
             Err(_) => cfg.trust.clone(),
         };
         let edges = crate::admission::client(cfg.trust.clone());
-        Ok(ControlNode {
+        let node = ControlNode {
             inner: Arc::new(Inner {
                 log,
                 cfg,
@@ -238,7 +274,9 @@ impl ControlNode {
                 gateway_trust,
                 rotated_at_ms: Default::default(),
             }),
-        })
+        };
+        tokio::spawn(prune_checkpoints(Arc::downgrade(&node.inner)));
+        Ok(node)
     }
 
     pub fn log(&self) -> &LogNode<Fsm> {
