@@ -170,6 +170,74 @@ test('a pause without memory keeps the files, ends the processes; connect boots 
   }
 })
 
+test('pty: an interactive shell sees its input, resizes and is killed', async () => {
+  const s = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { suite: run, group: 'pty' } })
+  try {
+    const decoder = new TextDecoder()
+    let out = ''
+    const pty = await s.pty.create({ cols: 80, rows: 24, timeoutMs: 60_000, onData: (d) => { out += decoder.decode(d, { stream: true }) } })
+    const type = (line) => s.pty.sendInput(pty.pid, new TextEncoder().encode(line + '\n'))
+    await type('echo pty-$((6*7)); tty; stty size')
+    await waitUntil(() => out.includes('pty-42') && out.includes('/dev/pts/') && out.includes('24 80'), 'the shell answered on a terminal of 24x80')
+    await s.pty.resize(pty.pid, { cols: 132, rows: 50 })
+    await type('stty size')
+    await waitUntil(() => out.includes('50 132'), 'the terminal resized to 50x132')
+    assert.equal(await s.pty.kill(pty.pid), true)
+    await assert.rejects(pty.wait())
+  } finally {
+    await s.kill()
+  }
+})
+
+test('snapshots: a snapshot starts sandboxes with the files of its moment; listed, then deleted', async () => {
+  const parent = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { suite: run, group: 'snap' } })
+  try {
+    await parent.files.write('/home/user/snap.txt', 'in the snapshot')
+    const snap = await parent.createSnapshot()
+    assert.ok(snap.snapshotId)
+    await parent.files.write('/home/user/after-snap.txt', 'later')
+    assert.ok((await parent.listSnapshots().nextItems()).some((x) => x.snapshotId === snap.snapshotId))
+    const child = await Sandbox.create(snap.snapshotId, { timeoutMs: 120_000, metadata: { suite: run, group: 'from-snap' } })
+    try {
+      assert.notEqual(child.sandboxId, parent.sandboxId)
+      assert.equal(await child.files.read('/home/user/snap.txt'), 'in the snapshot')
+      assert.equal(await child.files.exists('/home/user/after-snap.txt'), false)
+      await child.files.write('/home/user/snap.txt', 'changed in the child')
+      assert.equal(await parent.files.read('/home/user/snap.txt'), 'in the snapshot')
+    } finally {
+      await child.kill()
+    }
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false)
+  } finally {
+    await parent.kill()
+  }
+})
+
+test('fork: copies start from the parent and then diverge', async () => {
+  const parent = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { suite: run, group: 'fork' } })
+  try {
+    await parent.files.write('/home/user/fork.txt', 'parent')
+    const forks = await parent.fork({ count: 2, timeoutMs: 120_000 })
+    try {
+      assert.equal(forks.length, 2)
+      assert.deepEqual(forks.filter((f) => f instanceof Error), [])
+      assert.equal(new Set(forks.map((f) => f.sandboxId).concat([parent.sandboxId])).size, 3)
+      for (const [i, f] of forks.entries()) {
+        assert.equal(await f.files.read('/home/user/fork.txt'), 'parent')
+        await f.files.write('/home/user/fork.txt', `fork ${i}`)
+      }
+      for (const [i, f] of forks.entries()) assert.equal(await f.files.read('/home/user/fork.txt'), `fork ${i}`)
+      assert.equal(await parent.files.read('/home/user/fork.txt'), 'parent')
+      assert.equal(await parent.isRunning(), true)
+    } finally {
+      for (const f of forks) if (!(f instanceof Error)) await f.kill()
+    }
+  } finally {
+    await parent.kill()
+  }
+})
+
 test('git: init, commit, branch, push to a bare remote, clone and pull', async () => {
   const work = '/home/user/js-work'
   const origin = '/home/user/js-origin.git'
