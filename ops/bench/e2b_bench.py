@@ -22,7 +22,10 @@ One run measures, each with the SDK's public API:
      the run waits for one rather than measure a cold start), and
   5. its first `run_code("1+1")` (checked to be "2");
   6. beside 1: `POST /v1/sandboxes {"image":"base"}` with the admin token, then
-     `GET /v1/sandboxes/{id}` every 2 ms until `running`.
+     `GET /v1/sandboxes/{id}` every 2 ms until `running`;
+  7. `Sandbox.create(mcp={"time": {}})` until it returns: the `mcp-gateway` sandbox, and
+     its gateway started and answering (the SDK runs `mcp-gateway --config`, which
+     starts the server once to check it, then serves it and lists its tools).
 Sandboxes are killed after each run, and the next run starts only when the edge has
 removed them all, so runs do not overlap (nor, within a run, the code interpreter's part
 with the base sandbox's removal). One unmeasured run first warms the images'
@@ -64,6 +67,7 @@ ROWS = [
     ("pause_filesystem", 'pause(mode="filesystem") + connect() + a command'),
     ("ci_create", "code_interpreter Sandbox.create()"),
     ("first_run_code", 'first run_code("1+1")'),
+    ("mcp_create", 'Sandbox.create(mcp={"time": {}}), gateway serving'),
 ]
 
 
@@ -340,6 +344,16 @@ def one_run(server: Server, Sandbox, CodeSandbox, payload: bytes) -> dict:
     r["native_create"] = ms(t)
     server.request("DELETE", f"/v1/sandboxes/{sid}")
     server.wait_idle()
+
+    t = time.perf_counter()
+    mcp = Sandbox.create(mcp={"time": {}})
+    r["mcp_create"] = ms(t)
+    try:
+        if not mcp.get_mcp_token():
+            raise RuntimeError("the MCP sandbox has no token")
+    finally:
+        mcp.kill()
+    server.wait_idle()
     return r
 
 
@@ -359,8 +373,8 @@ def main() -> int:
 
     server = Server(a.opendsec_bin, a.agent, a.image_dir, a.data_dir, a.keep)
     try:
-        print("==> making sure the base and code-interpreter-v1 images exist (a first build takes minutes)", flush=True)
-        for image in ("base", "code-interpreter-v1"):
+        print("==> making sure the base, code-interpreter-v1 and mcp-gateway images exist (a first build takes minutes)", flush=True)
+        for image in ("base", "code-interpreter-v1", "mcp-gateway"):
             sid = server.native_create_until_running(image, within=30 * 60)
             server.request("DELETE", f"/v1/sandboxes/{sid}")
         server.wait_idle()
