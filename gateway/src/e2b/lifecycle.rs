@@ -134,8 +134,6 @@ pub const MICROVM_TEMPLATE_SUFFIX: &str = "-vm";
 /// the `base` image booted as a whole disk in a QEMU q35 PC (memory carried as a microVM's).
 pub const FULLVM_TEMPLATE_SUFFIX: &str = "-fullvm";
 
-/// The image a template name means, and the isolation it asks for (none: a container,
-/// or whatever a snapshot id is a snapshot of). A tag (`base-vm:latest`) stays on the image.
 /// `mcp`: absent, or an object of servers, each with an object of settings (what the
 /// servers accept is the gateway's to say, inside the sandbox).
 fn mcp_servers(m: &Map<String, Value>) -> R<()> {
@@ -149,6 +147,8 @@ fn mcp_servers(m: &Map<String, Value>) -> R<()> {
     }
 }
 
+/// The image a template name means, and the isolation it asks for (none: a container,
+/// or whatever a snapshot id is a snapshot of). A tag (`base-vm:latest`) stays on the image.
 pub fn template_image(template: &str) -> (String, Option<Isolation>) {
     let (name, tag) = match template.split_once(':') {
         Some((n, t)) => (n, Some(t)),
