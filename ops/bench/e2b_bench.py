@@ -23,9 +23,11 @@ One run measures, each with the SDK's public API:
   5. its first `run_code("1+1")` (checked to be "2");
   6. beside 1: `POST /v1/sandboxes {"image":"base"}` with the admin token, then
      `GET /v1/sandboxes/{id}` every 2 ms until `running`;
-  7. `Sandbox.create(mcp={"time": {}})` until it returns: the `mcp-gateway` sandbox, and
-     its gateway started and answering (the SDK runs `mcp-gateway --config`, which
-     starts the server once to check it, then serves it and lists its tools).
+  7. after all the runs of 1-6, as many of `Sandbox.create(mcp={"time": {}})` until it
+     returns: the `mcp-gateway` sandbox, and its gateway started and answering (the SDK
+     runs `mcp-gateway --config`, which starts the server once to check it, then serves
+     it and lists its tools). Apart, because the edge keeps warm containers for its two
+     most recently used images only.
 Sandboxes are killed after each run, and the next run starts only when the edge has
 removed them all, so runs do not overlap (nor, within a run, the code interpreter's part
 with the base sandbox's removal). One unmeasured run first warms the images'
@@ -344,17 +346,21 @@ def one_run(server: Server, Sandbox, CodeSandbox, payload: bytes) -> dict:
     r["native_create"] = ms(t)
     server.request("DELETE", f"/v1/sandboxes/{sid}")
     server.wait_idle()
+    return r
 
+
+def mcp_run(server: Server, Sandbox) -> float:
+    """One `Sandbox.create(mcp=...)` until it returns (the gateway serves), in ms."""
     t = time.perf_counter()
     mcp = Sandbox.create(mcp={"time": {}})
-    r["mcp_create"] = ms(t)
+    took = ms(t)
     try:
         if not mcp.get_mcp_token():
             raise RuntimeError("the MCP sandbox has no token")
     finally:
         mcp.kill()
     server.wait_idle()
-    return r
+    return took
 
 
 def main() -> int:
@@ -374,7 +380,8 @@ def main() -> int:
     server = Server(a.opendsec_bin, a.agent, a.image_dir, a.data_dir, a.keep)
     try:
         print("==> making sure the base, code-interpreter-v1 and mcp-gateway images exist (a first build takes minutes)", flush=True)
-        for image in ("base", "code-interpreter-v1", "mcp-gateway"):
+        # mcp-gateway first: the last two images used are the ones the edge keeps warm.
+        for image in ("mcp-gateway", "base", "code-interpreter-v1"):
             sid = server.native_create_until_running(image, within=30 * 60)
             server.request("DELETE", f"/v1/sandboxes/{sid}")
         server.wait_idle()
@@ -396,6 +403,13 @@ def main() -> int:
             for k, v in r.items():
                 samples[k].append(v)
             print(f"    run {i + 1}/{a.runs}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.items()), flush=True)
+        # Apart, after the others: the edge keeps warm containers for its two most
+        # recently used images, and the code interpreter's must stay one of them.
+        print("==> Sandbox.create(mcp=...) runs (one warm-up first)", flush=True)
+        mcp_run(server, Sandbox)
+        for i in range(a.runs):
+            samples["mcp_create"].append(mcp_run(server, Sandbox))
+            print(f"    mcp run {i + 1}/{a.runs}: {samples['mcp_create'][-1]:.1f} ms", flush=True)
     except Exception as e:  # the server's or the SDK's answer, said plainly
         print(f"error: {type(e).__name__}: {e}\n--- opendsec up (last lines) ---\n{server.log_tail()}", file=sys.stderr)
         return 1

@@ -268,12 +268,17 @@ class Claim:
         except (OSError, ValueError, AttributeError) as e:
             print(f"code-interpreter: reading the claim: {e}", file=sys.stderr)
         with self.lock:
-            os.environ.update(env)
-            self.env = env
+            # Kernels started before the claim have the server's environment: only what
+            # the claim changes (the sandbox's own variables; the image's are there
+            # already) needs giving them, and nothing at all when the claim adds none.
+            changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+            os.environ.update(changed)
+            self.env = changed
             self.generation += 1
-        # The kernels of idle contexts take them now, before the first cell comes.
-        contexts.bring_up_to_claim()
+        # Cells may come now: one brings its own kernel up to the claim first (`code_for`,
+        # sent ahead of the cell); meanwhile the kernels of idle contexts take it.
         self.done.set()
+        contexts.bring_up_to_claim()
 
     def wait(self):
         if not self.done.wait(self.WAIT):
