@@ -768,6 +768,10 @@ async fn handle(
         .and_then(|v| v.parse::<u64>().ok());
     if let Some(settling) = &hooks.settling {
         let deadline = std::time::Instant::now() + SETTLE_WAIT;
+        // Most holds are a call right behind its create or resume, waiting for the
+        // slice to bring back the index the gateway saw (a few ms): looked at again
+        // after 1, 2, 4, 8 ms, then every 20 ms.
+        let mut pause = std::time::Duration::from_millis(1);
         while settling(id, after) {
             if std::time::Instant::now() >= deadline {
                 return json_error(
@@ -779,7 +783,8 @@ async fn handle(
                     ),
                 );
             }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
         }
     }
     let Some(agent) = resolve(id) else {
