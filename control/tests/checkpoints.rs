@@ -6,9 +6,23 @@
 
 use opendsec_commands::Command;
 use opendsec_control::Credential;
-use opendsec_control::testing::single_node_with;
+use opendsec_control::testing::{TestNode, single_node_with};
 use opendsec_projections::replay::Until;
 use std::time::{Duration, Instant};
+
+/// One write per number: a project `p<n>`.
+async fn write_projects(t: &TestNode, numbers: std::ops::Range<u32>) {
+    for i in numbers {
+        let create = Command::CreateProject {
+            name: format!("p{i}"),
+            parent: t.root_project.clone(),
+        };
+        t.node
+            .submit(Credential::Bearer(t.admin_token.clone()), format!("p{i}"), create)
+            .await
+            .unwrap();
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_older_than_the_retained_history_are_dropped_and_the_rest_still_serve() {
@@ -20,16 +34,7 @@ async fn checkpoints_older_than_the_retained_history_are_dropped_and_the_rest_st
         c.checkpoint_prune_every = Duration::from_millis(100);
     })
     .await;
-    for i in 0..40 {
-        let create = Command::CreateProject {
-            name: format!("p{i}"),
-            parent: t.root_project.clone(),
-        };
-        t.node
-            .submit(Credential::Bearer(t.admin_token.clone()), format!("p{i}"), create)
-            .await
-            .unwrap();
-    }
+    write_projects(&t, 0..40).await;
     t.node.log().trigger_snapshot().await.unwrap();
     let first = t.node.log().first_available_index().unwrap();
     assert!(first > 10, "history was let go (first available {first})");
@@ -51,16 +56,7 @@ async fn checkpoints_older_than_the_retained_history_are_dropped_and_the_rest_st
     // later one: that moment and, after more writes, the newest state both replay.
     let start = (first - 1) / 5 * 5;
     assert_eq!(t.node.replay(Until::Index(start)).await.unwrap().index, start);
-    for i in 40..52 {
-        let create = Command::CreateProject {
-            name: format!("p{i}"),
-            parent: t.root_project.clone(),
-        };
-        t.node
-            .submit(Credential::Bearer(t.admin_token.clone()), format!("p{i}"), create)
-            .await
-            .unwrap();
-    }
+    write_projects(&t, 40..52).await;
     let applied = t.node.applied_index();
     let now = t.node.replay(Until::Index(applied)).await.unwrap();
     assert_eq!(now.to_bytes(), t.node.read(|s| s.to_bytes()));

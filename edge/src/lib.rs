@@ -2,6 +2,7 @@
 //! edge registers, follows its slice of the log (resuming after disconnects) and
 //! reports what it observes. Sandbox runtimes and reconciliation build on it.
 
+mod agent_http;
 pub mod cgroups;
 pub mod container;
 pub mod desired;

@@ -46,6 +46,13 @@ fn single_url_vars(up: &Up, key: String) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// E2B_DOMAIN for a server started with [`TEST_DOMAIN`]: the domain with its TLS port.
+fn tls_domain(up: &Up) -> String {
+    let tls = up.tls.as_ref().expect("started with a domain");
+    let port = tls.listen.rsplit(':').next().unwrap();
+    format!("{TEST_DOMAIN}:{port}")
+}
+
 async fn run_module(module: &str, sdk: Sdk, images: &[&str]) {
     let _one = ONE_AT_A_TIME.lock().await;
     let python = python(sdk);
@@ -211,15 +218,12 @@ async fn e2b_sdk_tls_domain() {
     let up = Up::start(Some(TEST_DOMAIN)).await;
     up.ensure_image("base", IMAGE_BUILD_LIMIT).await;
     let key = up.issue_e2b_key().await;
-    let tls = up.tls.as_ref().expect("started with a domain");
-    let tls_port = tls.listen.rsplit(':').next().unwrap().to_string();
-    let ca = up.ca_cert();
 
-    let _trust = SystemTrust::install(&ca);
+    let _trust = SystemTrust::install(&up.ca_cert());
     let _hosts = HostsEntries::add(&[format!("api.{TEST_DOMAIN}")]);
     let vars = [
         ("E2B_API_KEY", key),
-        ("E2B_DOMAIN", format!("{TEST_DOMAIN}:{tls_port}")),
+        ("E2B_DOMAIN", tls_domain(&up)),
         // The system bundle, which holds the CA only because SystemTrust put it there:
         // httpx (which otherwise trusts certifi's list) reads SSL_CERT_FILE, and so does
         // the SDK's own transport (rustls-native-certs); curl reads the bundle itself.
@@ -239,13 +243,11 @@ async fn e2b_sdk_mcp() {
     let up = Up::start(Some(TEST_DOMAIN)).await;
     up.ensure_image("mcp-gateway", IMAGE_BUILD_LIMIT).await;
     let key = up.issue_e2b_key().await;
-    let tls = up.tls.as_ref().expect("started with a domain");
-    let tls_port = tls.listen.rsplit(':').next().unwrap().to_string();
 
     let _trust = SystemTrust::install(&up.ca_cert());
     let _hosts = HostsEntries::add(&[]);
     let mut vars = single_url_vars(&up, key);
-    vars.push(("E2B_DOMAIN", format!("{TEST_DOMAIN}:{tls_port}")));
+    vars.push(("E2B_DOMAIN", tls_domain(&up)));
     vars.push(("SSL_CERT_FILE", SYSTEM_CA_BUNDLE.to_string()));
     pytest(&python, "test_mcp.py", &vars).await;
 }

@@ -202,21 +202,7 @@ impl Up {
     /// Runs `script` in sandbox `id` as a user does: through the gateway's REST agent
     /// route (`/v1/sandboxes/{id}/agent/...`) with the admin token.
     async fn rest_exec(&self, id: &str, script: &str) -> Result<(String, i64), String> {
-        let body = serde_json::to_vec(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", script]}})).unwrap();
-        let r = self
-            .client
-            .post(format!(
-                "http://{}/v1/sandboxes/{id}/agent/process.Process/Start",
-                self.http
-            ))
-            .bearer_auth(&self.token)
-            .header("content-type", "application/connect+json")
-            .header("connect-protocol-version", "1")
-            .body(up::connect_frame(&body))
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
-        up::read_process_stream(r).await
+        up::rest_exec(&self.client, &self.http, &self.token, id, "/bin/sh", &["-c", script]).await
     }
 
     /// Sandbox directories on the edge's disk (named by their 20-hex-digit ids).

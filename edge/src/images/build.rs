@@ -710,16 +710,7 @@ fn build_code_interpreter(
     progress: &dyn Fn(&BuildProgress),
 ) -> Result<(), ImageError> {
     let (image, files) = (recipe.name, recipe.files);
-    fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
-    // The overlay's root directory takes the upper dir's attributes.
-    fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err("chmod layer"))?;
-    let scratch = dir.with_extension("root");
-    let _ = super::remove_tree(&scratch);
-    progress(&BuildProgress::new(
-        BuildPhase::Configure,
-        format!("overlay of {} lower layer(s) in a private mount namespace", lower.len()),
-    ));
-    build_root::with_build_root(lower, dir, &scratch, progress, |root, progress| {
+    build_on(lower, dir, progress, |root, progress| {
         let root_arg = root.to_str().expect("utf-8 path");
         let in_root = |phase: BuildPhase, args: &[&str]| {
             let mut argv = vec![root_arg];
@@ -761,6 +752,67 @@ fn build_code_interpreter(
     })
 }
 
+/// Builds a layer into `dir` on the layers `lower` (bottom first): `build` runs with the
+/// build root, an overlay of them whose upper directory is `dir`, in a private mount
+/// namespace.
+fn build_on<F>(lower: &[PathBuf], dir: &Path, progress: &dyn Fn(&BuildProgress), build: F) -> Result<(), ImageError>
+where
+    F: FnOnce(&Path, &dyn Fn(&BuildProgress)) -> Result<(), ImageError> + Send,
+{
+    fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
+    // The overlay's root directory takes the upper dir's attributes.
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err("chmod layer"))?;
+    let scratch = dir.with_extension("root");
+    let _ = super::remove_tree(&scratch);
+    progress(&BuildProgress::new(
+        BuildPhase::Configure,
+        format!("overlay of {} lower layer(s) in a private mount namespace", lower.len()),
+    ));
+    build_root::with_build_root(lower, dir, &scratch, progress, build)
+}
+
+/// Where wheels the host's pip downloaded wait in a build root for the image's pip
+/// (removed once installed: never part of a layer).
+const WHEELS_IN_ROOT: &str = "/tmp/opendsec-wheels";
+
+/// [`WHEELS_IN_ROOT`] in build root `root`, made anew and empty.
+fn fresh_wheels_dir(root: &Path) -> Result<PathBuf, ImageError> {
+    let wheels = root.join(WHEELS_IN_ROOT.trim_start_matches('/'));
+    let _ = fs::remove_dir_all(&wheels);
+    fs::create_dir_all(&wheels).map_err(io_err("making the wheels directory"))?;
+    Ok(wheels)
+}
+
+/// The host's pip (its configuration and trusted CAs, as every other host tool here)
+/// downloads the binary wheels `args` name into `wheels`, each alone (`--no-deps`).
+fn host_pip_download(
+    image: &str,
+    wheels: &Path,
+    args: &[&str],
+    progress: &dyn Fn(&BuildProgress),
+) -> Result<(), ImageError> {
+    let mut argv = vec![
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--no-cache-dir",
+        "--only-binary=:all:",
+        "-d",
+        wheels.to_str().expect("utf-8 path"),
+    ];
+    argv.extend_from_slice(args);
+    run_tool(
+        image,
+        BuildPhase::Download,
+        Path::new("/"),
+        "/usr/bin/python3",
+        &argv,
+        progress,
+    )
+}
+
 /// `base` plus the gateway: the host's pip downloads every wheel the requirements pin
 /// (checking each digest, for the image's CPython 3.11 on x86-64), the image's pip
 /// installs exactly those files, checking them again, into [`MCP_GATEWAY_SITE`]; the
@@ -771,37 +823,21 @@ fn build_mcp_gateway(
     dir: &Path,
     progress: &dyn Fn(&BuildProgress),
 ) -> Result<(), ImageError> {
-    const WHEELS: &str = "/tmp/opendsec-wheels";
     let (image, files) = (recipe.name, recipe.files);
-    fs::create_dir_all(dir).map_err(io_err("creating the layer dir"))?;
-    fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err("chmod layer"))?;
-    let scratch = dir.with_extension("root");
-    let _ = super::remove_tree(&scratch);
-    build_root::with_build_root(lower, dir, &scratch, progress, |root, progress| {
+    build_on(lower, dir, progress, |root, progress| {
         let root_arg = root.to_str().expect("utf-8 path");
         write_files(root, files)?;
-        let wheels = root.join(WHEELS.trim_start_matches('/'));
-        let _ = fs::remove_dir_all(&wheels);
-        fs::create_dir_all(&wheels).map_err(io_err("making the wheels directory"))?;
+        let wheels = fresh_wheels_dir(root)?;
         let requirements = root.join(MCP_GATEWAY_REQUIREMENTS.trim_start_matches('/'));
         progress(&BuildProgress::new(
             BuildPhase::Download,
             "pip download --require-hashes: fastmcp, mcp-server-time, mcp-server-git and their dependencies (the host's pip)",
         ));
-        run_tool(
+        host_pip_download(
             image,
-            BuildPhase::Download,
-            Path::new("/"),
-            "/usr/bin/python3",
+            &wheels,
             &[
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--no-cache-dir",
                 "--require-hashes",
-                "--only-binary=:all:",
                 "--implementation",
                 "cp",
                 "--python-version",
@@ -816,8 +852,6 @@ fn build_mcp_gateway(
                 "manylinux_2_5_x86_64",
                 "--platform",
                 "manylinux1_x86_64",
-                "-d",
-                wheels.to_str().expect("utf-8 path"),
                 "-r",
                 requirements.to_str().expect("utf-8 path"),
             ],
@@ -844,7 +878,7 @@ fn build_mcp_gateway(
                 "--no-cache-dir",
                 "--require-hashes",
                 "--find-links",
-                WHEELS,
+                WHEELS_IN_ROOT,
                 "--target",
                 MCP_GATEWAY_SITE,
                 "-r",
@@ -884,34 +918,12 @@ fn install_java_kernel(
     in_root: &InRoot<'_>,
     progress: &dyn Fn(&BuildProgress),
 ) -> Result<(), ImageError> {
-    const IN_ROOT: &str = "/tmp/opendsec-wheels";
-    let wheels = root.join(IN_ROOT.trim_start_matches('/'));
-    let _ = fs::remove_dir_all(&wheels);
-    fs::create_dir_all(&wheels).map_err(io_err("making the wheels directory"))?;
+    let wheels = fresh_wheels_dir(root)?;
     progress(&BuildProgress::new(
         BuildPhase::Download,
         format!("pip download {JAVA_KERNEL} (the Java kernel; the host's pip, python3-pip)"),
     ));
-    let dir = wheels.to_str().expect("utf-8 path");
-    run_tool(
-        image,
-        BuildPhase::Download,
-        Path::new("/"),
-        "/usr/bin/python3",
-        &[
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--no-cache-dir",
-            "--only-binary=:all:",
-            "-d",
-            dir,
-            JAVA_KERNEL,
-        ],
-        progress,
-    )?;
+    host_pip_download(image, &wheels, &[JAVA_KERNEL], progress)?;
     let wheel = wheels.join(JAVA_KERNEL_WHEEL);
     let bytes = fs::read(&wheel).map_err(io_err("reading the Java kernel's wheel"))?;
     let digest = hex::encode(Sha256::digest(&bytes));
@@ -927,7 +939,7 @@ fn install_java_kernel(
         BuildPhase::Install,
         format!("pip install {JAVA_KERNEL_WHEEL}"),
     ));
-    let in_image = format!("{IN_ROOT}/{JAVA_KERNEL_WHEEL}");
+    let in_image = format!("{WHEELS_IN_ROOT}/{JAVA_KERNEL_WHEEL}");
     let installed = in_root(
         BuildPhase::Install,
         &[

@@ -18,7 +18,6 @@ use super::{Edge, EdgeError};
 use crate::container::Limits;
 use crate::container::warm::{Claim, WARM_ID_PREFIX};
 use crate::desired::DesiredSandbox;
-use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -165,7 +164,8 @@ impl Edge {
                     "access_token": self.agent_token(&d.id),
                     "env": image.env_with(&d.env),
                 });
-                match agent_post(&sock, CLAIM_PATH, &self.agent_token(wid), &body, CLAIM_TIMEOUT) {
+                let claim = crate::agent_http::post_json(CLAIM_PATH, &self.agent_token(wid), &body);
+                match agent_exchange(&sock, claim.as_bytes(), CLAIM_TIMEOUT) {
                     Ok(204) => {}
                     Ok(code) => {
                         return Err(EdgeError::Store(format!(
@@ -314,38 +314,13 @@ impl Edge {
 /// The agent's claim request (see the agent's `claim.rs`).
 const CLAIM_PATH: &str = "/.opendsec/claim";
 
-/// Sends one HTTP/1.1 request to the agent listening at `sock` and returns its status.
-/// Blocking, written out: the filler thread and the claim run where no async runtime is
-/// at hand, and the request is one short exchange on a local socket.
+/// One blocking exchange with the agent listening at `sock` (`crate::agent_http`): the
+/// filler thread and the claim run where no async runtime is at hand.
 fn agent_exchange(sock: &Path, request: &[u8], timeout: Duration) -> std::io::Result<u16> {
-    let mut stream = UnixStream::connect(sock)?;
+    let stream = UnixStream::connect(sock)?;
     stream.set_read_timeout(Some(timeout.max(Duration::from_millis(500))))?;
     stream.set_write_timeout(Some(timeout.max(Duration::from_millis(500))))?;
-    stream.write_all(request)?;
-    let mut head = [0u8; 12];
-    stream.read_exact(&mut head)?;
-    std::str::from_utf8(&head[9..12])
-        .ok()
-        .filter(|_| head.starts_with(b"HTTP/1.1 "))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| std::io::Error::other("the agent's answer is not HTTP"))
-}
-
-/// `POST path` with JSON `body` and the agent's `token`.
-fn agent_post(
-    sock: &Path,
-    path: &str,
-    token: &str,
-    body: &serde_json::Value,
-    timeout: Duration,
-) -> std::io::Result<u16> {
-    let body = body.to_string();
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nX-Access-Token: {token}\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    agent_exchange(sock, request.as_bytes(), timeout)
+    crate::agent_http::status(stream, request)
 }
 
 /// Waits up to `timeout` (at least one try) for the agent at `sock` to say its start
@@ -353,11 +328,7 @@ fn agent_post(
 fn wait_healthy(sock: &Path, timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     loop {
-        let last = match agent_exchange(
-            sock,
-            b"GET /health HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n",
-            Duration::from_secs(2),
-        ) {
+        let last = match agent_exchange(sock, crate::agent_http::HEALTH, Duration::from_secs(2)) {
             Ok(204) | Ok(200) => return Ok(()),
             Ok(code) => format!("/health answers {code}"),
             Err(e) => e.to_string(),

@@ -3,10 +3,9 @@
 //! framing, JSON messages; stdout and stderr arrive base64-encoded). The edge's proxy
 //! forwards bytes and needs none of this; the driver's readiness check, the tests and
 //! the benchmark do. `exec` goes through `opendsec_http::send_on`; `health` and
-//! `rekey` are blocking probes over std's `TcpStream`, written out because the VM
-//! driver calls them from its own threads, where no async runtime runs.
+//! `rekey` are blocking exchanges (`crate::agent_http`) over std's `TcpStream`, because
+//! the VM driver calls them from its own threads, where no async runtime runs.
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -46,15 +45,9 @@ impl AgentChannel {
 
     /// The HTTP status of `GET /health`.
     pub fn health(&self, timeout: Duration) -> std::io::Result<u16> {
-        let mut stream = self.connect(timeout)?;
+        let stream = self.connect(timeout)?;
         stream.set_read_timeout(Some(timeout))?;
-        stream.write_all(b"GET /health HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
-        let mut head = [0u8; 12];
-        stream.read_exact(&mut head)?;
-        std::str::from_utf8(&head[9..12])
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| std::io::Error::other("not an HTTP response"))
+        crate::agent_http::status(stream, crate::agent_http::HEALTH)
     }
 
     /// Gives the agent a new access token (`POST /.opendsec/rekey`), proving the current
@@ -63,22 +56,13 @@ impl AgentChannel {
     /// (or already had the token), 401 when `current` is not its token, 500 when the
     /// guest could not be reseeded.
     pub fn rekey(&self, current: &str, new: &str, entropy: &[u8], timeout: Duration) -> std::io::Result<u16> {
-        let mut stream = self.connect(timeout)?;
+        let stream = self.connect(timeout)?;
         stream.set_read_timeout(Some(timeout))?;
-        let body = json!({"access_token": new, "entropy": hex::encode(entropy)}).to_string();
-        let request = format!(
-            "POST /.opendsec/rekey HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\
-             X-Access-Token: {current}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        stream.write_all(request.as_bytes())?;
-        let mut head = [0u8; 12];
-        stream.read_exact(&mut head)?;
-        std::str::from_utf8(&head[9..12])
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| std::io::Error::other("not an HTTP response"))
+        let body = json!({"access_token": new, "entropy": hex::encode(entropy)});
+        crate::agent_http::status(
+            stream,
+            crate::agent_http::post_json("/.opendsec/rekey", current, &body).as_bytes(),
+        )
     }
 
     /// Polls `/health` until it answers 2xx; returns how long that took.

@@ -447,21 +447,7 @@ impl Up {
     /// Runs `cmd args` in the sandbox through the gateway's agent route
     /// (`/v1/sandboxes/{id}/agent/process.Process/Start`); returns (stdout, exit code).
     pub async fn exec(&self, id: &str, cmd: &str, args: &[&str]) -> Result<(String, i64), String> {
-        let body = serde_json::to_vec(&json!({"process": {"cmd": cmd, "args": args}})).unwrap();
-        let r = self
-            .client
-            .post(format!(
-                "http://{}/v1/sandboxes/{id}/agent/process.Process/Start",
-                self.http
-            ))
-            .bearer_auth(&self.token)
-            .header("content-type", "application/connect+json")
-            .header("connect-protocol-version", "1")
-            .body(connect_frame(&body))
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
-        read_process_stream(r).await
+        rest_exec(&self.client, &self.http, &self.token, id, cmd, args).await
     }
 
     /// The pid of the `opendsec up` process (0 when it is not running).
@@ -593,6 +579,30 @@ pub fn connect_frame(msg: &[u8]) -> Vec<u8> {
     frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
     frame.extend_from_slice(msg);
     frame
+}
+
+/// Runs `cmd args` in sandbox `id` through the gateway at `http` (its REST agent route,
+/// `/v1/sandboxes/{id}/agent/process.Process/Start`) with `token`, as a user does;
+/// returns (stdout, exit code).
+pub async fn rest_exec(
+    client: &reqwest::Client,
+    http: &str,
+    token: &str,
+    id: &str,
+    cmd: &str,
+    args: &[&str],
+) -> Result<(String, i64), String> {
+    let body = serde_json::to_vec(&json!({"process": {"cmd": cmd, "args": args}})).unwrap();
+    let r = client
+        .post(format!("http://{http}/v1/sandboxes/{id}/agent/process.Process/Start"))
+        .bearer_auth(token)
+        .header("content-type", "application/connect+json")
+        .header("connect-protocol-version", "1")
+        .body(connect_frame(&body))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    read_process_stream(r).await
 }
 
 /// A plain-HTTP door on loopback to edge `edge`'s proxy at `edge_addr`, for tests that

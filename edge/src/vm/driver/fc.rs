@@ -283,7 +283,7 @@ impl Inner {
 
     /// Ends `record`'s Firecracker process (if it still runs) and removes its jail and
     /// cgroup.
-    fn stop_firecracker(&self, dir: &Path, record: &VmRecord) -> Result<(), VmError> {
+    pub(super) fn stop_firecracker(&self, dir: &Path, record: &VmRecord) -> Result<(), VmError> {
         if let Some(pid) = self.live_pid(record)
             && let Some(pidfd) = pidfd_open(pid)
         {
@@ -859,69 +859,30 @@ pub(super) fn recover(vm: &VmHandle) -> Result<Option<String>, VmError> {
     }
 }
 
-/// [`VmHandle::store`] under Firecracker: the process ends (the caller has had the guest
-/// sync its disk through the agent), its jail and cgroup go, and any memory snapshot of
-/// an earlier pause is dropped; the record says paused with its disk only.
-pub(super) fn store(vm: &VmHandle) -> Result<(), VmError> {
-    let inner = &vm.inner;
-    let dir = vm.dir();
-    let _lock = lock_file(&dir.join("lock"))?;
-    let mut record = inner.record(&vm.id)?;
-    if record.stored {
-        return Ok(());
-    }
-    inner.stop_firecracker(&dir, &record)?;
-    let private = matches!(record.ram, RamMode::Private { .. });
-    record.state = VmState::Paused;
-    record.pid = None;
-    record.pid_start = None;
-    record.stored = true;
-    record.ram = RamMode::Shared;
-    record.groups.clear();
-    record.fc = FcRecord::default();
-    inner.save(&record)?;
-    // Recorded first: a crash from here leaves a stored VM with leftovers, never a
-    // paused one missing its snapshot.
-    for file in ["state", "state.new", "ram", "ram.new", "ram.diff", DIFF_BASE] {
+/// Drops what a stored Firecracker VM kept of its memory: a pause's snapshot, finished
+/// or not (`state` goes with the QEMU one's, in [`VmHandle::store`]).
+pub(super) fn forget_memory(dir: &Path) {
+    for file in ["state.new", "ram", "ram.new", "ram.diff", DIFF_BASE] {
         let _ = fs::remove_file(dir.join(file));
     }
-    if private {
-        inner.gc_forks();
-    }
-    Ok(())
 }
 
-/// [`VmHandle::boot_again`] under Firecracker: a new jailed process cold-boots the
-/// stored VM on its disks with `spec`'s guest configuration written anew, as
-/// [`create`] boots one. On failure the VM stays stored and nothing of the run is left.
-pub(super) fn boot_again(vm: &VmHandle, spec: &VmSpec) -> Result<(), VmError> {
-    store(vm)?;
+/// Boots a stored VM under Firecracker, its guest configuration written anew by
+/// [`VmHandle::boot_again`]: a new jailed process on its disks, as [`create`] boots one.
+/// On failure nothing of the run is left and `stored` (its record before) is saved back.
+pub(super) fn boot_stored(vm: &VmHandle, dir: &Path, record: &mut VmRecord, stored: &VmRecord) -> Result<(), VmError> {
     let inner = &vm.inner;
-    let dir = vm.dir();
-    let _lock = lock_file(&dir.join("lock"))?;
-    let mut record = inner.record(&vm.id)?;
-    if record.state != VmState::Paused || !record.stored {
-        return Err(vm.bad_state("running", "boot again"));
-    }
-    let stored = record.clone();
-    // Written anew, never through a link to a file other VMs share.
-    let _ = fs::remove_file(dir.join("initrd"));
-    write_vm_initrd(&inner.boot, &dir.join("initrd"), &GuestConfig::of(spec))?;
-    give(&dir.join("initrd"), record.uid, record.uid, 0o400)?;
-    record.stored = false;
     // Dirty pages are tracked from boot, as after a create.
     record.fc.base = Some(DiffBase::Zero);
-    let booted = inner
-        .start_firecracker(&dir, &mut record, None)
-        .and_then(|(_pid, mut api)| {
-            configure_and_start(&mut api, &record).map_err(|e| VmError::Firecracker {
-                id: record.id.clone(),
-                message: format!("booting again: {e}; console: {}", console_tail(&dir, 1500)),
-            })
-        });
+    let booted = inner.start_firecracker(dir, record, None).and_then(|(_pid, mut api)| {
+        configure_and_start(&mut api, record).map_err(|e| VmError::Firecracker {
+            id: record.id.clone(),
+            message: format!("booting again: {e}; console: {}", console_tail(dir, 1500)),
+        })
+    });
     if let Err(e) = booted {
-        let _ = inner.stop_firecracker(&dir, &record);
-        inner.save(&stored)?;
+        let _ = inner.stop_firecracker(dir, record);
+        inner.save(stored)?;
         return Err(e);
     }
     Ok(())

@@ -5,9 +5,9 @@
 //!
 //! A file-system-only pause ([`VmHandle::store`]) keeps the disk alone: QEMU quits
 //! (flushing the disk), no device state is written, the RAM file is emptied; its resume
-//! ([`VmHandle::boot_again`]) cold-boots a new QEMU on that disk. Under Firecracker
-//! (`fc.rs`) the process is ended and any memory snapshot dropped; the resume boots a
-//! new jailed Firecracker on the disks as a create does.
+//! ([`VmHandle::boot_again`]) cold-boots a new QEMU on that disk. Under Firecracker the
+//! process is ended and any memory snapshot dropped (`fc::forget_memory`); the resume
+//! boots a new jailed Firecracker on the disks as a create does (`fc::boot_stored`).
 //!
 //! **Architecture Invariant:** a pause records the VM paused once its snapshot is
 //! complete and before its QEMU quits; a failed pause or restore leaves the VM as it was
@@ -212,22 +212,24 @@ impl VmHandle {
         })
     }
 
-    /// A file-system-only pause: QEMU stops and quits (its disk flushed; the caller had
-    /// the guest sync its file systems first), no device state is kept, and the RAM file
-    /// is emptied, so the paused VM holds no memory; the record says `stored` and its
-    /// resume boots it again ([`Self::boot_again`]). A VM paused with its memory drops
-    /// that snapshot. Idempotent. Not for Firecracker VMs.
+    /// A file-system-only pause: the VMM ends (QEMU stops and quits, its disk flushed;
+    /// Firecracker's process is ended with its jail; the caller had the guest sync its
+    /// file systems first), no device state is kept and the memory goes (QEMU's RAM file
+    /// is emptied), so the paused VM holds none; the record says `stored` and its resume
+    /// boots it again ([`Self::boot_again`]). A VM paused with its memory drops that
+    /// snapshot. Idempotent.
     pub fn store(&self) -> Result<(), VmError> {
-        if self.on_firecracker()? {
-            return fc::store(self);
-        }
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
         let mut record = self.inner.record(&self.id)?;
         if record.stored {
             return Ok(());
         }
-        if let Some(pid) = self.inner.live_pid(&record) {
+        let firecracker = record.vmm == Vmm::Firecracker;
+        if firecracker {
+            // Its jail and cgroup go with it.
+            self.inner.stop_firecracker(&dir, &record)?;
+        } else if let Some(pid) = self.inner.live_pid(&record) {
             if let Ok(mut qmp) = self.inner.qmp(&record) {
                 let _ = qmp.execute("stop", json!({}));
                 let _ = qmp.execute("quit", json!({}));
@@ -246,11 +248,18 @@ impl VmHandle {
         record.stored = true;
         record.ram = RamMode::Shared;
         record.groups.clear();
+        record.fc = Default::default();
         self.inner.save(&record)?;
+        // Recorded first: a crash from here leaves a stored VM with leftovers, never a
+        // paused one missing its snapshot.
         let _ = fs::remove_file(dir.join("state"));
-        new_ram_file(&dir.join("ram"), record.memory_mb)?;
-        give(&dir.join("ram"), record.uid, record.uid, 0o600)?;
-        let _ = self.inner.remove_vm_cgroup(&self.id);
+        if firecracker {
+            fc::forget_memory(&dir);
+        } else {
+            new_ram_file(&dir.join("ram"), record.memory_mb)?;
+            give(&dir.join("ram"), record.uid, record.uid, 0o600)?;
+            let _ = self.inner.remove_vm_cgroup(&self.id);
+        }
         if private {
             self.inner.gc_forks();
         }
@@ -263,13 +272,11 @@ impl VmHandle {
     }
 
     /// Boots a paused VM again from its disk (one paused with its memory drops it first,
-    /// see [`Self::store`]): a new QEMU with empty memory and `spec`'s guest
-    /// configuration written anew (a VM restored from a snapshot never booted its own).
-    /// Returns once QEMU runs; wait for its agent with [`Self::wait_agent`].
+    /// see [`Self::store`]): a new QEMU with empty memory (or a new jailed Firecracker,
+    /// `fc::boot_stored`) and `spec`'s guest configuration written anew (a VM restored
+    /// from a snapshot never booted its own). Returns once the VMM runs; wait for its
+    /// agent with [`Self::wait_agent`].
     pub fn boot_again(&self, spec: &VmSpec) -> Result<(), VmError> {
-        if self.on_firecracker()? {
-            return fc::boot_again(self, spec);
-        }
         self.store()?;
         let dir = self.dir();
         let _lock = lock_file(&dir.join("lock"))?;
@@ -281,6 +288,11 @@ impl VmHandle {
         let _ = fs::remove_file(dir.join("initrd"));
         self.inner.write_guest_config(record.machine, &dir, spec)?;
         give(&dir.join("initrd"), record.uid, record.uid, 0o400)?;
+        if record.vmm == Vmm::Firecracker {
+            let stored = record.clone();
+            record.stored = false;
+            return fc::boot_stored(self, &dir, &mut record, &stored);
+        }
         new_ram_file(&dir.join("ram"), record.memory_mb)?;
         give(&dir.join("ram"), record.uid, record.uid, 0o600)?;
         record.stored = false;
