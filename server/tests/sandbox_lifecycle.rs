@@ -745,6 +745,132 @@ async fn a_create_claims_a_warm_container_which_becomes_that_sandbox_and_a_kille
     assert_eq!(up.containers_on_disk(), 2, "nothing duplicated, nothing orphaned");
 }
 
+/// A sandbox's CPU weight against the others, from its cgroup (the record in `dir`):
+/// the kernel's least (v1 `cpu.shares` 2, v2 `cpu.weight` 1) or its default (1024, 100).
+fn cpu_weight(dir: &Path) -> &'static str {
+    let rel = cgroup_of(dir);
+    let v1 = Path::new("/sys/fs/cgroup/cpu").join(&rel).join("cpu.shares");
+    let v2 = Path::new("/sys/fs/cgroup").join(&rel).join("cpu.weight");
+    let (file, least, default) = if v1.exists() {
+        (v1, "2", "1024")
+    } else {
+        (v2, "1", "100")
+    };
+    let value = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    match value.trim() {
+        v if v == least => "least",
+        v if v == default => "default",
+        v => panic!("{}: {v}, neither the least weight nor the default", file.display()),
+    }
+}
+
+/// The cgroup (relative to the hierarchies' root) of the container whose record is in `dir`.
+fn cgroup_of(dir: &Path) -> String {
+    let rec: Value = serde_json::from_slice(&std::fs::read(dir.join("sandbox.json")).unwrap()).unwrap();
+    rec["cgroups_path"].as_str().unwrap().trim_matches('/').to_string()
+}
+
+/// CPU time the cgroup `rel` has used, in microseconds.
+fn cpu_usec(rel: &str) -> u64 {
+    let v1 = Path::new("/sys/fs/cgroup/cpuacct").join(rel).join("cpuacct.usage");
+    if let Ok(ns) = std::fs::read_to_string(&v1) {
+        return ns.trim().parse::<u64>().unwrap() / 1000;
+    }
+    let stat = std::fs::read_to_string(Path::new("/sys/fs/cgroup").join(rel).join("cpu.stat")).unwrap();
+    stat.lines()
+        .find_map(|l| l.strip_prefix("usage_usec "))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Whether the agent listening on `sock` answers `GET /health` with 204 (a warm
+/// container started ahead is ready).
+fn agent_healthy(sock: &Path) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::os::unix::net::UnixStream::connect(sock) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut head = [0u8; 12];
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .is_ok()
+        && s.read_exact(&mut head).is_ok()
+        && &head == b"HTTP/1.1 204"
+}
+
+/// A code-interpreter container started ahead runs its Jupyter server and kernels
+/// (seconds of CPU) at the least CPU weight, on what sandboxes leave: making one never
+/// slows the sandbox that has just claimed its predecessor (its first `run_code`). The
+/// sandbox that claims it runs at the default weight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_code_interpreter_started_ahead_runs_at_the_least_cpu_weight_until_a_sandbox_claims_it() {
+    let up = Up::start().await;
+    let sandboxes = up.dir.path().join("data/edge/sandboxes");
+    let agents = up.dir.path().join("data/edge/agents");
+    // The first create of the image is made from scratch; the edge then starts warm ones.
+    let first = up.create(json!({"image": "code-interpreter-v1"})).await;
+    up.wait_state(&first, "running").await;
+    assert_eq!(cpu_weight(&sandboxes.join(&first)), "default");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let warm = loop {
+        let ready = warm_on_disk(&up)
+            .into_iter()
+            .find(|w| agent_healthy(&agents.join(format!("{}.sock", &w[1..]))));
+        if let Some(w) = ready {
+            break w;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no code interpreter started ahead within 180 s: {:?}",
+            warm_on_disk(&up)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        cpu_weight(&sandboxes.join(&warm)),
+        "least",
+        "{warm} is started ahead at the least CPU weight"
+    );
+
+    // The edge offers it once its CPU is quiet (under 5% of a core over 200 ms).
+    let rel = cgroup_of(&sandboxes.join(&warm));
+    let mut before = cpu_usec(&rel);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = cpu_usec(&rel);
+        if now - before < 10_000 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{warm} stays busy");
+        before = now;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let id = up.create(json!({"image": "code-interpreter-v1"})).await;
+    up.wait_state(&id, "running").await;
+    let rec: Value = serde_json::from_slice(&std::fs::read(sandboxes.join(&id).join("sandbox.json")).unwrap()).unwrap();
+    assert_eq!(
+        rec["runtime_id"].as_str().map(|r| format!(".{r}")),
+        Some(warm.clone()),
+        "sandbox {id} claims {warm}: {rec}"
+    );
+    assert_eq!(
+        cpu_weight(&sandboxes.join(&id)),
+        "default",
+        "the sandbox that claims it has the default CPU weight"
+    );
+    // Its processes keep the default CPU class (SCHED_OTHER): the least weight was the
+    // cgroup's alone.
+    let (class, code) = up
+        .exec(&id, "cut -d' ' -f41 /proc/1/stat; cut -d' ' -f41 /proc/self/stat")
+        .await;
+    assert_eq!(
+        (class.as_str(), code),
+        ("0\n0\n", 0),
+        "scheduling policies of PID 1 and a command"
+    );
+}
+
 /// The edge keeps a point of each running sandbox's metrics every 5 s; REST serves a
 /// range of them, and `opendsecctl sandbox metrics <id> --since` prints them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,9 @@
 //! runtime's `create` (20-30 ms here, mostly a kernel RCU grace period in the first
 //! cgroup v1 attach) off a create's path. The one filler thread (nice 19, idle I/O) makes
 //! them only after no create has been under way for [`WARM_QUIET`], so bursts have the
-//! machine to themselves.
+//! machine to themselves. One started ahead (the code interpreter's) also runs at the
+//! least CPU weight until claimed, so its start command's seconds of CPU never compete
+//! with sandboxes.
 //!
 //! **Architecture Invariant:** a warm container is in the pool, or being made or claimed
 //! by one thread; an edge that stops discards its warm containers, and one that starts
@@ -63,10 +65,15 @@ impl Edge {
         let start_ahead = image.config.start.as_ref().is_some_and(|s| s.claim_stdin);
         let made = (|| {
             // Memory and CPU are the default's until a sandbox claims it and sets its own.
+            // One started ahead has the least CPU weight meanwhile (its agent keeps the
+            // default class): its start command (a Jupyter server and kernels, seconds
+            // of CPU) runs on what sandboxes leave, not beside the one that just claimed
+            // its predecessor.
             let limits = Limits {
                 pids: self.cfg.pids,
                 io_weight: Some(100),
                 disk_bytes: self.cfg.disk_bytes,
+                best_effort: start_ahead,
                 ..Limits::default()
             };
             let mut launch = self.agent_spec(&wid, &image, limits)?;
