@@ -18,7 +18,7 @@ pub mod views;
 pub use lifecycle::Lifecycle;
 pub use schema::{Event, pb};
 pub use state::{
-    MAX_PROJECT_DEPTH, Outcome, REQUEST_WINDOW_MAX, REQUEST_WINDOW_MS, Requests, Retention, SeenRequest, State,
-    VIEW_NAMES,
+    MAX_PROJECT_DEPTH, Outcome, REQUEST_WINDOW_MAX, REQUEST_WINDOW_MS, Requests, RequestsDelta, Retention, SeenRequest,
+    State, VIEW_NAMES,
 };
 pub use views::*;

@@ -18,7 +18,7 @@ mod fold;
 mod requests;
 mod retention;
 
-pub use requests::{REQUEST_WINDOW_MAX, REQUEST_WINDOW_MS, Requests, SeenRequest};
+pub use requests::{REQUEST_WINDOW_MAX, REQUEST_WINDOW_MS, Requests, RequestsDelta, SeenRequest};
 pub use retention::{
     DEFAULT_AUDIT_MS, DEFAULT_AUDIT_RECORDS, DEFAULT_ENDED_SANDBOXES_MS, MAX_AUDIT_RECORDS, MAX_RETENTION_SECONDS,
     MIN_AUDIT_RECORDS, Retention, SWEEP_EVERY_MS,
