@@ -100,7 +100,7 @@ impl Requests {
     /// The ids remembered or forgotten since the last call (or since
     /// [`Self::keep_changes`]), each at most once; `None` when they are not kept.
     pub fn take_changes(&mut self) -> Option<Vec<String>> {
-        let mut ids = std::mem::replace(self.changed.0.as_mut()?, Vec::new());
+        let mut ids = std::mem::take(self.changed.0.as_mut()?);
         ids.sort_unstable();
         ids.dedup();
         Some(ids)
