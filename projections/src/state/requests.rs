@@ -132,16 +132,6 @@ pub struct RequestsDelta {
     pub removed: Vec<String>,
 }
 
-impl RequestsDelta {
-    pub fn len(&self) -> usize {
-        self.upserts.len() + self.removed.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
 impl Requests {
     /// `self` with `delta` applied: the window `delta` was taken of, when `self` is the
     /// one it was taken since (see [`Self::delta_of`]).
